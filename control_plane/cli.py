@@ -1,0 +1,5 @@
+import typer
+app = typer.Typer()
+
+def main() -> None:
+    app()

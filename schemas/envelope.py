@@ -1,0 +1,210 @@
+"""The envelope every event travels in, and its wire codec (MessagePack via msgspec).
+
+Wire layout: one MessagePack map per Kafka record value::
+
+    {"id": str, "type": str, "v": int, "key": str, "producer": str, "epoch": int, "seq": int,
+     "at": int (unix ns), "corr": str?, "cause": str?, "data": {payload}}
+
+The payload is decoded lazily (``msgspec.Raw``) so that routing on type and version, and
+dead-lettering an unknown one, never pays for a full decode.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Generic, TypeVar
+
+import msgspec
+
+from schemas.errors import MalformedEvent, UnknownEventType, UnsupportedSchemaVersion
+from schemas.events import ALL_EVENT_TYPES, Event
+from schemas.upcasters import UPCASTERS
+
+E = TypeVar("E", bound=Event)
+
+#: Version of the envelope layout itself.
+ENVELOPE_VERSION = 1
+
+
+class Envelope(msgspec.Struct, Generic[E], frozen=True, kw_only=True, omit_defaults=True):
+    """Metadata common to every event, plus the payload.
+
+    ``(producer, epoch, seq)`` identifies an event for deduplication: a producer numbers the
+    events it sends on each stream from 0 within one incarnation (epoch). A restarted producer
+    takes a higher epoch; consumers then reset their expectation for it.
+    """
+
+    event_id: str = msgspec.field(name="id")
+    type: str
+    version: int = msgspec.field(name="v")
+    key: str
+    producer: str
+    epoch: int
+    seq: int
+    occurred_at_ns: int = msgspec.field(name="at")
+    correlation_id: str | None = msgspec.field(name="corr", default=None)
+    causation_id: str | None = msgspec.field(name="cause", default=None)
+    data: E
+
+
+class _RawEnvelope(msgspec.Struct, frozen=True, kw_only=True):
+    event_id: str = msgspec.field(name="id")
+    type: str
+    version: int = msgspec.field(name="v")
+    key: str
+    producer: str
+    epoch: int
+    seq: int
+    occurred_at_ns: int = msgspec.field(name="at")
+    correlation_id: str | None = msgspec.field(name="corr", default=None)
+    causation_id: str | None = msgspec.field(name="cause", default=None)
+    data: msgspec.Raw
+
+
+def new_event_id() -> str:
+    """128 random bits as hex: unique without coordination."""
+    return os.urandom(16).hex()
+
+
+class EventCodec:
+    """Encodes envelopes and decodes them to the newest known payload version.
+
+    Decoding an older version validates it against its own struct, then applies the upcasters
+    one version step at a time. A type it does not know, or a version newer than the newest it
+    knows, raises a :class:`schemas.errors.SchemaError` subclass with a message that says which.
+    """
+
+    def __init__(self, types: tuple[type[Event], ...] = ALL_EVENT_TYPES) -> None:
+        self._by_key: dict[tuple[str, int], type[Event]] = {}
+        self._latest: dict[str, int] = {}
+        for cls in types:
+            k = (cls.TYPE, cls.VERSION)
+            if k in self._by_key:
+                raise ValueError(f"duplicate registration of {cls.TYPE} v{cls.VERSION}")
+            self._by_key[k] = cls
+            self._latest[cls.TYPE] = max(self._latest.get(cls.TYPE, 0), cls.VERSION)
+        self._payload_decoders = {
+            k: msgspec.msgpack.Decoder(cls) for k, cls in self._by_key.items()
+        }
+        self._raw_decoder = msgspec.msgpack.Decoder(_RawEnvelope)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    # -- registry -------------------------------------------------------------------------
+
+    def latest_version(self, type_name: str) -> int:
+        try:
+            return self._latest[type_name]
+        except KeyError:
+            raise UnknownEventType(f"unknown event type {type_name!r}") from None
+
+    def payload_type(self, type_name: str, version: int) -> type[Event]:
+        return self._by_key[(type_name, version)]
+
+    def known(self) -> dict[tuple[str, int], type[Event]]:
+        return dict(self._by_key)
+
+    # -- encode ---------------------------------------------------------------------------
+
+    def encode(self, env: Envelope[Event]) -> bytes:
+        return self._encoder.encode(env)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def peek(self, buf: bytes) -> _RawEnvelope:
+        """Decode the envelope only; the payload stays raw bytes."""
+        try:
+            return self._raw_decoder.decode(buf)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MalformedEvent(f"not a Switchyard envelope: {e}") from None
+
+    def decode(self, buf: bytes) -> Envelope[Event]:
+        raw = self.peek(buf)
+        latest = self._latest.get(raw.type)
+        if latest is None:
+            raise UnknownEventType(
+                f"unknown event type {raw.type!r} (v{raw.version}) from producer {raw.producer!r}"
+            )
+        if raw.version > latest:
+            raise UnsupportedSchemaVersion(
+                f"{raw.type} v{raw.version} is newer than this reader knows (v{latest}); "
+                "upgrade the consumer"
+            )
+        decoder = self._payload_decoders.get((raw.type, raw.version))
+        if decoder is None:
+            raise UnsupportedSchemaVersion(
+                f"{raw.type} v{raw.version} is not a registered version (latest v{latest})"
+            )
+        try:
+            payload: Event = decoder.decode(raw.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MalformedEvent(f"{raw.type} v{raw.version} payload invalid: {e}") from None
+        if raw.version < latest:
+            payload = self._upcast(payload, raw.version, latest)
+        return Envelope(
+            event_id=raw.event_id,
+            type=raw.type,
+            version=latest,
+            key=raw.key,
+            producer=raw.producer,
+            epoch=raw.epoch,
+            seq=raw.seq,
+            occurred_at_ns=raw.occurred_at_ns,
+            correlation_id=raw.correlation_id,
+            causation_id=raw.causation_id,
+            data=payload,
+        )
+
+    def _upcast(self, payload: Event, version: int, latest: int) -> Event:
+        doc = msgspec.to_builtins(payload)
+        name = payload.TYPE
+        for v in range(version, latest):
+            step = UPCASTERS.get((name, v))
+            if step is None:
+                raise UnsupportedSchemaVersion(f"no upcaster for {name} v{v} -> v{v + 1}")
+            doc = step(doc)
+        try:
+            return msgspec.convert(doc, self._by_key[(name, latest)])
+        except msgspec.ValidationError as e:
+            raise MalformedEvent(f"{name} upcast v{version}->v{latest} invalid: {e}") from None
+
+
+class EnvelopeFactory:
+    """Stamps payloads with envelope metadata for one producer incarnation.
+
+    Sequence numbers are kept per stream (Kafka topic family) because a consumer that reads one
+    stream must see a dense sequence to tell a gap from events that went elsewhere.
+    """
+
+    def __init__(self, producer: str, epoch: int, clock_ns) -> None:  # clock_ns: () -> int
+        self.producer = producer
+        self.epoch = epoch
+        self._clock_ns = clock_ns
+        self._seq: dict[str, int] = {}
+
+    def next_seq(self, stream: str) -> int:
+        return self._seq.get(stream, 0)
+
+    def wrap(
+        self,
+        payload: E,
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        key: str | None = None,
+    ) -> Envelope[E]:
+        stream = payload.STREAM
+        seq = self._seq.get(stream, 0)
+        self._seq[stream] = seq + 1
+        return Envelope(
+            event_id=new_event_id(),
+            type=payload.TYPE,
+            version=payload.VERSION,
+            key=key if key is not None else payload.key(),
+            producer=self.producer,
+            epoch=self.epoch,
+            seq=seq,
+            occurred_at_ns=self._clock_ns(),
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            data=payload,
+        )

@@ -1,0 +1,418 @@
+"""Event payload types, one frozen struct per event type and schema version.
+
+These structs and the JSON Schema files under ``schemas/json/`` describe the same contract;
+``switchyard schemas check`` (run in CI) fails if they drift apart. Rules for changing them:
+
+* A payload is an immutable fact. Never change the meaning of a field.
+* Add fields with defaults (readers of the same version ignore what they do not know).
+* Anything else (rename, remove, retype) is a new version: keep the old struct here under
+  ``<Name>V<n>``, add an upcaster in :mod:`schemas.upcasters`, store a sample in
+  ``tests/samples/`` and never delete it.
+* The type name on the wire is the ``TYPE`` string, never a Python path: renaming a class must
+  not change the wire format.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from schemas.types import (
+    BlockHash,
+    CacheGroup,
+    PoolName,
+    RequestId,
+    RequestPhase,
+    RoutingMode,
+    Tier,
+    WorkerId,
+    WorkerRole,
+)
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of every payload. ``TYPE``/``VERSION`` identify it on the wire."""
+
+    TYPE: ClassVar[str]
+    VERSION: ClassVar[int]
+    #: Kafka topic family the event belongs to (see control_plane.bus.catalog).
+    STREAM: ClassVar[str]
+
+    def key(self) -> str:
+        """Partition key: the aggregate this fact is about."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache events (stream "kv", keyed by worker so each worker's history stays ordered)
+# --------------------------------------------------------------------------------------------
+
+
+class KvEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
+    STREAM: ClassVar[str] = "kv"
+    worker_id: WorkerId
+
+    def key(self) -> str:
+        return self.worker_id
+
+
+class BlockStored(KvEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Blocks became resident in ``tier`` on ``worker_id``.
+
+    ``block_hashes`` form a chain: each block's parent is the previous one, the first one's
+    parent is ``parent_hash`` (None at the start of a sequence). Stores are idempotent upserts:
+    engines re-send prefix hits as stores.
+    """
+
+    TYPE: ClassVar[str] = "BlockStored"
+    VERSION: ClassVar[int] = 1
+    tier: Tier
+    block_hashes: list[BlockHash]
+    parent_hash: BlockHash | None = None
+    #: Tokens per block (the engine's block size).
+    block_size: int
+    #: Token count of each block; all ``block_size`` except possibly none (only full blocks are
+    #: hashed). Empty means every block is full.
+    token_counts: list[int] = []
+    #: Prefix-hash algorithm and seed, e.g. ``sha256_cbor`` or ``xxh3_64:1337``. The index
+    #: refuses events whose algorithm differs from its own.
+    hash_algo: str
+    cache_group: CacheGroup = CacheGroup.FULL_ATTENTION
+    lora_id: int | None = None
+    lora_name: str | None = None
+    #: All token ids of all blocks, when the producer shares them (vLLM does).
+    token_ids: list[int] = []
+    dp_rank: int = 0
+
+
+class BlockRemoved(KvEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Blocks left ``tier`` on ``worker_id`` (evicted or freed; not moved elsewhere)."""
+
+    TYPE: ClassVar[str] = "BlockRemoved"
+    VERSION: ClassVar[int] = 1
+    tier: Tier
+    block_hashes: list[BlockHash]
+    cache_group: CacheGroup = CacheGroup.FULL_ATTENTION
+    dp_rank: int = 0
+
+
+class BlockMoved(KvEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Blocks moved between tiers of one worker (offload or onboard).
+
+    Emitted only after the bytes are durably in ``to_tier``.
+    """
+
+    TYPE: ClassVar[str] = "BlockMoved"
+    VERSION: ClassVar[int] = 1
+    block_hashes: list[BlockHash]
+    from_tier: Tier
+    to_tier: Tier
+    cache_group: CacheGroup = CacheGroup.FULL_ATTENTION
+    dp_rank: int = 0
+
+
+class AllBlocksCleared(KvEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Every block of ``worker_id`` in ``tier`` (all tiers when None) is gone."""
+
+    TYPE: ClassVar[str] = "AllBlocksCleared"
+    VERSION: ClassVar[int] = 1
+    tier: Tier | None = None
+    dp_rank: int = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Request lifecycle (stream "requests", keyed by request id)
+# --------------------------------------------------------------------------------------------
+
+
+class RequestEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
+    STREAM: ClassVar[str] = "requests"
+    request_id: RequestId
+
+    def key(self) -> str:
+        return self.request_id
+
+
+class RequestAdmitted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """The router accepted a request. Carries what any later re-scoring needs."""
+
+    TYPE: ClassVar[str] = "RequestAdmitted"
+    VERSION: ClassVar[int] = 1
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool = False
+    #: Chained block hashes of the prompt's full blocks, under ``hash_algo``/``block_size``.
+    block_hashes: list[BlockHash] = []
+    block_size: int
+    hash_algo: str
+    endpoint: str = "completions"
+    priority: int = 0
+
+
+class CandidateScore(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One row of a routing decision's score table."""
+
+    worker_id: WorkerId
+    #: Matched prefix length in blocks, and how many of those blocks sit in each tier.
+    overlap_blocks: int = 0
+    overlap_by_tier: dict[str, int] = {}
+    #: Load inputs as the router saw them (including its own in-flight accounting).
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    inflight_requests: int = 0
+    stale: bool = False
+    #: Terms of the cost and the cost itself (lower wins); None when the mode has no cost.
+    prefill_blocks: float = 0.0
+    decode_blocks: float = 0.0
+    cost: float | None = None
+    #: Sampling probability when the decision samples (temperature > 0).
+    probability: float | None = None
+    eligible: bool = True
+
+
+class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """The router chose ``worker_id`` for one phase of a request, and why."""
+
+    TYPE: ClassVar[str] = "RequestRouted"
+    VERSION: ClassVar[int] = 1
+    worker_id: WorkerId
+    phase: RequestPhase = RequestPhase.AGGREGATED
+    mode: RoutingMode
+    scores: list[CandidateScore] = []
+    reason: str = ""
+    config_version: int
+    rng_seed: int
+    #: Index position the decision was made on: consumed offset per "topic:partition".
+    index_position: dict[str, int] = {}
+    router_id: str = ""
+    attempt: int = 0
+
+
+class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "PrefillCompleted"
+    VERSION: ClassVar[int] = 1
+    worker_id: WorkerId
+    prompt_tokens: int
+    cached_tokens: int = 0
+    duration_ms: float
+    #: Opaque handoff parameters for the decode side (block ids, agent, expiry).
+    kv_transfer_params: dict[str, str | int | float | bool | list[int] | None] = {}
+
+
+class KvTransferStarted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "KvTransferStarted"
+    VERSION: ClassVar[int] = 1
+    transfer_id: str
+    src_worker: WorkerId
+    dst_worker: WorkerId
+    blocks: int
+    bytes: int
+    backend: str
+
+
+class KvTransferCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "KvTransferCompleted"
+    VERSION: ClassVar[int] = 1
+    transfer_id: str
+    src_worker: WorkerId
+    dst_worker: WorkerId
+    blocks: int
+    bytes: int
+    backend: str
+    duration_ms: float
+
+
+class KvTransferFailed(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "KvTransferFailed"
+    VERSION: ClassVar[int] = 1
+    transfer_id: str
+    src_worker: WorkerId
+    dst_worker: WorkerId
+    blocks: int
+    bytes: int = 0
+    backend: str
+    duration_ms: float
+    reason: str
+    #: What happened to the request: "recompute" on the decode side, or "failed".
+    fallback: str = "failed"
+
+
+class RequestCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "RequestCompleted"
+    VERSION: ClassVar[int] = 1
+    worker_id: WorkerId
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    ttft_ms: float
+    itl_mean_ms: float = 0.0
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    e2e_ms: float
+    finish_reason: str = "length"
+
+
+class RequestFailed(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "RequestFailed"
+    VERSION: ClassVar[int] = 1
+    worker_id: WorkerId | None = None
+    reason: str
+    #: Machine-readable cause: "worker_error", "worker_lost", "timeout", "transfer_failed"...
+    code: str
+    tokens_sent: int = 0
+    #: True when the router will retry on another worker (no token reached the client yet).
+    retried: bool = False
+
+
+class RequestRejected(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "RequestRejected"
+    VERSION: ClassVar[int] = 1
+    reason: str
+    code: str
+    http_status: int = 400
+
+
+# --------------------------------------------------------------------------------------------
+# Worker lifecycle (stream "workers", keyed by worker id)
+# --------------------------------------------------------------------------------------------
+
+
+class WorkerEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
+    STREAM: ClassVar[str] = "workers"
+    worker_id: WorkerId
+
+    def key(self) -> str:
+        return self.worker_id
+
+
+class TransferInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How peers reach this worker's KV bytes."""
+
+    backend: str = "UCX"
+    agent_name: str = ""
+    #: Serialized NIXL agent metadata (``get_agent_metadata()``).
+    agent_metadata: bytes = b""
+    bytes_per_block: int = 0
+
+
+class WorkerRegistered(WorkerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """A worker incarnation came up. The envelope's epoch is the incarnation."""
+
+    TYPE: ClassVar[str] = "WorkerRegistered"
+    VERSION: ClassVar[int] = 1
+    role: WorkerRole
+    pool: PoolName
+    endpoint: str
+    model: str = ""
+    #: Capacity in blocks per tier name.
+    capacity: dict[str, int] = {}
+    block_size: int
+    hash_algo: str
+    transfer: TransferInfo | None = None
+
+
+class WorkerLoadReportedV1(WorkerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): one device usage fraction. Upcast to v2 on read."""
+
+    TYPE: ClassVar[str] = "WorkerLoadReported"
+    VERSION: ClassVar[int] = 1
+    running: int
+    waiting: int
+    kv_usage: float
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+
+
+class WorkerLoadReported(WorkerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Periodic load snapshot of one worker.
+
+    v2 replaced v1's single ``kv_usage`` with ``tier_usage`` so host/disk tiers are visible.
+    """
+
+    TYPE: ClassVar[str] = "WorkerLoadReported"
+    VERSION: ClassVar[int] = 2
+    running: int
+    waiting: int
+    #: Used fraction (0..1) per tier name.
+    tier_usage: dict[str, float] = {}
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+
+
+class WorkerDraining(WorkerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "WorkerDraining"
+    VERSION: ClassVar[int] = 1
+    reason: str = ""
+    inflight: int = 0
+
+
+class WorkerDeregistered(WorkerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "WorkerDeregistered"
+    VERSION: ClassVar[int] = 1
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Planner (stream "planner", keyed by pool)
+# --------------------------------------------------------------------------------------------
+
+
+class PlannerEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
+    STREAM: ClassVar[str] = "planner"
+    pool: PoolName
+
+    def key(self) -> str:
+        return self.pool
+
+
+class ScalingDecision(PlannerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "ScalingDecision"
+    VERSION: ClassVar[int] = 1
+    decision_id: str
+    role: WorkerRole
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    #: Named inputs (predictions, profile lookups, corrections) the decision used.
+    inputs: dict[str, float | int | str] = {}
+    predictor: str = ""
+    config_version: int
+    #: Leader-lease fencing token; scalers reject decisions older than the newest they saw.
+    fencing_token: int = 0
+
+
+class ScalingApplied(PlannerEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "ScalingApplied"
+    VERSION: ClassVar[int] = 1
+    decision_id: str
+    replicas: int
+    success: bool = True
+    error: str = ""
+    scaler: str = ""
+
+
+#: Every payload type the codec knows, current and superseded versions alike.
+ALL_EVENT_TYPES: tuple[type[Event], ...] = (
+    BlockStored,
+    BlockRemoved,
+    BlockMoved,
+    AllBlocksCleared,
+    RequestAdmitted,
+    RequestRouted,
+    PrefillCompleted,
+    KvTransferStarted,
+    KvTransferCompleted,
+    KvTransferFailed,
+    RequestCompleted,
+    RequestFailed,
+    RequestRejected,
+    WorkerRegistered,
+    WorkerLoadReportedV1,
+    WorkerLoadReported,
+    WorkerDraining,
+    WorkerDeregistered,
+    ScalingDecision,
+    ScalingApplied,
+)
