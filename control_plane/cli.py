@@ -1,5 +1,180 @@
+"""The ``switchyard`` command. Each subcommand wires its own process; imports stay lazy so
+``--help`` is instant and a command never loads what it does not use."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
-app = typer.Typer()
+
+app = typer.Typer(
+    help="Switchyard: an event-sourced control plane for disaggregated LLM inference.\n\n"
+    "The Kafka log is the source of truth; every command here either runs a component that "
+    "reads/writes that log, or operates the local stack around it.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+stack_app = typer.Typer(help="Run the local stack: Kafka (KRaft), PostgreSQL, Redis as project-local processes.",
+                        no_args_is_help=True)
+topics_app = typer.Typer(help="Kafka topics from the catalog (control_plane/bus/catalog.py).", no_args_is_help=True)
+schemas_app = typer.Typer(help="Event schemas: export the JSON Schema files, check code and files agree.",
+                          no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (figures, not tests). Each ends with one RESULT line.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+app.add_typer(topics_app, name="topics")
+app.add_typer(schemas_app, name="schemas")
+app.add_typer(bench_app, name="bench")
+
+ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis.")]
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+# -- stack ------------------------------------------------------------------------------------
+
+
+@stack_app.command("up")
+def stack_up(service: ServiceOpt = None) -> None:
+    """Start the services that are not running (idempotent), wait until each is really ready,
+    and create or update the Kafka topics from the catalog."""
+    _logging()
+    from control_plane.bus.admin import apply_topics
+    from control_plane.settings import BusSettings, StackSettings
+    from control_plane.stack import Stack, StackError
+
+    stack = Stack(StackSettings.from_env())
+    try:
+        started = stack.up(service)
+    except StackError as e:
+        _fail(str(e))
+    for name, new in started.items():
+        typer.echo(f"{name:9s} {'started' if new else 'already running'}")
+    if not service or "kafka" in service:
+        changes = apply_topics(BusSettings.from_env())
+        n = sum(c.action != "unchanged" for c in changes)
+        typer.echo(f"topics    {len(changes)} in catalog, {n} created or updated")
+    _print_status(stack)
+
+
+@stack_app.command("down")
+def stack_down(service: ServiceOpt = None) -> None:
+    """Stop the services (data dirs are kept) and check that no process is left behind."""
+    _logging()
+    from control_plane.settings import StackSettings
+    from control_plane.stack import Stack
+
+    left = Stack(StackSettings.from_env()).down(service)
+    if left:
+        _fail(f"processes still running after stop: {left}")
+    typer.echo("stack stopped")
+
+
+@stack_app.command("status")
+def stack_status(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Show which services run, their pids, addresses and data dirs."""
+    from control_plane.settings import StackSettings
+    from control_plane.stack import Stack
+
+    stack = Stack(StackSettings.from_env())
+    if as_json:
+        typer.echo(json.dumps(stack.status(), indent=2))
+    else:
+        _print_status(stack)
+
+
+def _print_status(stack) -> None:
+    for st in stack.status():
+        state = f"running pid {st['pid']}" if st["running"] else "stopped"
+        extra = f" kafka {st['version']}" if st["service"] == "kafka" else ""
+        typer.echo(f"{st['service']:9s} {state:18s} {st['address']}{extra}")
+
+
+# -- topics -----------------------------------------------------------------------------------
+
+
+@topics_app.command("apply")
+def topics_apply() -> None:
+    """Create missing topics and update configs of existing ones (never deletes, never shrinks)."""
+    _logging()
+    from control_plane.bus.admin import apply_topics
+    from control_plane.settings import BusSettings
+
+    for c in apply_topics(BusSettings.from_env()):
+        typer.echo(f"{c.topic:28s} {c.action:20s} {c.detail}")
+
+
+@topics_app.command("list")
+def topics_list() -> None:
+    """Print the catalog: topic, partitions, key, retention, cleanup policy."""
+    from control_plane.bus.catalog import Catalog
+    from control_plane.settings import BusSettings
+
+    for topic, spec in Catalog(BusSettings.from_env().topic_prefix).all_topics().items():
+        ret = "forever" if spec.retention_ms < 0 else f"{spec.retention_ms // 86_400_000}d"
+        typer.echo(f"{topic:20s} p={spec.partitions:<2d} key={spec.key:14s} retention={ret:8s} "
+                   f"{spec.cleanup_policy:8s} {spec.description}")
+
+
+# -- schemas ----------------------------------------------------------------------------------
+
+
+@schemas_app.command("export")
+def schemas_export() -> None:
+    """Write schemas/json/*.json from the payload types (after a deliberate schema change)."""
+    from schemas.jsonschema import write_all
+
+    written = write_all()
+    typer.echo(f"wrote {len(written)} schema files")
+
+
+@schemas_app.command("check")
+def schemas_check() -> None:
+    """Fail if schemas/json/ and the Python payload types disagree (run in CI)."""
+    from schemas.jsonschema import check
+
+    problems = check()
+    for p in problems:
+        typer.echo(p, err=True)
+    if problems:
+        raise typer.Exit(1)
+    typer.echo("schema files match the payload types")
+
+
+# -- benchmarks -------------------------------------------------------------------------------
+
+
+@bench_app.command("events")
+def bench_events(
+    n: Annotated[int, typer.Option(help="Events per type for the in-process codec run.")] = 100_000,
+    e2e: Annotated[int, typer.Option(help="Events for the produce-to-consume run through the broker.")] = 100_000,
+) -> None:
+    """Encode/decode throughput per event type, and produce->consume throughput and latency
+    through the local broker (run `switchyard stack up` first)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.events_bench import main
+
+    main(codec_n=n, e2e_n=e2e)
+
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -171,8 +171,10 @@ class EventCodec:
 class EnvelopeFactory:
     """Stamps payloads with envelope metadata for one producer incarnation.
 
-    Sequence numbers are kept per stream (Kafka topic family) because a consumer that reads one
-    stream must see a dense sequence to tell a gap from events that went elsewhere.
+    Sequence numbers are kept per *scope*: an ordered substream. The Kafka producer uses
+    ``"<topic>:<partition>"`` (it picks partitions itself), because only within one partition is
+    a consumer guaranteed to see a producer's events in order, so only there can a dense
+    sequence tell a real gap from events that went elsewhere. Without a scope, the stream name.
     """
 
     def __init__(self, producer: str, epoch: int, clock_ns) -> None:  # clock_ns: () -> int
@@ -181,8 +183,8 @@ class EnvelopeFactory:
         self._clock_ns = clock_ns
         self._seq: dict[str, int] = {}
 
-    def next_seq(self, stream: str) -> int:
-        return self._seq.get(stream, 0)
+    def next_seq(self, scope: str) -> int:
+        return self._seq.get(scope, 0)
 
     def wrap(
         self,
@@ -191,10 +193,11 @@ class EnvelopeFactory:
         correlation_id: str | None = None,
         causation_id: str | None = None,
         key: str | None = None,
+        scope: str | None = None,
     ) -> Envelope[E]:
-        stream = payload.STREAM
-        seq = self._seq.get(stream, 0)
-        self._seq[stream] = seq + 1
+        scope = scope or payload.STREAM
+        seq = self._seq.get(scope, 0)
+        self._seq[scope] = seq + 1
         return Envelope(
             event_id=new_event_id(),
             type=payload.TYPE,

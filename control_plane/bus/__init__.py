@@ -1,0 +1,1 @@
+"""The event log: topic catalog (pure), sequence tracking (pure) and Kafka adapters."""

@@ -1,0 +1,122 @@
+"""Small helpers for running daemons from pid files. Linux only (reads /proc)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+class StackError(RuntimeError):
+    """A service could not be installed, started or stopped. The message says what to do."""
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        text = pid_file.read_text().split()
+    except (FileNotFoundError, PermissionError):
+        return None
+    if not text:
+        return None
+    try:
+        return int(text[0])
+    except ValueError:
+        return None
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is not alive for our purposes.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def processes_mentioning(needle: str) -> list[int]:
+    """Pids whose command line contains ``needle`` (e.g. a data directory)."""
+    found = []
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+        if needle in cmd and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def terminate(pid: int, timeout: float = 20.0, sig: int = signal.SIGTERM) -> bool:
+    """Send ``sig``, wait up to ``timeout``, then SIGKILL. True if it is gone."""
+    if not alive(pid):
+        return True
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            _reap(pid)
+            return True
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    for _ in range(50):
+        if not alive(pid):
+            _reap(pid)
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception as e:  # readiness probes fail in many ways while a service starts
+            last_exc = e
+        time.sleep(interval)
+    detail = f" (last error: {last_exc})" if last_exc else ""
+    raise StackError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def require_free_port(service: str, host: str, port: int, env_var: str) -> None:
+    """Refuse to start on a port someone else holds: we would silently talk to a stranger."""
+    if port_in_use(host, port):
+        raise StackError(
+            f"{service}: port {host}:{port} is already in use by a process this stack did not "
+            f"start; stop it or choose another port with {env_var}"
+        )

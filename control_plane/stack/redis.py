@@ -1,0 +1,61 @@
+"""A project-local Redis (Debian's redis-server, our dir and port). Used for the planner lease."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+
+from control_plane.settings import StackSettings
+from control_plane.stack.process import StackError, alive, read_pid, require_free_port, terminate, wait_until
+
+
+class RedisService:
+    name = "redis"
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.s = settings
+        self.dir = settings.state_dir / "redis"
+        self.pid_file = self.dir / "redis.pid"
+
+    def ensure_installed(self) -> None:
+        if not shutil.which("redis-server"):
+            raise StackError("redis-server not found: apt-get install -y redis-server")
+
+    def pid(self) -> int | None:
+        pid = read_pid(self.pid_file)
+        return pid if alive(pid) else None
+
+    def start(self, timeout: float = 20.0) -> bool:
+        if self.pid():
+            return False
+        require_free_port(self.name, self.s.host, self.s.redis_port, "SWITCHYARD_REDIS_PORT")
+        self.ensure_installed()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(
+            ["redis-server", "--port", str(self.s.redis_port), "--bind", self.s.host,
+             "--dir", str(self.dir), "--daemonize", "yes", "--pidfile", str(self.pid_file),
+             "--logfile", str(self.dir / "redis.log"), "--save", "", "--appendonly", "no",
+             "--protected-mode", "yes"],
+            capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        )
+        if r.returncode != 0:
+            raise StackError(f"redis-server failed: {r.stderr or r.stdout}")
+        wait_until(self.ready, timeout, 0.1, "Redis PING")
+        return True
+
+    def ready(self) -> bool:
+        with socket.create_connection((self.s.host, self.s.redis_port), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        pid = read_pid(self.pid_file)
+        if pid and alive(pid):
+            terminate(pid, timeout)
+        self.pid_file.unlink(missing_ok=True)
+
+    def status(self) -> dict:
+        pid = self.pid()
+        return {"service": self.name, "running": bool(pid), "pid": pid, "address": self.s.redis_url,
+                "data": str(self.dir)}

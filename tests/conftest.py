@@ -1,0 +1,44 @@
+"""Shared fixtures. Integration tests use the real local stack (`switchyard stack up`): a test
+that needs a service fails loudly when it is missing, it never skips silently."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+
+import pytest
+
+from control_plane.settings import BusSettings, StackSettings
+
+logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def stack_settings() -> StackSettings:
+    return StackSettings.from_env()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(stack_settings: StackSettings) -> str:
+    if not _reachable(stack_settings.host, stack_settings.kafka_port):
+        pytest.fail(f"Kafka is not running on {stack_settings.kafka_bootstrap}: run `uv run switchyard stack up`")
+    return stack_settings.kafka_bootstrap
+
+
+@pytest.fixture
+def bus(kafka_bootstrap: str) -> BusSettings:
+    """Bus settings with a topic prefix unique to this test, topics created from the catalog."""
+    from control_plane.bus.admin import apply_topics
+
+    settings = BusSettings(bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}")
+    apply_topics(settings)
+    return settings

@@ -1,0 +1,670 @@
+"""Contract tests of ``schemas/``: codec round trips, frozen samples, JSON Schema files, errors.
+
+The stored samples under ``tests/samples/`` are bytes written by an earlier codebase; these tests
+prove the current one still reads them. They are never regenerated to make a test pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
+from schemas import jsonschema as schema_files
+from schemas.envelope import Envelope, EventCodec
+from schemas.errors import (
+    MalformedEvent,
+    SchemaError,
+    UnknownEventType,
+    UnsupportedSchemaVersion,
+)
+from schemas.events import (
+    ALL_EVENT_TYPES,
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    CandidateScore,
+    Event,
+    KvTransferCompleted,
+    KvTransferFailed,
+    KvTransferStarted,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRejected,
+    RequestRouted,
+    ScalingApplied,
+    ScalingDecision,
+    TransferInfo,
+    WorkerDeregistered,
+    WorkerDraining,
+    WorkerLoadReported,
+    WorkerLoadReportedV1,
+    WorkerRegistered,
+)
+from schemas.types import (
+    BlockHash,
+    CacheGroup,
+    PoolName,
+    RequestId,
+    RequestPhase,
+    RoutingMode,
+    Tier,
+    WorkerId,
+    WorkerRole,
+)
+
+SAMPLES_DIR = Path(__file__).resolve().parents[1] / "samples"
+SCHEMA_DIR = schema_files.DEFAULT_DIR
+SAMPLE_FILES = sorted(SAMPLES_DIR.glob("*.msgpack"))
+CODEC = EventCodec()  # stateless after construction; sharing it keeps parametrized tests fast
+
+
+def _name(cls: type[Event]) -> str:
+    return f"{cls.TYPE}.v{cls.VERSION}"
+
+
+# -- builders: every optional field set to a non-default value, so a round trip covers it ------
+
+W = WorkerId("w-1")
+R = RequestId("req-1")
+
+
+def _make_block_stored(**overrides: Any) -> BlockStored:
+    return BlockStored(
+        **{
+            "worker_id": W,
+            "tier": Tier.HOST,
+            "block_hashes": [BlockHash(2**64 - 1), BlockHash(7)],
+            "parent_hash": BlockHash(3),
+            "block_size": 4,
+            "token_counts": [4, 4],
+            "hash_algo": "xxh3_64:1337",
+            "cache_group": CacheGroup.SLIDING_WINDOW,
+            "lora_id": 2,
+            "lora_name": "sql-adapter",
+            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+            "dp_rank": 1,
+            **overrides,
+        }
+    )
+
+
+def _make_block_removed(**overrides: Any) -> BlockRemoved:
+    return BlockRemoved(
+        **{
+            "worker_id": W,
+            "tier": Tier.DISK,
+            "block_hashes": [BlockHash(11)],
+            "cache_group": CacheGroup.MAMBA,
+            "dp_rank": 2,
+            **overrides,
+        }
+    )
+
+
+def _make_block_moved(**overrides: Any) -> BlockMoved:
+    return BlockMoved(
+        **{
+            "worker_id": W,
+            "block_hashes": [BlockHash(11), BlockHash(12)],
+            "from_tier": Tier.HOST,
+            "to_tier": Tier.OBJECT,
+            "cache_group": CacheGroup.OTHER,
+            "dp_rank": 3,
+            **overrides,
+        }
+    )
+
+
+def _make_all_blocks_cleared(**overrides: Any) -> AllBlocksCleared:
+    return AllBlocksCleared(**{"worker_id": W, "tier": Tier.DEVICE, "dp_rank": 1, **overrides})
+
+
+def _make_request_admitted(**overrides: Any) -> RequestAdmitted:
+    return RequestAdmitted(
+        **{
+            "request_id": R,
+            "model": "m",
+            "prompt_tokens": 40,
+            "max_tokens": 8,
+            "stream": True,
+            "block_hashes": [BlockHash(1), BlockHash(2)],
+            "block_size": 16,
+            "hash_algo": "sha256_cbor",
+            "endpoint": "chat/completions",
+            "priority": 5,
+            **overrides,
+        }
+    )
+
+
+def _make_candidate_score(**overrides: Any) -> CandidateScore:
+    return CandidateScore(
+        **{
+            "worker_id": W,
+            "overlap_blocks": 2,
+            "overlap_by_tier": {"device": 1, "host": 1},
+            "queued_prefill_tokens": 64,
+            "active_decode_blocks": 9,
+            "inflight_requests": 3,
+            "stale": True,
+            "prefill_blocks": 4.0,
+            "decode_blocks": 0.9,
+            "cost": 4.9,
+            "probability": 0.25,
+            "eligible": False,
+            **overrides,
+        }
+    )
+
+
+def _make_request_routed(**overrides: Any) -> RequestRouted:
+    return RequestRouted(
+        **{
+            "request_id": R,
+            "worker_id": W,
+            "phase": RequestPhase.DECODE,
+            "mode": RoutingMode.KV,
+            "scores": [_make_candidate_score(), _make_candidate_score(worker_id=WorkerId("w-2"))],
+            "reason": "lowest cost",
+            "config_version": 3,
+            "rng_seed": 99,
+            "index_position": {"switchyard.kv:0": 10},
+            "router_id": "router-1",
+            "attempt": 1,
+            **overrides,
+        }
+    )
+
+
+def _make_prefill_completed(**overrides: Any) -> PrefillCompleted:
+    return PrefillCompleted(
+        **{
+            "request_id": R,
+            "worker_id": W,
+            "prompt_tokens": 40,
+            "cached_tokens": 16,
+            "duration_ms": 12.5,
+            "kv_transfer_params": {
+                "remote_host": "10.0.0.1",
+                "remote_port": 5600,
+                "expiry_s": 30.0,
+                "do_remote_decode": True,
+                "remote_block_ids": [1, 2, 3],
+                "remote_engine_id": None,
+            },
+            **overrides,
+        }
+    )
+
+
+def _transfer_fields() -> dict[str, Any]:
+    return {
+        "request_id": R,
+        "transfer_id": "x-1",
+        "src_worker": W,
+        "dst_worker": WorkerId("w-2"),
+        "blocks": 3,
+        "bytes": 3 * 2**21,
+        "backend": "UCX",
+    }
+
+
+def _make_kv_transfer_started(**overrides: Any) -> KvTransferStarted:
+    return KvTransferStarted(**{**_transfer_fields(), **overrides})
+
+
+def _make_kv_transfer_completed(**overrides: Any) -> KvTransferCompleted:
+    return KvTransferCompleted(**{**_transfer_fields(), "duration_ms": 1.5, **overrides})
+
+
+def _make_kv_transfer_failed(**overrides: Any) -> KvTransferFailed:
+    return KvTransferFailed(
+        **{
+            **_transfer_fields(),
+            "duration_ms": 50.0,
+            "reason": "timeout",
+            "fallback": "recompute",
+            **overrides,
+        }
+    )
+
+
+def _make_request_completed(**overrides: Any) -> RequestCompleted:
+    return RequestCompleted(
+        **{
+            "request_id": R,
+            "worker_id": W,
+            "prompt_tokens": 40,
+            "output_tokens": 8,
+            "cached_tokens": 16,
+            "ttft_ms": 20.0,
+            "itl_mean_ms": 10.5,
+            "itl_p50_ms": 10.0,
+            "itl_p99_ms": 15.0,
+            "e2e_ms": 100.0,
+            "finish_reason": "stop",
+            **overrides,
+        }
+    )
+
+
+def _make_request_failed(**overrides: Any) -> RequestFailed:
+    return RequestFailed(
+        **{
+            "request_id": R,
+            "worker_id": W,
+            "reason": "worker lost",
+            "code": "worker_lost",
+            "tokens_sent": 2,
+            "retried": True,
+            **overrides,
+        }
+    )
+
+
+def _make_request_rejected(**overrides: Any) -> RequestRejected:
+    return RequestRejected(
+        **{"request_id": R, "reason": "busy", "code": "overloaded", "http_status": 503, **overrides}
+    )
+
+
+def _make_worker_registered(**overrides: Any) -> WorkerRegistered:
+    return WorkerRegistered(
+        **{
+            "worker_id": W,
+            "role": WorkerRole.PREFILL,
+            "pool": PoolName("p"),
+            "endpoint": "http://w-1:8000",
+            "model": "m",
+            "capacity": {"device": 100, "host": 400},
+            "block_size": 16,
+            "hash_algo": "sha256_cbor",
+            "transfer": TransferInfo(
+                backend="LIBFABRIC",
+                agent_name="w-1",
+                agent_metadata=b"\x00\xffmeta",
+                bytes_per_block=2**21,
+            ),
+            **overrides,
+        }
+    )
+
+
+def _make_worker_load_reported_v1(**overrides: Any) -> WorkerLoadReportedV1:
+    return WorkerLoadReportedV1(
+        **{
+            "worker_id": W,
+            "running": 2,
+            "waiting": 1,
+            "kv_usage": 0.5,
+            "queued_prefill_tokens": 32,
+            "active_decode_blocks": 7,
+            **overrides,
+        }
+    )
+
+
+def _make_worker_load_reported(**overrides: Any) -> WorkerLoadReported:
+    return WorkerLoadReported(
+        **{
+            "worker_id": W,
+            "running": 2,
+            "waiting": 1,
+            "tier_usage": {"device": 0.5, "host": 0.25},
+            "queued_prefill_tokens": 32,
+            "active_decode_blocks": 7,
+            **overrides,
+        }
+    )
+
+
+def _make_worker_draining(**overrides: Any) -> WorkerDraining:
+    return WorkerDraining(**{"worker_id": W, "reason": "scale-down", "inflight": 4, **overrides})
+
+
+def _make_worker_deregistered(**overrides: Any) -> WorkerDeregistered:
+    return WorkerDeregistered(**{"worker_id": W, "reason": "drained", **overrides})
+
+
+def _make_scaling_decision(**overrides: Any) -> ScalingDecision:
+    return ScalingDecision(
+        **{
+            "pool": PoolName("p"),
+            "decision_id": "d-1",
+            "role": WorkerRole.DECODE,
+            "from_replicas": 2,
+            "to_replicas": 3,
+            "reason": "load",
+            "inputs": {"predicted_rps": 10.5, "isl": 1000, "profile": "h100"},
+            "predictor": "arima",
+            "config_version": 4,
+            "fencing_token": 9,
+            **overrides,
+        }
+    )
+
+
+def _make_scaling_applied(**overrides: Any) -> ScalingApplied:
+    return ScalingApplied(
+        **{
+            "pool": PoolName("p"),
+            "decision_id": "d-1",
+            "replicas": 3,
+            "success": False,
+            "error": "quota exceeded",
+            "scaler": "kubernetes",
+            **overrides,
+        }
+    )
+
+
+BUILDERS: dict[type[Event], Callable[..., Event]] = {
+    BlockStored: _make_block_stored,
+    BlockRemoved: _make_block_removed,
+    BlockMoved: _make_block_moved,
+    AllBlocksCleared: _make_all_blocks_cleared,
+    RequestAdmitted: _make_request_admitted,
+    RequestRouted: _make_request_routed,
+    PrefillCompleted: _make_prefill_completed,
+    KvTransferStarted: _make_kv_transfer_started,
+    KvTransferCompleted: _make_kv_transfer_completed,
+    KvTransferFailed: _make_kv_transfer_failed,
+    RequestCompleted: _make_request_completed,
+    RequestFailed: _make_request_failed,
+    RequestRejected: _make_request_rejected,
+    WorkerRegistered: _make_worker_registered,
+    WorkerLoadReportedV1: _make_worker_load_reported_v1,
+    WorkerLoadReported: _make_worker_load_reported,
+    WorkerDraining: _make_worker_draining,
+    WorkerDeregistered: _make_worker_deregistered,
+    ScalingDecision: _make_scaling_decision,
+    ScalingApplied: _make_scaling_applied,
+}
+
+
+def _wrap(payload: Event, **overrides: Any) -> Envelope[Event]:
+    return Envelope(
+        **{
+            "event_id": "0" * 31 + "1",
+            "type": payload.TYPE,
+            "version": payload.VERSION,
+            "key": payload.key(),
+            "producer": "test",
+            "epoch": 2,
+            "seq": 17,
+            "occurred_at_ns": 1_700_000_000_000_000_000,
+            "correlation_id": "corr-1",
+            "causation_id": "cause-1",
+            "data": payload,
+            **overrides,
+        }
+    )
+
+
+def _raw_envelope(**overrides: Any) -> bytes:
+    """Envelope bytes built from plain builtins, for records no struct would let us build."""
+    doc = msgspec.to_builtins(_wrap(_make_block_stored()))
+    doc.update(overrides)
+    return msgspec.msgpack.encode(doc)
+
+
+def _is_latest(cls: type[Event]) -> bool:
+    return CODEC.latest_version(cls.TYPE) == cls.VERSION
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+
+def test_every_registered_type_has_a_builder():
+    assert [c.__name__ for c in ALL_EVENT_TYPES if c not in BUILDERS] == []
+
+
+@pytest.mark.parametrize("cls", ALL_EVENT_TYPES, ids=_name)
+def test_builder_sets_every_optional_field(cls):
+    """A field left at its default is omitted on the wire, so the round trip would not cover it."""
+    payload = BUILDERS[cls]()
+    left_default = []
+    for f in msgspec.structs.fields(cls):
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            continue
+        if getattr(payload, f.name) == default:
+            left_default.append(f.name)
+    assert left_default == []
+
+
+@pytest.mark.parametrize("cls", [c for c in ALL_EVENT_TYPES if _is_latest(c)], ids=_name)
+def test_latest_version_round_trips_exactly(cls):
+    env = _wrap(BUILDERS[cls]())
+    buf = CODEC.encode(env)
+    decoded = CODEC.decode(buf)
+    assert decoded == env
+    assert type(decoded.data) is cls
+    assert CODEC.encode(decoded) == buf
+
+
+@pytest.mark.parametrize("cls", [c for c in ALL_EVENT_TYPES if not _is_latest(c)], ids=_name)
+def test_superseded_version_decodes_as_latest(cls):
+    env = _wrap(BUILDERS[cls]())
+    decoded = CODEC.decode(CODEC.encode(env))
+    latest = CODEC.latest_version(cls.TYPE)
+    assert decoded.version == latest
+    assert type(decoded.data) is CODEC.payload_type(cls.TYPE, latest)
+    # Envelope metadata is carried over untouched; only type version and payload change.
+    assert msgspec.structs.replace(decoded, version=cls.VERSION, data=env.data) == env
+
+
+def test_worker_load_reported_v1_upcasts_kv_usage_to_device_tier():
+    """v1 kv_usage=0.5 becomes v2 tier_usage={"device": 0.5}; the other fields carry over."""
+    decoded = CODEC.decode(CODEC.encode(_wrap(_make_worker_load_reported_v1(kv_usage=0.5))))
+    assert decoded.data == _make_worker_load_reported(tier_usage={"device": 0.5})
+
+
+# -- stored samples ---------------------------------------------------------------------------
+
+
+def test_samples_exist():
+    assert SAMPLE_FILES, f"no samples in {SAMPLES_DIR}; run scripts/make_event_samples.py"
+
+
+@pytest.mark.parametrize("cls", ALL_EVENT_TYPES, ids=_name)
+def test_every_registered_type_has_a_sample_and_a_schema_file(cls):
+    """Adding a type or version without its sample and schema document fails here."""
+    assert (SAMPLES_DIR / f"{_name(cls)}.msgpack").is_file(), (
+        "run: uv run python scripts/make_event_samples.py"
+    )
+    assert (SAMPLES_DIR / f"{_name(cls)}.json").is_file()
+    assert (SCHEMA_DIR / f"{_name(cls)}.json").is_file(), "run: uv run python -m schemas.jsonschema"
+
+
+@pytest.mark.parametrize("path", SAMPLE_FILES, ids=lambda p: p.stem)
+def test_stored_sample_decodes_to_latest_version(path):
+    buf = path.read_bytes()
+    raw = CODEC.peek(buf)
+    assert f"{raw.type}.v{raw.version}" == path.stem
+    decoded = CODEC.decode(buf)
+    assert decoded.type == raw.type
+    assert decoded.version == CODEC.latest_version(raw.type)
+    assert type(decoded.data) is CODEC.payload_type(raw.type, decoded.version)
+    assert decoded.event_id == raw.event_id
+    assert decoded.key == decoded.data.key()
+
+
+def test_stored_worker_load_reported_v1_sample_upcasts():
+    buf = (SAMPLES_DIR / "WorkerLoadReported.v1.msgpack").read_bytes()
+    kv_usage = msgspec.msgpack.decode(buf)["data"]["kv_usage"]
+    decoded = CODEC.decode(buf)
+    assert isinstance(decoded.data, WorkerLoadReported)
+    assert decoded.data.tier_usage == {"device": kv_usage}
+
+
+@pytest.mark.parametrize("path", SAMPLE_FILES, ids=lambda p: p.stem)
+def test_sample_json_rendering_matches_its_bytes(path):
+    """The .json beside each sample is for reading; it must show what the bytes hold."""
+    from_bytes = msgspec.to_builtins(msgspec.msgpack.decode(path.read_bytes()))
+    assert json.loads(path.with_suffix(".json").read_text(encoding="utf-8")) == from_bytes
+
+
+# -- JSON Schema documents --------------------------------------------------------------------
+
+
+def _validator(file_name: str) -> Draft202012Validator:
+    schema = json.loads((SCHEMA_DIR / file_name).read_text(encoding="utf-8"))
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("path", SAMPLE_FILES, ids=lambda p: p.stem)
+def test_sample_validates_against_its_json_schema(path):
+    """The JSON form of a record (bytes as base64, as msgspec.to_builtins gives) is what the
+    documents describe: the envelope against envelope.v1.json, ``data`` against its type's file."""
+    doc = msgspec.to_builtins(msgspec.msgpack.decode(path.read_bytes()))
+    _validator(schema_files.ENVELOPE_FILE).validate(doc)
+    payload = _validator(f"{doc['type']}.v{doc['v']}.json")
+    assert payload.schema["x-switchyard-type"] == doc["type"]
+    assert payload.schema["x-switchyard-version"] == doc["v"]
+    assert payload.schema["$id"] == f"switchyard/{doc['type']}/v{doc['v']}"
+    payload.validate(doc["data"])
+
+
+def test_json_schema_rejects_a_wrong_field_type():
+    """The documents are not vacuous: a string block_size fails BlockStored.v1.json."""
+    doc = msgspec.to_builtins(msgspec.msgpack.decode(_raw_envelope()))
+    doc["data"]["block_size"] = "16"
+    errors = list(_validator("BlockStored.v1.json").iter_errors(doc["data"]))
+    assert [list(e.path) for e in errors] == [["block_size"]]
+
+
+def test_committed_schema_files_match_the_structs():
+    assert schema_files.check(SCHEMA_DIR) == []
+
+
+def test_superseded_schema_is_marked_deprecated():
+    v1 = json.loads((SCHEMA_DIR / "WorkerLoadReported.v1.json").read_text(encoding="utf-8"))
+    assert v1["deprecated"] is True
+    assert v1["x-switchyard-superseded-by"] == 2
+    assert v1["x-switchyard-stream"] == "workers"
+
+
+def test_render_all_is_deterministic_and_sorted():
+    first = schema_files.render_all()
+    assert first == schema_files.render_all()
+    for text in first.values():
+        assert text.endswith("}\n")
+        canonical = json.dumps(json.loads(text), indent=2, sort_keys=True, ensure_ascii=False)
+        assert text == canonical + "\n"
+
+
+def test_check_reports_missing_extra_and_differing_files(tmp_path):
+    assert schema_files.write_all(tmp_path) == sorted(schema_files.render_all())
+    assert schema_files.check(tmp_path) == []
+    (tmp_path / "BlockStored.v1.json").unlink()
+    (tmp_path / "BlockRemoved.v1.json").write_text("{}\n", encoding="utf-8")
+    (tmp_path / "BlockExploded.v1.json").write_text("{}\n", encoding="utf-8")
+    problems = schema_files.check(tmp_path)
+    assert [p.split(":")[0] for p in problems] == ["differs", "missing", "extra"]
+    assert "BlockRemoved.v1.json" in problems[0]
+    assert "BlockStored.v1.json" in problems[1]
+    assert "BlockExploded.v1.json" in problems[2]
+    assert schema_files.write_all(tmp_path) == ["BlockRemoved.v1.json", "BlockStored.v1.json"]
+
+
+# -- decode errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("buf", "error", "fragments"),
+    [
+        pytest.param(
+            _raw_envelope(type="BlockExploded"),
+            UnknownEventType,
+            ["'BlockExploded'", "v1"],
+            id="unknown-type",
+        ),
+        pytest.param(
+            _raw_envelope(v=2),
+            UnsupportedSchemaVersion,
+            ["BlockStored v2", "(v1)"],
+            id="newer-version",
+        ),
+        pytest.param(
+            _raw_envelope(v=0),
+            UnsupportedSchemaVersion,
+            ["BlockStored v0", "not a registered version"],
+            id="unregistered-older-version",
+        ),
+        pytest.param(
+            b"\xc1\x00garbage\xff", MalformedEvent, ["not a Switchyard envelope"], id="garbage"
+        ),
+        pytest.param(
+            msgspec.msgpack.encode([1, 2, 3]),
+            MalformedEvent,
+            ["not a Switchyard envelope"],
+            id="not-a-map",
+        ),
+        pytest.param(
+            _raw_envelope(
+                data={**msgspec.to_builtins(_make_block_stored()), "block_size": "sixteen"}
+            ),
+            MalformedEvent,
+            ["BlockStored v1", "block_size"],
+            id="wrong-field-type",
+        ),
+    ],
+)
+def test_bad_record_raises_named_schema_error(buf, error, fragments):
+    with pytest.raises(error) as info:
+        CODEC.decode(buf)
+    assert isinstance(info.value, SchemaError)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_schema_errors_have_distinct_reasons():
+    """Adapters dead-letter on ``reason``; each kind must be distinguishable."""
+    reasons = {cls.reason for cls in (MalformedEvent, UnknownEventType, UnsupportedSchemaVersion)}
+    assert len(reasons) == 3
+
+
+# -- property ---------------------------------------------------------------------------------
+
+_uint64 = st.integers(min_value=0, max_value=2**64 - 1)
+_int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+
+_block_stored = st.builds(
+    BlockStored,
+    worker_id=st.text(),
+    tier=st.sampled_from(Tier),
+    block_hashes=st.lists(_uint64, max_size=64),
+    parent_hash=st.none() | _uint64,
+    block_size=_int64,
+    token_counts=st.lists(_int64, max_size=64),
+    hash_algo=st.text(),
+    cache_group=st.sampled_from(CacheGroup),
+    lora_id=st.none() | _int64,
+    lora_name=st.none() | st.text(),
+    token_ids=st.lists(_int64, max_size=256),
+    dp_rank=_int64,
+)
+
+
+@given(_block_stored)
+def test_random_block_stored_round_trips_exactly(payload):
+    buf = CODEC.encode(_wrap(payload))
+    decoded = CODEC.decode(buf)
+    assert decoded.data == payload
+    assert CODEC.encode(decoded) == buf
