@@ -264,7 +264,14 @@ class EventConsumer:
     # -- reading ----------------------------------------------------------------------------
 
     def poll_batch(self, max_records: int = 1000, timeout: float = 0.5) -> list[Delivered]:
-        msgs = self._c.consume(max_records, timeout)
+        """Up to ``max_records`` events; returns as soon as at least one record is there
+        (``consume`` alone would wait for ``max_records`` or the whole timeout)."""
+        first = self._c.poll(timeout)
+        if first is None:
+            return []
+        msgs = [first]
+        if max_records > 1:
+            msgs.extend(self._c.consume(max_records - 1, 0))
         out: list[Delivered] = []
         for m in msgs:
             err = m.error()

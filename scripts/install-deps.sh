@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install what Switchyard needs on a fresh Debian/Ubuntu machine: system packages (Java 17 and
+# Maven for the Kafka broker, PostgreSQL, Redis, Prometheus), uv, and the Python environment.
+# Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || need_apt+=(maven)
+ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need_apt+=(postgresql)
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v prometheus >/dev/null || need_apt+=(prometheus)
+command -v runuser >/dev/null || need_apt+=(util-linux)
+
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing system packages: ${need_apt[*]}; install them with: sudo apt-get install -y ${need_apt[*]}" >&2
+    exit 1
+  fi
+  echo "installing system packages: ${need_apt[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  # The Debian package starts its own cluster/service on the default ports; ours use their own
+  # ports and data dirs, so theirs is stopped to leave the machine quiet.
+  (service postgresql stop || true) >/dev/null 2>&1
+  (service redis-server stop || true) >/dev/null 2>&1
+  (service prometheus stop || true) >/dev/null 2>&1
+fi
+
+if ! command -v uv >/dev/null && ! python3 -m uv --version >/dev/null 2>&1; then
+  echo "installing uv"
+  python3 -m pip install -q uv
+fi

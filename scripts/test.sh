@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command: install what is missing, start the local stack (real Kafka, PostgreSQL,
+# Redis), run the whole test suite, and stop the stack again if this script started it.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k router -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+UV="bash scripts/uv.sh"
+$UV sync --frozen --quiet
+
+was_running=$($UV run --frozen switchyard stack status --json | python3 -c \
+  'import json,sys; print(int(any(s["running"] for s in json.load(sys.stdin))))')
+stop_stack() {
+  if [ "$was_running" = "0" ]; then $UV run --frozen switchyard stack down || true; fi
+}
+trap stop_stack EXIT
+
+$UV run --frozen switchyard stack up
+$UV run --frozen switchyard schemas check
+$UV run --frozen pytest -q -p no:cacheprovider "$@"
