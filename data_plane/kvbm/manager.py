@@ -1,0 +1,633 @@
+"""The tiered KV block manager: executes the decisions of :mod:`.residency` against the stores
+and reports every residency change to the event sink.
+
+Ordering rule (the one invariant the index relies on): a block is reported in a tier only after
+its bytes are durably there, and reported gone from a tier only once it is no longer served from
+it. Concretely, every change is recorded in :class:`Residency` and queued as an event *after* the
+store call that makes it true returned; the queued events are published, in order, before the
+public call returns. Adjacent events of the same kind are merged into one (a batch of hashes), so
+one onboard of 100 blocks is one ``BlockStored``, not 100.
+
+Failure handling: a block that cannot be read (missing, corrupt, I/O error) or written while it is
+being demoted is dropped from its tier with ``BlockRemoved`` (so the space the decision counted
+on is freed and no one is sent to bytes that are not there); a corrupt block is deleted. A failed
+onboard stops the prefix there and says why.
+
+Threading: every public method is blocking (disk and S3 I/O happen inline) and takes one
+re-entrant lock for its whole duration, so calls from several threads are serialised and their
+events are published in the order the changes happened. From asyncio, use
+:class:`data_plane.kvbm.aio.AsyncKvbm`, which runs them on a dedicated thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from data_plane.kvbm import content, frame
+from data_plane.kvbm.errors import (
+    BlockMissing,
+    CorruptBlock,
+    KvbmConfigError,
+    KvbmError,
+    StorageError,
+)
+from data_plane.kvbm.policy import EvictionPolicy
+from data_plane.kvbm.residency import Admission, Op, OpKind, Residency
+from data_plane.kvbm.settings import KvbmSettings
+from data_plane.kvbm.stores.base import BlockStore, Buffer
+from data_plane.kvbm.stores.host import HostStore
+from data_plane.ports import EventSink
+from schemas.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, Event
+from schemas.types import PERSISTENT_TIERS, TIER_ORDER, BlockHash, Tier
+
+logger = logging.getLogger(__name__)
+
+
+# -- results --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OnboardedBlock:
+    block_hash: BlockHash
+    #: Fastest tier the block was in when the call started (where the hit was served from).
+    found_in: Tier
+    #: Host slot holding the block now (offset = slot * bytes_per_block from the host pool's
+    #: base address); None when the block is only on the device.
+    host_slot: int | None
+
+
+@dataclass(frozen=True)
+class OnboardResult:
+    """The matched prefix of an onboard call, block by block, and why it stopped."""
+
+    blocks: tuple[OnboardedBlock, ...]
+    requested: int
+    #: "complete" (whole prefix), "miss" (no tier had the next block), "corrupt" (every copy of
+    #: the next block failed verification and was removed), "host_full" (no host slot could be
+    #: freed: all pinned), "error" (I/O error reading the next block), "no_host_tier".
+    stop_reason: str
+    #: Hashes pinned in host by this call; pass them to ``release`` when done.
+    pinned: tuple[BlockHash, ...] = ()
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        return [b.block_hash for b in self.blocks]
+
+    def found_by_tier(self) -> dict[Tier, int]:
+        counts = Counter(b.found_in for b in self.blocks)
+        return {t: counts[t] for t in TIER_ORDER if counts[t]}
+
+
+@dataclass(frozen=True)
+class RebuildReport:
+    """Outcome of :meth:`KvBlockManager.rebuild`, per persistent tier."""
+
+    #: Blocks now served, least recent first.
+    verified: dict[Tier, list[BlockHash]] = field(default_factory=dict)
+    #: Claimed by the log, not in the store: reported removed.
+    missing: dict[Tier, list[BlockHash]] = field(default_factory=dict)
+    #: Claimed, present, failed verification: deleted and reported removed.
+    corrupt: dict[Tier, list[BlockHash]] = field(default_factory=dict)
+    #: Verified but over the tier's (smaller) capacity: deleted and reported removed.
+    over_capacity: dict[Tier, list[BlockHash]] = field(default_factory=dict)
+    #: In the store, never reported (written just before a crash): deleted, or adopted with
+    #: ``BlockStored`` when ``adopt_orphans``.
+    orphans_deleted: dict[Tier, list[BlockHash]] = field(default_factory=dict)
+    orphans_adopted: dict[Tier, list[BlockHash]] = field(default_factory=dict)
+
+    def removed(self, tier: Tier) -> list[BlockHash]:
+        return [*self.missing.get(tier, []), *self.corrupt.get(tier, []),
+                *self.over_capacity.get(tier, [])]
+
+
+# -- event batching -------------------------------------------------------------------------
+
+
+class _EventBatch:
+    """The events of one public call, in order, adjacent same-kind ones merged."""
+
+    def __init__(self, s: KvbmSettings) -> None:
+        self._s = s
+        # [kind, tier_a, tier_b, hashes, parent_of_first]
+        self._items: list[list] = []
+
+    def _append(self, kind: str, a: Tier, b: Tier | None, h: BlockHash,
+                parent: BlockHash | None = None) -> None:
+        if self._items:
+            last = self._items[-1]
+            if last[0] == kind and last[1] is a and last[2] is b:
+                if kind != "stored" or (parent is not None and parent == last[3][-1]):
+                    last[3].append(h)
+                    return
+        self._items.append([kind, a, b, [h], parent])
+
+    def removed(self, tier: Tier, h: BlockHash) -> None:
+        self._append("removed", tier, None, h)
+
+    def moved(self, src: Tier, dst: Tier, h: BlockHash) -> None:
+        self._append("moved", src, dst, h)
+
+    def stored(self, tier: Tier, h: BlockHash, parent: BlockHash | None) -> None:
+        self._append("stored", tier, None, h, parent)
+
+    def cleared(self, tier: Tier) -> None:
+        self._items.append(["cleared", tier, None, [], None])
+
+    def events(self) -> list[Event]:
+        s = self._s
+        out: list[Event] = []
+        for kind, a, b, hashes, parent in self._items:
+            if kind == "removed":
+                out.append(BlockRemoved(worker_id=s.worker_id, tier=a, block_hashes=hashes,
+                                        dp_rank=s.dp_rank))
+            elif kind == "moved":
+                out.append(BlockMoved(worker_id=s.worker_id, from_tier=a, to_tier=b,
+                                      block_hashes=hashes, dp_rank=s.dp_rank))
+            elif kind == "stored":
+                out.append(BlockStored(worker_id=s.worker_id, tier=a, block_hashes=hashes,
+                                       parent_hash=parent, block_size=s.block_size,
+                                       hash_algo=s.hash_algo, dp_rank=s.dp_rank))
+            else:
+                out.append(AllBlocksCleared(worker_id=s.worker_id, tier=a, dp_rank=s.dp_rank))
+        return out
+
+
+# -- the manager ----------------------------------------------------------------------------
+
+
+class KvBlockManager:
+    """Tiers G2 (host), G3 (disk), G4 (object) of one worker, below the engine's G1 pool."""
+
+    def __init__(self, settings: KvbmSettings, sink: EventSink, stores: Mapping[Tier, BlockStore],
+                 *, policy: str | type[EvictionPolicy] | None = None) -> None:
+        self.settings = settings
+        self._sink = sink
+        self._res = Residency(settings.capacities, policy or settings.policy)  # type: ignore[arg-type]
+        for t in self._res.tiers:
+            store = stores.get(t)
+            if store is None:
+                raise KvbmConfigError(f"tier {t.value} has capacity but no store")
+            if store.bytes_per_block != settings.bytes_per_block:
+                raise KvbmConfigError(f"{t.value} store holds {store.bytes_per_block}-byte blocks"
+                                      f", settings say {settings.bytes_per_block}")
+        self._stores = {t: stores[t] for t in self._res.tiers}
+        host = self._stores.get(Tier.HOST)
+        if host is not None and not isinstance(host, HostStore):
+            raise KvbmConfigError("the host tier must be a HostStore (slots are addressed by "
+                                  "offset for transfers)")
+        self._host: HostStore | None = host
+        if host is not None and host.capacity != settings.host_capacity:
+            raise KvbmConfigError(f"host pool has {host.capacity} slots, settings say "
+                                  f"{settings.host_capacity}")
+        self._lock = threading.RLock()
+        self._batch: _EventBatch | None = None
+        self._stats: Counter[str] = Counter()
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @contextmanager
+    def _call(self, correlation_id: str | None = None) -> Iterator[_EventBatch]:
+        """Hold the lock for one public call; publish its events on the way out, also when it
+        failed half-way (the changes made so far are real and must be reported)."""
+        with self._lock:
+            if self._batch is not None:  # re-entrant call: join the outer batch
+                yield self._batch
+                return
+            batch = self._batch = _EventBatch(self.settings)
+            try:
+                yield batch
+            finally:
+                self._batch = None
+                for ev in batch.events():
+                    self._sink.publish(ev, correlation_id=correlation_id)
+
+    def _read(self, h: BlockHash, tier: Tier) -> Buffer:
+        data = self._stores[tier].get(h)
+        if (self.settings.verify_synthetic_content and tier is not Tier.HOST
+                and not content.verify(h, data)):
+            raise CorruptBlock(f"block {h:016x} in {tier.value}: not the content of its hash")
+        return data
+
+    def _delete(self, h: BlockHash, tier: Tier) -> None:
+        try:
+            self._stores[tier].delete(h)
+        except StorageError as e:
+            # The block is no longer served from this tier either way; leftover bytes are an
+            # orphan that the next rebuild deletes.
+            self._stats["delete_errors"] += 1
+            logger.warning("could not delete block %016x from %s: %s", h, tier.value, e)
+
+    def _drop(self, batch: _EventBatch, h: BlockHash, tier: Tier, why: str) -> None:
+        self._delete(h, tier)
+        self._res.discard(h, tier)
+        batch.removed(tier, h)
+        self._stats[f"dropped_{tier.value}"] += 1
+        logger.debug("dropped block %016x from %s: %s", h, tier.value, why)
+
+    def _run_eviction(self, batch: _EventBatch, op: Op) -> None:
+        """Carry out one eviction of an admission. Whatever fails, the source tier ends up
+        without the block, which is what the admission counted on."""
+        h, src = op.block_hash, op.src
+        if op.kind is OpKind.DROP:
+            self._drop(batch, h, src, op.reason)
+            return
+        assert op.kind is OpKind.MOVE and op.dst is not None
+        try:
+            data = self._read(h, src)
+        except (BlockMissing, CorruptBlock, StorageError) as e:
+            self._note_read_failure(e)
+            self._drop(batch, h, src, f"{op.reason}; unreadable: {e}")
+            return
+        try:
+            self._stores[op.dst].put(h, data)
+        except StorageError as e:
+            self._stats["write_errors"] += 1
+            logger.warning("demoting block %016x to %s failed: %s", h, op.dst.value, e)
+            self._drop(batch, h, src, f"{op.reason}; write failed")
+            return
+        self._res.add(h, op.dst)
+        self._delete(h, src)
+        self._res.discard(h, src)
+        batch.moved(src, op.dst, h)
+        self._stats[f"demoted_{src.value}_{op.dst.value}"] += 1
+
+    def _note_read_failure(self, e: Exception) -> None:
+        if isinstance(e, CorruptBlock):
+            self._stats["corrupt"] += 1
+            logger.warning("corrupt block: %s", e)
+        elif isinstance(e, BlockMissing):
+            self._stats["missing"] += 1
+            logger.warning("block missing from its store: %s", e)
+        else:
+            self._stats["read_errors"] += 1
+            logger.warning("read failed: %s", e)
+
+    def _admit(self, batch: _EventBatch, adm: Admission, data: Buffer) -> bool:
+        """Evictions, then the write of ``adm``. True once the block is in ``adm.tier``."""
+        for op in adm.evictions:
+            self._run_eviction(batch, op)
+        try:
+            self._stores[adm.tier].put(adm.write.block_hash, data)
+        except StorageError as e:
+            self._stats["write_errors"] += 1
+            logger.warning("writing block %016x to %s failed: %s", adm.write.block_hash,
+                           adm.tier.value, e)
+            return False
+        self._res.add(adm.write.block_hash, adm.tier)
+        return True
+
+    # -- G1: what the engine tells us -----------------------------------------------------
+
+    def on_device_stored(self, block_hashes: Sequence[BlockHash],
+                         parent_hash: BlockHash | None = None) -> None:
+        """The engine cached these blocks (a chain after ``parent_hash``) on the device. The
+        engine reports that itself (``BlockStored(device)``); the KVBM only records it, so a
+        lookup knows and a later eviction of a block already in host costs no write."""
+        with self._lock:
+            parent = parent_hash
+            for h in block_hashes:
+                self._res.add(h, Tier.DEVICE)
+                self._res.set_parent(h, parent)
+                parent = h
+
+    def on_device_evicted(self, block_hash: BlockHash, parent_hash: BlockHash | None = None,
+                          data: Buffer | None = None, *,
+                          correlation_id: str | None = None) -> Tier | None:
+        """The engine evicted a cached block from the device: offload it to G2 (or lower when
+        every host slot is pinned). Usable directly as the engine's ``on_evict`` hook.
+
+        ``data`` is the block's bytes, copied out of the device before its slot is reused; None
+        means the engine is simulated and the bytes are the synthetic content of the hash.
+        Returns the fastest managed tier holding the block afterwards (None: it is gone).
+        Reports ``BlockMoved(device->tier)`` when it wrote the block, else ``BlockRemoved
+        (device)`` (see ``KvbmSettings.device_eviction_events``).
+        """
+        h = block_hash
+        s = self.settings
+        if data is not None and memoryview(data).nbytes != s.bytes_per_block:
+            raise ValueError(f"block {h:016x}: {memoryview(data).nbytes} bytes, expected "
+                             f"{s.bytes_per_block}")
+        with self._call(correlation_id) as batch:
+            parent = parent_hash if parent_hash is not None else self._res.parent_of(h)
+            self._res.discard(h, Tier.DEVICE)
+            self._res.set_parent(h, parent)
+            if self._res.holds(h, Tier.HOST):
+                self._res.touch(h, Tier.HOST)
+                if s.device_eviction_events:
+                    batch.removed(Tier.DEVICE, h)
+                self._stats["offload_already_in_host"] += 1
+                return Tier.HOST
+            adm = None
+            if self._res.tiers:
+                adm = self._res.plan_placement(h, source=Tier.DEVICE, start=self._res.tiers[0])
+            if adm is not None:
+                payload = data if data is not None else content.expected_bytes(h, s.bytes_per_block)
+                if self._admit(batch, adm, payload):
+                    if s.device_eviction_events:
+                        batch.moved(Tier.DEVICE, adm.tier, h)
+                    else:
+                        batch.stored(adm.tier, h, self._res.parent_of(h))
+                    self._stats[f"offloaded_{adm.tier.value}"] += 1
+                    return adm.tier
+            if s.device_eviction_events:
+                batch.removed(Tier.DEVICE, h)
+            where = self._res.fastest(h)
+            if where is None:
+                self._stats["offload_dropped"] += 1
+            return where
+
+    def on_device_cleared(self) -> None:
+        """The engine dropped its whole cache (reset); it reports that itself."""
+        with self._lock:
+            self._res.clear_device()
+
+    # -- lookup and onboarding -------------------------------------------------------------
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Fastest tier of each block of the longest held prefix (no I/O, no state change)."""
+        with self._lock:
+            out: list[Tier] = []
+            for h in block_hashes:
+                t = self._res.fastest(h)
+                if t is None:
+                    break
+                out.append(t)
+            return out
+
+    def onboard(self, block_hashes: Sequence[BlockHash], *, pin: bool = True,
+                correlation_id: str | None = None) -> OnboardResult:
+        """Bring the longest available prefix of ``block_hashes`` into G2, reading lower tiers
+        (verified) as needed, and say where each block was found.
+
+        Blocks already on the device are reported as such and not copied (the engine has them);
+        blocks in host are served from there. With ``pin`` the host copies of the returned blocks
+        stay put until :meth:`release` (so the worker can copy them to the device from
+        ``host_offset``); without, they are only guaranteed until the next call.
+        Making room never evicts another block of ``block_hashes`` from any tier.
+        A copy that fails verification is deleted and reported removed, and the next lower copy
+        is tried. Reports ``BlockStored(host)`` (or ``BlockMoved(tier->host)`` when onboarding
+        does not keep the source).
+        """
+        keep = self.settings.onboard_keeps_source
+        blocks: list[OnboardedBlock] = []
+        pinned: list[BlockHash] = []
+        stop = "complete"
+        protect = frozenset(block_hashes)
+        with self._call(correlation_id) as batch:
+            try:
+                for h in block_hashes:
+                    found = self._res.fastest(h)
+                    if found is None:
+                        stop = "miss"
+                        break
+                    if self._res.holds(h, Tier.HOST):
+                        self._res.touch(h, Tier.HOST)
+                        self._res.pin(h)
+                        pinned.append(h)
+                        blocks.append(OnboardedBlock(h, found, self._host.slot_of(h)))  # type: ignore[union-attr]
+                        self._stats[f"hit_{found.value}"] += 1
+                        continue
+                    if found is Tier.DEVICE:
+                        blocks.append(OnboardedBlock(h, found, None))
+                        self._stats["hit_device"] += 1
+                        continue
+                    if self._host is None:
+                        stop = "no_host_tier"
+                        break
+                    stop = self._onboard_one(batch, h, keep, protect)
+                    if stop != "ok":
+                        break
+                    stop = "complete"
+                    self._res.pin(h)
+                    pinned.append(h)
+                    blocks.append(OnboardedBlock(h, found, self._host.slot_of(h)))
+            finally:
+                if not pin:
+                    for h in pinned:
+                        self._res.unpin(h)
+            return OnboardResult(tuple(blocks), len(block_hashes), stop,
+                                 tuple(pinned) if pin else ())
+
+    def _onboard_one(self, batch: _EventBatch, h: BlockHash, keep: bool,
+                     protect: frozenset[BlockHash]) -> str:
+        """Copy (or move) ``h`` from its fastest readable lower tier into host."""
+        outcome = "miss"
+        for src in [t for t in self._res.below(Tier.HOST) if self._res.holds(h, t)]:
+            try:
+                data = self._read(h, src)
+            except (CorruptBlock, BlockMissing) as e:
+                self._note_read_failure(e)
+                self._drop(batch, h, src, f"onboard read failed: {e}")
+                outcome = "corrupt" if isinstance(e, CorruptBlock) else "miss"
+                continue
+            except StorageError as e:
+                self._note_read_failure(e)
+                outcome = "error"
+                continue
+            adm = self._res.plan_admission(h, Tier.HOST, source=src, keep_source=keep,
+                                           protect=protect)
+            if adm is None:
+                return "host_full"
+            if not self._admit(batch, adm, data):
+                return "error"
+            if keep:
+                self._res.touch(h, src)
+                batch.stored(Tier.HOST, h, self._res.parent_of(h))
+            else:
+                self._delete(h, src)
+                self._res.discard(h, src)
+                batch.moved(src, Tier.HOST, h)
+            self._stats[f"onboarded_{src.value}"] += 1
+            return "ok"
+        return outcome
+
+    def release(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Unpin host copies pinned by :meth:`onboard` (once per pin)."""
+        with self._lock:
+            for h in block_hashes:
+                self._res.unpin(h)
+
+    @contextmanager
+    def onboarded(self, block_hashes: Sequence[BlockHash], *,
+                  correlation_id: str | None = None) -> Iterator[OnboardResult]:
+        """``onboard`` with the pins released on exit."""
+        result = self.onboard(block_hashes, pin=True, correlation_id=correlation_id)
+        try:
+            yield result
+        finally:
+            self.release(result.pinned)
+
+    # -- host pool access (for transfers to the device or to peers) ------------------------
+
+    @property
+    def host_pool(self) -> HostStore | None:
+        """The G2 pool: ``base_address``/``region_size`` to register with NIXL, ``offset_of``."""
+        return self._host
+
+    def read_host(self, block_hash: BlockHash) -> memoryview:
+        """Read-only view of a host copy; pin the block (``onboard``) while using it."""
+        if self._host is None:
+            raise KvbmConfigError("no host tier")
+        with self._lock:
+            return self._host.get(block_hash)
+
+    # -- restart ---------------------------------------------------------------------------
+
+    def scan_persistent(self) -> dict[Tier, list[BlockHash]]:
+        """Blocks physically present in this worker's disk and object stores (sorted), whether
+        or not the log ever reported them. No verification, no events."""
+        with self._lock:
+            return {t: sorted(self._stores[t].scan()) for t in self._res.tiers
+                    if t in PERSISTENT_TIERS}
+
+    def rebuild(self, claimed: Mapping[Tier, Iterable[BlockHash]], *, deep: bool = True,
+                adopt_orphans: bool = False, correlation_id: str | None = None) -> RebuildReport:
+        """Take back the persistent tiers after a restart.
+
+        ``claimed``: per tier, the blocks the log says this worker holds there, least recent
+        first (:func:`data_plane.kvbm.projection.claimed_persistent` folds them from the
+        worker's past events). Each claim is checked against the store: present with the right
+        size, and with ``deep`` read back and verified (checksum, and synthetic content when
+        configured). Verified blocks become resident again in the claimed order (recency);
+        missing and corrupt ones are reported ``BlockRemoved`` (corrupt ones deleted). Volatile
+        tiers in ``claimed`` are ignored: a new process starts with empty device and host memory.
+        A storage error while checking is raised (the worker retries its start-up) rather than
+        reported as loss. Call once, on a manager whose persistent tiers are still empty.
+        """
+        report = RebuildReport()
+        size = frame.framed_size(self.settings.bytes_per_block)
+        with self._call(correlation_id) as batch:
+            for tier in self._res.tiers:
+                if tier in PERSISTENT_TIERS and self._res.count(tier):
+                    raise KvbmError(f"rebuild on a non-empty {tier.value} tier")
+            # Check everything first, change nothing: a storage error raised here leaves the
+            # manager empty, so the worker can simply retry.
+            checked: list[tuple[Tier, list[BlockHash], list[BlockHash], list[BlockHash],
+                                list[BlockHash], list[BlockHash]]] = []
+            for tier in TIER_ORDER:
+                if tier not in PERSISTENT_TIERS:
+                    continue
+                claims = list(dict.fromkeys(claimed.get(tier, ())))
+                if tier not in self._res.tiers:
+                    checked.append((tier, [], claims, [], [], []))
+                    continue
+                present = self._stores[tier].scan()
+                ok: list[BlockHash] = []
+                missing: list[BlockHash] = []
+                corrupt: list[BlockHash] = []
+                for h in claims:
+                    if h not in present:
+                        missing.append(h)
+                    elif present[h] != size:
+                        corrupt.append(h)
+                    else:
+                        state = self._check(h, tier, deep)
+                        {"ok": ok, "missing": missing, "corrupt": corrupt}[state].append(h)
+                claimed_set = set(claims)
+                cap = self._res.capacity(tier)
+                room = max(cap - len(ok), 0)
+                adopt: list[BlockHash] = []
+                orphans: list[BlockHash] = []
+                for h in sorted(present):
+                    if h in claimed_set:
+                        continue
+                    if (adopt_orphans and len(adopt) < room and present[h] == size
+                            and self._check(h, tier, deep) == "ok"):
+                        adopt.append(h)
+                    else:
+                        orphans.append(h)
+                checked.append((tier, ok, missing, corrupt, adopt, orphans))
+
+            for tier, ok, missing, corrupt, adopt, orphans in checked:
+                cut = max(len(ok) - self._res.capacity(tier), 0)
+                excess, ok = ok[:cut], ok[cut:]
+                if tier in self._res.tiers:
+                    for h in corrupt + excess + orphans:
+                        self._delete(h, tier)
+                for h in missing + corrupt + excess:
+                    batch.removed(tier, h)
+                for h in ok:
+                    self._res.add(h, tier)
+                for h in adopt:
+                    self._res.add(h, tier)
+                    batch.stored(tier, h, None)
+                self._stats["rebuild_corrupt"] += len(corrupt)
+                self._stats["rebuild_missing"] += len(missing)
+                if tier in self._res.tiers:
+                    report.verified[tier] = ok + adopt
+                for name, vals in (("missing", missing), ("corrupt", corrupt),
+                                   ("over_capacity", excess), ("orphans_deleted", orphans),
+                                   ("orphans_adopted", adopt)):
+                    if vals:
+                        getattr(report, name)[tier] = vals
+                logger.info("rebuilt %s: %d verified, %d missing, %d corrupt, %d over capacity, "
+                            "%d orphans deleted, %d adopted", tier.value, len(ok), len(missing),
+                            len(corrupt), len(excess), len(orphans), len(adopt))
+        return report
+
+    def _check(self, h: BlockHash, tier: Tier, deep: bool) -> str:
+        """"ok", "missing" or "corrupt"; storage errors propagate."""
+        if not deep:
+            return "ok"
+        try:
+            self._read(h, tier)
+        except CorruptBlock:
+            return "corrupt"
+        except BlockMissing:
+            return "missing"
+        return "ok"
+
+    # -- administration and reporting ------------------------------------------------------
+
+    def clear(self, tier: Tier | None = None, *, correlation_id: str | None = None) -> None:
+        """Delete every block of one managed tier (all of them when None), pins included, and
+        report ``AllBlocksCleared`` per tier."""
+        tiers = self._res.tiers if tier is None else (tier,)
+        with self._call(correlation_id) as batch:
+            for t in tiers:
+                if t not in self._res.tiers:
+                    continue
+                for h in self._res.members(t):
+                    self._delete(h, t)
+                    self._res.discard(h, t)
+                batch.cleared(t)
+
+    def residency(self) -> dict[Tier, list[BlockHash]]:
+        """Blocks per tier (every tier, empty when not configured), next victim first; device
+        as reported by the engine, sorted."""
+        with self._lock:
+            out = {t: self._res.members(t) for t in TIER_ORDER}
+            out[Tier.DEVICE] = sorted(self._res.device_blocks())
+            return out
+
+    def tiers_of(self, block_hash: BlockHash) -> tuple[Tier, ...]:
+        with self._lock:
+            return self._res.tiers_of(block_hash)
+
+    def capacity(self) -> dict[str, int]:
+        """Capacity in blocks per managed tier name (for ``WorkerRegistered.capacity``)."""
+        return {t.value: self._res.capacity(t) for t in self._res.tiers}
+
+    def usage(self) -> dict[str, float]:
+        """Used fraction per managed tier name (for ``WorkerLoadReported.tier_usage``)."""
+        with self._lock:
+            return {t.value: self._res.count(t) / self._res.capacity(t) for t in self._res.tiers}
+
+    def counts(self) -> dict[Tier, int]:
+        with self._lock:
+            return {t: self._res.count(t) for t in self._res.tiers}
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: hits, offloads, onboards, demotions, drops, errors."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        with self._lock:
+            for store in self._stores.values():
+                store.close()

@@ -1,0 +1,238 @@
+"""The vLLM engine adapter without vLLM: import guards, the kv_transfer_params parser, and the
+connector's decisions against a hand-written stand-in for vLLM's KVConnectorBase_V1.
+
+The AsyncLLM calls themselves are untested here (vLLM cannot be installed on this machine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from data_plane.vllm import engine
+from data_plane.vllm.engine import (
+    VLLM_MISSING,
+    GenerateRequest,
+    KvHandoff,
+    VllmEngine,
+    VllmNotInstalled,
+    build_connector_class,
+    parse_kv_transfer_params,
+)
+
+needs_no_vllm = pytest.mark.skipif(engine.vllm_available(),
+                                   reason="checks behaviour when vLLM is absent")
+
+
+def test_importing_the_package_does_not_import_vllm():
+    code = ("import sys, data_plane.vllm.engine, data_plane.vllm.bridge, "
+            "data_plane.vllm.kv_events; print('vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+@needs_no_vllm
+def test_connector_class_access_says_how_to_install():
+    with pytest.raises(VllmNotInstalled) as e:
+        engine.SwitchyardKVConnector  # noqa: B018
+    assert str(e.value) == VLLM_MISSING
+    assert isinstance(e.value, ImportError)
+
+
+@needs_no_vllm
+def test_engine_start_says_how_to_install():
+    with pytest.raises(VllmNotInstalled, match="pip install switchyard\\[vllm\\]"):
+        VllmEngine.from_engine_args(model="facebook/opt-125m")
+
+
+@needs_no_vllm
+async def test_generate_says_how_to_install():
+    eng = VllmEngine(async_llm=object())
+    with pytest.raises(VllmNotInstalled):
+        async for _ in eng.generate(GenerateRequest("r1", prompt=(1, 2, 3), max_tokens=4)):
+            pass
+
+
+def test_unknown_module_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError):
+        engine.NoSuchThing  # noqa: B018
+
+
+# -- kv_transfer_params ----------------------------------------------------------------------
+
+
+def test_parse_plain_request_is_no_handoff():
+    assert parse_kv_transfer_params(None) is None
+    assert parse_kv_transfer_params({}) is None
+    assert parse_kv_transfer_params({"do_remote_decode": False}) is None
+
+
+def test_parse_producer_side():
+    assert parse_kv_transfer_params({"do_remote_decode": True, "x": 1}) == KvHandoff(
+        role="producer", extra={"x": 1})
+
+
+def test_parse_consumer_side_as_nixl_connector_returns_it():
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_block_ids": [4, 5, 6], "remote_engine_id": "eng-p0",
+              "remote_request_id": "cmpl-1", "remote_host": "10.0.0.5", "remote_port": 5600,
+              "tp_size": 1}
+    assert parse_kv_transfer_params(params) == KvHandoff(
+        role="consumer", remote_block_ids=(4, 5, 6), remote_engine_id="eng-p0",
+        remote_request_id="cmpl-1", remote_host="10.0.0.5", remote_port=5600, tp_size=1)
+
+
+def test_parse_consumer_with_per_group_block_ids_keeps_the_first_group():
+    h = parse_kv_transfer_params({"do_remote_prefill": True, "remote_block_ids": [[1, 2], [9]],
+                                  "remote_engine_id": "e", "remote_host": "h",
+                                  "remote_port": 1})
+    assert h is not None and h.remote_block_ids == (1, 2)
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True},
+    {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e",
+     "remote_host": "h"},
+    {"do_remote_prefill": True, "do_remote_decode": True, "remote_block_ids": [1],
+     "remote_engine_id": "e", "remote_host": "h", "remote_port": 1},
+])
+def test_parse_half_specified_handoff_raises(params):
+    with pytest.raises(ValueError):
+        parse_kv_transfer_params(params)
+
+
+# -- connector decisions (fake vLLM base) ----------------------------------------------------
+
+
+class FakeConnectorBase:
+    """The parts of vLLM's KVConnectorBase_V1 the connector relies on."""
+
+    def __init__(self, vllm_config, role, kv_cache_config):
+        self._vllm_config = vllm_config
+        self._role = role
+        self._kv_cache_config = kv_cache_config
+        self._connector_metadata = None
+
+    def bind_connector_metadata(self, meta):
+        self._connector_metadata = meta
+
+    def _get_connector_metadata(self):
+        assert self._connector_metadata is not None
+        return self._connector_metadata
+
+
+class FakeMetadataBase:
+    pass
+
+
+def _connector():
+    cls = build_connector_class(FakeConnectorBase, FakeMetadataBase)
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config={"worker_id": "w1"}))
+    return cls(cfg, "scheduler", None)
+
+
+def _request(params=None):
+    return SimpleNamespace(request_id="r1", kv_transfer_params=params)
+
+
+def test_connector_class_shape():
+    cls = build_connector_class(FakeConnectorBase, FakeMetadataBase)
+    assert cls.__name__ == "SwitchyardKVConnector"
+    assert issubclass(cls, FakeConnectorBase)
+    assert issubclass(cls.metadata_cls, FakeMetadataBase)
+    for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                 "build_connector_meta", "request_finished", "take_events",
+                 "register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+                 "wait_for_save", "get_finished"):
+        assert callable(getattr(cls, name)), name
+
+
+def test_pass_through_for_ordinary_requests():
+    c = _connector()
+    assert c.extra_config == {"worker_id": "w1"}
+    assert c.get_num_new_matched_tokens(_request(), 32) == (0, False)
+    c.update_state_after_alloc(_request(), blocks=object(), num_external_tokens=0)
+    meta = c.build_connector_meta(scheduler_output=object())
+    assert isinstance(meta, FakeMetadataBase) and not meta.has_work
+    assert c.request_finished(_request(), [1, 2]) == (False, None)
+    assert list(c.take_events()) == []
+    c.register_kv_caches({"layer.0": "tensor"})
+    assert c.kv_caches == {"layer.0": "tensor"}
+    c.bind_connector_metadata(meta)
+    c.start_load_kv(forward_context=None)
+    c.wait_for_layer_load("layer.0")
+    c.save_kv_layer("layer.0", "tensor", attn_metadata=None)
+    c.wait_for_save()
+    assert c.get_finished({"r1"}) == (None, None)
+
+
+def test_handoffs_raise_instead_of_pretending():
+    c = _connector()
+    consumer = {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e",
+                "remote_host": "h", "remote_port": 5600}
+    with pytest.raises(NotImplementedError, match="NixlConnector"):
+        c.get_num_new_matched_tokens(_request(consumer), 0)
+    with pytest.raises(NotImplementedError):
+        c.update_state_after_alloc(_request(consumer), blocks=object(), num_external_tokens=16)
+    with pytest.raises(NotImplementedError):
+        c.request_finished(_request({"do_remote_decode": True}), [1, 2])
+    c.bind_connector_metadata(c.metadata_cls(loads={"r1": [1]}))
+    with pytest.raises(NotImplementedError):
+        c.start_load_kv(forward_context=None)
+
+
+# -- generate() against a stand-in AsyncLLM --------------------------------------------------
+
+
+class FakeAsyncLLM:
+    """Streams RequestOutput-shaped deltas, as AsyncLLM.generate does with DELTA output."""
+
+    def __init__(self, deltas):
+        self.deltas = deltas
+        self.calls = []
+
+    async def generate(self, prompt, params, request_id, *, priority=0):
+        self.calls.append((prompt, params, request_id, priority))
+        for i, toks in enumerate(self.deltas):
+            last = i == len(self.deltas) - 1
+            yield SimpleNamespace(
+                outputs=[SimpleNamespace(token_ids=list(toks),
+                                         finish_reason="length" if last else None)],
+                finished=last, num_cached_tokens=16,
+                kv_transfer_params={"remote_block_ids": [1]} if last else None)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """Minimal stand-ins for the vLLM names generate() uses (restored after the test)."""
+    from types import ModuleType
+
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    vllm.TokensPrompt = lambda **kw: dict(kw)
+    sp = ModuleType("vllm.sampling_params")
+    sp.RequestOutputKind = SimpleNamespace(DELTA="delta")
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp)
+
+
+async def test_generate_maps_request_and_streams_indexed_chunks(fake_vllm):
+    """Decode worker continuing a prefill: prompt (3 tokens) + output_prefix (1 token) go in as
+    the prompt; max_tokens 4 leaves 3 to generate; chunk indexes continue after the prefix."""
+    llm = FakeAsyncLLM([[7], [8, 9], []])
+    req = GenerateRequest("r1", prompt=(1, 2, 3), max_tokens=4, output_prefix=(6,),
+                          kv_transfer_params={"do_remote_prefill": True}, priority=2)
+    chunks = [c async for c in VllmEngine(llm).generate(req)]
+    (prompt, params, rid, prio), = llm.calls
+    assert prompt == {"prompt_token_ids": [1, 2, 3, 6]}
+    assert (params.max_tokens, params.output_kind) == (3, "delta")
+    assert params.extra_args == {"kv_transfer_params": {"do_remote_prefill": True}}
+    assert (rid, prio) == ("r1", 2)
+    assert [(c.index, c.token_ids, c.finished) for c in chunks] == [
+        (1, (7,), False), (2, (8, 9), False), (4, (), True)]
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].kv_transfer_params == {"remote_block_ids": [1]}
