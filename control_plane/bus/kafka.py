@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import xxhash
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 
 from control_plane.bus.catalog import Catalog
@@ -116,8 +116,9 @@ class EventProducer:
         return env
 
     def _partition(self, topic: str, key: str) -> int:
-        """crc32(key) mod partitions: librdkafka's "consistent" partitioner, computed here so
-        the envelope's sequence can be numbered per partition (see EnvelopeFactory)."""
+        """xxh64(key) mod partitions, computed here so the envelope's sequence can be numbered
+        per partition (see EnvelopeFactory). Not crc32 (librdkafka's "consistent"): crc32 is
+        linear, so ids differing in one character ("w0".."w3") can all land on one partition."""
         n = self._partitions.get(topic)
         if n is None:
             md = self._p.list_topics(topic, timeout=10)
@@ -125,7 +126,7 @@ class EventProducer:
             if t is None or t.error is not None or not t.partitions:
                 raise RuntimeError(f"topic {topic} does not exist; run `switchyard topics apply`")
             n = self._partitions[topic] = len(t.partitions)
-        return zlib.crc32(key.encode()) % n
+        return xxhash.xxh64_intdigest(key.encode()) % n
 
     def _produce(self, env: Envelope[Event], topic: str, partition: int, on_ack) -> None:
         cb = on_ack or self._on_ack
@@ -155,10 +156,13 @@ class EventProducer:
         self._p.poll(0)
 
     def produce_raw(self, topic: str, value: bytes | None, key: bytes | None = None,
-                    headers: list[tuple[str, bytes]] | None = None) -> None:
-        """Write bytes as they are (dead-lettering, tests of poison input)."""
+                    headers: list[tuple[str, bytes]] | None = None, **kw) -> None:
+        """Write bytes as they are (dead-lettering, snapshots, tests of poison input). A keyed
+        record goes to the same partition ``publish`` would use for that key."""
         with self._lock:
-            self._p.produce(topic, value=value, key=key, headers=headers or [])
+            if key is not None and "partition" not in kw:
+                kw["partition"] = self._partition(topic, key.decode())
+            self._p.produce(topic, value=value, key=key, headers=headers or [], **kw)
             self._p.poll(0)
 
     def poll(self, timeout: float = 0) -> int:

@@ -107,7 +107,7 @@ def test_poison_records_go_to_dead_letter_and_consumer_continues(bus: BusSetting
     consumer = EventConsumer(bus, ["requests"], group_id="it-poison")
     got = _drain(consumer, 2, timeout=30)
     consumer.close()
-    assert [d.envelope.data.request_id for d in got] == ["r-before", "r-after"]
+    assert sorted(d.envelope.data.request_id for d in got) == ["r-after", "r-before"]
     assert consumer.dead_lettered == 4
 
     dlq = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "dlq-read", "auto.offset.reset": "earliest"})
