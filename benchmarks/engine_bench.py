@@ -1,0 +1,145 @@
+"""Simulated engine benchmark: our engine (``mocker`` profile) against Dynamo's mocker.
+
+Dynamo's side is ``dynamo._core.run_mocker_trace_replay`` from PyPI ``ai-dynamo-runtime``
+(benchmark-only dependency: ``uv sync --group bench``), offline mode. Both sides replay the same
+Mooncake trace on 4 aggregated workers, round robin, arrival speed 1x, trace block size 512
+(each hash id = 8 engine blocks of 64), with the mocker's defaults (16,384 blocks, 256
+sequences, 8,192 batched tokens, chunked prefill, prefix caching). Ours runs
+:func:`data_plane.engines.simulate` with the ``mocker`` profile and requests from
+:class:`data_plane.engines.trace.MooncakeTrace`.
+
+Printed side by side: TTFT p50/p99, ITL p50 (over all inter-token intervals), output tokens/s
+(output tokens / (last token - first arrival)), prefix reuse ratio (prompt tokens served from
+the prefix cache at first admission / prompt tokens), and wall time. Last line::
+
+    RESULT ttft_p50_ratio=<ours/dynamo> throughput_ratio=<ours/dynamo> reuse_ours=... reuse_dynamo=...
+
+Run: ``uv run --group bench python benchmarks/engine_bench.py [--limit N] [--trace PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from data_plane.engines import default_hash_config, load_profile, simulate
+from data_plane.engines.trace import MooncakeTrace, read_mooncake
+
+DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+NUM_WORKERS = 4
+TRACE_BLOCK_SIZE = 512
+
+
+def run_ours(trace: Path, limit: int | None) -> dict[str, Any]:
+    prof = load_profile("mocker")
+    t0 = time.perf_counter()
+    records = read_mooncake(trace, limit)
+    trace_adapter = MooncakeTrace(default_hash_config(prof.block_size), trace_block_size=TRACE_BLOCK_SIZE)
+    requests = list(trace_adapter.requests(records))
+    t1 = time.perf_counter()
+    res = simulate(requests, prof, num_workers=NUM_WORKERS)
+    t2 = time.perf_counter()
+    s = res.summary()
+    return {
+        "ttft_p50_ms": s["ttft_p50_ms"],
+        "ttft_p99_ms": s["ttft_p99_ms"],
+        "itl_p50_ms": s["itl_p50_ms"],
+        "output_tok_s": s["output_tok_s"],
+        "reuse": s["prefix_reuse_ratio"],
+        "requests": s["completed"],
+        "duration_s": s["duration_ms"] / 1e3,
+        "wall_s": t2 - t0,
+        "wall_detail": f"load+hash {t1 - t0:.1f}s, simulate {t2 - t1:.1f}s ({s['steps']:,} steps)",
+    }
+
+
+def run_dynamo(trace: Path, limit: int | None) -> dict[str, Any]:
+    os.environ.setdefault("DYN_LOG", "warn")  # else the replay logs every decision
+    try:
+        from dynamo._core import run_mocker_trace_replay
+    except ImportError as e:
+        raise SystemExit(
+            f"Dynamo's mocker is not installed ({e}); run `uv sync --group bench` or "
+            "`uv run --group bench python benchmarks/engine_bench.py`"
+        ) from e
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace
+        if limit is not None:
+            path = Path(tmp) / "trace.jsonl"
+            with open(trace) as src, open(path, "w") as dst:
+                for i, line in enumerate(src):
+                    if i >= limit:
+                        break
+                    dst.write(line)
+        t0 = time.perf_counter()
+        r = run_mocker_trace_replay(
+            [str(path)],
+            num_workers=NUM_WORKERS,
+            router_mode="round_robin",
+            arrival_speedup_ratio=1.0,
+            trace_block_size=TRACE_BLOCK_SIZE,
+            replay_mode="offline",
+        )
+        wall = time.perf_counter() - t0
+    s = r.summary
+    return {
+        "ttft_p50_ms": s["median_ttft_ms"],
+        "ttft_p99_ms": s["p99_ttft_ms"],
+        "itl_p50_ms": s["median_itl_ms"],
+        "output_tok_s": s["output_throughput_tok_s"],
+        "reuse": s["prefix_cache_reused_ratio"],
+        "requests": s["completed_requests"],
+        "duration_s": s["duration_ms"] / 1e3,
+        "wall_s": wall,
+        "wall_detail": "Rust, native",
+    }
+
+
+def main(trace: str | Path = DEFAULT_TRACE, limit: int | None = None) -> dict[str, Any]:
+    trace = Path(trace)
+    dyn = run_dynamo(trace, limit)
+    ours = run_ours(trace, limit)
+    rows = [
+        ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
+        ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
+        ("ITL p50 (ms)", "itl_p50_ms", "{:.3f}"),
+        ("output tok/s", "output_tok_s", "{:.1f}"),
+        ("prefix reuse", "reuse", "{:.5f}"),
+        ("requests done", "requests", "{}"),
+        ("simulated s", "duration_s", "{:.1f}"),
+        ("wall s", "wall_s", "{:.1f}"),
+    ]
+    scope = f"first {limit} lines of" if limit else "all of"
+    print(
+        f"Engine simulation, {scope} {trace.name}: "
+        f"{NUM_WORKERS} aggregated workers, round robin, 1x arrivals"
+    )
+    print(f"{'metric':<16}{'switchyard':>14}{'dynamo mocker':>16}{'ratio':>9}")
+    for label, key, fmt in rows:
+        a, b = ours[key], dyn[key]
+        ratio = f"{a / b:.4f}" if b else "-"
+        print(f"{label:<16}{fmt.format(a):>14}{fmt.format(b):>16}{ratio:>9}")
+    print(f"ours: {ours['wall_detail']}")
+    out = {
+        "ours": ours,
+        "dynamo": dyn,
+        "ttft_p50_ratio": ours["ttft_p50_ms"] / dyn["ttft_p50_ms"],
+        "throughput_ratio": ours["output_tok_s"] / dyn["output_tok_s"],
+    }
+    print(
+        f"RESULT ttft_p50_ratio={out['ttft_p50_ratio']:.4f} throughput_ratio={out['throughput_ratio']:.4f} "
+        f"reuse_ours={ours['reuse']:.4f} reuse_dynamo={dyn['reuse']:.4f}"
+    )
+    return out
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N trace lines")
+    a = p.parse_args()
+    main(a.trace, a.limit)

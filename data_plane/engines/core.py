@@ -1,0 +1,190 @@
+"""``EngineCore``: one simulated worker (block pool + scheduler + timing). Pure and deterministic.
+
+The core never reads a clock. ``step()`` plans and applies one engine step and says how long it
+*would* take on the profiled hardware; a driver decides what time it is:
+
+* :func:`data_plane.engines.simulate.simulate` advances a virtual clock by that duration
+  (discrete-event simulation, as fast as Python runs);
+* :class:`data_plane.engines.async_engine.AsyncEngine` sleeps that long (divided by a speed-up)
+  and streams the tokens.
+
+Both call the same methods in the same order for the same input, so they produce the same
+tokens and the same KV events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.index.hashing import HashAlgo, HashConfig
+from data_plane.engines.block_pool import BlockPool, EvictHook
+from data_plane.engines.errors import ProfileError
+from data_plane.engines.kv_manager import KVCacheManager
+from data_plane.engines.profiles import HardwareProfile, load_profile
+from data_plane.engines.request import EngineRequest, Status
+from data_plane.engines.scheduler import Scheduler, TokenOutput
+from data_plane.engines.timing import StepShape
+from schemas.events import KvEvent
+from schemas.types import RequestId, WorkerId, WorkerRole
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step did. ``duration_ms`` is 0 and ``num_scheduled`` 0 for an idle step."""
+
+    duration_ms: float
+    tokens: list[TokenOutput]
+    #: Requests that produced their last token (prefill role: now held for the transfer).
+    finished: list[RequestId]
+    #: First admissions in this step: (request id, prompt tokens served from the prefix cache).
+    admitted: list[tuple[RequestId, int]]
+    preempted: list[RequestId]
+    num_scheduled: int
+    shape: StepShape
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Load snapshot (what a ``WorkerLoadReported`` carries)."""
+
+    running: int
+    waiting: int
+    held: int
+    kv_usage: float
+    free_blocks: int
+    cached_blocks: int
+    #: Prompt tokens still to prefill, over waiting and running requests.
+    queued_prefill_tokens: int
+    #: Blocks referenced by running and held requests.
+    active_blocks: int
+    preemptions: int
+
+
+#: Worker id of an engine built without one (tests, single-worker tools).
+DEFAULT_WORKER_ID = WorkerId("worker-0")
+
+
+def default_hash_config(block_size: int) -> HashConfig:
+    """vLLM's default prefix-caching hash (sha256 over pickle, fixed NONE_HASH seed)."""
+    return HashConfig(HashAlgo.SHA256, block_size, None)
+
+
+class EngineCore:
+    """One worker's engine. Not thread-safe: drive it from one thread or one event loop."""
+
+    def __init__(
+        self,
+        profile: HardwareProfile | str = "mocker",
+        *,
+        worker_id: WorkerId = DEFAULT_WORKER_ID,
+        role: WorkerRole = WorkerRole.AGGREGATED,
+        hash_config: HashConfig | None = None,
+        on_evict: EvictHook | None = None,
+        emit_token_ids: bool = False,
+    ) -> None:
+        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.worker_id = worker_id
+        self.role = WorkerRole(role)
+        self.hash_config = hash_config or default_hash_config(self.profile.block_size)
+        if self.hash_config.block_size != self.profile.block_size:
+            raise ProfileError(
+                f"hash_config.block_size={self.hash_config.block_size} but profile "
+                f"{self.profile.name!r} has block_size={self.profile.block_size}"
+            )
+        self.pool = BlockPool(
+            self.profile.num_device_blocks,
+            self.profile.block_size,
+            worker_id=worker_id,
+            hash_algo=self.hash_config.hash_algo,
+            enable_caching=self.profile.enable_prefix_caching,
+            on_evict=on_evict,
+            reuse_uncached_first=self.profile.reuse_uncached_first,
+        )
+        self.kv = KVCacheManager(self.pool, self.hash_config, emit_token_ids=emit_token_ids)
+        self.scheduler = Scheduler(self.profile, self.kv, self.role)
+        self.timing = self.profile.timing
+
+    # ------------------------------------------------------------------------------ commands
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (raises :class:`RequestRejected` if it can never fit)."""
+        self.scheduler.add_request(request)
+
+    def validate_request(self, request: EngineRequest) -> None:
+        """Raise :class:`RequestRejected` now if ``request`` could never run on this worker."""
+        self.scheduler.validate(request)
+
+    def release(self, request_id: RequestId) -> bool:
+        """Prefill role: the transfer is done, free the held blocks. False if not held."""
+        return self.scheduler.release(request_id)
+
+    def abort(self, request_id: RequestId) -> bool:
+        """Drop a request (waiting, running or held). False if unknown."""
+        return self.scheduler.abort(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks if none is in use (queues ``AllBlocksCleared``)."""
+        return self.pool.reset_prefix_cache()
+
+    def step(self) -> StepResult:
+        """Plan and apply one engine step; return its tokens and its modelled duration."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        preempted = plan.preempted
+        # A step that only preempted (the running request could not grow, even alone) admits
+        # nothing by rule; plan again at once so the freed blocks are not left idle.
+        while not plan.entries and plan.preempted:
+            plan = sched.schedule()
+            preempted = preempted + plan.preempted
+        if not plan.entries:
+            return StepResult(0.0, [], [], plan.admitted, preempted, 0, plan.shape)
+        duration = self.timing.step_ms(plan.shape)
+        tokens, finished = sched.update(plan)
+        return StepResult(
+            duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape
+        )
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """Drain the KV events queued since the last call (publishing is the caller's job)."""
+        return self.pool.take_events()
+
+    # ------------------------------------------------------------------------------- queries
+
+    def has_work(self) -> bool:
+        """Whether a step could do anything (requests waiting or running)."""
+        return self.scheduler.has_work()
+
+    def is_held(self, request_id: RequestId) -> bool:
+        return request_id in self.scheduler.held
+
+    def held_block_ids(self, request_id: RequestId) -> list[int]:
+        """Block ids a held request occupies (what a KV transfer reads)."""
+        req = self.scheduler.held.get(request_id)
+        return [b.block_id for b in req.blocks] if req is not None else []
+
+    def cached_tokens(self, request_id: RequestId) -> int | None:
+        """Prompt tokens served from the prefix cache at first admission (None if not admitted)."""
+        req = self.scheduler.requests.get(request_id) or self.scheduler.held.get(request_id)
+        if req is None or req.cached_tokens < 0:
+            return None
+        return req.cached_tokens
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        queued = 0
+        for r in s.waiting:
+            queued += max(r.prompt_len - r.num_computed_tokens, 0) if not r.transferred else 0
+        for r in s.running:
+            if r.status is Status.RUNNING and r.num_computed_tokens < r.prompt_len:
+                queued += r.prompt_len - r.num_computed_tokens
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            held=len(s.held),
+            kv_usage=self.pool.usage,
+            free_blocks=self.pool.num_free_blocks,
+            cached_blocks=self.pool.num_cached_blocks,
+            queued_prefill_tokens=queued,
+            active_blocks=self.pool.num_active_blocks,
+            preemptions=s.num_preemptions,
+        )

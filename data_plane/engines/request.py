@@ -1,0 +1,156 @@
+"""What the engine is asked to do (``EngineRequest``) and what it tracks per request. Pure.
+
+Output tokens are deterministic pseudo-tokens: a function of the request id and the position,
+so two runs (simulated or real-time) of the same input produce the same tokens, the same
+chained block hashes for generated blocks, and therefore the same KV events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import xxhash
+
+from data_plane.engines.block_pool import KVCacheBlock
+from data_plane.engines.errors import RequestRejected
+from schemas.types import BlockHash, RequestId
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+#: Llama 3's vocabulary size: pseudo-tokens stay valid ids for the tokenizer the profiles model.
+DEFAULT_VOCAB_SIZE = 128_256
+
+
+def mix64(x: int) -> int:
+    """SplitMix64 finaliser: a cheap, well-spread bijection on 64-bit ints."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def request_seed(request_id: str) -> int:
+    """Per-request seed of the pseudo-token stream (stable across processes and runs)."""
+    return xxhash.xxh64_intdigest(request_id.encode(), seed=0x5157)
+
+
+def pseudo_token(seed: int, index: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
+    """Output token number ``index`` (0 = first generated token) of the stream ``seed``."""
+    return mix64(seed ^ ((index * _GOLDEN) & _MASK64)) % vocab_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation request as the engine receives it.
+
+    ``prompt`` may be any sequence supporting ``len`` and slicing (a lazy one for trace replay).
+    ``prompt_digests``, when given, must be the full chained digests of the prompt's full blocks
+    under the engine's :class:`HashConfig` (a trace loader computes them once per shared prefix);
+    the engine trusts them instead of hashing the prompt again, exactly like vLLM's ``Request``
+    carrying its ``block_hashes``.
+
+    ``output_prefix`` is for decode workers: tokens the prefill worker already produced (its
+    first token). The KV of ``prompt`` counts as transferred; the prefix tokens are fed next.
+    ``arrival_ms`` is the virtual time the request reaches the engine (drivers use it; the core
+    ignores it).
+    """
+
+    request_id: RequestId
+    prompt: Sequence[int]
+    max_tokens: int
+    arrival_ms: float | None = None
+    prompt_digests: Sequence[bytes] | None = None
+    output_prefix: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.prompt) == 0:
+            raise RequestRejected(f"request {self.request_id}: empty prompt")
+        if self.max_tokens < 1:
+            raise RequestRejected(f"request {self.request_id}: max_tokens must be >= 1")
+        if len(self.output_prefix) >= self.max_tokens:
+            raise RequestRejected(
+                f"request {self.request_id}: output_prefix already has "
+                f"{len(self.output_prefix)} of max_tokens={self.max_tokens} tokens"
+            )
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    #: Prefill role: prompt KV computed and first token emitted; blocks held for the transfer.
+    HELD = "held"
+    FINISHED = "finished"
+
+
+class RequestState:
+    """The engine's mutable view of one request (vLLM's ``Request``). Internal to the engine."""
+
+    __slots__ = (
+        "request",
+        "request_id",
+        "prompt",
+        "prompt_len",
+        "max_tokens",
+        "output",
+        "num_computed_tokens",
+        "blocks",
+        "digests",
+        "hashes",
+        "num_cached_blocks",
+        "status",
+        "cached_tokens",
+        "num_preemptions",
+        "seed",
+        "transferred",
+        "order",
+    )
+
+    def __init__(self, request: EngineRequest, order: int) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt = request.prompt
+        self.prompt_len = len(request.prompt)
+        self.max_tokens = request.max_tokens
+        self.output: list[int] = list(request.output_prefix)
+        self.num_computed_tokens = 0
+        self.blocks: list[KVCacheBlock] = []
+        #: Full digests of this sequence's full blocks (prompt first, then generated ones), and
+        #: their wire forms. Extended lazily, only as far as a lookup or a cache insert needs.
+        self.digests: list[bytes] = list(request.prompt_digests or ())
+        self.hashes: list[BlockHash] = [
+            BlockHash(int.from_bytes(d[-8:], "big")) for d in self.digests
+        ]
+        #: How many of ``blocks`` are registered in the pool's cache map.
+        self.num_cached_blocks = 0
+        self.status = Status.WAITING
+        #: Prompt tokens served from the prefix cache at first admission (-1: not admitted yet).
+        self.cached_tokens = -1
+        self.num_preemptions = 0
+        self.seed = request_seed(request.request_id)
+        #: Decode role: the prompt's KV arrived by transfer (no prefill compute).
+        self.transferred = False
+        #: Arrival order in this engine (stable tie-breaker).
+        self.order = order
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)`` of prompt + output."""
+        pl = self.prompt_len
+        if end <= pl:
+            return list(self.prompt[start:end])
+        if start >= pl:
+            return self.output[start - pl : end - pl]
+        return list(self.prompt[start:pl]) + self.output[: end - pl]
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestState({self.request_id!r}, {self.status.value}, computed="
+            f"{self.num_computed_tokens}/{self.num_tokens}, blocks={len(self.blocks)})"
+        )

@@ -1,0 +1,471 @@
+"""Unit tests of the simulated engine (``data_plane.engines``): pure core, no mocks.
+
+Builders take ``**overrides``; each test states the arithmetic it checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from control_plane.index.hashing import hash_block_digests, hash_blocks
+from data_plane.engines import (
+    Admission,
+    AsyncEngine,
+    EngineCore,
+    EngineRequest,
+    MooncakeTrace,
+    PolynomialTiming,
+    ProfileError,
+    RequestRejected,
+    StepShape,
+    TraceRecord,
+    default_hash_config,
+    load_profile,
+    pseudo_token,
+    read_mooncake,
+    request_seed,
+    simulate,
+)
+from data_plane.ports import MemorySink
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+from schemas.types import Tier, WorkerRole
+
+
+def _profile(**overrides):
+    """A tiny vLLM-semantics profile: 8 blocks of 4 tokens, mocker polynomial timing."""
+    base = dict(
+        block_size=4,
+        num_device_blocks=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        admission=Admission.CHUNK,
+        reuse_uncached_first=False,
+    )
+    base.update(overrides)
+    return load_profile("mocker").replace(name="tiny", **base)
+
+
+def _core(role=WorkerRole.AGGREGATED, on_evict=None, **overrides) -> EngineCore:
+    prof = _profile(**overrides)
+    return EngineCore(
+        prof, role=role, hash_config=default_hash_config(prof.block_size), on_evict=on_evict
+    )
+
+
+def _req(rid: str, prompt, max_tokens: int = 1, **kw) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt=list(prompt), max_tokens=max_tokens, **kw)
+
+
+def _drain(core: EngineCore, max_steps: int = 10_000) -> list:
+    """Step until idle; return the step results."""
+    out = []
+    while core.has_work() and len(out) < max_steps:
+        res = core.step()
+        if res.num_scheduled == 0:
+            break
+        out.append(res)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Block pool: prefix cache hits, misses and LRU eviction
+# --------------------------------------------------------------------------------------------
+
+
+def test_prefix_cache_and_lru_eviction_worked_example():
+    """8 blocks of 4 tokens; requests run one after the other, each with max_tokens=1.
+
+    A = tokens 1..10 (3 blocks: 0, 1 full -> hashes a0, a1; 2 partial). Freed last block
+    first, after the never-used blocks: free queue = 3 4 5 6 7 | 2 1 0.
+    B = tokens 1..8, 20..24 (13 tokens). Hit limit (13-1)//4 = 3 blocks; a0, a1 hit (blocks 0,
+    1 leave the free queue), b2 misses. B takes blocks 3 (b2, full) and 4 (partial): 8 cached
+    tokens. Freed: queue = 5 6 7 2 | 4 3 1 0.
+    C = 24 fresh tokens (6 blocks): pops 5 6 7 2 4 (no hash: nothing evicted) and 3, which
+    evicts b2 (the least recently freed *cached* block): one BlockRemoved([b2]) and
+    on_evict(b2, parent a1). a0 and a1 survive because they were freed later.
+    B again: a0, a1 hit, b2 misses -> 8 cached tokens; its own b2 is recomputed and stored.
+    """
+    evicted = []
+    core = _core(on_evict=lambda h, parent: evicted.append((h, parent)))
+    a = list(range(1, 11))
+    b = list(range(1, 9)) + [20, 21, 22, 23, 24]
+    c = list(range(100, 124))
+    cfg = default_hash_config(4)
+    a0, a1 = hash_blocks(a, cfg)
+    _, _, b2 = hash_blocks(b, cfg)
+
+    core.add_request(_req("A", a))
+    _drain(core)
+    assert core.pool.free_order() == [3, 4, 5, 6, 7, 2, 1, 0]
+    stored = core.take_kv_events()
+    assert [e.block_hashes for e in stored] == [[a0, a1]]
+    assert stored[0].parent_hash is None and stored[0].tier is Tier.DEVICE
+
+    core.add_request(_req("B", b))
+    (res,) = _drain(core)
+    assert res.admitted == [("B", 8)]
+    assert core.pool.free_order() == [5, 6, 7, 2, 4, 3, 1, 0]
+    (ev,) = core.take_kv_events()
+    assert ev.block_hashes == [b2] and ev.parent_hash == a1
+
+    core.add_request(_req("C", c))
+    (res,) = _drain(core)
+    assert res.admitted == [("C", 0)]
+    events = core.take_kv_events()
+    assert [type(e) for e in events] == [BlockRemoved, BlockStored]
+    assert events[0].block_hashes == [b2]
+    assert evicted == [(b2, a1)]
+    assert core.pool.get_cached_block(a0) is not None and core.pool.get_cached_block(b2) is None
+
+    core.add_request(_req("B2", b))
+    (res,) = _drain(core)
+    assert res.admitted == [("B2", 8)]
+
+
+def test_uncached_blocks_reused_first_like_dynamo_mocker():
+    """With ``reuse_uncached_first`` A's partial block 2 goes to the head when freed:
+    free queue = 2 3 4 5 6 7 | 1 0 (vLLM would put it after 7)."""
+    core = _core(reuse_uncached_first=True)
+    core.add_request(_req("A", range(1, 11)))
+    _drain(core)
+    assert core.pool.free_order() == [2, 3, 4, 5, 6, 7, 1, 0]
+
+
+def test_fully_cached_prompt_recomputes_last_block():
+    """A prompt of exactly 8 tokens (2 blocks) seen before hits only (8-1)//4 = 1 block: the last
+    token must be computed, so block 1 is recomputed (a second copy of the same hash)."""
+    core = _core()
+    core.add_request(_req("A", range(8)))
+    _drain(core)
+    core.take_kv_events()
+    core.add_request(_req("B", range(8)))
+    (res,) = _drain(core)
+    assert res.admitted == [("B", 4)]
+    assert res.shape.prefill_tokens == 4
+    (stored,) = core.take_kv_events()
+    assert stored.block_hashes == hash_blocks(list(range(8)), default_hash_config(4))[1:]
+
+
+def test_reset_prefix_cache_emits_all_blocks_cleared_only_when_idle():
+    core = _core()
+    core.add_request(_req("A", range(10), max_tokens=3))
+    core.step()
+    assert core.reset_prefix_cache() is False  # A holds blocks
+    _drain(core)
+    core.take_kv_events()
+    assert core.reset_prefix_cache() is True
+    assert core.take_kv_events() == [AllBlocksCleared(worker_id=core.worker_id, tier=Tier.DEVICE)]
+    assert core.pool.num_cached_blocks == 0
+
+
+def test_event_hashes_match_router_hashing_including_generated_blocks():
+    """Blocks filled by generated tokens are hashed too, chained after the prompt, from the
+    deterministic pseudo-tokens: the router can recompute every stored hash."""
+    core = _core()
+    prompt = list(range(50, 56))  # 6 tokens
+    core.add_request(_req("A", prompt, max_tokens=9))
+    _drain(core)
+    seed = request_seed("A")
+    out = [pseudo_token(seed, i) for i in range(9)]
+    stored = [h for e in core.take_kv_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    # The 15th token (out[8]) is sampled but never fed, so 14 computed tokens = 3 full blocks.
+    assert stored == hash_blocks(prompt + out[:6], default_hash_config(4))
+
+
+def test_one_block_stored_per_request_per_step():
+    """Two requests chunked in the same step each get their own BlockStored."""
+    core = _core(max_num_batched_tokens=12)
+    core.add_request(_req("A", range(0, 8)))
+    core.add_request(_req("B", range(100, 108)))
+    core.step()  # A: 8 tokens (2 blocks full), B: 4 tokens (1 block full)
+    events = core.take_kv_events()
+    assert [len(e.block_hashes) for e in events] == [2, 1]
+
+
+# --------------------------------------------------------------------------------------------
+# Timing
+# --------------------------------------------------------------------------------------------
+
+
+def test_polynomial_timing_matches_formulas_exactly():
+    t = PolynomialTiming()
+    for n in (1, 100, 1434, 8192):
+        assert t.prefill_ms(n) == 4.209989e-7 * n * n + 1.518344e-2 * n + 16.50142
+    for u in (0.0, 0.25, 0.5, 1.0):
+        assert t.decode_ms(u) == max(1.0, -25.74 * u * u + 54.01 * u + 5.74)
+    assert t.decode_ms(-1.0) == 1.0  # floor
+    cap = 16384 * 64
+    shape = StepShape(
+        prefill_tokens=5376, decode_seqs=1, decode_context_tokens=6759, kv_capacity_tokens=cap
+    )
+    assert t.step_ms(shape) == t.prefill_ms(5376) + t.decode_ms(6759 / cap)
+    idle_decodes = StepShape(decode_seqs=3, decode_context_tokens=0, kv_capacity_tokens=cap)
+    assert t.step_ms(idle_decodes) == t.decode_ms(0)  # no batch-size term
+    assert t.step_ms(StepShape()) == 0.0
+
+
+def test_mocker_profile_reproduces_dynamo_measured_ttfts():
+    """First two lines of the Mooncake conversation trace on one worker, measured with
+    ai-dynamo-runtime 1.6.1's mocker: TTFT 169.136918 ms and 285.519032 ms, 512 reused tokens.
+
+    Step 1: A's 6,758 tokens + B's first 1,434 (B hits 8 blocks = 512 tokens of A's prefix,
+    cached at scheduling time): prefill(8192) = 169.1369 ms, A's first token.
+    Step 2: B's last 5,376 tokens + A's decode at sequence length 6,759:
+    prefill(5376) + decode(6759 / 1,048,576) = 110.2951 + 6.0871 = 116.3821 ms.
+    """
+    records = [
+        TraceRecord(0, 6758, 500, tuple(range(0, 14))),
+        TraceRecord(0, 7322, 490, (0, *range(14, 28))),
+    ]
+    trace = MooncakeTrace(default_hash_config(64))
+    res = simulate(list(trace.requests(records)), "mocker")
+    a, b = res.requests
+    assert a.ttft_ms == pytest.approx(169.136918, abs=1e-5)
+    assert b.ttft_ms == pytest.approx(285.519032, abs=1e-5)
+    assert (a.cached_tokens, b.cached_tokens) == (0, 512)
+    assert b.itl_ms[0] == pytest.approx(6.460743, abs=1e-5)  # both decode: u = (6760+7323)/C
+
+
+def test_roofline_decode_grows_with_batch_and_context():
+    t = load_profile("h100_llama3_8b").timing
+
+    def decode(batch, ctx):
+        return t.step_ms(StepShape(decode_seqs=batch, decode_context_tokens=batch * ctx))
+
+    assert decode(1, 1000) < decode(8, 1000) < decode(64, 1000) < decode(256, 1000)
+    assert decode(32, 500) < decode(32, 2000) < decode(32, 8000)
+    assert 6.0 < decode(1, 1000) < 9.0  # ~137 tok/s single stream (see the profile file)
+
+
+def test_profile_errors():
+    with pytest.raises(ProfileError):
+        load_profile("no_such_profile")
+    with pytest.raises(ProfileError):
+        _profile(num_device_blocks=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler
+# --------------------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_respects_token_budget():
+    """Budget 16: A (prompt 40) runs alone: chunks 16, 16, 8 -> first token after step 3.
+    B (prompt 30) arrives then: step 4 = A's decode (1) + B's first 15 tokens = 16."""
+    core = _core(max_num_batched_tokens=16, num_device_blocks=32)
+    core.add_request(_req("A", range(40), max_tokens=4))
+    shapes = [core.step().shape for _ in range(3)]
+    assert [s.prefill_tokens for s in shapes] == [16, 16, 8]
+    core.add_request(_req("B", range(100, 130), max_tokens=2))
+    s4 = core.step().shape
+    assert (s4.decode_seqs, s4.prefill_tokens) == (1, 15)
+    for res in _drain(core):
+        assert res.shape.prefill_tokens + res.shape.decode_seqs <= 16
+
+
+def test_preemption_under_pressure_is_lifo_and_recomputes():
+    """8 blocks of 4 = 32 tokens. A, B, C each have a 6-token prompt and want 14 tokens: 19
+    computed tokens = 5 blocks each, 15 for all three. When decoding runs out of blocks the
+    *last admitted* running request (C) is preempted, freed, and re-queued at the front; it
+    recomputes later. Every request still gets exactly its 14 deterministic tokens."""
+    core = _core()
+    for rid, base in (("A", 0), ("B", 100), ("C", 200)):
+        core.add_request(_req(rid, range(base, base + 6), max_tokens=14))
+    results = _drain(core)
+    preempted = [rid for r in results for rid in r.preempted]
+    assert preempted and preempted[0] == "C"
+    assert core.stats().preemptions == len(preempted)
+    tokens = {}
+    for r in results:
+        for t in r.tokens:
+            tokens.setdefault(t.request_id, []).append(t.token_id)
+    for rid in "ABC":
+        assert tokens[rid] == [pseudo_token(request_seed(rid), i) for i in range(14)]
+    assert core.pool.num_free_blocks == 8
+
+
+def test_max_num_seqs_limits_running():
+    core = _core(max_num_seqs=2, num_device_blocks=64)
+    for i in range(4):
+        core.add_request(_req(f"r{i}", range(i * 10, i * 10 + 5), max_tokens=3))
+    core.step()
+    assert core.stats().running == 2 and core.stats().waiting == 2
+
+
+def test_whole_prompt_admission_waits_for_free_blocks():
+    """Budget 25, 8 blocks: A takes 24 tokens = 6 blocks, leaving 2 free and 1 budget token.
+    vLLM (chunk admission) starts B's first chunk (1 token, 1 block); the mocker's rule wants
+    B's whole 10 tokens (3 blocks) free, so B waits."""
+    for admission, waiting in ((Admission.CHUNK, 0), (Admission.WHOLE_PROMPT, 1)):
+        core = _core(admission=admission, max_num_batched_tokens=25)
+        core.add_request(_req("A", range(24), max_tokens=3))
+        core.add_request(_req("B", range(100, 110)))
+        core.step()
+        assert core.stats().waiting == waiting
+
+
+def test_request_that_can_never_fit_is_rejected():
+    core = _core()
+    with pytest.raises(RequestRejected):
+        core.add_request(_req("big", range(30), max_tokens=3))  # 33 tokens > 32
+    with pytest.raises(RequestRejected):
+        _req("empty", [])
+
+
+# --------------------------------------------------------------------------------------------
+# Roles
+# --------------------------------------------------------------------------------------------
+
+
+def test_prefill_role_holds_blocks_until_release():
+    """Prefill worker: 10-token prompt -> 3 blocks, one token, then the blocks stay referenced
+    (held for the NIXL transfer) until release(); no decode time is ever charged."""
+    core = _core(role=WorkerRole.PREFILL)
+    core.add_request(_req("A", range(10), max_tokens=50))
+    (res,) = _drain(core)
+    assert [(t.index, t.finished) for t in res.tokens] == [(0, True)]
+    assert res.finished == ["A"] and res.shape.decode_seqs == 0
+    assert core.is_held("A") and core.held_block_ids("A") == [0, 1, 2]
+    assert core.pool.num_free_blocks == 5
+    assert core.release("A") is True and core.release("A") is False
+    assert core.pool.num_free_blocks == 8
+    assert core.pool.num_cached_blocks == 2  # freed, still prefix hits
+
+
+def test_held_blocks_delay_admission_until_release_in_simulation():
+    """Prefill worker with 8 blocks: A (20 tokens = 5 blocks) is held after its token; B (16
+    tokens = 4 blocks) cannot get its blocks until A is released 100 ms later."""
+    prof = _profile()
+    reqs = [_req("A", range(20), max_tokens=10, arrival_ms=0.0), _req("B", range(100, 116), arrival_ms=1.0)]
+    cfg = default_hash_config(4)
+    a, b = simulate(reqs, prof, role=WorkerRole.PREFILL, release_after_ms=100.0, hash_config=cfg).requests
+    assert a.output_tokens == 1 and b.output_tokens == 1
+    assert b.first_token_ms > a.first_token_ms + 100.0
+    never = simulate(reqs, prof, role=WorkerRole.PREFILL, release_after_ms=None, hash_config=cfg)
+    assert never.requests[1].output_tokens == 0 and not never.requests[1].finished
+
+
+def test_decode_role_allocates_transferred_prompt_without_prefill():
+    """Decode worker: prompt KV (10 tokens) already transferred, first token from the prefill
+    worker in ``output_prefix``. Admission allocates ceil(11/4) = 3 blocks, stores the 2 full
+    prompt blocks, and the first step is a decode (no prefill tokens): 4 more tokens follow."""
+    core = _core(role=WorkerRole.DECODE)
+    prompt = list(range(10))
+    first = pseudo_token(request_seed("A"), 0)
+    core.add_request(_req("A", prompt, max_tokens=5, output_prefix=(first,)))
+    results = _drain(core)
+    assert results[0].shape.prefill_tokens == 0 and results[0].shape.decode_seqs == 1
+    assert results[0].shape.decode_context_tokens == 11
+    assert [t.index for r in results for t in r.tokens] == [1, 2, 3, 4]
+    stored = [e for e in core.take_kv_events() if isinstance(e, BlockStored)]
+    assert stored[0].block_hashes == hash_blocks(prompt, default_hash_config(4))
+
+
+def test_decode_role_without_first_token_generates_all_tokens():
+    core = _core(role=WorkerRole.DECODE)
+    core.add_request(_req("A", range(10), max_tokens=3))
+    results = _drain(core)
+    assert all(r.shape.prefill_tokens == 0 for r in results)
+    assert [t.index for r in results for t in r.tokens] == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------------------------
+# Drivers
+# --------------------------------------------------------------------------------------------
+
+
+def _workload():
+    """12 requests over 3 shared prefixes, arriving every 15 ms, on a pool small enough to
+    preempt (48 blocks of 16 tokens)."""
+    out = []
+    for i in range(12):
+        prompt = [(i % 3) * 1000 + j for j in range(40 + 17 * i)]
+        out.append(_req(f"r{i}", prompt, max_tokens=20 + 3 * i, arrival_ms=15.0 * i))
+    return out
+
+
+def _driver_profile():
+    return _profile(block_size=16, num_device_blocks=30, max_num_batched_tokens=128, max_num_seqs=6)
+
+
+def test_simulation_and_real_time_runs_agree():
+    """Same input -> same KV events, same tokens, same virtual token times, whether the core is
+    driven by the discrete-event simulation or by the asyncio engine at 1000x real time."""
+    prof = _driver_profile()
+    sim_sink = MemorySink()
+    res = simulate(_workload(), prof, sink=sim_sink, hash_config=default_hash_config(16))
+    assert res.preemptions > 0 and any(r.cached_tokens for r in res.requests)
+
+    async def run():
+        sink = MemorySink()
+        eng = AsyncEngine(EngineCore(prof, hash_config=default_hash_config(16)), speedup=1000.0, sink=sink)
+        streams = [eng.submit(r) for r in _workload()]
+        async with eng:
+            outs = await asyncio.wait_for(asyncio.gather(*(s.collect() for s in streams)), 30)
+        return sink, {s.request_id: [(t.token_id, t.time_ms) for t in o] for s, o in zip(streams, outs)}
+
+    sink, streamed = asyncio.run(run())
+    assert sink.events == sim_sink.events
+    for rec in res.requests:
+        seed = request_seed(rec.request_id)
+        expected = [(pseudo_token(seed, i), t) for i, t in enumerate(rec.token_times)]
+        assert streamed[rec.request_id] == expected
+
+
+def test_async_engine_streams_live_requests_and_abort():
+    async def run():
+        eng = AsyncEngine(_core(num_device_blocks=64), speedup=100.0)
+        async with eng:
+            s1 = eng.submit(_req("A", range(10), max_tokens=5))
+            s2 = eng.submit(_req("B", range(20, 30), max_tokens=200))
+            toks = await s1.collect()
+            assert eng.abort("B") is True and eng.abort("B") is False
+            rest = await s2.collect()
+        return toks, rest
+
+    toks, rest = asyncio.run(run())
+    with pytest.raises(RequestRejected):  # 210 + 500 tokens > 64 blocks * 4: refused at submit
+        AsyncEngine(_core(num_device_blocks=64)).submit(_req("C", range(210), max_tokens=500))
+    assert [t.index for t in toks] == [0, 1, 2, 3, 4] and toks[-1].finish_reason == "length"
+    assert all(b.time_ms >= a.time_ms for a, b in zip(toks, toks[1:]))
+    assert rest[-1].finish_reason == "abort"
+
+
+def test_simulation_is_deterministic_and_counts_tokens():
+    prof = _driver_profile()
+    a = simulate(_workload(), prof, hash_config=default_hash_config(16)).summary()
+    b = simulate(_workload(), prof, hash_config=default_hash_config(16)).summary()
+    assert a == b
+    assert a["completed"] == 12 and a["output_tokens"] == sum(20 + 3 * i for i in range(12))
+
+
+# --------------------------------------------------------------------------------------------
+# Trace tooling
+# --------------------------------------------------------------------------------------------
+
+
+def test_trace_prompts_share_exactly_the_hash_id_prefix(tmp_path):
+    """Each trace hash id = 512 tokens = 8 engine blocks of 64. Prompts [7, 8, 9] and [7, 8, 5]
+    share 2 hash ids -> 1,024 tokens -> 16 equal chained engine hashes, then differ. The
+    memoised digests equal hashing the synthesized tokens directly."""
+    path = tmp_path / "t.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1500, "output_length": 3, "hash_ids": [7, 8, 9]},
+        {"timestamp": 5, "input_length": 1300, "output_length": 2, "hash_ids": [7, 8, 5]},
+        {"timestamp": 9, "input_length": 700, "output_length": 1, "hash_ids": [7, 8]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = default_hash_config(64)
+    trace = MooncakeTrace(cfg)
+    recs = read_mooncake(path)
+    x, y, z = (list(trace.requests(recs)))
+    assert x.prompt[:1024] == y.prompt[:1024] and x.prompt[1024:1100] != y.prompt[1024:1100]
+    hx, hy = hash_blocks(x.prompt[:], cfg), hash_blocks(y.prompt[:], cfg)
+    assert hx[:16] == hy[:16] and hx[16] != hy[16]
+    for r in (x, y, z):
+        assert list(r.prompt_digests) == hash_block_digests(r.prompt[:], cfg)
+    assert len(z.prompt) == 700 and len(z.prompt_digests) == 10  # 512 + 188: 8 + 2 full blocks
+    assert z.arrival_ms == 9.0 and x.max_tokens == 3
