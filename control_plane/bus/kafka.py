@@ -178,6 +178,26 @@ class EventProducer:
             log.warning("producer %s closed with %d undelivered events", self.producer_id, left)
 
 
+class DeadLetters:
+    """Writes records nobody could decode or apply to the dead-letter topic: the original bytes
+    and key, plus headers saying why, where it came from and who gave up on it."""
+
+    def __init__(self, producer: EventProducer, catalog: Catalog, consumer_name: str) -> None:
+        self.producer = producer
+        self.catalog = catalog
+        self.consumer_name = consumer_name
+        self.sent = 0
+
+    def send(self, value: bytes | None, key: bytes | None, reason: str, error: str, source: str) -> None:
+        self.sent += 1
+        log.warning("dead-lettering %s (%s): %s", source, reason, error)
+        self.producer.produce_raw(
+            self.catalog.deadletter, value, key,
+            [(H_DLQ_REASON, reason.encode()), (H_DLQ_ERROR, error[:2000].encode()),
+             (H_DLQ_SOURCE, source.encode()), (H_DLQ_CONSUMER, self.consumer_name.encode())],
+        )
+
+
 @dataclass(frozen=True)
 class Delivered:
     envelope: Envelope[Event]
@@ -227,11 +247,10 @@ class EventConsumer:
         self.dedupe = dedupe
         self.name = consumer_name or group_id or "consumer"
         self.topics = [self.catalog.topic(s) for s in streams]
-        self._dlq = dead_letters
-        self._owns_dlq = False
-        if self._dlq is None:
-            self._dlq = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
-            self._owns_dlq = True
+        self._owns_dlq = dead_letters is None
+        if dead_letters is None:
+            dead_letters = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
+        self._dlq = DeadLetters(dead_letters, self.catalog, self.name)
         base = {
             "bootstrap.servers": settings.bootstrap,
             "group.id": group_id or f"sy-assign-{self.name}",
@@ -315,20 +334,13 @@ class EventConsumer:
 
     def dead_letter(self, d: Delivered, reason: str, error: str) -> None:
         """Send a decoded event that its handler could not apply to the dead-letter topic."""
-        self._send_dlq(self.codec.encode(d.envelope), d.envelope.key.encode(), reason, error,
+        self.dead_lettered += 1
+        self._dlq.send(self.codec.encode(d.envelope), d.envelope.key.encode(), reason, error,
                        f"{d.topic}:{d.partition}:{d.offset}")
 
     def _dead_letter_msg(self, m: Message, reason: str, error: str) -> None:
-        self._send_dlq(m.value(), m.key(), reason, error, f"{m.topic()}:{m.partition()}:{m.offset()}")
-
-    def _send_dlq(self, value, key, reason: str, error: str, source: str) -> None:
         self.dead_lettered += 1
-        log.warning("dead-lettering %s (%s): %s", source, reason, error)
-        self._dlq.produce_raw(
-            self.catalog.deadletter, value, key,
-            [(H_DLQ_REASON, reason.encode()), (H_DLQ_ERROR, error[:2000].encode()),
-             (H_DLQ_SOURCE, source.encode()), (H_DLQ_CONSUMER, self.name.encode())],
-        )
+        self._dlq.send(m.value(), m.key(), reason, error, f"{m.topic()}:{m.partition()}:{m.offset()}")
 
     # -- position ---------------------------------------------------------------------------
 
@@ -354,4 +366,4 @@ class EventConsumer:
     def close(self) -> None:
         self._c.close()
         if self._owns_dlq:
-            self._dlq.close(10)
+            self._dlq.producer.close(10)

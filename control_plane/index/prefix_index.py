@@ -34,17 +34,18 @@ Every event comes with its envelope's ``(producer, epoch, seq)``; sequence numbe
 * An epoch lower than the worker's current one (or than its producer's) is dropped: ``FENCED``.
 * A gap (``seq > last + 1``, or a producer first seen at ``seq > 0``) means events were lost: the
   slots that producer writes are marked *stale* and *lost*.
-* A new epoch for a worker marks all its slots *stale* (a new incarnation; its old entries may or
-  may not still be true). Entries stay and ``find_matches`` reports ``stale=True`` for them.
+* A new epoch for a worker drops its volatile (device, host) entries at once and marks its
+  slots *stale*: its persistent entries may or may not still be true. They stay, and
+  ``find_matches`` reports ``stale=True`` for them, until a resync.
 * Resync points clear the flags:
 
   - ``AllBlocksCleared(tier=None)`` empties that slot entirely: from here its state is exact.
-  - ``WorkerRegistered`` (a worker incarnation came up) empties the worker's volatile tiers
-    (device, host: a new process starts with empty memory) and keeps its persistent tiers (disk,
-    object survive restarts) unless events were *lost* since the last resync, in which case
-    those are dropped too. Producers must publish it before the incarnation's first KV event;
-    if a consumer sees KV events of the new epoch first, their device/host entries are dropped
-    by it: the index errs towards under-reporting, never towards false residency.
+  - ``WorkerRegistered`` (a worker incarnation came up) resyncs the worker: its persistent
+    tiers (disk, object survive restarts) are kept unless events were *lost* since the last
+    resync, in which case they are dropped too. Its volatile tiers were already emptied when
+    the new epoch was first seen (on either stream: a new process starts with empty memory),
+    so a registration folded after the incarnation's first KV events (the two topics have no
+    order between them) never wipes those.
 
 * ``WorkerDeregistered`` drops the worker's volatile tiers (and persistent ones if lost) and
   takes it out of ``find_matches`` until it registers again. An emptied slot is freed for reuse.
@@ -434,10 +435,15 @@ class PrefixIndex:
         tp = type(payload)
         if new_epoch:
             wk.epoch = epoch
+            # A new incarnation has empty memory: the old one's device/host entries are gone for
+            # certain, whichever stream tells us first. Persistent tiers (disk, object) stay,
+            # stale, until the worker resyncs (see the module docstring).
+            for s in _bits(wk.slots):
+                self._clear(s, _ALL_IDX if self._lost >> s & 1 else _VOLATILE_IDX)
             self._stale |= wk.slots
             self._counters["new_epochs"] += 1
-            logger.info("worker %s is in epoch %d: its entries are stale until it resyncs",
-                        worker_id, epoch)
+            logger.info("worker %s is in epoch %d: volatile entries dropped, persistent ones "
+                        "stale until it resyncs", worker_id, epoch)
         if gap:
             if slot < 0 and dp_rank is not None:
                 # Whatever this event starts is incomplete too: flag its slot from the start.
@@ -672,8 +678,12 @@ class PrefixIndex:
         self._lost &= ~mask
 
     def _registered(self, wk: _Worker) -> None:
+        # Volatile tiers were already dropped when the epoch changed. Clearing them here would
+        # race: ``workers`` and ``kv`` are separate topics, so a registration may be folded
+        # after the same incarnation's first stores and would wipe them.
         for s in _bits(wk.slots):
-            self._clear(s, _ALL_IDX if self._lost >> s & 1 else _VOLATILE_IDX)
+            if self._lost >> s & 1:
+                self._clear(s, _ALL_IDX)
         self._resync(wk.slots)
         wk.deregistered = False
         self._active |= wk.slots

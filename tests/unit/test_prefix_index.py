@@ -226,9 +226,9 @@ def test_first_event_mid_stream_is_a_gap():
 
 
 def test_new_epoch_marks_stale_old_epoch_is_fenced_registration_resyncs():
-    """Epoch 1 stores [1,2] on device and [1] on disk. Epoch 2 appears: stale, entries kept.
-    A late epoch-1 event is fenced. WorkerRegistered in epoch 2 resyncs: device gone (a new
-    process has empty memory), disk kept (persistent)."""
+    """Epoch 1 stores [1,2] on device and [1] on disk. Epoch 2 appears: device entries gone at
+    once (a new process has empty memory), disk kept but stale. A late epoch-1 event is fenced.
+    WorkerRegistered in epoch 2 resyncs: disk kept (persistent), no longer stale."""
     idx = _index()
     feed = _Feed(idx, epoch=1)
     feed(_registered("w1"))
@@ -236,12 +236,21 @@ def test_new_epoch_marks_stale_old_epoch_is_fenced_registration_resyncs():
     feed(_stored("w1", [1], tier=DISK))
     assert idx.apply("w1", 2, 0, _stored("w1", [5])) is ApplyOutcome.APPLIED
     assert idx.epoch_of("w1") == 2
-    assert idx.find_matches([1, 2])[_w("w1")] == Match(2, (2, 0, 0, 0), stale=True)
+    assert idx.find_matches([1, 2])[_w("w1")] == Match(1, (0, 0, 1, 0), stale=True)
     assert idx.apply("w1", 1, 99, _stored("w1", [9])) is ApplyOutcome.FENCED
     assert idx.find_matches([9]) == {}
     assert idx.apply("w1", 2, 0, _registered("w1")) is ApplyOutcome.APPLIED
     assert idx.find_matches([1, 2]) == {_w("w1"): Match(1, (0, 0, 1, 0), stale=False)}
-    assert idx.as_dict()["residency"] == {("w1", 0, "disk"): frozenset({1})}
+    assert idx.as_dict()["residency"] == {("w1", 0, "disk"): frozenset({1}), ("w1", 0, "device"): frozenset({5})}
+
+
+def test_registration_folded_after_the_same_incarnations_stores_keeps_them():
+    """``workers`` and ``kv`` are separate topics: a registration may be folded after the first
+    stores of the same epoch. It must not wipe them."""
+    idx = _index()
+    idx.apply("w1@kv", 1, 0, _stored("w1", [1, 2]))
+    idx.apply("w1@workers", 1, 0, _registered("w1"))
+    assert idx.find_matches([1, 2]) == {_w("w1"): Match(2, (2, 0, 0, 0), stale=False)}
 
 
 def test_registration_after_lost_events_drops_persistent_tiers_too():
