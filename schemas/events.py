@@ -170,6 +170,13 @@ class CandidateScore(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     #: Sampling probability when the decision samples (temperature > 0).
     probability: float | None = None
     eligible: bool = True
+    #: Blocks of the prompt held by this router's in-flight requests on this worker (counted
+    #: as overlap at full weight, since the engine will store them once).
+    speculative_overlap: int = 0
+    #: Why an ineligible row was excluded ("draining", "role", "capacity", "imbalance"...).
+    excluded: str = ""
+    #: The worker's device KV capacity in blocks as the router saw it (0 = unknown).
+    kv_capacity_blocks: int = 0
 
 
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -188,6 +195,16 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     index_position: dict[str, int] = {}
     router_id: str = ""
     attempt: int = 0
+    #: Round-robin cursor the decision started from (needed to re-execute round_robin).
+    rr_cursor: str | None = None
+    #: Guards that narrowed the candidate set ("capacity", "imbalance").
+    guards: list[str] = []
+    #: Output tokens the router assumed for the decode term.
+    expected_output_tokens: int = 0
+    #: The router view's state when deciding: EXACT, DEGRADED or LOADING.
+    view_state: str = ""
+    #: Workers excluded because an earlier attempt of this request failed on them.
+    excluded_workers: list[str] = []
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

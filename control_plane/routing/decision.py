@@ -225,8 +225,8 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     prefill_tokens: int = 0
     #: ... and every KV block the request will hold there.
     decode_blocks: int = 0
-    #: Blocks of the prompt held by in-flight requests, per worker (non-zero only). Not part of
-    #: ``CandidateScore`` (yet), so kept here and named in the reason.
+    #: Blocks of the prompt held by in-flight requests, per worker (non-zero only); also in
+    #: each row's ``speculative_overlap``.
     speculative_overlap: dict[WorkerId, int] = {}
     #: Guards that changed the candidate set ("capacity", "imbalance").
     guards: tuple[str, ...] = ()
@@ -520,6 +520,9 @@ def decide(
                 cost=row_cost[i],
                 probability=None if probability is None else probability[i],
                 eligible=excluded[i] is None,
+                speculative_overlap=shared[i],
+                excluded=excluded[i] or "",
+                kv_capacity_blocks=w.kv_capacity_blocks,
             ))
         else:
             append(CandidateScore(
@@ -535,6 +538,9 @@ def decide(
                 cost=row_cost[i],
                 probability=None if probability is None else probability[i],
                 eligible=excluded[i] is None,
+                speculative_overlap=shared[i],
+                excluded=excluded[i] or "",
+                kv_capacity_blocks=w.kv_capacity_blocks,
             ))
 
     if does_prefill:

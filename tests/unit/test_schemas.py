@@ -163,6 +163,9 @@ def _make_candidate_score(**overrides: Any) -> CandidateScore:
             "cost": 4.9,
             "probability": 0.25,
             "eligible": False,
+            "speculative_overlap": 3,
+            "excluded": "draining",
+            "kv_capacity_blocks": 16384,
             **overrides,
         }
     )
@@ -182,6 +185,11 @@ def _make_request_routed(**overrides: Any) -> RequestRouted:
             "index_position": {"switchyard.kv:0": 10},
             "router_id": "router-1",
             "attempt": 1,
+            "rr_cursor": "w-2",
+            "guards": ["capacity"],
+            "expected_output_tokens": 256,
+            "view_state": "EXACT",
+            "excluded_workers": ["w-7"],
             **overrides,
         }
     )
