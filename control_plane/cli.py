@@ -153,6 +153,34 @@ def schemas_check() -> None:
     typer.echo("schema files match the payload types")
 
 
+# -- router -----------------------------------------------------------------------------------
+
+
+@app.command("router")
+def router_cmd(
+    port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    router_id: Annotated[Optional[str], typer.Option(help="Replica id (names its consumer group).")] = None,
+    mode: Annotated[str, typer.Option(help="kv | round_robin | random | least_loaded")] = "kv",
+    config: Annotated[Optional[Path], typer.Option(help="RouterConfig as JSON or TOML (weights, temperature...).")] = None,
+    block_size: Annotated[int, typer.Option(help="Engine KV block size in tokens.")] = 64,
+    hash_algo: Annotated[str, typer.Option(help="Prefix hash: sha256 | sha256_cbor | xxhash | xxhash_cbor.")] = "sha256",
+    tokenizer: Annotated[str, typer.Option(help="'hash' (shipped) or 'hf:/path/tokenizer.json'.")] = "hash",
+    snapshot_every: Annotated[float, typer.Option(help="Seconds between index checkpoints.")] = 5.0,
+) -> None:
+    """Run a router replica: folds the kv and workers topics into its prefix index (from the
+    newest snapshot plus the log tail), decides KV-aware routes, records every decision, and
+    proxies OpenAI requests to the chosen workers."""
+    _logging()
+    from control_plane.router.wiring import RouterSettings, run_router
+    from control_plane.settings import BusSettings
+
+    kw = {"router_id": router_id} if router_id else {}
+    run_router(RouterSettings(host=host, port=port, mode=mode, config_file=config, block_size=block_size,
+                              hash_algo=hash_algo, tokenizer=tokenizer, snapshot_every_s=snapshot_every, **kw),
+               BusSettings.from_env())
+
+
 # -- benchmarks -------------------------------------------------------------------------------
 
 

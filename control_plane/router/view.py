@@ -182,10 +182,29 @@ class RouterView:
         view.applied = snap.applied
         return view
 
+    def digest(self) -> str:
+        """A stable fingerprint of the folded state (index residency, stale flags, workers),
+        independent of fold order: equal digests mean equal views."""
+        import hashlib
+
+        d = self.as_dict()
+        canon = msgspec.json.encode(_canonical(d), order="sorted")
+        return hashlib.sha256(canon).hexdigest()
+
     def as_dict(self) -> dict:
         """Comparable form (tests compare a live view with the oracle fold of the log)."""
         return {"index": self.index.as_dict(),
                 "workers": {k: msgspec.to_builtins(v) for k, v in sorted(self.workers.items())}}
+
+
+def _canonical(x):
+    if isinstance(x, dict):
+        return sorted(([_canonical(k), _canonical(v)] for k, v in x.items()), key=repr)
+    if isinstance(x, (set, frozenset)):
+        return sorted((_canonical(v) for v in x), key=repr)
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    return x
 
 
 def role_for_phase(phase: str) -> str:

@@ -1,7 +1,11 @@
 """Faust app keeping a router's :class:`RouterView` current inside the router process.
 
 Every router replica must see *all* partitions of ``kv`` and ``workers`` (each needs the whole
-index), so each replica is its own consumer group: ``<prefix>.router-view.<router id>``.
+index), so each replica is its own consumer group, and each *incarnation* of a replica a new
+one: ``<prefix>.router-view.<router id>.<start ms>``. A process killed with -9 leaves its member
+in the old group until the session times out, and a group with a member cannot have its offsets
+set; the group's offsets are disposable anyway (the snapshot holds the real position). Empty
+groups of earlier incarnations of the same replica are deleted at start.
 
 Start-up from a checkpoint, without Faust knowing about it: before the app joins its group, the
 group's committed offsets are set to the positions stored in the snapshot (or to the start of
@@ -81,7 +85,8 @@ class RouterViewProcessor:
         self.view = view
         self.catalog = Catalog(bus.topic_prefix)
         self.topics = [self.catalog.topic(s) for s in STREAMS]
-        self.group = f"{bus.topic_prefix}.router-view.{router_id}"
+        self.group_prefix = f"{bus.topic_prefix}.router-view.{router_id}."
+        self.group = f"{self.group_prefix}{time.time_ns() // 1_000_000}"
         self.codec = EventCodec()
         self.snapshots = SnapshotStore(bus, self.catalog)
         self.snapshot_every_s = snapshot_every_s
@@ -110,6 +115,7 @@ class RouterViewProcessor:
         return view
 
     async def start(self) -> None:
+        await asyncio.to_thread(self._delete_old_groups)
         await asyncio.to_thread(seed_group_offsets, self.bus, self.group, self.topics, self.view.positions)
         self._target = await asyncio.to_thread(self._log_end)
         self._check_caught_up()
@@ -143,6 +149,24 @@ class RouterViewProcessor:
         if self.app is not None:
             await self.app.stop()
         self._dlq.producer.close(10)
+
+    def _delete_old_groups(self) -> None:
+        """Best effort: drop empty groups of this replica's earlier incarnations."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bus.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
+        try:
+            listed = admin.list_consumer_groups(request_timeout=10).result()
+            old = [g.group_id for g in listed.valid if g.group_id.startswith(self.group_prefix)
+                   and str(g.state).endswith("EMPTY")]
+            if old:
+                for _gid, fut in admin.delete_consumer_groups(old, request_timeout=10).items():
+                    try:
+                        fut.result()
+                    except Exception:  # raced with a member joining, or already gone
+                        pass
+        except Exception as e:
+            log.info("could not clean old consumer groups: %s", e)
 
     def _log_end(self) -> dict[tuple[str, int], int]:
         c = Consumer({"bootstrap.servers": self.bus.bootstrap, "group.id": f"{self.group}.probe",

@@ -44,9 +44,11 @@ def _traffic(producers: dict[str, EventProducer], rounds: int, base: int) -> Non
         assert p.flush(30) == 0
 
 
-def oracle(bus: BusSettings) -> RouterView:
-    """Fold every record of kv and workers, partition by partition in offset order."""
-    view = RouterView(ALGO, BS)
+def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
+           upto: dict[tuple[str, int], int] | None = None) -> RouterView:
+    """Fold every record of kv and workers (or up to ``upto`` offsets), partition by partition
+    in offset order."""
+    view = RouterView(algo, block_size)
     codec = EventCodec()
     c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "oracle", "enable.auto.commit": False})
     cat = Catalog(bus.topic_prefix)
@@ -54,19 +56,23 @@ def oracle(bus: BusSettings) -> RouterView:
         topic = cat.topic(stream)
         for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
             lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if upto is not None:
+                hi = min(hi, upto.get((topic, p), lo))
             if hi <= lo:
                 continue
             c.assign([TopicPartition(topic, p, lo)])
-            done = False
-            while not done:
+            seen = lo
+            while seen < hi:
                 for m in c.consume(1000, 1.0):
-                    if m.error():
-                        continue
+                    if m.error() or m.partition() != p or m.offset() < seen:
+                        continue  # (a record prefetched for the previous assignment)
+                    if m.offset() >= hi:
+                        break
+                    seen = m.offset() + 1
                     try:
                         view.apply(codec.decode(m.value()), topic, p, m.offset())
                     except (SchemaError, IndexRejected):
                         view.positions[(topic, p)] = m.offset() + 1
-                    done = m.offset() >= hi - 1
     c.close()
     return view
 

@@ -31,7 +31,7 @@ from data_plane.engines import (
 )
 from data_plane.ports import MemorySink
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
-from schemas.types import Tier, WorkerRole
+from schemas.types import RequestPhase, Tier, WorkerRole
 
 
 def _profile(**overrides):
@@ -370,6 +370,36 @@ def test_decode_role_without_first_token_generates_all_tokens():
     results = _drain(core)
     assert all(r.shape.prefill_tokens == 0 for r in results)
     assert [t.index for r in results for t in r.tokens] == [0, 1, 2]
+
+
+def test_request_phase_overrides_the_role():
+    """A decode worker recomputes a prompt whose transfer failed (phase AGGREGATED: 10 prefill
+    tokens, then 2 more tokens); a prefill worker serves a plain request whole; an aggregated
+    worker holds a PREFILL-phase request like a prefill worker would."""
+    dec = _core(role=WorkerRole.DECODE)
+    dec.add_request(_req("A", range(10), max_tokens=3, phase=RequestPhase.AGGREGATED))
+    results = _drain(dec)
+    assert results[0].shape.prefill_tokens == 10
+    assert [t.index for r in results for t in r.tokens] == [0, 1, 2]
+
+    pre = _core(role=WorkerRole.PREFILL)
+    pre.add_request(_req("B", range(10), max_tokens=3, phase=RequestPhase.AGGREGATED))
+    assert [t.index for r in _drain(pre) for t in r.tokens] == [0, 1, 2]
+    assert not pre.is_held("B") and pre.pool.num_free_blocks == 8
+
+    agg = _core()
+    agg.add_request(_req("C", range(10), max_tokens=50, phase=RequestPhase.PREFILL))
+    assert [t.index for r in _drain(agg) for t in r.tokens] == [0]
+    assert agg.held_block_ids("C") == [0, 1, 2]
+
+
+def test_prefill_phase_request_is_validated_for_one_token():
+    """8 blocks of 4 tokens: a 30-token prompt fits for prefill (31 tokens, 8 blocks) but not
+    with 10 output tokens (40 tokens, 10 blocks)."""
+    core = _core()
+    core.validate_request(_req("A", range(30), max_tokens=10, phase=RequestPhase.PREFILL))
+    with pytest.raises(RequestRejected):
+        core.validate_request(_req("A", range(30), max_tokens=10))
 
 
 # --------------------------------------------------------------------------------------------

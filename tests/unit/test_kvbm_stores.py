@@ -3,6 +3,7 @@ integration tests run the same classes against the real disk directory and S3 se
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from data_plane.kvbm import content, frame
@@ -107,6 +108,18 @@ class TestHostStore(StoreContract):
             store.put(0, b"x")
         with pytest.raises(KvbmConfigError):
             HostStore(0, BPB)
+
+    def test_pool_can_live_in_a_caller_owned_region(self):
+        """A worker registers one region with NIXL: host pool first, then its transfer staging
+        slots. Slot 1 of the pool is bytes BPB..2*BPB of that region."""
+        region = np.zeros(6 * BPB, dtype=np.uint8)
+        store = HostStore(4, BPB, buffer=region[: 4 * BPB])
+        store.put(5, content.expected_bytes(5, BPB))
+        store.put(6, content.expected_bytes(6, BPB))
+        assert content.verify(6, region[BPB:2 * BPB])
+        assert store.base_address == region.ctypes.data
+        with pytest.raises(KvbmConfigError):
+            HostStore(4, BPB, buffer=region)  # wrong size
 
     def test_get_is_a_read_only_view(self, store):
         store.put(1, content.expected_bytes(1, BPB))

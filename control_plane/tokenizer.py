@@ -1,0 +1,100 @@
+"""Tokenizers shared by the router and the workers.
+
+The router tokenizes once and sends workers token ids, so both sides hash the same blocks.
+
+* :class:`HashTokenizer` (default, shipped): deterministic, no data files. Words and
+  punctuation map to ids by xxh32 into a fixed vocabulary; decoding renders ids as ``" t<id>"``.
+  It is what the simulated engine speaks; it is not a language model tokenizer.
+* :class:`HFTokenizer`: a real Hugging Face ``tokenizer.json`` from a local file (needs the
+  optional ``tokenizers`` package); nothing is downloaded.
+
+Chat messages are flattened by one fixed template (``<|role|>\\ncontent\\n`` per message, then
+``<|assistant|>\\n``), so a conversation's earlier turns form a stable token prefix: what makes
+multi-turn prefix caching work.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Protocol
+
+import xxhash
+
+_PIECES = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class HashTokenizer:
+    """Deterministic word-level tokenizer with a fixed vocabulary size."""
+
+    #: ids below this are reserved for role markers and specials.
+    RESERVED = 256
+
+    def __init__(self, vocab_size: int = 32_000) -> None:
+        if vocab_size <= self.RESERVED:
+            raise ValueError("vocab_size must exceed the reserved range")
+        self.vocab_size = vocab_size
+        self.name = f"hash-{vocab_size}"
+        self._span = vocab_size - self.RESERVED
+
+    def encode(self, text: str) -> list[int]:
+        span, base = self._span, self.RESERVED
+        return [base + xxhash.xxh32_intdigest(p.encode()) % span for p in _PIECES.findall(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f" t{i}" for i in ids)
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer loaded from a local ``tokenizer.json``."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _T
+        except ImportError as e:  # optional dependency
+            raise RuntimeError("HFTokenizer needs the `tokenizers` package: uv add tokenizers") from e
+        self._tok = _T.from_file(path)
+        self.name = f"hf:{path}"
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+ROLE_IDS = {"system": 1, "user": 2, "assistant": 3, "tool": 4, "developer": 5}
+ASSISTANT_START = 3
+NEWLINE = 10
+
+
+def chat_tokens(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids for a chat, by the fixed template in the module docstring."""
+    out: list[int] = []
+    for m in messages:
+        out.append(ROLE_IDS.get(m.get("role", "user"), 2))
+        out.append(NEWLINE)
+        content = m.get("content") or ""
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        out.extend(tokenizer.encode(content))
+        out.append(NEWLINE)
+    out.extend((ASSISTANT_START, NEWLINE))
+    return out
+
+
+def build_tokenizer(spec: str | None) -> Tokenizer:
+    """``None``/``"hash"`` -> HashTokenizer; ``"hf:/path/tokenizer.json"`` -> HFTokenizer."""
+    if not spec or spec == "hash":
+        return HashTokenizer()
+    if spec.startswith("hf:"):
+        return HFTokenizer(spec[3:])
+    raise ValueError(f"unknown tokenizer {spec!r}: use 'hash' or 'hf:/path/to/tokenizer.json'")

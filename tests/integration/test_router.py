@@ -1,0 +1,166 @@
+"""The router end to end: real broker, real HTTP, the official `openai` client, two workers
+(tests/support/mini_worker.py) that publish real KV events, kill -9 of the router."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from control_plane.settings import BusSettings
+from schemas.events import RequestCompleted, RequestFailed, RequestRouted
+from tests.integration.test_router_view import oracle
+from tests.support.events import read_stream
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    def __init__(self, bus: BusSettings) -> None:
+        self.env = {**os.environ, "SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap,
+                    "SWITCHYARD_TOPIC_PREFIX": bus.topic_prefix, "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen] = []
+        self.log = open(f"/tmp/router-test-{bus.topic_prefix}.log", "ab")
+
+    def worker(self, wid: str, *extra: str) -> tuple[subprocess.Popen, int]:
+        port = _free_port()
+        p = subprocess.Popen([sys.executable, "-m", "tests.support.mini_worker", "--worker-id", wid,
+                              "--port", str(port), *extra], env=self.env)
+        self.procs.append(p)
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        return p, port
+
+    def router(self, port: int, rid: str = "r-test") -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "router", "--port", str(port),
+                              "--router-id", rid, "--snapshot-every", "1"], env=self.env,
+                             stdout=self.log, stderr=subprocess.STDOUT)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def _wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 60) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(url, timeout=2)
+            if pred(last):
+                return last
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} not ready: {last.text if last is not None else 'no answer'}")
+
+
+@pytest.fixture
+def procs(bus: BusSettings):
+    p = Procs(bus)
+    yield p
+    p.close()
+
+
+def _routed(bus: BusSettings) -> dict[str, list[RequestRouted]]:
+    out: dict[str, list[RequestRouted]] = {}
+    for env in read_stream(bus, "requests"):
+        if isinstance(env.data, RequestRouted):
+            out.setdefault(env.data.request_id, []).append(env.data)
+    return out
+
+
+def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSettings, procs: Procs) -> None:
+    procs.worker("w1")
+    procs.worker("w2")
+    port = _free_port()
+    router = procs.router(port)
+    base = f"http://127.0.0.1:{port}"
+    _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    # Non-streaming and streaming, completions and chat.
+    r = client.completions.create(model="switchyard-sim", prompt="hello world " * 50, max_tokens=8)
+    assert r.choices[0].text and r.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model="switchyard-sim", prompt="stream me " * 40, max_tokens=6,
+                                            stream=True))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) == 6
+    chat = client.chat.completions.create(model="switchyard-sim", max_tokens=5,
+                                          messages=[{"role": "user", "content": "hi " * 30}])
+    assert chat.choices[0].message.content and chat.object == "chat.completion"
+    chat_stream = list(client.chat.completions.create(model="switchyard-sim", max_tokens=4, stream=True,
+                                                      messages=[{"role": "user", "content": "yo " * 30}]))
+    assert sum(1 for c in chat_stream if c.choices and c.choices[0].delta.content) == 4
+    assert [m.id for m in client.models.list().data] == ["switchyard-sim"]
+
+    # Bad bodies: 4xx with a message, never 500.
+    bad = httpx.post(f"{base}/v1/completions", json={"prompt": [], "max_tokens": 3})
+    assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{base}/v1/chat/completions", json={"messages": "nope"})
+    assert bad.status_code == 400
+    bad = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert 400 <= bad.status_code < 500
+
+    # Prefix affinity: a long shared document; after the first request's KV events are folded,
+    # requests sharing it land on the worker that holds it.
+    doc = list(range(1000, 1000 + 64 * 24))  # 24 blocks of token ids
+    first = client.completions.create(model="m", prompt=doc + [1, 2, 3], max_tokens=2,
+                                      extra_body={"request_id": "affinity-0"})
+    assert first.choices
+    _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 24)
+    for i in range(1, 6):
+        client.completions.create(model="m", prompt=doc + [7, i], max_tokens=2, extra_body={"request_id": f"affinity-{i}"})
+    routed = _routed(bus)
+    holder = routed["affinity-0"][-1].worker_id
+    assert [routed[f"affinity-{i}"][-1].worker_id for i in range(1, 6)] == [holder] * 5
+    row = next(s for s in routed["affinity-1"][-1].scores if s.worker_id == holder)
+    assert row.overlap_blocks == 24 and row.overlap_by_tier == {"device": 24}
+    assert routed["affinity-1"][-1].config_version == 1 and routed["affinity-1"][-1].view_state == "EXACT"
+
+    # A worker that dies mid-stream: the streaming client gets a clean error, never a hang;
+    # a request sent while it is down is retried on a live worker.
+    procs.worker("w3", "--die-after", "2")
+    _wait_http(f"{base}/health", lambda r: r.json()["workers"] == 3)
+    outcomes = []
+    for i in range(6):
+        try:
+            got = list(client.completions.create(model="m", prompt=f"crash {i} " * 30, max_tokens=5, stream=True,
+                                                 extra_body={"request_id": f"crash-{i}"}))
+            outcomes.append(sum(1 for c in got if c.choices and c.choices[0].text))
+        except openai.APIError as e:
+            outcomes.append(f"error: {e}")
+    assert all(o == 5 or str(o).startswith("error") for o in outcomes), outcomes
+    failed = [e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestFailed)]
+    assert any(f.worker_id == "w3" for f in failed) or outcomes.count(5) == 6
+
+    # kill -9 the router; a new one comes back EXACT from snapshot + tail and equals the oracle.
+    time.sleep(1.5)  # let a checkpoint land
+    router.send_signal(signal.SIGKILL)
+    router.wait(10)
+    client.close()
+    port2 = _free_port()
+    procs.router(port2, rid="r-test")
+    base2 = f"http://127.0.0.1:{port2}"
+    h = _wait_http(f"{base2}/health", lambda r: r.status_code == 200 and r.json()["state"] in ("EXACT", "DEGRADED")).json()
+    view = _wait_http(f"{base2}/router/view?digest=true", lambda r: r.status_code == 200).json()
+    upto = {(k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1])): v for k, v in view["positions"].items()}
+    want = oracle(bus, "sha256", 64, upto=upto)
+    assert view["digest"] == want.digest(), (view, h)
+    completed = [e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestCompleted)]
+    assert {c.request_id for c in completed} >= {f"affinity-{i}" for i in range(6)}
