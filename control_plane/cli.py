@@ -197,6 +197,48 @@ def bench_events(
     main(codec_n=n, e2e_n=e2e)
 
 
+TRACE_DEFAULT = "../shared/traces/mooncake_conversation_trace.jsonl"
+TraceOpt = Annotated[Path, typer.Option(help="Mooncake-format trace (jsonl with hash_ids).")]
+
+
+@bench_app.command("index")
+def bench_index(trace: TraceOpt = Path(TRACE_DEFAULT),
+                limit: Annotated[Optional[int], typer.Option(help="Only the first N requests.")] = None) -> None:
+    """Our prefix index vs Dynamo's RadixTree (ai-dynamo-runtime, bench group) on the same
+    store/remove events and queries derived from the trace, both from wire bytes."""
+    from benchmarks.index_bench import main as run
+
+    run([str(trace)] + (["--limit", str(limit)] if limit else []))
+
+
+@bench_app.command("router")
+def bench_router(n: Annotated[int, typer.Option(help="Sequential HTTP requests per side.")] = 400) -> None:
+    """Decision latency at 8/64/256 workers for 4K and 32K prompts, and the HTTP overhead of the
+    router in front of an instant worker (needs `switchyard stack up`)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.router_bench import main as run
+
+    run(n)
+
+
+@bench_app.command("transfer")
+def bench_transfer() -> None:
+    """NIXL DRAM->DRAM READ between two processes vs a single-process memcpy."""
+    from benchmarks.transfer_bench import main as run
+
+    run([])
+
+
+@bench_app.command("engine")
+def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
+                 limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
+    """Our simulated engine (mocker profile) vs Dynamo's mocker on the trace: 4 aggregated
+    workers, round robin, 1x arrivals. Needs the bench group: `uv run --group bench ...`."""
+    from benchmarks.engine_bench import main as run
+
+    run(trace, limit)
+
+
 def main() -> None:
     try:
         app()
