@@ -14,7 +14,7 @@ These structs and the JSON Schema files under ``schemas/json/`` describe the sam
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 
@@ -205,6 +205,9 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     view_state: str = ""
     #: Workers excluded because an earlier attempt of this request failed on them.
     excluded_workers: list[str] = []
+    #: The ``now`` (unix seconds) the decision and the in-flight ledger used: with it, the
+    #: ledger can be rebuilt exactly from RequestRouted / PrefillCompleted / RequestCompleted.
+    decided_at_s: float = 0.0
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -410,6 +413,98 @@ class ScalingApplied(PlannerEvent, frozen=True, kw_only=True, omit_defaults=True
     scaler: str = ""
 
 
+# --------------------------------------------------------------------------------------------
+# Operator actions and configuration (stream "admin", keyed by the entity they change)
+# --------------------------------------------------------------------------------------------
+
+
+class AdminEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
+    STREAM: ClassVar[str] = "admin"
+    #: Who did it: the API token's name (never the token), or "system".
+    actor: str
+    actor_role: str = ""
+
+
+class RouterConfigChanged(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """A new router config version. Decisions name the version they used."""
+
+    TYPE: ClassVar[str] = "RouterConfigChanged"
+    VERSION: ClassVar[int] = 1
+    config_version: int
+    #: The full RouterConfig as builtins (not a diff: any version can be re-applied alone).
+    config: dict[str, Any] = {}
+
+    def key(self) -> str:
+        return "router-config"
+
+
+class PlannerConfigChanged(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    TYPE: ClassVar[str] = "PlannerConfigChanged"
+    VERSION: ClassVar[int] = 1
+    config_version: int
+    config: dict[str, Any] = {}
+
+    def key(self) -> str:
+        return "planner-config"
+
+
+class PoolUpdated(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """SLO targets and bounds of a pool (the full new state)."""
+
+    TYPE: ClassVar[str] = "PoolUpdated"
+    VERSION: ClassVar[int] = 1
+    pool: PoolName
+    role: WorkerRole
+    ttft_slo_ms: float | None = None
+    itl_slo_ms: float | None = None
+    min_replicas: int = 0
+    max_replicas: int = 0
+    gpus_per_replica: int = 1
+    gpu_budget: int | None = None
+
+    def key(self) -> str:
+        return self.pool
+
+
+class PoolPinned(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Manual override of a pool's size; ``replicas=None`` unpins (the planner decides again)."""
+
+    TYPE: ClassVar[str] = "PoolPinned"
+    VERSION: ClassVar[int] = 1
+    pool: PoolName
+    replicas: int | None = None
+    reason: str = ""
+
+    def key(self) -> str:
+        return self.pool
+
+
+class WorkerDrainRequested(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """An operator asked a worker to drain; the scaler owning it acts, the worker then emits
+    WorkerDraining / WorkerDeregistered itself."""
+
+    TYPE: ClassVar[str] = "WorkerDrainRequested"
+    VERSION: ClassVar[int] = 1
+    worker_id: WorkerId
+    reason: str = ""
+
+    def key(self) -> str:
+        return self.worker_id
+
+
+class AdminAction(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Any other mutating admin call (token created/revoked, replay job started...)."""
+
+    TYPE: ClassVar[str] = "AdminAction"
+    VERSION: ClassVar[int] = 1
+    action: str
+    target: str
+    details: dict[str, str | int | float | bool | None] = {}
+
+    def key(self) -> str:
+        return self.target
+
+
 #: Every payload type the codec knows, current and superseded versions alike.
 ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     BlockStored,
@@ -432,4 +527,10 @@ ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     WorkerDeregistered,
     ScalingDecision,
     ScalingApplied,
+    RouterConfigChanged,
+    PlannerConfigChanged,
+    PoolUpdated,
+    PoolPinned,
+    WorkerDrainRequested,
+    AdminAction,
 )

@@ -47,6 +47,12 @@ from schemas.events import (
     RequestRejected,
     RequestRouted,
     ScalingApplied,
+    RouterConfigChanged,
+    PlannerConfigChanged,
+    PoolUpdated,
+    PoolPinned,
+    WorkerDrainRequested,
+    AdminAction,
     ScalingDecision,
     TransferInfo,
     WorkerDeregistered,
@@ -318,6 +324,25 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
     ScalingApplied: lambda: ScalingApplied(
         pool=DECODE_POOL, decision_id=DECISION_ID, replicas=5, scaler="kubernetes"
     ),
+    RouterConfigChanged: lambda: RouterConfigChanged(
+        actor="ops-alice", actor_role="operator", config_version=8,
+        config={"version": 8, "mode": "kv", "tier_weights": {"device": 1.0, "host": 0.75, "disk": 0.25, "object": 0.1},
+                "temperature": 0.0},
+    ),
+    PlannerConfigChanged: lambda: PlannerConfigChanged(
+        actor="ops-alice", actor_role="operator", config_version=3,
+        config={"interval_s": 30, "predictor": "holt_winters"},
+    ),
+    PoolUpdated: lambda: PoolUpdated(
+        actor="ops-alice", actor_role="operator", pool=DECODE_POOL, role=WorkerRole.DECODE, ttft_slo_ms=500.0,
+        itl_slo_ms=12.0, min_replicas=2, max_replicas=16, gpus_per_replica=1, gpu_budget=32,
+    ),
+    PoolPinned: lambda: PoolPinned(actor="ops-alice", actor_role="operator", pool=DECODE_POOL, replicas=6,
+                                   reason="holiday traffic"),
+    WorkerDrainRequested: lambda: WorkerDrainRequested(actor="ops-bob", actor_role="operator",
+                                                       worker_id=WorkerId("llama8b-decode-3"), reason="kernel update"),
+    AdminAction: lambda: AdminAction(actor="root", actor_role="admin", action="token_created", target="ci-bot",
+                                     details={"role": "viewer"}),
 }
 
 #: Which component produces each stream (envelope ``producer``).
@@ -326,6 +351,7 @@ PRODUCERS = {
     "requests": "router-0",
     "workers": "worker:llama8b-decode-3",
     "planner": "planner-0",
+    "admin": "admin-api-0",
 }
 
 

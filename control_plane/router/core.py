@@ -41,6 +41,7 @@ from control_plane.routing import (
     decide,
 )
 from schemas.events import (
+    PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
     RequestFailed,
@@ -166,7 +167,8 @@ class Router:
         workers = [w for w in self.view.routable(role) if w.worker_id not in excluded]
         if not workers:
             raise RouterRejected(f"no {role} worker available" + (f" (excluded after failures: {sorted(excluded)})" if excluded else ""))
-        now = time.monotonic()
+        # Wall-clock seconds (recorded as ``decided_at_s``), so a replay can rebuild the ledger.
+        now = time.time()
         self.ledger.expire(now)
         overlaps = {wid: WorkerOverlap.from_tiers(m.by_tier, stale=m.stale)
                     for wid, m in self.view.matches(adm.hashes).items()} if phase is not RequestPhase.DECODE else {}
@@ -193,7 +195,7 @@ class Router:
             d.to_event(index_position={f"{t}:{p}": o for (t, p), o in self.view.positions.items()},
                        router_id=self.router_id, attempt=attempt),
             rr_cursor=cursor, guards=list(d.guards), expected_output_tokens=adm.max_tokens,
-            view_state=health.state if health else "", excluded_workers=sorted(excluded))
+            view_state=health.state if health else "", excluded_workers=sorted(excluded), decided_at_s=now)
         self.producer.publish(ev, correlation_id=adm.request_id)
         return ev, self.view.workers[d.worker_id]
 
@@ -224,7 +226,8 @@ class Router:
         for attempt in range(self.max_attempts):
             worker = None
             try:
-                if self._serving_mode() == "disaggregated":
+                disagg = self._serving_mode() == "disaggregated"
+                if disagg:
                     stream, worker = await self._disaggregated(adm, excluded, attempt)
                 else:
                     ev, worker = self.decide(adm, RequestPhase.AGGREGATED, excluded, attempt)
@@ -233,7 +236,7 @@ class Router:
                 async for chunk in stream:
                     if chunk.token_ids or chunk.text:
                         if outcome.first_token():
-                            self.ledger.prefill_done(adm.request_id)
+                            self._first_token(adm, worker.worker_id, record=not disagg)
                         sent += 1
                     outcome.observe(chunk)
                     yield chunk
@@ -321,6 +324,16 @@ class Router:
             raise WorkerFailed("worker_unreachable", f"{type(e).__name__}: {e}") from None
         except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout, httpx.WriteError) as e:
             raise WorkerFailed("worker_lost", f"{type(e).__name__}: {e}") from None
+
+    def _first_token(self, adm: Admission, worker_id: str, record: bool) -> None:
+        """The prompt's KV now exists on the worker: its queued prefill leaves the ledger. Recorded
+        as PrefillCompleted (by the router, in aggregated serving) so replays see it too."""
+        self.ledger.prefill_done(adm.request_id)
+        if not record:  # disaggregated: the prefill worker recorded PrefillCompleted itself
+            return
+        self.producer.publish(PrefillCompleted(
+            request_id=adm.request_id, worker_id=worker_id, prompt_tokens=len(adm.tokens),
+            duration_ms=(time.monotonic() - adm.received_at) * 1000), correlation_id=adm.request_id)
 
     def _drop(self, worker: WorkerState) -> None:
         """A refused connection: stop considering this incarnation until it shows up again."""

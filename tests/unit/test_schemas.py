@@ -43,6 +43,12 @@ from schemas.events import (
     RequestRejected,
     RequestRouted,
     ScalingApplied,
+    RouterConfigChanged,
+    PlannerConfigChanged,
+    PoolUpdated,
+    PoolPinned,
+    WorkerDrainRequested,
+    AdminAction,
     ScalingDecision,
     TransferInfo,
     WorkerDeregistered,
@@ -190,6 +196,7 @@ def _make_request_routed(**overrides: Any) -> RequestRouted:
             "expected_output_tokens": 256,
             "view_state": "EXACT",
             "excluded_workers": ["w-7"],
+            "decided_at_s": 1795980000.25,
             **overrides,
         }
     )
@@ -377,6 +384,37 @@ def _make_scaling_applied(**overrides: Any) -> ScalingApplied:
     )
 
 
+def _make_router_config_changed(**overrides: Any) -> RouterConfigChanged:
+    return RouterConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
+                                  "config": {"mode": "kv", "temperature": 0.5}, **overrides})
+
+
+def _make_planner_config_changed(**overrides: Any) -> PlannerConfigChanged:
+    return PlannerConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
+                                   "config": {"interval_s": 30}, **overrides})
+
+
+def _make_pool_updated(**overrides: Any) -> PoolUpdated:
+    return PoolUpdated(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "role": WorkerRole.DECODE,
+                          "ttft_slo_ms": 500.0, "itl_slo_ms": 10.0, "min_replicas": 1, "max_replicas": 8,
+                          "gpus_per_replica": 2, "gpu_budget": 16, **overrides})
+
+
+def _make_pool_pinned(**overrides: Any) -> PoolPinned:
+    return PoolPinned(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "replicas": 4,
+                         "reason": "test", **overrides})
+
+
+def _make_worker_drain_requested(**overrides: Any) -> WorkerDrainRequested:
+    return WorkerDrainRequested(**{"actor": "a", "actor_role": "operator", "worker_id": WorkerId("w"),
+                                   "reason": "r", **overrides})
+
+
+def _make_admin_action(**overrides: Any) -> AdminAction:
+    return AdminAction(**{"actor": "a", "actor_role": "admin", "action": "token_created", "target": "t",
+                          "details": {"role": "viewer"}, **overrides})
+
+
 BUILDERS: dict[type[Event], Callable[..., Event]] = {
     BlockStored: _make_block_stored,
     BlockRemoved: _make_block_removed,
@@ -398,6 +436,12 @@ BUILDERS: dict[type[Event], Callable[..., Event]] = {
     WorkerDeregistered: _make_worker_deregistered,
     ScalingDecision: _make_scaling_decision,
     ScalingApplied: _make_scaling_applied,
+    RouterConfigChanged: _make_router_config_changed,
+    PlannerConfigChanged: _make_planner_config_changed,
+    PoolUpdated: _make_pool_updated,
+    PoolPinned: _make_pool_pinned,
+    WorkerDrainRequested: _make_worker_drain_requested,
+    AdminAction: _make_admin_action,
 }
 
 
