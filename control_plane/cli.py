@@ -181,6 +181,62 @@ def router_cmd(
                BusSettings.from_env())
 
 
+# -- worker -----------------------------------------------------------------------------------
+
+
+@app.command("worker")
+def worker(
+    worker_id: Annotated[str, typer.Option("--worker-id", help="Stable id across restarts (producer id, log key).")],
+    role: Annotated[str, typer.Option(help="prefill | decode | aggregated: what it registers as.")] = "aggregated",
+    pool: Annotated[str, typer.Option(help="Pool the planner scales it in.")] = "default",
+    host: Annotated[str, typer.Option(help="HTTP bind address (published in WorkerRegistered).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port; 0 picks a free one (see the READY line).")] = 8100,
+    profile: Annotated[str, typer.Option(help="Engine profile: mocker, h100_llama3_8b, or a TOML path.")] = "mocker",
+    speedup: Annotated[float, typer.Option(help="Engine time runs this many times faster than the hardware.")] = 1.0,
+    block_size: Annotated[Optional[int], typer.Option(help="Override the profile's tokens per block.")] = None,
+    device_blocks: Annotated[Optional[int], typer.Option(help="Override the profile's device KV blocks.")] = None,
+    model: Annotated[str, typer.Option(help="Model name served and registered.")] = "switchyard-sim",
+    data_dir: Annotated[Path, typer.Option(help="Worker data directory (disk tier under kvbm/g3).")] = Path("worker-data"),
+    host_blocks: Annotated[int, typer.Option(help="Host DRAM tier (G2) capacity in blocks.")] = 0,
+    disk_blocks: Annotated[int, typer.Option(help="Disk tier (G3) capacity in blocks.")] = 0,
+    object_blocks: Annotated[Optional[int], typer.Option(help="Object tier (G4) quota in blocks; default 1,000,000 with --s3-bucket, else 0.")] = None,
+    s3_endpoint: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL of the object tier.")] = None,
+    s3_bucket: Annotated[Optional[str], typer.Option(help="Bucket of the object tier.")] = None,
+    bytes_per_block: Annotated[int, typer.Option(help="Bytes of one KV block in every tier and on the wire.")] = 16384,
+    transfer_blocks: Annotated[int, typer.Option(help="Staging slots of the NIXL region for handoffs.")] = 1024,
+    lease_s: Annotated[float, typer.Option(help="Prefill: seconds a handoff's blocks stay held unread.")] = 30.0,
+    transfer_timeout_s: Annotated[float, typer.Option(help="Deadline of one KV pull (metadata + READ).")] = 10.0,
+    load_interval: Annotated[float, typer.Option("--load-interval", help="Seconds between load reports.")] = 1.0,
+    drain_timeout_s: Annotated[float, typer.Option(help="SIGTERM: max wait for in-flight work.")] = 30.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one worker: simulated engine + tiered KV block manager + NIXL region behind an
+    OpenAI-compatible API, publishing its KV, request and lifecycle events to the log.
+
+    A restart with the same --worker-id and --data-dir takes a new epoch, verifies the disk and
+    object blocks the log says it holds, and reports its memory tiers empty.
+
+    SIGTERM drains: /health turns 503, in-flight requests finish, then exit 0."""
+    _logging(verbose)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    from control_plane.settings import BusSettings
+    from data_plane.workers.settings import WorkerConfigError, WorkerSettings
+    from data_plane.workers.wiring import run_worker
+
+    try:
+        settings = WorkerSettings(
+            worker_id=worker_id, role=role, pool=pool, host=host, port=port, profile=profile,
+            speedup=speedup, block_size=block_size, device_blocks=device_blocks, model=model,
+            data_dir=data_dir, host_blocks=host_blocks, disk_blocks=disk_blocks,
+            object_blocks=object_blocks, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+            bytes_per_block=bytes_per_block, transfer_blocks=transfer_blocks, lease_s=lease_s,
+            transfer_timeout_s=transfer_timeout_s, load_interval_s=load_interval,
+            drain_timeout_s=drain_timeout_s)
+    except (WorkerConfigError, ValueError) as e:
+        _fail(str(e), 2)
+    raise typer.Exit(run_worker(settings, BusSettings.from_env()))
+
+
 # -- benchmarks -------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import xxhash
 
 from data_plane.engines.block_pool import KVCacheBlock
 from data_plane.engines.errors import RequestRejected
-from schemas.types import BlockHash, RequestId
+from schemas.types import BlockHash, RequestId, RequestPhase
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -56,6 +56,12 @@ class EngineRequest:
     first token). The KV of ``prompt`` counts as transferred; the prefix tokens are fed next.
     ``arrival_ms`` is the virtual time the request reaches the engine (drivers use it; the core
     ignores it).
+
+    ``phase`` overrides, for this request only, what the engine's role would do with it: a worker
+    registered as ``decode`` must still recompute a prompt whose transfer failed
+    (``AGGREGATED``), and one registered as ``prefill`` may serve a plain request whole. None keeps
+    the role's behaviour (prefill role: ``PREFILL``, decode role: ``DECODE``, else
+    ``AGGREGATED``).
     """
 
     request_id: RequestId
@@ -64,6 +70,7 @@ class EngineRequest:
     arrival_ms: float | None = None
     prompt_digests: Sequence[bytes] | None = None
     output_prefix: tuple[int, ...] = ()
+    phase: RequestPhase | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt) == 0:
@@ -106,6 +113,7 @@ class RequestState:
         "num_preemptions",
         "seed",
         "transferred",
+        "hold",
         "order",
     )
 
@@ -133,6 +141,8 @@ class RequestState:
         self.seed = request_seed(request.request_id)
         #: Decode role: the prompt's KV arrived by transfer (no prefill compute).
         self.transferred = False
+        #: Prefill phase: stop after the first token and hold the blocks for a transfer.
+        self.hold = False
         #: Arrival order in this engine (stable tie-breaker).
         self.order = order
 

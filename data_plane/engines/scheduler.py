@@ -24,7 +24,9 @@ the step lasts. The rules, in order:
 Roles: ``aggregated`` does both phases; ``prefill`` stops after the first token and holds the
 blocks; ``decode`` receives requests whose prompt KV was already transferred: at admission the
 prompt's blocks are allocated (prefix hits first) and count as computed, with no prefill work,
-and the step only computes the next token.
+and the step only computes the next token. The role is each request's default phase; a request
+may name its own (``EngineRequest.phase``), e.g. a decode worker recomputing a prompt whose
+transfer failed.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from data_plane.engines.kv_manager import KVCacheManager
 from data_plane.engines.profiles import Admission, HardwareProfile
 from data_plane.engines.request import EngineRequest, RequestState, Status, pseudo_token
 from data_plane.engines.timing import StepShape
-from schemas.types import RequestId, WorkerRole
+from schemas.types import RequestId, RequestPhase, WorkerRole
+
+_ROLE_PHASE = {
+    WorkerRole.PREFILL: RequestPhase.PREFILL,
+    WorkerRole.DECODE: RequestPhase.DECODE,
+    WorkerRole.AGGREGATED: RequestPhase.AGGREGATED,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +86,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ requests
 
+    def phase_of(self, request: EngineRequest) -> RequestPhase:
+        """The phase the engine runs ``request`` in: its own, else the role's."""
+        return RequestPhase(request.phase) if request.phase is not None else _ROLE_PHASE[self.role]
+
     def validate(self, request: EngineRequest) -> None:
         """Raise :class:`RequestRejected` if ``request`` could never run here (its id is in use,
         or prompt plus output would not fit in the whole KV cache even alone)."""
         if request.request_id in self.requests or request.request_id in self.held:
             raise RequestRejected(f"request {request.request_id} is already in the engine")
         bs = self.block_size
-        longest = len(request.prompt) + (1 if self.role is WorkerRole.PREFILL else request.max_tokens)
+        prefill_only = self.phase_of(request) is RequestPhase.PREFILL
+        longest = len(request.prompt) + (1 if prefill_only else request.max_tokens)
         if -(-longest // bs) > self.profile.num_device_blocks:
             raise RequestRejected(
                 f"request {request.request_id}: {longest} tokens need {-(-longest // bs)} blocks, "
@@ -95,8 +108,9 @@ class Scheduler:
         self.validate(request)
         req = RequestState(request, self._arrivals)
         self._arrivals += 1
-        if self.role is WorkerRole.DECODE:
-            req.transferred = True
+        phase = self.phase_of(request)
+        req.transferred = phase is RequestPhase.DECODE
+        req.hold = phase is RequestPhase.PREFILL
         self.requests[req.request_id] = req
         self.waiting.append(req)
         return req
@@ -256,7 +270,6 @@ class Scheduler:
         tokens: list[TokenOutput] = []
         finished: list[RequestId] = []
         vocab = self.profile.vocab_size
-        prefill_role = self.role is WorkerRole.PREFILL
         for req, _, _ in step.entries:
             out = req.output
             if req.num_computed_tokens < req.prompt_len + len(out):
@@ -264,12 +277,12 @@ class Scheduler:
             idx = len(out)
             tok = pseudo_token(req.seed, idx, vocab)
             out.append(tok)
-            done = prefill_role or len(out) >= req.max_tokens
+            done = req.hold or len(out) >= req.max_tokens
             tokens.append(TokenOutput(req.request_id, idx, tok, done))
             if done:
                 finished.append(req.request_id)
                 del self.requests[req.request_id]
-                if prefill_role:
+                if req.hold:
                     req.status = Status.HELD
                     self.held[req.request_id] = req
                 else:

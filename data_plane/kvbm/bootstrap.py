@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from data_plane.kvbm.manager import KvBlockManager
 from data_plane.kvbm.settings import KvbmSettings
 from data_plane.kvbm.stores.base import BlockStore
@@ -11,17 +13,20 @@ from data_plane.ports import EventSink
 from schemas.types import Tier
 
 
-def build_kvbm(settings: KvbmSettings, sink: EventSink) -> KvBlockManager:
+def build_kvbm(settings: KvbmSettings, sink: EventSink, *,
+               host_buffer: np.ndarray | None = None) -> KvBlockManager:
     """Host pool, disk directory and S3 client for the tiers that have a capacity.
 
     Opening the disk tier removes temporaries of a crashed write; ``s3.create_bucket`` creates a
     missing bucket. The persistent tiers start empty: call ``rebuild`` with what the log claims
-    before serving (blocks it does not confirm are deleted there).
+    before serving (blocks it does not confirm are deleted there). ``host_buffer`` is the G2
+    pool's memory when the caller owns it (see :class:`HostStore`).
     """
     settings.check_backends()
     stores: dict[Tier, BlockStore] = {}
     if settings.host_capacity:
-        stores[Tier.HOST] = HostStore(settings.host_capacity, settings.bytes_per_block)
+        stores[Tier.HOST] = HostStore(settings.host_capacity, settings.bytes_per_block,
+                                      buffer=host_buffer)
     if settings.disk_capacity:
         assert settings.disk_root is not None  # checked by the settings
         stores[Tier.DISK] = DiskStore(settings.disk_root, settings.bytes_per_block,

@@ -18,14 +18,24 @@ from schemas.types import BlockHash, Tier
 class HostStore:
     tier = Tier.HOST
 
-    def __init__(self, capacity: int, bytes_per_block: int) -> None:
+    def __init__(self, capacity: int, bytes_per_block: int,
+                 buffer: np.ndarray | None = None) -> None:
+        """``buffer``, when given, is the memory of the pool (a C-contiguous uint8 array of exactly
+        ``capacity * bytes_per_block`` bytes, e.g. the head of a larger region the worker
+        registers with NIXL once); else the pool allocates its own."""
         if capacity <= 0 or bytes_per_block <= 0:
             raise KvbmConfigError(f"host pool needs capacity > 0 and bytes_per_block > 0, got "
                                   f"{capacity} x {bytes_per_block}")
         self.capacity = capacity
         self.bytes_per_block = bytes_per_block
+        if buffer is None:
+            buffer = np.zeros(capacity * bytes_per_block, dtype=np.uint8)
+        elif (buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous
+              or buffer.size != capacity * bytes_per_block):
+            raise KvbmConfigError(f"host pool buffer must be a contiguous uint8 array of "
+                                  f"{capacity * bytes_per_block} bytes")
         #: The whole pool; slot ``s`` is ``buffer[s * bytes_per_block:(s + 1) * bytes_per_block]``.
-        self.buffer = np.zeros(capacity * bytes_per_block, dtype=np.uint8)
+        self.buffer = buffer
         # Free slots as a stack, lowest slot on top, so a fresh pool fills from the start.
         self._free = list(range(capacity - 1, -1, -1))
         self._slots: dict[BlockHash, int] = {}

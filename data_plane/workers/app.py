@@ -1,0 +1,221 @@
+"""The worker's HTTP face (FastAPI): an OpenAI-compatible completions endpoint plus health,
+metrics and the NIXL side channel. Routes only translate HTTP <-> :class:`Worker` calls.
+
+Contract (what the router relies on):
+
+* ``POST /v1/completions``: body ``{model, prompt: str | list[int], max_tokens (16), stream,
+  stream_options.include_usage, request_id, kv_transfer_params}``; a string prompt is tokenized
+  with :class:`HashTokenizer`. The request id is ``request_id``, else the ``X-Request-Id``
+  header, else generated; it is echoed in ``X-Request-Id`` and as the response ``id``.
+  Non-streaming: a ``text_completion`` with ``choices[0].token_ids`` (extension), ``usage``
+  (``prompt_tokens_details.cached_tokens``) and ``kv_transfer_params`` when there are any.
+  Streaming: ``data: <json>\\n\\n`` chunks, one per token, each with ``choices[0].token_ids``
+  ``[id]``; the last token's chunk carries ``finish_reason`` (and ``kv_transfer_params``);
+  then a usage chunk (``choices: []``) when ``stream_options.include_usage``; then
+  ``data: [DONE]\\n\\n``. A failure after the first byte is one ``data: {"error": ...}`` chunk
+  and no ``[DONE]``.
+* Errors are OpenAI-shaped ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
+  body (never 500), 503 while draining.
+* ``GET /v1/models``, ``GET /health`` (200 serving, 503 otherwise), ``GET /metrics``
+  (Prometheus, vLLM names), ``GET /kv/metadata`` (this worker's NIXL ``EndpointMetadata``
+  bytes), ``GET /debug/state`` (what the worker holds; for tests and operators).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from control_plane.tokenizer import HashTokenizer, Tokenizer
+from data_plane.workers.service import CompletionInput, Run, Worker, WorkerError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` body. Unknown OpenAI fields (temperature, n, ...) are accepted
+    and ignored: the simulated engine samples deterministic pseudo-tokens."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | list[Annotated[int, Field(ge=0)]]
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    #: Extension: the request id (else the X-Request-Id header, else generated).
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)
+    #: Extension (vLLM): disaggregated handoff parameters.
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def get_worker(request: Request) -> Worker:
+    return request.app.state.worker
+
+
+def get_tokenizer(request: Request) -> Tokenizer:
+    return request.app.state.tokenizer
+
+
+WorkerDep = Annotated[Worker, Depends(get_worker)]
+TokenizerDep = Annotated[Tokenizer, Depends(get_tokenizer)]
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def _usage(run: Run) -> dict[str, Any]:
+    return {"prompt_tokens": run.prompt_tokens, "completion_tokens": run.completion_tokens,
+            "total_tokens": run.prompt_tokens + run.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": run.cached_tokens}}
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _collect(run: Run, model: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    ids: list[int] = []
+    it = aiter(run)
+    try:
+        async for tok in it:
+            ids.append(tok.token_id)
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]
+    body: dict[str, Any] = {
+        "id": run.request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": tokenizer.decode(ids), "logprobs": None,
+                     "finish_reason": run.finish_reason or "length", "token_ids": ids}],
+        "usage": _usage(run),
+    }
+    if run.kv_transfer_params is not None:
+        body["kv_transfer_params"] = run.kv_transfer_params
+    return body
+
+
+async def _sse(run: Run, model: str, include_usage: bool, tokenizer: Tokenizer) -> AsyncIterator[str]:
+    created = int(time.time())
+    it = aiter(run)
+    try:
+        async for tok in it:
+            chunk: dict[str, Any] = {
+                "id": run.request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": tokenizer.decode([tok.token_id]), "logprobs": None,
+                             "finish_reason": tok.finish_reason, "token_ids": [tok.token_id]}],
+            }
+            if tok.finish_reason and run.kv_transfer_params is not None:
+                chunk["kv_transfer_params"] = run.kv_transfer_params
+            yield _data(chunk)
+        if include_usage:
+            yield _data({"id": run.request_id, "object": "text_completion", "created": created,
+                         "model": model, "choices": [], "usage": _usage(run)})
+        yield "data: [DONE]\n\n"
+    except WorkerError as e:
+        yield _data(error_body(str(e), e.kind, e.status))
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]
+
+
+def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
+    app = FastAPI(title=f"Switchyard worker {worker.worker_id}", docs_url=None, redoc_url=None)
+    app.state.worker = worker
+    app.state.tokenizer = tokenizer or HashTokenizer()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+
+        def where(e: dict) -> str:
+            # Field path without FastAPI's "body" root and pydantic's union-member labels.
+            return ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not (
+                isinstance(x, str) and ("[" in x or x in ("str", "int")))) or "body"
+
+        if errors and errors[0].get("type") == "json_invalid":
+            return JSONResponse(error_body(f"body is not valid JSON: {errors[0].get('msg')}",
+                                           "invalid_request_error", 400), 400)
+        msg = "; ".join(f"{where(e)}: {e.get('msg')}" for e in errors[:5]) or "invalid request body"
+        param = where(errors[0]) if errors else None
+        return JSONResponse(error_body(msg, "invalid_request_error", 400, param), 400)
+
+    @app.exception_handler(WorkerError)
+    async def _worker_error(_request: Request, exc: WorkerError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), exc.kind, exc.status, getattr(exc, "param", None)),
+                            exc.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", 500), 500)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, worker: WorkerDep,
+                          tokenizer: TokenizerDep) -> Response:
+        rid = body.request_id or request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        model = body.model or worker.s.model
+        run = worker.open(CompletionInput(request_id=rid, prompt=prompt,
+                                          max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS,
+                                          kv_transfer_params=body.kv_transfer_params))
+        headers = {"X-Request-Id": rid}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(run, model, include_usage, tokenizer),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(await _collect(run, model, tokenizer), headers=headers)
+
+    @app.get("/v1/models")
+    async def models(worker: WorkerDep) -> dict[str, Any]:
+        prof = worker.engine.core.profile
+        return {"object": "list", "data": [{
+            "id": worker.s.model, "object": "model", "created": worker.epoch // 1000,
+            "owned_by": "switchyard", "root": prof.name,
+            "max_model_len": prof.num_device_blocks * prof.block_size}]}
+
+    @app.get("/health")
+    async def health(worker: WorkerDep) -> JSONResponse:
+        ok = worker.state == "serving"
+        return JSONResponse({"status": "ok" if ok else worker.state, "worker_id": worker.worker_id,
+                             "epoch": worker.epoch}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(worker: WorkerDep) -> Response:
+        m = worker.metrics
+        st = worker.engine.stats()
+        m.labels(m.running).set(st.running)
+        m.labels(m.waiting).set(st.waiting + worker._pulling)  # noqa: SLF001 - same package
+        m.labels(m.kv_usage).set(st.kv_usage)
+        m.labels(m.staging_free).set(worker.plane.slots.free_count)
+        m.labels(m.holds).set(len(worker.holds))
+        for tier, used in (await worker.kvbm.usage()).items():
+            m.labels(m.tier_usage, tier).set(used)
+        m.labels(m.tier_usage, "device").set(st.kv_usage)
+        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/kv/metadata")
+    async def kv_metadata(worker: WorkerDep) -> Response:
+        md = worker.plane.metadata()
+        return Response(md.encode(), media_type="application/msgpack",
+                        headers={"X-Nixl-Agent": md.agent_name})
+
+    @app.get("/debug/state")
+    async def debug_state(worker: WorkerDep) -> dict[str, Any]:
+        return await worker.debug_state()
+
+    return app

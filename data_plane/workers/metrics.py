@@ -1,0 +1,59 @@
+"""Prometheus metrics of one worker, under vLLM's names so existing dashboards work unchanged,
+plus ``switchyard_worker_*`` ones for what vLLM does not have (tiers, transfers, holds).
+
+One registry per worker object (no module globals): two workers in one test process never share
+counters. Gauges are set from the engine and KVBM at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+#: vLLM's buckets (``vllm/v1/metrics/loggers.py``).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, worker_id: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        lbl = ("model_name", "engine")
+        self._lv = (model, worker_id)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the engine's batch.", lbl, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued (engine, or waiting for a KV transfer).",
+                             lbl, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", lbl,
+                              registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      lbl, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", lbl,
+                                   registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", lbl, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", lbl, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Request arrival to first token.", lbl,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two output tokens.", lbl,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to last token.", lbl,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.tier_usage = Gauge("switchyard_worker_tier_usage", "Used fraction of each KV tier.",
+                                (*lbl, "tier"), registry=r)
+        self.transfers = Counter("switchyard_worker_kv_transfers", "KV pulls by outcome (completed, failed).",
+                                 (*lbl, "outcome"), registry=r)
+        self.transfer_bytes = Counter("switchyard_worker_kv_transfer_bytes", "KV bytes pulled and verified.", lbl,
+                                      registry=r)
+        self.holds = Gauge("switchyard_worker_kv_holds", "Handoffs whose blocks this worker holds.", lbl, registry=r)
+        self.hold_releases = Counter("switchyard_worker_kv_hold_releases", "Held handoffs freed, by reason.",
+                                     (*lbl, "reason"), registry=r)
+        self.staging_free = Gauge("switchyard_worker_staging_free_blocks", "Free staging slots of the NIXL region.",
+                                  lbl, registry=r)
+
+    def labels(self, metric, *extra: str):
+        return metric.labels(*self._lv, *extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,155 @@
+"""Where a decode worker finds a prefill peer's NIXL metadata.
+
+First choice: the log. Every worker publishes its :class:`EndpointMetadata` in
+``WorkerRegistered.transfer``; a background thread follows the ``workers`` topic (only records
+whose ``sy-type`` header says WorkerRegistered or WorkerDeregistered are decoded) and keeps them
+by agent name. Fallback, for a peer registered after we last polled: its side channel,
+``GET http://<remote_host>:<remote_port>/kv/metadata`` (raw :meth:`EndpointMetadata.encode`
+bytes). Either way the agent name must be the one the handoff names: a prefill worker that
+restarted is a new agent and the old handoff's blocks are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+
+import httpx
+
+from data_plane.transfer import EndpointMetadata, InvalidTransfer, PeerLost
+
+log = logging.getLogger(__name__)
+
+_WANTED = {b"WorkerRegistered", b"WorkerDeregistered"}
+
+
+class PeerDirectory:
+    """``on_forget(agent_name)`` runs (in the follower thread) when an agent's worker
+    deregistered or re-registered as a new incarnation, so the endpoint can drop the peer."""
+
+    def __init__(self, on_forget: Callable[[str], None] | None = None) -> None:
+        self._on_forget = on_forget
+        self._by_agent: dict[str, EndpointMetadata] = {}
+        #: worker id -> its current agent name (to forget it on deregistration).
+        self._agent_of: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.from_log = 0
+        self.from_side_channel = 0
+
+    # -- queries (any thread) ------------------------------------------------------------------
+
+    def known(self, agent_name: str) -> EndpointMetadata | None:
+        with self._lock:
+            return self._by_agent.get(agent_name)
+
+    def lookup(self, agent_name: str, host: str | None, port: int | None,
+               timeout_s: float) -> EndpointMetadata:
+        """The agent's metadata, from the log if seen, else from its side channel. Raises
+        :class:`PeerLost` when neither has it (the peer is gone or restarted)."""
+        md = self.known(agent_name)
+        if md is not None:
+            self.from_log += 1
+            return md
+        if not host or not port:
+            raise PeerLost(f"no metadata for {agent_name!r} in the log and no side channel given")
+        try:
+            r = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s)
+            r.raise_for_status()
+            md = EndpointMetadata.decode(r.content)
+        except (httpx.HTTPError, InvalidTransfer) as e:
+            raise PeerLost(f"side channel {host}:{port} for {agent_name!r}: {type(e).__name__}: {e}") from e
+        if md.agent_name != agent_name:
+            raise PeerLost(f"{host}:{port} is now agent {md.agent_name!r}, the handoff names "
+                           f"{agent_name!r} (the holder restarted; its blocks are gone)")
+        self.from_side_channel += 1
+        self._remember(md)
+        return md
+
+    # -- the log follower ----------------------------------------------------------------------
+
+    def _remember(self, md: EndpointMetadata, worker_id: str | None = None) -> None:
+        old = None
+        with self._lock:
+            self._by_agent[md.agent_name] = md
+            if worker_id is not None:
+                old = self._agent_of.get(worker_id)
+                if old == md.agent_name:
+                    old = None
+                elif old is not None:
+                    self._by_agent.pop(old, None)
+                self._agent_of[worker_id] = md.agent_name
+        if old is not None:
+            self._forgotten(old)
+
+    def _forget_worker(self, worker_id: str, epoch: int) -> None:
+        with self._lock:
+            agent = self._agent_of.get(worker_id)
+            if agent is None or agent != f"{worker_id}:{epoch}":
+                return
+            self._by_agent.pop(agent, None)
+            del self._agent_of[worker_id]
+        self._forgotten(agent)
+
+    def _forgotten(self, agent: str) -> None:
+        if self._on_forget is not None:
+            try:
+                self._on_forget(agent)
+            except Exception:
+                log.exception("dropping peer %s failed", agent)
+
+    def follow(self, bus) -> None:
+        """Start following the workers topic (from its beginning) in a daemon thread."""
+        self._thread = threading.Thread(target=self._run, args=(bus,), name="peer-directory",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self, bus) -> None:
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+        from control_plane.bus.catalog import Catalog
+        from schemas import EventCodec, SchemaError
+        from schemas.events import WorkerDeregistered, WorkerRegistered
+
+        topic = Catalog(bus.topic_prefix).topic("workers")
+        codec = EventCodec()
+        c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"sy-peers-{uuid.uuid4().hex}",
+                      "enable.auto.commit": False, "fetch.wait.max.ms": 50,
+                      "logger": logging.getLogger("switchyard.rdkafka")})
+        try:
+            md = c.list_topics(topic, timeout=10).topics.get(topic)
+            if md is None or not md.partitions:
+                log.error("peer directory: topic %s missing; only the side channel will work", topic)
+                return
+            c.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in md.partitions])
+            while not self._stop.is_set():
+                for m in c.consume(500, 0.2):
+                    if m.error() or m.value() is None:
+                        continue
+                    kind = dict(m.headers() or ()).get("sy-type")
+                    if kind not in _WANTED:
+                        continue
+                    try:
+                        env = codec.decode(m.value())
+                    except SchemaError:
+                        continue
+                    ev = env.data
+                    if isinstance(ev, WorkerRegistered) and ev.transfer is not None:
+                        try:
+                            self._remember(EndpointMetadata.from_transfer_info(ev.transfer), ev.worker_id)
+                        except InvalidTransfer as e:
+                            log.warning("bad transfer info from %s: %s", ev.worker_id, e)
+                    elif isinstance(ev, WorkerDeregistered):
+                        self._forget_worker(ev.worker_id, env.epoch)
+        except Exception:
+            log.exception("peer directory stopped; only the side channel will work")
+        finally:
+            c.close()

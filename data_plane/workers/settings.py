@@ -1,0 +1,136 @@
+"""Typed settings of one worker process, built once at start-up from the command line.
+
+Nothing here reads the environment or touches I/O; the bus settings (Kafka, topic prefix) come
+from :class:`control_plane.settings.BusSettings` as for every other process. Validators explain
+the design when a combination cannot work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data_plane.kvbm import KvbmSettings, S3Settings
+from schemas.types import PoolName, WorkerId, WorkerRole
+
+
+#: Object-tier quota when a bucket is given without one.
+DEFAULT_OBJECT_BLOCKS = 1_000_000
+
+
+class WorkerConfigError(ValueError):
+    """The worker cannot start with these settings."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """One worker incarnation: its identity, engine, KV tiers, transfer region and timings."""
+
+    #: Stable id across restarts: the producer id of every event, the key of its kv/workers
+    #: history, and (with the epoch) its NIXL agent name.
+    worker_id: WorkerId
+    #: What the router sends it: prefill (holds KV for a decode peer), decode (pulls it) or
+    #: aggregated (both). Every role can run every kind of request; the role is what it
+    #: registers as.
+    role: WorkerRole = WorkerRole.AGGREGATED
+    #: Pool the planner scales it in.
+    pool: PoolName = PoolName("default")
+    #: Address the HTTP server binds; published as ``http://<host>:<port>``.
+    host: str = "127.0.0.1"
+    #: HTTP port; 0 picks a free one (printed on stdout and published in WorkerRegistered).
+    port: int = 8100
+    #: Engine hardware profile: a shipped name (``mocker``, ``h100_llama3_8b``) or a TOML path.
+    profile: str = "mocker"
+    #: Engine time runs this many times faster than the profiled hardware.
+    speedup: float = 1.0
+    #: Overrides of the profile (tests and experiments): tokens per block, device blocks.
+    block_size: int | None = None
+    device_blocks: int | None = None
+    #: Model name served on ``/v1/models`` and stamped in WorkerRegistered.
+    model: str = "switchyard-sim"
+    #: Worker-owned directory: the disk tier lives under ``<data_dir>/kvbm/g3``.
+    data_dir: Path = field(default_factory=lambda: Path("worker-data"))
+    #: KV tier capacities in blocks (0: no such tier). The object tier's is a logical quota;
+    #: None means 1,000,000 when a bucket is given, else 0.
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    object_blocks: int | None = None
+    #: S3-compatible endpoint and bucket of the object tier (needed when object_blocks > 0).
+    s3_endpoint: str | None = None
+    s3_bucket: str | None = None
+    #: Bytes of one KV block in every tier and on the wire (simulated content, derived from the
+    #: block hash so every reader can verify it).
+    bytes_per_block: int = 16 * 1024
+    #: Staging slots of the NIXL region for handoffs (prefill: blocks held for a decode peer;
+    #: decode: blocks being read). A handoff needs one slot per full prompt block.
+    transfer_blocks: int = 1024
+    #: How long a prefill holds a handoff's blocks for its decode peer (vLLM: 30 s).
+    lease_s: float = 30.0
+    #: A READ must be able to finish this long before the lease ends, else it is not started.
+    lease_margin_s: float = 1.0
+    #: Deadline of one NIXL READ and of the metadata side-channel request.
+    transfer_timeout_s: float = 10.0
+    #: How long a response waits for the broker to acknowledge the event it reveals
+    #: (PrefillCompleted, KvTransferCompleted/Failed) before answering 503.
+    ack_timeout_s: float = 10.0
+    #: Seconds between two WorkerLoadReported events.
+    load_interval_s: float = 1.0
+    #: SIGTERM: how long to wait for in-flight requests and held blocks before deregistering.
+    drain_timeout_s: float = 30.0
+    #: Read this worker's own kv/workers history at start-up (epoch, persistent residency).
+    read_history: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or ":" in self.worker_id:
+            raise WorkerConfigError(f"worker id {self.worker_id!r}: must be non-empty and must "
+                                    "not contain ':' (the NIXL agent name is '<id>:<epoch>')")
+        object.__setattr__(self, "role", WorkerRole(self.role))
+        if self.speedup <= 0:
+            raise WorkerConfigError("speedup must be > 0")
+        if not 0 <= self.port < 65536:
+            raise WorkerConfigError(f"port {self.port} out of range")
+        if self.bytes_per_block <= 0:
+            raise WorkerConfigError("bytes_per_block must be > 0")
+        if self.transfer_blocks <= 0:
+            raise WorkerConfigError("transfer_blocks must be > 0: the NIXL region needs staging "
+                                    "slots for handoffs")
+        if self.object_blocks is None:
+            object.__setattr__(self, "object_blocks", DEFAULT_OBJECT_BLOCKS if self.s3_bucket else 0)
+        for name in ("host_blocks", "disk_blocks", "object_blocks"):
+            if getattr(self, name) < 0:
+                raise WorkerConfigError(f"{name} must be >= 0")
+        if self.object_blocks and not self.s3_bucket:
+            raise WorkerConfigError("object_blocks > 0 needs --s3-bucket (and usually "
+                                    "--s3-endpoint): the object tier has nowhere else to live")
+        if self.lease_s <= self.lease_margin_s:
+            raise WorkerConfigError(f"lease_s ({self.lease_s}) must exceed lease_margin_s "
+                                    f"({self.lease_margin_s}), else no READ could ever start")
+        if self.load_interval_s <= 0:
+            raise WorkerConfigError("load_interval_s must be > 0")
+
+    @property
+    def region_blocks(self) -> int:
+        """Blocks of the NIXL-registered region: the host pool, then the staging slots."""
+        return self.host_blocks + self.transfer_blocks
+
+    def kvbm_settings(self, *, block_size: int, hash_algo: str) -> KvbmSettings:
+        s3 = None
+        if self.object_blocks:
+            assert self.s3_bucket is not None
+            s3 = S3Settings(bucket=self.s3_bucket, endpoint_url=self.s3_endpoint,
+                            create_bucket=self.s3_endpoint is not None)
+        return KvbmSettings(
+            worker_id=self.worker_id,
+            bytes_per_block=self.bytes_per_block,
+            block_size=block_size,
+            hash_algo=hash_algo,
+            host_capacity=self.host_blocks,
+            disk_capacity=self.disk_blocks,
+            object_capacity=self.object_blocks or 0,
+            data_dir=self.data_dir,
+            s3=s3,
+            # The engine publishes BlockRemoved(device) for every eviction itself; an offload
+            # is then reported as BlockStored(host) (see the KVBM README).
+            device_eviction_events=False,
+            verify_synthetic_content=True,
+        )
