@@ -1,0 +1,103 @@
+"""Router in front of real workers (`switchyard worker`): aggregated and disaggregated serving,
+the causal chain of events on the log, and a killed worker retried without the client noticing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from control_plane.settings import BusSettings
+from schemas.events import (
+    KvTransferCompleted,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRouted,
+)
+from tests.integration.test_router import Procs, _free_port, _wait_http
+from tests.integration.workerproc import WorkerProc
+from tests.support.events import read_stream
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+WORKER_ARGS = ("--speedup", "20", "--block-size", "64", "--device-blocks", "512", "--disk-blocks", "64")
+
+
+@pytest.fixture
+def procs(bus: BusSettings):
+    p = Procs(bus)
+    yield p
+    p.close()
+
+
+def _chain(bus: BusSettings, rid: str) -> list[str]:
+    return [e.type for e in read_stream(bus, "requests") if e.correlation_id == rid]
+
+
+def test_disaggregated_request_through_router_has_its_whole_chain(bus: BusSettings, procs: Procs, tmp_path) -> None:
+    prefill = WorkerProc(bus, "p-0", tmp_path / "p0", tmp_path, role="prefill", args=WORKER_ARGS).start()
+    decode = WorkerProc(bus, "d-0", tmp_path / "d0", tmp_path, role="decode", args=WORKER_ARGS).start()
+    try:
+        port = _free_port()
+        procs.router(port)
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = list(range(300, 300 + 64 * 8))  # 8 full blocks
+        out = list(client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=6, stream=True,
+                                             extra_body={"request_id": "disagg-1"}))
+        assert sum(1 for c in out if c.choices and c.choices[0].text) == 6
+        events = [e for e in read_stream(bus, "requests") if e.correlation_id == "disagg-1"]
+        types = [e.type for e in events]
+        assert types[0] == "RequestAdmitted"
+        routed = [e.data for e in events if isinstance(e.data, RequestRouted)]
+        assert [(r.phase.value, r.worker_id) for r in routed] == [("prefill", "p-0"), ("decode", "d-0")]
+        assert any(isinstance(e.data, PrefillCompleted) and e.data.worker_id == "p-0" for e in events)
+        moved = [e.data for e in events if isinstance(e.data, KvTransferCompleted)]
+        assert moved and moved[0].blocks == 8 and moved[0].src_worker == "p-0" and moved[0].dst_worker == "d-0"
+        done = [e.data for e in events if isinstance(e.data, RequestCompleted)]
+        assert len(done) == 1 and done[0].worker_id == "d-0" and done[0].output_tokens == 6
+        assert types.index("RequestAdmitted") < types.index("PrefillCompleted") < types.index("KvTransferCompleted") \
+            < types.index("RequestCompleted")
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_aggregated_workers_prefix_reuse_and_a_killed_worker_is_retried(bus: BusSettings, procs: Procs, tmp_path) -> None:
+    a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=WORKER_ARGS).start()
+    b = WorkerProc(bus, "a-1", tmp_path / "a1", tmp_path, args=WORKER_ARGS).start()
+    try:
+        port = _free_port()
+        procs.router(port)
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        doc = list(range(1000, 1000 + 64 * 10))
+        client.completions.create(model="m", prompt=doc, max_tokens=2, extra_body={"request_id": "agg-0"})
+        _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 10)
+        second = client.completions.create(model="m", prompt=doc + [5] * 64, max_tokens=2,
+                                           extra_body={"request_id": "agg-1"})
+        assert second.usage.prompt_tokens_details.cached_tokens >= 640  # the engine really reused the prefix
+        routed = {e.data.request_id: e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestRouted)}
+        assert routed["agg-1"].worker_id == routed["agg-0"].worker_id
+
+        # kill -9 the worker holding the prefix; the next request for it is retried on the other.
+        holder = a if routed["agg-0"].worker_id == "a-0" else b
+        holder.proc.send_signal(signal.SIGKILL)
+        holder.proc.wait(10)
+        third = client.completions.create(model="m", prompt=doc + [6] * 64, max_tokens=3,
+                                          extra_body={"request_id": "agg-2"})
+        assert third.usage.completion_tokens == 3
+        events = [e.data for e in read_stream(bus, "requests") if e.correlation_id == "agg-2"]
+        failed = [e for e in events if isinstance(e, RequestFailed)]
+        assert failed and failed[0].worker_id == holder.worker_id and failed[0].retried
+        assert isinstance(events[-1], RequestCompleted) and events[-1].worker_id != holder.worker_id
+    finally:
+        a.stop()
+        b.stop()
