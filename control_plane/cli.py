@@ -29,7 +29,17 @@ app.add_typer(topics_app, name="topics")
 app.add_typer(schemas_app, name="schemas")
 app.add_typer(bench_app, name="bench")
 
-ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis.")]
+
+def _register_subapps() -> None:
+    """Sub-apps that live beside their components (imports stay light: typer only)."""
+    from control_plane.streams.cli import metrics_app
+
+    app.add_typer(metrics_app, name="metrics")
+
+
+_register_subapps()
+
+ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis, prometheus.")]
 
 
 def _logging(verbose: bool = False) -> None:
@@ -61,11 +71,11 @@ def stack_up(service: ServiceOpt = None) -> None:
     except StackError as e:
         _fail(str(e))
     for name, new in started.items():
-        typer.echo(f"{name:9s} {'started' if new else 'already running'}")
+        typer.echo(f"{name:10s} {'started' if new else 'already running'}")
     if not service or "kafka" in service:
         changes = apply_topics(BusSettings.from_env())
         n = sum(c.action != "unchanged" for c in changes)
-        typer.echo(f"topics    {len(changes)} in catalog, {n} created or updated")
+        typer.echo(f"topics     {len(changes)} in catalog, {n} created or updated")
     _print_status(stack)
 
 
@@ -99,7 +109,7 @@ def _print_status(stack) -> None:
     for st in stack.status():
         state = f"running pid {st['pid']}" if st["running"] else "stopped"
         extra = f" kafka {st['version']}" if st["service"] == "kafka" else ""
-        typer.echo(f"{st['service']:9s} {state:18s} {st['address']}{extra}")
+        typer.echo(f"{st['service']:10s} {state:18s} {st['address']}{extra}")
 
 
 # -- topics -----------------------------------------------------------------------------------
@@ -235,6 +245,39 @@ def worker(
     except (WorkerConfigError, ValueError) as e:
         _fail(str(e), 2)
     raise typer.Exit(run_worker(settings, BusSettings.from_env()))
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+@app.command("loadgen")
+def loadgen_cmd(
+    trace: Annotated[Path, typer.Option(help="Mooncake-format trace (jsonl with hash_ids).")],
+    url: Annotated[str, typer.Option(help="Router base URL.")] = "http://127.0.0.1:8000",
+    rate: Annotated[float, typer.Option(help="Arrival speed-up over the trace's timestamps (2 = twice as fast).")] = 1.0,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N lines.")] = None,
+    max_output: Annotated[Optional[int], typer.Option(help="Cap output tokens per request.")] = None,
+    block_size: Annotated[int, typer.Option(help="Engine block size (for prompt synthesis).")] = 64,
+    png: Annotated[Optional[Path], typer.Option(help="Write a PNG report here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Replay a trace through the router's OpenAI API at its arrival times (compressed by
+    --rate), streaming, with a progress bar; print TTFT/ITL percentiles, throughput and the
+    prefix hit rate against the trace's ideal."""
+    import asyncio
+
+    from control_plane.loadgen import format_summary, plot, run_trace
+
+    s = asyncio.run(run_trace(url, trace, limit=limit, speedup=rate, max_output=max_output, block_size=block_size,
+                              progress=not as_json))
+    if png:
+        plot(s, png)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in s.items() if k != "results"}, indent=2))
+    else:
+        typer.echo(format_summary(s))
+    if s["completed"] == 0:
+        raise typer.Exit(1)
 
 
 # -- benchmarks -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The local stack: real Kafka (KRaft), PostgreSQL and Redis as project-local processes.
+"""The local stack: real Kafka (KRaft), PostgreSQL, Redis and Prometheus as project-local processes.
 
 ``Stack.up()`` is idempotent: a service already running is left alone. ``down()`` stops every
 service and verifies that no process holding the stack's data dir survives.
@@ -10,9 +10,10 @@ from control_plane.settings import StackSettings
 from control_plane.stack.kafka import KafkaService
 from control_plane.stack.postgres import PostgresService
 from control_plane.stack.process import StackError, processes_mentioning
+from control_plane.stack.prometheus import PrometheusService
 from control_plane.stack.redis import RedisService
 
-SERVICE_NAMES = ("kafka", "postgres", "redis")
+SERVICE_NAMES = ("kafka", "postgres", "redis", "prometheus")
 
 
 class Stack:
@@ -22,6 +23,7 @@ class Stack:
             "kafka": KafkaService(settings),
             "postgres": PostgresService(settings),
             "redis": RedisService(settings),
+            "prometheus": PrometheusService(settings),
         }
 
     def _select(self, only: list[str] | None):

@@ -50,7 +50,8 @@ def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
     in offset order."""
     view = RouterView(algo, block_size)
     codec = EventCodec()
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "oracle", "enable.auto.commit": False})
+    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "oracle", "enable.auto.commit": False,
+                  "fetch.wait.max.ms": 10})
     cat = Catalog(bus.topic_prefix)
     for stream in ("workers", "kv"):  # registrations first: what a live fold sees in practice
         topic = cat.topic(stream)

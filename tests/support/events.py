@@ -12,7 +12,8 @@ from schemas import Envelope, EventCodec
 def read_stream(bus: BusSettings, stream: str) -> list[Envelope]:
     codec = EventCodec()
     topic = Catalog(bus.topic_prefix).topic(stream)
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "test-reader", "enable.auto.commit": False})
+    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "test-reader", "enable.auto.commit": False,
+                  "fetch.wait.max.ms": 10})
     out = []
     try:
         for p in c.list_topics(topic, timeout=10).topics[topic].partitions:

@@ -1,0 +1,708 @@
+"""The metrics projection: a pure fold of enveloped events into Prometheus-shaped numbers.
+
+Feed it every record of the ``kv``, ``requests``, ``workers``, ``planner`` and ``admin``
+streams (:meth:`MetricsProjection.apply`), records that would not decode
+(:meth:`~MetricsProjection.undecodable`) and the dead-letter topic's records
+(:meth:`~MetricsProjection.deadletter`); read it back with :meth:`~MetricsProjection.families`.
+The Faust processor (:mod:`control_plane.streams.metrics`), the tests and a replay all drive
+this same fold, so the numbers a dashboard shows can be recomputed from the log alone.
+
+Idempotent under redelivery, twice over:
+
+* per ``(stream, partition)`` the projection keeps the next offset to read; a record below it
+  (Faust redelivering after a rebalance, or a restart from an older snapshot) is counted as
+  ``redelivered`` and changes nothing else;
+* per ``(stream:partition, producer)`` a :class:`SequenceTracker` drops events whose
+  ``(epoch, seq)`` was already applied (a producer that sent the same event twice) and fences
+  older incarnations.
+
+What the numbers mean (see :mod:`control_plane.metrics.catalog` for the full list):
+
+* **Goodput** counts completed requests whose TTFT <= the pool's TTFT SLO and whose mean ITL <=
+  the pool's ITL SLO (ITL is not judged for a single output token). A pool's SLO is the latest
+  ``PoolUpdated`` for it (``None`` keeps the default: 2 s / 50 ms). The pool of a request is
+  the pool of the worker named in its ``RequestCompleted``.
+* **Prefix hits** come from each prefill/aggregated ``RequestRouted``: the chosen row's
+  ``overlap_by_tier`` against the admitted prompt's block count. **Avoidable prefill** is the
+  best overlap among the *eligible, fresh* candidates minus the chosen one, in tokens: prefill
+  the router could have skipped had it chosen on overlap alone (it trades that against load).
+* **Index size, staleness and tier occupancy** come from a :class:`PrefixIndex` folded exactly
+  as the router folds its own (same producer keys per partition), so they can be compared.
+
+Cross-stream order is not defined by Kafka (a ``PoolUpdated`` and a ``RequestCompleted`` on
+different topics have no order), so an SLO change applies from whenever the fold sees it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import msgspec
+
+from control_plane.bus.sequencing import SequenceTracker, Verdict
+from control_plane.index.errors import IndexRejected
+from control_plane.index.prefix_index import IndexStats, PrefixIndex
+from control_plane.metrics.catalog import BY_NAME, EVENT_STREAMS, SPECS, TIERS, Kind, MetricSpec
+from schemas.envelope import Envelope
+from schemas.events import (
+    AdminAction,
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    KvTransferCompleted,
+    KvTransferFailed,
+    KvTransferStarted,
+    PlannerConfigChanged,
+    PoolPinned,
+    PoolUpdated,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRejected,
+    RequestRouted,
+    RouterConfigChanged,
+    ScalingApplied,
+    ScalingDecision,
+    WorkerDeregistered,
+    WorkerDraining,
+    WorkerDrainRequested,
+    WorkerLoadReported,
+    WorkerRegistered,
+)
+
+SNAPSHOT_FORMAT = 1
+#: Label value for a pool the projection cannot name (a worker it never saw register).
+UNKNOWN = "unknown"
+#: Same encoding as the router's ``switchyard_router_view_state``.
+VIEW_STATES = {"LOADING": 0, "EXACT": 1, "DEGRADED": 2}
+#: Metrics the processor knows beyond the fold: broker probes and its own errors
+#: (see :func:`processor_families`).
+PROCESSOR_METRICS = frozenset({"switchyard_metrics_lag_records", "switchyard_log_end_offset",
+                               "switchyard_consumer_group_lag_records", "switchyard_consumer_group_members",
+                               "switchyard_metrics_fold_errors_total"})
+
+Labels = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ProjectionConfig:
+    """How the fold interprets events. Part of what a snapshot means: a processor restoring a
+    snapshot must use the same values."""
+
+    #: The prefix index's configuration (the router's ``--hash-algo``/``--block-size``): KV
+    #: events of other configurations are rejected by the index and not counted as resident.
+    hash_algo: str = "sha256"
+    block_size: int = 64
+    #: SLO of a pool no ``PoolUpdated`` has set (or set to None).
+    default_ttft_slo_ms: float = 2000.0
+    default_itl_slo_ms: float = 50.0
+    #: An admitted request with no completion, final failure or rejection after this much event
+    #: time is counted as ``abandoned`` and forgotten (the router died mid-request).
+    pending_ttl_s: float = 600.0
+    #: Bound on remembered admissions; beyond it the oldest are counted as abandoned.
+    max_pending: int = 200_000
+
+    def __post_init__(self) -> None:
+        if self.default_ttft_slo_ms <= 0 or self.default_itl_slo_ms <= 0:
+            raise ValueError("default SLOs must be positive: a request can never meet a zero SLO")
+        if self.pending_ttl_s <= 0 or self.max_pending <= 0:
+            raise ValueError("pending_ttl_s and max_pending must be positive")
+
+
+@dataclass(frozen=True)
+class HistogramValue:
+    """One histogram series: cumulative counts per bucket (the last one is ``+Inf``) and sum."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return self.cumulative[-1]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A metric and its samples: ``{labels: value}`` (a HistogramValue for histograms)."""
+
+    spec: MetricSpec
+    samples: dict[Labels, float | HistogramValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BrokerState:
+    """What a broker probe saw (the processor's adapter fills it; tests build it by hand)."""
+
+    #: (stream, partition) -> high watermark (the offset the next record will get).
+    end_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: group id -> member count.
+    group_members: dict[str, int] = field(default_factory=dict)
+    #: group id -> {(stream, partition): committed offset}; partitions never committed absent.
+    group_offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
+
+
+def reason_class(reason: str) -> str:
+    """A free-text failure reason reduced to a bounded label value: the text before the first
+    ``:`` or ``(``, snake_cased, when it is a short phrase of letters (``"TransferTimeout: ..."``
+    -> ``transfer_timeout``, ``"no free staging slots (3 needed)"`` -> ``no_free_staging_slots``);
+    otherwise ``other`` (numbers and ids would make one series per failure)."""
+    head = re.split(r"[:(\[]", reason, maxsplit=1)[0].strip()
+    head = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", head).lower()
+    if not re.fullmatch(r"[a-z][a-z _-]{0,39}", head):
+        return "other"
+    return re.sub(r"[ -]+", "_", head)
+
+
+def _v(x) -> str:
+    return x.value if isinstance(x, Enum) else str(x)
+
+
+# -- state that survives a snapshot -----------------------------------------------------------
+
+
+class _Worker(msgspec.Struct, kw_only=True):
+    worker_id: str
+    epoch: int
+    pool: str
+    role: str
+    state: str = "ready"  # ready | draining | gone
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    tier_usage: dict[str, float] = {}
+
+
+class _Pool(msgspec.Struct, kw_only=True):
+    ttft_slo_ms: float | None = None
+    itl_slo_ms: float | None = None
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    pinned: int | None = None
+    applied: int | None = None
+    #: role -> replicas the latest ScalingDecision asked for.
+    target: dict[str, int] = {}
+
+
+class _Pending(msgspec.Struct, array_like=True):
+    endpoint: str
+    prompt_tokens: int
+    prompt_blocks: int
+    block_size: int
+    admitted_ns: int
+
+
+class _Hist(msgspec.Struct, array_like=True):
+    counts: list[int]  # per bucket, not cumulative; the last is +Inf
+    sum: float = 0.0
+
+
+class _Snapshot(msgspec.Struct, kw_only=True):
+    format: int
+    hash_algo: str
+    block_size: int
+    counters: list[tuple[str, list[str], float]]
+    hists: list[tuple[str, list[str], _Hist]]
+    workers: list[_Worker]
+    pools: dict[str, _Pool]
+    routers: dict[str, str]
+    config_versions: dict[str, int]
+    pending: list[tuple[str, _Pending]]
+    positions: list[tuple[str, int, int]]
+    last_ts_ms: dict[str, int]
+    tracker: bytes
+    index: bytes
+    applied: int
+
+
+# -- the projection ---------------------------------------------------------------------------
+
+
+class MetricsProjection:
+    """Mutable state of the fold. Not thread-safe: apply and read from one thread (the
+    processor does both on its event loop)."""
+
+    def __init__(self, config: ProjectionConfig = ProjectionConfig()) -> None:
+        self.config = config
+        self.index = PrefixIndex(config.hash_algo, config.block_size)
+        self.tracker = SequenceTracker()
+        #: (stream, partition) -> next offset to read.
+        self.positions: dict[tuple[str, int], int] = {}
+        #: stream -> producer timestamp (ms) of the newest record applied.
+        self.last_ts_ms: dict[str, int] = {}
+        self.applied = 0
+        self._counters: dict[str, dict[Labels, float]] = {}
+        self._hists: dict[str, dict[Labels, _Hist]] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._pools: dict[str, _Pool] = {}
+        #: router id -> view state of its latest decision.
+        self._routers: dict[str, str] = {}
+        self._config_versions: dict[str, int] = {}
+        #: request id -> admission facts, oldest admission first.
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._handlers: dict[type[Event], Callable[[Envelope, Event], None]] = {
+            BlockStored: self._block_stored,
+            BlockRemoved: self._block_removed,
+            BlockMoved: self._block_moved,
+            AllBlocksCleared: self._all_cleared,
+            RequestAdmitted: self._admitted,
+            RequestRouted: self._routed,
+            PrefillCompleted: self._prefill_completed,
+            KvTransferStarted: self._transfer_started,
+            KvTransferCompleted: self._transfer_completed,
+            KvTransferFailed: self._transfer_failed,
+            RequestCompleted: self._completed,
+            RequestFailed: self._failed,
+            RequestRejected: self._rejected,
+            WorkerRegistered: self._registered,
+            WorkerLoadReported: self._load_reported,
+            WorkerDraining: self._draining,
+            WorkerDeregistered: self._deregistered,
+            ScalingDecision: self._scaling_decision,
+            ScalingApplied: self._scaling_applied,
+            RouterConfigChanged: self._config_changed,
+            PlannerConfigChanged: self._config_changed,
+            PoolUpdated: self._pool_updated,
+            PoolPinned: self._pool_pinned,
+            WorkerDrainRequested: self._admin_event,
+            AdminAction: self._admin_event,
+        }
+
+    # -- feeding ------------------------------------------------------------------------------
+
+    def apply(self, env: Envelope[Event], stream: str, partition: int, offset: int, ts_ms: int = 0) -> str:
+        """Fold one decoded record; returns its outcome (a ``switchyard_metrics_records_total``
+        outcome label)."""
+        if not self._advance(stream, partition, offset, ts_ms):
+            return "redelivered"
+        obs = self.tracker.observe(f"{stream}:{partition}", env.producer, env.epoch, env.seq)
+        if obs.gap is not None:
+            self._inc("switchyard_sequence_gaps_total", (stream,))
+        if obs.verdict is not Verdict.NEW:
+            outcome = "duplicate" if obs.verdict is Verdict.DUPLICATE else "stale_epoch"
+            self._inc("switchyard_metrics_records_total", (stream, outcome))
+            return outcome
+        self.applied += 1
+        self._inc("switchyard_metrics_records_total", (stream, "applied"))
+        self._inc("switchyard_events_total", (stream, env.type))
+        if stream in ("kv", "workers"):
+            try:
+                # Keyed per partition exactly like the router's view (RouterView.apply), so the
+                # two folds agree on gaps and staleness.
+                self.index.apply(f"{env.producer}@{stream}:{partition}", env.epoch, env.seq, env.data)
+            except IndexRejected:
+                pass  # counted by the index (switchyard_index_events_total{outcome="rejected"})
+        handler = self._handlers.get(type(env.data))
+        if handler is not None:
+            handler(env, env.data)
+        return "applied"
+
+    def undecodable(self, stream: str, partition: int, offset: int, ts_ms: int = 0) -> str:
+        """A record of an event stream that is not a valid envelope of a known type/version.
+
+        Counted, not dead-lettered: this processor only observes; the consumers that act on a
+        stream dead-letter what they cannot apply (one DLQ record per actor, not per observer)."""
+        if not self._advance(stream, partition, offset, ts_ms):
+            return "redelivered"
+        self._inc("switchyard_metrics_records_total", (stream, "undecodable"))
+        return "undecodable"
+
+    def deadletter(self, partition: int, offset: int, reason: str, source: str, ts_ms: int = 0) -> str:
+        """One record of the dead-letter topic, with its ``sy-dlq-reason`` header and the stream
+        it was taken from (``sy-dlq-source``)."""
+        if not self._advance("deadletter", partition, offset, ts_ms):
+            return "redelivered"
+        self._inc("switchyard_metrics_records_total", ("deadletter", "applied"))
+        self._inc("switchyard_deadletter_records_total", (reason or UNKNOWN, source or UNKNOWN))
+        return "applied"
+
+    def _advance(self, stream: str, partition: int, offset: int, ts_ms: int) -> bool:
+        key = (stream, partition)
+        if offset < self.positions.get(key, 0):
+            self._inc("switchyard_metrics_records_total", (stream, "redelivered"))
+            return False
+        self.positions[key] = offset + 1
+        if ts_ms > self.last_ts_ms.get(stream, 0):
+            self.last_ts_ms[stream] = ts_ms
+        return True
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    def _inc(self, name: str, labels: Labels, by: float = 1.0) -> None:
+        spec = BY_NAME[name]
+        if spec.kind is not Kind.COUNTER or len(labels) != len(spec.labels):
+            raise ValueError(f"{name} is a {spec.kind.value} with labels {spec.labels}; got {labels}")
+        series = self._counters.setdefault(name, {})
+        series[labels] = series.get(labels, 0.0) + by
+
+    def _observe(self, name: str, labels: Labels, value: float) -> None:
+        spec = BY_NAME[name]
+        series = self._hists.setdefault(name, {})
+        h = series.get(labels)
+        if h is None:
+            h = series[labels] = _Hist([0] * (len(spec.buckets) + 1))
+        # Prometheus buckets are inclusive upper bounds: value <= le.
+        h.counts[bisect.bisect_left(spec.buckets, value)] += 1
+        h.sum += value
+
+    def pool_of(self, worker_id: str | None) -> str:
+        w = self._workers.get(worker_id) if worker_id else None
+        return w.pool if w is not None else UNKNOWN
+
+    def slo_ms(self, pool: str) -> tuple[float, float]:
+        """(TTFT, ITL) SLO of a pool in milliseconds."""
+        p = self._pools.get(pool)
+        ttft = p.ttft_slo_ms if p is not None and p.ttft_slo_ms is not None else self.config.default_ttft_slo_ms
+        itl = p.itl_slo_ms if p is not None and p.itl_slo_ms is not None else self.config.default_itl_slo_ms
+        return ttft, itl
+
+    def _pool(self, name: str) -> _Pool:
+        p = self._pools.get(name)
+        if p is None:
+            p = self._pools[name] = _Pool()
+        return p
+
+    # -- kv -----------------------------------------------------------------------------------
+
+    def _block_stored(self, env, ev: BlockStored) -> None:
+        self._inc("switchyard_kv_blocks_stored_total", (_v(ev.tier),), len(ev.block_hashes))
+
+    def _block_removed(self, env, ev: BlockRemoved) -> None:
+        self._inc("switchyard_kv_blocks_removed_total", (_v(ev.tier),), len(ev.block_hashes))
+
+    def _block_moved(self, env, ev: BlockMoved) -> None:
+        self._inc("switchyard_kv_blocks_moved_total", (_v(ev.from_tier), _v(ev.to_tier)), len(ev.block_hashes))
+
+    def _all_cleared(self, env, ev: AllBlocksCleared) -> None:
+        self._inc("switchyard_kv_clears_total", ("all" if ev.tier is None else _v(ev.tier),))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _admitted(self, env, ev: RequestAdmitted) -> None:
+        self._pending.pop(ev.request_id, None)
+        self._pending[ev.request_id] = _Pending(ev.endpoint, ev.prompt_tokens, len(ev.block_hashes),
+                                                ev.block_size, env.occurred_at_ns)
+        cutoff = env.occurred_at_ns - int(self.config.pending_ttl_s * 1e9)
+        while self._pending:
+            rid, oldest = next(iter(self._pending.items()))
+            if oldest.admitted_ns >= cutoff and len(self._pending) <= self.config.max_pending:
+                break
+            del self._pending[rid]
+            self._inc("switchyard_requests_total", ("none", oldest.endpoint, "abandoned"))
+
+    def _routed(self, env, ev: RequestRouted) -> None:
+        view_state = ev.view_state or UNKNOWN
+        phase = _v(ev.phase)
+        self._inc("switchyard_routing_decisions_total", (_v(ev.mode), phase, view_state))
+        if ev.router_id and ev.view_state:
+            self._routers[ev.router_id] = ev.view_state
+        adm = self._pending.get(ev.request_id)
+        if phase == "decode" or adm is None:
+            return  # decode reuses the prefill's KV; without the admission there is no prompt size
+        pool = self.pool_of(ev.worker_id)
+        chosen = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
+        self._inc("switchyard_prefix_lookup_blocks_total", (pool,), adm.prompt_blocks)
+        self._inc("switchyard_routed_prompt_tokens_total", (pool,), adm.prompt_tokens)
+        chosen_overlap = 0
+        if chosen is not None:
+            chosen_overlap = chosen.overlap_blocks
+            for tier, n in chosen.overlap_by_tier.items():
+                if tier in TIERS and n > 0:
+                    self._inc("switchyard_prefix_hit_blocks_total", (pool, tier), n)
+        best = max((s.overlap_blocks for s in ev.scores if s.eligible and not s.stale), default=0)
+        self._inc("switchyard_avoidable_prefill_tokens_total", (pool,), max(best - chosen_overlap, 0) * adm.block_size)
+        if best > chosen_overlap:
+            self._inc("switchyard_routing_suboptimal_decisions_total", (pool,))
+        else:
+            self._inc("switchyard_routing_suboptimal_decisions_total", (pool,), 0)
+
+    def _prefill_completed(self, env, ev: PrefillCompleted) -> None:
+        self._observe("switchyard_prefill_duration_seconds", (self.pool_of(ev.worker_id),), ev.duration_ms / 1000)
+
+    def _transfer_started(self, env, ev: KvTransferStarted) -> None:
+        self._inc("switchyard_kv_transfers_started_total", (ev.backend,))
+
+    def _transfer_completed(self, env, ev: KvTransferCompleted) -> None:
+        self._inc("switchyard_kv_transfers_total", (ev.backend, "completed"))
+        self._inc("switchyard_kv_transfer_bytes_total", (ev.backend,), ev.bytes)
+        self._inc("switchyard_kv_transfer_blocks_total", (ev.backend,), ev.blocks)
+        self._observe("switchyard_kv_transfer_duration_seconds", (ev.backend, "completed"), ev.duration_ms / 1000)
+
+    def _transfer_failed(self, env, ev: KvTransferFailed) -> None:
+        self._inc("switchyard_kv_transfers_total", (ev.backend, "failed"))
+        self._inc("switchyard_kv_transfer_failures_total", (ev.backend, reason_class(ev.reason), ev.fallback))
+        self._observe("switchyard_kv_transfer_duration_seconds", (ev.backend, "failed"), ev.duration_ms / 1000)
+
+    def _completed(self, env, ev: RequestCompleted) -> None:
+        pool = self.pool_of(ev.worker_id)
+        adm = self._pending.pop(ev.request_id, None)
+        self._inc("switchyard_requests_total", (pool, adm.endpoint if adm else UNKNOWN, "completed"))
+        self._observe("switchyard_request_ttft_seconds", (pool,), ev.ttft_ms / 1000)
+        self._observe("switchyard_request_e2e_seconds", (pool,), ev.e2e_ms / 1000)
+        judged_itl = ev.output_tokens > 1
+        if judged_itl:
+            self._observe("switchyard_request_itl_seconds", (pool,), ev.itl_mean_ms / 1000)
+        self._inc("switchyard_request_prompt_tokens_total", (pool,), ev.prompt_tokens)
+        self._inc("switchyard_request_cached_tokens_total", (pool,), ev.cached_tokens)
+        self._inc("switchyard_request_output_tokens_total", (pool,), ev.output_tokens)
+        ttft_slo, itl_slo = self.slo_ms(pool)
+        ttft_ok = ev.ttft_ms <= ttft_slo
+        itl_ok = not judged_itl or ev.itl_mean_ms <= itl_slo
+        # Touch every series of the pool so "no violation yet" is a visible 0.
+        self._inc("switchyard_goodput_requests_total", (pool,), 1 if ttft_ok and itl_ok else 0)
+        self._inc("switchyard_slo_violations_total", (pool, "ttft"), 0 if ttft_ok else 1)
+        self._inc("switchyard_slo_violations_total", (pool, "itl"), 0 if itl_ok else 1)
+
+    def _failed(self, env, ev: RequestFailed) -> None:
+        pool = self.pool_of(ev.worker_id)
+        self._inc("switchyard_request_attempt_failures_total", (pool, ev.code, "true" if ev.retried else "false"))
+        if not ev.retried:
+            adm = self._pending.pop(ev.request_id, None)
+            self._inc("switchyard_requests_total", (pool, adm.endpoint if adm else UNKNOWN, "failed"))
+
+    def _rejected(self, env, ev: RequestRejected) -> None:
+        adm = self._pending.pop(ev.request_id, None)
+        self._inc("switchyard_requests_total", ("none", adm.endpoint if adm else UNKNOWN, "rejected"))
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _registered(self, env, ev: WorkerRegistered) -> None:
+        cur = self._workers.get(ev.worker_id)
+        if cur is not None and cur.epoch > env.epoch:
+            return  # a late registration of an older incarnation
+        self._workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=env.epoch, pool=ev.pool,
+                                              role=_v(ev.role))
+        self._pool(ev.pool)
+        self._inc("switchyard_worker_lifecycle_total", (ev.pool, "registered"))
+
+    def _current(self, env, worker_id: str) -> _Worker | None:
+        """The worker's state if this event is from its current incarnation."""
+        cur = self._workers.get(worker_id)
+        return cur if cur is not None and cur.epoch == env.epoch else None
+
+    def _load_reported(self, env, ev: WorkerLoadReported) -> None:
+        cur = self._current(env, ev.worker_id)
+        if cur is None:
+            return
+        cur.running, cur.waiting = ev.running, ev.waiting
+        cur.queued_prefill_tokens = ev.queued_prefill_tokens
+        cur.tier_usage = dict(ev.tier_usage)
+
+    def _draining(self, env, ev: WorkerDraining) -> None:
+        cur = self._current(env, ev.worker_id)
+        if cur is not None and cur.state == "ready":
+            cur.state = "draining"
+            self._inc("switchyard_worker_lifecycle_total", (cur.pool, "draining"))
+
+    def _deregistered(self, env, ev: WorkerDeregistered) -> None:
+        cur = self._current(env, ev.worker_id)
+        if cur is not None and cur.state != "gone":
+            cur.state = "gone"
+            self._inc("switchyard_worker_lifecycle_total", (cur.pool, "deregistered"))
+
+    # -- planner and admin --------------------------------------------------------------------
+
+    def _scaling_decision(self, env, ev: ScalingDecision) -> None:
+        direction = ("up" if ev.to_replicas > ev.from_replicas else
+                     "down" if ev.to_replicas < ev.from_replicas else "hold")
+        self._inc("switchyard_scaling_decisions_total", (ev.pool, _v(ev.role), direction))
+        self._pool(ev.pool).target[_v(ev.role)] = ev.to_replicas
+
+    def _scaling_applied(self, env, ev: ScalingApplied) -> None:
+        self._inc("switchyard_scaling_applied_total", (ev.pool, "success" if ev.success else "failure"))
+        if ev.success:
+            self._pool(ev.pool).applied = ev.replicas
+
+    def _config_changed(self, env, ev: RouterConfigChanged | PlannerConfigChanged) -> None:
+        self._admin_event(env, ev)
+        component = "router" if isinstance(ev, RouterConfigChanged) else "planner"
+        self._config_versions[component] = max(self._config_versions.get(component, 0), ev.config_version)
+
+    def _pool_updated(self, env, ev: PoolUpdated) -> None:
+        self._admin_event(env, ev)
+        p = self._pool(ev.pool)
+        p.ttft_slo_ms, p.itl_slo_ms = ev.ttft_slo_ms, ev.itl_slo_ms
+        p.min_replicas, p.max_replicas = ev.min_replicas, ev.max_replicas
+
+    def _pool_pinned(self, env, ev: PoolPinned) -> None:
+        self._admin_event(env, ev)
+        self._pool(ev.pool).pinned = ev.replicas
+
+    def _admin_event(self, env, ev: Event) -> None:
+        self._inc("switchyard_admin_events_total", (ev.TYPE,))
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def families(self) -> list[Family]:
+        """Every event-derived metric with its current samples (the processor's own come from
+        :func:`processor_families`)."""
+        stats = self.index.stats()
+        gauges = self._gauges(stats)
+        # The index keeps its own counters (they survive in its snapshot); exposed as is.
+        counters = {**self._counters,
+                    "switchyard_index_events_total": {(k,): float(v) for k, v in stats.counters.items()}}
+        out = []
+        for spec in SPECS:
+            if spec.name in PROCESSOR_METRICS:
+                continue
+            if spec.kind is Kind.COUNTER:
+                samples: dict = {labels: 0.0 for labels in spec.init}
+                samples.update(counters.get(spec.name, {}))
+            elif spec.kind is Kind.HISTOGRAM:
+                samples = {labels: _hist_value(spec, h) for labels, h in self._hists.get(spec.name, {}).items()}
+            else:
+                samples = {labels: 0.0 for labels in spec.init}
+                samples.update(gauges.get(spec.name, {}))
+            out.append(Family(spec, samples))
+        return out
+
+    def _gauges(self, stats: IndexStats) -> dict[str, dict[Labels, float]]:
+        g: dict[str, dict[Labels, float]] = {}
+        g["switchyard_index_hashes"] = {(): float(stats.distinct_hashes)}
+        stale_ids = {r.worker_id for r in stats.stale}
+        g["switchyard_index_stale_workers"] = {(): float(len(stale_ids))}
+        g["switchyard_index_worker_stale"] = {(r.worker_id,): float(r.worker_id in stale_ids)
+                                              for r in self.index.workers()}
+        per_tier: dict[Labels, float] = {}
+        per_worker: dict[Labels, float] = {}
+        for rank, tiers in stats.blocks.items():
+            for tier, n in tiers.items():
+                per_tier[(tier.value,)] = per_tier.get((tier.value,), 0.0) + n
+                key = (rank.worker_id, tier.value)
+                per_worker[key] = per_worker.get(key, 0.0) + n
+        g["switchyard_kv_blocks"] = per_tier
+        g["switchyard_kv_worker_blocks"] = per_worker
+        workers: dict[Labels, float] = {}
+        for w in self._workers.values():
+            for state in ("ready", "draining", "gone"):
+                workers.setdefault((w.pool, w.role, state), 0.0)
+            workers[(w.pool, w.role, w.state)] += 1
+        g["switchyard_workers"] = workers
+        live = [w for w in self._workers.values() if w.state != "gone"]
+        g["switchyard_worker_running_requests"] = {(w.worker_id, w.pool): float(w.running) for w in live}
+        g["switchyard_worker_waiting_requests"] = {(w.worker_id, w.pool): float(w.waiting) for w in live}
+        g["switchyard_worker_queued_prefill_tokens"] = {(w.worker_id, w.pool): float(w.queued_prefill_tokens)
+                                                        for w in live}
+        g["switchyard_worker_tier_usage_ratio"] = {(w.worker_id, w.pool, t): float(u)
+                                                   for w in live for t, u in w.tier_usage.items()}
+        g["switchyard_requests_in_flight"] = {(): float(len(self._pending))}
+        ttft, itl, tgt, applied, lo, hi, pinned = {}, {}, {}, {}, {}, {}, {}
+        for name, p in self._pools.items():
+            t_ms, i_ms = self.slo_ms(name)
+            ttft[(name,)], itl[(name,)] = t_ms / 1000, i_ms / 1000
+            for role, n in p.target.items():
+                tgt[(name, role)] = float(n)
+            for dst, val in ((applied, p.applied), (lo, p.min_replicas), (hi, p.max_replicas), (pinned, p.pinned)):
+                if val is not None:
+                    dst[(name,)] = float(val)
+        g["switchyard_pool_slo_ttft_seconds"] = ttft
+        g["switchyard_pool_slo_itl_seconds"] = itl
+        g["switchyard_pool_target_replicas"] = tgt
+        g["switchyard_pool_applied_replicas"] = applied
+        g["switchyard_pool_min_replicas"] = lo
+        g["switchyard_pool_max_replicas"] = hi
+        g["switchyard_pool_pinned_replicas"] = pinned
+        g["switchyard_config_version"] = {(c,): float(v) for c, v in self._config_versions.items()}
+        g["switchyard_router_last_view_state"] = {(r,): float(VIEW_STATES[s]) for r, s in self._routers.items()
+                                                  if s in VIEW_STATES}
+        g["switchyard_metrics_last_record_timestamp_seconds"] = {(s,): ts / 1000 for s, ts in self.last_ts_ms.items()}
+        return g
+
+    def as_dict(self) -> dict[str, dict[Labels, float | tuple]]:
+        """Comparable plain form of every family (tests compare two folds with it)."""
+        out: dict[str, dict[Labels, float | tuple]] = {}
+        for f in self.families():
+            out[f.spec.name] = {k: ((v.cumulative, round(v.sum, 9)) if isinstance(v, HistogramValue) else v)
+                                for k, v in f.samples.items()}
+        return out
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        snap = _Snapshot(
+            format=SNAPSHOT_FORMAT, hash_algo=self.index.hash_algo, block_size=self.index.block_size,
+            counters=[(n, list(k), v) for n, s in self._counters.items() for k, v in s.items()],
+            hists=[(n, list(k), h) for n, s in self._hists.items() for k, h in s.items()],
+            workers=list(self._workers.values()), pools=self._pools, routers=self._routers,
+            config_versions=self._config_versions, pending=list(self._pending.items()),
+            positions=[(s, p, o) for (s, p), o in sorted(self.positions.items())],
+            last_ts_ms=self.last_ts_ms, tracker=self.tracker.snapshot(), index=self.index.snapshot(),
+            applied=self.applied)
+        return msgspec.msgpack.encode(snap)
+
+    @classmethod
+    def restore(cls, data: bytes, config: ProjectionConfig = ProjectionConfig()) -> MetricsProjection:
+        snap = msgspec.msgpack.decode(data, type=_Snapshot)
+        if snap.format != SNAPSHOT_FORMAT:
+            raise ValueError(f"metrics snapshot format {snap.format} not supported (want {SNAPSHOT_FORMAT})")
+        if (snap.hash_algo, snap.block_size) != (config.hash_algo, config.block_size):
+            raise ValueError(f"snapshot is for {snap.hash_algo}/{snap.block_size}, config says "
+                             f"{config.hash_algo}/{config.block_size}")
+        p = cls(config)
+        for name, labels, value in snap.counters:
+            p._counters.setdefault(name, {})[tuple(labels)] = value
+        for name, labels, h in snap.hists:
+            p._hists.setdefault(name, {})[tuple(labels)] = h
+        p._workers = {w.worker_id: w for w in snap.workers}
+        p._pools = dict(snap.pools)
+        p._routers = dict(snap.routers)
+        p._config_versions = dict(snap.config_versions)
+        p._pending = OrderedDict(snap.pending)
+        p.positions = {(s, part): o for s, part, o in snap.positions}
+        p.last_ts_ms = dict(snap.last_ts_ms)
+        p.tracker = SequenceTracker.restore(snap.tracker)
+        p.index = PrefixIndex.restore(snap.index)
+        p.applied = snap.applied
+        return p
+
+
+def _hist_value(spec: MetricSpec, h: _Hist) -> HistogramValue:
+    running, cumulative = 0, []
+    for c in h.counts:
+        running += c
+        cumulative.append(running)
+    return HistogramValue(spec.buckets, tuple(cumulative), h.sum)
+
+
+def lag(positions: dict[tuple[str, int], int], end_offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    """Records behind the log end per partition (never negative: a probe may be older than the
+    position)."""
+    return {tp: max(end - positions.get(tp, 0), 0) for tp, end in end_offsets.items()}
+
+
+def processor_families(broker: BrokerState, positions: dict[tuple[str, int], int],
+                       fold_errors: int = 0) -> list[Family]:
+    """What the processor knows beyond the fold: its own lag (its positions against the high
+    watermarks), the log end offsets, every consumer group's committed lag and members, and how
+    many records its fold failed on."""
+    own = {tp: end for tp, end in broker.end_offsets.items() if tp[0] in (*EVENT_STREAMS, "deadletter")}
+    lag_s = {(s, str(p)): float(n) for (s, p), n in lag(positions, own).items()}
+    ends = {(s, str(p)): float(end) for (s, p), end in broker.end_offsets.items()}
+    group_lag: dict[Labels, float] = {}
+    for group, committed in broker.group_offsets.items():
+        for (s, p), off in committed.items():
+            end = broker.end_offsets.get((s, p))
+            if end is not None and off >= 0:
+                group_lag[(group, s, str(p))] = float(max(end - off, 0))
+    members = {(g,): float(n) for g, n in broker.group_members.items()}
+    return [Family(BY_NAME["switchyard_metrics_lag_records"], lag_s),
+            Family(BY_NAME["switchyard_log_end_offset"], ends),
+            Family(BY_NAME["switchyard_consumer_group_lag_records"], group_lag),
+            Family(BY_NAME["switchyard_consumer_group_members"], members),
+            Family(BY_NAME["switchyard_metrics_fold_errors_total"], {(): float(fold_errors)})]
+
+
+__all__ = ["MetricsProjection", "ProjectionConfig", "Family", "HistogramValue", "BrokerState",
+           "processor_families", "lag", "reason_class", "PROCESSOR_METRICS", "VIEW_STATES"]
