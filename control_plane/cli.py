@@ -247,6 +247,51 @@ def worker(
     raise typer.Exit(run_worker(settings, BusSettings.from_env()))
 
 
+# -- the whole system ---------------------------------------------------------------------------
+
+
+@app.command("up")
+def up_cmd(
+    demo: Annotated[bool, typer.Option("--demo", help="Also replay a trace slice through the router and report.")] = True,
+    trace: Annotated[Path, typer.Option(help="Mooncake-format trace.")] = Path("../shared/traces/mooncake_conversation_trace.jsonl"),
+    limit: Annotated[int, typer.Option(help="Requests of the trace to replay.")] = 200,
+    rate: Annotated[float, typer.Option(help="Arrival speed-up over the trace timestamps.")] = 20.0,
+    max_output: Annotated[int, typer.Option(help="Cap output tokens per request.")] = 128,
+    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 2,
+    decode: Annotated[int, typer.Option(help="Decode workers.")] = 2,
+    stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = False,
+) -> None:
+    """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus),
+    the metrics processor, the router, the admin API, the planner and simulated prefill/decode
+    workers; then replay a time-compressed trace slice through the router with a progress bar
+    and print a summary plus a PNG report. `switchyard down` stops everything."""
+    _logging()
+    logging.getLogger().setLevel(logging.WARNING)
+    from control_plane.demo import DemoSettings, run_demo
+    from control_plane.settings import StackSettings
+
+    if not trace.exists():
+        _fail(f"trace {trace} not found (give --trace)")
+    try:
+        run_demo(DemoSettings(trace=trace, limit=limit if demo else 0, rate=rate, max_output=max_output,
+                              prefill_workers=prefill, decode_workers=decode, stop_after=stop,
+                              with_admin=any(g.name == "admin" for g in app.registered_groups),
+                              with_planner=any(g.name == "planner" for g in app.registered_groups)),
+                 StackSettings.from_env(), echo=typer.echo)
+    except RuntimeError as e:
+        _fail(str(e))
+
+
+@app.command("down")
+def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's processes but keep the stack.")] = False) -> None:
+    """Stop everything `switchyard up` started (workers drain first), then the stack."""
+    _logging()
+    from control_plane.demo import stop_demo
+    from control_plane.settings import StackSettings
+
+    stop_demo(StackSettings.from_env(), echo=typer.echo, stack=not keep_stack)
+
+
 # -- load -------------------------------------------------------------------------------------
 
 

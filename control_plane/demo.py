@@ -69,7 +69,7 @@ class Supervisor:
     def running(self) -> list[Proc]:
         return [p for p in self.procs if alive(p.pid)]
 
-    def stop_all(self, grace: float = 20.0) -> list[str]:
+    def stop_all(self, grace: float = 30.0) -> list[str]:
         """Workers first (they drain), then the rest; returns names that needed SIGKILL."""
         killed = []
         order = sorted(self.procs, key=lambda p: (not p.name.startswith("worker"), p.name))
@@ -111,3 +111,140 @@ def write_prometheus_targets(targets_dir: Path, groups: dict[str, list[str]]) ->
     targets_dir.mkdir(parents=True, exist_ok=True)
     for job, hosts in groups.items():
         (targets_dir / f"{job}.json").write_text(json.dumps([{"targets": hosts, "labels": {"job": job}}], indent=2))
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    trace: Path
+    limit: int = 200
+    rate: float = 20.0
+    max_output: int = 128
+    prefill_workers: int = 2
+    decode_workers: int = 2
+    speedup: float = 10.0
+    router_port: int = 8000
+    metrics_port: int = 59100
+    admin_port: int = 8080
+    stop_after: bool = False
+    with_admin: bool = True
+    with_planner: bool = True
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict:
+    from control_plane.bus.admin import apply_topics
+    from control_plane.settings import BusSettings
+    from control_plane.stack import Stack
+    from control_plane.stack.process import port_in_use
+
+    t0 = time.monotonic()
+    stack = Stack(stack_settings)
+    echo("starting the stack: Kafka (KRaft), PostgreSQL, Redis, Prometheus ...")
+    stack.up()
+    bus = BusSettings.from_env()
+    apply_topics(bus)
+    sup = Supervisor(stack_settings)
+    if sup.running():
+        raise RuntimeError(f"a demo is already running ({[p.name for p in sup.running()]}); run `switchyard down` first")
+    targets = stack_settings.state_dir / "prometheus" / "targets"
+
+    def port(p: int) -> int:
+        return p if not port_in_use("127.0.0.1", p) else free_port()
+
+    metrics_port = port(d.metrics_port)
+    sup.start("metrics", ["metrics", "run", "--port", str(metrics_port), "--processor-id", "demo",
+                          "--targets-dir", str(targets)], f"http://127.0.0.1:{metrics_port}")
+    workers = []
+    for role, n in (("prefill", d.prefill_workers), ("decode", d.decode_workers)):
+        for i in range(n):
+            wid, wport = f"{role}-{i}", free_port()
+            sup.start(f"worker-{wid}", ["worker", "--worker-id", wid, "--role", role, "--pool", role, "--port",
+                                        str(wport), "--speedup", str(d.speedup),
+                                        "--data-dir", str(sup.dir / "workers" / wid), "--host-blocks", "4096",
+                                        "--disk-blocks", "8192", "--lease-s", "10"], f"http://127.0.0.1:{wport}")
+            workers.append(f"127.0.0.1:{wport}")
+    router_port = port(d.router_port)
+    router_url = f"http://127.0.0.1:{router_port}"
+    sup.start("router", ["router", "--port", str(router_port), "--router-id", "demo-router"], router_url)
+    write_prometheus_targets(targets, {"routers": [f"127.0.0.1:{router_port}"], "workers": workers})
+    admin_url = ""
+    if d.with_admin:
+        admin_port = port(d.admin_port)
+        admin_url = f"http://127.0.0.1:{admin_port}"
+        sup.start("admin", ["admin", "serve", "--port", str(admin_port)], admin_url)
+    if d.with_planner:
+        sup.start("planner", ["planner", "run", "--dry-run"])
+    n_workers = d.prefill_workers + d.decode_workers
+    echo(f"waiting for {n_workers} workers to register with the router ...")
+    wait_http(f"{router_url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == n_workers,
+              timeout=120, what="router")
+    startup_s = time.monotonic() - t0
+
+    import asyncio
+
+    from control_plane.loadgen import format_summary, plot, run_trace
+
+    if d.limit <= 0:
+        echo(f"up in {startup_s:.0f} s: router {router_url}/v1, admin {admin_url or '-'}; `switchyard down` stops it")
+        return {"router": router_url, "admin": admin_url, "startup_s": startup_s}
+    echo(f"replaying {d.limit} requests of {d.trace.name} at {d.rate}x through {router_url} ...")
+    summary = asyncio.run(run_trace(router_url, d.trace, limit=d.limit, speedup=d.rate, max_output=d.max_output))
+    png = plot(summary, sup.dir / "report.png", "Switchyard demo")
+    scaling = _count_scaling(bus)
+    out = {k: v for k, v in summary.items() if k != "results"}
+    out.update(startup_s=startup_s, report_png=str(png), router=router_url, admin=admin_url,
+               prometheus=f"http://127.0.0.1:{stack_settings.prometheus_port}", metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+               scaling_decisions=scaling)
+    echo("")
+    echo(format_summary(summary))
+    echo(f"scaling       {scaling} scaling decisions recorded")
+    echo(f"router        {router_url}/v1 (OpenAI API), {router_url}/health")
+    if admin_url:
+        echo(f"admin API     {admin_url}/docs")
+    echo(f"Prometheus    {out['prometheus']} (dashboards: dashboards/*.json, provisioning in dashboards/provisioning)")
+    echo(f"report        {png}")
+    echo(f"logs          {sup.dir}/*.log")
+    if d.stop_after:
+        stop_demo(stack_settings, echo)
+    else:
+        echo("still running: `switchyard down` stops everything")
+    return out
+
+
+def _count_scaling(bus) -> int:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from control_plane.bus.catalog import Catalog
+
+    topic = Catalog(bus.topic_prefix).topic("planner")
+    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "demo-count"})
+    try:
+        total = 0
+        for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
+            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            total += hi - lo
+        return total
+    finally:
+        c.close()
+
+
+def stop_demo(stack_settings: StackSettings, echo=print, stack: bool = True) -> None:
+    from control_plane.stack import Stack
+
+    sup = Supervisor(stack_settings)
+    killed = sup.stop_all()
+    if killed:
+        echo(f"needed SIGKILL: {', '.join(killed)}")
+    if stack:
+        left = Stack(stack_settings).down()
+        if left:
+            raise RuntimeError(f"processes still running after stop: {left}")
+    echo("everything stopped")
