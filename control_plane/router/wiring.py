@@ -67,6 +67,11 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
                     metrics=metrics)
 
     async def start() -> None:
+        import asyncio
+
+        from control_plane.router.orphans import close_orphans
+
+        await asyncio.to_thread(close_orphans, bus, producer)
         await processor.start()
         log.info("router %s serving on %s:%d (mode %s, view at %d records)", s.router_id, s.host, s.port,
                  config.mode, view.applied)
