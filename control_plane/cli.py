@@ -32,9 +32,13 @@ app.add_typer(bench_app, name="bench")
 
 def _register_subapps() -> None:
     """Sub-apps that live beside their components (imports stay light: typer only)."""
+    from control_plane.api.cli import admin_app
+    from control_plane.replay.cli import replay_app
     from control_plane.streams.cli import metrics_app
 
     app.add_typer(metrics_app, name="metrics")
+    app.add_typer(replay_app, name="replay")
+    app.add_typer(admin_app, name="admin")
 
 
 _register_subapps()
@@ -381,6 +385,15 @@ def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
     from benchmarks.engine_bench import main as run
 
     run(trace, limit)
+
+
+@bench_app.command("replay")
+def bench_replay() -> None:
+    """Events replayed per second from the broker (and a file export) into the index and load
+    view, and time to reconstruct state 1M events deep (generates the log once)."""
+    from benchmarks.replay_bench import main as run
+
+    run([])
 
 
 def main() -> None:

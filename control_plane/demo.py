@@ -179,7 +179,8 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     if d.with_admin:
         admin_port = port(d.admin_port)
         admin_url = f"http://127.0.0.1:{admin_port}"
-        sup.start("admin", ["admin", "serve", "--port", str(admin_port)], admin_url)
+        sup.start("admin", ["admin", "serve", "--port", str(admin_port), "--db-url", stack_settings.postgres_url],
+                  admin_url)
     if d.with_planner:
         sup.start("planner", ["planner", "run", "--dry-run"])
     n_workers = d.prefill_workers + d.decode_workers

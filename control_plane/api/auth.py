@@ -1,0 +1,81 @@
+"""API tokens and roles. Pure (hashlib and secrets only).
+
+A token is ``sy_<id>_<secret>``: ``id`` (8 hex chars) finds the row, ``secret`` (32 random
+bytes, url-safe base64) is checked against ``sha256(salt || secret)`` with a per-token random
+salt, compared in constant time. A fast hash is enough because the secret has 256 bits of
+entropy (a slow KDF protects *guessable* passwords); the salt keeps equal hashes from ever
+revealing equal tokens. The plain token is shown once, at creation, and never stored or logged.
+
+Roles are ordered: ``viewer`` < ``operator`` < ``admin``; a route names the least role it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from enum import Enum
+
+TOKEN_PREFIX = "sy"
+
+
+class Role(str, Enum):
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+    ADMIN = "admin"
+
+    @property
+    def rank(self) -> int:
+        return {"viewer": 0, "operator": 1, "admin": 2}[self.value]
+
+    def allows(self, needed: Role) -> bool:
+        return self.rank >= needed.rank
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the token's id, name and role (the name is what events record)."""
+
+    token_id: str
+    name: str
+    role: Role
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    token_id: str
+    token: str
+    salt: str
+    token_hash: str
+
+
+def hash_secret(salt: str, secret: str) -> str:
+    return hashlib.sha256(bytes.fromhex(salt) + secret.encode()).hexdigest()
+
+
+def issue_token() -> IssuedToken:
+    token_id = secrets.token_hex(4)
+    secret = secrets.token_urlsafe(32)
+    salt = secrets.token_hex(16)
+    return IssuedToken(token_id, f"{TOKEN_PREFIX}_{token_id}_{secret}", salt, hash_secret(salt, secret))
+
+
+def parse_token(token: str) -> tuple[str, str] | None:
+    """(id, secret) of a well-formed token, else None."""
+    parts = token.split("_", 2)
+    if len(parts) != 3 or parts[0] != TOKEN_PREFIX or len(parts[1]) != 8 or not parts[2]:
+        return None
+    try:
+        int(parts[1], 16)
+    except ValueError:
+        return None
+    return parts[1], parts[2]
+
+
+def verify_secret(salt: str, expected_hash: str, secret: str) -> bool:
+    try:
+        got = hash_secret(salt, secret)
+    except ValueError:
+        return False
+    return hmac.compare_digest(got, expected_hash)

@@ -1,0 +1,116 @@
+"""Points of the log: what ``--at``, ``--from`` and ``--to`` may name, parsed without I/O.
+
+Accepted forms:
+
+* ``start`` / ``end``: the first / the next-to-be-written record of every partition.
+* an ISO 8601 time (``2026-05-01T12:00:00Z``; no zone means UTC) or epoch milliseconds
+  (``1780000000000``): every record whose timestamp is at or before that instant, per partition.
+* ``topic:partition:offset``: up to and including that record in its partition, and for every
+  other partition the records whose timestamp is at or before that record's.
+* a JSON object ``{"topic:partition": next_offset, ...}`` (the form ``RequestRouted.index_position``
+  records): exactly those positions; partitions not named are read whole (``end``) when
+  ``default_end`` is asked for, else not at all.
+* ``request:<request id>``: the view the router decided that request's last routing on (its
+  ``index_position``); resolved by the replay engine, which has to read the request's record.
+
+Record timestamps are the producers' clocks (``CreateTime``): "at or before T" is therefore
+"appended before the first record stamped after T" per partition (Kafka's time index), which is
+exact when each partition's producers' clocks agree, and otherwise off by their skew.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from control_plane.replay.errors import BadPoint
+
+#: Epoch-millisecond values below this are taken for a mistake (seconds, or an offset).
+_MIN_EPOCH_MS = 10**11
+
+
+@dataclass(frozen=True)
+class Point:
+    """A parsed point. ``kind`` is one of start, end, time, record, positions, request."""
+
+    kind: str
+    ts_ms: int | None = None
+    topic: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+    positions: dict[tuple[str, int], int] = field(default_factory=dict)
+    request_id: str | None = None
+    text: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "time":
+            iso = datetime.fromtimestamp(self.ts_ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds")
+            return f"time {iso} ({self.ts_ms} ms)"
+        if self.kind == "record":
+            return f"record {self.topic}:{self.partition}:{self.offset} (inclusive)"
+        if self.kind == "positions":
+            return f"positions {len(self.positions)} partitions"
+        if self.kind == "request":
+            return f"routing of request {self.request_id}"
+        return self.kind
+
+
+def parse_point(text: str) -> Point:
+    """Parse one point; raises :class:`BadPoint` with the accepted forms when it is none."""
+    s = (text or "").strip()
+    if not s:
+        raise BadPoint("empty point; " + _FORMS)
+    low = s.lower()
+    if low in ("start", "beginning", "earliest"):
+        return Point("start", text=s)
+    if low in ("end", "now", "latest"):
+        return Point("end", text=s)
+    if low.startswith("request:"):
+        rid = s.split(":", 1)[1]
+        if not rid:
+            raise BadPoint("request: needs a request id, e.g. request:cmpl-123")
+        return Point("request", request_id=rid, text=s)
+    if s.startswith("{"):
+        try:
+            raw = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise BadPoint(f"positions JSON does not parse: {e}") from None
+        return Point("positions", positions=parse_positions(raw), text=s)
+    if s.isdigit():
+        ms = int(s)
+        if ms < _MIN_EPOCH_MS:
+            raise BadPoint(f"{s} is too small for epoch milliseconds (did you mean seconds, or "
+                           "topic:partition:offset?); " + _FORMS)
+        return Point("time", ts_ms=ms, text=s)
+    try:
+        dt = datetime.fromisoformat(s[:-1] + "+00:00" if s.endswith("Z") else s)
+    except ValueError:
+        parts = s.rsplit(":", 2)
+        if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
+            return Point("record", topic=parts[0], partition=int(parts[1]), offset=int(parts[2]), text=s)
+        raise BadPoint(f"{s!r} is not a point of the log; " + _FORMS) from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return Point("time", ts_ms=int(dt.timestamp() * 1000), text=s)
+
+
+def parse_positions(raw: object) -> dict[tuple[str, int], int]:
+    """``{"topic:partition": offset}`` -> ``{(topic, partition): offset}``."""
+    if not isinstance(raw, dict):
+        raise BadPoint("positions must be a JSON object {\"topic:partition\": next_offset}")
+    out: dict[tuple[str, int], int] = {}
+    for k, v in raw.items():
+        t, _, p = str(k).rpartition(":")
+        if not t or not p.isdigit() or not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise BadPoint(f"bad position {k!r}: {v!r} (want \"topic:partition\": non-negative offset)")
+        out[(t, int(p))] = v
+    return out
+
+
+def format_positions(pos: dict[tuple[str, int], int]) -> dict[str, int]:
+    return {f"{t}:{p}": o for (t, p), o in sorted(pos.items())}
+
+
+_FORMS = ("use start | end | ISO 8601 time | epoch ms | topic:partition:offset | "
+          "{\"topic:partition\": offset} | request:<id>")

@@ -1,0 +1,319 @@
+"""Re-executing recorded routing decisions. Pure: recorded events and rebuilt state in, verdicts out.
+
+A ``RequestRouted`` records what its decision was made on: the view's position
+(``index_position``), the score table (every candidate's load, overlap and speculative
+overlap as the router combined them), the config version, the RNG seed, the round-robin cursor
+and the workers excluded by earlier attempts. Each decision is checked twice:
+
+1. **table**: rebuild ``decide``'s inputs from the recorded score rows alone and run it again.
+   This checks the decision function, the config and the seed against the recorded choice,
+   costs and reason, independently of any rebuilt state.
+2. **state**: rebuild the inputs from the log: the router view folded to ``index_position``
+   (worker registry, reported loads, prefix overlaps), the router's in-flight ledger folded
+   from its own request events (:mod:`control_plane.replay.ledger`), the request from its
+   ``RequestAdmitted``. Run ``decide`` and compare everything; when it differs, the differing
+   *inputs* (score-row columns the router fed in) are listed next to the differing outputs.
+
+Both must reproduce the recorded event bit for bit (floats included: the same operations in
+the same order give the same doubles).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import xxhash
+
+from control_plane.router.view import RouterView, role_for_phase
+from control_plane.routing import (
+    Decision,
+    InflightLoad,
+    NoEligibleWorker,
+    RouterConfig,
+    RoutingError,
+    RoutingRequest,
+    WorkerLoad,
+    WorkerOverlap,
+    decide,
+)
+from control_plane.replay.ledger import RecordedInflight
+from schemas.events import CandidateScore, RequestAdmitted, RequestRouted
+from schemas.types import RequestPhase, WorkerRole
+
+#: Score-row columns that are *inputs* of the decision (as the router combined them).
+INPUT_COLUMNS = ("queued_prefill_tokens", "active_decode_blocks", "inflight_requests", "overlap_blocks",
+                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks")
+#: Columns that are outputs (computed from the inputs and the config).
+OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded")
+
+
+class DecisionRecord(msgspec.Struct, kw_only=True):
+    """One recorded decision with what replay needs around it."""
+
+    routed: RequestRouted
+    admitted: RequestAdmitted | None
+    at_ns: int
+    producer: str
+    epoch: int
+    #: "topic:partition:offset" of the RequestRouted record.
+    position: str
+    event_id: str
+
+
+class DecisionInputs(msgspec.Struct, kw_only=True):
+    """Everything ``decide`` takes besides the config and the seed."""
+
+    request: RoutingRequest
+    workers: list[WorkerLoad]
+    overlaps: dict[str, WorkerOverlap]
+    inflight: dict[str, InflightLoad]
+    rr_cursor: str | None = None
+
+
+class DecisionCheck(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The verdict on one recorded decision."""
+
+    request_id: str
+    phase: str
+    attempt: int
+    router: str
+    position: str
+    at_ns: int
+    recorded_worker: str
+    config_version: int
+    #: "match", "mismatch", or "error: ..." (could not re-execute).
+    table: str
+    state: str
+    table_worker: str | None = None
+    state_worker: str | None = None
+    #: Output fields that differ (recorded vs re-executed), for each check.
+    table_diffs: list[str] = []
+    state_diffs: list[str] = []
+    #: Input columns that differ between the recorded rows and the rebuilt ones.
+    input_diffs: list[str] = []
+    #: The rng_seed is not what the router's seed rule gives for (request, phase, attempt).
+    seed_rule_ok: bool = True
+    #: False when the in-flight ledger at this decision depended on an estimated first token.
+    ledger_exact: bool = True
+    config_assumed: bool = False
+    notes: list[str] = []
+
+    @property
+    def matched(self) -> bool:
+        return self.table == "match" and self.state == "match"
+
+
+def router_seed(request_id: str, phase: str, attempt: int) -> int:
+    """The seed rule of ``control_plane.router.core.Router.decide``."""
+    return xxhash.xxh64_intdigest(f"{request_id}:{phase}:{attempt}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def routing_request(rec: DecisionRecord) -> RoutingRequest:
+    adm = rec.admitted
+    if adm is None:
+        raise ValueError(f"request {rec.routed.request_id}: its RequestAdmitted is not in the replayed range")
+    r = rec.routed
+    return RoutingRequest(request_id=r.request_id, prompt_tokens=adm.prompt_tokens, block_size=adm.block_size,
+                          block_hashes=tuple(adm.block_hashes),
+                          expected_output_tokens=r.expected_output_tokens or adm.max_tokens, phase=r.phase)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def _row_load(row: CandidateScore, phase: RequestPhase, config: RouterConfig) -> tuple[WorkerLoad, InflightLoad | None]:
+    """A candidate as ``decide`` saw it, from its recorded row.
+
+    The row holds the *combined* loads (report and ledger, by ``load_combine``). Feeding them
+    as the report with an empty ledger gives the same numbers, except where the ledger's
+    speculative overlap matters (it also flags "has requests in flight"): then one in-flight
+    request carrying the overlap is fed, and under ``sum`` it is taken off the reported count.
+    """
+    role = WorkerRole(role_for_phase(phase.value))
+    draining, registered = False, True
+    ex = row.excluded
+    if ex == "draining":
+        draining = True
+    elif ex == "not registered":
+        registered = False
+    elif ex.startswith("role "):
+        role = WorkerRole(ex.split()[1])
+    r = row.inflight_requests
+    mine = None
+    if row.speculative_overlap:
+        mine = InflightLoad(0, 0, 1, row.speculative_overlap)
+        if config.load_combine == "sum":
+            r -= 1
+    load = WorkerLoad(worker_id=row.worker_id, role=role, registered=registered, draining=draining,
+                      queued_prefill_tokens=row.queued_prefill_tokens,
+                      active_decode_blocks=row.active_decode_blocks, inflight_requests=r,
+                      kv_capacity_blocks=row.kv_capacity_blocks)
+    return load, mine
+
+
+def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
+                       rows: list[CandidateScore] | None = None) -> DecisionInputs:
+    """``decide``'s inputs rebuilt from the recorded score table (or the ``rows`` given)."""
+    r = rec.routed
+    workers, overlaps, inflight = [], {}, {}
+    for row in (r.scores if rows is None else rows):
+        load, mine = _row_load(row, r.phase, config)
+        workers.append(load)
+        if mine is not None:
+            inflight[row.worker_id] = mine
+        if row.overlap_blocks or row.stale:
+            overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale)
+    return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
+                          rr_cursor=r.rr_cursor)
+
+
+def inputs_from_view(rec: DecisionRecord, view: RouterView, inflight: dict[str, InflightLoad]) -> DecisionInputs:
+    """``decide``'s inputs as ``Router.decide`` builds them, from a rebuilt view and ledger."""
+    r = rec.routed
+    req = routing_request(rec)
+    role = role_for_phase(r.phase.value)
+    excluded = set(r.excluded_workers)
+    workers = [WorkerLoad(worker_id=w.worker_id, role=w.role, queued_prefill_tokens=w.queued_prefill_tokens,
+                          active_decode_blocks=w.active_decode_blocks, inflight_requests=w.running + w.waiting,
+                          kv_capacity_blocks=w.device_capacity_blocks)
+               for w in view.routable(role) if w.worker_id not in excluded]
+    overlaps = ({wid: WorkerOverlap.from_tiers(m.by_tier, stale=m.stale) for wid, m in view.matches(req.block_hashes).items()}
+                if r.phase is not RequestPhase.DECODE else {})
+    return DecisionInputs(request=req, workers=workers, overlaps=overlaps, inflight=inflight, rr_cursor=r.rr_cursor)
+
+
+def execute(inputs: DecisionInputs, config: RouterConfig, rng_seed: int) -> Decision:
+    return decide(inputs.request, inputs.workers, config, rng_seed=rng_seed, overlaps=inputs.overlaps,
+                  inflight=RecordedInflight(inputs.inflight), rr_cursor=inputs.rr_cursor)
+
+
+def ledger_entry(rec: DecisionRecord, config: RouterConfig, decision: Decision | None = None) -> tuple[int, int]:
+    """What the live router added to its ledger for this decision: (prefill tokens, blocks).
+
+    ``Decision.prefill_tokens`` of the recorded choice; when ``decision`` (a re-execution)
+    chose the same worker it is taken from there, else recomputed by deciding over the
+    recorded worker's row alone.
+    """
+    r = rec.routed
+    if decision is not None and decision.worker_id == r.worker_id:
+        return decision.prefill_tokens, decision.decode_blocks
+    rows = [s for s in r.scores if s.worker_id == r.worker_id]
+    if not rows:
+        req = routing_request(rec)
+        return (0 if r.phase is RequestPhase.DECODE else req.prompt_tokens), req.request_blocks
+    row = msgspec.structs.replace(rows[0], excluded="", eligible=True)
+    one = inputs_from_scores(rec, config, [row])
+    d = execute(one, config, r.rng_seed)  # one candidate: no guard can change the choice
+    return d.prefill_tokens, d.decode_blocks
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison
+# ----------------------------------------------------------------------------------------------
+
+
+def replayed_event(rec: DecisionRecord, d: Decision) -> RequestRouted:
+    """The event the router would have recorded for decision ``d`` (inputs copied from ``rec``)."""
+    r = rec.routed
+    return msgspec.structs.replace(
+        d.to_event(index_position=r.index_position, router_id=r.router_id, attempt=r.attempt),
+        rr_cursor=r.rr_cursor, guards=list(d.guards), expected_output_tokens=r.expected_output_tokens,
+        view_state=r.view_state, excluded_workers=list(r.excluded_workers), decided_at_s=r.decided_at_s)
+
+
+def decision_diffs(recorded: RequestRouted, replayed: RequestRouted) -> list[str]:
+    """Fields that differ, as ``field: recorded -> replayed`` (scores row by row)."""
+    a = msgspec.to_builtins(recorded)
+    b = msgspec.to_builtins(replayed)
+    out: list[str] = []
+    for k in sorted(set(a) | set(b)):
+        if k == "scores":
+            out.extend(_row_diffs(recorded.scores, replayed.scores, INPUT_COLUMNS + OUTPUT_COLUMNS))
+        elif a.get(k) != b.get(k):
+            out.append(f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}")
+    return out
+
+
+def input_diffs(recorded: list[CandidateScore], replayed: list[CandidateScore]) -> list[str]:
+    """Input columns that differ between recorded and rebuilt rows, and missing/extra workers."""
+    return _row_diffs(recorded, replayed, INPUT_COLUMNS)
+
+
+def _row_diffs(recorded, replayed, columns) -> list[str]:
+    # asdict, not to_builtins: the structs omit defaults on the wire, the comparison must not.
+    a = {s.worker_id: msgspec.structs.asdict(s) for s in recorded}
+    b = {s.worker_id: msgspec.structs.asdict(s) for s in replayed}
+    out = []
+    for wid in sorted(set(a) | set(b)):
+        if wid not in b:
+            out.append(f"scores[{wid}]: recorded, not a candidate on replay")
+            continue
+        if wid not in a:
+            out.append(f"scores[{wid}]: a candidate on replay, not recorded")
+            continue
+        for col in columns:
+            va, vb = a[wid][col], b[wid][col]
+            if va != vb:
+                out.append(f"scores[{wid}].{col}: {_short(va)} -> {_short(vb)}")
+    return out
+
+
+def _short(v, n: int = 160) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def check_table(rec: DecisionRecord, config: RouterConfig) -> tuple[str, Decision | None, list[str]]:
+    try:
+        d = execute(inputs_from_scores(rec, config), config, rec.routed.rng_seed)
+    except (RoutingError, NoEligibleWorker, ValueError) as e:
+        return f"error: {e}", None, []
+    diffs = decision_diffs(rec.routed, replayed_event(rec, d))
+    return ("match" if not diffs else "mismatch"), d, diffs
+
+
+def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfig) -> tuple[str, Decision | None, list[str], list[str]]:
+    try:
+        d = execute(inputs, config, rec.routed.rng_seed)
+    except (RoutingError, NoEligibleWorker, ValueError) as e:
+        return f"error: {e}", None, [], []
+    ev = replayed_event(rec, d)
+    diffs = decision_diffs(rec.routed, ev)
+    return ("match" if not diffs else "mismatch"), d, diffs, input_diffs(rec.routed.scores, ev.scores)
+
+
+class VerifyReport(msgspec.Struct, kw_only=True):
+    """The outcome of ``replay verify`` over a range."""
+
+    range_from: str
+    range_to: str
+    decisions: int = 0
+    table_matches: int = 0
+    state_matches: int = 0
+    identical: int = 0
+    unverifiable: int = 0
+    config_versions: list[int] = []
+    configs_assumed: list[int] = []
+    configs_from_log: list[int] = []
+    notes: list[str] = []
+    routers: list[str] = []
+    ledger_estimated: int = 0
+    mismatches: list[DecisionCheck] = []
+    checks: list[DecisionCheck] = []
+    seconds: float = 0.0
+    records_read: int = 0
+
+    @property
+    def identical_ratio(self) -> float:
+        return self.identical / self.decisions if self.decisions else 1.0
+
+    def summary(self) -> dict:
+        return {"from": self.range_from, "to": self.range_to, "decisions": self.decisions,
+                "identical": self.identical, "identical_pct": round(100 * self.identical_ratio, 3),
+                "table_matches": self.table_matches, "state_matches": self.state_matches,
+                "mismatches": len(self.mismatches), "unverifiable": self.unverifiable,
+                "config_versions": self.config_versions, "configs_assumed": self.configs_assumed,
+                "configs_from_log": self.configs_from_log, "notes": self.notes,
+                "routers": self.routers, "ledger_estimated": self.ledger_estimated,
+                "records_read": self.records_read, "seconds": round(self.seconds, 3)}
