@@ -54,13 +54,75 @@ def load_router_config(s: RouterSettings) -> RouterConfig:
     return msgspec.convert(raw, RouterConfig)
 
 
+def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventProducer) -> RouterConfig:
+    """The log is the source of truth for config versions too.
+
+    * No ``--config``/``--mode`` override and a config in the log: use the newest one.
+    * Otherwise the local config (file or defaults): if it equals the newest logged one, reuse
+      that version; else record it as the next version (``RouterConfigChanged`` by this router).
+    Every decision then names a version whose full config is in the log.
+    """
+    from schemas.events import RouterConfigChanged
+
+    latest = _latest_config(bus)
+    local = load_router_config(s)
+    explicit = s.config_file is not None or s.mode != "kv"
+    if latest is not None and not explicit:
+        version, cfg = latest
+        return msgspec.convert({**cfg, "version": version}, RouterConfig)
+    body = {k: v for k, v in msgspec.to_builtins(local).items() if k != "version"}
+    if latest is not None and {k: v for k, v in latest[1].items() if k != "version"} == body:
+        return msgspec.structs.replace(local, version=latest[0])
+    version = (latest[0] + 1) if latest else 1
+    producer.publish(RouterConfigChanged(actor=f"router:{s.router_id}", actor_role="system",
+                                         config_version=version, config={**body, "version": version}))
+    producer.flush(10)
+    return msgspec.structs.replace(local, version=version)
+
+
+def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from control_plane.bus.catalog import Catalog
+    from schemas import EventCodec, SchemaError
+    from schemas.events import RouterConfigChanged
+
+    topic = Catalog(bus.topic_prefix).topic("admin")
+    codec = EventCodec()
+    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"router-config-{os.getpid()}",
+                  "enable.auto.commit": False, "fetch.wait.max.ms": 10,
+                  "logger": logging.getLogger("switchyard.rdkafka")})
+    best: tuple[int, dict] | None = None
+    try:
+        for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
+            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if hi <= lo:
+                continue
+            c.assign([TopicPartition(topic, p, lo)])
+            seen = lo
+            while seen < hi:
+                for m in c.consume(1000, 1.0):
+                    if m.error() or m.partition() != p:
+                        continue
+                    seen = m.offset() + 1
+                    try:
+                        env = codec.decode(m.value())
+                    except SchemaError:
+                        continue
+                    if isinstance(env.data, RouterConfigChanged) and (best is None or env.data.config_version >= best[0]):
+                        best = (env.data.config_version, dict(env.data.config))
+    finally:
+        c.close()
+    return best
+
+
 def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
-    config = load_router_config(s)
+    producer = EventProducer(bus, s.router_id)
+    config = resolve_router_config(s, bus, producer)
     view = RouterViewProcessor.load_view(bus, hash_config.hash_algo, s.block_size)
     processor = RouterViewProcessor(bus, s.router_id, view, snapshot_every_s=s.snapshot_every_s,
                                     thresholds=s.thresholds)
-    producer = EventProducer(bus, s.router_id)
     metrics = RouterMetrics()
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config, hash_config=hash_config,
                     health=processor.health, max_attempts=s.max_attempts, read_timeout_s=s.read_timeout_s,
