@@ -187,6 +187,8 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     echo(f"waiting for {n_workers} workers to register with the router ...")
     wait_http(f"{router_url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == n_workers,
               timeout=120, what="router")
+    if admin_url:
+        wait_http(f"{admin_url}/health", timeout=90, what="admin API")
     startup_s = time.monotonic() - t0
 
     import asyncio
