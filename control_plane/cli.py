@@ -387,6 +387,17 @@ def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
     run(trace, limit)
 
 
+@bench_app.command("routing")
+def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
+                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
+    """The whole trace in virtual time through our routing decision and simulated engines, kv vs
+    round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin).
+    Needs the bench group: `uv run --group bench ...`."""
+    from benchmarks.routing_bench import main as run
+
+    run(trace, limit)
+
+
 @bench_app.command("replay")
 def bench_replay() -> None:
     """Events replayed per second from the broker (and a file export) into the index and load

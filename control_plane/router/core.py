@@ -123,7 +123,8 @@ class Router:
         self.config = config
         self.hash_config = hash_config
         self.ledger = InflightLedger()
-        self.rr_cursor: str | None = None
+        #: Round-robin cursor per worker role: prefill and decode rotate independently.
+        self.rr_cursor: dict[str, str] = {}
         self.max_attempts = max_attempts
         self._health = health
         self.metrics = metrics
@@ -178,7 +179,7 @@ class Router:
         seed = xxhash.xxh64_intdigest(f"{adm.request_id}:{phase.value}:{attempt}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
         req = RoutingRequest(request_id=adm.request_id, prompt_tokens=len(adm.tokens), block_size=self.hash_config.block_size,
                              block_hashes=tuple(adm.hashes), expected_output_tokens=adm.max_tokens, phase=phase)
-        cursor = self.rr_cursor
+        cursor = self.rr_cursor.get(role)
         t0 = time.perf_counter()
         try:
             d = decide(req, loads, self.config, rng_seed=seed, overlaps=overlaps, inflight=self.ledger, rr_cursor=cursor)
@@ -187,7 +188,7 @@ class Router:
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if d.rr_cursor is not None:
-            self.rr_cursor = d.rr_cursor
+            self.rr_cursor[role] = d.rr_cursor
         self.ledger.add(adm.request_id, d.worker_id, adm.hashes, d.prefill_tokens, d.decode_blocks, now,
                         self.config.inflight_ttl_s)
         health = self._health() if self._health else None

@@ -67,7 +67,9 @@ def _make_workers(n: int, **overrides) -> list[WorkerLoad]:
 
 
 def _make_config(**overrides) -> RouterConfig:
-    return RouterConfig(**overrides)
+    """The worked examples below use Dynamo's weighting (prefill_load_scale 1) unless they say
+    otherwise, so their arithmetic stays readable; the product default is 5 (see RouterConfig)."""
+    return RouterConfig(**{"prefill_load_scale": 1.0, **overrides})
 
 
 def _costs(decision: Decision) -> dict[str, float | None]:
