@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from confluent_kafka import Consumer, TopicPartition
-
 from control_plane.bus.catalog import Catalog
+from control_plane.bus.reader import iter_records
 from control_plane.settings import BusSettings
 from schemas import Envelope, EventCodec, SchemaError
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
@@ -36,34 +35,13 @@ def open_requests(events: list[Envelope], producer: str, current_epoch: int) -> 
 
 
 def read_recent(bus: BusSettings, window_s: float) -> list[Envelope]:
-    topic = Catalog(bus.topic_prefix).topic("requests")
     codec = EventCodec()
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"orphan-scan-{time.time_ns()}",
-                  "enable.auto.commit": False, "fetch.wait.max.ms": 10,
-                  "logger": logging.getLogger("switchyard.rdkafka")})
     out: list[Envelope] = []
-    try:
-        since_ms = int((time.time() - window_s) * 1000)
-        parts = c.list_topics(topic, timeout=10).topics[topic].partitions
-        starts = c.offsets_for_times([TopicPartition(topic, p, since_ms) for p in parts], timeout=10)
-        for tp in starts:
-            lo, hi = c.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
-            start = tp.offset if tp.offset >= 0 else hi
-            if start >= hi:
-                continue
-            c.assign([TopicPartition(topic, tp.partition, start)])
-            seen = start
-            while seen < hi:
-                for m in c.consume(2000, 1.0):
-                    if m.error() or m.partition() != tp.partition or m.offset() < seen:
-                        continue
-                    seen = m.offset() + 1
-                    try:
-                        out.append(codec.decode(m.value()))
-                    except SchemaError:
-                        pass
-    finally:
-        c.close()
+    for m in iter_records(bus, Catalog(bus.topic_prefix).topic("requests"), since_ms=int((time.time() - window_s) * 1000)):
+        try:
+            out.append(codec.decode(m.value()))
+        except SchemaError:
+            pass
     return out
 
 

@@ -81,38 +81,20 @@ def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventPr
 
 
 def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
-    from confluent_kafka import Consumer, TopicPartition
-
     from control_plane.bus.catalog import Catalog
+    from control_plane.bus.reader import iter_records
     from schemas import EventCodec, SchemaError
     from schemas.events import RouterConfigChanged
 
-    topic = Catalog(bus.topic_prefix).topic("admin")
     codec = EventCodec()
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"router-config-{os.getpid()}",
-                  "enable.auto.commit": False, "fetch.wait.max.ms": 10,
-                  "logger": logging.getLogger("switchyard.rdkafka")})
     best: tuple[int, dict] | None = None
-    try:
-        for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
-            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if hi <= lo:
-                continue
-            c.assign([TopicPartition(topic, p, lo)])
-            seen = lo
-            while seen < hi:
-                for m in c.consume(1000, 1.0):
-                    if m.error() or m.partition() != p:
-                        continue
-                    seen = m.offset() + 1
-                    try:
-                        env = codec.decode(m.value())
-                    except SchemaError:
-                        continue
-                    if isinstance(env.data, RouterConfigChanged) and (best is None or env.data.config_version >= best[0]):
-                        best = (env.data.config_version, dict(env.data.config))
-    finally:
-        c.close()
+    for m in iter_records(bus, Catalog(bus.topic_prefix).topic("admin")):
+        try:
+            env = codec.decode(m.value())
+        except SchemaError:
+            continue
+        if isinstance(env.data, RouterConfigChanged) and (best is None or env.data.config_version >= best[0]):
+            best = (env.data.config_version, dict(env.data.config))
     return best
 
 

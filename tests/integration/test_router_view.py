@@ -7,10 +7,10 @@ import asyncio
 import time
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
 
 from control_plane.bus.catalog import Catalog
 from control_plane.bus.kafka import EventProducer
+from control_plane.bus.reader import iter_records
 from control_plane.index.errors import IndexRejected
 from control_plane.router.view import RouterView
 from control_plane.settings import BusSettings
@@ -47,34 +47,18 @@ def _traffic(producers: dict[str, EventProducer], rounds: int, base: int) -> Non
 def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
            upto: dict[tuple[str, int], int] | None = None) -> RouterView:
     """Fold every record of kv and workers (or up to ``upto`` offsets), partition by partition
-    in offset order."""
+    in offset order; workers first (registrations before stores, as a live fold mostly sees)."""
     view = RouterView(algo, block_size)
     codec = EventCodec()
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "oracle", "enable.auto.commit": False,
-                  "fetch.wait.max.ms": 10})
     cat = Catalog(bus.topic_prefix)
-    for stream in ("workers", "kv"):  # registrations first: what a live fold sees in practice
+    for stream in ("workers", "kv"):
         topic = cat.topic(stream)
-        for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
-            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if upto is not None:
-                hi = min(hi, upto.get((topic, p), lo))
-            if hi <= lo:
-                continue
-            c.assign([TopicPartition(topic, p, lo)])
-            seen = lo
-            while seen < hi:
-                for m in c.consume(1000, 1.0):
-                    if m.error() or m.partition() != p or m.offset() < seen:
-                        continue  # (a record prefetched for the previous assignment)
-                    if m.offset() >= hi:
-                        break
-                    seen = m.offset() + 1
-                    try:
-                        view.apply(codec.decode(m.value()), topic, p, m.offset())
-                    except (SchemaError, IndexRejected):
-                        view.positions[(topic, p)] = m.offset() + 1
-    c.close()
+        limit = None if upto is None else {p: o for (t, p), o in upto.items() if t == topic}
+        for m in iter_records(bus, topic, upto=limit):
+            try:
+                view.apply(codec.decode(m.value()), topic, m.partition(), m.offset())
+            except (SchemaError, IndexRejected):
+                view.positions[(topic, m.partition())] = m.offset() + 1
     return view
 
 
