@@ -398,6 +398,18 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
     run(trace, limit)
 
 
+@bench_app.command("e2e")
+def bench_e2e(trace: TraceOpt = Path(TRACE_DEFAULT),
+              limit: Annotated[int, typer.Option(help="Requests of the trace.")] = 300,
+              rate: Annotated[float, typer.Option(help="Arrival speed-up.")] = 10.0) -> None:
+    """The full stack (broker, router, disaggregated simulated workers) with kv vs round_robin
+    routing on the same trace slice: TTFT, ITL, throughput, hit rate vs the ideal (needs the stack)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.e2e_bench import main as run
+
+    run(trace, limit, rate)
+
+
 @bench_app.command("replay")
 def bench_replay() -> None:
     """Events replayed per second from the broker (and a file export) into the index and load

@@ -17,7 +17,15 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from control_plane.router.core import Admission, Chunk, Router, RouterRejected
@@ -71,6 +79,7 @@ class RouterMetrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
         self.requests = Counter("switchyard_router_requests_total", "Requests by endpoint and outcome",
                                 ["endpoint", "outcome"], registry=r)
         self.failures = Counter("switchyard_router_worker_failures_total", "Worker failures seen by the router",
