@@ -33,12 +33,14 @@ app.add_typer(bench_app, name="bench")
 def _register_subapps() -> None:
     """Sub-apps that live beside their components (imports stay light: typer only)."""
     from control_plane.api.cli import admin_app
+    from control_plane.planner.cli import planner_app
     from control_plane.replay.cli import replay_app
     from control_plane.streams.cli import metrics_app
 
     app.add_typer(metrics_app, name="metrics")
     app.add_typer(replay_app, name="replay")
     app.add_typer(admin_app, name="admin")
+    app.add_typer(planner_app, name="planner")
 
 
 _register_subapps()
@@ -408,6 +410,15 @@ def bench_e2e(trace: TraceOpt = Path(TRACE_DEFAULT),
     from benchmarks.e2e_bench import main as run
 
     run(trace, limit, rate)
+
+
+@bench_app.command("planner")
+def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT)) -> None:
+    """The trace, time-compressed with bursts, through simulated workers with the planner on,
+    vs the best static split of the same GPU budget."""
+    from benchmarks.planner_bench import main as run
+
+    run(trace)
 
 
 @bench_app.command("replay")

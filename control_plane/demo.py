@@ -182,7 +182,9 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
         sup.start("admin", ["admin", "serve", "--port", str(admin_port), "--db-url", stack_settings.postgres_url],
                   admin_url)
     if d.with_planner:
-        sup.start("planner", ["planner", "run", "--dry-run"])
+        # Virtual scaler: decisions are recorded on the log but the demo keeps its fixed workers
+        # (the local-process scaler, which starts and drains real workers, is tested separately).
+        sup.start("planner", ["planner", "run", "--scaler", "virtual", "--planner-id", "demo-planner"])
     n_workers = d.prefill_workers + d.decode_workers
     echo(f"waiting for {n_workers} workers to register with the router ...")
     wait_http(f"{router_url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == n_workers,

@@ -1,0 +1,589 @@
+"""Planner benchmark: the Mooncake conversation trace, time-compressed into bursts, served by
+simulated disaggregated prefill/decode pools whose sizes our planner decides (ticks in virtual
+time) vs the best static split of the same GPU budget.
+
+Workload
+--------
+The first ``limit`` requests of the trace (``/work/shared/traces/mooncake_conversation_trace.jsonl``:
+ISL mean 12k tokens, OSL mean 343, 3.4 req/s at 1x) are replayed on a virtual clock with a
+**burst pattern**: virtual time alternates a *calm* phase of ``calm_s`` seconds, in which the
+trace runs ``calm_speedup`` times faster than recorded, and a *burst* phase of ``burst_s``
+seconds at ``burst_speedup``. Defaults: 150 s at 2x (about 6.8 req/s) then 90 s at 6x (about 20
+req/s), repeated; the trace's own minute-to-minute variation comes on top.
+
+Engines
+-------
+Every worker is an :class:`~data_plane.engines.EngineCore` with the ``mocker`` profile (Dynamo's
+mocker timing, reproduced exactly): prefill workers run the prompt and hold its blocks until the
+first token, then the KV moves to a decode worker at no cost (the mocker's default) and the
+decode worker generates the rest. Routing: prefill to the ready worker with the fewest queued
+prompt tokens, decode to the one with the fewest running sequences. A discrete-event loop drives
+the cores exactly like :func:`data_plane.engines.simulate` (a step of ``d`` ms started at ``t``
+delivers at ``t + d``).
+
+Planner
+-------
+The real planner: every simulated event (worker registered/ready/draining/gone, request routed,
+prefill completed, request completed) is folded by the real :class:`LoadView`; every ``tick_s``
+of virtual time the real :func:`decide` runs on ``view.snapshot(now)``. A scale-up starts
+workers that become ready ``startup_s`` later (slow new workers); a scale-down drains the named
+workers (they finish what they hold). Pools: prefill (TTFT SLO) and decode (ITL SLO), min 1,
+sharing ``budget`` GPUs.
+
+Static baseline
+---------------
+``P`` prefill + ``budget - P`` decode workers, all ready from the start; the best ``P`` by SLO
+attainment (replica-seconds cannot differ: every static split uses the whole budget all the
+time). Attainment is unimodal in ``P`` (too few prefill workers break TTFT, too few decode ones
+ITL), so ``P`` is hill-climbed from the split the profile suggests for the busiest minute
+(``--splits 1,2,...`` tries a fixed list instead). The same search is also run at *equal cost*:
+the budget rounded to the planner's mean GPU count, to show what a static deployment of the same
+average size would attain.
+
+Scores
+------
+A request attains its SLO if TTFT <= ``ttft_slo_ms`` and its mean inter-token latency (first to
+last token) <= ``itl_slo_ms``. ``slo_attainment`` is the fraction of all requests that did.
+Replica-seconds count every worker from its start (starting, ready or draining) until it is gone,
+over the arrival span ``[0, last arrival]``; ``replica_seconds_ratio`` is ours / static.
+
+Dynamo
+------
+Dynamo's planner itself cannot run here: it lives in the ``ai-dynamo`` package
+(``components/src/dynamo/planner``), which is not installed; ``ai-dynamo-runtime`` 1.6.1 (the
+bench group) ships only the runtime, the router and the mocker. Its mocker does accept an offline
+``scaling_policy`` (``initial_tick_ms()`` and ``on_tick(snapshot) -> {"target_prefill",
+"target_decode", "next_tick_ms"}``, snapshots with per-interval traffic and active/starting/
+draining counts), so a planner *can* drive Dynamo's mocker; running ours through it is left as a
+cross-check (this benchmark uses our engine, which reproduces the mocker's timing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_profiles
+from control_plane.planner.core import PlannerState, decide
+from control_plane.planner.load_view import LoadView, stamp
+from data_plane.engines import EngineCore, EngineRequest, default_hash_config, load_profile, read_mooncake
+from data_plane.engines.trace import MooncakeTrace
+from schemas.events import (
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestRouted,
+    WorkerDeregistered,
+    WorkerDraining,
+    WorkerLoadReported,
+    WorkerRegistered,
+)
+from schemas.types import RequestPhase, RequestId, WorkerRole
+
+TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+_ARRIVAL, _READY, _BOUNDARY, _TICK = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class BurstPattern:
+    """Virtual time cycles through: ``calm_s`` at ``calm_speedup``, a linear ramp of ``ramp_s``
+    up to ``burst_speedup``, ``burst_s`` there, a linear ramp of ``ramp_s`` back down."""
+
+    calm_s: float = 120.0
+    ramp_s: float = 60.0
+    burst_s: float = 60.0
+    calm_speedup: float = 2.0
+    burst_speedup: float = 6.0
+
+    @property
+    def cycle_s(self) -> float:
+        return self.calm_s + 2 * self.ramp_s + self.burst_s
+
+    def speedup(self, v: float) -> float:
+        """How many times faster than recorded the trace runs at virtual second ``v``."""
+        x = v % self.cycle_s
+        lo, hi = self.calm_speedup, self.burst_speedup
+        if x < self.calm_s:
+            return lo
+        x -= self.calm_s
+        if x < self.ramp_s:
+            return lo + (hi - lo) * x / self.ramp_s
+        x -= self.ramp_s
+        if x < self.burst_s:
+            return hi
+        x -= self.burst_s
+        return hi - (hi - lo) * x / self.ramp_s
+
+    def warp(self, trace_ms: Sequence[float], step_s: float = 0.05) -> list[float]:
+        """Trace timestamps (ms, ascending) -> virtual arrival times (ms), integrating
+        d(trace time)/d(virtual time) = speedup(v) in ``step_s`` steps."""
+        out, v, t = [], 0.0, 0.0
+        for ts in trace_ms:
+            target = ts / 1000.0
+            while True:
+                dt = self.speedup(v) * step_s
+                if t + dt >= target:
+                    out.append((v + (target - t) / self.speedup(v)) * 1000.0)
+                    break
+                t += dt
+                v += step_s
+        return out
+
+
+@dataclass(slots=True)
+class Req:
+    rid: str
+    engine: EngineRequest
+    osl: int
+    arrival_ms: float
+    first_ms: float | None = None
+    last_ms: float | None = None
+    outputs: int = 0
+    cached: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    #: The prefill's first token: the decode worker continues after it.
+    first_token: int = 0
+
+
+@dataclass(slots=True)
+class Worker:
+    wid: str
+    pool: str
+    core: EngineCore
+    started_ms: float
+    state: str = "starting"  # starting | ready | draining | gone
+    gone_ms: float | None = None
+    busy: bool = False
+    #: prefill: prompt tokens routed and not yet through; decode: sequences routed and running
+    outstanding: int = 0
+
+
+@dataclass
+class SimResult:
+    label: str
+    requests: list[Req]
+    workers: list[Worker]
+    end_arrival_ms: float
+    decisions: list[tuple[float, str, int, int]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def attainment(self, ttft_slo_ms: float, itl_slo_ms: float) -> float:
+        good = 0
+        for r in self.requests:
+            if r.first_ms is None or r.last_ms is None or r.outputs < r.osl:
+                continue
+            if r.first_ms - r.arrival_ms > ttft_slo_ms:
+                continue
+            if r.outputs > 1 and (r.last_ms - r.first_ms) / (r.outputs - 1) > itl_slo_ms:
+                continue
+            good += 1
+        return good / len(self.requests) if self.requests else 0.0
+
+    def replica_seconds(self) -> float:
+        end = self.end_arrival_ms
+        return sum(max(min(w.gone_ms if w.gone_ms is not None else end, end) - w.started_ms, 0.0)
+                   for w in self.workers) / 1000.0
+
+    def ttft_p50_p99(self) -> tuple[float, float]:
+        xs = sorted(r.first_ms - r.arrival_ms for r in self.requests if r.first_ms is not None)
+        if not xs:
+            return math.nan, math.nan
+        return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+class Sim:
+    def __init__(self, requests: list[Req], *, profile: str = "mocker", prefill: int, decode: int,
+                 planner: PlannerConfig | None = None, startup_s: float = 30.0, label: str = "") -> None:
+        self.profile = load_profile(profile)
+        self.hash_config = default_hash_config(self.profile.block_size)
+        self.requests = requests
+        self.by_id = {r.rid: r for r in requests}
+        self.planner = planner
+        self.startup_ms = startup_s * 1000.0
+        self.label = label
+        self.workers: dict[str, Worker] = {}
+        self.heap: list = []
+        self.seq = 0
+        self.pending: dict[str, list[Req]] = {"prefill": [], "decode": []}
+        self.view = LoadView(planner.load_view_config(), start_ns=0) if planner else None
+        self.state = PlannerState().with_token(1)
+        self.decisions: list[tuple[float, str, int, int]] = []
+        self._n = 0
+        for _ in range(prefill):
+            self._spawn("prefill", 0.0, ready=True)
+        for _ in range(decode):
+            self._spawn("decode", 0.0, ready=True)
+        if planner is not None:
+            self.state = self.state.with_targets({"prefill": prefill, "decode": decode})
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        heapq.heappush(self.heap, (t, kind, self.seq, payload))
+        self.seq += 1
+
+    def _emit(self, payload, t_ms: float, producer: str = "router") -> None:
+        if self.view is not None:
+            self.view.apply(stamp(payload, int(t_ms * 1e6), producer=producer))
+
+    def _spawn(self, pool: str, t: float, ready: bool = False) -> Worker:
+        wid = f"{pool}-{self._n}"
+        self._n += 1
+        role = WorkerRole.PREFILL if pool == "prefill" else WorkerRole.DECODE
+        w = Worker(wid, pool, EngineCore(self.profile, worker_id=wid, role=role, hash_config=self.hash_config), t)
+        self.workers[wid] = w
+        self._emit(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"sim://{wid}",
+                                    block_size=self.profile.block_size, hash_algo="sha256"), t, wid)
+        if ready:
+            self._ready(w, t)
+        else:
+            self._push(t + self.startup_ms, _READY, wid)
+        return w
+
+    def _ready(self, w: Worker, t: float) -> None:
+        if w.state != "starting":
+            return
+        w.state = "ready"
+        self._emit(WorkerLoadReported(worker_id=w.wid, running=0, waiting=0), t, w.wid)
+        queue = self.pending[w.pool]
+        self.pending[w.pool] = []
+        for r in queue:
+            self._route(r, w.pool, t)
+
+    def _kick(self, w: Worker, t: float) -> None:
+        if not w.busy and w.core.has_work():
+            w.busy = True
+            self._push(t, _BOUNDARY, (w.wid, None))
+
+    def _pick(self, pool: str) -> Worker | None:
+        best = None
+        for w in self.workers.values():
+            if w.pool == pool and w.state == "ready" and (best is None or w.outstanding < best.outstanding):
+                best = w
+        return best
+
+    def _route(self, r: Req, pool: str, t: float) -> None:
+        w = self._pick(pool)
+        if w is None:
+            self.pending[pool].append(r)
+            return
+        if pool == "prefill":
+            r.prefill_worker = w.wid
+            w.outstanding += len(r.engine.prompt)
+            w.core.add_request(dataclasses.replace(r.engine, max_tokens=1, phase=RequestPhase.PREFILL))
+            self._emit(RequestRouted(request_id=r.rid, worker_id=w.wid, phase=RequestPhase.PREFILL, mode="least_loaded",
+                                     config_version=1, rng_seed=0), t)
+        else:
+            r.decode_worker = w.wid
+            w.outstanding += 1
+            w.core.add_request(dataclasses.replace(r.engine, max_tokens=r.osl, output_prefix=(r.first_token,),
+                                                   phase=RequestPhase.DECODE))
+            self._emit(RequestRouted(request_id=r.rid, worker_id=w.wid, phase=RequestPhase.DECODE, mode="least_loaded",
+                                     config_version=1, rng_seed=0), t)
+        self._kick(w, t)
+
+    def _complete(self, r: Req, wid: str, t: float) -> None:
+        itl = (r.last_ms - r.first_ms) / (r.outputs - 1) if r.outputs > 1 else 0.0
+        self._emit(RequestCompleted(request_id=r.rid, worker_id=wid, prompt_tokens=len(r.engine.prompt),
+                                    output_tokens=r.outputs, cached_tokens=r.cached,
+                                    ttft_ms=r.first_ms - r.arrival_ms, itl_mean_ms=itl,
+                                    e2e_ms=r.last_ms - r.arrival_ms), t)
+
+    def _maybe_gone(self, w: Worker, t: float) -> None:
+        if w.state == "draining" and not w.core.has_work() and not w.core.scheduler.held:
+            w.state = "gone"
+            w.gone_ms = t
+            self._emit(WorkerDeregistered(worker_id=w.wid, reason="drained"), t, w.wid)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self, tick_s: float = 10.0) -> SimResult:
+        t0 = time.perf_counter()
+        for r in self.requests:
+            self._push(r.arrival_ms, _ARRIVAL, r.rid)
+        end_arrival = max(r.arrival_ms for r in self.requests)
+        if self.planner is not None:
+            self._push(tick_s * 1000.0 + 1.0, _TICK, None)
+        while self.heap:
+            t, kind, _, payload = heapq.heappop(self.heap)
+            if kind == _ARRIVAL:
+                r = self.by_id[payload]
+                self._emit(RequestAdmitted(request_id=r.rid, model="m", prompt_tokens=len(r.engine.prompt),
+                                           max_tokens=r.osl, block_size=self.profile.block_size, hash_algo="sha256"), t)
+                self._route(r, "prefill", t)
+            elif kind == _READY:
+                self._ready(self.workers[payload], t)
+            elif kind == _BOUNDARY:
+                self._boundary(t, *payload)
+            else:
+                self._tick(t)
+                if t < end_arrival or any(w.core.has_work() for w in self.workers.values()):
+                    self._push(t + tick_s * 1000.0, _TICK, None)
+        return SimResult(self.label, self.requests, list(self.workers.values()), end_arrival, self.decisions,
+                         time.perf_counter() - t0)
+
+    def _boundary(self, t: float, wid: str, res) -> None:
+        w = self.workers[wid]
+        core = w.core
+        if res is not None:
+            for rid, cached in res.admitted:
+                if w.pool == "prefill":
+                    self.by_id[rid].cached = cached
+            for tok in res.tokens:
+                r = self.by_id[tok.request_id]
+                if w.pool == "prefill":
+                    r.first_ms = r.last_ms = t
+                    r.outputs = 1
+                    r.first_token = tok.token_id
+                else:
+                    r.last_ms = t
+                    r.outputs += 1
+                    if tok.finished:
+                        w.outstanding -= 1
+                        self._complete(r, wid, t)
+            for rid in res.finished:
+                if w.pool == "prefill":
+                    r = self.by_id[rid]
+                    core.release(rid)  # the KV moved to the decode side (free in the mocker)
+                    w.outstanding -= len(r.engine.prompt)
+                    self._emit(PrefillCompleted(request_id=r.rid, worker_id=wid, prompt_tokens=len(r.engine.prompt),
+                                                cached_tokens=r.cached, duration_ms=t - r.arrival_ms), t, wid)
+                    if r.osl > 1:
+                        self._route(r, "decode", t)
+                    else:
+                        self._complete(r, wid, t)
+            core.take_kv_events()
+        step = core.step()
+        if step.num_scheduled == 0:
+            w.busy = False
+            self._maybe_gone(w, t)
+            return
+        self._push(t + step.duration_ms, _BOUNDARY, (wid, step))
+
+    def _tick(self, t: float) -> None:
+        for w in self.workers.values():
+            if w.state in ("ready", "draining"):
+                st = w.core.stats()
+                self._emit(WorkerLoadReported(worker_id=w.wid, running=st.running, waiting=st.waiting,
+                                              tier_usage={"device": st.kv_usage},
+                                              queued_prefill_tokens=st.queued_prefill_tokens,
+                                              active_decode_blocks=st.active_blocks), t, w.wid)
+        now = int(t * 1e6)
+        decision, self.state = decide(now, self.view.snapshot(now), self.planner, self.state)
+        for eff in decision.effects:
+            self.decisions.append((t / 1000.0, eff.pool, eff.from_replicas, eff.to_replicas))
+            active = [w for w in self.workers.values() if w.pool == eff.pool and w.state in ("starting", "ready")]
+            if eff.to_replicas > len(active):
+                for _ in range(eff.to_replicas - len(active)):
+                    self._spawn(eff.pool, t)
+            elif eff.to_replicas < len(active):
+                named = set(eff.drain)
+                order = sorted(active, key=lambda w: (w.wid not in named, w.state != "starting", w.outstanding))
+                for w in order[: len(active) - eff.to_replicas]:
+                    if w.state == "starting":
+                        w.state, w.gone_ms = "gone", t  # never served: just stop it
+                        self._emit(WorkerDeregistered(worker_id=w.wid, reason="cancelled"), t, w.wid)
+                        continue
+                    w.state = "draining"
+                    self._emit(WorkerDraining(worker_id=w.wid, reason="scale down"), t, w.wid)
+                    self._maybe_gone(w, t)
+
+
+def load_requests(trace: Path, limit: int, pattern: BurstPattern, block_size: int) -> list[Req]:
+    records = read_mooncake(trace, limit)
+    arrivals = pattern.warp([r.timestamp_ms for r in records])
+    mt = MooncakeTrace(default_hash_config(block_size))
+    out = []
+    for i, (rec, at) in enumerate(zip(records, arrivals)):
+        er = mt.request(rec, f"mc-{i}")
+        er = dataclasses.replace(er, arrival_ms=at)
+        out.append(Req(RequestId(er.request_id), er, max(rec.output_length, 1), at))
+    return out
+
+
+def planner_config(budget: int, ttft_slo_ms: float, itl_slo_ms: float, predictor: str, *,
+                   lead_time_s: float = 30.0, **overrides) -> PlannerConfig:
+    """The planner under test: two pools sharing ``budget``; 5 s windows and ticks; sizing for
+    80% of requests inside the SLOs; a noise band of 0.5 sd; looking ``lead_time_s`` ahead (the
+    workers' start-up time)."""
+    fields = dict(version=1, gpu_budget=budget, tick_s=5.0, tumbling_s=5.0, hop_step_s=5.0, hopping_s=30.0,
+                  grace_s=0.5, cooldown_up_s=5.0, cooldown_down_s=60.0, scale_down_ticks=4, startup_timeout_s=120.0,
+                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.8, lead_time_s=lead_time_s)
+    fields.update(overrides)
+    return resolve_profiles(PlannerConfig(
+        pools=(PoolConfig(name="prefill", role=WorkerRole.PREFILL, min_replicas=1, max_replicas=budget - 1,
+                          ttft_slo_ms=ttft_slo_ms, predictor=predictor, profile="mocker"),
+               PoolConfig(name="decode", role=WorkerRole.DECODE, min_replicas=1, max_replicas=budget - 1,
+                          itl_slo_ms=itl_slo_ms, predictor=predictor, profile="mocker", fed_by="prefill")),
+        **fields))
+
+
+def initial_split(cfg: PlannerConfig, reqs: list[Req], first_s: float = 60.0) -> tuple[int, int]:
+    """The replicas the planner's own sizing gives for the first ``first_s`` of traffic (what an
+    operator would deploy before the planner has seen any window)."""
+    from control_plane.planner.core import needed_replicas
+
+    head = [r for r in reqs if r.arrival_ms < first_s * 1000]
+    rate = len(head) / first_s
+    lens = [len(r.engine.prompt) for r in head] or [1]
+    isl = sum(lens) / len(lens)
+    cv = math.sqrt(max(sum(x * x for x in lens) / len(lens) - isl * isl, 0.0)) / isl
+    osl = sum(r.osl for r in head) / max(len(head), 1)
+    p = math.ceil(needed_replicas(cfg.pool("prefill"), cfg, rate, isl, osl, isl_cv=cv))
+    d = math.ceil(needed_replicas(cfg.pool("decode"), cfg, rate, isl, osl))
+    return max(p, 1), max(d, 1)
+
+
+def peak_split(cfg: PlannerConfig, reqs: list[Req], budget: int) -> int:
+    """Prefill replicas out of ``budget`` in proportion to the two pools' needs at the busiest
+    minute of the workload (the planner's own sizing)."""
+    from control_plane.planner.core import needed_replicas
+
+    minutes: dict[int, list[Req]] = {}
+    for r in reqs:
+        minutes.setdefault(int(r.arrival_ms // 60000), []).append(r)
+    busiest = max(minutes.values(), key=len)
+    rate = len(busiest) / 60.0
+    isl = sum(len(r.engine.prompt) for r in busiest) / len(busiest)
+    osl = sum(r.osl for r in busiest) / len(busiest)
+    p = needed_replicas(cfg.pool("prefill"), cfg, rate, isl, osl)
+    d = needed_replicas(cfg.pool("decode"), cfg, rate, isl, osl)
+    return min(max(round(budget * p / (p + d)), 1), budget - 1)
+
+
+def _fresh(reqs: list[Req]) -> list[Req]:
+    return [Req(r.rid, r.engine, r.osl, r.arrival_ms) for r in reqs]
+
+
+def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft_slo_ms: float = 2000.0,
+         itl_slo_ms: float = 25.0, predictor: str = "kalman", startup_s: float = 30.0,
+         pattern: BurstPattern = BurstPattern(), splits: Sequence[int] | None = None,
+         png: str | Path | None = None) -> dict:
+    t_start = time.perf_counter()
+    reqs = load_requests(Path(trace), limit, pattern, load_profile("mocker").block_size)
+    span = max(r.arrival_ms for r in reqs) / 1000
+    print(f"trace: {len(reqs)} requests over {span:.0f} s virtual (cycles of {pattern.calm_s:g} s at "
+          f"{pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, {pattern.burst_s:g} s at {pattern.burst_speedup:g}x, "
+          f"{pattern.ramp_s:g} s ramp), budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, "
+          f"new workers ready after {startup_s:g} s", flush=True)
+
+    cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
+    p0, d0 = initial_split(cfg, reqs)
+    ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run(cfg.tick_s)
+    ours_att = ours.attainment(ttft_slo_ms, itl_slo_ms)
+    p50, p99 = ours.ttft_p50_p99()
+    print(f"planner ({predictor}, starting at {p0}P+{d0}D): attainment {ours_att:.3f}, replica-seconds {ours.replica_seconds():.0f}, "
+          f"{len(ours.decisions)} decisions, TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({ours.wall_s:.1f} s)", flush=True)
+
+    def best_static(gpus: int, fixed: Sequence[int] | None = None) -> tuple[float, SimResult, list[int]]:
+        tried: dict[int, tuple[float, SimResult]] = {}
+
+        def static(p: int) -> float:
+            if p not in tried:
+                res = Sim(_fresh(reqs), prefill=p, decode=gpus - p, label=f"static {p}P+{gpus - p}D").run()
+                att = res.attainment(ttft_slo_ms, itl_slo_ms)
+                p50, p99 = res.ttft_p50_p99()
+                print(f"static {p}P+{gpus - p}D: attainment {att:.3f}, replica-seconds {res.replica_seconds():.0f}, "
+                      f"TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({res.wall_s:.1f} s)", flush=True)
+                tried[p] = (att, res)
+            return tried[p][0]
+
+        if fixed:
+            for p in fixed:
+                static(p)
+        else:
+            # Attainment is unimodal in P (too few prefill workers break TTFT, too few decode
+            # ones ITL): climb from the split the profile suggests for the peak load.
+            p = peak_split(cfg, reqs, gpus)
+            while True:
+                here = static(p)
+                ups = [q for q in (p - 1, p + 1) if 1 <= q <= gpus - 1]
+                best_q = max(ups, key=static)
+                if static(best_q) <= here:
+                    break
+                p = best_q
+        att, res = max(tried.values(), key=lambda x: x[0])
+        return att, res, sorted(tried)
+
+    static_att, static_res, tried = best_static(budget, splits)
+    # The same comparison at equal cost: the best static split of the planner's mean GPUs.
+    mean_gpus = round(ours.replica_seconds() / span)
+    if 2 <= mean_gpus < budget and not splits:
+        eq_att, eq_res, _ = best_static(mean_gpus)
+        print(f"at equal cost ({mean_gpus} GPUs, the planner's mean): best {eq_res.label} attains "
+              f"{eq_att:.3f} vs the planner's {ours_att:.3f}", flush=True)
+    ratio = ours.replica_seconds() / static_res.replica_seconds()
+    if png is not None:
+        _plot(Path(png), ours, static_res, reqs, span, (p0, d0))
+    print(f"best static split: {static_res.label} (of {tried} prefill counts tried); Dynamo's planner: not "
+          f"runnable here (its `ai-dynamo` package is not installed; ai-dynamo-runtime ships the mocker, whose "
+          f"scaling_policy hook could host a planner); wall {time.perf_counter() - t_start:.0f} s")
+    print(f"RESULT slo_attainment={ours_att:.4f} static_slo_attainment={static_att:.4f} "
+          f"replica_seconds_ratio={ratio:.4f}")
+    return {"slo_attainment": ours_att, "static_slo_attainment": static_att, "replica_seconds_ratio": ratio,
+            "best_static": static_res.label, "decisions": ours.decisions}
+
+
+def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span: float,
+          start: tuple[int, int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a0, a1) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    bins = int(span // 10) + 1
+    counts = [0] * bins
+    for r in reqs:
+        counts[int(r.arrival_ms / 10000)] += 1
+    a0.plot([10 * i for i in range(bins)], [c / 10 for c in counts], label="arrivals (req/s)")
+    a0.set_ylabel("req/s")
+    for pool, n in zip(("prefill", "decode"), start):
+        xs, ys = [0.0], [n]
+        for t, p, _f, to in ours.decisions:
+            if p == pool:
+                xs.append(t)
+                ys.append(n)
+                xs.append(t)
+                ys.append(to)
+                n = to
+        xs.append(span)
+        ys.append(n)
+        a1.plot(xs, ys, label=f"planner {pool} target")
+    a1.axhline(sum(1 for w in static.workers if w.pool == "prefill"), ls="--", c="gray", label=f"{static.label} prefill")
+    a1.set_ylabel("replicas")
+    a1.set_xlabel("virtual seconds")
+    for a in (a0, a1):
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    kw = {}
+    args = sys.argv[1:]
+    trace = TRACE
+    while args:
+        k = args.pop(0)
+        if k == "--trace":
+            trace = Path(args.pop(0))
+        elif k in ("--limit", "--budget"):
+            kw[k[2:]] = int(args.pop(0))
+        elif k in ("--predictor", "--png"):
+            kw[k[2:]] = args.pop(0)
+        elif k in ("--ttft-slo-ms", "--itl-slo-ms", "--startup-s"):
+            kw[k[2:].replace("-", "_")] = float(args.pop(0))
+        elif k == "--splits":
+            kw["splits"] = [int(x) for x in args.pop(0).split(",")]
+        else:
+            sys.exit(f"unknown argument {k}")
+    main(trace, **kw)

@@ -1,0 +1,154 @@
+"""``switchyard planner ...``: run a planner replica, backtest a config on recorded load, pin a
+pool. Imports stay lazy so ``--help`` is instant."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+planner_app = typer.Typer(
+    help="SLO planner: sizes prefill/decode/aggregated pools from the load view, one active "
+         "replica at a time (Redis lease + fencing token); every decision is a ScalingDecision event.",
+    no_args_is_help=True,
+)
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    for noisy in ("faust", "aiokafka", "mode"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@planner_app.command("run")
+def run(
+    config: Annotated[Optional[Path], typer.Option(help="Planner config (TOML/JSON); default: one aggregated pool 'default'.")] = None,
+    scaler: Annotated[str, typer.Option(help="local (worker processes) | kubernetes | virtual (in memory).")] = "local",
+    planner_id: Annotated[Optional[str], typer.Option(help="Replica id (consumer group, producer, lease value).")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(help="Local scaler records, fencing file, Faust data (default .stack/planner).")] = None,
+    lease: Annotated[str, typer.Option(help="Lease name: replicas sharing it elect one leader.")] = "default",
+    lease_ttl_ms: Annotated[int, typer.Option(help="Lease time-to-live; a dead leader is replaced within about this.")] = 3000,
+    dry_run: Annotated[bool, typer.Option(help="Kubernetes: send every write with dryRun=All.")] = False,
+    namespace: Annotated[str, typer.Option(help="Kubernetes namespace of the pool Deployments.")] = "default",
+    kube_host: Annotated[Optional[str], typer.Option(help="Kubernetes API URL (no kubeconfig).")] = None,
+    kubeconfig: Annotated[Optional[str], typer.Option(help="Kubeconfig file.")] = None,
+    in_cluster: Annotated[bool, typer.Option(help="Use the pod's service account.")] = False,
+    worker_arg: Annotated[Optional[list[str]], typer.Option(help="Extra `switchyard worker` argument for local workers (repeatable).")] = None,
+    virtual_startup_s: Annotated[float, typer.Option(help="Virtual scaler: seconds until a new replica is ready.")] = 0.0,
+    redis_url: Annotated[Optional[str], typer.Option(envvar="SWITCHYARD_REDIS_URL", help="Redis holding the leader lease (default: the local stack's).")] = None,
+    health_host: Annotated[str, typer.Option(help="Address of GET /health.")] = "127.0.0.1",
+    health_port: Annotated[Optional[int], typer.Option(help="Port of GET /health (200 once the load view caught up); unset: none.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run a planner replica: fold the load view, elect a leader, and (as leader) decide every
+    tick and apply the decisions through the scaler."""
+    _logging(verbose)
+    from control_plane.planner.errors import PlannerConfigError
+    from control_plane.planner.runner import PlannerSettings, run_planner
+    from control_plane.settings import BusSettings
+
+    kw = {}
+    if planner_id:
+        kw["planner_id"] = planner_id
+    if state_dir:
+        kw["state_dir"] = state_dir
+    if redis_url:
+        kw["redis_url"] = redis_url
+    try:
+        settings = PlannerSettings(config_path=config, scaler=scaler, lease_name=lease, lease_ttl_ms=lease_ttl_ms,
+                                   dry_run=dry_run, namespace=namespace, kube_host=kube_host,
+                                   kubeconfig=kubeconfig, in_cluster=in_cluster,
+                                   worker_args=tuple(worker_arg or ()), virtual_startup_s=virtual_startup_s,
+                                   health_host=health_host, health_port=health_port, **kw)
+        raise typer.Exit(run_planner(settings, BusSettings.from_env()))
+    except PlannerConfigError as e:
+        _fail(str(e), 2)
+
+
+@planner_app.command("backtest")
+def backtest(
+    from_: Annotated[str, typer.Option("--from", help="Start: ISO time, unix seconds, or relative like -30m.")],
+    to: Annotated[str, typer.Option("--to", help="End: ISO time, unix seconds, relative, or 'now'.")] = "now",
+    config: Annotated[Optional[Path], typer.Option(help="Candidate planner config (default: the built-in one).")] = None,
+    predictor: Annotated[Optional[str], typer.Option(help="Override every pool's predictor: constant | moving_average | holt_winters | kalman.")] = None,
+    png: Annotated[Optional[Path], typer.Option(help="Write a chart (load vs forecast, replicas, SLO attainment).")] = None,
+    startup_s: Annotated[float, typer.Option(help="Seconds a new replica takes to become ready in the replay.")] = 30.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Replay recorded load (the requests/workers topics between --from and --to) through the
+    planner core with another config or predictor; report its decisions, predicted vs actual
+    load, estimated SLO attainment and replica-seconds against what was recorded."""
+    logging.basicConfig(level=logging.WARNING)
+    from control_plane.planner.backtest import parse_time, read_log, run_backtest
+    from control_plane.planner.config import load_config
+    from control_plane.planner.errors import PlannerConfigError
+    from control_plane.planner.runner import default_config
+    from control_plane.settings import BusSettings
+
+    try:
+        cfg = load_config(config) if config else default_config()
+        start_ns, end_ns = parse_time(from_), parse_time(to)
+        if end_ns <= start_ns:
+            _fail("--to must be after --from")
+        events = read_log(BusSettings.from_env(), start_ns, end_ns)
+        report = run_backtest(events, cfg, start_ns=start_ns, end_ns=end_ns, predictor=predictor,
+                              startup_s=startup_s)
+    except PlannerConfigError as e:
+        _fail(str(e), 2)
+    if png is not None:
+        report.plot(png)
+    if as_json:
+        typer.echo(json.dumps(report.as_dict(), indent=2))
+    else:
+        typer.echo(report.text())
+    if png is not None:
+        typer.echo(f"chart: {png}")
+
+
+@planner_app.command("pin")
+def pin(
+    pool: Annotated[str, typer.Argument(help="Pool to pin.")],
+    replicas: Annotated[int, typer.Argument(help="Replicas to hold it at (clamped to the pool's bounds).")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the event and in the planner's decision).")] = "",
+    actor: Annotated[Optional[str], typer.Option(help="Who (default: cli:<user>).")] = None,
+) -> None:
+    """Pin a pool (manual override): publishes PoolPinned on the admin stream; the leading planner
+    holds the pool at REPLICAS until unpinned."""
+    _publish_pin(pool, replicas, reason, actor)
+    typer.echo(f"pinned {pool} to {replicas}")
+
+
+@planner_app.command("unpin")
+def unpin(pool: Annotated[str, typer.Argument(help="Pool to release.")],
+          reason: Annotated[str, typer.Option(help="Why.")] = "",
+          actor: Annotated[Optional[str], typer.Option(help="Who (default: cli:<user>).")] = None) -> None:
+    """Release a pin (PoolPinned with no replicas): the planner sizes the pool from the load again."""
+    _publish_pin(pool, None, reason, actor)
+    typer.echo(f"unpinned {pool}")
+
+
+def _publish_pin(pool: str, replicas: int | None, reason: str, actor: str | None) -> None:
+    import getpass
+
+    from control_plane.bus.kafka import EventProducer
+    from control_plane.settings import BusSettings
+    from schemas.events import PoolPinned
+    from schemas.types import PoolName
+
+    if replicas is not None and replicas < 0:
+        _fail("replicas must be >= 0")
+    p = EventProducer(BusSettings.from_env(), "planner-cli")
+    p.publish(PoolPinned(actor=actor or f"cli:{getpass.getuser()}", pool=PoolName(pool), replicas=replicas,
+                         reason=reason))
+    if p.flush(30):
+        _fail("the PoolPinned event was not acknowledged by the broker")

@@ -1,0 +1,281 @@
+"""Typed, versioned planner config.
+
+A config is a value: every ``ScalingDecision`` records ``version``, so a backtest can recompute a
+past decision under exactly the config it was made with, or under another one. Validation runs
+on construction and on decoding (``msgspec`` turns the :class:`PlannerConfigError` raised in
+``__post_init__`` into a ``ValidationError``); each message says which rule failed and why the
+rule exists.
+
+A file (TOML or JSON) holds the same fields; ``load_config`` decodes it and resolves each pool's
+performance profile (reading the engine profile files: config-load time, never in the core).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import msgspec
+
+from control_plane.planner.errors import PlannerConfigError
+from control_plane.planner.load_view import LoadViewConfig, PoolSlo
+from control_plane.planner.predictors import PredictorKind
+from control_plane.planner.profile import PerformanceProfile, derive_profile
+from schemas.types import WorkerRole
+
+
+class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One pool of identical replicas the planner sizes."""
+
+    #: Pool name, as workers register it (``--pool``).
+    name: str
+    #: What its workers register as: prefill, decode or aggregated. Decides which profile
+    #: lookups size it (prefill: TTFT; decode: ITL; aggregated: both, loads added).
+    role: WorkerRole
+    #: Bounds the planner always keeps (a decision outside them is never emitted).
+    min_replicas: int = 1
+    max_replicas: int = 8
+    #: Accelerators one replica occupies; the GPU budget counts replicas times this.
+    gpus_per_replica: int = 1
+    #: Time-to-first-token target (prefill and aggregated pools), ms.
+    ttft_slo_ms: float | None = None
+    #: Mean inter-token-latency target per request (decode and aggregated pools), ms.
+    itl_slo_ms: float | None = None
+    #: Predictor of the next window's request rate.
+    predictor: PredictorKind = PredictorKind.CONSTANT
+    #: Moving-average window (also the fallback of Holt-Winters), in windows.
+    predictor_window: int = 4
+    #: Holt-Winters season length in windows (None: no season).
+    seasonal_periods: int | None = None
+    #: Engine profile the replicas run (shipped name or TOML path) and their --speedup.
+    profile: str = "mocker"
+    profile_speedup: float = 1.0
+    #: Kubernetes Deployment running the pool (default ``switchyard-<name>``).
+    deployment: str = ""
+    #: Decode pools of a disaggregated deployment: the prefill pool whose requests continue
+    #: here. Its arrivals and ISL are this pool's demand (measured upstream: a decode pool behind
+    #: an overloaded prefill pool sees only what prefill lets through).
+    fed_by: str | None = None
+    #: Resolved performance table (filled by :func:`resolve_profiles` from ``profile``).
+    performance: PerformanceProfile | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in " /:"):
+            raise PlannerConfigError(f"pool name {self.name!r} must be non-empty without ' ', '/' or ':' "
+                                     "(it becomes a Kafka key, a worker id prefix and a Deployment name)")
+        if self.min_replicas < 0 or self.max_replicas < self.min_replicas:
+            raise PlannerConfigError(
+                f"pool {self.name}: need 0 <= min_replicas ({self.min_replicas}) <= max_replicas "
+                f"({self.max_replicas}); the planner keeps every decision inside these bounds")
+        if self.gpus_per_replica < 1:
+            raise PlannerConfigError(f"pool {self.name}: gpus_per_replica must be >= 1")
+        # Constructed in code with plain strings: normalise to the enums (decoding already does).
+        role = WorkerRole(self.role)
+        msgspec.structs.force_setattr(self, "role", role)
+        msgspec.structs.force_setattr(self, "predictor", PredictorKind(self.predictor))
+        if role in (WorkerRole.PREFILL, WorkerRole.AGGREGATED) and not _positive(self.ttft_slo_ms):
+            raise PlannerConfigError(
+                f"pool {self.name} ({role.value}) needs ttft_slo_ms > 0: prefill capacity is sized to "
+                "the TTFT target (the queueing headroom depends on it)")
+        if role in (WorkerRole.DECODE, WorkerRole.AGGREGATED) and not _positive(self.itl_slo_ms):
+            raise PlannerConfigError(
+                f"pool {self.name} ({role.value}) needs itl_slo_ms > 0: decode capacity is the best "
+                "throughput at that inter-token latency")
+        if self.predictor_window < 1:
+            raise PlannerConfigError(f"pool {self.name}: predictor_window must be >= 1")
+        if self.seasonal_periods is not None and self.seasonal_periods < 2:
+            raise PlannerConfigError(f"pool {self.name}: seasonal_periods must be >= 2 (or unset)")
+        if self.profile_speedup <= 0:
+            raise PlannerConfigError(f"pool {self.name}: profile_speedup must be > 0")
+        if self.fed_by is not None and (role is not WorkerRole.DECODE or self.fed_by == self.name):
+            raise PlannerConfigError(f"pool {self.name}: fed_by is for decode pools, naming the prefill pool "
+                                     "whose requests continue in them")
+
+    @property
+    def deployment_name(self) -> str:
+        return self.deployment or f"switchyard-{self.name}"
+
+    def slo(self) -> PoolSlo:
+        """What the load view judges this pool's completions against."""
+        role = WorkerRole(self.role)
+        return PoolSlo(ttft_ms=self.ttft_slo_ms if role is not WorkerRole.DECODE else None,
+                       itl_ms=self.itl_slo_ms if role is not WorkerRole.PREFILL else None)
+
+
+class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the decision core reads besides the load snapshot and its own state."""
+
+    #: Recorded in every decision; bump it with every change.
+    version: int = 1
+    pools: tuple[PoolConfig, ...] = ()
+    #: Accelerators all pools together may hold (sum of replicas * gpus_per_replica).
+    gpu_budget: int = 8
+    #: Seconds between two ticks of the planner loop (the core itself only reads ``now``).
+    tick_s: float = 10.0
+    #: Load-view windows: tumbling (observation interval), hopping size and step, lateness.
+    tumbling_s: float = 10.0
+    hopping_s: float = 60.0
+    hop_step_s: float = 10.0
+    grace_s: float = 1.0
+    #: Completions on workers ready for less than this do not feed the latency corrections.
+    warmup_s: float = 30.0
+    #: A ready worker silent this long is counted as lost.
+    stale_after_s: float = 15.0
+    #: Noise-aware hysteresis: demand is known to within ``noise_z`` standard deviations of its
+    #: compound-Poisson noise (see core.py); scale up only when even the low end needs more,
+    #: scale down only when even the high end fits. The margin is capped at ``max_noise_margin``
+    #: so a nearly idle pool still reacts to a big burst.
+    noise_z: float = 2.0
+    max_noise_margin: float = 0.5
+    #: Windows of the long (confirming) horizon: a sustained small overload that one noisy
+    #: window cannot prove is proven by their average.
+    confirm_windows: int = 6
+    #: Scale down only to where the load uses at most this fraction of the new capacity...
+    scale_down_threshold: float = 0.8
+    #: ...and only after that held for this many consecutive ticks.
+    scale_down_ticks: int = 3
+    #: Minimum time between two scale-ups of a pool, and between any change and a scale-down.
+    cooldown_up_s: float = 30.0
+    cooldown_down_s: float = 120.0
+    #: How long a new replica takes to become ready (scheduling, image pull, weights): trend
+    #: predictors size for the largest load forecast until then.
+    lead_time_s: float = 0.0
+    #: A scale-up is pending until its replicas are ready; after this long they count as failed.
+    startup_timeout_s: float = 300.0
+    #: Fraction of requests sizing aims to keep inside the latency targets (None: size the
+    #: *mean* latency to the target, Dynamo's rule). Prefill: the M/G/1 wait's quantile fits
+    #: the TTFT slack; decode: the Poisson concurrency's quantile meets the ITL target.
+    slo_quantile: float | None = None
+    #: Capacity to drain what is already queued (load reports: prefill tokens queued, decode
+    #: requests waiting) within this many seconds is added to the forecast demand. None: off.
+    backlog_drain_s: float | None = 30.0
+    #: Bounds of the prefill utilisation the TTFT headroom may pick (see profile.py).
+    min_utilization: float = 0.3
+    max_utilization: float = 0.85
+    #: Online correction observed/expected latency: clamp, EWMA weight, samples needed. The
+    #: default floor 1.0 never assumes hardware faster than its profile: a correction learned
+    #: below 1 at light load (short queues, short contexts) under-provisions at the peak.
+    correction_min: float = 1.0
+    correction_max: float = 3.0
+    correction_alpha: float = 0.3
+    correction_min_samples: int = 5
+    #: Predictor of ISL, OSL and prefix hit rate (they move slowly; the rate has its own).
+    length_predictor: PredictorKind = PredictorKind.MOVING_AVERAGE
+    #: Observations kept per pool (predictor history).
+    history_limit: int = 64
+    #: Operator pins at start-up: pool -> replicas (``PoolPinned`` admin events override them).
+    pins: dict[str, int] = {}
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "length_predictor", PredictorKind(self.length_predictor))
+        msgspec.structs.force_setattr(self, "pools", tuple(self.pools))
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise PlannerConfigError(f"pool names must be unique, got {names}")
+        floor = sum(p.min_replicas * p.gpus_per_replica for p in self.pools)
+        if floor > self.gpu_budget:
+            raise PlannerConfigError(
+                f"the pools' minimums need {floor} GPUs but gpu_budget is {self.gpu_budget}: the "
+                "planner could never satisfy both, so it refuses the config")
+        for p in self.pools:
+            if p.min_replicas * p.gpus_per_replica > self.gpu_budget:
+                raise PlannerConfigError(f"pool {p.name}: min_replicas alone exceeds gpu_budget")
+            if p.fed_by is not None:
+                up = next((q for q in self.pools if q.name == p.fed_by), None)
+                if up is None or WorkerRole(up.role) is not WorkerRole.PREFILL:
+                    raise PlannerConfigError(f"pool {p.name}: fed_by={p.fed_by!r} must name a prefill pool of "
+                                             "this config")
+        if not 0.0 < self.scale_down_threshold < 1.0:
+            raise PlannerConfigError(
+                f"scale_down_threshold={self.scale_down_threshold} must be in (0, 1): scale-up happens "
+                "above 100% of capacity, scale-down below this fraction, and the gap between the two "
+                "is what keeps a constant load from oscillating")
+        if self.noise_z < 0 or not 0 <= self.max_noise_margin < 1:
+            raise PlannerConfigError("need noise_z >= 0 and 0 <= max_noise_margin < 1 (a margin of 1 would "
+                                     "make the low end of any demand zero: the planner could never scale up)")
+        if self.confirm_windows < 1:
+            raise PlannerConfigError("confirm_windows must be >= 1")
+        if self.scale_down_ticks < 1:
+            raise PlannerConfigError("scale_down_ticks must be >= 1")
+        for name in ("tick_s", "tumbling_s", "hop_step_s", "hopping_s"):
+            if not _positive(getattr(self, name)):
+                raise PlannerConfigError(f"{name} must be > 0")
+        if self.lead_time_s < 0:
+            raise PlannerConfigError("lead_time_s must be >= 0")
+        if self.cooldown_up_s < 0 or self.cooldown_down_s < 0 or self.startup_timeout_s <= 0:
+            raise PlannerConfigError("cooldowns must be >= 0 and startup_timeout_s > 0")
+        if self.startup_timeout_s < self.tick_s:
+            raise PlannerConfigError(
+                f"startup_timeout_s ({self.startup_timeout_s}) < tick_s ({self.tick_s}): every scale-up "
+                "would time out before the next tick could see its replicas become ready")
+        if self.backlog_drain_s is not None and self.backlog_drain_s <= 0:
+            raise PlannerConfigError("backlog_drain_s must be > 0 (or unset to ignore backlogs)")
+        if self.slo_quantile is not None and not 0.5 <= self.slo_quantile < 1:
+            raise PlannerConfigError("slo_quantile must be in [0.5, 1) (or unset for the mean): 1 would "
+                                     "need infinite headroom")
+        if not 0 < self.min_utilization <= self.max_utilization < 1:
+            raise PlannerConfigError("need 0 < min_utilization <= max_utilization < 1: a replica "
+                                     "planned at 100% utilisation has an unbounded queue")
+        if not 0 < self.correction_min <= 1 <= self.correction_max:
+            raise PlannerConfigError("need 0 < correction_min <= 1 <= correction_max (1 = the profile is right)")
+        if not 0 < self.correction_alpha <= 1:
+            raise PlannerConfigError("correction_alpha must be in (0, 1]")
+        if self.history_limit < 2:
+            raise PlannerConfigError("history_limit must be >= 2")
+        for pool, n in self.pins.items():
+            if pool not in names:
+                raise PlannerConfigError(f"pin for unknown pool {pool!r} (pools: {names})")
+            if n < 0:
+                raise PlannerConfigError(f"pin {pool}={n} must be >= 0")
+        try:
+            self.load_view_config()
+        except ValueError as e:
+            raise PlannerConfigError(str(e)) from None
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def load_view_config(self) -> LoadViewConfig:
+        """The load-view geometry this config reads (shared by live view, backtest and bench)."""
+        return LoadViewConfig(
+            tumbling_s=self.tumbling_s, hopping_s=self.hopping_s, hop_step_s=self.hop_step_s,
+            grace_s=self.grace_s, warmup_s=self.warmup_s, stale_after_s=self.stale_after_s,
+            retention_s=max(900.0, self.tumbling_s * (self.history_limit + 2), self.hopping_s * 2),
+            slos={p.name: p.slo() for p in self.pools})
+
+    def replace(self, **changes) -> PlannerConfig:
+        return msgspec.structs.replace(self, **changes)
+
+
+def _positive(x: float | None) -> bool:
+    return x is not None and math.isfinite(x) and x > 0
+
+
+def resolve_profiles(config: PlannerConfig) -> PlannerConfig:
+    """Fill each pool's ``performance`` table from its ``profile`` (reads the profile files)."""
+    pools = tuple(
+        p if p.performance is not None
+        else msgspec.structs.replace(p, performance=derive_profile(p.profile, p.profile_speedup))
+        for p in config.pools)
+    return config.replace(pools=pools)
+
+
+def decode_config(data: bytes | str, fmt: str = "toml") -> PlannerConfig:
+    try:
+        if fmt == "json":
+            cfg = msgspec.json.decode(data, type=PlannerConfig)
+        else:
+            cfg = msgspec.toml.decode(data, type=PlannerConfig)
+    except msgspec.ValidationError as e:
+        raise PlannerConfigError(f"invalid planner config: {e}") from None
+    return cfg
+
+
+def load_config(path: str | Path) -> PlannerConfig:
+    """Decode a TOML or JSON config file and resolve its performance profiles."""
+    path = Path(path)
+    fmt = "json" if path.suffix == ".json" else "toml"
+    return resolve_profiles(decode_config(path.read_bytes(), fmt))

@@ -1,0 +1,757 @@
+"""The planner's load view: a pure projection of the ``requests`` and ``workers`` streams.
+
+``LoadView.apply(envelope, topic, partition, offset)`` folds one record; ``snapshot(now_ns)``
+answers what the planner core reads (:class:`LoadSnapshot`). The same fold runs in the Faust
+agent (``control_plane/streams/load_view.py``), in ``switchyard planner backtest``, in the
+benchmark and in tests, so a view rebuilt from the log equals the live one at the same offsets.
+
+Workers (per incarnation, the envelope's epoch):
+
+* ``starting``: registered, no load report yet (the process is up but has not served);
+* ``ready``: has reported load; ``ready_at`` is its first report's event time;
+* ``draining``: ``WorkerDraining`` seen (takes no new work, finishes in-flight requests);
+* ``gone``: ``WorkerDeregistered`` seen. A ready worker with no report for ``stale_after_s`` at
+  snapshot time counts as ``stale``, not ready (killed with -9: nobody deregistered it).
+
+Pools are attributed per request: ``RequestRouted`` names the worker, the worker's registration
+names the pool. One request counts one arrival in each pool it is routed to (a retry in the same
+pool is not a new arrival; prefill and decode pools of a disaggregated request each count it).
+A completion is counted at ``RequestCompleted``'s event time: in the completing worker's pool
+(OSL, ITL, and TTFT too when the request had no separate prefill pool) and, for a disaggregated
+request, its TTFT in the prefill worker's pool. Goodput counts completions that met the pool's
+SLO (TTFT for prefill pools, ITL for decode pools, both for aggregated ones). The prefix hit
+rate is cached_tokens / prompt_tokens of the pool's completions (``PrefillCompleted`` for a
+prefill pool).
+
+Windows are keyed by *event time* (the envelope's ``at``): every pool keeps one accumulator per
+``bucket_s`` (the hopping step). A tumbling window is ``tumbling_s / bucket_s`` consecutive
+buckets, a hopping window ``hopping_s / bucket_s``; a window is *closed* once ``now`` passes its
+end plus ``grace_s`` (events may arrive that late across partitions). Percentiles come from
+mergeable log-bucket histograms (2% relative resolution), so windows merge exactly and the fold
+is order-independent within a window.
+
+"Steady" latency sums only count completions on workers that have been ready for ``warmup_s``:
+a slow new worker must not make the planner believe the whole pool got slower (Dynamo #12430).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from schemas.envelope import Envelope
+from schemas.events import (
+    Event,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRouted,
+    WorkerDeregistered,
+    WorkerDraining,
+    WorkerLoadReported,
+    WorkerRegistered,
+)
+from schemas.types import RequestPhase
+
+NS = 1_000_000_000
+SNAPSHOT_FORMAT = 1
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSlo:
+    """Latency targets a pool's completions are judged against (None: not judged)."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+
+    def met(self, ttft_ms: float | None, itl_ms: float | None) -> bool:
+        if self.ttft_ms is not None and ttft_ms is not None and ttft_ms > self.ttft_ms:
+            return False
+        if self.itl_ms is not None and itl_ms is not None and itl_ms > self.itl_ms:
+            return False
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class LoadViewConfig:
+    """Window geometry and judgement rules of a :class:`LoadView`."""
+
+    #: Tumbling window length (the planner's observation interval).
+    tumbling_s: float = 10.0
+    #: Hopping window length and step; the step is the accumulator bucket.
+    hopping_s: float = 60.0
+    hop_step_s: float = 10.0
+    #: A window closes this long after its end (late events across partitions).
+    grace_s: float = 1.0
+    #: Buckets older than this behind the newest event are dropped.
+    retention_s: float = 900.0
+    #: Completions on a worker ready for less than this are left out of the steady latency.
+    warmup_s: float = 0.0
+    #: A ready worker silent this long counts as stale, not ready.
+    stale_after_s: float = 15.0
+    #: Requests whose join state is older than this (no completion seen) are forgotten.
+    request_ttl_s: float = 600.0
+    #: SLO per pool; pools not listed use ``default_slo``.
+    slos: Mapping[str, PoolSlo] = field(default_factory=dict)
+    default_slo: PoolSlo = PoolSlo()
+
+    def __post_init__(self) -> None:
+        step = self.hop_step_s
+        for name in ("tumbling_s", "hopping_s"):
+            v = getattr(self, name)
+            if step <= 0 or v <= 0 or abs(v / step - round(v / step)) > 1e-9:
+                raise ValueError(f"{name}={v} must be a positive multiple of hop_step_s={step}: windows are "
+                                 "unions of step-sized buckets, so that every window merges exactly")
+        if self.retention_s < max(self.tumbling_s, self.hopping_s) + self.grace_s:
+            raise ValueError("retention_s must cover the longest window plus the grace period, else a "
+                             "window could close with some of its buckets already dropped")
+
+    @property
+    def bucket_ns(self) -> int:
+        return int(round(self.hop_step_s * NS))
+
+    def slo(self, pool: str) -> PoolSlo:
+        return self.slos.get(pool, self.default_slo)
+
+
+# ----------------------------------------------------------------------------------------------
+# Histogram (mergeable, deterministic)
+# ----------------------------------------------------------------------------------------------
+
+_LOG_STEP = math.log1p(0.02)
+_ZERO = -(10**6)
+
+
+class Histogram(msgspec.Struct, kw_only=True):
+    """Log-bucket histogram: bucket ``b`` holds values in ``[(1.02)^b, (1.02)^(b+1))``; values
+    <= 0 share one bucket. Quantiles answer the bucket's geometric middle (<= 1% off)."""
+
+    counts: dict[int, int] = {}
+    n: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+
+    def add(self, x: float) -> None:
+        b = _ZERO if x <= 0 else math.floor(math.log(x) / _LOG_STEP)
+        self.counts[b] = self.counts.get(b, 0) + 1
+        self.n += 1
+        self.total += x
+        self.total_sq += x * x
+
+    def merge(self, other: Histogram) -> None:
+        for b, c in other.counts.items():
+            self.counts[b] = self.counts.get(b, 0) + c
+        self.n += other.n
+        self.total += other.total
+        self.total_sq += other.total_sq
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+    @property
+    def sd(self) -> float | None:
+        """Population standard deviation (exact: from the sums, not the buckets)."""
+        if not self.n:
+            return None
+        m = self.total / self.n
+        return math.sqrt(max(self.total_sq / self.n - m * m, 0.0))
+
+    def quantile(self, q: float) -> float | None:
+        """Nearest-rank quantile (rank ``ceil(q*n)``)."""
+        if not self.n:
+            return None
+        rank = max(1, math.ceil(q * self.n))
+        seen = 0
+        for b in sorted(self.counts):
+            seen += self.counts[b]
+            if seen >= rank:
+                return 0.0 if b == _ZERO else math.exp((b + 0.5) * _LOG_STEP)
+        return None  # unreachable: counts sum to n
+
+
+class _Acc(msgspec.Struct, kw_only=True):
+    """One pool's accumulator for one bucket."""
+
+    arrivals: int = 0
+    isl: Histogram = msgspec.field(default_factory=Histogram)
+    completions: int = 0
+    good: int = 0
+    failures: int = 0
+    osl: Histogram = msgspec.field(default_factory=Histogram)
+    ttft: Histogram = msgspec.field(default_factory=Histogram)
+    itl: Histogram = msgspec.field(default_factory=Histogram)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    steady_ttft_sum: float = 0.0
+    steady_ttft_n: int = 0
+    steady_itl_sum: float = 0.0
+    steady_itl_n: int = 0
+
+    def merge(self, o: _Acc) -> None:
+        self.arrivals += o.arrivals
+        self.isl.merge(o.isl)
+        self.completions += o.completions
+        self.good += o.good
+        self.failures += o.failures
+        self.osl.merge(o.osl)
+        self.ttft.merge(o.ttft)
+        self.itl.merge(o.itl)
+        self.prompt_tokens += o.prompt_tokens
+        self.cached_tokens += o.cached_tokens
+        self.steady_ttft_sum += o.steady_ttft_sum
+        self.steady_ttft_n += o.steady_ttft_n
+        self.steady_itl_sum += o.steady_itl_sum
+        self.steady_itl_n += o.steady_itl_n
+
+
+# ----------------------------------------------------------------------------------------------
+# What the planner reads (immutable)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WindowStats:
+    """Aggregates of one pool over one event-time window ``[start_ns, end_ns)``."""
+
+    start_ns: int
+    end_ns: int
+    arrivals: int = 0
+    isl_mean: float | None = None
+    isl_sd: float | None = None
+    isl: Percentiles = Percentiles()
+    completions: int = 0
+    osl_mean: float | None = None
+    osl_sd: float | None = None
+    osl: Percentiles = Percentiles()
+    ttft_mean: float | None = None
+    ttft: Percentiles = Percentiles()
+    itl_mean: float | None = None
+    itl: Percentiles = Percentiles()
+    #: Completions that met the pool's SLO, and failures (never good).
+    good: int = 0
+    failures: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    #: Mean latencies over completions on warmed-up workers only (None: no such completion).
+    steady_ttft_mean: float | None = None
+    steady_itl_mean: float | None = None
+    steady_samples: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / NS
+
+    @property
+    def arrival_rate(self) -> float:
+        return self.arrivals / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def goodput(self) -> float:
+        """Good completions per second."""
+        return self.good / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def slo_attainment(self) -> float | None:
+        judged = self.completions + self.failures
+        return self.good / judged if judged else None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One worker incarnation as the view knows it."""
+
+    worker_id: str
+    pool: str
+    role: str
+    epoch: int = 0
+    #: "starting" | "ready" | "draining" | "gone" | "stale"
+    state: str = "ready"
+    registered_at_ns: int = 0
+    ready_at_ns: int | None = None
+    reported_at_ns: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCounts:
+    starting: int = 0
+    ready: int = 0
+    draining: int = 0
+    stale: int = 0
+
+    @property
+    def active(self) -> int:
+        """Replicas that are or will be serving (not draining, not lost)."""
+        return self.starting + self.ready
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    pool: str
+    role: str = ""
+    replicas: ReplicaCounts = ReplicaCounts()
+    workers: tuple[WorkerLoad, ...] = ()
+    #: Closed tumbling windows, oldest first (empty windows included: zero load is a fact).
+    windows: tuple[WindowStats, ...] = ()
+    #: The hopping window ending at the last closed step.
+    hopping: WindowStats | None = None
+
+    @property
+    def last_window(self) -> WindowStats | None:
+        return self.windows[-1] if self.windows else None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """What the planner core reads at ``now_ns``."""
+
+    now_ns: int
+    pools: tuple[PoolLoad, ...] = ()
+    #: Newest event time folded so far.
+    watermark_ns: int = 0
+
+    def pool(self, name: str) -> PoolLoad:
+        for p in self.pools:
+            if p.pool == name:
+                return p
+        return PoolLoad(pool=name)
+
+
+def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", seq: int = 0) -> Envelope[Event]:
+    """Wrap a payload in an envelope at event time ``at_ns`` (simulations, tests, benchmarks
+    that feed the fold without a broker)."""
+    return Envelope(event_id=f"{producer}-{at_ns}-{seq}", type=payload.TYPE, version=payload.VERSION,
+                    key=payload.key(), producer=producer, epoch=epoch, seq=seq, occurred_at_ns=at_ns,
+                    data=payload)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fold
+# ----------------------------------------------------------------------------------------------
+
+
+class _Worker(msgspec.Struct, kw_only=True):
+    worker_id: str
+    epoch: int
+    pool: str
+    role: str
+    state: str = "starting"
+    registered_at_ns: int = 0
+    ready_at_ns: int | None = None
+    reported_at_ns: int = 0
+    gone_at_ns: int | None = None
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    kv_usage: float = 0.0
+
+
+class _Req(msgspec.Struct, kw_only=True):
+    seen_ns: int
+    prompt_tokens: int = -1
+    #: Pools the request was counted in as an arrival.
+    pools: list[str] = []
+    prefill_worker: str | None = None
+
+
+class _Orphan(msgspec.Struct, kw_only=True):
+    """A routing to a worker whose registration has not been folded yet (other topic)."""
+
+    request_id: str
+    worker_id: str
+    phase: str
+    at_ns: int
+
+
+class _State(msgspec.Struct, kw_only=True):
+    format: int
+    workers: dict[str, _Worker]
+    requests: dict[str, _Req]
+    #: pool -> bucket index -> accumulator
+    buckets: dict[str, dict[int, _Acc]]
+    orphans: list[_Orphan]
+    positions: list[tuple[str, int, int]]
+    watermark_ns: int
+    start_ns: int | None
+    applied: int
+    late_dropped: int
+
+
+MAX_ORPHANS = 10_000
+
+#: What one fold step counted: (pool, counter, event time ns) per increment. Counters:
+#: "arrivals", "completions", "good", "failures".
+Counted = tuple[tuple[str, str, int], ...]
+
+
+class LoadView:
+    """Mutable fold state; everything it answers is an immutable :class:`LoadSnapshot`."""
+
+    def __init__(self, config: LoadViewConfig | None = None, *, start_ns: int | None = None) -> None:
+        self.config = config or LoadViewConfig()
+        self.workers: dict[str, _Worker] = {}
+        self._requests: dict[str, _Req] = {}
+        self._buckets: dict[str, dict[int, _Acc]] = {}
+        self._orphans: list[_Orphan] = []
+        self.positions: dict[tuple[str, int], int] = {}
+        self.watermark_ns = 0
+        #: Windows starting before this are not reported (the view saw nothing of them).
+        self.start_ns = start_ns
+        self.applied = 0
+        self.late_dropped = 0
+
+    # -- folding ----------------------------------------------------------------------------
+
+    def apply_record(self, env: Envelope[Event], topic: str, partition: int, offset: int) -> Counted | None:
+        """Fold one record read at ``topic:partition@offset``; None if already covered."""
+        tp = (topic, partition)
+        if offset < self.positions.get(tp, 0):
+            return None
+        self.positions[tp] = offset + 1
+        return self.apply(env)
+
+    def apply(self, env: Envelope[Event]) -> Counted:
+        """Fold one event (position bookkeeping is the caller's, see :meth:`apply_record`).
+        Returns what it counted in which pool (stream processors mirror it in their tables)."""
+        self.applied += 1
+        counted: Counted = ()
+        at = env.occurred_at_ns
+        if self.start_ns is None:
+            self.start_ns = at
+        if at > self.watermark_ns:
+            self.watermark_ns = at
+        ev = env.data
+        if isinstance(ev, WorkerRegistered):
+            counted = self._registered(ev, env.epoch, at)
+        elif isinstance(ev, (WorkerLoadReported, WorkerDraining, WorkerDeregistered)):
+            self._worker_event(ev, env.epoch, at)
+        elif isinstance(ev, RequestAdmitted):
+            self._req(ev.request_id, at).prompt_tokens = ev.prompt_tokens
+        elif isinstance(ev, RequestRouted):
+            counted = self._routed(ev.request_id, ev.worker_id,
+                                   ev.phase.value if hasattr(ev.phase, "value") else str(ev.phase), at)
+        elif isinstance(ev, PrefillCompleted):
+            self._prefill_completed(ev, at)
+        elif isinstance(ev, RequestCompleted):
+            counted = self._completed(ev, at)
+        elif isinstance(ev, RequestFailed):
+            counted = self._failed(ev, at)
+        self._evict()
+        return counted
+
+    def apply_all(self, envs: Iterable[Envelope[Event]]) -> None:
+        for env in envs:
+            self.apply(env)
+
+    def _req(self, rid: str, at: int) -> _Req:
+        r = self._requests.get(rid)
+        if r is None:
+            r = self._requests[rid] = _Req(seen_ns=at)
+        return r
+
+    def _acc(self, pool: str, at: int) -> _Acc | None:
+        b = at // self.config.bucket_ns
+        horizon = self.watermark_ns - int(self.config.retention_s * NS)
+        if (b + 1) * self.config.bucket_ns <= horizon:
+            self.late_dropped += 1
+            return None
+        per_pool = self._buckets.setdefault(pool, {})
+        acc = per_pool.get(b)
+        if acc is None:
+            acc = per_pool[b] = _Acc()
+        return acc
+
+    def _pool_of(self, worker_id: str | None) -> str | None:
+        w = self.workers.get(worker_id) if worker_id else None
+        return w.pool if w is not None else None
+
+    def _warm(self, worker_id: str | None, at: int) -> bool:
+        w = self.workers.get(worker_id) if worker_id else None
+        return (w is not None and w.ready_at_ns is not None
+                and at - w.ready_at_ns >= int(self.config.warmup_s * NS))
+
+    # workers
+
+    def _registered(self, ev: WorkerRegistered, epoch: int, at: int) -> Counted:
+        cur = self.workers.get(ev.worker_id)
+        if cur is not None and cur.epoch > epoch:
+            return  # a late registration of an older incarnation
+        role = ev.role.value if hasattr(ev.role, "value") else str(ev.role)
+        self.workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=epoch, pool=ev.pool, role=role,
+                                             registered_at_ns=at)
+        if self._orphans:
+            waiting = [o for o in self._orphans if o.worker_id == ev.worker_id]
+            if waiting:
+                self._orphans = [o for o in self._orphans if o.worker_id != ev.worker_id]
+                return tuple(c for o in waiting for c in self._routed(o.request_id, o.worker_id, o.phase, o.at_ns))
+        return ()
+
+    def _worker_event(self, ev, epoch: int, at: int) -> None:
+        cur = self.workers.get(ev.worker_id)
+        if cur is None or epoch != cur.epoch:
+            return  # an older incarnation, or one whose registration we have not folded
+        if isinstance(ev, WorkerLoadReported):
+            if cur.state == "starting":
+                cur.state = "ready"
+                cur.ready_at_ns = at
+            cur.reported_at_ns = max(cur.reported_at_ns, at)
+            cur.running, cur.waiting = ev.running, ev.waiting
+            cur.queued_prefill_tokens = ev.queued_prefill_tokens
+            cur.active_decode_blocks = ev.active_decode_blocks
+            cur.kv_usage = float(ev.tier_usage.get("device", 0.0))
+        elif isinstance(ev, WorkerDraining):
+            if cur.state != "gone":
+                cur.state = "draining"
+        else:
+            cur.state = "gone"
+            cur.gone_at_ns = at
+
+    # requests
+
+    def _routed(self, rid: str, worker_id: str, phase: str, at: int) -> Counted:
+        pool = self._pool_of(worker_id)
+        if pool is None:
+            if len(self._orphans) < MAX_ORPHANS:
+                self._orphans.append(_Orphan(request_id=rid, worker_id=worker_id, phase=phase, at_ns=at))
+            return ()
+        r = self._req(rid, at)
+        if phase == RequestPhase.PREFILL.value:
+            r.prefill_worker = worker_id
+        if pool in r.pools:
+            return ()  # a retry inside the same pool is not a new arrival
+        r.pools.append(pool)
+        acc = self._acc(pool, at)
+        if acc is None:
+            return ()
+        acc.arrivals += 1
+        if r.prompt_tokens >= 0:
+            acc.isl.add(r.prompt_tokens)
+        return ((pool, "arrivals", at),)
+
+    def _prefill_completed(self, ev: PrefillCompleted, at: int) -> None:
+        pool = self._pool_of(ev.worker_id)
+        if pool is None:
+            return
+        acc = self._acc(pool, at)
+        if acc is not None:
+            acc.prompt_tokens += ev.prompt_tokens
+            acc.cached_tokens += ev.cached_tokens
+
+    def _completed(self, ev: RequestCompleted, at: int) -> Counted:
+        out: list[tuple[str, str, int]] = []
+        r = self._requests.pop(ev.request_id, None)
+        pool = self._pool_of(ev.worker_id)
+        itl = ev.itl_mean_ms if ev.output_tokens > 1 else None
+        prefill_pool = self._pool_of(r.prefill_worker) if r is not None and r.prefill_worker else None
+        split = prefill_pool is not None and prefill_pool != pool
+        if split:
+            acc = self._acc(prefill_pool, at)
+            if acc is not None:
+                acc.completions += 1
+                out.append((prefill_pool, "completions", at))
+                acc.ttft.add(ev.ttft_ms)
+                if self.config.slo(prefill_pool).met(ev.ttft_ms, None):
+                    acc.good += 1
+                    out.append((prefill_pool, "good", at))
+                if self._warm(r.prefill_worker, at):
+                    acc.steady_ttft_sum += ev.ttft_ms
+                    acc.steady_ttft_n += 1
+        if pool is None:
+            return tuple(out)
+        acc = self._acc(pool, at)
+        if acc is None:
+            return tuple(out)
+        acc.completions += 1
+        out.append((pool, "completions", at))
+        acc.osl.add(ev.output_tokens)
+        if itl is not None:
+            acc.itl.add(itl)
+        ttft = None if split else ev.ttft_ms
+        if ttft is not None:
+            acc.ttft.add(ttft)
+            acc.prompt_tokens += ev.prompt_tokens
+            acc.cached_tokens += ev.cached_tokens
+        if self.config.slo(pool).met(ttft, itl):
+            acc.good += 1
+            out.append((pool, "good", at))
+        if self._warm(ev.worker_id, at):
+            if ttft is not None:
+                acc.steady_ttft_sum += ttft
+                acc.steady_ttft_n += 1
+            if itl is not None:
+                acc.steady_itl_sum += itl
+                acc.steady_itl_n += 1
+        return tuple(out)
+
+    def _failed(self, ev: RequestFailed, at: int) -> Counted:
+        if ev.retried:
+            return ()  # the router tries another worker; the request is not over
+        self._requests.pop(ev.request_id, None)
+        pool = self._pool_of(ev.worker_id)
+        if pool is None:
+            return ()
+        acc = self._acc(pool, at)
+        if acc is None:
+            return ()
+        acc.failures += 1
+        return ((pool, "failures", at),)
+
+    def _evict(self) -> None:
+        """Drop what no window can need any more (bounded memory on an endless log)."""
+        cfg = self.config
+        if self.applied % 256:
+            return
+        horizon_b = (self.watermark_ns - int(cfg.retention_s * NS)) // cfg.bucket_ns
+        for per_pool in self._buckets.values():
+            for b in [b for b in per_pool if b < horizon_b]:
+                del per_pool[b]
+        ttl = self.watermark_ns - int(cfg.request_ttl_s * NS)
+        if len(self._requests) > 1024:
+            for rid in [k for k, r in self._requests.items() if r.seen_ns < ttl]:
+                del self._requests[rid]
+        gone = self.watermark_ns - int(cfg.retention_s * NS)
+        for wid in [k for k, w in self.workers.items() if w.gone_at_ns is not None and w.gone_at_ns < gone]:
+            del self.workers[wid]
+        if self._orphans:
+            self._orphans = [o for o in self._orphans if o.at_ns >= ttl]
+
+    # -- answering --------------------------------------------------------------------------
+
+    def pools(self) -> list[str]:
+        return sorted({w.pool for w in self.workers.values()} | set(self._buckets))
+
+    def window(self, pool: str, start_ns: int, end_ns: int) -> WindowStats:
+        """Aggregates of ``pool`` over ``[start_ns, end_ns)`` (bucket-aligned)."""
+        bn = self.config.bucket_ns
+        acc = _Acc()
+        per_pool = self._buckets.get(pool, {})
+        for b in range(start_ns // bn, end_ns // bn):
+            a = per_pool.get(b)
+            if a is not None:
+                acc.merge(a)
+        return _stats(acc, start_ns, end_ns)
+
+    def closed_windows(self, pool: str, now_ns: int, size_s: float, limit: int) -> list[WindowStats]:
+        """The last ``limit`` closed windows of ``size_s``, aligned to multiples of the size,
+        oldest first. Only windows the view saw whole (starting at or after ``start_ns``, inside
+        retention) are reported."""
+        if self.start_ns is None:
+            return []
+        size = int(round(size_s * NS))
+        end = (now_ns - int(self.config.grace_s * NS)) // size * size
+        min_start = max(-(-self.start_ns // size) * size,
+                        -(-(self.watermark_ns - int(self.config.retention_s * NS)) // size) * size)
+        out: list[WindowStats] = []
+        while len(out) < limit and end - size >= min_start:
+            out.append(self.window(pool, end - size, end))
+            end -= size
+        out.reverse()
+        return out
+
+    def snapshot(self, now_ns: int, *, history: int = 12) -> LoadSnapshot:
+        cfg = self.config
+        stale_ns = int(cfg.stale_after_s * NS)
+        bn = cfg.bucket_ns
+        grace = int(cfg.grace_s * NS)
+        hop = int(round(cfg.hopping_s * NS))
+        pools = []
+        for name in self.pools():
+            workers = []
+            counts = {"starting": 0, "ready": 0, "draining": 0, "stale": 0}
+            roles: dict[str, int] = {}
+            for w in sorted(self.workers.values(), key=lambda w: w.worker_id):
+                if w.pool != name:
+                    continue
+                state = w.state
+                if state == "ready" and now_ns - w.reported_at_ns > stale_ns:
+                    state = "stale"
+                if state in counts:
+                    counts[state] += 1
+                if state != "gone":
+                    roles[w.role] = roles.get(w.role, 0) + 1
+                workers.append(WorkerLoad(
+                    worker_id=w.worker_id, pool=w.pool, role=w.role, epoch=w.epoch, state=state,
+                    registered_at_ns=w.registered_at_ns, ready_at_ns=w.ready_at_ns,
+                    reported_at_ns=w.reported_at_ns, running=w.running, waiting=w.waiting,
+                    queued_prefill_tokens=w.queued_prefill_tokens, active_decode_blocks=w.active_decode_blocks,
+                    kv_usage=w.kv_usage))
+            last_step_end = (now_ns - grace) // bn * bn
+            hopping = None
+            if self.start_ns is not None and last_step_end - hop >= -(-self.start_ns // bn) * bn:
+                hopping = self.window(name, last_step_end - hop, last_step_end)
+            role = max(sorted(roles), key=lambda r: roles[r]) if roles else ""
+            pools.append(PoolLoad(
+                pool=name, role=role, replicas=ReplicaCounts(**counts), workers=tuple(workers),
+                windows=tuple(self.closed_windows(name, now_ns, cfg.tumbling_s, history)), hopping=hopping))
+        return LoadSnapshot(now_ns=now_ns, pools=tuple(pools), watermark_ns=self.watermark_ns)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        st = _State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
+                    buckets=self._buckets, orphans=self._orphans,
+                    positions=[(t, p, o) for (t, p), o in sorted(self.positions.items())],
+                    watermark_ns=self.watermark_ns, start_ns=self.start_ns, applied=self.applied,
+                    late_dropped=self.late_dropped)
+        return msgspec.msgpack.encode(st)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, config: LoadViewConfig | None = None) -> LoadView:
+        st = msgspec.msgpack.decode(data, type=_State)
+        if st.format != SNAPSHOT_FORMAT:
+            raise ValueError(f"load view snapshot format {st.format} not supported (want {SNAPSHOT_FORMAT})")
+        v = cls(config, start_ns=st.start_ns)
+        v.workers, v._requests, v._buckets, v._orphans = st.workers, st.requests, st.buckets, st.orphans
+        v.positions = {(t, p): o for t, p, o in st.positions}
+        v.watermark_ns, v.applied, v.late_dropped = st.watermark_ns, st.applied, st.late_dropped
+        return v
+
+    def digest(self) -> str:
+        """Fingerprint of the folded state (positions excluded): equal digests, equal views."""
+        import hashlib
+
+        st = msgspec.to_builtins(_State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
+                                        buckets=self._buckets, orphans=self._orphans, positions=[],
+                                        watermark_ns=self.watermark_ns, start_ns=self.start_ns, applied=0,
+                                        late_dropped=self.late_dropped), str_keys=True)
+        return hashlib.sha256(msgspec.json.encode(st, order="sorted")).hexdigest()
+
+
+def _pct(h: Histogram) -> Percentiles:
+    return Percentiles(h.quantile(0.50), h.quantile(0.95), h.quantile(0.99))
+
+
+def _stats(a: _Acc, start_ns: int, end_ns: int) -> WindowStats:
+    return WindowStats(
+        start_ns=start_ns, end_ns=end_ns, arrivals=a.arrivals, isl_mean=a.isl.mean, isl_sd=a.isl.sd,
+        isl=_pct(a.isl), completions=a.completions, osl_mean=a.osl.mean, osl_sd=a.osl.sd, osl=_pct(a.osl), ttft_mean=a.ttft.mean,
+        ttft=_pct(a.ttft), itl_mean=a.itl.mean, itl=_pct(a.itl), good=a.good, failures=a.failures,
+        prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
+        steady_ttft_mean=a.steady_ttft_sum / a.steady_ttft_n if a.steady_ttft_n else None,
+        steady_itl_mean=a.steady_itl_sum / a.steady_itl_n if a.steady_itl_n else None,
+        steady_samples=max(a.steady_ttft_n, a.steady_itl_n))

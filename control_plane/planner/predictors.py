@@ -1,0 +1,143 @@
+"""Load predictors: the next window's value from the windows observed so far. Pure functions.
+
+Each predictor is a function of the observation history only (no hidden state): the planner
+keeps a bounded history per pool in its state, so any past forecast can be recomputed from the
+recorded inputs. Forecasts are clamped at 0 (a rate or a length is never negative).
+
+* ``constant``: the last observation (Dynamo's "constant"). Follows a step in one window; passes
+  all noise through (hysteresis in the core absorbs it).
+* ``moving_average``: mean of the last ``window`` observations. Follows a step in ``window``
+  windows, noise shrinks by ``sqrt(window)``.
+* ``holt_winters``: statsmodels ``ExponentialSmoothing`` with an additive damped trend (and an
+  additive season when ``seasonal_periods`` is set), fitted on the last ``history`` points; with
+  a ``horizon`` of h windows it answers the largest of the next h forecasts (a rising load must
+  still be carried when replicas ordered now are ready).
+  Needs ``max(4, 2*seasonal_periods)`` points; before that (or if the fit fails) it answers the
+  moving average and says so in ``detail``.
+* ``kalman``: a local linear trend Kalman filter (level and slope, each a random walk, plus
+  measurement noise). The noise variance ``r`` is estimated from the history (variance of
+  successive differences / 2); process variances are ``0.1 r`` (level) and ``0.05 r`` (slope).
+  With a ``horizon`` of h windows it answers the largest of ``level + i*slope``, i = 1..h.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+
+class PredictorKind(str, Enum):
+    CONSTANT = "constant"
+    MOVING_AVERAGE = "moving_average"
+    HOLT_WINTERS = "holt_winters"
+    KALMAN = "kalman"
+
+
+@dataclass(frozen=True, slots=True)
+class Forecast:
+    value: float
+    #: What the predictor actually did ("fallback=moving_average (3 points)", gain, ...).
+    detail: str = ""
+    #: How many observations the forecast effectively averages (its noise is that of one
+    #: observation divided by sqrt(samples)): 1 for constant and Holt-Winters, the window for a
+    #: moving average, (2 - K) / K for a Kalman filter of steady gain K.
+    samples: float = 1.0
+
+
+def constant(history: Sequence[float]) -> Forecast:
+    return Forecast(max(history[-1], 0.0) if history else 0.0)
+
+
+def moving_average(history: Sequence[float], window: int) -> Forecast:
+    if not history:
+        return Forecast(0.0)
+    tail = history[-window:]
+    return Forecast(max(sum(tail) / len(tail), 0.0), f"mean of {len(tail)}", float(len(tail)))
+
+
+def kalman(history: Sequence[float], process_ratio: float = 0.1, horizon: int = 1,
+           trend_ratio: float = 0.05) -> Forecast:
+    """Local linear trend Kalman filter: state (level, slope), ``level += slope`` each window.
+    Measurement variance ``r`` from the history (variance of successive differences / 2);
+    process variances ``process_ratio * r`` (level) and ``trend_ratio * r`` (slope). Answers the
+    largest forecast ``level + h*slope`` for h = 1..horizon (a level-only filter for horizon 1
+    would lag a ramp by its whole reaction time)."""
+    if not history:
+        return Forecast(0.0)
+    if len(history) < 3:
+        return moving_average(history, len(history))
+    diffs = [b - a for a, b in zip(history, history[1:])]
+    mean_d = sum(diffs) / len(diffs)
+    r = max(sum((d - mean_d) ** 2 for d in diffs) / len(diffs) / 2.0, 1e-12)
+    ql, qs = process_ratio * r, trend_ratio * r
+    lvl, slope = history[0], 0.0
+    p00, p01, p11 = r, 0.0, r  # covariance
+    k0 = 0.0
+    for z in history[1:]:
+        # predict: x = F x, P = F P F' + Q  with F = [[1, 1], [0, 1]]
+        lvl += slope
+        p00, p01, p11 = p00 + 2 * p01 + p11 + ql, p01 + p11, p11 + qs
+        # update with z = level + noise
+        s = p00 + r
+        k0, k1 = p00 / s, p01 / s
+        e = z - lvl
+        lvl += k0 * e
+        slope += k1 * e
+        p00, p01, p11 = (1 - k0) * p00, (1 - k0) * p01, p11 - k1 * p01
+    h = max(horizon, 1)
+    value = max(lvl + i * slope for i in range(1, h + 1))
+    samples = (2 - k0) / k0 if k0 > 0 else float(len(history))
+    return Forecast(max(value, 0.0), f"level {lvl:.3g}, slope {slope:+.3g}/window, gain {k0:.3f}, max of {h} ahead",
+                    samples)
+
+
+def holt_winters(history: Sequence[float], window: int, seasonal_periods: int | None = None,
+                 horizon: int = 1) -> Forecast:
+    need = max(4, 2 * seasonal_periods) if seasonal_periods else 4
+    if len(history) < need:
+        f = moving_average(history, window)
+        return Forecast(f.value, f"fallback=moving_average ({len(history)} < {need} points)", f.samples)
+    import numpy as np
+    from statsmodels.tsa.holtwinters import ExponentialSmoothing
+
+    y = np.asarray(history, dtype=float)
+    if float(np.ptp(y)) < 1e-12:
+        return Forecast(max(float(y[-1]), 0.0), "flat history")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = ExponentialSmoothing(
+                y, trend="add", damped_trend=True,
+                seasonal="add" if seasonal_periods else None, seasonal_periods=seasonal_periods,
+                initialization_method="estimated")
+            fit = model.fit(optimized=True, use_brute=False)
+            # the largest of the next `horizon` steps: capacity ordered now must still carry the
+            # load when it is ready
+            value = float(max(fit.forecast(max(horizon, 1))))
+    except Exception as e:  # statsmodels raises a zoo of numerical errors on odd series
+        f = moving_average(history, window)
+        return Forecast(f.value, f"fallback=moving_average (fit failed: {type(e).__name__})", f.samples)
+    if not math.isfinite(value):
+        f = moving_average(history, window)
+        return Forecast(f.value, "fallback=moving_average (non-finite forecast)", f.samples)
+    return Forecast(max(value, 0.0), f"holt-winters on {len(y)} points, max of {max(horizon, 1)} steps ahead")
+
+
+def forecast(kind: PredictorKind | str, history: Sequence[float], *, window: int = 6,
+             history_limit: int = 64, seasonal_periods: int | None = None,
+             process_ratio: float = 0.1, horizon: int = 1) -> Forecast:
+    """Dispatch on ``kind`` over the last ``history_limit`` observations. ``horizon``: how many
+    windows ahead the answer must hold (trend predictors answer the largest forecast up to it;
+    level predictors have nothing to extrapolate)."""
+    h = list(history[-history_limit:])
+    kind = PredictorKind(kind)
+    if kind is PredictorKind.CONSTANT:
+        return constant(h)
+    if kind is PredictorKind.MOVING_AVERAGE:
+        return moving_average(h, window)
+    if kind is PredictorKind.KALMAN:
+        return kalman(h, process_ratio, horizon)
+    return holt_winters(h, window, seasonal_periods, horizon)
