@@ -33,6 +33,7 @@ from tests.integration.test_router import _free_port, _wait_http
 from tests.integration.test_router_view import oracle
 from tests.integration.workerproc import WorkerProc
 from tests.support.events import read_stream
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -76,7 +77,7 @@ class Load(threading.Thread):
 
 def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
     state = repo_root() / ".stack" / "tests" / f"chaos-{uuid.uuid4().hex[:6]}"
-    s = StackSettings(state_dir=state, kafka_port=29392)
+    s = StackSettings(state_dir=state, kafka_port=free_port(pair=True))
     stack = Stack(s)
     stack.up(["kafka"])
     kafka = stack.services["kafka"]
@@ -86,7 +87,7 @@ def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
            "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "procs.log", "ab")
     procs: dict[str, subprocess.Popen] = {}
-    rport, mport = _free_port(), _free_port()
+    rport, mport = free_port(), free_port()  # below the ephemeral range: restarted on the same port
 
     def start_router() -> None:
         procs["router"] = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "router", "--port", str(rport),

@@ -13,15 +13,16 @@ import pytest
 
 from control_plane.settings import repo_root
 from control_plane.stack.process import processes_mentioning
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
     state = repo_root() / ".stack" / "tests" / f"demo-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "SWITCHYARD_KAFKA_PORT": "29192",
-           "SWITCHYARD_POSTGRES_PORT": "55732", "SWITCHYARD_REDIS_PORT": "56679",
-           "SWITCHYARD_PROMETHEUS_PORT": "59390", "SWITCHYARD_TOPIC_PREFIX": "sy"}
+    env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "SWITCHYARD_KAFKA_PORT": str(free_port(pair=True)),
+           "SWITCHYARD_POSTGRES_PORT": str(free_port()), "SWITCHYARD_REDIS_PORT": str(free_port()),
+           "SWITCHYARD_PROMETHEUS_PORT": str(free_port()), "SWITCHYARD_TOPIC_PREFIX": "sy"}
     env.pop("SWITCHYARD_KAFKA_BOOTSTRAP", None)
     try:
         r = subprocess.run([sys.executable, "-m", "control_plane.cli", "up", "--limit", "24", "--rate", "40",

@@ -25,6 +25,7 @@ from control_plane.settings import BusSettings, StackSettings, repo_root
 from control_plane.stack import Stack
 from control_plane.stack.process import port_in_use, processes_mentioning
 from schemas import EventCodec
+from tests.support.ports import free_port
 from schemas.events import BlockStored
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -33,8 +34,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 @pytest.fixture
 def private_settings():
     state = repo_root() / ".stack" / "tests" / uuid.uuid4().hex[:8]
-    s = StackSettings(state_dir=state, kafka_port=29092, postgres_port=55632, redis_port=56579,
-                      prometheus_port=59290)
+    s = StackSettings(state_dir=state, kafka_port=free_port(pair=True), postgres_port=free_port(),
+                      redis_port=free_port(), prometheus_port=free_port())
     yield s
     Stack(s).down()
     shutil.rmtree(state, ignore_errors=True)
