@@ -20,6 +20,7 @@ from control_plane.settings import StackSettings, repo_root
 from control_plane.stack.process import (
     StackError,
     alive,
+    port_in_use,
     processes_mentioning,
     read_pid,
     require_free_port,
@@ -269,7 +270,14 @@ class KafkaService:
         if pid:
             os.kill(pid, 9)
             wait_until(lambda: not alive(pid), 10, 0.05, "Kafka to die")
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+            except ChildProcessError:
+                pass
             self.pid_file.unlink(missing_ok=True)
+            # The kernel may still be tearing the listener down; a restart must not see it.
+            wait_until(lambda: not port_in_use(self.s.host, self.s.kafka_port), 15, 0.1,
+                       "the killed broker's port to close")
 
     def status(self) -> dict:
         pid = self.pid()

@@ -40,7 +40,7 @@ from control_plane.bus.kafka import DeadLetters, EventProducer
 from control_plane.planner.load_view import LoadView, LoadViewConfig
 from control_plane.router.snapshots import SnapshotStore
 from control_plane.settings import BusSettings
-from control_plane.streams.router_view import seed_group_offsets
+from control_plane.streams.groups import delete_empty_groups, log_end, seed_group_offsets
 from schemas import EventCodec, SchemaError
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,9 @@ class LoadViewProcessor:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._delete_old_groups)
+        await asyncio.to_thread(delete_empty_groups, self.bus, self.group_prefix)
         await asyncio.to_thread(seed_group_offsets, self.bus, self.group, self.topics, self.view.positions)
-        self._target = await asyncio.to_thread(self._log_end)
+        self._target = await asyncio.to_thread(log_end, self.bus, self.group, self.topics)
         self._check_caught_up()
         self.datadir.mkdir(parents=True, exist_ok=True)
         app = faust.App(
@@ -160,35 +160,6 @@ class LoadViewProcessor:
                       "logger": logging.getLogger("switchyard.rdkafka")})
         try:
             return len(c.list_topics(topic, timeout=10).topics[topic].partitions)
-        finally:
-            c.close()
-
-    def _delete_old_groups(self) -> None:
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": self.bus.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
-        try:
-            listed = admin.list_consumer_groups(request_timeout=10).result()
-            old = [g.group_id for g in listed.valid if g.group_id.startswith(self.group_prefix)
-                   and str(g.state).endswith("EMPTY")]
-            if old:
-                for _gid, fut in admin.delete_consumer_groups(old, request_timeout=10).items():
-                    try:
-                        fut.result()
-                    except Exception:  # raced with a member joining, or already gone
-                        pass
-        except Exception as e:
-            log.info("could not clean old consumer groups: %s", e)
-
-    def _log_end(self) -> dict[tuple[str, int], int]:
-        c = Consumer({"bootstrap.servers": self.bus.bootstrap, "group.id": f"{self.group}.probe",
-                      "logger": logging.getLogger("switchyard.rdkafka")})
-        try:
-            out = {}
-            for topic in self.topics:
-                for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
-                    out[(topic, p)] = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            return out
         finally:
             c.close()
 

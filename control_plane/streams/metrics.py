@@ -52,7 +52,7 @@ from control_plane.metrics.projection import (
 )
 from control_plane.router.snapshots import SnapshotStore
 from control_plane.settings import BusSettings, StackSettings
-from control_plane.streams.router_view import seed_group_offsets
+from control_plane.streams.groups import seed_group_offsets
 from schemas import EventCodec, SchemaError
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 
 import faust
-from confluent_kafka import Consumer, TopicPartition
 
 from control_plane.bus.catalog import Catalog
 from control_plane.bus.kafka import DeadLetters, EventProducer
@@ -36,6 +35,7 @@ from control_plane.router.health import HealthThresholds, RouterHealth, assess
 from control_plane.router.snapshots import SnapshotStore
 from control_plane.router.view import RouterView
 from control_plane.settings import BusSettings
+from control_plane.streams.groups import delete_empty_groups, log_end, seed_group_offsets
 from schemas import EventCodec, SchemaError
 
 log = logging.getLogger(__name__)
@@ -45,26 +45,6 @@ STREAMS = ("kv", "workers")
 
 def snapshot_key(view: RouterView) -> str:
     return f"router-view:{view.hash_algo}:{view.block_size}"
-
-
-def seed_group_offsets(bus: BusSettings, group: str, topics: list[str], positions: dict[tuple[str, int], int]) -> None:
-    """Commit ``positions`` (low watermark where absent) as ``group``'s offsets. The group must
-    have no active member (true before our Faust app starts)."""
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": group, "enable.auto.commit": False,
-                  "logger": logging.getLogger("switchyard.rdkafka")})
-    try:
-        offsets = []
-        for topic in topics:
-            md = c.list_topics(topic, timeout=10)
-            if topic not in md.topics or md.topics[topic].error is not None:
-                raise RuntimeError(f"topic {topic} does not exist; run `switchyard topics apply`")
-            for p in md.topics[topic].partitions:
-                lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                pos = positions.get((topic, p), lo)
-                offsets.append(TopicPartition(topic, p, min(max(pos, lo), hi)))
-        c.commit(offsets=offsets, asynchronous=False)
-    finally:
-        c.close()
 
 
 class RouterViewProcessor:
@@ -115,9 +95,9 @@ class RouterViewProcessor:
         return view
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._delete_old_groups)
+        await asyncio.to_thread(delete_empty_groups, self.bus, self.group_prefix)
         await asyncio.to_thread(seed_group_offsets, self.bus, self.group, self.topics, self.view.positions)
-        self._target = await asyncio.to_thread(self._log_end)
+        self._target = await asyncio.to_thread(log_end, self.bus, self.group, self.topics)
         self._check_caught_up()
         app = faust.App(
             self.group,
@@ -149,36 +129,6 @@ class RouterViewProcessor:
         if self.app is not None:
             await self.app.stop()
         self._dlq.producer.close(10)
-
-    def _delete_old_groups(self) -> None:
-        """Best effort: drop empty groups of this replica's earlier incarnations."""
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": self.bus.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
-        try:
-            listed = admin.list_consumer_groups(request_timeout=10).result()
-            old = [g.group_id for g in listed.valid if g.group_id.startswith(self.group_prefix)
-                   and str(g.state).endswith("EMPTY")]
-            if old:
-                for _gid, fut in admin.delete_consumer_groups(old, request_timeout=10).items():
-                    try:
-                        fut.result()
-                    except Exception:  # raced with a member joining, or already gone
-                        pass
-        except Exception as e:
-            log.info("could not clean old consumer groups: %s", e)
-
-    def _log_end(self) -> dict[tuple[str, int], int]:
-        c = Consumer({"bootstrap.servers": self.bus.bootstrap, "group.id": f"{self.group}.probe",
-                      "logger": logging.getLogger("switchyard.rdkafka")})
-        try:
-            out = {}
-            for topic in self.topics:
-                for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
-                    out[(topic, p)] = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            return out
-        finally:
-            c.close()
 
     # -- folding ----------------------------------------------------------------------------
 
