@@ -57,15 +57,14 @@ def run_ours(trace: Path, limit: int | None) -> dict[str, Any]:
     }
 
 
-def run_dynamo(trace: Path, limit: int | None) -> dict[str, Any]:
+def replay_dynamo_mocker(trace: Path, limit: int | None, hint: str, **kwargs: Any) -> tuple[dict, float]:
+    """Run Dynamo's mocker offline replay on ``trace`` (its first ``limit`` lines); returns its
+    summary dict and the wall time. Shared by the engine and routing benchmarks."""
     os.environ.setdefault("DYN_LOG", "warn")  # else the replay logs every decision
     try:
         from dynamo._core import run_mocker_trace_replay
     except ImportError as e:
-        raise SystemExit(
-            f"Dynamo's mocker is not installed ({e}); run `uv sync --group bench` or "
-            "`uv run --group bench python benchmarks/engine_bench.py`"
-        ) from e
+        raise SystemExit(f"Dynamo's mocker is not installed ({e}); run `{hint}`") from e
     with tempfile.TemporaryDirectory() as tmp:
         path = trace
         if limit is not None:
@@ -76,16 +75,14 @@ def run_dynamo(trace: Path, limit: int | None) -> dict[str, Any]:
                         break
                     dst.write(line)
         t0 = time.perf_counter()
-        r = run_mocker_trace_replay(
-            [str(path)],
-            num_workers=NUM_WORKERS,
-            router_mode="round_robin",
-            arrival_speedup_ratio=1.0,
-            trace_block_size=TRACE_BLOCK_SIZE,
-            replay_mode="offline",
-        )
-        wall = time.perf_counter() - t0
-    s = r.summary
+        r = run_mocker_trace_replay([str(path)], arrival_speedup_ratio=1.0, trace_block_size=TRACE_BLOCK_SIZE,
+                                    replay_mode="offline", **kwargs)
+        return r.summary, time.perf_counter() - t0
+
+
+def run_dynamo(trace: Path, limit: int | None) -> dict[str, Any]:
+    s, wall = replay_dynamo_mocker(trace, limit, "uv run --group bench python benchmarks/engine_bench.py",
+                                   num_workers=NUM_WORKERS, router_mode="round_robin")
     return {
         "ttft_p50_ms": s["median_ttft_ms"],
         "ttft_p99_ms": s["p99_ttft_ms"],

@@ -57,7 +57,6 @@ import argparse
 import heapq
 import math
 import os
-import tempfile
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -68,6 +67,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from benchmarks.engine_bench import replay_dynamo_mocker
 from control_plane.index.prefix_index import PrefixIndex
 from control_plane.routing import (
     InflightLedger,
@@ -513,34 +513,8 @@ def run_ours(
 
 
 def run_dynamo(trace: Path, limit: int | None, topology: Topology, mode: str) -> dict[str, Any]:
-    os.environ.setdefault("DYN_LOG", "warn")  # else the kv router logs every decision
-    try:
-        from dynamo._core import run_mocker_trace_replay
-    except ImportError as e:
-        raise SystemExit(
-            f"Dynamo's mocker is not installed ({e}); run "
-            "`uv run --group bench python benchmarks/routing_bench.py`"
-        ) from e
-    with tempfile.TemporaryDirectory() as tmp:
-        path = trace
-        if limit is not None:
-            path = Path(tmp) / "trace.jsonl"
-            with open(trace) as src, open(path, "w") as dst:
-                for i, line in enumerate(src):
-                    if i >= limit:
-                        break
-                    dst.write(line)
-        t0 = time.perf_counter()
-        r = run_mocker_trace_replay(
-            [str(path)],
-            router_mode=mode,
-            arrival_speedup_ratio=1.0,
-            trace_block_size=TRACE_BLOCK_SIZE,
-            replay_mode="offline",
-            **topology.dynamo_kwargs(),
-        )
-        wall = time.perf_counter() - t0
-    s = r.summary
+    s, wall = replay_dynamo_mocker(trace, limit, "uv run --group bench python benchmarks/routing_bench.py",
+                                   router_mode=mode, **topology.dynamo_kwargs())
     return {
         "ttft_p50_ms": s["median_ttft_ms"],
         "ttft_p99_ms": s["p99_ttft_ms"],

@@ -133,12 +133,6 @@ class DemoSettings:
     with_planner: bool = True
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
 def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict:
     from control_plane.bus.admin import apply_topics
     from control_plane.settings import BusSettings
