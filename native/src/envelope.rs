@@ -1,0 +1,299 @@
+//! Decoding KV events straight from envelope bytes (the `sy.kv` record values).
+//!
+//! Only the four KV payload types at version 1 are decoded here. The decoder is at least as
+//! strict as the Python codec (`schemas.envelope.EventCodec`): every envelope field and every
+//! payload field is type-checked, enums are checked against their values, strings must be
+//! UTF-8, and nothing may follow the envelope. Anything else (other types or versions, a field
+//! of the wrong type, a negative hash) is `None`: the caller hands the record to the Python
+//! codec, which decodes it or raises the schema error that dead-letters it. So this path can
+//! only ever accept records the reference accepts, and folds them the same way.
+
+use crate::index::{tier_index, Event, Payload};
+use crate::mp::{Reader, Result};
+
+pub const CACHE_GROUPS: [&str; 4] = ["full_attention", "sliding_window", "mamba", "other"];
+
+/// A decoded KV record: envelope sequencing fields and the payload the index folds.
+pub struct KvRecord<'a> {
+    pub producer: &'a str,
+    pub epoch: i64,
+    pub seq: i64,
+    pub worker_id: &'a str,
+    pub dp_rank: i64,
+    pub kind: Kind<'a>,
+}
+
+pub enum Kind<'a> {
+    Stored { tier: u8, block_size: i64, hash_algo: &'a str, cache_group: &'a str },
+    Removed { tier: u8, cache_group: &'a str },
+    Moved { from: u8, to: u8, cache_group: &'a str },
+    Cleared { tier: Option<u8> },
+}
+
+impl<'a> KvRecord<'a> {
+    /// The event as the index folds it; `hashes` is the buffer `decode` filled.
+    pub fn event(&self, hashes: &'a [u64]) -> Event<'a> {
+        let full = |g: &str| g == "full_attention";
+        let payload = match self.kind {
+            Kind::Stored { tier, block_size, hash_algo, cache_group } => Payload::Stored {
+                tier,
+                hashes,
+                block_size,
+                hash_algo,
+                full_attention: full(cache_group),
+            },
+            Kind::Removed { tier, cache_group } => {
+                Payload::Removed { tier, hashes, full_attention: full(cache_group) }
+            }
+            Kind::Moved { from, to, cache_group } => {
+                Payload::Moved { from, to, hashes, full_attention: full(cache_group) }
+            }
+            Kind::Cleared { tier } => Payload::Cleared { tier },
+        };
+        Event { worker_id: self.worker_id, stream: "kv", dp_rank: Some(self.dp_rank), payload }
+    }
+}
+
+fn tier(r: &mut Reader) -> Result<Option<u8>> {
+    Ok(tier_index(r.str()?))
+}
+
+fn opt_int(r: &mut Reader) -> Result<()> {
+    if !r.nil()? {
+        r.int()?;
+    }
+    Ok(())
+}
+
+/// Decode one envelope carrying a v1 KV event; `None` when this path does not take it.
+pub fn decode<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Option<KvRecord<'a>> {
+    decode_inner(buf, hashes).ok().flatten()
+}
+
+fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRecord<'a>>> {
+    let mut r = Reader::new(buf);
+    let n = r.map_len()?;
+    let (mut id, mut ty, mut v, mut key) = (false, None, None, false);
+    let (mut producer, mut epoch, mut seq, mut at) = (None, None, None, false);
+    let mut data: Option<&'a [u8]> = None;
+    for _ in 0..n {
+        match r.str()? {
+            "id" => {
+                r.str()?;
+                id = true;
+            }
+            "type" => ty = Some(r.str()?),
+            "v" => v = Some(r.i64()?),
+            "key" => {
+                r.str()?;
+                key = true;
+            }
+            "producer" => producer = Some(r.str()?),
+            "epoch" => epoch = Some(r.i64()?),
+            "seq" => seq = Some(r.i64()?),
+            "at" => {
+                r.int()?;
+                at = true;
+            }
+            "corr" | "cause" => {
+                if !r.nil()? {
+                    r.str()?;
+                }
+            }
+            "data" => data = Some(r.raw()?),
+            _ => r.skip()?,
+        }
+    }
+    if !r.at_end() || !id || !key || !at || v != Some(1) {
+        return Ok(None);
+    }
+    let (Some(ty), Some(producer), Some(epoch), Some(seq), Some(data)) = (ty, producer, epoch, seq, data)
+    else {
+        return Ok(None);
+    };
+    let which = match ty {
+        "BlockStored" => 0,
+        "BlockRemoved" => 1,
+        "BlockMoved" => 2,
+        "AllBlocksCleared" => 3,
+        _ => return Ok(None),
+    };
+    let mut p = Reader::new(data);
+    let n = p.map_len()?;
+    let mut worker_id = None;
+    let mut dp_rank = 0i64;
+    let mut tier_f: Option<Option<u8>> = None; // Some(None) = explicit nil (AllBlocksCleared)
+    let (mut from, mut to) = (None, None);
+    let mut have_hashes = false;
+    let (mut block_size, mut hash_algo) = (None, None);
+    let mut cache_group = "full_attention";
+    for _ in 0..n {
+        let k = p.str()?;
+        match (which, k) {
+            (_, "worker_id") => worker_id = Some(p.str()?),
+            (_, "dp_rank") => dp_rank = p.i64()?,
+            (0 | 1 | 2, "block_hashes") => {
+                p.u64_array(hashes)?;
+                have_hashes = true;
+            }
+            (0 | 1 | 2, "cache_group") => {
+                let g = p.str()?;
+                match CACHE_GROUPS.iter().find(|&&c| c == g) {
+                    Some(&c) => cache_group = c,
+                    None => return Ok(None),
+                }
+            }
+            (0 | 1, "tier") => match tier(&mut p)? {
+                Some(t) => tier_f = Some(Some(t)),
+                None => return Ok(None),
+            },
+            (3, "tier") => {
+                if p.nil()? {
+                    tier_f = Some(None);
+                } else {
+                    match tier(&mut p)? {
+                        Some(t) => tier_f = Some(Some(t)),
+                        None => return Ok(None),
+                    }
+                }
+            }
+            (2, "from_tier") => match tier(&mut p)? {
+                Some(t) => from = Some(t),
+                None => return Ok(None),
+            },
+            (2, "to_tier") => match tier(&mut p)? {
+                Some(t) => to = Some(t),
+                None => return Ok(None),
+            },
+            (0, "block_size") => block_size = Some(p.i64()?),
+            (0, "hash_algo") => hash_algo = Some(p.str()?),
+            (0, "parent_hash") | (0, "lora_id") => opt_int(&mut p)?,
+            (0, "lora_name") => {
+                if !p.nil()? {
+                    p.str()?;
+                }
+            }
+            (0, "token_counts") | (0, "token_ids") => p.skip_int_array()?,
+            _ => p.skip()?,
+        }
+    }
+    if !p.at_end() {
+        return Ok(None);
+    }
+    let Some(worker_id) = worker_id else { return Ok(None) };
+    let kind = match which {
+        0 => match (tier_f, have_hashes, block_size, hash_algo) {
+            (Some(Some(tier)), true, Some(block_size), Some(hash_algo)) => {
+                Kind::Stored { tier, block_size, hash_algo, cache_group }
+            }
+            _ => return Ok(None),
+        },
+        1 => match (tier_f, have_hashes) {
+            (Some(Some(tier)), true) => Kind::Removed { tier, cache_group },
+            _ => return Ok(None),
+        },
+        2 => match (from, to, have_hashes) {
+            (Some(from), Some(to), true) => Kind::Moved { from, to, cache_group },
+            _ => return Ok(None),
+        },
+        _ => Kind::Cleared { tier: tier_f.flatten() },
+    };
+    if which == 3 {
+        hashes.clear();
+    }
+    Ok(Some(KvRecord { producer, epoch, seq, worker_id, dp_rank, kind }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mp::Writer;
+
+    fn envelope(ty: &str, v: i64, data: impl FnOnce(&mut Writer)) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.map(9);
+        for (k, s) in [("id", "abc"), ("type", ty), ("key", "w0"), ("producer", "w0")] {
+            w.str(k);
+            w.str(s);
+        }
+        w.str("v");
+        w.int(v);
+        w.str("epoch");
+        w.int(2);
+        w.str("seq");
+        w.int(7);
+        w.str("at");
+        w.int(123456789);
+        w.str("data");
+        data(&mut w);
+        w.buf
+    }
+
+    #[test]
+    fn decodes_block_stored() {
+        let buf = envelope("BlockStored", 1, |w| {
+            w.map(5);
+            w.str("worker_id");
+            w.str("w0");
+            w.str("tier");
+            w.str("host");
+            w.str("block_hashes");
+            w.array(2);
+            w.uint(u64::MAX);
+            w.uint(5);
+            w.str("block_size");
+            w.int(16);
+            w.str("hash_algo");
+            w.str("sha256");
+        });
+        let mut hs = Vec::new();
+        let rec = decode(&buf, &mut hs).unwrap();
+        assert_eq!((rec.producer, rec.epoch, rec.seq, rec.worker_id), ("w0", 2, 7, "w0"));
+        assert_eq!(hs, vec![u64::MAX, 5]);
+        assert!(matches!(rec.kind, Kind::Stored { tier: 1, block_size: 16, hash_algo: "sha256", .. }));
+    }
+
+    #[test]
+    fn refuses_what_it_does_not_take() {
+        let mut hs = Vec::new();
+        // Another version, another type, a bad enum, a missing field, trailing bytes.
+        assert!(decode(&envelope("BlockStored", 2, |w| w.map(0)), &mut hs).is_none());
+        assert!(decode(&envelope("WorkerRegistered", 1, |w| w.map(0)), &mut hs).is_none());
+        let bad_tier = envelope("BlockRemoved", 1, |w| {
+            w.map(3);
+            w.str("worker_id");
+            w.str("w0");
+            w.str("tier");
+            w.str("gpu");
+            w.str("block_hashes");
+            w.array(0);
+        });
+        assert!(decode(&bad_tier, &mut hs).is_none());
+        let missing = envelope("BlockRemoved", 1, |w| {
+            w.map(1);
+            w.str("worker_id");
+            w.str("w0");
+        });
+        assert!(decode(&missing, &mut hs).is_none());
+        let cleared = envelope("AllBlocksCleared", 1, |w| {
+            w.map(1);
+            w.str("worker_id");
+            w.str("w0");
+        });
+        assert!(decode(&cleared, &mut hs).is_some());
+        let mut trailing = cleared.clone();
+        trailing.push(0xc0);
+        assert!(decode(&trailing, &mut hs).is_none());
+        let negative = envelope("BlockRemoved", 1, |w| {
+            w.map(3);
+            w.str("worker_id");
+            w.str("w0");
+            w.str("tier");
+            w.str("device");
+            w.str("block_hashes");
+            w.array(1);
+            w.int(-3);
+        });
+        assert!(decode(&negative, &mut hs).is_none());
+    }
+}

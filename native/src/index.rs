@@ -1,0 +1,1198 @@
+//! The prefix index, natively: the same projection as `control_plane/index/prefix_index.py`
+//! (the executable specification), with the same sequencing, fencing, staleness and resync
+//! rules, the same slot numbering and a byte-identical snapshot format.
+//!
+//! Layout (why it is small)
+//! ------------------------
+//! One hash map from block hash to its holders. A holder is a `u32`: `slot << 4 | tiers` (one
+//! bit per tier, device first). A hash held by one slot, the common case, stores that holder
+//! inline in the map value (16 bytes per bucket with the key); a hash held by several stores the
+//! index of a sorted holder list in an arena. Per-(slot, tier) counters replace the reference's
+//! per-slot sets: stats are O(slots), and clearing a slot is one pass over the map (clears
+//! happen on restarts and resyncs, not on the per-event path).
+//!
+//! `find_matches` walks the prompt's hashes once, merging the sorted holder list of each block
+//! with the sorted list of candidates still matching; a candidate drops out at its first miss.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::bitset::BitSet;
+use crate::mp::{self, Reader, Writer};
+
+pub const N_TIERS: usize = 4;
+pub const TIER_NAMES: [&str; N_TIERS] = ["device", "host", "disk", "object"];
+const ALL_TIERS: u8 = 0b1111;
+/// Device and host: gone when a worker process restarts.
+const VOLATILE_TIERS: u8 = 0b0011;
+const MIN_WIDTH: u32 = 8;
+const SNAPSHOT_FORMAT: i64 = 1;
+/// Map value tag: the low 32 bits are the only holder.
+const INLINE: u64 = 1 << 63;
+
+pub const COUNTER_NAMES: [&str; 8] = [
+    "applied", "duplicate", "fenced", "ignored", "rejected", "gaps", "new_epochs", "resyncs",
+];
+const C_APPLIED: usize = 0;
+const C_DUPLICATE: usize = 1;
+const C_FENCED: usize = 2;
+const C_IGNORED: usize = 3;
+const C_REJECTED: usize = 4;
+const C_GAPS: usize = 5;
+const C_NEW_EPOCHS: usize = 6;
+const C_RESYNCS: usize = 7;
+
+pub fn tier_index(name: &str) -> Option<u8> {
+    TIER_NAMES.iter().position(|&t| t == name).map(|i| i as u8)
+}
+
+/// Block hashes are already uniformly distributed; one multiply spreads test-sized ones too.
+#[derive(Default)]
+pub struct U64Hasher(u64);
+
+impl Hasher for U64Hasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("U64Hasher hashes u64 keys only")
+    }
+    #[inline]
+    fn write_u64(&mut self, k: u64) {
+        let x = (k ^ (k >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = x ^ (x >> 29);
+    }
+}
+
+type HashIndex = HashMap<u64, u64, BuildHasherDefault<U64Hasher>>;
+
+/// What the index did with one event (the reference's `ApplyOutcome`, plus `Rejected`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Applied,
+    Duplicate,
+    Fenced,
+    Ignored,
+    /// The caller dead-letters the event: "hash_algo", "block_size" or "cache_group".
+    Rejected(&'static str),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApplyResult {
+    pub outcome: Outcome,
+    /// The event started a new epoch of its worker (volatile tiers dropped).
+    pub new_epoch: bool,
+    /// The event followed a gap in its producer's sequence (slots marked stale and lost).
+    pub gap: bool,
+}
+
+/// The payload fields the index folds. `Other` is any other event about a worker: it is
+/// sequenced (so it is not taken for a gap) and ignored.
+#[derive(Debug, Clone, Copy)]
+pub enum Payload<'a> {
+    Stored { tier: u8, hashes: &'a [u64], block_size: i64, hash_algo: &'a str, full_attention: bool },
+    Removed { tier: u8, hashes: &'a [u64], full_attention: bool },
+    Moved { from: u8, to: u8, hashes: &'a [u64], full_attention: bool },
+    Cleared { tier: Option<u8> },
+    Registered { block_size: i64, hash_algo: &'a str },
+    Deregistered,
+    Other,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Event<'a> {
+    pub worker_id: &'a str,
+    /// The payload type's stream ("kv", "workers", ...): sequences are per (producer, stream).
+    pub stream: &'a str,
+    /// KV events carry a DP rank; worker lifecycle events do not.
+    pub dp_rank: Option<i64>,
+    pub payload: Payload<'a>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatchOut {
+    pub slot: u32,
+    pub depth: u32,
+    pub by_tier: [u32; N_TIERS],
+    pub stale: bool,
+}
+
+struct Worker {
+    name: String,
+    epoch: i64,
+    deregistered: bool,
+    slots: BitSet,
+    /// (dp rank, slot) of every slot this worker has.
+    ranks: Vec<(i64, u32)>,
+}
+
+#[derive(Clone)]
+struct SlotKey {
+    worker: u32,
+    dp_rank: i64,
+}
+
+struct SeqPos {
+    stream: String,
+    epoch: i64,
+    last: i64,
+}
+
+pub struct NativeIndex {
+    pub hash_algo: String,
+    pub block_size: i64,
+    width: u32,
+    map: HashIndex,
+    lists: Vec<Vec<u32>>,
+    free_lists: Vec<u32>,
+    slots: Vec<Option<SlotKey>>,
+    free: Vec<u32>,
+    counts: Vec<[u64; N_TIERS]>,
+    active: BitSet,
+    stale: BitSet,
+    lost: BitSet,
+    nondev: BitSet,
+    workers: Vec<Worker>,
+    worker_of: HashMap<String, u32>,
+    seq: HashMap<String, Vec<SeqPos>>,
+    producer_slots: HashMap<String, BitSet>,
+    pub counters: [u64; 8],
+    /// Bumped whenever a slot is taken or freed (callers cache slot -> worker).
+    pub slot_gen: u64,
+}
+
+/// Apply `f` to the tier bits `slot` holds for hash `h` (0 = not held); returns (old, new).
+#[inline]
+fn update_holder(
+    map: &mut HashIndex,
+    lists: &mut Vec<Vec<u32>>,
+    free_lists: &mut Vec<u32>,
+    h: u64,
+    slot: u32,
+    f: impl FnOnce(u8) -> u8,
+) -> (u8, u8) {
+    match map.entry(h) {
+        Entry::Vacant(e) => {
+            let new = f(0);
+            if new != 0 {
+                e.insert(INLINE | (slot << 4 | new as u32) as u64);
+            }
+            (0, new)
+        }
+        Entry::Occupied(mut e) => {
+            let v = *e.get();
+            if v & INLINE != 0 {
+                let hd = v as u32;
+                if hd >> 4 == slot {
+                    let old = (hd & 15) as u8;
+                    let new = f(old);
+                    if new != old {
+                        if new == 0 {
+                            e.remove();
+                        } else {
+                            *e.get_mut() = INLINE | (slot << 4 | new as u32) as u64;
+                        }
+                    }
+                    (old, new)
+                } else {
+                    let new = f(0);
+                    if new != 0 {
+                        let mine = slot << 4 | new as u32;
+                        let list = if hd < mine { vec![hd, mine] } else { vec![mine, hd] };
+                        *e.get_mut() = alloc_list(lists, free_lists, list) as u64;
+                    }
+                    (0, new)
+                }
+            } else {
+                let li = v as usize;
+                let list = &mut lists[li];
+                match list.binary_search_by_key(&slot, |x| x >> 4) {
+                    Ok(i) => {
+                        let old = (list[i] & 15) as u8;
+                        let new = f(old);
+                        if new != old {
+                            if new == 0 {
+                                list.remove(i);
+                                if list.len() == 1 {
+                                    let single = list[0];
+                                    lists[li] = Vec::new();
+                                    free_lists.push(li as u32);
+                                    *e.get_mut() = INLINE | single as u64;
+                                }
+                            } else {
+                                list[i] = slot << 4 | new as u32;
+                            }
+                        }
+                        (old, new)
+                    }
+                    Err(i) => {
+                        let new = f(0);
+                        if new != 0 {
+                            list.insert(i, slot << 4 | new as u32);
+                        }
+                        (0, new)
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn alloc_list(lists: &mut Vec<Vec<u32>>, free_lists: &mut Vec<u32>, list: Vec<u32>) -> u32 {
+    if let Some(i) = free_lists.pop() {
+        lists[i as usize] = list;
+        i
+    } else {
+        lists.push(list);
+        (lists.len() - 1) as u32
+    }
+}
+
+#[inline]
+fn count_diff(counts: &mut [u64; N_TIERS], old: u8, new: u8) {
+    let mut changed = old ^ new;
+    while changed != 0 {
+        let t = changed.trailing_zeros() as usize;
+        changed &= changed - 1;
+        if new >> t & 1 == 1 {
+            counts[t] += 1;
+        } else {
+            counts[t] -= 1;
+        }
+    }
+}
+
+impl NativeIndex {
+    pub fn new(hash_algo: &str, block_size: i64) -> Self {
+        NativeIndex {
+            hash_algo: hash_algo.to_string(),
+            block_size,
+            width: MIN_WIDTH,
+            map: HashIndex::default(),
+            lists: Vec::new(),
+            free_lists: Vec::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            counts: Vec::new(),
+            active: BitSet::new(),
+            stale: BitSet::new(),
+            lost: BitSet::new(),
+            nondev: BitSet::new(),
+            workers: Vec::new(),
+            worker_of: HashMap::new(),
+            seq: HashMap::new(),
+            producer_slots: HashMap::new(),
+            counters: [0; 8],
+            slot_gen: 0,
+        }
+    }
+
+    // -- queries -----------------------------------------------------------------------------
+
+    /// Distinct block hashes held by anyone.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Total (block, slot) entries.
+    pub fn entries(&self) -> u64 {
+        let mut n = 0;
+        for (i, s) in self.slots.iter().enumerate() {
+            if s.is_some() {
+                // A block held in several tiers of one slot is one entry.
+                n += self.counts[i].iter().sum::<u64>();
+            }
+        }
+        n
+    }
+
+    /// Heap bytes the hash structures occupy (map buckets, control bytes, holder lists).
+    pub fn structure_bytes(&self) -> usize {
+        let buckets = self.map.capacity() * 8 / 7 + 1;
+        let mut b = buckets.next_power_of_two() * (16 + 1);
+        b += self.lists.capacity() * std::mem::size_of::<Vec<u32>>();
+        for l in &self.lists {
+            b += l.capacity() * 4;
+        }
+        b
+    }
+
+    #[inline]
+    fn holders<'a>(&'a self, h: u64, tmp: &'a mut [u32; 1]) -> &'a [u32] {
+        match self.map.get(&h) {
+            None => &[],
+            Some(&v) if v & INLINE != 0 => {
+                tmp[0] = v as u32;
+                &tmp[..]
+            }
+            Some(&v) => &self.lists[v as usize],
+        }
+    }
+
+    /// Matched prefix per slot, ordered by (depth, slot); slots with no matched block and
+    /// inactive (deregistered) slots are absent.
+    pub fn find_matches(&self, hashes: &[u64], out: &mut Vec<MatchOut>) {
+        out.clear();
+        let Some(&h0) = hashes.first() else { return };
+        let mut tmp = [0u32; 1];
+        let mut cur: Vec<(u32, [u32; N_TIERS])> = Vec::new();
+        for &hd in self.holders(h0, &mut tmp) {
+            let s = hd >> 4;
+            if self.active.contains(s) {
+                let mut by = [0u32; N_TIERS];
+                by[(hd & 15).trailing_zeros() as usize] = 1;
+                cur.push((s, by));
+            }
+        }
+        let mut depth = 1u32;
+        for &h in &hashes[1..] {
+            if cur.is_empty() {
+                break;
+            }
+            let mut tmp = [0u32; 1];
+            let hs = self.holders(h, &mut tmp);
+            let mut j = 0;
+            let mut w = 0;
+            for r in 0..cur.len() {
+                let (s, mut by) = cur[r];
+                while j < hs.len() && hs[j] >> 4 < s {
+                    j += 1;
+                }
+                if j < hs.len() && hs[j] >> 4 == s {
+                    by[(hs[j] & 15).trailing_zeros() as usize] += 1;
+                    cur[w] = (s, by);
+                    w += 1;
+                } else {
+                    out.push(MatchOut { slot: s, depth, by_tier: by, stale: self.stale.contains(s) });
+                }
+            }
+            cur.truncate(w);
+            depth += 1;
+        }
+        for (s, by) in cur {
+            out.push(MatchOut { slot: s, depth, by_tier: by, stale: self.stale.contains(s) });
+        }
+    }
+
+    pub fn slot_key(&self, slot: u32) -> Option<(&str, i64)> {
+        self.slots
+            .get(slot as usize)
+            .and_then(|k| k.as_ref())
+            .map(|k| (self.workers[k.worker as usize].name.as_str(), k.dp_rank))
+    }
+
+    pub fn is_stale(&self, worker_id: &str, dp_rank: i64) -> bool {
+        self.slot_of(worker_id, dp_rank).map_or(false, |s| self.stale.contains(s))
+    }
+
+    pub fn stale_slots(&self) -> Vec<u32> {
+        self.stale.to_vec()
+    }
+
+    /// Every slot in use, in slot order.
+    pub fn live_slots(&self) -> Vec<u32> {
+        (0..self.slots.len() as u32).filter(|&s| self.slots[s as usize].is_some()).collect()
+    }
+
+    pub fn slot_counts(&self, slot: u32) -> [u64; N_TIERS] {
+        self.counts[slot as usize]
+    }
+
+    pub fn epoch_of(&self, worker_id: &str) -> Option<i64> {
+        self.worker_of.get(worker_id).map(|&w| self.workers[w as usize].epoch)
+    }
+
+    /// (worker id, epoch, deregistered) of every worker ever seen, in first-seen order.
+    pub fn worker_states(&self) -> Vec<(&str, i64, bool)> {
+        self.workers.iter().map(|w| (w.name.as_str(), w.epoch, w.deregistered)).collect()
+    }
+
+    pub fn position(&self, producer: &str, stream: &str) -> Option<(i64, i64)> {
+        self.seq.get(producer)?.iter().find(|p| p.stream == stream).map(|p| (p.epoch, p.last))
+    }
+
+    /// (producer, stream, epoch, last) sorted by (producer, stream).
+    pub fn positions(&self) -> Vec<(&str, &str, i64, i64)> {
+        let mut out: Vec<_> = self
+            .seq
+            .iter()
+            .flat_map(|(p, v)| v.iter().map(move |s| (p.as_str(), s.stream.as_str(), s.epoch, s.last)))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Per live slot, per tier, the sorted hashes held.
+    pub fn residency(&self) -> Vec<[Vec<u64>; N_TIERS]> {
+        let mut out: Vec<[Vec<u64>; N_TIERS]> =
+            (0..self.slots.len()).map(|_| Default::default()).collect();
+        for (&h, &v) in &self.map {
+            let mut tmp = [0u32; 1];
+            let hs: &[u32] = if v & INLINE != 0 {
+                tmp[0] = v as u32;
+                &tmp
+            } else {
+                &self.lists[v as usize]
+            };
+            for &hd in hs {
+                let s = (hd >> 4) as usize;
+                for t in 0..N_TIERS {
+                    if hd >> t & 1 == 1 {
+                        out[s][t].push(h);
+                    }
+                }
+            }
+        }
+        for per in &mut out {
+            for v in per.iter_mut() {
+                v.sort_unstable();
+            }
+        }
+        out
+    }
+
+    /// Recompute every derived structure from the map; Err on the first disagreement.
+    pub fn verify_invariants(&self) -> Result<(), String> {
+        let mut counts = vec![[0u64; N_TIERS]; self.slots.len()];
+        for (&h, &v) in &self.map {
+            let mut tmp = [0u32; 1];
+            let hs: &[u32] = if v & INLINE != 0 {
+                tmp[0] = v as u32;
+                &tmp
+            } else {
+                if self.lists[v as usize].len() < 2 {
+                    return Err(format!("hash {h} has a holder list of length < 2"));
+                }
+                &self.lists[v as usize]
+            };
+            let mut prev: Option<u32> = None;
+            for &hd in hs {
+                let s = hd >> 4;
+                if prev.map_or(false, |p| p >= s) {
+                    return Err(format!("holders of {h} not sorted by slot"));
+                }
+                prev = Some(s);
+                if hd & 15 == 0 {
+                    return Err(format!("hash {h} has an empty holder"));
+                }
+                if self.slots.get(s as usize).map_or(true, |k| k.is_none()) {
+                    return Err(format!("free slot {s} holds blocks"));
+                }
+                for t in 0..N_TIERS {
+                    if hd >> t & 1 == 1 {
+                        counts[s as usize][t] += 1;
+                    }
+                }
+            }
+        }
+        if counts != self.counts {
+            return Err("per-slot counts disagree with the map".into());
+        }
+        let mut active = BitSet::new();
+        for w in &self.workers {
+            for &(_, s) in &w.ranks {
+                if !w.slots.contains(s) {
+                    return Err(format!("worker {} slot {s} missing from its mask", w.name));
+                }
+            }
+            if w.slots.to_vec().len() != w.ranks.len() {
+                return Err(format!("worker {} slot mask disagrees with its ranks", w.name));
+            }
+            if !w.deregistered {
+                active.union_with(&w.slots);
+            }
+        }
+        if active.to_vec() != self.active.to_vec() {
+            return Err("active mask disagrees with worker registrations".into());
+        }
+        for s in 0..self.slots.len() {
+            let nd = self.counts[s][1..].iter().any(|&c| c > 0);
+            if nd != self.nondev.contains(s as u32) {
+                return Err(format!("non-device flag of slot {s} disagrees with its counts"));
+            }
+        }
+        Ok(())
+    }
+
+    // -- applying events ---------------------------------------------------------------------
+
+    fn slot_of(&self, worker_id: &str, dp_rank: i64) -> Option<u32> {
+        let &w = self.worker_of.get(worker_id)?;
+        self.workers[w as usize].ranks.iter().find(|r| r.0 == dp_rank).map(|r| r.1)
+    }
+
+    /// Fold one event given its envelope's producer, epoch and seq (see the reference's
+    /// `PrefixIndex.apply` for the rules, which this follows line by line).
+    pub fn apply(&mut self, producer: &str, epoch: i64, seq: i64, ev: &Event) -> ApplyResult {
+        let mut res = ApplyResult { outcome: Outcome::Applied, new_epoch: false, gap: false };
+        let w = match self.worker_of.get(ev.worker_id) {
+            Some(&w) => {
+                let cur = self.workers[w as usize].epoch;
+                if epoch != cur {
+                    if epoch < cur {
+                        self.counters[C_FENCED] += 1;
+                        res.outcome = Outcome::Fenced;
+                        return res;
+                    }
+                    res.new_epoch = true;
+                }
+                w
+            }
+            None => {
+                let w = self.workers.len() as u32;
+                self.workers.push(Worker {
+                    name: ev.worker_id.to_string(),
+                    epoch,
+                    deregistered: false,
+                    slots: BitSet::new(),
+                    ranks: Vec::new(),
+                });
+                self.worker_of.insert(ev.worker_id.to_string(), w);
+                w
+            }
+        };
+        // Sequencing.
+        let streams = match self.seq.get_mut(producer) {
+            Some(v) => v,
+            None => self.seq.entry(producer.to_string()).or_default(),
+        };
+        match streams.iter_mut().find(|p| p.stream == ev.stream) {
+            None => {
+                res.gap = seq != 0;
+                streams.push(SeqPos { stream: ev.stream.to_string(), epoch, last: seq });
+            }
+            Some(st) if st.epoch < epoch => {
+                res.gap = seq != 0;
+                st.epoch = epoch;
+                st.last = seq;
+            }
+            Some(st) if st.epoch == epoch => {
+                if seq <= st.last {
+                    self.counters[C_DUPLICATE] += 1;
+                    res.outcome = Outcome::Duplicate;
+                    return res;
+                }
+                res.gap = seq != st.last + 1;
+                st.last = seq;
+            }
+            Some(_) => {
+                self.counters[C_FENCED] += 1;
+                res.outcome = Outcome::Fenced;
+                return res;
+            }
+        }
+
+        // Accepted. Sequencing side effects first: they stand even if the event is rejected.
+        let mut slot: Option<u32> = ev.dp_rank.and_then(|d| self.slot_of(ev.worker_id, d));
+        if res.new_epoch {
+            self.workers[w as usize].epoch = epoch;
+            // A new incarnation has empty memory: its volatile entries are gone for certain;
+            // persistent ones stay, stale, until it resyncs.
+            for s in self.workers[w as usize].slots.to_vec() {
+                let tiers = if self.lost.contains(s) { ALL_TIERS } else { VOLATILE_TIERS };
+                self.clear(s, tiers);
+            }
+            let ws = self.workers[w as usize].slots.clone();
+            self.stale.union_with(&ws);
+            self.counters[C_NEW_EPOCHS] += 1;
+        }
+        if res.gap {
+            if slot.is_none() {
+                if let Some(d) = ev.dp_rank {
+                    slot = Some(self.slot_for(w, d));
+                }
+            }
+            let mut lost = self.producer_slots.get(producer).cloned().unwrap_or_default();
+            if let Some(s) = slot {
+                lost.insert(s);
+            }
+            if lost.is_empty() {
+                lost = self.workers[w as usize].slots.clone();
+            }
+            self.stale.union_with(&lost);
+            self.lost.union_with(&lost);
+            self.counters[C_GAPS] += 1;
+        }
+        match ev.payload {
+            Payload::Stored { block_size, hash_algo, full_attention, .. } => {
+                if !full_attention {
+                    return self.reject(res, "cache_group");
+                }
+                if let Some(r) = self.check_config(hash_algo, block_size) {
+                    return self.reject(res, r);
+                }
+            }
+            Payload::Registered { block_size, hash_algo } => {
+                if let Some(r) = self.check_config(hash_algo, block_size) {
+                    return self.reject(res, r);
+                }
+            }
+            _ => {}
+        }
+        if slot.is_none() {
+            if let Some(d) = ev.dp_rank {
+                slot = Some(self.slot_for(w, d));
+            }
+        }
+        if let Some(s) = slot {
+            match self.producer_slots.get_mut(producer) {
+                Some(m) => m.insert(s),
+                None => {
+                    self.producer_slots.insert(producer.to_string(), BitSet::single(s));
+                }
+            }
+        }
+        match ev.payload {
+            Payload::Stored { tier, hashes, .. } => self.store(slot.unwrap(), tier, hashes),
+            Payload::Removed { tier, hashes, full_attention } => {
+                if !full_attention {
+                    return self.ignored(res);
+                }
+                self.remove(slot.unwrap(), tier, hashes)
+            }
+            Payload::Moved { from, to, hashes, full_attention } => {
+                if !full_attention {
+                    return self.ignored(res);
+                }
+                self.move_blocks(slot.unwrap(), from, to, hashes)
+            }
+            Payload::Cleared { tier: None } => {
+                let s = slot.unwrap();
+                self.clear(s, ALL_TIERS);
+                self.resync(&BitSet::single(s));
+            }
+            Payload::Cleared { tier: Some(t) } => self.clear(slot.unwrap(), 1 << t),
+            Payload::Registered { .. } => self.registered(w),
+            Payload::Deregistered => self.deregistered(w),
+            Payload::Other => return self.ignored(res),
+        }
+        self.counters[C_APPLIED] += 1;
+        res
+    }
+
+    fn ignored(&mut self, mut res: ApplyResult) -> ApplyResult {
+        self.counters[C_IGNORED] += 1;
+        res.outcome = Outcome::Ignored;
+        res
+    }
+
+    fn reject(&mut self, mut res: ApplyResult, reason: &'static str) -> ApplyResult {
+        self.counters[C_REJECTED] += 1;
+        res.outcome = Outcome::Rejected(reason);
+        res
+    }
+
+    fn check_config(&self, hash_algo: &str, block_size: i64) -> Option<&'static str> {
+        if hash_algo != self.hash_algo {
+            Some("hash_algo")
+        } else if block_size != self.block_size {
+            Some("block_size")
+        } else {
+            None
+        }
+    }
+
+    fn slot_for(&mut self, w: u32, dp_rank: i64) -> u32 {
+        let wk = &self.workers[w as usize];
+        if let Some(r) = wk.ranks.iter().find(|r| r.0 == dp_rank) {
+            return r.1;
+        }
+        let key = SlotKey { worker: w, dp_rank };
+        self.slot_gen += 1;
+        let s = if let Some(s) = self.free.pop() {
+            self.slots[s as usize] = Some(key);
+            s
+        } else {
+            let s = self.slots.len() as u32;
+            if s >= self.width {
+                self.width *= 2; // the reference re-lays its packed planes out here
+            }
+            self.slots.push(Some(key));
+            self.counts.push([0; N_TIERS]);
+            s
+        };
+        let wk = &mut self.workers[w as usize];
+        wk.ranks.push((dp_rank, s));
+        wk.slots.insert(s);
+        if !wk.deregistered {
+            self.active.insert(s);
+        }
+        s
+    }
+
+    fn free_slot(&mut self, s: u32, w: u32) {
+        self.slot_gen += 1;
+        self.slots[s as usize] = None;
+        let wk = &mut self.workers[w as usize];
+        wk.slots.remove(s);
+        wk.ranks.retain(|r| r.1 != s);
+        self.active.remove(s);
+        self.stale.remove(s);
+        self.lost.remove(s);
+        self.nondev.remove(s);
+        for m in self.producer_slots.values_mut() {
+            m.remove(s);
+        }
+        self.free.push(s);
+    }
+
+    fn store(&mut self, s: u32, t: u8, hashes: &[u64]) {
+        let bit = 1u8 << t;
+        let (map, lists, free_lists) = (&mut self.map, &mut self.lists, &mut self.free_lists);
+        let counts = &mut self.counts[s as usize];
+        let mut added = false;
+        for &h in hashes {
+            let (old, new) = update_holder(map, lists, free_lists, h, s, |o| o | bit);
+            if old != new {
+                counts[t as usize] += 1;
+                added = true;
+            }
+        }
+        if added && t > 0 {
+            self.nondev.insert(s);
+        }
+    }
+
+    fn remove(&mut self, s: u32, t: u8, hashes: &[u64]) {
+        let keep = !(1u8 << t);
+        let (map, lists, free_lists) = (&mut self.map, &mut self.lists, &mut self.free_lists);
+        let counts = &mut self.counts[s as usize];
+        for &h in hashes {
+            if !map.contains_key(&h) {
+                continue;
+            }
+            let (old, new) = update_holder(map, lists, free_lists, h, s, |o| o & keep);
+            if old != new {
+                counts[t as usize] -= 1;
+            }
+        }
+        if t > 0 {
+            self.refresh_nondev(s);
+        }
+    }
+
+    fn move_blocks(&mut self, s: u32, f: u8, t: u8, hashes: &[u64]) {
+        if f == t {
+            self.store(s, t, hashes);
+            return;
+        }
+        let (keep, bit) = (!(1u8 << f), 1u8 << t);
+        let (map, lists, free_lists) = (&mut self.map, &mut self.lists, &mut self.free_lists);
+        let counts = &mut self.counts[s as usize];
+        for &h in hashes {
+            let (old, new) = update_holder(map, lists, free_lists, h, s, |o| (o & keep) | bit);
+            count_diff(counts, old, new);
+        }
+        self.refresh_nondev(s);
+    }
+
+    fn refresh_nondev(&mut self, s: u32) {
+        let nd = self.counts[s as usize][1..].iter().any(|&c| c > 0);
+        self.nondev.set(s, nd);
+    }
+
+    /// Drop the given tiers of slot `s` (one pass over the map, skipped when there is nothing).
+    fn clear(&mut self, s: u32, tiers: u8) {
+        let counts = &mut self.counts[s as usize];
+        let mut mask = 0u8;
+        for t in 0..N_TIERS {
+            if tiers >> t & 1 == 1 && counts[t] > 0 {
+                mask |= 1 << t;
+            }
+        }
+        if mask != 0 {
+            let keep = !mask;
+            let (lists, free_lists) = (&mut self.lists, &mut self.free_lists);
+            self.map.retain(|_, v| {
+                if *v & INLINE != 0 {
+                    let hd = *v as u32;
+                    if hd >> 4 != s || hd & mask as u32 == 0 {
+                        return true;
+                    }
+                    let new = (hd & 15) as u8 & keep;
+                    count_diff(counts, (hd & 15) as u8, new);
+                    if new == 0 {
+                        return false;
+                    }
+                    *v = INLINE | (s << 4 | new as u32) as u64;
+                    return true;
+                }
+                let li = *v as usize;
+                let list = &mut lists[li];
+                let Ok(i) = list.binary_search_by_key(&s, |x| x >> 4) else { return true };
+                let old = (list[i] & 15) as u8;
+                let new = old & keep;
+                if new == old {
+                    return true;
+                }
+                count_diff(counts, old, new);
+                if new != 0 {
+                    list[i] = s << 4 | new as u32;
+                    return true;
+                }
+                list.remove(i);
+                if list.len() == 1 {
+                    let single = list[0];
+                    lists[li] = Vec::new();
+                    free_lists.push(li as u32);
+                    *v = INLINE | single as u64;
+                }
+                true
+            });
+        }
+        self.refresh_nondev(s);
+    }
+
+    fn resync(&mut self, mask: &BitSet) {
+        if self.stale.intersects(mask) {
+            self.counters[C_RESYNCS] += 1;
+        }
+        self.stale.difference_with(mask);
+        self.lost.difference_with(mask);
+    }
+
+    fn registered(&mut self, w: u32) {
+        // Volatile tiers were already dropped when the epoch changed (see the reference).
+        let ws = self.workers[w as usize].slots.clone();
+        for s in ws.iter() {
+            if self.lost.contains(s) {
+                self.clear(s, ALL_TIERS);
+            }
+        }
+        self.resync(&ws);
+        self.workers[w as usize].deregistered = false;
+        self.active.union_with(&ws);
+    }
+
+    fn deregistered(&mut self, w: u32) {
+        self.workers[w as usize].deregistered = true;
+        let ws = self.workers[w as usize].slots.clone();
+        self.active.difference_with(&ws);
+        for s in ws.iter() {
+            let tiers = if self.lost.contains(s) { ALL_TIERS } else { VOLATILE_TIERS };
+            self.clear(s, tiers);
+            if self.counts[s as usize].iter().all(|&c| c == 0) {
+                self.free_slot(s, w);
+            }
+        }
+    }
+
+    // -- checkpoints (the reference's snapshot format, byte for byte) -----------------------
+
+    pub fn snapshot(&self) -> Vec<u8> {
+        let res = self.residency();
+        let mut w = Writer::new();
+        w.map(11);
+        w.str("format");
+        w.int(SNAPSHOT_FORMAT);
+        w.str("hash_algo");
+        w.str(&self.hash_algo);
+        w.str("block_size");
+        w.int(self.block_size);
+        w.str("width");
+        w.uint(self.width as u64);
+        w.str("n_slots");
+        w.uint(self.slots.len() as u64);
+        w.str("free");
+        w.array(self.free.len());
+        for &s in &self.free {
+            w.uint(s as u64);
+        }
+        w.str("slots");
+        let live = self.live_slots();
+        w.array(live.len());
+        for &s in &live {
+            let k = self.slots[s as usize].as_ref().unwrap();
+            w.array(6);
+            w.uint(s as u64);
+            w.str(&self.workers[k.worker as usize].name);
+            w.int(k.dp_rank);
+            w.bool(self.stale.contains(s));
+            w.bool(self.lost.contains(s));
+            w.array(N_TIERS);
+            for hashes in &res[s as usize] {
+                w.bin_header(hashes.len() * 8);
+                for h in hashes {
+                    w.buf.extend_from_slice(&h.to_le_bytes());
+                }
+            }
+        }
+        w.str("workers");
+        let mut ws: Vec<&Worker> = self.workers.iter().collect();
+        ws.sort_by(|a, b| a.name.cmp(&b.name));
+        w.array(ws.len());
+        for wk in ws {
+            w.array(3);
+            w.str(&wk.name);
+            w.int(wk.epoch);
+            w.bool(wk.deregistered);
+        }
+        w.str("seq");
+        let pos = self.positions();
+        w.array(pos.len());
+        for (p, stream, epoch, last) in pos {
+            w.array(4);
+            w.str(p);
+            w.str(stream);
+            w.int(epoch);
+            w.int(last);
+        }
+        w.str("producers");
+        let mut ps: Vec<(&String, &BitSet)> = self.producer_slots.iter().collect();
+        ps.sort_by(|a, b| a.0.cmp(b.0));
+        w.array(ps.len());
+        for (p, m) in ps {
+            w.array(2);
+            w.str(p);
+            let v = m.to_vec();
+            w.array(v.len());
+            for s in v {
+                w.uint(s as u64);
+            }
+        }
+        w.str("counters");
+        w.map(COUNTER_NAMES.len());
+        for (i, name) in COUNTER_NAMES.iter().enumerate() {
+            w.str(name);
+            w.uint(self.counters[i]);
+        }
+        w.buf
+    }
+
+    pub fn restore(data: &[u8]) -> mp::Result<NativeIndex> {
+        let bad = |m: &str| mp::DecodeError(format!("prefix index snapshot: {m}"));
+        let mut r = Reader::new(data);
+        let n = r.map_len()?;
+        let mut format = None;
+        let (mut hash_algo, mut block_size, mut width, mut n_slots) = (None, None, None, None);
+        let mut free = Vec::new();
+        let mut slots: Vec<(u32, String, i64, bool, bool, Vec<Vec<u64>>)> = Vec::new();
+        let mut workers: Vec<(String, i64, bool)> = Vec::new();
+        let mut seqs: Vec<(String, String, i64, i64)> = Vec::new();
+        let mut producers: Vec<(String, Vec<u32>)> = Vec::new();
+        let mut counters: Vec<(String, u64)> = Vec::new();
+        for _ in 0..n {
+            match r.str()? {
+                "format" => format = Some(r.i64()?),
+                "hash_algo" => hash_algo = Some(r.str()?.to_string()),
+                "block_size" => block_size = Some(r.i64()?),
+                "width" => width = Some(r.u64()? as u32),
+                "n_slots" => n_slots = Some(r.u64()? as usize),
+                "free" => {
+                    for _ in 0..r.array_len()? {
+                        free.push(r.u64()? as u32);
+                    }
+                }
+                "slots" => {
+                    for _ in 0..r.array_len()? {
+                        if r.array_len()? != 6 {
+                            return Err(bad("slot entry is not 6 long"));
+                        }
+                        let s = r.u64()? as u32;
+                        let wid = r.str()?.to_string();
+                        let dp = r.i64()?;
+                        let st = r.bool()?;
+                        let lo = r.bool()?;
+                        let nt = r.array_len()?;
+                        let mut tiers = Vec::with_capacity(nt);
+                        for _ in 0..nt {
+                            let raw = r.bin()?;
+                            if raw.len() % 8 != 0 {
+                                return Err(bad("tier bytes not a multiple of 8"));
+                            }
+                            tiers.push(
+                                raw.chunks_exact(8)
+                                    .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                                    .collect(),
+                            );
+                        }
+                        slots.push((s, wid, dp, st, lo, tiers));
+                    }
+                }
+                "workers" => {
+                    for _ in 0..r.array_len()? {
+                        r.array_len()?;
+                        workers.push((r.str()?.to_string(), r.i64()?, r.bool()?));
+                    }
+                }
+                "seq" => {
+                    for _ in 0..r.array_len()? {
+                        r.array_len()?;
+                        seqs.push((r.str()?.to_string(), r.str()?.to_string(), r.i64()?, r.i64()?));
+                    }
+                }
+                "producers" => {
+                    for _ in 0..r.array_len()? {
+                        r.array_len()?;
+                        let p = r.str()?.to_string();
+                        let mut v = Vec::new();
+                        for _ in 0..r.array_len()? {
+                            v.push(r.u64()? as u32);
+                        }
+                        producers.push((p, v));
+                    }
+                }
+                "counters" => {
+                    for _ in 0..r.map_len()? {
+                        counters.push((r.str()?.to_string(), r.u64()?));
+                    }
+                }
+                _ => r.skip()?,
+            }
+        }
+        if format != Some(SNAPSHOT_FORMAT) {
+            return Err(bad(&format!("unknown prefix index snapshot format {format:?}")));
+        }
+        let mut idx = NativeIndex::new(
+            &hash_algo.ok_or_else(|| bad("no hash_algo"))?,
+            block_size.ok_or_else(|| bad("no block_size"))?,
+        );
+        idx.width = width.ok_or_else(|| bad("no width"))?;
+        let n_slots = n_slots.ok_or_else(|| bad("no n_slots"))?;
+        idx.slots = vec![None; n_slots];
+        idx.counts = vec![[0; N_TIERS]; n_slots];
+        for (name, epoch, dereg) in workers {
+            let w = idx.workers.len() as u32;
+            idx.worker_of.insert(name.clone(), w);
+            idx.workers.push(Worker { name, epoch, deregistered: dereg, slots: BitSet::new(), ranks: Vec::new() });
+        }
+        for (s, wid, dp, st, lo, tiers) in slots {
+            let &w = idx.worker_of.get(&wid).ok_or_else(|| bad("slot of an unknown worker"))?;
+            if s as usize >= n_slots {
+                return Err(bad("slot number beyond n_slots"));
+            }
+            idx.slots[s as usize] = Some(SlotKey { worker: w, dp_rank: dp });
+            let wk = &mut idx.workers[w as usize];
+            wk.slots.insert(s);
+            wk.ranks.push((dp, s));
+            if !wk.deregistered {
+                idx.active.insert(s);
+            }
+            idx.stale.set(s, st);
+            idx.lost.set(s, lo);
+            for (t, hashes) in tiers.iter().enumerate().take(N_TIERS) {
+                if !hashes.is_empty() {
+                    idx.store(s, t as u8, hashes);
+                }
+            }
+        }
+        idx.free = free;
+        for (p, stream, epoch, last) in seqs {
+            idx.seq.entry(p).or_default().push(SeqPos { stream, epoch, last });
+        }
+        for (p, v) in producers {
+            let mut m = BitSet::new();
+            for s in v {
+                m.insert(s);
+            }
+            idx.producer_slots.insert(p, m);
+        }
+        for (name, v) in counters {
+            if let Some(i) = COUNTER_NAMES.iter().position(|&c| c == name) {
+                idx.counters[i] = v;
+            }
+        }
+        Ok(idx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALGO: &str = "xxh3_64:1337";
+
+    fn stored<'a>(w: &'a str, tier: u8, hashes: &'a [u64]) -> Event<'a> {
+        Event {
+            worker_id: w,
+            stream: "kv",
+            dp_rank: Some(0),
+            payload: Payload::Stored { tier, hashes, block_size: 16, hash_algo: ALGO, full_attention: true },
+        }
+    }
+
+    fn removed<'a>(w: &'a str, tier: u8, hashes: &'a [u64]) -> Event<'a> {
+        Event {
+            worker_id: w,
+            stream: "kv",
+            dp_rank: Some(0),
+            payload: Payload::Removed { tier, hashes, full_attention: true },
+        }
+    }
+
+    fn matches(idx: &NativeIndex, q: &[u64]) -> Vec<(String, u32, [u32; 4], bool)> {
+        let mut out = Vec::new();
+        idx.find_matches(q, &mut out);
+        out.iter()
+            .map(|m| (idx.slot_key(m.slot).unwrap().0.to_string(), m.depth, m.by_tier, m.stale))
+            .collect()
+    }
+
+    #[test]
+    fn store_match_remove() {
+        let mut idx = NativeIndex::new(ALGO, 16);
+        assert_eq!(idx.apply("a", 0, 0, &stored("a", 0, &[1, 2, 3])).outcome, Outcome::Applied);
+        assert_eq!(idx.apply("b", 0, 0, &stored("b", 1, &[1, 2])).outcome, Outcome::Applied);
+        assert_eq!(
+            matches(&idx, &[1, 2, 3, 4]),
+            vec![("b".into(), 2, [0, 2, 0, 0], false), ("a".into(), 3, [3, 0, 0, 0], false)]
+        );
+        idx.apply("a", 0, 1, &removed("a", 0, &[2]));
+        assert_eq!(matches(&idx, &[1, 2, 3]), vec![("a".into(), 1, [1, 0, 0, 0], false), ("b".into(), 2, [0, 2, 0, 0], false)]);
+        idx.verify_invariants().unwrap();
+        assert_eq!(idx.entries(), 4);
+    }
+
+    #[test]
+    fn duplicates_gaps_epochs() {
+        let mut idx = NativeIndex::new(ALGO, 16);
+        idx.apply("a", 0, 0, &stored("a", 0, &[1]));
+        assert_eq!(idx.apply("a", 0, 0, &stored("a", 0, &[9])).outcome, Outcome::Duplicate);
+        let r = idx.apply("a", 0, 5, &stored("a", 2, &[1, 2]));
+        assert!(r.gap);
+        assert_eq!(matches(&idx, &[1, 2]), vec![("a".into(), 2, [1, 0, 1, 0], true)]);
+        // A new epoch drops volatile tiers; lost slots lose persistent ones too.
+        let r = idx.apply("a", 1, 0, &stored("a", 0, &[7]));
+        assert!(r.new_epoch && !r.gap);
+        assert_eq!(matches(&idx, &[1]), vec![]);
+        assert_eq!(idx.apply("a", 0, 1, &stored("a", 0, &[1])).outcome, Outcome::Fenced);
+        idx.verify_invariants().unwrap();
+    }
+
+    #[test]
+    fn rejections_consume_the_sequence() {
+        let mut idx = NativeIndex::new(ALGO, 16);
+        let mut ev = stored("a", 0, &[1]);
+        ev.payload = Payload::Stored { tier: 0, hashes: &[1], block_size: 32, hash_algo: ALGO, full_attention: true };
+        assert_eq!(idx.apply("a", 0, 0, &ev).outcome, Outcome::Rejected("block_size"));
+        assert!(!idx.apply("a", 0, 1, &stored("a", 0, &[1])).gap);
+        assert_eq!(idx.counters[C_REJECTED], 1);
+    }
+
+    #[test]
+    fn snapshot_round_trip_and_clears() {
+        let mut idx = NativeIndex::new(ALGO, 16);
+        let hs: Vec<u64> = (0..100).map(|i| i * 0x1234_5678_9abc).collect();
+        for (i, w) in ["a", "b", "c"].iter().enumerate() {
+            idx.apply(w, 0, 0, &stored(w, i as u8, &hs[i * 10..]));
+        }
+        let snap = idx.snapshot();
+        let back = NativeIndex::restore(&snap).unwrap();
+        assert_eq!(back.snapshot(), snap);
+        back.verify_invariants().unwrap();
+        let clear = Event { worker_id: "b", stream: "kv", dp_rank: Some(0), payload: Payload::Cleared { tier: None } };
+        idx.apply("b", 0, 1, &clear);
+        idx.verify_invariants().unwrap();
+        assert_eq!(idx.slot_counts(1), [0; 4]);
+        let dereg = Event { worker_id: "c", stream: "workers", dp_rank: None, payload: Payload::Deregistered };
+        idx.apply("c", 0, 0, &dereg);
+        idx.verify_invariants().unwrap();
+        // c is gone; a still holds the whole chain.
+        assert_eq!(matches(&idx, &hs[20..]), vec![("a".into(), 80, [80, 0, 0, 0], false)]);
+    }
+}
