@@ -46,13 +46,13 @@ from dataclasses import dataclass, replace
 
 import zmq
 
-from data_plane.ports import EventSink
 from data_plane.vllm.kv_events import (
     KvEventTranslator,
     VllmDecodeError,
     VllmSource,
     decode_batch,
 )
+from kernel.log.sink import EventSink
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,17 @@ class BridgeSettings:
     """Where the vLLM publisher is and how patiently to talk to it."""
 
     #: The publisher's PUB endpoint as reachable from here, e.g. ``tcp://10.0.0.5:5557``
-    #: (vLLM binds ``tcp://*:5557`` by default; DP rank r is on port + r). We connect.
+    #: (vLLM binds ``tcp://*:5557`` by default; DP rank r is on port + r). We connect, unless
+    #: ``bind``.
     endpoint: str
+    #: Bind ``endpoint`` instead of connecting to it. vLLM *connects* its PUB socket to an
+    #: endpoint that names a host (only ``*``, ``::``, ``ipc://`` and ``inproc://`` are bound
+    #: by vLLM), so a bridge for ``tcp://127.0.0.1:PORT`` must be the one that binds, and it
+    #: must be bound before the engine starts: vLLM drops batches nobody is connected for.
+    bind: bool = False
+    #: First publisher seq this bridge applies (a restarted bridge that knows how far its
+    #: predecessor got; earlier seqs are duplicates). 0 for a fresh bridge.
+    start_seq: int = 0
     #: The publisher's replay ROUTER endpoint (vLLM's ``replay_endpoint``); None if the engine
     #: has none, in which case every gap is a resync.
     replay_endpoint: str | None = None
@@ -129,7 +138,7 @@ class KvEventBridge:
         self._dealer: zmq.Socket | None = None
         self._lock = threading.Lock()
         self._stats = BridgeStats()
-        self._expected = 0
+        self._expected = settings.start_seq
         self._last_sub_seq: int | None = None
         self.error: BaseException | None = None
 
@@ -146,7 +155,10 @@ class KvEventBridge:
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
-        sub.connect(self.settings.endpoint)
+        if self.settings.bind:
+            sub.bind(self.settings.endpoint)
+        else:
+            sub.connect(self.settings.endpoint)
         self._thread = threading.Thread(target=self._run, args=(sub,),
                                         name=f"kv-bridge-{self.source.worker_id}", daemon=True)
         self._thread.start()

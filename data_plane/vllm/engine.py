@@ -1,42 +1,30 @@
-"""vLLM as a Switchyard engine: an AsyncLLM wrapper and a KV connector skeleton.
+"""vLLM helpers: import guards, the ``kv_transfer_params`` parser, and a token-level AsyncLLM
+wrapper.
 
-UNTESTED HERE. vLLM needs CUDA and cannot be installed on the development machine, so nothing
-in this module has run against a real vLLM. What is tested (``tests/unit/test_vllm_engine.py``):
-that the module imports without vLLM, that every entry point that needs vLLM fails with
-:data:`VLLM_MISSING`, the ``kv_transfer_params`` parser, ``generate``'s request mapping against a
-stand-in ``AsyncLLM``, and the connector's decisions against a stand-in for vLLM's base class.
-The vLLM calls themselves follow vLLM's published API (``vllm/v1/engine/async_llm.py``,
-``vllm/distributed/kv_transfer/kv_connector/v1/base.py``) as read, not as run.
+The engine the worker runs is :mod:`data_plane.vllm.serving` (tested against real vLLM in
+``tests/vllm/``); :class:`VllmEngine` below is the earlier thin wrapper, kept for its unit
+tests. The KV connector (the worker's KVBM tiers as vLLM's tier backend) is
+:mod:`data_plane.vllm.connector` (``"kv_connector_module_path": "data_plane.vllm.connector"``).
 
-Nothing imports vLLM at module import time: :class:`VllmEngine` imports it on first use, and
-:data:`SwitchyardKVConnector` is assembled on first attribute access (module ``__getattr__``),
-which is exactly what vLLM does when it loads a connector from
-``--kv-transfer-config '{"kv_connector": "SwitchyardKVConnector",
-"kv_connector_module_path": "data_plane.vllm.engine", "kv_role": "kv_both"}'``.
-
-The connector is honest about its scope: it is a correct *pass-through* connector (no external
-KV: every request computes or hits vLLM's own prefix cache) and it raises
-``NotImplementedError`` at the exact points where a disaggregated prefill -> decode handoff
-would need our NIXL transfer layer (``data_plane.transfer``) to move GPU blocks. It never
-pretends a transfer happened. Until that exists, use vLLM's own ``NixlConnector`` for
-disaggregated serving; Switchyard's router speaks its ``kv_transfer_params`` (see
-:func:`parse_kv_transfer_params`).
+Nothing imports vLLM at module import time: :class:`VllmEngine` imports it on first use.
+For disaggregated serving use vLLM's own ``NixlConnector``; Switchyard's router speaks its
+``kv_transfer_params`` (see :func:`parse_kv_transfer_params`).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
-VLLM_MISSING = "vLLM is not installed; pip install switchyard[vllm] on a CUDA machine"
+VLLM_MISSING = ("vLLM is not installed in this environment; the vLLM environment is made by "
+                "scripts/vllm-env.sh (.venv-vllm; see docs/vllm.md)")
 
 
 class VllmNotInstalled(ImportError):
@@ -243,133 +231,3 @@ def parse_kv_transfer_params(params: Mapping[str, Any] | None) -> KvHandoff | No
     if params.get("do_remote_decode"):
         return KvHandoff(role="producer", extra=extra)
     return None
-
-
-# --------------------------------------------------------------------------------------------
-# KV connector (vLLM KV connector v1 interface)
-# --------------------------------------------------------------------------------------------
-
-_NOT_BUILT = (
-    "needs data_plane.transfer's NIXL agent registered over this engine's GPU KV tensors, "
-    "which the Switchyard connector does not implement yet; run vLLM's NixlConnector for "
-    "disaggregated serving"
-)
-
-
-class ConnectorMetadataCore:
-    """What the scheduler-side connector tells the worker side each step. The pass-through
-    connector never schedules a load or a save, so it is always empty; the fields exist so the
-    worker side can check rather than assume."""
-
-    def __init__(self, loads: Mapping[str, Any] | None = None,
-                 saves: Mapping[str, Any] | None = None) -> None:
-        self.loads = dict(loads or {})
-        self.saves = dict(saves or {})
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.loads or self.saves)
-
-
-class SwitchyardConnectorCore:
-    """The connector's behaviour, without vLLM's base class (combined with it lazily by
-    :func:`build_connector_class`). Method names and signatures follow
-    ``KVConnectorBase_V1``."""
-
-    #: Set by build_connector_class: the KVConnectorMetadata subclass to return.
-    metadata_cls: type = ConnectorMetadataCore
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
-        transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-        self.extra_config: dict[str, Any] = dict(
-            getattr(transfer_config, "kv_connector_extra_config", None) or {})
-        self.kv_caches: dict[str, Any] = {}
-        #: vLLM KVCacheEvents this connector produced, drained by take_events().
-        self._events: list[Any] = []
-
-    # -- scheduler side --------------------------------------------------------------------
-
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
-        handoff = parse_kv_transfer_params(getattr(request, "kv_transfer_params", None))
-        if handoff is not None and handoff.role == "consumer":
-            raise NotImplementedError(
-                f"request {request.request_id}: pulling {len(handoff.remote_block_ids)} blocks "
-                f"from engine {handoff.remote_engine_id} {_NOT_BUILT}")
-        # No external KV: everything beyond vLLM's own prefix-cache hit is computed.
-        return 0, False
-
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
-        if num_external_tokens:
-            raise NotImplementedError(
-                f"request {request.request_id}: loading {num_external_tokens} external tokens "
-                f"{_NOT_BUILT}")
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        return self.metadata_cls()
-
-    def request_finished(self, request: Any,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        handoff = parse_kv_transfer_params(getattr(request, "kv_transfer_params", None))
-        if handoff is not None and handoff.role == "producer":
-            raise NotImplementedError(
-                f"request {request.request_id}: holding {len(block_ids)} blocks for a remote "
-                f"decode worker {_NOT_BUILT}")
-        # Blocks are freed now, as vLLM would without a connector.
-        return False, None
-
-    def take_events(self) -> Iterable[Any]:
-        events, self._events = self._events, []
-        return events
-
-    # -- worker side -----------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        # Kept for the transfer layer; registering them with NIXL happens with the first
-        # transfer, which is the part not implemented.
-        self.kv_caches = dict(kv_caches)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()  # type: ignore[attr-defined]
-        if getattr(meta, "has_work", False):
-            raise NotImplementedError(f"start_load_kv: {_NOT_BUILT}")
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # start_load_kv never starts a load, so there is nothing to wait for.
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
-        # Pull model (like NixlConnector): a consumer reads the producer's blocks in place;
-        # nothing is pushed per layer.
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # No asynchronous send or receive is ever started.
-        return None, None
-
-
-def build_connector_class(base: type, metadata_base: type) -> type:
-    """``SwitchyardKVConnector``: :class:`SwitchyardConnectorCore` on top of ``base`` (vLLM's
-    ``KVConnectorBase_V1``), returning metadata that subclasses ``metadata_base``."""
-    meta_cls = type("SwitchyardConnectorMetadata", (ConnectorMetadataCore, metadata_base), {})
-    return type("SwitchyardKVConnector", (SwitchyardConnectorCore, base),
-                {"metadata_cls": meta_cls, "__module__": __name__})
-
-
-@functools.cache
-def _vllm_connector_class() -> type:
-    base_mod = require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    return build_connector_class(base_mod.KVConnectorBase_V1, base_mod.KVConnectorMetadata)
-
-
-def __getattr__(name: str) -> Any:
-    # Assembled on first access so that importing this module never imports vLLM.
-    if name == "SwitchyardKVConnector":
-        return _vllm_connector_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
