@@ -4,9 +4,25 @@ workers (fresh caches for each run).
 Each run starts, on a fresh topic prefix: 2 prefill + 2 decode simulated workers (mocker
 profile, real NIXL handoffs) and a router in the given mode, all real processes on the local
 broker; then replays the first ``limit`` requests of the trace at ``rate``x through the
-router's OpenAI API (``control_plane.loadgen``). Needs ``switchyard stack up``.
+router's OpenAI API (``control_plane.demo.loadgen``). Needs ``switchyard stack up``.
 
-Last line: ``RESULT ttft_p50_gain=<rr/kv> ttft_p99_gain=... hit_rate=<kv> ideal_hit_rate=...``.
+Defaults are the demo's (trace slice, limit, rates, output cap). Each run also prints what the
+cluster simulator predicts for the same requests (``control_plane.demo.runcheck``), failures and
+rejections by reason, the handoff ratio and the CPU load; when the observed TTFT is more than
+2x the prediction it says where the time went instead of trusting the gain.
+
+Where the gain comes from: a third run, ``placement``, routes by the kv cost with every tier weight
+at 0 (the same load terms, no cache credit, in-flight overlap included). Its gain over round
+robin is what load placement alone buys; the rest of kv's gain is the prefix hits'. The split is
+printed for the observed runs and for the simulator's prediction of the same three.
+
+The modes' order rotates between rounds (``repeats``), so no mode always runs first on a cold
+or last on a warm machine.
+
+Last line: ``RESULT ttft_p50_gain=<rr/kv> ttft_p99_gain=... hit_rate=<kv> ideal_hit_rate=...
+completed=... failed=... rejected=... ttft_p50_ms=<kv> ttft_p50_predicted_ms=<kv>
+handoff_ratio=<kv> within_2x_of_prediction=0|1 gain_from_placement=... gain_from_prefix_hits=...``
+(the two shares of the observed TTFT p50 difference rr - kv; they sum to 1).
 """
 
 from __future__ import annotations
@@ -18,15 +34,30 @@ import time
 import uuid
 from pathlib import Path
 
-from control_plane.bus.admin import apply_topics
-from control_plane.demo import Supervisor, free_port, wait_http
-from control_plane.loadgen import run_trace
-from control_plane.settings import BusSettings, StackSettings
+import msgspec
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+from control_plane.demo.loadgen import run_trace
+from control_plane.demo.runcheck import EXPLAIN_ABOVE, CpuSampler, breakdown, explain, now_ms, predict
+from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, Supervisor, wait_http
+from control_plane.router import RouterConfig, TierWeights
+from control_plane.settings import StackSettings
+from kernel.log.admin import apply_topics
+from kernel.net import free_port
+from kernel.settings import BusSettings
+from schemas.types import RoutingMode
+
+#: The demo's workload and load by default, so the bench meets the same bounds as the demo.
+DEFAULT_TRACE = DEMO_TRACE
+#: The three configs: round robin, kv, and kv without any cache credit (load placement alone).
+MODES = {
+    "round_robin": RouterConfig(mode=RoutingMode.ROUND_ROBIN),
+    "kv": RouterConfig(mode=RoutingMode.KV),
+    "placement": RouterConfig(mode=RoutingMode.KV, tier_weights=TierWeights(device=0.0, host=0.0, disk=0.0, object=0.0)),
+}
 
 
 def one_run(mode: str, trace: Path, limit: int, rate: float, max_output: int, speedup: float) -> dict:
+    config = MODES[mode]
     prefix = f"e2e{mode[:2]}{uuid.uuid4().hex[:6]}"
     bus = BusSettings.from_env(topic_prefix=prefix)
     apply_topics(bus)
@@ -42,11 +73,20 @@ def one_run(mode: str, trace: Path, limit: int, rate: float, max_output: int, sp
                                                      "--data-dir", f"{tmp}/{role}-{i}", "--lease-s", "10"])
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            sup.start("router", ["router", "--port", str(port), "--router-id", f"e2e-{mode}", "--mode", mode])
+            config_file = Path(tmp) / "router.json"
+            config_file.write_bytes(msgspec.json.encode(config))
+            sup.start("router", ["router", "--port", str(port), "--router-id", f"e2e-{mode}", "--config",
+                                 str(config_file)])
             wait_http(f"{url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == 4, timeout=120)
             t0 = time.monotonic()
+            since = now_ms() - 1000
+            cpu = CpuSampler().start()
             s = asyncio.run(run_trace(url, trace, limit=limit, speedup=rate, max_output=max_output, progress=False))
+            s.update(cpu.stop())
             s["run_s"] = time.monotonic() - t0
+            s["breakdown"] = breakdown(bus, s["id_prefix"], since)
+            s["predicted"] = predict(trace, limit=limit, rate=rate, speedup=speedup, max_output=max_output,
+                                     prefill=2, decode=2, config=config)
             return s
         finally:
             sup.stop_all(grace=15)
@@ -56,16 +96,57 @@ def one_run(mode: str, trace: Path, limit: int, rate: float, max_output: int, sp
                 os.environ["SWITCHYARD_TOPIC_PREFIX"] = env_backup
 
 
-def main(trace: Path = DEFAULT_TRACE, limit: int = 300, rate: float = 10.0, max_output: int = 64,
-         speedup: float = 10.0) -> dict:
-    runs = {m: one_run(m, Path(trace), limit, rate, max_output, speedup) for m in ("round_robin", "kv")}
+def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: float = DEMO_DEFAULTS.rate,
+         max_output: int = DEMO_DEFAULTS.max_output, speedup: float = DEMO_DEFAULTS.speedup,
+         repeats: int = 1) -> dict:
+    """``repeats`` rounds; the order of the modes rotates between rounds so none always runs on
+    the coldest or the warmest machine. Each mode's figures are from its last run."""
+    runs: dict[str, dict] = {}
+    order = list(MODES)
+    for i in range(repeats):
+        for m in order[i % len(order):] + order[:i % len(order)]:
+            runs[m] = one_run(m, Path(trace), limit, rate, max_output, speedup)
+    runs = {m: runs[m] for m in order}
     print(f"full stack, 2 prefill + 2 decode workers (mocker profile at {speedup}x), {limit} requests at {rate}x")
-    print(f"{'router':<12}{'ok':>6}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'tok/s':>8}{'hit rate':>10}")
+    print(f"{'router':<12}{'ok':>5}{'fail':>5}{'rej':>5}{'TTFT p50':>10}{'pred p50':>10}{'TTFT p99':>10}"
+          f"{'ITL p50':>9}{'tok/s':>8}{'hit rate':>10}{'handoff':>9}{'CPU':>6}")
     for m, s in runs.items():
-        print(f"{m:<12}{s['completed']:>6}{s['ttft_p50_ms']:>10.0f}{s['ttft_p99_ms']:>10.0f}{s['itl_p50_ms']:>9.1f}"
-              f"{s['itl_p99_ms']:>9.1f}{s['output_tokens_per_s']:>8.0f}{s['hit_rate']:>10.3f}")
-    rr, kv = runs["round_robin"], runs["kv"]
+        print(f"{m:<12}{s['completed']:>5}{s['failed']:>5}{s['rejected']:>5}{s['ttft_p50_ms']:>10.0f}"
+              f"{s['predicted']['ttft_p50_ms']:>10.0f}{s['ttft_p99_ms']:>10.0f}{s['itl_p50_ms']:>9.1f}"
+              f"{s['output_tokens_per_s']:>8.0f}{s['hit_rate']:>10.3f}{s['breakdown']['handoff_ratio']:>9.2f}"
+              f"{s['cpu_busy'] * 100:>5.0f}%")
+        if s["failures_by_reason"]:
+            print(f"  {m} failures by reason: {s['failures_by_reason']}")
+        if s["rejections_by_reason"]:
+            print(f"  {m} rejections by reason: {s['rejections_by_reason']}")
+        for line in explain(s["ttft_p50_ms"], s["predicted"]["ttft_p50_ms"], s["breakdown"]):
+            print(f"  {m}: {line}")
+    rr, kv, pl = runs["round_robin"], runs["kv"], runs["placement"]
+    split = _split(rr["ttft_p50_ms"], pl["ttft_p50_ms"], kv["ttft_p50_ms"])
+    psplit = _split(rr["predicted"]["ttft_p50_ms"], pl["predicted"]["ttft_p50_ms"], kv["predicted"]["ttft_p50_ms"])
+    print(f"where kv's TTFT p50 gain comes from: observed {rr['ttft_p50_ms']:.0f} -> {pl['ttft_p50_ms']:.0f} "
+          f"(placement) -> {kv['ttft_p50_ms']:.0f} ms (prefix hits): {100 * split[0]:.0f}% placement, "
+          f"{100 * split[1]:.0f}% prefix hits; predicted {100 * psplit[0]:.0f}% / {100 * psplit[1]:.0f}%")
+    within = all(s["ttft_p50_ms"] <= EXPLAIN_ABOVE * s["predicted"]["ttft_p50_ms"] for s in runs.values())
+    if not within:
+        print("observed TTFT is more than 2x the prediction: the gains below measure this box's load, "
+              "not the routing (see where the time went above)")
     print(f"RESULT ttft_p50_gain={rr['ttft_p50_ms'] / kv['ttft_p50_ms']:.3f} "
           f"ttft_p99_gain={rr['ttft_p99_ms'] / kv['ttft_p99_ms']:.3f} hit_rate={kv['hit_rate']:.3f} "
-          f"ideal_hit_rate={kv['ideal_hit_rate']:.3f} hit_rate_rr={rr['hit_rate']:.3f}")
+          f"ideal_hit_rate={kv['ideal_hit_rate']:.3f} hit_rate_rr={rr['hit_rate']:.3f} "
+          f"completed={sum(s['completed'] for s in runs.values())} failed={sum(s['failed'] for s in runs.values())} "
+          f"rejected={sum(s['rejected'] for s in runs.values())} ttft_p50_ms={kv['ttft_p50_ms']:.0f} "
+          f"ttft_p50_predicted_ms={kv['predicted']['ttft_p50_ms']:.0f} "
+          f"handoff_ratio={kv['breakdown']['handoff_ratio']:.3f} within_2x_of_prediction={int(within)} "
+          f"gain_from_placement={split[0]:.3f} gain_from_prefix_hits={split[1]:.3f}")
     return {m: {k: v for k, v in s.items() if k != "results"} for m, s in runs.items()}
+
+
+def _split(rr: float, placement: float, kv: float) -> tuple[float, float]:
+    """Shares of ``rr - kv`` that load placement (``rr - placement``) and prefix hits
+    (``placement - kv``) account for; (nan, nan) when kv gained nothing."""
+    total = rr - kv
+    if total <= 0:
+        return float("nan"), float("nan")
+    return (rr - placement) / total, (placement - kv) / total
+

@@ -10,15 +10,14 @@ round trip is measured separately with one event at a time.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 import uuid
 
 from benchmarks import events_codec
-from control_plane.bus.admin import apply_topics
-from control_plane.bus.kafka import EventConsumer, EventProducer
-from control_plane.settings import BusSettings
+from kernel.log.admin import apply_topics
+from kernel.log.kafka import EventConsumer, EventProducer
+from kernel.settings import BusSettings
 from schemas.events import BlockStored
 
 

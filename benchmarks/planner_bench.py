@@ -4,7 +4,7 @@ time) vs the best static split of the same GPU budget.
 
 Workload
 --------
-The first ``limit`` requests of the trace (``/work/shared/traces/mooncake_conversation_trace.jsonl``:
+The first ``limit`` requests of the trace (``traces/mooncake_conversation_trace.jsonl``:
 ISL mean 12k tokens, OSL mean 343, 3.4 req/s at 1x) are replayed on a virtual clock with a
 **burst pattern**: virtual time alternates a *calm* phase of ``calm_s`` seconds, in which the
 trace runs ``calm_speedup`` times faster than recorded, and a *burst* phase of ``burst_s``
@@ -17,9 +17,11 @@ Every worker is an :class:`~data_plane.engines.EngineCore` with the ``mocker`` p
 mocker timing, reproduced exactly): prefill workers run the prompt and hold its blocks until the
 first token, then the KV moves to a decode worker at no cost (the mocker's default) and the
 decode worker generates the rest. Routing: prefill to the ready worker with the fewest queued
-prompt tokens, decode to the one with the fewest running sequences. A discrete-event loop drives
-the cores exactly like :func:`data_plane.engines.simulate` (a step of ``d`` ms started at ``t``
-delivers at ``t + d``).
+prompt tokens, decode to the one with the fewest running sequences. The cores run on the one
+virtual-time driver, :class:`data_plane.engines.simulate.Cluster` (a step of ``d`` ms started at
+``t`` delivers at ``t + d``); :class:`Sim` is its hooks: this routing, the planner's ticks, and
+the events the planner folds. A prefill worker frees a prompt's blocks at its first token,
+before its next step (the KV has moved to the decode side).
 
 Planner
 -------
@@ -61,7 +63,6 @@ cross-check (this benchmark uses our engine, which reproduces the mocker's timin
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import sys
 import time
@@ -69,10 +70,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from control_plane.demo.up import WHOLE_TRACE
 from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_profiles
-from control_plane.planner.core import PlannerState, decide
 from control_plane.planner.load_view import LoadView, stamp
+from control_plane.planner.policy import PlannerState, decide
 from data_plane.engines import EngineCore, EngineRequest, default_hash_config, load_profile, read_mooncake
+from data_plane.engines.simulate import Cluster, HandOff, Hooks, Placement
 from data_plane.engines.trace import MooncakeTrace
 from schemas.events import (
     PrefillCompleted,
@@ -84,10 +87,9 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
-from schemas.types import RequestPhase, RequestId, WorkerRole
+from schemas.types import RequestId, RequestPhase, WorkerId, WorkerRole
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
-_ARRIVAL, _READY, _BOUNDARY, _TICK = 0, 1, 2, 3
+TRACE = WHOLE_TRACE
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,6 @@ class Worker:
     started_ms: float
     state: str = "starting"  # starting | ready | draining | gone
     gone_ms: float | None = None
-    busy: bool = False
     #: prefill: prompt tokens routed and not yet through; decode: sequences routed and running
     outstanding: int = 0
 
@@ -198,7 +199,15 @@ class SimResult:
         return xs[len(xs) // 2], xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-class Sim:
+class Sim(Hooks):
+    """Prefill and decode pools on the cluster driver, routed least-loaded, sized by the planner.
+
+    The driver's hooks: arrivals and hand-offs are placed by :meth:`_pick`; the planner's tick
+    is a driver timer (after the step boundaries of its instant), a new worker's start-up delay
+    the driver's, a scale-down the driver's drain. Every event the planner folds is emitted to
+    its :class:`LoadView` in the driver's (the one-heap loop's) order.
+    """
+
     def __init__(self, requests: list[Req], *, profile: str = "mocker", prefill: int, decode: int,
                  planner: PlannerConfig | None = None, startup_s: float = 30.0, label: str = "") -> None:
         self.profile = load_profile(profile)
@@ -209,13 +218,13 @@ class Sim:
         self.startup_ms = startup_s * 1000.0
         self.label = label
         self.workers: dict[str, Worker] = {}
-        self.heap: list = []
-        self.seq = 0
         self.pending: dict[str, list[Req]] = {"prefill": [], "decode": []}
         self.view = LoadView(planner.load_view_config(), start_ns=0) if planner else None
         self.state = PlannerState().with_token(1)
         self.decisions: list[tuple[float, str, int, int]] = []
         self._n = 0
+        self.cluster = Cluster(self.profile, self, hash_config=self.hash_config, disaggregated=True,
+                               release_before_step=True)
         for _ in range(prefill):
             self._spawn("prefill", 0.0, ready=True)
         for _ in range(decode):
@@ -225,10 +234,6 @@ class Sim:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _push(self, t: float, kind: int, payload) -> None:
-        heapq.heappush(self.heap, (t, kind, self.seq, payload))
-        self.seq += 1
-
     def _emit(self, payload, t_ms: float, producer: str = "router") -> None:
         if self.view is not None:
             self.view.apply(stamp(payload, int(t_ms * 1e6), producer=producer))
@@ -237,17 +242,15 @@ class Sim:
         wid = f"{pool}-{self._n}"
         self._n += 1
         role = WorkerRole.PREFILL if pool == "prefill" else WorkerRole.DECODE
-        w = Worker(wid, pool, EngineCore(self.profile, worker_id=wid, role=role, hash_config=self.hash_config), t)
+        w = Worker(wid, pool, None, t)  # type: ignore[arg-type] - the driver builds the engine
         self.workers[wid] = w
         self._emit(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"sim://{wid}",
                                     block_size=self.profile.block_size, hash_algo="sha256"), t, wid)
-        if ready:
-            self._ready(w, t)
-        else:
-            self._push(t + self.startup_ms, _READY, wid)
+        w.core = self.cluster.add_worker(WorkerId(wid), role, ready_in_ms=0.0 if ready else self.startup_ms)
         return w
 
-    def _ready(self, w: Worker, t: float) -> None:
+    def on_ready(self, worker: WorkerId, t: float) -> None:
+        w = self.workers[worker]
         if w.state != "starting":
             return
         w.state = "ready"
@@ -255,12 +258,9 @@ class Sim:
         queue = self.pending[w.pool]
         self.pending[w.pool] = []
         for r in queue:
-            self._route(r, w.pool, t)
-
-    def _kick(self, w: Worker, t: float) -> None:
-        if not w.busy and w.core.has_work():
-            w.busy = True
-            self._push(t, _BOUNDARY, (w.wid, None))
+            p = self._route(r, w.pool, t)
+            if p is not None:
+                self.cluster.place(p.worker, p.request, t)
 
     def _pick(self, pool: str) -> Worker | None:
         best = None
@@ -269,103 +269,92 @@ class Sim:
                 best = w
         return best
 
-    def _route(self, r: Req, pool: str, t: float) -> None:
+    def _route(self, r: Req, pool: str, t: float) -> Placement | None:
+        """The phase's placement (None: no ready worker in the pool; it waits for one)."""
         w = self._pick(pool)
         if w is None:
             self.pending[pool].append(r)
-            return
+            return None
         if pool == "prefill":
             r.prefill_worker = w.wid
             w.outstanding += len(r.engine.prompt)
-            w.core.add_request(dataclasses.replace(r.engine, max_tokens=1, phase=RequestPhase.PREFILL))
+            req = dataclasses.replace(r.engine, max_tokens=1, phase=RequestPhase.PREFILL)
             self._emit(RequestRouted(request_id=r.rid, worker_id=w.wid, phase=RequestPhase.PREFILL, mode="least_loaded",
                                      config_version=1, rng_seed=0), t)
         else:
             r.decode_worker = w.wid
             w.outstanding += 1
-            w.core.add_request(dataclasses.replace(r.engine, max_tokens=r.osl, output_prefix=(r.first_token,),
-                                                   phase=RequestPhase.DECODE))
+            req = dataclasses.replace(r.engine, max_tokens=r.osl, output_prefix=(r.first_token,),
+                                      phase=RequestPhase.DECODE)
             self._emit(RequestRouted(request_id=r.rid, worker_id=w.wid, phase=RequestPhase.DECODE, mode="least_loaded",
                                      config_version=1, rng_seed=0), t)
-        self._kick(w, t)
+        return Placement(WorkerId(w.wid), req)
 
     def _complete(self, r: Req, wid: str, t: float) -> None:
-        itl = (r.last_ms - r.first_ms) / (r.outputs - 1) if r.outputs > 1 else 0.0
+        rec = self.cluster.records[r.rid]
+        tt = rec.token_times
+        first, last, outputs = tt[0], tt[-1], len(tt)
+        itl = (last - first) / (outputs - 1) if outputs > 1 else 0.0
         self._emit(RequestCompleted(request_id=r.rid, worker_id=wid, prompt_tokens=len(r.engine.prompt),
-                                    output_tokens=r.outputs, cached_tokens=r.cached,
-                                    ttft_ms=r.first_ms - r.arrival_ms, itl_mean_ms=itl,
-                                    e2e_ms=r.last_ms - r.arrival_ms), t)
+                                    output_tokens=outputs, cached_tokens=rec.cached_tokens,
+                                    ttft_ms=first - r.arrival_ms, itl_mean_ms=itl,
+                                    e2e_ms=last - r.arrival_ms), t)
 
-    def _maybe_gone(self, w: Worker, t: float) -> None:
-        if w.state == "draining" and not w.core.has_work() and not w.core.scheduler.held:
-            w.state = "gone"
-            w.gone_ms = t
-            self._emit(WorkerDeregistered(worker_id=w.wid, reason="drained"), t, w.wid)
+    # -- the driver's hooks -------------------------------------------------------------------
 
-    # -- the loop ---------------------------------------------------------------------------
+    def arrive(self, request: EngineRequest, now: float) -> Placement | None:
+        r = self.by_id[request.request_id]
+        self._emit(RequestAdmitted(request_id=r.rid, model="m", prompt_tokens=len(r.engine.prompt),
+                                   max_tokens=r.osl, block_size=self.profile.block_size, hash_algo="sha256"), now)
+        return self._route(r, "prefill", now)
+
+    def hand_off(self, request: EngineRequest, worker: WorkerId, token: int, now: float) -> Placement | HandOff | None:
+        """The prompt is through (the driver freed its blocks: the KV moved to the decode side,
+        free in the mocker); the decode worker continues after the first token."""
+        r = self.by_id[request.request_id]
+        r.first_token = token
+        self.workers[worker].outstanding -= len(r.engine.prompt)
+        self._emit(PrefillCompleted(request_id=r.rid, worker_id=worker, prompt_tokens=len(r.engine.prompt),
+                                    cached_tokens=self.cluster.records[r.rid].cached_tokens,
+                                    duration_ms=now - r.arrival_ms), now, worker)
+        if r.osl > 1:
+            return self._route(r, "decode", now)
+        self._complete(r, worker, now)
+        return HandOff.FINISHED
+
+    def on_complete(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
+        self.workers[worker].outstanding -= 1
+        self._complete(self.by_id[request_id], worker, t)
+
+    def on_gone(self, worker: WorkerId, t: float) -> None:
+        w = self.workers[worker]
+        reason = "cancelled" if w.state == "starting" else "drained"  # cancelled: never served
+        w.state, w.gone_ms = "gone", t
+        self._emit(WorkerDeregistered(worker_id=w.wid, reason=reason), t, w.wid)
+
+    # -- the run ------------------------------------------------------------------------------
 
     def run(self, tick_s: float = 10.0) -> SimResult:
         t0 = time.perf_counter()
-        for r in self.requests:
-            self._push(r.arrival_ms, _ARRIVAL, r.rid)
         end_arrival = max(r.arrival_ms for r in self.requests)
+        cluster = self.cluster
+
+        def tick(t: float) -> None:
+            self._tick(t)
+            if t < end_arrival or cluster.has_work():
+                cluster.schedule(t + tick_s * 1000.0, tick)
+
         if self.planner is not None:
-            self._push(tick_s * 1000.0 + 1.0, _TICK, None)
-        while self.heap:
-            t, kind, _, payload = heapq.heappop(self.heap)
-            if kind == _ARRIVAL:
-                r = self.by_id[payload]
-                self._emit(RequestAdmitted(request_id=r.rid, model="m", prompt_tokens=len(r.engine.prompt),
-                                           max_tokens=r.osl, block_size=self.profile.block_size, hash_algo="sha256"), t)
-                self._route(r, "prefill", t)
-            elif kind == _READY:
-                self._ready(self.workers[payload], t)
-            elif kind == _BOUNDARY:
-                self._boundary(t, *payload)
-            else:
-                self._tick(t)
-                if t < end_arrival or any(w.core.has_work() for w in self.workers.values()):
-                    self._push(t + tick_s * 1000.0, _TICK, None)
+            cluster.schedule(tick_s * 1000.0 + 1.0, tick)
+        cluster.run([r.engine for r in self.requests])
+        for r in self.requests:
+            rec = cluster.records[r.rid]
+            tt = rec.token_times
+            if tt:
+                r.first_ms, r.last_ms, r.outputs = tt[0], tt[-1], len(tt)
+            r.cached = rec.cached_tokens
         return SimResult(self.label, self.requests, list(self.workers.values()), end_arrival, self.decisions,
                          time.perf_counter() - t0)
-
-    def _boundary(self, t: float, wid: str, res) -> None:
-        w = self.workers[wid]
-        core = w.core
-        if res is not None:
-            for rid, cached in res.admitted:
-                if w.pool == "prefill":
-                    self.by_id[rid].cached = cached
-            for tok in res.tokens:
-                r = self.by_id[tok.request_id]
-                if w.pool == "prefill":
-                    r.first_ms = r.last_ms = t
-                    r.outputs = 1
-                    r.first_token = tok.token_id
-                else:
-                    r.last_ms = t
-                    r.outputs += 1
-                    if tok.finished:
-                        w.outstanding -= 1
-                        self._complete(r, wid, t)
-            for rid in res.finished:
-                if w.pool == "prefill":
-                    r = self.by_id[rid]
-                    core.release(rid)  # the KV moved to the decode side (free in the mocker)
-                    w.outstanding -= len(r.engine.prompt)
-                    self._emit(PrefillCompleted(request_id=r.rid, worker_id=wid, prompt_tokens=len(r.engine.prompt),
-                                                cached_tokens=r.cached, duration_ms=t - r.arrival_ms), t, wid)
-                    if r.osl > 1:
-                        self._route(r, "decode", t)
-                    else:
-                        self._complete(r, wid, t)
-            core.take_kv_events()
-        step = core.step()
-        if step.num_scheduled == 0:
-            w.busy = False
-            self._maybe_gone(w, t)
-            return
-        self._push(t + step.duration_ms, _BOUNDARY, (wid, step))
 
     def _tick(self, t: float) -> None:
         for w in self.workers.values():
@@ -387,13 +376,10 @@ class Sim:
                 named = set(eff.drain)
                 order = sorted(active, key=lambda w: (w.wid not in named, w.state != "starting", w.outstanding))
                 for w in order[: len(active) - eff.to_replicas]:
-                    if w.state == "starting":
-                        w.state, w.gone_ms = "gone", t  # never served: just stop it
-                        self._emit(WorkerDeregistered(worker_id=w.wid, reason="cancelled"), t, w.wid)
-                        continue
-                    w.state = "draining"
-                    self._emit(WorkerDraining(worker_id=w.wid, reason="scale down"), t, w.wid)
-                    self._maybe_gone(w, t)
+                    if w.state != "starting":
+                        w.state = "draining"
+                        self._emit(WorkerDraining(worker_id=w.wid, reason="scale down"), t, w.wid)
+                    self.cluster.drain(WorkerId(w.wid), t)  # a starting worker: just stop it
 
 
 def load_requests(trace: Path, limit: int, pattern: BurstPattern, block_size: int) -> list[Req]:
@@ -428,7 +414,7 @@ def planner_config(budget: int, ttft_slo_ms: float, itl_slo_ms: float, predictor
 def initial_split(cfg: PlannerConfig, reqs: list[Req], first_s: float = 60.0) -> tuple[int, int]:
     """The replicas the planner's own sizing gives for the first ``first_s`` of traffic (what an
     operator would deploy before the planner has seen any window)."""
-    from control_plane.planner.core import needed_replicas
+    from control_plane.planner.policy import needed_replicas
 
     head = [r for r in reqs if r.arrival_ms < first_s * 1000]
     rate = len(head) / first_s
@@ -444,7 +430,7 @@ def initial_split(cfg: PlannerConfig, reqs: list[Req], first_s: float = 60.0) ->
 def peak_split(cfg: PlannerConfig, reqs: list[Req], budget: int) -> int:
     """Prefill replicas out of ``budget`` in proportion to the two pools' needs at the busiest
     minute of the workload (the planner's own sizing)."""
-    from control_plane.planner.core import needed_replicas
+    from control_plane.planner.policy import needed_replicas
 
     minutes: dict[int, list[Req]] = {}
     for r in reqs:

@@ -24,15 +24,15 @@ import tempfile
 import time
 from collections import OrderedDict
 
-from control_plane.bus.admin import apply_topics
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import EventProducer
 from control_plane.replay.engine import VIEW_STREAMS, ReplayEngine
-from control_plane.replay.log import FileLogReader, KafkaLogReader, export_log
-from control_plane.replay.state import LoadView
-from control_plane.router.snapshots import SnapshotStore
-from control_plane.settings import BusSettings
-from control_plane.streams.router_view import snapshot_key
+from control_plane.replay.state import RequestTraffic
+from control_plane.router.stream import snapshot_key
+from kernel.log.admin import apply_topics
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import EventProducer
+from kernel.log.reader import FileLogReader, KafkaLogReader, export_log
+from kernel.log.snapshots import SnapshotStore
+from kernel.settings import BusSettings
 from schemas.events import (
     BlockRemoved,
     BlockStored,
@@ -128,7 +128,7 @@ def replay(engine: ReplayEngine, label: str) -> dict:
     t0 = time.perf_counter()
     view, stats, _ = engine.view_at(engine.resolve("end", view_topics), ALGO, BS, use_snapshots=False)
     t_view = time.perf_counter() - t0
-    load = LoadView()
+    load = RequestTraffic()
     req_topic = engine.catalog.topic("requests")
     n_req = 0
     t1 = time.perf_counter()

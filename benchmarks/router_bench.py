@@ -23,8 +23,8 @@ import uuid
 import httpx
 
 from benchmarks import router_decide
-from control_plane.bus.admin import apply_topics
-from control_plane.settings import BusSettings
+from kernel.log.admin import apply_topics
+from kernel.settings import BusSettings
 
 
 def _port() -> int:
@@ -70,7 +70,7 @@ def http_overhead(n: int = 400) -> dict:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:
         _wait(f"http://127.0.0.1:{wport}/health", lambda r: r.status_code == 200)
-        procs.append(subprocess.Popen([sys.executable, "-m", "control_plane.cli", "router", "--port", str(rport),
+        procs.append(subprocess.Popen([sys.executable, "-m", "switchyard.cli", "router", "--port", str(rport),
                                        "--router-id", "bench"], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait(f"http://127.0.0.1:{rport}/health", lambda r: r.status_code == 200 and r.json()["workers"] >= 1)

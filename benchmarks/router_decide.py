@@ -1,4 +1,4 @@
-"""Latency of one kv-mode routing decision (``control_plane.routing.decide``), in process.
+"""Latency of one kv-mode routing decision (``control_plane.router.decide``), in process.
 
 For 8, 64 and 256 workers and 4K- and 32K-token prompts (block size 16: 256 and 2,048 blocks):
 random per-worker overlaps spread over the four tiers (some stale), random reported loads, and a
@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 
-from control_plane.routing import (
+from control_plane.router import (
     InflightLedger,
     RouterConfig,
     RoutingRequest,
@@ -60,7 +60,7 @@ def _scenario(rng: random.Random, n_workers: int, prompt_tokens: int):
     for w in workers:
         depth = rng.randrange(0, n_blocks + 1)
         cuts = sorted(rng.randrange(0, depth + 1) for _ in range(3))
-        overlaps[w.worker_id] = WorkerOverlap(
+        overlaps[w.worker_id] = WorkerOverlap.of(
             device=cuts[0], host=cuts[1] - cuts[0], disk=cuts[2] - cuts[1], object=depth - cuts[2],
             stale=rng.random() < 0.05,
         )

@@ -11,8 +11,8 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from control_plane.api.db.models import Base
-from control_plane.api.settings import default_db_url, db_url_from_env
+from control_plane.admin.db.models import Base
+from control_plane.admin.settings import default_db_url, db_url_from_env
 
 config = context.config
 if config.config_file_name is not None and not config.attributes.get("no_logging_config"):
@@ -34,7 +34,7 @@ def run_migrations_offline() -> None:
 
 
 def run_migrations_online() -> None:
-    from control_plane.api.db.session import make_engine
+    from control_plane.admin.db.session import make_engine
 
     connection = config.attributes.get("connection")
     if connection is not None:

@@ -26,7 +26,23 @@ E = TypeVar("E", bound=Event)
 ENVELOPE_VERSION = 1
 
 
-class Envelope(msgspec.Struct, Generic[E], frozen=True, kw_only=True, omit_defaults=True):
+class _Head(msgspec.Struct, frozen=True, kw_only=True):
+    """The envelope's metadata fields (wire names in ``name=``), shared by the typed envelope
+    and the raw one the codec decodes first."""
+
+    event_id: str = msgspec.field(name="id")
+    type: str
+    version: int = msgspec.field(name="v")
+    key: str
+    producer: str
+    epoch: int
+    seq: int
+    occurred_at_ns: int = msgspec.field(name="at")
+    correlation_id: str | None = msgspec.field(name="corr", default=None)
+    causation_id: str | None = msgspec.field(name="cause", default=None)
+
+
+class Envelope(_Head, Generic[E], frozen=True, kw_only=True, omit_defaults=True):
     """Metadata common to every event, plus the payload.
 
     ``(producer, epoch, seq)`` identifies an event for deduplication: a producer numbers the
@@ -34,30 +50,10 @@ class Envelope(msgspec.Struct, Generic[E], frozen=True, kw_only=True, omit_defau
     takes a higher epoch; consumers then reset their expectation for it.
     """
 
-    event_id: str = msgspec.field(name="id")
-    type: str
-    version: int = msgspec.field(name="v")
-    key: str
-    producer: str
-    epoch: int
-    seq: int
-    occurred_at_ns: int = msgspec.field(name="at")
-    correlation_id: str | None = msgspec.field(name="corr", default=None)
-    causation_id: str | None = msgspec.field(name="cause", default=None)
     data: E
 
 
-class _RawEnvelope(msgspec.Struct, frozen=True, kw_only=True):
-    event_id: str = msgspec.field(name="id")
-    type: str
-    version: int = msgspec.field(name="v")
-    key: str
-    producer: str
-    epoch: int
-    seq: int
-    occurred_at_ns: int = msgspec.field(name="at")
-    correlation_id: str | None = msgspec.field(name="corr", default=None)
-    causation_id: str | None = msgspec.field(name="cause", default=None)
+class _RawEnvelope(_Head, frozen=True, kw_only=True):
     data: msgspec.Raw
 
 
@@ -182,6 +178,17 @@ class EnvelopeFactory:
         self.epoch = epoch
         self._clock_ns = clock_ns
         self._seq: dict[str, int] = {}
+        self._last_ns = 0
+
+    def _stamp(self) -> int:
+        """The clock, made strictly increasing: one incarnation's events, whatever partitions
+        they went to, are totally ordered by ``occurred_at_ns`` (a fold of a producer's own
+        events, such as the router's ledger, merges its partitions by it)."""
+        now = self._clock_ns()
+        if now <= self._last_ns:
+            now = self._last_ns + 1
+        self._last_ns = now
+        return now
 
     def next_seq(self, scope: str) -> int:
         return self._seq.get(scope, 0)
@@ -206,7 +213,7 @@ class EnvelopeFactory:
             producer=self.producer,
             epoch=self.epoch,
             seq=seq,
-            occurred_at_ns=self._clock_ns(),
+            occurred_at_ns=self._stamp(),
             correlation_id=correlation_id,
             causation_id=causation_id,
             data=payload,

@@ -36,7 +36,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     TYPE: ClassVar[str]
     VERSION: ClassVar[int]
-    #: Kafka topic family the event belongs to (see control_plane.bus.catalog).
+    #: Kafka topic family the event belongs to (see kernel.log.catalog).
     STREAM: ClassVar[str]
 
     def key(self) -> str:
@@ -208,6 +208,17 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: The ``now`` (unix seconds) the decision and the in-flight ledger used: with it, the
     #: ledger can be rebuilt exactly from RequestRouted / PrefillCompleted / RequestCompleted.
     decided_at_s: float = 0.0
+    #: Milliseconds the request waited in the router's admission queue before this decision
+    #: (first attempt only; see ``control_plane/router/admission.py``).
+    queued_ms: float = 0.0
+    #: What the router's in-flight ledger holds for this route (the ledger is a fold of the
+    #: router's own events, ``control_plane/router/ledger.py``): prompt tokens the chosen worker
+    #: must still compute, every KV block the request holds there, and the entry's lifetime.
+    #: Absent in logs written before the fields existed: the fold derives the first two from
+    #: the chosen worker's score row, and takes the router default for the lifetime.
+    inflight_prefill_tokens: int | None = None
+    inflight_blocks: int | None = None
+    inflight_ttl_s: float | None = None
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

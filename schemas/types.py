@@ -28,6 +28,8 @@ class Tier(str, Enum):
 
 #: Tiers in cascade order, fastest first. Eviction moves a block one step down this list.
 TIER_ORDER: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.OBJECT)
+#: A tier's position in ``TIER_ORDER`` (tier-count vectors are laid out in that order).
+TIER_INDEX: dict[Tier, int] = {t: i for i, t in enumerate(TIER_ORDER)}
 #: Tiers whose content survives a worker process restart.
 PERSISTENT_TIERS: frozenset[Tier] = frozenset({Tier.DISK, Tier.OBJECT})
 

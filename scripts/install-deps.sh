@@ -29,6 +29,15 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   (service prometheus stop || true) >/dev/null 2>&1
 fi
 
+# Rust: `uv sync` builds native/ (PyO3, maturin) from source; its dependencies come from the
+# crate registry. Debian's own cargo is too old for PyO3, so it is not installed from apt.
+. scripts/cargo-env.sh
+if ! command -v cargo >/dev/null; then
+  echo "cargo not found (needed to build native/): install Rust >= 1.74 with rustup" \
+       "(https://rustup.rs), or put an existing cargo on PATH" >&2
+  exit 1
+fi
+
 if ! command -v uv >/dev/null && ! python3 -m uv --version >/dev/null 2>&1; then
   echo "installing uv"
   python3 -m pip install -q uv

@@ -28,49 +28,9 @@ from pathlib import Path
 
 import msgspec
 
+from schemas import events as ev
 from schemas.envelope import Envelope, EventCodec
-from schemas.events import (
-    ALL_EVENT_TYPES,
-    AllBlocksCleared,
-    BlockMoved,
-    BlockRemoved,
-    BlockStored,
-    CandidateScore,
-    Event,
-    KvTransferCompleted,
-    KvTransferFailed,
-    KvTransferStarted,
-    PrefillCompleted,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestFailed,
-    RequestRejected,
-    RequestRouted,
-    ScalingApplied,
-    RouterConfigChanged,
-    PlannerConfigChanged,
-    PoolUpdated,
-    PoolPinned,
-    WorkerDrainRequested,
-    AdminAction,
-    ScalingDecision,
-    TransferInfo,
-    WorkerDeregistered,
-    WorkerDraining,
-    WorkerLoadReported,
-    WorkerLoadReportedV1,
-    WorkerRegistered,
-)
-from schemas.types import (
-    BlockHash,
-    PoolName,
-    RequestId,
-    RequestPhase,
-    RoutingMode,
-    Tier,
-    WorkerId,
-    WorkerRole,
-)
+from schemas.types import BlockHash, PoolName, RequestId, RequestPhase, RoutingMode, Tier, WorkerId, WorkerRole
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "tests" / "samples"
 
@@ -120,7 +80,7 @@ PROMPT = _token_ids(20251201, PROMPT_TOKENS)
 PROMPT_HASHES = _chain(PROMPT)
 
 
-def _scores() -> list[CandidateScore]:
+def _scores() -> list[ev.CandidateScore]:
     """The 8-row score table of the prefill pool: cost = uncached prefill blocks + decode blocks."""
     rows = []
     loads = [
@@ -131,7 +91,7 @@ def _scores() -> list[CandidateScore]:
         stale = i == 6
         prefill_blocks = len(PROMPT_HASHES) - overlap + queued / BLOCK_SIZE
         rows.append(
-            CandidateScore(
+            ev.CandidateScore(
                 worker_id=WorkerId(f"llama8b-prefill-{i}"),
                 overlap_blocks=overlap,
                 overlap_by_tier={"device": overlap} if overlap else {},
@@ -148,8 +108,8 @@ def _scores() -> list[CandidateScore]:
     return rows
 
 
-BUILDERS: dict[type[Event], Callable[[], Event]] = {
-    BlockStored: lambda: BlockStored(
+BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
+    ev.BlockStored: lambda: ev.BlockStored(
         worker_id=PREFILL,
         tier=Tier.DEVICE,
         block_hashes=PROMPT_HASHES[CACHED_BLOCKS:],
@@ -158,19 +118,19 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         hash_algo=HASH_ALGO,
         token_ids=PROMPT[CACHED_BLOCKS * BLOCK_SIZE : len(PROMPT_HASHES) * BLOCK_SIZE],
     ),
-    BlockRemoved: lambda: BlockRemoved(
+    ev.BlockRemoved: lambda: ev.BlockRemoved(
         worker_id=PREFILL,
         tier=Tier.DEVICE,
         block_hashes=_chain(_token_ids(7, 4 * BLOCK_SIZE)),
     ),
-    BlockMoved: lambda: BlockMoved(
+    ev.BlockMoved: lambda: ev.BlockMoved(
         worker_id=PREFILL,
         block_hashes=_chain(_token_ids(11, 8 * BLOCK_SIZE)),
         from_tier=Tier.DEVICE,
         to_tier=Tier.HOST,
     ),
-    AllBlocksCleared: lambda: AllBlocksCleared(worker_id=PREFILL, tier=Tier.DEVICE, dp_rank=1),
-    RequestAdmitted: lambda: RequestAdmitted(
+    ev.AllBlocksCleared: lambda: ev.AllBlocksCleared(worker_id=PREFILL, tier=Tier.DEVICE, dp_rank=1),
+    ev.RequestAdmitted: lambda: ev.RequestAdmitted(
         request_id=REQUEST,
         model=MODEL,
         prompt_tokens=PROMPT_TOKENS,
@@ -181,7 +141,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         hash_algo=HASH_ALGO,
         endpoint="chat/completions",
     ),
-    RequestRouted: lambda: RequestRouted(
+    ev.RequestRouted: lambda: ev.RequestRouted(
         request_id=REQUEST,
         worker_id=PREFILL,
         phase=RequestPhase.PREFILL,
@@ -193,7 +153,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         index_position={"switchyard.kv:0": 918_273, "switchyard.kv:1": 917_004},
         router_id="router-0",
     ),
-    PrefillCompleted: lambda: PrefillCompleted(
+    ev.PrefillCompleted: lambda: ev.PrefillCompleted(
         request_id=REQUEST,
         worker_id=PREFILL,
         prompt_tokens=PROMPT_TOKENS,
@@ -209,7 +169,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
             "tp_size": 1,
         },
     ),
-    KvTransferStarted: lambda: KvTransferStarted(
+    ev.KvTransferStarted: lambda: ev.KvTransferStarted(
         request_id=REQUEST,
         transfer_id=TRANSFER_ID,
         src_worker=PREFILL,
@@ -218,7 +178,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         bytes=27 * BYTES_PER_BLOCK,
         backend="UCX",
     ),
-    KvTransferCompleted: lambda: KvTransferCompleted(
+    ev.KvTransferCompleted: lambda: ev.KvTransferCompleted(
         request_id=REQUEST,
         transfer_id=TRANSFER_ID,
         src_worker=PREFILL,
@@ -228,7 +188,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         backend="UCX",
         duration_ms=4.7,
     ),
-    KvTransferFailed: lambda: KvTransferFailed(
+    ev.KvTransferFailed: lambda: ev.KvTransferFailed(
         request_id=REQUEST,
         transfer_id=TRANSFER_ID,
         src_worker=PREFILL,
@@ -240,7 +200,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         reason="NIXL_ERR_REMOTE_DISCONNECT: agent llama8b-prefill-0 went away mid-transfer",
         fallback="recompute",
     ),
-    RequestCompleted: lambda: RequestCompleted(
+    ev.RequestCompleted: lambda: ev.RequestCompleted(
         request_id=REQUEST,
         worker_id=DECODE,
         prompt_tokens=PROMPT_TOKENS,
@@ -253,20 +213,20 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         e2e_ms=6_105.3,
         finish_reason="length",
     ),
-    RequestFailed: lambda: RequestFailed(
+    ev.RequestFailed: lambda: ev.RequestFailed(
         request_id=REQUEST,
         worker_id=DECODE,
         reason="worker llama8b-decode-3 lost: lease expired after 3 missed heartbeats",
         code="worker_lost",
         retried=True,
     ),
-    RequestRejected: lambda: RequestRejected(
+    ev.RequestRejected: lambda: ev.RequestRejected(
         request_id=RequestId("chatcmpl-0b7e4d1c2a9f48e6b35d7c0e1f2a3b4c"),
         reason="prompt of 140213 tokens exceeds max_model_len 131072",
         code="context_length_exceeded",
         http_status=400,
     ),
-    WorkerRegistered: lambda: WorkerRegistered(
+    ev.WorkerRegistered: lambda: ev.WorkerRegistered(
         worker_id=DECODE,
         role=WorkerRole.DECODE,
         pool=DECODE_POOL,
@@ -275,14 +235,14 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         capacity={"device": 26_704, "host": 65_536, "disk": 524_288},
         block_size=BLOCK_SIZE,
         hash_algo=HASH_ALGO,
-        transfer=TransferInfo(
+        transfer=ev.TransferInfo(
             backend="UCX",
             agent_name="llama8b-decode-3",
             agent_metadata=hashlib.sha512(b"nixl-agent:llama8b-decode-3").digest() * 3,
             bytes_per_block=BYTES_PER_BLOCK,
         ),
     ),
-    WorkerLoadReportedV1: lambda: WorkerLoadReportedV1(
+    ev.WorkerLoadReportedV1: lambda: ev.WorkerLoadReportedV1(
         worker_id=DECODE,
         running=12,
         waiting=3,
@@ -290,7 +250,7 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         queued_prefill_tokens=1_804,
         active_decode_blocks=9_870,
     ),
-    WorkerLoadReported: lambda: WorkerLoadReported(
+    ev.WorkerLoadReported: lambda: ev.WorkerLoadReported(
         worker_id=DECODE,
         running=14,
         waiting=2,
@@ -298,11 +258,11 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         queued_prefill_tokens=2_210,
         active_decode_blocks=11_204,
     ),
-    WorkerDraining: lambda: WorkerDraining(
+    ev.WorkerDraining: lambda: ev.WorkerDraining(
         worker_id=DECODE, reason=f"planner decision {DECISION_ID}: scale-down", inflight=9
     ),
-    WorkerDeregistered: lambda: WorkerDeregistered(worker_id=DECODE, reason="drained"),
-    ScalingDecision: lambda: ScalingDecision(
+    ev.WorkerDeregistered: lambda: ev.WorkerDeregistered(worker_id=DECODE, reason="drained"),
+    ev.ScalingDecision: lambda: ev.ScalingDecision(
         pool=DECODE_POOL,
         decision_id=DECISION_ID,
         role=WorkerRole.DECODE,
@@ -321,27 +281,27 @@ BUILDERS: dict[type[Event], Callable[[], Event]] = {
         config_version=7,
         fencing_token=42,
     ),
-    ScalingApplied: lambda: ScalingApplied(
+    ev.ScalingApplied: lambda: ev.ScalingApplied(
         pool=DECODE_POOL, decision_id=DECISION_ID, replicas=5, scaler="kubernetes"
     ),
-    RouterConfigChanged: lambda: RouterConfigChanged(
+    ev.RouterConfigChanged: lambda: ev.RouterConfigChanged(
         actor="ops-alice", actor_role="operator", config_version=8,
         config={"version": 8, "mode": "kv", "tier_weights": {"device": 1.0, "host": 0.75, "disk": 0.25, "object": 0.1},
                 "temperature": 0.0},
     ),
-    PlannerConfigChanged: lambda: PlannerConfigChanged(
+    ev.PlannerConfigChanged: lambda: ev.PlannerConfigChanged(
         actor="ops-alice", actor_role="operator", config_version=3,
         config={"interval_s": 30, "predictor": "holt_winters"},
     ),
-    PoolUpdated: lambda: PoolUpdated(
+    ev.PoolUpdated: lambda: ev.PoolUpdated(
         actor="ops-alice", actor_role="operator", pool=DECODE_POOL, role=WorkerRole.DECODE, ttft_slo_ms=500.0,
         itl_slo_ms=12.0, min_replicas=2, max_replicas=16, gpus_per_replica=1, gpu_budget=32,
     ),
-    PoolPinned: lambda: PoolPinned(actor="ops-alice", actor_role="operator", pool=DECODE_POOL, replicas=6,
+    ev.PoolPinned: lambda: ev.PoolPinned(actor="ops-alice", actor_role="operator", pool=DECODE_POOL, replicas=6,
                                    reason="holiday traffic"),
-    WorkerDrainRequested: lambda: WorkerDrainRequested(actor="ops-bob", actor_role="operator",
+    ev.WorkerDrainRequested: lambda: ev.WorkerDrainRequested(actor="ops-bob", actor_role="operator",
                                                        worker_id=WorkerId("llama8b-decode-3"), reason="kernel update"),
-    AdminAction: lambda: AdminAction(actor="root", actor_role="admin", action="token_created", target="ci-bot",
+    ev.AdminAction: lambda: ev.AdminAction(actor="root", actor_role="admin", action="token_created", target="ci-bot",
                                      details={"role": "viewer"}),
 }
 
@@ -355,12 +315,12 @@ PRODUCERS = {
 }
 
 
-def sample_event_id(cls: type[Event]) -> str:
+def sample_event_id(cls: type[ev.Event]) -> str:
     """Fixed per (type, version) so regenerating gives identical bytes."""
     return hashlib.sha256(f"switchyard-sample/{cls.TYPE}/v{cls.VERSION}".encode()).hexdigest()[:32]
 
 
-def sample_envelope(cls: type[Event], index: int) -> Envelope[Event]:
+def sample_envelope(cls: type[ev.Event], index: int) -> Envelope[ev.Event]:
     payload = BUILDERS[cls]()
     corr = REQUEST if payload.STREAM == "requests" else None
     return Envelope(
@@ -373,12 +333,12 @@ def sample_envelope(cls: type[Event], index: int) -> Envelope[Event]:
         seq=1_000 + index,
         occurred_at_ns=T0_NS + index * 1_500_000,
         correlation_id=corr,
-        causation_id=sample_event_id(RequestAdmitted) if cls is RequestRouted else None,
+        causation_id=sample_event_id(ev.RequestAdmitted) if cls is ev.RequestRouted else None,
         data=payload,
     )
 
 
-def sample_name(cls: type[Event]) -> str:
+def sample_name(cls: type[ev.Event]) -> str:
     return f"{cls.TYPE}.v{cls.VERSION}"
 
 
@@ -394,13 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=SAMPLES_DIR, help="output directory")
     args = parser.parse_args(argv)
 
-    missing = [c.__name__ for c in ALL_EVENT_TYPES if c not in BUILDERS]
+    missing = [c.__name__ for c in ev.ALL_EVENT_TYPES if c not in BUILDERS]
     if missing:
         print(f"no sample builder for: {', '.join(missing)}", file=sys.stderr)
         return 1
     codec = EventCodec()
     args.dir.mkdir(parents=True, exist_ok=True)
-    for index, cls in enumerate(ALL_EVENT_TYPES):
+    for index, cls in enumerate(ev.ALL_EVENT_TYPES):
         name = sample_name(cls)
         target = args.dir / f"{name}.msgpack"
         if target.exists() and not args.force:

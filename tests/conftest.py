@@ -9,7 +9,8 @@ import uuid
 
 import pytest
 
-from control_plane.settings import BusSettings, StackSettings
+from control_plane.settings import StackSettings
+from kernel.settings import BusSettings
 
 logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
 
@@ -37,7 +38,7 @@ def kafka_bootstrap(stack_settings: StackSettings) -> str:
 @pytest.fixture
 def bus(kafka_bootstrap: str) -> BusSettings:
     """Bus settings with a topic prefix unique to this test, topics created from the catalog."""
-    from control_plane.bus.admin import apply_topics
+    from kernel.log.admin import apply_topics
 
     settings = BusSettings(bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}")
     apply_topics(settings)

@@ -9,12 +9,6 @@ class IndexPackageError(Exception):
     reason = "index_error"
 
 
-class HashConfigError(IndexPackageError, ValueError):
-    """A hashing configuration that cannot reproduce the engines' hashes."""
-
-    reason = "hash_config"
-
-
 class IndexRejected(IndexPackageError):
     """An event the prefix index must not fold in; the caller dead-letters it.
 

@@ -3,6 +3,11 @@
 It answers one question for the router, fast: *for this prompt's chained block hashes, how long a
 prefix does each worker already hold, and in which tiers?*
 
+This pure-Python class is the *reference*: the executable specification of the index's rules.
+Production processes use :class:`control_plane.index.native.NativePrefixIndex` (the Rust core in
+``native/``), which follows it line by line and writes the same snapshot bytes; the switch is
+``SWITCHYARD_INDEX`` (:mod:`control_plane.index.select`).
+
 Data layout (why it is fast in pure CPython)
 --------------------------------------------
 Block hashes are chained (each one certifies the whole prefix before it), so a flat map from
@@ -72,15 +77,16 @@ from __future__ import annotations
 import logging
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
 import msgspec
+import numpy as np
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.hashing import HashConfig
+from kernel.hashing import HashConfig
 from schemas.envelope import Envelope
 from schemas.events import (
     AllBlocksCleared,
@@ -211,10 +217,11 @@ class _Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     counters: dict[str, int]
 
 
-def _u64_bytes(hashes: Iterable[int]) -> bytes:
-    a = array("Q", sorted(hashes))
-    if sys.byteorder == "big":
-        a.byteswap()
+def _u64_bytes(hashes: Collection[int]) -> bytes:
+    """Sorted little-endian u64s. Sorted in numpy, not Python: a router checkpoints on its event
+    loop, and ``sorted`` over a few hundred thousand ints held the loop for over a second."""
+    a = np.fromiter(hashes, dtype="<u8", count=len(hashes))
+    a.sort()
     return a.tobytes()
 
 
@@ -237,7 +244,7 @@ class PrefixIndex:
     """Per worker (and DP rank), which chained block hashes it holds and in which tiers.
 
     ``hash_algo`` and ``block_size`` are the index's configuration (use
-    :attr:`control_plane.index.hashing.HashConfig.hash_algo`); events that disagree are rejected.
+    :attr:`kernel.hashing.HashConfig.hash_algo`); events that disagree are rejected.
 
     Not thread-safe: apply events and query from one thread (or hold one lock around both).
     """
@@ -282,7 +289,7 @@ class PrefixIndex:
 
     def find_matches(self, hashes: Sequence[BlockHash]) -> dict[WorkerRank, Match]:
         """Matched prefix per worker for a query's chained block hashes (block 0 first; a list
-        or tuple, e.g. from :func:`control_plane.index.hashing.hash_blocks`).
+        or tuple, e.g. from :func:`kernel.hashing.hash_blocks`).
 
         A worker's match is contiguous from block 0 and stops at its first miss; workers with
         no matched block, and deregistered workers, are absent from the result. The returned

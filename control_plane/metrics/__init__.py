@@ -7,5 +7,5 @@
   registry of its own.
 
 The Faust stream processor that feeds the projection from the broker and serves ``/metrics`` is
-:mod:`control_plane.streams.metrics`.
+:mod:`control_plane.metrics.stream`.
 """

@@ -4,7 +4,7 @@ Feed it every record of the ``kv``, ``requests``, ``workers``, ``planner`` and `
 streams (:meth:`MetricsProjection.apply`), records that would not decode
 (:meth:`~MetricsProjection.undecodable`) and the dead-letter topic's records
 (:meth:`~MetricsProjection.deadletter`); read it back with :meth:`~MetricsProjection.families`.
-The Faust processor (:mod:`control_plane.streams.metrics`), the tests and a replay all drive
+The Faust processor (:mod:`control_plane.metrics.stream`), the tests and a replay all drive
 this same fold, so the numbers a dashboard shows can be recomputed from the log alone.
 
 Idempotent under redelivery, twice over:
@@ -44,10 +44,12 @@ from enum import Enum
 
 import msgspec
 
-from control_plane.bus.sequencing import SequenceTracker, Verdict
 from control_plane.index.errors import IndexRejected
-from control_plane.index.prefix_index import IndexStats, PrefixIndex
+from control_plane.index.prefix_index import IndexStats
+from control_plane.index.select import new_index, restore_index
 from control_plane.metrics.catalog import BY_NAME, EVENT_STREAMS, SPECS, TIERS, Kind, MetricSpec
+from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
+from kernel.log.sequencing import SequenceTracker, Verdict
 from schemas.envelope import Envelope
 from schemas.events import (
     AdminAction,
@@ -102,8 +104,8 @@ class ProjectionConfig:
     hash_algo: str = "sha256"
     block_size: int = 64
     #: SLO of a pool no ``PoolUpdated`` has set (or set to None).
-    default_ttft_slo_ms: float = 2000.0
-    default_itl_slo_ms: float = 50.0
+    default_ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS
+    default_itl_slo_ms: float = DEFAULT_ITL_SLO_MS
     #: An admitted request with no completion, final failure or rejection after this much event
     #: time is counted as ``abandoned`` and forgotten (the router died mid-request).
     pending_ttl_s: float = 600.0
@@ -232,7 +234,7 @@ class MetricsProjection:
 
     def __init__(self, config: ProjectionConfig = ProjectionConfig()) -> None:
         self.config = config
-        self.index = PrefixIndex(config.hash_algo, config.block_size)
+        self.index = new_index(config.hash_algo, config.block_size)
         self.tracker = SequenceTracker()
         #: (stream, partition) -> next offset to read.
         self.positions: dict[tuple[str, int], int] = {}
@@ -663,7 +665,7 @@ class MetricsProjection:
         p.positions = {(s, part): o for s, part, o in snap.positions}
         p.last_ts_ms = dict(snap.last_ts_ms)
         p.tracker = SequenceTracker.restore(snap.tracker)
-        p.index = PrefixIndex.restore(snap.index)
+        p.index = restore_index(snap.index)
         p.applied = snap.applied
         return p
 

@@ -3,7 +3,6 @@ leader election (adapters). See ``core.py`` for the decision rules and ``profile
 sizing arithmetic."""
 
 from control_plane.planner.config import PlannerConfig, PoolConfig, load_config, resolve_profiles
-from control_plane.planner.core import Decision, PlannerState, PoolReport, PoolState, ScaleEffect, decide
 from control_plane.planner.errors import (
     LeaseLost,
     PlannerConfigError,
@@ -12,11 +11,12 @@ from control_plane.planner.errors import (
     StaleFencingToken,
 )
 from control_plane.planner.load_view import LoadSnapshot, LoadView, LoadViewConfig, PoolLoad, WindowStats
+from control_plane.planner.policy import PlannerState, PlannerTick, PoolReport, PoolState, ScaleEffect, decide
 from control_plane.planner.predictors import PredictorKind
 from control_plane.planner.profile import PerformanceProfile, derive_profile, flat_profile
 
 __all__ = [
-    "Decision",
+    "PlannerTick",
     "LeaseLost",
     "LoadSnapshot",
     "LoadView",

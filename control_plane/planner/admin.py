@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from control_plane.planner.config import PlannerConfig, PoolConfig
-from control_plane.planner.core import Pin
 from control_plane.planner.errors import PlannerConfigError
+from control_plane.planner.policy import Pin
 from schemas.envelope import Envelope
 from schemas.events import Event, PlannerConfigChanged, PoolPinned, PoolUpdated
 from schemas.types import WorkerRole

@@ -34,9 +34,9 @@ from pathlib import Path
 import msgspec
 
 from control_plane.planner.config import PlannerConfig
-from control_plane.planner.core import Decision, PlannerState, decide, needed_replicas
 from control_plane.planner.errors import PlannerConfigError
 from control_plane.planner.load_view import NS, LoadSnapshot, LoadView, PoolLoad
+from control_plane.planner.policy import PlannerState, PlannerTick, decide, needed_replicas
 from control_plane.planner.predictors import PredictorKind
 from control_plane.planner.scalers import VirtualScaler
 from schemas.envelope import Envelope
@@ -74,51 +74,11 @@ def parse_time(s: str, now_ns: int | None = None) -> int:
 def read_log(bus, start_ns: int, end_ns: int, *, lookback_s: float = 600.0) -> list[Envelope[Event]]:
     """Events of the ``workers`` (from the start) and ``requests`` (from ``start - lookback``)
     topics up to ``end_ns``, ordered by event time (stable)."""
-    from confluent_kafka import Consumer, TopicPartition
+    from kernel.log.reader import read_events
 
-    from control_plane.bus.catalog import Catalog
-    from schemas import EventCodec, SchemaError
-
-    cat = Catalog(bus.topic_prefix)
-    codec = EventCodec()
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"backtest-{time.time_ns()}",
-                  "enable.auto.commit": False, "fetch.wait.max.ms": 20,
-                  "logger": logging.getLogger("switchyard.rdkafka")})
-    out: list[Envelope[Event]] = []
-    try:
-        for stream, since_ns in (("workers", None), ("requests", start_ns - int(lookback_s * NS))):
-            topic = cat.topic(stream)
-            parts = sorted(c.list_topics(topic, timeout=10).topics[topic].partitions)
-            for p in parts:
-                lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                if hi <= lo:
-                    continue
-                first = lo
-                if since_ns is not None:
-                    found = c.offsets_for_times([TopicPartition(topic, p, since_ns // 1_000_000)], timeout=10)[0]
-                    first = found.offset if found.offset >= 0 else hi
-                if first >= hi:
-                    continue
-                c.assign([TopicPartition(topic, p, first)])
-                pos = first
-                while pos < hi:
-                    # ask for exactly what is left, so consume returns as soon as it is there
-                    batch = c.consume(min(1000, hi - pos), 5.0)
-                    if not batch:
-                        break
-                    for m in batch:
-                        if m.error() or m.partition() != p:
-                            continue
-                        pos = m.offset() + 1
-                        try:
-                            env = codec.decode(m.value())
-                        except SchemaError:
-                            continue
-                        if env.occurred_at_ns <= end_ns:
-                            out.append(env)
-                c.unassign()
-    finally:
-        c.close()
+    out = [env for env in read_events(bus, "workers") if env.occurred_at_ns <= end_ns]
+    since_ms = (start_ns - int(lookback_s * NS)) // 1_000_000
+    out += [env for env in read_events(bus, "requests", since_ms=since_ms) if env.occurred_at_ns <= end_ns]
     out.sort(key=lambda e: e.occurred_at_ns)
     return out
 
@@ -333,7 +293,7 @@ def run_backtest(events: Sequence[Envelope[Event]] | Iterable[Envelope[Event]], 
     return report
 
 
-def _record(report: BacktestReport, decision: Decision, recorded: LoadSnapshot, scaler: VirtualScaler, t: int,
+def _record(report: BacktestReport, decision: PlannerTick, recorded: LoadSnapshot, scaler: VirtualScaler, t: int,
             forecasts: dict[tuple[str, int], float]) -> None:
     for eff in decision.effects:
         report.decisions.append((t, eff.pool, eff.from_replicas, eff.to_replicas, eff.reason))

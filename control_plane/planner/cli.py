@@ -55,7 +55,7 @@ def run(
     _logging(verbose)
     from control_plane.planner.errors import PlannerConfigError
     from control_plane.planner.runner import PlannerSettings, run_planner
-    from control_plane.settings import BusSettings
+    from kernel.settings import BusSettings
 
     kw = {}
     if planner_id:
@@ -93,7 +93,7 @@ def backtest(
     from control_plane.planner.config import load_config
     from control_plane.planner.errors import PlannerConfigError
     from control_plane.planner.runner import default_config
-    from control_plane.settings import BusSettings
+    from kernel.settings import BusSettings
 
     try:
         cfg = load_config(config) if config else default_config()
@@ -140,8 +140,8 @@ def unpin(pool: Annotated[str, typer.Argument(help="Pool to release.")],
 def _publish_pin(pool: str, replicas: int | None, reason: str, actor: str | None) -> None:
     import getpass
 
-    from control_plane.bus.kafka import EventProducer
-    from control_plane.settings import BusSettings
+    from kernel.log.kafka import EventProducer
+    from kernel.settings import BusSettings
     from schemas.events import PoolPinned
     from schemas.types import PoolName
 

@@ -23,6 +23,11 @@ from control_plane.planner.predictors import PredictorKind
 from control_plane.planner.profile import PerformanceProfile, derive_profile
 from schemas.types import WorkerRole
 
+#: The SLOs a pool has when nobody set them: what ``switchyard worker``'s default pool, the
+#: metrics processor (pools without a ``PoolUpdated`` SLO) and ``switchyard metrics run`` use.
+DEFAULT_TTFT_SLO_MS = 2000.0
+DEFAULT_ITL_SLO_MS = 50.0
+
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One pool of identical replicas the planner sizes."""

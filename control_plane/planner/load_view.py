@@ -2,7 +2,7 @@
 
 ``LoadView.apply(envelope, topic, partition, offset)`` folds one record; ``snapshot(now_ns)``
 answers what the planner core reads (:class:`LoadSnapshot`). The same fold runs in the Faust
-agent (``control_plane/streams/load_view.py``), in ``switchyard planner backtest``, in the
+agent (``control_plane/planner/stream.py``), in ``switchyard planner backtest``, in the
 benchmark and in tests, so a view rebuilt from the log equals the live one at the same offsets.
 
 Workers (per incarnation, the envelope's epoch):
@@ -277,7 +277,7 @@ class WindowStats:
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerLoad:
+class PoolWorker:
     """One worker incarnation as the view knows it."""
 
     worker_id: str
@@ -314,7 +314,7 @@ class PoolLoad:
     pool: str
     role: str = ""
     replicas: ReplicaCounts = ReplicaCounts()
-    workers: tuple[WorkerLoad, ...] = ()
+    workers: tuple[PoolWorker, ...] = ()
     #: Closed tumbling windows, oldest first (empty windows included: zero load is a fact).
     windows: tuple[WindowStats, ...] = ()
     #: The hopping window ending at the last closed step.
@@ -694,7 +694,7 @@ class LoadView:
                     counts[state] += 1
                 if state != "gone":
                     roles[w.role] = roles.get(w.role, 0) + 1
-                workers.append(WorkerLoad(
+                workers.append(PoolWorker(
                     worker_id=w.worker_id, pool=w.pool, role=w.role, epoch=w.epoch, state=state,
                     registered_at_ns=w.registered_at_ns, ready_at_ns=w.ready_at_ns,
                     reported_at_ns=w.reported_at_ns, running=w.running, waiting=w.waiting,

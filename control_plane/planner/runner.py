@@ -27,18 +27,25 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import threading
-
 from control_plane.planner.admin import AdminInputs
-from control_plane.planner.config import PlannerConfig, PoolConfig, load_config, resolve_profiles
-from control_plane.planner.core import Pin, PlannerState, decide
+from control_plane.planner.config import (
+    DEFAULT_ITL_SLO_MS,
+    DEFAULT_TTFT_SLO_MS,
+    PlannerConfig,
+    PoolConfig,
+    load_config,
+    resolve_profiles,
+)
 from control_plane.planner.errors import PlannerConfigError
+from control_plane.planner.policy import Pin, PlannerState, decide
 from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
-from control_plane.settings import BusSettings, StackSettings
+from control_plane.settings import StackSettings
+from kernel.settings import BusSettings
 from schemas.types import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -48,7 +55,7 @@ def default_config() -> PlannerConfig:
     """One aggregated pool named ``default`` (what ``switchyard worker`` registers by default)."""
     return resolve_profiles(PlannerConfig(pools=(PoolConfig(
         name="default", role=WorkerRole.AGGREGATED, min_replicas=1, max_replicas=4,
-        ttft_slo_ms=2000.0, itl_slo_ms=50.0),), gpu_budget=4))
+        ttft_slo_ms=DEFAULT_TTFT_SLO_MS, itl_slo_ms=DEFAULT_ITL_SLO_MS),), gpu_budget=4))
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,7 @@ class AdminFollower:
     consistent copy."""
 
     def __init__(self, bus: BusSettings, planner_id: str) -> None:
-        from control_plane.bus.kafka import EventConsumer
+        from kernel.log.kafka import EventConsumer
 
         self.inputs = AdminInputs()
         self._lock = threading.Lock()
@@ -164,9 +171,9 @@ def run_planner(s: PlannerSettings, bus: BusSettings) -> int:
 async def _main(s: PlannerSettings, bus: BusSettings) -> int:
     import redis
 
-    from control_plane.bus.kafka import EventProducer
     from control_plane.planner.leader import LeaderElector, LeaderLease
-    from control_plane.streams.load_view import LoadViewProcessor
+    from control_plane.planner.stream import LoadViewProcessor
+    from kernel.log.kafka import EventProducer
 
     base_config = load_config(s.config_path) if s.config_path else default_config()
     config = base_config

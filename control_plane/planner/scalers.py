@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from control_plane.planner.errors import ScalerError, StaleFencingToken
-from control_plane.planner.load_view import NS, ReplicaCounts, WorkerLoad
+from control_plane.planner.load_view import NS, PoolWorker, ReplicaCounts
+from control_plane.stack.process import alive
 from schemas.events import ScalingApplied, ScalingDecision
 from schemas.types import WorkerRole
 
@@ -244,7 +245,7 @@ class VirtualScaler:
                     c[s] += 1
         return ReplicaCounts(**c)
 
-    def workers(self, pool: str, now_ns: int) -> tuple[WorkerLoad, ...]:
+    def workers(self, pool: str, now_ns: int) -> tuple[PoolWorker, ...]:
         out = []
         for r in self.replicas:
             if r.pool != pool:
@@ -252,7 +253,7 @@ class VirtualScaler:
             s = r.state(now_ns)
             if s == "gone":
                 continue
-            out.append(WorkerLoad(worker_id=r.worker_id, pool=pool, role=r.role, state=s,
+            out.append(PoolWorker(worker_id=r.worker_id, pool=pool, role=r.role, state=s,
                                   registered_at_ns=r.started_ns,
                                   ready_at_ns=r.ready_ns if now_ns >= r.ready_ns else None,
                                   reported_at_ns=now_ns))
@@ -318,7 +319,7 @@ class LocalWorker:
 
 def default_worker_command() -> list[str]:
     """``switchyard worker`` in this interpreter (signals go straight to the worker process)."""
-    return [sys.executable, "-m", "control_plane.cli", "worker"]
+    return [sys.executable, "-m", "switchyard.cli", "worker"]
 
 
 class LocalProcessScaler:
@@ -362,7 +363,7 @@ class LocalProcessScaler:
                 rec = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if not _alive(rec["pid"]):
+            if not alive(rec["pid"]):
                 path.unlink(missing_ok=True)
                 continue
             w = LocalWorker(rec["worker_id"], rec["pool"], rec["pid"], Path(rec["log"]), rec["started_at"],
@@ -469,7 +470,7 @@ class LocalProcessScaler:
                 code = w.proc.poll()
                 ended = code is not None
             else:
-                code, ended = None, not _alive(w.pid)
+                code, ended = None, not alive(w.pid)
             if ended:
                 gone.append((w, code))
                 del self.workers[wid]
@@ -553,18 +554,3 @@ class LocalProcessScaler:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGKILL)
             self.wait_gone(ids, 10)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of ours counts as ended
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return True

@@ -36,10 +36,10 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _engine(source: str, prefix: str | None, quiet: bool):
-    from control_plane.bus.catalog import Catalog
     from control_plane.replay.engine import ReplayEngine
-    from control_plane.replay.log import FileLogReader, KafkaLogReader
-    from control_plane.settings import BusSettings
+    from kernel.log.catalog import Catalog
+    from kernel.log.reader import FileLogReader, KafkaLogReader
+    from kernel.settings import BusSettings
 
     bus = BusSettings.from_env()
     catalog = Catalog(prefix or bus.topic_prefix)
@@ -62,22 +62,9 @@ def _tqdm_factory(quiet: bool):
     return make
 
 
-def load_router_config(path: Path, *, version: int | None = None):
-    """A RouterConfig from JSON or TOML (validated; errors say which rule failed)."""
-    from control_plane.routing import RouterConfig
-
-    raw = path.read_bytes()
-    data = msgspec.toml.decode(raw) if path.suffix == ".toml" else msgspec.json.decode(raw)
-    if version is not None:
-        data = {**data, "version": version}
-    try:
-        return msgspec.convert(data, RouterConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"{path}: {e}") from None
-
-
 def _book(paths: list[Path] | None):
     from control_plane.replay.engine import ConfigBook
+    from control_plane.router.config import load_router_config
 
     configs = {}
     for p in paths or []:
@@ -105,11 +92,12 @@ def state_cmd(
 ) -> None:
     """Rebuild the prefix index, the worker registry and the load view as they were at --at."""
     from control_plane.replay.errors import ReplayError
+    from kernel.errors import LogReadError
 
     engine, reader = _engine(source, prefix, quiet)
     try:
         state, _ = engine.state(at, hash_algo=hash_algo, block_size=block_size, use_snapshots=not no_snapshot)
-    except ReplayError as e:
+    except (ReplayError, LogReadError) as e:
         _fail(str(e))
     finally:
         _close(reader)
@@ -150,6 +138,7 @@ def verify_cmd(
 ) -> None:
     """Re-execute every recorded routing decision in the range; exit 1 unless all are identical."""
     from control_plane.replay.errors import ReplayError
+    from kernel.errors import LogReadError
 
     try:
         book = _book(config)
@@ -158,7 +147,7 @@ def verify_cmd(
     engine, reader = _engine(source, prefix, quiet)
     try:
         report = engine.verify(frm, to, configs=book, keep_checks=plot is not None)
-    except ReplayError as e:
+    except (ReplayError, LogReadError) as e:
         _fail(str(e))
     finally:
         _close(reader)
@@ -178,8 +167,6 @@ def verify_cmd(
         if s["configs_assumed"]:
             typer.echo(f"note: config versions {s['configs_assumed']} are not in the log; assumed router defaults "
                        "(pass --config FILE)")
-        if s["ledger_estimated"]:
-            typer.echo(f"note: {s['ledger_estimated']} decisions depended on an estimated first-token time")
         for m in report.mismatches[:show]:
             typer.echo(f"- {m.request_id} phase {m.phase} attempt {m.attempt} at {m.position}: recorded "
                        f"{m.recorded_worker}, table {m.table} ({m.table_worker}), state {m.state} ({m.state_worker})")
@@ -206,8 +193,11 @@ def whatif_cmd(
     """Re-score the recorded traffic under another router config: changed choices, avoidable
     prefill tokens, and the TTFT/throughput effect on the simulated engine."""
     from control_plane.replay.errors import ReplayError
+    from kernel.errors import LogReadError
 
     try:
+        from control_plane.router.config import load_router_config
+
         alt = load_router_config(router_config)
         book = _book(config)
     except (ValueError, OSError) as e:
@@ -215,7 +205,7 @@ def whatif_cmd(
     engine, reader = _engine(source, prefix, quiet)
     try:
         report = engine.whatif(frm, to, alt, configs=book, profile=profile, simulate=not no_sim)
-    except ReplayError as e:
+    except (ReplayError, LogReadError) as e:
         _fail(str(e))
     finally:
         _close(reader)
@@ -238,7 +228,7 @@ def whatif_cmd(
         for label in ("baseline", "alternative"):
             sm = sim[label]["summary"]
             typer.echo(f"sim {label:11s} ttft p50 {sm['ttft_p50_ms']:.1f} ms p99 {sm['ttft_p99_ms']:.1f} ms, "
-                       f"{sm['output_tok_s']:.0f} output tok/s, reuse {sm['prefix_reuse_ratio']:.3f}, prefill tokens "
+                       f"{sm['output_tok_s']:.0f} output tok/s, reuse {sm['reuse']:.3f}, prefill tokens "
                        f"{sim[label]['prefill_tokens_computed']}")
     for n in s["notes"]:
         typer.echo(f"note: {n}")
@@ -251,9 +241,9 @@ def export_cmd(
     prefix: PrefixOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Copy topics of the broker into a file that every replay command can read (--source)."""
-    from control_plane.bus.catalog import Catalog
-    from control_plane.replay.log import KafkaLogReader, export_log
-    from control_plane.settings import BusSettings
+    from kernel.log.catalog import Catalog
+    from kernel.log.reader import KafkaLogReader, export_log
+    from kernel.settings import BusSettings
 
     bus = BusSettings.from_env()
     cat = Catalog(prefix or bus.topic_prefix)

@@ -26,34 +26,26 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
-from control_plane.bus.catalog import Catalog
-from control_plane.replay.errors import BadPoint, LogReadError, ReplayError
-from control_plane.replay.ledger import (
-    ENDED,
-    FIRST_TOKEN,
-    ROUTED,
-    LedgerReplay,
-    Located,
-    build_timelines,
-)
-from control_plane.replay.log import TP, LogReader, LogRecord
+from control_plane.replay.errors import BadPoint, ReplayError
 from control_plane.replay.points import Point, format_positions, parse_point, parse_positions
-from control_plane.replay.state import FoldStats, LoadView, ViewFolder, view_summary
+from control_plane.replay.state import RequestTraffic, ViewFolder, view_summary
 from control_plane.replay.verify import (
     DecisionCheck,
-    DecisionInputs,
     DecisionRecord,
     VerifyReport,
     check_state,
     check_table,
-    inputs_from_view,
-    ledger_entry,
-    router_seed,
 )
+from control_plane.router import Decision, NoEligibleWorker, RouterConfig
+from control_plane.router.inputs import DecisionInputs, decision_inputs, router_seed
+from control_plane.router.ledger import RouterLedger
 from control_plane.router.view import RouterView
-from control_plane.routing import Decision, RouterConfig
-from schemas import EventCodec, SchemaError
-from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted
+from kernel.errors import LogReadError
+from kernel.log.catalog import Catalog
+from kernel.log.fold import FoldStats
+from kernel.log.reader import TP, LogReader, LogRecord
+from schemas import Envelope, EventCodec, SchemaError
+from schemas.events import Event, RequestAdmitted, RequestCompleted, RequestRouted
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +132,41 @@ class ConfigBook:
         return max([c.inflight_ttl_s for c in self.configs.values()] + [DEFAULT_TTL_S])
 
 
+@dataclass(frozen=True)
+class Located:
+    """A decoded event and where it sits in the log."""
+
+    env: Envelope[Event]
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def at_ns(self) -> int:
+        return self.env.occurred_at_ns
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}:{self.partition}:{self.offset}"
+
+
+def router_streams(events) -> dict[str, list[Located]]:
+    """Each router incarnation's own events ("<router>@<epoch>"), in the order it published
+    them: a producer stamps its events strictly increasing in time, whatever partition they
+    went to (ties in older logs fall back to the log position). Routers are the producers of
+    ``RequestRouted``; the workers' events (their own ``PrefillCompleted``, transfers) are not
+    part of a router's state."""
+    evs = list(events)
+    routers = {e.env.producer for e in evs if isinstance(e.env.data, RequestRouted)}
+    out: dict[str, list[Located]] = {}
+    for e in evs:
+        if e.env.producer in routers:
+            out.setdefault(f"{e.env.producer}@{e.env.epoch}", []).append(e)
+    for stream in out.values():
+        stream.sort(key=lambda e: (e.at_ns, e.topic, e.partition, e.offset))
+    return out
+
+
 @dataclass
 class WalkItem:
     """One recorded decision in the range, with everything rebuilt around it."""
@@ -149,7 +176,6 @@ class WalkItem:
     config_assumed: bool
     inputs: DecisionInputs | None
     error: str | None
-    ledger_exact: bool
     check: DecisionCheck | None = None
     table_decision: Decision | None = None
     state_decision: Decision | None = None
@@ -354,7 +380,7 @@ class ReplayEngine:
     def new_view(self, hash_algo: str, block_size: int, targets: dict[TP, int] | None,
                  use_snapshots: bool = True) -> tuple[RouterView, SnapshotInfo | None]:
         """An empty view, or the newest snapshot whose positions are all at or before ``targets``."""
-        from control_plane.streams.router_view import snapshot_key
+        from control_plane.router.stream import snapshot_key
 
         view = RouterView(hash_algo, block_size)
         if use_snapshots and targets is not None:
@@ -391,7 +417,7 @@ class ReplayEngine:
             req_topic = self.catalog.topic("requests")
             req_targets = self.resolve(point, [req_topic], side="end")
             lows = {tp: self.reader.bounds(*tp)[0] for tp in req_targets}
-            load = LoadView()
+            load = RequestTraffic()
             located: list[Located] = []
             bar = self.progress("reading requests", sum(max(e - lows[tp], 0) for tp, e in req_targets.items()))
             for (t, p), end in req_targets.items():
@@ -410,34 +436,22 @@ class ReplayEngine:
         return out, view
 
     def _ledgers_at(self, located: list[Located], configs: ConfigBook) -> dict:
-        """Each router incarnation's ledger after its last recorded event (row-based entries)."""
+        """Each router incarnation's ledger after its last recorded event: the fold of its own
+        events (the same :class:`RouterLedger` the live router keeps)."""
         out = {}
-        for inc, tl in build_timelines(located).items():
-            replay = LedgerReplay(configs.ttl_s())
-            last = 0
-            for op in tl.ops:
-                last = op.at_ns
-                if op.kind == FIRST_TOKEN:
-                    replay.first_token(op.request_id)
-                elif op.kind == ENDED:
-                    replay.ended(op.event.env)
-                elif op.kind == ROUTED:
-                    routed: RequestRouted = op.event.env.data
-                    rec = _record_of(op.event, tl.admissions.get(routed.request_id))
-                    if rec.admitted is None:
-                        continue
-                    config, _ = configs.get(routed.config_version, routed.mode)
-                    replay.before_decision(routed, op.at_ns)
-                    replay.routed(routed, rec.admitted.block_hashes, *ledger_entry(rec, config), op.at_ns)
-            replay.ledger.expire(replay.now(last))
+        for inc, stream in router_streams(located).items():
+            ledger = RouterLedger(configs.ttl_s())
+            for loc in stream:
+                ledger.apply(loc.env)
+            ledger.inflight.expire(stream[-1].at_ns / 1e9)
             loads = {}
-            for wid in sorted(replay.workers):
-                ld = replay.ledger.load_for(wid)
+            for wid in sorted({loc.env.data.worker_id for loc in stream if isinstance(loc.env.data, RequestRouted)}):
+                ld = ledger.load_for(wid)
                 if ld.requests:
                     loads[wid] = {"prefill_tokens": ld.prefill_tokens, "decode_blocks": ld.decode_blocks,
                                   "requests": ld.requests}
-            out[str(inc)] = {"inflight_entries": len(replay.ledger), "workers": loads,
-                             "first_token_estimated": len(tl.estimated_first_token)}
+            out[inc] = {"inflight_entries": len(ledger), "workers": loads, "open_requests": ledger.open_requests(),
+                        "rr_cursor": dict(sorted(ledger.rr_cursor.items()))}
         return out
 
     # -- the decision walk (verify and whatif) ----------------------------------------------
@@ -477,69 +491,66 @@ class ReplayEngine:
                 walk.admissions.setdefault(ev.request_id, loc)
             elif isinstance(ev, RequestCompleted):
                 walk.completions[ev.request_id] = loc
-        timelines = build_timelines(located)
+        streams = router_streams(located)
 
         def in_range(loc: Located) -> bool:
             return start[(loc.topic, loc.partition)] <= loc.offset < end[(loc.topic, loc.partition)]
 
-        n_decisions = sum(1 for tl in timelines.values() for op in tl.ops if op.kind == ROUTED and in_range(op.event))
+        n_decisions = sum(1 for st in streams.values() for loc in st
+                          if isinstance(loc.env.data, RequestRouted) and in_range(loc))
         bar = self.progress("decisions", n_decisions)
         views: dict[tuple[str, int], ViewAdvancer] = {}
-        for inc, tl in sorted(timelines.items(), key=lambda kv: kv[1].ops[0].at_ns if kv[1].ops else 0):
-            walk.routers.add(str(inc))
-            replay = LedgerReplay(configs.ttl_s())
-            open_ft: dict[str, int | None] = {}  # open request -> its estimated first-token time
-            ft_at = {op.request_id: op.at_ns for op in tl.ops if op.kind == FIRST_TOKEN}
-            for op in tl.ops:
-                if op.kind == FIRST_TOKEN:
-                    replay.first_token(op.request_id)
-                    continue
-                if op.kind == ENDED:
-                    replay.ended(op.event.env)
-                    open_ft.pop(op.request_id, None)
-                    continue
-                if op.kind != ROUTED:
-                    continue
-                routed: RequestRouted = op.event.env.data
-                rec = _record_of(op.event, tl.admissions.get(routed.request_id))
-                config, assumed = configs.get(routed.config_version, routed.mode)
-                replay.before_decision(routed, op.at_ns)
-                if not in_range(op.event):
-                    if rec.admitted is not None:
-                        replay.routed(routed, rec.admitted.block_hashes, *ledger_entry(rec, config), op.at_ns)
-                        open_ft[routed.request_id] = ft_at.get(routed.request_id)
-                    continue
-                walk.items_seen += 1
-                item = WalkItem(record=rec, config=config, config_assumed=assumed, inputs=None, error=None,
-                                ledger_exact=_ledger_exact(open_ft, tl.estimated_first_token, op.at_ns,
-                                                           routed.request_id))
-                if rec.admitted is None:
-                    item.error = "unverifiable: its RequestAdmitted is outside the replayed range"
-                else:
-                    adm = rec.admitted
-                    key = (adm.hash_algo, adm.block_size)
-                    targets = self._decision_targets(routed)
-                    adv = views.get(key)
-                    if adv is None or not adv.can_reach(targets):
-                        view, _ = self.new_view(adm.hash_algo, adm.block_size, targets)
-                        adv = views[key] = ViewAdvancer(self, view)
-                    try:
-                        adv.advance_to(targets)
-                        item.inputs = inputs_from_view(rec, adv.view, replay.view_for(adm.block_hashes))
-                    except (ReplayError, ValueError) as e:
-                        item.error = f"error rebuilding state: {e}"
-                    walk.view_algo = key
-                    walk.workers = adv.view.workers
-                if check:
-                    _check(item)
-                on_item(item)
-                if rec.admitted is not None:
-                    replay.routed(routed, rec.admitted.block_hashes,
-                                  *ledger_entry(rec, config, item.table_decision), op.at_ns)
-                    open_ft[routed.request_id] = ft_at.get(routed.request_id)
-                bar.update(1)
+        for inc, stream in sorted(streams.items(), key=lambda kv: kv[1][0].at_ns):
+            walk.routers.add(inc)
+            # The router's own state, folded from its own events as it folded them live.
+            ledger = RouterLedger(configs.ttl_s())
+            admitted: dict[str, Located] = {}
+            for loc in stream:
+                routed = loc.env.data
+                if isinstance(routed, RequestAdmitted):
+                    admitted[routed.request_id] = loc
+                elif isinstance(routed, RequestRouted) and in_range(loc):
+                    walk.items_seen += 1
+                    item = self._decision_item(loc, admitted.get(routed.request_id), ledger, configs, views, walk)
+                    if check:
+                        _check(item)
+                    on_item(item)
+                    bar.update(1)
+                ledger.apply(loc.env)
         bar.close()
         return walk
+
+    def _decision_item(self, loc: Located, adm_loc: Located | None, ledger: RouterLedger, configs: ConfigBook,
+                       views: dict, walk: Walk) -> WalkItem:
+        """One recorded decision with its inputs rebuilt through the router's decision path:
+        the view advanced to its ``index_position``, the router's ledger folded up to it."""
+        routed: RequestRouted = loc.env.data  # type: ignore[assignment]
+        rec = _record_of(loc, adm_loc)
+        config, assumed = configs.get(routed.config_version, routed.mode)
+        item = WalkItem(record=rec, config=config, config_assumed=assumed, inputs=None, error=None)
+        adm = rec.admitted
+        if adm is None:
+            item.error = "unverifiable: its RequestAdmitted is outside the replayed range"
+            return item
+        key = (adm.hash_algo, adm.block_size)
+        targets = self._decision_targets(routed)
+        adv = views.get(key)
+        if adv is None or not adv.can_reach(targets):
+            view, _ = self.new_view(adm.hash_algo, adm.block_size, targets)
+            adv = views[key] = ViewAdvancer(self, view)
+        try:
+            adv.advance_to(targets)
+            item.inputs = decision_inputs(
+                adv.view, ledger, request_id=routed.request_id, prompt_tokens=adm.prompt_tokens,
+                block_hashes=adm.block_hashes, block_size=adm.block_size,
+                expected_output_tokens=routed.expected_output_tokens or adm.max_tokens, phase=routed.phase,
+                attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
+                excluded=routed.excluded_workers)
+        except (ReplayError, LogReadError, NoEligibleWorker, ValueError) as e:
+            item.error = f"error rebuilding state: {e}"
+        walk.view_algo = key
+        walk.workers = adv.view.workers
+        return item
 
     def _decision_targets(self, routed: RequestRouted) -> dict[TP, int]:
         """A decision's ``index_position`` over every view partition (absent = nothing read)."""
@@ -570,8 +581,6 @@ class ReplayEngine:
                 report.identical += 1
             else:
                 report.mismatches.append(chk)
-            if not chk.ledger_exact:
-                report.ledger_estimated += 1
             if keep_checks:
                 report.checks.append(chk)
 
@@ -611,7 +620,6 @@ def _check(item: WalkItem) -> None:
                         router=f"{rec.producer}@{rec.epoch}", position=rec.position, at_ns=rec.at_ns,
                         recorded_worker=r.worker_id, config_version=r.config_version, table="error: not run",
                         state="error: not run", config_assumed=item.config_assumed,
-                        ledger_exact=item.ledger_exact,
                         seed_rule_ok=router_seed(r.request_id, r.phase.value, r.attempt) == r.rng_seed)
     if rec.admitted is None:
         chk.table = chk.state = item.error or "unverifiable"
@@ -630,22 +638,7 @@ def _check(item: WalkItem) -> None:
         chk.notes.append("rng_seed differs from the router's seed rule for (request, phase, attempt)")
     if item.config_assumed:
         chk.notes.append(f"config v{r.config_version} not given: assumed the router default (mode {r.mode.value})")
-    if not item.ledger_exact:
-        chk.notes.append("the in-flight ledger depended on an estimated first-token time (no event records it)")
     item.check = chk
-
-
-def _ledger_exact(open_ft: dict[str, int | None], estimated: set[str], at_ns: int, rid: str,
-                  window_ns: int = 2_000_000) -> bool:
-    """Whether the ledger this decision read cannot depend on an estimated first-token time:
-    no open request's first token is estimated within ``window_ns`` of the decision, or unknown
-    (it failed after streaming)."""
-    for other, ft in open_ft.items():
-        if other == rid or other not in estimated:
-            continue
-        if ft is None or abs(ft - at_ns) <= window_ns:
-            return False
-    return True
 
 
 class ViewAdvancer:

@@ -7,9 +7,5 @@ class ReplayError(Exception):
     """Base of every error raised by ``control_plane.replay``."""
 
 
-class LogReadError(ReplayError):
-    """The log cannot be read as asked (missing topic, timeout, not an export file)."""
-
-
 class BadPoint(ReplayError, ValueError):
     """A ``--at`` / ``--from`` / ``--to`` value that names no point of the log."""

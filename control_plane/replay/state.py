@@ -2,12 +2,12 @@
 
 * :class:`ViewFolder` folds ``kv`` and ``workers`` records into a
   :class:`~control_plane.router.view.RouterView` exactly as the router's Faust agent does
-  (``control_plane.streams.router_view``): a record below the view's position is skipped, a
+  (``control_plane.router.stream``): a record below the view's position is skipped, a
   record that does not decode advances the position and is counted (the live agent
   dead-letters it), a record the index refuses is counted (``RouterView.apply`` has already
   advanced the position). So a view rebuilt here at the positions a router recorded equals the
   router's view then (``digest()`` compares them).
-* :class:`LoadView` folds the ``requests`` stream: what each worker has been sent and not yet
+* :class:`RequestTraffic` folds the ``requests`` stream: what each worker has been sent and not yet
   finished, and per-worker counters. Together with the load the workers report (in the router
   view's registry) and the routers' in-flight ledgers (:mod:`control_plane.replay.ledger`) it is
   the load picture at a point of the log.
@@ -20,9 +20,10 @@ from collections.abc import Iterable
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.replay.log import LogRecord
 from control_plane.router.view import RouterView
-from schemas import Envelope, EventCodec, SchemaError
+from kernel.log.fold import Poisoned, RecordFold
+from kernel.log.reader import LogRecord
+from schemas import Envelope, EventCodec
 from schemas.events import (
     Event,
     RequestAdmitted,
@@ -33,54 +34,29 @@ from schemas.events import (
 )
 
 
-class FoldStats(msgspec.Struct, kw_only=True):
-    """What a fold did with the records it was given."""
-
-    records: int = 0
-    applied: int = 0
-    #: Records already covered by the view's positions (a snapshot, or a re-read).
-    skipped: int = 0
-    #: Records that are not decodable envelopes (the live agent dead-letters them).
-    undecodable: int = 0
-    #: Records the prefix index refused (other hash algorithm, block size, cache group).
-    rejected: int = 0
-
-
 class ViewFolder:
-    """Applies raw records of ``kv`` and ``workers`` to one :class:`RouterView`."""
+    """Applies raw records of ``kv`` and ``workers`` to one :class:`RouterView`, through the
+    fold glue every view uses (:class:`~kernel.log.fold.RecordFold`: skip what the view
+    covers, count poison, go on) and the view's own record fold (the live agent's)."""
 
     def __init__(self, view: RouterView, codec: EventCodec | None = None) -> None:
         self.view = view
         self.codec = codec or EventCodec()
-        self.stats = FoldStats()
+        self._fold = RecordFold(view.positions, self._apply)
+        self.stats = self._fold.stats
+
+    def _apply(self, rec: LogRecord) -> None:
+        try:
+            self.view.apply_record(rec.value, rec.topic, rec.partition, rec.offset, rec.ts_ms, self.codec)
+        except IndexRejected as e:
+            raise Poisoned(f"index_rejected:{e.reason}", str(e)) from None
 
     def apply(self, rec: LogRecord) -> None:
-        view = self.view
-        tp = (rec.topic, rec.partition)
-        self.stats.records += 1
-        if rec.offset < view.positions.get(tp, 0):
-            self.stats.skipped += 1
-            return
-        if rec.value is None:
-            view.positions[tp] = rec.offset + 1
-            self.stats.undecodable += 1
-            return
-        try:
-            env = self.codec.decode(rec.value)
-        except SchemaError:
-            view.positions[tp] = rec.offset + 1
-            self.stats.undecodable += 1
-            return
-        try:
-            view.apply(env, rec.topic, rec.partition, rec.offset, rec.ts_ms)
-        except IndexRejected:
-            self.stats.rejected += 1
-            return
-        self.stats.applied += 1
+        self._fold(rec)
 
     def apply_all(self, records: Iterable[LogRecord]) -> None:
         for r in records:
-            self.apply(r)
+            self._fold(r)
 
 
 class WorkerTraffic(msgspec.Struct, kw_only=True):
@@ -102,7 +78,7 @@ class _Open(msgspec.Struct):
     prompt_tokens: int
 
 
-class LoadView:
+class RequestTraffic:
     """Per worker: what the routers sent it and it has not finished. Folds ``requests``."""
 
     def __init__(self) -> None:
@@ -132,40 +108,61 @@ class LoadView:
     def apply(self, env: Envelope[Event], topic: str = "", partition: int = 0, offset: int = -1) -> None:
         if topic:
             self.positions[(topic, partition)] = offset + 1
-        ev = env.data
-        if isinstance(ev, RequestAdmitted):
-            self.admitted += 1
-            self._prompt[ev.request_id] = ev.prompt_tokens
-        elif isinstance(ev, RequestRouted):
-            self._close(ev.request_id)  # a retry or the decode phase replaces the previous route
-            pt = self._prompt.get(ev.request_id, 0)
-            w = self._w(ev.worker_id)
-            w.routed += 1
-            w.inflight += 1
-            w.inflight_prompt_tokens += pt
-            w.last_routed_at_ns = env.occurred_at_ns
-            self._open[ev.request_id] = _Open(ev.worker_id, ev.phase.value, pt)
-        elif isinstance(ev, RequestCompleted):
-            self.completed += 1
-            self._w(ev.worker_id).completed += 1
-            self._close(ev.request_id)
+        handler = _TRAFFIC_HANDLERS.get(type(env.data))
+        if handler is not None:
+            handler(self, env)
+
+    def _admitted(self, env: Envelope[Event]) -> None:
+        ev: RequestAdmitted = env.data  # type: ignore[assignment]
+        self.admitted += 1
+        self._prompt[ev.request_id] = ev.prompt_tokens
+
+    def _routed(self, env: Envelope[Event]) -> None:
+        ev: RequestRouted = env.data  # type: ignore[assignment]
+        self._close(ev.request_id)  # a retry or the decode phase replaces the previous route
+        pt = self._prompt.get(ev.request_id, 0)
+        w = self._w(ev.worker_id)
+        w.routed += 1
+        w.inflight += 1
+        w.inflight_prompt_tokens += pt
+        w.last_routed_at_ns = env.occurred_at_ns
+        self._open[ev.request_id] = _Open(ev.worker_id, ev.phase.value, pt)
+
+    def _completed(self, env: Envelope[Event]) -> None:
+        ev: RequestCompleted = env.data  # type: ignore[assignment]
+        self.completed += 1
+        self._w(ev.worker_id).completed += 1
+        self._close(ev.request_id)
+        self._prompt.pop(ev.request_id, None)
+
+    def _failed(self, env: Envelope[Event]) -> None:
+        ev: RequestFailed = env.data  # type: ignore[assignment]
+        if ev.worker_id:
+            self._w(ev.worker_id).failed += 1
+        self._close(ev.request_id)
+        if not ev.retried:
+            self.failed += 1
             self._prompt.pop(ev.request_id, None)
-        elif isinstance(ev, RequestFailed):
-            if ev.worker_id:
-                self._w(ev.worker_id).failed += 1
-            self._close(ev.request_id)
-            if not ev.retried:
-                self.failed += 1
-                self._prompt.pop(ev.request_id, None)
-        elif isinstance(ev, RequestRejected):
-            self.rejected += 1
-            self._close(ev.request_id)
-            self._prompt.pop(ev.request_id, None)
+
+    def _rejected(self, env: Envelope[Event]) -> None:
+        rid = env.data.request_id  # type: ignore[attr-defined]
+        self.rejected += 1
+        self._close(rid)
+        self._prompt.pop(rid, None)
 
     def as_dict(self) -> dict:
         return {"admitted": self.admitted, "completed": self.completed, "failed": self.failed,
                 "rejected": self.rejected, "inflight": len(self._open),
                 "workers": {k: msgspec.to_builtins(v) for k, v in sorted(self.workers.items())}}
+
+
+_TRAFFIC_HANDLERS = {
+    RequestAdmitted: RequestTraffic._admitted,
+    RequestRouted: RequestTraffic._routed,
+    RequestCompleted: RequestTraffic._completed,
+    RequestFailed: RequestTraffic._failed,
+    RequestRejected: RequestTraffic._rejected,
+}
 
 
 def view_summary(view: RouterView) -> dict:

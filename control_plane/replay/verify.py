@@ -8,11 +8,14 @@ and the workers excluded by earlier attempts. Each decision is checked twice:
 1. **table**: rebuild ``decide``'s inputs from the recorded score rows alone and run it again.
    This checks the decision function, the config and the seed against the recorded choice,
    costs and reason, independently of any rebuilt state.
-2. **state**: rebuild the inputs from the log: the router view folded to ``index_position``
-   (worker registry, reported loads, prefix overlaps), the router's in-flight ledger folded
-   from its own request events (:mod:`control_plane.replay.ledger`), the request from its
-   ``RequestAdmitted``. Run ``decide`` and compare everything; when it differs, the differing
-   *inputs* (score-row columns the router fed in) are listed next to the differing outputs.
+2. **state**: rebuild the inputs from the log through the router's own decision path
+   (:func:`control_plane.router.inputs.decision_inputs`): the router view folded to
+   ``index_position`` (worker registry, reported loads, prefix overlaps), the router's
+   :class:`~control_plane.router.ledger.RouterLedger` folded from the router's own events up
+   to the decision (the same fold the live router applies as it publishes), the request from
+   its ``RequestAdmitted``. Run ``decide`` and compare everything; when it differs, the
+   differing *inputs* (score-row columns the router fed in) are listed next to the differing
+   outputs.
 
 Both must reproduce the recorded event bit for bit (floats included: the same operations in
 the same order give the same doubles).
@@ -21,10 +24,8 @@ the same order give the same doubles).
 from __future__ import annotations
 
 import msgspec
-import xxhash
 
-from control_plane.router.view import RouterView, role_for_phase
-from control_plane.routing import (
+from control_plane.router import (
     Decision,
     InflightLoad,
     NoEligibleWorker,
@@ -33,9 +34,9 @@ from control_plane.routing import (
     RoutingRequest,
     WorkerLoad,
     WorkerOverlap,
-    decide,
 )
-from control_plane.replay.ledger import RecordedInflight
+from control_plane.router.inputs import DecisionInputs, execute, routed_event
+from control_plane.router.ledger import role_of_phase
 from schemas.events import CandidateScore, RequestAdmitted, RequestRouted
 from schemas.types import RequestPhase, WorkerRole
 
@@ -57,16 +58,6 @@ class DecisionRecord(msgspec.Struct, kw_only=True):
     #: "topic:partition:offset" of the RequestRouted record.
     position: str
     event_id: str
-
-
-class DecisionInputs(msgspec.Struct, kw_only=True):
-    """Everything ``decide`` takes besides the config and the seed."""
-
-    request: RoutingRequest
-    workers: list[WorkerLoad]
-    overlaps: dict[str, WorkerOverlap]
-    inflight: dict[str, InflightLoad]
-    rr_cursor: str | None = None
 
 
 class DecisionCheck(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -92,19 +83,12 @@ class DecisionCheck(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_diffs: list[str] = []
     #: The rng_seed is not what the router's seed rule gives for (request, phase, attempt).
     seed_rule_ok: bool = True
-    #: False when the in-flight ledger at this decision depended on an estimated first token.
-    ledger_exact: bool = True
     config_assumed: bool = False
     notes: list[str] = []
 
     @property
     def matched(self) -> bool:
         return self.table == "match" and self.state == "match"
-
-
-def router_seed(request_id: str, phase: str, attempt: int) -> int:
-    """The seed rule of ``control_plane.router.core.Router.decide``."""
-    return xxhash.xxh64_intdigest(f"{request_id}:{phase}:{attempt}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def routing_request(rec: DecisionRecord) -> RoutingRequest:
@@ -130,7 +114,7 @@ def _row_load(row: CandidateScore, phase: RequestPhase, config: RouterConfig) ->
     speculative overlap matters (it also flags "has requests in flight"): then one in-flight
     request carrying the overlap is fed, and under ``sum`` it is taken off the reported count.
     """
-    role = WorkerRole(role_for_phase(phase.value))
+    role = WorkerRole(role_of_phase(phase))
     draining, registered = False, True
     ex = row.excluded
     if ex == "draining":
@@ -165,47 +149,7 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
         if row.overlap_blocks or row.stale:
             overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale)
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
-                          rr_cursor=r.rr_cursor)
-
-
-def inputs_from_view(rec: DecisionRecord, view: RouterView, inflight: dict[str, InflightLoad]) -> DecisionInputs:
-    """``decide``'s inputs as ``Router.decide`` builds them, from a rebuilt view and ledger."""
-    r = rec.routed
-    req = routing_request(rec)
-    role = role_for_phase(r.phase.value)
-    excluded = set(r.excluded_workers)
-    workers = [WorkerLoad(worker_id=w.worker_id, role=w.role, queued_prefill_tokens=w.queued_prefill_tokens,
-                          active_decode_blocks=w.active_decode_blocks, inflight_requests=w.running + w.waiting,
-                          kv_capacity_blocks=w.device_capacity_blocks)
-               for w in view.routable(role) if w.worker_id not in excluded]
-    overlaps = ({wid: WorkerOverlap.from_tiers(m.by_tier, stale=m.stale) for wid, m in view.matches(req.block_hashes).items()}
-                if r.phase is not RequestPhase.DECODE else {})
-    return DecisionInputs(request=req, workers=workers, overlaps=overlaps, inflight=inflight, rr_cursor=r.rr_cursor)
-
-
-def execute(inputs: DecisionInputs, config: RouterConfig, rng_seed: int) -> Decision:
-    return decide(inputs.request, inputs.workers, config, rng_seed=rng_seed, overlaps=inputs.overlaps,
-                  inflight=RecordedInflight(inputs.inflight), rr_cursor=inputs.rr_cursor)
-
-
-def ledger_entry(rec: DecisionRecord, config: RouterConfig, decision: Decision | None = None) -> tuple[int, int]:
-    """What the live router added to its ledger for this decision: (prefill tokens, blocks).
-
-    ``Decision.prefill_tokens`` of the recorded choice; when ``decision`` (a re-execution)
-    chose the same worker it is taken from there, else recomputed by deciding over the
-    recorded worker's row alone.
-    """
-    r = rec.routed
-    if decision is not None and decision.worker_id == r.worker_id:
-        return decision.prefill_tokens, decision.decode_blocks
-    rows = [s for s in r.scores if s.worker_id == r.worker_id]
-    if not rows:
-        req = routing_request(rec)
-        return (0 if r.phase is RequestPhase.DECODE else req.prompt_tokens), req.request_blocks
-    row = msgspec.structs.replace(rows[0], excluded="", eligible=True)
-    one = inputs_from_scores(rec, config, [row])
-    d = execute(one, config, r.rng_seed)  # one candidate: no guard can change the choice
-    return d.prefill_tokens, d.decode_blocks
+                          rr_cursor=r.rr_cursor, rng_seed=r.rng_seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,13 +157,16 @@ def ledger_entry(rec: DecisionRecord, config: RouterConfig, decision: Decision |
 # ----------------------------------------------------------------------------------------------
 
 
-def replayed_event(rec: DecisionRecord, d: Decision) -> RequestRouted:
-    """The event the router would have recorded for decision ``d`` (inputs copied from ``rec``)."""
+def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, config: RouterConfig) -> RequestRouted:
+    """The event the router would have recorded for decision ``d`` over ``inputs`` (what only the
+    live moment knows, position, view state, ``now``, queueing, is copied from ``rec``)."""
     r = rec.routed
-    return msgspec.structs.replace(
-        d.to_event(index_position=r.index_position, router_id=r.router_id, attempt=r.attempt),
-        rr_cursor=r.rr_cursor, guards=list(d.guards), expected_output_tokens=r.expected_output_tokens,
-        view_state=r.view_state, excluded_workers=list(r.excluded_workers), decided_at_s=r.decided_at_s)
+    ev = routed_event(d, inputs, config, router_id=r.router_id, attempt=r.attempt, index_position=r.index_position,
+                      view_state=r.view_state, excluded=r.excluded_workers, decided_at_s=r.decided_at_s,
+                      queued_ms=r.queued_ms)
+    if r.inflight_blocks is None:  # written before the router recorded its ledger entry
+        ev = msgspec.structs.replace(ev, inflight_prefill_tokens=None, inflight_blocks=None, inflight_ttl_s=None)
+    return ev
 
 
 def decision_diffs(recorded: RequestRouted, replayed: RequestRouted) -> list[str]:
@@ -266,10 +213,11 @@ def _short(v, n: int = 160) -> str:
 
 def check_table(rec: DecisionRecord, config: RouterConfig) -> tuple[str, Decision | None, list[str]]:
     try:
-        d = execute(inputs_from_scores(rec, config), config, rec.routed.rng_seed)
+        inputs = inputs_from_scores(rec, config)
+        d = execute(inputs, config)
     except (RoutingError, NoEligibleWorker, ValueError) as e:
         return f"error: {e}", None, []
-    diffs = decision_diffs(rec.routed, replayed_event(rec, d))
+    diffs = decision_diffs(rec.routed, replayed_event(rec, d, inputs, config))
     return ("match" if not diffs else "mismatch"), d, diffs
 
 
@@ -278,7 +226,7 @@ def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfi
         d = execute(inputs, config, rec.routed.rng_seed)
     except (RoutingError, NoEligibleWorker, ValueError) as e:
         return f"error: {e}", None, [], []
-    ev = replayed_event(rec, d)
+    ev = replayed_event(rec, d, inputs, config)
     diffs = decision_diffs(rec.routed, ev)
     return ("match" if not diffs else "mismatch"), d, diffs, input_diffs(rec.routed.scores, ev.scores)
 
@@ -298,7 +246,6 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     configs_from_log: list[int] = []
     notes: list[str] = []
     routers: list[str] = []
-    ledger_estimated: int = 0
     mismatches: list[DecisionCheck] = []
     checks: list[DecisionCheck] = []
     seconds: float = 0.0
@@ -315,5 +262,5 @@ class VerifyReport(msgspec.Struct, kw_only=True):
                 "mismatches": len(self.mismatches), "unverifiable": self.unverifiable,
                 "config_versions": self.config_versions, "configs_assumed": self.configs_assumed,
                 "configs_from_log": self.configs_from_log, "notes": self.notes,
-                "routers": self.routers, "ledger_estimated": self.ledger_estimated,
+                "routers": self.routers,
                 "records_read": self.records_read, "seconds": round(self.seconds, 3)}

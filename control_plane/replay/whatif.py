@@ -8,11 +8,12 @@ Two answers, because one alone misleads:
   it cannot say what happens next, because the KV the alternative choices would have created
   is not in the log.
 * **Closed-loop simulation**: the recorded requests (arrival times, prompt block hashes,
-  prompt and output lengths) run through the simulated engine
-  (:func:`data_plane.engines.simulate.simulate`) once routed by the recorded config and once by
-  the alternative, each with its own prefix index fed by the simulated engines' KV events and
-  the engines' own loads. Same hardware model, same requests: the TTFT and throughput deltas
-  are the config's.
+  prompt and output lengths) run through the one cluster simulator
+  (:func:`control_plane.simulation.run_cluster`) once routed by the recorded config and once by
+  the alternative. Its router decides through the live router's decision path, with its own
+  prefix index fed by the simulated engines' KV events, load reports on the live interval and
+  the in-flight ledger folded from what it records. Same hardware model, same requests: the
+  TTFT and throughput deltas are the config's.
 
 Avoidable prefill tokens (per decision that computes a prompt): ``(best - chosen) * block_size``
 where ``best`` is the longest cached prefix (index overlap or speculative in-flight overlap, in
@@ -29,21 +30,11 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from control_plane.index.hashing import HashAlgo, HashConfig
-from control_plane.index.prefix_index import PrefixIndex
-from control_plane.replay.verify import execute, router_seed
-from control_plane.routing import (
-    Decision,
-    NoEligibleWorker,
-    RouterConfig,
-    RoutingError,
-    RoutingRequest,
-    WorkerLoad,
-    WorkerOverlap,
-    decide,
-)
-from schemas.events import CandidateScore, Event, RequestAdmitted
-from schemas.types import RequestPhase, WorkerId
+from control_plane.router import Decision, NoEligibleWorker, RouterConfig, RoutingError
+from control_plane.router.inputs import execute
+from control_plane.simulation import Topology, run_cluster
+from schemas.events import CandidateScore, RequestAdmitted
+from schemas.types import RequestPhase
 
 
 class ChoiceChange(msgspec.Struct, kw_only=True):
@@ -211,55 +202,11 @@ def sim_requests(walk) -> tuple[list[_SimRequest], int]:
     return out, block_size
 
 
-class _IndexSink:
-    """Folds the simulated engines' KV events into one prefix index (the simulated router's)."""
-
-    def __init__(self, index: PrefixIndex) -> None:
-        self.index = index
-        self.seq: dict[str, int] = {}
-
-    def publish(self, payload: Event, *, correlation_id=None, causation_id=None) -> None:
-        wid = payload.worker_id
-        s = self.seq.get(wid, 0)
-        self.seq[wid] = s + 1
-        self.index.apply(wid, 1, s, payload)
-
-
-def _route_fn(config: RouterConfig, reqs: dict[str, _SimRequest], index: PrefixIndex, capacity: int,
-              chosen: Counter):
-    state = {"cursor": None}
-
-    def route(request, cores) -> int:
-        r = reqs[request.request_id]
-        loads = []
-        for c in cores:
-            st = c.stats()
-            loads.append(WorkerLoad(worker_id=c.worker_id, queued_prefill_tokens=st.queued_prefill_tokens,
-                                    active_decode_blocks=st.active_blocks, inflight_requests=st.running + st.waiting,
-                                    kv_capacity_blocks=capacity))
-        overlaps: dict[str, WorkerOverlap] = {}
-        for rank, m in index.find_matches(r.hashes).items():
-            prev = overlaps.get(rank.worker_id)
-            if prev is None or m.depth > prev.depth:
-                overlaps[rank.worker_id] = WorkerOverlap.from_tiers(m.by_tier, stale=m.stale)
-        req = RoutingRequest(request_id=r.request_id, prompt_tokens=r.prompt_tokens, block_size=index.block_size,
-                             block_hashes=r.hashes, expected_output_tokens=r.output_tokens)
-        d = decide(req, loads, config, rng_seed=router_seed(r.request_id, "aggregated", 0), overlaps=overlaps,
-                   rr_cursor=state["cursor"])
-        if d.rr_cursor is not None:
-            state["cursor"] = d.rr_cursor
-        chosen[d.worker_id] += 1
-        return next(i for i, c in enumerate(cores) if c.worker_id == d.worker_id)
-
-    return route
-
-
 def simulate_both(walk, base: RouterConfig, alt: RouterConfig, *, profile: str = "mocker", progress=None,
                   notes: list[str] | None = None) -> dict:
     """Run the recorded requests on simulated workers under ``base`` and ``alt``."""
     from data_plane.engines.profiles import load_profile
     from data_plane.engines.request import EngineRequest
-    from data_plane.engines.simulate import simulate
 
     notes = notes if notes is not None else []
     reqs, block_size = sim_requests(walk)
@@ -274,30 +221,26 @@ def simulate_both(walk, base: RouterConfig, alt: RouterConfig, *, profile: str =
     caps = [walk.workers[w].device_capacity_blocks for w in workers if walk.workers[w].device_capacity_blocks]
     capacity = min(caps) if caps else prof.num_device_blocks
     prof = prof.replace(block_size=block_size, num_device_blocks=capacity)
-    hc = HashConfig(HashAlgo.SHA256, block_size)
-    by_id = {r.request_id: r for r in reqs}
     out: dict = {"profile": prof.name, "workers": workers, "device_blocks": capacity, "requests": len(reqs)}
     ttfts = {}
+    topology = Topology("recorded workers", aggregated=len(workers))
     for label, cfg in (("baseline", base), ("alternative", alt)):
-        index = PrefixIndex(hc.hash_algo, block_size)
-        chosen: Counter = Counter()
         ereqs = [EngineRequest(request_id=r.request_id, prompt=_Prompt(r.prompt_tokens, r.request_id),
                                max_tokens=r.output_tokens, arrival_ms=r.arrival_ms,
                                prompt_digests=[h.to_bytes(32, "big") for h in r.hashes]) for r in reqs]
         bar = progress(f"simulating {label}", None) if progress else None
-        res = simulate(ereqs, prof, num_workers=len(workers), worker_ids=[WorkerId(w) for w in workers],
-                       router=_route_fn(cfg, by_id, index, capacity, chosen), sink=_IndexSink(index),
-                       hash_config=hc)
+        res = run_cluster(ereqs, topology, cfg, profile=prof, worker_ids=workers)
         if bar is not None:
             bar.close()
-        computed = sum(rec.prompt_tokens - rec.cached_tokens for rec in res.requests)
+        chosen = Counter(rec.worker for rec in res.records)
+        computed = sum(len(rec.request.prompt) - rec.cached_tokens for rec in res.records)
         summ = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in res.summary().items()}
         out[label] = msgspec.to_builtins(SimSide(config_version=cfg.version, mode=cfg.mode.value, summary=summ,
                                                  prefill_tokens_computed=computed, per_worker=dict(sorted(chosen.items()))))
-        ttfts[label] = [rec.ttft_ms for rec in res.requests if rec.ttft_ms is not None]
+        ttfts[label] = [rec.token_times[0] - rec.arrival_ms for rec in res.records if rec.token_times]
     b, a = out["baseline"]["summary"], out["alternative"]["summary"]
     out["delta"] = {k: _delta(b.get(k), a.get(k)) for k in
-                    ("ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "output_tok_s", "prefix_reuse_ratio", "e2e_p99_ms")}
+                    ("ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "output_tok_s", "reuse", "e2e_p99_ms")}
     out["delta"]["prefill_tokens_computed"] = (out["alternative"]["prefill_tokens_computed"]
                                                - out["baseline"]["prefill_tokens_computed"])
     out["ttft_ms"] = ttfts

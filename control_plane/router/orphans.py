@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.reader import iter_records
-from control_plane.settings import BusSettings
-from schemas import Envelope, EventCodec, SchemaError
+from kernel.log.reader import read_events
+from kernel.settings import BusSettings
+from schemas import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
 
 log = logging.getLogger(__name__)
@@ -35,14 +34,7 @@ def open_requests(events: list[Envelope], producer: str, current_epoch: int) -> 
 
 
 def read_recent(bus: BusSettings, window_s: float) -> list[Envelope]:
-    codec = EventCodec()
-    out: list[Envelope] = []
-    for m in iter_records(bus, Catalog(bus.topic_prefix).topic("requests"), since_ms=int((time.time() - window_s) * 1000)):
-        try:
-            out.append(codec.decode(m.value()))
-        except SchemaError:
-            pass
-    return out
+    return read_events(bus, "requests", since_ms=int((time.time() - window_s) * 1000))
 
 
 def close_orphans(bus: BusSettings, producer, window_s: float = 900.0) -> list[str]:

@@ -8,6 +8,10 @@ offsets.
 Sequencing: producers number events per topic partition (see ``schemas.envelope``), so the
 index is told the producer as ``"<producer>@<topic>:<partition>"``; its dedupe, gap and epoch
 logic then works per ordered substream.
+
+The index is the native one unless ``SWITCHYARD_INDEX=reference`` (see
+:mod:`control_plane.index.select`). ``apply_record`` folds a record from its bytes: the native
+index decodes KV envelopes itself, everything else goes through the codec and ``apply``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from control_plane.index.prefix_index import ApplyOutcome, Match, PrefixIndex, WorkerRank
-from schemas.envelope import Envelope
+from control_plane.index.errors import IndexRejected
+from control_plane.index.prefix_index import ApplyOutcome, Match, WorkerRank
+from control_plane.index.select import new_index, restore_index
+from control_plane.router.decision import WorkerLoad, WorkerOverlap
+from schemas.envelope import Envelope, EventCodec
 from schemas.events import (
     Event,
     WorkerDeregistered,
@@ -25,7 +32,7 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
-from schemas.types import WorkerId, WorkerRole
+from schemas.types import WorkerId
 
 SNAPSHOT_FORMAT = 1
 
@@ -81,11 +88,13 @@ class Applied:
 
 class RouterView:
     def __init__(self, hash_algo: str, block_size: int) -> None:
-        self.index = PrefixIndex(hash_algo, block_size)
+        self.index = new_index(hash_algo, block_size)
         self.workers: dict[str, WorkerState] = {}
         self.positions: dict[tuple[str, int], int] = {}
         self.last_ts_ms: dict[tuple[str, int], int] = {}
         self.applied = 0
+        #: (topic, partition) -> "@topic:partition", the index's producer suffix.
+        self._suffixes: dict[tuple[str, int], str] = {}
 
     @property
     def hash_algo(self) -> str:
@@ -111,34 +120,79 @@ class RouterView:
         self._fold_worker(env)
         return Applied(outcome.value, getattr(env.data, "worker_id", None))
 
+    def apply_record(self, value: bytes, topic: str, partition: int, offset: int, ts_ms: int,
+                     codec: EventCodec) -> Applied:
+        """Fold one record from its value bytes; the same fold as ``apply(codec.decode(value))``.
+
+        KV envelopes go straight to the native index's decoder (no Python objects per event);
+        records it does not take are decoded by ``codec``. Raises ``SchemaError`` for a record
+        the codec cannot decode (nothing changed: the caller advances and dead-letters) and
+        ``IndexRejected`` like ``apply`` (the position has advanced).
+        """
+        fast = getattr(self.index, "apply_bytes", None)
+        if fast is not None:
+            tp = (topic, partition)
+            suffix = self._suffixes.get(tp)
+            if suffix is None:
+                suffix = self._suffixes[tp] = f"@{topic}:{partition}"
+            try:
+                outcome = fast(value, suffix)
+            except IndexRejected:
+                self._advance(tp, offset, ts_ms)
+                raise
+            if outcome is not None:
+                self._advance(tp, offset, ts_ms)
+                if outcome is ApplyOutcome.DUPLICATE or outcome is ApplyOutcome.FENCED:
+                    return Applied(outcome.value)
+                return Applied(outcome.value, self.index.last_worker())
+        return self.apply(codec.decode(value), topic, partition, offset, ts_ms)
+
+    def _advance(self, tp: tuple[str, int], offset: int, ts_ms: int) -> None:
+        self.positions[tp] = offset + 1
+        if ts_ms:
+            self.last_ts_ms[tp] = ts_ms
+        self.applied += 1
+
     def _fold_worker(self, env: Envelope[Event]) -> None:
-        ev = env.data
-        if isinstance(ev, WorkerRegistered):
-            cur = self.workers.get(ev.worker_id)
-            if cur is not None and cur.epoch > env.epoch:
-                return  # a late registration of an older incarnation
-            self.workers[ev.worker_id] = WorkerState(
-                worker_id=ev.worker_id, epoch=env.epoch, role=ev.role.value if hasattr(ev.role, "value") else str(ev.role),
-                pool=ev.pool, endpoint=ev.endpoint, model=ev.model, block_size=ev.block_size,
-                capacity=dict(ev.capacity), registered_at_ns=env.occurred_at_ns)
-            return
-        if not isinstance(ev, (WorkerLoadReported, WorkerDraining, WorkerDeregistered)):
-            return
+        handler = _WORKER_HANDLERS.get(type(env.data))
+        if handler is not None:
+            handler(self, env)
+
+    def _current(self, env: Envelope[Event]) -> WorkerState | None:
+        """The incarnation an event is about, if it is the one registered: an older one's news
+        is stale, and a newer one is not routable before its registration is folded."""
+        cur = self.workers.get(env.data.worker_id)  # type: ignore[attr-defined]
+        return cur if cur is not None and env.epoch == cur.epoch else None
+
+    def _registered(self, env: Envelope[Event]) -> None:
+        ev: WorkerRegistered = env.data  # type: ignore[assignment]
         cur = self.workers.get(ev.worker_id)
-        if cur is None or env.epoch < cur.epoch:
+        if cur is not None and cur.epoch > env.epoch:
+            return  # a late registration of an older incarnation
+        self.workers[ev.worker_id] = WorkerState(
+            worker_id=ev.worker_id, epoch=env.epoch, role=ev.role.value if hasattr(ev.role, "value") else str(ev.role),
+            pool=ev.pool, endpoint=ev.endpoint, model=ev.model, block_size=ev.block_size,
+            capacity=dict(ev.capacity), registered_at_ns=env.occurred_at_ns)
+
+    def _load_reported(self, env: Envelope[Event]) -> None:
+        cur = self._current(env)
+        if cur is None:
             return
-        if env.epoch > cur.epoch:
-            # Load from an incarnation whose registration we have not seen: not routable yet.
-            return
-        if isinstance(ev, WorkerLoadReported):
-            cur.running, cur.waiting = ev.running, ev.waiting
-            cur.queued_prefill_tokens = ev.queued_prefill_tokens
-            cur.active_decode_blocks = ev.active_decode_blocks
-            cur.tier_usage = dict(ev.tier_usage)
-            cur.reported_at_ns = env.occurred_at_ns
-        elif isinstance(ev, WorkerDraining):
+        ev: WorkerLoadReported = env.data  # type: ignore[assignment]
+        cur.running, cur.waiting = ev.running, ev.waiting
+        cur.queued_prefill_tokens = ev.queued_prefill_tokens
+        cur.active_decode_blocks = ev.active_decode_blocks
+        cur.tier_usage = dict(ev.tier_usage)
+        cur.reported_at_ns = env.occurred_at_ns
+
+    def _draining(self, env: Envelope[Event]) -> None:
+        cur = self._current(env)
+        if cur is not None:
             cur.state = "draining"
-        else:
+
+    def _deregistered(self, env: Envelope[Event]) -> None:
+        cur = self._current(env)
+        if cur is not None:
             cur.state = "gone"
 
     # -- queries ----------------------------------------------------------------------------
@@ -154,6 +208,19 @@ class RouterView:
 
     def routable(self, role: str | None = None) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.routable and (role is None or w.role == role)]
+
+    # -- the decision's inputs (``control_plane.router.inputs.CandidateSource``) --------------
+
+    def candidates(self, role: str) -> list[WorkerLoad]:
+        """The routable workers of ``role`` as a decision sees them (registry + last report)."""
+        return [WorkerLoad(worker_id=w.worker_id, role=w.role, queued_prefill_tokens=w.queued_prefill_tokens,
+                           active_decode_blocks=w.active_decode_blocks, inflight_requests=w.running + w.waiting,
+                           kv_capacity_blocks=w.device_capacity_blocks)
+                for w in self.workers.values() if w.routable and w.role == role]
+
+    def overlaps(self, hashes) -> dict[str, WorkerOverlap]:
+        """The index's match per worker, in the decision's terms."""
+        return {wid: WorkerOverlap.from_tiers(m.by_tier, stale=m.stale) for wid, m in self.matches(hashes).items()}
 
     def stale_workers(self) -> list[str]:
         return sorted({r.worker_id for r in self.index.stale_workers()})
@@ -175,7 +242,7 @@ class RouterView:
         if snap.format != SNAPSHOT_FORMAT:
             raise ValueError(f"router snapshot format {snap.format} not supported (want {SNAPSHOT_FORMAT})")
         view = cls(snap.hash_algo, snap.block_size)
-        view.index = PrefixIndex.restore(snap.index)
+        view.index = restore_index(snap.index)
         view.workers = {w.worker_id: w for w in snap.workers}
         view.positions = {(t, p): o for t, p, o in snap.positions}
         view.last_ts_ms = {(t, p): o for t, p, o in snap.last_ts_ms}
@@ -197,6 +264,15 @@ class RouterView:
                 "workers": {k: msgspec.to_builtins(v) for k, v in sorted(self.workers.items())}}
 
 
+#: The registry's fold: one handler per worker lifecycle event (the rest only feed the index).
+_WORKER_HANDLERS = {
+    WorkerRegistered: RouterView._registered,
+    WorkerLoadReported: RouterView._load_reported,
+    WorkerDraining: RouterView._draining,
+    WorkerDeregistered: RouterView._deregistered,
+}
+
+
 def _canonical(x):
     if isinstance(x, dict):
         return sorted(([_canonical(k), _canonical(v)] for k, v in x.items()), key=repr)
@@ -207,9 +283,4 @@ def _canonical(x):
     return x
 
 
-def role_for_phase(phase: str) -> str:
-    return {"prefill": WorkerRole.PREFILL.value, "decode": WorkerRole.DECODE.value}.get(
-        phase, WorkerRole.AGGREGATED.value)
-
-
-__all__ = ["RouterView", "WorkerState", "Applied", "WorkerRank", "WorkerId", "role_for_phase"]
+__all__ = ["RouterView", "WorkerState", "Applied", "WorkerRank", "WorkerId"]

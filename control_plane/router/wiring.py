@@ -10,15 +10,17 @@ from pathlib import Path
 
 import msgspec
 
-from control_plane.bus.kafka import EventProducer
-from control_plane.index.hashing import HashAlgo, HashConfig
-from control_plane.router.core import Router
+from control_plane.router import RouterConfig
+from control_plane.router.admission import AdmissionConfig
+from control_plane.router.config import load_router_config
 from control_plane.router.health import HealthThresholds
-from control_plane.router.service import RouterApp, RouterMetrics, create_app
-from control_plane.routing import RouterConfig
-from control_plane.settings import BusSettings
-from control_plane.streams.router_view import RouterViewProcessor
-from control_plane.tokenizer import build_tokenizer
+from control_plane.router.http import RouterApp, RouterMetrics, create_app
+from control_plane.router.proxy import Router
+from control_plane.router.stream import RouterViewProcessor
+from kernel.hashing import HashAlgo, HashConfig
+from kernel.log.kafka import EventProducer
+from kernel.settings import BusSettings
+from kernel.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +45,11 @@ class RouterSettings:
     snapshot_every_s: float = 5.0
     max_attempts: int = 3
     read_timeout_s: float = 60.0
+    #: TCP connect timeout to a worker; a timeout is retried on another worker.
+    connect_timeout_s: float = 5.0
     thresholds: HealthThresholds = HealthThresholds()
-
-
-def load_router_config(s: RouterSettings) -> RouterConfig:
-    raw: dict = {"version": 1, "mode": s.mode}
-    if s.config_file:
-        text = Path(s.config_file).read_bytes()
-        raw.update(msgspec.toml.decode(text) if str(s.config_file).endswith(".toml") else msgspec.json.decode(text))
-    return msgspec.convert(raw, RouterConfig)
+    #: The admission queue's bounds (control_plane/router/admission.py).
+    admission: AdmissionConfig = AdmissionConfig()
 
 
 def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventProducer) -> RouterConfig:
@@ -65,7 +63,7 @@ def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventPr
     from schemas.events import RouterConfigChanged
 
     latest = _latest_config(bus)
-    local = load_router_config(s)
+    local = load_router_config(s.config_file, version=1, mode=s.mode)
     explicit = s.config_file is not None or s.mode != "kv"
     if latest is not None and not explicit:
         version, cfg = latest
@@ -81,18 +79,11 @@ def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventPr
 
 
 def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
-    from control_plane.bus.catalog import Catalog
-    from control_plane.bus.reader import iter_records
-    from schemas import EventCodec, SchemaError
+    from kernel.log.reader import read_events
     from schemas.events import RouterConfigChanged
 
-    codec = EventCodec()
     best: tuple[int, dict] | None = None
-    for m in iter_records(bus, Catalog(bus.topic_prefix).topic("admin")):
-        try:
-            env = codec.decode(m.value())
-        except SchemaError:
-            continue
+    for env in read_events(bus, "admin"):
         if isinstance(env.data, RouterConfigChanged) and (best is None or env.data.config_version >= best[0]):
             best = (env.data.config_version, dict(env.data.config))
     return best
@@ -108,6 +99,7 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
     metrics = RouterMetrics()
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config, hash_config=hash_config,
                     health=processor.health, max_attempts=s.max_attempts, read_timeout_s=s.read_timeout_s,
+                    connect_timeout_s=s.connect_timeout_s, admission=s.admission,
                     metrics=metrics)
 
     async def start() -> None:

@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from control_plane.settings import StackSettings, repo_root
+from control_plane.settings import StackSettings
 from control_plane.stack.process import (
     StackError,
     alive,
@@ -27,6 +27,7 @@ from control_plane.stack.process import (
     terminate,
     wait_until,
 )
+from kernel.settings import repo_root
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +215,10 @@ class KafkaService:
 
     def round_trip(self, timeout: float = 10.0) -> bool:
         """Produce one record to a health topic and read it back."""
+        import socket
+
         from confluent_kafka import Consumer, KafkaException, Producer
         from confluent_kafka.admin import AdminClient, NewTopic
-
-        import socket
 
         # A plain TCP probe first: librdkafka retries (and logs) forever on a closed port.
         with socket.create_connection((self.s.host, self.s.kafka_port), timeout=1):

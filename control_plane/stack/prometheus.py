@@ -15,8 +15,9 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from control_plane.settings import StackSettings, repo_root
+from control_plane.settings import StackSettings
 from control_plane.stack.process import StackError, alive, read_pid, require_free_port, terminate, wait_until
+from kernel.settings import repo_root
 
 TEMPLATE = Path("dashboards") / "prometheus.yml"
 DEFAULT_TARGETS = Path("dashboards") / "targets"

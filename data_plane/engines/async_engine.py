@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from data_plane.engines.core import EngineCore, EngineStats
 from data_plane.engines.errors import EngineError, RequestRejected
 from data_plane.engines.request import EngineRequest
-from data_plane.ports import EventSink
+from kernel.log.sink import EventSink
 from schemas.types import RequestId
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,21 @@ class AsyncEngine:
         if found:
             self._wake.set()
         return found
+
+    def validate(self, request: EngineRequest) -> None:
+        """Raise :class:`RequestRejected` if ``request`` can never run here."""
+        self.core.validate_request(request)
+
+    def cached_hashes(self) -> set[int]:
+        """Block hashes in the device prefix cache."""
+        return {int(h) for h in self.core.pool.cached_hashes()}
+
+    def model_info(self) -> dict:
+        prof = self.core.profile
+        return {"root": prof.name, "max_model_len": prof.num_device_blocks * prof.block_size}
+
+    #: The engine does not move KV between workers itself: the worker's NIXL handoff does.
+    moves_kv = False
 
     def held_block_ids(self, request_id: RequestId) -> list[int]:
         return self.core.held_block_ids(request_id)

@@ -9,21 +9,22 @@ The core never reads a clock. ``step()`` plans and applies one engine step and s
   and streams the tokens.
 
 Both call the same methods in the same order for the same input, so they produce the same
-tokens and the same KV events.
+tokens and the same KV events. The simulation may also call ``run_decode``, which applies a run
+of pure decode steps at once with exactly the effects of calling ``step()`` that many times.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from control_plane.index.hashing import HashAlgo, HashConfig
 from data_plane.engines.block_pool import BlockPool, EvictHook
 from data_plane.engines.errors import ProfileError
 from data_plane.engines.kv_manager import KVCacheManager
 from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.request import EngineRequest, Status
-from data_plane.engines.scheduler import Scheduler, TokenOutput
-from data_plane.engines.timing import StepShape
+from data_plane.engines.scheduler import ScheduledStep, Scheduler, TokenOutput
+from data_plane.engines.timing import StepShape, decode_run_starts
+from kernel.hashing import HashAlgo, HashConfig
 from schemas.events import KvEvent
 from schemas.types import RequestId, WorkerId, WorkerRole
 
@@ -41,6 +42,27 @@ class StepResult:
     preempted: list[RequestId]
     num_scheduled: int
     shape: StepShape
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """``num_steps`` consecutive pure decode steps applied at once (:meth:`EngineCore.run_decode`),
+    possibly followed by one normal step (``final``).
+
+    Step ``j`` started at ``starts[j]`` and ended at ``starts[j + 1]``; every request of
+    ``request_ids`` got one token per step, delivered at the step's end, none finished, and
+    nothing was admitted or preempted. ``events`` are the KV events of those steps as
+    ``(step index, events)``: what ``take_kv_events()`` would have returned at that step's end.
+    ``final`` is what ``step()`` would have returned for the step that starts at
+    ``starts[num_steps]`` (its events stay queued), or None.
+    """
+
+    request_ids: list[RequestId]
+    num_steps: int
+    #: ``num_steps + 1`` boundaries: ``starts[0]`` is the time the run started.
+    starts: list[float]
+    events: list[tuple[int, list[KvEvent]]]
+    final: StepResult | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +160,56 @@ class EngineCore:
             preempted = preempted + plan.preempted
         if not plan.entries:
             return StepResult(0.0, [], [], plan.admitted, preempted, 0, plan.shape)
+        return self._apply(plan, preempted)
+
+    def _apply(self, plan: ScheduledStep, preempted: list[RequestId]) -> StepResult:
+        """Time a sealed plan and apply it (sample tokens, finish requests)."""
         duration = self.timing.step_ms(plan.shape)
-        tokens, finished = sched.update(plan)
+        tokens, finished = self.scheduler.update(plan)
         return StepResult(
             duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape
         )
+
+    #: The most steps one decode run takes (a run may stop anywhere: the next one goes on).
+    _RUN_MAX = 4096
+
+    def run_decode(self, t0: float, t_limit: float) -> DecodeRun | None:
+        """Apply, at once, the pure decode steps ``step()`` would run back to back from virtual
+        time ``t0``: those starting before ``t_limit``, up to the first step that would admit,
+        finish or preempt a request (a finishing or admitting step is included, as ``final``;
+        a preempting one is left to ``step()``). None when the next step is not a pure decode
+        step (call ``step()``). Same state, tokens, KV events and step times as calling
+        ``step()`` that many times, with a step of duration ``d`` started at ``t`` ending at
+        ``t + d`` (the simulator's clock rule).
+        """
+        sched = self.scheduler
+        batch = sched.decode_batch()
+        if batch is None:
+            return None
+        reqs, first_finish = batch
+        if first_finish == 0:
+            return None  # the very next step finishes a request: nothing to coalesce
+        nreq = len(reqs)
+        ctx0 = 0
+        for r in reqs:
+            ctx0 += r.prompt_len + r.num_output
+        # Start times of steps 0..first_finish, until one starts at or after t_limit. A step's
+        # decode context grows by one token per request per step; the start times are the
+        # running sum t0 + d0 + d1 + ..., added left to right as the step-by-step clock adds.
+        starts = decode_run_starts(
+            self.timing, t0, t_limit, nreq, ctx0, self.profile.kv_capacity_tokens,
+            min(first_finish + 1, self._RUN_MAX),
+        )
+        n_ok = len(starts) - 1  # steps that start before t_limit
+        finish_at = first_finish if first_finish < n_ok else None
+        k, plan, events = sched.decode_steps(reqs, n_ok, finish_at)
+        final = None
+        if plan is not None:
+            sched.seal(plan)
+            final = self._apply(plan, [])
+        elif k == 0:
+            return None  # the first step would preempt: nothing applied, step() does it
+        return DecodeRun([r.request_id for r in reqs], k, starts[: k + 1], events, final)
 
     def take_kv_events(self) -> list[KvEvent]:
         """Drain the KV events queued since the last call (publishing is the caller's job)."""

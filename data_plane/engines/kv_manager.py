@@ -12,18 +12,18 @@ Dependencies point one way: scheduler -> this manager -> block pool -> hashing p
 * ``free`` releases a request's blocks last block first, so its tail is evicted before its head.
 
 Hashes are computed lazily (only as far as a lookup or a cache insert needs) with
-:func:`control_plane.index.hashing.hash_block_digests`, so they are bit-compatible with what the
-router computes for the same tokens.
+:func:`data_plane.engines.blockhash.block_digests` (``hash_block_digests``, natively for sha256),
+so they are bit-compatible with what the router computes for the same tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from control_plane.index.hashing import HashConfig, hash_block_digests
 from data_plane.engines.block_pool import BlockPool, KVCacheBlock
+from data_plane.engines.blockhash import block_digests, generated_digests
 from data_plane.engines.request import RequestState
-from schemas.types import BlockHash
+from kernel.hashing import HashConfig
 
 
 class KVCacheManager:
@@ -43,13 +43,23 @@ class KVCacheManager:
         if have >= num_blocks:
             return
         bs = self.block_size
-        new = hash_block_digests(
-            req.tokens(have * bs, num_blocks * bs),
-            self.hash_config,
-            parent=req.digests[-1] if have else None,
-        )
+        start, end = have * bs, num_blocks * bs
+        parent = req.digests[-1] if have else None
+        pl = req.prompt_len
+        out = None
+        o_start = start - pl if start > pl else 0
+        if end > pl and o_start >= len(req.output_prefix) and end - pl <= req.num_output:
+            # Generated blocks (the usual case here: prompts come with their digests): their
+            # pseudo-tokens are made and hashed natively, after the prompt tokens they share.
+            head = list(req.prompt[start:pl]) if start < pl else []
+            out = generated_digests(
+                head, req.seed, o_start, end - pl, req.vocab_size, self.hash_config, parent=parent
+            )
+        if out is None:
+            out = block_digests(req.tokens(start, end), self.hash_config, parent=parent)
+        new, wire = out
         req.digests.extend(new)
-        req.hashes.extend(BlockHash(int.from_bytes(d[-8:], "big")) for d in new)
+        req.hashes.extend(wire)
 
     def get_computed_blocks(self, req: RequestState) -> list[KVCacheBlock]:
         """Cached blocks of the longest prefix of ``req`` (no reference taken yet)."""
@@ -95,7 +105,7 @@ class KVCacheManager:
             return False
         if num_new_blocks > 0:
             blocks.extend(pool.allocate(num_new_blocks))
-        num_tokens = req.prompt_len + len(req.output)
+        num_tokens = req.prompt_len + req.num_output
         num_full = (total if total < num_tokens else num_tokens) // bs
         start = req.num_cached_blocks
         if num_full > start and pool.enable_caching:

@@ -11,11 +11,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import xxhash
 
 from data_plane.engines.block_pool import KVCacheBlock
+from data_plane.engines.blockhash import DigestChain
 from data_plane.engines.errors import RequestRejected
 from schemas.types import BlockHash, RequestId, RequestPhase
+
+try:  # the native crate is a project dependency; a stale build without it still works
+    from switchyard_native import pseudo_tokens as _native_pseudo_tokens
+except ImportError:  # pragma: no cover
+    _native_pseudo_tokens = None
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -42,6 +49,25 @@ def pseudo_token(seed: int, index: int, vocab_size: int = DEFAULT_VOCAB_SIZE) ->
     return mix64(seed ^ ((index * _GOLDEN) & _MASK64)) % vocab_size
 
 
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`mix64` over a uint64 array (numpy wraps uint64 arithmetic modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(_GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def pseudo_tokens(seed: int, start: int, stop: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
+    """``[pseudo_token(seed, i, vocab_size) for i in range(start, stop)]``, natively when the
+    crate has it (the engine hashes every block it generates, 64 tokens at a time)."""
+    if stop - start <= 0:
+        return []
+    if _native_pseudo_tokens is not None and 0 <= seed <= _MASK64 and start >= 0:
+        return _native_pseudo_tokens(seed, start, stop, vocab_size)
+    return [pseudo_token(seed, i, vocab_size) for i in range(start, stop)]
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One generation request as the engine receives it.
@@ -57,6 +83,10 @@ class EngineRequest:
     ``arrival_ms`` is the virtual time the request reaches the engine (drivers use it; the core
     ignores it).
 
+    ``prompt_hashes``, when given with ``prompt_digests``, are their wire forms (``to_wire`` of
+    each digest): a trace loader that memoises digests memoises these too, instead of every
+    request converting every digest again.
+
     ``phase`` overrides, for this request only, what the engine's role would do with it: a worker
     registered as ``decode`` must still recompute a prompt whose transfer failed
     (``AGGREGATED``), and one registered as ``prefill`` may serve a plain request whole. None keeps
@@ -71,6 +101,7 @@ class EngineRequest:
     prompt_digests: Sequence[bytes] | None = None
     output_prefix: tuple[int, ...] = ()
     phase: RequestPhase | None = None
+    prompt_hashes: Sequence[BlockHash] | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt) == 0:
@@ -81,6 +112,12 @@ class EngineRequest:
             raise RequestRejected(
                 f"request {self.request_id}: output_prefix already has "
                 f"{len(self.output_prefix)} of max_tokens={self.max_tokens} tokens"
+            )
+        if self.prompt_hashes is not None and (
+            self.prompt_digests is None or len(self.prompt_hashes) != len(self.prompt_digests)
+        ):
+            raise RequestRejected(
+                f"request {self.request_id}: prompt_hashes must come with prompt_digests, one each"
             )
 
 
@@ -102,7 +139,9 @@ class RequestState:
         "prompt",
         "prompt_len",
         "max_tokens",
-        "output",
+        "output_prefix",
+        "num_output",
+        "vocab_size",
         "num_computed_tokens",
         "blocks",
         "digests",
@@ -117,21 +156,32 @@ class RequestState:
         "order",
     )
 
-    def __init__(self, request: EngineRequest, order: int) -> None:
+    def __init__(self, request: EngineRequest, order: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
         self.request = request
         self.request_id = request.request_id
         self.prompt = request.prompt
         self.prompt_len = len(request.prompt)
         self.max_tokens = request.max_tokens
-        self.output: list[int] = list(request.output_prefix)
+        #: Output tokens so far: ``output_prefix`` then pseudo-tokens. Token ``i`` (past the
+        #: prefix) is ``pseudo_token(seed, i, vocab_size)``, a pure function, so the engine keeps
+        #: only the count and computes token ids when something reads them (:meth:`tokens`).
+        self.output_prefix: tuple[int, ...] = tuple(request.output_prefix)
+        self.num_output = len(self.output_prefix)
+        self.vocab_size = vocab_size
         self.num_computed_tokens = 0
         self.blocks: list[KVCacheBlock] = []
         #: Full digests of this sequence's full blocks (prompt first, then generated ones), and
         #: their wire forms. Extended lazily, only as far as a lookup or a cache insert needs.
-        self.digests: list[bytes] = list(request.prompt_digests or ())
-        self.hashes: list[BlockHash] = [
-            BlockHash(int.from_bytes(d[-8:], "big")) for d in self.digests
-        ]
+        pd = request.prompt_digests
+        # A DigestChain (trace replay) is copied without cutting its bytes into digests.
+        self.digests: list[bytes] | DigestChain = (
+            pd.copy() if type(pd) is DigestChain else list(pd or ())
+        )
+        self.hashes: list[BlockHash] = (
+            list(request.prompt_hashes)
+            if request.prompt_hashes is not None
+            else [BlockHash(int.from_bytes(d[-8:], "big")) for d in self.digests]
+        )
         #: How many of ``blocks`` are registered in the pool's cache map.
         self.num_cached_blocks = 0
         self.status = Status.WAITING
@@ -148,7 +198,24 @@ class RequestState:
 
     @property
     def num_tokens(self) -> int:
-        return self.prompt_len + len(self.output)
+        return self.prompt_len + self.num_output
+
+    @property
+    def output(self) -> list[int]:
+        """The output token ids so far."""
+        return self.output_tokens(0, self.num_output)
+
+    def output_tokens(self, start: int, end: int) -> list[int]:
+        """Output token ids ``[start, end)`` (clipped to the tokens generated so far)."""
+        end = min(end, self.num_output)
+        if start >= end:
+            return []
+        pre = self.output_prefix
+        np_ = len(pre)
+        if end <= np_:
+            return list(pre[start:end])
+        head = list(pre[start:]) if start < np_ else []
+        return head + pseudo_tokens(self.seed, max(start, np_), end, self.vocab_size)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output."""
@@ -156,8 +223,8 @@ class RequestState:
         if end <= pl:
             return list(self.prompt[start:end])
         if start >= pl:
-            return self.output[start - pl : end - pl]
-        return list(self.prompt[start:pl]) + self.output[: end - pl]
+            return self.output_tokens(start - pl, end - pl)
+        return list(self.prompt[start:pl]) + self.output_tokens(0, end - pl)
 
     def __repr__(self) -> str:
         return (

@@ -31,6 +31,7 @@ transfer failed.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from data_plane.engines.kv_manager import KVCacheManager
 from data_plane.engines.profiles import Admission, HardwareProfile
 from data_plane.engines.request import EngineRequest, RequestState, Status, pseudo_token
 from data_plane.engines.timing import StepShape
+from schemas.events import KvEvent
 from schemas.types import RequestId, RequestPhase, WorkerRole
 
 _ROLE_PHASE = {
@@ -106,7 +108,7 @@ class Scheduler:
 
     def add_request(self, request: EngineRequest) -> RequestState:
         self.validate(request)
-        req = RequestState(request, self._arrivals)
+        req = RequestState(request, self._arrivals, self.profile.vocab_size)
         self._arrivals += 1
         phase = self.phase_of(request)
         req.transferred = phase is RequestPhase.DECODE
@@ -153,7 +155,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            n = req.prompt_len + len(req.output) - req.num_computed_tokens
+            n = req.prompt_len + req.num_output - req.num_computed_tokens
             if n > budget:
                 n = budget
             scheduled = True
@@ -173,10 +175,15 @@ class Scheduler:
         if not step.preempted:
             self._admit(step, budget)
 
-        step.shape = self._shape(entries)
-        for req, n, _ in entries:
-            req.num_computed_tokens += n
+        self.seal(step)
         return step
+
+    def seal(self, step: ScheduledStep) -> None:
+        """Close a plan: its shape (from the counters before the step), then count its tokens
+        as computed."""
+        step.shape = self._shape(step.entries)
+        for req, n, _ in step.entries:
+            req.num_computed_tokens += n
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         kv = self.kv
@@ -223,8 +230,8 @@ class Scheduler:
         """One token fed from an already computed context: a decode, not a prefill chunk."""
         return (
             n == 1
-            and req.num_computed_tokens == req.prompt_len + len(req.output) - 1
-            and (len(req.output) > 0 or req.transferred)
+            and req.num_computed_tokens == req.prompt_len + req.num_output - 1
+            and (req.num_output > 0 or req.transferred)
         )
 
     def _shape(self, entries: list[tuple[RequestState, int, bool]]) -> StepShape:
@@ -233,7 +240,7 @@ class Scheduler:
         for req, n, is_decode in entries:
             if is_decode:
                 d_seqs += 1
-                d_ctx += req.prompt_len + len(req.output)
+                d_ctx += req.prompt_len + req.num_output
             else:
                 ctx = req.num_computed_tokens
                 p_tokens += n
@@ -259,6 +266,137 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    # ----------------------------------------------------------------- coalesced decode steps
+    #
+    # Between events, an engine that only decodes runs identical steps: every running request
+    # feeds one token, nothing is admitted, nobody finishes, and the step's shape (hence its
+    # duration) is a closed-form function of the step number. ``decode_batch`` says whether the
+    # next step is such a step; ``decode_steps`` applies up to ``n`` of them at once with exactly
+    # the effects ``schedule`` + ``update`` would have had step by step. Per step, those effects
+    # are only: each request's counters advance by one, and ``allocate_slots(req, 1)`` does
+    # something only at a block boundary (a new block, or a block becoming full and cached).
+    # So the run visits just the steps where some request crosses a boundary, calls the very
+    # same ``allocate_slots`` there with the request's counters set to that step, and stops
+    # early wherever the step-by-step engine would have done something else:
+    #
+    # * an allocation would not fit (the engine would preempt): stop *before* that step;
+    # * a waiting request can be admitted (checked with the real ``_admit`` at the first step
+    #   and after every step that changed the pool; on other steps the pool, the waiting head,
+    #   the budget and the running count are all unchanged, so ``_admit`` would again admit
+    #   nothing), or a request finishes: that step is planned by the normal code from here
+    #   (returned as a ``ScheduledStep`` for the caller to finish like ``step()`` does).
+
+    def decode_batch(self) -> tuple[list[RequestState], int] | None:
+        """If the next step is a pure decode step of every running request: the batch (schedule
+        order) and the index of the first step in which one of them finishes. Else None."""
+        running = self.running
+        if not running or len(running) > self.profile.max_num_batched_tokens:
+            return None
+        first_finish = 1 << 62
+        for req in running:
+            no = req.num_output
+            if req.num_computed_tokens != req.prompt_len + no - 1 or not (no or req.transferred):
+                return None  # a prefill chunk (or a prompt's last token) is still to compute
+            left = 1 if req.hold else req.max_tokens - no
+            if left < first_finish:
+                first_finish = left
+        return list(running), first_finish - 1
+
+    def decode_steps(
+        self, batch: list[RequestState], n: int, finish_at: int | None
+    ) -> tuple[int, ScheduledStep | None, list[tuple[int, list[KvEvent]]]]:
+        """Apply up to ``n`` pure decode steps of ``batch`` (from :meth:`decode_batch`, nothing
+        changed since). ``finish_at`` is the step (< n) in which a request finishes, if any.
+
+        Returns ``(k, final, events)``: ``k`` steps were applied; ``final``, when not None, is
+        step ``k`` planned (running part and admissions, ``num_computed_tokens`` not yet
+        advanced) for the caller to finish as a normal step; ``events`` are the KV events each
+        applied step queued, as ``(step index, events)`` in order (the pool's queue keeps those
+        of ``final``, and any queued before step 0 count as step 0's, as they would).
+        """
+        kv = self.kv
+        pool = kv.pool
+        bs = self.block_size
+        caching = pool.enable_caching
+        nreq = len(batch)
+        c0 = [r.num_computed_tokens for r in batch]
+        o0 = [r.num_output for r in batch]
+        never = 1 << 62
+
+        def next_event(i: int, req: RequestState) -> int:
+            # First step j at which allocate_slots(req, 1) would act: the step feeding the first
+            # token past the allocated blocks, or the one filling the first uncached block.
+            j = len(req.blocks) * bs - c0[i]
+            if caching:
+                jc = (req.num_cached_blocks + 1) * bs - c0[i] - 1
+                if jc < j:
+                    j = jc
+            return j
+
+        heap = []
+        for i, req in enumerate(batch):
+            j = next_event(i, req)
+            if j < n:
+                heap.append((j, i))
+        heapq.heapify(heap)
+        waiting = self.waiting
+        budget = self.profile.max_num_batched_tokens - nreq
+        events: list[tuple[int, list[KvEvent]]] = []
+        queued_by = 0  # the step the pool's queued events belong to (leftovers: step 0's)
+        final: ScheduledStep | None = None
+        k = n
+        free_queue = pool.free_queue
+        # Steps where something may happen: boundaries (heap), step 0 (admission), the finish.
+        check0 = bool(waiting)
+        while True:
+            j = heap[0][0] if heap else never
+            if check0:
+                j = 0
+            if finish_at is not None and finish_at < j:
+                j = finish_at
+            if j >= n:
+                break
+            movers: list[int] = []
+            while heap and heap[0][0] == j:
+                movers.append(heapq.heappop(heap)[1])
+            movers.sort()  # schedule order
+            need = 0
+            for i in movers:
+                if c0[i] + j + 1 > len(batch[i].blocks) * bs:
+                    need += 1
+            if need > free_queue.num_free:
+                k = j  # the step-by-step engine preempts in step j: plan it normally
+                break
+            if pool._events and queued_by != j:
+                events.append((queued_by, pool.take_events()))
+            for i in movers:
+                req = batch[i]
+                req.num_computed_tokens = c0[i] + j
+                req.num_output = o0[i] + j
+                if not kv.allocate_slots(req, 1):  # pragma: no cover - counted above
+                    raise AssertionError("decode allocation failed after the free-block check")
+                nj = next_event(i, req)
+                if nj < n:
+                    heapq.heappush(heap, (nj, i))
+            if pool._events:
+                queued_by = j
+            if waiting and (check0 or movers) or j == finish_at:
+                check0 = False
+                step = ScheduledStep()
+                step.entries = [(req, 1, True) for req in batch]
+                if waiting:
+                    self._admit(step, budget)
+                if j == finish_at or len(step.entries) > nreq:
+                    final = step
+                    k = j
+                    break
+        if final is None and pool._events and queued_by < k:
+            events.append((queued_by, pool.take_events()))
+        for i, req in enumerate(batch):
+            req.num_computed_tokens = c0[i] + k
+            req.num_output = o0[i] + k
+        return k, final, events
+
     # -------------------------------------------------------------------------------- update
 
     def update(self, step: ScheduledStep) -> tuple[list[TokenOutput], list[RequestId]]:
@@ -271,13 +409,12 @@ class Scheduler:
         finished: list[RequestId] = []
         vocab = self.profile.vocab_size
         for req, _, _ in step.entries:
-            out = req.output
-            if req.num_computed_tokens < req.prompt_len + len(out):
+            idx = req.num_output
+            if req.num_computed_tokens < req.prompt_len + idx:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            idx = len(out)
             tok = pseudo_token(req.seed, idx, vocab)
-            out.append(tok)
-            done = req.hold or len(out) >= req.max_tokens
+            req.num_output = idx + 1
+            done = req.hold or idx + 1 >= req.max_tokens
             tokens.append(TokenOutput(req.request_id, idx, tok, done))
             if done:
                 finished.append(req.request_id)

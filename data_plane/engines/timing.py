@@ -87,6 +87,32 @@ class PolynomialTiming:
             ms += self.decode_ms(shape.decode_context_tokens / shape.kv_capacity_tokens)
         return ms
 
+    def decode_run_starts(
+        self, t0: float, t_limit: float, decode_seqs: int, context_tokens: int,
+        kv_capacity_tokens: int, max_steps: int,
+    ) -> list[float]:
+        """Start times ``[t0, t0 + d0, t0 + d0 + d1, ...]`` of back-to-back decode-only steps of
+        ``decode_seqs`` requests whose sequences add up to ``context_tokens`` in the first step
+        (each later step: ``decode_seqs`` more), until a step would start at or after
+        ``t_limit`` or ``max_steps`` steps: the list ends with the end of the last step taken.
+        ``d_i`` is :meth:`step_ms` of step ``i``'s shape with the same float operations in the
+        same order, and the sum is taken left to right like the simulator's clock, so every
+        time is the same float the step-by-step loop computes."""
+        out = [t0]
+        append = out.append
+        t = t0
+        ctx = context_tokens
+        floor, d0, d1, d2 = self.decode_floor_ms, self.decode_d0, self.decode_d1, self.decode_d2
+        n = 0
+        while n < max_steps and t < t_limit:
+            u = ctx / kv_capacity_tokens
+            v = d2 * u * u + d1 * u + d0
+            t = t + (0.0 + (v if v > floor else floor))  # step_ms: 0.0 + max(floor, v)
+            append(t)
+            ctx += decode_seqs
+            n += 1
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class RooflineTiming:
@@ -125,3 +151,51 @@ class RooflineTiming:
         t_flops = flops / (self.peak_flops * self.mfu)
         seqs = shape.prefill_seqs + shape.decode_seqs
         return self.fixed_overhead_ms + self.per_seq_overhead_ms * seqs + 1e3 * max(t_mem, t_flops)
+
+    def decode_run_starts(
+        self, t0: float, t_limit: float, decode_seqs: int, context_tokens: int,
+        kv_capacity_tokens: int, max_steps: int,
+    ) -> list[float]:
+        """See :meth:`PolynomialTiming.decode_run_starts`; ``step_ms`` of a decode-only shape,
+        term for term."""
+        out = [t0]
+        append = out.append
+        t = t0
+        ctx = context_tokens
+        seqs = 0 + decode_seqs
+        tokens = 0 + decode_seqs
+        flops_tokens = 2.0 * self.params * tokens
+        bw = self.mem_bandwidth * self.mbu
+        peak = self.peak_flops * self.mfu
+        overhead = self.fixed_overhead_ms + self.per_seq_overhead_ms * seqs
+        n = 0
+        while n < max_steps and t < t_limit:
+            mem = self.weight_bytes + self.kv_bytes_per_token * (ctx + 0)
+            flops = flops_tokens + self.attn_flops_per_pair * (0.0 + ctx)
+            t = t + (overhead + 1e3 * max(mem / bw, flops / peak))
+            append(t)
+            ctx += decode_seqs
+            n += 1
+        return out
+
+
+def decode_run_starts(
+    model: TimingModel, t0: float, t_limit: float, decode_seqs: int, context_tokens: int,
+    kv_capacity_tokens: int, max_steps: int,
+) -> list[float]:
+    """Start times of back-to-back decode-only steps (see
+    :meth:`PolynomialTiming.decode_run_starts`), from the model's own loop when it has one,
+    else from ``model.step_ms`` step by step."""
+    fast = getattr(model, "decode_run_starts", None)
+    if fast is not None:
+        return fast(t0, t_limit, decode_seqs, context_tokens, kv_capacity_tokens, max_steps)
+    out = [t0]
+    t = t0
+    ctx = context_tokens
+    while len(out) <= max_steps and t < t_limit:
+        t = t + model.step_ms(
+            StepShape(decode_seqs=decode_seqs, decode_context_tokens=ctx, kv_capacity_tokens=kv_capacity_tokens)
+        )
+        out.append(t)
+        ctx += decode_seqs
+    return out

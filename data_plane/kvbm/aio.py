@@ -36,6 +36,11 @@ class AsyncKvbm:
         slot is about to be reused)."""
         return self._pool.submit(self.manager.on_device_evicted, block_hash, parent_hash, data)
 
+    def submit_device_evicted_many(self, evicted: Sequence[tuple[BlockHash, BlockHash | None]]
+                                   ) -> concurrent.futures.Future:
+        """Queue the offload of one step's evictions as one call (merged events)."""
+        return self._pool.submit(self.manager.on_device_evicted_many, list(evicted))
+
     async def on_device_evicted(self, block_hash: BlockHash, parent_hash: BlockHash | None = None,
                                 data: Buffer | None = None) -> Tier | None:
         return await self._run(self.manager.on_device_evicted, block_hash, parent_hash, data)

@@ -36,8 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from control_plane.tokenizer import HashTokenizer, Tokenizer
 from data_plane.workers.service import CompletionInput, Run, Worker, WorkerError
+from kernel.tokenizer import HashTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,9 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(worker: WorkerDep) -> dict[str, Any]:
-        prof = worker.engine.core.profile
         return {"object": "list", "data": [{
             "id": worker.s.model, "object": "model", "created": worker.epoch // 1000,
-            "owned_by": "switchyard", "root": prof.name,
-            "max_model_len": prof.num_device_blocks * prof.block_size}]}
+            "owned_by": "switchyard", **worker.engine.model_info()}]}
 
     @app.get("/health")
     async def health(worker: WorkerDep) -> JSONResponse:
@@ -213,6 +211,29 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
         md = worker.plane.metadata()
         return Response(md.encode(), media_type="application/msgpack",
                         headers={"X-Nixl-Agent": md.agent_name})
+
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(worker: WorkerDep) -> JSONResponse:
+        """Real engines only (vLLM): empty the device prefix cache; the engine's own
+        AllBlocksCleared event tells the index."""
+        reset = getattr(worker.engine, "reset_prefix_cache", None)
+        if reset is None:
+            return JSONResponse(error_body("this engine has no prefix-cache reset", "invalid_request_error", 400), 400)
+        return JSONResponse({"reset": await reset()})
+
+    @app.post("/admin/kv_bridge/{action}")
+    async def kv_bridge(action: str, worker: WorkerDep, from_seq: int | None = None) -> JSONResponse:
+        """Real engines only (vLLM): ``stop`` or ``start`` the KV event bridge (``start``
+        takes ``from_seq``: a bridge that lost its position fills the gap from vLLM's replay
+        endpoint)."""
+        fn = getattr(worker.engine, f"{action}_bridge", None) if action in ("stop", "start") else None
+        if fn is None:
+            return JSONResponse(error_body(f"no KV bridge action {action!r} on this engine",
+                                           "invalid_request_error", 400), 400)
+        try:
+            return JSONResponse({"expected_seq": await (fn(from_seq) if action == "start" else fn())})
+        except RuntimeError as e:
+            return JSONResponse(error_body(str(e), "invalid_request_error", 409), 409)
 
     @app.get("/debug/state")
     async def debug_state(worker: WorkerDep) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A worker's own past, read back from the log at start-up.
 
 The ``kv`` and ``workers`` topics are keyed by worker id, and producers place a key on partition
-``xxh64(key) % partitions`` (:class:`control_plane.bus.kafka.EventProducer`), so one worker's
+``xxh64(key) % partitions`` (:class:`kernel.log.kafka.EventProducer`), so one worker's
 whole history sits in one partition of each topic. Reading those two partitions, keeping only
 records with this worker's key, gives:
 
@@ -16,7 +16,6 @@ records with this worker's key, gives:
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass, field
 
 import xxhash
@@ -60,55 +59,23 @@ def read_own_history(bus, worker_id: str, *, streams: tuple[str, ...] = ("kv", "
                      timeout_s: float = 30.0) -> OwnHistory:
     """Read every record keyed ``worker_id`` from its partition of each stream, up to the end
     offsets as of the call."""
-    import time
-
-    from confluent_kafka import Consumer, TopicPartition
-
-    from control_plane.bus.catalog import Catalog
-    from schemas import EventCodec, SchemaError
+    from kernel.log.catalog import Catalog
+    from kernel.log.reader import KafkaLogReader, ScanStats, scan_events
 
     catalog = Catalog(bus.topic_prefix)
-    codec = EventCodec()
-    key = worker_id.encode()
     out = OwnHistory()
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"sy-history-{uuid.uuid4().hex}",
-                  "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                  "logger": logging.getLogger("switchyard.rdkafka")})
-    try:
+    with KafkaLogReader(bus.bootstrap, timeout_s=timeout_s) as reader:
         for stream in streams:
             topic = catalog.topic(stream)
-            md = c.list_topics(topic, timeout=10).topics.get(topic)
-            if md is None or md.error is not None or not md.partitions:
-                raise RuntimeError(f"topic {topic} does not exist; run `switchyard topics apply`")
-            p = partition_for(worker_id, len(md.partitions))
-            lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if hi <= lo:
-                continue
-            c.assign([TopicPartition(topic, p, lo)])
-            deadline = time.monotonic() + timeout_s
-            pos = lo
-            while pos < hi:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"reading {topic}:{p} stalled at {pos} of {hi}")
-                for m in c.consume(1000, 0.5):
-                    if m.error():
-                        continue
-                    pos = m.offset() + 1
-                    if m.key() != key:
-                        continue
-                    out.records += 1
-                    try:
-                        env = codec.decode(m.value())
-                    except SchemaError:
-                        out.undecodable += 1
-                        continue
-                    if env.producer == worker_id:
-                        out.last_epoch = env.epoch if out.last_epoch is None else max(out.last_epoch, env.epoch)
-                    if stream == "kv":
-                        out.kv_events.append(env.data)
-            c.unassign()
-    finally:
-        c.close()
+            p = partition_for(worker_id, len(reader.partitions(topic)))
+            stats = ScanStats()
+            for _, env in scan_events(reader, topic, partitions=[p], key=worker_id.encode(), stats=stats):
+                if env.producer == worker_id:
+                    out.last_epoch = env.epoch if out.last_epoch is None else max(out.last_epoch, env.epoch)
+                if stream == "kv":
+                    out.kv_events.append(env.data)
+            out.records += stats.records
+            out.undecodable += stats.undecodable
     log.info("history of %s: %d records, last epoch %s, %d kv events", worker_id, out.records,
              out.last_epoch, len(out.kv_events))
     return out

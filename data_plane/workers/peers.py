@@ -115,7 +115,7 @@ class PeerDirectory:
     def _run(self, bus) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-        from control_plane.bus.catalog import Catalog
+        from kernel.log.catalog import Catalog
         from schemas import EventCodec, SchemaError
         from schemas.events import WorkerDeregistered, WorkerRegistered
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import msgspec
 
-from control_plane.index.hashing import HashConfig, hash_blocks
 from data_plane.engines import AsyncEngine, EngineRequest, RequestRejected
 from data_plane.kvbm import AsyncKvbm
 from data_plane.transfer import (
@@ -57,6 +56,7 @@ from data_plane.workers.metrics import WorkerMetrics
 from data_plane.workers.peers import PeerDirectory
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import NotificationPoller, TransferPlane
+from kernel.hashing import HashConfig, hash_blocks
 from schemas.events import (
     Event,
     KvTransferCompleted,
@@ -173,6 +173,27 @@ class Run:
         self.worker._inflight.pop(self.request_id, None)
 
 
+def _event_params(params: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_params`` in the shape ``PrefillCompleted`` declares (scalars and
+    lists of ints): per-group block id lists (``[[...], ...]``) keep the first group, as
+    :func:`data_plane.vllm.engine.parse_kv_transfer_params` reads them; anything else that is
+    not a scalar is recorded as its JSON text. The response keeps vLLM's original object."""
+    import json
+
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if v is None or isinstance(v, (str, bool, int, float)):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            out[k] = list(v)
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (list, tuple)) for x in v) \
+                and all(isinstance(y, int) for y in v[0]):
+            out[k] = list(v[0])
+        else:
+            out[k] = json.dumps(v, default=str)
+    return out
+
+
 class Worker:
     """A started worker: engine, KVBM, NIXL region and producer, wired (see ``wiring``)."""
 
@@ -206,7 +227,10 @@ class Worker:
         self._delivery = threading.Thread(target=self._serve_delivery_reports, name="delivery-reports",
                                           daemon=True)
         self.stats = {"pulls_ok": 0, "pulls_failed": 0, "blocks_verified": 0, "holds_consumed": 0,
-                      "holds_expired": 0, "holds_released": 0, "quarantined_slots": 0}
+                      "holds_expired": 0, "holds_released": 0, "quarantined_slots": 0,
+                      "staging_waits": 0, "staging_wait_timeouts": 0, "handoffs_without_kv": 0}
+        #: Set whenever staging slots are freed; a handoff waiting for slots re-tries then.
+        self._slots_freed = asyncio.Event()
         self.last_pull_error = ""
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -214,7 +238,8 @@ class Worker:
     async def start(self) -> None:
         """Serve: engine stepping, notification polling, lease expiry, load reports."""
         self._loop = asyncio.get_running_loop()
-        await self.engine.start()
+        if not getattr(self.engine, "running", False):
+            await self.engine.start()
         self._poller.start()
         self._delivery.start()
         self._tasks = [asyncio.create_task(self._report_load(), name="load-reports"),
@@ -286,12 +311,18 @@ class Worker:
         def on_ack(ack) -> None:  # noqa: ANN001 - runs in the delivery-report thread
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(ack))
 
+        t0 = time.monotonic()
         self.producer.publish(payload, correlation_id=correlation_id, on_ack=on_ack)
         try:
             ack = await asyncio.wait_for(fut, self.s.ack_timeout_s)
         except TimeoutError:
+            log.error("the event log did not acknowledge %s of %s within %gs (%d events awaiting delivery)",
+                      payload.TYPE, correlation_id, self.s.ack_timeout_s, self.producer.outstanding())
             raise Unavailable(f"the event log did not acknowledge {payload.TYPE} within "
                               f"{self.s.ack_timeout_s:g}s") from None
+        waited = time.monotonic() - t0
+        if waited > 1.0:
+            log.warning("the event log took %.1fs to acknowledge %s of %s", waited, payload.TYPE, correlation_id)
         if ack.error:
             raise Unavailable(f"the event log refused {payload.TYPE}: {ack.error}")
 
@@ -334,6 +365,8 @@ class Worker:
         if not inp.prompt:
             raise BadRequest("prompt is empty", "prompt")
         params = inp.kv_transfer_params
+        if getattr(self.engine, "real_kv", False):
+            return self._open_real(inp)
         try:
             decode = parse_decode_params(params)
         except InvalidTransfer as e:
@@ -356,11 +389,20 @@ class Worker:
                 run._gen = self._prefill(run, stream, inp)
             elif decode is not None and decode.blocks:
                 # Checked now so a request that can never run is a 400, not a failure later.
-                self.engine.core.validate_request(EngineRequest(
+                self.engine.validate(EngineRequest(
                     request_id=rid, prompt=inp.prompt, max_tokens=inp.max_tokens,
                     phase=RequestPhase.AGGREGATED))
                 run._gen = self._decode(run, inp, decode)
             else:
+                if decode is None and params and params.get("remote_engine_id") and params.get("reason"):
+                    # The prefill computed the prompt but could not hold it for us: recomputing
+                    # here is the recorded fallback, never a silent one.
+                    self.stats["handoffs_without_kv"] += 1
+                    self.publish(KvTransferFailed(
+                        request_id=rid, transfer_id=uuid.uuid4().hex, src_worker=str(params["remote_engine_id"]),
+                        dst_worker=self.worker_id, blocks=0, backend=BACKEND, duration_ms=0.0,
+                        reason=f"prefill held no KV: {params['reason']}"[:500], fallback="recompute"),
+                        correlation_id=rid)
                 prefix = tuple(decode.first_token_ids[: inp.max_tokens - 1]) if decode else ()
                 stream = self.engine.submit(EngineRequest(
                     request_id=rid, prompt=inp.prompt, max_tokens=inp.max_tokens,
@@ -395,6 +437,125 @@ class Worker:
         async for tok in self._tokens(run, stream):
             yield tok
 
+    # -- a real engine (vLLM): its KV connector moves the KV ----------------------------------
+
+    def _open_real(self, inp: CompletionInput) -> Run:
+        """Requests to an engine with real KV (vLLM). ``kv_transfer_params`` go to the engine
+        unchanged: vLLM's NixlConnector holds the prefill's blocks and the decode side READs
+        them (its protocol, as vLLM's disaggregated proxy drives it). This worker records the
+        facts around it: ``PrefillCompleted`` (acked before the params are revealed), and on
+        the decode side ``KvTransferStarted`` then ``KvTransferCompleted`` or, when vLLM
+        reports a failed READ or handshake and recomputes (``kv_load_failure_policy=
+        "recompute"``), ``KvTransferFailed(fallback="recompute")``."""
+        rid = inp.request_id
+        params = inp.kv_transfer_params or None
+        if params and not self.engine.moves_kv:
+            raise BadRequest(f"worker {self.worker_id} runs its engine without a KV connector: "
+                             "it cannot take part in a disaggregated handoff", "kv_transfer_params")
+        if rid in self._inflight:
+            raise BadRequest(f"request id {rid!r} is already in use on this worker", "request_id")
+        prefill = bool(params and params.get("do_remote_decode"))
+        pull = bool(params and params.get("do_remote_prefill"))
+        if pull and not params.get("remote_block_ids"):
+            # Nothing to read (prompt shorter than a block, or the prefill had no blocks).
+            params, pull = None, False
+        req = EngineRequest(request_id=rid, prompt=inp.prompt, max_tokens=1 if prefill else inp.max_tokens,
+                            phase=RequestPhase.PREFILL if prefill else RequestPhase.AGGREGATED)
+        run = Run(self, inp)
+        mark = self.engine.transfer_mark() if pull else None
+        try:
+            stream = self.engine.submit(req, kv_transfer_params=self._engine_params(params))
+        except RequestRejected as e:
+            raise BadRequest(str(e)) from None
+        run.in_engine = True
+        if prefill:
+            run._gen = self._real_prefill(run, stream)
+        elif pull:
+            run._gen = self._real_decode(run, stream, params, mark)
+        else:
+            run._gen = self._settled(run, stream, inp.prompt)
+        self._inflight[rid] = run
+        return run
+
+    async def _settled(self, run: Run, stream, prompt: list[int]) -> AsyncIterator[Token]:  # noqa: ANN001
+        """The engine's tokens, the last one held back until the prompt's KV stores are in the
+        log (:meth:`VllmServingEngine.settle`): "finished" then implies "routable"."""
+        async for tok in self._tokens(run, stream):
+            if tok.finish_reason is not None:
+                if not await self.engine.settle(prompt):
+                    log.debug("request %s: its KV stores were not all in the log within the settle "
+                              "window", run.request_id)
+            yield tok
+
+    @staticmethod
+    def _engine_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not params:
+            return None
+        # Our additions (who the holder is) stay out of vLLM's connector.
+        return {k: v for k, v in params.items() if not k.startswith("switchyard_")}
+
+    async def _real_prefill(self, run: Run, stream) -> AsyncIterator[Token]:  # noqa: ANN001
+        tokens = [t async for t in self._tokens(run, stream)]
+        params = dict(stream.kv_transfer_params or {})
+        params["switchyard_worker_id"] = self.worker_id
+        params["switchyard_bytes_per_block"] = self.engine.bytes_per_block
+        run.kv_transfer_params = params
+        await self.publish_acked(PrefillCompleted(
+            request_id=run.request_id, worker_id=self.worker_id, prompt_tokens=run.prompt_tokens,
+            cached_tokens=run.cached_tokens, duration_ms=(time.monotonic() - run.arrival) * 1e3,
+            kv_transfer_params=_event_params(params)), correlation_id=run.request_id)
+        for t in tokens:
+            yield t
+
+    async def _real_decode(self, run: Run, stream, params: dict[str, Any], mark) -> AsyncIterator[Token]:  # noqa: ANN001
+        block_ids = params.get("remote_block_ids") or []
+        if block_ids and isinstance(block_ids[0], (list, tuple)):
+            block_ids = block_ids[0]
+        n = len(block_ids)
+        nbytes = n * int(params.get("switchyard_bytes_per_block") or self.engine.bytes_per_block)
+        common = dict(request_id=run.request_id, transfer_id=uuid.uuid4().hex,
+                      src_worker=str(params.get("switchyard_worker_id") or params.get("remote_engine_id")),
+                      dst_worker=self.worker_id, blocks=n, backend="NIXL/UCX (vLLM NixlConnector)")
+        self.publish(KvTransferStarted(**common, bytes=nbytes), correlation_id=run.request_id)
+        t0 = time.monotonic()
+        first = True
+        self._pulling += 1
+        try:
+            async for tok in self._tokens(run, stream):
+                if first:
+                    first = False
+                    self._pulling -= 1
+                    await self._record_real_pull(common, nbytes, t0, mark)
+                yield tok
+        finally:
+            if first:
+                self._pulling -= 1
+
+    async def _record_real_pull(self, common: dict[str, Any], nbytes: int, t0: float, mark) -> None:  # noqa: ANN001
+        # vLLM's connector stats arrive with the scheduler stats of the step that finished the
+        # READ; a step later at most, so the window since the request's submission holds them.
+        # With several pulls in flight at once the window is shared: the failure count is then
+        # the engine's, not this request's alone (documented in docs/vllm.md).
+        duration_ms = (time.monotonic() - t0) * 1e3
+        win = self.engine.transfer_since(mark)
+        m = self.metrics
+        if win.failures:
+            self.stats["pulls_failed"] += 1
+            m.labels(m.transfers, "failed").inc()
+            self.last_pull_error = f"vLLM NixlConnector reported {win.failures} failed transfer(s)/handshake(s)"
+            await self.publish_acked(KvTransferFailed(**common, duration_ms=duration_ms, reason=self.last_pull_error,
+                                                      fallback="recompute"), correlation_id=common["request_id"])
+            return
+        self.stats["pulls_ok"] += 1
+        self.stats["blocks_verified"] += common["blocks"]
+        m.labels(m.transfers, "completed").inc()
+        m.labels(m.transfer_bytes).inc(nbytes)
+        log.info("vLLM pulled %d blocks (%d bytes) of %s from %s: first token after %.1f ms, NIXL reported "
+                 "%d transfers, %d bytes, %.1f ms", common["blocks"], nbytes, common["request_id"],
+                 common["src_worker"], duration_ms, win.transfers, win.bytes, win.duration_s * 1e3)
+        await self.publish_acked(KvTransferCompleted(**common, bytes=win.bytes or nbytes, duration_ms=(
+            win.duration_s * 1e3 if win.transfers else duration_ms)), correlation_id=common["request_id"])
+
     # -- prefill side of a handoff ----------------------------------------------------------
 
     async def _prefill(self, run: Run, stream, inp: CompletionInput) -> AsyncIterator[Token]:  # noqa: ANN001
@@ -427,18 +588,19 @@ class Worker:
             self.engine.release(rid)
             return self._params(Handoff(request_id=rid, agent_name=self.plane.agent_name,
                                         block_ids=[], expires_at=now), [], first_tokens)
-        slots = self.plane.slots.allocate(len(hashes))
+        slots, waited = await self._staging(len(hashes))
         if slots is None:
             self.engine.release(rid)
-            log.warning("request %s: %d staging slots needed, %d free: no handoff, the decode side "
-                        "recomputes", rid, len(hashes), self.plane.slots.free_count)
+            reason = (f"{len(hashes)} staging slots needed, {self.plane.slots.free_count} of "
+                      f"{self.plane.slots.count} free after waiting {waited * 1e3:.0f} ms")
+            log.warning("request %s: %s: no handoff, the decode side recomputes", rid, reason)
             return {"do_remote_prefill": False, "do_remote_decode": False,
                     "remote_engine_id": self.worker_id, "first_token_ids": first_tokens,
-                    "reason": "no free staging slots"}
+                    "reason": reason}
         try:
             await asyncio.to_thread(self.plane.fill, slots, hashes)
         except BaseException:
-            self.plane.slots.free(slots)
+            self._free_slots(slots)
             self.engine.release(rid)
             raise
         hold = self.holds.hold(rid, slots, self._clock(), self.s.lease_s)
@@ -473,9 +635,37 @@ class Worker:
         if rel is not None:
             self._released(rel)
 
+    async def _staging(self, n: int) -> tuple[list[int] | None, float]:
+        """``n`` staging slots, waiting (bounded by ``staging_wait_s``) while other handoffs hold
+        them; returns the slots (None when none came in time) and the seconds waited. A burst
+        of handoffs queues here instead of falling back to recompute."""
+        slots = self.plane.slots.allocate(n)
+        if slots is not None or n > self.plane.slots.count:
+            return slots, 0.0
+        self.stats["staging_waits"] += 1
+        t0 = time.monotonic()
+        deadline = t0 + self.s.staging_wait_s
+        while True:
+            self._slots_freed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.stats["staging_wait_timeouts"] += 1
+                return None, time.monotonic() - t0
+            try:
+                await asyncio.wait_for(self._slots_freed.wait(), remaining)
+            except TimeoutError:
+                pass
+            slots = self.plane.slots.allocate(n)
+            if slots is not None:
+                return slots, time.monotonic() - t0
+
+    def _free_slots(self, slots: list[int]) -> None:
+        self.plane.slots.free(slots)
+        self._slots_freed.set()
+
     def _released(self, rel: Released) -> None:
         self.engine.release(rel.request_id)
-        self.plane.slots.free(rel.block_ids)
+        self._free_slots(rel.block_ids)
         self._held.discard(rel.request_id)
         self.stats[f"holds_{rel.reason.value}"] += 1
         m = self.metrics
@@ -532,9 +722,10 @@ class Worker:
         self._pulling += 1
         try:
             if reason is None:
-                local = self.plane.slots.allocate(n)
+                local, waited = await self._staging(n)
                 if local is None:
-                    reason = f"no free staging slots ({n} needed, {self.plane.slots.free_count} free)"
+                    reason = (f"no free staging slots ({n} needed, {self.plane.slots.free_count} free "
+                              f"after waiting {waited * 1e3:.0f} ms)")
             if reason is None:
                 assert local is not None
                 job = asyncio.ensure_future(asyncio.to_thread(self._pull_blocking, h, local))
@@ -544,7 +735,7 @@ class Worker:
                     # The client left; the READ may still be landing in our slots: free them
                     # only once it is over.
                     slots, local = local, None
-                    job.add_done_callback(lambda _f: self.plane.slots.free(slots))
+                    job.add_done_callback(lambda _f: self._free_slots(slots))
                     self.publish(KvTransferFailed(**common, duration_ms=(time.monotonic() - t0) * 1e3,
                                                   reason="request cancelled", fallback="failed"),
                                  correlation_id=request_id)
@@ -562,7 +753,7 @@ class Worker:
         finally:
             self._pulling -= 1
             if local is not None:
-                self.plane.slots.free(local)
+                self._free_slots(local)
         duration_ms = (time.monotonic() - t0) * 1e3
         m = self.metrics
         if reason is None:
@@ -617,11 +808,12 @@ class Worker:
             "agent_name": self.plane.agent_name,
             "inflight": len(self._inflight), "holds": len(self.holds),
             "staging_free": self.plane.slots.free_count, "staging_total": self.plane.slots.count,
-            "device_cached": sorted(int(h) for h in self.engine.core.pool.cached_hashes()),
+            "device_cached": sorted(self.engine.cached_hashes()),
             "tiers": {t.value: [int(h) for h in hs] for t, hs in residency.items() if t is not Tier.DEVICE},
             "engine": {"running": st.running, "waiting": st.waiting, "held": st.held,
                        "free_blocks": st.free_blocks, "kv_usage": st.kv_usage},
             "transfers": dict(self.stats), "last_pull_error": self.last_pull_error,
             "peers": {"from_log": self.peers.from_log, "from_side_channel": self.peers.from_side_channel},
+            **({"vllm": self.engine.debug()} if hasattr(self.engine, "debug") else {}),
             "events_acked": self.producer.acked, "events_failed": len(self.producer.failed),
         }

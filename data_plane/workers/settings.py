@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_plane.kvbm import KvbmSettings, S3Settings
+from data_plane.vllm.serving import VllmEngineSettings
 from schemas.types import PoolName, WorkerId, WorkerRole
-
 
 #: Object-tier quota when a bucket is given without one.
 DEFAULT_OBJECT_BLOCKS = 1_000_000
@@ -62,8 +62,13 @@ class WorkerSettings:
     #: block hash so every reader can verify it).
     bytes_per_block: int = 16 * 1024
     #: Staging slots of the NIXL region for handoffs (prefill: blocks held for a decode peer;
-    #: decode: blocks being read). A handoff needs one slot per full prompt block.
-    transfer_blocks: int = 1024
+    #: decode: blocks being read). A handoff needs one slot per full prompt block. 0 sizes it
+    #: from the pool: as many slots as the engine has device blocks, so whatever the device
+    #: can hold can be handed off (a fixed 1,024 made 74% of a burst's handoffs recompute).
+    transfer_blocks: int = 0
+    #: How long a handoff waits for staging slots held by other handoffs before it gives up
+    #: (prefill: the decode side recomputes; decode: it recomputes), recorded either way.
+    staging_wait_s: float = 10.0
     #: How long a prefill holds a handoff's blocks for its decode peer (vLLM: 30 s).
     lease_s: float = 30.0
     #: A READ must be able to finish this long before the lease ends, else it is not started.
@@ -79,6 +84,11 @@ class WorkerSettings:
     drain_timeout_s: float = 30.0
     #: Read this worker's own kv/workers history at start-up (epoch, persistent residency).
     read_history: bool = True
+    #: ``sim`` (the simulated engine, default) or ``vllm`` (a real vLLM in this process,
+    #: configured by ``vllm``; ``profile``/``speedup``/``block_size``/``device_blocks`` are
+    #: then unused: vLLM's own configuration says them).
+    engine: str = "sim"
+    vllm: VllmEngineSettings = field(default_factory=VllmEngineSettings)
 
     def __post_init__(self) -> None:
         if not self.worker_id or ":" in self.worker_id:
@@ -91,9 +101,10 @@ class WorkerSettings:
             raise WorkerConfigError(f"port {self.port} out of range")
         if self.bytes_per_block <= 0:
             raise WorkerConfigError("bytes_per_block must be > 0")
-        if self.transfer_blocks <= 0:
-            raise WorkerConfigError("transfer_blocks must be > 0: the NIXL region needs staging "
-                                    "slots for handoffs")
+        if self.transfer_blocks < 0:
+            raise WorkerConfigError("transfer_blocks must be >= 0 (0: as many as the device blocks)")
+        if self.staging_wait_s < 0:
+            raise WorkerConfigError("staging_wait_s must be >= 0")
         if self.object_blocks is None:
             object.__setattr__(self, "object_blocks", DEFAULT_OBJECT_BLOCKS if self.s3_bucket else 0)
         for name in ("host_blocks", "disk_blocks", "object_blocks"):
@@ -105,15 +116,30 @@ class WorkerSettings:
         if self.lease_s <= self.lease_margin_s:
             raise WorkerConfigError(f"lease_s ({self.lease_s}) must exceed lease_margin_s "
                                     f"({self.lease_margin_s}), else no READ could ever start")
+        if self.engine not in ("sim", "vllm"):
+            raise WorkerConfigError(f"engine {self.engine!r}: 'sim' or 'vllm'")
+        tiers = bool(self.host_blocks or self.disk_blocks or self.object_blocks)
+        if self.engine == "vllm" and tiers and self.vllm.kv_connector != "switchyard":
+            raise WorkerConfigError("KV tiers under vLLM are served to it by SwitchyardKVConnector: "
+                                    "add --vllm-kv-connector switchyard")
+        if self.engine == "vllm" and self.vllm.kv_connector == "switchyard" and not self.host_blocks:
+            raise WorkerConfigError("--vllm-kv-connector switchyard needs --host-blocks > 0: vLLM "
+                                    "loads every tier hit from the host pool")
         if self.load_interval_s <= 0:
             raise WorkerConfigError("load_interval_s must be > 0")
 
-    @property
-    def region_blocks(self) -> int:
-        """Blocks of the NIXL-registered region: the host pool, then the staging slots."""
-        return self.host_blocks + self.transfer_blocks
+    def staging_blocks(self, device_blocks: int) -> int:
+        """Staging slots for an engine with ``device_blocks`` device blocks."""
+        return self.transfer_blocks or device_blocks
 
-    def kvbm_settings(self, *, block_size: int, hash_algo: str) -> KvbmSettings:
+    def region_blocks(self, device_blocks: int) -> int:
+        """Blocks of the NIXL-registered region: the host pool, then the staging slots."""
+        return self.host_blocks + self.staging_blocks(device_blocks)
+
+    def kvbm_settings(self, *, block_size: int, hash_algo: str,
+                      bytes_per_block: int | None = None) -> KvbmSettings:
+        """``bytes_per_block``: the engine's real block size when it has one (vLLM), else
+        ``self.bytes_per_block`` (the simulated engine's synthetic blocks)."""
         s3 = None
         if self.object_blocks:
             assert self.s3_bucket is not None
@@ -121,7 +147,7 @@ class WorkerSettings:
                             create_bucket=self.s3_endpoint is not None)
         return KvbmSettings(
             worker_id=self.worker_id,
-            bytes_per_block=self.bytes_per_block,
+            bytes_per_block=bytes_per_block or self.bytes_per_block,
             block_size=block_size,
             hash_algo=hash_algo,
             host_capacity=self.host_blocks,
@@ -132,5 +158,7 @@ class WorkerSettings:
             # The engine publishes BlockRemoved(device) for every eviction itself; an offload
             # is then reported as BlockStored(host) (see the KVBM README).
             device_eviction_events=False,
-            verify_synthetic_content=True,
+            # Synthetic content is the simulated engine's; vLLM's real bytes are checked by
+            # the frame checksum alone.
+            verify_synthetic_content=self.engine == "sim",
         )

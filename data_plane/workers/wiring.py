@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,9 +33,6 @@ import time
 
 import numpy as np
 
-from control_plane.bus.kafka import EventProducer
-from control_plane.settings import BusSettings
-from control_plane.tokenizer import HashTokenizer
 from data_plane.engines import AsyncEngine, EngineCore, default_hash_config, load_profile
 from data_plane.kvbm import AsyncKvbm, build_kvbm, claimed_persistent
 from data_plane.workers.history import OwnHistory, next_epoch, read_own_history
@@ -42,6 +41,9 @@ from data_plane.workers.peers import PeerDirectory
 from data_plane.workers.service import Worker
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import TransferPlane
+from kernel.log.kafka import EventProducer
+from kernel.settings import BusSettings
+from kernel.tokenizer import HashTokenizer
 from schemas.events import AllBlocksCleared, BlockStored, WorkerRegistered
 from schemas.types import Tier, WorkerRole
 
@@ -70,20 +72,42 @@ async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str) -
     epoch = next_epoch(time.time_ns() // 1_000_000, history.last_epoch)
     producer = EventProducer(bus, wid, epoch)
 
-    profile = load_profile(s.profile)
-    overrides = {k: v for k, v in (("block_size", s.block_size), ("num_device_blocks", s.device_blocks))
-                 if v is not None}
-    if overrides:
-        profile = profile.replace(**overrides)
-    hash_config = default_hash_config(profile.block_size)
+    if s.engine == "vllm":
+        from data_plane.vllm.serving import VllmServingEngine
 
-    bpb = s.bytes_per_block
-    region = np.zeros(s.region_blocks * bpb, dtype=np.uint8)
-    manager = build_kvbm(s.kvbm_settings(block_size=profile.block_size, hash_algo=hash_config.hash_algo),
+        real = VllmServingEngine(s.vllm, worker_id=wid, sink=producer)
+        block_size, hash_config = real.block_size, real.hash_config
+    else:
+        real = None
+        profile = load_profile(s.profile)
+        overrides = {k: v for k, v in (("block_size", s.block_size), ("num_device_blocks", s.device_blocks))
+                     if v is not None}
+        if overrides:
+            profile = profile.replace(**overrides)
+        block_size = profile.block_size
+        hash_config = default_hash_config(profile.block_size)
+
+    # vLLM with SwitchyardKVConnector: the tiers hold vLLM's real blocks, of the model's size.
+    bpb = real.kv_bytes_per_block if real is not None and real.uses_tiers else s.bytes_per_block
+    # Staging sized from the pool: the simulated engine's device blocks (vLLM moves its own KV
+    # through its NixlConnector, so its staging only needs the old fixed default).
+    device_blocks = profile.num_device_blocks if real is None else 1024
+    staging = s.staging_blocks(device_blocks)
+    nbytes = s.region_blocks(device_blocks) * bpb
+    # Under the switchyard connector the region is shared memory: vLLM's engine core reads the
+    # host pool at its head.
+    region = real.allocate_region(nbytes) if real is not None else np.zeros(nbytes, dtype=np.uint8)
+    manager = build_kvbm(s.kvbm_settings(block_size=block_size, hash_algo=hash_config.hash_algo,
+                                         bytes_per_block=bpb),
                          producer, host_buffer=region[: s.host_blocks * bpb] if s.host_blocks else None)
     kvbm = AsyncKvbm(manager)
+    # UCX (under NIXL) listens on every interface unless told otherwise: a worker bound to
+    # loopback keeps its KV transfers there too. An explicit UCX_NET_DEVICES (or vLLM's
+    # --vllm-ucx-net-devices, set before this) wins.
+    if _is_loopback(s.host):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
     plane = TransferPlane(f"{wid}:{epoch}", region, bpb, staging_first=s.host_blocks,
-                          staging_count=s.transfer_blocks)
+                          staging_count=staging)
 
     report = await kvbm.rebuild(claimed_persistent(history.kv_events, wid))
     for tier in (Tier.DISK, Tier.OBJECT):
@@ -97,32 +121,68 @@ async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str) -
     # it, even one that meets the new epoch before the old one's stores and fences them.
     for tier in (Tier.DISK, Tier.OBJECT):
         for h in report.verified.get(tier, []):
-            producer.publish(BlockStored(worker_id=wid, tier=tier, block_hashes=[h], block_size=profile.block_size,
+            producer.publish(BlockStored(worker_id=wid, tier=tier, block_hashes=[h], block_size=block_size,
                                          hash_algo=hash_config.hash_algo))
 
-    def offload(block_hash, parent_hash) -> None:  # noqa: ANN001 - the engine's EvictHook
-        kvbm.submit_device_evicted(block_hash, parent_hash).add_done_callback(_log_offload_error)
+    # The engine evicts inside a step, on the loop: gather one step's evictions and hand them to
+    # the KVBM as one call once the step is over (one merged event per tier pair, not per block).
+    evicted: list[tuple[int, int | None]] = []
 
-    core = EngineCore(profile, worker_id=wid, role=s.role, hash_config=hash_config, on_evict=offload)
-    engine = AsyncEngine(core, speedup=s.speedup, sink=producer)
+    def flush_offloads() -> None:
+        batch = evicted[:]
+        evicted.clear()
+        if batch:
+            kvbm.submit_device_evicted_many(batch).add_done_callback(_log_offload_error)
+
+    def offload(block_hash, parent_hash) -> None:  # noqa: ANN001 - the engine's EvictHook
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # stepped outside the loop (never in a serving worker): no batching
+            kvbm.submit_device_evicted(block_hash, parent_hash).add_done_callback(_log_offload_error)
+            return
+        if not evicted:
+            loop.call_soon(flush_offloads)
+        evicted.append((block_hash, parent_hash))
+
+    if real is not None:
+        # Started before registering: nothing is routed here until vLLM serves, and its KV
+        # events (bridged under this epoch) come after the clears above. Its connector reaches
+        # the KVBM rebuilt above (switchyard connector only).
+        real.attach_kvbm(manager, s.host_blocks)
+        await real.start()
+        engine = real
+        device_blocks, engine_name = real.num_blocks, real.name
+    else:
+        core = EngineCore(profile, worker_id=wid, role=s.role, hash_config=hash_config, on_evict=offload)
+        engine = AsyncEngine(core, speedup=s.speedup, sink=producer)
+        device_blocks, engine_name = profile.num_device_blocks, profile.name
     peers = PeerDirectory(on_forget=plane.endpoint.remove_peer)
     if s.role is not WorkerRole.PREFILL:
         peers.follow(bus)
 
     producer.publish(WorkerRegistered(
         worker_id=wid, role=s.role, pool=s.pool, endpoint=endpoint_url, model=s.model,
-        capacity={Tier.DEVICE.value: profile.num_device_blocks, **manager.capacity()},
-        block_size=profile.block_size, hash_algo=hash_config.hash_algo,
+        capacity={Tier.DEVICE.value: device_blocks, **manager.capacity()},
+        block_size=block_size, hash_algo=hash_config.hash_algo,
         transfer=plane.metadata().to_transfer_info()))
     left = await asyncio.to_thread(producer.flush, 30)
     if left:
         raise RuntimeError(f"{left} start-up events not acknowledged by the broker")
-    log.info("worker %s epoch %d registered as %s in pool %s at %s (profile %s, %d device blocks of %d "
-             "tokens, tiers %s)", wid, epoch, s.role.value, s.pool, endpoint_url, profile.name,
-             profile.num_device_blocks, profile.block_size, manager.capacity())
+    log.info("worker %s epoch %d registered as %s in pool %s at %s (engine %s, %d device blocks of %d "
+             "tokens, tiers %s)", wid, epoch, s.role.value, s.pool, endpoint_url, engine_name,
+             device_blocks, block_size, manager.capacity())
     return Worker(s, epoch=epoch, endpoint_url=endpoint_url, producer=producer, engine=engine,
                   kvbm=kvbm, plane=plane, peers=peers, hash_config=hash_config,
                   metrics=WorkerMetrics(s.model, wid))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def run_worker(s: WorkerSettings, bus: BusSettings) -> int:

@@ -1,6 +1,6 @@
 """admin store: audit projection, workers, pools, configs, tokens, replay jobs
 
-Tables: see control_plane/api/db/models.py. Times of local rows are naive UTC DateTime (the
+Tables: see control_plane/admin/db/models.py. Times of local rows are naive UTC DateTime (the
 app's UTCDateTime decorator); event times are BIGINT unix nanoseconds. JSON is JSONB on
 PostgreSQL.
 

@@ -14,21 +14,21 @@ from typing import Any, Callable
 import pytest
 from fastapi.testclient import TestClient
 
-from control_plane.api.app import create_app
-from control_plane.api.audit.consumer import AuditConsumer
-from control_plane.api.db.models import ApiToken
-from control_plane.api.ports import InlineJobRunner, ThreadJobRunner
-from control_plane.api.services import SYSTEM, create_token
-from control_plane.api.settings import AdminSettings
-from control_plane.api.shapes import TokenCreate
-from control_plane.api.wiring import build_admin, migrate
-from control_plane.bus.admin import apply_topics
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import EventProducer
-from control_plane.index.hashing import HashAlgo, HashConfig, hash_blocks
+from control_plane.admin.app import create_app
+from control_plane.admin.audit.consumer import AuditConsumer
+from control_plane.admin.db.models import ApiToken
+from control_plane.admin.ports import InlineJobRunner, ThreadJobRunner
+from control_plane.admin.services import SYSTEM, create_token
+from control_plane.admin.settings import AdminSettings
+from control_plane.admin.shapes import TokenCreate
+from control_plane.admin.wiring import build_admin, migrate
 from control_plane.replay.engine import ReplayEngine
-from control_plane.replay.log import KafkaLogReader
-from control_plane.settings import BusSettings
+from kernel.hashing import HashAlgo, HashConfig, hash_blocks
+from kernel.log.admin import apply_topics
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import EventProducer
+from kernel.log.reader import KafkaLogReader
+from kernel.settings import BusSettings
 from schemas.events import (
     BlockStored,
     CandidateScore,
@@ -312,13 +312,13 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(env: Env) -> None:
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
+    from schemathesis.checks import not_a_server_error
     from schemathesis.generation.modes import GenerationMode
     from schemathesis.specs.openapi.checks import (
         content_type_conformance,
         response_schema_conformance,
         status_code_conformance,
     )
-    from schemathesis.checks import not_a_server_error
 
     runner = ThreadJobRunner(1)
     env.ctx.jobs = runner

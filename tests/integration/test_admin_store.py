@@ -12,25 +12,23 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, select
 
-from control_plane.api.audit.consumer import AuditConsumer
-from control_plane.api.audit.store import AuditStore, LocatedEvent
-from control_plane.api.db.models import AuditEvent, AuditPosition, Base, Pool, RouterConfigVersion, Worker, WorkerIncarnation
-from control_plane.api.db.session import make_engine, session_factory
-from control_plane.api.wiring import migrate
-from control_plane.bus.kafka import EventProducer
-from control_plane.settings import BusSettings
-from schemas import EnvelopeFactory
-from schemas.events import (
-    PoolPinned,
-    PoolUpdated,
-    RequestCompleted,
-    RequestFailed,
-    RequestRouted,
-    RouterConfigChanged,
-    WorkerDeregistered,
-    WorkerLoadReported,
-    WorkerRegistered,
+from control_plane.admin.audit.consumer import AuditConsumer
+from control_plane.admin.audit.store import AuditStore, LocatedEvent
+from control_plane.admin.db.models import (
+    AuditEvent,
+    AuditPosition,
+    Base,
+    Pool,
+    RouterConfigVersion,
+    Worker,
+    WorkerIncarnation,
 )
+from control_plane.admin.db.session import make_engine, session_factory
+from control_plane.admin.wiring import migrate
+from kernel.log.kafka import EventProducer
+from kernel.settings import BusSettings
+from schemas import EnvelopeFactory
+from schemas import events as ev
 from schemas.types import RoutingMode
 from tests.support.db import postgres_database, sqlite_database
 
@@ -81,23 +79,23 @@ def _events() -> list[LocatedEvent]:
     def put(env, topic: str, offset: int) -> None:
         out.append(LocatedEvent(env, topic, 0, offset))
 
-    put(w.wrap(WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1", block_size=16,
+    put(w.wrap(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1", block_size=16,
                                 hash_algo="sha256", capacity={"device": 100})), "t.workers", 0)
-    put(w.wrap(WorkerLoadReported(worker_id="w1", running=3, waiting=1, tier_usage={"device": 0.5})), "t.workers", 1)
+    put(w.wrap(ev.WorkerLoadReported(worker_id="w1", running=3, waiting=1, tier_usage={"device": 0.5})), "t.workers", 1)
     for i in range(3):
-        put(r.wrap(RequestRouted(request_id=f"q{i}", worker_id="w1", mode=RoutingMode.KV, config_version=1, rng_seed=i),
+        put(r.wrap(ev.RequestRouted(request_id=f"q{i}", worker_id="w1", mode=RoutingMode.KV, config_version=1, rng_seed=i),
                    correlation_id=f"q{i}"), "t.requests", 3 * i)
-        put(r.wrap(RequestCompleted(request_id=f"q{i}", worker_id="w1", prompt_tokens=10, output_tokens=2, ttft_ms=5,
+        put(r.wrap(ev.RequestCompleted(request_id=f"q{i}", worker_id="w1", prompt_tokens=10, output_tokens=2, ttft_ms=5,
                                     e2e_ms=9), correlation_id=f"q{i}"), "t.requests", 3 * i + 1)
-    put(r.wrap(RequestFailed(request_id="q9", worker_id="w1", reason="x", code="worker_error")), "t.requests", 20)
+    put(r.wrap(ev.RequestFailed(request_id="q9", worker_id="w1", reason="x", code="worker_error")), "t.requests", 20)
     # An old incarnation's late load report never overwrites the new one's state.
-    put(w_new.wrap(WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1b", block_size=16,
+    put(w_new.wrap(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1b", block_size=16,
                                     hash_algo="sha256")), "t.workers", 2)
-    put(w.wrap(WorkerLoadReported(worker_id="w1", running=99, waiting=99)), "t.workers", 3)
-    put(a.wrap(PoolUpdated(actor="ops", pool="p", role="aggregated", min_replicas=1, max_replicas=4)), "t.admin", 0)
-    put(a.wrap(PoolPinned(actor="ops", pool="p", replicas=2, reason="load test")), "t.admin", 1)
-    put(a.wrap(RouterConfigChanged(actor="ops", config_version=1, config={"mode": "kv"})), "t.admin", 2)
-    put(w_new.wrap(WorkerDeregistered(worker_id="w1", reason="bye")), "t.workers", 4)
+    put(w.wrap(ev.WorkerLoadReported(worker_id="w1", running=99, waiting=99)), "t.workers", 3)
+    put(a.wrap(ev.PoolUpdated(actor="ops", pool="p", role="aggregated", min_replicas=1, max_replicas=4)), "t.admin", 0)
+    put(a.wrap(ev.PoolPinned(actor="ops", pool="p", replicas=2, reason="load test")), "t.admin", 1)
+    put(a.wrap(ev.RouterConfigChanged(actor="ops", config_version=1, config={"mode": "kv"})), "t.admin", 2)
+    put(w_new.wrap(ev.WorkerDeregistered(worker_id="w1", reason="bye")), "t.workers", 4)
     return out
 
 
@@ -151,13 +149,13 @@ def test_audit_consumer_rereading_the_log_never_double_counts(bus: BusSettings, 
         eng = make_engine(url)
         sessions = session_factory(eng)
         p = EventProducer(bus, "w1", epoch=100)
-        p.publish(WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1", block_size=16,
+        p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1", block_size=16,
                                    hash_algo="sha256"))
         rp = EventProducer(bus, "router-a")
         for i in range(20):
-            rp.publish(RequestRouted(request_id=f"q{i}", worker_id="w1", mode=RoutingMode.KV, config_version=1,
+            rp.publish(ev.RequestRouted(request_id=f"q{i}", worker_id="w1", mode=RoutingMode.KV, config_version=1,
                                      rng_seed=i), correlation_id=f"q{i}")
-            rp.publish(RequestCompleted(request_id=f"q{i}", worker_id="w1", prompt_tokens=10, output_tokens=2,
+            rp.publish(ev.RequestCompleted(request_id=f"q{i}", worker_id="w1", prompt_tokens=10, output_tokens=2,
                                         ttft_ms=5, e2e_ms=9), correlation_id=f"q{i}")
         assert p.flush(10) == 0 and rp.flush(10) == 0
         c = AuditConsumer(bus, sessions, streams=("workers", "requests"), batch=7)
@@ -182,13 +180,13 @@ def test_audit_consumer_rereading_the_log_never_double_counts(bus: BusSettings, 
 def test_operator_actions_record_then_fold_with_the_in_memory_log(tmp_path) -> None:
     """The service layer against its in-memory event log (SQLite): the event is recorded first,
     the store shows it at once, a stale expected_version is refused."""
-    from control_plane.api.context import AdminContext
-    from control_plane.api.errors import Conflict
-    from control_plane.api.ports import InlineJobRunner, MemoryEventLog
-    from control_plane.api.services import SYSTEM, put_router_config
-    from control_plane.api.settings import AdminSettings
-    from control_plane.api.shapes import RouterConfigIn, RouterConfigUpdate
-    from control_plane.bus.catalog import Catalog
+    from control_plane.admin.context import AdminContext
+    from control_plane.admin.errors import Conflict
+    from control_plane.admin.ports import InlineJobRunner, MemoryEventLog
+    from control_plane.admin.services import SYSTEM, put_config
+    from control_plane.admin.settings import AdminSettings
+    from control_plane.admin.shapes import RouterConfigIn, RouterConfigUpdate
+    from kernel.log.catalog import Catalog
 
     with sqlite_database(tmp_path) as url:
         migrate(url)
@@ -197,10 +195,10 @@ def test_operator_actions_record_then_fold_with_the_in_memory_log(tmp_path) -> N
         ctx = AdminContext(settings=AdminSettings(db_url=url), sessions=session_factory(eng), events=log,
                            catalog=Catalog("mem"), reader_factory=lambda: None, jobs=InlineJobRunner())
         with ctx.sessions() as s:
-            v1 = put_router_config(s, ctx, SYSTEM, RouterConfigUpdate(config=RouterConfigIn(temperature=0.5)))
+            v1 = put_config(s, ctx, SYSTEM, "router", RouterConfigUpdate(config=RouterConfigIn(temperature=0.5)))
             with pytest.raises(Conflict):
-                put_router_config(s, ctx, SYSTEM, RouterConfigUpdate(config=RouterConfigIn(), expected_version=0))
-            v2 = put_router_config(s, ctx, SYSTEM, RouterConfigUpdate(config=RouterConfigIn(), expected_version=1))
+                put_config(s, ctx, SYSTEM, "router", RouterConfigUpdate(config=RouterConfigIn(), expected_version=0))
+            v2 = put_config(s, ctx, SYSTEM, "router", RouterConfigUpdate(config=RouterConfigIn(), expected_version=1))
         assert (v1.version, v1.config["temperature"], v2.version) == (1, 0.5, 2)
         assert [e.env.data.config_version for e in log.events] == [1, 2]
         assert log.events[0].env.data.actor == "system"

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventConsumer, EventProducer
-from control_plane.settings import BusSettings
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventConsumer, EventProducer
+from kernel.settings import BusSettings
 from schemas import EventCodec
 from schemas.events import BlockStored, RequestAdmitted
 
@@ -25,10 +25,15 @@ def _stored(worker: str, i: int) -> BlockStored:
 
 
 def _drain(consumer: EventConsumer, want: int, timeout: float = 60) -> list:
+    """Poll until ``want`` distinct events arrived (a duplicate that slipped through must not
+    end the wait early and hide a missing event), then a little longer."""
     got = []
+    ids: set[str] = set()
     deadline = time.monotonic() + timeout
-    while len(got) < want and time.monotonic() < deadline:
-        got.extend(consumer.poll_batch(5000, 0.5))
+    while len(ids) < want and time.monotonic() < deadline:
+        batch = consumer.poll_batch(5000, 0.5)
+        got.extend(batch)
+        ids.update(d.envelope.event_id for d in batch)
     # A little longer: anything beyond `want` would be a duplicate that slipped through.
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
@@ -64,7 +69,7 @@ def test_50k_events_from_4_producers_exactly_once_in_key_order(bus: BusSettings)
     assert replayer.flush(30) == 0
 
     consumer = EventConsumer(bus, ["kv"], group_id="it-50k")
-    got = _drain(consumer, n_producers * per_producer)
+    got = _drain(consumer, n_producers * per_producer, timeout=120)
     consumer.close()
 
     assert all(p.acked == per_producer and not p.failed for p in producers)
@@ -122,3 +127,16 @@ def test_poison_records_go_to_dead_letter_and_consumer_continues(bus: BusSetting
     assert all(dict(m.headers())[H_DLQ_SOURCE].decode().startswith(topic + ":") for m in records)
     # The original bytes are kept, so nothing is lost: the garbage record is byte-identical.
     assert poison["malformed"] in [m.value() for m in records]
+
+
+def test_topic_metadata_lists_partitions_and_names_a_missing_topic(bus: BusSettings) -> None:
+    from kernel.log.metadata import topic_partitions
+
+    producer = EventProducer(bus, "meta")
+    topic = Catalog(bus.topic_prefix).topic("kv")
+    parts = topic_partitions(producer._p, topic)
+    assert parts and parts == list(range(len(parts)))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="does not exist.*topics apply"):
+        topic_partitions(producer._p, f"{bus.topic_prefix}.no-such-topic", unknown_for=1.0)
+    assert time.monotonic() - t0 < 10, "an unknown topic is not waited on for the whole timeout"

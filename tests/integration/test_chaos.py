@@ -23,17 +23,19 @@ from collections import Counter
 import httpx
 import pytest
 
-from control_plane.bus.admin import apply_topics
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.sequencing import SequenceTracker
-from control_plane.settings import BusSettings, StackSettings, repo_root
+from control_plane.settings import StackSettings
 from control_plane.stack import Stack
+from kernel.log.admin import apply_topics
+from kernel.log.catalog import Catalog
+from kernel.log.sequencing import SequenceTracker
+from kernel.net import free_port
+from kernel.settings import BusSettings, repo_root
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
-from tests.integration.test_router import _free_port, _wait_http
+from tests.integration.test_router import _wait_http
 from tests.integration.test_router_view import oracle
 from tests.integration.workerproc import WorkerProc
 from tests.support.events import read_stream
-from tests.support.ports import free_port
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -49,6 +51,15 @@ def _raw_records(bus: BusSettings):
         for env in read_stream(bus, stream):
             out.append((topic, env))
     return out
+
+
+def _request_ends(bus: BusSettings) -> tuple[list, set[str], set[str]]:
+    """(request events, admitted ids, ids whose end is on the log)."""
+    reqs = read_stream(bus, "requests")
+    admitted = {e.data.request_id for e in reqs if isinstance(e.data, RequestAdmitted)}
+    ended = {e.data.request_id for e in reqs if isinstance(e.data, (RequestCompleted, RequestRejected))
+             or (isinstance(e.data, RequestFailed) and not e.data.retried)}
+    return reqs, admitted, ended
 
 
 class Load(threading.Thread):
@@ -90,12 +101,12 @@ def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
     rport, mport = free_port(), free_port()  # below the ephemeral range: restarted on the same port
 
     def start_router() -> None:
-        procs["router"] = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "router", "--port", str(rport),
+        procs["router"] = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "router", "--port", str(rport),
                                             "--router-id", "chaos-router", "--snapshot-every", "1"],
                                            env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def start_metrics() -> None:
-        procs["metrics"] = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "metrics", "run", "--port",
+        procs["metrics"] = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "metrics", "run", "--port",
                                              str(mport), "--processor-id", "chaos"], env=env, stdout=log,
                                             stderr=subprocess.STDOUT)
 
@@ -110,8 +121,14 @@ def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
         start_metrics()
         _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
         _wait_http(f"http://127.0.0.1:{mport}/health")
+        def served(more: int, what: str) -> None:
+            """Until ``more`` further requests were served in full (traffic flows)."""
+            target = load.outcomes["ok"] + more
+            wait_for(lambda: load.outcomes["ok"] >= target, timeout=60,
+                     what=lambda: f"{more} requests served {what}: {dict(load.outcomes)}")
+
         load.start()
-        time.sleep(3)
+        served(10, "before the first fault")
 
         def fault(name: str, kill, restart, ready) -> None:
             kill()
@@ -119,7 +136,7 @@ def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
             restart()
             ready()
             recovery[name] = time.monotonic() - t0
-            time.sleep(2)
+            served(5, f"after the {name} recovered")
 
         fault("router",
               lambda: (procs["router"].send_signal(signal.SIGKILL), procs["router"].wait(10)),
@@ -139,7 +156,16 @@ def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
                                  and r.json()["lag_events"] == 0, timeout=120))
         load.stop.set()
         load.join(60)
-        time.sleep(3)  # the last requests' events land
+        # The last requests' events land: every admitted request's end is on the log.
+        last: tuple = ()
+
+        def all_ended() -> bool:
+            nonlocal last
+            last = _request_ends(bus)
+            return bool(last[1]) and last[1] <= last[2]
+
+        wait_for(all_ended, timeout=15, interval=0.5,
+                 what=lambda: f"the end of every admitted request; missing {sorted(last[1] - last[2])[:10]}")
 
         # 1. Exactly once after dedupe, no gap in any producer's per-partition sequence.
         tracker = SequenceTracker()
@@ -157,10 +183,7 @@ def test_kill9_each_component_under_load_loses_nothing(tmp_path) -> None:
         assert view["digest"] == oracle(bus, "sha256", 64, upto=upto).digest()
 
         # 3. Every admitted request ended.
-        reqs = read_stream(bus, "requests")
-        admitted = {e.data.request_id for e in reqs if isinstance(e.data, RequestAdmitted)}
-        ended = {e.data.request_id for e in reqs if isinstance(e.data, (RequestCompleted, RequestRejected))
-                 or (isinstance(e.data, RequestFailed) and not e.data.retried)}
+        reqs, admitted, ended = _request_ends(bus)
         assert admitted and admitted <= ended, sorted(admitted - ended)[:10]
         completed = {e.data.request_id for e in reqs if isinstance(e.data, RequestCompleted)}
         assert len(completed) >= 0.5 * len(admitted)

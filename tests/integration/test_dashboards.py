@@ -24,42 +24,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import EventProducer
 from control_plane.metrics.exposition import build_registry
 from control_plane.metrics.projection import BrokerState, MetricsProjection, processor_families
-from control_plane.router.service import RouterMetrics
-from control_plane.settings import BusSettings, StackSettings, repo_root
+from control_plane.router.http import RouterMetrics
+from control_plane.settings import StackSettings
 from control_plane.stack.prometheus import PrometheusService, render_config, write_targets
-from schemas.events import (
-    AdminAction,
-    AllBlocksCleared,
-    BlockMoved,
-    BlockRemoved,
-    BlockStored,
-    CandidateScore,
-    KvTransferCompleted,
-    KvTransferFailed,
-    KvTransferStarted,
-    PlannerConfigChanged,
-    PoolPinned,
-    PoolUpdated,
-    PrefillCompleted,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestFailed,
-    RequestRejected,
-    RequestRouted,
-    RouterConfigChanged,
-    ScalingApplied,
-    ScalingDecision,
-    WorkerDeregistered,
-    WorkerDraining,
-    WorkerDrainRequested,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
-from tests.integration.test_router import Procs, _free_port, _wait_http
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import EventProducer
+from kernel.net import free_port
+from kernel.settings import BusSettings, repo_root
+from schemas import events as ev
+from tests.integration.test_router import Procs, _wait_http
 
 DASHBOARDS = repo_root() / "dashboards"
 #: Grafana variables the dashboards use, and what the test substitutes for them.
@@ -244,62 +219,62 @@ def _synthetic_events(syn: _Synthetic, wave: int) -> None:
     p1, d1, x1, router, ops, planner = syn.p1, syn.d1, syn.x1, syn.router, syn.ops, syn.planner
     for prod, wid, role, pool in ((p1, "p1", "prefill", "prefill"), (d1, "d1", "decode", "decode"),
                                   (x1, "x1", "decode", "decode")):
-        prod.publish(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://127.0.0.1:9/{wid}",
+        prod.publish(ev.WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://127.0.0.1:9/{wid}",
                                       capacity={"device": 1000, "host": 4000}, block_size=BS, hash_algo=ALGO))
-        prod.publish(WorkerLoadReported(worker_id=wid, running=1, waiting=2, queued_prefill_tokens=256,
+        prod.publish(ev.WorkerLoadReported(worker_id=wid, running=1, waiting=2, queued_prefill_tokens=256,
                                         tier_usage={"device": 0.4, "host": 0.1}))
     chain = list(range(900_001 + 100 * wave, 900_009 + 100 * wave))
-    p1.publish(BlockStored(worker_id="p1", tier="device", block_hashes=chain, block_size=BS, hash_algo=ALGO))
-    p1.publish(BlockMoved(worker_id="p1", block_hashes=chain[4:], from_tier="device", to_tier="host"))
-    p1.publish(BlockRemoved(worker_id="p1", tier="host", block_hashes=chain[6:]))
-    d1.publish(BlockStored(worker_id="d1", tier="device", block_hashes=chain[:2], block_size=BS, hash_algo=ALGO))
-    d1.publish(AllBlocksCleared(worker_id="d1", tier="device"))
-    x1.publish(WorkerDraining(worker_id="x1", reason="scale down", inflight=0))
-    x1.publish(WorkerDeregistered(worker_id="x1", reason="scaled down"))
+    p1.publish(ev.BlockStored(worker_id="p1", tier="device", block_hashes=chain, block_size=BS, hash_algo=ALGO))
+    p1.publish(ev.BlockMoved(worker_id="p1", block_hashes=chain[4:], from_tier="device", to_tier="host"))
+    p1.publish(ev.BlockRemoved(worker_id="p1", tier="host", block_hashes=chain[6:]))
+    d1.publish(ev.BlockStored(worker_id="d1", tier="device", block_hashes=chain[:2], block_size=BS, hash_algo=ALGO))
+    d1.publish(ev.AllBlocksCleared(worker_id="d1", tier="device"))
+    x1.publish(ev.WorkerDraining(worker_id="x1", reason="scale down", inflight=0))
+    x1.publish(ev.WorkerDeregistered(worker_id="x1", reason="scaled down"))
 
-    ops.publish(PoolUpdated(actor="ops", pool="decode", role="decode", ttft_slo_ms=1000.0, itl_slo_ms=30.0,
+    ops.publish(ev.PoolUpdated(actor="ops", pool="decode", role="decode", ttft_slo_ms=1000.0, itl_slo_ms=30.0,
                             min_replicas=1, max_replicas=8))
-    ops.publish(PoolPinned(actor="ops", pool="prefill", replicas=2, reason="load test"))
-    ops.publish(RouterConfigChanged(actor="ops", config_version=2, config={"mode": "kv"}))
-    ops.publish(PlannerConfigChanged(actor="ops", config_version=1, config={}))
-    ops.publish(WorkerDrainRequested(actor="ops", worker_id="x1", reason="test"))
-    ops.publish(AdminAction(actor="ops", action="token_created", target="ci"))
-    planner.publish(ScalingDecision(pool="decode", decision_id=f"sd-{wave}", role="decode", from_replicas=1,
+    ops.publish(ev.PoolPinned(actor="ops", pool="prefill", replicas=2, reason="load test"))
+    ops.publish(ev.RouterConfigChanged(actor="ops", config_version=2, config={"mode": "kv"}))
+    ops.publish(ev.PlannerConfigChanged(actor="ops", config_version=1, config={}))
+    ops.publish(ev.WorkerDrainRequested(actor="ops", worker_id="x1", reason="test"))
+    ops.publish(ev.AdminAction(actor="ops", action="token_created", target="ci"))
+    planner.publish(ev.ScalingDecision(pool="decode", decision_id=f"sd-{wave}", role="decode", from_replicas=1,
                                     to_replicas=2, reason="ttft above target", config_version=1, predictor="constant"))
-    planner.publish(ScalingApplied(pool="decode", decision_id=f"sd-{wave}", replicas=2, scaler="virtual"))
+    planner.publish(ev.ScalingApplied(pool="decode", decision_id=f"sd-{wave}", replicas=2, scaler="virtual"))
 
     for i, (ok, ttft) in enumerate(((True, 800.0), (False, 1600.0))):
         rid = f"disagg-{wave}-{i}"
-        router.publish(RequestAdmitted(request_id=rid, model="m", prompt_tokens=8 * BS, max_tokens=16,
+        router.publish(ev.RequestAdmitted(request_id=rid, model="m", prompt_tokens=8 * BS, max_tokens=16,
                                        block_hashes=chain, block_size=BS, hash_algo=ALGO))
-        router.publish(RequestRouted(
+        router.publish(ev.RequestRouted(
             request_id=rid, worker_id="p1", phase="prefill", mode="kv", config_version=2, rng_seed=i,
             router_id="router-synthetic", view_state="EXACT",
-            scores=[CandidateScore(worker_id="p1", overlap_blocks=6, overlap_by_tier={"device": 4, "host": 2}),
-                    CandidateScore(worker_id="p9", overlap_blocks=8, overlap_by_tier={"device": 8})]))
-        router.publish(RequestRouted(request_id=rid, worker_id="d1", phase="decode", mode="kv", config_version=2,
+            scores=[ev.CandidateScore(worker_id="p1", overlap_blocks=6, overlap_by_tier={"device": 4, "host": 2}),
+                    ev.CandidateScore(worker_id="p9", overlap_blocks=8, overlap_by_tier={"device": 8})]))
+        router.publish(ev.RequestRouted(request_id=rid, worker_id="d1", phase="decode", mode="kv", config_version=2,
                                      rng_seed=i, router_id="router-synthetic", view_state="DEGRADED",
-                                     scores=[CandidateScore(worker_id="d1")]))
-        p1.publish(PrefillCompleted(request_id=rid, worker_id="p1", prompt_tokens=8 * BS, cached_tokens=6 * BS,
+                                     scores=[ev.CandidateScore(worker_id="d1")]))
+        p1.publish(ev.PrefillCompleted(request_id=rid, worker_id="p1", prompt_tokens=8 * BS, cached_tokens=6 * BS,
                                     duration_ms=ttft - 100))
         common = dict(request_id=rid, transfer_id=f"t{wave}-{i}", src_worker="p1", dst_worker="d1", blocks=8, backend="UCX")
-        d1.publish(KvTransferStarted(bytes=8 * 16384, **common))
+        d1.publish(ev.KvTransferStarted(bytes=8 * 16384, **common))
         if ok:
-            d1.publish(KvTransferCompleted(bytes=8 * 16384, duration_ms=3.5, **common))
+            d1.publish(ev.KvTransferCompleted(bytes=8 * 16384, duration_ms=3.5, **common))
         else:
-            d1.publish(KvTransferFailed(duration_ms=10_000.0, reason="TransferTimeout: no READ completion",
+            d1.publish(ev.KvTransferFailed(duration_ms=10_000.0, reason="TransferTimeout: no READ completion",
                                         fallback="recompute", **common))
-        router.publish(RequestCompleted(request_id=rid, worker_id="d1", prompt_tokens=8 * BS, output_tokens=16,
+        router.publish(ev.RequestCompleted(request_id=rid, worker_id="d1", prompt_tokens=8 * BS, output_tokens=16,
                                         cached_tokens=6 * BS, ttft_ms=ttft, itl_mean_ms=25.0, e2e_ms=ttft + 400))
-    router.publish(RequestAdmitted(request_id=f"lost-{wave}", model="m", prompt_tokens=BS, max_tokens=4, block_size=BS,
+    router.publish(ev.RequestAdmitted(request_id=f"lost-{wave}", model="m", prompt_tokens=BS, max_tokens=4, block_size=BS,
                                    hash_algo=ALGO))
-    router.publish(RequestFailed(request_id=f"lost-{wave}", worker_id="d1", reason="reset", code="worker_lost", retried=True))
-    router.publish(RequestFailed(request_id=f"lost-{wave}", worker_id="d1", reason="reset", code="worker_lost"))
-    router.publish(RequestRejected(request_id=f"rej-{wave}", reason="no eligible worker", code="no_workers",
+    router.publish(ev.RequestFailed(request_id=f"lost-{wave}", worker_id="d1", reason="reset", code="worker_lost", retried=True))
+    router.publish(ev.RequestFailed(request_id=f"lost-{wave}", worker_id="d1", reason="reset", code="worker_lost"))
+    router.publish(ev.RequestRejected(request_id=f"rej-{wave}", reason="no eligible worker", code="no_workers",
                                    http_status=503))
     # A redelivered event (same envelope, new offset) and two poison records: the router's view
     # dead-letters the one on kv; the one on requests is only counted as undecodable.
-    env = router.publish(RequestAdmitted(request_id=f"dup-{wave}", model="m", prompt_tokens=BS, max_tokens=4,
+    env = router.publish(ev.RequestAdmitted(request_id=f"dup-{wave}", model="m", prompt_tokens=BS, max_tokens=4,
                                          block_size=BS, hash_algo=ALGO))
     cat = Catalog(bus.topic_prefix)
     router.produce_raw(cat.topic("requests"), router.codec.encode(env), env.key.encode())
@@ -374,7 +349,7 @@ def _wait_folded(mport: int, wave: int) -> str:
 @pytest.fixture
 def prometheus(bus: BusSettings):
     state = repo_root() / ".stack" / "tests" / f"dashboards-{bus.topic_prefix}"
-    prom = PrometheusService(StackSettings(state_dir=state, prometheus_port=_free_port()), scrape_interval="1s",
+    prom = PrometheusService(StackSettings(state_dir=state, prometheus_port=free_port()), scrape_interval="1s",
                              seed_targets=False)
     prom.start()
     yield prom
@@ -389,13 +364,13 @@ def test_every_panel_query_returns_data(bus: BusSettings, prometheus: Prometheus
     env = {**os.environ, "SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap, "SWITCHYARD_TOPIC_PREFIX": bus.topic_prefix,
            "PYTHONUNBUFFERED": "1"}
     processor = subprocess.Popen(
-        [sys.executable, "-m", "control_plane.streams.cli", "run", "--port", "0", "--processor-id", "dash",
+        [sys.executable, "-m", "control_plane.metrics.cli", "run", "--port", "0", "--processor-id", "dash",
          "--probe-every", "1", "--snapshot-every", "2", "--targets-dir", str(prometheus.targets_dir)],
         env=env, stdout=subprocess.PIPE, stderr=procs.log, text=True)
     try:
         procs.worker("w1")
         procs.worker("w2")
-        router_port = _free_port()
+        router_port = free_port()
         procs.router(router_port, rid="r-dash")
         write_targets(prometheus.targets_dir, "router-r-dash", [f"127.0.0.1:{router_port}"], {"router_id": "r-dash"})
         base = f"http://127.0.0.1:{router_port}"

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import EventProducer
 from control_plane.planner.backtest import read_log
 from control_plane.planner.load_view import NS, LoadView, LoadViewConfig, PoolSlo
-from control_plane.settings import BusSettings
-from control_plane.streams.load_view import LoadViewProcessor
+from control_plane.planner.stream import LoadViewProcessor
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import EventProducer
+from kernel.settings import BusSettings
 from schemas.events import (
     RequestAdmitted,
     RequestCompleted,
@@ -23,9 +23,11 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
+from tests.support.waits import until
 
 pytestmark = pytest.mark.kafka
 
+COUNTERS = ("arrivals", "completions", "good")
 CFG = LoadViewConfig(tumbling_s=10.0, hopping_s=30.0, hop_step_s=10.0, slos={"agg": PoolSlo(ttft_ms=200.0, itl_ms=20.0)})
 
 
@@ -85,8 +87,17 @@ def test_faust_fold_equals_the_oracle_and_restarts_from_its_checkpoint(bus: BusS
     async def first_run() -> tuple[LoadView, dict, dict]:
         proc = LoadViewProcessor(bus, "lv-test", LoadView(CFG, start_ns=base))
         await _run(proc)
-        await asyncio.sleep(0.3)  # let the table updates of the last records land
-        counters = {k: proc.counter_windows("agg", k) for k in ("arrivals", "completions", "good")}
+
+        # The table updates of the last records land: the windowed table counts what the
+        # (caught-up) projection counted.
+        def table_counts_the_projection() -> dict | None:
+            windows = proc.view.snapshot(now, history=100).pool("agg").windows
+            want = {k: {w.start_ns: getattr(w, k) for w in windows if getattr(w, k)} for k in COUNTERS}
+            got = {k: proc.counter_windows("agg", k) for k in COUNTERS}
+            return got if got == want else None
+
+        counters = await until(table_counts_the_projection, timeout=30, what=lambda: {
+            k: proc.counter_windows("agg", k) for k in COUNTERS})
         assert proc.dead_lettered == 1
         assert await proc.checkpoint(force=True)
         await proc.stop()

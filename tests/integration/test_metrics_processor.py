@@ -4,31 +4,21 @@ and ``/metrics`` serves the same numbers."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
 from control_plane.metrics.catalog import CONSUMED_STREAMS
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
-from control_plane.settings import BusSettings
-from control_plane.streams.metrics import MetricsProcessor, MetricsSettings
+from control_plane.metrics.stream import MetricsProcessor, MetricsSettings
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
+from kernel.settings import BusSettings
 from schemas import EventCodec, SchemaError
-from schemas.events import (
-    BlockRemoved,
-    BlockStored,
-    CandidateScore,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestRouted,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
+from schemas import events as ev
+from tests.support.waits import until
 
 pytestmark = pytest.mark.kafka
 
@@ -44,23 +34,23 @@ def _producers(bus: BusSettings) -> tuple[dict[str, EventProducer], EventProduce
 def _traffic(bus: BusSettings, producers, rounds: int, base: int) -> None:
     workers, router = producers
     for w, p in workers.items():
-        p.publish(WorkerRegistered(worker_id=w, role="aggregated", pool="chat", endpoint=f"http://{w}",
+        p.publish(ev.WorkerRegistered(worker_id=w, role="aggregated", pool="chat", endpoint=f"http://{w}",
                                    capacity={"device": 1000}, block_size=BS, hash_algo=ALGO))
     for r in range(rounds):
         rid = f"req-{base + r}"
         w = "w-a" if r % 2 else "w-b"
         chain = [base + r * 10 + k for k in range(4)]
-        router.publish(RequestAdmitted(request_id=rid, model="m", prompt_tokens=4 * BS, max_tokens=8,
+        router.publish(ev.RequestAdmitted(request_id=rid, model="m", prompt_tokens=4 * BS, max_tokens=8,
                                        block_hashes=chain, block_size=BS, hash_algo=ALGO))
-        router.publish(RequestRouted(request_id=rid, worker_id=w, mode="kv", config_version=1, rng_seed=r,
+        router.publish(ev.RequestRouted(request_id=rid, worker_id=w, mode="kv", config_version=1, rng_seed=r,
                                      router_id="router-x", view_state="EXACT",
-                                     scores=[CandidateScore(worker_id=w, overlap_blocks=r % 3,
+                                     scores=[ev.CandidateScore(worker_id=w, overlap_blocks=r % 3,
                                                             overlap_by_tier={"device": r % 3})]))
-        workers[w].publish(BlockStored(worker_id=w, tier="device", block_hashes=chain, block_size=BS, hash_algo=ALGO))
+        workers[w].publish(ev.BlockStored(worker_id=w, tier="device", block_hashes=chain, block_size=BS, hash_algo=ALGO))
         if r % 4 == 3:
-            workers[w].publish(BlockRemoved(worker_id=w, tier="device", block_hashes=chain[2:]))
-            workers[w].publish(WorkerLoadReported(worker_id=w, running=r, waiting=1, tier_usage={"device": 0.2}))
-        router.publish(RequestCompleted(request_id=rid, worker_id=w, prompt_tokens=4 * BS, output_tokens=8,
+            workers[w].publish(ev.BlockRemoved(worker_id=w, tier="device", block_hashes=chain[2:]))
+            workers[w].publish(ev.WorkerLoadReported(worker_id=w, running=r, waiting=1, tier_usage={"device": 0.2}))
+        router.publish(ev.RequestCompleted(request_id=rid, worker_id=w, prompt_tokens=4 * BS, output_tokens=8,
                                         ttft_ms=100.0 * (r % 30), itl_mean_ms=5.0 * (r % 15), e2e_ms=500.0))
     router.produce_raw(Catalog(bus.topic_prefix).topic("requests"), b"\x00junk", b"junk")
     router.produce_raw(Catalog(bus.topic_prefix).deadletter, b"\x00junk", b"junk",
@@ -110,14 +100,6 @@ def _comparable(p: MetricsProjection) -> dict:
     return d
 
 
-async def _until(pred, timeout: float = 60, what=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out: {what()}")
-        await asyncio.sleep(0.1)
-
-
 async def test_processor_equals_oracle_and_resumes_from_its_checkpoint(bus: BusSettings, tmp_path: Path) -> None:
     settings = MetricsSettings(processor_id="it", port=0, hash_algo=ALGO, block_size=BS, snapshot_every_s=3600,
                                probe_every_s=0.5, data_dir=tmp_path)
@@ -128,13 +110,16 @@ async def test_processor_equals_oracle_and_resumes_from_its_checkpoint(bus: BusS
     proc = MetricsProcessor(bus, settings, MetricsProcessor.load_projection(bus, settings))
     await proc.start()
     try:
-        await _until(lambda: proc.caught_up, what=lambda: proc.projection.positions)
+        await until(lambda: proc.caught_up, timeout=60, what=lambda: proc.projection.positions)
         assert _comparable(proc.projection) == _comparable(oracle(bus, config))
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"http://127.0.0.1:{proc.port}/metrics")).text
             health = (await http.get(f"http://127.0.0.1:{proc.port}/health")).json()
-        assert 'switchyard_requests_total{endpoint="completions",outcome="completed",pool="chat"} 40.0' in text
-        assert 'switchyard_deadletter_records_total{reason="malformed",source="kv"} 1.0' in text
+        series = [ln for ln in text.splitlines() if ln.startswith(("switchyard_requests_total",
+                                                                     "switchyard_deadletter_records_total"))]
+        assert 'switchyard_requests_total{endpoint="completions",outcome="completed",pool="chat"} 40.0' in series, \
+            (series, proc.projection.as_dict()["switchyard_requests_total"], proc.projection.positions)
+        assert 'switchyard_deadletter_records_total{reason="malformed",source="kv"} 1.0' in series, series
         assert health["state"] == "OK" and health["in_flight_requests"] == 0
         await proc.checkpoint(force=True)
     finally:
@@ -148,11 +133,11 @@ async def test_processor_equals_oracle_and_resumes_from_its_checkpoint(bus: BusS
     proc2 = MetricsProcessor(bus, settings, restored)
     await proc2.start()
     try:
-        await _until(lambda: proc2.caught_up, what=lambda: restored.positions)
+        await until(lambda: proc2.caught_up, timeout=60, what=lambda: restored.positions)
         assert _comparable(restored) == _comparable(oracle(bus, config))
         records = restored.as_dict()["switchyard_metrics_records_total"]
         assert sum(v for (_s, o), v in records.items() if o == "redelivered") == 0, "the head was not re-read"
-        await _until(lambda: any(g.startswith(f"{bus.topic_prefix}.metrics.it.") for g in proc2.broker.group_members))
+        await until(lambda: any(g.startswith(f"{bus.topic_prefix}.metrics.it.") for g in proc2.broker.group_members))
         # The first incarnation's (empty) group was deleted at start.
         assert proc.group not in proc2.broker.group_members
     finally:

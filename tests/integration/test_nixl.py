@@ -29,11 +29,18 @@ from data_plane.transfer import (
     encode_done,
     parse_done,
 )
+from tests.support.waits import wait_for
 
 BLOCK_LEN = 64 * 1024
 N_BLOCKS = 256
 REQUEST = "req-1"
 pytestmark = pytest.mark.timeout(60)
+
+
+def _in_flight(endpoint: NixlEndpoint) -> bool:
+    """A transfer of another thread is in flight on ``endpoint``. NixlEndpoint has no public
+    count of them, so this reads the one ``close`` waits on."""
+    return endpoint._inflight > 0
 
 
 def _block_content(block_id: int) -> np.ndarray:
@@ -181,7 +188,7 @@ def test_close_aborts_a_transfer_in_flight_in_another_thread(holder, reader):
 
     worker = threading.Thread(target=read)
     worker.start()
-    time.sleep(0.2)
+    wait_for(lambda: _in_flight(endpoint), timeout=10, what="the READ in flight")
     start = time.monotonic()
     endpoint.close()
     worker.join(5)
@@ -200,7 +207,7 @@ def test_removing_a_peer_lets_its_transfer_in_flight_finish(holder, reader):
         target=lambda: results.append(endpoint.read_blocks(peer, [9], [0], timeout=10))
     )
     worker.start()
-    time.sleep(0.2)
+    wait_for(lambda: _in_flight(endpoint), timeout=10, what="the READ in flight")
 
     endpoint.remove_peer(peer)
     source.signal(signal.SIGCONT)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from control_plane.bus.kafka import EventProducer
 from control_plane.planner.cli import planner_app
 from control_plane.planner.load_view import NS
-from control_plane.settings import BusSettings
+from kernel.log.kafka import EventProducer
+from kernel.settings import BusSettings
 from schemas.events import (
     RequestAdmitted,
     RequestCompleted,

@@ -14,16 +14,20 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
 from control_plane.planner.leader import LeaderElector, LeaderLease
 from control_plane.planner.scalers import FileFence, VirtualScaler
-from control_plane.settings import BusSettings, StackSettings
-from control_plane.bus.kafka import EventProducer
+from control_plane.settings import StackSettings
+from kernel.log.kafka import EventProducer
+from kernel.net import free_port
+from kernel.settings import BusSettings
 from schemas.events import PoolPinned, ScalingApplied, ScalingDecision
 from schemas.types import WorkerRole
 from tests.support.events import read_stream
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 
@@ -47,9 +51,11 @@ class Planner:
         config = state_dir / "planner.toml"
         config.write_text(CONFIG)
         self.lines: list[tuple[float, str]] = []
+        self.health_port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "control_plane.planner", "run", "--scaler", "virtual", "--planner-id", planner_id,
-             "--lease", lease, "--lease-ttl-ms", str(TTL_MS), "--state-dir", str(state_dir), "--config", str(config)],
+             "--lease", lease, "--lease-ttl-ms", str(TTL_MS), "--state-dir", str(state_dir), "--config", str(config),
+             "--health-port", str(self.health_port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -70,6 +76,19 @@ class Planner:
 
     def has(self, prefix: str) -> bool:
         return any(line.startswith(prefix) for _, line in self.lines)
+
+    def health(self) -> dict | None:
+        """The planner's /health body (``caught_up``, ``leader``, ``token``...), None while it
+        does not answer."""
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def standby(self) -> bool:
+        """Caught up (so it would act as leader the moment it held a token) and holding none."""
+        h = self.health()
+        return bool(h and h["caught_up"] and h["leader"] is False and h["token"] is None)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -100,7 +119,10 @@ def test_sigkill_leader_is_replaced_within_seconds_and_its_token_is_fenced(bus: 
         token_a = _token(first.wait_for("LEADER")[1])
         first.wait_for("DECISION default 0->1")
         other.wait_for(f"STARTED planner={other_id}")
-        time.sleep(0.3)
+        # The other one is ready to lead (caught up: with a token it would print LEADER at its
+        # next tick) while the first leads, and holds no token.
+        wait_for(other.standby, timeout=30, what=lambda: f"{other_id} on standby: {other.health()}")
+        assert first.health()["leader"] is True
         assert not other.has("LEADER"), "two leaders at once"
 
         first.proc.send_signal(signal.SIGKILL)
@@ -139,12 +161,32 @@ def test_sigkill_leader_is_replaced_within_seconds_and_its_token_is_fenced(bus: 
     assert all(x.success for x in applied) and len(applied) == len(decisions)
 
 
+class CountingLease(LeaderLease):
+    """The real Redis lease, counting its successful renewals and refused acquires."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.renewals = 0
+        self.refusals = 0
+
+    def renew(self) -> bool:
+        ok = super().renew()
+        self.renewals += ok
+        return ok
+
+    def try_acquire(self) -> int | None:
+        token = super().try_acquire()
+        self.refusals += token is None
+        return token
+
+
 def test_lease_is_exclusive_renewed_and_released(stack_settings: StackSettings) -> None:
     """In-process: one of two electors leads; the lease survives several TTLs by renewal; a clean
     stop releases it and the other takes over at once with the next token."""
     client = redis.Redis.from_url(stack_settings.redis_url)
     name = f"unit-{time.time_ns()}"
-    a = LeaderElector(LeaderLease(client, name, "a", ttl_ms=600), retry_s=0.05).start()
+    lease_a = CountingLease(client, name, "a", ttl_ms=600)
+    a = LeaderElector(lease_a, retry_s=0.05).start()
     b = None
     try:
         deadline = time.monotonic() + 5
@@ -152,8 +194,14 @@ def test_lease_is_exclusive_renewed_and_released(stack_settings: StackSettings) 
             time.sleep(0.02)
         t1 = a.token
         assert t1 is not None
-        b = LeaderElector(LeaderLease(client, name, "b", ttl_ms=600), retry_s=0.05).start()
-        time.sleep(2.0)  # > 3 TTLs: renewals keep a in charge
+        lease_b = CountingLease(client, name, "b", ttl_ms=600)
+        renewed = lease_a.renewals
+        b = LeaderElector(lease_b, retry_s=0.05).start()
+        # > 3 TTLs: a renews every ttl / 3 (200 ms), so 11 renewals after b started span at least
+        # 10 intervals, 2 s, while b keeps being refused: without them the key would have expired
+        # three times over.
+        wait_for(lambda: lease_a.renewals - renewed >= 11 and lease_b.refusals >= 10, timeout=30,
+                 what=lambda: f"renewals {lease_a.renewals - renewed}, b refused {lease_b.refusals}")
         assert a.token == t1 and b.token is None
         a.stop(release=True)
         deadline = time.monotonic() + 1.0

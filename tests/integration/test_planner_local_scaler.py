@@ -16,10 +16,11 @@ import httpx
 import pytest
 
 from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch
-from control_plane.settings import BusSettings
+from kernel.settings import BusSettings
 from schemas.events import ScalingDecision, WorkerDeregistered, WorkerDraining, WorkerRegistered
 from schemas.types import WorkerRole
 from tests.support.events import read_stream
+from tests.support.waits import until
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -32,9 +33,11 @@ def _decision(to: int, frm: int, token: int, drain: str = "") -> ScalingDecision
                            config_version=1, fencing_token=token)
 
 
-async def _complete(client: httpx.AsyncClient, urls: dict[str, str], first: str, i: int) -> tuple[str, int]:
+async def _complete(client: httpx.AsyncClient, urls: dict[str, str], first: str, i: int,
+                    decoding: set[tuple[int, str]] | None = None) -> tuple[str, int]:
     """One request, streamed; on 503 (draining) retried on another worker, like the router.
-    Returns (worker that served it, tokens received)."""
+    Returns (worker that served it, tokens received). ``decoding`` gets (i, worker) at the
+    first token."""
     order = [first] + [w for w in urls if w != first]
     for wid in order:
         body = {"prompt": list(range(1 + i, 600 + i)), "max_tokens": MAX_TOKENS, "stream": True,
@@ -50,6 +53,8 @@ async def _complete(client: httpx.AsyncClient, urls: dict[str, str], first: str,
                 elif line.startswith("data: "):
                     assert '"error"' not in line, line
                     tokens += 1
+                    if decoding is not None:
+                        decoding.add((i, wid))
             assert done, f"request {i} on {wid} ended without [DONE]"
             return wid, tokens
     raise AssertionError(f"request {i}: every worker refused it")
@@ -74,8 +79,11 @@ def test_scale_up_and_drain_under_load_loses_no_request(bus: BusSettings, tmp_pa
 
         async def scenario() -> list[tuple[str, int]]:
             async with httpx.AsyncClient(timeout=60) as client:
-                inflight = [asyncio.create_task(_complete(client, urls, victim, i)) for i in range(12)]
-                await asyncio.sleep(0.4)  # requests are decoding on the victim now
+                decoding: set[tuple[int, str]] = set()
+                inflight = [asyncio.create_task(_complete(client, urls, victim, i, decoding)) for i in range(12)]
+                # The 12 requests are decoding on the victim now: each has its first token from it.
+                await until(lambda: {(i, victim) for i in range(12)} <= decoding, timeout=60,
+                            what=lambda: f"12 requests decoding on {victim}: {sorted(decoding)}")
                 res = await asyncio.to_thread(scaler.apply, _decision(1, 2, token=5, drain=victim))
                 assert res.success and res.replicas == 1
                 # a deposed planner's decision (older token) changes nothing

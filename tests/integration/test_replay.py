@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import time
 
 import httpx
 import msgspec
 import pytest
 
-from control_plane.bus.admin import apply_topics
-from control_plane.bus.catalog import Catalog
 from control_plane.replay.engine import ReplayEngine
-from control_plane.replay.log import FileLogReader, KafkaLogReader, MemoryLogReader, export_log
-from control_plane.routing import RouterConfig
-from control_plane.settings import BusSettings
+from control_plane.router import RouterConfig
+from kernel.log.admin import apply_topics
+from kernel.log.catalog import Catalog
+from kernel.log.reader import FileLogReader, KafkaLogReader, MemoryLogReader, export_log
+from kernel.net import free_port
+from kernel.settings import BusSettings
 from schemas import EventCodec
 from schemas.events import RequestRouted
 from schemas.types import RoutingMode
-from tests.integration.test_router import Procs, _free_port, _wait_http
+from tests.integration.test_router import Procs, _checkpointed, _view_caught_up, _wait_http
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -43,7 +44,7 @@ def recorded(kafka_bootstrap: str, tmp_path_factory):
     try:
         procs.worker("w1", "--token-delay", "0.01")
         procs.worker("w2", "--token-delay", "0.01")
-        port = _free_port()
+        port = free_port()
         procs.router(port, rid="r-replay")
         base = f"http://127.0.0.1:{port}"
         _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
@@ -68,8 +69,11 @@ def recorded(kafka_bootstrap: str, tmp_path_factory):
                                         6, k % 2 == 0) for k in range(6)]
                     for f in futs:
                         f.result()
-                    time.sleep(0.3)
-            time.sleep(2.5)  # load reports and a checkpoint land
+                    _view_caught_up(base, bus, ("kv",))  # the burst's KV events are in the view
+            # Load reports and a checkpoint land: the view has folded the log as it is now, and a
+            # snapshot of it is on the log.
+            applied = _view_caught_up(base, bus)["applied"]
+            wait_for(lambda: _checkpointed(bus, applied), timeout=30, what=f"a router-view checkpoint of {applied} records")
             view = _wait_http(f"{base}/router/view?digest=true", lambda r: r.status_code == 200).json()
         yield bus, view
     finally:
@@ -159,6 +163,14 @@ def test_export_file_gives_the_same_answers_and_whatif_rescores(recorded, tmp_pa
     assert view.digest() == live["digest"]
     report = engine.verify()
     assert report.identical == report.decisions > 0
+    # What-if under the recorded config is the live router again: every decision re-scores to the
+    # recorded choice, and the closed-loop simulations of the two sides are the same run.
+    [recorded_config] = _engine(bus).router_configs().values()  # the admin stream is not in the export
+    same = engine.whatif("start", "end", recorded_config)
+    assert same.rescored == report.decisions and same.changed == 0 and same.errors == 0
+    strip = lambda side: {k: v for k, v in same.simulation[side]["summary"].items() if k != "decide_us"}  # noqa: E731 - wall time
+    assert strip("baseline") == strip("alternative")
+    assert all(v in (0, 0.0) for v in same.simulation["delta"].values()), same.simulation["delta"]
     # Round robin ignores the cache: the shared-prefix requests spread, avoidable prefill grows.
     w = engine.whatif("start", "end", RouterConfig(version=2, mode=RoutingMode.ROUND_ROBIN))
     assert w.rescored == report.decisions and w.changed > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,17 @@ import httpx
 import openai
 import pytest
 
-from control_plane.settings import BusSettings
+from control_plane.replay.engine import ReplayEngine
+from kernel.log.catalog import Catalog
+from kernel.log.reader import KafkaLogReader
+from kernel.net import free_port
+from kernel.settings import BusSettings
 from schemas.events import RequestCompleted, RequestFailed, RequestRouted
 from tests.integration.test_router_view import oracle
 from tests.support.events import read_stream
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:
@@ -36,7 +34,7 @@ class Procs:
         self.log = open(f"/tmp/router-test-{bus.topic_prefix}.log", "ab")
 
     def worker(self, wid: str, *extra: str) -> tuple[subprocess.Popen, int]:
-        port = _free_port()
+        port = free_port()
         p = subprocess.Popen([sys.executable, "-m", "tests.support.mini_worker", "--worker-id", wid,
                               "--port", str(port), *extra], env=self.env)
         self.procs.append(p)
@@ -44,7 +42,7 @@ class Procs:
         return p, port
 
     def router(self, port: int, rid: str = "r-test") -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-m", "control_plane.cli", "router", "--port", str(port),
+        p = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "router", "--port", str(port),
                               "--router-id", rid, "--snapshot-every", "1"], env=self.env,
                              stdout=self.log, stderr=subprocess.STDOUT)
         self.procs.append(p)
@@ -71,6 +69,29 @@ def _wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 6
     raise AssertionError(f"{url} not ready: {last.text if last is not None else 'no answer'}")
 
 
+def _view_caught_up(base: str, bus: BusSettings, streams=("kv", "workers"), timeout: float = 30) -> dict:
+    """Until the router's view has folded every record of ``streams`` written before the call;
+    returns its /router/view body."""
+    cat = Catalog(bus.topic_prefix)
+    with KafkaLogReader(bus.bootstrap) as reader:
+        ends = {f"{t}:{p}": reader.bounds(t, p)[1] for t in map(cat.topic, streams) for p in reader.partitions(t)}
+    seen: dict = {}
+
+    def caught_up() -> dict | None:
+        nonlocal seen
+        seen = httpx.get(f"{base}/router/view", timeout=5).json()
+        pos = seen["positions"]
+        return seen if all(pos.get(tp, 0) >= end for tp, end in ends.items() if end) else None
+
+    return wait_for(caught_up, timeout, what=lambda: f"router view at the log end {ends}: {seen.get('positions')}")
+
+
+def _checkpointed(bus: BusSettings, applied: int) -> bool:
+    """A router-view snapshot on the log covers ``applied`` folded records."""
+    with KafkaLogReader(bus.bootstrap) as reader:
+        return any(s.applied >= applied for s in ReplayEngine(reader, Catalog(bus.topic_prefix)).snapshots())
+
+
 @pytest.fixture
 def procs(bus: BusSettings):
     p = Procs(bus)
@@ -89,7 +110,7 @@ def _routed(bus: BusSettings) -> dict[str, list[RequestRouted]]:
 def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSettings, procs: Procs) -> None:
     procs.worker("w1")
     procs.worker("w2")
-    port = _free_port()
+    port = free_port()
     router = procs.router(port)
     base = f"http://127.0.0.1:{port}"
     _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
@@ -150,11 +171,13 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     assert any(f.worker_id == "w3" for f in failed) or outcomes.count(5) == 6
 
     # kill -9 the router; a new one comes back EXACT from snapshot + tail and equals the oracle.
-    time.sleep(1.5)  # let a checkpoint land
+    # Let a checkpoint land: a snapshot of the view as it is once the traffic's events are in it.
+    applied = _view_caught_up(base, bus)["applied"]
+    wait_for(lambda: _checkpointed(bus, applied), timeout=30, what=f"a router-view checkpoint of {applied} records")
     router.send_signal(signal.SIGKILL)
     router.wait(10)
     client.close()
-    port2 = _free_port()
+    port2 = free_port()
     procs.router(port2, rid="r-test")
     base2 = f"http://127.0.0.1:{port2}"
     h = _wait_http(f"{base2}/health", lambda r: r.status_code == 200 and r.json()["state"] in ("EXACT", "DEGRADED")).json()

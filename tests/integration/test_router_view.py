@@ -3,20 +3,18 @@ the log; a restart from snapshot + tail gets back to the same view."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import EventProducer
-from control_plane.bus.reader import iter_records
 from control_plane.index.errors import IndexRejected
+from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
-from control_plane.settings import BusSettings
-from control_plane.streams.router_view import RouterViewProcessor
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import EventProducer
+from kernel.log.reader import KafkaLogReader, scan
+from kernel.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
+from tests.support.waits import until
 
 pytestmark = pytest.mark.kafka
 
@@ -54,20 +52,13 @@ def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
     for stream in ("workers", "kv"):
         topic = cat.topic(stream)
         limit = None if upto is None else {p: o for (t, p), o in upto.items() if t == topic}
-        for m in iter_records(bus, topic, upto=limit):
-            try:
-                view.apply(codec.decode(m.value()), topic, m.partition(), m.offset())
-            except (SchemaError, IndexRejected):
-                view.positions[(topic, m.partition())] = m.offset() + 1
+        with KafkaLogReader(bus.bootstrap) as reader:
+            for m in scan(reader, topic, upto=limit):
+                try:
+                    view.apply(codec.decode(m.value), topic, m.partition, m.offset)
+                except (SchemaError, IndexRejected):
+                    view.positions[(topic, m.partition)] = m.offset + 1
     return view
-
-
-async def _until(pred, timeout: float = 60, what=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out: {what()}")
-        await asyncio.sleep(0.1)
 
 
 async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus: BusSettings) -> None:
@@ -87,7 +78,7 @@ async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus
     proc = RouterViewProcessor(bus, "r1", view, snapshot_every_s=3600)
     await proc.start()
     try:
-        await _until(lambda: proc.caught_up, what=lambda: (proc._target, view.positions))
+        await until(lambda: proc.caught_up, timeout=60, what=lambda: (proc._target, view.positions))
         want = oracle(bus)
         assert view.as_dict() == want.as_dict()
         assert proc.dead_lettered == 2
@@ -106,7 +97,7 @@ async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus
     applied_before = restored.applied
     await proc2.start()
     try:
-        await _until(lambda: proc2.caught_up, what=lambda: (proc2._target, restored.positions))
+        await until(lambda: proc2.caught_up, timeout=60, what=lambda: (proc2._target, restored.positions))
         assert restored.as_dict() == oracle(bus).as_dict()
         # Only the tail was replayed (3 workers x 10 rounds: stores, removes, load reports).
         assert restored.applied - applied_before < 80

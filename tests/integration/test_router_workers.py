@@ -4,22 +4,20 @@ the causal chain of events on the log, and a killed worker retried without the c
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 
 import openai
 import pytest
 
-from control_plane.settings import BusSettings
+from kernel.net import free_port
+from kernel.settings import BusSettings
 from schemas.events import (
     KvTransferCompleted,
     PrefillCompleted,
-    RequestAdmitted,
     RequestCompleted,
     RequestFailed,
     RequestRouted,
 )
-from tests.integration.test_router import Procs, _free_port, _wait_http
+from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc
 from tests.support.events import read_stream
 
@@ -43,7 +41,7 @@ def test_disaggregated_request_through_router_has_its_whole_chain(bus: BusSettin
     prefill = WorkerProc(bus, "p-0", tmp_path / "p0", tmp_path, role="prefill", args=WORKER_ARGS).start()
     decode = WorkerProc(bus, "d-0", tmp_path / "d0", tmp_path, role="decode", args=WORKER_ARGS).start()
     try:
-        port = _free_port()
+        port = free_port()
         procs.router(port)
         base = f"http://127.0.0.1:{port}"
         _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
@@ -73,7 +71,7 @@ def test_aggregated_workers_prefix_reuse_and_a_killed_worker_is_retried(bus: Bus
     a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=WORKER_ARGS).start()
     b = WorkerProc(bus, "a-1", tmp_path / "a1", tmp_path, args=WORKER_ARGS).start()
     try:
-        port = _free_port()
+        port = free_port()
         procs.router(port)
         base = f"http://127.0.0.1:{port}"
         _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)

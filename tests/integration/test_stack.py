@@ -18,14 +18,15 @@ from collections import Counter
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from control_plane.bus.admin import apply_topics
-from control_plane.bus.catalog import Catalog
-from control_plane.bus.kafka import EventProducer
-from control_plane.settings import BusSettings, StackSettings, repo_root
+from control_plane.settings import StackSettings
 from control_plane.stack import Stack
 from control_plane.stack.process import port_in_use, processes_mentioning
+from kernel.log.admin import apply_topics
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import EventProducer
+from kernel.net import free_port
+from kernel.settings import BusSettings, repo_root
 from schemas import EventCodec
-from tests.support.ports import free_port
 from schemas.events import BlockStored
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -48,7 +49,7 @@ def _env(s: StackSettings) -> dict[str, str]:
 
 
 def _cli(s: StackSettings, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "control_plane.cli", *args], env=_env(s),
+    return subprocess.run([sys.executable, "-m", "switchyard.cli", *args], env=_env(s),
                           capture_output=True, text=True, timeout=180)
 
 
@@ -93,23 +94,34 @@ def test_broker_kill9_loses_no_acknowledged_event_and_writes_none_twice(private_
     total = 30_000
     published: list[str] = []
 
+    errors: list[BaseException] = []
+
     def send() -> None:
-        for i in range(total):
-            env = producer.publish(BlockStored(worker_id=f"w{i % 8}", tier="device", block_hashes=[i],
-                                               block_size=16, hash_algo="sha256_cbor"))
-            published.append(env.event_id)
-            if i % 200 == 0:
-                time.sleep(0.01)  # keep sending across the crash window
+        try:
+            for i in range(total):
+                env = producer.publish(BlockStored(worker_id=f"w{i % 8}", tier="device", block_hashes=[i],
+                                                   block_size=16, hash_algo="sha256_cbor"))
+                published.append(env.event_id)
+                if i % 200 == 0:
+                    time.sleep(0.01)  # keep sending across the crash window
+        except BaseException as e:  # noqa: BLE001 - reported by the test, not lost with the thread
+            errors.append(e)
+            raise
 
     t = threading.Thread(target=send)
     t.start()
+    deadline = time.monotonic() + 90
     while len(acked) < 3_000:
-        time.sleep(0.01)
+        assert not errors, f"the sender died: {errors[0]!r}"
+        assert time.monotonic() < deadline, (f"{len(acked)} acks after 90 s; {len(published)} published, "
+                                             f"{len(producer.failed)} failed, sender alive: {t.is_alive()}")
+        producer.poll(0.01)  # serve delivery reports also when the sender is between batches
     acked_before_crash = len(acked)
     kafka.kill9()
     time.sleep(1.5)
     kafka.start()
     t.join()
+    assert not errors, f"the sender died: {errors[0]!r}"
     assert producer.flush(120) == 0
     assert producer.failed == [], [f.error for f in producer.failed[:3]]
     assert len(acked) == total and acked_before_crash < total

@@ -25,9 +25,9 @@ import msgspec
 import pytest
 import zmq
 
-from data_plane.ports import MemorySink
 from data_plane.vllm.bridge import BridgeSettings, KvEventBridge
 from data_plane.vllm.kv_events import VllmSource
+from kernel.log.sink import MemorySink
 from schemas.events import AllBlocksCleared, BlockStored
 from schemas.types import WorkerId
 from tests.fixtures.vllm.generate import V033BlockStored, V033EventBatch

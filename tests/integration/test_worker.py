@@ -11,13 +11,14 @@ import httpx
 import openai
 import pytest
 
-from control_plane.index.hashing import hash_blocks
-from control_plane.settings import BusSettings
 from data_plane.engines import default_hash_config
 from data_plane.engines.request import pseudo_token, request_seed
 from data_plane.transfer import EndpointMetadata
+from kernel.hashing import hash_blocks
+from kernel.settings import BusSettings
 from schemas.events import TransferInfo
-from tests.integration.workerproc import WorkerProc, of, read_log, wait_for
+from tests.integration.workerproc import WorkerProc, of, read_log
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
 

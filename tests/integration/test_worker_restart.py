@@ -18,13 +18,14 @@ import threading
 import httpx
 import pytest
 
-from control_plane.bus.sequencing import SequenceTracker
 from control_plane.index.errors import IndexRejected
 from control_plane.router.view import RouterView
-from control_plane.settings import BusSettings
 from data_plane.kvbm import claimed_persistent
+from kernel.log.sequencing import SequenceTracker
+from kernel.settings import BusSettings
 from schemas.types import Tier
-from tests.integration.workerproc import Record, WorkerProc, of, read_log, wait_for
+from tests.integration.workerproc import Record, WorkerProc, of, read_log
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
 

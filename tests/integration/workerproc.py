@@ -1,11 +1,10 @@
-"""Helpers for tests that run real worker processes (``python -m control_plane.cli worker``)
+"""Helpers for tests that run real worker processes (``python -m switchyard.cli worker``)
 against the local broker, and read back what they published."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,31 +12,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from confluent_kafka import Consumer, TopicPartition
 
-from control_plane.bus.catalog import Catalog
-from control_plane.settings import BusSettings
-from schemas import Envelope, EventCodec
+from kernel.log.catalog import Catalog
+from kernel.log.reader import KafkaLogReader, scan_events
+from kernel.net import free_port
+from kernel.settings import BusSettings
+from schemas import Envelope
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerProc:
     """One worker process. ``args`` are extra CLI options; output goes to ``<log_dir>/<id>.log``."""
 
     def __init__(self, bus: BusSettings, worker_id: str, data_dir: Path, log_dir: Path, *,
-                 role: str = "aggregated", args: tuple[str, ...] = ()) -> None:
+                 role: str = "aggregated", args: tuple[str, ...] = (), python: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.data_dir = data_dir
         self.role = role
         self.args = args
+        #: Interpreter of the worker (the vLLM tier runs workers in .venv-vllm).
+        self.python = python or sys.executable
+        self.extra_env = env or {}
         self.log_dir = log_dir
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
@@ -53,12 +51,15 @@ class WorkerProc:
 
     def launch(self) -> WorkerProc:
         env = dict(os.environ, SWITCHYARD_TOPIC_PREFIX=self.bus.topic_prefix,
-                   SWITCHYARD_KAFKA_BOOTSTRAP=self.bus.bootstrap, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "control_plane.cli", "worker", "--worker-id", self.worker_id,
+                   SWITCHYARD_KAFKA_BOOTSTRAP=self.bus.bootstrap, PYTHONUNBUFFERED="1", **self.extra_env)
+        cmd = [self.python, "-m", "switchyard.cli", "worker", "--worker-id", self.worker_id,
                "--role", self.role, "--port", str(self.port), "--data-dir", str(self.data_dir), *self.args]
         self.starts += 1
         log = open(self.log_dir / f"{self.worker_id}.{self.starts}.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # Its own process group: a vLLM worker's engine core is a child process, and "the
+        # worker died" (kill) or "is gone" (stop) must take it along.
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         log.close()
         return self
 
@@ -91,22 +92,34 @@ class WorkerProc:
         assert self.proc is not None
         return self.proc.wait(timeout)
 
+    def _kill_group(self) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def kill(self) -> None:
-        """SIGKILL: no drain, no flush."""
+        """SIGKILL to the worker and its children: no drain, no flush."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            self._kill_group()
             self.proc.wait(10)
 
     def stop(self) -> int | None:
         """SIGTERM and wait (SIGKILL if it does not exit)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
+        if self.proc is None:
+            return None
+        if self.proc.poll() is not None:
+            self._kill_group()
+            return self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(30)
+            rc = self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.kill()
             return None
+        self._kill_group()  # leftovers (an engine core orphaned by a worker that died starting)
+        return rc
 
 
 @dataclass(frozen=True)
@@ -123,40 +136,13 @@ class Record:
 
 def read_log(bus: BusSettings, *streams: str) -> list[Record]:
     """Every record of ``streams`` up to their current end, per partition in offset order."""
-    codec = EventCodec()
     cat = Catalog(bus.topic_prefix)
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "test-reader", "enable.auto.commit": False})
     out: list[Record] = []
-    try:
+    with KafkaLogReader(bus.bootstrap) as reader:
         for stream in streams:
             topic = cat.topic(stream)
-            for p in sorted(c.list_topics(topic, timeout=10).topics[topic].partitions):
-                lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                if hi <= lo:
-                    continue
-                c.assign([TopicPartition(topic, p, lo)])
-                pos = lo
-                deadline = time.monotonic() + 20
-                while pos < hi and time.monotonic() < deadline:
-                    for m in c.consume(1000, 0.5):
-                        if m.error():
-                            continue
-                        pos = m.offset() + 1
-                        out.append(Record(topic, p, m.offset(), codec.decode(m.value())))
-    finally:
-        c.close()
+            out += [Record(topic, rec.partition, rec.offset, env) for rec, env in scan_events(reader, topic)]
     return out
-
-
-def wait_for(pred, timeout: float = 20.0, what: str = "", interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or pred}")
-        time.sleep(interval)
 
 
 def of(records: list[Record], producer: str | None = None, *types: str) -> list[Record]:

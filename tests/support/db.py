@@ -38,7 +38,7 @@ def sqlite_database(tmp: Path):
 
 
 def migrated(url: str) -> str:
-    from control_plane.api.wiring import migrate
+    from control_plane.admin.wiring import migrate
 
     migrate(url)
     return url

@@ -19,10 +19,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from control_plane.bus.kafka import EventProducer
-from control_plane.index.hashing import HashAlgo, HashConfig, hash_blocks
-from control_plane.settings import BusSettings
-from control_plane.tokenizer import HashTokenizer
+from kernel.hashing import HashAlgo, HashConfig, hash_blocks
+from kernel.log.kafka import EventProducer
+from kernel.settings import BusSettings
+from kernel.tokenizer import HashTokenizer
 from schemas.events import BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
 
 

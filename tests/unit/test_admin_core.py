@@ -4,21 +4,12 @@ from __future__ import annotations
 
 import time
 
-from control_plane.api.audit.projection import audit_row, counter_of, fold_pool, fold_worker, payload_json
-from control_plane.api.auth import Role, issue_token, parse_token, verify_secret
-from control_plane.api.queries import build_trace
-from control_plane.api.shapes import EventPublic
+from control_plane.admin.audit.projection import audit_row, counter_of, fold_pool, fold_worker, payload_json
+from control_plane.admin.auth import Role, issue_token, parse_token, verify_secret
+from control_plane.admin.queries import build_trace
+from control_plane.admin.shapes import EventPublic
 from schemas import EnvelopeFactory
-from schemas.events import (
-    PoolPinned,
-    PoolUpdated,
-    RequestFailed,
-    RequestRouted,
-    TransferInfo,
-    WorkerDrainRequested,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
+from schemas import events as ev
 from schemas.types import RoutingMode
 
 
@@ -27,43 +18,43 @@ def _env(producer: str, epoch: int, payload, **kw):
 
 
 def _reg(epoch: int, endpoint: str = "http://w"):
-    return _env("w1", epoch, WorkerRegistered(worker_id="w1", role="decode", pool="p", endpoint=endpoint, block_size=16,
-                                              hash_algo="sha256", transfer=TransferInfo(agent_metadata=b"\x00\x01")))
+    return _env("w1", epoch, ev.WorkerRegistered(worker_id="w1", role="decode", pool="p", endpoint=endpoint, block_size=16,
+                                              hash_algo="sha256", transfer=ev.TransferInfo(agent_metadata=b"\x00\x01")))
 
 
 def test_worker_fold_keeps_the_newest_incarnation() -> None:
     row = fold_worker(None, _reg(5))
     assert (row["epoch"], row["state"], row["role"]) == (5, "ready", "decode")
-    loaded = fold_worker(row, _env("w1", 5, WorkerLoadReported(worker_id="w1", running=2, waiting=1)))
+    loaded = fold_worker(row, _env("w1", 5, ev.WorkerLoadReported(worker_id="w1", running=2, waiting=1)))
     assert loaded["running"] == 2
-    assert fold_worker(loaded, _env("w1", 4, WorkerLoadReported(worker_id="w1", running=9, waiting=9))) is None
+    assert fold_worker(loaded, _env("w1", 4, ev.WorkerLoadReported(worker_id="w1", running=9, waiting=9))) is None
     # A newer incarnation's load arriving before its registration: taken, marked unregistered.
-    early = fold_worker(loaded, _env("w1", 6, WorkerLoadReported(worker_id="w1", running=0, waiting=0)))
+    early = fold_worker(loaded, _env("w1", 6, ev.WorkerLoadReported(worker_id="w1", running=0, waiting=0)))
     assert (early["epoch"], early["state"]) == (6, "unregistered")
     assert fold_worker(early, _reg(6, "http://new"))["state"] == "ready"
     # An operator's drain request comes from the admin producer, whose epoch is not the worker's.
-    asked = fold_worker(loaded, _env("admin-api", 999, WorkerDrainRequested(worker_id="w1", actor="ops")))
+    asked = fold_worker(loaded, _env("admin-api", 999, ev.WorkerDrainRequested(worker_id="w1", actor="ops")))
     assert (asked["epoch"], asked["drain_requested_by"]) == (5, "ops")
 
 
 def test_counters_pools_and_rows() -> None:
-    routed = _env("r", 1, RequestRouted(request_id="q", worker_id="w1", mode=RoutingMode.KV, config_version=1,
+    routed = _env("r", 1, ev.RequestRouted(request_id="q", worker_id="w1", mode=RoutingMode.KV, config_version=1,
                                         rng_seed=1), correlation_id="q")
     assert counter_of(routed) == ("w1", "routed")
-    assert counter_of(_env("r", 1, RequestFailed(request_id="q", reason="x", code="timeout"))) is None
+    assert counter_of(_env("r", 1, ev.RequestFailed(request_id="q", reason="x", code="timeout"))) is None
     row = audit_row(routed, "t.requests", 2, 40)
     assert (row["request_id"], row["worker_id"], row["decision_id"]) == ("q", "w1", routed.event_id)
-    pool = fold_pool(None, _env("a", 1, PoolUpdated(actor="ops", pool="p", role="decode", max_replicas=4)))
-    pool = fold_pool(pool, _env("a", 1, PoolPinned(actor="bob", pool="p", replicas=3, reason="x")))
+    pool = fold_pool(None, _env("a", 1, ev.PoolUpdated(actor="ops", pool="p", role="decode", max_replicas=4)))
+    pool = fold_pool(pool, _env("a", 1, ev.PoolPinned(actor="bob", pool="p", replicas=3, reason="x")))
     assert (pool["max_replicas"], pool["pinned_replicas"], pool["version"], pool["updated_by"]) == (4, 3, 2, "bob")
-    pool = fold_pool(pool, _env("a", 1, PoolPinned(actor="bob", pool="p")))
+    pool = fold_pool(pool, _env("a", 1, ev.PoolPinned(actor="bob", pool="p")))
     assert pool["pinned_replicas"] is None and pool["pin_reason"] == ""
 
 
 def test_payloads_are_storable_json() -> None:
     doc = payload_json(_reg(1).data)
     assert doc["transfer"]["agent_metadata"] == "AAE="  # bytes as base64
-    doc = payload_json(RequestFailed(request_id="q", reason="bad\x00byte", code="x"))
+    doc = payload_json(ev.RequestFailed(request_id="q", reason="bad\x00byte", code="x"))
     assert doc["reason"] == "bad\ufffdbyte"  # PostgreSQL text/JSONB cannot hold NUL
 
 

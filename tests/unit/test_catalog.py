@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.bus.catalog import Catalog
+from kernel.log.catalog import Catalog
 from schemas.events import ALL_EVENT_TYPES
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from control_plane.index.hashing import hash_block_digests, hash_blocks
+from kernel.hashing import hash_block_digests, hash_blocks
 from data_plane.engines import (
     Admission,
     AsyncEngine,
@@ -29,7 +29,7 @@ from data_plane.engines import (
     request_seed,
     simulate,
 )
-from data_plane.ports import MemorySink
+from kernel.log.sink import MemorySink
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from schemas.types import RequestPhase, Tier, WorkerRole
 
@@ -499,3 +499,310 @@ def test_trace_prompts_share_exactly_the_hash_id_prefix(tmp_path):
         assert list(r.prompt_digests) == hash_block_digests(r.prompt[:], cfg)
     assert len(z.prompt) == 700 and len(z.prompt_digests) == 10  # 512 + 188: 8 + 2 full blocks
     assert z.arrival_ms == 9.0 and x.max_tokens == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Fast paths: coalesced decode runs, native hashing, vectorised timing. Each is checked against
+# the plain implementation it replaces, on random inputs.
+# --------------------------------------------------------------------------------------------
+
+
+def _reference_simulate(requests, prof, *, num_workers=1, role=WorkerRole.AGGREGATED, router="round_robin",
+                        sink=None, release_after_ms=0.0, emit_token_ids=False):
+    """The simulation loop as it was before decode runs were coalesced, verbatim: one event
+    heap, one ``EngineCore.step()`` per step. The oracle of the equivalence tests."""
+    import heapq
+
+    from data_plane.engines.simulate import RequestRecord, SimulationResult, round_robin
+
+    ids = [f"worker-{i}" for i in range(num_workers)]
+    cores = [EngineCore(prof, worker_id=w, role=role, hash_config=default_hash_config(prof.block_size),
+                        emit_token_ids=emit_token_ids) for w in ids]
+    route = round_robin() if router == "round_robin" else router
+    _ARRIVAL, _RELEASE, _BOUNDARY = 0, 1, 2
+    reqs = sorted(requests, key=lambda r: r.arrival_ms or 0.0)
+    records, ordered, heap, seq = {}, [], [], 0
+    for r in reqs:
+        heap.append((r.arrival_ms or 0.0, _ARRIVAL, seq, -1, r))
+        seq += 1
+    heapq.heapify(heap)
+    busy = [False] * num_workers
+    steps, last_time = 0, 0.0
+    first_arrival = (reqs[0].arrival_ms or 0.0) if reqs else 0.0
+    while heap:
+        t, kind, _, w, payload = heapq.heappop(heap)
+        if kind == _ARRIVAL:
+            w = route(payload, cores)
+            rec = RequestRecord(payload.request_id, ids[w], t, len(payload.prompt), payload.max_tokens)
+            records[payload.request_id] = rec
+            ordered.append(rec)
+            cores[w].add_request(payload)
+            if not busy[w]:
+                busy[w] = True
+                heapq.heappush(heap, (t, _BOUNDARY, seq, w, None))
+                seq += 1
+            continue
+        core = cores[w]
+        if kind == _RELEASE:
+            core.release(payload)
+            if not busy[w] and core.has_work():
+                busy[w] = True
+                heapq.heappush(heap, (t, _BOUNDARY, seq, w, None))
+                seq += 1
+            continue
+        if payload is not None:
+            for tok in payload.tokens:
+                rec = records[tok.request_id]
+                rec.token_times.append(t)
+                if tok.finished:
+                    rec.finished = True
+            for rid, cached in payload.admitted:
+                records[rid].cached_tokens = cached
+            if role is WorkerRole.PREFILL and release_after_ms is not None:
+                for rid in payload.finished:
+                    heapq.heappush(heap, (t + release_after_ms, _RELEASE, seq, w, rid))
+                    seq += 1
+            events = core.take_kv_events()
+            if sink is not None:
+                for ev in events:
+                    sink.publish(ev)
+            last_time = t
+        res = core.step()
+        if res.num_scheduled == 0:
+            busy[w] = False
+            continue
+        steps += 1
+        heapq.heappush(heap, (t + res.duration_ms, _BOUNDARY, seq, w, res))
+        seq += 1
+    return SimulationResult(ordered, last_time - first_arrival, steps,
+                            sum(c.scheduler.num_preemptions for c in cores), prof.name, num_workers), cores
+
+
+def _random_case(seed: int):
+    """A random small workload and engine: shared prefixes, arrival ties, long outputs, small
+    pools (preemption), every admission rule and role."""
+    import random
+
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4, 16])
+    role = rng.choice([WorkerRole.AGGREGATED] * 3 + [WorkerRole.PREFILL, WorkerRole.DECODE])
+    prof = _profile(
+        block_size=bs,
+        num_device_blocks=rng.choice([12, 24, 48, 200]) * (16 // bs if bs < 16 else 1),
+        max_num_seqs=rng.choice([1, 2, 4, 8]),
+        max_num_batched_tokens=rng.choice([16, 48, 256]),
+        admission=rng.choice([Admission.CHUNK, Admission.WHOLE_PROMPT]),
+        reuse_uncached_first=rng.random() < 0.5,
+        enable_prefix_caching=rng.random() < 0.85,
+        enable_chunked_prefill=rng.random() < 0.8,
+    )
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(1, 40))] for _ in range(3)]
+    reqs = []
+    t = 0.0
+    cap = prof.num_device_blocks * bs
+    for i in range(rng.randrange(3, 14)):
+        if rng.random() < 0.6:
+            t += rng.choice([0.0, 1.0, 7.5, 30.0, 250.0])
+        prompt = rng.choice(prefixes)[: rng.randrange(1, 40)] + [rng.randrange(1000) for _ in range(rng.randrange(0, 30))]
+        max_tokens = rng.choice([1, 2, 5, 40, 150])
+        prompt = prompt[: max(1, cap // 2 - max_tokens)] or [1]
+        if len(prompt) + max_tokens > cap:
+            max_tokens = max(1, cap - len(prompt))
+        prefix = ()
+        if role is WorkerRole.DECODE and max_tokens > 1 and rng.random() < 0.7:
+            prefix = (rng.randrange(1000),)
+        reqs.append(_req(f"q{seed}-{i}", prompt, max_tokens=max_tokens, arrival_ms=t, output_prefix=prefix))
+    workers = rng.choice([1, 2, 3])
+    return prof, role, workers, reqs, rng
+
+
+def _same_run(a, b):
+    assert [r.request_id for r in a.requests] == [r.request_id for r in b.requests]
+    for x, y in zip(a.requests, b.requests):
+        assert (x.worker_id, x.arrival_ms, x.cached_tokens, x.finished) == (y.worker_id, y.arrival_ms, y.cached_tokens, y.finished)
+        assert list(x.token_times) == list(y.token_times), x.request_id
+    assert (a.steps, a.preemptions, a.duration_ms) == (b.steps, b.preemptions, b.duration_ms)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_coalesced_simulation_equals_step_by_step(seed):
+    """Property: on random workloads, the simulation with coalesced decode runs produces the
+    same records (every token time, bit for bit), step count, preemptions and KV event stream,
+    in the same order, as the original one-step-at-a-time loop, and as ``coalesce=False``."""
+    prof, role, workers, reqs, rng = _random_case(seed)
+    release = rng.choice([0.0, 3.0, 100.0]) if role is WorkerRole.PREFILL else 0.0
+    emit = rng.random() < 0.3
+    ref_sink, sink, slow_sink = MemorySink(), MemorySink(), MemorySink()
+    ref, _ = _reference_simulate(reqs, prof, num_workers=workers, role=role, sink=ref_sink,
+                                 release_after_ms=release, emit_token_ids=emit)
+    kw = dict(num_workers=workers, role=role, hash_config=default_hash_config(prof.block_size),
+              release_after_ms=release, emit_token_ids=emit)
+    fast = simulate(reqs, prof, sink=sink, **kw)
+    slow = simulate(reqs, prof, sink=slow_sink, coalesce=False, **kw)
+    _same_run(fast, ref)
+    _same_run(slow, ref)
+    assert sink.events == ref_sink.events
+    assert slow_sink.events == ref_sink.events
+    no_sink = simulate(reqs, prof, **kw)
+    _same_run(no_sink, ref)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_coalesced_simulation_with_a_stateful_router_and_exact_ties(seed):
+    """A router that reads the engines' stats at each arrival sees them exactly as the
+    step-by-step loop does; workers given identical work tie at every step boundary, and the
+    KV events of tied boundaries still come out in the heap's order."""
+    prof, _, _, reqs, rng = _random_case(1000 + seed)
+    twins = []
+    for r in reqs:  # same shapes under other ids: their steps end at the same instants
+        twins.append(r)
+        twins.append(_req(r.request_id + "-twin", list(r.prompt), max_tokens=r.max_tokens, arrival_ms=r.arrival_ms))
+
+    def least_loaded(req, cores):
+        load = [(c.stats().running + c.stats().waiting, -c.stats().free_blocks, i) for i, c in enumerate(cores)]
+        return min(load)[2]
+
+    cases = [("round_robin", WorkerRole.AGGREGATED, 0.0), (least_loaded, WorkerRole.AGGREGATED, 0.0),
+             # Held blocks released at once, and later: releases that wake a worker at a tie.
+             ("round_robin", WorkerRole.PREFILL, 0.0), (least_loaded, WorkerRole.PREFILL, 2.5)]
+    for router, role, release in cases:
+        ref_sink, sink = MemorySink(), MemorySink()
+        ref, _ = _reference_simulate(twins, prof, num_workers=2, router=router, sink=ref_sink, role=role,
+                                     release_after_ms=release)
+        fast = simulate(twins, prof, num_workers=2, router=router, sink=sink, role=role,
+                        release_after_ms=release, hash_config=default_hash_config(prof.block_size))
+        _same_run(fast, ref)
+        assert sink.events == ref_sink.events
+
+
+def test_coalesced_runs_are_taken_and_long():
+    """The equivalence above is not vacuous: decode runs happen, and a long decode is applied
+    in few calls (one step each at the start and end, the rest in runs)."""
+    prof = _profile(num_device_blocks=256)
+    core = EngineCore(prof, hash_config=default_hash_config(4))
+    core.add_request(_req("A", range(10), max_tokens=200))
+    core.add_request(_req("B", range(50, 70), max_tokens=150))
+    calls, steps = 0, 0
+    t = 0.0
+    while core.has_work():
+        run = core.run_decode(t, float("inf"))
+        calls += 1
+        if run is None:
+            res = core.step()
+            steps += 1
+            t += res.duration_ms
+            continue
+        steps += run.num_steps + (run.final is not None)
+        t = float(run.starts[-1]) + (run.final.duration_ms if run.final else 0.0)
+    assert steps == 200 and calls < 10
+
+
+def test_native_block_hash_equals_pickle_sha256():
+    """Property: ``block_digests`` (native for sha256) == ``hash_block_digests`` (pickle +
+    hashlib) on random blocks, with every int size pickle distinguishes, and falls back for
+    what the native path does not pickle the same way (bools, numpy ints, huge ints)."""
+    import random
+
+    import numpy as np
+
+    from data_plane.engines.blockhash import block_digests, native_available, wire_hashes
+
+    assert native_available()
+    rng = random.Random(7)
+    edges = [0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, -1, -(2**31), -(2**31) - 1, 2**63 - 1, -(2**63)]
+    for case in range(300):
+        bs = rng.choice([1, 2, 3, 4, 16, 64])
+        n = rng.randrange(0, 5 * bs)
+        toks = [rng.choice(edges) if rng.random() < 0.2 else rng.randrange(200_000) for _ in range(n)]
+        cfg = default_hash_config(bs)
+        parent = None if case % 3 else hash_block_digests([5] * bs, cfg)[0]
+        want = hash_block_digests(toks, cfg, parent=parent)
+        got, wire = block_digests(toks, cfg, parent=parent)
+        assert got == want and wire == wire_hashes(want) == hash_blocks(toks, cfg, parent=parent)
+    cfg = default_hash_config(2)
+    for odd in ([True, 3], [np.int64(3), 4], [2**64, 1], [2**70, -(2**65)]):
+        assert block_digests(odd, cfg)[0] == hash_block_digests(odd, cfg)
+    from data_plane.engines.blockhash import generated_digests
+    from data_plane.engines.request import pseudo_tokens
+
+    for bs, head, start, stop in ((64, list(range(40)), 0, 24), (64, [], 24, 24 + 128), (4, [7, 8, 9], 5, 30)):
+        cfg = default_hash_config(bs)
+        seed = request_seed(f"g{bs}")
+        toks = head + pseudo_tokens(seed, start, stop)
+        parent = hash_block_digests([1] * bs, cfg)[0]
+        assert generated_digests(head, seed, start, stop, 128_256, cfg, parent=parent) == (
+            hash_block_digests(toks, cfg, parent=parent), hash_blocks(toks, cfg, parent=parent))
+    assert generated_digests([True], 1, 0, 3, 128_256, default_hash_config(4)) is None
+
+
+def test_native_trace_hashing_and_pseudo_tokens_equal_python(tmp_path):
+    """The trace loader's native chain (tokens synthesized in Rust) gives the digests of the
+    tokens ``SyntheticPrompt`` yields; native pseudo-tokens are ``pseudo_token``'s."""
+    import random
+
+    from data_plane.engines.request import pseudo_tokens
+
+    rng = random.Random(3)
+    rows = []
+    for i in range(40):
+        ids = [rng.randrange(12) for _ in range(rng.randrange(1, 6))]
+        rows.append({"timestamp": i, "input_length": rng.randrange(1, 512 * len(ids) + 50),
+                     "output_length": 1, "hash_ids": ids})
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    for bs, tbs in ((64, 512), (16, 64), (3, 12)):
+        cfg = default_hash_config(bs)
+        trace = MooncakeTrace(cfg, trace_block_size=tbs)
+        for r in trace.requests(read_mooncake(path)):
+            want = hash_block_digests(r.prompt[:], cfg)
+            assert list(r.prompt_digests) == want
+            assert list(r.prompt_hashes) == hash_blocks(r.prompt[:], cfg)
+    for seed in (0, 1, 2**64 - 1, request_seed("x")):
+        assert pseudo_tokens(seed, 3, 90) == [pseudo_token(seed, i) for i in range(3, 90)]
+    from data_plane.engines.trace import SyntheticPrompt, trace_token
+
+    p = SyntheticPrompt([3, 2**62, 0, 17], 4 * 512 - 5, 512, 128_256)
+    want = [trace_token(p.hash_ids[j // 512], j % 512, 128_256, 512) for j in range(len(p))]
+    for a, b in ((0, None), (500, 530), (511, 512), (1000, 1600), (2040, 2100), (7, 7)):
+        assert p[a:b] == want[a:b]
+    assert p[::7] == want[::7] and p[-3] == want[-3]
+
+
+def test_decode_run_clock_equals_adding_step_ms():
+    """``decode_run_starts`` gives, float for float, the times the step-by-step clock reaches
+    by adding ``step_ms`` of each decode-only step (the coalesced runs deliver tokens at these
+    times, so they must be the same numbers), for both shipped timing models and for a model
+    that only has ``step_ms``."""
+    from data_plane.engines.timing import decode_run_starts
+
+    class OnlyStepMs:
+        def step_ms(self, shape):
+            return 0.5 + shape.decode_context_tokens / 3.0
+
+    for name in ("mocker", "h100_llama3_8b", None):
+        prof = load_profile(name or "mocker")
+        model = prof.timing if name else OnlyStepMs()
+        cap = prof.kv_capacity_tokens
+        for seqs, ctx0, t0 in ((1, 7, 0.0), (3, 54_321, 1234.5678), (256, cap // 3, 1e6 + 0.1), (2, cap - 1, 3.0)):
+            starts = decode_run_starts(model, t0, t0 + 500.0, seqs, ctx0, cap, 10_000)
+            t, want = t0, [t0]
+            while t < t0 + 500.0:
+                t = t + model.step_ms(StepShape(decode_seqs=seqs, decode_context_tokens=ctx0 + seqs * (len(want) - 1),
+                                                kv_capacity_tokens=cap))
+                want.append(t)
+            assert starts == want
+            assert decode_run_starts(model, t0, float("inf"), seqs, ctx0, cap, 5) == \
+                decode_run_starts(model, t0, float("inf"), seqs, ctx0, cap, 50)[:6]
+
+
+def test_digest_chain_reads_like_a_list_and_copies_apart():
+    from data_plane.engines.blockhash import DigestChain
+
+    ds = [bytes([i]) * 32 for i in range(5)]
+    c = DigestChain(b"".join(ds[:3]))
+    assert list(c) == ds[:3] and len(c) == 3 and c[-1] == ds[2] and c[1:] == ds[1:3] and c == ds[:3]
+    d = c.copy()
+    d.extend(ds[3:])
+    assert list(d) == ds and d[-1] == ds[4] and d[3] == ds[3] and list(c) == ds[:3]
+    with pytest.raises(IndexError):
+        c[3]

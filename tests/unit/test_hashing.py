@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from control_plane.index.errors import HashConfigError, IndexPackageError
-from control_plane.index.hashing import (
+from kernel.errors import HashConfigError, KernelError
+from kernel.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HashAlgo,
     HashConfig,
@@ -22,20 +22,13 @@ from control_plane.index.hashing import (
     hash_object,
     to_wire,
 )
+from tests.fixtures.vllm.generate import SAMPLE_V0_33_HEX
 
 # The byte-exact KV event batch published by vLLM 0.33.0 (topic "kv-events", seq 0, ts
 # 1700000000.5, rank 0), copied from /work/shared/docs/interfaces.md: one BlockStored with two
 # blocks of tokens 1..32, block_size 16, default sha256 hashing with PYTHONHASHSEED unset, int
 # hashes on the wire; then a BlockRemoved and an AllBlocksCleared.
-VLLM_0_33_SAMPLE_BATCH = bytes.fromhex(
-    "93cb41d954fc4020000093de0009a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368"
-    "657392cf137bb037547f4cafcf16d077ad0843c577b1706172656e745f626c6f636b5f68617368c0a974"
-    "6f6b656e5f696473dc00200102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
-    "20aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d"
-    "65c0a967726f75705f6964780084a474797065ac426c6f636b52656d6f766564ac626c6f636b5f686173"
-    "68657391cf137bb037547f4cafa66d656469756da3475055a967726f75705f6964780081a474797065b0"
-    "416c6c426c6f636b73436c656172656400"
-)
+VLLM_0_33_SAMPLE_BATCH = bytes.fromhex(SAMPLE_V0_33_HEX)
 
 
 def _vllm_reference(algo: str, seed: str, tokens: list[int], block_size: int, extra=None):
@@ -131,7 +124,7 @@ def test_config_validation_and_wire_name():
     assert seeded.hash_algo == HashConfig.from_engine_env("sha256", 16, {"PYTHONHASHSEED": "0"}).hash_algo
     with pytest.raises(HashConfigError, match="explicit seed"):
         HashConfig(HashAlgo.XXHASH_CBOR)
-    with pytest.raises(IndexPackageError, match="unknown prefix-caching hash algorithm"):
+    with pytest.raises(KernelError, match="unknown prefix-caching hash algorithm"):
         HashConfig("md5")
     with pytest.raises(HashConfigError, match="block_size"):
         HashConfig(block_size=0)

@@ -20,7 +20,7 @@ from data_plane.kvbm import (
     fold_residency,
 )
 from data_plane.kvbm.stores import HostStore, MemoryStore
-from data_plane.ports import MemorySink
+from kernel.log.sink import MemorySink
 from schemas.events import BlockMoved, BlockRemoved, BlockStored
 from schemas.types import PERSISTENT_TIERS, Tier
 
@@ -119,6 +119,35 @@ def test_engine_reporting_its_own_removals_gets_stores_instead_of_moves():
     assert k.events() == [("stored", "host", [1]), ("moved", "host", "disk", [1]),
                           ("stored", "host", [2])]
     assert k.sink.events == []
+
+
+def test_one_steps_offloads_are_one_store_per_chain_whatever_the_eviction_order():
+    """An engine step evicts a request's blocks tail first, mixed with another chain: the
+    offloads come out as one BlockStored per chain, each in chain order with its parent."""
+    k = Kit(device_eviction_events=False, host_capacity=16, disk_capacity=0, object_capacity=0)
+    k.kvbm.on_device_stored([1, 2, 3], parent_hash=None)
+    k.kvbm.on_device_stored([11, 12], parent_hash=10)
+    k.events()
+    k.kvbm.on_device_evicted_many([(3, 2), (12, 11), (2, 1), (11, 10), (1, None)])
+    events = [e for e in k.sink.events if isinstance(e, BlockStored)]
+    assert [(e.tier, e.block_hashes, e.parent_hash) for e in events] == [(HOST, [11, 12], 10), (HOST, [1, 2, 3], None)]
+    assert sorted(k.kvbm.residency()[HOST]) == [1, 2, 3, 11, 12]
+
+
+def test_chains_cut_branches_after_their_parent():
+    from data_plane.kvbm.manager import chains
+
+    # 1 -> 2 -> 3, 2 -> 4 (a branch), 7 (parent 6 outside), given in any order.
+    parents = {3: 2, 4: 2, 2: 1, 1: None, 7: 6}
+    out = chains([3, 4, 7, 2, 1], parents)
+    assert sorted(h for _, c in out for h in c) == [1, 2, 3, 4, 7]
+    where = {h: i for i, (_, c) in enumerate(out) for h in c}
+    for parent, chain in out:
+        for a, b in zip(chain, chain[1:]):
+            assert parents[b] == a
+        if parent in where:
+            assert where[parent] < where[chain[0]]
+    assert (6, [7]) in out and len(out) == 3
 
 
 def test_stored_events_carry_the_chain_and_the_schema_fields():

@@ -13,17 +13,7 @@ import random
 import pytest
 
 from control_plane.planner.load_view import NS, Histogram, LoadView, LoadViewConfig, PoolSlo, stamp
-from schemas.events import (
-    PrefillCompleted,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestFailed,
-    RequestRouted,
-    WorkerDeregistered,
-    WorkerDraining,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
+from schemas import events as ev
 
 S = NS
 
@@ -37,28 +27,28 @@ def _make_config(**overrides) -> LoadViewConfig:
 
 
 def _reg(wid: str, pool: str, role: str, at: float, epoch: int = 1):
-    return stamp(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://{wid}", block_size=16,
+    return stamp(ev.WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://{wid}", block_size=16,
                                   hash_algo="sha256"), int(at * S), epoch=epoch, producer=wid)
 
 
 def _load(wid: str, at: float, epoch: int = 1, **kw):
-    return stamp(WorkerLoadReported(worker_id=wid, running=kw.get("running", 0), waiting=0,
+    return stamp(ev.WorkerLoadReported(worker_id=wid, running=kw.get("running", 0), waiting=0,
                                     tier_usage={"device": 0.5}), int(at * S), epoch=epoch, producer=wid)
 
 
 def _admit(rid: str, at: float, prompt: int = 1000):
-    return stamp(RequestAdmitted(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=100, block_size=16,
+    return stamp(ev.RequestAdmitted(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=100, block_size=16,
                                  hash_algo="sha256"), int(at * S), producer="router")
 
 
 def _route(rid: str, wid: str, at: float, phase: str = "aggregated"):
-    return stamp(RequestRouted(request_id=rid, worker_id=wid, phase=phase, mode="kv", config_version=1, rng_seed=0),
+    return stamp(ev.RequestRouted(request_id=rid, worker_id=wid, phase=phase, mode="kv", config_version=1, rng_seed=0),
                  int(at * S), producer="router")
 
 
 def _done(rid: str, wid: str, at: float, *, ttft: float = 100.0, itl: float = 10.0, out: int = 50,
           prompt: int = 1000, cached: int = 0):
-    return stamp(RequestCompleted(request_id=rid, worker_id=wid, prompt_tokens=prompt, output_tokens=out,
+    return stamp(ev.RequestCompleted(request_id=rid, worker_id=wid, prompt_tokens=prompt, output_tokens=out,
                                   cached_tokens=cached, ttft_ms=ttft, itl_mean_ms=itl, e2e_ms=ttft + itl * out),
                  int(at * S), producer="router")
 
@@ -81,9 +71,9 @@ def test_worker_lifecycle_starting_ready_draining_gone_and_stale():
     snap = v.snapshot(3 * S).pool("agg")
     assert snap.replicas.ready == 1 and snap.workers[0].ready_at_ns == 2 * S
     assert v.snapshot(20 * S).pool("agg").replicas.stale == 1
-    v.apply(stamp(WorkerDraining(worker_id="w1"), 21 * S, producer="w1"))
+    v.apply(stamp(ev.WorkerDraining(worker_id="w1"), 21 * S, producer="w1"))
     assert v.snapshot(21 * S).pool("agg").replicas.draining == 1
-    v.apply(stamp(WorkerDeregistered(worker_id="w1"), 22 * S, producer="w1"))
+    v.apply(stamp(ev.WorkerDeregistered(worker_id="w1"), 22 * S, producer="w1"))
     reps = v.snapshot(22 * S).pool("agg").replicas
     assert (reps.starting, reps.ready, reps.draining, reps.stale) == (0, 0, 0, 0)
 
@@ -91,7 +81,7 @@ def test_worker_lifecycle_starting_ready_draining_gone_and_stale():
 def test_events_of_an_older_incarnation_are_ignored():
     v = LoadView(_make_config(), start_ns=0)
     v.apply(_reg("w1", "agg", "aggregated", 0, epoch=2))
-    v.apply(stamp(WorkerDraining(worker_id="w1"), 1 * S, epoch=1, producer="w1"))
+    v.apply(stamp(ev.WorkerDraining(worker_id="w1"), 1 * S, epoch=1, producer="w1"))
     v.apply(_reg("w1", "agg", "aggregated", 1, epoch=1))
     w = v.snapshot(2 * S).pool("agg").workers[0]
     assert (w.epoch, w.state) == (2, "starting")
@@ -115,7 +105,7 @@ def test_arrivals_isl_and_the_tumbling_window_closing_after_grace():
 
 def test_retry_in_the_same_pool_is_one_arrival_and_disaggregated_requests_count_in_both_pools():
     v = _make_view()
-    v.apply(stamp(WorkerRegistered(worker_id="a2", role="aggregated", pool="agg", endpoint="x", block_size=16,
+    v.apply(stamp(ev.WorkerRegistered(worker_id="a2", role="aggregated", pool="agg", endpoint="x", block_size=16,
                                    hash_algo="sha256"), 0, producer="a2"))
     v.apply(_route("r1", "a1", 12))
     v.apply(_route("r1", "a2", 12.5))  # retry on another worker of the same pool
@@ -135,7 +125,7 @@ def test_disaggregated_completion_judges_ttft_on_the_prefill_pool_and_itl_on_the
     for rid, ttft, itl in (("r1", 300.0, 25.0), ("r2", 800.0, 15.0)):
         v.apply(_admit(rid, 11))
         v.apply(_route(rid, "p1", 11, "prefill"))
-        v.apply(stamp(PrefillCompleted(request_id=rid, worker_id="p1", prompt_tokens=1000, cached_tokens=250,
+        v.apply(stamp(ev.PrefillCompleted(request_id=rid, worker_id="p1", prompt_tokens=1000, cached_tokens=250,
                                        duration_ms=100.0), 12 * S, producer="p1"))
         v.apply(_route(rid, "d1", 12, "decode"))
         v.apply(_done(rid, "d1", 15, ttft=ttft, itl=itl))
@@ -155,9 +145,9 @@ def test_aggregated_goodput_needs_both_targets_and_failures_are_never_good():
     for i, (ttft, itl) in enumerate([(100, 10), (900, 10), (100, 30), (200, 19)]):
         v.apply(_route(f"r{i}", "a1", 10.5))
         v.apply(_done(f"r{i}", "a1", 12 + i, ttft=ttft, itl=itl, prompt=1000, cached=400))
-    v.apply(stamp(RequestFailed(request_id="rx", worker_id="a1", reason="boom", code="worker_error", retried=True),
+    v.apply(stamp(ev.RequestFailed(request_id="rx", worker_id="a1", reason="boom", code="worker_error", retried=True),
                   13 * S, producer="router"))
-    v.apply(stamp(RequestFailed(request_id="ry", worker_id="a1", reason="boom", code="worker_error"),
+    v.apply(stamp(ev.RequestFailed(request_id="ry", worker_id="a1", reason="boom", code="worker_error"),
                   14 * S, producer="router"))
     w = v.snapshot(21 * S).pool("agg").last_window
     assert (w.completions, w.good, w.failures) == (4, 2, 1)

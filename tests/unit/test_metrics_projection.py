@@ -25,35 +25,8 @@ from control_plane.metrics.projection import (
     processor_families,
     reason_class,
 )
+from schemas import events as ev
 from schemas.envelope import Envelope, EnvelopeFactory
-from schemas.events import (
-    AdminAction,
-    AllBlocksCleared,
-    BlockMoved,
-    BlockRemoved,
-    BlockStored,
-    CandidateScore,
-    Event,
-    KvTransferCompleted,
-    KvTransferFailed,
-    KvTransferStarted,
-    PlannerConfigChanged,
-    PoolPinned,
-    PoolUpdated,
-    PrefillCompleted,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestFailed,
-    RequestRejected,
-    RequestRouted,
-    RouterConfigChanged,
-    ScalingApplied,
-    ScalingDecision,
-    WorkerDeregistered,
-    WorkerDraining,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
 
 ALGO, BS = "sha256", 16
 SEC = 1_000_000_000
@@ -73,7 +46,7 @@ class _Log:
         self._next: dict[tuple[str, int], int] = {}
         self.now_ns = 1_800_000_000 * SEC
 
-    def add(self, payload: Event, producer: str = "p", epoch: int = 1, partition: int = 0,
+    def add(self, payload: ev.Event, producer: str = "p", epoch: int = 1, partition: int = 0,
             at_s: float | None = None) -> Envelope:
         f = self._factories.get((producer, epoch))
         if f is None:
@@ -97,29 +70,29 @@ class _Log:
 
 
 def _register(log: _Log, wid: str, pool: str = "chat", role: str = "aggregated", epoch: int = 1) -> None:
-    log.add(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://{wid}",
+    log.add(ev.WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://{wid}",
                              capacity={"device": 100}, block_size=BS, hash_algo=ALGO), producer=wid, epoch=epoch)
 
 
 def _admit(log: _Log, rid: str, blocks: int = 4, endpoint: str = "completions") -> None:
-    log.add(RequestAdmitted(request_id=rid, model="m", prompt_tokens=blocks * BS, max_tokens=8,
+    log.add(ev.RequestAdmitted(request_id=rid, model="m", prompt_tokens=blocks * BS, max_tokens=8,
                             block_hashes=list(range(1, blocks + 1)), block_size=BS, hash_algo=ALGO,
                             endpoint=endpoint), producer="router")
 
 
-def _row(wid: str, overlap: int = 0, by_tier: dict[str, int] | None = None, **kw) -> CandidateScore:
-    return CandidateScore(worker_id=wid, overlap_blocks=overlap, overlap_by_tier=by_tier or {}, **kw)
+def _row(wid: str, overlap: int = 0, by_tier: dict[str, int] | None = None, **kw) -> ev.CandidateScore:
+    return ev.CandidateScore(worker_id=wid, overlap_blocks=overlap, overlap_by_tier=by_tier or {}, **kw)
 
 
-def _route(log: _Log, rid: str, wid: str, scores: list[CandidateScore], phase: str = "aggregated",
+def _route(log: _Log, rid: str, wid: str, scores: list[ev.CandidateScore], phase: str = "aggregated",
            view_state: str = "EXACT") -> None:
-    log.add(RequestRouted(request_id=rid, worker_id=wid, phase=phase, mode="kv", scores=scores, config_version=1,
+    log.add(ev.RequestRouted(request_id=rid, worker_id=wid, phase=phase, mode="kv", scores=scores, config_version=1,
                           rng_seed=0, router_id="r1", view_state=view_state), producer="router")
 
 
 def _complete(log: _Log, rid: str, wid: str = "w1", ttft_ms: float = 1500.0, itl_ms: float = 40.0,
               output_tokens: int = 10, cached: int = 32) -> None:
-    log.add(RequestCompleted(request_id=rid, worker_id=wid, prompt_tokens=64, output_tokens=output_tokens,
+    log.add(ev.RequestCompleted(request_id=rid, worker_id=wid, prompt_tokens=64, output_tokens=output_tokens,
                              cached_tokens=cached, ttft_ms=ttft_ms, itl_mean_ms=itl_ms, e2e_ms=ttft_ms + 400),
             producer="router")
 
@@ -141,16 +114,16 @@ def _traffic() -> _Log:
         rid = f"r{i}"
         _admit(log, rid, blocks=4)
         _route(log, rid, "w1" if i % 2 else "w2", [_row("w1", i % 4, {"device": i % 4}), _row("w2", 1, {"host": 1})])
-        log.add(BlockStored(worker_id="w1", tier="device", block_hashes=[10 * i + k for k in range(3)],
+        log.add(ev.BlockStored(worker_id="w1", tier="device", block_hashes=[10 * i + k for k in range(3)],
                             block_size=BS, hash_algo=ALGO), producer="w1")
         if i % 3 == 0:
-            log.add(BlockMoved(worker_id="w1", block_hashes=[10 * i], from_tier="device", to_tier="host"),
+            log.add(ev.BlockMoved(worker_id="w1", block_hashes=[10 * i], from_tier="device", to_tier="host"),
                     producer="w1")
-        log.add(WorkerLoadReported(worker_id="w2", running=i, waiting=1, tier_usage={"device": i / 10}), producer="w2")
+        log.add(ev.WorkerLoadReported(worker_id="w2", running=i, waiting=1, tier_usage={"device": i / 10}), producer="w2")
         _complete(log, rid, "w1" if i % 2 else "w2", ttft_ms=500.0 * i, itl_ms=20.0 * i)
-    log.add(ScalingDecision(pool="chat", decision_id="d1", role="aggregated", from_replicas=2, to_replicas=3,
+    log.add(ev.ScalingDecision(pool="chat", decision_id="d1", role="aggregated", from_replicas=2, to_replicas=3,
                             reason="load", config_version=1), producer="planner")
-    log.add(PoolUpdated(actor="ops", pool="chat", role="aggregated", ttft_slo_ms=1000.0), producer="admin")
+    log.add(ev.PoolUpdated(actor="ops", pool="chat", role="aggregated", ttft_slo_ms=1000.0), producer="admin")
     return log
 
 
@@ -200,7 +173,7 @@ def test_pool_slo_comes_from_pool_updated_and_itl_is_not_judged_for_one_token() 
     r3 has one output token (no ITL to judge) and TTFT 0.9 s -> goodput. 1 of 3 good."""
     log = _Log()
     _register(log, "w1")
-    log.add(PoolUpdated(actor="ops", pool="chat", role="aggregated", ttft_slo_ms=1000.0, min_replicas=1,
+    log.add(ev.PoolUpdated(actor="ops", pool="chat", role="aggregated", ttft_slo_ms=1000.0, min_replicas=1,
                         max_replicas=4), producer="admin")
     _complete(log, "r1", ttft_ms=1500.0, itl_ms=10.0)
     _complete(log, "r2", ttft_ms=500.0, itl_ms=60.0)
@@ -226,17 +199,17 @@ def test_failures_rejections_and_abandoned_requests() -> None:
     log = _Log()
     _register(log, "w1")
     _admit(log, "r1")
-    log.add(RequestFailed(request_id="r1", worker_id="w1", reason="boom", code="worker_lost", retried=True),
+    log.add(ev.RequestFailed(request_id="r1", worker_id="w1", reason="boom", code="worker_lost", retried=True),
             producer="router")
-    log.add(RequestFailed(request_id="r1", worker_id="w1", reason="boom", code="worker_lost"), producer="router")
+    log.add(ev.RequestFailed(request_id="r1", worker_id="w1", reason="boom", code="worker_lost"), producer="router")
     _admit(log, "r2", endpoint="chat")
-    log.add(RequestRejected(request_id="r2", reason="no workers", code="no_workers", http_status=503),
+    log.add(ev.RequestRejected(request_id="r2", reason="no workers", code="no_workers", http_status=503),
             producer="router")
-    log.add(RequestAdmitted(request_id="r3", model="m", prompt_tokens=16, max_tokens=1, block_size=BS,
+    log.add(ev.RequestAdmitted(request_id="r3", model="m", prompt_tokens=16, max_tokens=1, block_size=BS,
                             hash_algo=ALGO), producer="router", at_s=1_800_000_000)
     p = log.fold()
     assert _m(p, "switchyard_requests_in_flight") == {(): 1.0}
-    _admit_later = RequestAdmitted(request_id="r4", model="m", prompt_tokens=16, max_tokens=1, block_size=BS,
+    _admit_later = ev.RequestAdmitted(request_id="r4", model="m", prompt_tokens=16, max_tokens=1, block_size=BS,
                                    hash_algo=ALGO)
     log.add(_admit_later, producer="router", at_s=1_800_000_000 + 601)
     p = log.fold()
@@ -255,13 +228,13 @@ def test_kv_tiers_moves_and_index() -> None:
     log = _Log()
     _register(log, "w1")
     _register(log, "w2")
-    log.add(BlockStored(worker_id="w1", tier="device", block_hashes=[1, 2, 3, 4], block_size=BS, hash_algo=ALGO),
+    log.add(ev.BlockStored(worker_id="w1", tier="device", block_hashes=[1, 2, 3, 4], block_size=BS, hash_algo=ALGO),
             producer="w1")
-    log.add(BlockMoved(worker_id="w1", block_hashes=[3, 4], from_tier="device", to_tier="host"), producer="w1")
-    log.add(BlockRemoved(worker_id="w1", tier="device", block_hashes=[2]), producer="w1")
-    log.add(BlockStored(worker_id="w2", tier="device", block_hashes=[1, 9], block_size=BS, hash_algo=ALGO),
+    log.add(ev.BlockMoved(worker_id="w1", block_hashes=[3, 4], from_tier="device", to_tier="host"), producer="w1")
+    log.add(ev.BlockRemoved(worker_id="w1", tier="device", block_hashes=[2]), producer="w1")
+    log.add(ev.BlockStored(worker_id="w2", tier="device", block_hashes=[1, 9], block_size=BS, hash_algo=ALGO),
             producer="w2")
-    log.add(AllBlocksCleared(worker_id="w2"), producer="w2")
+    log.add(ev.AllBlocksCleared(worker_id="w2"), producer="w2")
     p = log.fold()
     assert _m(p, "switchyard_kv_blocks") == {("device",): 1.0, ("host",): 2.0, ("disk",): 0.0, ("object",): 0.0}
     assert _m(p, "switchyard_kv_worker_blocks") == {("w1", "device"): 1.0, ("w1", "host"): 2.0}
@@ -279,7 +252,7 @@ def test_index_staleness_from_a_sequence_gap() -> None:
     counted once on the kv stream."""
     log = _Log()
     _register(log, "w1")
-    stores = [BlockStored(worker_id="w1", tier="device", block_hashes=[i], block_size=BS, hash_algo=ALGO)
+    stores = [ev.BlockStored(worker_id="w1", tier="device", block_hashes=[i], block_size=BS, hash_algo=ALGO)
               for i in range(4)]
     envs = [log.add(s, producer="w1") for s in stores]
     lost = envs[2]
@@ -295,10 +268,10 @@ def test_kv_transfers() -> None:
     ``transfer_timeout`` (no unbounded label values)."""
     log = _Log()
     common = dict(request_id="r1", src_worker="p1", dst_worker="d1", blocks=64, backend="UCX")
-    log.add(KvTransferStarted(transfer_id="t1", bytes=1 << 20, **common), producer="d1")
-    log.add(KvTransferCompleted(transfer_id="t1", bytes=1 << 20, duration_ms=5.0, **common), producer="d1")
-    log.add(KvTransferStarted(transfer_id="t2", bytes=1 << 20, **common), producer="d1")
-    log.add(KvTransferFailed(transfer_id="t2", duration_ms=10_000.0, reason="TransferTimeout: READ after 10 s",
+    log.add(ev.KvTransferStarted(transfer_id="t1", bytes=1 << 20, **common), producer="d1")
+    log.add(ev.KvTransferCompleted(transfer_id="t1", bytes=1 << 20, duration_ms=5.0, **common), producer="d1")
+    log.add(ev.KvTransferStarted(transfer_id="t2", bytes=1 << 20, **common), producer="d1")
+    log.add(ev.KvTransferFailed(transfer_id="t2", duration_ms=10_000.0, reason="TransferTimeout: READ after 10 s",
                              fallback="recompute", **common), producer="d1")
     p = log.fold()
     assert _m(p, "switchyard_kv_transfers_started_total") == {("UCX",): 2.0}
@@ -319,7 +292,7 @@ def test_disaggregated_decode_routing_is_not_a_prefix_lookup() -> None:
     _admit(log, "r1", blocks=2)
     _route(log, "r1", "p1", [_row("p1", 2, {"device": 2})], phase="prefill")
     _route(log, "r1", "d1", [_row("d1", 0)], phase="decode", view_state="DEGRADED")
-    log.add(PrefillCompleted(request_id="r1", worker_id="p1", prompt_tokens=32, duration_ms=250.0), producer="p1")
+    log.add(ev.PrefillCompleted(request_id="r1", worker_id="p1", prompt_tokens=32, duration_ms=250.0), producer="p1")
     p = log.fold()
     assert _m(p, "switchyard_prefix_lookup_blocks_total") == {("prefill",): 2.0}
     assert _m(p, "switchyard_prefix_hit_blocks_total") == {("prefill", "device"): 2.0}
@@ -334,17 +307,17 @@ def test_worker_lifecycle_and_epochs() -> None:
     epoch changes nothing; draining then deregistering moves the worker between states."""
     log = _Log()
     _register(log, "w1", epoch=2)
-    log.add(WorkerLoadReported(worker_id="w1", running=3, waiting=1, queued_prefill_tokens=128,
+    log.add(ev.WorkerLoadReported(worker_id="w1", running=3, waiting=1, queued_prefill_tokens=128,
                                tier_usage={"device": 0.5, "host": 0.25}), producer="w1", epoch=2)
-    log.add(WorkerLoadReported(worker_id="w1", running=99, waiting=99), producer="w1", epoch=3)
+    log.add(ev.WorkerLoadReported(worker_id="w1", running=99, waiting=99), producer="w1", epoch=3)
     _register(log, "w2")
-    log.add(WorkerDraining(worker_id="w2", reason="scale down"), producer="w2")
+    log.add(ev.WorkerDraining(worker_id="w2", reason="scale down"), producer="w2")
     p = log.fold()
     assert _m(p, "switchyard_worker_running_requests") == {("w1", "chat"): 3.0, ("w2", "chat"): 0.0}
     assert _m(p, "switchyard_worker_tier_usage_ratio") == {("w1", "chat", "device"): 0.5, ("w1", "chat", "host"): 0.25}
     assert _m(p, "switchyard_workers") == {("chat", "aggregated", "ready"): 1.0, ("chat", "aggregated", "draining"): 1.0,
                                            ("chat", "aggregated", "gone"): 0.0}
-    log.add(WorkerDeregistered(worker_id="w2"), producer="w2")
+    log.add(ev.WorkerDeregistered(worker_id="w2"), producer="w2")
     p = log.fold()
     assert _m(p, "switchyard_workers")[("chat", "aggregated", "gone")] == 1.0
     assert ("w2", "chat") not in _m(p, "switchyard_worker_running_requests")
@@ -357,16 +330,16 @@ def test_planner_and_admin() -> None:
     keep the highest seen."""
     log = _Log()
     for frm, to in ((2, 4), (4, 4)):
-        log.add(ScalingDecision(pool="decode", decision_id=f"d{to}{frm}", role="decode", from_replicas=frm,
+        log.add(ev.ScalingDecision(pool="decode", decision_id=f"d{to}{frm}", role="decode", from_replicas=frm,
                                 to_replicas=to, reason="ttft", config_version=1), producer="planner")
-    log.add(ScalingApplied(pool="decode", decision_id="d42", replicas=4, scaler="virtual"), producer="scaler")
-    log.add(ScalingApplied(pool="decode", decision_id="d44", replicas=9, success=False, error="quota"),
+    log.add(ev.ScalingApplied(pool="decode", decision_id="d42", replicas=4, scaler="virtual"), producer="scaler")
+    log.add(ev.ScalingApplied(pool="decode", decision_id="d44", replicas=9, success=False, error="quota"),
             producer="scaler")
-    log.add(PoolPinned(actor="ops", pool="decode", replicas=3), producer="admin")
-    log.add(RouterConfigChanged(actor="ops", config_version=7), producer="admin")
-    log.add(RouterConfigChanged(actor="ops", config_version=6), producer="admin")
-    log.add(PlannerConfigChanged(actor="ops", config_version=2), producer="admin")
-    log.add(AdminAction(actor="ops", action="token_created", target="t1"), producer="admin")
+    log.add(ev.PoolPinned(actor="ops", pool="decode", replicas=3), producer="admin")
+    log.add(ev.RouterConfigChanged(actor="ops", config_version=7), producer="admin")
+    log.add(ev.RouterConfigChanged(actor="ops", config_version=6), producer="admin")
+    log.add(ev.PlannerConfigChanged(actor="ops", config_version=2), producer="admin")
+    log.add(ev.AdminAction(actor="ops", action="token_created", target="t1"), producer="admin")
     p = log.fold()
     assert _m(p, "switchyard_scaling_decisions_total") == {("decode", "decode", "up"): 1.0,
                                                            ("decode", "decode", "hold"): 1.0}

@@ -20,9 +20,9 @@ from control_plane.planner.load_view import (
     NS,
     LoadSnapshot,
     PoolLoad,
+    PoolWorker,
     ReplicaCounts,
     WindowStats,
-    WorkerLoad,
 )
 from control_plane.planner.scalers import VirtualScaler
 from schemas.events import ScalingDecision
@@ -57,11 +57,11 @@ def _make_window(end_s: float, **overrides) -> WindowStats:
 
 
 def _make_snapshot(now_s: float, *, pool: str = "p", windows=(), ready: int = 2, starting: int = 0,
-                   workers: tuple[WorkerLoad, ...] | None = None, **overrides) -> LoadSnapshot:
+                   workers: tuple[PoolWorker, ...] | None = None, **overrides) -> LoadSnapshot:
     if workers is None:
-        workers = tuple(WorkerLoad(worker_id=f"{pool}-{i}", pool=pool, role="prefill", state="ready",
+        workers = tuple(PoolWorker(worker_id=f"{pool}-{i}", pool=pool, role="prefill", state="ready",
                                    registered_at_ns=i) for i in range(ready)) + tuple(
-            WorkerLoad(worker_id=f"{pool}-s{i}", pool=pool, role="prefill", state="starting",
+            PoolWorker(worker_id=f"{pool}-s{i}", pool=pool, role="prefill", state="starting",
                        registered_at_ns=100 + i) for i in range(starting))
     pl = PoolLoad(pool=pool, role="prefill", replicas=ReplicaCounts(ready=ready, starting=starting),
                   workers=workers, windows=tuple(windows))
@@ -75,7 +75,7 @@ def _tick(now_s: float, config: PlannerConfig, state: PlannerState, **snap):
 
 
 def _state(target: int, **pool_fields) -> PlannerState:
-    from control_plane.planner.core import PoolState
+    from control_plane.planner.policy import PoolState
 
     return PlannerState(pools=(PoolState(pool="p", target=target, **pool_fields),))
 
@@ -256,7 +256,7 @@ def test_corrections_do_not_learn_from_a_backlog():
     the 1 s TTFT target): TTFTs measured now are the backlog's age, not the hardware's speed, so
     the pool is not settled and the correction stays 1.0."""
     cfg = _make_config()
-    busy = tuple(WorkerLoad(worker_id=f"p-{i}", pool="p", role="prefill", state="ready",
+    busy = tuple(PoolWorker(worker_id=f"p-{i}", pool="p", role="prefill", state="ready",
                             queued_prefill_tokens=40_000) for i in range(3))
     state = _state(3)
     windows = []
@@ -285,7 +285,7 @@ def test_gpu_budget_is_shared_by_unmet_fraction():
     left), then 'b', then 'a', then 'b': 4 and 4."""
     a, b = _make_pool(name="a"), _make_pool(name="b")
     cfg = _make_config(a, b, gpu_budget=8)
-    from control_plane.planner.core import PoolState
+    from control_plane.planner.policy import PoolState
 
     state = PlannerState(pools=(PoolState(pool="a", target=2), PoolState(pool="b", target=2)))
     snap = LoadSnapshot(now_ns=21 * NS, pools=tuple(
@@ -298,9 +298,9 @@ def test_gpu_budget_is_shared_by_unmet_fraction():
 
 def test_scale_down_drains_starting_then_least_loaded():
     """Victims: the starting worker first, then the ready one with the fewest running+waiting."""
-    workers = (WorkerLoad(worker_id="w-busy", pool="p", role="prefill", state="ready", running=9),
-               WorkerLoad(worker_id="w-idle", pool="p", role="prefill", state="ready", running=1),
-               WorkerLoad(worker_id="w-new", pool="p", role="prefill", state="starting"))
+    workers = (PoolWorker(worker_id="w-busy", pool="p", role="prefill", state="ready", running=9),
+               PoolWorker(worker_id="w-idle", pool="p", role="prefill", state="ready", running=1),
+               PoolWorker(worker_id="w-new", pool="p", role="prefill", state="starting"))
     cfg = _make_config(scale_down_ticks=1)
     d, _ = _tick(21, cfg, _state(3), ready=2, starting=1, workers=workers,
                  windows=[_make_window(20, arrivals=0)])

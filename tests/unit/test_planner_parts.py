@@ -10,8 +10,8 @@ import pytest
 
 from control_plane.planner import PlannerConfig, PlannerConfigError, PlannerState, PoolConfig, decide, flat_profile
 from control_plane.planner.admin import AdminInputs
-from control_plane.planner.core import PoolState
 from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, ReplicaCounts, WindowStats, stamp
+from control_plane.planner.policy import PoolState
 from control_plane.planner.predictors import forecast, holt_winters, kalman, moving_average
 from control_plane.planner.profile import derive_profile, erlang_c
 from control_plane.planner.scalers import FileFence, VirtualScaler

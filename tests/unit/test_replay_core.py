@@ -1,31 +1,34 @@
-"""Replay's pure cores: points, the ledger timeline, re-execution from score tables.
+"""Replay's pure cores: points, the router's ledger as a fold of its events, re-execution from
+score tables.
 
-Core-only, no mocks: decisions are made by the real ``decide`` with the real
-``InflightLedger``, recorded as the router records them, and re-executed.
+Core-only, no mocks: decisions are made by the real ``decide`` with the real ledger, recorded
+as the router records them (``control_plane.router.inputs``), and re-executed.
 """
 
 from __future__ import annotations
 
-import time
+import random
+import zlib
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from control_plane.replay.engine import Located, router_streams
 from control_plane.replay.errors import BadPoint
-from control_plane.replay.ledger import ENDED, FIRST_TOKEN, ROUTED, LedgerReplay, Located, build_timelines
 from control_plane.replay.points import parse_point
-from control_plane.replay.verify import DecisionRecord, check_table, decision_diffs, ledger_entry, replayed_event
-from control_plane.routing import (
+from control_plane.replay.verify import DecisionRecord, check_table, decision_diffs, replayed_event
+from control_plane.router import (
     InflightLedger,
     NoEligibleWorker,
     RouterConfig,
     RoutingRequest,
     WorkerLoad,
     WorkerOverlap,
-    decide,
 )
+from control_plane.router.inputs import DecisionInputs, execute, routed_event
+from control_plane.router.ledger import RouterLedger, _entry_from_row
 from schemas import EnvelopeFactory
 from schemas.events import (
     PrefillCompleted,
@@ -64,12 +67,17 @@ def test_point_details_and_errors() -> None:
 # -- recording decisions like the router does ---------------------------------------------------
 
 
+def _inputs(req: RoutingRequest, workers, seed: int, *, overlaps=None, ledger=None, cursor=None) -> DecisionInputs:
+    return DecisionInputs(request=req, workers=list(workers), overlaps=dict(overlaps or {}),
+                          inflight=ledger.view(req.block_hashes) if ledger is not None else {}, rr_cursor=cursor,
+                          rng_seed=seed)
+
+
 def _record(req: RoutingRequest, workers, config: RouterConfig, seed: int, *, overlaps=None, ledger=None,
             cursor=None, at_s: float = 100.0) -> DecisionRecord:
-    d = decide(req, workers, config, rng_seed=seed, overlaps=overlaps, inflight=ledger, rr_cursor=cursor)
-    ev = msgspec.structs.replace(d.to_event(index_position={"t.kv:0": 3}, router_id="r", attempt=0), rr_cursor=cursor,
-                                 guards=list(d.guards), expected_output_tokens=req.expected_output_tokens,
-                                 decided_at_s=at_s)
+    inputs = _inputs(req, workers, seed, overlaps=overlaps, ledger=ledger, cursor=cursor)
+    d = execute(inputs, config)
+    ev = routed_event(d, inputs, config, index_position={"t.kv:0": 3}, router_id="r", decided_at_s=at_s)
     adm = RequestAdmitted(request_id=req.request_id, model="m", prompt_tokens=req.prompt_tokens,
                           max_tokens=req.expected_output_tokens, block_hashes=list(req.block_hashes), block_size=BS,
                           hash_algo="sha256")
@@ -84,8 +92,9 @@ _modes = st.sampled_from(list(RoutingMode))
 @given(data=st.data())
 def test_any_decision_reexecutes_from_its_score_table(data) -> None:
     """Whatever the mode, load combination, temperature, staleness, guards and in-flight
-    requests, the recorded score table alone reproduces the event bit for bit, and
-    ``ledger_entry`` gives the prefill tokens the router added to its ledger."""
+    requests, the recorded score table alone reproduces the event bit for bit, and an event
+    written before ``RequestRouted`` carried its ledger entry folds into the same entry (derived
+    from the chosen worker's row)."""
     n_blocks = data.draw(st.integers(0, 24))
     hashes = tuple(range(1, n_blocks + 1))
     phase = data.draw(st.sampled_from(list(RequestPhase)))
@@ -114,7 +123,7 @@ def test_any_decision_reexecutes_from_its_score_table(data) -> None:
             host = data.draw(st.integers(0, n_blocks - dev))
             disk = data.draw(st.integers(0, n_blocks - dev - host))
             if dev + host + disk:
-                overlaps[wid] = WorkerOverlap(device=dev, host=host, disk=disk, stale=data.draw(st.booleans()))
+                overlaps[wid] = WorkerOverlap.of(device=dev, host=host, disk=disk, stale=data.draw(st.booleans()))
         for k in range(data.draw(st.integers(0, 2))):
             depth = data.draw(st.integers(0, n_blocks))
             ledger.add(f"o{i}{k}", wid, hashes[:depth], data.draw(st.integers(0, 3000)),
@@ -126,9 +135,12 @@ def test_any_decision_reexecutes_from_its_score_table(data) -> None:
         return
     status, d, diffs = check_table(rec, config)
     assert status == "match", diffs
-    d_live = decide(req, workers, config, rng_seed=rec.routed.rng_seed, overlaps=overlaps, inflight=ledger,
-                    rr_cursor=rec.routed.rr_cursor)
-    assert ledger_entry(rec, config) == (d_live.prefill_tokens, d_live.decode_blocks)
+    old = msgspec.structs.replace(rec.routed, inflight_prefill_tokens=None, inflight_blocks=None, inflight_ttl_s=None)
+    derived = _entry_from_row(old, BS, len(hashes))
+    assert derived == (rec.routed.inflight_prefill_tokens, rec.routed.inflight_blocks) or (
+        # the derivation rounds (q + p) / bs * bs - q, the router rounds p - overlap * bs: they can
+        # differ by a token only where the object tier's 0.1 weight makes the overlap fractional
+        abs(derived[0] - rec.routed.inflight_prefill_tokens) <= 1 and derived[1] == rec.routed.inflight_blocks)
     # And any tampering with the recorded choice or a row is caught, with the field named.
     other = next((s.worker_id for s in rec.routed.scores if s.worker_id != rec.routed.worker_id), None)
     if other is not None:
@@ -141,74 +153,126 @@ def test_a_changed_config_is_a_mismatch_that_names_the_costs() -> None:
     req = RoutingRequest(request_id="q", prompt_tokens=64, block_size=BS, block_hashes=(1, 2, 3, 4),
                          expected_output_tokens=16)
     workers = [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b", queued_prefill_tokens=100)]
-    rec = _record(req, workers, RouterConfig(version=1), 5, overlaps={"b": WorkerOverlap(device=4)})
+    rec = _record(req, workers, RouterConfig(version=1), 5, overlaps={"b": WorkerOverlap.of(device=4)})
     status, _, diffs = check_table(rec, RouterConfig(version=1, prefill_load_scale=3.0))
     assert status == "mismatch"
     assert any(d.startswith("scores[a].cost") for d in diffs) and any(d.startswith("reason:") for d in diffs)
 
 
-# -- the ledger timeline ------------------------------------------------------------------------
+# -- the router's ledger: a fold of its own events ---------------------------------------------
 
 
-def _loc(f: EnvelopeFactory, payload, off: int) -> Located:
-    return Located(f.wrap(payload, correlation_id=getattr(payload, "request_id", None)), "t.requests", 0, off)
+def _env(f: EnvelopeFactory, payload):
+    return f.wrap(payload, correlation_id=getattr(payload, "request_id", None))
 
 
-def test_timeline_orders_a_routers_ledger_changes_and_prefers_recorded_first_tokens() -> None:
-    clock = iter(range(1_000, 100_000, 1_000))
-    r = EnvelopeFactory("r", 1, lambda: next(clock))
-    w = EnvelopeFactory("w1", 9, lambda: 0)
-    evs = [
-        _loc(r, RequestAdmitted(request_id="a", model="m", prompt_tokens=32, max_tokens=4, block_size=BS,
-                                hash_algo="sha256", block_hashes=[1, 2]), 0),
-        _loc(r, RequestRouted(request_id="a", worker_id="w1", mode=RoutingMode.KV, config_version=1, rng_seed=1), 1),
-        _loc(r, PrefillCompleted(request_id="a", worker_id="w1", prompt_tokens=32, duration_ms=1.0), 2),
-        _loc(r, RequestCompleted(request_id="a", worker_id="w1", prompt_tokens=32, output_tokens=4, ttft_ms=0.5,
-                                 e2e_ms=2), 3),
-        _loc(r, RequestAdmitted(request_id="b", model="m", prompt_tokens=32, max_tokens=4, block_size=BS,
-                                hash_algo="sha256"), 4),
-        _loc(r, RequestCompleted(request_id="b", worker_id="w1", prompt_tokens=32, output_tokens=4, ttft_ms=0.0005,
-                                 e2e_ms=2), 5),
-        _loc(w, PrefillCompleted(request_id="b", worker_id="w1", prompt_tokens=32, duration_ms=1.0), 6),  # a worker's
-    ]
-    [tl] = build_timelines(reversed(evs)).values()  # input order does not matter
-    kinds = [(op.kind, op.request_id) for op in tl.ops]
-    assert kinds[:4] == [("admitted", "a"), (ROUTED, "a"), (FIRST_TOKEN, "a"), (ENDED, "a")]
-    # b has no router PrefillCompleted: its first token is estimated from the TTFT (0.5 us after admission).
-    assert (FIRST_TOKEN, "b") in kinds and tl.estimated_first_token == {"b"}
-    assert kinds.index((FIRST_TOKEN, "b")) < kinds.index((ENDED, "b"))
+def _admitted(rid: str, hashes=(1, 2)) -> RequestAdmitted:
+    return RequestAdmitted(request_id=rid, model="m", prompt_tokens=BS * len(hashes) + 3, max_tokens=4,
+                           block_size=BS, hash_algo="sha256", block_hashes=list(hashes))
 
 
-def test_ledger_replay_follows_the_router() -> None:
-    """Disaggregated: the decode route completes the prefill entry first; a refused connection
-    drops everything sent to that worker."""
-    lr = LedgerReplay(600.0)
-    pre = RequestRouted(request_id="a", worker_id="p1", phase=RequestPhase.PREFILL, mode=RoutingMode.KV,
-                        config_version=1, rng_seed=1, decided_at_s=10.0)
-    lr.before_decision(pre, 0)
-    lr.routed(pre, [1, 2], 32, 3, 0)
-    other = RequestRouted(request_id="b", worker_id="p1", phase=RequestPhase.PREFILL, mode=RoutingMode.KV,
-                          config_version=1, rng_seed=1, decided_at_s=10.5)
-    lr.routed(other, [1, 2], 32, 3, 0)
-    assert lr.ledger.load_for("p1").requests == 2
-    dec = RequestRouted(request_id="a", worker_id="d1", phase=RequestPhase.DECODE, mode=RoutingMode.KV,
-                        config_version=1, rng_seed=2, decided_at_s=11.0)
-    lr.before_decision(dec, 0)
-    assert lr.ledger.load_for("p1").requests == 1
-    lr.routed(dec, [1, 2], 0, 3, 0)
-    env = EnvelopeFactory("r", 1, time.time_ns).wrap(RequestFailed(request_id="b", reason="refused",
-                                                                   code="worker_unreachable", worker_id="p1"))
-    lr.ended(env)
-    assert lr.ledger.load_for("p1").requests == 0 and lr.ledger.load_for("d1").requests == 1
-    # Entries expire on the recorded clock: 600 s after decided_at_s.
-    late = msgspec.structs.replace(dec, request_id="c", decided_at_s=611.5)
-    lr.before_decision(late, 0)
-    assert len(lr.ledger) == 0
+def _routed(rid: str, worker: str, phase=RequestPhase.AGGREGATED, at: float = 10.0, prefill: int = 35,
+            blocks: int = 3, mode=RoutingMode.KV) -> RequestRouted:
+    return RequestRouted(request_id=rid, worker_id=worker, phase=phase, mode=mode, config_version=1, rng_seed=1,
+                         decided_at_s=at, inflight_prefill_tokens=prefill, inflight_blocks=blocks, inflight_ttl_s=600.0)
+
+
+def test_the_ledger_folds_a_routers_events() -> None:
+    """Disaggregated: the decode route releases the prefill entry first; a refused connection
+    drops everything sent to that worker; the router's own first token ends the prefill load;
+    round robin's cursor is folded per role; entries expire on the recorded clock."""
+    f = EnvelopeFactory("r", 1, lambda: 0)
+    led = RouterLedger(600.0)
+    for ev in (_admitted("a"), _routed("a", "p1", RequestPhase.PREFILL), _admitted("b"),
+               _routed("b", "p1", RequestPhase.PREFILL, at=10.5)):
+        led.apply(_env(f, ev))
+    assert led.load_for("p1").requests == 2 and led.load_for("p1").prefill_tokens == 70
+    led.prepare("a", RequestPhase.DECODE, 11.0)
+    assert led.load_for("p1").requests == 1
+    led.apply(_env(f, _routed("a", "d1", RequestPhase.DECODE, at=11.0, prefill=0, mode=RoutingMode.ROUND_ROBIN)))
+    assert led.rr_cursor == {"decode": "d1"}
+    led.apply(_env(f, RequestFailed(request_id="b", reason="refused", code="worker_unreachable", worker_id="p1")))
+    assert led.load_for("p1").requests == 0 and led.load_for("d1").requests == 1 and led.open_requests() == 1
+    led.apply(_env(f, _admitted("c")))
+    led.apply(_env(f, _routed("c", "w1", at=12.0)))
+    led.apply(_env(f, PrefillCompleted(request_id="c", worker_id="w1", prompt_tokens=35, duration_ms=1.0)))
+    assert led.load_for("w1").prefill_tokens == 0 and led.load_for("w1").requests == 1
+    led.prepare("z", RequestPhase.AGGREGATED, 612.5)  # 600 s after both remaining entries
+    assert len(led) == 0
+
+
+def test_a_retried_failure_keeps_the_request_an_end_forgets_it() -> None:
+    f = EnvelopeFactory("r", 1, lambda: 0)
+    led = RouterLedger()
+    led.apply(_env(f, _admitted("a")))
+    led.apply(_env(f, _routed("a", "w1")))
+    led.apply(_env(f, RequestFailed(request_id="a", reason="reset", code="worker_lost", worker_id="w1", retried=True)))
+    assert len(led) == 0 and led.open_requests() == 1
+    led.apply(_env(f, _routed("a", "w2", at=10.2)))  # the retry: its hashes are still known
+    assert led.load_for("w2").requests == 1
+    led.apply(_env(f, RequestCompleted(request_id="a", worker_id="w2", prompt_tokens=35, output_tokens=4,
+                                       ttft_ms=1, e2e_ms=2)))
+    assert len(led) == 0 and led.open_requests() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_the_fold_of_a_routers_log_equals_its_live_state_whatever_the_partition_interleaving(seed: int) -> None:
+    """A router folds each event as it publishes it. Its events land in several partitions and
+    come back interleaved in any order that keeps each partition's; merged by the producer's
+    strictly increasing stamps (``router_streams``), they fold into the same state. A worker's
+    events in the same topic are not part of it."""
+    rng = random.Random(seed)
+    clock = iter(range(1, 10**9))
+    f = EnvelopeFactory("r", 1, lambda: next(clock) * 1000)
+    w = EnvelopeFactory("w1", 7, lambda: 5)
+    live = RouterLedger(600.0)
+    log: list[Located] = []
+    open_: list[str] = []
+    for i in range(rng.randrange(1, 60)):
+        roll = rng.random()
+        if roll < 0.35 or not open_:
+            rid = f"q{i}"
+            evs = [_admitted(rid, tuple(range(1, rng.randrange(1, 6)))),
+                   _routed(rid, f"w{rng.randrange(3)}", at=i, prefill=rng.randrange(0, 80), blocks=8)]
+            open_.append(rid)
+        else:
+            rid = rng.choice(open_)
+            evs = [rng.choice([
+                PrefillCompleted(request_id=rid, worker_id="w0", prompt_tokens=1, duration_ms=1.0),
+                RequestCompleted(request_id=rid, worker_id="w0", prompt_tokens=1, output_tokens=1, ttft_ms=1, e2e_ms=1),
+                RequestFailed(request_id=rid, reason="x", code=rng.choice(["worker_lost", "worker_unreachable"]),
+                              worker_id=f"w{rng.randrange(3)}", retried=rng.random() < 0.5),
+            ])]
+        for ev in evs:
+            env = _env(f, ev)
+            live.apply(env)
+            log.append(Located(env, "t.requests", zlib.crc32(ev.request_id.encode()) % 3, len(log)))
+        if rng.random() < 0.2:  # a worker's PrefillCompleted for the same request, in the same topic
+            log.append(Located(_env(w, PrefillCompleted(request_id=rid, worker_id="w1", prompt_tokens=1,
+                                                         duration_ms=1.0)), "t.requests", 0, len(log)))
+    # Any interleaving that keeps each partition's order.
+    parts = {p: [loc for loc in log if loc.partition == p] for p in range(3)}
+    mixed: list[Located] = []
+    while any(parts.values()):
+        p = rng.choice([p for p, v in parts.items() if v])
+        mixed.append(parts[p].pop(0))
+    [(name, stream)] = router_streams(mixed).items()
+    assert name == "r@1"
+    replayed = RouterLedger(600.0)
+    for loc in stream:
+        replayed.apply(loc.env)
+    for wid in ("w0", "w1", "w2"):
+        assert replayed.load_for(wid) == live.load_for(wid)
+    assert replayed.view((1, 2, 3)) == live.view((1, 2, 3)) and replayed.open_requests() == live.open_requests()
 
 
 def test_replayed_event_copies_only_inputs() -> None:
     req = RoutingRequest(request_id="q", prompt_tokens=32, block_size=BS, block_hashes=(1, 2))
-    rec = _record(req, [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b")], RouterConfig(version=2), 11)
-    d = decide(req, [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b")], RouterConfig(version=2), rng_seed=11)
-    assert decision_diffs(rec.routed, replayed_event(rec, d)) == []
-    assert decision_diffs(rec.routed, replayed_event(rec, msgspec.structs.replace(d, reason="x")))[0].startswith("reason")
+    config = RouterConfig(version=2)
+    rec = _record(req, [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b")], config, 11)
+    inputs = _inputs(req, [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b")], 11)
+    d = execute(inputs, config)
+    assert decision_diffs(rec.routed, replayed_event(rec, d, inputs, config)) == []
+    assert decision_diffs(rec.routed, replayed_event(rec, msgspec.structs.replace(d, reason="x"), inputs,
+                                                     config))[0].startswith("reason")

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.routing import (
+from control_plane.router import (
     Decision,
     InflightLedger,
     InflightLoad,
@@ -31,7 +31,7 @@ from control_plane.routing import (
     decide,
 )
 from schemas.events import RequestRouted
-from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
+from schemas.types import TIER_ORDER, BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
 
 # ----------------------------------------------------------------------------------------------
 # Builders
@@ -97,7 +97,7 @@ def test_device_overlap_beats_empty_worker():
     w1: 1 x max(2048/16 - 100 x 1.0, 0) + 144 = 28 + 144 = 172  -> w1
     """
     decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w1"): WorkerOverlap(device=100)})
+                      overlaps={WorkerId("w1"): WorkerOverlap.of(device=100)})
 
     assert decision.worker_id == "w1"
     assert _costs(decision) == {"w0": 272.0, "w1": 172.0}
@@ -116,8 +116,8 @@ def test_host_hit_beats_disk_hit_of_equal_depth():
     w1: 128 - 100 x 0.25 = 103; 103 + 144 = 247
     """
     decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w0"): WorkerOverlap(host=100),
-                                WorkerId("w1"): WorkerOverlap(disk=100)})
+                      overlaps={WorkerId("w0"): WorkerOverlap.of(host=100),
+                                WorkerId("w1"): WorkerOverlap.of(disk=100)})
 
     assert decision.worker_id == "w0"
     assert _costs(decision) == {"w0": 197.0, "w1": 247.0}
@@ -126,8 +126,8 @@ def test_host_hit_beats_disk_hit_of_equal_depth():
 def test_device_hit_beats_host_hit_of_equal_depth():
     """w0: 128 - 100 x 1.0 = 28 -> 172 (chosen); w1: 128 - 100 x 0.75 = 53 -> 197."""
     decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w0"): WorkerOverlap(device=100),
-                                WorkerId("w1"): WorkerOverlap(host=100)})
+                      overlaps={WorkerId("w0"): WorkerOverlap.of(device=100),
+                                WorkerId("w1"): WorkerOverlap.of(host=100)})
 
     assert decision.worker_id == "w0"
     assert _costs(decision) == {"w0": 172.0, "w1": 197.0}
@@ -136,7 +136,7 @@ def test_device_hit_beats_host_hit_of_equal_depth():
 def test_object_hit_is_worth_least_but_more_than_nothing():
     """w0 nothing: 272; w1 100 object blocks: 128 - 10 = 118 -> 262 (chosen)."""
     decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w1"): WorkerOverlap(object=100)})
+                      overlaps={WorkerId("w1"): WorkerOverlap.of(object=100)})
 
     assert decision.worker_id == "w1"
     assert _costs(decision) == {"w0": 272.0, "w1": pytest.approx(262.0)}
@@ -148,7 +148,7 @@ def test_tier_weights_change_the_choice():
     Default weights: w0 128 - 60 = 68; w1 128 - 75 = 53 -> w1 (a deeper host hit wins).
     Host weight 0.5: w1 128 - 50 = 78 > 68 -> w0 (onboarding from host now judged too slow).
     """
-    overlaps = {WorkerId("w0"): WorkerOverlap(device=60), WorkerId("w1"): WorkerOverlap(host=100)}
+    overlaps = {WorkerId("w0"): WorkerOverlap.of(device=60), WorkerId("w1"): WorkerOverlap.of(host=100)}
     default = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
                      overlaps=overlaps)
     slow_host = decide(_make_request(), _make_workers(2),
@@ -165,7 +165,7 @@ def test_mixed_tiers_sum_their_weights():
     overlap = 40 x 1 + 40 x 0.75 + 40 x 0.25 = 80; prefill 128 - 80 = 48; cost 48 + 144 = 192.
     """
     decision = decide(_make_request(), _make_workers(1), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w0"): WorkerOverlap(device=40, host=40, disk=40)})
+                      overlaps={WorkerId("w0"): WorkerOverlap.of(device=40, host=40, disk=40)})
 
     row = decision.scores[0]
     assert (row.overlap_blocks, row.prefill_blocks, row.cost) == (120, 48.0, 192.0)
@@ -180,7 +180,7 @@ def test_load_outweighs_a_small_cache_hit():
     """
     workers = [_make_worker("w0", queued_prefill_tokens=1024), _make_worker("w1")]
     decision = decide(_make_request(), workers, _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w0"): WorkerOverlap(device=20)})
+                      overlaps={WorkerId("w0"): WorkerOverlap.of(device=20)})
 
     assert decision.worker_id == "w1"
     assert _costs(decision) == {"w0": 316.0, "w1": 272.0}
@@ -193,7 +193,7 @@ def test_prefill_load_scale_trades_prefill_against_decode():
     scale 4: w0 256 + 344 = 600, w1 512 + 144 = 656 -> w0
     """
     workers = [_make_worker("w0", active_decode_blocks=200), _make_worker("w1")]
-    overlaps = {WorkerId("w0"): WorkerOverlap(device=64)}
+    overlaps = {WorkerId("w0"): WorkerOverlap.of(device=64)}
 
     low = decide(_make_request(), workers, _make_config(), rng_seed=0, overlaps=overlaps)
     high = decide(_make_request(), workers, _make_config(prefill_load_scale=4.0), rng_seed=0,
@@ -213,7 +213,7 @@ def test_decode_phase_has_no_prefill_term():
         _make_worker("d1", role=WorkerRole.DECODE, active_decode_blocks=10),
     ]
     decision = decide(_make_request(phase=RequestPhase.DECODE), workers, _make_config(),
-                      rng_seed=0, overlaps={WorkerId("d0"): WorkerOverlap(device=128)})
+                      rng_seed=0, overlaps={WorkerId("d0"): WorkerOverlap.of(device=128)})
 
     assert decision.worker_id == "d1"
     assert _costs(decision) == {"d0": 194.0, "d1": 154.0}
@@ -233,7 +233,7 @@ def test_stale_overlap_is_ignored_by_default():
     Factor 0.5: w0 138 - 50 = 88 -> 232 -> w0. Factor 1: 138 - 100 = 38 -> 182 -> w0.
     """
     workers = [_make_worker("w0", queued_prefill_tokens=160), _make_worker("w1")]
-    overlaps = {WorkerId("w0"): WorkerOverlap(device=100, stale=True)}
+    overlaps = {WorkerId("w0"): WorkerOverlap.of(device=100, stale=True)}
 
     ignored = decide(_make_request(), workers, _make_config(), rng_seed=0, overlaps=overlaps)
     half = decide(_make_request(), workers, _make_config(stale_overlap_factor=0.5), rng_seed=0,
@@ -257,7 +257,7 @@ def test_ineligible_workers_are_never_chosen(temperature):
         _make_worker("c-decode", role=WorkerRole.DECODE),
         _make_worker("d-ok", queued_prefill_tokens=50_000, active_decode_blocks=5_000),
     ]
-    full = WorkerOverlap(device=128)
+    full = WorkerOverlap.of(device=128)
     overlaps = {w.worker_id: full for w in workers[:3]}
     config = _make_config(temperature=temperature)
 
@@ -289,7 +289,7 @@ def test_capacity_guard_excludes_a_worker_that_cannot_hold_the_request():
         _make_worker("w0", active_decode_blocks=1000, kv_capacity_blocks=1100),
         _make_worker("w1", active_decode_blocks=1000),
     ]
-    overlaps = {WorkerId("w0"): WorkerOverlap(device=100)}
+    overlaps = {WorkerId("w0"): WorkerOverlap.of(device=100)}
 
     guarded = decide(_make_request(), workers, _make_config(), rng_seed=0, overlaps=overlaps)
     unguarded = decide(_make_request(), workers, _make_config(capacity_guard=False), rng_seed=0,
@@ -309,7 +309,7 @@ def test_imbalance_guard_sends_to_the_least_busy():
     """
     workers = [_make_worker("w0", inflight_requests=100), _make_worker("w1", inflight_requests=10),
                _make_worker("w2", inflight_requests=30)]
-    overlaps = {WorkerId("w0"): WorkerOverlap(device=128)}
+    overlaps = {WorkerId("w0"): WorkerOverlap.of(device=128)}
 
     guarded = decide(_make_request(), workers, _make_config(), rng_seed=0, overlaps=overlaps)
     unguarded = decide(_make_request(), workers, _make_config(imbalance_guard=False), rng_seed=0,
@@ -331,7 +331,7 @@ def _busy_inputs():
                      active_decode_blocks=(i * 53) % 300, inflight_requests=i % 7)
         for i in range(16)
     ]
-    overlaps = {WorkerId(f"w{i}"): WorkerOverlap(device=i * 3 % 40, host=i % 9, disk=i % 5)
+    overlaps = {WorkerId(f"w{i}"): WorkerOverlap.of(device=i * 3 % 40, host=i % 9, disk=i % 5)
                 for i in range(0, 16, 2)}
     return workers, overlaps
 
@@ -382,14 +382,14 @@ def test_softmax_probabilities_follow_normalised_costs():
     """Costs 272 (w0) and 172 (w1) normalise to 1 and 0. With temperature 1 the logits are -1
     and 0: p(w1) = 1 / (1 + e^-1) = 0.7311, p(w0) = 0.2689."""
     decision = decide(_make_request(), _make_workers(2), _make_config(temperature=1.0),
-                      rng_seed=5, overlaps={WorkerId("w1"): WorkerOverlap(device=100)})
+                      rng_seed=5, overlaps={WorkerId("w1"): WorkerOverlap.of(device=100)})
 
     p = {row.worker_id: row.probability for row in decision.scores}
     assert p["w1"] == pytest.approx(0.7310586)
     assert p["w0"] == pytest.approx(0.2689414)
     picks = collections.Counter(
         decide(_make_request(), _make_workers(2), _make_config(temperature=1.0), rng_seed=s,
-               overlaps={WorkerId("w1"): WorkerOverlap(device=100)}).worker_id
+               overlaps={WorkerId("w1"): WorkerOverlap.of(device=100)}).worker_id
         for s in range(2000))
     assert 0.69 < picks["w1"] / 2000 < 0.77
 
@@ -568,8 +568,7 @@ _TIER_WEIGHT = {"device": 1.0, "host": 0.75, "disk": 0.25, "object": 0.1}
 
 def _reference_kv_cost(request, worker, overlap, shared, stale_factor, scale):
     """The module docstring's formula, block by block (independent of decide's arithmetic)."""
-    layout = (["device"] * overlap.device + ["host"] * overlap.host + ["disk"] * overlap.disk
-              + ["object"] * overlap.object)
+    layout = [t.value for t, c in zip(TIER_ORDER, overlap.tiers) for _ in range(c)]
     factor = stale_factor if overlap.stale else 1.0
     saved = 0.0
     for position in range(len(request.block_hashes)):
@@ -600,7 +599,7 @@ def test_kv_cost_matches_the_documented_formula(tiers, shared, stale, stale_fact
     queue and decode here beyond what the worker reports)."""
     request = _make_request()
     worker = _make_worker("w0", queued_prefill_tokens=queued, active_decode_blocks=active)
-    overlap = WorkerOverlap(device=tiers[0], host=tiers[1], disk=tiers[2], object=tiers[3],
+    overlap = WorkerOverlap.of(device=tiers[0], host=tiers[1], disk=tiers[2], object=tiers[3],
                             stale=stale)
     ledger = InflightLedger()
     if shared:
@@ -668,7 +667,7 @@ def test_least_loaded_by_blocks():
         _make_worker("w2", queued_prefill_tokens=160, active_decode_blocks=40),
     ]
     decision = decide(_make_request(), workers, _make_config(mode=RoutingMode.LEAST_LOADED),
-                      rng_seed=0, overlaps={WorkerId("w2"): WorkerOverlap(device=128)})
+                      rng_seed=0, overlaps={WorkerId("w2"): WorkerOverlap.of(device=128)})
 
     assert decision.worker_id == "w1"
     assert _costs(decision) == {"w0": 30.0, "w1": 25.0, "w2": 50.0}
@@ -741,7 +740,7 @@ def test_overlap_from_index_tier_counts():
 
 def test_decision_becomes_a_request_routed_event():
     decision = decide(_make_request(), _make_workers(2), _make_config(version=7), rng_seed=99,
-                      overlaps={WorkerId("w1"): WorkerOverlap(device=100)})
+                      overlaps={WorkerId("w1"): WorkerOverlap.of(device=100)})
 
     event = decision.to_event(index_position={"kv:0": 42}, router_id="router-a")
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=RequestRouted)

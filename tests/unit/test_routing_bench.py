@@ -8,7 +8,6 @@ every request finishes, every phase is routed once).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -16,17 +15,17 @@ from benchmarks.routing_bench import (
     AGGREGATED_8,
     DEFAULT_TRACE,
     DISAGGREGATED_4P4D,
+    GRID,
     load_requests,
     main,
     run_cluster,
 )
-from control_plane.routing import RouterConfig
+from control_plane.router import RouterConfig
 from data_plane.engines import load_profile, simulate
 from schemas.types import RoutingMode
 
 LIMIT = 200
 
-pytestmark = pytest.mark.skipif(not Path(DEFAULT_TRACE).is_file(), reason="Mooncake trace absent")
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +78,9 @@ def test_disaggregated_round_robin_rotates_each_pool_on_its_own(requests):
 def test_main_reports_every_topology_and_the_result_line(capsys):
     out = main(DEFAULT_TRACE, 60, dynamo=False)
     assert set(out["configs"]) == {AGGREGATED_8.name, DISAGGREGATED_4P4D.name}
-    for c in out["configs"].values():
-        # kv_default is run only while the product default differs from the benched config.
-        assert set(c["ours"]) - {"kv_default"} == {"round_robin", "kv"}
+    for name, c in out["configs"].items():
+        # The default and every grid point, and the best is a grid point.
+        assert set(c["ours"]) == {"round_robin", "kv", *(f"kv@{g:g}" for g in GRID)}
+        assert out["best"][name]["ours"] in c["ours"]
     assert out["result"].startswith("RESULT ttft_p50_gain_ours=")
     assert capsys.readouterr().out.rstrip().endswith(out["result"])

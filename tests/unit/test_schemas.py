@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
+from schemas import events as ev
 from schemas import jsonschema as schema_files
 from schemas.envelope import Envelope, EventCodec
 from schemas.errors import (
@@ -24,38 +25,6 @@ from schemas.errors import (
     SchemaError,
     UnknownEventType,
     UnsupportedSchemaVersion,
-)
-from schemas.events import (
-    ALL_EVENT_TYPES,
-    AllBlocksCleared,
-    BlockMoved,
-    BlockRemoved,
-    BlockStored,
-    CandidateScore,
-    Event,
-    KvTransferCompleted,
-    KvTransferFailed,
-    KvTransferStarted,
-    PrefillCompleted,
-    RequestAdmitted,
-    RequestCompleted,
-    RequestFailed,
-    RequestRejected,
-    RequestRouted,
-    ScalingApplied,
-    RouterConfigChanged,
-    PlannerConfigChanged,
-    PoolUpdated,
-    PoolPinned,
-    WorkerDrainRequested,
-    AdminAction,
-    ScalingDecision,
-    TransferInfo,
-    WorkerDeregistered,
-    WorkerDraining,
-    WorkerLoadReported,
-    WorkerLoadReportedV1,
-    WorkerRegistered,
 )
 from schemas.types import (
     BlockHash,
@@ -75,7 +44,7 @@ SAMPLE_FILES = sorted(SAMPLES_DIR.glob("*.msgpack"))
 CODEC = EventCodec()  # stateless after construction; sharing it keeps parametrized tests fast
 
 
-def _name(cls: type[Event]) -> str:
+def _name(cls: type[ev.Event]) -> str:
     return f"{cls.TYPE}.v{cls.VERSION}"
 
 
@@ -85,8 +54,8 @@ W = WorkerId("w-1")
 R = RequestId("req-1")
 
 
-def _make_block_stored(**overrides: Any) -> BlockStored:
-    return BlockStored(
+def _make_block_stored(**overrides: Any) -> ev.BlockStored:
+    return ev.BlockStored(
         **{
             "worker_id": W,
             "tier": Tier.HOST,
@@ -105,8 +74,8 @@ def _make_block_stored(**overrides: Any) -> BlockStored:
     )
 
 
-def _make_block_removed(**overrides: Any) -> BlockRemoved:
-    return BlockRemoved(
+def _make_block_removed(**overrides: Any) -> ev.BlockRemoved:
+    return ev.BlockRemoved(
         **{
             "worker_id": W,
             "tier": Tier.DISK,
@@ -118,8 +87,8 @@ def _make_block_removed(**overrides: Any) -> BlockRemoved:
     )
 
 
-def _make_block_moved(**overrides: Any) -> BlockMoved:
-    return BlockMoved(
+def _make_block_moved(**overrides: Any) -> ev.BlockMoved:
+    return ev.BlockMoved(
         **{
             "worker_id": W,
             "block_hashes": [BlockHash(11), BlockHash(12)],
@@ -132,12 +101,12 @@ def _make_block_moved(**overrides: Any) -> BlockMoved:
     )
 
 
-def _make_all_blocks_cleared(**overrides: Any) -> AllBlocksCleared:
-    return AllBlocksCleared(**{"worker_id": W, "tier": Tier.DEVICE, "dp_rank": 1, **overrides})
+def _make_all_blocks_cleared(**overrides: Any) -> ev.AllBlocksCleared:
+    return ev.AllBlocksCleared(**{"worker_id": W, "tier": Tier.DEVICE, "dp_rank": 1, **overrides})
 
 
-def _make_request_admitted(**overrides: Any) -> RequestAdmitted:
-    return RequestAdmitted(
+def _make_request_admitted(**overrides: Any) -> ev.RequestAdmitted:
+    return ev.RequestAdmitted(
         **{
             "request_id": R,
             "model": "m",
@@ -154,8 +123,8 @@ def _make_request_admitted(**overrides: Any) -> RequestAdmitted:
     )
 
 
-def _make_candidate_score(**overrides: Any) -> CandidateScore:
-    return CandidateScore(
+def _make_candidate_score(**overrides: Any) -> ev.CandidateScore:
+    return ev.CandidateScore(
         **{
             "worker_id": W,
             "overlap_blocks": 2,
@@ -177,8 +146,8 @@ def _make_candidate_score(**overrides: Any) -> CandidateScore:
     )
 
 
-def _make_request_routed(**overrides: Any) -> RequestRouted:
-    return RequestRouted(
+def _make_request_routed(**overrides: Any) -> ev.RequestRouted:
+    return ev.RequestRouted(
         **{
             "request_id": R,
             "worker_id": W,
@@ -197,13 +166,17 @@ def _make_request_routed(**overrides: Any) -> RequestRouted:
             "view_state": "EXACT",
             "excluded_workers": ["w-7"],
             "decided_at_s": 1795980000.25,
+            "queued_ms": 12.5,
+            "inflight_prefill_tokens": 0,
+            "inflight_blocks": 40,
+            "inflight_ttl_s": 600.0,
             **overrides,
         }
     )
 
 
-def _make_prefill_completed(**overrides: Any) -> PrefillCompleted:
-    return PrefillCompleted(
+def _make_prefill_completed(**overrides: Any) -> ev.PrefillCompleted:
+    return ev.PrefillCompleted(
         **{
             "request_id": R,
             "worker_id": W,
@@ -235,16 +208,16 @@ def _transfer_fields() -> dict[str, Any]:
     }
 
 
-def _make_kv_transfer_started(**overrides: Any) -> KvTransferStarted:
-    return KvTransferStarted(**{**_transfer_fields(), **overrides})
+def _make_kv_transfer_started(**overrides: Any) -> ev.KvTransferStarted:
+    return ev.KvTransferStarted(**{**_transfer_fields(), **overrides})
 
 
-def _make_kv_transfer_completed(**overrides: Any) -> KvTransferCompleted:
-    return KvTransferCompleted(**{**_transfer_fields(), "duration_ms": 1.5, **overrides})
+def _make_kv_transfer_completed(**overrides: Any) -> ev.KvTransferCompleted:
+    return ev.KvTransferCompleted(**{**_transfer_fields(), "duration_ms": 1.5, **overrides})
 
 
-def _make_kv_transfer_failed(**overrides: Any) -> KvTransferFailed:
-    return KvTransferFailed(
+def _make_kv_transfer_failed(**overrides: Any) -> ev.KvTransferFailed:
+    return ev.KvTransferFailed(
         **{
             **_transfer_fields(),
             "duration_ms": 50.0,
@@ -255,8 +228,8 @@ def _make_kv_transfer_failed(**overrides: Any) -> KvTransferFailed:
     )
 
 
-def _make_request_completed(**overrides: Any) -> RequestCompleted:
-    return RequestCompleted(
+def _make_request_completed(**overrides: Any) -> ev.RequestCompleted:
+    return ev.RequestCompleted(
         **{
             "request_id": R,
             "worker_id": W,
@@ -274,8 +247,8 @@ def _make_request_completed(**overrides: Any) -> RequestCompleted:
     )
 
 
-def _make_request_failed(**overrides: Any) -> RequestFailed:
-    return RequestFailed(
+def _make_request_failed(**overrides: Any) -> ev.RequestFailed:
+    return ev.RequestFailed(
         **{
             "request_id": R,
             "worker_id": W,
@@ -288,14 +261,14 @@ def _make_request_failed(**overrides: Any) -> RequestFailed:
     )
 
 
-def _make_request_rejected(**overrides: Any) -> RequestRejected:
-    return RequestRejected(
+def _make_request_rejected(**overrides: Any) -> ev.RequestRejected:
+    return ev.RequestRejected(
         **{"request_id": R, "reason": "busy", "code": "overloaded", "http_status": 503, **overrides}
     )
 
 
-def _make_worker_registered(**overrides: Any) -> WorkerRegistered:
-    return WorkerRegistered(
+def _make_worker_registered(**overrides: Any) -> ev.WorkerRegistered:
+    return ev.WorkerRegistered(
         **{
             "worker_id": W,
             "role": WorkerRole.PREFILL,
@@ -305,7 +278,7 @@ def _make_worker_registered(**overrides: Any) -> WorkerRegistered:
             "capacity": {"device": 100, "host": 400},
             "block_size": 16,
             "hash_algo": "sha256_cbor",
-            "transfer": TransferInfo(
+            "transfer": ev.TransferInfo(
                 backend="LIBFABRIC",
                 agent_name="w-1",
                 agent_metadata=b"\x00\xffmeta",
@@ -316,8 +289,8 @@ def _make_worker_registered(**overrides: Any) -> WorkerRegistered:
     )
 
 
-def _make_worker_load_reported_v1(**overrides: Any) -> WorkerLoadReportedV1:
-    return WorkerLoadReportedV1(
+def _make_worker_load_reported_v1(**overrides: Any) -> ev.WorkerLoadReportedV1:
+    return ev.WorkerLoadReportedV1(
         **{
             "worker_id": W,
             "running": 2,
@@ -330,8 +303,8 @@ def _make_worker_load_reported_v1(**overrides: Any) -> WorkerLoadReportedV1:
     )
 
 
-def _make_worker_load_reported(**overrides: Any) -> WorkerLoadReported:
-    return WorkerLoadReported(
+def _make_worker_load_reported(**overrides: Any) -> ev.WorkerLoadReported:
+    return ev.WorkerLoadReported(
         **{
             "worker_id": W,
             "running": 2,
@@ -344,16 +317,16 @@ def _make_worker_load_reported(**overrides: Any) -> WorkerLoadReported:
     )
 
 
-def _make_worker_draining(**overrides: Any) -> WorkerDraining:
-    return WorkerDraining(**{"worker_id": W, "reason": "scale-down", "inflight": 4, **overrides})
+def _make_worker_draining(**overrides: Any) -> ev.WorkerDraining:
+    return ev.WorkerDraining(**{"worker_id": W, "reason": "scale-down", "inflight": 4, **overrides})
 
 
-def _make_worker_deregistered(**overrides: Any) -> WorkerDeregistered:
-    return WorkerDeregistered(**{"worker_id": W, "reason": "drained", **overrides})
+def _make_worker_deregistered(**overrides: Any) -> ev.WorkerDeregistered:
+    return ev.WorkerDeregistered(**{"worker_id": W, "reason": "drained", **overrides})
 
 
-def _make_scaling_decision(**overrides: Any) -> ScalingDecision:
-    return ScalingDecision(
+def _make_scaling_decision(**overrides: Any) -> ev.ScalingDecision:
+    return ev.ScalingDecision(
         **{
             "pool": PoolName("p"),
             "decision_id": "d-1",
@@ -370,8 +343,8 @@ def _make_scaling_decision(**overrides: Any) -> ScalingDecision:
     )
 
 
-def _make_scaling_applied(**overrides: Any) -> ScalingApplied:
-    return ScalingApplied(
+def _make_scaling_applied(**overrides: Any) -> ev.ScalingApplied:
+    return ev.ScalingApplied(
         **{
             "pool": PoolName("p"),
             "decision_id": "d-1",
@@ -384,68 +357,68 @@ def _make_scaling_applied(**overrides: Any) -> ScalingApplied:
     )
 
 
-def _make_router_config_changed(**overrides: Any) -> RouterConfigChanged:
-    return RouterConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
+def _make_router_config_changed(**overrides: Any) -> ev.RouterConfigChanged:
+    return ev.RouterConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
                                   "config": {"mode": "kv", "temperature": 0.5}, **overrides})
 
 
-def _make_planner_config_changed(**overrides: Any) -> PlannerConfigChanged:
-    return PlannerConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
+def _make_planner_config_changed(**overrides: Any) -> ev.PlannerConfigChanged:
+    return ev.PlannerConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
                                    "config": {"interval_s": 30}, **overrides})
 
 
-def _make_pool_updated(**overrides: Any) -> PoolUpdated:
-    return PoolUpdated(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "role": WorkerRole.DECODE,
+def _make_pool_updated(**overrides: Any) -> ev.PoolUpdated:
+    return ev.PoolUpdated(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "role": WorkerRole.DECODE,
                           "ttft_slo_ms": 500.0, "itl_slo_ms": 10.0, "min_replicas": 1, "max_replicas": 8,
                           "gpus_per_replica": 2, "gpu_budget": 16, **overrides})
 
 
-def _make_pool_pinned(**overrides: Any) -> PoolPinned:
-    return PoolPinned(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "replicas": 4,
+def _make_pool_pinned(**overrides: Any) -> ev.PoolPinned:
+    return ev.PoolPinned(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "replicas": 4,
                          "reason": "test", **overrides})
 
 
-def _make_worker_drain_requested(**overrides: Any) -> WorkerDrainRequested:
-    return WorkerDrainRequested(**{"actor": "a", "actor_role": "operator", "worker_id": WorkerId("w"),
+def _make_worker_drain_requested(**overrides: Any) -> ev.WorkerDrainRequested:
+    return ev.WorkerDrainRequested(**{"actor": "a", "actor_role": "operator", "worker_id": WorkerId("w"),
                                    "reason": "r", **overrides})
 
 
-def _make_admin_action(**overrides: Any) -> AdminAction:
-    return AdminAction(**{"actor": "a", "actor_role": "admin", "action": "token_created", "target": "t",
+def _make_admin_action(**overrides: Any) -> ev.AdminAction:
+    return ev.AdminAction(**{"actor": "a", "actor_role": "admin", "action": "token_created", "target": "t",
                           "details": {"role": "viewer"}, **overrides})
 
 
-BUILDERS: dict[type[Event], Callable[..., Event]] = {
-    BlockStored: _make_block_stored,
-    BlockRemoved: _make_block_removed,
-    BlockMoved: _make_block_moved,
-    AllBlocksCleared: _make_all_blocks_cleared,
-    RequestAdmitted: _make_request_admitted,
-    RequestRouted: _make_request_routed,
-    PrefillCompleted: _make_prefill_completed,
-    KvTransferStarted: _make_kv_transfer_started,
-    KvTransferCompleted: _make_kv_transfer_completed,
-    KvTransferFailed: _make_kv_transfer_failed,
-    RequestCompleted: _make_request_completed,
-    RequestFailed: _make_request_failed,
-    RequestRejected: _make_request_rejected,
-    WorkerRegistered: _make_worker_registered,
-    WorkerLoadReportedV1: _make_worker_load_reported_v1,
-    WorkerLoadReported: _make_worker_load_reported,
-    WorkerDraining: _make_worker_draining,
-    WorkerDeregistered: _make_worker_deregistered,
-    ScalingDecision: _make_scaling_decision,
-    ScalingApplied: _make_scaling_applied,
-    RouterConfigChanged: _make_router_config_changed,
-    PlannerConfigChanged: _make_planner_config_changed,
-    PoolUpdated: _make_pool_updated,
-    PoolPinned: _make_pool_pinned,
-    WorkerDrainRequested: _make_worker_drain_requested,
-    AdminAction: _make_admin_action,
+BUILDERS: dict[type[ev.Event], Callable[..., ev.Event]] = {
+    ev.BlockStored: _make_block_stored,
+    ev.BlockRemoved: _make_block_removed,
+    ev.BlockMoved: _make_block_moved,
+    ev.AllBlocksCleared: _make_all_blocks_cleared,
+    ev.RequestAdmitted: _make_request_admitted,
+    ev.RequestRouted: _make_request_routed,
+    ev.PrefillCompleted: _make_prefill_completed,
+    ev.KvTransferStarted: _make_kv_transfer_started,
+    ev.KvTransferCompleted: _make_kv_transfer_completed,
+    ev.KvTransferFailed: _make_kv_transfer_failed,
+    ev.RequestCompleted: _make_request_completed,
+    ev.RequestFailed: _make_request_failed,
+    ev.RequestRejected: _make_request_rejected,
+    ev.WorkerRegistered: _make_worker_registered,
+    ev.WorkerLoadReportedV1: _make_worker_load_reported_v1,
+    ev.WorkerLoadReported: _make_worker_load_reported,
+    ev.WorkerDraining: _make_worker_draining,
+    ev.WorkerDeregistered: _make_worker_deregistered,
+    ev.ScalingDecision: _make_scaling_decision,
+    ev.ScalingApplied: _make_scaling_applied,
+    ev.RouterConfigChanged: _make_router_config_changed,
+    ev.PlannerConfigChanged: _make_planner_config_changed,
+    ev.PoolUpdated: _make_pool_updated,
+    ev.PoolPinned: _make_pool_pinned,
+    ev.WorkerDrainRequested: _make_worker_drain_requested,
+    ev.AdminAction: _make_admin_action,
 }
 
 
-def _wrap(payload: Event, **overrides: Any) -> Envelope[Event]:
+def _wrap(payload: ev.Event, **overrides: Any) -> Envelope[ev.Event]:
     return Envelope(
         **{
             "event_id": "0" * 31 + "1",
@@ -471,7 +444,7 @@ def _raw_envelope(**overrides: Any) -> bytes:
     return msgspec.msgpack.encode(doc)
 
 
-def _is_latest(cls: type[Event]) -> bool:
+def _is_latest(cls: type[ev.Event]) -> bool:
     return CODEC.latest_version(cls.TYPE) == cls.VERSION
 
 
@@ -479,10 +452,10 @@ def _is_latest(cls: type[Event]) -> bool:
 
 
 def test_every_registered_type_has_a_builder():
-    assert [c.__name__ for c in ALL_EVENT_TYPES if c not in BUILDERS] == []
+    assert [c.__name__ for c in ev.ALL_EVENT_TYPES if c not in BUILDERS] == []
 
 
-@pytest.mark.parametrize("cls", ALL_EVENT_TYPES, ids=_name)
+@pytest.mark.parametrize("cls", ev.ALL_EVENT_TYPES, ids=_name)
 def test_builder_sets_every_optional_field(cls):
     """A field left at its default is omitted on the wire, so the round trip would not cover it."""
     payload = BUILDERS[cls]()
@@ -499,7 +472,7 @@ def test_builder_sets_every_optional_field(cls):
     assert left_default == []
 
 
-@pytest.mark.parametrize("cls", [c for c in ALL_EVENT_TYPES if _is_latest(c)], ids=_name)
+@pytest.mark.parametrize("cls", [c for c in ev.ALL_EVENT_TYPES if _is_latest(c)], ids=_name)
 def test_latest_version_round_trips_exactly(cls):
     env = _wrap(BUILDERS[cls]())
     buf = CODEC.encode(env)
@@ -509,7 +482,7 @@ def test_latest_version_round_trips_exactly(cls):
     assert CODEC.encode(decoded) == buf
 
 
-@pytest.mark.parametrize("cls", [c for c in ALL_EVENT_TYPES if not _is_latest(c)], ids=_name)
+@pytest.mark.parametrize("cls", [c for c in ev.ALL_EVENT_TYPES if not _is_latest(c)], ids=_name)
 def test_superseded_version_decodes_as_latest(cls):
     env = _wrap(BUILDERS[cls]())
     decoded = CODEC.decode(CODEC.encode(env))
@@ -533,7 +506,7 @@ def test_samples_exist():
     assert SAMPLE_FILES, f"no samples in {SAMPLES_DIR}; run scripts/make_event_samples.py"
 
 
-@pytest.mark.parametrize("cls", ALL_EVENT_TYPES, ids=_name)
+@pytest.mark.parametrize("cls", ev.ALL_EVENT_TYPES, ids=_name)
 def test_every_registered_type_has_a_sample_and_a_schema_file(cls):
     """Adding a type or version without its sample and schema document fails here."""
     assert (SAMPLES_DIR / f"{_name(cls)}.msgpack").is_file(), (
@@ -560,7 +533,7 @@ def test_stored_worker_load_reported_v1_sample_upcasts():
     buf = (SAMPLES_DIR / "WorkerLoadReported.v1.msgpack").read_bytes()
     kv_usage = msgspec.msgpack.decode(buf)["data"]["kv_usage"]
     decoded = CODEC.decode(buf)
-    assert isinstance(decoded.data, WorkerLoadReported)
+    assert isinstance(decoded.data, ev.WorkerLoadReported)
     assert decoded.data.tier_usage == {"device": kv_usage}
 
 
@@ -698,7 +671,7 @@ _uint64 = st.integers(min_value=0, max_value=2**64 - 1)
 _int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
 _block_stored = st.builds(
-    BlockStored,
+    ev.BlockStored,
     worker_id=st.text(),
     tier=st.sampled_from(Tier),
     block_hashes=st.lists(_uint64, max_size=64),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.bus.sequencing import SequenceTracker, Verdict
+from kernel.log.sequencing import SequenceTracker, Verdict
 
 S = "sy.kv:0"
 

@@ -1,7 +1,6 @@
-"""The vLLM engine adapter without vLLM: import guards, the kv_transfer_params parser, and the
-connector's decisions against a hand-written stand-in for vLLM's KVConnectorBase_V1.
-
-The AsyncLLM calls themselves are untested here (vLLM cannot be installed on this machine)."""
+"""The vLLM engine adapter without vLLM: import guards, the kv_transfer_params parser, and
+``generate``'s request mapping against a stand-in AsyncLLM. The connector is
+``test_vllm_connector.py``; real vLLM runs in ``tests/vllm/``."""
 
 from __future__ import annotations
 
@@ -11,14 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from data_plane.vllm import engine
+from data_plane.vllm import connector, engine
 from data_plane.vllm.engine import (
     VLLM_MISSING,
     GenerateRequest,
     KvHandoff,
     VllmEngine,
     VllmNotInstalled,
-    build_connector_class,
     parse_kv_transfer_params,
 )
 
@@ -27,7 +25,8 @@ needs_no_vllm = pytest.mark.skipif(engine.vllm_available(),
 
 
 def test_importing_the_package_does_not_import_vllm():
-    code = ("import sys, data_plane.vllm.engine, data_plane.vllm.bridge, "
+    code = ("import sys, data_plane.vllm.engine, data_plane.vllm.bridge, data_plane.vllm.connector, "
+            "data_plane.vllm.tier_server, data_plane.vllm.serving, "
             "data_plane.vllm.kv_events; print('vllm' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
@@ -37,14 +36,14 @@ def test_importing_the_package_does_not_import_vllm():
 @needs_no_vllm
 def test_connector_class_access_says_how_to_install():
     with pytest.raises(VllmNotInstalled) as e:
-        engine.SwitchyardKVConnector  # noqa: B018
+        connector.SwitchyardKVConnector  # noqa: B018
     assert str(e.value) == VLLM_MISSING
     assert isinstance(e.value, ImportError)
 
 
 @needs_no_vllm
 def test_engine_start_says_how_to_install():
-    with pytest.raises(VllmNotInstalled, match="pip install switchyard\\[vllm\\]"):
+    with pytest.raises(VllmNotInstalled, match="scripts/vllm-env.sh"):
         VllmEngine.from_engine_args(model="facebook/opt-125m")
 
 
@@ -102,87 +101,6 @@ def test_parse_consumer_with_per_group_block_ids_keeps_the_first_group():
 def test_parse_half_specified_handoff_raises(params):
     with pytest.raises(ValueError):
         parse_kv_transfer_params(params)
-
-
-# -- connector decisions (fake vLLM base) ----------------------------------------------------
-
-
-class FakeConnectorBase:
-    """The parts of vLLM's KVConnectorBase_V1 the connector relies on."""
-
-    def __init__(self, vllm_config, role, kv_cache_config):
-        self._vllm_config = vllm_config
-        self._role = role
-        self._kv_cache_config = kv_cache_config
-        self._connector_metadata = None
-
-    def bind_connector_metadata(self, meta):
-        self._connector_metadata = meta
-
-    def _get_connector_metadata(self):
-        assert self._connector_metadata is not None
-        return self._connector_metadata
-
-
-class FakeMetadataBase:
-    pass
-
-
-def _connector():
-    cls = build_connector_class(FakeConnectorBase, FakeMetadataBase)
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
-        kv_connector_extra_config={"worker_id": "w1"}))
-    return cls(cfg, "scheduler", None)
-
-
-def _request(params=None):
-    return SimpleNamespace(request_id="r1", kv_transfer_params=params)
-
-
-def test_connector_class_shape():
-    cls = build_connector_class(FakeConnectorBase, FakeMetadataBase)
-    assert cls.__name__ == "SwitchyardKVConnector"
-    assert issubclass(cls, FakeConnectorBase)
-    assert issubclass(cls.metadata_cls, FakeMetadataBase)
-    for name in ("get_num_new_matched_tokens", "update_state_after_alloc",
-                 "build_connector_meta", "request_finished", "take_events",
-                 "register_kv_caches", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
-                 "wait_for_save", "get_finished"):
-        assert callable(getattr(cls, name)), name
-
-
-def test_pass_through_for_ordinary_requests():
-    c = _connector()
-    assert c.extra_config == {"worker_id": "w1"}
-    assert c.get_num_new_matched_tokens(_request(), 32) == (0, False)
-    c.update_state_after_alloc(_request(), blocks=object(), num_external_tokens=0)
-    meta = c.build_connector_meta(scheduler_output=object())
-    assert isinstance(meta, FakeMetadataBase) and not meta.has_work
-    assert c.request_finished(_request(), [1, 2]) == (False, None)
-    assert list(c.take_events()) == []
-    c.register_kv_caches({"layer.0": "tensor"})
-    assert c.kv_caches == {"layer.0": "tensor"}
-    c.bind_connector_metadata(meta)
-    c.start_load_kv(forward_context=None)
-    c.wait_for_layer_load("layer.0")
-    c.save_kv_layer("layer.0", "tensor", attn_metadata=None)
-    c.wait_for_save()
-    assert c.get_finished({"r1"}) == (None, None)
-
-
-def test_handoffs_raise_instead_of_pretending():
-    c = _connector()
-    consumer = {"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e",
-                "remote_host": "h", "remote_port": 5600}
-    with pytest.raises(NotImplementedError, match="NixlConnector"):
-        c.get_num_new_matched_tokens(_request(consumer), 0)
-    with pytest.raises(NotImplementedError):
-        c.update_state_after_alloc(_request(consumer), blocks=object(), num_external_tokens=16)
-    with pytest.raises(NotImplementedError):
-        c.request_finished(_request({"do_remote_decode": True}), [1, 2])
-    c.bind_connector_metadata(c.metadata_cls(loads={"r1": [1]}))
-    with pytest.raises(NotImplementedError):
-        c.start_load_kv(forward_context=None)
 
 
 # -- generate() against a stand-in AsyncLLM --------------------------------------------------

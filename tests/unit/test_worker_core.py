@@ -84,10 +84,13 @@ def test_partition_is_the_producers_partitioner():
 
 def test_settings_explain_what_cannot_work(tmp_path):
     ok = WorkerSettings(worker_id="w1", role="decode", data_dir=tmp_path, host_blocks=8, transfer_blocks=4)
-    assert ok.region_blocks == 12 and ok.role.value == "decode"
+    assert ok.region_blocks(100) == 12 and ok.role.value == "decode"
+    # 0 staging slots: sized from the pool, as many as the engine's device blocks.
+    auto = WorkerSettings(worker_id="w1", role="decode", data_dir=tmp_path, host_blocks=8)
+    assert auto.staging_blocks(100) == 100 and auto.region_blocks(100) == 108
     kv = ok.kvbm_settings(block_size=16, hash_algo="sha256")
     assert kv.host_capacity == 8 and not kv.device_eviction_events and kv.verify_synthetic_content
     for bad in (dict(worker_id="a:b"), dict(worker_id=""), dict(object_blocks=4),
-                dict(lease_s=1.0, lease_margin_s=1.0), dict(role="router"), dict(transfer_blocks=0)):
+                dict(lease_s=1.0, lease_margin_s=1.0), dict(role="router"), dict(transfer_blocks=-1), dict(staging_wait_s=-1)):
         with pytest.raises((WorkerConfigError, ValueError)):
             WorkerSettings(**{"worker_id": "w1", **bad})

@@ -4,8 +4,9 @@ A store only keeps bytes; it knows nothing of capacity policy, eviction or event
 decides, the store obeys). Contract, checked by one test suite against every implementation:
 
 * ``put`` returns only once the bytes are durable in that tier (host: copied into the pool;
-  disk: written, fsynced and renamed into place; object: the PUT was acknowledged). Until then a
-  reader sees the old state, never a torn block.
+  disk: written and renamed into place, fsynced first when configured; object: the PUT was
+  acknowledged). Until then a reader sees the old state, never a torn block (a block torn by a
+  power cut fails its checksum: ``get`` raises :class:`CorruptBlock`).
 * ``get`` returns verified payload bytes or raises :class:`BlockMissing` / :class:`CorruptBlock`
   / :class:`StorageError`; it never returns bytes that failed verification.
 * ``delete`` is idempotent; ``scan`` lists what is physically there (hash -> stored size), which

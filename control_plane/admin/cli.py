@@ -1,0 +1,134 @@
+"""``switchyard admin ...``: serve the admin API, migrate its database, issue tokens, run the audit."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Optional
+
+import typer
+
+admin_app = typer.Typer(help="Admin API, its database (migrations) and the audit projection.", no_args_is_help=True)
+
+DbOpt = Annotated[Optional[str], typer.Option("--db-url", help="SQLAlchemy URL (default $SWITCHYARD_DB_URL or SQLite "
+                                                                "under .stack/).")]
+
+
+def _settings(db_url: str | None, **kw):
+    from control_plane.admin.settings import AdminSettings
+
+    if db_url:
+        kw["db_url"] = db_url
+    return AdminSettings.from_env(**kw)
+
+
+@admin_app.command("serve")
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="Bind address.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="HTTP port.")] = None,
+    db_url: DbOpt = None,
+    no_audit: Annotated[bool, typer.Option("--no-audit", help="Do not run the audit consumer in this process.")] = False,
+    no_migrate: Annotated[bool, typer.Option("--no-migrate", help="Do not run `alembic upgrade head` first.")] = False,
+) -> None:
+    """Run the admin API (migrating the database first) with the audit consumer in-process."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    from control_plane.admin.wiring import run_admin
+
+    kw = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    if no_audit:
+        kw["audit"] = False
+    run_admin(_settings(db_url, **kw), migrate_first=not no_migrate)
+
+
+@admin_app.command("migrate")
+def migrate_cmd(
+    revision: Annotated[str, typer.Argument(help="Target revision (head, base, or an id).")] = "head",
+    down: Annotated[bool, typer.Option("--down", help="Downgrade to the revision instead.")] = False,
+    db_url: DbOpt = None,
+) -> None:
+    """Apply the Alembic migrations (``alembic upgrade head``; ``--down base`` removes everything)."""
+    from control_plane.admin.wiring import migrate
+
+    s = _settings(db_url)
+    migrate(s.db_url, revision, down=down)
+    typer.echo(f"{'downgraded' if down else 'upgraded'} {_safe(s.db_url)} to {revision}")
+
+
+@admin_app.command("create-token")
+def create_token_cmd(
+    name: Annotated[str, typer.Option(help="Token name (what the audit records as the actor).")],
+    role: Annotated[str, typer.Option(help="viewer | operator | admin")] = "admin",
+    db_url: DbOpt = None,
+) -> None:
+    """Issue an API token directly in the database (bootstrap the first admin). Recorded in the
+    log as AdminAction(token_created) by actor "cli"."""
+    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    from control_plane.admin.auth import Principal, Role
+    from control_plane.admin.context import AdminContext
+    from control_plane.admin.db.session import make_engine, session_factory
+    from control_plane.admin.errors import ApiError
+    from control_plane.admin.ports import InlineJobRunner, KafkaEventLog
+    from control_plane.admin.services import create_token
+    from control_plane.admin.shapes import TokenCreate
+    from kernel.log.catalog import Catalog
+    from kernel.log.kafka import EventProducer
+    from kernel.settings import BusSettings
+
+    s = _settings(db_url)
+    bus = BusSettings.from_env()
+    try:
+        body = TokenCreate(name=name, role=role)
+    except ValueError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    engine = make_engine(s.db_url)
+    events = KafkaEventLog(EventProducer(bus, f"{s.producer_id}-cli", catalog=Catalog(bus.topic_prefix)))
+    ctx = AdminContext(settings=s, sessions=session_factory(engine), events=events, catalog=Catalog(bus.topic_prefix),
+                       reader_factory=lambda: None, jobs=InlineJobRunner())
+    try:
+        with ctx.sessions() as session:
+            row, token = create_token(session, ctx, Principal("-", "cli", Role.ADMIN), body)
+    except ApiError as e:
+        typer.secho(f"error: {e.message}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    finally:
+        events.close()
+        engine.dispose()
+    typer.echo(f"token {row.id} ({row.role}) for {row.name}:\n{token}")
+
+
+@admin_app.command("audit")
+def audit_cmd(
+    once: Annotated[bool, typer.Option("--once", help="Catch up with the log end, then exit.")] = False,
+    db_url: DbOpt = None,
+) -> None:
+    """Run only the audit consumer (fold the topics into the audit tables)."""
+    logging.basicConfig(level=logging.INFO)
+    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    import time
+
+    from control_plane.admin.audit.consumer import AuditConsumer
+    from control_plane.admin.db.session import make_engine, session_factory
+    from kernel.settings import BusSettings
+
+    s = _settings(db_url)
+    c = AuditConsumer(BusSettings.from_env(), session_factory(make_engine(s.db_url)), streams=s.audit_streams,
+                      batch=s.audit_batch)
+    if once:
+        c.drain(timeout=600)
+        typer.echo(f"audit: {c.totals.inserted} new events, {c.totals.duplicates} already stored")
+        c.stop()
+        return
+    c.start()
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        c.stop()
+
+
+def _safe(url: str) -> str:
+    """The URL without a password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,34 @@
+"""What the admin routes and handlers need, built once by :func:`control_plane.admin.wiring.build_admin`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.admin.audit.consumer import AuditConsumer
+from control_plane.admin.audit.store import AuditStore
+from control_plane.admin.liveview import LiveView
+from control_plane.admin.ports import EventLog, JobRunner
+from control_plane.admin.settings import AdminSettings
+from kernel.log.catalog import Catalog
+from kernel.log.reader import LogReader
+
+
+@dataclass
+class AdminContext:
+    settings: AdminSettings
+    sessions: sessionmaker[Session]
+    events: EventLog
+    catalog: Catalog
+    #: A new log reader per replay job (each job reads on its own thread).
+    reader_factory: Callable[[], LogReader]
+    jobs: JobRunner
+    live: LiveView | None = None
+    audit: AuditConsumer | None = None
+    store: AuditStore = field(default_factory=AuditStore)
+    #: Serialises actions that mint versions (config versions, pool versions): one writer.
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    on_close: list[Callable[[], None]] = field(default_factory=list)

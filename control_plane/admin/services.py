@@ -1,0 +1,251 @@
+"""Operator actions: every mutating call of the admin API, as plain functions.
+
+Each one checks its preconditions against the admin store, records the action as an event in
+the log (who did it: the token's name and role), and folds that same event into the store in
+the caller's transaction (:meth:`AuditStore.ingest`), so the caller reads its own write at
+once and the audit consumer's later copy is a no-op. The log is written first: if it refuses,
+nothing changed anywhere. Local-only state (API tokens, replay jobs) is written after its
+event, in the same transaction.
+
+Raises :class:`~control_plane.admin.errors.ApiError` subclasses; the app maps them to HTTP.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from control_plane.admin.audit.store import LocatedEvent
+from control_plane.admin.auth import Principal, Role, issue_token
+from control_plane.admin.context import AdminContext
+from control_plane.admin.db.models import (
+    CONFIG_TABLES,
+    ApiToken,
+    PlannerConfigVersion,
+    Pool,
+    ReplayJob,
+    RouterConfigVersion,
+    Worker,
+    utcnow,
+)
+from control_plane.admin.errors import Conflict, Invalid, NotFound
+from control_plane.admin.shapes import (
+    PinUpdate,
+    PlannerConfigUpdate,
+    PoolUpdate,
+    ReplayJobCreate,
+    RouterConfigUpdate,
+    TokenCreate,
+)
+from control_plane.router import RouterConfig
+from schemas.events import (
+    AdminAction,
+    Event,
+    PlannerConfigChanged,
+    PoolPinned,
+    PoolUpdated,
+    RouterConfigChanged,
+    WorkerDrainRequested,
+)
+from schemas.types import PoolName, WorkerId, WorkerRole
+
+
+def record(ctx: AdminContext, session: Session, payload: Event) -> LocatedEvent:
+    """Append ``payload`` to the log (acknowledged), then fold it into the store."""
+    loc = ctx.events.record(payload)
+    ctx.store.ingest(session, [loc], positions={})
+    return loc
+
+
+def _actor(who: Principal) -> dict[str, str]:
+    return {"actor": who.name, "actor_role": who.role.value}
+
+
+# -- workers -------------------------------------------------------------------------------------
+
+
+def request_drain(session: Session, ctx: AdminContext, who: Principal, worker_id: str, reason: str) -> LocatedEvent:
+    """Ask the scaler owning ``worker_id`` to drain it (``WorkerDrainRequested``). The worker then
+    reports ``WorkerDraining`` and ``WorkerDeregistered`` itself: the API never forges a
+    worker's own events (their producer epoch would fence or reset the worker's index state)."""
+    w = session.get(Worker, worker_id)
+    if w is None:
+        raise NotFound(f"no worker {worker_id!r} in the log")
+    if w.state == "gone":
+        raise Conflict(f"worker {worker_id} is gone (deregistered in epoch {w.epoch}): nothing to drain")
+    with ctx.write_lock:
+        loc = record(ctx, session, WorkerDrainRequested(worker_id=WorkerId(worker_id), reason=reason, **_actor(who)))
+    session.commit()
+    return loc
+
+
+# -- pools ---------------------------------------------------------------------------------------
+
+
+def update_pool(session: Session, ctx: AdminContext, who: Principal, name: str, body: PoolUpdate) -> Pool:
+    pinned = session.scalar(select(Pool.pinned_replicas).where(Pool.name == name))
+    if pinned is not None and not body.min_replicas <= pinned <= body.max_replicas:
+        raise Conflict(f"pool {name} is pinned at {pinned} replicas, outside the new bounds "
+                       f"[{body.min_replicas}, {body.max_replicas}]: unpin it first")
+    with ctx.write_lock:
+        record(ctx, session, PoolUpdated(pool=PoolName(name), role=WorkerRole(body.role), ttft_slo_ms=body.ttft_slo_ms,
+                                         itl_slo_ms=body.itl_slo_ms, min_replicas=body.min_replicas,
+                                         max_replicas=body.max_replicas, gpus_per_replica=body.gpus_per_replica,
+                                         gpu_budget=body.gpu_budget, **_actor(who)))
+    session.commit()
+    return session.get(Pool, name)
+
+
+def pin_pool(session: Session, ctx: AdminContext, who: Principal, name: str, body: PinUpdate | None) -> Pool:
+    """Pin (``body``) or unpin (None) a pool's size (``PoolPinned``)."""
+    pool = session.get(Pool, name)
+    if pool is None:
+        raise NotFound(f"no pool {name!r}: PUT /pools/{name} first")
+    if body is not None and not pool.min_replicas <= body.replicas <= pool.max_replicas:
+        raise Invalid(f"replicas={body.replicas} is outside pool {name}'s bounds [{pool.min_replicas}, "
+                      f"{pool.max_replicas}]: widen them first (PUT /pools/{name})")
+    with ctx.write_lock:
+        record(ctx, session, PoolPinned(pool=PoolName(name), replicas=body.replicas if body else None,
+                                        reason=body.reason if body else "", **_actor(who)))
+    session.commit()
+    session.refresh(pool)
+    return pool
+
+
+# -- configs -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigKind:
+    """What differs between the router's and the planner's config: the rest of recording a
+    version (the expected-version check, numbering, the event, the row) is one path."""
+
+    #: The request shape of ``PUT /{kind}-config``.
+    body: type[RouterConfigUpdate] | type[PlannerConfigUpdate]
+    event: type[RouterConfigChanged] | type[PlannerConfigChanged]
+    #: (the body's config, the version it is recorded as) -> the config the event carries;
+    #: raises :class:`Invalid` with the reason when the config breaks a rule.
+    build: Callable[[Any, int], dict[str, Any]]
+
+
+def _router_config(config: Any, version: int) -> dict[str, Any]:
+    # RouterConfig's own validation runs here: its cross-field rules and their reasons.
+    try:
+        cfg = msgspec.convert({**config.model_dump(), "version": version}, RouterConfig)
+    except msgspec.ValidationError as e:
+        raise Invalid(f"router config rejected: {e}") from None
+    return msgspec.to_builtins(cfg)
+
+
+def _planner_config(config: dict[str, Any], version: int) -> dict[str, Any]:
+    # A JSON object checked to be storable by the shape; the planner validates it on load.
+    return {**config, "version": version}
+
+
+CONFIG_KINDS: dict[str, ConfigKind] = {
+    "router": ConfigKind(body=RouterConfigUpdate, event=RouterConfigChanged, build=_router_config),
+    "planner": ConfigKind(body=PlannerConfigUpdate, event=PlannerConfigChanged, build=_planner_config),
+}
+
+
+def put_config(session: Session, ctx: AdminContext, who: Principal, kind: str,
+               body: RouterConfigUpdate | PlannerConfigUpdate) -> RouterConfigVersion | PlannerConfigVersion:
+    """Record the next version of the ``kind`` config (``RouterConfigChanged`` /
+    ``PlannerConfigChanged``). Under the write lock, so two callers never mint one version."""
+    spec, model = CONFIG_KINDS[kind], CONFIG_TABLES[kind]
+    with ctx.write_lock:
+        current = session.scalar(select(func.max(model.version))) or 0
+        if body.expected_version is not None and body.expected_version != current:
+            raise Conflict(f"{kind} config is at version {current}, not {body.expected_version}")
+        version = current + 1
+        config = spec.build(body.config, version)
+        record(ctx, session, spec.event(config_version=version, config=config, **_actor(who)))
+        session.commit()
+    return session.get(model, version)
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+def create_token(session: Session, ctx: AdminContext, who: Principal, body: TokenCreate) -> tuple[ApiToken, str]:
+    with ctx.write_lock:
+        if session.scalar(select(ApiToken.id).where(ApiToken.name == body.name)) is not None:
+            raise Conflict(f"a token named {body.name!r} exists (names are what the audit records; pick another)")
+        issued = issue_token()
+        record(ctx, session, AdminAction(action="token_created", target=body.name,
+                                         details={"token_id": issued.token_id, "role": body.role}, **_actor(who)))
+        row = ApiToken(id=issued.token_id, name=body.name, role=body.role, salt=issued.salt,
+                       token_hash=issued.token_hash, created_at=utcnow(), created_by=who.name)
+        session.add(row)
+        session.commit()
+    return row, issued.token
+
+
+def revoke_token(session: Session, ctx: AdminContext, who: Principal, token_id: str) -> ApiToken:
+    row = session.get(ApiToken, token_id)
+    if row is None:
+        raise NotFound(f"no token {token_id!r}")
+    if row.revoked_at is None:
+        with ctx.write_lock:
+            record(ctx, session, AdminAction(action="token_revoked", target=row.name,
+                                             details={"token_id": row.id, "role": row.role}, **_actor(who)))
+            row.revoked_at = utcnow()
+            session.commit()
+    return row
+
+
+# -- replay jobs ---------------------------------------------------------------------------------
+
+
+def start_replay_job(session: Session, ctx: AdminContext, who: Principal, body: ReplayJobCreate) -> ReplayJob:
+    from control_plane.admin.jobs import run_job
+    from control_plane.replay.errors import BadPoint
+    from control_plane.replay.points import parse_point
+
+    params: dict[str, Any] = {"kind": body.kind}
+    try:
+        if body.kind == "state":
+            parse_point(body.at)
+            params["at"] = body.at
+        else:
+            parse_point(body.from_)
+            parse_point(body.to)
+            params.update({"from": body.from_, "to": body.to})
+    except BadPoint as e:
+        raise Invalid(str(e)) from None
+    if body.kind == "whatif":
+        try:
+            alt = msgspec.convert({**body.router_config.model_dump(), "version": 0}, RouterConfig)
+        except msgspec.ValidationError as e:
+            raise Invalid(f"router_config rejected: {e}") from None
+        params["router_config"] = msgspec.to_builtins(alt)
+        params["simulate"] = body.simulate
+    job_id = secrets.token_hex(8)
+    record(ctx, session, AdminAction(action="replay_job_started", target=job_id,
+                                     details={k: v for k, v in params.items() if isinstance(v, (str, int, bool))},
+                                     **_actor(who)))
+    job = ReplayJob(id=job_id, kind=body.kind, params=params, status="queued", progress=0.0, stage="",
+                    created_at=utcnow(), created_by=who.name)
+    session.add(job)
+    session.commit()
+    ctx.jobs.submit(lambda: run_job(ctx, job_id))
+    return job
+
+
+def fail_interrupted_jobs(session: Session) -> int:
+    """Jobs left queued or running by a previous process will never finish: say so."""
+    n = 0
+    for job in session.scalars(select(ReplayJob).where(ReplayJob.status.in_(("queued", "running")))):
+        job.status, job.finished_at, job.error = "failed", utcnow(), "interrupted: the admin process restarted"
+        n += 1
+    session.commit()
+    return n
+
+
+SYSTEM = Principal(token_id="-", name="system", role=Role.ADMIN)

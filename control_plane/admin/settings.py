@@ -1,0 +1,72 @@
+"""Typed settings of the admin process, built once at start-up from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from control_plane.settings import StackSettings
+from kernel.settings import BusSettings
+
+
+def default_db_url() -> str:
+    """SQLite file in the stack's state directory: zero setup on one box."""
+    return f"sqlite:///{StackSettings.from_env().state_dir / 'switchyard.db'}"
+
+
+def db_url_from_env(env: dict[str, str] | None = None) -> str | None:
+    env = os.environ if env is None else env
+    return env.get("SWITCHYARD_DB_URL") or None
+
+
+@dataclass(frozen=True)
+class AdminSettings:
+    """The admin API, audit consumer and replay jobs of one process."""
+
+    #: SQLAlchemy URL of the admin store (PostgreSQL or SQLite). $SWITCHYARD_DB_URL.
+    db_url: str = field(default_factory=default_db_url)
+    #: Bind address and port of the HTTP API. $SWITCHYARD_ADMIN_HOST / _PORT.
+    host: str = "127.0.0.1"
+    port: int = 8300
+    #: Producer id of the events this process records (operator actions). Its epoch is the
+    #: start time, like every producer's.
+    producer_id: str = "admin-api"
+    #: Run the audit consumer in the API process (folds the topics into the audit tables).
+    audit: bool = True
+    #: Streams the audit consumer folds.
+    audit_streams: tuple[str, ...] = ("requests", "workers", "planner", "admin", "kv")
+    #: Records per audit transaction (one batch upsert, positions committed with it).
+    audit_batch: int = 2000
+    #: Prefix hashing of the engines (the index the overlap query folds must match them).
+    hash_algo: str = "sha256"
+    block_size: int = 64
+    #: Replay jobs run in this many background threads.
+    job_workers: int = 1
+    #: Seconds a cached index view may lag the log before a query catches it up.
+    view_max_age_s: float = 0.5
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> AdminSettings:
+        env = dict(os.environ if env is None else env)
+        kw: dict = {}
+        if db_url_from_env(env):
+            kw["db_url"] = db_url_from_env(env)
+        for f in fields(cls):
+            raw = env.get(f"SWITCHYARD_ADMIN_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.type in ("int", int):
+                kw[f.name] = int(raw)
+            elif f.type in ("float", float):
+                kw[f.name] = float(raw)
+            elif f.type in ("bool", bool):
+                kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            elif f.name == "audit_streams":
+                kw[f.name] = tuple(s.strip() for s in raw.split(",") if s.strip())
+            else:
+                kw[f.name] = raw
+        kw.update(overrides)
+        return cls(**kw)
+
+    def bus(self) -> BusSettings:
+        return BusSettings.from_env()

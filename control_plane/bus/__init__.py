@@ -1,1 +1,0 @@
-"""The event log: topic catalog (pure), sequence tracking (pure) and Kafka adapters."""

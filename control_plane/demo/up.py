@@ -1,0 +1,300 @@
+"""``switchyard up --demo`` / ``switchyard down``: the whole system on one box.
+
+Starts the stack (Kafka, PostgreSQL, Redis, Prometheus), then Switchyard's processes, each a
+real ``switchyard ...`` subprocess with its own log under ``.stack/demo/``: the event-derived
+metrics processor, the router, the admin API, the planner, and simulated prefill/decode workers.
+Their pids go to ``.stack/demo/procs.json`` so ``switchyard down`` (another process) can stop
+them: SIGTERM first (workers drain), SIGKILL after a grace period, then the stack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from control_plane.settings import StackSettings
+from control_plane.stack.process import alive, terminate
+from kernel.net import free_port
+from kernel.settings import repo_root
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    url: str = ""
+    log: str = ""
+
+
+class Supervisor:
+    def __init__(self, settings: StackSettings) -> None:
+        self.dir = settings.state_dir / "demo"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file = self.dir / "procs.json"
+        self.procs: list[Proc] = self.load()
+
+    def load(self) -> list[Proc]:
+        try:
+            return [Proc(**p) for p in json.loads(self.file.read_text())]
+        except (FileNotFoundError, ValueError):
+            return []
+
+    def save(self) -> None:
+        self.file.write_text(json.dumps([asdict(p) for p in self.procs], indent=2))
+
+    def start(self, name: str, args: list[str], url: str = "", env: dict[str, str] | None = None,
+              python: str | None = None) -> Proc:
+        log = self.dir / f"{name}.log"
+        with open(log, "ab") as out:
+            p = subprocess.Popen([python or sys.executable, "-m", "switchyard.cli", *args], stdout=out,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                 env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+        proc = Proc(name, p.pid, url, str(log))
+        self.procs.append(proc)
+        self.save()
+        return proc
+
+    def running(self) -> list[Proc]:
+        return [p for p in self.procs if alive(p.pid)]
+
+    def stop_all(self, grace: float = 30.0) -> list[str]:
+        """Workers first (they drain), then the rest; returns names that needed SIGKILL."""
+        killed = []
+        order = sorted(self.procs, key=lambda p: (not p.name.startswith("worker"), p.name))
+        for p in order:
+            if alive(p.pid):
+                os.kill(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in order:
+            while alive(p.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if alive(p.pid):
+                killed.append(p.name)
+                terminate(p.pid, 5, signal.SIGKILL)
+        self.procs = []
+        self.save()
+        return killed
+
+
+def wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 90.0, what: str = "") -> dict:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=2)
+            if pred(r):
+                try:
+                    return r.json()
+                except ValueError:
+                    return {}
+            last = r.text[:200]
+        except httpx.HTTPError as e:
+            last = str(e)
+        time.sleep(0.3)
+    raise RuntimeError(f"{what or url} not ready after {timeout:.0f}s: {last}")
+
+
+def write_prometheus_targets(targets_dir: Path, groups: dict[str, list[str]]) -> None:
+    """file_sd targets for Prometheus: {job: [host:port, ...]}."""
+    targets_dir.mkdir(parents=True, exist_ok=True)
+    for job, hosts in groups.items():
+        (targets_dir / f"{job}.json").write_text(json.dumps([{"targets": hosts, "labels": {"job": job}}], indent=2))
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+
+#: The workload shipped in the repository: the first 1,000 lines of the Mooncake conversation
+#: trace (Apache-2.0; see traces/README.md), so a plain clone runs the demo.
+#: The workloads the repository ships (traces/README.md): the demo's slice and the whole trace.
+DEMO_TRACE = repo_root() / "traces" / "mooncake_conversation_head1000.jsonl"
+WHOLE_TRACE = repo_root() / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """What ``switchyard up --demo`` runs. The defaults are sized for a 2-core box: the load is
+    what the simulator says 2 prefill + 2 decode mocker-profile engines serve (see the
+    prediction the demo prints), at an engine speed whose token rate the router can stream."""
+
+    trace: Path = DEMO_TRACE
+    limit: int = 200
+    #: Arrival speed-up over the trace's timestamps. Measured on a 2-core box (the demo's
+    #: summary prints it): 1.5x at model speed leaves about a third of the CPU free and TTFT
+    #: p50 within 1.4x of the simulator's; 2x leaves ~7% and sits at 1.9x; 4x saturates it.
+    rate: float = 1.5
+    max_output: int = 128
+    prefill_workers: int = 2
+    decode_workers: int = 2
+    #: Engine speed-up over the mocker profile's real time (1: the model's own speed; faster
+    #: engines stream more tokens per second than the router and workers can proxy on 2 cores).
+    speedup: float = 1.0
+    router_port: int = 8000
+    metrics_port: int = 59100
+    admin_port: int = 8080
+    stop_after: bool = False
+    with_admin: bool = True
+    with_planner: bool = True
+    #: ``sim`` (simulated workers) or ``vllm`` (real vLLM workers from .venv-vllm, prefill and
+    #: decode over vLLM's NixlConnector; see control_plane/demo/vllm.py).
+    engine: str = "sim"
+
+
+DEMO_DEFAULTS = DemoSettings()
+
+
+def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict:
+    from control_plane.stack import Stack
+    from control_plane.stack.process import port_in_use
+    from kernel.log.admin import apply_topics
+    from kernel.settings import BusSettings
+
+    t0 = time.monotonic()
+    stack = Stack(stack_settings)
+    echo("starting the stack: Kafka (KRaft), PostgreSQL, Redis, Prometheus ...")
+    stack.up()
+    bus = BusSettings.from_env()
+    apply_topics(bus)
+    sup = Supervisor(stack_settings)
+    if sup.running():
+        raise RuntimeError(f"a demo is already running ({[p.name for p in sup.running()]}); run `switchyard down` first")
+    targets = stack_settings.state_dir / "prometheus" / "targets"
+
+    def port(p: int) -> int:
+        return p if not port_in_use("127.0.0.1", p) else free_port()
+
+    metrics_port = port(d.metrics_port)
+    sup.start("metrics", ["metrics", "run", "--port", str(metrics_port), "--processor-id", "demo",
+                          "--targets-dir", str(targets)], f"http://127.0.0.1:{metrics_port}")
+    workers = []
+    vllm = d.engine == "vllm"
+    if vllm:
+        from control_plane import vllm_demo
+    for role, n in (("prefill", d.prefill_workers), ("decode", d.decode_workers)):
+        for i in range(n):
+            wid, wport = f"{role}-{i}", free_port()
+            args = ["worker", "--worker-id", wid, "--role", role, "--pool", role, "--port", str(wport),
+                    "--data-dir", str(sup.dir / "workers" / wid)]
+            if vllm:
+                sup.start(f"worker-{wid}", args + vllm_demo.WORKER_ARGS, f"http://127.0.0.1:{wport}",
+                          env=vllm_demo.WORKER_ENV, python=vllm_demo.vllm_python())
+            else:
+                sup.start(f"worker-{wid}", args + ["--speedup", str(d.speedup), "--host-blocks", "4096",
+                                                   "--disk-blocks", "8192", "--lease-s", "10"],
+                          f"http://127.0.0.1:{wport}")
+            workers.append(f"127.0.0.1:{wport}")
+    router_port = port(d.router_port)
+    router_url = f"http://127.0.0.1:{router_port}"
+    sup.start("router", ["router", "--port", str(router_port), "--router-id", "demo-router",
+                         *(vllm_demo.ROUTER_ARGS if vllm else [])], router_url)
+    write_prometheus_targets(targets, {"routers": [f"127.0.0.1:{router_port}"], "workers": workers})
+    admin_url = ""
+    if d.with_admin:
+        admin_port = port(d.admin_port)
+        admin_url = f"http://127.0.0.1:{admin_port}"
+        sup.start("admin", ["admin", "serve", "--port", str(admin_port), "--db-url", stack_settings.postgres_url],
+                  admin_url)
+    if d.with_planner:
+        # Virtual scaler: decisions are recorded on the log but the demo keeps its fixed workers
+        # (the local-process scaler, which starts and drains real workers, is tested separately).
+        sup.start("planner", ["planner", "run", "--scaler", "virtual", "--planner-id", "demo-planner"])
+    n_workers = d.prefill_workers + d.decode_workers
+    echo(f"waiting for {n_workers} workers to register with the router ...")
+    wait_http(f"{router_url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == n_workers,
+              timeout=vllm_demo.READY_TIMEOUT_S if vllm else 120, what="router")
+    if admin_url:
+        wait_http(f"{admin_url}/health", timeout=90, what="admin API")
+    startup_s = time.monotonic() - t0
+
+    import asyncio
+
+    from control_plane.demo.loadgen import format_summary, plot, run_trace
+
+    if d.limit <= 0:
+        echo(f"up in {startup_s:.0f} s: router {router_url}/v1, admin {admin_url or '-'}; `switchyard down` stops it")
+        return {"router": router_url, "admin": admin_url, "startup_s": startup_s}
+    from control_plane.demo.runcheck import CpuSampler, breakdown, explain, now_ms, predict
+
+    echo(f"replaying {d.limit} requests of {d.trace.name} at {d.rate}x arrivals"
+         + ("" if vllm else f", engines at {d.speedup}x the mocker profile") + f", through {router_url} ...")
+    since = now_ms() - 1000
+    cpu = CpuSampler().start()
+    if vllm:
+        summary = vllm_demo.replay(router_url, d, echo)
+    else:
+        summary = asyncio.run(run_trace(router_url, d.trace, limit=d.limit, speedup=d.rate, max_output=d.max_output))
+    load = cpu.stop()
+    # The simulator models the mocker-profile engine; a vLLM engine has no prediction.
+    pred = None if vllm else predict(d.trace, limit=d.limit, rate=d.rate, speedup=d.speedup,
+                                     max_output=d.max_output, prefill=d.prefill_workers, decode=d.decode_workers)
+    bd = breakdown(bus, summary["id_prefix"], since) if summary.get("id_prefix") else {
+        "handoffs": 0, "disaggregated": 0, "recomputed": 0, "handoff_ratio": float("nan"), "fallback_reasons": {}}
+    png = plot(summary, sup.dir / "report.png", "Switchyard demo")
+    scaling = _count_scaling(bus)
+    out = {k: v for k, v in summary.items() if k != "results"}
+    out.update(startup_s=startup_s, report_png=str(png), router=router_url, admin=admin_url,
+               prometheus=f"http://127.0.0.1:{stack_settings.prometheus_port}", metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+               scaling_decisions=scaling, predicted=pred, breakdown=bd, **load,
+               ttft_p50_predicted_ms=pred["ttft_p50_ms"] if pred else float("nan"),
+               handoff_ratio=bd["handoff_ratio"])
+    echo("")
+    echo(format_summary(summary))
+    if pred:
+        echo(f"predicted     TTFT p50 {pred['ttft_p50_ms']:.0f} ms  p99 {pred['ttft_p99_ms']:.0f} ms  ITL p50 "
+             f"{pred['itl_p50_ms']:.1f} ms (the cluster simulator, same requests, same profile)")
+        for line in explain(summary["ttft_p50_ms"], pred["ttft_p50_ms"], bd):
+            echo(f"              {line}")
+    echo(f"handoffs      {bd['handoffs']}/{bd['disaggregated']} disaggregated requests moved their KV over NIXL"
+         + (f"; recomputed: {bd['fallback_reasons']}" if bd["recomputed"] else ""))
+    echo(f"CPU           {load['cpu_busy'] * 100:.0f}% busy on average, {load['cpu_busy_peak'] * 100:.0f}% peak "
+         f"({load['cpu_headroom'] * 100:.0f}% headroom, {os.cpu_count()} CPUs)")
+    echo(f"scaling       {scaling} scaling decisions recorded")
+    echo(f"router        {router_url}/v1 (OpenAI API), {router_url}/health")
+    if admin_url:
+        echo(f"admin API     {admin_url}/docs")
+    echo(f"Prometheus    {out['prometheus']} (dashboards: dashboards/*.json, provisioning in dashboards/provisioning)")
+    echo(f"report        {png}")
+    echo(f"logs          {sup.dir}/*.log")
+    if d.stop_after:
+        stop_demo(stack_settings, echo)
+    else:
+        echo("still running: `switchyard down` stops everything")
+    echo(result_line(out))
+    return out
+
+
+def result_line(out: dict) -> str:
+    return (f"RESULT completed={out['completed']} failed={out['failed']} rejected={out.get('rejected', 0)} "
+            f"ttft_p50_ms={out['ttft_p50_ms']:.0f} ttft_p50_predicted_ms={out['ttft_p50_predicted_ms']:.0f} "
+            f"handoff_ratio={out['handoff_ratio']:.3f} cpu_headroom={out['cpu_headroom']:.2f}")
+
+
+def _count_scaling(bus) -> int:
+    from kernel.log.catalog import Catalog
+    from kernel.log.reader import KafkaLogReader
+
+    topic = Catalog(bus.topic_prefix).topic("planner")
+    with KafkaLogReader(bus.bootstrap) as reader:
+        return sum(hi - lo for lo, hi in (reader.bounds(topic, p) for p in reader.partitions(topic)))
+
+
+def stop_demo(stack_settings: StackSettings, echo=print, stack: bool = True) -> None:
+    from control_plane.stack import Stack
+
+    sup = Supervisor(stack_settings)
+    killed = sup.stop_all()
+    if killed:
+        echo(f"needed SIGKILL: {', '.join(killed)}")
+    if stack:
+        left = Stack(stack_settings).down()
+        if left:
+            raise RuntimeError(f"processes still running after stop: {left}")
+    echo("everything stopped")

@@ -1,0 +1,271 @@
+"""The production prefix index: the Rust core in ``native/`` behind the reference's API.
+
+:class:`NativePrefixIndex` is a drop-in for :class:`~control_plane.index.prefix_index.PrefixIndex`
+(the pure-Python executable specification): the same ``apply`` / ``find_matches`` / ``stats`` /
+``as_dict`` / ``snapshot`` / ``restore``, the same sequencing, fencing, gap, staleness and resync
+rules, the same slot numbering, and a byte-identical snapshot, so either implementation restores
+the other's checkpoints. Property tests (``tests/unit/test_native_index.py``) fold random event
+sequences through both and require identical state, matches and snapshots.
+
+What the native core adds:
+
+* :meth:`NativePrefixIndex.apply_bytes` folds a ``kv`` record straight from its envelope bytes
+  (MessagePack decoded in Rust). It takes only the four KV payload types at version 1 and is at
+  least as strict as :class:`schemas.EventCodec`; anything else returns ``None`` and the caller
+  decodes the record with the Python codec (which raises the schema error a malformed record
+  deserves). The rare events that need words (a gap, a new epoch, a rejection) are decoded in
+  Python too, so the log lines and :class:`IndexRejected` messages are the reference's.
+* Memory: one hash-map bucket per distinct block (16 bytes + a control byte) with its holder
+  inline when one cache holds it, a sorted holder list otherwise; measured per (block, worker)
+  entry by ``switchyard bench index``.
+
+Not thread-safe, like the reference: apply and query from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import switchyard_native
+from control_plane.index.errors import IndexRejected
+from control_plane.index.prefix_index import ApplyOutcome, IndexStats, Match, WorkerRank
+from kernel.hashing import HashConfig
+from schemas.envelope import Envelope, EventCodec
+from schemas.events import (
+    AllBlocksCleared,
+    BlockMoved,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    WorkerDeregistered,
+    WorkerRegistered,
+)
+from schemas.types import TIER_ORDER, BlockHash, CacheGroup, WorkerId
+
+logger = logging.getLogger(__name__)
+
+_TIER_IDX = {t: i for i, t in enumerate(TIER_ORDER)}
+_OUTCOMES = (ApplyOutcome.APPLIED, ApplyOutcome.DUPLICATE, ApplyOutcome.FENCED,
+             ApplyOutcome.IGNORED)
+_REJECTED = {4: "hash_algo", 5: "block_size", 6: "cache_group"}
+_NEW_EPOCH = 8
+_GAP = 16
+_KIND = {BlockStored: 0, BlockRemoved: 1, BlockMoved: 2, AllBlocksCleared: 3,
+         WorkerRegistered: 4, WorkerDeregistered: 5}
+
+
+class NativePrefixIndex:
+    """Per worker (and DP rank), which chained block hashes it holds and in which tiers.
+
+    See the reference :class:`~control_plane.index.prefix_index.PrefixIndex` for the rules.
+    """
+
+    def __init__(self, hash_algo: str, block_size: int, *, _core=None) -> None:
+        self._n = _core if _core is not None else switchyard_native.NativeIndex(hash_algo, block_size)
+        self.hash_algo = self._n.hash_algo
+        self.block_size = self._n.block_size
+        self._ranks: list[WorkerRank | None] = []
+        self._ranks_gen = -1
+        #: Per depth: the shared device-only (fresh, stale) Match objects.
+        self._device_matches: list[tuple[Match, Match]] = []
+        self._codec: EventCodec | None = None
+
+    @classmethod
+    def for_config(cls, config: HashConfig) -> NativePrefixIndex:
+        return cls(config.hash_algo, config.block_size)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def _slot_ranks(self) -> list[WorkerRank | None]:
+        gen = self._n.slot_version()
+        if gen != self._ranks_gen:
+            self._ranks = [None if k is None else WorkerRank(WorkerId(k[0]), k[1])
+                           for k in self._n.slot_table()]
+            self._ranks_gen = gen
+        return self._ranks
+
+    def find_matches(self, hashes: Sequence[BlockHash]) -> dict[WorkerRank, Match]:
+        """Matched prefix per worker (see the reference), in the reference's order."""
+        raw = self._n.find_matches(hashes)
+        if not raw:
+            return {}
+        ranks = self._slot_ranks()
+        cache = self._device_matches
+        out: dict[WorkerRank, Match] = {}
+        for s, d, dev, host, disk, obj, stale in raw:
+            if host or disk or obj:
+                out[ranks[s]] = Match(d, (dev, host, disk, obj), stale)  # type: ignore[index]
+            else:
+                if d >= len(cache):
+                    for k in range(len(cache), max(d + 1, 2 * len(cache))):
+                        by = (k, 0, 0, 0)
+                        cache.append((Match(k, by, False), Match(k, by, True)))
+                out[ranks[s]] = cache[d][1 if stale else 0]  # type: ignore[index]
+        return out
+
+    def is_stale(self, worker: WorkerRank) -> bool:
+        return self._n.is_stale(worker[0], worker[1])
+
+    def stale_workers(self) -> list[WorkerRank]:
+        ranks = self._slot_ranks()
+        return [ranks[s] for s in self._n.stale_slots()]  # type: ignore[misc]
+
+    def workers(self) -> list[WorkerRank]:
+        return [r for r in self._slot_ranks() if r is not None]
+
+    def epoch_of(self, worker_id: WorkerId) -> int | None:
+        return self._n.epoch_of(worker_id)
+
+    def position(self, producer: str, stream: str) -> tuple[int, int] | None:
+        return self._n.position(producer, stream)
+
+    def __len__(self) -> int:
+        return len(self._n)
+
+    def entries(self) -> int:
+        """(block, cache) entries: a block counts once per cache and tier holding it."""
+        return self._n.entries()
+
+    def structure_bytes(self) -> int:
+        """Heap bytes of the native hash structures (buckets, control bytes, holder lists)."""
+        return self._n.structure_bytes()
+
+    # -- applying events -----------------------------------------------------------------------
+
+    def apply_envelope(self, env: Envelope[Event]) -> ApplyOutcome:
+        return self.apply(env.producer, env.epoch, env.seq, env.data)
+
+    def apply(self, producer: str, epoch: int, seq: int, payload: Event) -> ApplyOutcome:
+        """Fold one decoded event (see the reference's ``PrefixIndex.apply``)."""
+        worker_id = getattr(payload, "worker_id", None)
+        if worker_id is None:
+            self._n.count_ignored()
+            return ApplyOutcome.IGNORED
+        tp = type(payload)
+        kind = _KIND.get(tp, 6)
+        tier = to_tier = -1
+        hashes: Sequence[int] = ()
+        full = True
+        block_size = 0
+        hash_algo = ""
+        if kind <= 2:
+            hashes = payload.block_hashes  # type: ignore[attr-defined]
+            full = payload.cache_group is CacheGroup.FULL_ATTENTION  # type: ignore[attr-defined]
+            if kind == 2:
+                tier = _TIER_IDX[payload.from_tier]  # type: ignore[attr-defined]
+                to_tier = _TIER_IDX[payload.to_tier]  # type: ignore[attr-defined]
+            else:
+                tier = _TIER_IDX[payload.tier]  # type: ignore[attr-defined]
+            if kind == 0:
+                block_size = payload.block_size  # type: ignore[attr-defined]
+                hash_algo = payload.hash_algo  # type: ignore[attr-defined]
+        elif kind == 3:
+            t = payload.tier  # type: ignore[attr-defined]
+            tier = -1 if t is None else _TIER_IDX[t]
+        elif kind == 4:
+            block_size = payload.block_size  # type: ignore[attr-defined]
+            hash_algo = payload.hash_algo  # type: ignore[attr-defined]
+        code = self._n.apply_fields(
+            producer, epoch, seq, kind, worker_id, payload.STREAM,
+            getattr(payload, "dp_rank", None), tier, to_tier, hashes, full, block_size, hash_algo)
+        if code >= _NEW_EPOCH or (code & 7) in _REJECTED:
+            self._explain(code, producer, epoch, seq, payload)
+        return _OUTCOMES[code & 7]
+
+    def apply_bytes(self, value: bytes, suffix: str = "") -> ApplyOutcome | None:
+        """Fold a ``kv`` record from its envelope bytes, sequenced as producer ``<envelope
+        producer><suffix>`` (the router view passes ``"@<topic>:<partition>"``).
+
+        ``None``: not a record this path takes; decode it with the codec and call :meth:`apply`
+        (nothing changed). Raises :class:`IndexRejected` like :meth:`apply`.
+        """
+        code = self._n.apply_record(value, suffix)
+        if code is None:
+            return None
+        if code >= _NEW_EPOCH or (code & 7) in _REJECTED:
+            env = self._decode(value)
+            self._explain(code, env.producer + suffix, env.epoch, env.seq, env.data)
+        return _OUTCOMES[code & 7]
+
+    def last_worker(self) -> str:
+        """Worker id of the last record :meth:`apply_bytes` folded."""
+        return self._n.last_worker()
+
+    def _decode(self, value: bytes) -> Envelope[Event]:
+        if self._codec is None:
+            self._codec = EventCodec()
+        return self._codec.decode(value)
+
+    def _explain(self, code: int, producer: str, epoch: int, seq: int, payload) -> None:
+        """The reference's log lines and rejection, for an event the core flagged."""
+        if code & _NEW_EPOCH:
+            logger.info("worker %s is in epoch %d: volatile entries dropped, persistent ones "
+                        "stale until it resyncs", payload.worker_id, epoch)
+        if code & _GAP:
+            logger.warning("gap from producer %s on stream %s before seq %d (epoch %d): "
+                           "entries of %s marked stale", producer, payload.STREAM, seq, epoch,
+                           payload.worker_id)
+        reason = _REJECTED.get(code & 7)
+        if reason is None:
+            return
+        what = type(payload).TYPE
+        if reason == "cache_group":
+            detail = (f"BlockStored from {payload.worker_id} is for cache group "
+                      f"{payload.cache_group.value!r}; only full_attention blocks form a "
+                      "reusable prefix")
+        elif reason == "hash_algo":
+            detail = (f"{what} from {payload.worker_id} uses hash_algo {payload.hash_algo!r}; "
+                      f"this index is {self.hash_algo!r}")
+        else:
+            detail = (f"{what} from {payload.worker_id} has block_size {payload.block_size}; "
+                      f"this index is {self.block_size}")
+        raise IndexRejected(reason, detail)
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def stats(self) -> IndexStats:
+        ranks = self._slot_ranks()
+        blocks = {}
+        for s in self._n.live_slots():
+            per = {TIER_ORDER[t]: c for t, c in enumerate(self._n.slot_counts(s)) if c}
+            if per:
+                blocks[ranks[s]] = per
+        return IndexStats(
+            distinct_hashes=len(self._n),
+            blocks=blocks,  # type: ignore[arg-type]
+            stale=tuple(self.stale_workers()),
+            deregistered=tuple(sorted(w for w, _, d in self._n.worker_states() if d)),
+            counters=dict(self._n.counters()),
+        )
+
+    def as_dict(self) -> dict:
+        """The reference's plain-data view (equal dicts = equal states)."""
+        ranks = self._slot_ranks()
+        residency = {}
+        for s, t, hashes in self._n.residency():
+            r = ranks[s]
+            residency[(r.worker_id, r.dp_rank, TIER_ORDER[t].value)] = frozenset(hashes)  # type: ignore[union-attr]
+        states = self._n.worker_states()
+        return {
+            "residency": residency,
+            "stale": frozenset((k.worker_id, k.dp_rank) for k in self.stale_workers()),
+            "epochs": {w: e for w, e, _ in states},
+            "deregistered": frozenset(w for w, _, d in states if d),
+            "seq": {(p, s): (e, last) for p, s, e, last in self._n.positions()},
+        }
+
+    def verify_invariants(self) -> None:
+        """Recompute the core's derived counts and masks from its map; AssertionError if off."""
+        self._n.verify_invariants()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The reference's snapshot bytes for the same state (deterministic)."""
+        return self._n.snapshot()
+
+    @classmethod
+    def restore(cls, data: bytes) -> NativePrefixIndex:
+        core = switchyard_native.NativeIndex.restore(data)
+        return cls(core.hash_algo, core.block_size, _core=core)

@@ -1,0 +1,778 @@
+"""The planner's decision core: ``decide(now_ns, snapshot, config, state) -> (PlannerTick, state)``.
+
+Zero I/O. The time is an input; the load comes in as an immutable :class:`LoadSnapshot`; all
+memory (targets, cooldown clocks, predictor history, forecast errors, latency corrections,
+operator pins, the fencing token) lives in the immutable :class:`PlannerState` passed in and
+out. The live planner, ``switchyard planner backtest``, the benchmark and the tests all drive
+this one function, so a recorded decision can be recomputed from its inputs.
+
+One tick, per pool:
+
+1. **Observe.** Every tumbling window closed since the last tick becomes an observation (request
+   rate, mean ISL, mean OSL, prefix hit rate). The forecast made for that window is scored:
+   relative error ``|f - a| / max(f, a)``, averaged with weight 0.2 (``forecast_error``).
+2. **Correct.** If nothing is pending and the window has at least ``correction_min_samples``
+   completions *on warmed-up workers*, the observed/expected latency ratio updates the pool's
+   correction (EWMA, clamped), and only from windows that started a full window after the pool
+   last *settled* (nothing pending, no change in the last window, queued prefill work within the
+   TTFT target per worker, no decode queue): requests served through a transition or a backlog
+   say nothing about the hardware. Expected TTFT is the profile's service time plus M/G/k queueing
+   (Allen-Cunneen, with the window's ISL variability) at the observed utilisation;
+   expected ITL is the profile's at the ready workers' mean running count. Completions on new
+   (possibly slow) workers never enter this, so a slow new worker does not inflate the
+   correction and cause an extra scale-up (Dynamo #12430). Corrections are frozen while the pool
+   is overloaded (utilisation above ``max_utilization``, or decode requests queueing): latency
+   there is the backlog's age, and learning it as slowness would over-scale one pool and starve
+   the others of budget.
+3. **Predict** the next window's rate (the pool's predictor; a trend predictor answers the
+   largest forecast until replicas ordered now are ready, ``lead_time_s``), ISL, OSL and hit
+   rate (``length_predictor``).
+4. **Size** (see :mod:`control_plane.planner.profile`)::
+
+       prefill: needed_p = rate * ISL * (1 - hit) / prefill_capacity(ISL*(1-hit), TTFT SLO / ttft_corr, cv, k)
+                (k: the smallest pool size whose per-replica capacity, M/G/k, carries the demand)
+       decode:  needed_d = rate * OSL / best_decode(ITL SLO / itl_corr, ISL + OSL/2)
+
+   Corrections scale the *latency* models (the targets are divided by them), never the
+   throughput: a pool whose TTFT is 1.6x the model's at 30% load is not 1.6x slower at 80%.
+
+   (both at ``slo_quantile`` when set: the capacity that keeps that fraction of requests inside
+   the target rather than the mean). A decode pool ``fed_by`` a prefill pool takes its arrivals
+   and ISL from that pool's windows: demand measured upstream of a possibly saturated prefill.
+       needed   = needed_p + needed_d   (aggregated pools pay both)
+
+   **Noise.** A window's demand is a compound Poisson sum: with ``n`` arrivals whose lengths have
+   a coefficient of variation ``cv``, its relative standard deviation is ``sqrt(1 + cv^2) /
+   sqrt(n)`` (a forecast averaging ``k`` windows divides that by ``sqrt(k)``). The margin is
+   ``m = min(noise_z * that, max_noise_margin)``. The core sizes twice: on the forecast (short
+   horizon) and on the arrival-weighted average of the last ``confirm_windows`` windows (long
+   horizon, much quieter), and takes ``low = max(needed * (1 - m))`` and ``high = max(needed *
+   (1 + m))`` over the two. ``up = max(ceil(needed), ceil(low))``, ``down = ceil(high /
+   scale_down_threshold)``.
+5. **Stabilise.** A pin wins (operator override, clamped to the bounds). Otherwise: scale up to
+   ``up`` when ``low > target`` (the load needs more even at the low end of its noise), unless
+   the last scale-up is still pending (its replicas are not all ready and ``startup_timeout_s``
+   has not passed: never add again while pods are pending, AIBrix #2670) or ``cooldown_up_s``
+   has not passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks``
+   ticks in a row and ``cooldown_down_s`` passed since the last change. Between the two nothing
+   happens. A constant load sits inside that band, whose width grows with the noise, so it
+   cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
+   replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
+   average 6 sd. Bounds ``[min_replicas, max_replicas]`` always hold.
+6. **Budget.** While the proposals fit ``gpu_budget`` they stand. When they do not, holding
+   pools offer their surplus above their point-estimate need (the hysteresis band is a luxury a
+   binding budget cannot afford; their need is not), growing pools share what is left, pins
+   first, then one replica at a time to the largest unmet fraction; surplus nobody took stays
+   where it was. A holder may thus drain down to its need so that a starving pool grows, never
+   below it and never for nothing. Only a lowered budget that even that cannot meet cuts every
+   pool back from its minimum.
+7. **Effects.** Each pool whose target changes gets a :class:`ScaleEffect` carrying a
+   ``ScalingDecision`` payload: from, to, a reason with the arithmetic, every input (predictions,
+   profile lookups, corrections, replica counts), the predictor, the config version and the
+   fencing token. A scale-down names the workers to drain (starting ones first, then the least
+   loaded); replicas only leave through draining.
+
+Latency of following a step (constant predictor, ``tick_s == tumbling_s``): a step inside window
+``W`` is fully visible in window ``W+1``, which closes ``grace_s`` after its end; the first tick
+after that scales. So the planner reacts within **3 ticks** of the step (2 windows + grace), and
+a moving average of ``k`` windows needs ``k - 1`` more (its first partial reaction comes earlier).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from control_plane.planner.config import PlannerConfig, PoolConfig
+from control_plane.planner.errors import PlannerConfigError
+from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, PoolWorker, WindowStats
+from control_plane.planner.predictors import forecast
+from control_plane.planner.profile import PerformanceProfile, erlang_c
+from schemas.events import ScalingDecision
+from schemas.types import PoolName, WorkerRole
+
+#: Weight of the newest error in the forecast error average.
+ERROR_ALPHA = 0.2
+#: Prefix hit rates above this are not trusted for sizing (a cold cache must not starve a pool).
+MAX_HIT_RATE = 0.9
+_EPS = 1e-9
+
+InputValue = float | int | str
+
+
+# ----------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One closed tumbling window of one pool, as the predictors see it."""
+
+    window_end_ns: int
+    rate: float
+    isl: float | None = None
+    osl: float | None = None
+    hit_rate: float | None = None
+    arrivals: int = 0
+    duration_s: float = 0.0
+    isl_sd: float | None = None
+    osl_sd: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """An operator's manual override of one pool's size (from ``PoolPinned``)."""
+
+    replicas: int
+    by: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    pool: str
+    #: Replicas the planner last asked for (None: not adopted yet; the first tick adopts the
+    #: observed count).
+    target: int | None = None
+    last_up_ns: int | None = None
+    last_change_ns: int | None = None
+    #: Set by a scale-up, cleared once the target is ready (or after startup_timeout_s).
+    pending_since_ns: int | None = None
+    #: Consecutive ticks with ``down < target``.
+    below_ticks: int = 0
+    last_window_end_ns: int = 0
+    history: tuple[Observation, ...] = ()
+    #: The last rate forecast and the window it was made for.
+    forecast_rate: float | None = None
+    forecast_for_ns: int = 0
+    forecast_scored: int = 0
+    forecast_error: float | None = None
+    ttft_correction: float = 1.0
+    itl_correction: float = 1.0
+    #: Since when the pool has been settled (nothing pending, no backlog, no recent change);
+    #: only windows starting a full window after this teach the corrections.
+    settled_since_ns: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerState:
+    pools: tuple[PoolState, ...] = ()
+    #: Leader-lease fencing token stamped on every decision (set by the runner).
+    fencing_token: int = 0
+    #: Operator pins by pool, sorted by pool (folded from ``PoolPinned`` admin events).
+    pins: tuple[tuple[str, Pin], ...] = ()
+    #: Decisions emitted so far (part of each decision id, so ids are deterministic).
+    decisions: int = 0
+
+    def pool(self, name: str) -> PoolState:
+        for p in self.pools:
+            if p.pool == name:
+                return p
+        return PoolState(pool=name)
+
+    def with_token(self, token: int) -> PlannerState:
+        return replace(self, fencing_token=token)
+
+    def with_pins(self, pins: Mapping[str, int | Pin]) -> PlannerState:
+        return replace(self, pins=tuple(sorted(
+            (k, v if isinstance(v, Pin) else Pin(int(v))) for k, v in pins.items())))
+
+    def with_targets(self, targets: Mapping[str, int]) -> PlannerState:
+        """Adopt replica counts observed by a scaler (a new leader starts from reality)."""
+        pools = {p.pool: p for p in self.pools}
+        for name, n in targets.items():
+            pools[name] = replace(pools.get(name, PoolState(pool=name)), target=n)
+        return replace(self, pools=tuple(pools[k] for k in sorted(pools)))
+
+
+# ----------------------------------------------------------------------------------------------
+# PlannerTick
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleEffect:
+    """Change ``pool`` from ``from_replicas`` to ``to_replicas`` (draining ``drain`` first)."""
+
+    pool: str
+    role: WorkerRole
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    drain: tuple[str, ...]
+    event: ScalingDecision
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReport:
+    """What the core concluded for one pool this tick, changed or not (backtests plot these)."""
+
+    pool: str
+    action: str  # "up" | "down" | "hold"
+    target: int
+    reason: str
+    inputs: tuple[tuple[str, InputValue], ...]
+    needed: float | None = None
+    forecast_rate: float | None = None
+    forecast_for_ns: int = 0
+    observed_rate: float | None = None
+    observed_end_ns: int = 0
+
+    def input(self, key: str, default: InputValue | None = None) -> InputValue | None:
+        for k, v in self.inputs:
+            if k == key:
+                return v
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerTick:
+    """What one planner tick decided: the scaling effects (each with its ScalingDecision) and a
+    report per pool of what it was decided on."""
+
+    now_ns: int
+    effects: tuple[ScaleEffect, ...] = ()
+    reports: tuple[PoolReport, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.effects)
+
+    @property
+    def events(self) -> tuple[ScalingDecision, ...]:
+        return tuple(e.event for e in self.effects)
+
+    def report(self, pool: str) -> PoolReport | None:
+        for r in self.reports:
+            if r.pool == pool:
+                return r
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A pool's proposal before the budget is applied."""
+
+    config: PoolConfig
+    state: PoolState
+    current: int
+    proposed: int
+    action: str
+    reason: str
+    inputs: dict[str, InputValue]
+    needed: float | None
+    pinned: bool
+    load: PoolLoad
+
+
+# ----------------------------------------------------------------------------------------------
+# decide
+# ----------------------------------------------------------------------------------------------
+
+
+def decide(now_ns: int, snapshot: LoadSnapshot, config: PlannerConfig,
+           state: PlannerState) -> tuple[PlannerTick, PlannerState]:
+    """One planner tick. Pure: same inputs, same outputs (see the module docstring)."""
+    pins = dict(state.pins)
+    plans = [_plan_pool(now_ns, _with_upstream(snapshot, pc), pc, config, state.pool(pc.name), pins.get(pc.name))
+             for pc in config.pools]
+    final = _apply_budget(plans, config.gpu_budget)
+
+    effects: list[ScaleEffect] = []
+    reports: list[PoolReport] = []
+    pool_states: dict[str, PoolState] = {p.pool: p for p in state.pools}
+    seq = state.decisions
+    for plan in plans:
+        pc, ps = plan.config, plan.state
+        to, budget_note = final[pc.name]
+        reason = plan.reason + (f"; {budget_note}" if budget_note else "")
+        inputs = dict(plan.inputs)
+        inputs["proposed_replicas"] = plan.proposed
+        action = "up" if to > plan.current else "down" if to < plan.current else "hold"
+        if action != "hold":
+            drain = _victims(plan.load, plan.current - to) if to < plan.current else ()
+            if drain:
+                inputs["drain_workers"] = ",".join(drain)
+            event = ScalingDecision(
+                pool=PoolName(pc.name), decision_id=f"{pc.name}-{now_ns // 1_000_000}-{seq}",
+                role=WorkerRole(pc.role), from_replicas=plan.current, to_replicas=to,
+                reason=f"scale {action} {plan.current} -> {to}: {reason}", inputs=inputs,
+                predictor=pc.predictor.value, config_version=config.version,
+                fencing_token=state.fencing_token)
+            seq += 1
+            effects.append(ScaleEffect(pc.name, WorkerRole(pc.role), plan.current, to, event.reason, drain, event))
+            ps = replace(ps, target=to, last_change_ns=now_ns, below_ticks=0,
+                         last_up_ns=now_ns if action == "up" else ps.last_up_ns,
+                         pending_since_ns=now_ns if action == "up" else ps.pending_since_ns)
+        else:
+            ps = replace(ps, target=plan.current)
+        pool_states[pc.name] = ps
+        last = ps.history[-1] if ps.history else None
+        reports.append(PoolReport(
+            pool=pc.name, action=action, target=to, reason=reason, inputs=tuple(sorted(inputs.items())),
+            needed=plan.needed, forecast_rate=ps.forecast_rate, forecast_for_ns=ps.forecast_for_ns,
+            observed_rate=last.rate if last else None, observed_end_ns=last.window_end_ns if last else 0))
+    new_state = replace(state, pools=tuple(pool_states[k] for k in sorted(pool_states)), decisions=seq)
+    return PlannerTick(now_ns, tuple(effects), tuple(reports)), new_state
+
+
+# ----------------------------------------------------------------------------------------------
+# One pool
+# ----------------------------------------------------------------------------------------------
+
+
+def _with_upstream(snapshot: LoadSnapshot, pc: PoolConfig) -> PoolLoad:
+    """The pool's load; for a decode pool ``fed_by`` a prefill pool, its windows' demand
+    (arrivals, ISL) is the upstream pool's for the same window."""
+    load = snapshot.pool(pc.name)
+    if pc.fed_by is None:
+        return load
+    up = {w.end_ns: w for w in snapshot.pool(pc.fed_by).windows}
+    windows = []
+    for w in load.windows:
+        u = up.get(w.end_ns)
+        if u is not None:
+            w = replace(w, arrivals=u.arrivals, isl_mean=u.isl_mean if u.isl_mean is not None else w.isl_mean,
+                        isl_sd=u.isl_sd if u.isl_mean is not None else w.isl_sd)
+        windows.append(w)
+    return replace(load, windows=tuple(windows))
+
+
+def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps: PoolState,
+               pin: Pin | None) -> _Plan:
+    prof = pc.performance
+    if prof is None:
+        raise PlannerConfigError(f"pool {pc.name}: performance profile not resolved "
+                                 "(build the config with resolve_profiles / load_config)")
+    role = WorkerRole(pc.role)
+    reps = load.replicas
+    current = ps.target if ps.target is not None else reps.active
+    inputs: dict[str, InputValue] = {
+        "ready": reps.ready, "starting": reps.starting, "draining": reps.draining, "stale": reps.stale,
+        "target": current, "min_replicas": pc.min_replicas, "max_replicas": pc.max_replicas,
+        "gpus_per_replica": pc.gpus_per_replica, "profile": prof.name,
+    }
+
+    # 1-2. observe and correct
+    pending = ps.pending_since_ns is not None and reps.ready < current
+    settled = not pending and _settled(load, pc, prof, cfg) and (
+        ps.last_change_ns is None or now - ps.last_change_ns >= cfg.tumbling_s * NS)
+    if not settled:
+        ps = replace(ps, settled_since_ns=None)
+    elif ps.settled_since_ns is None:
+        ps = replace(ps, settled_since_ns=now)
+    ps = _observe(ps, load, pc, cfg, prof, pending)
+    timed_out = pending and now - (ps.pending_since_ns or now) > cfg.startup_timeout_s * NS
+    if timed_out:
+        pending = False
+    if ps.pending_since_ns is not None and (not pending):
+        ps = replace(ps, pending_since_ns=None)
+
+    # 3-4. predict and size
+    needed: float | None = None
+    sizing = "no closed window observed yet"
+    up = down = None
+    low = high = None
+    if ps.history:
+        sz, ps = _size(ps, pc, cfg, prof, role, inputs, load)
+        needed, sizing, low, high = sz.needed, sz.text, sz.low, sz.high
+        up = max(math.ceil(needed - _EPS), math.ceil(low - _EPS), 0)
+        down = max(math.ceil(high / cfg.scale_down_threshold - _EPS), 0)
+        inputs.update(needed_replicas=round(needed, 4), needed_low=round(low, 4), needed_high=round(high, 4),
+                      desired_up=up, desired_down=down)
+    inputs.update(ttft_correction=round(ps.ttft_correction, 4), itl_correction=round(ps.itl_correction, 4))
+    if ps.forecast_error is not None:
+        inputs["forecast_error"] = round(ps.forecast_error, 4)
+
+    # 5. stabilise
+    lo, hi = pc.min_replicas, pc.max_replicas
+    proposed, action = current, "hold"
+    below = ps.below_ticks
+    if pin is not None:
+        proposed = min(max(pin.replicas, lo), hi)
+        inputs["pinned"] = pin.replicas
+        if pin.by:
+            inputs["pinned_by"] = pin.by
+        reason = (f"pinned by operator{' ' + pin.by if pin.by else ''} to {pin.replicas}"
+                  + (f" ({pin.reason})" if pin.reason else "")
+                  + (f" (clamped to [{lo}, {hi}])" if proposed != pin.replicas else ""))
+        below = 0
+    elif low is not None and up is not None and low > current + _EPS:
+        below = 0
+        if pending:
+            since = (now - (ps.pending_since_ns or now)) / NS
+            reason = (f"{sizing}; wants {up} but the scale-up {since:.0f}s ago is still pending "
+                      f"({reps.ready} of {current} ready): never add while an addition is pending")
+        elif ps.last_up_ns is not None and now - ps.last_up_ns < cfg.cooldown_up_s * NS:
+            reason = f"{sizing}; wants {up} but in scale-up cooldown ({cfg.cooldown_up_s:g}s)"
+        else:
+            proposed, action = min(up, hi), "up"
+            reason = sizing + (f"; capped at max_replicas {hi}" if up > hi else "")
+            if timed_out:
+                reason += f"; the previous scale-up did not become ready within {cfg.startup_timeout_s:g}s"
+    elif down is not None and down < current:
+        below += 1
+        if pending:
+            reason = f"{sizing}; below the scale-down threshold but a scale-up is pending"
+        elif below < cfg.scale_down_ticks:
+            reason = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
+                      f"{cfg.scale_down_ticks} ticks")
+        elif ps.last_change_ns is not None and now - ps.last_change_ns < cfg.cooldown_down_s * NS:
+            reason = f"{sizing}; wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"
+        else:
+            proposed, action = max(down, lo), "down"
+            reason = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
+                      + (f"; kept at min_replicas {lo}" if down < lo else ""))
+    else:
+        below = 0
+        if low is None:
+            reason = sizing
+        elif needed is not None and math.ceil(needed - _EPS) > current:
+            reason = (f"{sizing}; {needed:.2f} > {current} but within the noise (low end {low:.2f}): "
+                      f"holding {current}")
+        else:
+            reason = f"{sizing}; holding {current} (scale-down needs the high end {high:.2f} to fit "\
+                     f"{cfg.scale_down_threshold:.0%} of fewer replicas)"
+    if not lo <= proposed <= hi:
+        proposed = min(max(proposed, lo), hi)
+        reason += f"; brought into bounds [{lo}, {hi}]"
+    ps = replace(ps, below_ticks=below if action != "down" else 0)
+    return _Plan(pc, ps, current, proposed, action, reason, inputs, needed, pin is not None, load)
+
+
+def _observe(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile,
+             pending: bool) -> PoolState:
+    history = list(ps.history)
+    err, scored = ps.forecast_error, ps.forecast_scored
+    ttft_c, itl_c = ps.ttft_correction, ps.itl_correction
+    last_end = ps.last_window_end_ns
+    for w in load.windows:
+        if w.end_ns <= last_end:
+            continue
+        rate = w.arrival_rate
+        if ps.forecast_rate is not None and ps.forecast_for_ns == w.end_ns:
+            denom = max(rate, ps.forecast_rate)
+            e = abs(ps.forecast_rate - rate) / denom if denom > 0 else 0.0
+            err = e if err is None else (1 - ERROR_ALPHA) * err + ERROR_ALPHA * e
+            scored += 1
+        history.append(Observation(w.end_ns, rate, w.isl_mean, w.osl_mean, w.prefix_hit_rate, w.arrivals,
+                                   w.duration_s, w.isl_sd, w.osl_sd))
+        last_end = w.end_ns
+        settled = ps.settled_since_ns is not None and w.start_ns >= ps.settled_since_ns + int(cfg.tumbling_s * NS)
+        if not pending and settled:
+            ttft_c, itl_c = _corrections(w, load, pc, cfg, prof, ttft_c, itl_c)
+    return replace(ps, history=tuple(history[-cfg.history_limit:]), last_window_end_ns=last_end,
+                   forecast_error=err, forecast_scored=scored, ttft_correction=ttft_c, itl_correction=itl_c)
+
+
+def _settled(load: PoolLoad, pc: PoolConfig, prof: PerformanceProfile, cfg: PlannerConfig) -> bool:
+    """No backlog the targets could not absorb: prefill work queued per ready worker fits the
+    TTFT slack, and no more decode requests wait than there are ready workers."""
+    ready = [w for w in load.workers if w.state == "ready"]
+    if not ready:
+        return False
+    role = WorkerRole(pc.role)
+    if role is not WorkerRole.DECODE:
+        queued = sum(w.queued_prefill_tokens for w in ready) / len(ready)
+        if queued / prof.prefill_tokens_per_s * 1000.0 > (pc.ttft_slo_ms or 0.0):
+            return False
+    if role is not WorkerRole.PREFILL and sum(w.waiting for w in ready) > len(ready):
+        return False
+    return True
+
+
+def _corrections(w: WindowStats, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig,
+                 prof: PerformanceProfile, ttft_c: float, itl_c: float) -> tuple[float, float]:
+    """Observed/expected latency on warmed-up workers only (see the module docstring).
+
+    Frozen while the pool is overloaded: the profile predicts latency at a utilisation below
+    saturation; past it, latency is the backlog's age, not the hardware's speed, and learning it
+    as "slower hardware" would over-scale this pool and starve the others of budget.
+    """
+    role = WorkerRole(pc.role)
+    ready = load.replicas.ready
+    if ready <= 0 or w.steady_samples < cfg.correction_min_samples:
+        return ttft_c, itl_c
+    a, lo, hi = cfg.correction_alpha, cfg.correction_min, cfg.correction_max
+    if role is not WorkerRole.DECODE and w.steady_ttft_mean is not None and w.isl_mean:
+        hit = min(w.prefix_hit_rate or 0.0, MAX_HIT_RATE)
+        isl_eff = w.isl_mean * (1 - hit)
+        s = prof.prefill_time_ms(isl_eff)
+        rho = w.arrival_rate * isl_eff / (ready * prof.prefill_tokens_per_s)
+        cv = _cv(w.isl_mean, w.isl_sd)
+        if rho <= cfg.max_utilization:
+            # M/G/k (Allen-Cunneen), the model the sizing uses
+            expected = s + erlang_c(ready, ready * rho) * s / (ready * (1 - rho)) * (1 + cv * cv) / 2
+            if expected > 0:
+                ttft_c = min(max((1 - a) * ttft_c + a * (w.steady_ttft_mean / expected), lo), hi)
+    if role is not WorkerRole.PREFILL and w.steady_itl_mean is not None and w.isl_mean is not None:
+        ready_workers = [x for x in load.workers if x.state == "ready"]
+        running = [x.running for x in ready_workers]
+        queued = sum(x.waiting for x in ready_workers)
+        if running and queued <= len(ready_workers):
+            seqs = max(sum(running) / len(running), 1.0)
+            context = w.isl_mean + (w.osl_mean or 0.0) / 2
+            expected = prof.decode_itl(seqs, context)
+            if expected > 0:
+                itl_c = min(max((1 - a) * itl_c + a * (w.steady_itl_mean / expected), lo), hi)
+    return ttft_c, itl_c
+
+
+@dataclass(frozen=True, slots=True)
+class _Sizing:
+    needed: float
+    low: float
+    high: float
+    text: str
+
+
+def _need(rate: float, isl: float, osl: float, hit: float, n_eff: float, isl_cv: float, osl_cv: float,
+          pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile, ps: PoolState, role: WorkerRole,
+          inputs: dict[str, InputValue] | None, backlog: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float, list[str]]:
+    """Replicas needed for one demand estimate, and the estimate's relative noise.
+
+    Noise: the demand over a window is a compound Poisson sum (Poisson arrivals, each with a
+    random length), whose relative standard deviation is ``sqrt(1 + cv^2) / sqrt(n)`` for ``n``
+    arrivals and a length coefficient of variation ``cv``. ``backlog`` (prefill tokens/s, decode
+    tokens/s) is the rate that drains what is already queued in ``backlog_drain_s``: measured,
+    not forecast, so it adds no noise.
+    """
+    parts: list[str] = []
+    needed = 0.0
+    noise = 0.0
+    root_n = math.sqrt(n_eff) if n_eff > 0 else 0.0
+    if role is not WorkerRole.DECODE:
+        isl_eff = isl * (1 - hit)
+        demand = rate * isl_eff
+        need_p, cap, k = _prefill_need(demand + backlog[0], isl_eff, isl_cv, pc, cfg, prof, ps.ttft_correction)
+        per = cap.tokens_per_s
+        needed += need_p
+        noise += demand / per * (math.sqrt(1 + isl_cv**2) / root_n if root_n else 1.0) if per > 0 else 0.0
+        if inputs is not None:
+            inputs.update(prefill_demand_tok_s=round(demand, 1), prefill_tok_s_per_replica=round(per, 1),
+                          prefill_service_ms=round(cap.service_ms, 2),
+                          prefill_utilization=round(cap.utilization, 4), prefill_needed=round(need_p, 4),
+                          prefill_pool_size=k)
+            if cap.infeasible:
+                inputs["ttft_slo_infeasible"] = 1
+        parts.append(
+            f"prefill {rate:.2f} req/s x {isl_eff:,.0f} new tokens (ISL {isl:,.0f}, hit {hit:.2f}) = "
+            f"{demand:,.0f} tok/s" + (f" + backlog {backlog[0]:,.0f} tok/s" if backlog[0] else "")
+            + f" / {per:,.0f} tok/s per replica in a pool of {k} (TTFT {pc.ttft_slo_ms:g}/{ps.ttft_correction:.2f} ms, "
+            f"service {cap.service_ms:.0f} ms, ISL cv {isl_cv:.2f}, rho {cap.utilization:.2f}) = {need_p:.2f}")
+    if role is not WorkerRole.PREFILL:
+        context = isl + osl / 2
+        target = (pc.itl_slo_ms or 0.0) / ps.itl_correction
+        dc = prof.best_decode(target, context, quantile=cfg.slo_quantile)
+        demand = rate * osl
+        need_d = (demand + backlog[1]) / dc.tokens_per_s if dc.tokens_per_s > 0 else 0.0
+        needed += need_d
+        noise += (demand / dc.tokens_per_s * (math.sqrt(1 + osl_cv**2) / root_n if root_n else 1.0)
+                  if dc.tokens_per_s > 0 else 0.0)
+        if inputs is not None:
+            inputs.update(decode_demand_tok_s=round(demand, 1), decode_tok_s_per_replica=round(dc.tokens_per_s, 1),
+                          decode_seqs_per_replica=dc.seqs, decode_itl_ms=round(dc.itl_ms, 3),
+                          decode_context=round(context, 1), decode_needed=round(need_d, 4))
+            if dc.infeasible:
+                inputs["itl_slo_infeasible"] = 1
+        parts.append(
+            f"decode {rate:.2f} req/s x OSL {osl:,.0f} = {demand:,.0f} tok/s"
+            + (f" + backlog {backlog[1]:,.0f} tok/s" if backlog[1] else "") + f" / {dc.tokens_per_s:,.0f} tok/s "
+            f"per replica ({dc.seqs} seqs at {context:,.0f} context, ITL {dc.itl_ms:.1f} <= "
+            f"{pc.itl_slo_ms:g}/{ps.itl_correction:.2f} ms) = {need_d:.2f}")
+    rel = noise / needed if needed > 0 else 0.0
+    return needed, rel, parts
+
+
+def _prefill_need(demand: float, isl_eff: float, cv: float, pc: PoolConfig, cfg: PlannerConfig,
+                  prof: PerformanceProfile, correction: float):
+    """Fractional prefill replicas for ``demand`` tokens/s: the smallest pool size ``k`` whose
+    per-replica capacity (M/G/k: it grows with ``k``) carries the demand, as ``demand /
+    capacity(k)`` but never below ``k - 1`` (``k - 1`` replicas did not suffice). The TTFT
+    correction scales the latency model (target / correction), not the throughput."""
+    target = (pc.ttft_slo_ms or 0.0) / correction
+
+    def cap_at(k: int):
+        return prof.prefill_capacity(isl_eff, target, cv=cv, quantile=cfg.slo_quantile, servers=k,
+                                     min_utilization=cfg.min_utilization, max_utilization=cfg.max_utilization)
+
+    if demand <= 0:
+        return 0.0, cap_at(1), 1
+    k = max(1, math.floor(demand / (cfg.max_utilization * prof.prefill_tokens_per_s)))
+    while True:
+        cap = cap_at(k)
+        need = demand / cap.tokens_per_s
+        if need <= k + _EPS or k >= 4096:
+            return max(need, k - 1 + 1e-6 if k > 1 and demand / cap_at(k - 1).tokens_per_s > k - 1 else 0.0), cap, k
+        k += 1
+
+
+def _cv(mean: float | None, sd: float | None) -> float:
+    return sd / mean if mean and sd is not None and mean > 0 else 0.0
+
+
+def _backlog(load: PoolLoad, cfg: PlannerConfig, osl: float) -> tuple[float, float]:
+    """Drain rates of what the ready workers report queued: prefill tokens, decode requests."""
+    if cfg.backlog_drain_s is None:
+        return 0.0, 0.0
+    ready = [w for w in load.workers if w.state == "ready"]
+    return (sum(w.queued_prefill_tokens for w in ready) / cfg.backlog_drain_s,
+            sum(w.waiting for w in ready) * osl / cfg.backlog_drain_s)
+
+
+def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile, role: WorkerRole,
+          inputs: dict[str, InputValue], load: PoolLoad) -> tuple[_Sizing, PoolState]:
+    """Forecast, then size twice: on the forecast (short horizon: reacts fast, noisy) and on the
+    average of the last ``confirm_windows`` windows (long horizon: slow, quiet). The low end
+    (``needed * (1 - margin)``, margin = ``noise_z`` x relative noise, capped) of either proves a
+    scale-up; a scale-down needs the high end of both to fit."""
+    hist = ps.history
+    horizon = 1 + math.ceil(cfg.lead_time_s / cfg.tumbling_s - _EPS)
+    rate_f = forecast(pc.predictor, [o.rate for o in hist], window=pc.predictor_window,
+                      history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods, horizon=horizon)
+
+    def length(values: list[float]) -> float | None:
+        if not values:
+            return None
+        return forecast(cfg.length_predictor, values, window=pc.predictor_window,
+                        history_limit=cfg.history_limit).value
+
+    isl = length([o.isl for o in hist if o.isl is not None]) or 0.0
+    osl = length([o.osl for o in hist if o.osl is not None]) or 0.0
+    hit = min(length([o.hit_rate for o in hist if o.hit_rate is not None]) or 0.0, MAX_HIT_RATE)
+    rate = rate_f.value
+    last = hist[-1]
+    k = max(1, min(len(hist), math.ceil(rate_f.samples)))
+    n_short = rate_f.samples * sum(o.arrivals for o in hist[-k:]) / k
+    isl_cv, osl_cv = _cv(last.isl, last.isl_sd), _cv(last.osl, last.osl_sd)
+    ps = replace(ps, forecast_rate=rate, forecast_for_ns=last.window_end_ns + int(round(cfg.tumbling_s * NS)))
+    inputs.update(predicted_rate=round(rate, 4), predicted_isl=round(isl, 1), predicted_osl=round(osl, 1),
+                  predicted_hit_rate=round(hit, 4), observed_rate=round(last.rate, 4),
+                  window_end_ms=last.window_end_ns // 1_000_000, predictor=pc.predictor.value)
+    if rate_f.detail:
+        inputs["predictor_detail"] = rate_f.detail
+    backlog = _backlog(load, cfg, osl)
+    if role is WorkerRole.DECODE:
+        backlog = (0.0, backlog[1])
+    elif role is WorkerRole.PREFILL:
+        backlog = (backlog[0], 0.0)
+    if any(backlog):
+        inputs.update(backlog_prefill_tok_s=round(backlog[0], 1), backlog_decode_tok_s=round(backlog[1], 1))
+    need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
+                                 backlog)
+    m_f = min(cfg.noise_z * rel_f, cfg.max_noise_margin)
+
+    # long horizon: arrival-weighted averages over the last confirm_windows windows
+    tail = hist[-cfg.confirm_windows:]
+    n_long = sum(o.arrivals for o in tail)
+    dur = sum(o.duration_s for o in tail)
+    need_l, m_l = need_f, m_f
+    if n_long > 0 and dur > 0:
+        def wmean(get) -> tuple[float, float]:
+            pts = [(o.arrivals, get(o)) for o in tail if get(o)[0] is not None and o.arrivals > 0]
+            w = sum(a for a, _ in pts)
+            if not w:
+                return 0.0, 0.0
+            m = sum(a * v[0] for a, v in pts) / w
+            ex2 = sum(a * ((v[1] or 0.0) ** 2 + v[0] ** 2) for a, v in pts) / w
+            return m, _cv(m, math.sqrt(max(ex2 - m * m, 0.0)))
+
+        isl_l, isl_cv_l = wmean(lambda o: (o.isl, o.isl_sd))
+        osl_l, osl_cv_l = wmean(lambda o: (o.osl, o.osl_sd))
+        need_l, rel_l, _ = _need(n_long / dur, isl_l or isl, osl_l or osl, hit, n_long, isl_cv_l, osl_cv_l,
+                                 pc, cfg, prof, ps, role, None, backlog)
+        m_l = min(cfg.noise_z * rel_l, cfg.max_noise_margin)
+    low = max(need_f * (1 - m_f), need_l * (1 - m_l))
+    high = max(need_f * (1 + m_f), need_l * (1 + m_l))
+    inputs.update(noise_margin=round(m_f, 4), long_needed=round(need_l, 4), long_margin=round(m_l, 4),
+                  long_windows=len(tail))
+    text = (" + ".join(parts) + f" -> needed {need_f:.2f} replicas ({pc.predictor.value}, +-{m_f:.0%} noise over "
+            f"{n_short:.0f} arrivals; {len(tail)}-window average {need_l:.2f} +-{m_l:.0%}) "
+            f"-> low {low:.2f}, high {high:.2f}")
+    return _Sizing(need_f, low, high, text), ps
+
+
+# ----------------------------------------------------------------------------------------------
+# Budget and victims
+# ----------------------------------------------------------------------------------------------
+
+
+def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]:
+    """Final replicas per pool and a note when the budget changed the proposal.
+
+    While the proposals fit, nothing changes. When they do not: pools that hold or shrink offer
+    their surplus above what they need (``ceil(needed)``, at least their minimum: the hysteresis
+    band is a luxury a binding budget cannot afford, their need is not); growing pools start from
+    what they hold; what is left of the budget goes one replica at a time to the growing pool
+    with the largest unmet fraction (pins first); a holder gets back the surplus nobody took.
+    Only if even that base does not fit (the budget was lowered) does every pool start again
+    from its minimum. So a holder never drops below its need, and never drains for nothing.
+    """
+    names = sorted(p.config.name for p in plans)
+    by = {p.config.name: p for p in plans}
+    g = {n: by[n].config.gpus_per_replica for n in names}
+    floor = {n: by[n].config.min_replicas for n in names}
+    proposed = {n: by[n].proposed for n in names}
+    if sum(proposed[n] * g[n] for n in names) <= budget:
+        return {n: (proposed[n], "") for n in names}
+    growing = {n for n in names if by[n].pinned or proposed[n] > by[n].current}
+    need = {n: proposed[n] if n in growing or by[n].needed is None
+            else min(proposed[n], max(math.ceil(by[n].needed - _EPS), floor[n])) for n in names}
+    base = {n: max(floor[n], by[n].current if n in growing else need[n]) for n in names}
+    if sum(base[n] * g[n] for n in names) > budget:
+        base, growing = dict(floor), set(names)  # the budget was lowered: everyone from its minimum
+    alloc = dict(base)
+    left = budget - sum(alloc[n] * g[n] for n in names)
+
+    def fill(pool_names: list[str], target: dict[str, int]) -> None:
+        nonlocal left
+        while True:
+            cands = [n for n in pool_names if alloc[n] < target[n] and g[n] <= left]
+            if not cands:
+                return
+            # largest unmet fraction first; then the larger pool; then name order (max keeps the first)
+            n = max(cands, key=lambda n: ((target[n] - alloc[n]) / target[n], target[n]))
+            alloc[n] += 1
+            left -= g[n]
+
+    want = {n: proposed[n] if n in growing else need[n] for n in names}
+    fill([n for n in names if n in growing and by[n].pinned], want)
+    fill([n for n in names if n in growing], want)
+    fill([n for n in names if n not in growing], proposed)  # give back the surplus nobody took
+    used = budget - left
+    out: dict[str, tuple[int, str]] = {}
+    for n in names:
+        note = ""
+        if alloc[n] != proposed[n]:
+            note = (f"GPU budget: {proposed[n]} -> {alloc[n]} replicas (needs {need[n]}; {used} of {budget} "
+                    f"GPUs allocated, {g[n]} per replica)")
+        out[n] = (alloc[n], note)
+    return out
+
+
+def _victims(load: PoolLoad, k: int) -> tuple[str, ...]:
+    """Workers to drain for a scale-down by ``k``: starting ones first (newest first), then
+    lost ones, then the least loaded ready ones (newest first on ties)."""
+    if k <= 0:
+        return ()
+    rank = {"starting": 0, "stale": 1, "ready": 2}
+
+    def key(w: PoolWorker):
+        return (rank[w.state], w.running + w.waiting if w.state == "ready" else 0, -w.registered_at_ns, w.worker_id)
+
+    cands = sorted((w for w in load.workers if w.state in rank), key=key)
+    return tuple(w.worker_id for w in cands[:k])
+
+
+def needed_replicas(pc: PoolConfig, cfg: PlannerConfig, rate: float, isl: float, osl: float, hit: float = 0.0, *,
+                    isl_cv: float = 0.0, ttft_correction: float = 1.0, itl_correction: float = 1.0) -> float:
+    """Replicas of ``pc`` a known load needs (the sizing of step 4 without noise or forecast):
+    backtests and benchmarks judge a plan against the load that really came."""
+    if pc.performance is None:
+        raise PlannerConfigError(f"pool {pc.name}: performance profile not resolved")
+    ps = PoolState(pool=pc.name, ttft_correction=ttft_correction, itl_correction=itl_correction)
+    need, _, _ = _need(rate, isl, osl, min(hit, MAX_HIT_RATE), 0.0, isl_cv, 0.0, pc, cfg, pc.performance, ps,
+                       WorkerRole(pc.role), None)
+    return need

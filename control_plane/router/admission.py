@@ -1,0 +1,194 @@
+"""Admission control: a bounded FCFS queue in front of the routing decision.
+
+Why: a router that forwards every request at once turns a burst into seconds of queueing inside
+the workers, where nobody can see it or bound it, and into connect timeouts when the box runs
+out of CPU. Here a request is dispatched only while some worker of the entry pool has room; the
+rest wait at the router, in arrival order, where the wait is measured, recorded and bounded.
+
+Policy (stated, configurable through :class:`AdmissionConfig`):
+
+* A worker of the entry pool (prefill when disaggregated, else aggregated) has room while its
+  pending prefill tokens are below ``busy_prefill_tokens``. Pending is what this router's
+  in-flight ledger has sent it (prompt tokens not yet past their first token), plus the tokens
+  of requests this router has released but not yet routed. The load report is not used for
+  this: it lags by its interval and would hold a drained worker busy. With several router
+  replicas each gates its own share, so a worker may see up to replicas x the threshold.
+* Decode workers are busy while their active decode blocks fill ``busy_kv_fraction`` of their
+  device capacity; a disaggregated request also waits while every decode worker is busy.
+* The queue is FCFS: the head is dispatched first, and nothing overtakes it. At most
+  ``queue_max`` requests wait; one more is refused with 429 (``queue_full``). A request that
+  waited ``queue_timeout_s`` is refused with 503 (``queue_timeout``). Both carry Retry-After.
+
+The room test (:func:`has_room`) is a pure function of the view and the ledger, so a replay can
+tell why a request waited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Bounds of the router's admission queue (see the module docstring)."""
+
+    #: Pending prefill tokens at which a worker stops taking new requests (0: no limit).
+    busy_prefill_tokens: int = 65536
+    #: Fraction of a decode worker's device blocks in active use at which it is busy.
+    busy_kv_fraction: float = 0.95
+    #: Requests that may wait at the router; one more gets 429.
+    queue_max: int = 1024
+    #: Longest wait in the queue before a 503.
+    queue_timeout_s: float = 60.0
+    #: Re-check interval while requests wait (load reports arrive without a wake-up).
+    poll_interval_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.busy_prefill_tokens < 0:
+            raise ValueError("busy_prefill_tokens must be >= 0")
+        if not 0 < self.busy_kv_fraction <= 1:
+            raise ValueError("busy_kv_fraction must be in (0, 1]")
+        if self.queue_max < 0:
+            raise ValueError("queue_max must be >= 0")
+        if self.queue_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """One worker as the admission test sees it."""
+
+    worker_id: str
+    #: Pending prefill tokens (max of the load report and this router's ledger).
+    prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    kv_capacity_blocks: int = 0
+
+
+def has_room(entry: Iterable[PoolLoad], decode: Iterable[PoolLoad] | None, cfg: AdmissionConfig,
+             granted_tokens: int = 0) -> bool:
+    """True when a new request may be dispatched now.
+
+    ``granted_tokens``: prompt tokens released from the queue that the ledger does not show yet;
+    they are charged to the least loaded entry worker, so one wake-up cannot release a crowd.
+    """
+    loads = sorted(w.prefill_tokens for w in entry)
+    if not loads:
+        return True  # no worker at all: let the decision say "no worker" with its own reason
+    if cfg.busy_prefill_tokens and loads[0] + granted_tokens >= cfg.busy_prefill_tokens:
+        return False
+    if decode is not None:
+        dec = list(decode)
+        if dec and all(d.kv_capacity_blocks and d.active_decode_blocks >= cfg.busy_kv_fraction * d.kv_capacity_blocks
+                       for d in dec):
+            return False
+    return True
+
+
+class QueueRefused(Exception):
+    """The request is refused at admission (``status`` 429 or 503, with ``retry_after_s``)."""
+
+    def __init__(self, message: str, status: int, code: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Waiter:
+    tokens: int
+    future: asyncio.Future
+
+
+class AdmissionQueue:
+    """The FCFS queue. ``room(granted_tokens)`` is the router's :func:`has_room` over its view."""
+
+    def __init__(self, cfg: AdmissionConfig, room: Callable[[int], bool]) -> None:
+        self.cfg = cfg
+        self._room = room
+        self._waiting: deque[_Waiter] = deque()
+        #: Tokens released to requests that have not been routed yet (see ``routed``).
+        self.granted_tokens = 0
+        self._pump_task: asyncio.Task | None = None
+        self.admitted = 0
+        self.refused_full = 0
+        self.timed_out = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self, tokens: int) -> float:
+        """Wait for room; returns the seconds waited. Raises :class:`QueueRefused`."""
+        if not self._waiting and self._room(self.granted_tokens):
+            self._grant(tokens)
+            return 0.0
+        if len(self._waiting) >= self.cfg.queue_max:
+            self.refused_full += 1
+            raise QueueRefused(f"router queue full ({len(self._waiting)} requests waiting, limit "
+                               f"{self.cfg.queue_max}): every worker is at its busy threshold",
+                               429, "queue_full", retry_after_s=max(1, int(self.cfg.queue_timeout_s / 10)))
+        t0 = time.monotonic()
+        w = _Waiter(tokens, asyncio.get_running_loop().create_future())
+        self._waiting.append(w)
+        self._ensure_pump()
+        try:
+            await asyncio.wait_for(asyncio.shield(w.future), self.cfg.queue_timeout_s)
+        except TimeoutError:
+            if w.future.done() and not w.future.cancelled():
+                return time.monotonic() - t0  # granted at the last moment: keep it
+            self._remove(w)
+            self.timed_out += 1
+            raise QueueRefused(f"waited {self.cfg.queue_timeout_s:g}s in the router queue without a "
+                               f"worker below its busy threshold", 503, "queue_timeout",
+                               retry_after_s=max(1, int(self.cfg.queue_timeout_s / 10))) from None
+        except asyncio.CancelledError:
+            if w.future.done() and not w.future.cancelled():
+                self.routed(tokens)  # granted, but the client left before it was routed
+            self._remove(w)
+            raise
+        return time.monotonic() - t0
+
+    def routed(self, tokens: int) -> None:
+        """The granted request reached the ledger (or ended): stop counting it here."""
+        self.granted_tokens = max(0, self.granted_tokens - tokens)
+
+    def poke(self) -> None:
+        """Capacity may have freed (a first token, a completion): try the head now."""
+        if self._waiting:
+            self._drain()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _grant(self, tokens: int) -> None:
+        self.granted_tokens += tokens
+        self.admitted += 1
+
+    def _remove(self, w: _Waiter) -> None:
+        try:
+            self._waiting.remove(w)
+        except ValueError:
+            pass
+
+    def _drain(self) -> None:
+        while self._waiting and self._room(self.granted_tokens):
+            w = self._waiting.popleft()
+            if w.future.done():
+                continue
+            self._grant(w.tokens)
+            w.future.set_result(None)
+
+    def _ensure_pump(self) -> None:
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump(), name="admission-pump")
+
+    async def _pump(self) -> None:
+        while self._waiting:
+            self._drain()
+            if not self._waiting:
+                break
+            await asyncio.sleep(self.cfg.poll_interval_s)

@@ -1,0 +1,193 @@
+"""Typed, versioned router config.
+
+A config is a value: the router records ``version`` in every ``RequestRouted`` so a replay can
+re-score a past decision under exactly the config it was made with (or under another one, for a
+counterfactual). Validation runs on construction *and* on decoding (``msgspec`` turns the
+``ValueError`` raised in ``__post_init__`` into a ``ValidationError``); each message says which
+rule failed and why the rule exists.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+from control_plane.router.errors import RouterConfigError
+from schemas.types import TIER_ORDER, RoutingMode, Tier
+
+LoadCombine = Literal["max", "sum"]
+LeastLoadedMetric = Literal["blocks", "requests"]
+
+
+class TierWeights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How many blocks of prefill one cached block saves, per tier it sits in.
+
+    A weight is the fraction of a block's prefill compute that a hit saves *after* paying to bring
+    the block back into device memory. Order-of-magnitude numbers behind the defaults (Llama-3-8B,
+    fp16 KV: 128 KiB per token, 2 MiB per 16-token block; recomputing a block on an H100 takes
+    roughly 0.6-1.5 ms):
+
+    * ``device`` 1.0: the block is already in the engine's pool; the hit is free.
+    * ``host`` 0.75 (Dynamo's value): onboarding over PCIe (~25 GB/s, ~0.1 ms a block) is far
+      cheaper than recomputing, but it is not free: it competes with offloads for the link and
+      needs pinned staging. A profile may justify ~0.9; we keep Dynamo's number so counterfactual
+      replays against Dynamo compare like with like.
+    * ``disk`` 0.25 (Dynamo's value): local NVMe (~3-7 GB/s, ~0.1 ms per IO) is 4-8x slower than
+      host DRAM; for small models on fast GPUs the load approaches the cost of recomputing.
+    * ``object`` 0.1 (Dynamo has no such tier; its nearest, "shared beyond", gets 0.5): object
+      storage has 10-100 ms to first byte and ~0.1-1 GB/s per stream, which pays off only for
+      long prefixes of large models (a 70B block is 5 MiB and ~5 ms to recompute). Small but
+      positive: it breaks ties toward a worker that can fetch, and never outweighs a faster tier.
+
+    Invariants (checked): each weight in [0, 1]; non-increasing from device to object.
+    """
+
+    #: Weight of a block resident in accelerator memory (G1).
+    device: float = 1.0
+    #: Weight of a block resident in host DRAM (G2).
+    host: float = 0.75
+    #: Weight of a block resident on local disk (G3).
+    disk: float = 0.25
+    #: Weight of a block resident in object storage (G4).
+    object: float = 0.1
+
+    def __post_init__(self) -> None:
+        previous: tuple[Tier, float] | None = None
+        for tier in TIER_ORDER:
+            weight = self.weight(tier)
+            if not (isinstance(weight, (int, float)) and math.isfinite(weight)):
+                raise RouterConfigError(
+                    f"tier weight {tier.value}={weight!r} must be a finite number"
+                )
+            if not 0.0 <= weight <= 1.0:
+                raise RouterConfigError(
+                    f"tier weight {tier.value}={weight} must lie in [0, 1]: a cached block can "
+                    "save at most the whole prefill of that block (1) and never costs more than "
+                    "recomputing it (0)"
+                )
+            if previous is not None and weight > previous[1]:
+                raise RouterConfigError(
+                    f"tier weight {tier.value}={weight} exceeds {previous[0].value}={previous[1]}: "
+                    "weights must be non-increasing from device to object, because a slower tier "
+                    "must not be worth more than a faster one"
+                )
+            previous = (tier, weight)
+
+    def weight(self, tier: Tier) -> float:
+        return getattr(self, tier.value)
+
+    def as_tuple(self) -> tuple[float, ...]:
+        """Weights in ``TIER_ORDER`` (fastest first)."""
+        return tuple(getattr(self, t.value) for t in TIER_ORDER)
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything a routing decision depends on besides its inputs and seed."""
+
+    #: Monotonic config version, recorded in every ``RequestRouted.config_version``.
+    version: int = 0
+    #: Routing policy: ``kv`` (cache- and load-aware cost), ``round_robin``, ``random`` (seeded)
+    #: or ``least_loaded``.
+    mode: RoutingMode = RoutingMode.KV
+    #: Prefill blocks saved per cached block, by tier (see :class:`TierWeights`).
+    tier_weights: TierWeights = msgspec.field(default_factory=TierWeights)
+    #: Multiplier of the prefill term against the decode term (Dynamo's
+    #: ``overlap_score_weight``, whose default is 1.0). Above 1 favours cache hits and short
+    #: prefill queues (TTFT); below 1 favours spreading decode load (ITL). Default 5: with
+    #: chunked prefill an uncomputed block (~1 ms of compute on the mocker profile) delays every
+    #: request sharing its steps, while a resident decode block costs a step ~3 us, so a block of
+    #: prefill is worth several blocks of decode. On the whole Mooncake trace (8 workers,
+    #: ``switchyard bench routing``) scale 3..10 is a plateau (mean TTFT 262..248 ms vs 285 at
+    #: 1, reuse 0.226..0.242 vs 0.196); above ~10 ITL and e2e p99 start to pay.
+    prefill_load_scale: float = 5.0
+    #: 0: argmin of the cost, ties broken by the seeded RNG. > 0: sample from a softmax over the
+    #: costs normalised to [0, 1] (logit = -normalised / temperature), like Dynamo.
+    temperature: float = 0.0
+    #: Multiplier of the overlap of a worker whose index view is stale (consumer lag, gap in its
+    #: KV event stream, or an incarnation not yet rebuilt). Default 0: a stale view may claim
+    #: blocks that were evicted or lost in a restart, and over-claiming residency sends traffic
+    #: to a worker that will recompute anyway (a hot spot *and* a miss), while ignoring it costs
+    #: at most one avoidable prefill. The router's own speculative overlap is never discounted.
+    stale_overlap_factor: float = 0.0
+    #: How the worker's reported load and the router's in-flight ledger combine, per term.
+    #: ``max`` (default): both usually count this router's recent requests (the report lags, the
+    #: ledger leads), so summing would count them twice; the max keeps whichever is newer.
+    #: ``sum``: when the reports exclude this router's requests (e.g. other replicas' load only).
+    load_combine: LoadCombine = "max"
+    #: SGLang-style load-imbalance guard (kv mode): when in-flight requests over the eligible
+    #: workers spread by more than ``imbalance_abs_threshold`` *and* the busiest has more than
+    #: ``imbalance_rel_threshold`` times the least busy, only the least busy workers compete.
+    imbalance_guard: bool = True
+    imbalance_abs_threshold: int = 64
+    imbalance_rel_threshold: float = 1.5
+    #: Exclude a worker whose KV capacity (when reported) cannot hold its active blocks plus this
+    #: request's, unless no eligible worker can: it would preempt (recompute) running requests.
+    capacity_guard: bool = True
+    #: What ``least_loaded`` minimises: ``blocks`` = queued prefill tokens / block size + active
+    #: decode blocks (the kv cost's load terms without the cache), or ``requests`` = in-flight.
+    least_loaded_metric: LeastLoadedMetric = "blocks"
+    #: Lifetime of an in-flight ledger entry whose completion never arrived (lost event, crashed
+    #: worker). Long enough for a slow request to finish; the normal end is ``complete()``.
+    inflight_ttl_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or self.version < 0:
+            raise RouterConfigError(f"version={self.version!r} must be a non-negative integer")
+        if not isinstance(self.mode, RoutingMode):
+            raise RouterConfigError(
+                f"mode={self.mode!r} is not one of {[m.value for m in RoutingMode]}"
+            )
+        _finite_at_least("prefill_load_scale", self.prefill_load_scale, 0.0,
+                         "a negative scale would reward long prefill queues")
+        _finite_at_least("temperature", self.temperature, 0.0,
+                         "0 means argmin; a negative temperature would prefer the worst worker")
+        if not (_is_finite(self.stale_overlap_factor) and 0.0 <= self.stale_overlap_factor <= 1.0):
+            raise RouterConfigError(
+                f"stale_overlap_factor={self.stale_overlap_factor!r} must lie in [0, 1]: a stale "
+                "view can only be trusted less than a fresh one, never more"
+            )
+        if self.load_combine not in ("max", "sum"):
+            raise RouterConfigError(f"load_combine={self.load_combine!r} must be 'max' or 'sum'")
+        if self.least_loaded_metric not in ("blocks", "requests"):
+            raise RouterConfigError(
+                f"least_loaded_metric={self.least_loaded_metric!r} must be 'blocks' or 'requests'"
+            )
+        if not isinstance(self.imbalance_abs_threshold, int) or self.imbalance_abs_threshold < 0:
+            raise RouterConfigError(
+                f"imbalance_abs_threshold={self.imbalance_abs_threshold!r} must be an integer >= 0"
+            )
+        _finite_at_least("imbalance_rel_threshold", self.imbalance_rel_threshold, 1.0,
+                         "below 1 even a perfectly balanced cluster (max == min) would count as "
+                         "imbalanced once the absolute spread is met")
+        if not (_is_finite(self.inflight_ttl_s) and self.inflight_ttl_s > 0):
+            raise RouterConfigError(
+                f"inflight_ttl_s={self.inflight_ttl_s!r} must be > 0: entries that never expire "
+                "would leak load forever when a completion event is lost"
+            )
+
+
+def _is_finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite_at_least(name: str, value: object, low: float, why: str) -> None:
+    if not (_is_finite(value) and value >= low):  # type: ignore[operator]
+        raise RouterConfigError(f"{name}={value!r} must be a finite number >= {low}: {why}")
+
+
+def load_router_config(path=None, **fields) -> RouterConfig:
+    """A :class:`RouterConfig` from a TOML or JSON file (when given) over ``fields`` (defaults a
+    file may override, e.g. ``version`` and ``mode``); validated, and a file's error names it."""
+    data = dict(fields)
+    if path is not None:
+        from pathlib import Path
+
+        raw = Path(path).read_bytes()
+        data.update(msgspec.toml.decode(raw) if str(path).endswith(".toml") else msgspec.json.decode(raw))
+    try:
+        return msgspec.convert(data, RouterConfig)
+    except msgspec.ValidationError as e:
+        raise RouterConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+

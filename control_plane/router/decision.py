@@ -1,0 +1,780 @@
+"""The routing decision: pure, deterministic, and able to explain itself.
+
+``decide(request, workers, config, rng_seed=..., overlaps=..., inflight=..., rr_cursor=...)``
+returns a :class:`Decision`: the chosen worker, one :class:`~schemas.events.CandidateScore` row
+per candidate (ineligible ones included, marked ``eligible=False``), a reason that spells out the
+winning arithmetic, and the state the caller must carry to the next decision (the round-robin
+cursor). No I/O, no clock, no global RNG: the same inputs and seed give a bit-identical
+``Decision``, so the replay tool can recompute any recorded decision and compare.
+
+The kv cost
+-----------
+For worker ``w`` (lower wins), in blocks::
+
+    prefill_blocks  = max((queued_prefill_tokens(w) + prompt_tokens) / block_size - overlap(w), 0)
+    decode_blocks   = active_decode_blocks(w) + request_blocks - shared_inflight(w)
+    cost            = prefill_load_scale * prefill_blocks + decode_blocks
+
+    overlap(w) = w_device * shared_inflight(w)
+               + f * sum over the index's matched blocks beyond shared_inflight(w) of w_tier
+
+This is Dynamo's cost with four tier weights (device 1.0, host 0.75, disk 0.25, object 0.1; see
+:class:`~control_plane.router.config.TierWeights`), plus:
+
+* ``f`` = ``stale_overlap_factor`` (default 0) when the index marks ``w``'s view stale, else 1;
+* ``request_blocks`` = ceil((prompt_tokens + expected_output_tokens) / block_size): the KV the
+  request holds at its end;
+* ``shared_inflight(w)`` = the request's leading blocks that requests this router sent to ``w``
+  still hold (the ledger's speculative overlap). They count as device hits (the blocks are being
+  written to ``w``'s device pool, and cannot be evicted while in use) and as blocks ``w`` does
+  not have to allocate again (an engine stores shared prefix blocks once, as Dynamo counts).
+* Loads combine the worker's report with the router's ledger (``load_combine``: max or sum).
+* Tiers are laid along the prefix fastest first (device, host, disk, object): engines evict a
+  chain's tail first and offload cascades one tier down, so the deeper blocks sit in slower
+  tiers. The layout only matters when the speculative overlap covers part of the real one.
+* A decode-phase request (disaggregated serving) has no prefill term: its KV arrives by transfer.
+
+Each score row carries the two terms (``prefill_blocks`` after the overlap, ``decode_blocks``)
+so ``cost = prefill_load_scale * prefill_blocks + decode_blocks`` checks from the row alone; its
+load columns are the combined (reported and in-flight) values the cost used.
+
+In-flight accounting and speculative overlap (why a burst spreads)
+------------------------------------------------------------------
+Speculative overlap alone would be a trap: after the first of N identical prompts goes to A, A
+"has" the prefix, so every later one prefers A and all N pile up there. The ledger therefore
+records the *load* each routed request adds as well, and the two cancel exactly where they
+should. Take 4 empty workers and identical prompts of P = 128 blocks (2,048 tokens) with 16
+output blocks (request_blocks = 144), prefill_load_scale 1:
+
+* r1: every worker costs 128 + 144 = 272; a seeded tie-break picks A. The ledger now holds, for
+  A, 2,048 queued prefill tokens, 144 blocks and the 128 hashes.
+* r2 on A: prefill = (2,048 + 2,048)/16 - 128 = 128 (r2 waits for r1's prefill, which is the
+  time its cache hit saves: the hit exactly pays for the queue), decode = 144 + 144 - 128 = 160
+  (only r2's own 16 blocks are new), cost 288. On B, C or D: 272. r2 goes to an empty worker,
+  and so do r3 and r4; r5..r8 see 288 everywhere and land one more per worker. No pile-up.
+* Once r1's prefill is done (``prefill_done``), A's queue is empty: r on A costs
+  max(128 - 128, 0) + 160 = 160 against 272 elsewhere, so a new identical prompt *does* go to A.
+
+So identical requests spread exactly while the load they would queue behind exceeds the cache
+benefit, and concentrate once the cached prefix is cheaper than a fresh prefill. Without the
+load term all N pile onto A; without the speculative term A looks cold until its KV events
+arrive (cost 128 + 288 = 416 after r1's prefill) and the burst scatters, recomputing the prefix
+on every worker.
+
+Tie-breaks and sampling use ``random.Random(rng_seed)`` built per decision (never dict order,
+never a global RNG): a fixed order (lowest id) would hot-spot one worker whenever the cluster
+is idle, and a recorded seed keeps the choice replayable. CPython's Mersenne Twister,
+``random()`` and ``randrange()`` are stable across versions for integer seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from functools import lru_cache, reduce
+from operator import add, attrgetter, mul
+
+import msgspec
+
+from control_plane.router.config import RouterConfig
+from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
+from control_plane.router.ledger import InflightLoad, InflightView
+from schemas.events import CandidateScore, RequestRouted
+from schemas.types import (
+    TIER_INDEX,
+    TIER_ORDER,
+    BlockHash,
+    RequestId,
+    RequestPhase,
+    RoutingMode,
+    Tier,
+    WorkerId,
+    WorkerRole,
+)
+
+#: Costs within this relative distance of the best count as a tie (float sums of the same
+#: quantities in a different order may differ in the last bits).
+_TIE_RTOL = 1e-9
+#: How many excluded workers a reason lists by name.
+_REASON_MAX_EXCLUDED = 8
+_by_worker_id = attrgetter("worker_id")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+class RoutingRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The request (or one phase of it) to place."""
+
+    request_id: RequestId
+    prompt_tokens: int
+    #: Tokens per KV block (the engines' block size).
+    block_size: int
+    #: Chained hashes of the prompt's full blocks, from the root (``RequestAdmitted``).
+    block_hashes: tuple[BlockHash, ...] = ()
+    #: Expected output length (``max_tokens`` or a prediction); sizes the decode footprint.
+    expected_output_tokens: int = 0
+    phase: RequestPhase = RequestPhase.AGGREGATED
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise InvalidRoutingInput(f"block_size={self.block_size} must be > 0")
+        if self.prompt_tokens < 0 or self.expected_output_tokens < 0:
+            raise InvalidRoutingInput(
+                f"prompt_tokens={self.prompt_tokens} and expected_output_tokens="
+                f"{self.expected_output_tokens} must be >= 0"
+            )
+        if len(self.block_hashes) * self.block_size > self.prompt_tokens:
+            raise InvalidRoutingInput(
+                f"{len(self.block_hashes)} block hashes of {self.block_size} tokens exceed the "
+                f"{self.prompt_tokens}-token prompt: only full prompt blocks are hashed"
+            )
+
+    @property
+    def request_blocks(self) -> int:
+        """KV blocks the request holds at its end: ceil((prompt + output) / block_size)."""
+        return -(-(self.prompt_tokens + self.expected_output_tokens) // self.block_size)
+
+
+class WorkerOverlap(msgspec.Struct, frozen=True, kw_only=True):
+    """The prefix index's match for one worker: matched blocks per tier, and staleness.
+
+    ``tiers`` holds the counts in :data:`~schemas.types.TIER_ORDER` (fastest first; missing
+    trailing tiers count 0), each matched block counted in the fastest tier that holds it, so
+    the matched depth is their sum and the two can never disagree. A new tier is one
+    ``Tier`` value and its weight in :class:`~control_plane.router.config.TierWeights`; nothing
+    here names a tier.
+    """
+
+    tiers: tuple[int, ...] = ()
+    #: The index's view of this worker is not trusted to be current (lag, gap, new incarnation).
+    stale: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.tiers) > len(TIER_ORDER) or any(c < 0 for c in self.tiers):
+            raise InvalidRoutingInput(f"tier counts {self.tiers!r}: at most {len(TIER_ORDER)}, none negative")
+
+    @property
+    def depth(self) -> int:
+        return sum(self.tiers)
+
+    def count(self, tier: Tier | str) -> int:
+        i = TIER_INDEX[Tier(tier)]
+        return self.tiers[i] if i < len(self.tiers) else 0
+
+    @classmethod
+    def of(cls, *, stale: bool = False, **counts: int) -> WorkerOverlap:
+        """``WorkerOverlap.of(device=3, host=1)``."""
+        return cls.from_tiers(counts, stale=stale)
+
+    @classmethod
+    def from_tiers(
+        cls, by_tier: Mapping[Tier | str, int] | Sequence[int], *, stale: bool = False
+    ) -> WorkerOverlap:
+        """Build from ``{Tier.HOST: 3, ...}``, ``{"host": 3, ...}`` or counts in
+        ``TIER_ORDER`` (the prefix index's ``Match.by_tier``)."""
+        if isinstance(by_tier, Mapping):
+            counts = [0] * len(TIER_ORDER)
+            for k, v in by_tier.items():
+                counts[TIER_INDEX[Tier(k)]] = int(v)
+            return cls(tiers=tuple(counts), stale=stale)
+        return cls(tiers=tuple(by_tier), stale=stale)
+
+    def by_tier(self) -> dict[str, int]:
+        """Non-zero tiers by tier name (``CandidateScore.overlap_by_tier``). Built for every
+        matched candidate of every decision: the few distinct count vectors of a moment come
+        from a cache (a copy of a small dict costs a fifth of building it)."""
+        return dict(_named_counts(self.tiers))
+
+
+_TIER_NAMES = tuple(t.value for t in TIER_ORDER)
+
+
+@lru_cache(maxsize=4096)
+def _named_counts(tiers: tuple[int, ...]) -> dict[str, int]:
+    return {name: c for name, c in zip(_TIER_NAMES, tiers) if c}
+
+
+NO_OVERLAP = WorkerOverlap()
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One candidate worker as the registry and its latest load report describe it."""
+
+    worker_id: WorkerId
+    role: WorkerRole = WorkerRole.AGGREGATED
+    registered: bool = True
+    draining: bool = False
+    queued_prefill_tokens: int = 0
+    active_decode_blocks: int = 0
+    inflight_requests: int = 0
+    #: Device KV capacity in blocks; 0 when unknown (the capacity guard then skips the worker).
+    kv_capacity_blocks: int = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    """A routing decision, its evidence, and the state to carry forward."""
+
+    request_id: RequestId
+    phase: RequestPhase
+    worker_id: WorkerId
+    mode: RoutingMode
+    #: One row per candidate, sorted by worker id; ineligible ones have ``eligible=False``.
+    scores: tuple[CandidateScore, ...]
+    reason: str
+    config_version: int
+    rng_seed: int
+    #: Round-robin cursor for the next decision (the last worker round robin chose).
+    rr_cursor: WorkerId | None = None
+    #: What to record in the in-flight ledger for the chosen worker (``InflightLedger.add``):
+    #: prompt tokens it must compute (after its cache and in-flight hits) ...
+    prefill_tokens: int = 0
+    #: ... and every KV block the request will hold there.
+    decode_blocks: int = 0
+    #: Blocks of the prompt held by in-flight requests, per worker (non-zero only); also in
+    #: each row's ``speculative_overlap``.
+    speculative_overlap: dict[WorkerId, int] = {}
+    #: Guards that changed the candidate set ("capacity", "imbalance").
+    guards: tuple[str, ...] = ()
+
+    def to_event(
+        self,
+        *,
+        index_position: Mapping[str, int] | None = None,
+        router_id: str = "",
+        attempt: int = 0,
+    ) -> RequestRouted:
+        return RequestRouted(
+            request_id=self.request_id,
+            worker_id=self.worker_id,
+            phase=self.phase,
+            mode=self.mode,
+            scores=list(self.scores),
+            reason=self.reason,
+            config_version=self.config_version,
+            rng_seed=self.rng_seed,
+            index_position=dict(index_position or {}),
+            router_id=router_id,
+            attempt=attempt,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The decision
+# ----------------------------------------------------------------------------------------------
+
+
+def decide(
+    request: RoutingRequest,
+    workers: Sequence[WorkerLoad],
+    config: RouterConfig,
+    *,
+    rng_seed: int,
+    overlaps: Mapping[WorkerId, WorkerOverlap] | None = None,
+    inflight: InflightView | None = None,
+    rr_cursor: WorkerId | None = None,
+) -> Decision:
+    """Choose a worker for ``request`` among ``workers``.
+
+    * ``workers``: every candidate, eligible or not (each gets a row); order does not matter.
+    * ``overlaps``: the prefix index's match per worker; a missing worker has no overlap.
+    * ``inflight``: the router's :class:`~control_plane.router.ledger.InflightLedger` (only
+      read, through ``view``) or a recorded snapshot with the same ``view``; None = nothing in
+      flight. Call ``ledger.expire(now)`` before deciding.
+    * ``rng_seed``: the only source of randomness (tie-breaks, sampling, random mode); record it.
+    * ``rr_cursor``: the previous decision's ``Decision.rr_cursor`` (round_robin mode).
+
+    Eligible = registered, not draining, role equal to the request's phase (an aggregated
+    worker serves aggregated requests only). Raises :class:`NoEligibleWorker` when no candidate
+    is eligible, :class:`InvalidRoutingInput` when a worker id appears twice.
+
+    Four steps: score every candidate (:func:`_score`), narrow by the capacity guard, choose by
+    the mode (``_CHOOSERS``), and write the score table (:func:`_rows`).
+    """
+    if not workers:
+        raise NoEligibleWorker(f"request {request.request_id}: no candidate workers")
+    t = _score(request, sorted(workers, key=_by_worker_id), config, overlaps or {},
+               inflight.view(request.block_hashes) if inflight is not None else {})
+    eligible = [i for i in range(t.n) if t.excluded[i] is None]
+    if not eligible:
+        raise NoEligibleWorker(
+            f"request {request.request_id}: no eligible worker among {t.n}: "
+            + ", ".join(f"{t.ordered[i].worker_id} ({t.excluded[i]})" for i in range(t.n))
+        )
+    notes: list[str] = []
+    guards: list[str] = []
+    if config.capacity_guard:
+        eligible = _capacity_guard(t, eligible, notes, guards)
+    choice = _CHOOSERS[config.mode](t, eligible, config, rng_seed, rr_cursor, notes, guards)
+    reason = choice.reason
+    if notes:
+        reason = "; ".join(notes) + ". " + reason
+    skipped = [i for i in range(t.n) if t.excluded[i] is not None]
+    if skipped:
+        listed = ", ".join(
+            f"{t.ordered[i].worker_id} ({t.excluded[i]})" for i in skipped[:_REASON_MAX_EXCLUDED]
+        )
+        more = len(skipped) - _REASON_MAX_EXCLUDED
+        reason += f". Excluded {len(skipped)} of {t.n}: {listed}" + (
+            f" and {more} more" if more > 0 else ""
+        )
+    chosen = choice.chosen
+    own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
+                   if t.does_prefill else 0)
+    return Decision(
+        request_id=request.request_id,
+        phase=request.phase,
+        worker_id=t.ordered[chosen].worker_id,
+        mode=config.mode,
+        scores=_rows(t, choice.row_cost, choice.probability),
+        reason=reason,
+        config_version=config.version,
+        rng_seed=rng_seed,
+        rr_cursor=choice.next_cursor if choice.next_cursor is not _KEEP else rr_cursor,
+        prefill_tokens=own_prefill,
+        decode_blocks=t.request_blocks,
+        speculative_overlap={t.ordered[i].worker_id: t.shared[i] for i in range(t.n) if t.shared[i]},
+        guards=tuple(guards),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The steps
+# ----------------------------------------------------------------------------------------------
+
+
+class _Scored:
+    """Every candidate's terms, by position in id order (what the rows and the reason show)."""
+
+    __slots__ = ("active", "config", "cost", "decode", "does_prefill", "excluded", "in_flight", "matched", "n",
+                 "n_hash", "ordered", "overlap_w", "prefill", "queued", "request", "request_blocks", "shared",
+                 "weights")
+
+    def __init__(self, request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig) -> None:
+        n = len(ordered)
+        self.request = request
+        self.config = config
+        self.ordered = ordered
+        self.n = n
+        self.n_hash = len(request.block_hashes)
+        self.request_blocks = request.request_blocks
+        self.does_prefill = request.phase is not RequestPhase.DECODE
+        self.weights = config.tier_weights.as_tuple()
+        self.queued = [0] * n
+        self.active = [0] * n
+        self.in_flight = [0] * n
+        self.shared = [0] * n
+        self.overlap_w = [0.0] * n
+        self.prefill = [0.0] * n
+        self.decode = [0] * n
+        self.cost = [0.0] * n
+        self.excluded: list[str | None] = [None] * n
+        self.matched: list[WorkerOverlap | None] = [None] * n
+
+
+def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
+           overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad]) -> _Scored:
+    """The kv cost's terms for every candidate (the module docstring's formula)."""
+    t = _Scored(request, ordered, config)
+    n_hash = t.n_hash
+    block_size = request.block_size
+    prompt_tokens = request.prompt_tokens
+    request_blocks = t.request_blocks
+    does_prefill = t.does_prefill
+    phase_value = request.phase.value
+    serving_role = WorkerRole(phase_value)
+    weights = t.weights
+    wd = weights[0]  # the in-flight (speculative) blocks are being written to the device
+    stale_factor = config.stale_overlap_factor
+    use_max = config.load_combine == "max"
+    scale = config.prefill_load_scale
+    get_mine = mine_by_worker.get
+    get_overlap = overlaps.get
+    queued, active, in_flight, shared = t.queued, t.active, t.in_flight, t.shared
+    overlap_w, prefill, decode, cost, excluded, matched = t.overlap_w, t.prefill, t.decode, t.cost, t.excluded, t.matched
+
+    # The hot loop (every request, every worker): straight-line arithmetic, no helper calls on
+    # the common path. The overlap is the formula in the module docstring; _real_segments
+    # states the same layout for the reason, and the unit tests check decide against an
+    # independent block-by-block implementation.
+    previous_id = None
+    for i, w in enumerate(ordered):
+        wid = w.worker_id
+        if wid == previous_id:
+            raise InvalidRoutingInput(f"worker {wid!r} is listed twice")
+        previous_id = wid
+        q = w.queued_prefill_tokens
+        d = w.active_decode_blocks
+        r = w.inflight_requests
+        s = 0
+        mine = get_mine(wid)
+        if mine is not None and mine.requests:
+            if use_max:
+                if mine.prefill_tokens > q:
+                    q = mine.prefill_tokens
+                if mine.decode_blocks > d:
+                    d = mine.decode_blocks
+                if mine.requests > r:
+                    r = mine.requests
+            else:
+                q += mine.prefill_tokens
+                d += mine.decode_blocks
+                r += mine.requests
+            s = mine.shared_blocks
+        ov = get_overlap(wid)
+        if ov is None:
+            ow = wd * s
+        else:
+            matched[i] = ov
+            # The index's blocks at positions [s, n_hash), weighted by tier, the tiers laid
+            # along the prefix fastest first (see _real_segments, which states the same for
+            # the reason).
+            counts = ov.tiers
+            if s == 0 and sum(counts) <= n_hash:
+                # Every matched block counts: the dot product, summed left to right in C
+                # (reduce, not sum: sum() compensates float rounding on newer Pythons, and the
+                # result must be the same double everywhere).
+                real = reduce(add, map(mul, counts, weights), 0.0)
+            else:
+                real = 0.0
+                pos = 0
+                for c, wt in zip(counts, weights):
+                    if c:  # an empty tier adds nothing
+                        lo = pos if pos > s else s
+                        pos += c
+                        x = (pos if pos < n_hash else n_hash) - lo
+                        if x > 0:
+                            real += wt * x
+            ow = wd * s + (stale_factor if ov.stale else 1.0) * real
+        if does_prefill:
+            p = (q + prompt_tokens) / block_size - ow
+            if p < 0.0:
+                p = 0.0
+        else:
+            p = 0.0
+        dec = d + request_blocks - s
+        queued[i] = q
+        active[i] = d
+        in_flight[i] = r
+        shared[i] = s
+        overlap_w[i] = ow
+        prefill[i] = p
+        decode[i] = dec
+        cost[i] = scale * p + dec
+        if w.role != serving_role or w.draining or not w.registered:
+            excluded[i] = _exclusion(w, phase_value)
+    return t
+
+
+def _capacity_guard(t: _Scored, eligible: list[int], notes: list[str], guards: list[str]) -> list[int]:
+    """Exclude workers whose KV capacity cannot hold their blocks plus this request's, unless
+    that would exclude every eligible one."""
+    over = [i for i in eligible if 0 < t.ordered[i].kv_capacity_blocks < t.decode[i]]
+    if over and len(over) < len(eligible):
+        for i in over:
+            t.excluded[i] = f"over KV capacity: {t.decode[i]} > {t.ordered[i].kv_capacity_blocks} blocks"
+        guards.append("capacity")
+        return [i for i in eligible if t.excluded[i] is None]
+    if over:
+        notes.append("every eligible worker is over its KV capacity; capacity guard ignored")
+    return eligible
+
+
+#: A chooser's "the cursor does not move".
+_KEEP = object()
+
+
+class _Choice(msgspec.Struct):
+    chosen: int
+    reason: str
+    row_cost: list[float | None]
+    probability: list[float | None] | None = None
+    next_cursor: object = _KEEP
+
+
+def _choose_kv(t: _Scored, eligible: list[int], config: RouterConfig, rng_seed: int, rr_cursor,
+               notes: list[str], guards: list[str]) -> _Choice:
+    cost, ordered = t.cost, t.ordered
+    competing = eligible
+    if config.imbalance_guard and len(eligible) > 1:
+        loads = [t.in_flight[i] for i in eligible]
+        hi, lo = max(loads), min(loads)
+        if hi - lo > config.imbalance_abs_threshold and hi > config.imbalance_rel_threshold * lo:
+            competing = [i for i in eligible if t.in_flight[i] == lo]
+            guards.append("imbalance")
+            notes.append(
+                f"imbalance guard: in-flight spread {hi} - {lo} > "
+                f"{config.imbalance_abs_threshold} and {hi} > "
+                f"{_fmt(config.imbalance_rel_threshold)} x {lo}, so only the "
+                f"{len(competing)} least busy compete"
+            )
+    probability = None
+    tail = ""
+    if config.temperature > 0.0:
+        chosen, probability = _softmax_sample(competing, cost, config.temperature, t.n, rng_seed)
+        best = min(competing, key=cost.__getitem__)
+        head = (
+            f"kv softmax (temperature {_fmt(config.temperature)}) over {len(competing)} "
+            f"candidates sampled"
+        )
+        tail = (
+            f"; p={probability[chosen]:.4f} with rng_seed {rng_seed}; argmin was "
+            f"{ordered[best].worker_id} at {_fmt(cost[best])}"
+        )
+    else:
+        chosen, ties = _argmin(competing, cost, rng_seed)
+        head = f"kv argmin over {len(competing)} candidates chose"
+        if ties > 1:
+            tail = f"; {ties} tied, broken by rng_seed {rng_seed}"
+        else:
+            runner = _runner_up(competing, cost, chosen)
+            if runner is not None:
+                tail = (
+                    f"; runner-up {ordered[runner].worker_id} at {_fmt(cost[runner])} "
+                    f"(+{_fmt(cost[runner] - cost[chosen])})"
+                )
+    ov = t.matched[chosen] or NO_OVERLAP
+    factor = config.stale_overlap_factor if ov.stale else 1.0
+    req = t.request
+    arithmetic = _explain_kv(
+        ordered[chosen].worker_id, cost[chosen], config.prefill_load_scale, t.queued[chosen], req.prompt_tokens,
+        req.block_size, _overlap_parts(ov, t.shared[chosen], t.n_hash, t.weights, factor), t.overlap_w[chosen],
+        t.prefill[chosen], t.active[chosen], t.request_blocks, t.shared[chosen], t.does_prefill, ov.stale, factor,
+    )
+    return _Choice(chosen, f"{head} {arithmetic}{tail}", list(cost), probability)
+
+
+def _choose_round_robin(t: _Scored, eligible: list[int], config: RouterConfig, rng_seed: int, rr_cursor,
+                        notes: list[str], guards: list[str]) -> _Choice:
+    chosen = _next_round_robin(eligible, t.ordered, rr_cursor)
+    picked = t.ordered[chosen].worker_id
+    reason = (
+        f"round_robin over {len(eligible)} eligible: chose {picked}, the next id after "
+        f"cursor {rr_cursor!r}" + (" (wrapped)" if rr_cursor is not None and picked <= rr_cursor else "")
+    )
+    return _Choice(chosen, reason, [None] * t.n, next_cursor=picked)
+
+
+def _choose_random(t: _Scored, eligible: list[int], config: RouterConfig, rng_seed: int, rr_cursor,
+                   notes: list[str], guards: list[str]) -> _Choice:
+    chosen = eligible[random.Random(rng_seed).randrange(len(eligible))]
+    reason = f"random over {len(eligible)} eligible: chose {t.ordered[chosen].worker_id} (rng_seed {rng_seed})"
+    return _Choice(chosen, reason, [None] * t.n)
+
+
+def _choose_least_loaded(t: _Scored, eligible: list[int], config: RouterConfig, rng_seed: int, rr_cursor,
+                         notes: list[str], guards: list[str]) -> _Choice:
+    block_size = t.request.block_size
+    by_requests = config.least_loaded_metric == "requests"
+    if by_requests:
+        metric = [float(x) for x in t.in_flight]
+        what = "in-flight requests"
+    else:
+        metric = [t.queued[i] / block_size + t.active[i] for i in range(t.n)]
+        what = "blocks (queued prefill tokens / block size + active decode blocks)"
+    chosen, ties = _argmin(eligible, metric, rng_seed)
+    detail = (f"{t.in_flight[chosen]} in flight" if by_requests
+              else f"{t.queued[chosen]}/{block_size} + {t.active[chosen]}")
+    reason = (
+        f"least_loaded by {what} over {len(eligible)} eligible: chose {t.ordered[chosen].worker_id} "
+        f"with load {_fmt(metric[chosen])} = {detail}"
+    )
+    if ties > 1:
+        reason += f"; {ties} tied, broken by rng_seed {rng_seed}"
+    return _Choice(chosen, reason, list(metric))
+
+
+_CHOOSERS = {
+    RoutingMode.KV: _choose_kv,
+    RoutingMode.ROUND_ROBIN: _choose_round_robin,
+    RoutingMode.RANDOM: _choose_random,
+    RoutingMode.LEAST_LOADED: _choose_least_loaded,
+}
+
+
+def _rows(t: _Scored, row_cost: list[float | None], probability: list[float | None] | None) -> tuple[CandidateScore, ...]:
+    """One score row per candidate, in id order: its combined loads, overlap and terms."""
+    rows = []
+    append = rows.append
+    queued, active, in_flight, prefill, decode = t.queued, t.active, t.in_flight, t.prefill, t.decode
+    excluded, shared = t.excluded, t.shared
+    for i, w in enumerate(t.ordered):
+        ov = t.matched[i]
+        # Two explicit constructions, not one with **kwargs: this runs for every candidate of
+        # every decision.
+        if ov is None:
+            append(CandidateScore(
+                worker_id=w.worker_id, queued_prefill_tokens=queued[i], active_decode_blocks=active[i],
+                inflight_requests=in_flight[i], prefill_blocks=prefill[i], decode_blocks=float(decode[i]),
+                cost=row_cost[i], probability=None if probability is None else probability[i],
+                eligible=excluded[i] is None, speculative_overlap=shared[i], excluded=excluded[i] or "",
+                kv_capacity_blocks=w.kv_capacity_blocks,
+            ))
+        else:
+            append(CandidateScore(
+                worker_id=w.worker_id, overlap_blocks=sum(ov.tiers), overlap_by_tier=ov.by_tier(),
+                queued_prefill_tokens=queued[i], active_decode_blocks=active[i], inflight_requests=in_flight[i],
+                stale=ov.stale, prefill_blocks=prefill[i], decode_blocks=float(decode[i]), cost=row_cost[i],
+                probability=None if probability is None else probability[i], eligible=excluded[i] is None,
+                speculative_overlap=shared[i], excluded=excluded[i] or "", kv_capacity_blocks=w.kv_capacity_blocks,
+            ))
+    return tuple(rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _exclusion(w: WorkerLoad, phase_value: str) -> str:
+    if not w.registered:
+        return "not registered"
+    if w.draining:
+        return "draining"
+    return f"role {WorkerRole(w.role).value} does not serve phase {phase_value}"
+
+
+def _real_segments(
+    ov: WorkerOverlap, skip: int, limit: int, weights: tuple[float, ...]
+) -> list[tuple[int, str, float]]:
+    """The index's matched blocks beyond ``skip`` and below ``limit``, per tier, as
+    (count, tier name, weight); tiers laid along the prefix fastest first."""
+    out = []
+    pos = 0
+    for count, tier, weight in zip(ov.tiers, TIER_ORDER, weights):
+        name = tier.value
+        start = max(pos, skip)
+        end = min(pos + count, limit)
+        pos += count
+        if end > start:
+            out.append((end - start, name, weight))
+    return out
+
+
+def _overlap_parts(
+    ov: WorkerOverlap,
+    skip: int,
+    limit: int,
+    weights: tuple[float, ...],
+    factor: float,
+) -> list[str]:
+    parts = [f"in-flight {skip}x{_fmt(weights[0])}"] if skip else []
+    real = [
+        f"{name} {count}x{_fmt(w)}"
+        for count, name, w in _real_segments(ov, skip, limit, weights)
+    ]
+    if real and factor != 1.0:
+        parts.append(f"stale {_fmt(factor)} x ({' + '.join(real)})")
+    else:
+        parts.extend(real)
+    return parts
+
+
+def _explain_kv(
+    wid: WorkerId,
+    total: float,
+    scale: float,
+    queued: int,
+    prompt_tokens: int,
+    block_size: int,
+    overlap_parts: list[str],
+    overlap: float,
+    prefill: float,
+    active: int,
+    request_blocks: int,
+    shared: int,
+    does_prefill: bool,
+    stale: bool,
+    factor: float,
+) -> str:
+    decode = f"(active {active} + new {request_blocks}"
+    decode += f" - shared in-flight {shared})" if shared else ")"
+    if does_prefill:
+        ov = f"overlap {_fmt(overlap)}"
+        if overlap_parts:
+            ov += f" [{' + '.join(overlap_parts)}]"
+        elif stale and factor == 0.0:
+            ov += " [stale view ignored]"
+        return (
+            f"{wid}: cost {_fmt(total)} = {_fmt(scale)} x max((queued {queued} + prompt "
+            f"{prompt_tokens}) tok / {block_size} - {ov}, 0) + {decode} decode blocks "
+            f"= {_fmt(scale)} x {_fmt(prefill)} + {active + request_blocks - shared}"
+        )
+    return (
+        f"{wid}: cost {_fmt(total)} = {decode} decode blocks (decode phase: no prefill term)"
+    )
+
+
+def _argmin(candidates: list[int], cost: Sequence[float], rng_seed: int) -> tuple[int, int]:
+    """Lowest cost; a tie (within ``_TIE_RTOL``) goes to a seeded draw over the tied, in id
+    order. Returns (chosen index, number tied)."""
+    best = min(cost[i] for i in candidates)
+    limit = best + _TIE_RTOL * max(1.0, abs(best))
+    tied = [i for i in candidates if cost[i] <= limit]
+    if len(tied) == 1:
+        return tied[0], 1
+    return tied[random.Random(rng_seed).randrange(len(tied))], len(tied)
+
+
+def _runner_up(candidates: list[int], cost: Sequence[float], chosen: int) -> int | None:
+    others = [i for i in candidates if i != chosen]
+    return min(others, key=cost.__getitem__) if others else None
+
+
+def _softmax_sample(
+    candidates: list[int], cost: Sequence[float], temperature: float, n: int, rng_seed: int
+) -> tuple[int, list[float | None]]:
+    """Dynamo's sampler: costs normalised to [0, 1] over the candidates, logit =
+    -normalised / temperature, one draw of ``Random(rng_seed).random()`` over the cumulative
+    probabilities in id order."""
+    values = [cost[i] for i in candidates]
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    if span > 0.0:
+        weights = [math.exp(-((v - lo) / span) / temperature) for v in values]
+    else:
+        weights = [1.0] * len(values)
+    total = math.fsum(weights)
+    probs = [w / total for w in weights]
+    draw = random.Random(rng_seed).random()
+    chosen = candidates[-1]
+    acc = 0.0
+    for i, p in zip(candidates, probs):
+        acc += p
+        if draw < acc:
+            chosen = i
+            break
+    probability: list[float | None] = [None] * n
+    for i, p in zip(candidates, probs):
+        probability[i] = p
+    return chosen, probability
+
+
+def _next_round_robin(
+    eligible: list[int], ordered: Sequence[WorkerLoad], cursor: WorkerId | None
+) -> int:
+    """The first eligible worker whose id sorts after ``cursor``, wrapping around.
+
+    The cursor is a worker id, not a position, so workers joining or leaving never make the
+    rotation skip or repeat anyone.
+    """
+    if cursor is not None:
+        for i in eligible:
+            if ordered[i].worker_id > cursor:
+                return i
+    return eligible[0]
+
+
+def _fmt(x: float) -> str:
+    """Compact, deterministic number formatting for reasons: 272, 0.75, 123.46."""
+    if x == int(x) and abs(x) < 1e15:
+        return str(int(x))
+    return f"{x:.2f}".rstrip("0").rstrip(".") if abs(x) >= 0.01 else f"{x:.3g}"

@@ -1,0 +1,147 @@
+"""The one path to a routing decision. Pure.
+
+A decision is ``decide(inputs, config)``; this module is the only place that builds its inputs
+and the only place that turns its result into the ``RequestRouted`` that records it. The live
+router (:mod:`.proxy`), replay's verify and what-if, and the cluster simulator
+(:mod:`control_plane.simulation`, behind the routing and planner benchmarks) all call it, so
+"the live router, replay and the simulator decide with the same code" holds by construction.
+
+Inputs come from two places:
+
+* a :class:`CandidateSource`: the routable workers of the phase's role with their last reported
+  load, and the prefix index's match per worker. The router's :class:`~.view.RouterView` is one
+  (folded from the log); the simulator's view (folded from the simulated engines' events) is
+  another;
+* the router's own state, :class:`~.ledger.RouterLedger` (a fold of the events the router
+  published): the in-flight loads and speculative overlap, and the round-robin cursor.
+
+The seed rule lives here too: a decision's RNG seed is a hash of (request, phase, attempt), so
+a re-executed decision draws the same tie-break.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
+
+import msgspec
+import xxhash
+
+from control_plane.router.config import RouterConfig
+from control_plane.router.decision import Decision, RoutingRequest, WorkerLoad, WorkerOverlap, decide
+from control_plane.router.errors import NoEligibleWorker
+from control_plane.router.ledger import InflightLoad, RouterLedger, role_of_phase
+from schemas.events import RequestRouted
+from schemas.types import BlockHash, RequestPhase, WorkerId
+
+
+class CandidateSource(Protocol):
+    """What a decision reads from the world besides the router's own ledger."""
+
+    def candidates(self, role: str) -> list[WorkerLoad]:
+        """Routable workers of ``role``, with their last reported load."""
+        ...
+
+    def overlaps(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, WorkerOverlap]:
+        """The prefix index's match for ``hashes``, per worker."""
+        ...
+
+
+class DecisionInputs(msgspec.Struct, kw_only=True):
+    """Everything ``decide`` takes besides the config (a value: replay keeps it to re-score)."""
+
+    request: RoutingRequest
+    workers: list[WorkerLoad]
+    overlaps: dict[str, WorkerOverlap]
+    #: The ledger's view for the prompt when the decision was made.
+    inflight: dict[str, InflightLoad]
+    rr_cursor: str | None = None
+    rng_seed: int = 0
+
+
+def router_seed(request_id: str, phase: RequestPhase | str, attempt: int) -> int:
+    """The decision's RNG seed: 63 bits of xxh64("<request>:<phase>:<attempt>")."""
+    phase = RequestPhase(phase).value
+    return xxhash.xxh64_intdigest(f"{request_id}:{phase}:{attempt}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def decision_inputs(
+    source: CandidateSource,
+    ledger: RouterLedger,
+    *,
+    request_id: str,
+    prompt_tokens: int,
+    block_hashes: Sequence[BlockHash],
+    block_size: int,
+    expected_output_tokens: int,
+    phase: RequestPhase,
+    attempt: int,
+    now: float,
+    excluded: Collection[str] = (),
+) -> DecisionInputs:
+    """The inputs of one decision. Prepares the ledger for it (expiry at ``now``; a decode phase
+    releases its prefill entry), exactly as folding the decision's ``RequestRouted`` will.
+
+    Raises :class:`NoEligibleWorker`, with the ledger untouched, when the phase's role has no
+    routable worker left (every candidate is eligible for ``decide``, so a decision follows).
+    """
+    role = role_of_phase(phase)
+    workers = source.candidates(role)
+    if excluded:
+        workers = [w for w in workers if w.worker_id not in excluded]
+    if not workers:
+        # Before the ledger is touched: no RequestRouted will follow to repeat its preparation,
+        # so preparing here would change the live ledger without an event.
+        raise NoEligibleWorker(f"no {role} worker available"
+                               + (f" (excluded after failures: {sorted(excluded)})" if excluded else ""))
+    ledger.prepare(request_id, phase, now)
+    hashes = tuple(block_hashes)
+    overlaps = dict(source.overlaps(hashes)) if phase is not RequestPhase.DECODE else {}
+    request = RoutingRequest(request_id=request_id, prompt_tokens=prompt_tokens, block_size=block_size,
+                             block_hashes=hashes, expected_output_tokens=expected_output_tokens, phase=phase)
+    return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
+                          rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt))
+
+
+class _Recorded:
+    """An ``InflightView`` over the loads captured in ``DecisionInputs``."""
+
+    __slots__ = ("loads",)
+
+    def __init__(self, loads: dict[str, InflightLoad]) -> None:
+        self.loads = loads
+
+    def view(self, hashes: Sequence[BlockHash]) -> dict[str, InflightLoad]:
+        return self.loads
+
+
+def execute(inputs: DecisionInputs, config: RouterConfig, rng_seed: int | None = None) -> Decision:
+    """``decide`` over ``inputs`` (with their own seed unless one is given)."""
+    return decide(inputs.request, inputs.workers, config,
+                  rng_seed=inputs.rng_seed if rng_seed is None else rng_seed, overlaps=inputs.overlaps,
+                  inflight=_Recorded(inputs.inflight), rr_cursor=inputs.rr_cursor)
+
+
+def routed_event(
+    decision: Decision,
+    inputs: DecisionInputs,
+    config: RouterConfig,
+    *,
+    router_id: str = "",
+    attempt: int = 0,
+    index_position: Mapping[str, int] | None = None,
+    view_state: str = "",
+    excluded: Collection[str] = (),
+    decided_at_s: float = 0.0,
+    queued_ms: float = 0.0,
+) -> RequestRouted:
+    """The ``RequestRouted`` that records ``decision``: its score table and reason, what it was
+    decided on (position, config version, seed, cursor, exclusions, ``now``) and what the
+    ledger holds for it."""
+    return msgspec.structs.replace(
+        decision.to_event(index_position=index_position, router_id=router_id, attempt=attempt),
+        rr_cursor=inputs.rr_cursor, guards=list(decision.guards),
+        expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
+        excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
+        inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
+        inflight_ttl_s=config.inflight_ttl_s)

@@ -1,0 +1,458 @@
+"""The router's own account of what it has sent where and not yet seen finish.
+
+Worker load reports and KV events lag a routing decision by tens of milliseconds to seconds.
+Without its own account, a router that receives a burst of identical prompts sees the same
+empty cluster for every one of them and makes the same choice N times. The ledger closes that
+gap with two things per routed request, both kept until the request completes (or its entry
+expires, the safety net for a lost completion):
+
+* **added load**: the prefill tokens the chosen worker must still compute for it (dropped at
+  ``prefill_done``) and the KV blocks it will hold (dropped at ``complete``);
+* **speculative overlap**: the prompt's block hashes, which the worker is about to hold. They
+  stay valid while the request runs because an engine cannot evict blocks in use. Once the
+  request completes the blocks may be evicted, and the prefix index (fed by the worker's real KV
+  events) is the only authority again.
+
+Blocks shared by concurrent requests on one worker are stored once by the engine, so the ledger
+counts hashed blocks once per worker (a refcount per hash) and only the unhashed remainder (the
+partial last prompt block and the output) per request. That is also what makes the speculative
+lookup cheap: every entry holds a whole hash chain from the root, so a worker's hash set is
+prefix-closed, membership along a query chain is monotone, and the matched depth is found by a
+binary search (O(log n) set lookups) instead of a walk.
+
+How the two interact in a decision is described in :mod:`control_plane.router.decision`.
+
+The ledger is plain mutable state owned by one router and passed explicitly; it never reads a
+clock (``now`` is an argument). ``decide`` only reads it, through :class:`InflightView`, so a
+replay can rebuild it by folding the recorded events and re-run any decision.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from control_plane.router.errors import InvalidRoutingInput
+from schemas.envelope import Envelope
+from schemas.events import (
+    Event,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRejected,
+    RequestRouted,
+)
+from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
+
+
+class InflightLoad(msgspec.Struct, frozen=True, gc=False):
+    """Load the router itself has added to one worker and not yet seen finish."""
+
+    #: Prompt tokens still to be prefilled (requests not yet ``prefill_done``).
+    prefill_tokens: int = 0
+    #: KV blocks held by in-flight requests; shared prompt blocks counted once.
+    decode_blocks: int = 0
+    #: Requests in flight.
+    requests: int = 0
+    #: Leading blocks of the prompt being routed that those requests hold (the speculative
+    #: overlap); 0 from ``load_for``, which has no prompt to compare with.
+    shared_blocks: int = 0
+
+
+NO_INFLIGHT = InflightLoad()
+
+
+class InflightView(Protocol):
+    """What a decision reads from the in-flight account: the ledger, or a recorded snapshot
+    (any object whose ``view`` returns the same mapping)."""
+
+    def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
+        """Load and speculative overlap for ``hashes`` of every worker with requests in
+        flight; workers absent from the mapping have none."""
+        ...
+
+
+@dataclass(slots=True)
+class _Entry:
+    hashes: tuple[BlockHash, ...]
+    prefill_tokens: int
+    #: Blocks not covered by ``hashes`` (partial last block, output); counted per request.
+    extra_blocks: int
+    expires_at: float
+    #: Distinguishes a re-added entry from the one a stale heap item points to.
+    seq: int
+
+
+@dataclass(slots=True)
+class _WorkerAccount:
+    refs: dict[BlockHash, int] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    extra_blocks: int = 0
+    requests: int = 0
+
+
+class InflightLedger:
+    """Speculative overlap and added load per worker, keyed by (request, worker).
+
+    A request has one entry per worker it was routed to: one in aggregated serving, two in
+    disaggregated serving (its prefill worker and its decode worker). Every mutation is
+    idempotent on repeated input (events arrive at least once).
+    """
+
+    __slots__ = ("_by_request", "_entries", "_expiry", "_seq", "_workers")
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[RequestId, WorkerId], _Entry] = {}
+        #: Workers each request has entries on, in the order they were added.
+        self._by_request: dict[RequestId, list[WorkerId]] = {}
+        self._workers: dict[WorkerId, _WorkerAccount] = {}
+        self._expiry: list[tuple[float, int, RequestId, WorkerId]] = []
+        self._seq = 0
+
+    # -- mutations ---------------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: RequestId,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        prefill_tokens: int,
+        decode_blocks: int,
+        now: float,
+        ttl: float,
+    ) -> None:
+        """Record that ``request_id`` was routed to ``worker`` at ``now``.
+
+        ``hashes`` is the prompt's whole hash chain from the root (``RoutingRequest.block_hashes``);
+        ``prefill_tokens`` what the worker must compute for it (``Decision.prefill_tokens``);
+        ``decode_blocks`` every block it will hold, prompt and output (``Decision.decode_blocks``).
+        Re-adding the same (request, worker) replaces the old entry (a retried attempt).
+        """
+        if prefill_tokens < 0 or decode_blocks < 0:
+            raise InvalidRoutingInput(
+                f"prefill_tokens={prefill_tokens} and decode_blocks={decode_blocks} must be >= 0"
+            )
+        if not ttl > 0:
+            raise InvalidRoutingInput(f"ttl={ttl} must be > 0, or the entry could never expire")
+        hashes = tuple(hashes)
+        if decode_blocks < len(hashes):
+            raise InvalidRoutingInput(
+                f"decode_blocks={decode_blocks} < {len(hashes)} prompt block hashes: decode_blocks "
+                "counts every block the request holds, its hashed prompt blocks included"
+            )
+        key = (request_id, worker)
+        if key in self._entries:
+            self._remove(key)
+        self._seq += 1
+        entry = _Entry(hashes, prefill_tokens, decode_blocks - len(hashes), now + ttl, self._seq)
+        self._entries[key] = entry
+        self._by_request.setdefault(request_id, []).append(worker)
+        account = self._workers.get(worker)
+        if account is None:
+            account = self._workers[worker] = _WorkerAccount()
+        refs = account.refs
+        get = refs.get
+        for h in hashes:
+            refs[h] = get(h, 0) + 1
+        account.prefill_tokens += prefill_tokens
+        account.extra_blocks += entry.extra_blocks
+        account.requests += 1
+        heapq.heappush(self._expiry, (entry.expires_at, entry.seq, request_id, worker))
+        if len(self._expiry) > 2 * len(self._entries) + 1024:
+            # Completed entries leave their heap items behind until they would have expired;
+            # rebuild from the live entries so the heap stays O(entries), amortised O(1) per add.
+            self._expiry = [
+                (e.expires_at, e.seq, rid, wid) for (rid, wid), e in self._entries.items()
+            ]
+            heapq.heapify(self._expiry)
+
+    def prefill_done(self, request_id: RequestId, worker: WorkerId | None = None) -> None:
+        """The prompt of ``request_id`` is computed (on ``worker``, or wherever it went).
+
+        Its prefill tokens stop counting; its blocks and speculative overlap stay until
+        ``complete``. Unknown ids are ignored.
+        """
+        for key in self._keys(request_id, worker):
+            entry = self._entries[key]
+            self._workers[key[1]].prefill_tokens -= entry.prefill_tokens
+            entry.prefill_tokens = 0
+
+    def complete(self, request_id: RequestId, worker: WorkerId | None = None) -> None:
+        """``request_id`` finished, failed or left ``worker`` (all its workers when None).
+
+        In disaggregated serving call it for the prefill worker once the KV has been handed off.
+        Unknown ids are ignored.
+        """
+        for key in self._keys(request_id, worker):
+            self._remove(key)
+
+    def expire(self, now: float) -> tuple[tuple[RequestId, WorkerId], ...]:
+        """Drop entries whose expiry is <= ``now``; return their keys, oldest expiry first."""
+        expired: list[tuple[RequestId, WorkerId]] = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, seq, request_id, worker = heapq.heappop(heap)
+            key = (request_id, worker)
+            entry = self._entries.get(key)
+            if entry is not None and entry.seq == seq:
+                self._remove(key)
+                expired.append(key)
+        return tuple(expired)
+
+    def drop_worker(self, worker: WorkerId) -> None:
+        """Forget everything sent to ``worker`` (it deregistered or restarted: its KV is gone)."""
+        for key in [k for k in self._entries if k[1] == worker]:
+            self._remove(key)
+
+    # -- queries (the InflightView protocol) -------------------------------------------------
+
+    def load_for(self, worker: WorkerId) -> InflightLoad:
+        account = self._workers.get(worker)
+        if account is None:
+            return NO_INFLIGHT
+        return InflightLoad(
+            account.prefill_tokens, len(account.refs) + account.extra_blocks, account.requests
+        )
+
+    def speculative_overlap(self, worker: WorkerId, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``hashes`` (a chain from the root) in-flight requests on
+        ``worker`` hold."""
+        account = self._workers.get(worker)
+        return 0 if account is None else _matched_depth(account.refs, hashes, hashes[::-1])
+
+    def view(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, InflightLoad]:
+        """``load_for`` plus ``speculative_overlap(hashes)`` of every worker with requests in
+        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads)."""
+        out: dict[WorkerId, InflightLoad] = {}
+        n = len(hashes)
+        if n == 0:
+            for worker, a in self._workers.items():
+                out[worker] = InflightLoad(
+                    a.prefill_tokens, len(a.refs) + a.extra_blocks, a.requests
+                )
+            return out
+        # _matched_depth inlined: this loop runs over every busy worker on every decision.
+        first = hashes[0]
+        backwards = hashes[::-1]
+        for worker, a in self._workers.items():
+            refs = a.refs
+            depth = (
+                n - bisect_left(backwards, True, key=refs.__contains__) if first in refs else 0
+            )
+            out[worker] = InflightLoad(
+                a.prefill_tokens, len(refs) + a.extra_blocks, a.requests, depth
+            )
+        return out
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_request
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _keys(
+        self, request_id: RequestId, worker: WorkerId | None
+    ) -> list[tuple[RequestId, WorkerId]]:
+        if worker is not None:
+            key = (request_id, worker)
+            return [key] if key in self._entries else []
+        return [(request_id, w) for w in self._by_request.get(request_id, ())]
+
+    def _remove(self, key: tuple[RequestId, WorkerId]) -> None:
+        entry = self._entries.pop(key)
+        workers = self._by_request[key[0]]
+        workers.remove(key[1])
+        if not workers:
+            del self._by_request[key[0]]
+        account = self._workers[key[1]]
+        refs = account.refs
+        for h in entry.hashes:
+            left = refs[h] - 1
+            if left:
+                refs[h] = left
+            else:
+                del refs[h]
+        account.prefill_tokens -= entry.prefill_tokens
+        account.extra_blocks -= entry.extra_blocks
+        account.requests -= 1
+        if account.requests == 0:
+            del self._workers[key[1]]
+
+
+def _matched_depth(
+    refs: Mapping[BlockHash, int],
+    hashes: Sequence[BlockHash],
+    reversed_hashes: Sequence[BlockHash],
+) -> int:
+    """Length of the longest prefix of ``hashes`` whose blocks are all in ``refs``.
+
+    Binary search, O(log n) lookups: valid because ``refs`` is prefix-closed (every entry added
+    a whole chain from the root, and a chained hash at position i implies the i blocks before
+    it), so membership along ``hashes`` is true up to some depth and false after it. Along
+    ``reversed_hashes`` it is false then true, which is the ascending order ``bisect`` needs;
+    with ``refs.__contains__`` as the key the whole search runs in C (about twice as fast as a
+    Python loop, and this runs for every worker with requests in flight on every decision).
+    """
+    n = len(hashes)
+    if n == 0 or hashes[0] not in refs:
+        return 0
+    return n - bisect_left(reversed_hashes, True, key=refs.__contains__)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fold: the router's in-process state from the events it publishes
+# ----------------------------------------------------------------------------------------------
+
+
+class RouterLedger:
+    """Everything a router keeps between decisions, as a fold of the events it publishes.
+
+    The live router records each fact (``RequestAdmitted``, ``RequestRouted``, its own
+    ``PrefillCompleted``, ``RequestCompleted`` / ``RequestFailed`` / ``RequestRejected``) and
+    then applies the stamped envelope here; replay and what-if apply the same envelopes read back
+    from the log (one router incarnation's events, merged by ``occurred_at_ns``, which a
+    producer stamps strictly increasing); the simulator applies what its virtual router
+    records. So the live state, the replayed state and the simulated state are one function of
+    one event sequence, not three reconstructions kept in step by hand.
+
+    State: the in-flight ledger (:class:`InflightLedger`), the round-robin cursor per worker
+    role, and, per open request, its prompt hashes (from ``RequestAdmitted``) and the worker of
+    its prefill phase. The one mutation that is not an event, :meth:`prepare`, is what every
+    decision does first: expire entries at the decision's ``now`` and, for a decode phase,
+    release the request's prefill entry (its KV has been handed off). ``RequestRouted`` repeats
+    it with its recorded ``decided_at_s``, so folding the log needs no extra input.
+    """
+
+    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "_block_size", "_handlers", "_hashes",
+                 "_prefill_worker")
+
+    def __init__(self, default_ttl_s: float = 600.0) -> None:
+        #: Lifetime of an entry whose ``RequestRouted`` predates ``inflight_ttl_s``.
+        self.default_ttl_s = default_ttl_s
+        self.inflight = InflightLedger()
+        #: Worker role -> the last worker round robin chose for it.
+        self.rr_cursor: dict[str, WorkerId] = {}
+        self._hashes: dict[RequestId, tuple[BlockHash, ...]] = {}
+        self._block_size: dict[RequestId, int] = {}
+        self._prefill_worker: dict[RequestId, WorkerId] = {}
+        self._handlers = {
+            RequestAdmitted: self._admitted,
+            RequestRouted: self._routed,
+            PrefillCompleted: self._prefill_completed,
+            RequestCompleted: self._ended,
+            RequestFailed: self._failed,
+            RequestRejected: self._ended,
+        }
+
+    # -- the fold ----------------------------------------------------------------------------
+
+    def apply(self, env: Envelope[Event]) -> None:
+        """Fold one of this router's own events (others are ignored)."""
+        handler = self._handlers.get(type(env.data))
+        if handler is not None:
+            handler(env)
+
+    def prepare(self, request_id: RequestId, phase: RequestPhase, now: float) -> None:
+        """What a decision does before it reads the ledger (idempotent)."""
+        for rid, _worker in self.inflight.expire(now):
+            if rid not in self.inflight:  # its last entry lapsed: its end was never recorded
+                self._forget(rid)
+        if phase is RequestPhase.DECODE:
+            worker = self._prefill_worker.get(request_id)
+            if worker is not None:
+                self.inflight.complete(request_id, worker)
+
+    def _admitted(self, env: Envelope[Event]) -> None:
+        ev: RequestAdmitted = env.data  # type: ignore[assignment]
+        self._hashes[ev.request_id] = tuple(ev.block_hashes)
+        self._block_size[ev.request_id] = ev.block_size
+
+    def _routed(self, env: Envelope[Event]) -> None:
+        ev: RequestRouted = env.data  # type: ignore[assignment]
+        rid = ev.request_id
+        now = ev.decided_at_s or env.occurred_at_ns / 1e9
+        self.prepare(rid, ev.phase, now)
+        if ev.mode is RoutingMode.ROUND_ROBIN:
+            self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
+        hashes = self._hashes.get(rid)
+        if hashes is None:
+            return  # admitted before the folded range: its entry cannot be rebuilt
+        prefill, blocks = ev.inflight_prefill_tokens, ev.inflight_blocks
+        if prefill is None or blocks is None:
+            prefill, blocks = _entry_from_row(ev, self._block_size.get(rid, 0), len(hashes))
+        self.inflight.add(rid, ev.worker_id, hashes, prefill, blocks, now,
+                          ev.inflight_ttl_s or self.default_ttl_s)
+        if ev.phase is RequestPhase.PREFILL:
+            self._prefill_worker[rid] = ev.worker_id
+
+    def _prefill_completed(self, env: Envelope[Event]) -> None:
+        self.inflight.prefill_done(env.data.request_id)  # type: ignore[attr-defined]
+
+    def _failed(self, env: Envelope[Event]) -> None:
+        ev: RequestFailed = env.data  # type: ignore[assignment]
+        if ev.code == "worker_unreachable" and ev.worker_id:
+            # A refused connection: that incarnation's KV is gone with it.
+            self.inflight.drop_worker(ev.worker_id)
+        self.inflight.complete(ev.request_id)
+        if not ev.retried:
+            self._forget(ev.request_id)
+
+    def _ended(self, env: Envelope[Event]) -> None:
+        rid = env.data.request_id  # type: ignore[attr-defined]
+        self.inflight.complete(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: RequestId) -> None:
+        self._hashes.pop(rid, None)
+        self._block_size.pop(rid, None)
+        self._prefill_worker.pop(rid, None)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def view(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, InflightLoad]:
+        return self.inflight.view(hashes)
+
+    def load_for(self, worker: WorkerId) -> InflightLoad:
+        return self.inflight.load_for(worker)
+
+    def __len__(self) -> int:
+        """In-flight entries (one per request and worker)."""
+        return len(self.inflight)
+
+    def open_requests(self) -> int:
+        """Requests admitted and not ended."""
+        return len(self._hashes)
+
+
+def role_of_phase(phase: RequestPhase | str) -> str:
+    """The worker role that serves a request phase."""
+    phase = RequestPhase(phase)
+    if phase is RequestPhase.PREFILL:
+        return WorkerRole.PREFILL.value
+    if phase is RequestPhase.DECODE:
+        return WorkerRole.DECODE.value
+    return WorkerRole.AGGREGATED.value
+
+
+def _entry_from_row(ev: RequestRouted, block_size: int, n_hashes: int) -> tuple[int, int]:
+    """(prefill tokens, blocks) of a ``RequestRouted`` written before it recorded them, from the
+    chosen worker's score row: ``decode_blocks = active + request_blocks - shared`` gives the
+    request's blocks, and ``prefill_blocks = (queued + prompt) / block_size - overlap`` the
+    tokens left to compute (``prefill_blocks * block_size - queued``; none when it was clipped
+    at 0, or in the decode phase)."""
+    row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
+    if row is None:
+        return 0, n_hashes
+    blocks = int(row.decode_blocks) - row.active_decode_blocks + row.speculative_overlap
+    if ev.phase is RequestPhase.DECODE or row.prefill_blocks <= 0.0 or block_size <= 0:
+        return 0, max(blocks, n_hashes)
+    prefill = max(round(row.prefill_blocks * block_size - row.queued_prefill_tokens), 0)
+    return prefill, max(blocks, n_hashes)

@@ -1,0 +1,454 @@
+"""The router's request path, independent of HTTP framing: admit, decide, record, proxy, retry.
+
+One :class:`Router` per process. Its state is the :class:`RouterView` (folded from the log by
+the Faust agent on the same event loop) and its :class:`~control_plane.router.ledger.RouterLedger`
+(in-flight ledger and round-robin cursor), which is a fold of the events this router publishes:
+every fact goes through :meth:`Router._record`, which publishes it and applies the stamped
+envelope, so replay rebuilds the same state by folding the same events. Every decision goes
+through :mod:`control_plane.router.inputs` (inputs, seed, ``RequestRouted``), the path replay
+and the simulator take too; what it was decided on (score table, config version, seed, view
+position and state, ledger entry) is recorded in ``RequestRouted``.
+
+Admission: before its first decision a request passes the bounded FCFS queue of
+:mod:`control_plane.router.admission` (429 when the queue is full, 503 after its timeout).
+
+Failure handling: any worker failure before the first token reached the client (connection
+refused or timed out, reset, read timeout, 5xx, a malformed answer) is recorded as
+``RequestFailed(retried=True)`` and the request is routed again without that worker (at most
+``max_attempts``). When no attempt is left, or no eligible worker, the client gets 503 with a
+reason and Retry-After, and ``RequestFailed(retried=False)`` records why. After a token reached
+the client, the stream ends with an error event and ``RequestFailed``; nothing ever hangs:
+every read has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
+from control_plane.router.config import RouterConfig
+from control_plane.router.errors import NoEligibleWorker
+from control_plane.router.inputs import decision_inputs, execute, routed_event
+from control_plane.router.ledger import RouterLedger
+from control_plane.router.view import RouterView, WorkerState
+from kernel.hashing import HashConfig, hash_blocks
+from kernel.log.sink import EventSink
+from schemas.envelope import Envelope
+from schemas.events import (
+    Event,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRejected,
+    RequestRouted,
+)
+from schemas.types import RequestPhase, WorkerRole
+
+log = logging.getLogger(__name__)
+
+
+class RouterRejected(Exception):
+    """The request cannot be served (no eligible worker, bad input, admission). ``status`` is
+    HTTP; ``retry_after_s`` becomes a Retry-After header; ``recorded`` means the request's end
+    is already on the log (``RequestFailed``), so no ``RequestRejected`` follows."""
+
+    def __init__(self, message: str, status: int = 503, code: str = "no_workers",
+                 retry_after_s: int | None = None, recorded: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after_s = retry_after_s if retry_after_s is not None else (1 if status in (429, 503) else None)
+        self.recorded = recorded
+
+
+@dataclass
+class Admission:
+    request_id: str
+    model: str
+    tokens: list[int]
+    hashes: list[int]
+    max_tokens: int
+    stream: bool
+    endpoint: str
+    received_at: float = field(default_factory=time.monotonic)
+    #: Seconds spent in the admission queue.
+    queued_s: float = 0.0
+    #: Released by the admission queue and not routed yet (its tokens are counted there).
+    granted: bool = False
+
+
+@dataclass
+class Chunk:
+    """One token (or a final usage record) coming back from the worker."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict | None = None
+    error: str | None = None
+
+
+class WorkerFailed(Exception):
+    """A worker failed this attempt; ``code`` says how (see :func:`_failure`)."""
+
+    def __init__(self, code: str, detail: str, worker_id: str | None = None) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.worker_id = worker_id
+
+
+def _failure(e: Exception, what: str, worker_id: str) -> WorkerFailed:
+    """One code per way an HTTP call to a worker can fail (all are retried before a token)."""
+    if isinstance(e, httpx.ConnectTimeout):
+        code = "connect_timeout"
+    elif isinstance(e, httpx.ConnectError):
+        code = "worker_unreachable"
+    elif isinstance(e, httpx.TimeoutException):  # read, write or pool timeout
+        code = "timeout"
+    elif isinstance(e, (httpx.HTTPError, OSError)):
+        code = "worker_lost"
+    else:  # a body we could not parse
+        code = "bad_response"
+    return WorkerFailed(code, f"{what}: {type(e).__name__}: {e}".rstrip(": "), worker_id)
+
+
+@dataclass
+class Outcome:
+    worker_id: str
+    ttft_ms: float
+    itls_ms: list[float]
+    e2e_ms: float
+    output_tokens: int
+    cached_tokens: int
+    finish_reason: str
+
+
+class Router:
+    def __init__(
+        self,
+        *,
+        router_id: str,
+        view: RouterView,
+        producer: EventSink,
+        config: RouterConfig,
+        hash_config: HashConfig,
+        health=None,  # () -> RouterHealth
+        max_attempts: int = 3,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 60.0,
+        metrics=None,
+        admission: AdmissionConfig | None = None,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.router_id = router_id
+        self.view = view
+        self.producer = producer
+        self.config = config
+        self.hash_config = hash_config
+        #: In-flight ledger and round-robin cursors: the fold of this router's own events.
+        self.ledger = RouterLedger(config.inflight_ttl_s)
+        self.max_attempts = max_attempts
+        self._health = health
+        self.metrics = metrics
+        #: The worker transport (tests pass a client over ``httpx.MockTransport``).
+        self.http = http or httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
+        )
+        self.admission = AdmissionQueue(admission or AdmissionConfig(), self._has_room)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def _record(self, payload: Event, request_id: str) -> Envelope[Event]:
+        """Publish one fact of this router and fold it into its own state (the only way the
+        ledger changes, so the live state is exactly the fold of what the log holds)."""
+        env = self.producer.publish(payload, correlation_id=request_id)
+        self.ledger.apply(env)
+        return env
+
+    # -- admission --------------------------------------------------------------------------
+
+    def admit(self, *, request_id: str | None, model: str, tokens: list[int], max_tokens: int,
+              stream: bool, endpoint: str) -> Admission:
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        hashes = hash_blocks(tokens, self.hash_config)
+        adm = Admission(rid, model, tokens, hashes, max_tokens, stream, endpoint)
+        self._record(RequestAdmitted(
+            request_id=rid, model=model, prompt_tokens=len(tokens), max_tokens=max_tokens, stream=stream,
+            block_hashes=hashes, block_size=self.hash_config.block_size, hash_algo=self.hash_config.hash_algo,
+            endpoint=endpoint), rid)
+        return adm
+
+    def _has_room(self, granted_tokens: int) -> bool:
+        """The admission test over the view and this router's ledger (see ``admission``)."""
+        disagg = self._serving_mode() == "disaggregated"
+        entry_role = "prefill" if disagg else "aggregated"
+
+        def load(w: WorkerState) -> PoolLoad:
+            # Prefill: this router's own ledger, which drops a request the moment its prompt is
+            # done. The load report lags by up to its interval, so gating on it would keep a
+            # worker "busy" for a second after it drained (measured: a quarter of the model's
+            # throughput in the demo). Decode blocks: the larger of report and ledger.
+            mine = self.ledger.load_for(w.worker_id)
+            return PoolLoad(w.worker_id, mine.prefill_tokens,
+                            max(w.active_decode_blocks, mine.decode_blocks), w.device_capacity_blocks)
+
+        entry = [load(w) for w in self.view.routable(entry_role)]
+        decode = [load(w) for w in self.view.routable("decode")] if disagg else None
+        return has_room(entry, decode, self.admission.cfg, granted_tokens)
+
+    async def queue(self, adm: Admission) -> None:
+        """Wait in the admission queue. Raises :class:`RouterRejected` (429/503) when refused."""
+        try:
+            adm.queued_s = await self.admission.acquire(len(adm.tokens))
+        except QueueRefused as e:
+            raise RouterRejected(str(e), e.status, e.code, e.retry_after_s) from None
+        adm.granted = True
+
+    def _routed(self, adm: Admission) -> None:
+        if adm.granted:
+            adm.granted = False
+            self.admission.routed(len(adm.tokens))
+
+    def fail(self, request_id: str, reason: str, code: str) -> None:
+        """End a request that failed inside the router itself (recorded, ledger cleared)."""
+        self._record(RequestFailed(request_id=request_id, reason=reason, code=code), request_id)
+        self.admission.poke()
+
+    def reject(self, request_id: str, reason: str, code: str, status: int) -> None:
+        self._record(RequestRejected(request_id=request_id, reason=reason, code=code, http_status=status),
+                     request_id)
+
+    # -- decision ---------------------------------------------------------------------------
+
+    def _serving_mode(self) -> str:
+        roles = {w.role for w in self.view.routable()}
+        if WorkerRole.AGGREGATED.value in roles or not roles:
+            return "aggregated"
+        if WorkerRole.PREFILL.value in roles and WorkerRole.DECODE.value in roles:
+            return "disaggregated"
+        return "aggregated"
+
+    def decide(self, adm: Admission, phase: RequestPhase, excluded: set[str], attempt: int) -> tuple[RequestRouted, WorkerState]:
+        # Wall-clock seconds, recorded as ``decided_at_s``: the ledger's expiry runs on it.
+        now = time.time()
+        try:
+            inputs = decision_inputs(
+                self.view, self.ledger, request_id=adm.request_id, prompt_tokens=len(adm.tokens),
+                block_hashes=adm.hashes, block_size=self.hash_config.block_size,
+                expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now, excluded=excluded)
+            t0 = time.perf_counter()
+            d = execute(inputs, self.config)
+        except NoEligibleWorker as e:
+            raise RouterRejected(str(e)) from None
+        if self.metrics:
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        queued_ms = adm.queued_s * 1000 if adm.granted else 0.0
+        self._routed(adm)
+        health = self._health() if self._health else None
+        ev = routed_event(d, inputs, self.config, router_id=self.router_id, attempt=attempt,
+                          index_position={f"{t}:{p}": o for (t, p), o in self.view.positions.items()},
+                          view_state=health.state if health else "", excluded=excluded, decided_at_s=now,
+                          queued_ms=queued_ms)
+        self._record(ev, adm.request_id)
+        return ev, self.view.workers[d.worker_id]
+
+    # -- serving ----------------------------------------------------------------------------
+
+    async def serve(self, adm: Admission) -> AsyncIterator[Chunk]:
+        """Tokens for the client. Retries on another worker until a token was yielded."""
+        excluded: set[str] = set()
+        finished = False
+        try:
+            async for chunk in self._attempts(adm, excluded):
+                if chunk.error:
+                    finished = True
+                yield chunk
+            finished = True
+        except RouterRejected:
+            finished = True  # the HTTP layer answers it (and records it unless recorded)
+            raise
+        finally:
+            self._routed(adm)
+            self.admission.poke()
+            if not finished:
+                # The client went away mid-stream: the request ends here, and says so.
+                self._record(RequestFailed(request_id=adm.request_id, reason="client disconnected",
+                                           code="client_cancelled"), adm.request_id)
+
+    async def _attempts(self, adm: Admission, excluded: set[str]) -> AsyncIterator[Chunk]:
+        sent = 0
+        last_error = ""
+        for attempt in range(self.max_attempts):
+            worker = None
+            try:
+                disagg = self._serving_mode() == "disaggregated"
+                if disagg:
+                    stream, worker = await self._disaggregated(adm, excluded, attempt)
+                else:
+                    ev, worker = self.decide(adm, RequestPhase.AGGREGATED, excluded, attempt)
+                    stream = self._stream_from(worker, adm, None)
+                outcome = _Tracker(worker.worker_id, adm.received_at)
+                async for chunk in stream:
+                    if chunk.token_ids or chunk.text:
+                        if outcome.first_token():
+                            self._first_token(adm, worker.worker_id, record=not disagg)
+                        sent += 1
+                    outcome.observe(chunk)
+                    yield chunk
+                self._completed(adm, outcome)
+                return
+            except WorkerFailed as e:
+                wid = e.worker_id or (worker.worker_id if worker else None)
+                retry = sent == 0 and attempt + 1 < self.max_attempts
+                self._record(RequestFailed(request_id=adm.request_id, worker_id=wid, reason=str(e), code=e.code,
+                                           tokens_sent=sent, retried=retry), adm.request_id)
+                self.admission.poke()
+                if self.metrics:
+                    self.metrics.failures.labels(code=e.code, retried=str(retry).lower()).inc()
+                last_error = f"{wid}: {e}"
+                if wid:
+                    excluded.add(wid)
+                if not retry:
+                    if sent:
+                        yield Chunk(error=f"worker failed after {sent} tokens: {e}")
+                        return
+                    raise RouterRejected(f"all {attempt + 1} attempts failed before the first token; last error: "
+                                         f"{last_error}", 503, "all_attempts_failed", recorded=True) from None
+                log.warning("request %s: %s failed before any token (%s); retrying elsewhere", adm.request_id, wid, e)
+            except RouterRejected as e:
+                if attempt == 0 or e.status < 500:
+                    raise  # the HTTP layer records it (RequestRejected), which ends its ledger entries
+                self._record(RequestFailed(request_id=adm.request_id, reason=f"{e}; last error: {last_error}",
+                                           code="no_workers_left", tokens_sent=sent), adm.request_id)
+                if sent:
+                    yield Chunk(error=f"{e}; last error: {last_error}")
+                    return
+                raise RouterRejected(f"{e}; last error: {last_error}", 503, "no_workers_left", recorded=True) from None
+
+    async def _disaggregated(self, adm: Admission, excluded: set[str], attempt: int):
+        _, prefill = self.decide(adm, RequestPhase.PREFILL, excluded, attempt)
+        body = {"model": adm.model, "prompt": adm.tokens, "max_tokens": 1, "stream": False,
+                "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True}}
+        wid = prefill.worker_id
+        try:
+            r = await self.http.post(f"{prefill.endpoint}/v1/completions", json=body,
+                                     headers={"X-Request-Id": adm.request_id})
+            if r.status_code >= 500:
+                raise WorkerFailed("worker_error", f"prefill {wid}: HTTP {r.status_code}: {r.text[:200]}", wid)
+            if r.status_code >= 400:
+                raise RouterRejected(f"prefill worker refused the request: {r.text[:300]}", r.status_code, "bad_request")
+            params = r.json().get("kv_transfer_params")
+        except (httpx.HTTPError, OSError, ValueError, AttributeError) as e:
+            raise _failure(e, f"prefill {wid}", wid) from None
+        # The decode decision releases the prefill entry (the KV is handed off) before it reads
+        # the ledger; replay does the same when it folds the decode phase's RequestRouted.
+        _, decode = self.decide(adm, RequestPhase.DECODE, excluded, attempt)
+        self.admission.poke()
+        return self._stream_from(decode, adm, params), decode
+
+    async def _stream_from(self, worker: WorkerState, adm: Admission, kv_params: dict | None) -> AsyncIterator[Chunk]:
+        body = {"model": adm.model, "prompt": adm.tokens, "max_tokens": adm.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "request_id": adm.request_id}
+        if kv_params is not None:
+            body["kv_transfer_params"] = kv_params
+        url = f"{worker.endpoint}/v1/completions"
+        try:
+            async with self.http.stream("POST", url, json=body, headers={"X-Request-Id": adm.request_id}) as r:
+                if r.status_code >= 500:
+                    raise WorkerFailed("worker_error", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}",
+                                       worker.worker_id)
+                if r.status_code >= 400:
+                    raise RouterRejected(f"worker refused the request: {(await r.aread())[:300].decode(errors='replace')}",
+                                         r.status_code, "bad_request")
+                done = False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        raise WorkerFailed("worker_error", str(obj["error"])[:300], worker.worker_id)
+                    choices = obj.get("choices") or []
+                    if choices:
+                        c = choices[0]
+                        yield Chunk(text=c.get("text", ""), token_ids=c.get("token_ids") or obj.get("token_ids") or [],
+                                    finish_reason=c.get("finish_reason"), usage=obj.get("usage"))
+                    elif obj.get("usage"):
+                        yield Chunk(usage=obj["usage"])
+                if not done:
+                    raise WorkerFailed("worker_lost", "stream ended without [DONE]", worker.worker_id)
+        except (httpx.HTTPError, OSError, ValueError) as e:
+            # A refused connection is recorded as ``worker_unreachable``: folding that drops
+            # everything this router sent to the worker (its KV is gone with it).
+            raise _failure(e, worker.worker_id, worker.worker_id) from None
+
+    def _first_token(self, adm: Admission, worker_id: str, record: bool) -> None:
+        """The prompt's KV now exists on the worker: its queued prefill leaves the ledger. Recorded
+        as PrefillCompleted (by the router, in aggregated serving) so replays see it too."""
+        if record:  # disaggregated: the decode entry has no prefill tokens; the prefill worker
+            # recorded its own PrefillCompleted
+            self._record(PrefillCompleted(
+                request_id=adm.request_id, worker_id=worker_id, prompt_tokens=len(adm.tokens),
+                duration_ms=(time.monotonic() - adm.received_at) * 1000), adm.request_id)
+        self.admission.poke()
+
+    def _completed(self, adm: Admission, t: "_Tracker") -> None:
+        itls = t.itls_ms
+        itls_sorted = sorted(itls)
+        self._record(RequestCompleted(
+            request_id=adm.request_id, worker_id=t.worker_id, prompt_tokens=len(adm.tokens),
+            output_tokens=t.tokens, cached_tokens=t.cached_tokens, ttft_ms=t.ttft_ms,
+            itl_mean_ms=statistics.fmean(itls) if itls else 0.0,
+            itl_p50_ms=itls_sorted[len(itls_sorted) // 2] if itls else 0.0,
+            itl_p99_ms=itls_sorted[min(len(itls_sorted) - 1, int(0.99 * len(itls_sorted)))] if itls else 0.0,
+            e2e_ms=(time.monotonic() - adm.received_at) * 1000, finish_reason=t.finish_reason or "length"),
+            adm.request_id)
+        self.admission.poke()
+        if self.metrics:
+            self.metrics.ttft_seconds.observe(t.ttft_ms / 1000)
+            for x in itls:
+                self.metrics.itl_seconds.observe(x / 1000)
+
+
+class _Tracker:
+    def __init__(self, worker_id: str, start: float) -> None:
+        self.worker_id = worker_id
+        self.start = start
+        self.last: float | None = None
+        self.ttft_ms = 0.0
+        self.itls_ms: list[float] = []
+        self.tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    def first_token(self) -> bool:
+        return self.last is None
+
+    def observe(self, c: Chunk) -> None:
+        now = time.monotonic()
+        if c.token_ids or c.text:
+            if self.last is None:
+                self.ttft_ms = (now - self.start) * 1000
+            else:
+                self.itls_ms.append((now - self.last) * 1000)
+            self.last = now
+            self.tokens += max(len(c.token_ids), 1)
+        if c.finish_reason:
+            self.finish_reason = c.finish_reason
+        if c.usage:
+            self.cached_tokens = int((c.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0)
+            self.tokens = int(c.usage.get("completion_tokens", self.tokens))

@@ -1,0 +1,266 @@
+"""Consumer-group plumbing shared by the Faust processors (router view, load view, metrics).
+
+Each processor incarnation is its own consumer group, seeded with the positions of the
+snapshot it restored (see ``control_plane/router/stream.py`` for why).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from confluent_kafka import Consumer, TopicPartition
+
+from kernel.settings import BusSettings
+
+log = logging.getLogger(__name__)
+
+
+def _consumer(bus: BusSettings, group: str) -> Consumer:
+    return Consumer({"bootstrap.servers": bus.bootstrap, "group.id": group, "enable.auto.commit": False,
+                     "logger": logging.getLogger("switchyard.rdkafka")})
+
+
+def seed_group_offsets(bus: BusSettings, group: str, topics: list[str], positions: dict[tuple[str, int], int]) -> None:
+    """Commit ``positions`` (low watermark where absent) as ``group``'s offsets. The group must
+    have no active member (true before the processor's Faust app starts)."""
+    c = _consumer(bus, group)
+    try:
+        offsets = []
+        for topic in topics:
+            md = c.list_topics(topic, timeout=10)
+            if topic not in md.topics or md.topics[topic].error is not None:
+                raise RuntimeError(f"topic {topic} does not exist; run `switchyard topics apply`")
+            for p in md.topics[topic].partitions:
+                lo, hi = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                pos = positions.get((topic, p), lo)
+                offsets.append(TopicPartition(topic, p, min(max(pos, lo), hi)))
+        c.commit(offsets=offsets, asynchronous=False)
+    finally:
+        c.close()
+
+
+def delete_empty_groups(bus: BusSettings, prefix: str) -> None:
+    """Best effort: drop empty groups whose id starts with ``prefix`` (earlier incarnations)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bus.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
+    try:
+        listed = admin.list_consumer_groups(request_timeout=10).result()
+        old = [g.group_id for g in listed.valid if g.group_id.startswith(prefix) and str(g.state).endswith("EMPTY")]
+        if old:
+            for _gid, fut in admin.delete_consumer_groups(old, request_timeout=10).items():
+                try:
+                    fut.result()
+                except Exception:  # raced with a member joining, or already gone
+                    pass
+    except Exception as e:
+        log.info("could not clean old consumer groups: %s", e)
+
+
+def log_end(bus: BusSettings, group: str, topics: list[str]) -> dict[tuple[str, int], int]:
+    """High watermark of every partition of ``topics``."""
+    c = _consumer(bus, f"{group}.probe")
+    try:
+        out = {}
+        for topic in topics:
+            for p in c.list_topics(topic, timeout=10).topics[topic].partitions:
+                out[(topic, p)] = c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+        return out
+    finally:
+        c.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The processor every materialized view runs in
+# ----------------------------------------------------------------------------------------------
+
+
+class FoldProcessor:
+    """One Faust app folding some streams into a pure projection, with snapshots.
+
+    The router view, the planner's load view and the metrics projection each run in one; a
+    subclass says what it folds (``STREAMS``, :meth:`fold_message`), what its state is
+    (:meth:`positions`, :meth:`applied`, :meth:`snapshot_bytes`, :attr:`snapshot_key`) and
+    may add agents, tables or timers (:meth:`extend`). This class does the rest, once:
+
+    * each incarnation is its own consumer group (``<prefix>.<kind>.<owner id>.<start ms>``)
+      reading every partition, so every replica keeps a whole, warm view; empty groups of
+      earlier incarnations are deleted;
+    * start-up from a checkpoint: before the app joins its group, the group's offsets are set to
+      the positions of the snapshot the projection was restored from, so only the tail is
+      replayed;
+    * ``caught_up`` turns true once every partition's position reached the log end read at
+      start-up;
+    * checkpoints: the projection's bytes are taken on the event loop (consistent with the
+      positions inside them) and written from a thread, spaced to at least 20x their encoding
+      time so a large view never holds the loop more than ~5% of the time;
+    * poison goes to the dead-letter topic (:meth:`dead_letter`); the agent continues.
+    """
+
+    #: The projection's name in group ids and logs.
+    KIND = "view"
+    #: Catalog streams folded.
+    STREAMS: tuple[str, ...] = ()
+
+    def __init__(self, bus: BusSettings, owner_id: str, *, snapshot_every_s: float = 10.0,
+                 datadir=None, commit_every_s: float = 5.0, app_options: dict | None = None) -> None:
+        import time
+
+        from kernel.log.catalog import Catalog
+        from kernel.log.kafka import DeadLetters, EventProducer
+        from kernel.log.snapshots import SnapshotStore
+        from schemas import EventCodec
+
+        self.bus = bus
+        self.owner_id = owner_id
+        self.catalog = Catalog(bus.topic_prefix)
+        self.topics = [self.catalog.topic(s) for s in self.STREAMS]
+        self.group_prefix = f"{bus.topic_prefix}.{self.KIND}.{owner_id}."
+        self.group = f"{self.group_prefix}{time.time_ns() // 1_000_000}"
+        self.codec = EventCodec()
+        self.snapshots = SnapshotStore(bus, self.catalog)
+        self.snapshot_every_s = snapshot_every_s
+        self.commit_every_s = commit_every_s
+        self.datadir = None if datadir is None else datadir / self.group
+        self.app_options = dict(app_options or {})
+        self._dlq = DeadLetters(EventProducer(bus, f"dlq:{self.group}", catalog=self.catalog), self.catalog,
+                                self.group)
+        self._target: dict[tuple[str, int], int] = {}
+        self.caught_up = False
+        self.dead_lettered = 0
+        self.snapshots_written = 0
+        self._last_snapshot_applied = -1
+        self._next_checkpoint_at = 0.0
+        self.app = None
+
+    # -- what a subclass provides ------------------------------------------------------------
+
+    @property
+    def snapshot_key(self) -> str:
+        raise NotImplementedError
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The projection's next offset per (topic, partition)."""
+        raise NotImplementedError
+
+    def applied(self) -> int:
+        raise NotImplementedError
+
+    def snapshot_bytes(self) -> bytes:
+        raise NotImplementedError
+
+    def fold_message(self, m) -> None:
+        """Fold one Faust message (``m.topic``, ``partition``, ``offset``, ``value``, ...)."""
+        raise NotImplementedError
+
+    def extend(self, app, topic) -> None:
+        """Add agents, tables or timers to the app before it starts (default: none)."""
+
+    async def log_end(self) -> dict[tuple[str, int], int]:
+        """The log end every partition must reach before ``caught_up``."""
+        import asyncio
+
+        return await asyncio.to_thread(log_end, self.bus, self.group, self.topics)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        import asyncio
+        import shutil
+
+        import faust
+
+        await asyncio.to_thread(delete_empty_groups, self.bus, self.group_prefix)
+        await asyncio.to_thread(seed_group_offsets, self.bus, self.group, self.topics, self.positions())
+        self._target = await self.log_end()
+        self.check_caught_up()
+        options = {"store": "memory://", "web_enabled": False, "topic_allow_declare": False,
+                   "topic_disable_leader": True, "consumer_auto_offset_reset": "earliest",
+                   "broker_commit_every": 1000, "broker_commit_interval": self.commit_every_s,
+                   **self.app_options}
+        if self.datadir is not None:
+            for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
+                shutil.rmtree(old, ignore_errors=True)
+            self.datadir.mkdir(parents=True, exist_ok=True)
+            options["datadir"] = str(self.datadir)
+        app = faust.App(self.group, broker=f"kafka://{self.bus.bootstrap}", **options)
+        topic = app.topic(*self.topics, value_serializer="raw", key_serializer="raw")
+        self.extend(app, topic)
+
+        @app.agent(topic, name=f"{self.group}.fold")
+        async def fold(stream):
+            async for event in stream.events():
+                self.fold_message(event.message)
+                if not self.caught_up:
+                    self.check_caught_up()
+
+        @app.timer(interval=self.snapshot_every_s)
+        async def checkpoint() -> None:
+            await self.checkpoint()
+
+        self.app = app
+        await app.start()
+
+    async def stop(self) -> None:
+        import shutil
+
+        if self.app is not None:
+            await self.app.stop()
+        self._dlq.producer.close(10)
+        if self.datadir is not None:  # memory:// store: it only holds Faust's bookkeeping
+            shutil.rmtree(self.datadir, ignore_errors=True)
+
+    # -- folding -----------------------------------------------------------------------------
+
+    def dead_letter(self, value: bytes | None, key: bytes | None, reason: str, error: str, source: str) -> None:
+        self.dead_lettered += 1
+        self._dlq.send(value, key, reason, error, source)
+
+    def check_caught_up(self) -> None:
+        pos = self.positions()
+        if all(pos.get(tp, 0) >= end for tp, end in self._target.items()):
+            self.caught_up = True
+            log.info("%s %s caught up with the log (%d records applied)", self.KIND, self.owner_id, self.applied())
+
+    async def wait_caught_up(self, timeout_s: float = 60.0) -> None:
+        import asyncio
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.caught_up:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.KIND} not caught up after {timeout_s:g}s")
+            await asyncio.sleep(0.05)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    async def checkpoint(self, force: bool = False) -> bool:
+        """Write a snapshot if anything was applied since the last one."""
+        import asyncio
+        import time
+
+        applied = self.applied()
+        if not force and applied == self._last_snapshot_applied:
+            return False
+        now = time.monotonic()
+        if not force and now < self._next_checkpoint_at:
+            return False
+        data = self.snapshot_bytes()  # taken on the loop: consistent with the positions in it
+        self._next_checkpoint_at = now + 20 * (time.monotonic() - now)
+        await asyncio.to_thread(self.snapshots.save, self.snapshot_key, data)
+        self._last_snapshot_applied = applied
+        self.snapshots_written += 1
+        return True
+
+    def highwaters(self) -> dict[tuple[str, int], int]:
+        """The log end per partition: the start-up target, raised by what the consumer saw."""
+        out = dict(self._target)
+        if self.app is not None:
+            try:
+                for tp in self.app.consumer.assignment():
+                    hw = self.app.consumer.highwater(tp)
+                    if hw is not None and hw >= 0:
+                        out[(tp.topic, tp.partition)] = max(out.get((tp.topic, tp.partition), 0), hw)
+            except Exception:  # consumer not ready yet; fall back to the start-up log end
+                pass
+        return out

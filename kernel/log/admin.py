@@ -1,0 +1,89 @@
+"""Create or update the catalog's topics through Kafka's admin API, idempotently."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewPartitions,
+    NewTopic,
+)
+
+from kernel.log.catalog import Catalog
+from kernel.settings import BusSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TopicChange:
+    topic: str
+    action: str  # "created" | "updated" | "unchanged" | "partitions_increased" | "warning"
+    detail: str = ""
+
+
+def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout: float = 30) -> list[TopicChange]:
+    """Make the broker match the catalog. Safe to run any number of times.
+
+    Never deletes a topic and never lowers a partition count (that would re-key every worker's
+    history): a topic with more partitions than the catalog says is reported, not changed.
+    """
+    catalog = catalog or Catalog(settings.topic_prefix)
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap,
+                         "logger": logging.getLogger("switchyard.rdkafka")})
+    md = admin.list_topics(timeout=timeout)
+    wanted = catalog.all_topics()
+    changes: list[TopicChange] = []
+
+    missing = [NewTopic(t, spec.partitions, 1, config=spec.configs())
+               for t, spec in wanted.items() if t not in md.topics]
+    if missing:
+        for t, fut in admin.create_topics(missing, operation_timeout=timeout).items():
+            try:
+                fut.result(timeout)
+                changes.append(TopicChange(t, "created", f"{wanted[t].partitions} partitions"))
+            except KafkaException as e:
+                if "TOPIC_ALREADY_EXISTS" in str(e):  # a concurrent apply won the race
+                    changes.append(TopicChange(t, "unchanged", "created concurrently"))
+                else:
+                    raise
+
+    existing = {t: spec for t, spec in wanted.items() if t in md.topics}
+    grow = []
+    for t, spec in existing.items():
+        have = len(md.topics[t].partitions)
+        if have < spec.partitions:
+            grow.append(NewPartitions(t, spec.partitions))
+        elif have > spec.partitions:
+            changes.append(TopicChange(t, "warning", f"has {have} partitions, catalog says {spec.partitions}; left alone"))
+    if grow:
+        for t, fut in admin.create_partitions(grow, operation_timeout=timeout).items():
+            fut.result(timeout)
+            changes.append(TopicChange(t, "partitions_increased", f"to {wanted[t].partitions}"))
+
+    if existing:
+        resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in existing]
+        current = {}
+        for res, fut in admin.describe_configs(resources).items():
+            current[res.name] = {k: v.value for k, v in fut.result(timeout).items()}
+        to_alter = []
+        for t, spec in existing.items():
+            diff = {k: v for k, v in spec.configs().items() if current[t].get(k) != v}
+            if diff:
+                to_alter.append(ConfigResource(
+                    ConfigResource.Type.TOPIC, t,
+                    incremental_configs=[ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+                                         for k, v in diff.items()]))
+                changes.append(TopicChange(t, "updated", ", ".join(f"{k}={v}" for k, v in diff.items())))
+            elif not any(c.topic == t for c in changes):
+                changes.append(TopicChange(t, "unchanged"))
+        if to_alter:
+            for _res, fut in admin.incremental_alter_configs(to_alter).items():
+                fut.result(timeout)
+    return changes

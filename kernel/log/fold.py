@@ -1,0 +1,91 @@
+"""The one piece of glue between log records and a pure fold. Pure.
+
+Every consumer that folds records into a view (the router view, the load view, replay's
+folds) does the same four things around its fold, and they used to be written out in each:
+
+* a record at or behind the fold's position for its partition is skipped: a redelivery, or a
+  record a restored snapshot already covers;
+* a record without a value, or whose bytes do not decode (:class:`~schemas.SchemaError`), is
+  poison;
+* a record the fold refuses (it raises :class:`Poisoned`, e.g. the prefix index's
+  ``IndexRejected``) is poison;
+* poison advances the position past the record (it is never read again: the fold goes on)
+  and goes to ``on_poison``, which dead-letters it in a live processor and counts it in a tool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import msgspec
+
+from kernel.log.reader import TP, LogRecord
+from schemas import SchemaError
+
+R = TypeVar("R")
+
+
+class Poisoned(Exception):
+    """A record a fold cannot apply. ``reason`` is machine-readable (the dead-letter header);
+    ``key`` is the record key to dead-letter it under, when the fold knows a better one."""
+
+    def __init__(self, reason: str, detail: str, key: bytes | None = None) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.key = key
+
+
+class FoldStats(msgspec.Struct, kw_only=True):
+    """What a fold did with the records it was given."""
+
+    records: int = 0
+    applied: int = 0
+    #: Records already covered by the fold's positions (a snapshot, or a re-read).
+    skipped: int = 0
+    #: Records that were not decodable envelopes or that the fold refused.
+    poisoned: int = 0
+
+
+class RecordFold(Generic[R]):
+    """``fold(record)``: skip, apply or poison one record (see the module docstring).
+
+    ``positions`` is the fold's own ``{(topic, partition): next offset}`` map (the fold advances
+    it when it applies a record; poison is advanced here). ``apply`` folds one record and returns
+    what the caller wants to know about it; it raises ``SchemaError`` or :class:`Poisoned`.
+    """
+
+    __slots__ = ("apply", "on_poison", "positions", "stats")
+
+    def __init__(self, positions: dict[TP, int], apply: Callable[[LogRecord], R],
+                 on_poison: Callable[[LogRecord, Poisoned], None] | None = None) -> None:
+        self.positions = positions
+        self.apply = apply
+        self.on_poison = on_poison
+        self.stats = FoldStats()
+
+    def __call__(self, rec: LogRecord) -> R | None:
+        st = self.stats
+        st.records += 1
+        tp = (rec.topic, rec.partition)
+        if rec.offset < self.positions.get(tp, 0):
+            st.skipped += 1
+            return None
+        try:
+            if rec.value is None:
+                raise Poisoned("no_value", "record has no value")
+            out = self.apply(rec)
+        except SchemaError as e:
+            poison = Poisoned(getattr(e, "reason", "malformed"), str(e))
+        except Poisoned as e:
+            poison = e
+        else:
+            st.applied += 1
+            return out
+        if self.positions.get(tp, 0) <= rec.offset:
+            self.positions[tp] = rec.offset + 1
+        st.poisoned += 1
+        if self.on_poison is not None:
+            self.on_poison(rec, poison)
+        return None

@@ -1,0 +1,372 @@
+"""Kafka adapters (confluent-kafka / librdkafka): producer, consumer, dead-letter queue.
+
+The producer is idempotent with ``acks=all``: a retried batch after a broker failure is written
+once. The consumer decodes through :class:`schemas.EventCodec`, drops redeliveries with a
+:class:`SequenceTracker`, reports gaps, and sends anything it cannot decode to the dead-letter
+topic with the reason, then goes on: one poison record never stops a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import xxhash
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
+
+from kernel.log.catalog import Catalog
+from kernel.log.metadata import topic_partitions
+from kernel.log.sequencing import Observation, SequenceTracker, Verdict
+from kernel.settings import BusSettings
+from schemas import Envelope, EnvelopeFactory, EventCodec, SchemaError
+from schemas.events import Event
+
+log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger("switchyard.rdkafka")
+
+H_TYPE = "sy-type"
+H_VERSION = "sy-v"
+H_PRODUCER = "sy-producer"
+H_DLQ_REASON = "sy-dlq-reason"
+H_DLQ_ERROR = "sy-dlq-error"
+H_DLQ_SOURCE = "sy-dlq-source"  # "topic:partition:offset"
+H_DLQ_CONSUMER = "sy-dlq-consumer"
+
+
+def producer_config(settings: BusSettings, **extra) -> dict:
+    conf = {
+        "bootstrap.servers": settings.bootstrap,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": settings.linger_ms,
+        "batch.num.messages": 10000,
+        "compression.type": "lz4",
+        # Keep retrying through a broker restart; the idempotent producer dedupes on the broker.
+        "message.timeout.ms": 120000,
+        "logger": _rdkafka_log,
+    }
+    conf.update(extra)
+    return conf
+
+
+@dataclass(frozen=True)
+class Ack:
+    envelope: Envelope[Event]
+    topic: str
+    partition: int
+    offset: int
+    error: str | None = None
+
+
+class EventProducer:
+    """Publishes payloads as enveloped events, numbered per partition for this incarnation.
+
+    Not for concurrent use from several threads without care: ``publish`` is serialised by a
+    lock so sequence numbers and produce order agree.
+    """
+
+    def __init__(
+        self,
+        settings: BusSettings,
+        producer_id: str,
+        epoch: int | None = None,
+        *,
+        catalog: Catalog | None = None,
+        codec: EventCodec | None = None,
+        clock_ns: Callable[[], int] = time.time_ns,
+        on_ack: Callable[[Ack], None] | None = None,
+        **conf,
+    ) -> None:
+        self.catalog = catalog or Catalog(settings.topic_prefix)
+        self.codec = codec or EventCodec()
+        # Default incarnation: start time in ms, monotonic across restarts of one producer id.
+        self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
+        self._p = Producer(producer_config(settings, **conf))
+        self._lock = threading.Lock()
+        self._on_ack = on_ack
+        self._partitions: dict[str, int] = {}
+        self.acked = 0
+        self.failed: list[Ack] = []
+
+    @property
+    def producer_id(self) -> str:
+        return self.factory.producer
+
+    @property
+    def epoch(self) -> int:
+        return self.factory.epoch
+
+    def publish(
+        self,
+        payload: Event,
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        on_ack: Callable[[Ack], None] | None = None,
+    ) -> Envelope[Event]:
+        topic = self.catalog.topic(payload.STREAM)
+        key = payload.key()
+        with self._lock:
+            partition = self._partition(topic, key)
+            env = self.factory.wrap(payload, correlation_id=correlation_id, causation_id=causation_id,
+                                    key=key, scope=f"{topic}:{partition}")
+            self._produce(env, topic, partition, on_ack)
+        return env
+
+    def _partition(self, topic: str, key: str) -> int:
+        """xxh64(key) mod partitions, computed here so the envelope's sequence can be numbered
+        per partition (see EnvelopeFactory). Not crc32 (librdkafka's "consistent"): crc32 is
+        linear, so ids differing in one character ("w0".."w3") can all land on one partition."""
+        n = self._partitions.get(topic)
+        if n is None:
+            # A topic created a moment ago may not be listed yet: 3 s for that, 10 s for a broker
+            # that is still starting or dropped the request.
+            n = self._partitions[topic] = len(topic_partitions(self._p, topic, unknown_for=3.0))
+        return xxhash.xxh64_intdigest(key.encode()) % n
+
+    def _produce(self, env: Envelope[Event], topic: str, partition: int, on_ack) -> None:
+        cb = on_ack or self._on_ack
+
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            ack = Ack(env, msg.topic(), msg.partition() if msg.partition() is not None else -1,
+                      msg.offset() if msg.offset() is not None else -1, str(err) if err else None)
+            if err:
+                self.failed.append(ack)
+                log.error("event %s %s seq %d not delivered: %s", env.type, env.key, env.seq, err)
+            else:
+                self.acked += 1
+            if cb:
+                cb(ack)
+
+        headers = [(H_TYPE, env.type.encode()), (H_VERSION, str(env.version).encode()),
+                   (H_PRODUCER, env.producer.encode())]
+        value = self.codec.encode(env)
+        while True:
+            try:
+                self._p.produce(topic, value=value, key=env.key.encode(), partition=partition, headers=headers,
+                                timestamp=env.occurred_at_ns // 1_000_000, on_delivery=delivered)
+                break
+            except BufferError:
+                # Local queue full: serve delivery reports until there is room (backpressure).
+                self._p.poll(0.05)
+        self._p.poll(0)
+
+    def produce_raw(self, topic: str, value: bytes | None, key: bytes | None = None,
+                    headers: list[tuple[str, bytes]] | None = None, **kw) -> None:
+        """Write bytes as they are (dead-lettering, snapshots, tests of poison input). A keyed
+        record goes to the same partition ``publish`` would use for that key."""
+        with self._lock:
+            if key is not None and "partition" not in kw:
+                kw["partition"] = self._partition(topic, key.decode())
+            self._p.produce(topic, value=value, key=key, headers=headers or [], **kw)
+            self._p.poll(0)
+
+    def poll(self, timeout: float = 0) -> int:
+        return self._p.poll(timeout)
+
+    def outstanding(self) -> int:
+        """Events handed to the client whose delivery report has not been served yet."""
+        return len(self._p)
+
+    def flush(self, timeout: float = 30.0) -> int:
+        """Wait for delivery reports; returns how many are still outstanding."""
+        return self._p.flush(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        left = self.flush(timeout)
+        if left:
+            log.warning("producer %s closed with %d undelivered events", self.producer_id, left)
+
+
+class DeadLetters:
+    """Writes records nobody could decode or apply to the dead-letter topic: the original bytes
+    and key, plus headers saying why, where it came from and who gave up on it."""
+
+    def __init__(self, producer: EventProducer, catalog: Catalog, consumer_name: str) -> None:
+        self.producer = producer
+        self.catalog = catalog
+        self.consumer_name = consumer_name
+        self.sent = 0
+
+    def send(self, value: bytes | None, key: bytes | None, reason: str, error: str, source: str) -> None:
+        self.sent += 1
+        log.warning("dead-lettering %s (%s): %s", source, reason, error)
+        self.producer.produce_raw(
+            self.catalog.deadletter, value, key,
+            [(H_DLQ_REASON, reason.encode()), (H_DLQ_ERROR, error[:2000].encode()),
+             (H_DLQ_SOURCE, source.encode()), (H_DLQ_CONSUMER, self.consumer_name.encode())],
+        )
+
+
+@dataclass(frozen=True)
+class Delivered:
+    envelope: Envelope[Event]
+    topic: str
+    partition: int
+    offset: int
+    observation: Observation
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}:{self.partition}"
+
+
+class EventConsumer:
+    """Reads enveloped events from catalog streams.
+
+    Two modes:
+
+    * ``group_id`` given: a consumer group member (partitions shared across members; offsets
+      committed by :meth:`commit`).
+    * ``assign_all=True``: this process reads *every* partition itself (router replicas each
+      need the whole index) from ``start_offsets`` or the beginning; nothing is committed, the
+      position lives in the process's own snapshots.
+    """
+
+    def __init__(
+        self,
+        settings: BusSettings,
+        streams: Iterable[str],
+        *,
+        group_id: str | None = None,
+        assign_all: bool = False,
+        start_offsets: dict[tuple[str, int], int] | None = None,
+        catalog: Catalog | None = None,
+        codec: EventCodec | None = None,
+        tracker: SequenceTracker | None = None,
+        dead_letters: EventProducer | None = None,
+        consumer_name: str = "",
+        dedupe: bool = True,
+        **conf,
+    ) -> None:
+        if not group_id and not assign_all:
+            raise ValueError("give a group_id, or assign_all=True to read every partition")
+        self.catalog = catalog or Catalog(settings.topic_prefix)
+        self.codec = codec or EventCodec()
+        self.tracker = tracker or SequenceTracker()
+        self.dedupe = dedupe
+        self.name = consumer_name or group_id or "consumer"
+        self.topics = [self.catalog.topic(s) for s in streams]
+        self._owns_dlq = dead_letters is None
+        if dead_letters is None:
+            dead_letters = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
+        self._dlq = DeadLetters(dead_letters, self.catalog, self.name)
+        base = {
+            "bootstrap.servers": settings.bootstrap,
+            "group.id": group_id or f"sy-assign-{self.name}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+            "fetch.wait.max.ms": 50,
+            "logger": _rdkafka_log,
+        }
+        base.update(conf)
+        self._c = Consumer(base)
+        self._positions: dict[tuple[str, int], int] = {}  # next offset to read
+        self.delivered = 0
+        self.dead_lettered = 0
+        self.gaps: list[tuple[str, str, tuple[int, int]]] = []
+        if assign_all:
+            self._assign_all(start_offsets or {})
+        else:
+            self._c.subscribe(self.topics)
+
+    def _assign_all(self, start: dict[tuple[str, int], int]) -> None:
+        md = self._c.list_topics(timeout=10)
+        tps = []
+        for t in self.topics:
+            if t not in md.topics or md.topics[t].error is not None:
+                raise RuntimeError(f"topic {t} does not exist; run `switchyard topics apply`")
+            for p in sorted(md.topics[t].partitions):
+                off = start.get((t, p), OFFSET_BEGINNING)
+                tps.append(TopicPartition(t, p, off))
+                if off != OFFSET_BEGINNING:
+                    self._positions[(t, p)] = off
+        self._c.assign(tps)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def poll_batch(self, max_records: int = 1000, timeout: float = 0.5) -> list[Delivered]:
+        """Up to ``max_records`` events; returns as soon as at least one record is there
+        (``consume`` alone would wait for ``max_records`` or the whole timeout)."""
+        first = self._c.poll(timeout)
+        if first is None:
+            return []
+        msgs = [first]
+        if max_records > 1:
+            msgs.extend(self._c.consume(max_records - 1, 0))
+        out: list[Delivered] = []
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer %s: %s", self.name, err)
+                continue
+            d = self._handle(m)
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _handle(self, m: Message) -> Delivered | None:
+        topic, part, off = m.topic(), m.partition(), m.offset()
+        self._positions[(topic, part)] = off + 1
+        value = m.value()
+        if value is None:
+            self._dead_letter_msg(m, "malformed", "record has no value (tombstone on an event topic)")
+            return None
+        try:
+            env = self.codec.decode(value)
+        except SchemaError as e:
+            self._dead_letter_msg(m, e.reason, str(e))
+            return None
+        scope = f"{topic}:{part}"
+        obs = self.tracker.observe(scope, env.producer, env.epoch, env.seq)
+        if obs.gap is not None:
+            self.gaps.append((scope, env.producer, obs.gap))
+            log.warning("gap on %s from %s epoch %d: seqs %d..%d missing", scope, env.producer,
+                        env.epoch, *obs.gap)
+        if self.dedupe and obs.verdict is not Verdict.NEW:
+            return None
+        self.delivered += 1
+        return Delivered(env, topic, part, off, obs)
+
+    # -- dead letters -----------------------------------------------------------------------
+
+    def dead_letter(self, d: Delivered, reason: str, error: str) -> None:
+        """Send a decoded event that its handler could not apply to the dead-letter topic."""
+        self.dead_lettered += 1
+        self._dlq.send(self.codec.encode(d.envelope), d.envelope.key.encode(), reason, error,
+                       f"{d.topic}:{d.partition}:{d.offset}")
+
+    def _dead_letter_msg(self, m: Message, reason: str, error: str) -> None:
+        self.dead_lettered += 1
+        self._dlq.send(m.value(), m.key(), reason, error, f"{m.topic()}:{m.partition()}:{m.offset()}")
+
+    # -- position ---------------------------------------------------------------------------
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """Next offset to read per (topic, partition), for everything consumed so far."""
+        return dict(self._positions)
+
+    def lag(self) -> dict[tuple[str, int], int]:
+        """Records behind the end of each assigned partition (a broker round trip)."""
+        out = {}
+        for tp in self._c.assignment():
+            lo, hi = self._c.get_watermark_offsets(tp, timeout=5, cached=False)
+            pos = self._positions.get((tp.topic, tp.partition), lo)
+            out[(tp.topic, tp.partition)] = max(hi - pos, 0)
+        return out
+
+    def commit(self) -> None:
+        if not self._positions:
+            return
+        self._c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in self._positions.items()],
+                       asynchronous=False)
+
+    def close(self) -> None:
+        self._c.close()
+        if self._owns_dlq:
+            self._dlq.producer.close(10)

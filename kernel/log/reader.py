@@ -1,0 +1,435 @@
+"""Reading the log for replay: one port, three adapters (Kafka, a file export, memory).
+
+Replay reads *only* the log. Everything it rebuilds (the router view, the in-flight ledgers,
+the load view) is a fold of records read through :class:`LogReader`, partition by partition in
+offset order, so the same code runs against the broker, against a file exported from it, and
+against records held in memory (tests, mutated copies).
+
+``LogRecord`` keeps the raw value: decoding is the fold's business (a record that does not
+decode is skipped and counted, exactly as the live consumers dead-letter it).
+
+File export format (``.sylog``), written by :func:`export_log`::
+
+    b"SYLOG1\\n"  then frames:  u32 header length | msgpack header | u32 body length | body
+
+    header = {"t": topic, "p": partition, "first": offset, "last": offset, "n": count}
+    body   = msgpack array of [offset, timestamp ms, key | nil, value | nil]
+
+Frames hold one partition's records in offset order (at most ``frame_records`` each), so a
+reader seeks straight to the frames of the partition and range it wants.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+
+from kernel.errors import LogReadError
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+
+
+class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One record of one partition, as the broker stored it."""
+
+    topic: str
+    partition: int
+    offset: int
+    ts_ms: int
+    key: bytes | None
+    value: bytes | None
+
+
+class LogReader(Protocol):
+    """Read-only access to the log: partitions, their bounds, offsets by time, and ranges."""
+
+    def partitions(self, topic: str) -> list[int]:
+        """Partition numbers of ``topic`` (raises :class:`LogReadError` if it does not exist)."""
+        ...
+
+    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+        """(low watermark, high watermark): the first offset still stored and the next one to
+        be written."""
+        ...
+
+    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
+        """The first offset whose record timestamp is >= ``ts_ms`` (the high watermark when
+        none is)."""
+        ...
+
+    def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        """Records with ``start <= offset < end``, in offset order."""
+        ...
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded scans over any reader
+# ----------------------------------------------------------------------------------------------
+
+
+def scan(reader: LogReader, topic: str, *, since_ms: int | None = None, partitions: Iterable[int] | None = None,
+         upto: dict[int, int] | None = None) -> Iterator[LogRecord]:
+    """Records of ``topic``, partition by partition in offset order: from the first record at or
+    after ``since_ms`` (record timestamp; else the low watermark) up to the high watermark as of
+    the call, or ``upto[partition]`` (exclusive) when given. The scan ends even while producers
+    keep writing. ``partitions``: only these (e.g. the one a key hashes to)."""
+    for p in (reader.partitions(topic) if partitions is None else partitions):
+        lo, hi = reader.bounds(topic, p)
+        if upto is not None:
+            hi = min(hi, upto.get(p, lo))
+        start = lo if since_ms is None else reader.offset_for_time(topic, p, since_ms)
+        if start < hi:
+            yield from reader.read(topic, p, start, hi)
+
+
+class ScanStats(msgspec.Struct):
+    records: int = 0
+    undecodable: int = 0
+
+
+def scan_events(reader: LogReader, topic: str, *, codec=None, stats: ScanStats | None = None, key: bytes | None = None,
+                **bounds) -> Iterator[tuple[LogRecord, object]]:
+    """``scan`` decoded: (record, envelope) pairs. A record that does not decode is skipped and
+    counted in ``stats`` (tools read around poison; the live consumers dead-letter it).
+    ``key``: only records with that key."""
+    from schemas import EventCodec, SchemaError
+
+    codec = codec or EventCodec()
+    stats = stats if stats is not None else ScanStats()
+    for rec in scan(reader, topic, **bounds):
+        if key is not None and rec.key != key:
+            continue
+        stats.records += 1
+        if rec.value is None:
+            stats.undecodable += 1
+            continue
+        try:
+            env = codec.decode(rec.value)
+        except SchemaError:
+            stats.undecodable += 1
+            continue
+        yield rec, env
+
+
+def read_events(bus, stream: str, **bounds) -> list:
+    """Every decodable envelope of ``stream`` (a catalog stream name) on the broker ``bus`` names,
+    within ``scan``'s bounds: the start-up scans and tools (config lookup, orphan scan, test
+    oracles) read the log this way."""
+    from kernel.log.catalog import Catalog
+
+    with KafkaLogReader(bus.bootstrap) as reader:
+        return [env for _, env in scan_events(reader, Catalog(bus.topic_prefix).topic(stream), **bounds)]
+
+
+# ----------------------------------------------------------------------------------------------
+# In memory
+# ----------------------------------------------------------------------------------------------
+
+
+class MemoryLogReader:
+    """Records held in memory, per partition (tests; a log with one record altered)."""
+
+    def __init__(self, records: Iterable[LogRecord], partitions: dict[str, int] | None = None) -> None:
+        self._parts: dict[TP, list[LogRecord]] = {}
+        for r in records:
+            self._parts.setdefault((r.topic, r.partition), []).append(r)
+        for recs in self._parts.values():
+            recs.sort(key=lambda r: r.offset)
+        self._n = dict(partitions or {})
+        for t, p in self._parts:
+            self._n[t] = max(self._n.get(t, 0), p + 1)
+
+    def partitions(self, topic: str) -> list[int]:
+        if topic not in self._n:
+            raise LogReadError(f"topic {topic} is not in this log")
+        return list(range(self._n[topic]))
+
+    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+        recs = self._parts.get((topic, partition))
+        if not recs:
+            return (0, 0)
+        return (recs[0].offset, recs[-1].offset + 1)
+
+    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
+        for r in self._parts.get((topic, partition), ()):
+            if r.ts_ms >= ts_ms:
+                return r.offset
+        return self.bounds(topic, partition)[1]
+
+    def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        for r in self._parts.get((topic, partition), ()):
+            if r.offset >= end:
+                break
+            if r.offset >= start:
+                yield r
+
+    def records(self) -> list[LogRecord]:
+        return [r for recs in self._parts.values() for r in recs]
+
+    def replace(self, topic: str, partition: int, offset: int, value: bytes) -> None:
+        """Swap one record's value (a tampered copy of the log, for tests of ``verify``)."""
+        recs = self._parts[(topic, partition)]
+        for i, r in enumerate(recs):
+            if r.offset == offset:
+                recs[i] = msgspec.structs.replace(r, value=value)
+                return
+        raise KeyError(f"{topic}:{partition}:{offset}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kafka
+# ----------------------------------------------------------------------------------------------
+
+
+class KafkaLogReader:
+    """Reads partitions of the broker directly (assign + seek; no consumer group, no commits).
+
+    One confluent-kafka consumer, re-assigned per range. Reading stops at ``end`` or at the
+    high watermark, whichever comes first; offsets missing inside a range (compaction,
+    transaction markers) are simply absent from the output.
+    """
+
+    def __init__(self, bootstrap: str, *, fetch_bytes: int = 64 * 1024 * 1024, timeout_s: float = 10.0) -> None:
+        from confluent_kafka import Consumer
+
+        self._timeout = timeout_s
+        self._c = Consumer({
+            "bootstrap.servers": bootstrap,
+            "group.id": f"sy-replay-{time.time_ns()}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": fetch_bytes,
+            "max.partition.fetch.bytes": fetch_bytes,
+            "queued.max.messages.kbytes": 256 * 1024,
+            "fetch.wait.max.ms": 10,
+            "logger": logging.getLogger("switchyard.rdkafka"),
+        })
+        self._parts: dict[str, list[int]] = {}
+
+    def close(self) -> None:
+        self._c.close()
+
+    def __enter__(self) -> KafkaLogReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def partitions(self, topic: str) -> list[int]:
+        got = self._parts.get(topic)
+        if got is None:
+            md = self._c.list_topics(topic, timeout=self._timeout)
+            t = md.topics.get(topic)
+            if t is None or t.error is not None or not t.partitions:
+                raise LogReadError(f"topic {topic} does not exist (run `switchyard topics apply`?)")
+            got = self._parts[topic] = sorted(t.partitions)
+        return got
+
+    def _retry(self, what: str, fn):
+        """Metadata calls answer "not leader" for a moment after a topic is created or a broker
+        restarts: retry those for a few seconds, then say which call failed."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return fn()
+            except KafkaException as e:
+                if not e.args[0].retriable() and "leader" not in str(e).lower() or time.monotonic() > deadline:
+                    raise LogReadError(f"{what}: {e}") from None
+                time.sleep(0.1)
+
+    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+        from confluent_kafka import TopicPartition
+
+        return self._retry(f"watermarks of {topic}:{partition}", lambda: self._c.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=self._timeout, cached=False))
+
+    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
+        from confluent_kafka import TopicPartition
+
+        if ts_ms < 0:  # Kafka reads negative times as special values (-1 latest, -2 earliest)
+            return self.bounds(topic, partition)[0]
+        got = self._retry(f"offset for time {ts_ms} of {topic}:{partition}", lambda: self._c.offsets_for_times(
+            [TopicPartition(topic, partition, int(ts_ms))], timeout=self._timeout))
+        off = got[0].offset
+        if off < 0:  # no record at or after ts_ms
+            return self.bounds(topic, partition)[1]
+        return off
+
+    def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        from confluent_kafka import KafkaError, TopicPartition
+
+        lo, hi = self.bounds(topic, partition)
+        start = max(start, lo)
+        end = min(end, hi)
+        if end <= start:
+            return
+        self._c.assign([TopicPartition(topic, partition, start)])
+        try:
+            nxt = start
+            idle_deadline = time.monotonic() + self._timeout
+            while nxt < end:
+                # poll() returns as soon as one record is there; consume(n, 0) then takes what
+                # is already fetched (consume(n, t) alone would wait for n records or t).
+                first = self._c.poll(0.5)
+                msgs = [first] + self._c.consume(10000, 0) if first is not None else []
+                if not msgs:
+                    if time.monotonic() > idle_deadline:
+                        raise LogReadError(f"timed out reading {topic}:{partition} at offset {nxt} (want < {end})")
+                    continue
+                idle_deadline = time.monotonic() + self._timeout
+                for m in msgs:
+                    err = m.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            # The end of the partition at or past ``end``: whatever is missing
+                            # below it was compacted away or is a transaction marker.
+                            if m.partition() == partition and m.topic() == topic and (m.offset() or 0) >= end:
+                                nxt = end
+                            continue
+                        raise LogReadError(f"reading {topic}:{partition}: {err}")
+                    if m.partition() != partition or m.topic() != topic:
+                        continue  # prefetched for a previous assignment
+                    off = m.offset()
+                    if off < nxt:
+                        continue
+                    if off >= end:
+                        nxt = end
+                        break
+                    nxt = off + 1
+                    ts = m.timestamp()[1]
+                    yield LogRecord(topic, partition, off, ts, m.key(), m.value())
+        finally:
+            self._c.unassign()
+
+
+# ----------------------------------------------------------------------------------------------
+# File export
+# ----------------------------------------------------------------------------------------------
+
+_MAGIC = b"SYLOG1\n"
+_U32 = struct.Struct("<I")
+
+
+class _FrameHeader(msgspec.Struct, frozen=True):
+    t: str
+    p: int
+    first: int
+    last: int
+    n: int
+
+
+_Row = tuple[int, int, bytes | None, bytes | None]
+
+
+def export_log(reader: LogReader, topics: Sequence[str], path: str | Path, *,
+               ranges: dict[TP, tuple[int, int]] | None = None, frame_records: int = 20000,
+               progress=None) -> int:
+    """Write ``topics`` (every partition, whole or the ``ranges`` given) to a ``.sylog`` file.
+    Returns the number of records written."""
+    enc = msgspec.msgpack.Encoder()
+    n_total = 0
+    with open(path, "wb") as f:
+        f.write(_MAGIC)
+        for topic in topics:
+            for p in reader.partitions(topic):
+                lo, hi = reader.bounds(topic, p)
+                if ranges and (topic, p) in ranges:
+                    lo, hi = max(lo, ranges[(topic, p)][0]), min(hi, ranges[(topic, p)][1])
+                batch: list[_Row] = []
+
+                def flush(empty_ok: bool = False) -> None:
+                    if not batch and not empty_ok:
+                        return
+                    # An empty frame (n=0) only says the partition exists: a topic's partition
+                    # count must survive the export, or a key would hash to another partition.
+                    first, last = (batch[0][0], batch[-1][0]) if batch else (-1, -1)
+                    head = enc.encode(_FrameHeader(topic, p, first, last, len(batch)))
+                    body = enc.encode(batch)
+                    f.write(_U32.pack(len(head)))
+                    f.write(head)
+                    f.write(_U32.pack(len(body)))
+                    f.write(body)
+                    batch.clear()
+
+                written = n_total
+                for r in reader.read(topic, p, lo, hi):
+                    batch.append((r.offset, r.ts_ms, r.key, r.value))
+                    n_total += 1
+                    if progress is not None:
+                        progress(1)
+                    if len(batch) >= frame_records:
+                        flush()
+                flush(empty_ok=n_total == written)
+    return n_total
+
+
+class FileLogReader:
+    """Reads a ``.sylog`` export. Frame headers are indexed at open; bodies are read on demand."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "rb")
+        if self._f.read(len(_MAGIC)) != _MAGIC:
+            raise LogReadError(f"{self.path} is not a Switchyard log export")
+        self._frames: dict[TP, list[tuple[int, int, int, int]]] = {}  # (first, last, pos, len)
+        hdec = msgspec.msgpack.Decoder(_FrameHeader)
+        self._body = msgspec.msgpack.Decoder(list[tuple[int, int, bytes | None, bytes | None]])
+        while True:
+            raw = self._f.read(4)
+            if not raw:
+                break
+            (hl,) = _U32.unpack(raw)
+            h = hdec.decode(self._f.read(hl))
+            (bl,) = _U32.unpack(self._f.read(4))
+            pos = self._f.tell()
+            self._f.seek(bl, 1)
+            frames = self._frames.setdefault((h.t, h.p), [])
+            if h.n:
+                frames.append((h.first, h.last, pos, bl))
+        self._n: dict[str, int] = {}
+        for t, p in self._frames:
+            self._n[t] = max(self._n.get(t, 0), p + 1)
+
+    def close(self) -> None:
+        self._f.close()
+
+    def partitions(self, topic: str) -> list[int]:
+        if topic not in self._n:
+            raise LogReadError(f"topic {topic} is not in {self.path}")
+        return list(range(self._n[topic]))
+
+    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+        fr = self._frames.get((topic, partition))
+        if not fr:
+            return (0, 0)
+        return (fr[0][0], fr[-1][1] + 1)
+
+    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
+        for r in self.read(topic, partition, 0, 1 << 62):
+            if r.ts_ms >= ts_ms:
+                return r.offset
+        return self.bounds(topic, partition)[1]
+
+    def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        for first, last, pos, bl in self._frames.get((topic, partition), ()):
+            if last < start:
+                continue
+            if first >= end:
+                break
+            self._f.seek(pos)
+            for off, ts, key, value in self._body.decode(self._f.read(bl)):
+                if off >= end:
+                    return
+                if off >= start:
+                    yield LogRecord(topic, partition, off, ts, key, value)

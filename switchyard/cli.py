@@ -1,0 +1,501 @@
+"""The ``switchyard`` command. Each subcommand wires its own process; imports stay lazy so
+``--help`` is instant and a command never loads what it does not use."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
+
+app = typer.Typer(
+    help="Switchyard: an event-sourced control plane for disaggregated LLM inference.\n\n"
+    "The Kafka log is the source of truth; every command here either runs a component that "
+    "reads/writes that log, or operates the local stack around it.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+stack_app = typer.Typer(help="Run the local stack: Kafka (KRaft), PostgreSQL, Redis as project-local processes.",
+                        no_args_is_help=True)
+topics_app = typer.Typer(help="Kafka topics from the catalog (kernel/log/catalog.py).", no_args_is_help=True)
+schemas_app = typer.Typer(help="Event schemas: export the JSON Schema files, check code and files agree.",
+                          no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (figures, not tests). Each ends with one RESULT line.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+app.add_typer(topics_app, name="topics")
+app.add_typer(schemas_app, name="schemas")
+app.add_typer(bench_app, name="bench")
+
+
+def _register_subapps() -> None:
+    """Sub-apps that live beside their components (imports stay light: typer only)."""
+    from control_plane.admin.cli import admin_app
+    from control_plane.metrics.cli import metrics_app
+    from control_plane.planner.cli import planner_app
+    from control_plane.replay.cli import replay_app
+
+    app.add_typer(metrics_app, name="metrics")
+    app.add_typer(replay_app, name="replay")
+    app.add_typer(admin_app, name="admin")
+    app.add_typer(planner_app, name="planner")
+
+
+_register_subapps()
+
+ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis, prometheus.")]
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+# -- stack ------------------------------------------------------------------------------------
+
+
+@stack_app.command("up")
+def stack_up(service: ServiceOpt = None) -> None:
+    """Start the services that are not running (idempotent), wait until each is really ready,
+    and create or update the Kafka topics from the catalog."""
+    _logging()
+    from control_plane.settings import StackSettings
+    from control_plane.stack import Stack, StackError
+    from kernel.log.admin import apply_topics
+    from kernel.settings import BusSettings
+
+    stack = Stack(StackSettings.from_env())
+    try:
+        started = stack.up(service)
+    except StackError as e:
+        _fail(str(e))
+    for name, new in started.items():
+        typer.echo(f"{name:10s} {'started' if new else 'already running'}")
+    if not service or "kafka" in service:
+        changes = apply_topics(BusSettings.from_env())
+        n = sum(c.action != "unchanged" for c in changes)
+        typer.echo(f"topics     {len(changes)} in catalog, {n} created or updated")
+    _print_status(stack)
+
+
+@stack_app.command("down")
+def stack_down(service: ServiceOpt = None) -> None:
+    """Stop the services (data dirs are kept) and check that no process is left behind."""
+    _logging()
+    from control_plane.settings import StackSettings
+    from control_plane.stack import Stack
+
+    left = Stack(StackSettings.from_env()).down(service)
+    if left:
+        _fail(f"processes still running after stop: {left}")
+    typer.echo("stack stopped")
+
+
+@stack_app.command("status")
+def stack_status(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Show which services run, their pids, addresses and data dirs."""
+    from control_plane.settings import StackSettings
+    from control_plane.stack import Stack
+
+    stack = Stack(StackSettings.from_env())
+    if as_json:
+        typer.echo(json.dumps(stack.status(), indent=2))
+    else:
+        _print_status(stack)
+
+
+def _print_status(stack) -> None:
+    for st in stack.status():
+        state = f"running pid {st['pid']}" if st["running"] else "stopped"
+        extra = f" kafka {st['version']}" if st["service"] == "kafka" else ""
+        typer.echo(f"{st['service']:10s} {state:18s} {st['address']}{extra}")
+
+
+# -- topics -----------------------------------------------------------------------------------
+
+
+@topics_app.command("apply")
+def topics_apply() -> None:
+    """Create missing topics and update configs of existing ones (never deletes, never shrinks)."""
+    _logging()
+    from kernel.log.admin import apply_topics
+    from kernel.settings import BusSettings
+
+    for c in apply_topics(BusSettings.from_env()):
+        typer.echo(f"{c.topic:28s} {c.action:20s} {c.detail}")
+
+
+@topics_app.command("list")
+def topics_list() -> None:
+    """Print the catalog: topic, partitions, key, retention, cleanup policy."""
+    from kernel.log.catalog import Catalog
+    from kernel.settings import BusSettings
+
+    for topic, spec in Catalog(BusSettings.from_env().topic_prefix).all_topics().items():
+        ret = "forever" if spec.retention_ms < 0 else f"{spec.retention_ms // 86_400_000}d"
+        typer.echo(f"{topic:20s} p={spec.partitions:<2d} key={spec.key:14s} retention={ret:8s} "
+                   f"{spec.cleanup_policy:8s} {spec.description}")
+
+
+# -- schemas ----------------------------------------------------------------------------------
+
+
+@schemas_app.command("export")
+def schemas_export() -> None:
+    """Write schemas/json/*.json from the payload types (after a deliberate schema change)."""
+    from schemas.jsonschema import write_all
+
+    written = write_all()
+    typer.echo(f"wrote {len(written)} schema files")
+
+
+@schemas_app.command("check")
+def schemas_check() -> None:
+    """Fail if schemas/json/ and the Python payload types disagree (run in CI)."""
+    from schemas.jsonschema import check
+
+    problems = check()
+    for p in problems:
+        typer.echo(p, err=True)
+    if problems:
+        raise typer.Exit(1)
+    typer.echo("schema files match the payload types")
+
+
+# -- router -----------------------------------------------------------------------------------
+
+
+@app.command("router")
+def router_cmd(
+    port: Annotated[int, typer.Option(help="HTTP port of the OpenAI-compatible API.")] = 8000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    router_id: Annotated[Optional[str], typer.Option(help="Replica id (names its consumer group).")] = None,
+    mode: Annotated[str, typer.Option(help="kv | round_robin | random | least_loaded")] = "kv",
+    config: Annotated[Optional[Path], typer.Option(help="RouterConfig as JSON or TOML (weights, temperature...).")] = None,
+    block_size: Annotated[int, typer.Option(help="Engine KV block size in tokens.")] = 64,
+    hash_algo: Annotated[str, typer.Option(help="Prefix hash: sha256 | sha256_cbor | xxhash | xxhash_cbor.")] = "sha256",
+    tokenizer: Annotated[str, typer.Option(help="'hash' (shipped) or 'hf:/path/tokenizer.json'.")] = "hash",
+    snapshot_every: Annotated[float, typer.Option(help="Seconds between index checkpoints.")] = 5.0,
+    busy_prefill_tokens: Annotated[int, typer.Option(help="Admission: pending prefill tokens at which a worker is busy (0: no limit).")] = 65536,
+    queue_max: Annotated[int, typer.Option(help="Admission: requests that may wait at the router before 429.")] = 1024,
+    queue_timeout: Annotated[float, typer.Option(help="Admission: seconds a request may wait before 503.")] = 60.0,
+) -> None:
+    """Run a router replica: folds the kv and workers topics into its prefix index (from the
+    newest snapshot plus the log tail), decides KV-aware routes, records every decision, and
+    proxies OpenAI requests to the chosen workers."""
+    _logging()
+    from control_plane.router.admission import AdmissionConfig
+    from control_plane.router.wiring import RouterSettings, run_router
+    from kernel.settings import BusSettings
+
+    kw = {"router_id": router_id} if router_id else {}
+    admission = AdmissionConfig(busy_prefill_tokens=busy_prefill_tokens, queue_max=queue_max,
+                                queue_timeout_s=queue_timeout)
+    run_router(RouterSettings(host=host, port=port, mode=mode, config_file=config, block_size=block_size,
+                              hash_algo=hash_algo, tokenizer=tokenizer, snapshot_every_s=snapshot_every,
+                              admission=admission, **kw),
+               BusSettings.from_env())
+
+
+# -- worker -----------------------------------------------------------------------------------
+
+
+@app.command("worker")
+def worker(
+    worker_id: Annotated[str, typer.Option("--worker-id", help="Stable id across restarts (producer id, log key).")],
+    role: Annotated[str, typer.Option(help="prefill | decode | aggregated: what it registers as.")] = "aggregated",
+    pool: Annotated[str, typer.Option(help="Pool the planner scales it in.")] = "default",
+    host: Annotated[str, typer.Option(help="HTTP bind address (published in WorkerRegistered).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port; 0 picks a free one (see the READY line).")] = 8100,
+    profile: Annotated[str, typer.Option(help="Engine profile: mocker, h100_llama3_8b, or a TOML path.")] = "mocker",
+    speedup: Annotated[float, typer.Option(help="Engine time runs this many times faster than the hardware.")] = 1.0,
+    block_size: Annotated[Optional[int], typer.Option(help="Override the profile's tokens per block.")] = None,
+    device_blocks: Annotated[Optional[int], typer.Option(help="Override the profile's device KV blocks.")] = None,
+    model: Annotated[str, typer.Option(help="Model name served and registered.")] = "switchyard-sim",
+    data_dir: Annotated[Path, typer.Option(help="Worker data directory (disk tier under kvbm/g3).")] = Path("worker-data"),
+    host_blocks: Annotated[int, typer.Option(help="Host DRAM tier (G2) capacity in blocks.")] = 0,
+    disk_blocks: Annotated[int, typer.Option(help="Disk tier (G3) capacity in blocks.")] = 0,
+    object_blocks: Annotated[Optional[int], typer.Option(help="Object tier (G4) quota in blocks; default 1,000,000 with --s3-bucket, else 0.")] = None,
+    s3_endpoint: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL of the object tier.")] = None,
+    s3_bucket: Annotated[Optional[str], typer.Option(help="Bucket of the object tier.")] = None,
+    bytes_per_block: Annotated[int, typer.Option(help="Bytes of one KV block in every tier and on the wire.")] = 16384,
+    transfer_blocks: Annotated[int, typer.Option(help="Staging slots of the NIXL region for handoffs (0: as many as the device blocks).")] = 0,
+    lease_s: Annotated[float, typer.Option(help="Prefill: seconds a handoff's blocks stay held unread.")] = 30.0,
+    transfer_timeout_s: Annotated[float, typer.Option(help="Deadline of one KV pull (metadata + READ).")] = 10.0,
+    ack_timeout_s: Annotated[float, typer.Option(help="Longest wait for the log to acknowledge an event a response reveals (a handoff, a transfer outcome) before answering 503.")] = 10.0,
+    load_interval: Annotated[float, typer.Option("--load-interval", help="Seconds between load reports.")] = 1.0,
+    drain_timeout_s: Annotated[float, typer.Option(help="SIGTERM: max wait for in-flight work.")] = 30.0,
+    engine: Annotated[str, typer.Option(help="sim (simulated engine) | vllm (real vLLM, in-process AsyncLLM).")] = "sim",
+    vllm_model: Annotated[Optional[str], typer.Option(help="vLLM: HF model directory (default: the repo's tiny Llama).")] = None,
+    vllm_load_format: Annotated[str, typer.Option(help="vLLM: dummy (random weights, no download) | auto.")] = "dummy",
+    vllm_dtype: Annotated[str, typer.Option(help="vLLM: dtype.")] = "float32",
+    vllm_block_size: Annotated[int, typer.Option(help="vLLM: tokens per KV block (CPU build: multiple of 32).")] = 32,
+    vllm_max_model_len: Annotated[int, typer.Option(help="vLLM: max prompt + output tokens.")] = 2048,
+    vllm_hash_algo: Annotated[str, typer.Option(help="vLLM: prefix-caching hash (the router must match).")] = "sha256",
+    vllm_kv_connector: Annotated[Optional[str], typer.Option(help="vLLM: 'nixl' for prefill/decode over vLLM's NixlConnector, 'switchyard' for our KVBM tiers under vLLM (with --host-blocks).")] = None,
+    vllm_kv_buffer_device: Annotated[str, typer.Option(help="vLLM NixlConnector buffers: cpu (CPU build) | cuda.")] = "cpu",
+    vllm_cpu_kvcache_gib: Annotated[int, typer.Option(help="vLLM CPU build: GiB of KV cache.")] = 1,
+    vllm_gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM on GPU hosts.")] = None,
+    vllm_ucx_net_devices: Annotated[str, typer.Option(help="UCX_NET_DEVICES for NIXL ('' leaves UCX's default).")] = "lo",
+    vllm_args: Annotated[Optional[str], typer.Option(help="Extra AsyncEngineArgs as a JSON object.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """Run one worker: an engine (simulated by default, or a real vLLM with --engine vllm) +
+    tiered KV block manager + NIXL region behind an OpenAI-compatible API, publishing its KV,
+    request and lifecycle events to the log.
+
+    A restart with the same --worker-id and --data-dir takes a new epoch, verifies the disk and
+    object blocks the log says it holds, and reports its memory tiers empty.
+
+    SIGTERM drains: /health turns 503, in-flight requests finish, then exit 0."""
+    _logging(verbose)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    import json as _json
+
+    from data_plane.vllm.serving import TINY_MODEL_DIR, VllmEngineSettings
+    from data_plane.workers.settings import WorkerConfigError, WorkerSettings
+    from data_plane.workers.wiring import run_worker
+    from kernel.settings import BusSettings
+
+    kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
+    try:
+        vllm_settings = VllmEngineSettings(
+            model=vllm_model or str(TINY_MODEL_DIR), load_format=vllm_load_format, dtype=vllm_dtype,
+            block_size=vllm_block_size, max_model_len=vllm_max_model_len, hash_algo=vllm_hash_algo,
+            kv_connector=vllm_kv_connector, kv_role=kv_role, kv_buffer_device=vllm_kv_buffer_device,
+            cpu_kvcache_gib=vllm_cpu_kvcache_gib, gpu_memory_utilization=vllm_gpu_memory_utilization,
+            ucx_net_devices=vllm_ucx_net_devices or None, extra_args=_json.loads(vllm_args) if vllm_args else {})
+        settings = WorkerSettings(
+            engine=engine, vllm=vllm_settings,
+            worker_id=worker_id, role=role, pool=pool, host=host, port=port, profile=profile,
+            speedup=speedup, block_size=block_size, device_blocks=device_blocks, model=model,
+            data_dir=data_dir, host_blocks=host_blocks, disk_blocks=disk_blocks,
+            object_blocks=object_blocks, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+            bytes_per_block=bytes_per_block, transfer_blocks=transfer_blocks, lease_s=lease_s,
+            transfer_timeout_s=transfer_timeout_s, ack_timeout_s=ack_timeout_s, load_interval_s=load_interval,
+            drain_timeout_s=drain_timeout_s)
+    except (WorkerConfigError, ValueError) as e:
+        _fail(str(e), 2)
+    raise typer.Exit(run_worker(settings, BusSettings.from_env()))
+
+
+# -- the whole system ---------------------------------------------------------------------------
+
+
+@app.command("up")
+def up_cmd(
+    demo: Annotated[bool, typer.Option("--demo", help="Also replay a trace slice through the router and report.")] = True,
+    trace: Annotated[Optional[Path], typer.Option(help="Mooncake-format trace (default: the slice shipped in traces/).")] = None,
+    limit: Annotated[int, typer.Option(help="Requests of the trace to replay.")] = DEMO_DEFAULTS.limit,
+    rate: Annotated[float, typer.Option(help="Arrival speed-up over the trace timestamps.")] = DEMO_DEFAULTS.rate,
+    max_output: Annotated[int, typer.Option(help="Cap output tokens per request.")] = DEMO_DEFAULTS.max_output,
+    speedup: Annotated[float, typer.Option(help="Engine speed-up over the mocker profile's real time (1 = model speed).")] = DEMO_DEFAULTS.speedup,
+    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 2,
+    decode: Annotated[int, typer.Option(help="Decode workers.")] = 2,
+    stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = False,
+    engine: Annotated[str, typer.Option(help="sim (default) | vllm: real vLLM workers from .venv-vllm (NixlConnector P/D).")] = "sim",
+) -> None:
+    """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus),
+    the metrics processor, the router, the admin API, the planner and simulated prefill/decode
+    workers; then replay a time-compressed trace slice through the router with a progress bar
+    and print a summary plus a PNG report. `switchyard down` stops everything."""
+    _logging()
+    logging.getLogger().setLevel(logging.WARNING)
+    from control_plane.demo.up import DemoSettings, run_demo
+    from control_plane.settings import StackSettings
+
+    trace = trace or DEMO_TRACE
+    if not trace.exists():
+        _fail(f"trace {trace} not found (give --trace)")
+    try:
+        run_demo(DemoSettings(trace=trace, limit=limit if demo else 0, rate=rate, max_output=max_output, speedup=speedup,
+                              prefill_workers=prefill, decode_workers=decode, stop_after=stop, engine=engine,
+                              with_admin=any(g.name == "admin" for g in app.registered_groups),
+                              with_planner=any(g.name == "planner" for g in app.registered_groups)),
+                 StackSettings.from_env(), echo=typer.echo)
+    except RuntimeError as e:
+        _fail(str(e))
+
+
+@app.command("down")
+def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's processes but keep the stack.")] = False) -> None:
+    """Stop everything `switchyard up` started (workers drain first), then the stack."""
+    _logging()
+    from control_plane.demo.up import stop_demo
+    from control_plane.settings import StackSettings
+
+    stop_demo(StackSettings.from_env(), echo=typer.echo, stack=not keep_stack)
+
+
+# -- load -------------------------------------------------------------------------------------
+
+
+@app.command("loadgen")
+def loadgen_cmd(
+    trace: Annotated[Path, typer.Option(help="Mooncake-format trace (jsonl with hash_ids).")],
+    url: Annotated[str, typer.Option(help="Router base URL.")] = "http://127.0.0.1:8000",
+    rate: Annotated[float, typer.Option(help="Arrival speed-up over the trace's timestamps (2 = twice as fast).")] = 1.0,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N lines.")] = None,
+    max_output: Annotated[Optional[int], typer.Option(help="Cap output tokens per request.")] = None,
+    block_size: Annotated[int, typer.Option(help="Engine block size (for prompt synthesis).")] = 64,
+    png: Annotated[Optional[Path], typer.Option(help="Write a PNG report here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Replay a trace through the router's OpenAI API at its arrival times (compressed by
+    --rate), streaming, with a progress bar; print TTFT/ITL percentiles, throughput and the
+    prefix hit rate against the trace's ideal."""
+    import asyncio
+
+    from control_plane.demo.loadgen import format_summary, plot, run_trace
+
+    s = asyncio.run(run_trace(url, trace, limit=limit, speedup=rate, max_output=max_output, block_size=block_size,
+                              progress=not as_json))
+    if png:
+        plot(s, png)
+    if as_json:
+        typer.echo(json.dumps({k: v for k, v in s.items() if k != "results"}, indent=2))
+    else:
+        typer.echo(format_summary(s))
+    if s["completed"] == 0:
+        raise typer.Exit(1)
+
+
+# -- benchmarks -------------------------------------------------------------------------------
+
+
+@bench_app.command("events")
+def bench_events(
+    n: Annotated[int, typer.Option(help="Events per type for the in-process codec run.")] = 100_000,
+    e2e: Annotated[int, typer.Option(help="Events for the produce-to-consume run through the broker.")] = 100_000,
+) -> None:
+    """Encode/decode throughput per event type, and produce->consume throughput and latency
+    through the local broker (run `switchyard stack up` first)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.events_bench import main
+
+    main(codec_n=n, e2e_n=e2e)
+
+
+TRACE_DEFAULT = str(WHOLE_TRACE)
+TraceOpt = Annotated[Path, typer.Option(help="Mooncake-format trace (jsonl with hash_ids).")]
+
+
+@bench_app.command("index")
+def bench_index(trace: TraceOpt = Path(TRACE_DEFAULT),
+                limit: Annotated[Optional[int], typer.Option(help="Only the first N requests.")] = None,
+                scale: Annotated[bool, typer.Option(help="Growth on a generated stream (workers x entries points).")] = False,
+                points: Annotated[Optional[str], typer.Option(help="With --scale: WORKERSxENTRIES,... e.g. 64x1e6,8192x1e7.")] = None) -> None:
+    """Our (native) prefix index vs Dynamo's RadixTree (ai-dynamo-runtime, bench group) on the
+    same store/remove events and queries derived from the trace, both from wire bytes; with
+    --scale, the native index's growth curve on a generated stream."""
+    from benchmarks.index_bench import main as run
+
+    if scale:
+        run(["--scale"] + (["--points", points] if points else []))
+        return
+    run([str(trace)] + (["--limit", str(limit)] if limit else []))
+
+
+@bench_app.command("router")
+def bench_router(n: Annotated[int, typer.Option(help="Sequential HTTP requests per side.")] = 400) -> None:
+    """Decision latency at 8/64/256 workers for 4K and 32K prompts, and the HTTP overhead of the
+    router in front of an instant worker (needs `switchyard stack up`)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.router_bench import main as run
+
+    run(n)
+
+
+@bench_app.command("transfer")
+def bench_transfer() -> None:
+    """NIXL DRAM->DRAM READ between two processes vs a single-process memcpy."""
+    from benchmarks.transfer_bench import main as run
+
+    run([])
+
+
+@bench_app.command("engine")
+def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
+                 limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
+    """Our simulated engine (mocker profile) vs Dynamo's mocker on the trace: 4 aggregated
+    workers, round robin, 1x arrivals. Needs the bench group: `uv run --group bench ...`."""
+    from benchmarks.engine_bench import main as run
+
+    run(trace, limit)
+
+
+@bench_app.command("routing")
+def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
+                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
+    """The whole trace in virtual time through our routing decision and simulated engines, kv vs
+    round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin).
+    Needs the bench group: `uv run --group bench ...`."""
+    from benchmarks.routing_bench import main as run
+
+    run(trace, limit)
+
+
+@bench_app.command("e2e")
+def bench_e2e(trace: Annotated[Path, typer.Option(help="Mooncake-format trace (default: the demo's slice).")] = DEMO_TRACE,
+              limit: Annotated[int, typer.Option(help="Requests of the trace.")] = DEMO_DEFAULTS.limit,
+              rate: Annotated[float, typer.Option(help="Arrival speed-up.")] = DEMO_DEFAULTS.rate,
+              repeats: Annotated[int, typer.Option(help="Rounds; the modes' order alternates.")] = 1) -> None:
+    """The full stack (broker, router, disaggregated simulated workers) with kv vs round_robin
+    routing on the same trace slice: TTFT, ITL, throughput, hit rate vs the ideal (needs the stack)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.e2e_bench import main as run
+
+    run(trace, limit, rate, repeats=repeats)
+
+
+@bench_app.command("vllm")
+def bench_vllm(trace: TraceOpt = Path(TRACE_DEFAULT),
+               limit: Annotated[int, typer.Option(help="Requests of the trace (aggregated runs).")] = 400,
+               max_output: Annotated[int, typer.Option(help="Output tokens per request.")] = 4,
+               disagg_limit: Annotated[int, typer.Option(help="Requests of the disaggregated pass.")] = 60) -> None:
+    """Real vLLM workers (.venv-vllm) behind the router on the trace, tokens per hash id: vLLM's
+    prefix-hit rate and TTFT with kv vs round_robin routing, predicted vs vLLM-reported cached
+    tokens, then one disaggregated pass over vLLM's NixlConnector (needs the stack)."""
+    logging.basicConfig(level=logging.WARNING)
+    from benchmarks.vllm_bench import main as run
+
+    run(trace, limit, max_output, disagg_limit=disagg_limit)
+
+
+@bench_app.command("planner")
+def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT)) -> None:
+    """The trace, time-compressed with bursts, through simulated workers with the planner on,
+    vs the best static split of the same GPU budget."""
+    from benchmarks.planner_bench import main as run
+
+    run(trace)
+
+
+@bench_app.command("replay")
+def bench_replay() -> None:
+    """Events replayed per second from the broker (and a file export) into the index and load
+    view, and time to reconstruct state 1M events deep (generates the log once)."""
+    from benchmarks.replay_bench import main as run
+
+    run([])
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The router's request path against workers that fail in each way a worker can fail before the
+first token: refused, stalled, reset, 5xx. In-memory ports (an event sink, a view filled by
+hand), real sockets and real HTTP; no broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from control_plane.router import RouterConfig
+from control_plane.router.admission import AdmissionConfig
+from control_plane.router.proxy import Router, RouterRejected
+from control_plane.router.view import RouterView, WorkerState
+from kernel.hashing import HashAlgo, HashConfig
+from kernel.log.sink import MemorySink
+from kernel.net import free_port
+from schemas.events import RequestFailed, RequestRouted
+
+
+async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
+    """A fake worker that behaves as ``kind``; returns (server, port)."""
+    if kind == "refuse":
+        return None, free_port()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0)
+        await reader.readexactly(length)
+        if kind == "stall":
+            await asyncio.sleep(30)
+        elif kind == "reset":
+            writer.transport.abort()
+            return
+        elif kind == "error":
+            body = b'{"error": "boom"}'
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        else:  # good: two tokens, SSE
+            chunks = [{"choices": [{"text": "a", "token_ids": [7], "finish_reason": None}]},
+                      {"choices": [{"text": "b", "token_ids": [8], "finish_reason": "length"}]}]
+            sse = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(sse), sse))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _router(kinds: list[str], *, max_attempts: int = 3) -> tuple[Router, MemorySink, list]:
+    view = RouterView("sha256", 16)
+    servers = []
+    for i, kind in enumerate(kinds):
+        server, port = await _serve(kind)
+        servers.append(server)
+        wid = f"{kind}-{i}"
+        view.workers[wid] = WorkerState(worker_id=wid, epoch=1, role="aggregated", pool="p",
+                                        endpoint=f"http://127.0.0.1:{port}", capacity={"device": 1000})
+    sink = MemorySink()
+    router = Router(router_id="r-test", view=view, producer=sink, config=RouterConfig(),
+                    hash_config=HashConfig(HashAlgo.SHA256, 16), max_attempts=max_attempts,
+                    connect_timeout_s=1.0, read_timeout_s=0.5)
+    return router, sink, servers
+
+
+async def _collect(router: Router, rid: str) -> list:
+    adm = router.admit(request_id=rid, model="m", tokens=list(range(40)), max_tokens=2, stream=True,
+                       endpoint="completions")
+    await router.queue(adm)
+    return [c async for c in router.serve(adm)]
+
+
+async def _close(router: Router, servers: list) -> None:
+    await router.close()
+    for s in servers:
+        if s is not None:
+            s.close()
+
+
+@pytest.mark.parametrize(("kind", "code"), [("refuse", "worker_unreachable"), ("stall", "timeout"),
+                                             ("reset", "worker_lost"), ("error", "worker_error")])
+async def test_each_failure_before_the_first_token_is_a_recorded_503(kind: str, code: str) -> None:
+    router, sink, servers = await _router([kind])
+    try:
+        with pytest.raises(RouterRejected) as exc:
+            await _collect(router, f"req-{kind}")
+        assert exc.value.status == 503 and exc.value.retry_after_s and exc.value.recorded
+        failed = sink.of_type(RequestFailed)
+        assert failed[0].code == code and failed[0].worker_id == f"{kind}-0"
+        assert failed[-1].retried is False  # the request's end is on the log
+        assert len(router.ledger) == 0
+    finally:
+        await _close(router, servers)
+
+
+async def test_failures_are_retried_on_another_worker_until_one_serves() -> None:
+    router, sink, servers = await _router(["refuse", "stall", "reset", "error", "good"], max_attempts=5)
+    try:
+        chunks = await _collect(router, "req-mixed")
+        assert [c.text for c in chunks if c.text] == ["a", "b"]
+        failed = sink.of_type(RequestFailed)
+        assert all(f.retried for f in failed)
+        routed = sink.of_type(RequestRouted)
+        assert routed[-1].worker_id == "good-4"
+        assert [r.excluded_workers for r in routed] == [sorted(f.worker_id for f in failed[:i]) for i in range(len(routed))]
+    finally:
+        await _close(router, servers)
+
+
+async def test_a_full_admission_queue_refuses_with_429_and_its_reason() -> None:
+    router, sink, servers = await _router(["good"])
+    router.admission.cfg = AdmissionConfig(busy_prefill_tokens=10, queue_max=1, queue_timeout_s=0.2)
+    try:
+        # The first request is granted (nothing pending); its tokens now count until routed.
+        first = router.admit(request_id="q-1", model="m", tokens=list(range(40)), max_tokens=2, stream=True,
+                             endpoint="completions")
+        await router.queue(first)
+        waiter = asyncio.ensure_future(_collect(router, "q-2"))
+        while len(router.admission) == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(RouterRejected) as full:
+            await _collect(router, "q-3")
+        assert full.value.status == 429 and full.value.code == "queue_full" and full.value.retry_after_s
+        with pytest.raises(RouterRejected) as late:
+            await waiter
+        assert late.value.status == 503 and late.value.code == "queue_timeout"
+        # Once the first is served, the queue has room again.
+        assert [c.text async for c in router.serve(first) if c.text] == ["a", "b"]
+        assert [c.text for c in await _collect(router, "q-4") if c.text] == ["a", "b"]
+    finally:
+        await _close(router, servers)

@@ -1,0 +1,477 @@
+"""The router's request path (admit, decide, record, proxy, retry) over in-memory ports: a
+``MemorySink`` for the log and ``httpx.MockTransport`` for the workers. No broker, no sockets.
+
+Every scenario also checks the design property of :mod:`control_plane.router.ledger`: the
+router's live state is exactly the fold of the events it published. A fresh ``RouterLedger``
+folded from ``sink.envelopes`` must equal ``router.ledger`` (load per worker, the in-flight view
+of the prompt, the round-robin cursors, open requests, entries) at every point the router
+waits on a worker, after every chunk the client receives, and at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from control_plane.router import RouterConfig
+from control_plane.router.http import RouterApp, RouterMetrics, create_app
+from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
+from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
+from control_plane.router.view import RouterView, WorkerState
+from kernel.hashing import HashAlgo, HashConfig, hash_blocks
+from kernel.log.sink import MemorySink
+from schemas.events import (
+    RequestAdmitted,
+    RequestCompleted,
+    RequestFailed,
+    RequestRouted,
+)
+from schemas.types import RequestPhase, RoutingMode
+from tests.support.waits import until
+
+BLOCK = 16
+PROMPT = list(range(40))  # two full blocks (hashed) and a partial one
+KV_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3, 4, 5], "remote_engine_id": "engine-p",
+             "remote_host": "10.0.0.7", "remote_port": 5600}
+
+Answer = Callable[[dict], httpx.Response]
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake workers: scripted answers, in call order
+# ----------------------------------------------------------------------------------------------
+
+
+def _sse(*objs: dict, done: bool = True) -> bytes:
+    return b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs) + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _token(text: str, token_id: int, finish: str | None = None) -> dict:
+    return {"choices": [{"text": text, "token_ids": [token_id], "finish_reason": finish}]}
+
+
+USAGE = {"usage": {"prompt_tokens": len(PROMPT), "completion_tokens": 3,
+                   "prompt_tokens_details": {"cached_tokens": 16}}}
+
+
+def tokens(*texts: str) -> Answer:
+    """A stream of one token per text, the last one finishing, then usage and [DONE]."""
+    chunks = [_token(t, 100 + i, "length" if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
+    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(*chunks, USAGE))
+
+
+def status(code: int) -> Answer:
+    return lambda body: httpx.Response(code, json={"error": f"HTTP {code} from the engine"})
+
+
+def prefilled(params: dict) -> Answer:
+    """A prefill worker's (non-streamed) answer, carrying the KV handoff parameters."""
+    return lambda body: httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "length"}],
+                                                  "kv_transfer_params": params})
+
+
+def token_then_error(text: str) -> Answer:
+    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                       content=_sse(_token(text, 100), {"error": "engine core died"}, done=False))
+
+
+def token_then_cut(text: str) -> Answer:
+    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                       content=_sse(_token(text, 100), done=False))
+
+
+def token_then_hold(text: str, release: asyncio.Event) -> Answer:
+    """One token, then nothing until ``release`` (a worker still decoding), then the rest."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield _sse(_token(text, 100), done=False)
+        await release.wait()
+        yield _sse(_token("!", 101, "length"), USAGE)
+
+    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+
+@dataclass
+class Call:
+    worker: str  # the endpoint's host, which is the worker id
+    path: str
+    body: dict
+
+
+@dataclass
+class FakeWorkers:
+    """``httpx.MockTransport`` handler: the n-th call to any worker gets ``script[n]``. Before
+    answering it runs ``on_call`` (the router is waiting on the worker: every fact it decided so
+    far is recorded)."""
+
+    script: list[Answer]
+    calls: list[Call] = field(default_factory=list)
+    on_call: Callable[[Call], None] = lambda call: None
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        call = Call(request.url.host, request.url.path, json.loads(request.content))
+        self.calls.append(call)
+        self.on_call(call)
+        assert len(self.calls) <= len(self.script), f"unscripted call {len(self.calls)}: {call}"
+        return self.script[len(self.calls) - 1](call.body)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders
+# ----------------------------------------------------------------------------------------------
+
+
+def _worker(worker_id: str, role: str = "aggregated", **overrides) -> WorkerState:
+    fields = dict(worker_id=worker_id, epoch=1, role=role, pool="p", endpoint=f"http://{worker_id}:8000",
+                  capacity={"device": 1000})
+    fields.update(overrides)
+    return WorkerState(**fields)
+
+
+def _router(workers: list[WorkerState], fake: FakeWorkers, **config) -> tuple[Router, MemorySink]:
+    view = RouterView("sha256", BLOCK)
+    for w in workers:
+        view.workers[w.worker_id] = w
+    sink = MemorySink()
+    router = Router(router_id="r-path", view=view, producer=sink, config=RouterConfig(**config),
+                    hash_config=HashConfig(HashAlgo.SHA256, BLOCK), max_attempts=3,
+                    http=httpx.AsyncClient(transport=httpx.MockTransport(fake)))
+    return router, sink
+
+
+async def _admit(router: Router, rid: str, prompt: list[int] = PROMPT) -> Admission:
+    adm = router.admit(request_id=rid, model="m", tokens=prompt, max_tokens=3, stream=True, endpoint="completions")
+    await router.queue(adm)
+    return adm
+
+
+# ----------------------------------------------------------------------------------------------
+# The design property
+# ----------------------------------------------------------------------------------------------
+
+
+def ledger_state(ledger: RouterLedger, workers, hashes) -> dict:
+    """Everything a decision or the admission test reads from the ledger."""
+    return {"load_for": {w: ledger.load_for(w) for w in workers}, "view": ledger.view(hashes),
+            "view of no prompt": ledger.view(()), "rr_cursor": dict(ledger.rr_cursor),
+            "open_requests": ledger.open_requests(), "len": len(ledger)}
+
+
+def folded(router: Router, sink: MemorySink) -> RouterLedger:
+    fold = RouterLedger(router.config.inflight_ttl_s)
+    for env in sink.envelopes:
+        fold.apply(env)
+    return fold
+
+
+class FoldCheck:
+    """Compares the live ledger with the fold of the sink, wherever it is called from (a check
+    inside the transport cannot raise through the router: it records, ``verify`` asserts)."""
+
+    def __init__(self, router: Router, sink: MemorySink, hashes) -> None:
+        self.router, self.sink, self.hashes = router, sink, list(hashes)
+        self.points = 0
+        self.mismatches: list[tuple[int, dict, dict]] = []
+
+    def __call__(self, *_: object) -> None:
+        live = ledger_state(self.router.ledger, self.router.view.workers, self.hashes)
+        fold = ledger_state(folded(self.router, self.sink), self.router.view.workers, self.hashes)
+        self.points += 1
+        if live != fold:
+            self.mismatches.append((len(self.sink.envelopes), live, fold))
+
+    def verify(self) -> None:
+        self()
+        assert self.mismatches == [], self.mismatches[0]
+
+
+def _scenario(workers: list[WorkerState], script: list[Answer], **config):
+    fake = FakeWorkers(script)
+    router, sink = _router(workers, fake, **config)
+    check = FoldCheck(router, sink, _hashes(router))
+    fake.on_call = check
+    return router, sink, fake, check
+
+
+def _hashes(router: Router) -> list[int]:
+    return hash_blocks(PROMPT, router.hash_config)
+
+
+async def _collect(router: Router, adm: Admission, check: FoldCheck) -> list[Chunk]:
+    out = []
+    async for chunk in router.serve(adm):
+        out.append(chunk)
+        check()
+    return out
+
+
+def _types(sink: MemorySink) -> list[str]:
+    return [type(e).__name__ for e in sink.events]
+
+
+# ----------------------------------------------------------------------------------------------
+# Scenarios
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [RoutingMode.KV, RoutingMode.ROUND_ROBIN])
+async def test_an_aggregated_stream_is_recorded_in_order_and_its_tokens_relayed(mode: RoutingMode) -> None:
+    router, sink, fake, check = _scenario([_worker("w-a")], [tokens("Hel", "lo", ".")], mode=mode)
+    adm = await _admit(router, "agg-1")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks if c.text] == ["Hel", "lo", "."]
+    assert [c.token_ids for c in chunks if c.token_ids] == [[100], [101], [102]]
+    assert chunks[-1].usage == USAGE["usage"] and not any(c.error for c in chunks)
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestCompleted"]
+    assert set(sink.correlation) == {"agg-1"}
+    [admitted], [routed], [done] = sink.of_type(RequestAdmitted), sink.of_type(RequestRouted), sink.of_type(RequestCompleted)
+    assert admitted.block_hashes == _hashes(router) and admitted.prompt_tokens == 40
+    assert routed.worker_id == "w-a" and routed.phase is RequestPhase.AGGREGATED and routed.mode is mode
+    assert (done.worker_id, done.output_tokens, done.cached_tokens, done.finish_reason) == ("w-a", 3, 16, "length")
+    [call] = fake.calls
+    assert (call.worker, call.path) == ("w-a", "/v1/completions")
+    assert call.body["prompt"] == PROMPT and call.body["stream"] is True and "kv_transfer_params" not in call.body
+    # While the worker streamed, the request held its blocks on w-a.
+    assert check.points == 5 and check.mismatches == []
+    check.verify()
+    assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
+    assert router.ledger.rr_cursor == ({"aggregated": "w-a"} if mode is RoutingMode.ROUND_ROBIN else {})
+    await router.close()
+
+
+async def test_a_disaggregated_request_hands_the_prefills_kv_to_the_decode_worker() -> None:
+    seen: dict[str, object] = {}
+    router, sink, fake, check = _scenario([_worker("p-1", "prefill"), _worker("d-1", "decode")],
+                                          [prefilled(KV_PARAMS), tokens("a", "b", "c")])
+
+    def at_call(call: Call) -> None:
+        check()
+        seen[call.worker] = (router.ledger.load_for("p-1"), router.ledger.load_for("d-1"))
+
+    fake.on_call = at_call
+    adm = await _admit(router, "dis-1")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks if c.text] == ["a", "b", "c"]
+    prefill, decode = fake.calls
+    assert prefill.worker == "p-1" and prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
+    assert prefill.body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert decode.worker == "d-1" and decode.body["stream"] is True
+    assert decode.body["kv_transfer_params"] == KV_PARAMS  # forwarded as the prefill answered it
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestRouted", "RequestCompleted"]
+    assert [(r.phase, r.worker_id) for r in sink.of_type(RequestRouted)] == [
+        (RequestPhase.PREFILL, "p-1"), (RequestPhase.DECODE, "d-1")]
+    assert sink.of_type(RequestCompleted)[0].worker_id == "d-1"
+    # While prefilling, the request is on p-1 with its prompt to compute; the decode decision
+    # released that entry (the KV was handed off) before d-1 was called.
+    p_load, d_load = seen["p-1"]
+    assert p_load.requests == 1 and p_load.prefill_tokens > 0 and d_load == NO_INFLIGHT
+    p_load, d_load = seen["d-1"]
+    assert p_load == NO_INFLIGHT and d_load.requests == 1 and d_load.prefill_tokens == 0
+    check.verify()
+    assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
+    await router.close()
+
+
+async def test_a_decode_failure_before_the_first_token_routes_both_phases_again() -> None:
+    router, sink, fake, check = _scenario(
+        [_worker("p-1", "prefill"), _worker("d-1", "decode"), _worker("d-2", "decode")],
+        [prefilled(KV_PARAMS), status(503), prefilled({**KV_PARAMS, "remote_block_ids": [9]}), tokens("z")])
+    adm = await _admit(router, "dis-retry")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks if c.text] == ["z"]
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestRouted", "RequestFailed",
+                            "RequestRouted", "RequestRouted", "RequestCompleted"]
+    [failed] = sink.of_type(RequestFailed)
+    first_decode = fake.calls[1].worker
+    assert failed.retried and failed.code == "worker_error" and failed.worker_id == first_decode
+    routed = sink.of_type(RequestRouted)
+    assert [(r.phase, r.attempt) for r in routed] == [(RequestPhase.PREFILL, 0), (RequestPhase.DECODE, 0),
+                                                      (RequestPhase.PREFILL, 1), (RequestPhase.DECODE, 1)]
+    assert routed[3].worker_id != first_decode and routed[3].excluded_workers == [first_decode]
+    assert fake.calls[3].body["kv_transfer_params"]["remote_block_ids"] == [9]  # this attempt's handoff
+    check.verify()
+    await router.close()
+
+
+@pytest.mark.parametrize("mode", [RoutingMode.KV, RoutingMode.ROUND_ROBIN])
+async def test_a_5xx_before_the_first_token_is_retried_on_the_other_worker(mode: RoutingMode) -> None:
+    router, sink, fake, check = _scenario([_worker("w-a"), _worker("w-b")], [status(500), tokens("ok")], mode=mode)
+    adm = await _admit(router, "retry-1")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks if c.text] == ["ok"]
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestFailed", "RequestRouted",
+                            "PrefillCompleted", "RequestCompleted"]
+    first, second = (c.worker for c in fake.calls)
+    assert {first, second} == {"w-a", "w-b"}
+    [failed] = sink.of_type(RequestFailed)
+    assert failed.retried is True and failed.code == "worker_error" and failed.worker_id == first
+    assert failed.tokens_sent == 0
+    r0, r1 = sink.of_type(RequestRouted)
+    assert (r0.worker_id, r0.attempt, r0.excluded_workers) == (first, 0, [])
+    assert (r1.worker_id, r1.attempt, r1.excluded_workers) == (second, 1, [first])
+    assert sink.of_type(RequestCompleted)[0].worker_id == second
+    check.verify()
+    if mode is RoutingMode.ROUND_ROBIN:
+        assert router.ledger.rr_cursor == {"aggregated": second}
+    await router.close()
+
+
+@pytest.mark.parametrize(("answer", "code"), [(token_then_error, "worker_error"), (token_then_cut, "worker_lost")])
+async def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_and_no_retry(answer, code: str) -> None:
+    router, sink, fake, check = _scenario([_worker("w-a"), _worker("w-b")], [answer("Hel"), tokens("never")])
+    adm = await _admit(router, "late-1")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks] == ["Hel", ""]
+    assert chunks[-1].error and "after 1 tokens" in chunks[-1].error
+    assert len(fake.calls) == 1  # no retry: the client already has a token
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestFailed"]
+    [failed] = sink.of_type(RequestFailed)
+    assert (failed.code, failed.retried, failed.tokens_sent, failed.worker_id) == (code, False, 1, fake.calls[0].worker)
+    check.verify()
+    assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
+    await router.close()
+
+
+async def test_a_failure_after_the_first_token_is_an_sse_error_event_then_done() -> None:
+    """The same failure through the HTTP front: the client reads its token, an OpenAI-style error
+    event and the end of the stream (never a hang, never a bare 500)."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [token_then_error("Hel")])
+    app = create_app(RouterApp(router=router, tokenizer=None, metrics=RouterMetrics(), served_model="m",
+                               health=lambda: None))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True,
+                                                       "request_id": "sse-1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "sse-1"
+    events = [line[len("data: "):] for line in r.text.split("\n\n") if line]
+    assert json.loads(events[0])["choices"][0]["text"] == "Hel"
+    error = json.loads(events[1])["error"]
+    assert error["code"] == "worker_failed" and error["type"] == "upstream_error" and "after 1 tokens" in error["message"]
+    assert events[2:] == ["[DONE]"]
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestFailed"]
+    check.verify()
+    await router.close()
+
+
+async def _close_between_tokens(stream: AsyncIterator[Chunk], first: list[Chunk], check: FoldCheck) -> None:
+    first.append(await stream.__anext__())
+    check()
+    await stream.aclose()  # what the HTTP front does when the client is gone (its finally)
+
+
+async def _cancel_while_waiting(stream: AsyncIterator[Chunk], first: list[Chunk], check: FoldCheck) -> None:
+    got_one = asyncio.Event()
+
+    async def client() -> None:
+        async for chunk in stream:
+            first.append(chunk)
+            check()
+            got_one.set()
+
+    task = asyncio.ensure_future(client())
+    # The client task sets the event and asks for the next token at once (no await between):
+    # when this task resumes, the router is waiting on the worker's next line.
+    await got_one.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("leave", [_close_between_tokens, _cancel_while_waiting],
+                         ids=["closed between tokens", "cancelled while waiting for a token"])
+async def test_a_client_going_away_mid_stream_ends_the_request_as_client_cancelled(leave) -> None:
+    release = asyncio.Event()
+    router, sink, fake, check = _scenario([_worker("w-a")], [token_then_hold("Hel", release)])
+    try:
+        adm = await _admit(router, "gone-1")
+        first: list[Chunk] = []
+        await leave(router.serve(adm), first, check)
+
+        assert [c.text for c in first] == ["Hel"]
+        assert _types(sink) == ["RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestFailed"]
+        [failed] = sink.of_type(RequestFailed)
+        assert (failed.code, failed.retried, failed.request_id) == ("client_cancelled", False, "gone-1")
+        assert len(fake.calls) == 1
+        check.verify()
+        assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
+    finally:
+        release.set()
+        await router.close()
+
+
+async def test_the_ledger_is_the_fold_while_requests_are_in_flight() -> None:
+    """Two requests with one prompt on one worker: while the first still decodes, the second is
+    routed, served and completed. The fold equals the live ledger with one request open (its
+    blocks held on w-a, shared with the second while both run), and again once it ends."""
+    release = asyncio.Event()
+    router, sink, fake, check = _scenario([_worker("w-a")], [token_then_hold("A", release), tokens("B")])
+    adm_a = await _admit(router, "inflight-a")
+    stream_a = router.serve(adm_a)
+    assert (await stream_a.__anext__()).text == "A"
+    held = router.ledger.load_for("w-a")
+    assert held.requests == 1 and held.prefill_tokens == 0 and held.decode_blocks >= 2
+    assert router.ledger.view(_hashes(router))["w-a"].shared_blocks == 2  # the speculative overlap
+
+    adm_b = await _admit(router, "inflight-b")
+    assert [c.text for c in await _collect(router, adm_b, check) if c.text] == ["B"]
+    check.verify()
+    assert router.ledger.open_requests() == 1 and len(router.ledger) == 1
+    assert router.ledger.load_for("w-a") == held
+
+    release.set()
+    rest = [c async for c in stream_a]
+    assert [c.text for c in rest if c.text] == ["!"]
+    check.verify()
+    assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
+    assert [type(e).__name__ for e in sink.events if e.request_id == "inflight-a"] == [
+        "RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestCompleted"]
+    await router.close()
+
+
+async def test_a_decision_that_finds_no_worker_leaves_the_ledger_the_fold_of_the_log() -> None:
+    """A's entry outlives its lifetime (``inflight_ttl_s``) while A still streams; then B finds
+    no routable worker. The live ledger expired A's entry when B's decision prepared it; the log
+    holds nothing that says so."""
+    release = asyncio.Event()
+    ttl = 0.05
+    router, sink, fake, check = _scenario([_worker("w-a")], [token_then_hold("A", release)], inflight_ttl_s=ttl)
+    try:
+        stream_a = router.serve(await _admit(router, "ttl-a"))
+        assert (await stream_a.__anext__()).text == "A"
+        [routed] = sink.of_type(RequestRouted)
+        # The ledger's expiry runs on the wall clock the router stamps decisions with.
+        await until(lambda: time.time() > routed.decided_at_s + ttl, timeout=5, what="A's entry past its lifetime")
+        router.view.workers["w-a"] = _worker("w-a", state="draining")
+        adm_b = await _admit(router, "ttl-b")
+        with pytest.raises(RouterRejected) as refused:
+            [c async for c in router.serve(adm_b)]
+        router.reject("ttl-b", str(refused.value), refused.value.code, refused.value.status)  # as the HTTP front does
+        assert _types(sink)[-2:] == ["RequestAdmitted", "RequestRejected"]
+        check.verify()
+    finally:
+        release.set()
+        await router.close()
+
+
+def test_the_fold_check_sees_a_ledger_that_drifts_from_the_log() -> None:
+    """The property is not vacuous: a ledger change that was not published is a mismatch."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [])
+    adm = router.admit(request_id="drift", model="m", tokens=PROMPT, max_tokens=3, stream=True, endpoint="completions")
+    router.decide(adm, RequestPhase.AGGREGATED, set(), 0)
+    check()
+    assert check.mismatches == []
+    router.ledger.inflight.prefill_done("drift")  # by hand, not from an event
+    check()
+    assert check.mismatches and check.mismatches[0][1]["load_for"]["w-a"].prefill_tokens == 0
+    assert check.mismatches[0][2]["load_for"]["w-a"].prefill_tokens > 0
+    assert check.mismatches[0][2]["load_for"]["w-a"].requests == 1
