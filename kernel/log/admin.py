@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
     AlterConfigOpType,
@@ -13,6 +14,7 @@ from confluent_kafka.admin import (
     ConfigResource,
     NewPartitions,
     NewTopic,
+    OffsetSpec,
 )
 
 from kernel.log.catalog import Catalog
@@ -33,6 +35,9 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
 
     Never deletes a topic and never lowers a partition count (that would re-key every worker's
     history): a topic with more partitions than the catalog says is reported, not changed.
+
+    Returns only once every partition it created is led, i.e. answers a ListOffsets (see
+    :func:`wait_led`).
     """
     catalog = catalog or Catalog(settings.topic_prefix)
     admin = AdminClient({"bootstrap.servers": settings.bootstrap,
@@ -43,11 +48,13 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
 
     missing = [NewTopic(t, spec.partitions, 1, config=spec.configs())
                for t, spec in wanted.items() if t not in md.topics]
+    new_partitions: list[TopicPartition] = []
     if missing:
         for t, fut in admin.create_topics(missing, operation_timeout=timeout).items():
             try:
                 fut.result(timeout)
                 changes.append(TopicChange(t, "created", f"{wanted[t].partitions} partitions"))
+                new_partitions += [TopicPartition(t, p) for p in range(wanted[t].partitions)]
             except KafkaException as e:
                 if "TOPIC_ALREADY_EXISTS" in str(e):  # a concurrent apply won the race
                     changes.append(TopicChange(t, "unchanged", "created concurrently"))
@@ -66,6 +73,8 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
         for t, fut in admin.create_partitions(grow, operation_timeout=timeout).items():
             fut.result(timeout)
             changes.append(TopicChange(t, "partitions_increased", f"to {wanted[t].partitions}"))
+            new_partitions += [TopicPartition(t, p) for p in range(len(md.topics[t].partitions), wanted[t].partitions)]
+    wait_led(admin, new_partitions, timeout)
 
     if existing:
         resources = [ConfigResource(ConfigResource.Type.TOPIC, t) for t in existing]
@@ -87,3 +96,36 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
             for _res, fut in admin.incremental_alter_configs(to_alter).items():
                 fut.result(timeout)
     return changes
+
+
+def wait_led(admin: AdminClient, partitions: list[TopicPartition], timeout: float = 30) -> None:
+    """Wait until every partition answers a ListOffsets, i.e. its leader has taken it over.
+
+    A topic is in the broker's metadata (so producers send to it) a moment before its leader
+    serves it. A produce in that moment fails with NOT_LEADER_OR_FOLLOWER and is retried, but the
+    idempotent producer's *next* batch can land first: the broker accepts any first sequence
+    number from a producer it has no state for, and librdkafka then reports the earlier batch as
+    "implicitly acked" (offset -1) although it was never written. Writes to a topic that
+    ``apply_topics`` has returned from cannot hit that window.
+    """
+    deadline = time.monotonic() + timeout
+    pending = list(partitions)
+    while pending:
+        # list_offsets finds leaders in the client's metadata cache, which knows nothing of a
+        # topic created a moment ago: refresh it for the topics still waited for.
+        for topic in {tp.topic for tp in pending}:
+            admin.list_topics(topic, timeout=max(1.0, timeout / 10))
+        futs = admin.list_offsets({tp: OffsetSpec.latest() for tp in pending}, request_timeout=max(1.0, timeout / 10))
+        failed = []
+        for tp, fut in futs.items():
+            try:
+                fut.result()
+            except KafkaException as e:
+                failed.append((tp, e))
+        pending = [tp for tp, _ in failed]
+        if pending:
+            if time.monotonic() > deadline:
+                tp, e = failed[0]
+                raise KafkaException(f"{len(pending)} partitions have no leader after {timeout:.0f} s "
+                                     f"(first: {tp.topic}:{tp.partition}: {e})")
+            time.sleep(0.05)

@@ -89,6 +89,7 @@ class EventProducer:
         self._on_ack = on_ack
         self._partitions: dict[str, int] = {}
         self.acked = 0
+        self.unconfirmed = 0
         self.failed: list[Ack] = []
 
     @property
@@ -138,6 +139,13 @@ class EventProducer:
                 log.error("event %s %s seq %d not delivered: %s", env.type, env.key, env.seq, err)
             else:
                 self.acked += 1
+                if ack.offset < 0:
+                    # "Implicitly acked": a later batch of this partition was acked, not this one.
+                    # That is proof of delivery only if the broker checked sequence numbers (see
+                    # kernel.log.admin.wait_led for the case where it does not).
+                    self.unconfirmed += 1
+                    log.warning("event %s %s seq %d acked without an offset (implicitly, by a later batch)",
+                                env.type, env.key, env.seq)
             if cb:
                 cb(ack)
 
