@@ -235,7 +235,7 @@ class NativePrefixIndex:
             distinct_hashes=len(self._n),
             blocks=blocks,  # type: ignore[arg-type]
             stale=tuple(self.stale_workers()),
-            deregistered=tuple(sorted(w for w, _, d in self._n.worker_states() if d)),
+            deregistered=tuple(sorted(w for w, _, d, _, _ in self._n.worker_states() if d)),
             counters=dict(self._n.counters()),
         )
 
@@ -250,8 +250,8 @@ class NativePrefixIndex:
         return {
             "residency": residency,
             "stale": frozenset((k.worker_id, k.dp_rank) for k in self.stale_workers()),
-            "epochs": {w: e for w, e, _ in states},
-            "deregistered": frozenset(w for w, _, d in states if d),
+            "epochs": {w: (e, life, reg) for w, e, _, life, reg in states},
+            "deregistered": frozenset(w for w, _, d, _, _ in states if d),
             "seq": {(p, s): (e, last) for p, s, e, last in self._n.positions()},
         }
 

@@ -36,24 +36,27 @@ Every event comes with its envelope's ``(producer, epoch, seq)``; sequence numbe
 ``(producer, stream)`` within one epoch (see :class:`schemas.envelope.Envelope`).
 
 * Redelivery (same epoch, ``seq <=`` the last applied) is a no-op: ``DUPLICATE``.
-* An epoch lower than the worker's current one (or than its producer's) is dropped: ``FENCED``.
-* A gap (``seq > last + 1``, or a producer first seen at ``seq > 0``) means events were lost: the
-  slots that producer writes are marked *stale* and *lost*.
-* A new epoch for a worker drops its volatile (device, host) entries at once and marks its
-  slots *stale*: its persistent entries may or may not still be true. They stay, and
-  ``find_matches`` reports ``stale=True`` for them, until a resync.
-* Resync points clear the flags:
+* Epochs are tracked per stream: a KV event of an epoch lower than the newest KV epoch of its
+  worker, or a lifecycle event (``workers``) lower than the newest lifecycle epoch, is dropped:
+  ``FENCED``. A stream never fences the other: ``kv`` and ``workers`` are separate topics, and a
+  consumer may read either one ahead of the other.
+* A gap (``seq > last + 1``, or a producer first seen at ``seq > 0``) in a KV sequence means
+  events were lost: the slots that producer writes are marked *stale* and *lost*. A gap in a
+  lifecycle sequence is counted; it says nothing about residency.
+* A new KV epoch for a worker drops its volatile (device, host) entries at once (all of them if
+  the slot was lost). Its persistent entries (disk, object survive restarts) stay, *unsynced*
+  (reported stale) until a ``WorkerRegistered`` of that epoch or a later one is folded, before
+  or after: a registration folded first confirms them as they arrive.
+* ``AllBlocksCleared(tier=None)`` empties that slot entirely and clears its flags: from here its
+  state is exact.
+* ``WorkerRegistered`` makes the worker routable; ``WorkerDeregistered`` takes it out of
+  ``find_matches``. Neither touches residency: that is the KV stream's alone (a draining worker
+  clears its memory tiers on ``kv``; a worker killed with -9 loses them at its next epoch). A
+  deregistered worker's slots that hold nothing and carry no flag are freed for reuse.
 
-  - ``AllBlocksCleared(tier=None)`` empties that slot entirely: from here its state is exact.
-  - ``WorkerRegistered`` (a worker incarnation came up) resyncs the worker: its persistent
-    tiers (disk, object survive restarts) are kept unless events were *lost* since the last
-    resync, in which case they are dropped too. Its volatile tiers were already emptied when
-    the new epoch was first seen (on either stream: a new process starts with empty memory),
-    so a registration folded after the incarnation's first KV events (the two topics have no
-    order between them) never wipes those.
-
-* ``WorkerDeregistered`` drops the worker's volatile tiers (and persistent ones if lost) and
-  takes it out of ``find_matches`` until it registers again. An emptied slot is freed for reuse.
+So the index's state after a set of records is the same for every interleaving that keeps each
+partition's order (``tests/unit/test_view_interleavings.py``): every rule reads one stream's
+facts, or monotone facts of both (the newest KV epoch, the newest registered epoch).
 
 Events of types the index does not fold (``WorkerLoadReported``...) must still be passed in:
 they advance the sequence, so they are not mistaken for gaps. They return ``IGNORED``.
@@ -107,7 +110,7 @@ _N_TIERS = len(TIER_ORDER)
 _VOLATILE_IDX = tuple(i for i, t in enumerate(TIER_ORDER) if t not in PERSISTENT_TIERS)
 _ALL_IDX = tuple(range(_N_TIERS))
 _MIN_WIDTH = 8
-_SNAPSHOT_FORMAT = 1
+_SNAPSHOT_FORMAT = 2
 #: Most distinct map values the intern table keeps (beyond it values are simply not shared).
 _INTERN_CAP = 1 << 16
 
@@ -162,10 +165,16 @@ class IndexStats:
 
 
 class _Worker:
-    __slots__ = ("epoch", "deregistered", "slots")
+    __slots__ = ("epoch", "life_epoch", "registered_epoch", "deregistered", "slots")
 
-    def __init__(self, epoch: int) -> None:
+    def __init__(self, epoch: int = -1, life_epoch: int = -1, registered_epoch: int = -1) -> None:
+        #: Newest epoch seen on the ``kv`` stream (-1: none yet): residency's incarnation.
         self.epoch = epoch
+        #: Newest epoch seen on the ``workers`` stream (-1: none yet): the lifecycle's.
+        self.life_epoch = life_epoch
+        #: Newest epoch a ``WorkerRegistered`` was folded for (-1: none).
+        self.registered_epoch = registered_epoch
+        #: A ``WorkerDeregistered`` of ``life_epoch`` was folded.
         self.deregistered = False
         #: Low-plane mask of this worker's slots.
         self.slots = 0
@@ -188,6 +197,8 @@ class _WorkerSnap(msgspec.Struct, array_like=True, frozen=True):
     worker_id: str
     epoch: int
     deregistered: bool
+    life_epoch: int
+    registered_epoch: int
 
 
 class _SeqSnap(msgspec.Struct, array_like=True, frozen=True):
@@ -263,8 +274,12 @@ class PrefixIndex:
         #: Per slot, per tier index: the hashes held.
         self._sets: list[list[set[int]]] = []
         self._active = 0
+        #: ``_lost | _unsynced``, kept up to date: what ``find_matches`` reports as stale.
         self._stale = 0
+        #: Slots whose producer's KV sequence had a gap: entries may be missing or wrong.
         self._lost = 0
+        #: Slots whose worker began a KV epoch not yet registered: persistent entries unconfirmed.
+        self._unsynced = 0
         #: Low-plane mask of slots holding anything outside the device tier.
         self._nondev = 0
         #: Per depth: the shared device-only (fresh, stale) Match objects.
@@ -381,8 +396,9 @@ class PrefixIndex:
         return [r for r in self._slots if r is not None]
 
     def epoch_of(self, worker_id: WorkerId) -> int | None:
+        """The newest incarnation of the worker seen on either stream."""
         w = self._workers.get(worker_id)
-        return None if w is None else w.epoch
+        return None if w is None else max(w.epoch, w.life_epoch)
 
     def position(self, producer: str, stream: str) -> tuple[int, int] | None:
         """(epoch, last applied seq) of a producer on a stream, or None if never seen."""
@@ -410,14 +426,14 @@ class PrefixIndex:
             self._counters["ignored"] += 1
             return ApplyOutcome.IGNORED
         wk = self._workers.get(worker_id)
-        new_epoch = False
         if wk is None:
-            wk = self._workers[worker_id] = _Worker(epoch)
-        elif epoch != wk.epoch:
-            if epoch < wk.epoch:
-                self._counters["fenced"] += 1
-                return ApplyOutcome.FENCED
-            new_epoch = True
+            wk = self._workers[worker_id] = _Worker()
+        kv = payload.STREAM == "kv"
+        current = wk.epoch if kv else wk.life_epoch
+        if epoch < current:
+            self._counters["fenced"] += 1
+            return ApplyOutcome.FENCED
+        new_epoch = kv and 0 <= current < epoch
         key = (producer, payload.STREAM)
         st = self._seq.get(key)
         gap = False
@@ -440,25 +456,39 @@ class PrefixIndex:
         # A plain tuple finds the WorkerRank key (equal hash and eq) without building one.
         slot = -1 if dp_rank is None else self._slot_of.get((worker_id, dp_rank), -1)  # type: ignore[call-overload]
         tp = type(payload)
-        if new_epoch:
+        if not kv:
+            wk.life_epoch = epoch
+        elif new_epoch:
             wk.epoch = epoch
             # A new incarnation has empty memory: the old one's device/host entries are gone for
-            # certain, whichever stream tells us first. Persistent tiers (disk, object) stay,
-            # stale, until the worker resyncs (see the module docstring).
+            # certain. Persistent tiers (disk, object) stay, unconfirmed until this epoch's
+            # registration is folded (at once if it already was), unless events were lost.
             for s in _bits(wk.slots):
                 self._clear(s, _ALL_IDX if self._lost >> s & 1 else _VOLATILE_IDX)
-            self._stale |= wk.slots
+            self._lost &= ~wk.slots
+            if wk.registered_epoch < epoch:
+                self._unsynced |= wk.slots
+            else:
+                self._unsynced &= ~wk.slots
+            self._stale = self._lost | self._unsynced
             self._counters["new_epochs"] += 1
             logger.info("worker %s is in epoch %d: volatile entries dropped, persistent ones "
-                        "stale until it resyncs", worker_id, epoch)
-        if gap:
+                        "stale until it registers", worker_id, epoch)
+        else:
+            wk.epoch = epoch
+        if gap and not kv:
+            # A lost lifecycle event says nothing about residency: counted, not flagged.
+            self._counters["gaps"] += 1
+            logger.warning("gap from producer %s on stream %s before seq %d (epoch %d)",
+                           producer, payload.STREAM, seq, epoch)
+        elif gap:
             if slot < 0 and dp_rank is not None:
                 # Whatever this event starts is incomplete too: flag its slot from the start.
                 slot = self._slot_for(worker_id, dp_rank, wk)
             lost = self._producer_slots.get(producer, 0) | (1 << slot if slot >= 0 else 0)
             lost = lost or wk.slots
-            self._stale |= lost
             self._lost |= lost
+            self._stale = self._lost | self._unsynced
             self._counters["gaps"] += 1
             logger.warning("gap from producer %s on stream %s before seq %d (epoch %d): "
                            "entries of %s marked stale", producer, payload.STREAM, seq, epoch,
@@ -493,11 +523,13 @@ class PrefixIndex:
             else:
                 self._clear(slot, (_TIER_IDX[tier],))
         elif tp is WorkerRegistered:
-            self._registered(wk)
+            self._registered(wk, epoch)
         elif tp is WorkerDeregistered:
             self._deregistered(wk)
         else:
             return self._ignored()
+        if wk.deregistered:
+            self._free_settled(wk)
         self._counters["applied"] += 1
         return ApplyOutcome.APPLIED
 
@@ -558,6 +590,7 @@ class PrefixIndex:
         self._active &= ~bit
         self._stale &= ~bit
         self._lost &= ~bit
+        self._unsynced &= ~bit
         self._nondev &= ~bit
         for p, m in self._producer_slots.items():
             if m & bit:
@@ -681,25 +714,34 @@ class PrefixIndex:
     def _resync(self, mask: int) -> None:
         if self._stale & mask:
             self._counters["resyncs"] += 1
-        self._stale &= ~mask
         self._lost &= ~mask
+        self._unsynced &= ~mask
+        self._stale = self._lost | self._unsynced
 
-    def _registered(self, wk: _Worker) -> None:
-        # Volatile tiers were already dropped when the epoch changed. Clearing them here would
-        # race: ``workers`` and ``kv`` are separate topics, so a registration may be folded
-        # after the same incarnation's first stores and would wipe them.
-        for s in _bits(wk.slots):
-            if self._lost >> s & 1:
-                self._clear(s, _ALL_IDX)
-        self._resync(wk.slots)
+    def _registered(self, wk: _Worker, epoch: int) -> None:
+        # Touches no residency: ``workers`` and ``kv`` are separate topics, read in any
+        # interleaving, so what a registration may do must commute with every KV event. It
+        # confirms the persistent entries of its own (or an older) KV epoch, whichever of the
+        # two is folded first, and makes the worker routable.
+        if epoch > wk.registered_epoch:
+            wk.registered_epoch = epoch
+        if wk.registered_epoch >= wk.epoch:
+            self._unsynced &= ~wk.slots
+            self._stale = self._lost | self._unsynced
         wk.deregistered = False
         self._active |= wk.slots
 
     def _deregistered(self, wk: _Worker) -> None:
+        # Takes the worker out of ``find_matches``; its residency is the KV stream's business
+        # (a draining worker clears its memory tiers there; see the module docstring).
         wk.deregistered = True
         self._active &= ~wk.slots
-        for s in list(_bits(wk.slots)):
-            self._clear(s, _ALL_IDX if self._lost >> s & 1 else _VOLATILE_IDX)
+
+    def _free_settled(self, wk: _Worker) -> None:
+        """Free the slots of a deregistered worker that hold nothing and carry no flag: such a
+        slot and no slot at all are the same state, so freeing it commutes with every event."""
+        flagged = self._lost | self._unsynced
+        for s in list(_bits(wk.slots & ~flagged)):
             if not any(self._sets[s]):
                 self._free_slot(s, wk)
 
@@ -734,7 +776,7 @@ class PrefixIndex:
         return {
             "residency": residency,
             "stale": frozenset((k.worker_id, k.dp_rank) for k in self.stale_workers()),
-            "epochs": {w: st.epoch for w, st in self._workers.items()},
+            "epochs": {w: (st.epoch, st.life_epoch, st.registered_epoch) for w, st in self._workers.items()},
             "deregistered": frozenset(w for w, st in self._workers.items() if st.deregistered),
             "seq": {k: tuple(v) for k, v in self._seq.items()},
         }
@@ -768,6 +810,7 @@ class PrefixIndex:
             if any(sets[t] for t in range(1, _N_TIERS)):
                 nondev |= 1 << s
         assert nondev == self._nondev, "non-device mask disagrees with per-slot sets"
+        assert self._stale == self._lost | self._unsynced, "stale mask is not lost | unsynced"
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -793,7 +836,7 @@ class PrefixIndex:
             n_slots=len(self._slots),
             free=list(self._free),
             slots=slots,
-            workers=[_WorkerSnap(w, st.epoch, st.deregistered)
+            workers=[_WorkerSnap(w, st.epoch, st.deregistered, st.life_epoch, st.registered_epoch)
                      for w, st in sorted(self._workers.items())],
             seq=[_SeqSnap(p, stream, v[0], v[1]) for (p, stream), v in sorted(self._seq.items())],
             producers=[_ProducerSnap(p, list(_bits(m)))
@@ -814,7 +857,7 @@ class PrefixIndex:
         idx._slots = [None] * n_slots
         idx._sets = [[set() for _ in _ALL_IDX] for _ in range(n_slots)]
         for ws in snap.workers:
-            wk = idx._workers[WorkerId(ws.worker_id)] = _Worker(ws.epoch)
+            wk = idx._workers[WorkerId(ws.worker_id)] = _Worker(ws.epoch, ws.life_epoch, ws.registered_epoch)
             wk.deregistered = ws.deregistered
         for ss in snap.slots:
             s = ss.slot
@@ -825,14 +868,17 @@ class PrefixIndex:
             wk.slots |= 1 << s
             if not wk.deregistered:
                 idx._active |= 1 << s
-            if ss.stale:
-                idx._stale |= 1 << s
+            # stale = lost | unsynced; while a slot is lost, whether it is also unsynced can never
+            # show (both are cleared or re-decided together), so unsynced = stale and not lost.
             if ss.lost:
                 idx._lost |= 1 << s
+            elif ss.stale:
+                idx._unsynced |= 1 << s
             for t, raw in enumerate(ss.tiers):
                 hashes = _u64_list(raw)
                 if hashes:
                     idx._store(s, t, hashes)  # type: ignore[arg-type]
+        idx._stale = idx._lost | idx._unsynced
         idx._free = list(snap.free)
         for sq in snap.seq:
             idx._seq[(sq.producer, sq.stream)] = [sq.epoch, sq.last]

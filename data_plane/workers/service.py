@@ -58,6 +58,7 @@ from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import NotificationPoller, TransferPlane
 from kernel.hashing import HashConfig, hash_blocks
 from schemas.events import (
+    AllBlocksCleared,
     Event,
     KvTransferCompleted,
     KvTransferFailed,
@@ -283,6 +284,10 @@ class Worker:
                 self._released(rel)
         await self.engine.stop()
         await self.kvbm.drain()  # offloads queued by the last evictions are reported first
+        # This process's memory tiers go with it. Said on the KV stream, where residency lives
+        # (the index never infers it from the lifecycle stream: the two are read in any order).
+        self.publish(AllBlocksCleared(worker_id=self.worker_id, tier=Tier.DEVICE))
+        self.publish(AllBlocksCleared(worker_id=self.worker_id, tier=Tier.HOST))
         self.publish(WorkerDeregistered(worker_id=self.worker_id, reason=reason))
         self._delivery_stop.set()
         if self._delivery.is_alive():

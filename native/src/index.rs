@@ -27,7 +27,7 @@ const ALL_TIERS: u8 = 0b1111;
 /// Device and host: gone when a worker process restarts.
 const VOLATILE_TIERS: u8 = 0b0011;
 const MIN_WIDTH: u32 = 8;
-const SNAPSHOT_FORMAT: i64 = 1;
+const SNAPSHOT_FORMAT: i64 = 2;
 /// Map value tag: the low 32 bits are the only holder.
 const INLINE: u64 = 1 << 63;
 
@@ -120,7 +120,12 @@ pub struct MatchOut {
 
 struct Worker {
     name: String,
+    /// Newest epoch seen on the `kv` stream (-1: none yet).
     epoch: i64,
+    /// Newest epoch seen on the `workers` stream (-1: none yet).
+    life_epoch: i64,
+    /// Newest epoch a `WorkerRegistered` was folded for (-1: none).
+    registered_epoch: i64,
     deregistered: bool,
     slots: BitSet,
     /// (dp rank, slot) of every slot this worker has.
@@ -150,8 +155,10 @@ pub struct NativeIndex {
     free: Vec<u32>,
     counts: Vec<[u64; N_TIERS]>,
     active: BitSet,
+    /// `lost | unsynced`, kept up to date.
     stale: BitSet,
     lost: BitSet,
+    unsynced: BitSet,
     nondev: BitSet,
     workers: Vec<Worker>,
     worker_of: HashMap<String, u32>,
@@ -278,6 +285,7 @@ impl NativeIndex {
             active: BitSet::new(),
             stale: BitSet::new(),
             lost: BitSet::new(),
+            unsynced: BitSet::new(),
             nondev: BitSet::new(),
             workers: Vec::new(),
             worker_of: HashMap::new(),
@@ -403,13 +411,21 @@ impl NativeIndex {
         self.counts[slot as usize]
     }
 
+    /// The newest incarnation of the worker seen on either stream.
     pub fn epoch_of(&self, worker_id: &str) -> Option<i64> {
-        self.worker_of.get(worker_id).map(|&w| self.workers[w as usize].epoch)
+        self.worker_of.get(worker_id).map(|&w| {
+            let wk = &self.workers[w as usize];
+            wk.epoch.max(wk.life_epoch)
+        })
     }
 
-    /// (worker id, epoch, deregistered) of every worker ever seen, in first-seen order.
-    pub fn worker_states(&self) -> Vec<(&str, i64, bool)> {
-        self.workers.iter().map(|w| (w.name.as_str(), w.epoch, w.deregistered)).collect()
+    /// (worker id, KV epoch, deregistered, lifecycle epoch, registered epoch) of every worker
+    /// ever seen, in first-seen order.
+    pub fn worker_states(&self) -> Vec<(&str, i64, bool, i64, i64)> {
+        self.workers
+            .iter()
+            .map(|w| (w.name.as_str(), w.epoch, w.deregistered, w.life_epoch, w.registered_epoch))
+            .collect()
     }
 
     pub fn position(&self, producer: &str, stream: &str) -> Option<(i64, i64)> {
@@ -515,6 +531,10 @@ impl NativeIndex {
             if nd != self.nondev.contains(s as u32) {
                 return Err(format!("non-device flag of slot {s} disagrees with its counts"));
             }
+            let s = s as u32;
+            if self.stale.contains(s) != (self.lost.contains(s) || self.unsynced.contains(s)) {
+                return Err(format!("stale flag of slot {s} is not lost | unsynced"));
+            }
         }
         Ok(())
     }
@@ -531,23 +551,14 @@ impl NativeIndex {
     pub fn apply(&mut self, producer: &str, epoch: i64, seq: i64, ev: &Event) -> ApplyResult {
         let mut res = ApplyResult { outcome: Outcome::Applied, new_epoch: false, gap: false };
         let w = match self.worker_of.get(ev.worker_id) {
-            Some(&w) => {
-                let cur = self.workers[w as usize].epoch;
-                if epoch != cur {
-                    if epoch < cur {
-                        self.counters[C_FENCED] += 1;
-                        res.outcome = Outcome::Fenced;
-                        return res;
-                    }
-                    res.new_epoch = true;
-                }
-                w
-            }
+            Some(&w) => w,
             None => {
                 let w = self.workers.len() as u32;
                 self.workers.push(Worker {
                     name: ev.worker_id.to_string(),
-                    epoch,
+                    epoch: -1,
+                    life_epoch: -1,
+                    registered_epoch: -1,
                     deregistered: false,
                     slots: BitSet::new(),
                     ranks: Vec::new(),
@@ -556,6 +567,18 @@ impl NativeIndex {
                 w
             }
         };
+        // Epochs per stream: neither stream fences the other (see the reference).
+        let kv = ev.stream == "kv";
+        let cur = {
+            let wk = &self.workers[w as usize];
+            if kv { wk.epoch } else { wk.life_epoch }
+        };
+        if epoch < cur {
+            self.counters[C_FENCED] += 1;
+            res.outcome = Outcome::Fenced;
+            return res;
+        }
+        res.new_epoch = kv && cur >= 0 && cur < epoch;
         // Sequencing.
         let streams = match self.seq.get_mut(producer) {
             Some(v) => v,
@@ -589,19 +612,32 @@ impl NativeIndex {
 
         // Accepted. Sequencing side effects first: they stand even if the event is rejected.
         let mut slot: Option<u32> = ev.dp_rank.and_then(|d| self.slot_of(ev.worker_id, d));
-        if res.new_epoch {
+        if !kv {
+            self.workers[w as usize].life_epoch = epoch;
+        } else if res.new_epoch {
             self.workers[w as usize].epoch = epoch;
             // A new incarnation has empty memory: its volatile entries are gone for certain;
-            // persistent ones stay, stale, until it resyncs.
+            // persistent ones stay, unsynced until this epoch is registered.
             for s in self.workers[w as usize].slots.to_vec() {
                 let tiers = if self.lost.contains(s) { ALL_TIERS } else { VOLATILE_TIERS };
                 self.clear(s, tiers);
             }
             let ws = self.workers[w as usize].slots.clone();
-            self.stale.union_with(&ws);
+            self.lost.difference_with(&ws);
+            if self.workers[w as usize].registered_epoch < epoch {
+                self.unsynced.union_with(&ws);
+            } else {
+                self.unsynced.difference_with(&ws);
+            }
+            self.refresh_stale(&ws);
             self.counters[C_NEW_EPOCHS] += 1;
+        } else {
+            self.workers[w as usize].epoch = epoch;
         }
-        if res.gap {
+        if res.gap && !kv {
+            // A lost lifecycle event says nothing about residency: counted, not flagged.
+            self.counters[C_GAPS] += 1;
+        } else if res.gap {
             if slot.is_none() {
                 if let Some(d) = ev.dp_rank {
                     slot = Some(self.slot_for(w, d));
@@ -614,8 +650,8 @@ impl NativeIndex {
             if lost.is_empty() {
                 lost = self.workers[w as usize].slots.clone();
             }
-            self.stale.union_with(&lost);
             self.lost.union_with(&lost);
+            self.stale.union_with(&lost);
             self.counters[C_GAPS] += 1;
         }
         match ev.payload {
@@ -667,9 +703,12 @@ impl NativeIndex {
                 self.resync(&BitSet::single(s));
             }
             Payload::Cleared { tier: Some(t) } => self.clear(slot.unwrap(), 1 << t),
-            Payload::Registered { .. } => self.registered(w),
+            Payload::Registered { .. } => self.registered(w, epoch),
             Payload::Deregistered => self.deregistered(w),
             Payload::Other => return self.ignored(res),
+        }
+        if self.workers[w as usize].deregistered {
+            self.free_settled(w);
         }
         self.counters[C_APPLIED] += 1;
         res
@@ -734,6 +773,7 @@ impl NativeIndex {
         self.active.remove(s);
         self.stale.remove(s);
         self.lost.remove(s);
+        self.unsynced.remove(s);
         self.nondev.remove(s);
         for m in self.producer_slots.values_mut() {
             m.remove(s);
@@ -848,24 +888,36 @@ impl NativeIndex {
         self.refresh_nondev(s);
     }
 
+    /// stale = lost | unsynced on the slots of `mask`.
+    fn refresh_stale(&mut self, mask: &BitSet) {
+        for s in mask.iter() {
+            let on = self.lost.contains(s) || self.unsynced.contains(s);
+            self.stale.set(s, on);
+        }
+    }
+
     fn resync(&mut self, mask: &BitSet) {
         if self.stale.intersects(mask) {
             self.counters[C_RESYNCS] += 1;
         }
         self.stale.difference_with(mask);
         self.lost.difference_with(mask);
+        self.unsynced.difference_with(mask);
     }
 
-    fn registered(&mut self, w: u32) {
-        // Volatile tiers were already dropped when the epoch changed (see the reference).
-        let ws = self.workers[w as usize].slots.clone();
-        for s in ws.iter() {
-            if self.lost.contains(s) {
-                self.clear(s, ALL_TIERS);
-            }
+    fn registered(&mut self, w: u32, epoch: i64) {
+        // Touches no residency: it must commute with every KV event (see the reference).
+        let wk = &mut self.workers[w as usize];
+        if epoch > wk.registered_epoch {
+            wk.registered_epoch = epoch;
         }
-        self.resync(&ws);
-        self.workers[w as usize].deregistered = false;
+        let confirmed = wk.registered_epoch >= wk.epoch;
+        wk.deregistered = false;
+        let ws = wk.slots.clone();
+        if confirmed {
+            self.unsynced.difference_with(&ws);
+            self.refresh_stale(&ws);
+        }
         self.active.union_with(&ws);
     }
 
@@ -873,10 +925,15 @@ impl NativeIndex {
         self.workers[w as usize].deregistered = true;
         let ws = self.workers[w as usize].slots.clone();
         self.active.difference_with(&ws);
-        for s in ws.iter() {
-            let tiers = if self.lost.contains(s) { ALL_TIERS } else { VOLATILE_TIERS };
-            self.clear(s, tiers);
-            if self.counts[s as usize].iter().all(|&c| c == 0) {
+    }
+
+    /// Free the empty, unflagged slots of a deregistered worker (the same state as no slot).
+    fn free_settled(&mut self, w: u32) {
+        for s in self.workers[w as usize].slots.to_vec() {
+            if !self.lost.contains(s)
+                && !self.unsynced.contains(s)
+                && self.counts[s as usize].iter().all(|&c| c == 0)
+            {
                 self.free_slot(s, w);
             }
         }
@@ -927,10 +984,12 @@ impl NativeIndex {
         ws.sort_by(|a, b| a.name.cmp(&b.name));
         w.array(ws.len());
         for wk in ws {
-            w.array(3);
+            w.array(5);
             w.str(&wk.name);
             w.int(wk.epoch);
             w.bool(wk.deregistered);
+            w.int(wk.life_epoch);
+            w.int(wk.registered_epoch);
         }
         w.str("seq");
         let pos = self.positions();
@@ -972,7 +1031,7 @@ impl NativeIndex {
         let (mut hash_algo, mut block_size, mut width, mut n_slots) = (None, None, None, None);
         let mut free = Vec::new();
         let mut slots: Vec<(u32, String, i64, bool, bool, Vec<Vec<u64>>)> = Vec::new();
-        let mut workers: Vec<(String, i64, bool)> = Vec::new();
+        let mut workers: Vec<(String, i64, bool, i64, i64)> = Vec::new();
         let mut seqs: Vec<(String, String, i64, i64)> = Vec::new();
         let mut producers: Vec<(String, Vec<u32>)> = Vec::new();
         let mut counters: Vec<(String, u64)> = Vec::new();
@@ -1016,8 +1075,10 @@ impl NativeIndex {
                 }
                 "workers" => {
                     for _ in 0..r.array_len()? {
-                        r.array_len()?;
-                        workers.push((r.str()?.to_string(), r.i64()?, r.bool()?));
+                        if r.array_len()? != 5 {
+                            return Err(bad("worker entry is not 5 long"));
+                        }
+                        workers.push((r.str()?.to_string(), r.i64()?, r.bool()?, r.i64()?, r.i64()?));
                     }
                 }
                 "seq" => {
@@ -1056,10 +1117,18 @@ impl NativeIndex {
         let n_slots = n_slots.ok_or_else(|| bad("no n_slots"))?;
         idx.slots = vec![None; n_slots];
         idx.counts = vec![[0; N_TIERS]; n_slots];
-        for (name, epoch, dereg) in workers {
+        for (name, epoch, dereg, life_epoch, registered_epoch) in workers {
             let w = idx.workers.len() as u32;
             idx.worker_of.insert(name.clone(), w);
-            idx.workers.push(Worker { name, epoch, deregistered: dereg, slots: BitSet::new(), ranks: Vec::new() });
+            idx.workers.push(Worker {
+                name,
+                epoch,
+                life_epoch,
+                registered_epoch,
+                deregistered: dereg,
+                slots: BitSet::new(),
+                ranks: Vec::new(),
+            });
         }
         for (s, wid, dp, st, lo, tiers) in slots {
             let &w = idx.worker_of.get(&wid).ok_or_else(|| bad("slot of an unknown worker"))?;
@@ -1073,8 +1142,10 @@ impl NativeIndex {
             if !wk.deregistered {
                 idx.active.insert(s);
             }
-            idx.stale.set(s, st);
+            // stale = lost | unsynced; unsynced cannot show while lost (see the reference).
+            idx.stale.set(s, st || lo);
             idx.lost.set(s, lo);
+            idx.unsynced.set(s, st && !lo);
             for (t, hashes) in tiers.iter().enumerate().take(N_TIERS) {
                 if !hashes.is_empty() {
                     idx.store(s, t as u8, hashes);

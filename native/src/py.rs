@@ -181,8 +181,8 @@ impl PyIndex {
         self.inner.epoch_of(worker_id)
     }
 
-    fn worker_states(&self) -> Vec<(String, i64, bool)> {
-        self.inner.worker_states().into_iter().map(|(w, e, d)| (w.to_string(), e, d)).collect()
+    fn worker_states(&self) -> Vec<(String, i64, bool, i64, i64)> {
+        self.inner.worker_states().into_iter().map(|(w, e, d, l, r)| (w.to_string(), e, d, l, r)).collect()
     }
 
     fn position(&self, producer: &str, stream: &str) -> Option<(i64, i64)> {

@@ -22,7 +22,7 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
-from schemas.types import TIER_ORDER, CacheGroup, WorkerRole
+from schemas.types import TIER_ORDER, CacheGroup, Tier, WorkerRole
 
 ALGO = "sha256_cbor"
 BS = 16
@@ -253,14 +253,17 @@ def test_registration_folded_after_the_same_incarnations_stores_keeps_them():
     assert idx.find_matches([1, 2]) == {_w("w1"): Match(2, (2, 0, 0, 0), stale=False)}
 
 
-def test_registration_after_lost_events_drops_persistent_tiers_too():
-    """Events were lost (gap), so even disk entries may be wrong: the resync drops them."""
+def test_after_lost_events_the_next_epoch_drops_persistent_tiers_too():
+    """Events were lost (gap), so even disk entries may be wrong: the worker's next KV epoch
+    drops them. A registration alone changes no residency (it commutes with KV events)."""
     idx = _index()
     feed = _Feed(idx)
     feed(_stored("w1", [1], tier=DISK))
     feed.skip("w1")
     feed(_stored("w1", [2], tier=DISK))
     feed(_registered("w1"), epoch=2)
+    assert idx.is_stale(_w("w1")) and len(idx.as_dict()["residency"]) == 1
+    feed(_cleared("w1", tier=Tier.DEVICE), epoch=2)  # the new incarnation's first KV event
     assert idx.as_dict()["residency"] == {}
     assert not idx.is_stale(_w("w1"))
 
@@ -275,17 +278,22 @@ def test_deregistered_worker_is_excluded_until_it_registers_again():
     feed(WorkerDeregistered(worker_id="w1", reason="scale down"))
     assert idx.find_matches([1, 2]) == {_w("w2"): Match(1, (1, 0, 0, 0))}
     assert idx.stats().deregistered == ("w1",)
-    # Disk residency survives for the next incarnation.
+    # The next incarnation: its first KV event drops the memory tiers; disk residency survives.
     feed(_registered("w1"), epoch=2)
+    feed(_cleared("w1", tier=Tier.DEVICE), epoch=2)
     assert idx.find_matches([1, 2])[_w("w1")] == Match(2, (0, 0, 2, 0))
 
 
-def test_deregistration_frees_empty_slots_for_reuse():
+def test_a_deregistered_workers_emptied_slots_are_freed_for_reuse():
+    """Deregistration itself touches no residency; once the worker's own KV events have emptied
+    its slot (a draining worker clears its memory tiers), the slot is freed and reused."""
     idx = _index()
     feed = _Feed(idx)
     for i in range(8):
         feed(_stored(f"w{i}", [i]))
     feed(WorkerDeregistered(worker_id="w3"))
+    assert _w("w3") in idx.workers()
+    feed(_cleared("w3", tier=Tier.DEVICE))
     feed(_stored("w8", [100, 101]))
     assert _w("w3") not in idx.workers() and _w("w8") in idx.workers()
     assert idx.find_matches([100, 101]) == {_w("w8"): Match(2, (2, 0, 0, 0))}
