@@ -11,6 +11,7 @@ a client can send becomes a 500.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request, Security
@@ -54,21 +55,22 @@ def current_principal(request: Request, ctx: Ctx,
     if wait is not None:
         raise TooManyRequests(f"too many failed authentications; retry in {wait} s",
                               headers={"Retry-After": str(wait)})
+    record: TokenRecord | None = None
     if parsed is None:
         outcome: Principal | Denial = Denial.MALFORMED
     else:
         token_id, secret = parsed
         with ctx.sessions() as s:
             row = s.get(ApiToken, token_id)
-            record = None if row is None else TokenRecord(
-                token_id=row.id, name=row.name, role=row.role, salt=row.salt, token_hash=row.token_hash,
-                expires_at=row.expires_at, revoked_at=row.revoked_at)
-        outcome = authenticate(record, secret, ctx.now())
+            if row is not None:
+                record = TokenRecord(token_id=row.id, name=row.name, role=row.role, salt=row.salt,
+                                     token_hash=row.token_hash, expires_at=row.expires_at, revoked_at=row.revoked_at)
+        outcome = authenticate(record, secret, datetime.fromtimestamp(now, timezone.utc))
     if isinstance(outcome, Principal):
         return outcome
     if outcome.guess:
         ctx.auth_limiter.failed(keys, now)
-    raise _denied(outcome, record if parsed is not None else None)
+    raise _denied(outcome, record)
 
 
 def _denied(why: Denial, record: TokenRecord | None) -> Unauthorized:

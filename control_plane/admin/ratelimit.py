@@ -14,6 +14,12 @@ address key stops one client spraying ids.
 A full bucket is the same as no bucket, so buckets are forgotten once full, and at most
 ``max_keys`` are kept (the least recently touched go first): memory stays bounded however many
 ids or addresses a client invents. In-process: each admin replica limits on its own.
+
+Checking and charging are two steps, so requests already in flight when a bucket empties still
+count against it but are not stopped: a guesser gains at most one request per worker thread of
+the server per refill (tens, against a 256-bit secret). Charging every request up front and
+refunding the good ones would close that, at the price of 429s for a client that simply sends
+more than ``burst`` good requests at once.
 """
 
 from __future__ import annotations
