@@ -7,6 +7,12 @@ entropy (a slow KDF protects *guessable* passwords); the salt keeps equal hashes
 revealing equal tokens. The plain token is shown once, at creation, and never stored or logged.
 
 Roles are ordered: ``viewer`` < ``operator`` < ``admin``; a route names the least role it needs.
+
+Every token expires (``expires_at``, set at issue; rotation sets a new one with the new secret).
+:func:`authenticate` is the whole decision, with the time as an input: the secret is checked
+*before* revocation and expiry, so only a caller holding the secret learns why a token is
+refused; anyone else reads "invalid token", and only those refusals count as guesses for the
+rate limit (:mod:`control_plane.admin.ratelimit`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from enum import Enum
 
 TOKEN_PREFIX = "sy"
@@ -54,8 +61,9 @@ def hash_secret(salt: str, secret: str) -> str:
     return hashlib.sha256(bytes.fromhex(salt) + secret.encode()).hexdigest()
 
 
-def issue_token() -> IssuedToken:
-    token_id = secrets.token_hex(4)
+def issue_token(token_id: str | None = None) -> IssuedToken:
+    """A new token; with ``token_id``, a new secret for that id (rotation)."""
+    token_id = token_id or secrets.token_hex(4)
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
     return IssuedToken(token_id, f"{TOKEN_PREFIX}_{token_id}_{secret}", salt, hash_secret(salt, secret))
@@ -79,3 +87,47 @@ def verify_secret(salt: str, expected_hash: str, secret: str) -> bool:
     except ValueError:
         return False
     return hmac.compare_digest(got, expected_hash)
+
+
+def expiry(now: datetime, days: int) -> datetime:
+    """When a token issued (or rotated) at ``now`` for ``days`` stops authenticating."""
+    return now + timedelta(days=days)
+
+
+class Denial(str, Enum):
+    """Why a presented token does not authenticate."""
+
+    MALFORMED = "malformed"
+    INVALID = "invalid"
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+
+    @property
+    def guess(self) -> bool:
+        """A refusal of a secret nobody showed to be right: what the rate limit counts. A revoked
+        or expired token presented with its right secret is a stale client, not an attack."""
+        return self in (Denial.MALFORMED, Denial.INVALID)
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """What authentication reads of a stored token."""
+
+    token_id: str
+    name: str
+    role: str
+    salt: str
+    token_hash: str
+    expires_at: datetime
+    revoked_at: datetime | None = None
+
+
+def authenticate(record: TokenRecord | None, secret: str, now: datetime) -> Principal | Denial:
+    """The caller a token names, or why it does not authenticate at ``now``."""
+    if record is None or not verify_secret(record.salt, record.token_hash, secret):
+        return Denial.INVALID
+    if record.revoked_at is not None:
+        return Denial.REVOKED
+    if now >= record.expires_at:
+        return Denial.EXPIRED
+    return Principal(token_id=record.token_id, name=record.name, role=Role(record.role))

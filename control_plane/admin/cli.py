@@ -58,10 +58,13 @@ def migrate_cmd(
 def create_token_cmd(
     name: Annotated[str, typer.Option(help="Token name (what the audit records as the actor).")],
     role: Annotated[str, typer.Option(help="viewer | operator | admin")] = "admin",
+    expires_in_days: Annotated[Optional[int], typer.Option(help="Days it authenticates (default: "
+                                                                "$SWITCHYARD_ADMIN_TOKEN_TTL_DAYS, 30).")] = None,
     db_url: DbOpt = None,
 ) -> None:
-    """Issue an API token directly in the database (bootstrap the first admin). Recorded in the
-    log as AdminAction(token_created) by actor "cli"."""
+    """Issue an API token directly in the database (bootstrap the first admin; access to the
+    database is the credential here). Recorded in the log as AdminAction(token_created) by
+    actor "cli". Every other change goes through the API with a token."""
     logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
     from control_plane.admin.auth import Principal, Role
     from control_plane.admin.context import AdminContext
@@ -77,7 +80,7 @@ def create_token_cmd(
     s = _settings(db_url)
     bus = BusSettings.from_env()
     try:
-        body = TokenCreate(name=name, role=role)
+        body = TokenCreate(name=name, role=role, expires_in_days=expires_in_days)
     except ValueError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -94,7 +97,8 @@ def create_token_cmd(
     finally:
         events.close()
         engine.dispose()
-    typer.echo(f"token {row.id} ({row.role}) for {row.name}:\n{token}")
+    typer.echo(f"token {row.id} ({row.role}) for {row.name}, expires {row.expires_at.isoformat(timespec='seconds')}:"
+               f"\n{token}")
 
 
 @admin_app.command("audit")

@@ -3,23 +3,25 @@ documentation.
 
 ``SessionDep`` is one database session per request; ``Viewer`` / ``Operator`` / ``Admin`` are the
 authenticated caller, checked to hold at least that role (401 without a valid bearer token,
-403 with a weaker role). The path and query parameter types bound every input, so no value
+403 with a weaker role, 429 after too many failed authentications from the caller's address or
+for the token id it names). The path and query parameter types bound every input, so no value
 a client can send becomes a 500.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Annotated
 
 from fastapi import Depends, Path, Query, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from control_plane.admin.auth import Principal, Role, parse_token, verify_secret
+from control_plane.admin.auth import Denial, Principal, Role, TokenRecord, authenticate, parse_token
 from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import ApiToken
-from control_plane.admin.errors import Forbidden, Unauthorized
+from control_plane.admin.errors import Forbidden, TooManyRequests, Unauthorized
 
 
 def get_ctx(request: Request) -> AdminContext:
@@ -40,18 +42,46 @@ bearer = HTTPBearer(auto_error=False, bearerFormat="sy_<id>_<secret>",
                     description="An API token (`switchyard admin create-token`, or POST /tokens as admin).")
 
 
-def current_principal(ctx: Ctx, creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> Principal:
+def current_principal(request: Request, ctx: Ctx,
+                      creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> Principal:
     if creds is None or not creds.credentials:
         raise Unauthorized("missing bearer token (Authorization: Bearer sy_<id>_<secret>)")
+    now = ctx.clock()
     parsed = parse_token(creds.credentials)
+    keys = [f"addr:{request.client.host if request.client else '-'}"]
+    if parsed is not None:
+        keys.append(f"token:{parsed[0]}")
+    wait = ctx.auth_limiter.retry_after(keys, now)
+    if wait is not None:
+        raise TooManyRequests(f"too many failed authentications; retry in {wait} s",
+                              headers={"Retry-After": str(wait)})
+    record: TokenRecord | None = None
     if parsed is None:
-        raise Unauthorized("malformed token")
-    token_id, secret = parsed
-    with ctx.sessions() as s:
-        row = s.get(ApiToken, token_id)
-        if row is None or row.revoked_at is not None or not verify_secret(row.salt, row.token_hash, secret):
-            raise Unauthorized("invalid or revoked token")
-        return Principal(token_id=row.id, name=row.name, role=Role(row.role))
+        outcome: Principal | Denial = Denial.MALFORMED
+    else:
+        token_id, secret = parsed
+        with ctx.sessions() as s:
+            row = s.get(ApiToken, token_id)
+            if row is not None:
+                record = TokenRecord(token_id=row.id, name=row.name, role=row.role, salt=row.salt,
+                                     token_hash=row.token_hash, expires_at=row.expires_at, revoked_at=row.revoked_at)
+        outcome = authenticate(record, secret, datetime.fromtimestamp(now, timezone.utc))
+    if isinstance(outcome, Principal):
+        return outcome
+    if outcome.guess:
+        ctx.auth_limiter.failed(keys, now)
+    raise _denied(outcome, record)
+
+
+def _denied(why: Denial, record: TokenRecord | None) -> Unauthorized:
+    if why is Denial.EXPIRED:
+        return Unauthorized(f"token {record.token_id} expired at {record.expires_at.isoformat(timespec='seconds')}; "
+                            "ask an admin to rotate it (POST /tokens/{id}/rotate)", code="token_expired")
+    if why is Denial.REVOKED:
+        return Unauthorized(f"token {record.token_id} is revoked", code="token_revoked")
+    if why is Denial.MALFORMED:
+        return Unauthorized("malformed token (want sy_<id>_<secret>)")
+    return Unauthorized("invalid token")
 
 
 CurrentUser = Annotated[Principal, Depends(current_principal)]

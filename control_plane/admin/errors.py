@@ -13,8 +13,8 @@ class ApiError(Exception):
 
     status: ClassVar[int] = 400
     code: str = "bad_request"
-    #: Response headers the status calls for.
-    headers: ClassVar[dict[str, str] | None] = None
+    #: Response headers the status calls for (a class default, extended per instance).
+    headers: dict[str, str] | None = None
 
     def __init_subclass__(cls, *, status: int | None = None, code: str | None = None, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -23,11 +23,13 @@ class ApiError(Exception):
         if code is not None:
             cls.code = code
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code:
             self.code = code
+        if headers:
+            self.headers = {**(type(self).headers or {}), **headers}
 
 
 class NotFound(ApiError, status=404, code="not_found"):
@@ -47,10 +49,16 @@ class Unavailable(ApiError, status=503, code="unavailable"):
 
 
 class Unauthorized(ApiError, status=401, code="unauthorized"):
-    """No valid bearer token."""
+    """No valid bearer token (missing, malformed, unknown, wrong secret, revoked or expired; the
+    code says ``token_expired`` / ``token_revoked`` to a caller holding the right secret)."""
 
     headers = {"WWW-Authenticate": "Bearer"}
 
 
 class Forbidden(ApiError, status=403, code="forbidden"):
     """A valid token whose role is too weak for the call."""
+
+
+class TooManyRequests(ApiError, status=429, code="rate_limited"):
+    """Too many failed authentications from this address or for this token id; ``Retry-After``
+    says when to try again."""

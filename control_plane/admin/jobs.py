@@ -1,12 +1,16 @@
 """Running a replay job in the background: the same :class:`ReplayEngine` as the CLI, reading the
-log through its own reader, reporting progress into the job row and storing the result."""
+log through its own reader, reporting progress into the job row and storing the result.
+
+A failed job's row says why in one line (:func:`public_error`), which any viewer reads: never a
+traceback, a server path or a driver's message. The traceback goes to the server's log, under
+the job id the line names."""
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-import traceback
 
 import msgspec
 
@@ -76,15 +80,32 @@ def run_job(ctx: AdminContext, job_id: str) -> None:
             job = s.get(ReplayJob, job_id)
             job.status, job.finished_at, job.progress, job.stage = "succeeded", utcnow(), 1.0, "done"
     except Exception as e:
-        log.warning("replay job %s failed: %s", job_id, e)
+        log.exception("replay job %s failed", job_id)
         with ctx.sessions.begin() as s:
             job = s.get(ReplayJob, job_id)
             job.status, job.finished_at = "failed", utcnow()
-            job.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"[:8000]
+            job.error = public_error(e, job_id)
     finally:
         close = getattr(reader, "close", None)
         if close:
             close()
+
+
+#: Absolute paths (two components or more), as they appear in messages of the standard library.
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][\w.@+-]+){2,}[/\\]?")
+
+
+def public_error(e: BaseException, job_id: str) -> str:
+    """One line a viewer may read. The replay package's own errors say what was wrong with the
+    job (a point not in the log, a request never routed); their first line is kept, with paths
+    cut out. Anything else is a bug or a driver failure, named only by its type."""
+    from control_plane.replay.errors import ReplayError
+
+    where = f"(details in the admin server's log, job {job_id})"
+    if isinstance(e, ReplayError):
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{type(e).__name__}: {_PATH.sub('<path>', first)[:300]} {where}"
+    return f"replay failed: internal error ({type(e).__name__}) {where}"
 
 
 def _execute(engine: ReplayEngine, ctx: AdminContext, kind: str, params: dict):
@@ -92,7 +113,8 @@ def _execute(engine: ReplayEngine, ctx: AdminContext, kind: str, params: dict):
 
     s = ctx.settings
     if kind == "state":
-        state, _ = engine.state(params["at"], hash_algo=s.hash_algo, block_size=s.block_size)
+        state, _ = engine.state(params["at"], hash_algo=params.get("hash_algo", s.hash_algo),
+                                block_size=params.get("block_size", s.block_size))
         v = state["view"]
         summary = {"at": state["at"], "point": state["point"], "applied": v["applied"],
                    "distinct_hashes": v["distinct_hashes"], "digest": v["digest"], "workers": len(v["workers"]),

@@ -22,7 +22,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from control_plane.admin.audit.store import LocatedEvent
-from control_plane.admin.auth import Principal, Role, issue_token
+from control_plane.admin.auth import Principal, Role, expiry, issue_token
 from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import (
     CONFIG_TABLES,
@@ -42,6 +42,7 @@ from control_plane.admin.shapes import (
     ReplayJobCreate,
     RouterConfigUpdate,
     TokenCreate,
+    TokenRotate,
 )
 from control_plane.router import RouterConfig
 from schemas.events import (
@@ -102,8 +103,9 @@ def update_pool(session: Session, ctx: AdminContext, who: Principal, name: str, 
     return session.get(Pool, name)
 
 
-def pin_pool(session: Session, ctx: AdminContext, who: Principal, name: str, body: PinUpdate | None) -> Pool:
-    """Pin (``body``) or unpin (None) a pool's size (``PoolPinned``)."""
+def pin_pool(session: Session, ctx: AdminContext, who: Principal, name: str, body: PinUpdate | None,
+             unpin_reason: str = "") -> Pool:
+    """Pin (``body``) or unpin (None, for ``unpin_reason``) a pool's size (``PoolPinned``)."""
     pool = session.get(Pool, name)
     if pool is None:
         raise NotFound(f"no pool {name!r}: PUT /pools/{name} first")
@@ -112,7 +114,7 @@ def pin_pool(session: Session, ctx: AdminContext, who: Principal, name: str, bod
                       f"{pool.max_replicas}]: widen them first (PUT /pools/{name})")
     with ctx.write_lock:
         record(ctx, session, PoolPinned(pool=PoolName(name), replicas=body.replicas if body else None,
-                                        reason=body.reason if body else "", **_actor(who)))
+                                        reason=body.reason if body else unpin_reason, **_actor(who)))
     session.commit()
     session.refresh(pool)
     return pool
@@ -144,8 +146,18 @@ def _router_config(config: Any, version: int) -> dict[str, Any]:
 
 
 def _planner_config(config: dict[str, Any], version: int) -> dict[str, Any]:
-    # A JSON object checked to be storable by the shape; the planner validates it on load.
-    return {**config, "version": version}
+    # Decoded here exactly as the planner decodes it on load (PlannerConfig forbids unknown
+    # fields and runs its cross-field rules), so a config no planner would apply is refused now
+    # with the reason (e.g. "Object contains unknown field `interval_s`"), never recorded. What
+    # is recorded is what was sent: omitted fields keep meaning "the planner's default".
+    from control_plane.planner.config import PlannerConfig
+
+    body = {**config, "version": version}
+    try:
+        msgspec.convert(body, PlannerConfig)
+    except msgspec.ValidationError as e:
+        raise Invalid(f"planner config rejected: {e}") from None
+    return body
 
 
 CONFIG_KINDS: dict[str, ConfigKind] = {
@@ -173,18 +185,55 @@ def put_config(session: Session, ctx: AdminContext, who: Principal, kind: str,
 # -- tokens --------------------------------------------------------------------------------------
 
 
+def _ttl_days(ctx: AdminContext, asked: int | None) -> int:
+    days = ctx.settings.token_ttl_days if asked is None else asked
+    if days > ctx.settings.token_max_ttl_days:
+        raise Invalid(f"expires_in_days={days} is over this server's maximum of {ctx.settings.token_max_ttl_days}: "
+                      "a long-lived secret outlives the reason it was issued for")
+    return days
+
+
 def create_token(session: Session, ctx: AdminContext, who: Principal, body: TokenCreate) -> tuple[ApiToken, str]:
+    days = _ttl_days(ctx, body.expires_in_days)
     with ctx.write_lock:
         if session.scalar(select(ApiToken.id).where(ApiToken.name == body.name)) is not None:
             raise Conflict(f"a token named {body.name!r} exists (names are what the audit records; pick another)")
         issued = issue_token()
+        now = ctx.now()
+        expires = expiry(now, days)
         record(ctx, session, AdminAction(action="token_created", target=body.name,
-                                         details={"token_id": issued.token_id, "role": body.role}, **_actor(who)))
+                                         details={"token_id": issued.token_id, "role": body.role,
+                                                  "expires_at": expires.isoformat(timespec="seconds")},
+                                         **_actor(who)))
         row = ApiToken(id=issued.token_id, name=body.name, role=body.role, salt=issued.salt,
-                       token_hash=issued.token_hash, created_at=utcnow(), created_by=who.name)
+                       token_hash=issued.token_hash, created_at=now, created_by=who.name, expires_at=expires)
         session.add(row)
         session.commit()
     return row, issued.token
+
+
+def rotate_token(session: Session, ctx: AdminContext, who: Principal, token_id: str,
+                 body: TokenRotate) -> tuple[ApiToken, str]:
+    """A new secret (and expiry) for ``token_id``; the old secret stops authenticating when this
+    commits. The id, name and role stay, so the audit keeps naming one actor."""
+    days = _ttl_days(ctx, body.expires_in_days)
+    with ctx.write_lock:
+        row = session.get(ApiToken, token_id)
+        if row is None:
+            raise NotFound(f"no token {token_id!r}")
+        if row.revoked_at is not None:
+            raise Conflict(f"token {token_id} is revoked: issue a new one (POST /tokens)")
+        fresh = issue_token(row.id)
+        now = ctx.now()
+        expires = expiry(now, days)
+        record(ctx, session, AdminAction(action="token_rotated", target=row.name,
+                                         details={"token_id": row.id, "role": row.role,
+                                                  "expires_at": expires.isoformat(timespec="seconds")},
+                                         **_actor(who)))
+        row.salt, row.token_hash = fresh.salt, fresh.token_hash
+        row.expires_at, row.rotated_at = expires, now
+        session.commit()
+    return row, fresh.token
 
 
 def revoke_token(session: Session, ctx: AdminContext, who: Principal, token_id: str) -> ApiToken:
@@ -195,7 +244,7 @@ def revoke_token(session: Session, ctx: AdminContext, who: Principal, token_id: 
         with ctx.write_lock:
             record(ctx, session, AdminAction(action="token_revoked", target=row.name,
                                              details={"token_id": row.id, "role": row.role}, **_actor(who)))
-            row.revoked_at = utcnow()
+            row.revoked_at = ctx.now()
             session.commit()
     return row
 
@@ -204,21 +253,34 @@ def revoke_token(session: Session, ctx: AdminContext, who: Principal, token_id: 
 
 
 def start_replay_job(session: Session, ctx: AdminContext, who: Principal, body: ReplayJobCreate) -> ReplayJob:
+    """Queue a replay job after checking its arguments (:mod:`control_plane.admin.jobargs`): a
+    job that could not mean anything is a 422 now, not a failed job later."""
+    from control_plane.admin import jobargs
     from control_plane.admin.jobs import run_job
     from control_plane.replay.errors import BadPoint
-    from control_plane.replay.points import parse_point
+    from kernel.errors import HashConfigError
+    from kernel.hashing import HashAlgo, HashConfig
 
+    now_ms = int(ctx.clock() * 1000)
     params: dict[str, Any] = {"kind": body.kind}
     try:
         if body.kind == "state":
-            parse_point(body.at)
+            jobargs.point(body.at, now_ms, "at")
             params["at"] = body.at
         else:
-            parse_point(body.from_)
-            parse_point(body.to)
+            jobargs.check_range(jobargs.point(body.from_, now_ms, "from"), jobargs.point(body.to, now_ms, "to"))
             params.update({"from": body.from_, "to": body.to})
     except BadPoint as e:
         raise Invalid(str(e)) from None
+    if body.hash_algo is not None or body.block_size is not None:
+        if body.kind != "state":
+            raise Invalid("hash_algo and block_size are for state jobs (verify and whatif read the recorded hashes)")
+        algo, size = body.hash_algo or ctx.settings.hash_algo, body.block_size or ctx.settings.block_size
+        try:
+            HashConfig(HashAlgo(algo), size)
+        except HashConfigError as e:
+            raise Invalid(f"hashing rejected: {e}") from None
+        params.update({"hash_algo": algo, "block_size": size})
     if body.kind == "whatif":
         try:
             alt = msgspec.convert({**body.router_config.model_dump(), "version": 0}, RouterConfig)

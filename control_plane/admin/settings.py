@@ -44,6 +44,22 @@ class AdminSettings:
     job_workers: int = 1
     #: Seconds a cached index view may lag the log before a query catches it up.
     view_max_age_s: float = 0.5
+    #: Days a token authenticates after it is issued or rotated, unless the issuer says otherwise.
+    token_ttl_days: int = 30
+    #: The longest lifetime an issuer may ask for (a token must not outlive its reason).
+    token_max_ttl_days: int = 365
+    #: Failed authentications allowed in a burst per client address and per token id, and the
+    #: rate they are allowed at after it (token buckets, :mod:`control_plane.admin.ratelimit`).
+    auth_fail_burst: int = 10
+    auth_fail_per_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.token_ttl_days <= self.token_max_ttl_days:
+            raise ValueError(f"need 1 <= token_ttl_days ({self.token_ttl_days}) <= token_max_ttl_days "
+                             f"({self.token_max_ttl_days})")
+        if self.auth_fail_burst < 1 or not self.auth_fail_per_s > 0:
+            raise ValueError("need auth_fail_burst >= 1 and auth_fail_per_s > 0: a limit of nothing would "
+                             "lock every client out after its first typo")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> AdminSettings:

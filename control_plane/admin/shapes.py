@@ -361,6 +361,10 @@ class ReplayJobCreate(Strict):
     to: Annotated[str, StringConstraints(max_length=4000, pattern=r"^[^\x00]*$")] = Field(default="end")
     router_config: RouterConfigIn | None = Field(default=None, description="whatif: the alternative config.")
     simulate: bool = Field(default=True, description="whatif: also run the simulated engine.")
+    hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = Field(
+        default=None, description="state: the engines' prefix hashing (default: the server's).")
+    block_size: int | None = Field(default=None, ge=1, le=4096,
+                                   description="state: tokens per hashed block (default: the server's).")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -382,7 +386,14 @@ class ReplayJobPublic(BaseModel):
     created_by: str
     started_at: datetime | None
     finished_at: datetime | None
-    error: str | None
+    error: str | None = Field(description="Why a failed job failed, in one line (the traceback stays in the "
+                                          "server's log).")
+
+    @field_validator("error")
+    @classmethod
+    def _one_line(cls, v: str | None) -> str | None:
+        # Rows written before errors were one line held a traceback: never show it.
+        return None if v is None else (v.strip().splitlines() or [""])[0][:500]
 
 
 class ReplayResultPublic(BaseModel):
@@ -395,9 +406,22 @@ class ReplayResultPublic(BaseModel):
 # -- tokens --------------------------------------------------------------------------------------
 
 
+#: Days a token authenticates; the server's default (30) when omitted, at most its maximum (365).
+ExpiresInDays = Annotated[int | None, Field(default=None, ge=1, le=3650, description=(
+    "Days the token authenticates from now (default: the server's token_ttl_days, 30; at most its "
+    "token_max_ttl_days, 365)."))]
+
+
 class TokenCreate(Strict):
     name: Name
     role: RoleName
+    expires_in_days: ExpiresInDays = None
+
+
+class TokenRotate(Strict):
+    """A new secret for an existing token id; the old secret stops authenticating at once."""
+
+    expires_in_days: ExpiresInDays = None
 
 
 class TokenPublic(BaseModel):
@@ -407,6 +431,8 @@ class TokenPublic(BaseModel):
     created_at: datetime
     created_by: str
     revoked_at: datetime | None
+    expires_at: datetime = Field(description="The token stops authenticating at this time (401 token_expired).")
+    rotated_at: datetime | None = Field(description="When its secret was last replaced.")
 
 
 class TokenCreated(TokenPublic):

@@ -115,40 +115,63 @@ def backtest(
         typer.echo(f"chart: {png}")
 
 
+TokenFileOpt = Annotated[Optional[Path], typer.Option(
+    "--token-file", help="File holding the admin API token (mode 600; default: $SWITCHYARD_ADMIN_TOKEN).")]
+AdminUrlOpt = Annotated[Optional[str], typer.Option(
+    "--admin-url", help="Admin API (default: $SWITCHYARD_ADMIN_URL or http://127.0.0.1:8300).")]
+ActorOpt = Annotated[Optional[str], typer.Option(
+    hidden=True, help="Deprecated: the actor is the token's name; refused when it names anyone else.")]
+
+
 @planner_app.command("pin")
 def pin(
     pool: Annotated[str, typer.Argument(help="Pool to pin.")],
-    replicas: Annotated[int, typer.Argument(help="Replicas to hold it at (clamped to the pool's bounds).")],
+    replicas: Annotated[int, typer.Argument(help="Replicas to hold it at (within the pool's bounds).")],
     reason: Annotated[str, typer.Option(help="Why (recorded in the event and in the planner's decision).")] = "",
-    actor: Annotated[Optional[str], typer.Option(help="Who (default: cli:<user>).")] = None,
+    token_file: TokenFileOpt = None,
+    admin_url: AdminUrlOpt = None,
+    actor: ActorOpt = None,
 ) -> None:
-    """Pin a pool (manual override): publishes PoolPinned on the admin stream; the leading planner
-    holds the pool at REPLICAS until unpinned."""
-    _publish_pin(pool, replicas, reason, actor)
-    typer.echo(f"pinned {pool} to {replicas}")
+    """Pin a pool (manual override) through the admin API (operator token): it records PoolPinned
+    on the admin stream naming the token as the actor; the leading planner holds the pool at
+    REPLICAS until unpinned."""
+    if replicas < 0:
+        _fail("replicas must be >= 0", 2)
+    who = _pin_call(token_file, admin_url, actor, lambda c: c.pin(pool, replicas, reason))
+    typer.echo(f"pinned {pool} to {replicas} (as {who})")
 
 
 @planner_app.command("unpin")
 def unpin(pool: Annotated[str, typer.Argument(help="Pool to release.")],
           reason: Annotated[str, typer.Option(help="Why.")] = "",
-          actor: Annotated[Optional[str], typer.Option(help="Who (default: cli:<user>).")] = None) -> None:
-    """Release a pin (PoolPinned with no replicas): the planner sizes the pool from the load again."""
-    _publish_pin(pool, None, reason, actor)
-    typer.echo(f"unpinned {pool}")
+          token_file: TokenFileOpt = None,
+          admin_url: AdminUrlOpt = None,
+          actor: ActorOpt = None) -> None:
+    """Release a pin through the admin API (PoolPinned with no replicas): the planner sizes the
+    pool from the load again."""
+    who = _pin_call(token_file, admin_url, actor, lambda c: c.unpin(pool, reason))
+    typer.echo(f"unpinned {pool} (as {who})")
 
 
-def _publish_pin(pool: str, replicas: int | None, reason: str, actor: str | None) -> None:
-    import getpass
+def _pin_call(token_file: Path | None, url: str | None, actor: str | None, call) -> str:
+    """Run ``call`` with an admin client built from the credential; the actor the API records."""
+    from control_plane.admin.client import AdminClient, ClientError, admin_url, load_token
 
-    from kernel.log.kafka import EventProducer
-    from kernel.settings import BusSettings
-    from schemas.events import PoolPinned
-    from schemas.types import PoolName
-
-    if replicas is not None and replicas < 0:
-        _fail("replicas must be >= 0")
-    p = EventProducer(BusSettings.from_env(), "planner-cli")
-    p.publish(PoolPinned(actor=actor or f"cli:{getpass.getuser()}", pool=PoolName(pool), replicas=replicas,
-                         reason=reason))
-    if p.flush(30):
-        _fail("the PoolPinned event was not acknowledged by the broker")
+    try:
+        client = AdminClient(admin_url(url), load_token(token_file))
+    except ClientError as e:
+        _fail(str(e), e.exit_code)
+    try:
+        if actor is not None:
+            name = client.whoami()["name"]
+            if actor != name:
+                _fail(f"--actor {actor!r} is not this token's name ({name!r}): the log records the token's name "
+                      "as the actor; --actor is deprecated, drop it", 2)
+            typer.secho("warning: --actor is deprecated (the actor is the token's name)", err=True,
+                        fg=typer.colors.YELLOW)
+        pool = call(client)
+    except ClientError as e:
+        _fail(str(e), e.exit_code)
+    finally:
+        client.close()
+    return pool.get("updated_by", "?")

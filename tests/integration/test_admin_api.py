@@ -130,7 +130,7 @@ def env(kafka_bootstrap: str):
         assert client.put("/pools/default", json={"role": "aggregated", "min_replicas": 1, "max_replicas": 4},
                           headers=admin).status_code == 200
         assert client.put("/router-config", json={"config": {"mode": "kv"}}, headers=admin).status_code == 200
-        assert client.put("/planner-config", json={"config": {"interval_s": 30}}, headers=admin).status_code == 200
+        assert client.put("/planner-config", json={"config": {"tick_s": 30}}, headers=admin).status_code == 200
         job = client.post("/replay/jobs", json={"kind": "state", "at": "end"}, headers=admin)
         assert job.status_code == 202, job.text
         e.job_id = job.json()["id"]
@@ -181,7 +181,7 @@ CALLS = [
     Call("GET", "/planner-config", "viewer", 200),
     Call("GET", "/planner-config/versions", "viewer", 200),
     Call("GET", "/planner-config/versions/1", "viewer", 200),
-    Call("PUT", "/planner-config", "operator", 200, {"config": {"interval_s": 60}}),
+    Call("PUT", "/planner-config", "operator", 200, {"config": {"tick_s": 60}}),
     Call("GET", "/planner/decisions", "viewer", 200),
     Call("GET", "/index/stats", "viewer", 200),
     Call("POST", "/index/overlap", "viewer", 200, {"tokens": DOC}),
@@ -195,6 +195,7 @@ CALLS = [
     Call("GET", "/tokens", "admin", 200),
     Call("POST", "/tokens", "admin", 201, None),
     Call("DELETE", _fresh_token, "admin", 200),
+    Call("POST", lambda e: f"{_fresh_token(e)}/rotate", "admin", 200, {"expires_in_days": 7}),
 ]
 RANK = {None: -1, "viewer": 0, "operator": 1, "admin": 2}
 

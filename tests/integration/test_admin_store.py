@@ -5,6 +5,7 @@ consumer and broker)."""
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import sqlalchemy as sa
@@ -15,6 +16,7 @@ from sqlalchemy import func, select
 from control_plane.admin.audit.consumer import AuditConsumer
 from control_plane.admin.audit.store import AuditStore, LocatedEvent
 from control_plane.admin.db.models import (
+    ApiToken,
     AuditEvent,
     AuditPosition,
     Base,
@@ -63,6 +65,25 @@ def test_migrations_upgrade_match_the_models_and_downgrade_to_nothing(db_url: st
     assert _tables(db_url) <= {"alembic_version"}
     migrate(db_url)  # and up again over the downgraded database
     assert "audit_events" in _tables(db_url)
+
+
+def test_tokens_from_before_expiry_get_a_grace_period_not_a_lockout(db_url: str) -> None:
+    """0002 adds expires_at: a token issued under 0001 expires 30 days after the upgrade."""
+    migrate(db_url, "0001")
+    eng = make_engine(db_url)
+    with eng.begin() as conn:
+        conn.execute(sa.text("INSERT INTO api_tokens (id, name, role, salt, token_hash, created_at, created_by) "
+                             "VALUES ('0123abcd', 'old', 'admin', '00', '00', :t, 'cli')"),
+                     {"t": datetime(2026, 1, 1)})
+    migrate(db_url)
+    with session_factory(eng)() as s:
+        expires = s.get(ApiToken, "0123abcd").expires_at
+    want = datetime.now(timezone.utc) + timedelta(days=30)
+    assert abs((expires - want).total_seconds()) < 600, expires
+    eng.dispose()
+    migrate(db_url, "0001", down=True)  # and 0002 comes off again
+    assert "expires_at" not in {c["name"] for c in sa.inspect(eng).get_columns("api_tokens")}
+    eng.dispose()
 
 
 # -- idempotence -------------------------------------------------------------------------------

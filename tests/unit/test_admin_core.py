@@ -1,13 +1,31 @@
-"""The admin service's pure parts: the audit projection's folds, the request trace, tokens."""
+"""The admin service's pure parts: the audit projection's folds, the request trace, tokens,
+authentication at a given time, the failed-authentication limiter and replay job arguments."""
 
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
 
 from control_plane.admin.audit.projection import audit_row, counter_of, fold_pool, fold_worker, payload_json
-from control_plane.admin.auth import Role, issue_token, parse_token, verify_secret
+from control_plane.admin import jobargs
+from control_plane.admin.auth import (
+    Denial,
+    Principal,
+    Role,
+    TokenRecord,
+    authenticate,
+    expiry,
+    issue_token,
+    parse_token,
+    verify_secret,
+)
+from control_plane.admin.jobs import public_error
+from control_plane.admin.ratelimit import FailureLimiter
 from control_plane.admin.queries import build_trace
 from control_plane.admin.shapes import EventPublic
+from control_plane.replay.errors import BadPoint
 from schemas import EnvelopeFactory
 from schemas import events as ev
 from schemas.types import RoutingMode
@@ -85,3 +103,74 @@ def test_tokens_are_checked_against_salted_hashes() -> None:
     for bad in ("", "sy_", "xx_12345678_abc", "sy_nothex!_abc", "sy_12345678_"):
         assert parse_token(bad) is None
     assert Role.ADMIN.allows(Role.OPERATOR) and not Role.VIEWER.allows(Role.OPERATOR)
+
+
+def _record(**overrides) -> tuple[TokenRecord, str]:
+    t = issue_token(overrides.pop("token_id", None))
+    now = datetime(2027, 1, 1, tzinfo=timezone.utc)
+    fields = dict(token_id=t.token_id, name="ops", role="operator", salt=t.salt, token_hash=t.token_hash,
+                  expires_at=expiry(now, 30))
+    return TokenRecord(**{**fields, **overrides}), parse_token(t.token)[1]
+
+
+def test_authentication_checks_the_secret_before_revocation_and_expiry() -> None:
+    rec, secret = _record()
+    start = datetime(2027, 1, 1, tzinfo=timezone.utc)
+    assert authenticate(rec, secret, start) == Principal(rec.token_id, "ops", Role.OPERATOR)
+    assert authenticate(rec, secret, start + timedelta(days=30)) is Denial.EXPIRED  # expiry is exclusive
+    assert authenticate(rec, secret + "x", start + timedelta(days=30)) is Denial.INVALID  # no hint without it
+    assert authenticate(None, secret, start) is Denial.INVALID
+    revoked, secret = _record(revoked_at=start)
+    assert authenticate(revoked, secret, start) is Denial.REVOKED
+    assert [d.guess for d in Denial] == [True, True, False, False]
+    # Rotation keeps the id and changes the secret.
+    again = issue_token(rec.token_id)
+    assert again.token.startswith(f"sy_{rec.token_id}_") and again.token_hash != rec.token_hash
+
+
+def test_failure_limiter_buckets() -> None:
+    """burst 3, 0.5/s: three failures empty a bucket; one token refills in 2 s, so Retry-After is
+    ceil((1 - 0) / 0.5) = 2, and after 1 s it is ceil((1 - 0.5) / 0.5) = 1."""
+    lim = FailureLimiter(3, 0.5, max_keys=4)
+    keys = ["addr:a", "token:t1"]
+    for _ in range(3):
+        assert lim.retry_after(keys, 100.0) is None
+        lim.failed(keys, 100.0)
+    assert lim.retry_after(keys, 100.0) == 2
+    assert lim.retry_after(["addr:a"], 101.0) == 1
+    assert lim.retry_after(["token:t1"], 102.0) is None
+    assert lim.retry_after(["addr:b"], 100.0) is None  # other keys untouched
+    assert lim.retry_after(keys, 50.0) == 2  # a clock stepping back refills nothing
+    # Bounded memory: full buckets are forgotten first, then the least recently touched.
+    for i in range(10):
+        lim.failed([f"addr:spray{i}"], 200.0)
+    assert len(lim) == 4 and lim.retry_after(["addr:spray9"], 200.0) is None
+    lim.failed(["addr:late"], 300.0)  # by then the others refilled: forgotten
+    assert len(lim) == 1
+    with pytest.raises(ValueError):
+        FailureLimiter(0, 1.0)
+
+
+def test_replay_points_are_checked_for_plausibility_and_order() -> None:
+    now = 1_800_000_000_000
+    p = jobargs.point
+    assert p("2027-01-15T07:00:00Z", now, "at").kind == "time"
+    for bad in ("1999-12-31T23:59:59Z", "2027-01-16T09:00:00Z", "t:0:9223372036854775808", "nonsense"):
+        with pytest.raises(BadPoint, match="^at"):
+            p(bad, now, "at")
+    ok = [("start", "end"), ("end", "end"), ("t:0:1", "t:0:1"), ("t:0:9", "t:1:1"), ("2026-01-01", "t:0:3"),
+          ('{"t:0": 1}', '{"t:0": 2, "t:1": 0}')]
+    for a, b in ok:
+        jobargs.check_range(p(a, now, "from"), p(b, now, "to"))
+    bad = [("end", "start"), ("end", "t:0:1"), ("t:0:1", "start"), ("2026-02-01", "2026-01-01"),
+           ("t:0:9", "t:0:1"), ('{"t:0": 3}', '{"t:0": 2}')]
+    for a, b in bad:
+        with pytest.raises(BadPoint, match="is after to"):
+            jobargs.check_range(p(a, now, "from"), p(b, now, "to"))
+
+
+def test_a_job_error_is_one_line_without_paths() -> None:
+    assert public_error(OSError("/srv/data/x.log: denied\nmore"), "j1") == (
+        "replay failed: internal error (OSError) (details in the admin server's log, job j1)")
+    line = public_error(BadPoint("no export at /home/ops/run.sylog\n  File \"/x/y.py\""), "j2")
+    assert line == "BadPoint: no export at <path> (details in the admin server's log, job j2)"

@@ -216,7 +216,8 @@ CONFIG_TABLES: dict[str, type[RouterConfigVersion] | type[PlannerConfigVersion]]
 
 
 class ApiToken(Base):
-    """A bearer token: ``sy_<id>_<secret>``; only sha256(salt || secret) is stored."""
+    """A bearer token: ``sy_<id>_<secret>``; only sha256(salt || secret) is stored. Rotation
+    replaces the salt and hash (the id, name and role stay: the audit keeps one actor)."""
 
     __tablename__ = "api_tokens"
 
@@ -228,6 +229,9 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     created_by: Mapped[str] = mapped_column(String(128), default="")
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: The token stops authenticating at this time (set at issue and at every rotation).
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    rotated_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class ReplayJob(Base):

@@ -14,7 +14,7 @@ M = TypeVar("M", bound=BaseModel)
 #: Why each error status can answer, as the OpenAPI schema tells clients.
 _WHY = {400: "The body is not parseable (not JSON, or not UTF-8)", 401: "Missing or invalid bearer token",
         403: "The token's role is too weak", 404: "Not found", 409: "Conflicts with the current state",
-        422: "Invalid input", 503: "The log or the database cannot take the call now"}
+        422: "Invalid input", 429: "Too many failed authentications; retry after Retry-After seconds", 503: "The log or the database cannot take the call now"}
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -23,7 +23,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 #: What any route behind a token can answer besides its own errors.
-AUTH = errors(400, 401, 403, 422)
+AUTH = errors(400, 401, 403, 422, 429)
 
 
 def page(shape: type[M], rows: Iterable[Any], total: int, limit: int, offset: int) -> Page[M]:

@@ -10,7 +10,7 @@ from control_plane.admin.routes.common import errors
 from control_plane.admin.shapes import IndexStats, OverlapQuery, OverlapResult
 
 #: Every index route can answer 503: the process may have no view of the log.
-router = APIRouter(prefix="/index", tags=["index"], responses=errors(400, 401, 403, 422, 503))
+router = APIRouter(prefix="/index", tags=["index"], responses=errors(400, 401, 403, 422, 429, 503))
 
 
 @router.get("/stats", response_model=IndexStats)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 
 from control_plane.admin import queries, services
 from control_plane.admin.deps import Ctx, Limit, Offset, Operator, PoolPath, SessionDep, Viewer
@@ -36,6 +38,7 @@ def pin_pool(name: PoolPath, body: PinUpdate, s: SessionDep, c: Ctx, who: Operat
 
 
 @router.delete("/{name}/pin", response_model=PoolPublic, responses=errors(404, 503))
-def unpin_pool(name: PoolPath, s: SessionDep, c: Ctx, who: Operator):
+def unpin_pool(name: PoolPath, s: SessionDep, c: Ctx, who: Operator,
+               reason: Annotated[str, Query(max_length=2000, pattern=r"^[^\x00]*$")] = ""):
     """Release a pin: the planner decides the pool's size again (``PoolPinned(replicas=null)``)."""
-    return queries.pool_row(s, services.pin_pool(s, c, who, name, None))
+    return queries.pool_row(s, services.pin_pool(s, c, who, name, None, reason))

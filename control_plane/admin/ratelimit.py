@@ -1,0 +1,83 @@
+"""Failed authentications, rate-limited per key with token buckets. Pure (the time is an input).
+
+Each key (a client address, a token id) has a bucket of ``burst`` tokens that refills at
+``per_s`` tokens a second; every failed authentication takes one token from the bucket of each
+key it carries. A request is refused (429, ``Retry-After``) *before* its secret is checked when
+any of its keys' buckets is empty: checking first and refusing after would still tell a guesser
+which guess was right. Successful authentications take nothing, so a client with a good token is
+never slowed by its own traffic.
+
+The token-id key stops a guesser spread over many addresses; its cost is that while a token id
+is under attack its holder is refused too, for seconds (until the bucket refills a token). The
+address key stops one client spraying ids.
+
+A full bucket is the same as no bucket, so buckets are forgotten once full, and at most
+``max_keys`` are kept (the least recently touched go first): memory stays bounded however many
+ids or addresses a client invents. In-process: each admin replica limits on its own.
+
+Checking and charging are two steps, so requests already in flight when a bucket empties still
+count against it but are not stopped: a guesser gains at most one request per worker thread of
+the server per refill (tens, against a 256-bit secret). Charging every request up front and
+refunding the good ones would close that, at the price of 429s for a client that simply sends
+more than ``burst`` good requests at once.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class _Bucket:
+    level: float
+    at: float
+
+
+class FailureLimiter:
+    """Token buckets of failed authentications; thread-safe (routes run in a thread pool)."""
+
+    def __init__(self, burst: int, per_s: float, *, max_keys: int = 10_000) -> None:
+        if burst < 1 or not per_s > 0 or max_keys < 1:
+            raise ValueError("need burst >= 1, per_s > 0 and max_keys >= 1")
+        self.burst = burst
+        self.per_s = per_s
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _level(self, key: str, now: float) -> float:
+        b = self._buckets.get(key)
+        if b is None:
+            return float(self.burst)
+        # A clock that steps back refills nothing (and takes nothing back).
+        return min(float(self.burst), b.level + max(0.0, now - b.at) * self.per_s)
+
+    def retry_after(self, keys: Iterable[str], now: float) -> int | None:
+        """Whole seconds until every key's bucket holds a token again; None if they all do."""
+        with self._lock:
+            wait = max(((1.0 - self._level(k, now)) / self.per_s for k in keys), default=0.0)
+        return max(1, math.ceil(wait)) if wait > 0 else None
+
+    def failed(self, keys: Iterable[str], now: float) -> None:
+        """Take one token from each key's bucket (a failed authentication)."""
+        with self._lock:
+            for k in keys:
+                level = max(0.0, self._level(k, now) - 1.0)
+                self._buckets[k] = _Bucket(level, now)
+                self._buckets.move_to_end(k)
+            self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        if len(self._buckets) <= self.max_keys:
+            return
+        for k in [k for k in self._buckets if self._level(k, now) >= self.burst]:
+            del self._buckets[k]
+        while len(self._buckets) > self.max_keys:
+            self._buckets.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
