@@ -9,6 +9,9 @@ view, the metrics processor (Faust apps), and the planner's admin follower (Even
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -25,8 +28,8 @@ from kernel.settings import BusSettings
 from schemas import events as ev
 from schemas.types import MAX_WORKER_ID_LEN, RoutingMode
 from tests.support.db import postgres_database
-from tests.support.deadletters import DeadLetter, dead_letters
-from tests.support.waits import wait_for
+from tests.support.deadletters import DeadLetter, committed, dead_letters
+from tests.support.waits import until, wait_for
 
 pytestmark = pytest.mark.kafka
 
@@ -149,3 +152,182 @@ def test_audit_dead_letters_poison_and_says_degraded_while_it_retries(bus: BusSe
         with sessions() as s:  # the refused rows are not half-stored
             assert s.scalar(sa.select(sa.func.count()).select_from(Worker)) == 1
         eng.dispose()
+
+
+# -- the Faust processors: a pure fold, so poison is dead-lettered at once (no retry window) ------
+
+
+def _poison_stream(bus: BusSettings, stream: str, key: str, before, bug, after) -> dict[str, str]:
+    """On ``stream``, keyed ``key`` (one partition, in this order): the events ``before``, garbage
+    bytes, ``bug`` (decodable; the injected fold raises on it), the events ``after``. Returns
+    where the garbage, the bug and the last event landed (``topic:partition:offset``)."""
+    topic = Catalog(bus.topic_prefix).topic(stream)
+    where = Located()
+    p = EventProducer(bus, key, epoch=1, on_ack=where)
+    for e in before:
+        p.publish(e)
+    garbage = _raw_source(p, topic, b"\x00\xffnot an envelope", key.encode())
+    bug_env = p.publish(bug)
+    last = [p.publish(e) for e in after][-1]
+    assert p.flush(10) == 0 and garbage
+    return {"garbage": garbage[0], "bug": where.source(bug_env.event_id), "last": where.source(last.event_id)}
+
+
+def _past(positions: dict[tuple[str, int], int], source: str) -> bool:
+    tp, off = _tp(source)
+    return positions.get(tp, 0) > off
+
+
+def _tp(source: str) -> tuple[tuple[str, int], int]:
+    topic, part, off = source.rsplit(":", 2)
+    return (topic, int(part)), int(off)
+
+
+async def _committed_past(bus: BusSettings, group: str, source: str, timeout: float = 40.0) -> None:
+    """Poll until the processor's consumer group committed past ``source`` (Faust commits on its
+    interval)."""
+    (topic, part), off = _tp(source)
+    deadline = time.monotonic() + timeout
+    while (got := await asyncio.to_thread(committed, bus, group, topic)).get(part, -1) <= off:
+        assert time.monotonic() < deadline, f"group {group} committed {got} on {topic}, not past {source}"
+        await asyncio.sleep(0.2)
+
+
+def _assert_dead_lettered(bus: BusSettings, where: dict[str, str], want: dict[str, str], consumer: str) -> None:
+    letters = _by_source(bus, len(want))
+    got = {k: (letters[where[k]].reason, letters[where[k]].consumer) for k in want if where[k] in letters}
+    assert got == {k: (r, consumer) for k, r in want.items()}, letters
+    if "bug" in want:
+        assert "injected fold bug" in letters[where["bug"]].error
+
+
+def _load(worker_id: str, running: int, waiting: int = 0) -> ev.WorkerLoadReported:
+    return ev.WorkerLoadReported(worker_id=worker_id, running=running, waiting=waiting)
+
+
+def _registered(worker_id: str) -> ev.WorkerRegistered:
+    return ev.WorkerRegistered(worker_id=worker_id, role="aggregated", pool="agg", endpoint=f"http://{worker_id}",
+                               block_size=16, hash_algo="sha256_cbor")
+
+
+def _is_bug(env) -> bool:
+    return isinstance(env.data, ev.WorkerLoadReported) and env.data.running == 99
+
+
+async def test_router_view_dead_letters_poison_and_goes_on(bus: BusSettings) -> None:
+    """Garbage, a load report the injected fold raises on, then a good one: the view has the
+    good one, both poison records are dead-lettered by the view's group, the view's positions
+    and the group's committed offsets are past them, and the view is EXACT."""
+    from control_plane.router.stream import RouterViewProcessor
+    from control_plane.router.view import RouterView
+
+    class FaultyView(RouterView):
+        def apply(self, env, *args, **kwargs):
+            if _is_bug(env):
+                raise ValueError("injected fold bug")
+            return super().apply(env, *args, **kwargs)
+
+    where = _poison_stream(bus, "workers", "w-a", [_registered("w-a"), _load("w-a", 1)], _load("w-a", 99),
+                           [_load("w-a", 3, 4)])
+    view = FaultyView("sha256_cbor", 16)
+    proc = RouterViewProcessor(bus, "r-poison", view, snapshot_every_s=3600)
+    await proc.start()
+    try:
+        await until(lambda: proc.caught_up, timeout=60, what=lambda: view.positions)
+        assert (view.workers["w-a"].running, view.workers["w-a"].waiting) == (3, 4)
+        tp, last = _tp(where["last"])
+        assert view.positions[tp] == last + 1
+        assert proc.dead_lettered == 2 and proc.health().state == "EXACT", proc.health()
+        await _committed_past(bus, proc.group, where["last"])
+    finally:
+        await proc.stop()
+    _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"}, proc.group)
+
+
+async def test_load_view_dead_letters_poison_and_goes_on(bus: BusSettings) -> None:
+    from control_plane.planner.load_view import LoadView
+    from control_plane.planner.stream import LoadViewProcessor
+
+    class FaultyView(LoadView):
+        def apply(self, env):
+            if _is_bug(env):
+                raise ValueError("injected fold bug")
+            return super().apply(env)
+
+    where = _poison_stream(bus, "workers", "a1", [_registered("a1")], _load("a1", 99), [_load("a1", 2), _load("a1", 3)])
+    view = FaultyView()
+    proc = LoadViewProcessor(bus, "lv-poison", view, snapshot_every_s=3600, counters=False)
+    await proc.start()
+    try:
+        await until(lambda: proc.caught_up, timeout=60, what=lambda: view.positions)
+        assert view.applied == 3  # the registration and the two good reports
+        tp, last = _tp(where["last"])
+        assert view.positions[tp] == last + 1
+        assert proc.dead_lettered == 2
+        await _committed_past(bus, proc.group, where["last"])
+    finally:
+        await proc.stop()
+    _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"}, proc.group)
+
+
+async def test_metrics_processor_dead_letters_what_its_fold_raises_on(bus: BusSettings, tmp_path) -> None:
+    """The metrics processor counts undecodable records (the acting consumers dead-letter them)
+    and dead-letters a record its own fold raised on; both are behind its position."""
+    from control_plane.metrics.projection import MetricsProjection
+    from control_plane.metrics.stream import MetricsProcessor, MetricsSettings
+
+    class FaultyProjection(MetricsProjection):
+        def apply(self, env, *args, **kwargs):
+            out = super().apply(env, *args, **kwargs)  # a handler bug: the position advanced first
+            if _is_bug(env):
+                raise ValueError("injected fold bug")
+            return out
+
+    where = _poison_stream(bus, "workers", "m1", [_registered("m1")], _load("m1", 99), [_load("m1", 2)])
+    settings = MetricsSettings(processor_id="m-poison", port=0, hash_algo="sha256_cbor", block_size=16,
+                               snapshot_every_s=3600, probe_every_s=0.5, data_dir=tmp_path)
+    proc = MetricsProcessor(bus, settings, FaultyProjection(settings.projection_config()))
+    await proc.start()
+    try:
+        await until(lambda: proc.caught_up, timeout=60, what=lambda: proc.projection.positions)
+        (topic, part), last = _tp(where["last"])
+        await until(lambda: proc.projection.positions.get(("workers", part), 0) == last + 1, timeout=30,
+                    what=lambda: proc.projection.positions)
+        records = proc.projection.as_dict()["switchyard_metrics_records_total"]
+        assert records[("workers", "undecodable")] == 1 and records[("workers", "applied")] == 3, records
+        assert proc.fold_errors == 1 and proc.dead_lettered == 1 and proc.health()["state"] == "OK"
+        await _committed_past(bus, proc.group, where["last"])
+    finally:
+        await proc.stop()
+    _assert_dead_lettered(bus, where, {"bug": "apply_failed:ValueError"}, proc.group)
+
+
+# -- an EventConsumer follower: the planner's admin stream ----------------------------------------
+
+
+def test_planner_admin_follower_dead_letters_poison_and_goes_on(bus: BusSettings) -> None:
+    from control_plane.planner.admin import AdminInputs
+    from control_plane.planner.runner import AdminFollower
+
+    class FaultyInputs(AdminInputs):
+        def apply(self, env):
+            if getattr(env.data, "pool", None) == "bug":
+                raise ValueError("injected fold bug")
+            return super().apply(env)
+
+    where = _poison_stream(bus, "admin", "pool-key", [ev.PoolPinned(pool="p0", replicas=1, actor="op")],
+                           ev.PoolPinned(pool="bug", replicas=2, actor="op"),
+                           [ev.PoolPinned(pool="p1", replicas=3, actor="op")])
+    follower = AdminFollower(bus, "planner-poison")
+    follower.inputs = FaultyInputs()
+    follower.start()
+    try:
+        pins = wait_for(lambda: (pins if "p1" in (pins := follower.current(None)[0]) else None), timeout=30,
+                        what=lambda: follower.current(None))
+        assert {k: v.replicas for k, v in pins.items()} == {"p0": 1, "p1": 3}
+        wait_for(lambda: all(_past(follower.positions(), where[k]) for k in ("garbage", "bug")), timeout=10,
+                 what=follower.positions)
+    finally:
+        follower.stop()
+    _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"},
+                          "planner-poison.admin")
