@@ -331,3 +331,33 @@ def test_planner_admin_follower_dead_letters_poison_and_goes_on(bus: BusSettings
         follower.stop()
     _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"},
                           "planner-poison.admin")
+
+
+# -- the worker's peer directory: a cache with a side-channel fallback ---------------------------
+
+
+def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
+    """Garbage claiming to be a WorkerRegistered and a registration with junk transfer info are
+    skipped (counted, not dead-lettered: see ``PeerDirectory.skipped``); the registration after
+    them is known."""
+    from data_plane.transfer.metadata import BlockRegion, EndpointMetadata
+    from data_plane.workers.peers import PeerDirectory
+
+    topic = Catalog(bus.topic_prefix).topic("workers")
+    p = EventProducer(bus, "p1", epoch=1)
+    p.produce_raw(topic, b"\x00\xffnot an envelope", b"p1", [("sy-type", b"WorkerRegistered")])
+    p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://p1", block_size=16,
+                                  hash_algo="sha256_cbor",
+                                  transfer=ev.TransferInfo(agent_name="p1:0", agent_metadata=b"junk")))
+    good = EndpointMetadata(agent_name="p1:1", agent_metadata=b"nixl", region=BlockRegion(base_addr=4096, block_len=64,
+                                                                                          n_blocks=4))
+    p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://p1", block_size=16,
+                                  hash_algo="sha256_cbor", transfer=good.to_transfer_info()))
+    assert p.flush(10) == 0
+    directory = PeerDirectory()
+    directory.follow(bus)
+    try:
+        assert wait_for(lambda: directory.known("p1:1"), timeout=30, what="the good registration") == good
+        assert directory.skipped == 2
+    finally:
+        directory.stop()
