@@ -154,6 +154,56 @@ def test_audit_dead_letters_poison_and_says_degraded_while_it_retries(bus: BusSe
         eng.dispose()
 
 
+
+def test_audit_blames_no_record_while_the_database_is_down(bus: BusSettings) -> None:
+    """A real outage: the test database stops accepting connections and its sessions are
+    terminated. The audit waits (health degraded, saying it waits for the database), dead-letters
+    nothing, and stores the records once the database is back."""
+    from tests.support.db import pg_admin_url
+
+    p = EventProducer(bus, "w1", epoch=100)
+    p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1",
+                                  block_size=16, hash_algo="sha256"))
+    assert p.flush(10) == 0
+    admin = sa.create_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
+    with postgres_database() as url:
+        migrate(url)
+        name = url.rsplit("/", 1)[1]
+        eng = make_engine(url)
+        sessions = session_factory(eng)
+        c = AuditConsumer(bus, sessions, streams=("workers",), retry=RetryPolicy(first_delay_s=0.1, max_delay_s=0.5))
+        c.drain()
+        c.start()
+        try:
+            with admin.connect() as a:
+                a.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false'))
+                a.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                          {"d": name})
+            p.publish(ev.WorkerLoadReported(worker_id="w1", running=5, waiting=6))
+            assert p.flush(10) == 0
+            down = wait_for(lambda: (h if (h := queries.health(sessions, c)).audit["stuck"] else None), timeout=30,
+                            what="audit waiting for the database")
+            assert down.status == "degraded" and not down.database
+            assert "waiting for the database" in down.audit["stuck"], down
+            with admin.connect() as a:
+                a.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+
+            def stored():
+                with sessions() as s:
+                    w = s.get(Worker, "w1")
+                    return w is not None and (w.running, w.waiting) == (5, 6)
+
+            wait_for(stored, timeout=30, what="the record stored once the database is back")
+            wait_for(lambda: queries.health(sessions, c).status == "ok", timeout=30, what="health ok again")
+        finally:
+            c.stop()
+            with admin.connect() as a:
+                a.execute(sa.text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true'))
+        assert c.dead_lettered == 0 and dead_letters(bus) == []
+        eng.dispose()
+    admin.dispose()
+
+
 # -- the Faust processors: a pure fold, so poison is dead-lettered at once (no retry window) ------
 
 
