@@ -411,3 +411,34 @@ def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
         assert directory.skipped == 2
     finally:
         directory.stop()
+
+
+# -- the kernel's EventConsumer as a group member -------------------------------------------------
+
+
+def test_event_consumer_commits_past_what_it_dead_lettered(bus: BusSettings) -> None:
+    """Garbage, then an event its handler cannot apply (handed to ``dead_letter``), then a good
+    one: the group's committed offset passes both, and both dead letters name this consumer."""
+    from kernel.log.kafka import EventConsumer
+
+    where = _poison_stream(bus, "requests", "r-1", [], ev.RequestFailed(request_id="r-1", reason="bug", code="x"),
+                           [ev.RequestFailed(request_id="r-1", reason="ok", code="x")])
+    c = EventConsumer(bus, ["requests"], group_id=f"{bus.topic_prefix}.it-commit", consumer_name="it-commit")
+    try:
+        handled = []
+
+        def poll_until_the_last() -> bool:
+            for d in c.poll_batch(100, 0.2):
+                if d.envelope.data.reason == "bug":
+                    c.dead_letter(d, "apply_failed:ValueError", "ValueError: injected fold bug")
+                else:
+                    handled.append(d.envelope.data.reason)
+            return handled == ["ok"]
+
+        wait_for(poll_until_the_last, timeout=30, what=lambda: handled)
+        c.commit()
+    finally:
+        c.close()
+    (topic, part), last = _tp(where["last"])
+    assert committed(bus, f"{bus.topic_prefix}.it-commit", topic)[part] == last + 1
+    _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"}, "it-commit")
