@@ -3,8 +3,11 @@ and a decodable one whose apply fails, followed by good records, applies the goo
 poison on the dead-letter topic with its reason and source, moves its position past it, and
 (where it retries) reports DEGRADED while stuck and OK once it moved on.
 
-Consumers: the audit projection (SQL, real PostgreSQL), the router view, the planner's load
-view, the metrics processor (Faust apps), and the planner's admin follower (EventConsumer).
+Consumers: the audit projection (SQL, real PostgreSQL; also through a real database outage,
+which blames no record), the router view, the planner's load view, the metrics processor (Faust
+apps), the planner's admin follower and a plain EventConsumer group member, and the worker's
+peer directory (a cache: it skips and counts poison). Failures of the fold are injected through
+subclasses of the real view or store; nothing else is faked.
 """
 
 from __future__ import annotations
