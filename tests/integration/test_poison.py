@@ -54,7 +54,8 @@ class Located:
 def _raw_source(p: EventProducer, topic: str, value: bytes, key: bytes) -> list[str]:
     """Produce raw bytes; the list receives ``topic:partition:offset`` once delivered."""
     where: list[str] = []
-    p.produce_raw(topic, value, key, on_delivery=lambda err, m: where.append(f"{m.topic()}:{m.partition()}:{m.offset()}"))
+    p.produce_raw(topic, value, key,
+                  on_delivery=lambda err, m: where.append(f"{m.topic()}:{m.partition()}:{m.offset()}"))
     return where
 
 
@@ -108,8 +109,8 @@ def test_audit_dead_letters_poison_and_says_degraded_while_it_retries(bus: BusSe
     rp.publish(ev.RequestRouted(request_id="q1", worker_id="w1", mode=RoutingMode.KV, config_version=1, rng_seed=1))
     assert p.flush(10) == 0 and rp.flush(10) == 0 and garbage
 
-    store = FlakyStore({fold_bug.event_id: ValueError("injected fold bug"),
-                        transient.event_id: sa_exc.OperationalError("UPDATE workers", {}, Exception("injected lock timeout"))})
+    lock_timeout = sa_exc.OperationalError("UPDATE workers", {}, Exception("injected lock timeout"))
+    store = FlakyStore({fold_bug.event_id: ValueError("injected fold bug"), transient.event_id: lock_timeout})
     with postgres_database() as url:
         migrate(url)
         eng = make_engine(url)
