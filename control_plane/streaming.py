@@ -94,7 +94,9 @@ class FoldProcessor:
     * checkpoints: the projection's bytes are taken on the event loop (consistent with the
       positions inside them) and written from a thread, spaced to at least 20x their encoding
       time so a large view never holds the loop more than ~5% of the time;
-    * poison goes to the dead-letter topic (:meth:`dead_letter`); the agent continues.
+    * poison goes to the dead-letter topic (:meth:`dead_letter`) at once (the folds are pure: a
+      retry would fail the same way); the agent continues. A checkpoint is written only once
+      the dead letters its positions pass are acknowledged.
     """
 
     #: The projection's name in group ids and logs.
@@ -247,6 +249,12 @@ class FoldProcessor:
             return False
         data = self.snapshot_bytes()  # taken on the loop: consistent with the positions in it
         self._next_checkpoint_at = now + 20 * (time.monotonic() - now)
+        # The snapshot's positions pass every record dead-lettered so far: those dead letters
+        # must be on the broker first, or a crash after the save would lose them.
+        left = await asyncio.to_thread(self._dlq.confirm, 30.0)
+        if left:
+            log.warning("%s %s: %d dead letters not acknowledged; checkpoint skipped", self.KIND, self.owner_id, left)
+            return False
         await asyncio.to_thread(self.snapshots.save, self.snapshot_key, data)
         self._last_snapshot_applied = applied
         self.snapshots_written += 1

@@ -18,6 +18,7 @@ import msgspec
 
 from schemas.errors import MalformedEvent, UnknownEventType, UnsupportedSchemaVersion
 from schemas.events import ALL_EVENT_TYPES, Event
+from schemas.types import MAX_WORKER_ID_LEN, WORKER_ID_FIELDS
 from schemas.upcasters import UPCASTERS
 
 E = TypeVar("E", bound=Event)
@@ -68,6 +69,7 @@ class EventCodec:
     Decoding an older version validates it against its own struct, then applies the upcasters
     one version step at a time. A type it does not know, or a version newer than the newest it
     knows, raises a :class:`schemas.errors.SchemaError` subclass with a message that says which.
+    So does a payload naming a worker id longer than :data:`~schemas.types.MAX_WORKER_ID_LEN`.
     """
 
     def __init__(self, types: tuple[type[Event], ...] = ALL_EVENT_TYPES) -> None:
@@ -81,6 +83,11 @@ class EventCodec:
             self._latest[cls.TYPE] = max(self._latest.get(cls.TYPE, 0), cls.VERSION)
         self._payload_decoders = {
             k: msgspec.msgpack.Decoder(cls) for k, cls in self._by_key.items()
+        }
+        #: Payload type -> its worker id fields (only types that have some).
+        self._worker_fields = {
+            cls: fields for cls in types
+            if (fields := tuple(f for f in cls.__struct_fields__ if f in WORKER_ID_FIELDS))
         }
         self._raw_decoder = msgspec.msgpack.Decoder(_RawEnvelope)
         self._encoder = msgspec.msgpack.Encoder()
@@ -136,6 +143,11 @@ class EventCodec:
             raise MalformedEvent(f"{raw.type} v{raw.version} payload invalid: {e}") from None
         if raw.version < latest:
             payload = self._upcast(payload, raw.version, latest)
+        for name in self._worker_fields.get(type(payload), ()):
+            wid = getattr(payload, name)
+            if wid is not None and len(wid) > MAX_WORKER_ID_LEN:
+                raise MalformedEvent(f"{raw.type} v{raw.version} {name} of {len(wid)} characters "
+                                     f"(at most {MAX_WORKER_ID_LEN})")
         return Envelope(
             event_id=raw.event_id,
             type=raw.type,

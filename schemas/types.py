@@ -10,6 +10,12 @@ from enum import Enum
 from typing import NewType
 
 WorkerId = NewType("WorkerId", str)
+#: The longest worker id a reader accepts (the admin store's ``worker_id`` columns). The codec
+#: refuses an event naming a longer one as malformed, so it is dead-lettered as poison by every
+#: consumer alike instead of failing somewhere downstream (an SQL insert) in one of them.
+MAX_WORKER_ID_LEN = 256
+#: Payload fields that hold a worker id.
+WORKER_ID_FIELDS = frozenset({"worker_id", "src_worker", "dst_worker"})
 RequestId = NewType("RequestId", str)
 PoolName = NewType("PoolName", str)
 #: A chained block hash as an unsigned 64-bit integer (vLLM's wire form: the last 8 bytes of

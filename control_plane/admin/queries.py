@@ -58,10 +58,15 @@ def health(sessions: sessionmaker[Session], audit: AuditConsumer | None) -> Heal
     except Exception:
         db_ok = False
     progress: dict[str, Any] = {"enabled": audit is not None}
+    reasons = [] if db_ok else ["database unreachable"]
     if audit is not None:
+        stuck = audit.stuck  # one read: the consumer thread replaces it
         progress.update(batches=audit.batches, events=audit.totals.inserted,
-                        duplicates=audit.totals.duplicates, last_error=audit.last_error)
-    return Health(status="ok" if db_ok else "degraded", database=db_ok, audit=progress)
+                        duplicates=audit.totals.duplicates, dead_lettered=audit.dead_lettered,
+                        last_error=audit.last_error, stuck=None if stuck is None else stuck.reason)
+        if stuck is not None:
+            reasons.append(stuck.reason)
+    return Health(status="degraded" if reasons else "ok", database=db_ok, audit=progress, reasons=reasons)
 
 
 # -- workers -------------------------------------------------------------------------------------

@@ -68,6 +68,9 @@ class Health(BaseModel):
     status: Literal["ok", "degraded"]
     database: bool
     audit: dict[str, Any]
+    reasons: list[str] = Field(default_factory=list,
+                               description="Why the status is degraded: the database is unreachable, or the audit "
+                                           "consumer is retrying a record (or waiting for the database).")
 
 
 # -- workers -------------------------------------------------------------------------------------

@@ -211,7 +211,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("switchyard_consumer_group_members", G, "Members of each consumer group under this topic prefix.",
                ("group",)),
     MetricSpec("switchyard_metrics_fold_errors_total", C,
-               "Records whose fold raised (a bug in the processor: logged, skipped, the stream goes on)."),
+               "Records whose fold raised (a bug in the processor: logged, dead-lettered, the stream goes on)."),
 )
 
 BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}

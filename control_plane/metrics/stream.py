@@ -18,8 +18,12 @@ The fold is pure (:mod:`control_plane.metrics.projection`); this module only doe
 * an aiohttp server on the same loop answers ``/metrics`` (prometheus_client text format, a
   registry of its own) and ``/health``: a scrape sees one consistent state of the fold.
 
-This processor never writes to the dead-letter topic: it only observes; the consumers that act
-on a stream dead-letter what they cannot apply, and their dead letters are what it counts.
+Undecodable records are not dead-lettered here: this processor only observes, the consumers
+that act on a stream dead-letter what they cannot decode, and their dead letters are what it
+counts. What it does dead-letter is a record its own fold raised on (reason
+``apply_failed:<error>``, at once: the fold is pure, a retry would fail the same way); the
+position is already past the record, so the stream goes on. A record of the dead-letter topic
+itself is never dead-lettered again (that would loop).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
 from control_plane.settings import StackSettings
 from control_plane.streaming import FoldProcessor
 from kernel.log.catalog import Catalog
+from kernel.log.fold import apply_failed_reason
 from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
 from kernel.log.snapshots import SnapshotStore
 from kernel.settings import BusSettings
@@ -243,9 +248,12 @@ class MetricsProcessor(FoldProcessor):
     def fold_message(self, m) -> None:
         try:
             self.on_record(m.topic, m.partition, m.offset, m.value, m.headers, int((m.timestamp or 0) * 1000))
-        except Exception:  # a bug in the fold must not stop the stream: count, log, go on
+        except Exception as e:  # a bug in the fold must not stop the stream: count, dead-letter, go on
             self.fold_errors += 1
             log.exception("fold of %s:%d:%d failed", m.topic, m.partition, m.offset)
+            if m.topic != self.catalog.deadletter:
+                self.dead_letter(m.value, m.key, apply_failed_reason(e), f"{type(e).__name__}: {e}",
+                                 f"{m.topic}:{m.partition}:{m.offset}")
 
     async def start(self) -> None:
         await super().start()

@@ -142,9 +142,25 @@ class AdminFollower:
             if batch:
                 with self._lock:
                     for d in batch:
-                        if self.inputs.apply(d.envelope):
-                            log.info("admin: %s %s by %s", d.envelope.type, d.envelope.key,
-                                     getattr(d.envelope.data, "actor", "?"))
+                        self._apply(d)
+
+    def _apply(self, d) -> None:
+        """Fold one admin event; one the fold raises on is dead-lettered at once (the fold is
+        in memory and pure: a retry would fail the same way) and the follower goes on."""
+        from kernel.log.fold import apply_failed_reason
+
+        try:
+            changed = self.inputs.apply(d.envelope)
+        except Exception as e:
+            log.exception("admin event %s:%d:%d not applied", d.topic, d.partition, d.offset)
+            self._consumer.dead_letter(d, apply_failed_reason(e), f"{type(e).__name__}: {e}")
+            return
+        if changed:
+            log.info("admin: %s %s by %s", d.envelope.type, d.envelope.key, getattr(d.envelope.data, "actor", "?"))
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """Next offset per admin partition: how far the follower has read (poison included)."""
+        return self._consumer.positions()
 
     def current(self, base: PlannerConfig) -> tuple[dict[str, Pin], int, PlannerConfig | None, str]:
         """(pins, config generation, effective config or None if unchanged/invalid, error)."""

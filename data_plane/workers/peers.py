@@ -39,6 +39,11 @@ class PeerDirectory:
         self._thread: threading.Thread | None = None
         self.from_log = 0
         self.from_side_channel = 0
+        #: Records skipped: undecodable, bad transfer info, or a fold error. Not dead-lettered:
+        #: this is a cache every worker rebuilds from the start of the topic (each start would
+        #: dead-letter the same record again), a miss falls back to the side channel, and the
+        #: consumers that act on the workers topic dead-letter what they cannot apply.
+        self.skipped = 0
 
     # -- queries (any thread) ------------------------------------------------------------------
 
@@ -139,16 +144,16 @@ class PeerDirectory:
                         continue
                     try:
                         env = codec.decode(m.value())
-                    except SchemaError:
-                        continue
-                    ev = env.data
-                    if isinstance(ev, WorkerRegistered) and ev.transfer is not None:
-                        try:
+                        ev = env.data
+                        if isinstance(ev, WorkerRegistered) and ev.transfer is not None:
                             self._remember(EndpointMetadata.from_transfer_info(ev.transfer), ev.worker_id)
-                        except InvalidTransfer as e:
-                            log.warning("bad transfer info from %s: %s", ev.worker_id, e)
-                    elif isinstance(ev, WorkerDeregistered):
-                        self._forget_worker(ev.worker_id, env.epoch)
+                        elif isinstance(ev, WorkerDeregistered):
+                            self._forget_worker(ev.worker_id, env.epoch)
+                    except Exception as e:  # one bad record never stops the directory
+                        self.skipped += 1
+                        level = logging.WARNING if isinstance(e, (SchemaError, InvalidTransfer)) else logging.ERROR
+                        log.log(level, "peer directory skips %s:%d:%d: %s: %s", m.topic(), m.partition(),
+                                m.offset(), type(e).__name__, e)
         except Exception:
             log.exception("peer directory stopped; only the side channel will work")
         finally:

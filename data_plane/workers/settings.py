@@ -12,7 +12,7 @@ from pathlib import Path
 
 from data_plane.kvbm import KvbmSettings, S3Settings
 from data_plane.vllm.serving import VllmEngineSettings
-from schemas.types import PoolName, WorkerId, WorkerRole
+from schemas.types import MAX_WORKER_ID_LEN, PoolName, WorkerId, WorkerRole
 
 #: Object-tier quota when a bucket is given without one.
 DEFAULT_OBJECT_BLOCKS = 1_000_000
@@ -94,6 +94,9 @@ class WorkerSettings:
         if not self.worker_id or ":" in self.worker_id:
             raise WorkerConfigError(f"worker id {self.worker_id!r}: must be non-empty and must "
                                     "not contain ':' (the NIXL agent name is '<id>:<epoch>')")
+        if len(self.worker_id) > MAX_WORKER_ID_LEN:
+            raise WorkerConfigError(f"worker id of {len(self.worker_id)} characters: at most {MAX_WORKER_ID_LEN} "
+                                    "(readers refuse events naming a longer one as malformed)")
         object.__setattr__(self, "role", WorkerRole(self.role))
         if self.speedup <= 0:
             raise WorkerConfigError("speedup must be > 0")

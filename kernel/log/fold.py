@@ -9,6 +9,9 @@ folds) does the same four things around its fold, and they used to be written ou
   poison;
 * a record the fold refuses (it raises :class:`Poisoned`, e.g. the prefix index's
   ``IndexRejected``) is poison;
+* a record whose fold raises anything else (a bug, a value out of range) is poison too
+  (reason ``apply_failed``): the fold is pure, so applying the same record again would fail the
+  same way, and a retry could only stall the view. It is dead-lettered at once;
 * poison advances the position past the record (it is never read again: the fold goes on)
   and goes to ``on_poison``, which dead-letters it in a live processor and counts it in a tool.
 """
@@ -37,6 +40,11 @@ class Poisoned(Exception):
         self.key = key
 
 
+def apply_failed_reason(e: BaseException) -> str:
+    """The dead-letter reason of a record whose apply raised ``e`` (not a schema error)."""
+    return f"apply_failed:{type(e).__name__}"
+
+
 class FoldStats(msgspec.Struct, kw_only=True):
     """What a fold did with the records it was given."""
 
@@ -53,7 +61,8 @@ class RecordFold(Generic[R]):
 
     ``positions`` is the fold's own ``{(topic, partition): next offset}`` map (the fold advances
     it when it applies a record; poison is advanced here). ``apply`` folds one record and returns
-    what the caller wants to know about it; it raises ``SchemaError`` or :class:`Poisoned`.
+    what the caller wants to know about it; it raises ``SchemaError`` or :class:`Poisoned` for a
+    record it refuses, and anything it raises otherwise makes the record poison too.
     """
 
     __slots__ = ("apply", "on_poison", "positions", "stats")
@@ -80,6 +89,8 @@ class RecordFold(Generic[R]):
             poison = Poisoned(getattr(e, "reason", "malformed"), str(e))
         except Poisoned as e:
             poison = e
+        except Exception as e:  # deterministic: the same record would fail the same way again
+            poison = Poisoned(apply_failed_reason(e), f"{type(e).__name__}: {e}")
         else:
             st.applied += 1
             return out

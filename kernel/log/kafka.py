@@ -169,7 +169,12 @@ class EventProducer:
         with self._lock:
             if key is not None and "partition" not in kw:
                 kw["partition"] = self._partition(topic, key.decode())
-            self._p.produce(topic, value=value, key=key, headers=headers or [], **kw)
+            while True:
+                try:
+                    self._p.produce(topic, value=value, key=key, headers=headers or [], **kw)
+                    break
+                except BufferError:  # local queue full: serve delivery reports until there is room
+                    self._p.poll(0.05)
             self._p.poll(0)
 
     def poll(self, timeout: float = 0) -> int:
@@ -191,13 +196,19 @@ class EventProducer:
 
 class DeadLetters:
     """Writes records nobody could decode or apply to the dead-letter topic: the original bytes
-    and key, plus headers saying why, where it came from and who gave up on it."""
+    and key, plus headers saying why, where it came from and who gave up on it.
+
+    The one writer of dead letters: every consumer (the :class:`EventConsumer`s, the stream
+    processors, the audit) sends through it, so every dead letter carries the same headers.
+    A consumer that commits its position past a dead letter first waits for :meth:`confirm`.
+    """
 
     def __init__(self, producer: EventProducer, catalog: Catalog, consumer_name: str) -> None:
         self.producer = producer
         self.catalog = catalog
         self.consumer_name = consumer_name
         self.sent = 0
+        self.failed = 0
 
     def send(self, value: bytes | None, key: bytes | None, reason: str, error: str, source: str) -> None:
         self.sent += 1
@@ -206,7 +217,18 @@ class DeadLetters:
             self.catalog.deadletter, value, key,
             [(H_DLQ_REASON, reason.encode()), (H_DLQ_ERROR, error[:2000].encode()),
              (H_DLQ_SOURCE, source.encode()), (H_DLQ_CONSUMER, self.consumer_name.encode())],
+            on_delivery=self._delivered,
         )
+
+    def _delivered(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self.failed += 1
+            log.error("dead letter for %s not delivered: %s", self.consumer_name, err)
+
+    def confirm(self, timeout: float = 10.0) -> int:
+        """Wait for the broker to acknowledge the dead letters sent so far; returns how many it
+        has not yet."""
+        return self.producer.flush(timeout)
 
 
 @dataclass(frozen=True)
@@ -349,6 +371,11 @@ class EventConsumer:
         self._dlq.send(self.codec.encode(d.envelope), d.envelope.key.encode(), reason, error,
                        f"{d.topic}:{d.partition}:{d.offset}")
 
+    def flush_dead_letters(self, timeout: float = 10.0) -> int:
+        """Wait until the dead letters sent so far are acknowledged; returns how many are not
+        (commit a position past a dead letter only once this is 0)."""
+        return self._dlq.confirm(timeout)
+
     def _dead_letter_msg(self, m: Message, reason: str, error: str) -> None:
         self.dead_lettered += 1
         self._dlq.send(m.value(), m.key(), reason, error, f"{m.topic()}:{m.partition()}:{m.offset()}")
@@ -369,8 +396,13 @@ class EventConsumer:
         return out
 
     def commit(self) -> None:
+        """Commit the positions read so far (a group member). The dead letters of the records
+        they pass over are acknowledged first, so none is lost to a crash."""
         if not self._positions:
             return
+        left = self._dlq.confirm(30.0)
+        if left:
+            raise RuntimeError(f"{left} dead letters not acknowledged; not committing past them")
         self._c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in self._positions.items()],
                        asynchronous=False)
 

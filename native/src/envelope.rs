@@ -65,6 +65,9 @@ fn opt_int(r: &mut Reader) -> Result<()> {
     Ok(())
 }
 
+/// The longest worker id a reader accepts (`schemas.types.MAX_WORKER_ID_LEN`, in characters).
+pub const MAX_WORKER_ID_LEN: usize = 256;
+
 /// Decode one envelope carrying a v1 KV event; `None` when this path does not take it.
 pub fn decode<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Option<KvRecord<'a>> {
     decode_inner(buf, hashes).ok().flatten()
@@ -181,6 +184,10 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
         return Ok(None);
     }
     let Some(worker_id) = worker_id else { return Ok(None) };
+    if worker_id.chars().count() > MAX_WORKER_ID_LEN {
+        // Left to the Python codec, which refuses it as malformed: every reader agrees.
+        return Ok(None);
+    }
     let kind = match which {
         0 => match (tier_f, have_hashes, block_size, hash_algo) {
             (Some(Some(tier)), true, Some(block_size), Some(hash_algo)) => {
@@ -295,5 +302,12 @@ mod tests {
             w.int(-3);
         });
         assert!(decode(&negative, &mut hs).is_none());
+        let long_id = "w".repeat(MAX_WORKER_ID_LEN + 1);
+        let too_long = envelope("AllBlocksCleared", 1, |w| {
+            w.map(1);
+            w.str("worker_id");
+            w.str(&long_id);
+        });
+        assert!(decode(&too_long, &mut hs).is_none());
     }
 }

@@ -27,6 +27,7 @@ from schemas.errors import (
     UnsupportedSchemaVersion,
 )
 from schemas.types import (
+    MAX_WORKER_ID_LEN,
     BlockHash,
     CacheGroup,
     PoolName,
@@ -659,6 +660,19 @@ def test_bad_record_raises_named_schema_error(buf, error, fragments):
         assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("make", [
+    lambda wid: _make_worker_load_reported(worker_id=wid),
+    lambda wid: _make_request_routed(worker_id=wid),
+    lambda wid: _make_kv_transfer_started(src_worker=wid),
+])
+def test_worker_id_longer_than_the_limit_is_malformed(make):
+    """Refused by the codec, so every consumer dead-letters it alike (none stalls on it later,
+    e.g. on the admin store's varchar(256) columns); the limit itself still decodes."""
+    assert CODEC.decode(CODEC.encode(_wrap(make("w" * MAX_WORKER_ID_LEN)))).data == make("w" * MAX_WORKER_ID_LEN)
+    with pytest.raises(MalformedEvent, match=f"of {MAX_WORKER_ID_LEN + 1} characters"):
+        CODEC.decode(CODEC.encode(_wrap(make("w" * (MAX_WORKER_ID_LEN + 1)))))
+
+
 def test_schema_errors_have_distinct_reasons():
     """Adapters dead-letter on ``reason``; each kind must be distinguishable."""
     reasons = {cls.reason for cls in (MalformedEvent, UnknownEventType, UnsupportedSchemaVersion)}
@@ -672,7 +686,7 @@ _int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
 _block_stored = st.builds(
     ev.BlockStored,
-    worker_id=st.text(),
+    worker_id=st.text(max_size=MAX_WORKER_ID_LEN),
     tier=st.sampled_from(Tier),
     block_hashes=st.lists(_uint64, max_size=64),
     parent_hash=st.none() | _uint64,

@@ -90,7 +90,7 @@ def test_settings_explain_what_cannot_work(tmp_path):
     assert auto.staging_blocks(100) == 100 and auto.region_blocks(100) == 108
     kv = ok.kvbm_settings(block_size=16, hash_algo="sha256")
     assert kv.host_capacity == 8 and not kv.device_eviction_events and kv.verify_synthetic_content
-    for bad in (dict(worker_id="a:b"), dict(worker_id=""), dict(object_blocks=4),
+    for bad in (dict(worker_id="a:b"), dict(worker_id=""), dict(worker_id="w" * 257), dict(object_blocks=4),
                 dict(lease_s=1.0, lease_margin_s=1.0), dict(role="router"), dict(transfer_blocks=-1), dict(staging_wait_s=-1)):
         with pytest.raises((WorkerConfigError, ValueError)):
             WorkerSettings(**{"worker_id": "w1", **bad})
