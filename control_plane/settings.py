@@ -38,6 +38,9 @@ class StackSettings:
     prometheus_port: int = 59090
     #: Maximum heap of each Kafka JVM (give a cluster's three a small one, e.g. 384m).
     kafka_heap: str = "1g"
+    #: Extra JVM options of each Kafka node, space-separated (e.g. ``-XX:TieredStopAtLevel=1``:
+    #: C1 only, about half the start-up CPU, for a test cluster on a busy box).
+    kafka_jvm_opts: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.kafka_brokers <= 9:
