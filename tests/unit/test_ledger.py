@@ -123,3 +123,16 @@ def test_the_ledger_keeps_entries_in_memory_or_in_a_file(tmp_path, on_file: bool
             f.write(b'{"event_id": "abc", "to')
         assert load_ledger(path) == acks
         assert check_log(load_ledger(path), ((r, CODEC.decode(r.value)) for r in records)).ok
+
+
+def test_a_ledger_dir_gives_every_producer_incarnation_its_own_file(tmp_path) -> None:
+    """``SWITCHYARD_ACK_LEDGER_DIR``: one file per producer id and epoch, the id made a safe name.
+    (The client is built but never connects: nothing is produced.)"""
+    from kernel.log.kafka import EventProducer
+    from kernel.settings import BusSettings
+
+    bus = BusSettings.from_env({"SWITCHYARD_KAFKA_PORT": "1", "SWITCHYARD_ACK_LEDGER_DIR": str(tmp_path)})
+    p = EventProducer(bus, "dlq:router/1", epoch=7)
+    assert p.ledger is not None and p.ledger.path == tmp_path / "dlq_router_1.7.acks.jsonl"
+    assert EventProducer(bus, "q", epoch=1, ack_ledger=False).ledger is None
+    assert EventProducer(BusSettings(bootstrap="127.0.0.1:1"), "q", epoch=1).ledger is None
