@@ -327,11 +327,14 @@ class KafkaService:
         size_file.write_text(str(self.brokers))
         return cid
 
-    def _other_layout_running(self) -> list[KafkaNode]:
+    def _other_layout(self) -> list[KafkaNode]:
+        """The nodes of the layout the settings do not name (the one-broker one, or the cluster
+        last formatted in ``kafka-cluster``), if it exists."""
         other = 1 if self.brokers > 1 else self._formatted_cluster_size()
-        if other is None or other == self.brokers:
-            return []
-        return [n for n in self._nodes(other) if n.pid()]
+        return [] if other is None or other == self.brokers else self._nodes(other)
+
+    def _other_layout_running(self) -> list[KafkaNode]:
+        return [n for n in self._other_layout() if n.pid()]
 
     def _formatted_cluster_size(self) -> int | None:
         f = self._layout_dir(2) / "brokers"
@@ -437,10 +440,7 @@ class KafkaService:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop every node of either layout (a cluster started with ``--brokers`` is stopped
         by a plain ``stack down`` too)."""
-        nodes = list(self.nodes)
-        other = 1 if self.brokers > 1 else self._formatted_cluster_size()
-        if other is not None and other != self.brokers:
-            nodes += self._nodes(other)
+        nodes = [*self.nodes, *self._other_layout()]
         # SIGTERM all first: each node's controlled shutdown then overlaps the others'.
         for n in nodes:
             pid = n.pid()
@@ -459,8 +459,8 @@ class KafkaService:
     def status(self) -> dict:
         """The configured layout's status, or the other layout's when only that one runs."""
         nodes = self.nodes
-        if not any(n.pid() for n in nodes):
-            nodes = self._other_layout_running() or nodes
+        if not any(n.pid() for n in nodes) and self._other_layout_running():
+            nodes = self._other_layout()
         brokers = [n.status() for n in nodes]
         running = all(b["running"] for b in brokers)
         return {
