@@ -110,6 +110,13 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
     return changes
 
 
+def replication_factor(settings: BusSettings, timeout: float = 10) -> int:
+    """What :func:`apply_topics` gives a new topic: min(3, brokers in the metadata). For topics
+    made elsewhere (a Faust table's changelog)."""
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
+    return replication_for(len(admin.list_topics(timeout=timeout).brokers))[0]
+
+
 def _replicas(topic_md, default: int) -> int:
     """The fewest replicas any partition of the topic has (its configs follow that)."""
     return min((len(p.replicas) for p in topic_md.partitions.values()), default=default)
