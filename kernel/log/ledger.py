@@ -141,6 +141,9 @@ class LedgerCheck:
     records: int
     #: Acknowledged, but not on the log.
     missing: tuple[AckEntry, ...] = ()
+    #: Acknowledged and on the log, but the consumers' dedupe never delivers it (every copy
+    #: is from an incarnation older than one it had already seen: dropped as a stale epoch).
+    undelivered: tuple[AckEntry, ...] = ()
     #: Event ids the log holds at more than one offset -> every position holding it.
     duplicates: dict[str, tuple[Position, ...]] = field(default_factory=dict)
     #: Of ``duplicates``, the ids the consumers' sequence dedupe would also deliver twice (a
@@ -160,10 +163,11 @@ class LedgerCheck:
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.duplicates or self.moved or self.gaps)
+        return not (self.missing or self.undelivered or self.duplicates or self.moved or self.gaps)
 
     def summary(self) -> str:
         return (f"{self.acked} acked, {self.failed} failed, {self.records} records: {len(self.missing)} missing, "
+                f"{len(self.undelivered)} dropped by the dedupe, "
                 f"{len(self.duplicates)} duplicated ({len(self.survive_dedupe)} past dedupe), {len(self.moved)} "
                 f"moved, {len(self.gaps)} unexplained gaps ({self.explained_missing_seqs} missing seqs explained "
                 f"by failed deliveries), {self.redelivered} redelivered, {self.undecodable} undecodable")
@@ -213,31 +217,30 @@ def check_log(entries: Iterable[AckEntry], records: Iterable[tuple[LogRecord, ob
     explained = 0
     for g in holes:
         key = (g.topic, g.partition, g.producer, g.epoch)
-        known = failed_seqs.get(key, set()) | late.get(key, set())
-        explained += sum(1 for s in range(g.first, g.last + 1) if s in failed_seqs.get(key, ()))
-        gaps.extend(_unexplained(g, known))
+        failed = failed_seqs.get(key, set())
+        explained += sum(1 for s in failed if g.first <= s <= g.last)
+        gaps.extend(_unexplained(g, failed | late.get(key, set())))
 
     missing = tuple(e for i, e in acked.items() if i not in positions)
+    undelivered = tuple(e for i, e in acked.items() if i in positions and not delivered[i])
     moved = tuple((e, positions[i][0]) for i, e in acked.items()
                   if i in positions and e.offset >= 0 and (e.topic, e.partition, e.offset) not in positions[i])
     duplicates = {i: tuple(p) for i, p in positions.items() if len(p) > 1}
     return LedgerCheck(
-        acked=len(acked), failed=n_failed, records=n, missing=missing, duplicates=duplicates,
+        acked=len(acked), failed=n_failed, records=n, missing=missing, undelivered=undelivered, duplicates=duplicates,
         survive_dedupe=tuple(i for i in duplicates if delivered[i] > 1), moved=moved, gaps=tuple(gaps),
         explained_missing_seqs=explained, redelivered=tracker.duplicates)
 
 
 def _unexplained(g: Gap, known: set[int]) -> list[Gap]:
-    """The runs of ``g``'s seqs not in ``known``."""
+    """The runs of ``g``'s seqs not in ``known`` (walks the known seqs, not the range: a hole
+    can be huge)."""
     out = []
-    start = None
-    for s in range(g.first, g.last + 2):
-        hole = s <= g.last and s not in known
-        if hole and start is None:
-            start = s
-        elif not hole and start is not None:
-            out.append(Gap(g.topic, g.partition, g.producer, g.epoch, start, s - 1))
-            start = None
+    lo = g.first
+    for s in [*sorted(s for s in known if g.first <= s <= g.last), g.last + 1]:
+        if s > lo:
+            out.append(Gap(g.topic, g.partition, g.producer, g.epoch, lo, s - 1))
+        lo = s + 1
     return out
 
 

@@ -108,6 +108,26 @@ def test_gaps_are_per_producer_incarnation_and_partition() -> None:
     assert r.gaps == (Gap(TOPIC, 0, "b", 1, 2, 2),)
 
 
+def test_an_acked_write_of_a_stale_incarnation_is_undelivered() -> None:
+    """Epoch 1 writes after epoch 2 began on the same partition (a zombie): on the log, and
+    acknowledged, but every consumer drops it as a stale epoch."""
+    _, new, acks_new = _log(2, epoch=2)
+    _, old, acks_old = _log(1, epoch=1)
+    merged = [msgspec.structs.replace(r, offset=i) for i, r in enumerate(new + old)]
+    acks = [msgspec.structs.replace(e, offset=-1) for e in acks_new + acks_old]
+    r = _check(merged, acks)
+    assert [e.epoch for e in r.undelivered] == [1]
+    assert not r.ok
+
+
+def test_a_huge_hole_is_reported_without_walking_it() -> None:
+    """A seq far ahead (seq 10**12 after 0..5): one gap 6..10**12-1, found at once."""
+    envs, records, acks = _log()
+    far = msgspec.structs.replace(envs[5], seq=10**12, event_id="far")
+    records.append(LogRecord(TOPIC, 0, 6, 1, b"w0", CODEC.encode(far)))
+    assert _check(records, acks).gaps == (Gap(TOPIC, 0, "p", 1, 6, 10**12 - 1),)
+
+
 @pytest.mark.parametrize("on_file", [False, True])
 def test_the_ledger_keeps_entries_in_memory_or_in_a_file(tmp_path, on_file: bool) -> None:
     _, records, acks = _log(3)
