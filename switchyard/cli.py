@@ -163,6 +163,29 @@ def topics_apply() -> None:
         typer.echo(f"{c.topic:28s} {c.action:20s} {c.detail}")
 
 
+@topics_app.command("check-acks")
+def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack ledger files (*.acks.jsonl).")]) -> None:
+    """Check the log against producers' ack ledgers (SWITCHYARD_ACK_LEDGER_DIR): every
+    acknowledged event on the log once, no sequence gap a failed delivery does not explain.
+    Exits 1 when a promise is broken."""
+    from kernel.log.ledger import check_acks, load_ledger
+    from kernel.log.reader import KafkaLogReader
+    from kernel.settings import BusSettings
+
+    entries = [e for path in ledgers for e in load_ledger(path)]
+    with KafkaLogReader(BusSettings.from_env().bootstrap) as reader:
+        report = check_acks(reader, entries)
+    typer.echo(report.summary())
+    for e in report.missing[:10]:
+        typer.echo(f"  missing {e.event_id} {e.topic}:{e.partition}@{e.offset} {e.producer} epoch {e.epoch} seq {e.seq}")
+    for g in report.gaps[:10]:
+        typer.echo(f"  gap {g.topic}:{g.partition} {g.producer} epoch {g.epoch} seqs {g.first}..{g.last}")
+    for i, where in list(report.duplicates.items())[:10]:
+        typer.echo(f"  duplicate {i} at {', '.join(f'{t}:{p}@{o}' for t, p, o in where)}")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 @topics_app.command("list")
 def topics_list() -> None:
     """Print the catalog: topic, partitions, key, retention, cleanup policy."""
