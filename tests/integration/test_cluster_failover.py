@@ -120,89 +120,98 @@ class Reader(threading.Thread):
         self.consumer.close()
 
 
-def test_kill9_of_the_partition_leader_keeps_every_acknowledged_event_once(cluster: KafkaService) -> None:
-    t_start = time.monotonic()
-    cluster.start()
-    t_up = time.monotonic()
-    bus = BusSettings(bootstrap=cluster.s.kafka_bootstrap, topic_prefix="failover")
-    apply_topics(bus)
-    topic = Catalog(bus.topic_prefix).topic("kv")
-    admin = AdminClient({"bootstrap.servers": bus.bootstrap})
+def _assert_replicated(admin: AdminClient, topic: str) -> None:
     md = admin.list_topics(timeout=10)
     assert sorted(md.brokers) == [1, 2, 3]
     assert all(len(p.replicas) == 3 for p in md.topics[topic].partitions.values())
     res = ConfigResource(ConfigResource.Type.TOPIC, topic)
     assert admin.describe_configs([res])[res].result()["min.insync.replicas"].value == "2"
 
-    sender = Sender(bus)
-    producer = sender.producer
-    readers = [Reader(bus), Reader(bus, group_id="failover-group")]
-    for r in readers:
-        r.start()
-    sender.start()
-    try:
-        wait_for(lambda: len(sender.acked_at) >= 500 or sender.error, timeout=60,
-                 what=lambda: f"500 acks before the kill: {len(sender.acked_at)}")
-        assert sender.error is None, sender.error
-        [partition] = sender.partitions
-        leader, isr = _partition_state(admin, topic, partition)
-        assert isr == [1, 2, 3]
 
-        cluster.kill9(leader)
-        t_kill = time.monotonic()
-        acked_at_kill = len(sender.acked_at)
-        t_first = wait_for(lambda: sender.first_ack_published_after(t_kill) or sender.error, timeout=60,
-                           what=lambda: f"an ack of an event published after the kill of broker {leader}")
-        assert not isinstance(t_first, BaseException), t_first
-        failover_s = t_first - t_kill
+def _kill_leader_until_produce_resumes(cluster: KafkaService, admin: AdminClient, topic: str,
+                                       sender: Sender) -> tuple[int, int, float]:
+    """Kill -9 the leader of the sender's partition; wait for the first acknowledgement of an
+    event published after the kill and for a new leader without it in the ISR. Returns
+    (partition, killed broker, failover seconds)."""
+    [partition] = sender.partitions
+    leader, isr = _partition_state(admin, topic, partition)
+    assert isr == [1, 2, 3]
+    cluster.kill9(leader)
+    t_kill = time.monotonic()
+    t_first = wait_for(lambda: sender.first_ack_published_after(t_kill) or sender.error, timeout=60,
+                       what=lambda: f"an ack of an event published after the kill of broker {leader}")
+    assert not isinstance(t_first, BaseException), t_first
+
+    def moved() -> tuple[int, list[int]] | None:
+        state = _partition_state(admin, topic, partition)
+        return state if state[0] not in (-1, leader) else None
+
+    new_leader, isr_after = wait_for(moved, timeout=30, what="a new leader in the metadata")
+    assert leader not in isr_after
+    print(f"\nFAILOVER broker {leader} (leader of {topic}:{partition}) kill -9 -> first acked produce after the "
+          f"kill: {t_first - t_kill:.2f} s; new leader {new_leader}, ISR {isr_after}")
+    return partition, leader, t_first - t_kill
 
 
-        def moved() -> tuple[int, list[int]] | None:
-            state = _partition_state(admin, topic, partition)
-            return state if state[0] not in (-1, leader) else None
-
-        new_leader, isr_after = wait_for(moved, timeout=30, what="a new leader in the metadata")
-        print(f"\nFAILOVER broker {leader} (leader of {topic}:{partition}) kill -9 -> first acked produce "
-              f"after the kill: {failover_s:.2f} s; new leader {new_leader}, ISR {isr_after}; "
-              f"cluster start {t_up - t_start:.1f} s")
-        assert leader not in isr_after
-
-        # Keep producing, then bring the killed broker back: it catches up and rejoins the ISR.
-        wait_for(lambda: len(sender.acked_at) >= acked_at_kill + 500 or sender.error, timeout=60,
-                 what="500 acks after the failover")
-        t_restart = time.monotonic()
-        cluster.start()
-        wait_for(lambda: _partition_state(admin, topic, partition)[1] == [1, 2, 3], timeout=60,
-                 what=lambda: f"ISR back to 3: {_partition_state(admin, topic, partition)}")
-        print(f"REJOIN broker {leader} restarted and back in the ISR after {time.monotonic() - t_restart:.1f} s")
-    finally:
-        sender.stop.set()
-        sender.join(30)
+def _wait_acks(sender: Sender, n: int, what: str) -> None:
+    target = len(sender.acked_at) + n
+    wait_for(lambda: len(sender.acked_at) >= target or sender.error, timeout=60,
+             what=lambda: f"{n} acks {what}: {len(sender.acked_at)}/{target}")
     assert sender.error is None, f"the sender died: {sender.error!r}"
-    assert producer.flush(60) == 0
-    assert producer.failed == [], [f.error for f in producer.failed[:3]]
-    entries = producer.ledger.entries()
-    acked = {e.event_id for e in entries if e.acked}
-    assert len(acked) == len(sender.published_at), "every published event was acknowledged"
 
-    with KafkaLogReader(bus.bootstrap) as log_reader:
-        report = check_acks(log_reader, entries)
-    print(f"LEDGER {report.summary()}")
-    assert report.ok, report.summary()
-    assert report.acked == len(acked) and report.records == len(acked), "each acked id once, nothing else"
 
-    # The consumers read through the leader change: every acked event once, no gap.
+def test_kill9_of_the_partition_leader_keeps_every_acknowledged_event_once(cluster: KafkaService) -> None:
+    t0 = time.monotonic()
+    cluster.start()
+    print(f"\nCLUSTER up in {time.monotonic() - t0:.1f} s")
+    bus = BusSettings(bootstrap=cluster.s.kafka_bootstrap, topic_prefix="failover")
+    apply_topics(bus)
+    topic = Catalog(bus.topic_prefix).topic("kv")
+    admin = AdminClient({"bootstrap.servers": bus.bootstrap})
+    _assert_replicated(admin, topic)
+
+    sender = Sender(bus)
+    readers = [Reader(bus), Reader(bus, group_id="failover-group")]
+    for r in [*readers, sender]:
+        r.start()
     try:
+        try:
+            _wait_acks(sender, 500, "before the kill")
+            partition, killed, _ = _kill_leader_until_produce_resumes(cluster, admin, topic, sender)
+            # Keep producing, then bring the killed broker back: it catches up, rejoins the ISR.
+            _wait_acks(sender, 500, "after the failover")
+            t_restart = time.monotonic()
+            cluster.start()
+            wait_for(lambda: _partition_state(admin, topic, partition)[1] == [1, 2, 3], timeout=60,
+                     what=lambda: f"ISR back to 3: {_partition_state(admin, topic, partition)}")
+            print(f"REJOIN broker {killed} restarted and back in the ISR after {time.monotonic() - t_restart:.1f} s")
+        finally:
+            sender.stop.set()
+            sender.join(30)
+        assert sender.error is None, f"the sender died: {sender.error!r}"
+        producer = sender.producer
+        assert producer.flush(60) == 0
+        assert producer.failed == [], [f.error for f in producer.failed[:3]]
+        entries = producer.ledger.entries()
+        acked = {e.event_id for e in entries if e.acked}
+        assert len(acked) == len(sender.published_at), "every published event was acknowledged"
+
+        with KafkaLogReader(bus.bootstrap) as log_reader:
+            report = check_acks(log_reader, entries)
+        print(f"LEDGER {report.summary()}")
+        assert report.ok, report.summary()
+        assert report.acked == len(acked) and report.records == len(acked), "each acked id once, nothing else"
+
+        # The consumers read through the leader change: every acked event once, no gap.
         for r in readers:
             wait_for(lambda: set(r.seen) >= acked, timeout=60,
                      what=lambda: f"{r.consumer.name} to see all {len(acked)} acked events: {len(r.seen)}")
+            assert max(r.seen.values()) == 1, r.consumer.name
+            assert r.consumer.gaps == [], r.consumer.name
+        print(f"READERS each saw {len(acked)} events once; group commits that failed during the failover: "
+              f"{readers[1].commit_errors}")
+        producer.close()
     finally:
         for r in readers:
             r.stop.set()
             r.join(30)
-    for r in readers:
-        assert max(r.seen.values()) == 1, r.consumer.name
-        assert r.consumer.gaps == [], r.consumer.name
-    print(f"READERS each saw {len(acked)} events once; group commits that failed during the failover: "
-          f"{readers[1].commit_errors}")
-    producer.close()
