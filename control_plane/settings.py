@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kernel.settings import repo_root
+from kernel.settings import broker_addresses, repo_root
 
 
 @dataclass(frozen=True)
@@ -23,20 +23,34 @@ class StackSettings:
     cache_dir: Path = field(default_factory=lambda: repo_root() / ".cache")
     #: Host every service binds to. Loopback only: the stack is for one box.
     host: str = "127.0.0.1"
-    #: Kafka client (PLAINTEXT) port; the KRaft controller listens on this + 1.
+    #: Kafka client (PLAINTEXT) port of the first broker; its KRaft controller listens on this
+    #: + 1. Broker ``i`` of a cluster (0-based) uses ``kafka_port + 2 i`` and the port after it.
     kafka_port: int = 19092
+    #: Kafka nodes to run (``stack up --brokers``). 1: one JVM, data in ``<state_dir>/kafka``.
+    #: More: that many combined controller+broker JVMs forming one KRaft quorum, data in
+    #: ``<state_dir>/kafka-cluster/broker-<id>``; topics then get min(3, brokers) replicas.
+    kafka_brokers: int = 1
     #: PostgreSQL port of the project-local cluster.
     postgres_port: int = 55432
     #: Redis port of the project-local instance.
     redis_port: int = 56379
     #: Prometheus port of the project-local instance.
     prometheus_port: int = 59090
-    #: Maximum heap for the Kafka JVM.
+    #: Maximum heap of each Kafka JVM (give a cluster's three a small one, e.g. 384m).
     kafka_heap: str = "1g"
+    #: Extra JVM options of each Kafka node, space-separated (e.g. ``-XX:TieredStopAtLevel=1``:
+    #: C1 only, about half the start-up CPU, for a test cluster on a busy box).
+    kafka_jvm_opts: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.kafka_brokers <= 9:
+            raise ValueError(f"kafka_brokers={self.kafka_brokers}: run 1 broker, or a cluster of 2 to 9 "
+                             "(3 is the one that survives a broker loss with min.insync.replicas=2)")
 
     @property
     def kafka_bootstrap(self) -> str:
-        return f"{self.host}:{self.kafka_port}"
+        """Every broker's client address, comma-separated."""
+        return ",".join(broker_addresses(self.host, self.kafka_port, self.kafka_brokers))
 
     @property
     def postgres_url(self) -> str:
@@ -57,7 +71,7 @@ class StackSettings:
                 continue
             if f.name.endswith("_dir"):
                 kwargs[f.name] = Path(raw)
-            elif f.name.endswith("_port"):
+            elif f.name.endswith("_port") or f.type == "int":
                 kwargs[f.name] = int(raw)
             else:
                 kwargs[f.name] = raw

@@ -180,6 +180,11 @@ class FoldProcessor:
                    "topic_disable_leader": True, "consumer_auto_offset_reset": "earliest",
                    "broker_commit_every": 1000, "broker_commit_interval": self.commit_every_s,
                    **self.app_options}
+        if options["topic_allow_declare"] and "topic_replication_factor" not in options:
+            # Topics the app declares (a table's changelog) as replicated as the catalog's.
+            from kernel.log.admin import replication_factor
+
+            options["topic_replication_factor"] = await asyncio.to_thread(replication_factor, self.bus)
         if self.datadir is not None:
             for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
                 shutil.rmtree(old, ignore_errors=True)

@@ -42,13 +42,15 @@ def _is_free(port: int) -> bool:
 _handed_out: set[int] = set()
 
 
-def free_port(pair: bool = False) -> int:
-    """A free port (and, with ``pair``, port + 1 free too: Kafka's controller listener), never
-    one this process handed out before."""
+def free_port(pair: bool = False, span: int | None = None) -> int:
+    """A free port (and, with ``pair``, port + 1 free too: Kafka's controller listener; with
+    ``span``, that many consecutive ports: a local Kafka cluster's), never one this process
+    handed out before."""
     rng = random.Random()
+    span = span or (2 if pair else 1)
     for _ in range(500):
-        p = rng.randrange(_LOW, _HIGH)
-        wanted = (p, p + 1) if pair else (p,)
+        p = rng.randrange(_LOW, _HIGH - span)
+        wanted = tuple(range(p, p + span))
         if any(q in _handed_out for q in wanted):
             continue
         if all(_is_free(q) for q in wanted):

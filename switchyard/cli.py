@@ -64,17 +64,32 @@ def _fail(msg: str, code: int = 1) -> None:
 # -- stack ------------------------------------------------------------------------------------
 
 
+BrokersOpt = Annotated[Optional[int], typer.Option(
+    "--brokers", min=1, max=9,
+    help="Kafka nodes (default 1, or SWITCHYARD_KAFKA_BROKERS). 3: a replicated KRaft cluster on one box, "
+         "every node a controller and a broker on SWITCHYARD_KAFKA_PORT + 2i; topics get 3 replicas, "
+         "min.insync.replicas 2.")]
+
+
+def _stack_settings(brokers: int | None = None):
+    from control_plane.settings import StackSettings
+
+    return StackSettings.from_env(**({"kafka_brokers": brokers} if brokers else {}))
+
+
 @stack_app.command("up")
-def stack_up(service: ServiceOpt = None) -> None:
+def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
     """Start the services that are not running (idempotent), wait until each is really ready,
     and create or update the Kafka topics from the catalog."""
     _logging()
-    from control_plane.settings import StackSettings
+    import os
+
     from control_plane.stack import Stack, StackError
     from kernel.log.admin import apply_topics
     from kernel.settings import BusSettings
 
-    stack = Stack(StackSettings.from_env())
+    settings = _stack_settings(brokers)
+    stack = Stack(settings)
     try:
         started = stack.up(service)
     except StackError as e:
@@ -82,9 +97,17 @@ def stack_up(service: ServiceOpt = None) -> None:
     for name, new in started.items():
         typer.echo(f"{name:10s} {'started' if new else 'already running'}")
     if not service or "kafka" in service:
-        changes = apply_topics(BusSettings.from_env())
+        bus = BusSettings.from_env(**({} if "SWITCHYARD_KAFKA_BOOTSTRAP" in os.environ
+                                      else {"bootstrap": settings.kafka_bootstrap}))
+        changes = apply_topics(bus)
         n = sum(c.action != "unchanged" for c in changes)
         typer.echo(f"topics     {len(changes)} in catalog, {n} created or updated")
+        for c in changes:
+            if c.action == "warning":
+                typer.echo(f"  warning: {c.topic}: {c.detail}")
+        if settings.kafka_brokers > 1 and os.environ.get("SWITCHYARD_KAFKA_BROKERS") != str(settings.kafka_brokers):
+            typer.echo(f"hint: export SWITCHYARD_KAFKA_BROKERS={settings.kafka_brokers} so that every client "
+                       f"bootstraps from all brokers ({settings.kafka_bootstrap})")
     _print_status(stack)
 
 
@@ -92,10 +115,9 @@ def stack_up(service: ServiceOpt = None) -> None:
 def stack_down(service: ServiceOpt = None) -> None:
     """Stop the services (data dirs are kept) and check that no process is left behind."""
     _logging()
-    from control_plane.settings import StackSettings
     from control_plane.stack import Stack
 
-    left = Stack(StackSettings.from_env()).down(service)
+    left = Stack(_stack_settings()).down(service)
     if left:
         _fail(f"processes still running after stop: {left}")
     typer.echo("stack stopped")
@@ -103,11 +125,10 @@ def stack_down(service: ServiceOpt = None) -> None:
 
 @stack_app.command("status")
 def stack_status(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """Show which services run, their pids, addresses and data dirs."""
-    from control_plane.settings import StackSettings
+    """Show which services run, their pids, addresses and data dirs (every Kafka broker)."""
     from control_plane.stack import Stack
 
-    stack = Stack(StackSettings.from_env())
+    stack = Stack(_stack_settings())
     if as_json:
         typer.echo(json.dumps(stack.status(), indent=2))
     else:
@@ -118,6 +139,13 @@ def _print_status(stack) -> None:
     for st in stack.status():
         state = f"running pid {st['pid']}" if st["running"] else "stopped"
         extra = f" kafka {st['version']}" if st["service"] == "kafka" else ""
+        if len(st.get("brokers", ())) > 1:
+            typer.echo(f"{st['service']:10s} {'running' if st['running'] else 'not all running':18s} "
+                       f"{len(st['brokers'])} brokers{extra}")
+            for b in st["brokers"]:
+                bstate = f"running pid {b['pid']}" if b["running"] else "stopped"
+                typer.echo(f"  broker {b['node']}  {bstate:18s} {b['address']} (controller {b['controller']})")
+            continue
         typer.echo(f"{st['service']:10s} {state:18s} {st['address']}{extra}")
 
 
@@ -133,6 +161,29 @@ def topics_apply() -> None:
 
     for c in apply_topics(BusSettings.from_env()):
         typer.echo(f"{c.topic:28s} {c.action:20s} {c.detail}")
+
+
+@topics_app.command("check-acks")
+def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack ledger files (*.acks.jsonl).")]) -> None:
+    """Check the log against producers' ack ledgers (SWITCHYARD_ACK_LEDGER_DIR): every
+    acknowledged event on the log once, no sequence gap a failed delivery does not explain.
+    Exits 1 when a promise is broken."""
+    from kernel.log.ledger import check_acks, load_ledger
+    from kernel.log.reader import KafkaLogReader
+    from kernel.settings import BusSettings
+
+    entries = [e for path in ledgers for e in load_ledger(path)]
+    with KafkaLogReader(BusSettings.from_env().bootstrap) as reader:
+        report = check_acks(reader, entries)
+    typer.echo(report.summary())
+    for e in report.missing[:10]:
+        typer.echo(f"  missing {e.event_id} {e.topic}:{e.partition}@{e.offset} {e.producer} epoch {e.epoch} seq {e.seq}")
+    for g in report.gaps[:10]:
+        typer.echo(f"  gap {g.topic}:{g.partition} {g.producer} epoch {g.epoch} seqs {g.first}..{g.last}")
+    for i, where in list(report.duplicates.items())[:10]:
+        typer.echo(f"  duplicate {i} at {', '.join(f'{t}:{p}@{o}' for t, p, o in where)}")
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 @topics_app.command("list")

@@ -54,10 +54,11 @@ class LoadViewProcessor(FoldProcessor):
 
     def __init__(self, bus: BusSettings, planner_id: str, view: LoadView, *, snapshot_every_s: float = 10.0,
                  datadir: Path | None = None, counters: bool = True) -> None:
-        # The windowed counters table declares its changelog topic: one replica, on one broker.
+        # The windowed counters table declares its changelog topic, with as many replicas as
+        # the catalog's topics get on this cluster (FoldProcessor.start asks the metadata).
         super().__init__(bus, planner_id, snapshot_every_s=snapshot_every_s,
                          datadir=datadir or Path(tempfile.gettempdir()) / "switchyard-faust",
-                         app_options={"topic_allow_declare": True, "topic_replication_factor": 1})
+                         app_options={"topic_allow_declare": True})
         self.planner_id = planner_id
         self.view = view
         self.requests_topic = self.catalog.topic("requests")

@@ -1,16 +1,35 @@
-"""A real Apache Kafka 4.x broker, single node, KRaft mode (broker + controller in one JVM).
+"""Real Apache Kafka 4.x in KRaft mode: one node, or a replicated cluster of nodes on one box.
+
+Every node is one JVM that is both a KRaft controller and a broker (``process.roles=broker,
+controller``): a cluster of N nodes is a quorum of N voters, so three nodes keep electing a
+controller and serving every partition when any one of them dies.
+
+* One broker (the default): node 1, data in ``<state_dir>/kafka``; client port ``kafka_port``,
+  controller ``kafka_port + 1``. Topics have one replica.
+* ``kafka_brokers`` = N > 1: nodes 1..N, data in ``<state_dir>/kafka-cluster/broker-<id>``;
+  node ``i`` listens on ``kafka_port + 2 (i - 1)`` (clients) and the port after it (controller).
+  Every topic, the internal ones included, gets min(3, N) replicas and ``min.insync.replicas``
+  2 when that is 3 (:func:`kernel.log.catalog.replication_for`): an ``acks=all`` write is on
+  two brokers before it is acknowledged, so losing any one broker loses no acknowledged write.
+  A dead broker is fenced, and its partitions led elsewhere, within ``broker.session.timeout.ms``
+  (6 s here rather than 9 s: the nodes share one machine, so a missed heartbeat is a dead JVM,
+  not a slow network).
 
 The jars come from Maven Central through ``scripts/kafka-pom.xml`` and are cached under
-``<cache_dir>/kafka/libs``. Storage is formatted once; the data directory persists across
-restarts so the log survives ``stack down``/``up`` (delete ``.stack/kafka`` to start empty).
+``<cache_dir>/kafka/libs``. Storage is formatted once (a cluster's nodes with one cluster id,
+kept in ``kafka-cluster/cluster.id``); the data directories persist across restarts so the log
+survives ``stack down``/``up`` (delete ``.stack/kafka`` or ``.stack/kafka-cluster`` to start
+empty). ``stop`` and ``status`` cover whichever layout is running, whatever the settings say.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -27,6 +46,7 @@ from control_plane.stack.process import (
     terminate,
     wait_until,
 )
+from kernel.log.catalog import replication_for
 from kernel.settings import repo_root
 
 log = logging.getLogger(__name__)
@@ -64,16 +84,187 @@ def java_version() -> int | None:
     return int(m.group(2)) if major == 1 and m.group(2) else major
 
 
+class KafkaNode:
+    """One Kafka JVM: KRaft controller and broker ``node_id`` of a cluster of ``cluster_size``."""
+
+    def __init__(self, settings: StackSettings, libs: Path, node_dir: Path, node_id: int, cluster_size: int) -> None:
+        self.s = settings
+        self.libs = libs
+        self.node_id = node_id
+        self.cluster_size = cluster_size
+        self.dir = node_dir
+        self.data_dir = node_dir / "data"
+        self.pid_file = node_dir / "kafka.pid"
+        self.log_file = node_dir / "server.log"
+        self.port = settings.kafka_port + 2 * (node_id - 1)
+        self.controller_port = self.port + 1
+
+    @property
+    def address(self) -> str:
+        return f"{self.s.host}:{self.port}"
+
+    def config_lines(self) -> list[str]:
+        h, p, n = self.s.host, self.s.kafka_port, self.cluster_size
+        rf, min_isr = replication_for(n)
+        voters = ",".join(f"{i}@{h}:{p + 2 * (i - 1) + 1}" for i in range(1, n + 1))
+        lines = [
+            "process.roles=broker,controller",
+            f"node.id={self.node_id}",
+            f"controller.quorum.voters={voters}",
+            f"listeners=PLAINTEXT://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}",
+            f"advertised.listeners=PLAINTEXT://{h}:{self.port}",
+            "controller.listener.names=CONTROLLER",
+            "inter.broker.listener.name=PLAINTEXT",
+            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            f"log.dirs={self.data_dir}",
+            "num.partitions=3",
+            # Topics are created explicitly from the catalog, never by accident.
+            "auto.create.topics.enable=false",
+            # Internal topics (consumer offsets, transactions, share groups) as replicated as
+            # the catalog's: a group's committed position must survive the broker loss too.
+            f"default.replication.factor={rf}",
+            f"min.insync.replicas={min_isr}",
+            f"offsets.topic.replication.factor={rf}",
+            "offsets.topic.num.partitions=8",
+            f"transaction.state.log.replication.factor={rf}",
+            f"transaction.state.log.min.isr={min_isr}",
+            f"share.coordinator.state.topic.replication.factor={rf}",
+            f"share.coordinator.state.topic.min.isr={min_isr}",
+            "group.initial.rebalance.delay.ms=0",
+            "log.segment.bytes=67108864",
+            # fsync is left to the OS page cache as in every production Kafka; durability
+            # across a broker kill -9 comes from the OS (the machine keeps running) and, in a
+            # cluster, from the other replicas.
+        ]
+        if n > 1:
+            lines += [
+                # Fence a broker that stopped heartbeating after 6 s (default 9 s): the time a
+                # kill -9 of a partition leader stops its partitions' writes.
+                "broker.heartbeat.interval.ms=1000",
+                "broker.session.timeout.ms=6000",
+                # A leader killed before its followers caught up is never re-elected over them.
+                "unclean.leader.election.enable=false",
+            ]
+        return lines
+
+    def write_config(self) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg = self.dir / "server.properties"
+        cfg.write_text("\n".join([*self.config_lines(), ""]))
+        (self.dir / "log4j2.properties").write_text(_LOG4J2.format(log_file=self.log_file))
+        return cfg
+
+    def format_storage(self, cluster_id: str) -> subprocess.Popen | None:
+        """Write the config and start formatting the storage unless it is formatted already
+        (the caller waits: a cluster's nodes format in parallel, each is a JVM start)."""
+        cfg = self.write_config()
+        if (self.data_dir / "meta.properties").exists():
+            return None
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # A short-lived tool: C1 only and the serial GC start it in about half the CPU.
+        return subprocess.Popen(["java", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-cp", f"{self.libs}/*",
+                                 STORAGE_TOOL, "format", "-t", cluster_id,
+                                 "-c", str(cfg), "--ignore-formatted"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def pid(self) -> int | None:
+        pid = read_pid(self.pid_file)
+        return pid if alive(pid) else None
+
+    def check_ports(self) -> None:
+        for port in (self.port, self.controller_port):
+            require_free_port(f"kafka node {self.node_id}", self.s.host, port, "SWITCHYARD_KAFKA_PORT")
+
+    def launch(self) -> subprocess.Popen:
+        """Start the JVM on the formatted storage (not waiting for it to serve)."""
+        cfg = self.dir / "server.properties"
+        env = dict(os.environ)
+        env.pop("KAFKA_OPTS", None)
+        cmd = [
+            "java",
+            f"-Xmx{self.s.kafka_heap}",
+            f"-Xms{_min_heap(self.s.kafka_heap)}",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            *self.s.kafka_jvm_opts.split(),
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
+            f"-Dswitchyard.stack={self.dir}",
+            "-cp",
+            f"{self.libs}/*",
+            KAFKA_MAIN,
+            str(cfg),
+        ]
+        out = open(self.dir / "stdout.log", "ab")
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )
+        self.pid_file.write_text(str(proc.pid))
+        return proc
+
+    def stop(self, timeout: float = 30.0) -> None:
+        pid = read_pid(self.pid_file)
+        if pid and alive(pid):
+            terminate(pid, timeout)
+        # Anything else still holding our data dir (e.g. a crashed start) goes too.
+        for stray in processes_mentioning(f"-Dswitchyard.stack={self.dir}"):
+            terminate(stray, 10)
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill9(self) -> None:
+        """SIGKILL the JVM (fault injection) and wait until its ports are closed."""
+        pid = self.pid()
+        if pid:
+            os.kill(pid, 9)
+            wait_until(lambda: not alive(pid), 10, 0.05, f"Kafka node {self.node_id} to die")
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+            except ChildProcessError:
+                pass
+            self.pid_file.unlink(missing_ok=True)
+            # The kernel may still be tearing the listener down; a restart must not see it.
+            wait_until(lambda: not port_in_use(self.s.host, self.port), 15, 0.1,
+                       f"the killed Kafka node {self.node_id}'s port to close")
+
+    def status(self) -> dict:
+        pid = self.pid()
+        return {"node": self.node_id, "running": bool(pid), "pid": pid, "address": self.address,
+                "controller": f"{self.s.host}:{self.controller_port}", "data": str(self.data_dir)}
+
+
 class KafkaService:
+    """The Kafka of the stack: ``settings.kafka_brokers`` nodes (see the module docstring)."""
+
     name = "kafka"
 
     def __init__(self, settings: StackSettings) -> None:
         self.s = settings
-        self.dir = settings.state_dir / "kafka"
-        self.data_dir = self.dir / "data"
         self.libs = settings.cache_dir / "kafka" / "libs"
-        self.pid_file = self.dir / "kafka.pid"
-        self.log_file = self.dir / "server.log"
+        self.brokers = settings.kafka_brokers
+        self.dir = self._layout_dir(self.brokers)
+        self.nodes = self._nodes(self.brokers)
+
+    def _layout_dir(self, brokers: int) -> Path:
+        return self.s.state_dir / ("kafka" if brokers == 1 else "kafka-cluster")
+
+    def _nodes(self, brokers: int) -> list[KafkaNode]:
+        if brokers == 1:
+            return [KafkaNode(self.s, self.libs, self.s.state_dir / "kafka", 1, 1)]
+        base = self._layout_dir(brokers)
+        return [KafkaNode(self.s, self.libs, base / f"broker-{i}", i, brokers) for i in range(1, brokers + 1)]
+
+    def node(self, node_id: int) -> KafkaNode:
+        return self.nodes[node_id - 1]
+
+    # Kept for callers of the one-broker layout (its data dir, pid file and log).
+    @property
+    def data_dir(self) -> Path:
+        return self.nodes[0].data_dir
+
+    @property
+    def log_file(self) -> Path:
+        return self.nodes[0].log_file
 
     # -- install ----------------------------------------------------------------------------
 
@@ -112,124 +303,116 @@ class KafkaService:
         jars = sorted(self.libs.glob("kafka_2.13-*.jar"))
         return jars[0].stem.removeprefix("kafka_2.13-") if jars else "not installed"
 
-    # -- config -------------------------------------------------------------------------------
+    # -- cluster identity -------------------------------------------------------------------
 
-    def _write_config(self) -> Path:
-        h, p = self.s.host, self.s.kafka_port
-        cfg = self.dir / "server.properties"
-        cfg.write_text(
-            "\n".join(
-                [
-                    "process.roles=broker,controller",
-                    "node.id=1",
-                    f"controller.quorum.voters=1@{h}:{p + 1}",
-                    f"listeners=PLAINTEXT://{h}:{p},CONTROLLER://{h}:{p + 1}",
-                    f"advertised.listeners=PLAINTEXT://{h}:{p}",
-                    "controller.listener.names=CONTROLLER",
-                    "inter.broker.listener.name=PLAINTEXT",
-                    "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-                    f"log.dirs={self.data_dir}",
-                    "num.partitions=3",
-                    # Topics are created explicitly from the catalog, never by accident.
-                    "auto.create.topics.enable=false",
-                    "offsets.topic.replication.factor=1",
-                    "offsets.topic.num.partitions=8",
-                    "transaction.state.log.replication.factor=1",
-                    "transaction.state.log.min.isr=1",
-                    "share.coordinator.state.topic.replication.factor=1",
-                    "share.coordinator.state.topic.min.isr=1",
-                    "group.initial.rebalance.delay.ms=0",
-                    "log.segment.bytes=67108864",
-                    # fsync is left to the OS page cache as in every production Kafka; durability
-                    # across a broker kill -9 comes from the OS (the machine keeps running).
-                    "",
-                ]
-            )
-        )
-        (self.dir / "log4j2.properties").write_text(_LOG4J2.format(log_file=self.log_file))
-        return cfg
+    def _cluster_id(self) -> str:
+        """The id every node is formatted with: one per layout dir, made on first start. A
+        cluster formatted for another number of nodes is refused (its quorum is fixed)."""
+        id_file, size_file = self.dir / "cluster.id", self.dir / "brokers"
+        if id_file.exists():
+            formatted = int(size_file.read_text()) if size_file.exists() else 1
+            if formatted != self.brokers:
+                raise StackError(f"{self.dir} holds a {formatted}-broker cluster; start it with --brokers "
+                                 f"{formatted}, or delete {self.dir} to start a {self.brokers}-broker one empty")
+            return id_file.read_text().strip()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.brokers == 1 and (self.data_dir / "meta.properties").exists():
+            return ""  # formatted before cluster ids were kept; the format step is skipped anyway
+        # What `kafka-storage random-uuid` prints (Kafka's Uuid: 16 bytes, URL-safe base64),
+        # without starting a JVM for it; never one starting with "-" (read as an option).
+        cid = "-"
+        while cid.startswith("-"):
+            cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        id_file.write_text(cid)
+        size_file.write_text(str(self.brokers))
+        return cid
 
-    def _java(self, *args: str, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["java", "-cp", f"{self.libs}/*", *args], capture_output=True, text=True, **kw
-        )
+    def _other_layout(self) -> list[KafkaNode]:
+        """The nodes of the layout the settings do not name (the one-broker one, or the cluster
+        last formatted in ``kafka-cluster``), if it exists."""
+        other = 1 if self.brokers > 1 else self._formatted_cluster_size()
+        return [] if other is None or other == self.brokers else self._nodes(other)
 
-    def _format_once(self, cfg: Path) -> None:
-        if (self.data_dir / "meta.properties").exists():
-            return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        cluster_id = self._java(STORAGE_TOOL, "random-uuid").stdout.strip().splitlines()[-1:]
-        cid = cluster_id[0] if cluster_id else uuid.uuid4().hex[:22]
-        proc = self._java(STORAGE_TOOL, "format", "-t", cid, "-c", str(cfg), "--ignore-formatted")
-        if proc.returncode != 0:
-            raise StackError(f"kafka storage format failed: {proc.stderr or proc.stdout}")
+    def _other_layout_running(self) -> list[KafkaNode]:
+        return [n for n in self._other_layout() if n.pid()]
+
+    def _formatted_cluster_size(self) -> int | None:
+        f = self._layout_dir(2) / "brokers"
+        return int(f.read_text()) if f.exists() else None
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def pid(self) -> int | None:
-        pid = read_pid(self.pid_file)
-        return pid if alive(pid) else None
+        """Node 1's pid when every node runs, else None (the service as a whole is not up)."""
+        pids = [n.pid() for n in self.nodes]
+        return pids[0] if all(pids) else None
 
-    def start(self, timeout: float = 90.0) -> bool:
-        """Start unless running. Returns True if it started a new process."""
-        if self.pid():
+    def start(self, timeout: float = 120.0) -> bool:
+        """Start every node that is not running, then wait until the cluster serves a replicated
+        produce/consume round trip. Returns True if it started any process."""
+        down = [n for n in self.nodes if not n.pid()]
+        if not down:
             return False
-        require_free_port(self.name, self.s.host, self.s.kafka_port, "SWITCHYARD_KAFKA_PORT")
+        running_other = self._other_layout_running()
+        if running_other:
+            size = running_other[0].cluster_size
+            raise StackError(f"a Kafka of {size} broker(s) is running from {self._layout_dir(size)}; "
+                             "`switchyard stack down -s kafka` first")
+        for n in down:
+            n.check_ports()
         self.ensure_installed()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        cfg = self._write_config()
-        self._format_once(cfg)
-        env = dict(os.environ)
-        env.pop("KAFKA_OPTS", None)
-        cmd = [
-            "java",
-            f"-Xmx{self.s.kafka_heap}",
-            "-Xms256m",
-            "-XX:+UseG1GC",
-            "-XX:MaxGCPauseMillis=20",
-            "-Djava.awt.headless=true",
-            f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
-            f"-Dswitchyard.stack={self.dir}",
-            "-cp",
-            f"{self.libs}/*",
-            KAFKA_MAIN,
-            str(cfg),
-        ]
-        out = open(self.dir / "stdout.log", "ab")
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env,
-        )
-        self.pid_file.write_text(str(proc.pid))
+        cluster_id = self._cluster_id()
+        formats = [(n, n.format_storage(cluster_id)) for n in down]
+        for n, fmt in formats:
+            if fmt is not None and fmt.wait() != 0:
+                raise StackError(f"kafka storage format of node {n.node_id} failed: {fmt.stdout.read()}")
+        procs = [(n, n.launch()) for n in down]
         try:
-            wait_until(lambda: self._ready(proc), timeout, 0.5, "Kafka to accept a produce/consume round trip")
-        except StackError:
-            tail = _tail(self.log_file) + _tail(self.dir / "stdout.log")
-            raise StackError(f"Kafka did not become ready; last log lines:\n{tail}") from None
+            wait_until(lambda: self._ready(procs), timeout, 0.5,
+                       f"Kafka ({self.brokers} broker(s)) to accept a produce/consume round trip")
+        except StackError as e:
+            tail = "".join(_tail(n.log_file) + _tail(n.dir / "stdout.log") for n in down)
+            raise StackError(f"Kafka did not become ready ({e}); last log lines:\n{tail}") from None
         return True
 
-    def _ready(self, proc: subprocess.Popen) -> bool:
-        if proc.poll() is not None:
-            raise StackError(f"Kafka exited with code {proc.returncode}:\n{_tail(self.dir / 'stdout.log')}")
-        return self.round_trip()
+    def _ready(self, procs: list[tuple[KafkaNode, subprocess.Popen]]) -> bool:
+        for node, proc in procs:
+            if proc.poll() is not None:
+                raise StackError(f"Kafka node {node.node_id} exited with code {proc.returncode}:\n"
+                                 f"{_tail(node.dir / 'stdout.log')}")
+        return len(self.live_brokers()) == self.brokers and self.round_trip()
 
-    def round_trip(self, timeout: float = 10.0) -> bool:
-        """Produce one record to a health topic and read it back."""
+    def _client_conf(self) -> dict:
+        return {"bootstrap.servers": self.s.kafka_bootstrap, "socket.timeout.ms": 3000,
+                "logger": logging.getLogger("switchyard.stack.rdkafka")}
+
+    def live_brokers(self) -> list[int]:
+        """Node ids the cluster's metadata lists as brokers (registered and not fenced)."""
         import socket
 
-        from confluent_kafka import Consumer, KafkaException, Producer
-        from confluent_kafka.admin import AdminClient, NewTopic
+        from confluent_kafka.admin import AdminClient
 
         # A plain TCP probe first: librdkafka retries (and logs) forever on a closed port.
-        with socket.create_connection((self.s.host, self.s.kafka_port), timeout=1):
-            pass
-        conf = {"bootstrap.servers": self.s.kafka_bootstrap, "socket.timeout.ms": 3000,
-                "logger": logging.getLogger("switchyard.stack.rdkafka")}
+        for n in self.nodes:
+            if n.pid():
+                with socket.create_connection((self.s.host, n.port), timeout=1):
+                    break
+        else:
+            return []
+        return sorted(AdminClient(self._client_conf()).list_topics(timeout=3).brokers)
+
+    def round_trip(self, timeout: float = 10.0) -> bool:
+        """Produce one record (acks=all) to a health topic as replicated as the catalog's topics
+        and read it back."""
+        from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+        from confluent_kafka.admin import AdminClient, NewTopic
+
+        conf = self._client_conf()
         topic = "__switchyard_health"
         admin = AdminClient(conf)
         md = admin.list_topics(timeout=3)
         if topic not in md.topics:
-            fut = admin.create_topics([NewTopic(topic, 1, 1)])[topic]
+            fut = admin.create_topics([NewTopic(topic, 1, replication_for(self.brokers)[0])])[topic]
             try:
                 fut.result(timeout=10)
             except KafkaException as e:
@@ -243,8 +426,6 @@ class KafkaService:
         c = Consumer({**conf, "group.id": f"health-{uuid.uuid4().hex}", "auto.offset.reset": "latest",
                       "enable.auto.commit": False})
         try:
-            from confluent_kafka import TopicPartition
-
             lo, hi = c.get_watermark_offsets(TopicPartition(topic, 0), timeout=5)
             c.assign([TopicPartition(topic, 0, max(lo, hi - 1))])
             deadline = time.monotonic() + timeout
@@ -257,39 +438,48 @@ class KafkaService:
             c.close()
 
     def stop(self, timeout: float = 30.0) -> None:
-        pid = read_pid(self.pid_file)
-        if pid and alive(pid):
-            terminate(pid, timeout)
-        # Anything else still holding our data dir (e.g. a crashed start) goes too.
-        for stray in processes_mentioning(f"-Dswitchyard.stack={self.dir}"):
-            terminate(stray, 10)
-        self.pid_file.unlink(missing_ok=True)
+        """Stop every node of either layout (a cluster started with ``--brokers`` is stopped
+        by a plain ``stack down`` too)."""
+        nodes = [*self.nodes, *self._other_layout()]
+        # SIGTERM all first: each node's controlled shutdown then overlaps the others'.
+        for n in nodes:
+            pid = n.pid()
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for n in nodes:
+            n.stop(timeout)
 
-    def kill9(self) -> None:
-        """SIGKILL the broker (fault injection)."""
-        pid = self.pid()
-        if pid:
-            os.kill(pid, 9)
-            wait_until(lambda: not alive(pid), 10, 0.05, "Kafka to die")
-            try:
-                os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-            except ChildProcessError:
-                pass
-            self.pid_file.unlink(missing_ok=True)
-            # The kernel may still be tearing the listener down; a restart must not see it.
-            wait_until(lambda: not port_in_use(self.s.host, self.s.kafka_port), 15, 0.1,
-                       "the killed broker's port to close")
+    def kill9(self, node_id: int = 1) -> None:
+        """SIGKILL one node (fault injection); ``start`` brings it back."""
+        self.node(node_id).kill9()
 
     def status(self) -> dict:
-        pid = self.pid()
+        """The configured layout's status, or the other layout's when only that one runs."""
+        nodes = self.nodes
+        if not any(n.pid() for n in nodes) and self._other_layout_running():
+            nodes = self._other_layout()
+        brokers = [n.status() for n in nodes]
+        running = all(b["running"] for b in brokers)
         return {
             "service": self.name,
-            "running": bool(pid),
-            "pid": pid,
-            "address": self.s.kafka_bootstrap,
+            "running": running,
+            "pid": brokers[0]["pid"] if running else None,
+            "address": ",".join(b["address"] for b in brokers),
             "version": self.version(),
-            "data": str(self.data_dir),
+            "data": str(nodes[0].data_dir if len(nodes) == 1 else nodes[0].dir.parent),
+            "brokers": brokers,
         }
+
+
+def _min_heap(max_heap: str) -> str:
+    """-Xms: 256m, or the maximum heap when that is smaller (a JVM refuses Xms > Xmx)."""
+    m = re.fullmatch(r"(\d+)([mMgG])", max_heap)
+    if m and (int(m.group(1)) * (1024 if m.group(2) in "gG" else 1)) < 256:
+        return max_heap
+    return "256m"
 
 
 def _tail(path: Path, n: int = 20) -> str:

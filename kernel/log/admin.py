@@ -17,7 +17,7 @@ from confluent_kafka.admin import (
     OffsetSpec,
 )
 
-from kernel.log.catalog import Catalog
+from kernel.log.catalog import Catalog, replication_for
 from kernel.settings import BusSettings
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,18 @@ class TopicChange:
     detail: str = ""
 
 
-def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout: float = 30) -> list[TopicChange]:
+def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout: float = 30, *,
+                 replication_factor: int | None = None) -> list[TopicChange]:
     """Make the broker match the catalog. Safe to run any number of times.
 
     Never deletes a topic and never lowers a partition count (that would re-key every worker's
     history): a topic with more partitions than the catalog says is reported, not changed.
+
+    New topics get ``replication_factor`` replicas, by default min(3, brokers in the metadata)
+    with ``min.insync.replicas`` 2 when that is 3 (:func:`replication_for`): one broker keeps
+    today's single replica, a three-broker cluster survives the loss of any one. Run it with
+    every broker up: a broker that is down is not in the metadata. An existing topic with fewer
+    replicas is reported, not reassigned.
 
     Returns only once every partition it created is led, i.e. answers a ListOffsets (see
     :func:`wait_led`).
@@ -43,17 +50,18 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
     admin = AdminClient({"bootstrap.servers": settings.bootstrap,
                          "logger": logging.getLogger("switchyard.rdkafka")})
     md = admin.list_topics(timeout=timeout)
+    rf = replication_factor or replication_for(len(md.brokers))[0]
     wanted = catalog.all_topics()
     changes: list[TopicChange] = []
 
-    missing = [NewTopic(t, spec.partitions, 1, config=spec.configs())
+    missing = [NewTopic(t, spec.partitions, rf, config=spec.configs(rf))
                for t, spec in wanted.items() if t not in md.topics]
     new_partitions: list[TopicPartition] = []
     if missing:
         for t, fut in admin.create_topics(missing, operation_timeout=timeout).items():
             try:
                 fut.result(timeout)
-                changes.append(TopicChange(t, "created", f"{wanted[t].partitions} partitions"))
+                changes.append(TopicChange(t, "created", f"{wanted[t].partitions} partitions, {rf} replicas"))
                 new_partitions += [TopicPartition(t, p) for p in range(wanted[t].partitions)]
             except KafkaException as e:
                 if "TOPIC_ALREADY_EXISTS" in str(e):  # a concurrent apply won the race
@@ -65,6 +73,10 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
     grow = []
     for t, spec in existing.items():
         have = len(md.topics[t].partitions)
+        replicas = _replicas(md.topics[t], rf)
+        if replicas < rf:
+            changes.append(TopicChange(t, "warning", f"has {replicas} replicas, the cluster wants {rf}; left alone "
+                                       "(reassign with kafka-reassign-partitions)"))
         if have < spec.partitions:
             grow.append(NewPartitions(t, spec.partitions))
         elif have > spec.partitions:
@@ -83,7 +95,7 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
             current[res.name] = {k: v.value for k, v in fut.result(timeout).items()}
         to_alter = []
         for t, spec in existing.items():
-            diff = {k: v for k, v in spec.configs().items() if current[t].get(k) != v}
+            diff = {k: v for k, v in spec.configs(_replicas(md.topics[t], rf)).items() if current[t].get(k) != v}
             if diff:
                 to_alter.append(ConfigResource(
                     ConfigResource.Type.TOPIC, t,
@@ -96,6 +108,18 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
             for _res, fut in admin.incremental_alter_configs(to_alter).items():
                 fut.result(timeout)
     return changes
+
+
+def replication_factor(settings: BusSettings, timeout: float = 10) -> int:
+    """What :func:`apply_topics` gives a new topic: min(3, brokers in the metadata). For topics
+    made elsewhere (a Faust table's changelog)."""
+    admin = AdminClient({"bootstrap.servers": settings.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
+    return replication_for(len(admin.list_topics(timeout=timeout).brokers))[0]
+
+
+def _replicas(topic_md, default: int) -> int:
+    """The fewest replicas any partition of the topic has (its configs follow that)."""
+    return min((len(p.replicas) for p in topic_md.partitions.values()), default=default)
 
 
 def wait_led(admin: AdminClient, partitions: list[TopicPartition], timeout: float = 30) -> None:

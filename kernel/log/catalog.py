@@ -24,6 +24,15 @@ from dataclasses import dataclass, field
 DAY_MS = 24 * 3600 * 1000
 
 
+def replication_for(brokers: int) -> tuple[int, int]:
+    """(replication factor, min.insync.replicas) for a cluster of ``brokers``: min(3, brokers)
+    replicas, and 2 in sync when there are 3, so that an ``acks=all`` write is acknowledged only
+    once it is on two brokers and any one broker can be lost, while the other two keep taking
+    writes. Fewer than 3 replicas: 1 in sync (2 of 2 would stop every write on one loss)."""
+    rf = max(1, min(3, brokers))
+    return rf, 2 if rf >= 3 else 1
+
+
 @dataclass(frozen=True)
 class TopicSpec:
     stream: str
@@ -34,13 +43,14 @@ class TopicSpec:
     cleanup_policy: str = "delete"
     extra: dict[str, str] = field(default_factory=dict)
 
-    def configs(self) -> dict[str, str]:
+    def configs(self, replication_factor: int = 1) -> dict[str, str]:
+        """Topic configs for a topic with ``replication_factor`` replicas."""
         cfg = {
             "cleanup.policy": self.cleanup_policy,
             "retention.ms": str(self.retention_ms),
             # A record's timestamp is when the producer created it: replay by time depends on it.
             "message.timestamp.type": "CreateTime",
-            "min.insync.replicas": "1",
+            "min.insync.replicas": str(replication_for(replication_factor)[1]),
         }
         cfg.update(self.extra)
         return cfg

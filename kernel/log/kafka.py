@@ -1,7 +1,9 @@
 """Kafka adapters (confluent-kafka / librdkafka): producer, consumer, dead-letter queue.
 
-The producer is idempotent with ``acks=all``: a retried batch after a broker failure is written
-once. The consumer decodes through :class:`schemas.EventCodec`, drops redeliveries with a
+The producer is idempotent with ``acks=all``: a retried batch after a broker failure (or a
+partition leader moving to another broker of a replicated cluster) is written once. With an ack
+ledger (``ack_ledger=True`` or ``BusSettings.ack_ledger_dir``) it records every delivery report,
+so :func:`kernel.log.ledger.check_acks` can prove afterwards that what was acknowledged was kept. The consumer decodes through :class:`schemas.EventCodec`, drops redeliveries with a
 :class:`SequenceTracker`, reports gaps, and sends anything it cannot decode to the dead-letter
 topic with the reason, then goes on: one poison record never stops a stream.
 """
@@ -13,11 +15,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import xxhash
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 
 from kernel.log.catalog import Catalog
+from kernel.log.ledger import AckEntry, AckLedger
 from kernel.log.metadata import topic_partitions
 from kernel.log.sequencing import Observation, SequenceTracker, Verdict
 from kernel.settings import BusSettings
@@ -78,8 +82,11 @@ class EventProducer:
         codec: EventCodec | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
         on_ack: Callable[[Ack], None] | None = None,
+        ack_ledger: AckLedger | bool | None = None,
         **conf,
     ) -> None:
+        """``ack_ledger``: an :class:`AckLedger` to record every delivery report into, True for
+        a new in-memory one, None for one in ``settings.ack_ledger_dir`` when that is set."""
         self.catalog = catalog or Catalog(settings.topic_prefix)
         self.codec = codec or EventCodec()
         # Default incarnation: start time in ms, monotonic across restarts of one producer id.
@@ -91,6 +98,17 @@ class EventProducer:
         self.acked = 0
         self.unconfirmed = 0
         self.failed: list[Ack] = []
+        self.ledger = self._ledger(settings, ack_ledger)
+
+    def _ledger(self, settings: BusSettings, option: AckLedger | bool | None) -> AckLedger | None:
+        if isinstance(option, AckLedger):
+            return option
+        if option is True:
+            return AckLedger()
+        if option is None and settings.ack_ledger_dir:
+            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.producer_id)
+            return AckLedger(Path(settings.ack_ledger_dir) / f"{name}.{self.epoch}.acks.jsonl")
+        return None
 
     @property
     def producer_id(self) -> str:
@@ -134,6 +152,10 @@ class EventProducer:
         def delivered(err: KafkaError | None, msg: Message) -> None:
             ack = Ack(env, msg.topic(), msg.partition() if msg.partition() is not None else -1,
                       msg.offset() if msg.offset() is not None else -1, str(err) if err else None)
+            if self.ledger is not None:
+                # Before anyone else hears of it: a report the ledger lacks was never given.
+                self.ledger.record(AckEntry(env.event_id, ack.topic, partition, ack.offset, env.producer,
+                                            env.epoch, env.seq, ack.error))
             if err:
                 self.failed.append(ack)
                 log.error("event %s %s seq %d not delivered: %s", env.type, env.key, env.seq, err)
@@ -192,6 +214,8 @@ class EventProducer:
         left = self.flush(timeout)
         if left:
             log.warning("producer %s closed with %d undelivered events", self.producer_id, left)
+        if self.ledger is not None:
+            self.ledger.close()
 
 
 class DeadLetters:
