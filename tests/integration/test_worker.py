@@ -97,12 +97,13 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
     assert side.agent_name == f"w-api:{epoch}"
 
     # SIGTERM while a stream is in flight: /health turns 503, new requests are refused, the
-    # stream still finishes, then the process exits 0.
+    # stream still finishes, then the process exits 0. (600 tokens: the stream must outlast the
+    # checks below on a loaded box.)
     streamed: list[int] = []
     first_token = threading.Event()
 
     def long_stream() -> None:
-        for c in client.completions.create(model="switchyard-sim", prompt=list(range(40)), max_tokens=150,
+        for c in client.completions.create(model="switchyard-sim", prompt=list(range(40)), max_tokens=600,
                                            stream=True, extra_body={"request_id": "req-long"}):
             streamed.extend(c.choices[0].model_extra["token_ids"])
             first_token.set()
@@ -115,7 +116,7 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
     refused = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=5)
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
     t.join(30)
-    assert streamed == _expected("req-long", 150)
+    assert streamed == _expected("req-long", 600)
     assert worker.wait(30) == 0
 
     # What the log says, in order.
@@ -137,6 +138,10 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
     kv = [r for r in of(records, "w-api") if r.topic.endswith(".kv")]
     assert [(r.type, r.env.data.tier.value) for r in kv[:2]] == [("AllBlocksCleared", "device"),
                                                                  ("AllBlocksCleared", "host")]
+    # The drain says on kv that this process's memory tiers are gone (the index never infers it
+    # from the deregistration: the two topics are read in any order).
+    assert [(r.type, r.env.data.tier.value) for r in kv[-2:]] == [("AllBlocksCleared", "device"),
+                                                                  ("AllBlocksCleared", "host")]
     stored = {h for r in kv if r.type == "BlockStored" and r.env.data.tier.value == "device"
               for h in r.env.data.block_hashes}
     assert set(hash_blocks(prompt, default_hash_config(BS))) <= stored
