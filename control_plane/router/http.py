@@ -281,22 +281,34 @@ def _bad_string(obj: Any, path: str) -> str | None:
     return None
 
 
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as a parameter path, without the union members' tags
+    (``messages.0.content.list[TextPart].0.text`` -> ``messages.0.content.0.text``)."""
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS)))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
+
+
 def _validated(model: type[BaseModel], obj: Any) -> Any:
+    """``obj`` as ``model``, or :class:`InvalidRequest` naming the most specific bad parameter."""
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        first = e.errors(include_url=False, include_input=False)
-        parts, param = [], None
-        for err in first[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            param = param or loc or None
+        errors = e.errors(include_url=False, include_input=False)
+        parts: list[str] = []
+        for err in errors:
+            loc = _loc(err.get("loc", ()))
             if err.get("type") == "extra_forbidden":
-                parts.append(f"Unrecognized request argument supplied: {loc}")
+                part = f"Unrecognized request argument supplied: {loc}"
             else:
-                parts.append(f"{loc or 'body'}: {err.get('msg')}")
-        if len(first) > 5:
-            parts.append(f"... and {len(first) - 5} more")
-        raise InvalidRequest("; ".join(parts) or "invalid request body", param=param, code="invalid_body") from None
+                part = f"{loc or 'body'}: {err.get('msg')}"
+            if part not in parts:
+                parts.append(part)
+        deepest = max(errors, key=lambda err: len(_loc(err.get("loc", ())).split(".")), default=None)
+        param = _loc(deepest.get("loc", ())) or None if deepest else None
+        message = "; ".join(parts[:5]) + (f"; ... and {len(parts) - 5} more" if len(parts) > 5 else "")
+        raise InvalidRequest(message or "invalid request body", param=param, code="invalid_body") from None
 
 
 async def completion_body(request: Request, c: Ctx) -> CompletionRequest:
