@@ -20,7 +20,7 @@ from kernel.net import free_port
 from kernel.settings import BusSettings
 from schemas.events import RequestCompleted, RequestFailed, RequestRouted
 from tests.integration.test_router_view import oracle
-from tests.support.events import read_stream
+from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -100,10 +100,12 @@ def procs(bus: BusSettings):
 
 
 def _routed(bus: BusSettings) -> dict[str, list[RequestRouted]]:
+    """Each request's decisions, by the client's request id where it sent one."""
+    client = {rid: cid for cid, rid in router_ids(bus).items()}
     out: dict[str, list[RequestRouted]] = {}
     for env in read_stream(bus, "requests"):
         if isinstance(env.data, RequestRouted):
-            out.setdefault(env.data.request_id, []).append(env.data)
+            out.setdefault(client.get(env.data.request_id, env.data.request_id), []).append(env.data)
     return out
 
 
@@ -141,12 +143,12 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     # Prefix affinity: a long shared document; after the first request's KV events are folded,
     # requests sharing it land on the worker that holds it.
     doc = list(range(1000, 1000 + 64 * 24))  # 24 blocks of token ids
-    first = client.completions.create(model="m", prompt=doc + [1, 2, 3], max_tokens=2,
+    first = client.completions.create(model="switchyard-sim", prompt=doc + [1, 2, 3], max_tokens=2,
                                       extra_body={"request_id": "affinity-0"})
     assert first.choices
     _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 24)
     for i in range(1, 6):
-        client.completions.create(model="m", prompt=doc + [7, i], max_tokens=2, extra_body={"request_id": f"affinity-{i}"})
+        client.completions.create(model="switchyard-sim", prompt=doc + [7, i], max_tokens=2, extra_body={"request_id": f"affinity-{i}"})
     routed = _routed(bus)
     holder = routed["affinity-0"][-1].worker_id
     assert [routed[f"affinity-{i}"][-1].worker_id for i in range(1, 6)] == [holder] * 5
@@ -161,7 +163,7 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     outcomes = []
     for i in range(6):
         try:
-            got = list(client.completions.create(model="m", prompt=f"crash {i} " * 30, max_tokens=5, stream=True,
+            got = list(client.completions.create(model="switchyard-sim", prompt=f"crash {i} " * 30, max_tokens=5, stream=True,
                                                  extra_body={"request_id": f"crash-{i}"}))
             outcomes.append(sum(1 for c in got if c.choices and c.choices[0].text))
         except openai.APIError as e:
@@ -186,4 +188,5 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     want = oracle(bus, "sha256", 64, upto=upto)
     assert view["digest"] == want.digest(), (view, h)
     completed = [e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestCompleted)]
-    assert {c.request_id for c in completed} >= {f"affinity-{i}" for i in range(6)}
+    ids = router_ids(bus)
+    assert {c.request_id for c in completed} >= {ids[f"affinity-{i}"] for i in range(6)}
