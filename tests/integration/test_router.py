@@ -139,6 +139,28 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     assert bad.status_code == 400
     bad = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert 400 <= bad.status_code < 500
+    # The attacker's requests (tests/integration/test_router_input.py has them all): each a 4xx
+    # with a reason over one keep-alive connection; the view stays EXACT, both workers ready.
+    with httpx.Client(base_url=base, timeout=30, limits=httpx.Limits(max_connections=1)) as one:
+        ports = set()
+        for body, status, code in [
+            (b'{"prompt":"\\ud800"}', 400, "invalid_unicode"),
+            (b'{"prompt":[1, 18446744073709551616]}', 400, "invalid_token_id"),
+            (b'{"prompt":"hi","max_tokens":131072}', 400, "max_tokens_exceeded"),
+            (b'{"prompt":"hi","n":2}', 400, "unsupported_parameter"),
+            (b'{"prompt":"hi","model":"nope"}', 404, "model_not_found"),
+            (b'{"prompt":"hi","request_id":"a\\nb"}', 400, "invalid_value"),
+            (b'{"prompt":"' + b"a " * 1_000_000 + b'"}', 400, "context_length_exceeded"),
+        ]:
+            r = one.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+            ports.add(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+        r = one.post("/v1/completions", json={"prompt": "after the attack " * 5, "max_tokens": 2})
+        ports.add(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+        assert r.status_code == 200 and len(ports) == 1, (r.text, ports)
+    h = httpx.get(f"{base}/health").json()
+    assert h["state"] == "EXACT" and h["workers"] == 2 and h["stale_workers"] == [], h
+    assert not [e for e in read_stream(bus, "requests") if isinstance(e.data, RequestFailed)]
 
     # Prefix affinity: a long shared document; after the first request's KV events are folded,
     # requests sharing it land on the worker that holds it.
