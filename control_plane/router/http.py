@@ -27,6 +27,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.router.errors import InvalidRequest
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
@@ -400,6 +401,11 @@ def create_app(ctx: RouterApp) -> FastAPI:
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
         return _refused(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+        return _error(exc.status_code, str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "invalid_request"), _error_type(exc.status_code), headers=exc.headers)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request, c: Ctx):

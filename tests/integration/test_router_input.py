@@ -267,6 +267,15 @@ def test_a_bad_request_is_a_4xx_with_a_reason_and_hurts_nothing(stack: Stack, pa
     assert_unhurt(stack, 1)
 
 
+def test_unknown_paths_and_methods_get_openai_error_bodies(stack: Stack) -> None:
+    r = stack.post("/v1/embeddings", {"input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = stack.http.get(CMPL)
+    stack.ports.add(client_port(r))
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert_unhurt(stack, 0)
+
+
 def test_a_50_mb_body_is_413_and_the_connection_survives(stack: Stack) -> None:
     r = stack.post(CMPL, content=b'{"prompt":"' + b"a" * (50 * 1024 * 1024) + b'"}')
     assert_refused(r, 413, "request_too_large", None, f"exceeds {4 * 1024 * 1024} bytes")
