@@ -1,7 +1,10 @@
 """The router's HTTP front: OpenAI-compatible API, health and metrics (FastAPI).
 
 Routes only parse, call :class:`control_plane.router.proxy.Router` and frame the answer (SSE or
-JSON). Errors are OpenAI-style JSON: bad bodies are 400 with a message, no worker is 503.
+JSON). Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): a
+request outside :mod:`control_plane.router.limits` or not understood is a 4xx before it is
+admitted (nothing reaches the log or a worker), no worker is 503. Nothing a client sends raises
+out of a route: a raised exception would be a 500 and cost the client its keep-alive connection.
 """
 
 from __future__ import annotations
