@@ -131,7 +131,8 @@ def _unsupported(body: _Base) -> InvalidRequest | None:
                    ("tools", bool(body.tools), "tools are not supported"),
                    ("tool_choice", body.tool_choice not in (None, "none", "auto"), "tool_choice is not supported"),
                    ("functions", bool(body.functions), "functions are not supported"),
-                   ("function_call", body.function_call not in (None, "none", "auto"), "function_call is not supported"),
+                   ("function_call", body.function_call not in (None, "none", "auto"),
+                    "function_call is not supported"),
                    ("response_format", fmt != "text", f"response_format {fmt!r} is not supported; only 'text'")]
         for i, m in enumerate(body.messages):
             if m.content is None and m.role != "assistant":

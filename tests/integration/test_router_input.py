@@ -92,7 +92,8 @@ def fake_worker(calls: list[dict]) -> FastAPI:
                 chunk = {"choices": [{"text": f" t{i}", "token_ids": [256 + i],
                                       "finish_reason": "length" if i == n - 1 else None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
-            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": len(body["prompt"]) + n}
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n,
+                     "total_tokens": len(body["prompt"]) + n}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
