@@ -74,7 +74,7 @@ def http_overhead(n: int = 400) -> dict:
                                        "--router-id", "bench"], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait(f"http://127.0.0.1:{rport}/health", lambda r: r.status_code == 200 and r.json()["workers"] >= 1)
-        body = {"model": "m", "prompt": list(range(5000, 5000 + 4096)), "max_tokens": 1}
+        body = {"model": "switchyard-sim", "prompt": list(range(5000, 5000 + 4096)), "max_tokens": 1}
         with httpx.Client(timeout=30) as client:
             _latencies(client, f"http://127.0.0.1:{wport}/v1/completions", body, 50)
             _latencies(client, f"http://127.0.0.1:{rport}/v1/completions", body, 50)

@@ -51,7 +51,7 @@ from kernel.log.admin import apply_topics
 from kernel.log.reader import read_events
 from kernel.net import free_port
 from kernel.settings import BusSettings
-from schemas.events import KvTransferCompleted, KvTransferFailed, RequestRouted
+from schemas.events import KvTransferCompleted, KvTransferFailed, RequestAdmitted, RequestRouted
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = WHOLE_TRACE
@@ -186,17 +186,25 @@ def sharing(prompts: list[list[int]], block_size: int) -> dict:
     return {"ideal": hit / total if total else 0.0, "beyond_first_block": beyond / total if total else 0.0}
 
 
+def _by_client_id(bus: BusSettings) -> dict[str, str]:
+    """The router's request id -> the id this benchmark sent (``RequestAdmitted.client_request_id``)."""
+    return {e.data.request_id: e.data.client_request_id for e in _read(bus, "requests")
+            if isinstance(e.data, RequestAdmitted) and e.data.client_request_id}
+
+
 def _score(bus: BusSettings, results: list[dict], block_size: int) -> dict:
     # The decision that placed the prompt's prefill: the prefill phase when disaggregated
     # (vLLM's decode side reports the prefill side's cached tokens), else the last attempt.
     routed: dict[str, RequestRouted] = {}
     modes: Counter[str] = Counter()
+    client = _by_client_id(bus)
     for env in _read(bus, "requests"):
         if isinstance(env.data, RequestRouted):
             modes[env.data.mode.value] += 1
-            prev = routed.get(env.correlation_id)
+            rid = client.get(env.correlation_id, env.correlation_id)
+            prev = routed.get(rid)
             if prev is None or prev.phase.value != "prefill":
-                routed[env.correlation_id] = env.data
+                routed[rid] = env.data
     agree = 0
     misses = []
     for r in results:
@@ -271,7 +279,9 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = 400, max_output: int = 4, blo
             pd_prompts = prompts[:disagg_limit]
             res = _replay(router, pd_prompts, max_output, "bv-pd")
             s = _score(bus, res, block_size)
-            moved = {e.correlation_id for e in _read(bus, "requests") if isinstance(e.data, KvTransferCompleted)}
+            client = _by_client_id(bus)
+            moved = {client.get(e.correlation_id, e.correlation_id) for e in _read(bus, "requests")
+                     if isinstance(e.data, KvTransferCompleted)}
             failed = {e.correlation_id for e in _read(bus, "requests") if isinstance(e.data, KvTransferFailed)}
             s["through_nixl"] = sum(1 for r in res if r["ok"] and r["rid"] in moved)
             s["transfer_failed"] = len(failed)

@@ -63,6 +63,8 @@ class HFTokenizer:
             raise RuntimeError("HFTokenizer needs the `tokenizers` package: uv add tokenizers") from e
         self._tok = _T.from_file(path)
         self.name = f"hf:{path}"
+        #: Token ids the model knows (the router refuses prompts with others).
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

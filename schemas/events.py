@@ -149,6 +149,8 @@ class RequestAdmitted(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tru
     hash_algo: str
     endpoint: str = "completions"
     priority: int = 0
+    #: The client's own id for the request (metadata only: ``request_id`` is the router's).
+    client_request_id: str | None = None
 
 
 class CandidateScore(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

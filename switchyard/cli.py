@@ -240,6 +240,10 @@ def router_cmd(
     busy_prefill_tokens: Annotated[int, typer.Option(help="Admission: pending prefill tokens at which a worker is busy (0: no limit).")] = 65536,
     queue_max: Annotated[int, typer.Option(help="Admission: requests that may wait at the router before 429.")] = 1024,
     queue_timeout: Annotated[float, typer.Option(help="Admission: seconds a request may wait before 503.")] = 60.0,
+    max_body_bytes: Annotated[Optional[int], typer.Option(help="Largest request body (413 beyond).")] = None,
+    context_tokens: Annotated[Optional[int], typer.Option(help="Model context: prompt + max_tokens must fit.")] = None,
+    max_output_tokens: Annotated[Optional[int], typer.Option(help="Largest max_tokens one request may ask for.")] = None,
+    vocab_size: Annotated[Optional[int], typer.Option(help="Token ids must be below this (the model's vocabulary).")] = None,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail), decides KV-aware routes, records every decision, and
@@ -249,7 +253,13 @@ def router_cmd(
     from control_plane.router.wiring import RouterSettings, run_router
     from kernel.settings import BusSettings
 
-    kw = {"router_id": router_id} if router_id else {}
+    kw: dict = {"router_id": router_id} if router_id else {}
+    bounds = {k: v for k, v in (("max_body_bytes", max_body_bytes), ("context_tokens", context_tokens),
+                                ("max_output_tokens", max_output_tokens), ("vocab_size", vocab_size)) if v is not None}
+    if bounds:
+        from control_plane.router.limits import RequestLimits
+
+        kw["limits"] = RequestLimits(**bounds)
     admission = AdmissionConfig(busy_prefill_tokens=busy_prefill_tokens, queue_max=queue_max,
                                 queue_timeout_s=queue_timeout)
     run_router(RouterSettings(host=host, port=port, mode=mode, config_file=config, block_size=block_size,

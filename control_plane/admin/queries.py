@@ -196,12 +196,25 @@ def planner_decisions(session: Session, pool: str | None, limit: int, offset: in
 
 
 def trace(session: Session, request_id: str) -> RequestTrace:
-    rows = session.scalars(select(AuditEvent).where(AuditEvent.request_id == request_id)
-                           .order_by(AuditEvent.occurred_at_ns, AuditEvent.topic, AuditEvent.kafka_partition,
-                                     AuditEvent.kafka_offset)).all()
+    """The trace of ``request_id``: the router's id, or else a client's own id for it (the
+    newest ``RequestAdmitted`` whose ``client_request_id`` it is)."""
+    rows = _request_rows(session, request_id)
+    if not rows:
+        rid = session.scalars(select(AuditEvent.request_id).where(
+            AuditEvent.type == "RequestAdmitted",
+            AuditEvent.payload["client_request_id"].as_string() == request_id)
+            .order_by(AuditEvent.occurred_at_ns.desc()).limit(1)).first()
+        if rid:
+            request_id, rows = rid, _request_rows(session, rid)
     if not rows:
         raise NotFound(f"no event of request {request_id!r} in the audit log")
     return build_trace(request_id, [event_public(r) for r in rows])
+
+
+def _request_rows(session: Session, request_id: str) -> list[AuditEvent]:
+    return list(session.scalars(select(AuditEvent).where(AuditEvent.request_id == request_id)
+                                .order_by(AuditEvent.occurred_at_ns, AuditEvent.topic, AuditEvent.kafka_partition,
+                                          AuditEvent.kafka_offset)).all())
 
 
 @dataclass

@@ -65,11 +65,15 @@ def breakdown(bus: BusSettings, request_prefix: str, since_ms: int) -> dict[str,
     """Per-phase medians (ms) and handoff counts of the run's requests, from the log alone."""
     from kernel.log.reader import read_events
 
-    by_req: dict[str, list] = defaultdict(list)
+    by_rid: dict[str, list] = defaultdict(list)
+    client: dict[str, str] = {}  # the router's request id -> the load generator's own id
     for env in read_events(bus, "requests", since_ms=since_ms):
         rid = env.correlation_id or env.key
-        if rid and rid.startswith(request_prefix):
-            by_req[rid].append(env)
+        if rid:
+            by_rid[rid].append(env)
+            if env.type == "RequestAdmitted" and env.data.client_request_id:
+                client[rid] = env.data.client_request_id
+    by_req = {rid: evs for rid, evs in by_rid.items() if client.get(rid, rid).startswith(request_prefix)}
     phases: dict[str, list[float]] = defaultdict(list)
     disagg = moved = recomputed = 0
     fallback_reasons: dict[str, int] = defaultdict(int)

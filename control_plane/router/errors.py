@@ -22,3 +22,15 @@ class NoEligibleWorker(RoutingError):
 
 class InvalidRoutingInput(RoutingError, ValueError):
     """An input to a decision breaks its contract (e.g. a worker listed twice)."""
+
+
+class InvalidRequest(RoutingError, ValueError):
+    """A client's request breaks a documented bound or is not supported. The HTTP front answers
+    ``status`` with an OpenAI-style error naming ``param``; no worker ever sees the request."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_value",
+                 status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.status = status

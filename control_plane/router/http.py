@@ -1,18 +1,21 @@
 """The router's HTTP front: OpenAI-compatible API, health and metrics (FastAPI).
 
 Routes only parse, call :class:`control_plane.router.proxy.Router` and frame the answer (SSE or
-JSON). Errors are OpenAI-style JSON: bad bodies are 400 with a message, no worker is 503.
+JSON). Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``): a
+request outside :mod:`control_plane.router.limits` or not understood is a 4xx before it is
+admitted (nothing reaches the log or a worker), no worker is 503. Nothing a client sends raises
+out of a route: a raised exception would be a 500 and cost the client its keep-alive connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,8 +29,11 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from control_plane.router.errors import InvalidRequest
+from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from kernel.tokenizer import Tokenizer, chat_tokens
 
@@ -35,39 +41,108 @@ log = logging.getLogger(__name__)
 
 
 # -- request shapes ---------------------------------------------------------------------------
+#
+# Strict where a wrong type would otherwise crash or be silently coerced (token ids, content
+# parts, stream), and ``extra="forbid"``: an argument the router does not know is refused
+# (OpenAI's "Unrecognized request argument"), never silently dropped. Bounds that depend on the
+# model (context, vocabulary, output) are checked in :mod:`control_plane.router.limits`.
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(default="", description="Model name; any served model.")
-    max_tokens: int | None = Field(default=None, ge=1, le=131072)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    request_id: str | None = Field(default=None, max_length=200)
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(default="", description="A served model (GET /v1/models); empty: the router's default.")
+    max_tokens: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    #: Extension: the client's own id for the request. Kept as metadata
+    #: (``RequestAdmitted.client_request_id``, ``X-Client-Request-Id``); the request id is the router's.
+    request_id: str | None = None
+    # Accepted; the engines sample their own way, so these do not change the answer's shape.
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: StrictInt | None = None
+    user: str | None = Field(default=None, max_length=256)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+    ignore_eos: StrictBool | None = None
+    # Accepted only at their neutral value (see ``_unsupported``).
+    n: StrictInt | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: StrictInt | None = None
 
 
 class CompletionRequest(_Base):
-    prompt: str | list[int] | list[str] = Field(description="Text, or token ids.")
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(description="Text, or token ids.")
+    best_of: StrictInt | None = None
+    echo: StrictBool | None = None
+    suffix: str | None = None
+    logprobs: StrictInt | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and isinstance(v[0], int) and any(t < 0 for t in v):
-            raise ValueError("token ids must be non-negative")
-        return v
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id...: not part of the prompt
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
 
 
 class ChatRequest(_Base):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=131072)
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+
+
+def _unsupported(body: _Base) -> InvalidRequest | None:
+    """The first argument whose value the router cannot honour (answered 400, never ignored)."""
+    checks: list[tuple[str, bool, str]] = [
+        ("n", (body.n or 1) != 1, "only n=1 is supported (one choice per request)"),
+        ("stop", bool(body.stop), "stop sequences are not supported"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
+        ("top_logprobs", bool(body.top_logprobs), "logprobs are not supported"),
+    ]
+    if isinstance(body, CompletionRequest):
+        checks += [("best_of", (body.best_of or 1) != 1, "only best_of=1 is supported"),
+                   ("echo", bool(body.echo), "echo is not supported"),
+                   ("suffix", bool(body.suffix), "suffix is not supported"),
+                   ("logprobs", bool(body.logprobs), "logprobs are not supported")]
+    if isinstance(body, ChatRequest):
+        fmt = (body.response_format or {}).get("type", "text")
+        checks += [("logprobs", bool(body.logprobs), "logprobs are not supported"),
+                   ("tools", bool(body.tools), "tools are not supported"),
+                   ("tool_choice", body.tool_choice not in (None, "none", "auto"), "tool_choice is not supported"),
+                   ("functions", bool(body.functions), "functions are not supported"),
+                   ("function_call", body.function_call not in (None, "none", "auto"),
+                    "function_call is not supported"),
+                   ("response_format", fmt != "text", f"response_format {fmt!r} is not supported; only 'text'")]
+        for i, m in enumerate(body.messages):
+            if m.content is None and m.role != "assistant":
+                return InvalidRequest(f"messages[{i}].content must be a string or a list of text parts "
+                                      f"(null only for an assistant message)", param=f"messages.{i}.content",
+                                      code="invalid_type")
+    for param, bad, why in checks:
+        if bad:
+            return InvalidRequest(why, param=param, code="unsupported_parameter")
+    return None
 
 
 # -- metrics ----------------------------------------------------------------------------------
@@ -112,6 +187,11 @@ class RouterApp:
     health: Any  # () -> RouterHealth
     start: Any = None  # async () -> None
     stop: Any = None  # async () -> None
+    limits: RequestLimits = RequestLimits()
+
+    def models(self) -> list[str]:
+        """The served models: the router's default and every routable worker's."""
+        return sorted({self.served_model} | {w.model for w in self.router.view.routable() if w.model})
 
 
 def get_ctx(request: Request) -> RouterApp:
@@ -120,16 +200,182 @@ def get_ctx(request: Request) -> RouterApp:
 
 Ctx = Annotated[RouterApp, Depends(get_ctx)]
 
+#: Beyond the limit, a body is read and dropped up to this many bytes so the client's
+#: connection stays usable; a larger one is answered and the connection closed.
+_DRAIN_BYTES = 64 * 1024 * 1024
+#: A text prompt longer than this is tokenized off the event loop.
+_TOKENIZE_INLINE_CHARS = 64 * 1024
+
+
+class _BodyTooLarge(InvalidRequest):
+    def __init__(self, limit: int, drained: bool) -> None:
+        super().__init__(f"request body exceeds {limit} bytes", param=None, code="request_too_large", status=413)
+        self.drained = drained
+
 
 def _error(status: int, message: str, code: str, type_: str = "invalid_request_error",
-           retry_after_s: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": type_, "code": code}},
-                        headers=headers)
+           retry_after_s: int | None = None, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if retry_after_s:
+        headers["Retry-After"] = str(retry_after_s)
+    return JSONResponse(status_code=status, headers=headers or None,
+                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 def _error_type(status: int) -> str:
     return {429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "invalid_request_error")
+
+
+def _refused(e: InvalidRequest) -> JSONResponse:
+    close = {"Connection": "close"} if isinstance(e, _BodyTooLarge) and not e.drained else None
+    return _error(e.status, str(e), e.code, param=e.param, headers=close)
+
+
+async def _read_json(request: Request, limits: RequestLimits) -> Any:
+    """The body as JSON, at most ``limits.max_body_bytes``, with every string valid Unicode."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > _DRAIN_BYTES:
+        raise _BodyTooLarge(limit, drained=False)  # not worth reading: answer and close
+    body = bytearray()
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > _DRAIN_BYTES:
+            raise _BodyTooLarge(limit, drained=False)
+        if seen <= limit:
+            body += chunk
+    if seen > limit:
+        raise _BodyTooLarge(limit, drained=True)
+    try:
+        obj = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and UnicodeDecodeError
+        raise InvalidRequest(f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    bad = _bad_string(obj, "")
+    if bad is not None:
+        raise InvalidRequest(f"{bad or 'body'}: invalid Unicode (a lone surrogate)", param=bad or None,
+                             code="invalid_unicode")
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _bad_string(obj: Any, path: str) -> str | None:
+    """The path of the first string or key that is not encodable as UTF-8, else None."""
+    stack = [(obj, path)]
+    while stack:
+        o, p = stack.pop()
+        if type(o) is str:
+            try:
+                o.encode()
+            except UnicodeEncodeError:
+                return p
+        elif type(o) is list:
+            stack.extend((x, f"{p}.{i}" if p else str(i)) for i, x in enumerate(o) if type(x) in (str, list, dict))
+        elif type(o) is dict:
+            for k, v in o.items():
+                sub = f"{p}.{k}" if p else str(k)
+                try:
+                    k.encode()
+                except UnicodeEncodeError:
+                    return p or "body"
+                stack.append((v, sub))
+    return None
+
+
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as a parameter path, without the union members' tags
+    (``messages.0.content.list[TextPart].0.text`` -> ``messages.0.content.0.text``)."""
+    return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS)))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
+
+
+def _validated(model: type[BaseModel], obj: Any) -> Any:
+    """``obj`` as ``model``, or :class:`InvalidRequest` naming the most specific bad parameter."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        errors = e.errors(include_url=False, include_input=False)
+        parts: list[str] = []
+        for err in errors:
+            loc = _loc(err.get("loc", ()))
+            if err.get("type") == "extra_forbidden":
+                part = f"Unrecognized request argument supplied: {loc}"
+            else:
+                part = f"{loc or 'body'}: {err.get('msg')}"
+            if part not in parts:
+                parts.append(part)
+        deepest = max(errors, key=lambda err: len(_loc(err.get("loc", ())).split(".")), default=None)
+        param = _loc(deepest.get("loc", ())) or None if deepest else None
+        message = "; ".join(parts[:5]) + (f"; ... and {len(parts) - 5} more" if len(parts) > 5 else "")
+        raise InvalidRequest(message or "invalid request body", param=param, code="invalid_body") from None
+
+
+async def completion_body(request: Request, c: Ctx) -> CompletionRequest:
+    return _validated(CompletionRequest, await _read_json(request, c.limits))
+
+
+async def chat_body(request: Request, c: Ctx) -> ChatRequest:
+    return _validated(ChatRequest, await _read_json(request, c.limits))
+
+
+CompletionBody = Annotated[CompletionRequest, Depends(completion_body)]
+ChatBody = Annotated[ChatRequest, Depends(chat_body)]
+
+
+async def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    if len(text) <= _TOKENIZE_INLINE_CHARS:
+        return tokenizer.encode(text)
+    return await asyncio.to_thread(tokenizer.encode, text)
+
+
+async def _prompt_tokens(c: RouterApp, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        if len(prompt) != 1:
+            raise InvalidRequest("batched prompts are not supported; send one prompt", param="prompt",
+                                 code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise InvalidRequest("batched string prompts are not supported; send one prompt", param="prompt",
+                                 code="unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await _encode(c.tokenizer, prompt)
+    return list(prompt)
+
+
+async def _chat_tokens(c: RouterApp, body: ChatRequest) -> list[int]:
+    messages = [m.model_dump() for m in body.messages]
+    if sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
+           for m in body.messages) <= _TOKENIZE_INLINE_CHARS:
+        return chat_tokens(c.tokenizer, messages)
+    return await asyncio.to_thread(chat_tokens, c.tokenizer, messages)
+
+
+def _client_id(c: RouterApp, body: _Base, request: Request) -> str | None:
+    """The client's own id (body ``request_id``, else ``X-Client-Request-Id``, else ``X-Request-Id``)."""
+    for param, value in (("request_id", body.request_id),
+                         ("X-Client-Request-Id", request.headers.get("x-client-request-id")),
+                         ("X-Request-Id", request.headers.get("x-request-id"))):
+        if value:
+            return check_client_id(value, c.limits, param)
+    return None
+
+
+def _check_model(c: RouterApp, body: _Base) -> str:
+    if not body.model:
+        return c.served_model
+    if body.model not in c.models():
+        raise InvalidRequest(f"The model '{body.model[:200]}' does not exist (served: {', '.join(c.models())})",
+                             param="model", code="model_not_found", status=404)
+    return body.model
 
 
 def create_app(ctx: RouterApp) -> FastAPI:
@@ -156,29 +402,39 @@ def create_app(ctx: RouterApp) -> FastAPI:
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
         return _error(400, "; ".join(parts) or "invalid request body", "invalid_body")
 
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest):
+        return _refused(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
+        return _error(exc.status_code, str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "invalid_request"), _error_type(exc.status_code), headers=exc.headers)
+
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, c: Ctx):
-        prompt = body.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                return _error(400, "batched string prompts are not supported; send one prompt", "invalid_body")
-            prompt = prompt[0]
-        tokens = list(prompt) if isinstance(prompt, list) else c.tokenizer.encode(prompt)
-        if not tokens:
-            return _error(400, "prompt has no tokens", "invalid_body")
-        return await _run(c, body, request, tokens, "completions")
+    async def completions(body: CompletionBody, request: Request, c: Ctx):
+        model = _check_model(c, body)
+        if (bad := _unsupported(body)) is not None:
+            raise bad
+        tokens = await _prompt_tokens(c, body)
+        max_tokens = check_generation(tokens, body.max_tokens, c.limits)
+        return await _run(c, body, request, tokens, "completions", model, max_tokens, _client_id(c, body, request))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request, c: Ctx):
-        tokens = chat_tokens(c.tokenizer, [m.model_dump() for m in body.messages])
-        if body.max_completion_tokens and not body.max_tokens:
-            body.max_tokens = body.max_completion_tokens
-        return await _run(c, body, request, tokens, "chat")
+    async def chat(body: ChatBody, request: Request, c: Ctx):
+        model = _check_model(c, body)
+        if (bad := _unsupported(body)) is not None:
+            raise bad
+        tokens = await _chat_tokens(c, body)
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = check_generation(tokens, wanted, c.limits, param)
+        return await _run(c, body, request, tokens, "chat", model, max_tokens, _client_id(c, body, request))
 
     @app.get("/v1/models")
     async def models(c: Ctx):
-        names = sorted({c.served_model} | {w.model for w in c.router.view.routable() if w.model})
-        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "switchyard", "created": 0} for n in names]}
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "switchyard", "created": 0}
+                                           for n in c.models()]}
 
     @app.get("/health")
     async def health(c: Ctx):
@@ -220,12 +476,13 @@ def _refresh_gauges(c: RouterApp) -> None:
         m.workers.labels(role=role).set(len(view.routable(role)))
 
 
-async def _run(c: RouterApp, body: _Base, request: Request, tokens: list[int], endpoint: str):
+async def _run(c: RouterApp, body: _Base, request: Request, tokens: list[int], endpoint: str, model: str,
+               max_tokens: int, client_id: str | None):
     router = c.router
-    rid = body.request_id or request.headers.get("x-request-id") or f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    model = body.model or c.served_model
-    adm = router.admit(request_id=rid, model=model, tokens=tokens, max_tokens=body.max_tokens or 16,
-                       stream=body.stream, endpoint=endpoint)
+    rid = new_request_id(endpoint)
+    headers = {"X-Request-Id": rid, **({"X-Client-Request-Id": client_id} if client_id else {})}
+    adm = router.admit(request_id=rid, model=model, tokens=tokens, max_tokens=max_tokens, stream=body.stream,
+                       endpoint=endpoint, client_request_id=client_id)
     gen = router.serve(adm)
     # Queue, then pull the first chunk before answering, so refusals, "no worker" and failures
     # before the first token get a real status code (and never a 500).
@@ -237,7 +494,7 @@ async def _run(c: RouterApp, body: _Base, request: Request, tokens: list[int], e
         if not e.recorded:
             router.reject(rid, str(e), e.code, e.status)
         c.metrics.requests.labels(endpoint=endpoint, outcome="failed" if e.recorded else "rejected").inc()
-        return _error(e.status, str(e), e.code, _error_type(e.status), e.retry_after_s)
+        return _error(e.status, str(e), e.code, _error_type(e.status), e.retry_after_s, headers=headers)
     except StopAsyncIteration:
         first = Chunk(error="worker returned nothing")
     except Exception as e:  # a bug must not become a bare 500: record it, answer 503
@@ -245,16 +502,17 @@ async def _run(c: RouterApp, body: _Base, request: Request, tokens: list[int], e
         await gen.aclose()
         router.fail(rid, f"router error: {type(e).__name__}: {e}", "router_error")
         c.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
-        return _error(503, f"router error: {type(e).__name__}", "router_error", "service_unavailable", 1)
+        return _error(503, f"router error: {type(e).__name__}", "router_error", "service_unavailable", 1,
+                      headers=headers)
     if first.error and not body.stream:
         c.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
         await gen.aclose()
-        return _error(502, first.error, "worker_failed", "upstream_error")
+        return _error(502, first.error, "worker_failed", "upstream_error", headers=headers)
     created = int(time.time())
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_sse(c, gen, first, adm, model, created, endpoint, include_usage),
-                                 media_type="text/event-stream", headers={"X-Request-Id": rid})
+                                 media_type="text/event-stream", headers=headers)
     text, usage, finish, error = [], None, None, None
     chunk: Chunk | None = first
     while chunk is not None:
@@ -270,16 +528,18 @@ async def _run(c: RouterApp, body: _Base, request: Request, tokens: list[int], e
             chunk = None
     if error:
         c.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
-        return _error(502, error, "worker_failed", "upstream_error")
+        return _error(502, error, "worker_failed", "upstream_error", headers=headers)
     c.metrics.requests.labels(endpoint=endpoint, outcome="completed").inc()
     usage = usage or {"prompt_tokens": len(tokens), "completion_tokens": len(text), "total_tokens": len(tokens) + len(text)}
     if endpoint == "chat":
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                             "finish_reason": finish or "length"}], "usage": usage}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish or "length", "logprobs": None}],
-            "usage": usage}
+        out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                            "finish_reason": finish or "length"}], "usage": usage}
+    else:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish or "length", "logprobs": None}],
+               "usage": usage}
+    return JSONResponse(out, headers=headers)
 
 
 async def _sse(c: RouterApp, gen, first: Chunk, adm: Admission, model: str, created: int, endpoint: str,

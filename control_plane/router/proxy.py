@@ -27,7 +27,6 @@ import json
 import logging
 import statistics
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ from control_plane.router.config import RouterConfig
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.inputs import decision_inputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger
+from control_plane.router.limits import new_request_id
 from control_plane.router.view import RouterView, WorkerState
 from kernel.hashing import HashConfig, hash_blocks
 from kernel.log.sink import EventSink
@@ -104,6 +104,14 @@ class WorkerFailed(Exception):
         super().__init__(detail)
         self.code = code
         self.worker_id = worker_id
+
+
+def _unsendable(e: Exception) -> RouterRejected | None:
+    """The request itself could not be put on the wire (an illegal header or URL): the request's
+    fault, not the worker's, so no worker is blamed or excluded and nothing is retried."""
+    if isinstance(e, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL)):
+        return RouterRejected(f"the request could not be sent to a worker: {e}", 400, "invalid_request")
+    return None
 
 
 def _failure(e: Exception, what: str, worker_id: str) -> WorkerFailed:
@@ -179,14 +187,16 @@ class Router:
     # -- admission --------------------------------------------------------------------------
 
     def admit(self, *, request_id: str | None, model: str, tokens: list[int], max_tokens: int,
-              stream: bool, endpoint: str) -> Admission:
-        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+              stream: bool, endpoint: str, client_request_id: str | None = None) -> Admission:
+        """Record the request's admission. ``request_id`` is the router's own (see
+        :mod:`.limits`: never a client's); ``client_request_id`` is kept as metadata."""
+        rid = request_id or new_request_id(endpoint)
         hashes = hash_blocks(tokens, self.hash_config)
         adm = Admission(rid, model, tokens, hashes, max_tokens, stream, endpoint)
         self._record(RequestAdmitted(
             request_id=rid, model=model, prompt_tokens=len(tokens), max_tokens=max_tokens, stream=stream,
             block_hashes=hashes, block_size=self.hash_config.block_size, hash_algo=self.hash_config.hash_algo,
-            endpoint=endpoint), rid)
+            endpoint=endpoint, client_request_id=client_request_id), rid)
         return adm
 
     def _has_room(self, granted_tokens: int) -> bool:
@@ -350,7 +360,7 @@ class Router:
                 raise RouterRejected(f"prefill worker refused the request: {r.text[:300]}", r.status_code, "bad_request")
             params = r.json().get("kv_transfer_params")
         except (httpx.HTTPError, OSError, ValueError, AttributeError) as e:
-            raise _failure(e, f"prefill {wid}", wid) from None
+            raise _unsendable(e) or _failure(e, f"prefill {wid}", wid) from None
         # The decode decision releases the prefill entry (the KV is handed off) before it reads
         # the ledger; replay does the same when it folds the decode phase's RequestRouted.
         _, decode = self.decide(adm, RequestPhase.DECODE, excluded, attempt)
@@ -394,7 +404,7 @@ class Router:
         except (httpx.HTTPError, OSError, ValueError) as e:
             # A refused connection is recorded as ``worker_unreachable``: folding that drops
             # everything this router sent to the worker (its KV is gone with it).
-            raise _failure(e, worker.worker_id, worker.worker_id) from None
+            raise _unsendable(e) or _failure(e, worker.worker_id, worker.worker_id) from None
 
     def _first_token(self, adm: Admission, worker_id: str, record: bool) -> None:
         """The prompt's KV now exists on the worker: its queued prefill leaves the ledger. Recorded

@@ -15,12 +15,13 @@ from control_plane.router.admission import AdmissionConfig
 from control_plane.router.config import load_router_config
 from control_plane.router.health import HealthThresholds
 from control_plane.router.http import RouterApp, RouterMetrics, create_app
+from control_plane.router.limits import RequestLimits
 from control_plane.router.proxy import Router
 from control_plane.router.stream import RouterViewProcessor
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
-from kernel.tokenizer import build_tokenizer
+from kernel.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,20 @@ class RouterSettings:
     thresholds: HealthThresholds = HealthThresholds()
     #: The admission queue's bounds (control_plane/router/admission.py).
     admission: AdmissionConfig = AdmissionConfig()
+    #: Bounds on one request (body bytes, context, output, vocabulary:
+    #: control_plane/router/limits.py). ``None``: the served model's, as far as it is known
+    #: (the simulated model's context and vocabulary; an HF tokenizer's vocabulary size).
+    limits: RequestLimits | None = None
+
+
+def request_limits(s: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
+    """The settings' limits, else the model's: the sim defaults with the tokenizer's vocabulary."""
+    if s.limits is not None:
+        return s.limits
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if isinstance(tokenizer, HFTokenizer) and vocab:
+        return RequestLimits(vocab_size=vocab)
+    return RequestLimits()
 
 
 def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventProducer) -> RouterConfig:
@@ -118,8 +133,9 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
         await router.close()
         producer.close(10)
 
-    return RouterApp(router=router, tokenizer=build_tokenizer(s.tokenizer), metrics=metrics,
-                     served_model=s.served_model, health=processor.health, start=start, stop=stop)
+    tokenizer = build_tokenizer(s.tokenizer)
+    return RouterApp(router=router, tokenizer=tokenizer, metrics=metrics, served_model=s.served_model,
+                     health=processor.health, start=start, stop=stop, limits=request_limits(s, tokenizer))
 
 
 def run_router(s: RouterSettings, bus: BusSettings) -> None:

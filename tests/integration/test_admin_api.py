@@ -85,7 +85,7 @@ def _seed(bus: BusSettings) -> None:
     r, pw, dw = EventProducer(bus, "router-x"), EventProducer(bus, "p1"), EventProducer(bus, "d1")
     hashes = hash_blocks(DOC, cfg)
     r.publish(RequestAdmitted(request_id=rid, model="m", prompt_tokens=len(DOC), max_tokens=8, block_hashes=hashes,
-                              block_size=64, hash_algo="sha256"), correlation_id=rid)
+                              block_size=64, hash_algo="sha256", client_request_id="my-dis-1"), correlation_id=rid)
     scores = [CandidateScore(worker_id="p1", overlap_blocks=0, prefill_blocks=6.0, decode_blocks=7.0, cost=13.0)]
     r.publish(RequestRouted(request_id=rid, worker_id="p1", phase=RequestPhase.PREFILL, mode=RoutingMode.KV,
                             scores=scores, reason="kv argmin", config_version=1, rng_seed=1), correlation_id=rid)
@@ -275,6 +275,8 @@ def test_request_trace_is_the_complete_causal_chain(env: Env) -> None:
     assert t["routing"][0]["scores"][0]["worker_id"] == "p1"
     assert {e["topic"].rsplit(".", 1)[1] for e in t["events"]} == {"requests"}
     assert env.client.get("/requests/nobody/trace", headers=env.h("viewer")).status_code == 404
+    # The client's own id (RequestAdmitted.client_request_id) finds the same trace.
+    assert env.client.get("/requests/my-dis-1/trace", headers=env.h("viewer")).json() == t
 
 
 def test_index_overlap_stats_workers_and_planner(env: Env) -> None:

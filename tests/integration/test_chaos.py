@@ -78,7 +78,7 @@ class Load(threading.Thread):
                 self.sent += 1
                 try:
                     r = c.post(f"{self.url}/v1/completions", json={
-                        "model": "m", "prompt": doc + [i % 7] * 64 + [i], "max_tokens": 8, "stream": True,
+                        "model": "switchyard-sim", "prompt": doc + [i % 7] * 64 + [i], "max_tokens": 8, "stream": True,
                         "request_id": f"chaos-{i}"})
                     self.outcomes["ok" if r.status_code == 200 and "[DONE]" in r.text else f"http-{r.status_code}"] += 1
                 except httpx.HTTPError as e:

@@ -28,6 +28,7 @@ from schemas import EventCodec
 from schemas.events import RequestRouted
 from schemas.types import RoutingMode
 from tests.integration.test_router import Procs, _checkpointed, _view_caught_up, _wait_http
+from tests.support.events import router_ids
 from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -50,7 +51,7 @@ def recorded(kafka_bootstrap: str, tmp_path_factory):
         _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
         with httpx.Client(base_url=base, timeout=30) as c:
             def send(rid: str, prompt, max_tokens: int = 4, stream: bool = False) -> None:
-                r = c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                r = c.post("/v1/completions", json={"model": "switchyard-sim", "prompt": prompt, "max_tokens": max_tokens,
                                                     "stream": stream, "request_id": rid})
                 assert r.status_code == 200, r.text
 
@@ -93,7 +94,8 @@ def test_every_recorded_decision_reexecutes_identically(recorded) -> None:
     assert report.table_matches == report.state_matches == report.decisions
     assert report.configs_assumed == []  # the router recorded its config (RouterConfigChanged v1) in the log
     # The bursts exercised the ledger: some decision saw speculative overlap from in-flight requests.
-    spec = [c for c in report.checks if c.request_id.startswith("burst")]
+    client = {rid: cid for cid, rid in router_ids(bus).items()}
+    spec = [c for c in report.checks if client.get(c.request_id, "").startswith("burst")]
     assert len(spec) == 18
 
 
@@ -109,10 +111,11 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
             lo, hi = live.bounds(t, p)
             records.extend(live.read(t, p, lo, hi))
     mem = MemoryLogReader(records)
+    seq3 = router_ids(bus)["seq-3"]
     # Alter one recorded decision: send it to the other worker and claim a bigger overlap.
     victim = next(r for r in records if r.topic == cat.topic("requests") and r.value
                   and isinstance((env := codec.decode(r.value)).data, RequestRouted)
-                  and env.data.request_id == "seq-3")
+                  and env.data.request_id == seq3)
     env = codec.decode(victim.value)
     other = next(s.worker_id for s in env.data.scores if s.worker_id != env.data.worker_id)
     scores = [msgspec.structs.replace(s, overlap_blocks=s.overlap_blocks + 1) if s.worker_id == other else s
@@ -123,7 +126,7 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
     report = _engine(bus, mem).verify("start", "end")
     assert report.identical == report.decisions - 1
     [bad] = report.mismatches
-    assert bad.request_id == "seq-3" and bad.recorded_worker == other
+    assert bad.request_id == seq3 and bad.recorded_worker == other
     assert bad.table == "mismatch" and bad.state == "mismatch"
     assert bad.state_worker == env.data.worker_id  # the rebuilt state chooses what the router chose
     assert any(d.startswith("worker_id:") for d in bad.state_diffs)

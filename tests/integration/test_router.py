@@ -20,7 +20,7 @@ from kernel.net import free_port
 from kernel.settings import BusSettings
 from schemas.events import RequestCompleted, RequestFailed, RequestRouted
 from tests.integration.test_router_view import oracle
-from tests.support.events import read_stream
+from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -100,10 +100,12 @@ def procs(bus: BusSettings):
 
 
 def _routed(bus: BusSettings) -> dict[str, list[RequestRouted]]:
+    """Each request's decisions, by the client's request id where it sent one."""
+    client = {rid: cid for cid, rid in router_ids(bus).items()}
     out: dict[str, list[RequestRouted]] = {}
     for env in read_stream(bus, "requests"):
         if isinstance(env.data, RequestRouted):
-            out.setdefault(env.data.request_id, []).append(env.data)
+            out.setdefault(client.get(env.data.request_id, env.data.request_id), []).append(env.data)
     return out
 
 
@@ -137,16 +139,38 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     assert bad.status_code == 400
     bad = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert 400 <= bad.status_code < 500
+    # The attacker's requests (tests/integration/test_router_input.py has them all): each a 4xx
+    # with a reason over one keep-alive connection; the view stays EXACT, both workers ready.
+    with httpx.Client(base_url=base, timeout=30, limits=httpx.Limits(max_connections=1)) as one:
+        ports = set()
+        for body, status, code in [
+            (b'{"prompt":"\\ud800"}', 400, "invalid_unicode"),
+            (b'{"prompt":[1, 18446744073709551616]}', 400, "invalid_token_id"),
+            (b'{"prompt":"hi","max_tokens":131072}', 400, "max_tokens_exceeded"),
+            (b'{"prompt":"hi","n":2}', 400, "unsupported_parameter"),
+            (b'{"prompt":"hi","model":"nope"}', 404, "model_not_found"),
+            (b'{"prompt":"hi","request_id":"a\\nb"}', 400, "invalid_value"),
+            (b'{"prompt":"' + b"a " * 1_000_000 + b'"}', 400, "context_length_exceeded"),
+        ]:
+            r = one.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+            ports.add(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+        r = one.post("/v1/completions", json={"prompt": "after the attack " * 5, "max_tokens": 2})
+        ports.add(r.extensions["network_stream"].get_extra_info("client_addr")[1])
+        assert r.status_code == 200 and len(ports) == 1, (r.text, ports)
+    h = httpx.get(f"{base}/health").json()
+    assert h["state"] == "EXACT" and h["workers"] == 2 and h["stale_workers"] == [], h
+    assert not [e for e in read_stream(bus, "requests") if isinstance(e.data, RequestFailed)]
 
     # Prefix affinity: a long shared document; after the first request's KV events are folded,
     # requests sharing it land on the worker that holds it.
     doc = list(range(1000, 1000 + 64 * 24))  # 24 blocks of token ids
-    first = client.completions.create(model="m", prompt=doc + [1, 2, 3], max_tokens=2,
+    first = client.completions.create(model="switchyard-sim", prompt=doc + [1, 2, 3], max_tokens=2,
                                       extra_body={"request_id": "affinity-0"})
     assert first.choices
     _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 24)
     for i in range(1, 6):
-        client.completions.create(model="m", prompt=doc + [7, i], max_tokens=2, extra_body={"request_id": f"affinity-{i}"})
+        client.completions.create(model="switchyard-sim", prompt=doc + [7, i], max_tokens=2, extra_body={"request_id": f"affinity-{i}"})
     routed = _routed(bus)
     holder = routed["affinity-0"][-1].worker_id
     assert [routed[f"affinity-{i}"][-1].worker_id for i in range(1, 6)] == [holder] * 5
@@ -161,7 +185,7 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     outcomes = []
     for i in range(6):
         try:
-            got = list(client.completions.create(model="m", prompt=f"crash {i} " * 30, max_tokens=5, stream=True,
+            got = list(client.completions.create(model="switchyard-sim", prompt=f"crash {i} " * 30, max_tokens=5, stream=True,
                                                  extra_body={"request_id": f"crash-{i}"}))
             outcomes.append(sum(1 for c in got if c.choices and c.choices[0].text))
         except openai.APIError as e:
@@ -186,4 +210,5 @@ def test_openai_client_prefix_affinity_failover_and_router_restart(bus: BusSetti
     want = oracle(bus, "sha256", 64, upto=upto)
     assert view["digest"] == want.digest(), (view, h)
     completed = [e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestCompleted)]
-    assert {c.request_id for c in completed} >= {f"affinity-{i}" for i in range(6)}
+    ids = router_ids(bus)
+    assert {c.request_id for c in completed} >= {ids[f"affinity-{i}"] for i in range(6)}

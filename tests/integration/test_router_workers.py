@@ -19,7 +19,7 @@ from schemas.events import (
 )
 from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc
-from tests.support.events import read_stream
+from tests.support.events import read_stream, router_ids
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -33,7 +33,8 @@ def procs(bus: BusSettings):
     p.close()
 
 
-def _chain(bus: BusSettings, rid: str) -> list[str]:
+def _chain(bus: BusSettings, client_id: str) -> list[str]:
+    rid = router_ids(bus)[client_id]
     return [e.type for e in read_stream(bus, "requests") if e.correlation_id == rid]
 
 
@@ -50,7 +51,8 @@ def test_disaggregated_request_through_router_has_its_whole_chain(bus: BusSettin
         out = list(client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=6, stream=True,
                                              extra_body={"request_id": "disagg-1"}))
         assert sum(1 for c in out if c.choices and c.choices[0].text) == 6
-        events = [e for e in read_stream(bus, "requests") if e.correlation_id == "disagg-1"]
+        rid = router_ids(bus)["disagg-1"]
+        events = [e for e in read_stream(bus, "requests") if e.correlation_id == rid]
         types = [e.type for e in events]
         assert types[0] == "RequestAdmitted"
         routed = [e.data for e in events if isinstance(e.data, RequestRouted)]
@@ -77,22 +79,24 @@ def test_aggregated_workers_prefix_reuse_and_a_killed_worker_is_retried(bus: Bus
         _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         doc = list(range(1000, 1000 + 64 * 10))
-        client.completions.create(model="m", prompt=doc, max_tokens=2, extra_body={"request_id": "agg-0"})
+        client.completions.create(model="switchyard-sim", prompt=doc, max_tokens=2, extra_body={"request_id": "agg-0"})
         _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 10)
-        second = client.completions.create(model="m", prompt=doc + [5] * 64, max_tokens=2,
+        second = client.completions.create(model="switchyard-sim", prompt=doc + [5] * 64, max_tokens=2,
                                            extra_body={"request_id": "agg-1"})
         assert second.usage.prompt_tokens_details.cached_tokens >= 640  # the engine really reused the prefix
-        routed = {e.data.request_id: e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestRouted)}
+        ids = {rid: cid for cid, rid in router_ids(bus).items()}
+        routed = {ids.get(e.data.request_id): e.data for e in read_stream(bus, "requests")
+                  if isinstance(e.data, RequestRouted)}
         assert routed["agg-1"].worker_id == routed["agg-0"].worker_id
 
         # kill -9 the worker holding the prefix; the next request for it is retried on the other.
         holder = a if routed["agg-0"].worker_id == "a-0" else b
         holder.proc.send_signal(signal.SIGKILL)
         holder.proc.wait(10)
-        third = client.completions.create(model="m", prompt=doc + [6] * 64, max_tokens=3,
+        third = client.completions.create(model="switchyard-sim", prompt=doc + [6] * 64, max_tokens=3,
                                           extra_body={"request_id": "agg-2"})
         assert third.usage.completion_tokens == 3
-        events = [e.data for e in read_stream(bus, "requests") if e.correlation_id == "agg-2"]
+        events = [e.data for e in read_stream(bus, "requests") if e.correlation_id == router_ids(bus)["agg-2"]]
         failed = [e for e in events if isinstance(e, RequestFailed)]
         assert failed and failed[0].worker_id == holder.worker_id and failed[0].retried
         assert isinstance(events[-1], RequestCompleted) and events[-1].worker_id != holder.worker_id

@@ -33,6 +33,10 @@ async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
         elif kind == "reset":
             writer.transport.abort()
             return
+        elif kind == "refuse-input":  # the engine refuses the request itself (client input)
+            body = b'{"error": {"message": "token id out of vocabulary"}}'
+            writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
         elif kind == "error":
             body = b'{"error": "boom"}'
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
@@ -66,7 +70,7 @@ async def _router(kinds: list[str], *, max_attempts: int = 3) -> tuple[Router, M
     return router, sink, servers
 
 
-async def _collect(router: Router, rid: str) -> list:
+async def _collect(router: Router, rid: str | None) -> list:
     adm = router.admit(request_id=rid, model="m", tokens=list(range(40)), max_tokens=2, stream=True,
                        endpoint="completions")
     await router.queue(adm)
@@ -130,5 +134,23 @@ async def test_a_full_admission_queue_refuses_with_429_and_its_reason() -> None:
         # Once the first is served, the queue has room again.
         assert [c.text async for c in router.serve(first) if c.text] == ["a", "b"]
         assert [c.text for c in await _collect(router, "q-4") if c.text] == ["a", "b"]
+    finally:
+        await _close(router, servers)
+
+
+@pytest.mark.parametrize(("kind", "rid", "code"), [("refuse-input", None, "bad_request"),
+                                                   ("good", "a\nb", "invalid_request")],
+                         ids=["the worker answers 400", "the request cannot be put on the wire"])
+async def test_a_request_the_worker_cannot_take_is_a_4xx_that_never_blames_the_worker(kind, rid, code) -> None:
+    """A 4xx from the worker, or a request httpx refuses to send (an illegal header: what a
+    client-chosen id with a newline did), is the request's fault: no RequestFailed, no retry on
+    another worker, no worker excluded or dropped from the ledger."""
+    router, sink, servers = await _router([kind])
+    try:
+        with pytest.raises(RouterRejected) as exc:
+            await _collect(router, rid)
+        assert (exc.value.status, exc.value.code, exc.value.recorded) == (400, code, False)
+        assert sink.of_type(RequestFailed) == [] and len(sink.of_type(RequestRouted)) == 1
+        assert all(w.routable for w in router.view.workers.values())
     finally:
         await _close(router, servers)

@@ -352,7 +352,10 @@ async def test_a_failure_after_the_first_token_is_an_sse_error_event_then_done()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         r = await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True,
                                                        "request_id": "sse-1"})
-    assert r.status_code == 200 and r.headers["x-request-id"] == "sse-1"
+    # The request id is the router's; the client's own id is metadata, echoed apart.
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 200 and rid.startswith("cmpl-") and r.headers["x-client-request-id"] == "sse-1"
+    assert sink.of_type(RequestAdmitted)[0].client_request_id == "sse-1" and set(sink.correlation) == {rid}
     events = [line[len("data: "):] for line in r.text.split("\n\n") if line]
     assert json.loads(events[0])["choices"][0]["text"] == "Hel"
     error = json.loads(events[1])["error"]

@@ -119,6 +119,7 @@ def _make_request_admitted(**overrides: Any) -> ev.RequestAdmitted:
             "hash_algo": "sha256_cbor",
             "endpoint": "chat/completions",
             "priority": 5,
+            "client_request_id": "client-1",
             **overrides,
         }
     )

@@ -37,7 +37,7 @@ from schemas.events import (
 )
 from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc
-from tests.support.events import read_stream
+from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
 from tests.vllm.conftest import (
     BLOCK,
@@ -118,6 +118,7 @@ def test_openai_client_streaming_and_not(agg) -> None:
 
 
 def _routed(bus: BusSettings, rid: str) -> RequestRouted:
+    rid = router_ids(bus).get(rid, rid)  # the client's id -> the router's
     ev = [e.data for e in read_stream(bus, "requests") if e.correlation_id == rid and isinstance(e.data, RequestRouted)]
     assert ev, f"no RequestRouted for {rid}"
     return ev[-1]
@@ -129,6 +130,7 @@ def _reported_idle_after(bus: BusSettings, worker: str, rid: str) -> bool:
     its own ledger: a report taken while ``rid`` was queued would still weigh on the next
     decision."""
     evs = read_stream(bus, "requests")
+    rid = router_ids(bus).get(rid, rid)
     done = [e.occurred_at_ns for e in evs if e.correlation_id == rid and isinstance(e.data, RequestCompleted)]
     if not done:
         return False

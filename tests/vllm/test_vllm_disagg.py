@@ -23,7 +23,7 @@ from schemas.events import (
 )
 from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc
-from tests.support.events import read_stream
+from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
 from tests.vllm.conftest import (
     BLOCK,
@@ -68,6 +68,8 @@ def pd(vbus: BusSettings, tmp_path_factory):
 
 
 def _events(bus: BusSettings, rid: str) -> list:
+    """``rid``'s events: a client id sent through the router is resolved to the router's id."""
+    rid = router_ids(bus).get(rid, rid)
     return [e.data for e in read_stream(bus, "requests") if e.correlation_id == rid]
 
 

@@ -1,0 +1,110 @@
+"""What a client may ask of the router: bounds on one request, and the request-id rule. Pure.
+
+Invariant: nothing a client sends reaches a worker unless it is within these bounds, so a
+client can neither hold a worker for minutes (``max_output_tokens``), flood the KV log
+(``context_tokens``: a 1M-token prompt is ~47k KV events and a lagging view), nor make a worker
+fail in a way the router would blame on the worker (token ids outside the vocabulary). Every
+refusal is an :class:`~control_plane.router.errors.InvalidRequest` naming the parameter and
+the bound, which the HTTP front turns into an OpenAI-style 4xx.
+
+Request ids are the server's: one per request, never reused, never taken from the client
+(a client's id would be a routing and ledger key it controls: sent twice, two requests share
+one ledger entry; with a newline it broke the worker call). A client's own id is kept as
+metadata (``RequestAdmitted.client_request_id``) so it can still find its request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from control_plane.router.errors import InvalidRequest
+from schemas.types import RequestId
+
+#: The simulated model's context length (``switchyard-sim``: a Llama-3.1-8B-shaped engine,
+#: 128k context; the Mooncake trace's longest prompt is 126,195 tokens).
+SIM_CONTEXT_TOKENS = 131_072
+#: The simulated model's vocabulary (the engine profiles' ``vocab_size``: Llama 3's 128,256).
+SIM_VOCAB_SIZE = 128_256
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on one request; a value in the router's settings (see the module docstring)."""
+
+    #: Largest request body in bytes; larger gets 413. A prompt of ``context_tokens`` ids is
+    #: ~1 MB of JSON; 4 MiB leaves room for text prompts.
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: The model's context length: prompt tokens + max_tokens must fit (400
+    #: ``context_length_exceeded`` otherwise, as OpenAI and vLLM answer).
+    context_tokens: int = SIM_CONTEXT_TOKENS
+    #: Largest ``max_tokens`` a request may ask for (one request holds a decode slot that long).
+    max_output_tokens: int = 4096
+    #: Token ids in a prompt must be below this (the model's vocabulary size).
+    vocab_size: int = SIM_VOCAB_SIZE
+    #: ``max_tokens`` when the request gives none (OpenAI's completions default).
+    default_max_tokens: int = 16
+    #: Longest client request id kept as metadata.
+    max_client_id_chars: int = 200
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "context_tokens", "max_output_tokens", "vocab_size", "default_max_tokens",
+                     "max_client_id_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.default_max_tokens > self.max_output_tokens:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_output_tokens="
+                             f"{self.max_output_tokens}: a request without max_tokens would be refused")
+        if self.max_output_tokens >= self.context_tokens:
+            raise ValueError(f"max_output_tokens={self.max_output_tokens} must be below context_tokens="
+                             f"{self.context_tokens}: the prompt needs at least one token of the context")
+
+
+def check_generation(tokens: Sequence[int], max_tokens: int | None, limits: RequestLimits,
+                     max_tokens_param: str = "max_tokens") -> int:
+    """The ``max_tokens`` to run with, or :class:`InvalidRequest` when the prompt's ids or its
+    length, or the output asked for, break ``limits``."""
+    if not tokens:
+        raise InvalidRequest("the prompt has no tokens", param="prompt", code="empty_prompt")
+    out = limits.default_max_tokens if max_tokens is None else max_tokens
+    if out < 1:
+        raise InvalidRequest(f"{max_tokens_param} must be at least 1, got {out}", param=max_tokens_param,
+                             code="invalid_value")
+    if out > limits.max_output_tokens:
+        raise InvalidRequest(f"{max_tokens_param}={out} exceeds this router's limit of {limits.max_output_tokens} "
+                             f"output tokens per request", param=max_tokens_param, code="max_tokens_exceeded")
+    low, high = min(tokens), max(tokens)
+    if low < 0 or high >= limits.vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidRequest(f"token id {bad} is outside the model's vocabulary [0, {limits.vocab_size})",
+                             param="prompt", code="invalid_token_id")
+    if len(tokens) + out > limits.context_tokens:
+        raise InvalidRequest(f"This model's maximum context length is {limits.context_tokens} tokens. However, you "
+                             f"requested {len(tokens) + out} tokens ({len(tokens)} in the prompt, {out} for the "
+                             f"completion). Please reduce the prompt or {max_tokens_param}.",
+                             param="prompt" if len(tokens) >= limits.context_tokens else max_tokens_param,
+                             code="context_length_exceeded")
+    return out
+
+
+def check_client_id(value: object, limits: RequestLimits, param: str = "request_id") -> str | None:
+    """A client's request id as kept in metadata: printable ASCII, at most
+    ``max_client_id_chars`` (a header-safe string); ``None`` when none was given."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{param} must be a string", param=param, code="invalid_type")
+    if len(value) > limits.max_client_id_chars:
+        raise InvalidRequest(f"{param} is {len(value)} characters; at most {limits.max_client_id_chars}",
+                             param=param, code="invalid_value")
+    if not all(" " <= ch <= "~" for ch in value):
+        raise InvalidRequest(f"{param} must be printable ASCII (no control characters)", param=param,
+                             code="invalid_value")
+    return value
+
+
+def new_request_id(endpoint: str = "completions") -> RequestId:
+    """A fresh server request id, OpenAI-shaped (``cmpl-…`` / ``chatcmpl-…``)."""
+    return RequestId(f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}")
