@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -331,7 +330,6 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(env: Env) -> None:
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     failures: list[str] = []
     seen: collections.Counter = collections.Counter()
-    started = time.monotonic()
     try:
         for op in schema.get_all_operations():
             operation = op.ok()
@@ -354,7 +352,6 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(env: Env) -> None:
         runner.shutdown(wait=True)
         env.ctx.jobs = InlineJobRunner()
     assert not failures, "\n\n".join(failures)
-    assert examples > 10 or time.monotonic() - started < 60
     # Every operation ran, and something reached past validation on each.
     ops = {(m, p) for m, p, _ in seen}
     assert len(ops) == len(list(schema.get_all_operations())), ops

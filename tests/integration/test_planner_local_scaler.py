@@ -35,28 +35,35 @@ def _decision(to: int, frm: int, token: int, drain: str = "") -> ScalingDecision
 
 async def _complete(client: httpx.AsyncClient, urls: dict[str, str], first: str, i: int,
                     decoding: set[tuple[int, str]] | None = None) -> tuple[str, int]:
-    """One request, streamed; on 503 (draining) retried on another worker, like the router.
-    Returns (worker that served it, tokens received). ``decoding`` gets (i, worker) at the
-    first token."""
+    """One request, streamed; on 503 (draining), or when the worker is gone before it answers
+    (a drained worker exits: connection refused, or a pooled keep-alive connection it closed),
+    retried on another worker, like the router. Returns (worker that served it, tokens
+    received). ``decoding`` gets (i, worker) at the first token."""
     order = [first] + [w for w in urls if w != first]
     for wid in order:
         body = {"prompt": list(range(1 + i, 600 + i)), "max_tokens": MAX_TOKENS, "stream": True,
                 "request_id": f"req-{i}-{wid}"}
-        async with client.stream("POST", f"{urls[wid]}/v1/completions", json=body) as r:
-            if r.status_code == 503:
-                continue
-            assert r.status_code == 200, await r.aread()
-            tokens, done = 0, False
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    assert '"error"' not in line, line
-                    tokens += 1
-                    if decoding is not None:
-                        decoding.add((i, wid))
-            assert done, f"request {i} on {wid} ended without [DONE]"
-            return wid, tokens
+        answered = False
+        try:
+            async with client.stream("POST", f"{urls[wid]}/v1/completions", json=body) as r:
+                answered = True
+                if r.status_code == 503:
+                    continue
+                assert r.status_code == 200, await r.aread()
+                tokens, done = 0, False
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        assert '"error"' not in line, line
+                        tokens += 1
+                        if decoding is not None:
+                            decoding.add((i, wid))
+                assert done, f"request {i} on {wid} ended without [DONE]"
+                return wid, tokens
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            if answered:
+                raise  # a stream cut after the worker answered is a lost request
     raise AssertionError(f"request {i}: every worker refused it")
 
 
