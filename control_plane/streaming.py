@@ -90,7 +90,8 @@ class FoldProcessor:
       the positions of the snapshot the projection was restored from, so only the tail is
       replayed;
     * ``caught_up`` turns true once every partition's position reached the log end read at
-      start-up;
+      start-up; :meth:`sync` waits for the log end read when it is called (after the last
+      produce a caller cares about);
     * checkpoints: the projection's bytes are taken on the event loop (consistent with the
       positions inside them) and written from a thread, spaced to at least 20x their encoding
       time so a large view never holds the loop more than ~5% of the time;
@@ -237,6 +238,26 @@ class FoldProcessor:
         while not self.caught_up:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.KIND} not caught up after {timeout_s:g}s")
+            await asyncio.sleep(0.05)
+
+    async def sync(self, timeout_s: float = 60.0) -> dict[tuple[str, int], int]:
+        """Wait until the fold has applied every partition up to its end offset read *now*, so
+        every record produced before the call is in the view. (``caught_up`` only promises the
+        log end read at start-up: a view compared with an oracle of a log that grew since then
+        must ``sync`` first.) Returns the end offsets waited for."""
+        import asyncio
+        import time
+
+        target = await self.log_end()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pos = self.positions()
+            behind = {f"{t}:{p}": (pos.get((t, p), 0), end) for (t, p), end in target.items() if pos.get((t, p), 0) < end}
+            if not behind:
+                return target
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.KIND} {self.owner_id} not at the log end after {timeout_s:g}s "
+                                   f"(position, end): {behind}")
             await asyncio.sleep(0.05)
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -111,7 +111,7 @@ async def test_processor_equals_oracle_and_resumes_from_its_checkpoint(bus: BusS
     proc = MetricsProcessor(bus, settings, MetricsProcessor.load_projection(bus, settings))
     await proc.start()
     try:
-        await until(lambda: proc.caught_up, timeout=60, what=lambda: proc.projection.positions)
+        await proc.sync(60)  # every record produced above is folded
         assert _comparable(proc.projection) == _comparable(oracle(bus, config))
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"http://127.0.0.1:{proc.port}/metrics")).text
@@ -136,7 +136,7 @@ async def test_processor_equals_oracle_and_resumes_from_its_checkpoint(bus: BusS
     proc2 = MetricsProcessor(bus, settings, restored)
     await proc2.start()
     try:
-        await until(lambda: proc2.caught_up, timeout=60, what=lambda: restored.positions)
+        await proc2.sync(60)
         assert _comparable(restored) == _comparable(oracle(bus, config))
         records = restored.as_dict()["switchyard_metrics_records_total"]
         assert sum(v for (_s, o), v in records.items() if o == "redelivered") == 0, "the head was not re-read"

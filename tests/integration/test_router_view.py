@@ -14,7 +14,6 @@ from kernel.log.reader import KafkaLogReader, scan
 from kernel.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
-from tests.support.waits import until
 
 pytestmark = pytest.mark.kafka
 
@@ -78,7 +77,8 @@ async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus
     proc = RouterViewProcessor(bus, "r1", view, snapshot_every_s=3600)
     await proc.start()
     try:
-        await until(lambda: proc.caught_up, timeout=60, what=lambda: (proc._target, view.positions))
+        await proc.sync(60)  # every record produced above is folded
+        assert proc.caught_up
         want = oracle(bus)
         assert view.as_dict() == want.as_dict()
         assert proc.dead_lettered == 2
@@ -97,7 +97,8 @@ async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus
     applied_before = restored.applied
     await proc2.start()
     try:
-        await until(lambda: proc2.caught_up, timeout=60, what=lambda: (proc2._target, restored.positions))
+        await proc2.sync(60)
+        assert proc2.caught_up
         assert restored.as_dict() == oracle(bus).as_dict()
         # Only the tail was replayed (3 workers x 10 rounds: stores, removes, load reports).
         assert restored.applied - applied_before < 80
