@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -120,3 +122,82 @@ def require_free_port(service: str, host: str, port: int, env_var: str) -> None:
             f"{service}: port {host}:{port} is already in use by a process this stack did not "
             f"start; stop it or choose another port with {env_var}"
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Listening sockets (the "loopback by default" check)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A socket a process listens on (TCP) or receives on unconnected (UDP)."""
+
+    pid: int
+    command: str
+    proto: str
+    address: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        ip = ipaddress.ip_address(self.address)
+        mapped = getattr(ip, "ipv4_mapped", None)  # Java binds ::ffff:127.0.0.1 for 127.0.0.1
+        return (mapped or ip).is_loopback
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """``pids`` and every live process below them (children of children too)."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    found = {p for p in pids if alive(p)}
+    grew = True
+    while grew:
+        more = {c for c, p in parent.items() if p in found and c not in found and alive(c)}
+        found |= more
+        grew = bool(more)
+    return sorted(found)
+
+
+def _proc_net(kind: str) -> dict[int, tuple[str, int]]:
+    """inode -> (address, port) of the listening (TCP) or unconnected (UDP) sockets in
+    /proc/net/<kind> (tcp, tcp6, udp, udp6)."""
+    want = "0A" if kind.startswith("tcp") else "07"
+    out: dict[int, tuple[str, int]] = {}
+    try:
+        lines = Path(f"/proc/net/{kind}").read_text().splitlines()[1:]
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        f = line.split()
+        if len(f) < 10 or f[3] != want:
+            continue
+        host, port = f[1].split(":")
+        raw = bytes.fromhex(host)
+        # The kernel prints each 32-bit word in host (little-endian) order.
+        addr = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        out[int(f[9])] = (str(ipaddress.ip_address(addr)), int(port, 16))
+    return out
+
+
+def listening_sockets(pids: list[int]) -> list[Listener]:
+    """Every TCP listener and unconnected UDP socket held by ``pids``."""
+    socks = {kind: _proc_net(kind) for kind in ("tcp", "tcp6", "udp", "udp6")}
+    found: list[Listener] = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except (FileNotFoundError, PermissionError, ProcessLookupError):
+            continue
+        inodes = {int(link[8:-1]) for link in links if link.startswith("socket:[")}
+        for kind, table in socks.items():
+            for inode in inodes & table.keys():
+                addr, port = table[inode]
+                found.append(Listener(pid, cmd[:200], kind, addr, port))
+    return sorted(set(found), key=lambda x: (x.pid, x.proto, x.port))

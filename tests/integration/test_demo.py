@@ -3,6 +3,7 @@ dir, so stopping it does not disturb the shared stack other tests use)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,11 +12,19 @@ import uuid
 
 import pytest
 
-from control_plane.stack.process import processes_mentioning
+from control_plane.stack.process import descendants, listening_sockets, processes_mentioning, read_pid
 from kernel.net import free_port
 from kernel.settings import repo_root
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def _system_pids(state) -> list[int]:
+    """The demo's processes (procs.json), the stack's (their data dirs), and their children."""
+    procs = json.loads((state / "demo" / "procs.json").read_text())
+    pids = [p["pid"] for p in procs] + processes_mentioning(str(state))
+    pids += [pid for f in state.glob("*/*.pid") if (pid := read_pid(f))]
+    return descendants(pids)
 
 
 def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
@@ -26,12 +35,12 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
     env.pop("SWITCHYARD_KAFKA_BOOTSTRAP", None)
     try:
         r = subprocess.run([sys.executable, "-m", "switchyard.cli", "up", "--limit", "24", "--rate", "4",
-                            "--max-output", "16", "--prefill", "1", "--decode", "1", "--stop"],
+                            "--max-output", "16", "--prefill", "1", "--decode", "1"],
                            env=env, capture_output=True, text=True, timeout=420)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         out = r.stdout
         for line in ("TTFT", "ITL", "prefix hits", "predicted", "handoffs", "CPU", "scaling", "router", "report",
-                     "everything stopped"):
+                     "still running"):
             assert line in out
         result = dict(kv.split("=") for kv in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
         # Every request completes unless refused at admission with a reason; none fails.
@@ -44,6 +53,18 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         predicted, observed = float(result["ttft_p50_predicted_ms"]), float(result["ttft_p50_ms"])
         assert predicted > 0 and 0 < observed <= 2 * predicted, out
         assert (state / "demo" / "report.png").stat().st_size > 10_000
+
+        # With the whole system running, every listener (HTTP, Kafka, PostgreSQL, Redis,
+        # Prometheus, UCX/NIXL, ZMQ) is on loopback.
+        listeners = listening_sockets(_system_pids(state))
+        assert {"kafka", "postgres", "redis", "prometheus", "router", "worker"} <= {
+            word for x in listeners for word in ("kafka", "postgres", "redis", "prometheus", "router", "worker")
+            if word in x.command}, listeners
+        assert [x for x in listeners if not x.loopback] == [], listeners
+
+        down = subprocess.run([sys.executable, "-m", "switchyard.cli", "down"], env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert down.returncode == 0 and "everything stopped" in down.stdout, down.stdout + down.stderr
         assert processes_mentioning(str(state)) == []
     finally:
         subprocess.run([sys.executable, "-m", "switchyard.cli", "down"], env=env, capture_output=True, timeout=120)
