@@ -121,7 +121,8 @@ SPECS: tuple[MetricSpec, ...] = (
     # -- prefix index (PrefixIndex folded from kv + workers) ----------------------------------
     MetricSpec("switchyard_index_hashes", G, "Distinct block hashes in the prefix index folded from the log."),
     MetricSpec("switchyard_index_stale_workers", G,
-               "Workers whose index entries are stale (a sequence gap or a new incarnation not yet resynced)."),
+               "Registered workers (not gone) whose index entries are stale (a sequence gap, or a new "
+               "incarnation not yet registered)."),
     MetricSpec("switchyard_index_worker_stale", G, "1 when this worker's index entries are stale, else 0.",
                ("worker_id",)),
     MetricSpec("switchyard_index_events_total", C,

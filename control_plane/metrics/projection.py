@@ -574,7 +574,9 @@ class MetricsProjection:
         g: dict[str, dict[Labels, float]] = {}
         g["switchyard_index_hashes"] = {(): float(stats.distinct_hashes)}
         stale_ids = {r.worker_id for r in stats.stale}
-        g["switchyard_index_stale_workers"] = {(): float(len(stale_ids))}
+        # As the router counts them (RouterView.stale_workers): registered workers not gone.
+        known = {w for w, st in self._workers.items() if st.state != "gone"}
+        g["switchyard_index_stale_workers"] = {(): float(len(stale_ids & known))}
         g["switchyard_index_worker_stale"] = {(r.worker_id,): float(r.worker_id in stale_ids)
                                               for r in self.index.workers()}
         per_tier: dict[Labels, float] = {}

@@ -169,7 +169,8 @@ class RouterMetrics:
         self.view_lag_events = Gauge("switchyard_router_view_lag_events", "Records behind the log end", registry=r)
         self.view_lag_seconds = Gauge("switchyard_router_view_lag_seconds", "Age of the view when lagging", registry=r)
         self.index_hashes = Gauge("switchyard_index_hashes", "Distinct block hashes in the prefix index", registry=r)
-        self.stale_workers = Gauge("switchyard_index_stale_workers", "Workers whose entries are stale", registry=r)
+        self.stale_workers = Gauge("switchyard_index_stale_workers",
+                                   "Registered workers (not gone) whose index entries are stale", registry=r)
         self.workers = Gauge("switchyard_router_workers", "Routable workers by role", ["role"], registry=r)
 
 

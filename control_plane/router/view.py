@@ -223,7 +223,12 @@ class RouterView:
         return {wid: WorkerOverlap.from_tiers(m.by_tier, stale=m.stale) for wid, m in self.matches(hashes).items()}
 
     def stale_workers(self) -> list[str]:
-        return sorted({r.worker_id for r in self.index.stale_workers()})
+        """Registered workers (not gone) whose index entries may be out of date: the ones whose
+        staleness can touch a decision. A stray KV event of a worker that never registered (or
+        has gone) is in the index, flagged, but never a candidate, so it does not make the view
+        DEGRADED."""
+        known = {w for w, st in self.workers.items() if st.state != "gone"}
+        return sorted({r.worker_id for r in self.index.stale_workers()} & known)
 
     # -- checkpoints ------------------------------------------------------------------------
 
