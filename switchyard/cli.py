@@ -398,6 +398,28 @@ def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's pr
     stop_demo(StackSettings.from_env(), echo=typer.echo, stack=not keep_stack)
 
 
+@app.command("security-check")
+def security_check_cmd(
+    router_url: Annotated[Optional[str], typer.Option(help="Router (default: the one `switchyard up` started).")] = None,
+    admin_url: Annotated[Optional[str], typer.Option(help="Admin API (default: the one `switchyard up` started).")] = None,
+    strict: Annotated[bool, typer.Option(help="Exit 1 if any attack went through or any server error.")] = False,
+) -> None:
+    """Probe the running system as an attacker on this box would: bad client input, mutations
+    without a credential, unauthenticated Kafka/PostgreSQL/Redis, listeners off loopback."""
+    import dataclasses
+
+    from control_plane.security.check import demo_targets, report, run, summary
+    from control_plane.settings import StackSettings
+
+    t = demo_targets(StackSettings.from_env())
+    t = dataclasses.replace(t, router_url=router_url or t.router_url, admin_url=admin_url or t.admin_url)
+    probes = run(t)
+    typer.echo(report(probes))
+    s = summary(probes)
+    if strict and (s["attacks_refused"] < s["attacks_tried"] or s["server_errors"] or s["nonloopback_listeners"]):
+        raise typer.Exit(1)
+
+
 # -- load -------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,1 @@
+"""``switchyard security-check``: probe a running system the way an attacker on the box would."""
