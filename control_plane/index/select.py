@@ -1,10 +1,15 @@
-"""Which prefix index implementation a process uses: the one switch.
+"""Whether a process uses the native core (index and scoring) or the reference: the one switch.
 
-``SWITCHYARD_INDEX=native`` (the default) selects :class:`~control_plane.index.native.NativePrefixIndex`,
-the Rust core; ``SWITCHYARD_INDEX=reference`` selects the pure-Python
-:class:`~control_plane.index.prefix_index.PrefixIndex`, the executable specification, for
-debugging. Both fold the same events to the same state and read each other's snapshots, so the
-switch can be flipped across a restart. It is read when an index is created (never at import).
+``SWITCHYARD_INDEX=native`` (the default) selects the Rust core in ``native/`` for both hot
+paths: :class:`~control_plane.index.native.NativePrefixIndex` for the prefix index, and
+``switchyard_native.score_kv`` for the kv terms of every routing candidate
+(:func:`control_plane.router.decision.decide`). ``SWITCHYARD_INDEX=reference`` selects the
+pure-Python executable specifications of both, :class:`~control_plane.index.prefix_index.PrefixIndex`
+and ``decision._score``, for debugging. The two index implementations fold the same events to
+the same state and read each other's snapshots, and the two scorers give bit-identical score
+rows and choices (``tests/unit/test_native_index.py``, ``tests/unit/test_native_decide.py``), so
+the switch can be flipped across a restart and a replay verifies decisions made under either.
+It is read when an index is created or a decision made (never at import).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ def index_impl() -> str:
         raise UnknownIndexImplementation(
             f"{INDEX_ENV}={value!r}: choose one of {', '.join(IMPLEMENTATIONS)}")
     return value
+
+
+def native_core() -> bool:
+    """True when the native core is selected (the index *and* the router's kv scoring)."""
+    return index_impl() == "native"
 
 
 def index_class() -> type:

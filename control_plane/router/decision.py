@@ -77,6 +77,7 @@ from operator import add, attrgetter, mul
 
 import msgspec
 
+from control_plane.index.select import native_core
 from control_plane.router.config import RouterConfig
 from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, InflightView
@@ -281,6 +282,7 @@ def decide(
     overlaps: Mapping[WorkerId, WorkerOverlap] | None = None,
     inflight: InflightView | None = None,
     rr_cursor: WorkerId | None = None,
+    native: bool | None = None,
 ) -> Decision:
     """Choose a worker for ``request`` among ``workers``.
 
@@ -291,6 +293,11 @@ def decide(
       flight. Call ``ledger.expire(now)`` before deciding.
     * ``rng_seed``: the only source of randomness (tie-breaks, sampling, random mode); record it.
     * ``rr_cursor``: the previous decision's ``Decision.rr_cursor`` (round_robin mode).
+    * ``native``: score with the Rust core (``switchyard_native.score_kv``, the same terms bit
+      for bit) or with :func:`_score`, the specification; None = the process's switch
+      (:func:`control_plane.index.select.native_core`, ``SWITCHYARD_INDEX``). Inputs the core
+      cannot reproduce exactly (integers beyond 2^53, a worker listed twice) go to the
+      specification either way, so the choice never changes a decision.
 
     Eligible = registered, not draining, role equal to the request's phase (an aggregated
     worker serves aggregated requests only). Raises :class:`NoEligibleWorker` when no candidate
@@ -301,8 +308,13 @@ def decide(
     """
     if not workers:
         raise NoEligibleWorker(f"request {request.request_id}: no candidate workers")
-    t = _score(request, sorted(workers, key=_by_worker_id), config, overlaps or {},
-               inflight.view(request.block_hashes) if inflight is not None else {})
+    ordered = sorted(workers, key=_by_worker_id)
+    mine = inflight.view(request.block_hashes) if inflight is not None else {}
+    t = None
+    if native_core() if native is None else native:
+        t = _score_native(request, ordered, config, overlaps or {}, mine)
+    if t is None:
+        t = _score(request, ordered, config, overlaps or {}, mine)
     eligible = [i for i in range(t.n) if t.excluded[i] is None]
     if not eligible:
         raise NoEligibleWorker(
@@ -471,6 +483,30 @@ def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterCon
         cost[i] = scale * p + dec
         if w.role != serving_role or w.draining or not w.registered:
             excluded[i] = _exclusion(w, phase_value)
+    return t
+
+
+def _score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
+                  overlaps: Mapping[WorkerId, WorkerOverlap],
+                  mine_by_worker: Mapping[WorkerId, InflightLoad]) -> _Scored | None:
+    """:func:`_score`'s terms from the Rust core (``native/src/decide.rs``); None when the core
+    declines the inputs (the caller then runs :func:`_score`, which also raises its errors)."""
+    import switchyard_native  # only when selected: the specification runs without the build
+
+    t = _Scored(request, ordered, config)
+    out = switchyard_native.score_kv(
+        ordered, overlaps if type(overlaps) is dict else dict(overlaps),
+        mine_by_worker if type(mine_by_worker) is dict else dict(mine_by_worker),
+        request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
+        t.does_prefill, list(t.weights), config.stale_overlap_factor, config.load_combine == "max",
+        config.prefill_load_scale)
+    if out is None:
+        return None
+    (t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost, t.matched,
+     ineligible) = out
+    phase_value = request.phase.value
+    for i in ineligible:
+        t.excluded[i] = _exclusion(ordered[i], phase_value)
     return t
 
 
