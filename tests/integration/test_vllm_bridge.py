@@ -188,10 +188,20 @@ def publisher():
         p.close()
 
 
+@pytest.fixture
+def dead_replay_endpoint():
+    """A replay endpoint nobody serves: a replay request to it goes unanswered."""
+    ctx = zmq.Context()
+    dead = ctx.socket(zmq.ROUTER)
+    dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{dead_port}"
+    dead.close(linger=0)
+    ctx.term()
+
+
 def start_bridge(pub: FakeVllmPublisher, sink: MemorySink, **settings) -> KvEventBridge:
-    bridge = KvEventBridge(SOURCE, BridgeSettings(endpoint=pub.endpoint,
-                                                  replay_endpoint=pub.replay_endpoint,
-                                                  **settings), sink)
+    settings.setdefault("replay_endpoint", pub.replay_endpoint)
+    bridge = KvEventBridge(SOURCE, BridgeSettings(endpoint=pub.endpoint, **settings), sink)
     bridge.start()
     pub.wait_subscribed()
     return bridge
@@ -291,18 +301,10 @@ def test_gap_without_replay_endpoint_resyncs(publisher):
     assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
 
 
-def test_unanswered_replay_times_out_and_resyncs(publisher):
+def test_unanswered_replay_times_out_and_resyncs(publisher, dead_replay_endpoint):
     pub = publisher()
     sink = MemorySink()
-    # A replay endpoint nobody serves: the request goes unanswered.
-    ctx = zmq.Context()
-    dead = ctx.socket(zmq.ROUTER)
-    dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
-    bridge = KvEventBridge(SOURCE, BridgeSettings(
-        endpoint=pub.endpoint, replay_endpoint=f"tcp://127.0.0.1:{dead_port}",
-        replay_timeout_s=0.3), sink)
-    bridge.start()
-    pub.wait_subscribed()
+    bridge = start_bridge(pub, sink, replay_endpoint=dead_replay_endpoint, replay_timeout_s=0.3)
     try:
         pub.publish(batch(1))
         pub.publish(batch(2), lose=True)
@@ -310,8 +312,6 @@ def test_unanswered_replay_times_out_and_resyncs(publisher):
         wait_until(lambda: 3 in stored(sink))
     finally:
         bridge.stop()
-        dead.close(linger=0)
-        ctx.term()
     assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
 
 
@@ -391,17 +391,11 @@ def test_stop_is_prompt_and_idempotent(publisher):
     assert not bridge.running
 
 
-def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher):
+def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher, dead_replay_endpoint):
     pub = publisher()
     sink = MemorySink()
-    ctx = zmq.Context()
-    dead = ctx.socket(zmq.ROUTER)
-    dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
-    bridge = KvEventBridge(SOURCE, BridgeSettings(
-        endpoint=pub.endpoint, replay_endpoint=f"tcp://127.0.0.1:{dead_port}",
-        replay_timeout_s=30.0, poll_interval_s=0.05), sink)
-    bridge.start()
-    pub.wait_subscribed()
+    bridge = start_bridge(pub, sink, replay_endpoint=dead_replay_endpoint, replay_timeout_s=30.0,
+                          poll_interval_s=0.05)
     try:
         pub.publish(batch(1), lose=True)
         pub.publish(batch(2))              # gap at seq 1: the replay request hangs
@@ -411,6 +405,4 @@ def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher):
         assert time.monotonic() - t0 < 1.0
     finally:
         bridge.stop()
-        dead.close(linger=0)
-        ctx.term()
     assert sink.events == [] and bridge.error is None
