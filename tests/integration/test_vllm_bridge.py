@@ -287,24 +287,17 @@ def test_exhausted_replay_buffer_resyncs_with_all_blocks_cleared(publisher):
     assert (st.gaps, st.replays, st.resyncs) == (1, 1, 1)
 
 
-def test_gap_without_replay_endpoint_resyncs(publisher):
-    pub = publisher(replay=False)
+@pytest.mark.parametrize("replay", ["none", "unanswered"])
+def test_a_gap_that_cannot_be_replayed_resyncs(publisher, request, replay):
+    """The publisher has no replay endpoint, or the bridge's replay request is never answered
+    (timeout 0.3 s): the lost batch is given up with an AllBlocksCleared."""
+    if replay == "none":
+        pub, settings = publisher(replay=False), {}
+    else:
+        pub = publisher()
+        settings = {"replay_endpoint": request.getfixturevalue("dead_replay_endpoint"), "replay_timeout_s": 0.3}
     sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
-        pub.publish(batch(1))
-        pub.publish(batch(2), lose=True)
-        pub.publish(batch(3))
-        wait_until(lambda: 3 in stored(sink))
-    finally:
-        bridge.stop()
-    assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
-
-
-def test_unanswered_replay_times_out_and_resyncs(publisher, dead_replay_endpoint):
-    pub = publisher()
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink, replay_endpoint=dead_replay_endpoint, replay_timeout_s=0.3)
+    bridge = start_bridge(pub, sink, **settings)
     try:
         pub.publish(batch(1))
         pub.publish(batch(2), lose=True)
