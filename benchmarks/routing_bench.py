@@ -99,18 +99,12 @@ def load_requests(trace: Path, limit: int | None, profile: HardwareProfile) -> l
     return list(adapter.requests(records))
 
 
-def run_ours(
-    requests: Sequence[EngineRequest],
-    topology: Topology,
-    config: RouterConfig,
-    *,
-    profile: HardwareProfile | str = "mocker",
-    load_report_ms: float | None = DEFAULT_LOAD_REPORT_MS,
-    kv_event_lag_ms: float = 0.0,
-) -> dict[str, Any]:
+def run_ours(requests: Sequence[EngineRequest], topology: Topology, config: RouterConfig,
+             **cluster: Any) -> dict[str, Any]:
+    """:func:`run_cluster`'s summary with its wall time; ``cluster`` are run_cluster's keyword
+    arguments (profile, load_report_ms, kv_event_lag_ms, ...), so the two cannot drift apart."""
     t0 = time.perf_counter()
-    res = run_cluster(requests, topology, config, profile=profile, load_report_ms=load_report_ms,
-                      kv_event_lag_ms=kv_event_lag_ms)
+    res = run_cluster(requests, topology, config, **cluster)
     out = res.summary()
     out["wall_s"] = time.perf_counter() - t0
     return out

@@ -47,6 +47,10 @@ PREFILL_POOL = PoolName("llama8b-prefill")
 DECODE_POOL = PoolName("llama8b-decode")
 REQUEST = RequestId("chatcmpl-5d0f6a3e9b8c4f21a7e2c41b90d3f6aa")
 TRANSFER_ID = "xfer-2f6b1c9d04e7"
+#: The one transfer of the scenario (27 blocks prefill -> decode): what its started, completed
+#: and failed events all say.
+TRANSFER = dict(request_id=REQUEST, transfer_id=TRANSFER_ID, src_worker=PREFILL, dst_worker=DECODE,
+                blocks=27, bytes=27 * BYTES_PER_BLOCK, backend="UCX")
 DECISION_ID = "scale-llama8b-decode-000042"
 #: 26 full blocks + 7 tokens; the first 5 blocks (80 tokens) are a cached system prompt.
 PROMPT_TOKENS = 26 * BLOCK_SIZE + 7
@@ -170,32 +174,14 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
         },
     ),
     ev.KvTransferStarted: lambda: ev.KvTransferStarted(
-        request_id=REQUEST,
-        transfer_id=TRANSFER_ID,
-        src_worker=PREFILL,
-        dst_worker=DECODE,
-        blocks=27,
-        bytes=27 * BYTES_PER_BLOCK,
-        backend="UCX",
+        **TRANSFER,
     ),
     ev.KvTransferCompleted: lambda: ev.KvTransferCompleted(
-        request_id=REQUEST,
-        transfer_id=TRANSFER_ID,
-        src_worker=PREFILL,
-        dst_worker=DECODE,
-        blocks=27,
-        bytes=27 * BYTES_PER_BLOCK,
-        backend="UCX",
+        **TRANSFER,
         duration_ms=4.7,
     ),
     ev.KvTransferFailed: lambda: ev.KvTransferFailed(
-        request_id=REQUEST,
-        transfer_id=TRANSFER_ID,
-        src_worker=PREFILL,
-        dst_worker=DECODE,
-        blocks=27,
-        bytes=27 * BYTES_PER_BLOCK,
-        backend="UCX",
+        **TRANSFER,
         duration_ms=5_000.0,
         reason="NIXL_ERR_REMOTE_DISCONNECT: agent llama8b-prefill-0 went away mid-transfer",
         fallback="recompute",

@@ -43,6 +43,7 @@ def run(
     logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
     for noisy in ("faust", "aiokafka", "mode"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    from control_plane.metrics.projection import ProjectionConfig
     from control_plane.metrics.stream import MetricsSettings, run_metrics
     from kernel.hashing import HashAlgo, HashConfig
     from kernel.settings import BusSettings
@@ -51,8 +52,9 @@ def run(
     try:
         # The wire form the engines put in their events (as the router computes it).
         wire_algo = HashConfig(HashAlgo(hash_algo), block_size).hash_algo
-        settings = MetricsSettings(host=host, port=port, hash_algo=wire_algo, block_size=block_size,
-                                   default_ttft_slo_ms=ttft_slo_ms, default_itl_slo_ms=itl_slo_ms,
+        projection = ProjectionConfig(hash_algo=wire_algo, block_size=block_size,
+                                      default_ttft_slo_ms=ttft_slo_ms, default_itl_slo_ms=itl_slo_ms)
+        settings = MetricsSettings(host=host, port=port, projection=projection,
                                    snapshot_every_s=snapshot_every, probe_every_s=probe_every,
                                    restore=not fresh, targets_dir=targets_dir, **kw)
     except ValueError as e:

@@ -49,7 +49,6 @@ from control_plane.metrics.projection import (
     lag,
     processor_families,
 )
-from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
 from control_plane.settings import StackSettings
 from control_plane.streaming import FoldProcessor
 from kernel.log.catalog import Catalog
@@ -73,12 +72,10 @@ class MetricsSettings:
     #: Address of the ``/metrics`` and ``/health`` HTTP server; port 0 picks a free one.
     host: str = "127.0.0.1"
     port: int = 59100
-    #: The prefix index's configuration: the router's ``--hash-algo`` and ``--block-size``.
-    hash_algo: str = "sha256"
-    block_size: int = 64
-    #: SLO of pools no PoolUpdated has set.
-    default_ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS
-    default_itl_slo_ms: float = DEFAULT_ITL_SLO_MS
+    #: How the fold interprets events (the prefix index's hash algorithm and block size: the
+    #: router's ``--hash-algo`` and ``--block-size``; the SLOs of pools no PoolUpdated has set).
+    #: The projection's own config, not a copy of its fields, so the two cannot drift apart.
+    projection: ProjectionConfig = field(default_factory=ProjectionConfig)
     #: Seconds between checkpoints of the projection to the snapshots topic.
     snapshot_every_s: float = 10.0
     #: Seconds between broker probes (watermarks, consumer groups and their offsets).
@@ -101,14 +98,9 @@ class MetricsSettings:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
-    def projection_config(self) -> ProjectionConfig:
-        return ProjectionConfig(hash_algo=self.hash_algo, block_size=self.block_size,
-                                default_ttft_slo_ms=self.default_ttft_slo_ms,
-                                default_itl_slo_ms=self.default_itl_slo_ms)
-
     @property
     def snapshot_key(self) -> str:
-        return f"metrics:{self.processor_id}:{self.hash_algo}:{self.block_size}"
+        return f"metrics:{self.processor_id}:{self.projection.hash_algo}:{self.projection.block_size}"
 
 
 # -- the broker probe ---------------------------------------------------------------------------
@@ -209,7 +201,7 @@ class MetricsProcessor(FoldProcessor):
     @staticmethod
     def load_projection(bus: BusSettings, settings: MetricsSettings) -> MetricsProjection:
         """The newest checkpoint of this processor's projection, or an empty one."""
-        config = settings.projection_config()
+        config = settings.projection
         if settings.restore:
             data = SnapshotStore(bus).load_latest(settings.snapshot_key)
             if data is not None:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 
 from control_plane.planner.errors import ScalerError, StaleFencingToken
-from control_plane.planner.scalers import Emit, MemoryFence, ReplicaStatus, _rejected, drain_list
+from control_plane.planner.scalers import Emit, MemoryFence, ReplicaStatus, _emitted, _rejected, drain_list
 from schemas.events import ScalingApplied, ScalingDecision
 
 log = logging.getLogger(__name__)
@@ -118,21 +118,16 @@ class KubernetesScaler:
                 _content_type=MERGE_PATCH)
         except StaleFencingToken as e:
             log.warning("rejected %s: %s", decision.decision_id, e)
-            return self._done(_rejected(decision, e, self._label, decision.from_replicas))
+            return _emitted(self.emit, _rejected(decision, e, self._label, decision.from_replicas))
         except ApiException as e:
             why = ("conflict: the Deployment changed since it was read (another planner?)" if e.status == 409
                    else f"API error {e.status}: {e.reason}")
-            return self._done(_rejected(decision, ScalerError(why), self._label, decision.from_replicas))
+            return _emitted(self.emit, _rejected(decision, ScalerError(why), self._label, decision.from_replicas))
         except (ScalerError, OSError) as e:
-            return self._done(_rejected(decision, e, self._label, decision.from_replicas))
+            return _emitted(self.emit, _rejected(decision, e, self._label, decision.from_replicas))
         replicas = int(scale.spec.replicas or 0) if scale.spec is not None else decision.to_replicas
-        return self._done(ScalingApplied(pool=decision.pool, decision_id=decision.decision_id, replicas=replicas,
-                                         scaler=self._label))
-
-    def _done(self, out: ScalingApplied) -> ScalingApplied:
-        if self.emit is not None:
-            self.emit(out)
-        return out
+        return _emitted(self.emit, ScalingApplied(pool=decision.pool, decision_id=decision.decision_id,
+                                                  replicas=replicas, scaler=self._label))
 
     def status(self, pool: str) -> ReplicaStatus:
         from kubernetes.client.exceptions import ApiException

@@ -144,6 +144,13 @@ def drain_list(decision: ScalingDecision) -> list[str]:
     return [w for w in str(raw).split(",") if w]
 
 
+def _emitted(emit: Emit | None, out: ScalingApplied) -> ScalingApplied:
+    """Hand ``out`` to ``emit`` (when there is one) and return it: the last step of every apply."""
+    if emit is not None:
+        emit(out)
+    return out
+
+
 def _rejected(decision: ScalingDecision, err: Exception, scaler: str, replicas: int) -> ScalingApplied:
     return ScalingApplied(pool=decision.pool, decision_id=decision.decision_id, replicas=replicas,
                           success=False, error=str(err), scaler=scaler)
@@ -232,9 +239,7 @@ class VirtualScaler:
 
     def _done(self, out: ScalingApplied) -> ScalingApplied:
         self.applied.append(out)
-        if self.emit is not None:
-            self.emit(out)
-        return out
+        return _emitted(self.emit, out)
 
     def counts(self, pool: str, now_ns: int) -> ReplicaCounts:
         c = {"starting": 0, "ready": 0, "draining": 0}
@@ -399,7 +404,7 @@ class LocalProcessScaler:
                 self.fence.admit(decision.fencing_token)
             except StaleFencingToken as e:
                 log.warning("rejected %s: %s", decision.decision_id, e)
-                return self._done(_rejected(decision, e, self.name, len(active)))
+                return _emitted(self.emit, _rejected(decision, e, self.name, len(active)))
             try:
                 if pool not in self.launches:
                     raise ScalerError(f"no launch settings for pool {pool!r}")
@@ -411,14 +416,9 @@ class LocalProcessScaler:
                     self._drain(self._pick(active, len(active) - to, drain_list(decision)))
                 self._desired[pool] = to
             except (OSError, ScalerError) as e:
-                return self._done(_rejected(decision, e, self.name, len(self._active(pool))))
-            return self._done(ScalingApplied(pool=pool, decision_id=decision.decision_id, replicas=to,
-                                             scaler=self.name))
-
-    def _done(self, out: ScalingApplied) -> ScalingApplied:
-        if self.emit is not None:
-            self.emit(out)
-        return out
+                return _emitted(self.emit, _rejected(decision, e, self.name, len(self._active(pool))))
+            return _emitted(self.emit, ScalingApplied(pool=pool, decision_id=decision.decision_id, replicas=to,
+                                                      scaler=self.name))
 
     def _spawn(self, pool: str) -> LocalWorker:
         spec = self.launches[pool]

@@ -9,11 +9,17 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional, TypeVar
 
 import msgspec
 import typer
+
+if TYPE_CHECKING:
+    from control_plane.replay.engine import ReplayEngine
+
+T = TypeVar("T")
 
 replay_app = typer.Typer(
     help="Rebuild state and re-execute decisions from the log alone (the Kafka log or an export).",
@@ -30,7 +36,7 @@ ConfigsOpt = Annotated[Optional[list[Path]], typer.Option(
                      "versions. A version without a file is assumed to be the router default.")]
 
 
-def _fail(msg: str, code: int = 2) -> None:
+def _fail(msg: str, code: int = 2) -> NoReturn:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
@@ -79,6 +85,21 @@ def _close(reader) -> None:
         close()
 
 
+def _replay(source: str, prefix: str | None, quiet: bool, call: Callable[[ReplayEngine], T]) -> T:
+    """``call`` on a replay engine over ``source``, whose reader is closed after; a replay or
+    log-read error ends the command with its message."""
+    from control_plane.replay.errors import ReplayError
+    from kernel.errors import LogReadError
+
+    engine, reader = _engine(source, prefix, quiet)
+    try:
+        return call(engine)
+    except (ReplayError, LogReadError) as e:
+        _fail(str(e))
+    finally:
+        _close(reader)
+
+
 @replay_app.command("state")
 def state_cmd(
     at: Annotated[str, typer.Option("--at", help="ISO time | epoch ms | topic:partition:offset | "
@@ -91,16 +112,8 @@ def state_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Rebuild the prefix index, the worker registry and the load view as they were at --at."""
-    from control_plane.replay.errors import ReplayError
-    from kernel.errors import LogReadError
-
-    engine, reader = _engine(source, prefix, quiet)
-    try:
-        state, _ = engine.state(at, hash_algo=hash_algo, block_size=block_size, use_snapshots=not no_snapshot)
-    except (ReplayError, LogReadError) as e:
-        _fail(str(e))
-    finally:
-        _close(reader)
+    state, _ = _replay(source, prefix, quiet, lambda engine: engine.state(
+        at, hash_algo=hash_algo, block_size=block_size, use_snapshots=not no_snapshot))
     if export:
         export.write_text(json.dumps(state, indent=1, default=str))
     if plot:
@@ -137,20 +150,12 @@ def verify_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Re-execute every recorded routing decision in the range; exit 1 unless all are identical."""
-    from control_plane.replay.errors import ReplayError
-    from kernel.errors import LogReadError
-
     try:
         book = _book(config)
     except (ValueError, OSError) as e:
         _fail(str(e))
-    engine, reader = _engine(source, prefix, quiet)
-    try:
-        report = engine.verify(frm, to, configs=book, keep_checks=plot is not None)
-    except (ReplayError, LogReadError) as e:
-        _fail(str(e))
-    finally:
-        _close(reader)
+    report = _replay(source, prefix, quiet,
+                     lambda engine: engine.verify(frm, to, configs=book, keep_checks=plot is not None))
     if plot:
         from control_plane.replay.plot import plot_verify
 
@@ -192,9 +197,6 @@ def whatif_cmd(
 ) -> None:
     """Re-score the recorded traffic under another router config: changed choices, avoidable
     prefill tokens, and the TTFT/throughput effect on the simulated engine."""
-    from control_plane.replay.errors import ReplayError
-    from kernel.errors import LogReadError
-
     try:
         from control_plane.router.config import load_router_config
 
@@ -202,13 +204,8 @@ def whatif_cmd(
         book = _book(config)
     except (ValueError, OSError) as e:
         _fail(str(e))
-    engine, reader = _engine(source, prefix, quiet)
-    try:
-        report = engine.whatif(frm, to, alt, configs=book, profile=profile, simulate=not no_sim)
-    except (ReplayError, LogReadError) as e:
-        _fail(str(e))
-    finally:
-        _close(reader)
+    report = _replay(source, prefix, quiet, lambda engine: engine.whatif(
+        frm, to, alt, configs=book, profile=profile, simulate=not no_sim))
     if plot:
         from control_plane.replay.plot import plot_whatif
 

@@ -379,6 +379,15 @@ def _check_model(c: RouterApp, body: _Base) -> str:
     return body.model
 
 
+def _accepted_model(c: RouterApp, body: _Base) -> str:
+    """The model ``body`` is for, once it is served and the body asks for nothing unsupported
+    (the checks of both generation routes, in the order the client sees their errors)."""
+    model = _check_model(c, body)
+    if (bad := _unsupported(body)) is not None:
+        raise bad
+    return model
+
+
 def create_app(ctx: RouterApp) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -414,18 +423,14 @@ def create_app(ctx: RouterApp) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request, c: Ctx):
-        model = _check_model(c, body)
-        if (bad := _unsupported(body)) is not None:
-            raise bad
+        model = _accepted_model(c, body)
         tokens = await _prompt_tokens(c, body)
         max_tokens = check_generation(tokens, body.max_tokens, c.limits)
         return await _run(c, body, request, tokens, "completions", model, max_tokens, _client_id(c, body, request))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request, c: Ctx):
-        model = _check_model(c, body)
-        if (bad := _unsupported(body)) is not None:
-            raise bad
+        model = _accepted_model(c, body)
         tokens = await _chat_tokens(c, body)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -338,22 +338,8 @@ class BlockPool:
             h = block_hashes[start]
             b.block_hash = h
             b.parent_hash = parent
-            first = cached.get(h)
-            if first is None:
-                cached[h] = b
-            elif first is not b:
-                self._extra_copies.setdefault(h, []).append(b)
-            self._events.append(
-                BlockStored(
-                    worker_id=self.worker_id,
-                    tier=Tier.DEVICE,
-                    block_hashes=[h],
-                    parent_hash=parent,
-                    block_size=self.block_size,
-                    hash_algo=self.hash_algo,
-                    token_ids=token_ids if token_ids is not None else [],
-                )
-            )
+            self._cache_copy(cached, b, h)
+            self._queue_stored([h], parent, token_ids)
             return
         p = parent
         hashes = list(block_hashes[start:end])
@@ -366,11 +352,20 @@ class BlockPool:
             cached.update(zip(hashes, new))  # no hash here yet: every block is a first copy
         else:
             for b, h in zip(new, hashes):
-                first = cached.get(h)
-                if first is None:
-                    cached[h] = b
-                elif first is not b:
-                    self._extra_copies.setdefault(h, []).append(b)
+                self._cache_copy(cached, b, h)
+        self._queue_stored(hashes, parent, token_ids)
+
+    def _cache_copy(self, cached: dict[BlockHash, KVCacheBlock], b: KVCacheBlock, h: BlockHash) -> None:
+        """Index ``b`` under ``h``: the first copy of a hash is the cached one, later copies
+        (another request computed the same block) are kept aside as extra copies."""
+        first = cached.get(h)
+        if first is None:
+            cached[h] = b
+        elif first is not b:
+            self._extra_copies.setdefault(h, []).append(b)
+
+    def _queue_stored(self, hashes: list[BlockHash], parent: BlockHash | None,
+                      token_ids: list[int] | None) -> None:
         self._events.append(
             BlockStored(
                 worker_id=self.worker_id,

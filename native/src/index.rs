@@ -334,11 +334,18 @@ impl NativeIndex {
     fn holders<'a>(&'a self, h: u64, tmp: &'a mut [u32; 1]) -> &'a [u32] {
         match self.map.get(&h) {
             None => &[],
-            Some(&v) if v & INLINE != 0 => {
-                tmp[0] = v as u32;
-                &tmp[..]
-            }
-            Some(&v) => &self.lists[v as usize],
+            Some(&v) => self.entry_holders(v, tmp),
+        }
+    }
+
+    /// The holders a map value stands for: one inline (copied into `tmp`) or a holder list.
+    #[inline]
+    fn entry_holders<'a>(&'a self, v: u64, tmp: &'a mut [u32; 1]) -> &'a [u32] {
+        if v & INLINE != 0 {
+            tmp[0] = v as u32;
+            &tmp[..]
+        } else {
+            &self.lists[v as usize]
         }
     }
 
@@ -449,12 +456,7 @@ impl NativeIndex {
             (0..self.slots.len()).map(|_| Default::default()).collect();
         for (&h, &v) in &self.map {
             let mut tmp = [0u32; 1];
-            let hs: &[u32] = if v & INLINE != 0 {
-                tmp[0] = v as u32;
-                &tmp
-            } else {
-                &self.lists[v as usize]
-            };
+            let hs = self.entry_holders(v, &mut tmp);
             for &hd in hs {
                 let s = (hd >> 4) as usize;
                 for t in 0..N_TIERS {
@@ -476,16 +478,11 @@ impl NativeIndex {
     pub fn verify_invariants(&self) -> Result<(), String> {
         let mut counts = vec![[0u64; N_TIERS]; self.slots.len()];
         for (&h, &v) in &self.map {
+            if v & INLINE == 0 && self.lists[v as usize].len() < 2 {
+                return Err(format!("hash {h} has a holder list of length < 2"));
+            }
             let mut tmp = [0u32; 1];
-            let hs: &[u32] = if v & INLINE != 0 {
-                tmp[0] = v as u32;
-                &tmp
-            } else {
-                if self.lists[v as usize].len() < 2 {
-                    return Err(format!("hash {h} has a holder list of length < 2"));
-                }
-                &self.lists[v as usize]
-            };
+            let hs = self.entry_holders(v, &mut tmp);
             let mut prev: Option<u32> = None;
             for &hd in hs {
                 let s = hd >> 4;

@@ -358,56 +358,37 @@ impl Writer {
     }
 
     pub fn str(&mut self, s: &str) {
-        let n = s.len();
-        if n < 32 {
-            self.buf.push(0xa0 | n as u8);
-        } else if n <= 0xff {
-            self.buf.push(0xd9);
-            self.buf.push(n as u8);
-        } else if n <= 0xffff {
-            self.buf.push(0xda);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xdb);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        self.len_header(s.len(), 0xa0, 32, 0xd9, 0xda, 0xdb);
         self.buf.extend_from_slice(s.as_bytes());
     }
 
     /// A bin header for ``n`` bytes; the caller appends them.
     pub fn bin_header(&mut self, n: usize) {
-        if n <= 0xff {
-            self.buf.push(0xc4);
-            self.buf.push(n as u8);
-        } else if n <= 0xffff {
-            self.buf.push(0xc5);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xc6);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        self.len_header(n, 0, 0, 0xc4, 0xc5, 0xc6);
     }
 
     pub fn array(&mut self, n: usize) {
-        if n < 16 {
-            self.buf.push(0x90 | n as u8);
-        } else if n <= 0xffff {
-            self.buf.push(0xdc);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xdd);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        self.len_header(n, 0x90, 16, 0, 0xdc, 0xdd);
     }
 
     pub fn map(&mut self, n: usize) {
-        if n < 16 {
-            self.buf.push(0x80 | n as u8);
+        self.len_header(n, 0x80, 16, 0, 0xde, 0xdf);
+    }
+
+    /// The length prefix of a str, bin, array or map in its smallest form: `fix_tag | n` below
+    /// `fix_limit` (0: the type has no fix form), else the 8-bit (`tag8`; 0: none), 16-bit or
+    /// 32-bit form.
+    fn len_header(&mut self, n: usize, fix_tag: u8, fix_limit: usize, tag8: u8, tag16: u8, tag32: u8) {
+        if n < fix_limit {
+            self.buf.push(fix_tag | n as u8);
+        } else if tag8 != 0 && n <= 0xff {
+            self.buf.push(tag8);
+            self.buf.push(n as u8);
         } else if n <= 0xffff {
-            self.buf.push(0xde);
+            self.buf.push(tag16);
             self.buf.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
-            self.buf.push(0xdf);
+            self.buf.push(tag32);
             self.buf.extend_from_slice(&(n as u32).to_be_bytes());
         }
     }

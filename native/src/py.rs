@@ -286,6 +286,14 @@ impl PyIndex {
     }
 }
 
+/// The pseudo-token generators take ids modulo `vocab`: it must not be 0.
+fn positive_vocab(vocab: u64) -> PyResult<()> {
+    if vocab == 0 {
+        return Err(PyValueError::new_err("vocab must be positive"));
+    }
+    Ok(())
+}
+
 fn digest32(b: &[u8], what: &str) -> PyResult<[u8; 32]> {
     b.try_into().map_err(|_| PyValueError::new_err(format!("{what} must be 32 bytes, got {}", b.len())))
 }
@@ -332,9 +340,7 @@ fn mooncake_block_chain<'py>(
 /// The engine's pseudo-tokens `start..stop` of stream `seed` (see `blockhash::pseudo_tokens`).
 #[pyfunction]
 fn pseudo_tokens(seed: u64, start: u64, stop: u64, vocab: u64) -> PyResult<Vec<u64>> {
-    if vocab == 0 {
-        return Err(PyValueError::new_err("vocab must be positive"));
-    }
+    positive_vocab(vocab)?;
     Ok(crate::blockhash::pseudo_tokens(seed, start, stop, vocab))
 }
 
@@ -354,9 +360,7 @@ fn sha256_generated_chain<'py>(
     block_size: usize,
 ) -> PyResult<Option<(Bound<'py, PyBytes>, Vec<u64>)>> {
     let p = digest32(parent, "parent")?;
-    if vocab == 0 {
-        return Err(PyValueError::new_err("vocab must be positive"));
-    }
+    positive_vocab(vocab)?;
     let mut tokens = head;
     tokens.extend(crate::blockhash::pseudo_tokens(seed, start, stop, vocab).into_iter().map(|t| t as i64));
     let ds = crate::blockhash::chain_digests(&p, &tokens, block_size);
@@ -366,9 +370,7 @@ fn sha256_generated_chain<'py>(
 /// Tokens `start..stop` of a Mooncake trace block (see `blockhash::trace_tokens`).
 #[pyfunction]
 fn trace_tokens(base: u64, start: u64, stop: u64, vocab: u64) -> PyResult<Vec<u64>> {
-    if vocab == 0 {
-        return Err(PyValueError::new_err("vocab must be positive"));
-    }
+    positive_vocab(vocab)?;
     Ok(crate::blockhash::trace_tokens(base, start, stop, vocab))
 }
 

@@ -102,9 +102,9 @@ def _comparable(p: MetricsProjection) -> dict:
 
 
 async def test_processor_equals_oracle_and_resumes_from_its_checkpoint(bus: BusSettings, tmp_path: Path) -> None:
-    settings = MetricsSettings(processor_id="it", port=0, hash_algo=ALGO, block_size=BS, snapshot_every_s=3600,
+    config = ProjectionConfig(hash_algo=ALGO, block_size=BS)
+    settings = MetricsSettings(processor_id="it", port=0, projection=config, snapshot_every_s=3600,
                                probe_every_s=0.5, data_dir=tmp_path)
-    config = settings.projection_config()
     producers = _producers(bus)
     _traffic(bus, producers, rounds=40, base=0)
 

@@ -327,7 +327,7 @@ async def test_load_view_dead_letters_poison_and_goes_on(bus: BusSettings) -> No
 async def test_metrics_processor_dead_letters_what_its_fold_raises_on(bus: BusSettings, tmp_path) -> None:
     """The metrics processor counts undecodable records (the acting consumers dead-letter them)
     and dead-letters a record its own fold raised on; both are behind its position."""
-    from control_plane.metrics.projection import MetricsProjection
+    from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
     from control_plane.metrics.stream import MetricsProcessor, MetricsSettings
 
     class FaultyProjection(MetricsProjection):
@@ -338,9 +338,10 @@ async def test_metrics_processor_dead_letters_what_its_fold_raises_on(bus: BusSe
             return out
 
     where = _poison_stream(bus, "workers", "m1", [_registered("m1")], _load("m1", 99), [_load("m1", 2)])
-    settings = MetricsSettings(processor_id="m-poison", port=0, hash_algo="sha256_cbor", block_size=16,
+    settings = MetricsSettings(processor_id="m-poison", port=0,
+                               projection=ProjectionConfig(hash_algo="sha256_cbor", block_size=16),
                                snapshot_every_s=3600, probe_every_s=0.5, data_dir=tmp_path)
-    proc = MetricsProcessor(bus, settings, FaultyProjection(settings.projection_config()))
+    proc = MetricsProcessor(bus, settings, FaultyProjection(settings.projection))
     await proc.start()
     try:
         await until(lambda: proc.caught_up, timeout=60, what=lambda: proc.projection.positions)

@@ -38,15 +38,20 @@ def _chain(bus: BusSettings, client_id: str) -> list[str]:
     return [e.type for e in read_stream(bus, "requests") if e.correlation_id == rid]
 
 
+def _router_seeing_two_workers(procs: Procs) -> tuple[str, openai.OpenAI]:
+    """Start a router and wait until its health counts both workers; its base URL and an OpenAI client."""
+    port = free_port()
+    procs.router(port)
+    base = f"http://127.0.0.1:{port}"
+    _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
+    return base, openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+
+
 def test_disaggregated_request_through_router_has_its_whole_chain(bus: BusSettings, procs: Procs, tmp_path) -> None:
     prefill = WorkerProc(bus, "p-0", tmp_path / "p0", tmp_path, role="prefill", args=WORKER_ARGS).start()
     decode = WorkerProc(bus, "d-0", tmp_path / "d0", tmp_path, role="decode", args=WORKER_ARGS).start()
     try:
-        port = free_port()
-        procs.router(port)
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        _, client = _router_seeing_two_workers(procs)
         prompt = list(range(300, 300 + 64 * 8))  # 8 full blocks
         out = list(client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=6, stream=True,
                                              extra_body={"request_id": "disagg-1"}))
@@ -73,11 +78,7 @@ def test_aggregated_workers_prefix_reuse_and_a_killed_worker_is_retried(bus: Bus
     a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=WORKER_ARGS).start()
     b = WorkerProc(bus, "a-1", tmp_path / "a1", tmp_path, args=WORKER_ARGS).start()
     try:
-        port = free_port()
-        procs.router(port)
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2)
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        base, client = _router_seeing_two_workers(procs)
         doc = list(range(1000, 1000 + 64 * 10))
         client.completions.create(model="switchyard-sim", prompt=doc, max_tokens=2, extra_body={"request_id": "agg-0"})
         _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 10)

@@ -188,10 +188,20 @@ def publisher():
         p.close()
 
 
+@pytest.fixture
+def dead_replay_endpoint():
+    """A replay endpoint nobody serves: a replay request to it goes unanswered."""
+    ctx = zmq.Context()
+    dead = ctx.socket(zmq.ROUTER)
+    dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{dead_port}"
+    dead.close(linger=0)
+    ctx.term()
+
+
 def start_bridge(pub: FakeVllmPublisher, sink: MemorySink, **settings) -> KvEventBridge:
-    bridge = KvEventBridge(SOURCE, BridgeSettings(endpoint=pub.endpoint,
-                                                  replay_endpoint=pub.replay_endpoint,
-                                                  **settings), sink)
+    settings.setdefault("replay_endpoint", pub.replay_endpoint)
+    bridge = KvEventBridge(SOURCE, BridgeSettings(endpoint=pub.endpoint, **settings), sink)
     bridge.start()
     pub.wait_subscribed()
     return bridge
@@ -277,10 +287,17 @@ def test_exhausted_replay_buffer_resyncs_with_all_blocks_cleared(publisher):
     assert (st.gaps, st.replays, st.resyncs) == (1, 1, 1)
 
 
-def test_gap_without_replay_endpoint_resyncs(publisher):
-    pub = publisher(replay=False)
+@pytest.mark.parametrize("replay", ["none", "unanswered"])
+def test_a_gap_that_cannot_be_replayed_resyncs(publisher, request, replay):
+    """The publisher has no replay endpoint, or the bridge's replay request is never answered
+    (timeout 0.3 s): the lost batch is given up with an AllBlocksCleared."""
+    if replay == "none":
+        pub, settings = publisher(replay=False), {}
+    else:
+        pub = publisher()
+        settings = {"replay_endpoint": request.getfixturevalue("dead_replay_endpoint"), "replay_timeout_s": 0.3}
     sink = MemorySink()
-    bridge = start_bridge(pub, sink)
+    bridge = start_bridge(pub, sink, **settings)
     try:
         pub.publish(batch(1))
         pub.publish(batch(2), lose=True)
@@ -288,30 +305,6 @@ def test_gap_without_replay_endpoint_resyncs(publisher):
         wait_until(lambda: 3 in stored(sink))
     finally:
         bridge.stop()
-    assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
-
-
-def test_unanswered_replay_times_out_and_resyncs(publisher):
-    pub = publisher()
-    sink = MemorySink()
-    # A replay endpoint nobody serves: the request goes unanswered.
-    ctx = zmq.Context()
-    dead = ctx.socket(zmq.ROUTER)
-    dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
-    bridge = KvEventBridge(SOURCE, BridgeSettings(
-        endpoint=pub.endpoint, replay_endpoint=f"tcp://127.0.0.1:{dead_port}",
-        replay_timeout_s=0.3), sink)
-    bridge.start()
-    pub.wait_subscribed()
-    try:
-        pub.publish(batch(1))
-        pub.publish(batch(2), lose=True)
-        pub.publish(batch(3))
-        wait_until(lambda: 3 in stored(sink))
-    finally:
-        bridge.stop()
-        dead.close(linger=0)
-        ctx.term()
     assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
 
 
@@ -391,17 +384,11 @@ def test_stop_is_prompt_and_idempotent(publisher):
     assert not bridge.running
 
 
-def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher):
+def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher, dead_replay_endpoint):
     pub = publisher()
     sink = MemorySink()
-    ctx = zmq.Context()
-    dead = ctx.socket(zmq.ROUTER)
-    dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
-    bridge = KvEventBridge(SOURCE, BridgeSettings(
-        endpoint=pub.endpoint, replay_endpoint=f"tcp://127.0.0.1:{dead_port}",
-        replay_timeout_s=30.0, poll_interval_s=0.05), sink)
-    bridge.start()
-    pub.wait_subscribed()
+    bridge = start_bridge(pub, sink, replay_endpoint=dead_replay_endpoint, replay_timeout_s=30.0,
+                          poll_interval_s=0.05)
     try:
         pub.publish(batch(1), lose=True)
         pub.publish(batch(2))              # gap at seq 1: the replay request hangs
@@ -411,6 +398,4 @@ def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher):
         assert time.monotonic() - t0 < 1.0
     finally:
         bridge.stop()
-        dead.close(linger=0)
-        ctx.term()
     assert sink.events == [] and bridge.error is None

@@ -109,37 +109,27 @@ def test_device_overlap_beats_empty_worker():
     assert "runner-up w0 at 272 (+100)" in decision.reason
 
 
-def test_host_hit_beats_disk_hit_of_equal_depth():
-    """100 blocks each, w0 in host DRAM, w1 on disk.
-
-    w0: 128 - 100 x 0.75 = 53;  53 + 144 = 197  -> w0
-    w1: 128 - 100 x 0.25 = 103; 103 + 144 = 247
-    """
+@pytest.mark.parametrize(("overlaps", "chosen", "costs"), [
+    # 100 blocks each, w0 in host DRAM, w1 on disk.
+    # w0: 128 - 100 x 0.75 = 53;  53 + 144 = 197  -> w0
+    # w1: 128 - 100 x 0.25 = 103; 103 + 144 = 247
+    pytest.param({"w0": {"host": 100}, "w1": {"disk": 100}}, "w0", {"w0": 197.0, "w1": 247.0},
+                 id="host_hit_beats_disk_hit_of_equal_depth"),
+    # w0: 128 - 100 x 1.0 = 28 -> 172 (chosen); w1: 128 - 100 x 0.75 = 53 -> 197.
+    pytest.param({"w0": {"device": 100}, "w1": {"host": 100}}, "w0", {"w0": 172.0, "w1": 197.0},
+                 id="device_hit_beats_host_hit_of_equal_depth"),
+    # w0 nothing: 272; w1 100 object blocks: 128 - 10 = 118 -> 262 (chosen).
+    pytest.param({"w1": {"object": 100}}, "w1", {"w0": 272.0, "w1": pytest.approx(262.0)},
+                 id="object_hit_is_worth_least_but_more_than_nothing"),
+])
+def test_a_hit_is_worth_its_tier_weight(overlaps, chosen, costs):
+    """Two workers, a 128-block prompt, 144 decode blocks each: cost = 128 - sum(blocks x tier
+    weight) + 144 (weights device 1, host 0.75, disk 0.25, object 0.1)."""
     decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w0"): WorkerOverlap.of(host=100),
-                                WorkerId("w1"): WorkerOverlap.of(disk=100)})
+                      overlaps={WorkerId(w): WorkerOverlap.of(**tiers) for w, tiers in overlaps.items()})
 
-    assert decision.worker_id == "w0"
-    assert _costs(decision) == {"w0": 197.0, "w1": 247.0}
-
-
-def test_device_hit_beats_host_hit_of_equal_depth():
-    """w0: 128 - 100 x 1.0 = 28 -> 172 (chosen); w1: 128 - 100 x 0.75 = 53 -> 197."""
-    decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w0"): WorkerOverlap.of(device=100),
-                                WorkerId("w1"): WorkerOverlap.of(host=100)})
-
-    assert decision.worker_id == "w0"
-    assert _costs(decision) == {"w0": 172.0, "w1": 197.0}
-
-
-def test_object_hit_is_worth_least_but_more_than_nothing():
-    """w0 nothing: 272; w1 100 object blocks: 128 - 10 = 118 -> 262 (chosen)."""
-    decision = decide(_make_request(), _make_workers(2), _make_config(), rng_seed=0,
-                      overlaps={WorkerId("w1"): WorkerOverlap.of(object=100)})
-
-    assert decision.worker_id == "w1"
-    assert _costs(decision) == {"w0": 272.0, "w1": pytest.approx(262.0)}
+    assert decision.worker_id == chosen
+    assert _costs(decision) == costs
 
 
 def test_tier_weights_change_the_choice():

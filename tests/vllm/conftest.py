@@ -9,16 +9,26 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from kernel.net import free_port
 from kernel.settings import BusSettings
-from tests.integration.workerproc import ROOT
+from tests.integration.test_router import Procs, _wait_http
+from tests.integration.workerproc import ROOT, WorkerProc
 
 #: Seconds a vLLM worker may take to serve (engine start on a loaded 2-core box is ~2 min).
 READY_TIMEOUT = float(os.environ.get("SWITCHYARD_VLLM_READY_TIMEOUT", "900"))
 BLOCK = 32
+
+
+def vllm_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids below the tiny model's vocabulary (1024), distinct per seed (they repeat
+    every 1,000 seeds)."""
+    return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(n)]
 
 
 def pytest_collection_modifyitems(items):  # noqa: ANN001
@@ -80,6 +90,28 @@ def start_router(procs, port: int, rid: str, mode: str = "kv"):  # noqa: ANN001,
                           "--snapshot-every", "5"], env=procs.env, stdout=procs.log, stderr=subprocess.STDOUT)
     procs.procs.append(p)
     return p
+
+
+@contextmanager
+def serving(bus: BusSettings, workers: Sequence[WorkerProc]) -> Iterator[str]:
+    """``workers`` launched together (their engines load in parallel), each ready, and a router
+    ``r-vllm`` seeing them all; yields the router's base URL, and stops everything on exit."""
+    procs = Procs(bus)
+    try:
+        for w in workers:
+            w.launch()
+        for w in workers:
+            w.wait_ready(READY_TIMEOUT)
+        port = free_port()
+        start_router(procs, port, "r-vllm")
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == len(workers),
+                   timeout=120)
+        yield base
+    finally:
+        procs.close()
+        for w in workers:
+            w.stop()
 
 
 def wait_router_caught_up(base: str, bus: BusSettings, stream: str = "kv", timeout: float = 30.0) -> None:

@@ -22,7 +22,6 @@ import pytest
 
 from control_plane.router.vllm_overlap import expected_cached_tokens
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.net import free_port
 from kernel.settings import BusSettings
 from schemas.events import (
     BlockMoved,
@@ -35,7 +34,7 @@ from schemas.events import (
     WorkerDraining,
     WorkerLoadReported,
 )
-from tests.integration.test_router import Procs, _wait_http
+from tests.integration.test_router import _wait_http
 from tests.integration.workerproc import WorkerProc
 from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
@@ -44,7 +43,8 @@ from tests.vllm.conftest import (
     READY_TIMEOUT,
     WORKER_ENV,
     listeners_outside_loopback,
-    start_router,
+    serving,
+    vllm_prompt,
     vllm_python,
     wait_router_caught_up,
 )
@@ -55,32 +55,14 @@ TIERS = ("--vllm-kv-connector", "switchyard", "--host-blocks", "128", "--disk-bl
          "--vllm-args", json.dumps({"num_gpu_blocks_override": 96}))
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    # Token ids below the tiny model's vocabulary (1024), distinct per seed.
-    return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(n)]
-
-
 @pytest.fixture(scope="module")
 def agg(vbus: BusSettings, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-agg")
     py = vllm_python()
     workers = [WorkerProc(vbus, f"va-{i}", tmp / f"va{i}", tmp, args=("--engine", "vllm", *(TIERS if i else ())),
                           python=py, env=WORKER_ENV) for i in range(2)]
-    procs = Procs(vbus)
-    try:
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.wait_ready(READY_TIMEOUT)
-        port = free_port()
-        start_router(procs, port, "r-vllm")
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2, timeout=120)
+    with serving(vbus, workers) as base:
         yield workers, base
-    finally:
-        procs.close()
-        for w in workers:
-            w.stop()
 
 
 def _stored(bus: BusSettings, worker: str) -> list[BlockStored]:
@@ -90,7 +72,7 @@ def _stored(bus: BusSettings, worker: str) -> list[BlockStored]:
 def test_vllm_block_hashes_are_the_routers_hashes(agg, vbus: BusSettings) -> None:
     workers, _ = agg
     w = workers[0]
-    prompt = _prompt(1, 200)  # 6 full blocks + 8 tokens
+    prompt = vllm_prompt(1, 200)  # 6 full blocks + 8 tokens
     r = httpx.post(f"{w.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4, "request_id": "hash-1"},
                    timeout=120)
     assert r.status_code == 200, r.text
@@ -109,9 +91,9 @@ def test_vllm_block_hashes_are_the_routers_hashes(agg, vbus: BusSettings) -> Non
 def test_openai_client_streaming_and_not(agg) -> None:
     _, base = agg
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
-    one = client.completions.create(model="switchyard-sim", prompt=_prompt(2, 100), max_tokens=5)
+    one = client.completions.create(model="switchyard-sim", prompt=vllm_prompt(2, 100), max_tokens=5)
     assert one.usage.completion_tokens == 5 and one.usage.prompt_tokens == 100
-    chunks = list(client.completions.create(model="switchyard-sim", prompt=_prompt(3, 90), max_tokens=6,
+    chunks = list(client.completions.create(model="switchyard-sim", prompt=vllm_prompt(3, 90), max_tokens=6,
                                             stream=True, stream_options={"include_usage": True}))
     assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason is None) + 1 == 6
     assert chunks[-1].usage.completion_tokens == 6
@@ -146,7 +128,7 @@ def test_prefix_sharing_lands_on_the_holder_and_prediction_equals_vllm(agg, vbus
     token, so a prompt of exactly k blocks can hit at most k-1 of them)."""
     workers, base = agg
     client = httpx.Client(timeout=120)
-    shared = _prompt(10, 10 * BLOCK)
+    shared = vllm_prompt(10, 10 * BLOCK)
     r = client.post(f"{base}/v1/completions", json={"prompt": shared + [5, 6, 7], "max_tokens": 2,
                                                     "request_id": "pfx-base"})
     assert r.status_code == 200, r.text
@@ -164,7 +146,7 @@ def test_prefix_sharing_lands_on_the_holder_and_prediction_equals_vllm(agg, vbus
                  what=f"{holder}'s load report after {previous}")
         wait_router_caught_up(base, vbus, stream="workers")
         rid = previous = f"pfx-{i}"
-        prompt = shared + _prompt(100 + i, extra)
+        prompt = shared + vllm_prompt(100 + i, extra)
         body = client.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "request_id": rid}).json()
         routed = _routed(vbus, rid)
         assert routed.worker_id == holder, f"{rid} went to {routed.worker_id}, the prefix is on {holder}"
@@ -188,7 +170,7 @@ def test_bridge_restarts_lose_nothing(agg, vbus: BusSettings) -> None:
 
     def bridged(n: int) -> bool:
         # The new bridge's SUB needs vLLM's PUB to reconnect: poke until batches arrive.
-        httpx.post(f"{w.url}/v1/completions", json={"prompt": _prompt(next(seed), BLOCK + 1), "max_tokens": 1},
+        httpx.post(f"{w.url}/v1/completions", json={"prompt": vllm_prompt(next(seed), BLOCK + 1), "max_tokens": 1},
                    timeout=120)
         return w.state()["vllm"]["bridge"]["batches_applied"] >= n
 
@@ -197,7 +179,7 @@ def test_bridge_restarts_lose_nothing(agg, vbus: BusSettings) -> None:
         return want <= {int(h) for ev in _stored(vbus, w.worker_id) for h in ev.block_hashes}
 
     assert httpx.post(f"{w.url}/admin/kv_bridge/stop", timeout=30).status_code == 200
-    lost = _prompt(50, 5 * BLOCK + 1)
+    lost = vllm_prompt(50, 5 * BLOCK + 1)
     assert httpx.post(f"{w.url}/v1/completions", json={"prompt": lost, "max_tokens": 1}, timeout=120).status_code == 200
     assert httpx.post(f"{w.url}/admin/kv_bridge/start", timeout=30).status_code == 200
     wait_for(lambda: bridged(1), timeout=60, interval=0.2, what="a batch through the restarted bridge")
@@ -238,7 +220,7 @@ def _hashes_in(events: list, tier: str, attr: str = "tier") -> set[int]:
 
 
 def _tier_prompt(seed: int, n: int) -> list[int]:
-    # Independent streams per seed (``_prompt``'s repeat every 1,000 seeds).
+    # Independent streams per seed (``vllm_prompt``'s repeat every 1,000 seeds).
     rng = random.Random(seed * 1_000_003 + 7)
     return [rng.randrange(3, 1000) for _ in range(n)]
 
@@ -351,7 +333,7 @@ def test_kill9_is_routed_around_and_the_restart_rejoins_under_a_new_epoch(agg, v
     w.kill()
     client = httpx.Client(timeout=120)
     for i in range(4):
-        r = client.post(f"{base}/v1/completions", json={"prompt": _prompt(300 + i, 70), "max_tokens": 2,
+        r = client.post(f"{base}/v1/completions", json={"prompt": vllm_prompt(300 + i, 70), "max_tokens": 2,
                                                         "request_id": f"k9-{i}"})
         assert r.status_code == 200, r.text
     assert all(_routed(vbus, f"k9-{i}").worker_id != w.worker_id for i in range(4))

@@ -21,16 +21,15 @@ from schemas.events import (
     RequestFailed,
     RequestRouted,
 )
-from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc
 from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
 from tests.vllm.conftest import (
     BLOCK,
-    READY_TIMEOUT,
     WORKER_ENV,
     listeners_outside_loopback,
-    start_router,
+    serving,
+    vllm_prompt,
     vllm_python,
 )
 
@@ -40,31 +39,14 @@ from tests.vllm.conftest import (
 NIXL = ("--engine", "vllm", "--vllm-kv-connector", "nixl", "--ack-timeout-s", "30")
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31) % 1000 + 3 for i in range(n)]
-
-
 @pytest.fixture(scope="module")
 def pd(vbus: BusSettings, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-pd")
     py = vllm_python()
     prefill = WorkerProc(vbus, "vp-0", tmp / "p0", tmp, role="prefill", args=NIXL, python=py, env=WORKER_ENV)
     decode = WorkerProc(vbus, "vd-0", tmp / "d0", tmp, role="decode", args=NIXL, python=py, env=WORKER_ENV)
-    procs = Procs(vbus)
-    try:
-        prefill.launch()
-        decode.launch()
-        prefill.wait_ready(READY_TIMEOUT)
-        decode.wait_ready(READY_TIMEOUT)
-        port = free_port()
-        start_router(procs, port, "r-vllm")
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 2, timeout=120)
+    with serving(vbus, [prefill, decode]) as base:
         yield prefill, decode, base
-    finally:
-        procs.close()
-        prefill.stop()
-        decode.stop()
 
 
 def _events(bus: BusSettings, rid: str) -> list:
@@ -91,7 +73,7 @@ def test_two_phase_request_moves_real_kv_over_nixl(pd, vbus: BusSettings) -> Non
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300)
     for attempt in range(3):
         rid = f"pd-{attempt + 1}"
-        prompt = _prompt(7 + attempt, 10 * BLOCK + 5)  # 10 full blocks + 5 tokens
+        prompt = vllm_prompt(7 + attempt, 10 * BLOCK + 5)  # 10 full blocks + 5 tokens
         out = list(client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=6, stream=True,
                                              extra_body={"request_id": rid}))
         assert sum(1 for c in out if c.choices and c.choices[0].text) == 6
@@ -124,7 +106,7 @@ def test_failed_transfer_is_recorded_and_recomputed(pd, vbus: BusSettings) -> No
     refused): vLLM's handshake fails, it recomputes (kv_load_failure_policy=recompute), the
     worker records KvTransferFailed(fallback=recompute) and the request still completes."""
     prefill, decode, _ = pd
-    prompt = _prompt(8, 6 * BLOCK + 3)
+    prompt = vllm_prompt(8, 6 * BLOCK + 3)
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=300, json={
         "prompt": prompt, "max_tokens": 1, "request_id": "pd-fail-p",
         "kv_transfer_params": {"do_remote_decode": True}})
