@@ -227,8 +227,11 @@ class RouterView:
         staleness can touch a decision. A stray KV event of a worker that never registered (or
         has gone) is in the index, flagged, but never a candidate, so it does not make the view
         DEGRADED."""
-        known = {w for w, st in self.workers.items() if st.state != "gone"}
-        return sorted({r.worker_id for r in self.index.stale_workers()} & known)
+        flagged = self.index.stale_workers()  # read per decision (its health): usually empty
+        if not flagged:
+            return []
+        return sorted({r.worker_id for r in flagged
+                       if (st := self.workers.get(r.worker_id)) is not None and st.state != "gone"})
 
     # -- checkpoints ------------------------------------------------------------------------
 
