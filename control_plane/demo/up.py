@@ -286,6 +286,17 @@ def _count_scaling(bus) -> int:
         return sum(hi - lo for lo, hi in (reader.bounds(topic, p) for p in reader.partitions(topic)))
 
 
+def system_pids(stack_settings: StackSettings) -> list[int]:
+    """Every process of the system ``switchyard up`` started: the demo's (its ``procs.json``),
+    the stack's (their data directories and pid files), and all their children."""
+    from control_plane.stack.process import descendants, processes_mentioning, read_pid
+
+    state = stack_settings.state_dir
+    pids = [p.pid for p in Supervisor(stack_settings).procs] + processes_mentioning(str(state))
+    pids += [pid for f in state.glob("*/*.pid") if (pid := read_pid(f))]
+    return descendants(pids)
+
+
 def stop_demo(stack_settings: StackSettings, echo=print, stack: bool = True) -> None:
     from control_plane.stack import Stack
 

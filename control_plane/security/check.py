@@ -27,7 +27,6 @@ nonloopback_listeners=...``.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -57,6 +56,7 @@ class Targets:
     kafka_bootstrap: str
     postgres_url: str
     redis_url: str
+    #: Every process of the system, children included (whose listeners are checked).
     pids: list[int]
 
 
@@ -107,11 +107,16 @@ def probe_router(url: str) -> list[Probe]:
             # The same keep-alive connection still serves (a reset here was the old failure).
             try:
                 alive = c.get("/v1/models").status_code == 200
-            except httpx.TransportError as e:
-                alive, r = False, e  # type: ignore[assignment]
-            code = (r.json().get("error", {}) or {}).get("code") if isinstance(r, httpx.Response) else None
-            out.append(Probe("router", attack, REFUSED if alive else SERVER_ERROR,
-                             f"HTTP {r.status_code} {code or ''}".strip() if alive else "connection unusable after"))
+            except httpx.TransportError:
+                alive = False
+            if not alive:
+                out.append(Probe("router", attack, SERVER_ERROR, f"HTTP {r.status_code}, connection unusable after"))
+                continue
+            try:
+                code = (r.json().get("error") or {}).get("code") or ""
+            except ValueError:  # a 4xx without a JSON body is still a refusal
+                code = ""
+            out.append(Probe("router", attack, REFUSED, f"HTTP {r.status_code} {code}".strip()))
         health = c.get("/health").json()
         state = health.get("state")
         out.append(Probe("router", "router stays EXACT after the input attacks",
@@ -194,10 +199,10 @@ def probe_redis(url: str) -> Probe:
 
 
 def probe_listeners(pids: list[int]) -> list[Probe]:
-    from control_plane.stack.process import descendants, listening_sockets
+    from control_plane.stack.process import listening_sockets
 
     out = []
-    for x in listening_sockets(descendants(pids)):
+    for x in listening_sockets(pids):
         words = x.command.split()
         name = Path(words[0]).name if words else str(x.pid)
         if "switchyard.cli" in words[:-1]:  # which component, not "python"
@@ -248,18 +253,10 @@ def report(probes: list[Probe]) -> str:
 
 
 def demo_targets(stack_settings) -> Targets:
-    """The system ``switchyard up`` started: URLs and pids from its ``procs.json``, the stack's
-    processes from their data directories."""
-    from control_plane.stack.process import processes_mentioning, read_pid
+    """The system ``switchyard up`` started: URLs from its ``procs.json``, every process of it."""
+    from control_plane.demo.up import Supervisor, system_pids
 
-    state = stack_settings.state_dir
-    try:
-        procs = json.loads((state / "demo" / "procs.json").read_text())
-    except FileNotFoundError:
-        procs = []
-    urls = {p["name"]: p.get("url") or None for p in procs}
-    pids = [p["pid"] for p in procs] + processes_mentioning(str(state))
-    pids += [pid for f in state.glob("*/*.pid") if (pid := read_pid(f))]
+    urls = {p.name: p.url or None for p in Supervisor(stack_settings).procs}
     return Targets(router_url=urls.get("router"), admin_url=urls.get("admin"),
                    kafka_bootstrap=stack_settings.kafka_bootstrap, postgres_url=stack_settings.postgres_url,
-                   redis_url=stack_settings.redis_url, pids=sorted(set(pids)))
+                   redis_url=stack_settings.redis_url, pids=system_pids(stack_settings))

@@ -3,7 +3,6 @@ dir, so stopping it does not disturb the shared stack other tests use)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -12,19 +11,13 @@ import uuid
 
 import pytest
 
-from control_plane.stack.process import descendants, listening_sockets, processes_mentioning, read_pid
+from control_plane.demo.up import system_pids
+from control_plane.settings import StackSettings
+from control_plane.stack.process import listening_sockets, processes_mentioning
 from kernel.net import free_port
 from kernel.settings import repo_root
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-def _system_pids(state) -> list[int]:
-    """The demo's processes (procs.json), the stack's (their data dirs), and their children."""
-    procs = json.loads((state / "demo" / "procs.json").read_text())
-    pids = [p["pid"] for p in procs] + processes_mentioning(str(state))
-    pids += [pid for f in state.glob("*/*.pid") if (pid := read_pid(f))]
-    return descendants(pids)
 
 
 def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
@@ -56,7 +49,7 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
 
         # With the whole system running, every listener (HTTP, Kafka, PostgreSQL, Redis,
         # Prometheus, UCX/NIXL, ZMQ) is on loopback.
-        listeners = listening_sockets(_system_pids(state))
+        listeners = listening_sockets(system_pids(StackSettings(state_dir=state)))
         assert {"kafka", "postgres", "redis", "prometheus", "router", "worker"} <= {
             word for x in listeners for word in ("kafka", "postgres", "redis", "prometheus", "router", "worker")
             if word in x.command}, listeners
