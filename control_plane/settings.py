@@ -38,9 +38,12 @@ class StackSettings:
     prometheus_port: int = 59090
     #: Maximum heap of each Kafka JVM (give a cluster's three a small one, e.g. 384m).
     kafka_heap: str = "1g"
-    #: Extra JVM options of each Kafka node, space-separated (e.g. ``-XX:TieredStopAtLevel=1``:
-    #: C1 only, about half the start-up CPU, for a test cluster on a busy box).
-    kafka_jvm_opts: str = ""
+    #: Extra JVM options of each Kafka node, space-separated. The default, C1 only
+    #: (``-XX:TieredStopAtLevel=1``), is for this project-local stack on a small box: measured
+    #: over one demo run on 2 cores, the broker used 18 s of CPU instead of 32 s (C2's compiling
+    #: competes with the first requests), at the same TTFT. A broker serving a large fleet wants
+    #: C2 back: set ``SWITCHYARD_KAFKA_JVM_OPTS=""``.
+    kafka_jvm_opts: str = "-XX:TieredStopAtLevel=1"
 
     def __post_init__(self) -> None:
         if not 1 <= self.kafka_brokers <= 9:

@@ -127,7 +127,7 @@ class PeerDirectory:
         topic = Catalog(bus.topic_prefix).topic("workers")
         codec = EventCodec()
         c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"sy-peers-{uuid.uuid4().hex}",
-                      "enable.auto.commit": False, "fetch.wait.max.ms": 50,
+                      "enable.auto.commit": False, "fetch.wait.max.ms": 500,
                       "logger": logging.getLogger("switchyard.rdkafka")})
         try:
             md = c.list_topics(topic, timeout=10).topics.get(topic)

@@ -101,7 +101,10 @@ def _describe(e: BaseException) -> str:
 class AuditConsumer:
     def __init__(self, bus: BusSettings, sessions: sessionmaker[Session], *, streams=("requests", "workers", "planner",
                  "admin", "kv"), batch: int = 2000, name: str = "audit", store: AuditStore | None = None,
-                 retry: RetryPolicy = RetryPolicy()) -> None:
+                 retry: RetryPolicy = RetryPolicy(), linger_s: float = 0.1) -> None:
+        """``linger_s``: how long a batch waits for more records after its first one. The audit
+        is not on any request's path; one transaction per record under load would cost the
+        admin server a core."""
         self.bus = bus
         self.sessions = sessions
         self.store = store or AuditStore()
@@ -109,6 +112,10 @@ class AuditConsumer:
         self.batch = batch
         self.name = name
         self.retry = retry
+        self.linger_s = linger_s
+        #: Positions known to be committed to ``audit_positions``: a batch writes only the ones
+        #: it moved (a stream of small batches over ~30 partitions otherwise rewrites them all).
+        self._stored: dict[tuple[str, int], int] = {}
         self.totals = IngestResult()
         self.batches = 0
         self.dead_lettered = 0
@@ -122,6 +129,7 @@ class AuditConsumer:
     def _open(self) -> EventConsumer:
         with self.sessions() as s:
             start = AuditStore.positions(s)
+        self._stored = dict(start)
         return EventConsumer(self.bus, self.streams, assign_all=True, start_offsets=start, dedupe=False,
                              consumer_name=f"{self.bus.topic_prefix}.{self.name}")
 
@@ -130,8 +138,8 @@ class AuditConsumer:
         if self._consumer is None:
             self._consumer = self._open()
         c = self._consumer
-        got = c.poll_batch(self.batch, timeout)
-        positions = {tp: off for tp, off in c.positions().items()}
+        got = c.poll_batch(self.batch, timeout, linger=self.linger_s)
+        positions = {tp: off for tp, off in c.positions().items() if self._stored.get(tp) != off}
         if not got and not positions:
             return 0
         self._confirm_dead_letters("records that did not decode", 0)  # the batch's positions pass them
@@ -147,7 +155,9 @@ class AuditConsumer:
     def _transaction(self, got: list[Delivered], positions: dict[tuple[str, int], int]) -> IngestResult:
         events = [LocatedEvent(d.envelope, d.topic, d.partition, d.offset) for d in got]
         with self.sessions.begin() as s:
-            return self.store.ingest(s, events, positions)
+            res = self.store.ingest(s, events, positions)
+        self._stored.update(positions)  # committed: the block above ended without raising
+        return res
 
     def _store_batch(self, got: list[Delivered], positions: dict[tuple[str, int], int]) -> IngestResult:
         """The whole batch in one transaction; one record per transaction if the database refuses

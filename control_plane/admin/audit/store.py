@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from sqlalchemy import select, text
+from sqlalchemy import select, text, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -217,8 +217,12 @@ class AuditStore:
         session.flush()
 
     def _advance(self, session: Session, pos: dict[tuple[str, int], int]) -> None:
+        # The stored rows of these partitions, in one query (not one round trip each).
+        keys = list(pos)
+        stored = {(p.topic, p.kafka_partition): p for p in session.scalars(
+            select(AuditPosition).where(tuple_(AuditPosition.topic, AuditPosition.kafka_partition).in_(keys)))}
         for (topic, partition), off in pos.items():
-            obj = session.get(AuditPosition, (topic, partition))
+            obj = stored.get((topic, partition))
             if obj is None:
                 session.add(AuditPosition(topic=topic, kafka_partition=partition, next_offset=off, updated_at=utcnow()))
             elif off > obj.next_offset:
