@@ -39,7 +39,6 @@ import subprocess
 import sys
 import time
 import tracemalloc
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import xxhash
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
+from data_plane.engines.lru_blocks import LruBlocks
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import BlockRemoved, BlockStored
 from schemas.types import Tier
@@ -89,7 +89,7 @@ def load_trace(path: Path, limit: int | None) -> list[list[int]]:
 def build_workload(trace: list[list[int]], n_workers: int, capacity: int) -> Workload:
     codec = EventCodec()
     factories = [EnvelopeFactory(f"w{i}", epoch=1, clock_ns=lambda: 0) for i in range(n_workers)]
-    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n_workers)]
+    lru = [LruBlocks(capacity) for _ in range(n_workers)]
     event_ids = [0] * n_workers
     wl = Workload(n_workers)
     pack2 = struct.Struct("<QQ").pack
@@ -115,13 +115,7 @@ def build_workload(trace: list[list[int]], n_workers: int, capacity: int) -> Wor
         wl.stored_blocks += len(chained)
         # LRU: touch tail first so the root ends most recent (vLLM frees a request's blocks in
         # reverse so that tails are evicted before the prefixes they extend).
-        cache = lru[w]
-        for c in reversed(chained):
-            cache[c] = None
-            cache.move_to_end(c)
-        evicted = []
-        while len(cache) > capacity:
-            evicted.append(cache.popitem(last=False)[0])
+        _, evicted = lru[w].touch(reversed(chained))
         if evicted:
             removed = BlockRemoved(worker_id=wid, tier=Tier.DEVICE, block_hashes=evicted)
             dyn = {"event_id": event_ids[w], "dp_rank": 0,
