@@ -417,23 +417,32 @@ class ReplayEngine:
             req_topic = self.catalog.topic("requests")
             req_targets = self.resolve(point, [req_topic], side="end")
             lows = {tp: self.reader.bounds(*tp)[0] for tp in req_targets}
+            located, _ = self._read_requests(lows, req_targets)
             load = RequestTraffic()
-            located: list[Located] = []
-            bar = self.progress("reading requests", sum(max(e - lows[tp], 0) for tp, e in req_targets.items()))
-            for (t, p), end in req_targets.items():
-                for rec in self.reader.read(t, p, lows[(t, p)], end):
-                    bar.update(1)
-                    env = self._decode(rec)
-                    if env is None:
-                        continue
-                    load.apply(env, t, p, rec.offset)
-                    located.append(Located(env, t, p, rec.offset))
-            bar.close()
+            for loc in located:
+                load.apply(loc.env, loc.topic, loc.partition, loc.offset)
             out["load"] = load.as_dict()
             out["load"]["positions"] = format_positions(load.positions)
             out["ledgers"] = self._ledgers_at(located, configs or ConfigBook())
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out, view
+
+    def _read_requests(self, starts: dict[TP, int], ends: dict[TP, int]) -> tuple[list[Located], int]:
+        """The decodable records of request partitions from ``starts`` to ``ends`` (exclusive),
+        partition by partition in offset order, and how many records were read (the ones that
+        do not decode are read around, as every tool does)."""
+        located: list[Located] = []
+        read = 0
+        bar = self.progress("reading requests", sum(max(e - starts[tp], 0) for tp, e in ends.items()))
+        for (t, p), e in ends.items():
+            for rec in self.reader.read(t, p, starts[(t, p)], e):
+                bar.update(1)
+                read += 1
+                env = self._decode(rec)
+                if env is not None:
+                    located.append(Located(env, t, p, rec.offset))
+        bar.close()
+        return located, read
 
     def _ledgers_at(self, located: list[Located], configs: ConfigBook) -> dict:
         """Each router incarnation's ledger after its last recorded event: the fold of its own
@@ -475,16 +484,8 @@ class ReplayEngine:
             back = from_ts - int(configs.ttl_s() * 1000) - 60_000
             for (t, p) in start:
                 look[(t, p)] = min(start[(t, p)], self.reader.offset_for_time(t, p, back))
-        located: list[Located] = []
-        bar = self.progress("reading requests", sum(max(end[tp] - look[tp], 0) for tp in end))
-        for (t, p), e in end.items():
-            for rec in self.reader.read(t, p, look[(t, p)], e):
-                bar.update(1)
-                walk.records_read += 1
-                env = self._decode(rec)
-                if env is not None:
-                    located.append(Located(env, t, p, rec.offset))
-        bar.close()
+        located, read = self._read_requests(look, end)
+        walk.records_read += read
         for loc in located:
             ev = loc.env.data
             if isinstance(ev, RequestAdmitted):
