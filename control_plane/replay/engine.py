@@ -43,7 +43,7 @@ from control_plane.router.view import RouterView
 from kernel.errors import LogReadError
 from kernel.log.catalog import Catalog
 from kernel.log.fold import FoldStats
-from kernel.log.reader import TP, LogReader, LogRecord
+from kernel.log.reader import TP, LogReader, LogRecord, scan, scan_events
 from schemas import Envelope, EventCodec, SchemaError
 from schemas.events import Event, RequestAdmitted, RequestCompleted, RequestRouted
 
@@ -284,14 +284,9 @@ class ReplayEngine:
         topic = self.catalog.topic("requests")
         parts = self.reader.partitions(topic)
         p = xxhash.xxh64_intdigest(request_id.encode()) % len(parts)
-        lo, hi = self.reader.bounds(topic, p)
         found: tuple[RequestRouted, LogRecord] | None = None
-        want = request_id.encode()
-        for rec in self.reader.read(topic, p, lo, hi):
-            if rec.key != want:
-                continue
-            env = self._decode(rec)
-            if env is not None and isinstance(env.data, RequestRouted):
+        for rec, env in scan_events(self.reader, topic, codec=self.codec, key=request_id.encode(), partitions=[p]):
+            if isinstance(env.data, RequestRouted):
                 found = (env.data, rec)
         if found is None:
             raise BadPoint(f"no RequestRouted for request {request_id!r} in {topic}")
@@ -317,18 +312,15 @@ class ReplayEngine:
             parts = self.reader.partitions(topic)
         except LogReadError:
             return out
-        for p in parts:
-            lo, hi = self.reader.bounds(topic, p)
-            for rec in self.reader.read(topic, p, lo, hi):
-                env = self._decode(rec)
-                if env is None or not isinstance(env.data, RouterConfigChanged):
-                    continue
-                try:
-                    out[env.data.config_version] = msgspec.convert(
-                        {**env.data.config, "version": env.data.config_version}, RouterConfig)
-                except msgspec.ValidationError as e:
-                    log.warning("RouterConfigChanged v%d at %s:%d:%d does not validate: %s",
-                                env.data.config_version, topic, p, rec.offset, e)
+        for rec, env in scan_events(self.reader, topic, codec=self.codec, partitions=parts):
+            if not isinstance(env.data, RouterConfigChanged):
+                continue
+            try:
+                out[env.data.config_version] = msgspec.convert(
+                    {**env.data.config, "version": env.data.config_version}, RouterConfig)
+            except msgspec.ValidationError as e:
+                log.warning("RouterConfigChanged v%d at %s:%d:%d does not validate: %s",
+                            env.data.config_version, topic, rec.partition, rec.offset, e)
         return out
 
     # -- snapshots --------------------------------------------------------------------------
@@ -344,17 +336,15 @@ class ReplayEngine:
             parts = self.reader.partitions(topic)
         except LogReadError:
             parts = []
-        for p in parts:
-            lo, hi = self.reader.bounds(topic, p)
-            for rec in self.reader.read(topic, p, lo, hi):
-                if rec.value is None or rec.key is None or not rec.key.startswith(b"router-view:"):
-                    continue
-                try:
-                    h = head.decode(rec.value)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                out.append(SnapshotInfo(rec.offset, rec.key.decode(),
-                                        {(t, pp): o for t, pp, o in h.positions}, h.applied))
+        for rec in scan(self.reader, topic, partitions=parts):
+            if rec.value is None or rec.key is None or not rec.key.startswith(b"router-view:"):
+                continue
+            try:
+                h = head.decode(rec.value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            out.append(SnapshotInfo(rec.offset, rec.key.decode(),
+                                    {(t, pp): o for t, pp, o in h.positions}, h.applied))
         self._snapshots = out
         return out
 
