@@ -39,7 +39,6 @@ import subprocess
 import sys
 import time
 import tracemalloc
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import xxhash
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
+from data_plane.engines.lru_blocks import LruBlocks
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import BlockRemoved, BlockStored
 from schemas.types import Tier
@@ -89,7 +89,7 @@ def load_trace(path: Path, limit: int | None) -> list[list[int]]:
 def build_workload(trace: list[list[int]], n_workers: int, capacity: int) -> Workload:
     codec = EventCodec()
     factories = [EnvelopeFactory(f"w{i}", epoch=1, clock_ns=lambda: 0) for i in range(n_workers)]
-    lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n_workers)]
+    lru = [LruBlocks(capacity) for _ in range(n_workers)]
     event_ids = [0] * n_workers
     wl = Workload(n_workers)
     pack2 = struct.Struct("<QQ").pack
@@ -115,13 +115,7 @@ def build_workload(trace: list[list[int]], n_workers: int, capacity: int) -> Wor
         wl.stored_blocks += len(chained)
         # LRU: touch tail first so the root ends most recent (vLLM frees a request's blocks in
         # reverse so that tails are evicted before the prefixes they extend).
-        cache = lru[w]
-        for c in reversed(chained):
-            cache[c] = None
-            cache.move_to_end(c)
-        evicted = []
-        while len(cache) > capacity:
-            evicted.append(cache.popitem(last=False)[0])
+        _, evicted = lru[w].touch(reversed(chained))
         if evicted:
             removed = BlockRemoved(worker_id=wid, tier=Tier.DEVICE, block_hashes=evicted)
             dyn = {"event_id": event_ids[w], "dp_rank": 0,
@@ -159,24 +153,33 @@ class SideResult:
     traced_mb: float | None = None
 
 
+def _time_applies(res: SideResult, apply, calls: list[tuple], barrier=None) -> None:
+    """Every side's apply pass: ``apply(*args)`` for each of ``calls`` (arguments built before
+    the clock starts, called the same way on every side), each call timed into ``res``'s
+    p50/p99 and the whole pass, up to ``barrier()`` when given, into its rate."""
+    lat = []
+    clock = time.perf_counter_ns
+    t0 = time.perf_counter()
+    for args in calls:
+        s = clock()
+        apply(*args)
+        lat.append(clock() - s)
+    if barrier is not None:
+        barrier()
+    dt = time.perf_counter() - t0
+    lat.sort()
+    res.apply_per_s = len(calls) / dt
+    res.apply_p50_us, res.apply_p99_us = _pct(lat, 50), _pct(lat, 99)
+
+
 def _ours_apply_pass(wl: Workload) -> tuple[SideResult, NativePrefixIndex]:
     res = SideResult("switchyard")
+    calls = [(buf,) for _, buf, _ in wl.events]  # before the RSS baseline: not the index's memory
     gc.collect()
     rss0 = _rss_bytes()
     idx = NativePrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
-    lat = []
-    apply = idx.apply_bytes
-    clock = time.perf_counter_ns
-    t0 = time.perf_counter()
-    for _, buf, _ in wl.events:
-        s = clock()
-        apply(buf)
-        lat.append(clock() - s)
-    dt = time.perf_counter() - t0
+    _time_applies(res, idx.apply_bytes, calls)
     res.rss_delta_mb = (_rss_bytes() - rss0) / 1e6
-    lat.sort()
-    res.apply_per_s = len(wl.events) / dt
-    res.apply_p50_us, res.apply_p99_us = _pct(lat, 50), _pct(lat, 99)
     return res, idx
 
 
@@ -185,19 +188,8 @@ def _ref_apply_pass(wl: Workload) -> SideResult:
     res = SideResult("reference")
     codec = EventCodec()
     idx = PrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
-    lat = []
-    decode = codec.decode
-    apply = idx.apply_envelope
-    clock = time.perf_counter_ns
-    t0 = time.perf_counter()
-    for _, buf, _ in wl.events:
-        s = clock()
-        apply(decode(buf))
-        lat.append(clock() - s)
-    dt = time.perf_counter() - t0
-    lat.sort()
-    res.apply_per_s = len(wl.events) / dt
-    res.apply_p50_us, res.apply_p99_us = _pct(lat, 50), _pct(lat, 99)
+    decode, apply = codec.decode, idx.apply_envelope
+    _time_applies(res, lambda buf: apply(decode(buf)), [(buf,) for _, buf, _ in wl.events])
     res.traced_mb = _ours_traced_memory(wl)
     return res
 
@@ -234,23 +226,13 @@ def _ours_traced_memory(wl: Workload) -> float:
 
 def _dynamo_apply_pass(wl: Workload, radix_tree_cls) -> tuple[SideResult, object]:
     res = SideResult("dynamo")
+    calls = [(w, jbuf) for w, _, jbuf in wl.events]
     gc.collect()
     rss0 = _rss_bytes()
     tree = radix_tree_cls()
-    lat = []
-    apply = tree.apply_event
-    clock = time.perf_counter_ns
-    t0 = time.perf_counter()
-    for w, _, jbuf in wl.events:
-        s = clock()
-        apply(w, jbuf)
-        lat.append(clock() - s)
-    tree.find_matches([])  # barrier: calls are served in order by the tree's thread
-    dt = time.perf_counter() - t0
+    # barrier: calls are served in order by the tree's thread
+    _time_applies(res, tree.apply_event, calls, barrier=lambda: tree.find_matches([]))
     res.rss_delta_mb = (_rss_bytes() - rss0) / 1e6
-    lat.sort()
-    res.apply_per_s = len(wl.events) / dt
-    res.apply_p50_us, res.apply_p99_us = _pct(lat, 50), _pct(lat, 99)
     return res, tree
 
 

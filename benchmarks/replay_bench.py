@@ -22,11 +22,11 @@ import os
 import random
 import tempfile
 import time
-from collections import OrderedDict
 
 from control_plane.replay.engine import VIEW_STREAMS, ReplayEngine
 from control_plane.replay.state import RequestTraffic
 from control_plane.router.stream import snapshot_key
+from data_plane.engines.lru_blocks import LruBlocks
 from kernel.log.admin import apply_topics
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer
@@ -63,7 +63,7 @@ def generate(bus: BusSettings, n_view: int = VIEW_EVENTS, snapshot_at: int = SNA
     producers = {f"bw{i:02d}": EventProducer(bus, f"bw{i:02d}", epoch=1) for i in range(WORKERS)}
     router = EventProducer(bus, "bench-router", epoch=1)
     docs = [[rng.getrandbits(63) for _ in range(8)] for _ in range(64)]
-    held = {w: OrderedDict() for w in producers}
+    held = {w: LruBlocks(CAPACITY) for w in producers}
     stores = dict.fromkeys(producers, 0)
     n = 0
     snap_written = False
@@ -83,12 +83,8 @@ def generate(bus: BusSettings, n_view: int = VIEW_EVENTS, snapshot_at: int = SNA
         p = producers[wid]
         chain = docs[rng.randrange(len(docs))] + [rng.getrandbits(63) for _ in range(4)]
         h = held[wid]
-        new = [x for x in chain if x not in h]
-        for x in chain:
-            h[x] = None
-            h.move_to_end(x)
+        new, evicted = h.touch(chain)
         publish(p, BlockStored(worker_id=wid, tier="device", block_hashes=new, block_size=BS, hash_algo=ALGO))
-        evicted = [h.popitem(last=False)[0] for _ in range(max(len(h) - CAPACITY, 0))]
         if evicted and n < n_view:
             publish(p, BlockRemoved(worker_id=wid, tier="device", block_hashes=evicted))
         stores[wid] += 1

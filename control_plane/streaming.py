@@ -7,10 +7,15 @@ snapshot it restored (see ``control_plane/router/stream.py`` for why).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
 
 from kernel.settings import BusSettings
+
+if TYPE_CHECKING:
+    from kernel.log.fold import Poisoned
+    from kernel.log.reader import LogRecord
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +228,12 @@ class FoldProcessor:
     def dead_letter(self, value: bytes | None, key: bytes | None, reason: str, error: str, source: str) -> None:
         self.dead_lettered += 1
         self._dlq.send(value, key, reason, error, source)
+
+    def dead_letter_poison(self, rec: LogRecord, e: Poisoned) -> None:
+        """The ``on_poison`` of a subclass's :class:`~kernel.log.fold.RecordFold`: the record
+        goes to the dead-letter topic under the key the fold named (else none), its position as
+        the source."""
+        self.dead_letter(rec.value, e.key, e.reason, e.detail, f"{rec.topic}:{rec.partition}:{rec.offset}")
 
     def check_caught_up(self) -> None:
         pos = self.positions()

@@ -401,12 +401,15 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         below = 0
     elif low is not None and up is not None and low > current + _EPS:
         below = 0
-        if pending:
-            since = (now - (ps.pending_since_ns or now)) / NS
-            reason = (f"{sizing}; wants {up} but the scale-up {since:.0f}s ago is still pending "
-                      f"({reps.ready} of {current} ready): never add while an addition is pending")
-        elif ps.last_up_ns is not None and now - ps.last_up_ns < cfg.cooldown_up_s * NS:
-            reason = f"{sizing}; wants {up} but in scale-up cooldown ({cfg.cooldown_up_s:g}s)"
+        since = (now - (ps.pending_since_ns or now)) / NS
+        held = _held((
+            (pending, f"wants {up} but the scale-up {since:.0f}s ago is still pending "
+                      f"({reps.ready} of {current} ready): never add while an addition is pending"),
+            (_cooling(now, ps.last_up_ns, cfg.cooldown_up_s),
+             f"wants {up} but in scale-up cooldown ({cfg.cooldown_up_s:g}s)"),
+        ))
+        if held is not None:
+            reason = f"{sizing}; {held}"
         else:
             proposed, action = min(up, hi), "up"
             reason = sizing + (f"; capped at max_replicas {hi}" if up > hi else "")
@@ -414,13 +417,15 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
                 reason += f"; the previous scale-up did not become ready within {cfg.startup_timeout_s:g}s"
     elif down is not None and down < current:
         below += 1
-        if pending:
-            reason = f"{sizing}; below the scale-down threshold but a scale-up is pending"
-        elif below < cfg.scale_down_ticks:
-            reason = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
-                      f"{cfg.scale_down_ticks} ticks")
-        elif ps.last_change_ns is not None and now - ps.last_change_ns < cfg.cooldown_down_s * NS:
-            reason = f"{sizing}; wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"
+        held = _held((
+            (pending, "below the scale-down threshold but a scale-up is pending"),
+            (below < cfg.scale_down_ticks, f"below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
+                                           f"{cfg.scale_down_ticks} ticks"),
+            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s),
+             f"wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"),
+        ))
+        if held is not None:
+            reason = f"{sizing}; {held}"
         else:
             proposed, action = max(down, lo), "down"
             reason = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
@@ -440,6 +445,17 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         reason += f"; brought into bounds [{lo}, {hi}]"
     ps = replace(ps, below_ticks=below if action != "down" else 0)
     return _Plan(pc, ps, current, proposed, action, reason, inputs, needed, pin is not None, load)
+
+
+def _held(gates: tuple[tuple[bool, str], ...]) -> str | None:
+    """Why a scale step waits: the reason of the first gate that holds (None: it may go). Both
+    directions are gated this way, in the order their reasons should be read."""
+    return next((why for holds, why in gates if holds), None)
+
+
+def _cooling(now: int, since_ns: int | None, cooldown_s: float) -> bool:
+    """Still within ``cooldown_s`` of the change at ``since_ns`` (None: no change yet)."""
+    return since_ns is not None and now - since_ns < cooldown_s * NS
 
 
 def _observe(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from control_plane.planner.load_view import LoadView, LoadViewConfig
 from control_plane.streaming import FoldProcessor
-from kernel.log.fold import Poisoned, RecordFold
+from kernel.log.fold import RecordFold
 from kernel.log.reader import KafkaLogReader, LogRecord
 from kernel.log.snapshots import SnapshotStore
 from kernel.settings import BusSettings
@@ -65,7 +65,7 @@ class LoadViewProcessor(FoldProcessor):
         self.use_counters = counters
         self.counters = None
         self._count_at = 0.0
-        self._fold = RecordFold(view.positions, self._apply_record, self._poisoned)
+        self._fold = RecordFold(view.positions, self._apply_record, self.dead_letter_poison)
         # Counts a workers-topic record released (routings folded before their worker's
         # registration): written with the next requests-topic record, whose partition the
         # table's changelog can take.
@@ -128,9 +128,6 @@ class LoadViewProcessor(FoldProcessor):
 
     def _apply_record(self, rec: LogRecord):
         return self.view.apply_record(self.codec.decode(rec.value), rec.topic, rec.partition, rec.offset)
-
-    def _poisoned(self, rec: LogRecord, e: Poisoned) -> None:
-        self.dead_letter(rec.value, None, e.reason, e.detail, f"{rec.topic}:{rec.partition}:{rec.offset}")
 
     # -- counters ----------------------------------------------------------------------------
 

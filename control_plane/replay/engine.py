@@ -43,7 +43,7 @@ from control_plane.router.view import RouterView
 from kernel.errors import LogReadError
 from kernel.log.catalog import Catalog
 from kernel.log.fold import FoldStats
-from kernel.log.reader import TP, LogReader, LogRecord
+from kernel.log.reader import TP, LogReader, LogRecord, scan, scan_events
 from schemas import Envelope, EventCodec, SchemaError
 from schemas.events import Event, RequestAdmitted, RequestCompleted, RequestRouted
 
@@ -284,14 +284,9 @@ class ReplayEngine:
         topic = self.catalog.topic("requests")
         parts = self.reader.partitions(topic)
         p = xxhash.xxh64_intdigest(request_id.encode()) % len(parts)
-        lo, hi = self.reader.bounds(topic, p)
         found: tuple[RequestRouted, LogRecord] | None = None
-        want = request_id.encode()
-        for rec in self.reader.read(topic, p, lo, hi):
-            if rec.key != want:
-                continue
-            env = self._decode(rec)
-            if env is not None and isinstance(env.data, RequestRouted):
+        for rec, env in scan_events(self.reader, topic, codec=self.codec, key=request_id.encode(), partitions=[p]):
+            if isinstance(env.data, RequestRouted):
                 found = (env.data, rec)
         if found is None:
             raise BadPoint(f"no RequestRouted for request {request_id!r} in {topic}")
@@ -317,18 +312,15 @@ class ReplayEngine:
             parts = self.reader.partitions(topic)
         except LogReadError:
             return out
-        for p in parts:
-            lo, hi = self.reader.bounds(topic, p)
-            for rec in self.reader.read(topic, p, lo, hi):
-                env = self._decode(rec)
-                if env is None or not isinstance(env.data, RouterConfigChanged):
-                    continue
-                try:
-                    out[env.data.config_version] = msgspec.convert(
-                        {**env.data.config, "version": env.data.config_version}, RouterConfig)
-                except msgspec.ValidationError as e:
-                    log.warning("RouterConfigChanged v%d at %s:%d:%d does not validate: %s",
-                                env.data.config_version, topic, p, rec.offset, e)
+        for rec, env in scan_events(self.reader, topic, codec=self.codec, partitions=parts):
+            if not isinstance(env.data, RouterConfigChanged):
+                continue
+            try:
+                out[env.data.config_version] = msgspec.convert(
+                    {**env.data.config, "version": env.data.config_version}, RouterConfig)
+            except msgspec.ValidationError as e:
+                log.warning("RouterConfigChanged v%d at %s:%d:%d does not validate: %s",
+                            env.data.config_version, topic, rec.partition, rec.offset, e)
         return out
 
     # -- snapshots --------------------------------------------------------------------------
@@ -344,17 +336,15 @@ class ReplayEngine:
             parts = self.reader.partitions(topic)
         except LogReadError:
             parts = []
-        for p in parts:
-            lo, hi = self.reader.bounds(topic, p)
-            for rec in self.reader.read(topic, p, lo, hi):
-                if rec.value is None or rec.key is None or not rec.key.startswith(b"router-view:"):
-                    continue
-                try:
-                    h = head.decode(rec.value)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                out.append(SnapshotInfo(rec.offset, rec.key.decode(),
-                                        {(t, pp): o for t, pp, o in h.positions}, h.applied))
+        for rec in scan(self.reader, topic, partitions=parts):
+            if rec.value is None or rec.key is None or not rec.key.startswith(b"router-view:"):
+                continue
+            try:
+                h = head.decode(rec.value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            out.append(SnapshotInfo(rec.offset, rec.key.decode(),
+                                    {(t, pp): o for t, pp, o in h.positions}, h.applied))
         self._snapshots = out
         return out
 
@@ -417,23 +407,32 @@ class ReplayEngine:
             req_topic = self.catalog.topic("requests")
             req_targets = self.resolve(point, [req_topic], side="end")
             lows = {tp: self.reader.bounds(*tp)[0] for tp in req_targets}
+            located, _ = self._read_requests(lows, req_targets)
             load = RequestTraffic()
-            located: list[Located] = []
-            bar = self.progress("reading requests", sum(max(e - lows[tp], 0) for tp, e in req_targets.items()))
-            for (t, p), end in req_targets.items():
-                for rec in self.reader.read(t, p, lows[(t, p)], end):
-                    bar.update(1)
-                    env = self._decode(rec)
-                    if env is None:
-                        continue
-                    load.apply(env, t, p, rec.offset)
-                    located.append(Located(env, t, p, rec.offset))
-            bar.close()
+            for loc in located:
+                load.apply(loc.env, loc.topic, loc.partition, loc.offset)
             out["load"] = load.as_dict()
             out["load"]["positions"] = format_positions(load.positions)
             out["ledgers"] = self._ledgers_at(located, configs or ConfigBook())
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out, view
+
+    def _read_requests(self, starts: dict[TP, int], ends: dict[TP, int]) -> tuple[list[Located], int]:
+        """The decodable records of request partitions from ``starts`` to ``ends`` (exclusive),
+        partition by partition in offset order, and how many records were read (the ones that
+        do not decode are read around, as every tool does)."""
+        located: list[Located] = []
+        read = 0
+        bar = self.progress("reading requests", sum(max(e - starts[tp], 0) for tp, e in ends.items()))
+        for (t, p), e in ends.items():
+            for rec in self.reader.read(t, p, starts[(t, p)], e):
+                bar.update(1)
+                read += 1
+                env = self._decode(rec)
+                if env is not None:
+                    located.append(Located(env, t, p, rec.offset))
+        bar.close()
+        return located, read
 
     def _ledgers_at(self, located: list[Located], configs: ConfigBook) -> dict:
         """Each router incarnation's ledger after its last recorded event: the fold of its own
@@ -475,16 +474,8 @@ class ReplayEngine:
             back = from_ts - int(configs.ttl_s() * 1000) - 60_000
             for (t, p) in start:
                 look[(t, p)] = min(start[(t, p)], self.reader.offset_for_time(t, p, back))
-        located: list[Located] = []
-        bar = self.progress("reading requests", sum(max(end[tp] - look[tp], 0) for tp in end))
-        for (t, p), e in end.items():
-            for rec in self.reader.read(t, p, look[(t, p)], e):
-                bar.update(1)
-                walk.records_read += 1
-                env = self._decode(rec)
-                if env is not None:
-                    located.append(Located(env, t, p, rec.offset))
-        bar.close()
+        located, read = self._read_requests(look, end)
+        walk.records_read += read
         for loc in located:
             ev = loc.env.data
             if isinstance(ev, RequestAdmitted):

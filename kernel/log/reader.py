@@ -134,7 +134,44 @@ def read_events(bus, stream: str, **bounds) -> list:
 # ----------------------------------------------------------------------------------------------
 
 
-class MemoryLogReader:
+class _HeldLog:
+    """What the memory and file readers share: the log's whole layout is held in the process
+    (records, or frame headers), so partitions, bounds and time lookups are answered from it.
+    A subclass gives the first and last offset of a partition (:meth:`_extent`) and ``read``."""
+
+    def __init__(self, held: Iterable[TP], where: str, partitions: dict[str, int] | None = None) -> None:
+        #: How errors name this log.
+        self._where = where
+        #: Partitions per topic: the highest one held + 1, at least as many as declared (an
+        #: empty partition still counts, or a key would hash to another one).
+        self._n = dict(partitions or {})
+        for t, p in held:
+            self._n[t] = max(self._n.get(t, 0), p + 1)
+
+    def _extent(self, topic: str, partition: int) -> tuple[int, int] | None:
+        """(first, last) offset held of the partition; None when it holds nothing."""
+        raise NotImplementedError
+
+    def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        raise NotImplementedError
+
+    def partitions(self, topic: str) -> list[int]:
+        if topic not in self._n:
+            raise LogReadError(f"topic {topic} is not in {self._where}")
+        return list(range(self._n[topic]))
+
+    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+        ext = self._extent(topic, partition)
+        return (0, 0) if ext is None else (ext[0], ext[1] + 1)
+
+    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
+        for r in self.read(topic, partition, 0, 1 << 62):
+            if r.ts_ms >= ts_ms:
+                return r.offset
+        return self.bounds(topic, partition)[1]
+
+
+class MemoryLogReader(_HeldLog):
     """Records held in memory, per partition (tests; a log with one record altered)."""
 
     def __init__(self, records: Iterable[LogRecord], partitions: dict[str, int] | None = None) -> None:
@@ -143,26 +180,11 @@ class MemoryLogReader:
             self._parts.setdefault((r.topic, r.partition), []).append(r)
         for recs in self._parts.values():
             recs.sort(key=lambda r: r.offset)
-        self._n = dict(partitions or {})
-        for t, p in self._parts:
-            self._n[t] = max(self._n.get(t, 0), p + 1)
+        super().__init__(self._parts, "this log", partitions)
 
-    def partitions(self, topic: str) -> list[int]:
-        if topic not in self._n:
-            raise LogReadError(f"topic {topic} is not in this log")
-        return list(range(self._n[topic]))
-
-    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+    def _extent(self, topic: str, partition: int) -> tuple[int, int] | None:
         recs = self._parts.get((topic, partition))
-        if not recs:
-            return (0, 0)
-        return (recs[0].offset, recs[-1].offset + 1)
-
-    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
-        for r in self._parts.get((topic, partition), ()):
-            if r.ts_ms >= ts_ms:
-                return r.offset
-        return self.bounds(topic, partition)[1]
+        return (recs[0].offset, recs[-1].offset) if recs else None
 
     def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
         for r in self._parts.get((topic, partition), ()):
@@ -374,7 +396,7 @@ def export_log(reader: LogReader, topics: Sequence[str], path: str | Path, *,
     return n_total
 
 
-class FileLogReader:
+class FileLogReader(_HeldLog):
     """Reads a ``.sylog`` export. Frame headers are indexed at open; bodies are read on demand."""
 
     def __init__(self, path: str | Path) -> None:
@@ -397,29 +419,14 @@ class FileLogReader:
             frames = self._frames.setdefault((h.t, h.p), [])
             if h.n:
                 frames.append((h.first, h.last, pos, bl))
-        self._n: dict[str, int] = {}
-        for t, p in self._frames:
-            self._n[t] = max(self._n.get(t, 0), p + 1)
+        super().__init__(self._frames, str(self.path))
 
     def close(self) -> None:
         self._f.close()
 
-    def partitions(self, topic: str) -> list[int]:
-        if topic not in self._n:
-            raise LogReadError(f"topic {topic} is not in {self.path}")
-        return list(range(self._n[topic]))
-
-    def bounds(self, topic: str, partition: int) -> tuple[int, int]:
+    def _extent(self, topic: str, partition: int) -> tuple[int, int] | None:
         fr = self._frames.get((topic, partition))
-        if not fr:
-            return (0, 0)
-        return (fr[0][0], fr[-1][1] + 1)
-
-    def offset_for_time(self, topic: str, partition: int, ts_ms: int) -> int:
-        for r in self.read(topic, partition, 0, 1 << 62):
-            if r.ts_ms >= ts_ms:
-                return r.offset
-        return self.bounds(topic, partition)[1]
+        return (fr[0][0], fr[-1][1]) if fr else None
 
     def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
         for first, last, pos, bl in self._frames.get((topic, partition), ()):

@@ -18,7 +18,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
@@ -199,25 +200,27 @@ def dead_replay_endpoint():
     ctx.term()
 
 
-def start_bridge(pub: FakeVllmPublisher, sink: MemorySink, **settings) -> KvEventBridge:
+@contextmanager
+def running_bridge(pub: FakeVllmPublisher, sink: MemorySink, **settings) -> Iterator[KvEventBridge]:
+    """A bridge subscribed to ``pub`` (its replay endpoint unless ``settings`` name another),
+    stopped on leaving the block whatever happened inside it."""
     settings.setdefault("replay_endpoint", pub.replay_endpoint)
     bridge = KvEventBridge(SOURCE, BridgeSettings(endpoint=pub.endpoint, **settings), sink)
     bridge.start()
-    pub.wait_subscribed()
-    return bridge
+    try:
+        pub.wait_subscribed()
+        yield bridge
+    finally:
+        bridge.stop()
 
 
 def test_normal_flow_republishes_byte_exact_batches_in_order(publisher):
-    pub = publisher()
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
+    pub, sink = publisher(), MemorySink()
+    with running_bridge(pub, sink) as bridge:
         pub.publish((FIXTURES / "sample_v0_33.msgpack").read_bytes())
         pub.publish((FIXTURES / "cpu_storage_media_v0_33.msgpack").read_bytes())
         pub.publish(batch(101, 102))
         wait_until(lambda: bridge.stats().batches_applied == 3)
-    finally:
-        bridge.stop()
     assert kinds(sink) == [
         "BlockStored", "BlockRemoved", "AllBlocksCleared",       # seq 0: the 0.33 sample
         "BlockStored", "BlockStored", "BlockRemoved", "BlockStored",  # seq 1: CPU/STORAGE/nil
@@ -232,18 +235,14 @@ def test_normal_flow_republishes_byte_exact_batches_in_order(publisher):
 
 
 def test_lost_batch_is_replayed_and_applied_in_order(publisher):
-    pub = publisher()
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
+    pub, sink = publisher(), MemorySink()
+    with running_bridge(pub, sink) as bridge:
         pub.publish(batch(1))
         pub.publish(batch(2), lose=True)
         pub.publish(batch(3), lose=True)
         pub.publish(batch(4))       # seq 3 arrives: gap 1..2 -> replay from 1
         pub.publish(batch(5))       # after the gap: normal again
         wait_until(lambda: stored(sink) == [1, 2, 3, 4, 5])
-    finally:
-        bridge.stop()
     assert pub.replay_requests == [1]
     st = bridge.stats()
     assert (st.gaps, st.replays, st.resyncs) == (1, 1, 0)
@@ -252,33 +251,25 @@ def test_lost_batch_is_replayed_and_applied_in_order(publisher):
 
 
 def test_older_two_frame_replay_replies_are_understood(publisher):
-    pub = publisher(legacy_replay=True)
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
+    pub, sink = publisher(legacy_replay=True), MemorySink()
+    with running_bridge(pub, sink) as bridge:
         pub.publish(batch(1))
         pub.publish(batch(2), lose=True)
         pub.publish(batch(3))
         wait_until(lambda: stored(sink) == [1, 2, 3])
-    finally:
-        bridge.stop()
     assert bridge.stats().resyncs == 0
 
 
 def test_exhausted_replay_buffer_resyncs_with_all_blocks_cleared(publisher):
     """Buffer of 2: seqs 1..3 lost on PUB; when seq 4 arrives the buffer holds 3 and 4 only.
     Seqs 1..2 are gone: AllBlocksCleared, then 3 and 4 from the replay."""
-    pub = publisher(buffer_steps=2)
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
+    pub, sink = publisher(buffer_steps=2), MemorySink()
+    with running_bridge(pub, sink) as bridge:
         pub.publish(batch(10))
         for h in (11, 12, 13):
             pub.publish(batch(h), lose=True)
         pub.publish(batch(14))
         wait_until(lambda: 14 in stored(sink))
-    finally:
-        bridge.stop()
     assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored", "BlockStored"]
     assert stored(sink) == [10, 13, 14]
     clear = sink.events[1]
@@ -297,22 +288,17 @@ def test_a_gap_that_cannot_be_replayed_resyncs(publisher, request, replay):
         pub = publisher()
         settings = {"replay_endpoint": request.getfixturevalue("dead_replay_endpoint"), "replay_timeout_s": 0.3}
     sink = MemorySink()
-    bridge = start_bridge(pub, sink, **settings)
-    try:
+    with running_bridge(pub, sink, **settings):
         pub.publish(batch(1))
         pub.publish(batch(2), lose=True)
         pub.publish(batch(3))
         wait_until(lambda: 3 in stored(sink))
-    finally:
-        bridge.stop()
     assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
 
 
 def test_publisher_restart_resyncs_and_follows_the_new_numbering(publisher):
-    pub = publisher()
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
+    pub, sink = publisher(), MemorySink()
+    with running_bridge(pub, sink) as bridge:
         pub.publish(batch(1))
         pub.publish(batch(2))
         wait_until(lambda: stored(sink) == [1, 2])
@@ -320,8 +306,6 @@ def test_publisher_restart_resyncs_and_follows_the_new_numbering(publisher):
         pub.publish(batch(7))      # seq 0 again
         pub.publish(batch(8))
         wait_until(lambda: 8 in stored(sink))
-    finally:
-        bridge.stop()
     assert kinds(sink) == ["BlockStored", "BlockStored", "AllBlocksCleared", "BlockStored",
                            "BlockStored"]
     assert stored(sink) == [1, 2, 7, 8]
@@ -330,31 +314,23 @@ def test_publisher_restart_resyncs_and_follows_the_new_numbering(publisher):
 
 def test_late_joiner_catches_up_from_seq_zero(publisher):
     """Batches published before the bridge existed are fetched from the replay buffer."""
-    pub = publisher()
-    sink = MemorySink()
+    pub, sink = publisher(), MemorySink()
     pub.publish(batch(1))
     pub.publish(batch(2))
-    bridge = start_bridge(pub, sink)
-    try:
+    with running_bridge(pub, sink) as bridge:
         pub.publish(batch(3))
         wait_until(lambda: stored(sink) == [1, 2, 3])
-    finally:
-        bridge.stop()
     assert pub.replay_requests == [0]
     assert bridge.stats().resyncs == 0
 
 
 def test_undecodable_batch_resyncs_and_continues(publisher):
-    pub = publisher()
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink)
-    try:
+    pub, sink = publisher(), MemorySink()
+    with running_bridge(pub, sink) as bridge:
         pub.publish(batch(1))
         pub.publish(b"\xc1 not msgpack")
         pub.publish(batch(3))
         wait_until(lambda: 3 in stored(sink))
-    finally:
-        bridge.stop()
     assert kinds(sink) == ["BlockStored", "AllBlocksCleared", "BlockStored"]
     assert bridge.stats().decode_errors == 1
 
@@ -365,37 +341,30 @@ def test_sink_failure_stops_the_bridge_and_keeps_the_error(publisher):
             raise RuntimeError("broker gone")
 
     pub = publisher()
-    bridge = start_bridge(pub, Broken())
-    try:
+    with running_bridge(pub, Broken()) as bridge:
         pub.publish(batch(1))
         wait_until(lambda: not bridge.running)
-    finally:
-        bridge.stop()
     assert isinstance(bridge.error, RuntimeError)
 
 
 def test_stop_is_prompt_and_idempotent(publisher):
     pub = publisher()
-    bridge = start_bridge(pub, MemorySink(), poll_interval_s=0.05)
-    t0 = time.monotonic()
-    bridge.stop()
-    bridge.stop()
-    assert time.monotonic() - t0 < 1.0
+    with running_bridge(pub, MemorySink(), poll_interval_s=0.05) as bridge:
+        t0 = time.monotonic()
+        bridge.stop()
+        bridge.stop()
+        assert time.monotonic() - t0 < 1.0
     assert not bridge.running
 
 
 def test_stop_during_a_replay_is_prompt_and_publishes_no_resync(publisher, dead_replay_endpoint):
-    pub = publisher()
-    sink = MemorySink()
-    bridge = start_bridge(pub, sink, replay_endpoint=dead_replay_endpoint, replay_timeout_s=30.0,
-                          poll_interval_s=0.05)
-    try:
+    pub, sink = publisher(), MemorySink()
+    with running_bridge(pub, sink, replay_endpoint=dead_replay_endpoint, replay_timeout_s=30.0,
+                        poll_interval_s=0.05) as bridge:
         pub.publish(batch(1), lose=True)
         pub.publish(batch(2))              # gap at seq 1: the replay request hangs
         wait_until(lambda: bridge.stats().gaps == 1)
         t0 = time.monotonic()
         bridge.stop()
         assert time.monotonic() - t0 < 1.0
-    finally:
-        bridge.stop()
     assert sink.events == [] and bridge.error is None

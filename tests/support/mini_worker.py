@@ -13,12 +13,12 @@ import argparse
 import asyncio
 import json
 import os
-from collections import OrderedDict
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from data_plane.engines.lru_blocks import LruBlocks
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
@@ -30,7 +30,7 @@ def build(worker_id: str, port: int, capacity: int, die_after: int | None, token
     cfg = HashConfig(HashAlgo.SHA256, 64)
     producer = EventProducer(BusSettings.from_env(), worker_id)
     tok = HashTokenizer()
-    held: OrderedDict[int, None] = OrderedDict()
+    held = LruBlocks(capacity)
     state = {"served": 0, "running": 0}
     app = FastAPI()
 
@@ -50,19 +50,8 @@ def build(worker_id: str, port: int, capacity: int, die_after: int | None, token
 
     def store(tokens: list[int]) -> int:
         hashes = hash_blocks(tokens, cfg)
-        cached = 0
-        for h in hashes:
-            if h in held:
-                cached += 1
-            else:
-                break
-        new = [h for h in hashes if h not in held]
-        for h in hashes:
-            held[h] = None
-            held.move_to_end(h)
-        evicted = []
-        while len(held) > capacity:
-            evicted.append(held.popitem(last=False)[0])
+        cached = held.held_prefix(hashes)
+        new, evicted = held.touch(hashes)
         if new:
             producer.publish(BlockStored(worker_id=worker_id, tier="device", block_hashes=new, block_size=64,
                                          hash_algo=cfg.hash_algo))

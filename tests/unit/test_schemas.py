@@ -291,32 +291,17 @@ def _make_worker_registered(**overrides: Any) -> ev.WorkerRegistered:
     )
 
 
+def _load_fields() -> dict[str, Any]:
+    """What v1 and v2 of WorkerLoadReported share (v2 only replaced ``kv_usage``)."""
+    return {"worker_id": W, "running": 2, "waiting": 1, "queued_prefill_tokens": 32, "active_decode_blocks": 7}
+
+
 def _make_worker_load_reported_v1(**overrides: Any) -> ev.WorkerLoadReportedV1:
-    return ev.WorkerLoadReportedV1(
-        **{
-            "worker_id": W,
-            "running": 2,
-            "waiting": 1,
-            "kv_usage": 0.5,
-            "queued_prefill_tokens": 32,
-            "active_decode_blocks": 7,
-            **overrides,
-        }
-    )
+    return ev.WorkerLoadReportedV1(**{**_load_fields(), "kv_usage": 0.5, **overrides})
 
 
 def _make_worker_load_reported(**overrides: Any) -> ev.WorkerLoadReported:
-    return ev.WorkerLoadReported(
-        **{
-            "worker_id": W,
-            "running": 2,
-            "waiting": 1,
-            "tier_usage": {"device": 0.5, "host": 0.25},
-            "queued_prefill_tokens": 32,
-            "active_decode_blocks": 7,
-            **overrides,
-        }
-    )
+    return ev.WorkerLoadReported(**{**_load_fields(), "tier_usage": {"device": 0.5, "host": 0.25}, **overrides})
 
 
 def _make_worker_draining(**overrides: Any) -> ev.WorkerDraining:

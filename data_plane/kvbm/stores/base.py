@@ -18,11 +18,47 @@ own calls); see :mod:`data_plane.kvbm.aio` for the asyncio side.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
+from data_plane.kvbm.errors import BlockMissing, StorageError
 from schemas.types import BlockHash, Tier
 
 Buffer = bytes | bytearray | memoryview
+
+#: Ending of a block's file (disk) or object key (S3): ``<hash as 16 hex digits>.kvb``.
+BLOCK_SUFFIX = ".kvb"
+
+
+def block_name(block_hash: BlockHash) -> str:
+    """The file or object name (after the store's prefix) of a block."""
+    return f"{block_hash:016x}{BLOCK_SUFFIX}"
+
+
+def parse_block_name(name: str) -> BlockHash | None:
+    """The hash a :func:`block_name` names, or None for anything else found in the store."""
+    if len(name) != 16 + len(BLOCK_SUFFIX) or not name.endswith(BLOCK_SUFFIX):
+        return None
+    try:
+        return BlockHash(int(name[:16], 16))
+    except ValueError:
+        return None
+
+
+@contextmanager
+def driver_errors(doing: str, driver: type[BaseException] | tuple[type[BaseException], ...], *,
+                  is_missing: Callable[[BaseException], bool] | None = None, missing: str = "") -> Iterator[None]:
+    """Translate a backend's driver errors (``OSError``, botocore) into this package's, so the
+    manager never has to know which backend failed: a ``driver`` error for which ``is_missing``
+    holds becomes :class:`BlockMissing` (``missing`` is its message; the driver's traceback
+    adds nothing to "not there"), any other becomes ``StorageError("<doing>: <error>")``."""
+    try:
+        yield
+    except driver as e:
+        if is_missing is not None and is_missing(e):
+            raise BlockMissing(missing) from None
+        raise StorageError(f"{doing}: {e}") from e
 
 
 class BlockStore(Protocol):

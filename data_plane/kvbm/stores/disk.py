@@ -9,29 +9,24 @@ when the store opens. One worker process per directory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
 from pathlib import Path
 
 from data_plane.kvbm import frame
-from data_plane.kvbm.errors import BlockMissing, StorageError
-from data_plane.kvbm.stores.base import Buffer
+from data_plane.kvbm.errors import StorageError
+from data_plane.kvbm.stores.base import Buffer, block_name, driver_errors, parse_block_name
 from schemas.types import BlockHash, Tier
 
 logger = logging.getLogger(__name__)
 
-_SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
 
 
-def _parse_name(name: str) -> BlockHash | None:
-    if len(name) != 16 + len(_SUFFIX) or not name.endswith(_SUFFIX):
-        return None
-    try:
-        return BlockHash(int(name[:16], 16))
-    except ValueError:
-        return None
+def _absent(e: BaseException) -> bool:
+    return isinstance(e, FileNotFoundError)
 
 
 class DiskStore:
@@ -41,17 +36,15 @@ class DiskStore:
         self.root = Path(root)
         self.bytes_per_block = bytes_per_block
         self.fsync = fsync
-        try:
+        with driver_errors(f"cannot open disk tier at {self.root}", OSError):
             self.root.mkdir(parents=True, exist_ok=True)
             for entry in os.scandir(self.root):
                 if entry.name.endswith(_TMP_SUFFIX):
                     logger.info("removing leftover temporary %s", entry.path)
                     os.unlink(entry.path)
-        except OSError as e:
-            raise StorageError(f"cannot open disk tier at {self.root}: {e}") from e
 
     def path_of(self, block_hash: BlockHash) -> Path:
-        return self.root / f"{block_hash:016x}{_SUFFIX}"
+        return self.root / block_name(block_hash)
 
     def put(self, block_hash: BlockHash, data: Buffer) -> None:
         final = self.path_of(block_hash)
@@ -82,31 +75,23 @@ class DiskStore:
 
     def get(self, block_hash: BlockHash) -> memoryview:
         path = self.path_of(block_hash)
-        try:
+        with driver_errors(f"reading block {block_hash:016x} from {path}", OSError,
+                           is_missing=_absent, missing=f"block {block_hash:016x}: no file {path}"):
             blob = path.read_bytes()
-        except FileNotFoundError:
-            raise BlockMissing(f"block {block_hash:016x}: no file {path}") from None
-        except OSError as e:
-            raise StorageError(f"reading block {block_hash:016x} from {path}: {e}") from e
         return frame.decode(block_hash, blob, self.bytes_per_block)
 
     def delete(self, block_hash: BlockHash) -> None:
-        try:
+        with driver_errors(f"deleting block {block_hash:016x}", OSError), \
+                contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_of(block_hash))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise StorageError(f"deleting block {block_hash:016x}: {e}") from e
 
     def scan(self) -> dict[BlockHash, int]:
         found: dict[BlockHash, int] = {}
-        try:
+        with driver_errors(f"scanning {self.root}", OSError):
             for entry in os.scandir(self.root):
-                h = _parse_name(entry.name)
+                h = parse_block_name(entry.name)
                 if h is not None:
                     found[h] = entry.stat().st_size
-        except OSError as e:
-            raise StorageError(f"scanning {self.root}: {e}") from e
         return found
 
     def close(self) -> None:

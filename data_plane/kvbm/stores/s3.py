@@ -16,8 +16,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from data_plane.kvbm import frame
-from data_plane.kvbm.errors import BlockMissing, StorageError
-from data_plane.kvbm.stores.base import Buffer
+from data_plane.kvbm.errors import StorageError
+from data_plane.kvbm.stores.base import Buffer, block_name, driver_errors, parse_block_name
 from schemas.types import BlockHash, Tier
 
 if TYPE_CHECKING:
@@ -25,8 +25,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_SUFFIX = ".kvb"
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+#: What boto3 raises: the service's answer (ClientError) or the transport's (BotoCoreError).
+_DRIVER = (ClientError, BotoCoreError)
+
+
+def _code(e: BaseException) -> str | None:
+    """The service's error code (None for a transport error)."""
+    return e.response.get("Error", {}).get("Code") if isinstance(e, ClientError) else None
+
+
+def _absent(e: BaseException) -> bool:
+    """The service said the bucket or key does not exist."""
+    return _code(e) in _MISSING_CODES
 
 
 def make_client(s3: S3Settings) -> Any:
@@ -70,67 +81,47 @@ class S3Store:
         try:
             self.client.head_bucket(Bucket=self.bucket)
             return
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in _MISSING_CODES:
+        except _DRIVER as e:
+            if not _absent(e):
                 raise StorageError(f"bucket {self.bucket}: {e}") from e
-        except BotoCoreError as e:
-            raise StorageError(f"bucket {self.bucket}: {e}") from e
         kwargs: dict[str, Any] = {"Bucket": self.bucket}
         if region != "us-east-1":
             kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
         try:
             self.client.create_bucket(**kwargs)
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou",):
+        except _DRIVER as e:
+            if _code(e) != "BucketAlreadyOwnedByYou":
                 raise StorageError(f"creating bucket {self.bucket}: {e}") from e
-        except BotoCoreError as e:
-            raise StorageError(f"creating bucket {self.bucket}: {e}") from e
 
     def key_of(self, block_hash: BlockHash) -> str:
-        return f"{self.prefix}{block_hash:016x}{_SUFFIX}"
+        return f"{self.prefix}{block_name(block_hash)}"
 
     def put(self, block_hash: BlockHash, data: Buffer) -> None:
-        try:
+        with driver_errors(f"PUT block {block_hash:016x}", _DRIVER):
             self.client.put_object(Bucket=self.bucket, Key=self.key_of(block_hash),
                                    Body=frame.encode(block_hash, data))
-        except (ClientError, BotoCoreError) as e:
-            raise StorageError(f"PUT block {block_hash:016x}: {e}") from e
 
     def get(self, block_hash: BlockHash) -> memoryview:
-        try:
-            resp = self.client.get_object(Bucket=self.bucket, Key=self.key_of(block_hash))
-            blob = resp["Body"].read()
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in _MISSING_CODES:
-                raise BlockMissing(f"block {block_hash:016x}: no object "
-                                   f"{self.key_of(block_hash)}") from None
-            raise StorageError(f"GET block {block_hash:016x}: {e}") from e
-        except BotoCoreError as e:
-            raise StorageError(f"GET block {block_hash:016x}: {e}") from e
+        key = self.key_of(block_hash)
+        with driver_errors(f"GET block {block_hash:016x}", _DRIVER,
+                           is_missing=_absent, missing=f"block {block_hash:016x}: no object {key}"):
+            blob = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         return frame.decode(block_hash, blob, self.bytes_per_block)
 
     def delete(self, block_hash: BlockHash) -> None:
-        try:
+        with driver_errors(f"DELETE block {block_hash:016x}", _DRIVER):
             self.client.delete_object(Bucket=self.bucket, Key=self.key_of(block_hash))
-        except (ClientError, BotoCoreError) as e:
-            raise StorageError(f"DELETE block {block_hash:016x}: {e}") from e
 
     def scan(self) -> dict[BlockHash, int]:
         found: dict[BlockHash, int] = {}
-        try:
+        with driver_errors(f"listing s3://{self.bucket}/{self.prefix}", _DRIVER):
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix)
             for page in pages:
                 for obj in page.get("Contents", []):
-                    name = obj["Key"][len(self.prefix):]
-                    if len(name) != 16 + len(_SUFFIX) or not name.endswith(_SUFFIX):
-                        continue
-                    try:
-                        found[BlockHash(int(name[:16], 16))] = int(obj["Size"])
-                    except ValueError:
-                        continue
-        except (ClientError, BotoCoreError) as e:
-            raise StorageError(f"listing s3://{self.bucket}/{self.prefix}: {e}") from e
+                    h = parse_block_name(obj["Key"][len(self.prefix):])
+                    if h is not None:
+                        found[h] = int(obj["Size"])
         return found
 
     def close(self) -> None:
