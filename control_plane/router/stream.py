@@ -64,7 +64,7 @@ class RouterViewProcessor(FoldProcessor):
         self.view = view
         self.thresholds = thresholds
         self._on_applied = on_applied
-        self._fold = RecordFold(view.positions, self._apply_record, self._poisoned)
+        self._fold = RecordFold(view.positions, self._apply_record, self.dead_letter_poison)
 
     @classmethod
     def load_view(cls, bus: BusSettings, hash_algo: str, block_size: int) -> RouterView:
@@ -108,9 +108,6 @@ class RouterViewProcessor(FoldProcessor):
             return self.view.apply_record(rec.value, rec.topic, rec.partition, rec.offset, rec.ts_ms, self.codec)
         except IndexRejected as e:
             raise Poisoned(f"index_rejected:{e.reason}", str(e), self.codec.peek(rec.value).key.encode()) from None
-
-    def _poisoned(self, rec: LogRecord, e: Poisoned) -> None:
-        self.dead_letter(rec.value, e.key, e.reason, e.detail, f"{rec.topic}:{rec.partition}:{rec.offset}")
 
     # -- health ------------------------------------------------------------------------------
 

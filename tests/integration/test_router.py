@@ -27,11 +27,13 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 class Procs:
-    def __init__(self, bus: BusSettings) -> None:
+    def __init__(self, bus: BusSettings, log_dir) -> None:
         self.env = {**os.environ, "SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap,
                     "SWITCHYARD_TOPIC_PREFIX": bus.topic_prefix, "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
-        self.log = open(f"/tmp/router-test-{bus.topic_prefix}.log", "ab")
+        # The routers' output, kept with the test's other files (pytest prints the path on a
+        # failure and prunes old runs).
+        self.log = open(log_dir / "router.log", "ab")
 
     def worker(self, wid: str, *extra: str) -> tuple[subprocess.Popen, int]:
         port = free_port()
@@ -53,6 +55,7 @@ class Procs:
             if p.poll() is None:
                 p.kill()
             p.wait(10)
+        self.log.close()
 
 
 def _wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 60) -> httpx.Response:
@@ -93,8 +96,8 @@ def _checkpointed(bus: BusSettings, applied: int) -> bool:
 
 
 @pytest.fixture
-def procs(bus: BusSettings):
-    p = Procs(bus)
+def procs(bus: BusSettings, tmp_path):
+    p = Procs(bus, tmp_path)
     yield p
     p.close()
 
