@@ -61,7 +61,37 @@ class StackSettings:
 
     @property
     def redis_url(self) -> str:
+        """With the stack's Redis password (:meth:`secret`): keep it out of logs, use
+        :attr:`redis_address` to show where Redis is."""
+        return f"redis://:{self.secret('redis')}@{self.host}:{self.redis_port}/0"
+
+    @property
+    def redis_address(self) -> str:
         return f"redis://{self.host}:{self.redis_port}/0"
+
+    @property
+    def pgpass_file(self) -> Path:
+        """A libpq password file (mode 0600) for the stack's PostgreSQL user. The password stays
+        out of URLs, command lines and logs: clients of :attr:`postgres_url` find it here
+        (``control_plane.admin.db.session.make_engine``, ``PGPASSFILE`` for the CLI tools)."""
+        path = self.state_dir / "secrets" / f"pgpass.{self.postgres_port}"
+        if not path.exists():
+            _write_private(path, f"{self.host}:{self.postgres_port}:*:switchyard:{self.secret('postgres')}\n")
+        return path
+
+    def secret(self, name: str) -> str:
+        """The stack's password for ``name`` (postgres, redis), made on first use and kept in
+        ``<state_dir>/secrets/<name>`` (mode 0600, directory 0700); every process sharing the
+        state dir reads the same one, and a second maker loses the race harmlessly."""
+        path = self.state_dir / "secrets" / name
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            pass
+        import secrets
+
+        _write_private(path, secrets.token_urlsafe(24) + "\n")
+        return path.read_text().strip()
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> StackSettings:
@@ -80,3 +110,14 @@ class StackSettings:
                 kwargs[f.name] = raw
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` readable by its owner only, unless it exists already (then keep it)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(text)

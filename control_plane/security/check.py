@@ -186,7 +186,12 @@ def probe_postgres(url: str) -> Probe:
 def probe_redis(url: str) -> Probe:
     import redis
 
-    bare = redis.Redis.from_url(url, password=None, username=None, socket_timeout=5)
+    # The URL without its credentials (from_url lets a URL's password win over keyword arguments).
+    from urllib.parse import urlsplit, urlunsplit
+
+    u = urlsplit(url)
+    netloc = u.hostname + (f":{u.port}" if u.port else "")
+    bare = redis.Redis.from_url(urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment)), socket_timeout=5)
     try:
         bare.ping()
     except redis.exceptions.AuthenticationError as e:

@@ -2,6 +2,11 @@
 
 PostgreSQL refuses to run as root; when we are root the server runs as the ``postgres`` system
 user created by the Debian package, and the data dir is handed to it.
+
+Every connection, local socket or TCP, authenticates with SCRAM-SHA-256 as ``switchyard``, whose
+password is the stack's secret (``StackSettings.secret("postgres")``, handed to clients in a
+libpq password file). A data dir made by an older version with ``trust`` is converted on start:
+the password is set, ``pg_hba.conf`` rewritten and reloaded.
 """
 
 from __future__ import annotations
@@ -82,11 +87,20 @@ class PostgresService:
         if fresh:
             self.data.mkdir(parents=True, exist_ok=True)
             self._chown()
-            r = subprocess.run(
-                self._as_owner([str(bindir / "initdb"), "-D", str(self.data), "-U", "switchyard",
-                                "--auth=trust", "-E", "UTF8", "--no-instructions"]),
-                capture_output=True, text=True,
-            )
+            pwfile = self.dir / "initdb.pw"  # the server's user reads it; gone right after
+            pwfile.unlink(missing_ok=True)
+            with os.fdopen(os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(self.s.secret("postgres") + "\n")
+            self._chown()
+            try:
+                r = subprocess.run(
+                    self._as_owner([str(bindir / "initdb"), "-D", str(self.data), "-U", "switchyard",
+                                    "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8",
+                                    "--no-instructions"]),
+                    capture_output=True, text=True,
+                )
+            finally:
+                pwfile.unlink(missing_ok=True)
             if r.returncode != 0:
                 raise StackError(f"initdb failed: {r.stderr or r.stdout}")
         self._chown()
@@ -100,13 +114,39 @@ class PostgresService:
         if r.returncode != 0:
             raise StackError(f"PostgreSQL failed to start: {r.stderr or r.stdout}\n{_tail(self.log_file)}")
         wait_until(self.ready, timeout, 0.3, "pg_isready")
+        self._require_passwords(bindir)
         if fresh:
             r = subprocess.run(
                 [str(bindir / "createdb"), "-h", self.s.host, "-p", str(self.s.postgres_port),
-                 "-U", "switchyard", "switchyard"], capture_output=True, text=True)
+                 "-U", "switchyard", "switchyard"], capture_output=True, text=True, env=self._client_env())
             if r.returncode != 0 and "already exists" not in r.stderr:
                 raise StackError(f"createdb failed: {r.stderr}")
         return True
+
+    def _client_env(self) -> dict[str, str]:
+        return {**os.environ, "PGPASSFILE": str(self.s.pgpass_file)}
+
+    def _require_passwords(self, bindir: Path) -> None:
+        """Convert a data dir made with ``trust``: set the password, then require it."""
+        hba = self.data / "pg_hba.conf"
+        lines = hba.read_text().splitlines()
+        if not any(ln.split()[-1:] == ["trust"] for ln in lines if ln.strip() and not ln.lstrip().startswith("#")):
+            return
+        r = subprocess.run(
+            [str(bindir / "psql"), "-h", self.s.host, "-p", str(self.s.postgres_port), "-U", "switchyard",
+             "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-q", "-f", "-"],
+            input=f"SET password_encryption = 'scram-sha-256';\n"
+                  f"ALTER USER switchyard PASSWORD '{self.s.secret('postgres')}';\n",
+            capture_output=True, text=True)
+        if r.returncode != 0:
+            raise StackError(f"setting the PostgreSQL password failed: {r.stderr}")
+        out = [" ".join([*ln.split()[:-1], "scram-sha-256"]) if ln.strip() and not ln.lstrip().startswith("#")
+               and ln.split()[-1] == "trust" else ln for ln in lines]
+        hba.write_text("\n".join(out) + "\n")
+        r = subprocess.run(self._as_owner([str(bindir / "pg_ctl"), "-D", str(self.data), "reload"]),
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise StackError(f"PostgreSQL reload failed: {r.stderr or r.stdout}")
 
     def ready(self) -> bool:
         r = subprocess.run(

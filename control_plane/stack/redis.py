@@ -1,7 +1,13 @@
-"""A project-local Redis (Debian's redis-server, our dir and port). Used for the planner lease."""
+"""A project-local Redis (Debian's redis-server, our dir and port). Used for the planner lease.
+
+Commands need the stack's Redis password (``StackSettings.secret("redis")``, part of
+``StackSettings.redis_url``). It is passed in a config file readable by us only, never on the
+command line, where every user of the box could read it.
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -32,8 +38,12 @@ class RedisService:
         require_free_port(self.name, self.s.host, self.s.redis_port, "SWITCHYARD_REDIS_PORT")
         self.ensure_installed()
         self.dir.mkdir(parents=True, exist_ok=True)
+        conf = self.dir / "redis.conf"
+        conf.unlink(missing_ok=True)
+        with os.fdopen(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(f"requirepass {self.s.secret('redis')}\n")
         r = subprocess.run(
-            ["redis-server", "--port", str(self.s.redis_port), "--bind", self.s.host,
+            ["redis-server", str(conf), "--port", str(self.s.redis_port), "--bind", self.s.host,
              "--dir", str(self.dir), "--daemonize", "yes", "--pidfile", str(self.pid_file),
              "--logfile", str(self.dir / "redis.log"), "--save", "", "--appendonly", "no",
              "--protected-mode", "yes"],
@@ -46,8 +56,14 @@ class RedisService:
 
     def ready(self) -> bool:
         with socket.create_connection((self.s.host, self.s.redis_port), timeout=1) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            s.sendall(f"AUTH {self.s.secret('redis')}\r\nPING\r\n".encode())
+            got = b""
+            while got.count(b"\r\n") < 2:
+                chunk = s.recv(64)
+                if not chunk:
+                    break
+                got += chunk
+            return got.startswith(b"+OK\r\n+PONG")
 
     def stop(self, timeout: float = 10.0) -> None:
         pid = read_pid(self.pid_file)
@@ -57,5 +73,5 @@ class RedisService:
 
     def status(self) -> dict:
         pid = self.pid()
-        return {"service": self.name, "running": bool(pid), "pid": pid, "address": self.s.redis_url,
+        return {"service": self.name, "running": bool(pid), "pid": pid, "address": self.s.redis_address,
                 "data": str(self.dir)}

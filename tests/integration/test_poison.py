@@ -169,7 +169,7 @@ def test_audit_blames_no_record_while_the_database_is_down(bus: BusSettings) -> 
     p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1",
                                   block_size=16, hash_algo="sha256"))
     assert p.flush(10) == 0
-    admin = sa.create_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
+    admin = make_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
     with postgres_database() as url:
         migrate(url)
         name = url.rsplit("/", 1)[1]

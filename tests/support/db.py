@@ -9,6 +9,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
+from control_plane.admin.db.session import make_engine
 from control_plane.settings import StackSettings
 
 
@@ -20,7 +21,7 @@ def pg_admin_url() -> str:
 def postgres_database():
     """Yield the URL of a new, empty PostgreSQL database; drop it afterwards."""
     name = f"test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
+    admin = make_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
     with admin.connect() as c:
         c.execute(sa.text(f'CREATE DATABASE "{name}"'))
     url = pg_admin_url().rsplit("/", 1)[0] + f"/{name}"

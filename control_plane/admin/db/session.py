@@ -26,7 +26,21 @@ def make_engine(url: str, **kw) -> Engine:
             cur.close()
 
         return engine
+    kw.setdefault("connect_args", _passfile(url))
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, **kw)
+
+
+def _passfile(url: str) -> dict[str, str]:
+    """For a PostgreSQL URL without a password: the local stack's password file (libpq picks the
+    entry for the URL's host and port; a server it has no entry for is asked as usual)."""
+    from sqlalchemy.engine import make_url
+
+    from control_plane.settings import StackSettings
+
+    if make_url(url).password is not None:
+        return {}
+    path = StackSettings.from_env().pgpass_file
+    return {"passfile": str(path)}
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:
