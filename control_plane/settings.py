@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kernel.settings import broker_addresses, repo_root
+from kernel.settings import broker_addresses, default_secrets_dir, repo_root, stack_secret, write_private
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class StackSettings:
 
     #: Directory holding every service's data, logs and pid files (ignored by git).
     state_dir: Path = field(default_factory=lambda: repo_root() / ".stack")
+    #: The stack's passwords (Kafka's SCRAM user, PostgreSQL, Redis), one 0600 file each. Shared
+    #: by every stack of the checkout (tests' private stacks too), so any client finds them.
+    secrets_dir: Path = field(default_factory=default_secrets_dir)
     #: Cache for downloaded artifacts (Kafka jars); survives ``stack down``.
     cache_dir: Path = field(default_factory=lambda: repo_root() / ".cache")
     #: Host every service binds to. Loopback only: the stack is for one box.
@@ -74,24 +77,14 @@ class StackSettings:
         """A libpq password file (mode 0600) for the stack's PostgreSQL user. The password stays
         out of URLs, command lines and logs: clients of :attr:`postgres_url` find it here
         (``control_plane.admin.db.session.make_engine``, ``PGPASSFILE`` for the CLI tools)."""
-        path = self.state_dir / "secrets" / f"pgpass.{self.postgres_port}"
+        path = self.secrets_dir / f"pgpass.{self.postgres_port}"
         if not path.exists():
-            _write_private(path, f"{self.host}:{self.postgres_port}:*:switchyard:{self.secret('postgres')}\n")
+            write_private(path, f"{self.host}:{self.postgres_port}:*:switchyard:{self.secret('postgres')}\n")
         return path
 
     def secret(self, name: str) -> str:
-        """The stack's password for ``name`` (postgres, redis), made on first use and kept in
-        ``<state_dir>/secrets/<name>`` (mode 0600, directory 0700); every process sharing the
-        state dir reads the same one, and a second maker loses the race harmlessly."""
-        path = self.state_dir / "secrets" / name
-        try:
-            return path.read_text().strip()
-        except FileNotFoundError:
-            pass
-        import secrets
-
-        _write_private(path, secrets.token_urlsafe(24) + "\n")
-        return path.read_text().strip()
+        """The stack's password for ``name`` (kafka, postgres, redis): :func:`kernel.settings.stack_secret`."""
+        return stack_secret(self.secrets_dir, name)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> StackSettings:
@@ -111,13 +104,3 @@ class StackSettings:
         kwargs.update(overrides)
         return cls(**kwargs)
 
-
-def _write_private(path: Path, text: str) -> None:
-    """Create ``path`` readable by its owner only, unless it exists already (then keep it)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(text)

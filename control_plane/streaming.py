@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def _consumer(bus: BusSettings, group: str) -> Consumer:
-    return Consumer({"bootstrap.servers": bus.bootstrap, "group.id": group, "enable.auto.commit": False,
+    return Consumer({**bus.client_conf(), "group.id": group, "enable.auto.commit": False,
                      "logger": logging.getLogger("switchyard.rdkafka")})
 
 
@@ -48,7 +48,7 @@ def delete_empty_groups(bus: BusSettings, prefix: str) -> None:
     """Best effort: drop empty groups whose id starts with ``prefix`` (earlier incarnations)."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bus.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
+    admin = AdminClient({**bus.client_conf(), "logger": logging.getLogger("switchyard.rdkafka")})
     try:
         listed = admin.list_consumer_groups(request_timeout=10).result()
         old = [g.group_id for g in listed.valid if g.group_id.startswith(prefix) and str(g.state).endswith("EMPTY")]
@@ -196,6 +196,9 @@ class FoldProcessor:
                 shutil.rmtree(old, ignore_errors=True)
             self.datadir.mkdir(parents=True, exist_ok=True)
             options["datadir"] = str(self.datadir)
+        if self.bus.security_protocol.upper().startswith("SASL"):
+            options["broker_credentials"] = faust.SASLCredentials(
+                username=self.bus.username, password=self.bus.secret(), mechanism="SCRAM-SHA-256")
         app = faust.App(self.group, broker=f"kafka://{self.bus.bootstrap}", **options)
         topic = app.topic(*self.topics, value_serializer="raw", key_serializer="raw")
         self.extend(app, topic)

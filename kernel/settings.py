@@ -9,7 +9,7 @@ is built at import time.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -20,6 +20,38 @@ def repo_root() -> Path:
         if (parent / "pyproject.toml").exists():
             return parent
     return Path.cwd()
+
+
+def default_secrets_dir() -> Path:
+    """Where this checkout's stack keeps its passwords (``SWITCHYARD_SECRETS_DIR`` overrides)."""
+    return Path(os.environ.get("SWITCHYARD_SECRETS_DIR") or repo_root() / ".stack" / "secrets")
+
+
+def stack_secret(secrets_dir: Path, name: str) -> str:
+    """The password called ``name`` (kafka, postgres, redis), made on first use: 24 random bytes
+    in ``secrets_dir/name``, mode 0600 in a 0700 directory. Every process of the checkout reads
+    the same one; of two processes making it at once, the second keeps the first's."""
+    path = secrets_dir / name
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    import secrets
+
+    write_private(path, secrets.token_urlsafe(24) + "\n")
+    return path.read_text().strip()
+
+
+def write_private(path: Path, text: str) -> bool:
+    """Create ``path`` readable by its owner only, unless it exists (then keep it; False)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
 
 
 def broker_addresses(host: str, port: int, brokers: int = 1) -> list[str]:
@@ -42,6 +74,30 @@ class BusSettings:
     #: When set, every EventProducer of the process keeps an ack ledger (kernel/log/ledger.py)
     #: in this directory, one JSON-lines file per producer incarnation, for ``check_acks``.
     ack_ledger_dir: str | None = None
+    #: ``SASL_PLAINTEXT`` (the local stack: every client authenticates with SCRAM-SHA-256 on
+    #: loopback) or ``PLAINTEXT`` (a cluster without authentication).
+    security_protocol: str = "SASL_PLAINTEXT"
+    #: The SCRAM user this process authenticates as.
+    username: str = "switchyard"
+    #: Its password; None: the checkout's stack secret (``secrets_dir/kafka``), read when a
+    #: client is made, so it is never in the environment or on a command line.
+    password: str | None = field(default=None, repr=False)
+    #: Where the stack's secrets are (see :func:`default_secrets_dir`).
+    secrets_dir: Path = field(default_factory=default_secrets_dir)
+
+    def client_conf(self) -> dict[str, str]:
+        """The librdkafka settings that reach and authenticate to the log: the base of every
+        producer, consumer and admin client of the process."""
+        conf = {"bootstrap.servers": self.bootstrap}
+        if self.security_protocol.upper().startswith("SASL"):
+            conf.update({"security.protocol": self.security_protocol, "sasl.mechanisms": "SCRAM-SHA-256",
+                         "sasl.username": self.username, "sasl.password": self.secret()})
+        elif self.security_protocol.upper() != "PLAINTEXT":
+            raise ValueError(f"security_protocol {self.security_protocol!r}: SASL_PLAINTEXT or PLAINTEXT")
+        return conf
+
+    def secret(self) -> str:
+        return self.password if self.password is not None else stack_secret(self.secrets_dir, "kafka")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides) -> BusSettings:
@@ -59,5 +115,17 @@ class BusSettings:
             kwargs["linger_ms"] = int(env["SWITCHYARD_LINGER_MS"])
         if env.get("SWITCHYARD_ACK_LEDGER_DIR"):
             kwargs["ack_ledger_dir"] = env["SWITCHYARD_ACK_LEDGER_DIR"]
+        if env.get("SWITCHYARD_KAFKA_SECURITY_PROTOCOL"):
+            kwargs["security_protocol"] = env["SWITCHYARD_KAFKA_SECURITY_PROTOCOL"]
+        if env.get("SWITCHYARD_KAFKA_USERNAME"):
+            kwargs["username"] = env["SWITCHYARD_KAFKA_USERNAME"]
+        if env.get("SWITCHYARD_SECRETS_DIR"):
+            kwargs["secrets_dir"] = Path(env["SWITCHYARD_SECRETS_DIR"])
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def kafka_conf(bootstrap: str) -> dict[str, str]:
+    """:meth:`BusSettings.client_conf` for a client given only the bootstrap servers (a log
+    reader, a tool): this process's credentials from the environment."""
+    return BusSettings.from_env(bootstrap=bootstrap).client_conf()

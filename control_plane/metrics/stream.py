@@ -115,7 +115,7 @@ class BrokerProbe:
         self.topics = [catalog.topic(s) for s in streams]
         self.group_prefix = f"{catalog.prefix}."
         self.timeout = timeout
-        self._admin = AdminClient({"bootstrap.servers": bus.bootstrap, "logger": _rdkafka_log})
+        self._admin = AdminClient({**bus.client_conf(), "logger": _rdkafka_log})
 
     def end_offsets(self) -> dict[tuple[str, int], int]:
         md = self._admin.list_topics(timeout=self.timeout)

@@ -47,11 +47,15 @@ from control_plane.stack.process import (
     wait_until,
 )
 from kernel.log.catalog import replication_for
-from kernel.settings import repo_root
+from kernel.settings import BusSettings, repo_root
 
 log = logging.getLogger(__name__)
 
 KAFKA_MAIN = "kafka.Kafka"
+#: The SCRAM user every client of the stack authenticates as (kernel.settings.BusSettings).
+KAFKA_USER = "switchyard"
+#: Written into a node's data dir once it is formatted with that user's credential.
+AUTH_MARKER = "switchyard-auth"
 STORAGE_TOOL = "kafka.tools.StorageTool"
 
 _LOG4J2 = """\
@@ -111,11 +115,12 @@ class KafkaNode:
             "process.roles=broker,controller",
             f"node.id={self.node_id}",
             f"controller.quorum.voters={voters}",
-            f"listeners=PLAINTEXT://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}",
-            f"advertised.listeners=PLAINTEXT://{h}:{self.port}",
+            f"listeners=SASL_PLAINTEXT://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}",
+            f"advertised.listeners=SASL_PLAINTEXT://{h}:{self.port}",
             "controller.listener.names=CONTROLLER",
-            "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "inter.broker.listener.name=SASL_PLAINTEXT",
+            "listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            *self.auth_lines(),
             f"log.dirs={self.data_dir}",
             "num.partitions=3",
             # Topics are created explicitly from the catalog, never by accident.
@@ -147,10 +152,30 @@ class KafkaNode:
             ]
         return lines
 
+    def auth_lines(self) -> list[str]:
+        """Every connection authenticates. Clients and brokers: SCRAM-SHA-256 as the stack's
+        user, whose credential is in the cluster metadata from the format on. Controllers:
+        PLAIN with the same password held in this file (a controller has to authenticate its
+        peers before it has read any metadata, so it cannot look SCRAM credentials up)."""
+        user, pw = KAFKA_USER, self.s.secret("kafka")
+        return [
+            "sasl.enabled.mechanisms=SCRAM-SHA-256",
+            "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-256",
+            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config="
+            f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{pw}";',
+            "listener.name.controller.sasl.enabled.mechanisms=PLAIN",
+            "sasl.mechanism.controller.protocol=PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config="
+            f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{user}" password="{pw}" '
+            f'user_{user}="{pw}";',
+        ]
+
     def write_config(self) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg = self.dir / "server.properties"
-        cfg.write_text("\n".join([*self.config_lines(), ""]))
+        cfg.unlink(missing_ok=True)  # it holds the password: made readable by us only
+        with os.fdopen(os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write("\n".join([*self.config_lines(), ""]))
         (self.dir / "log4j2.properties").write_text(_LOG4J2.format(log_file=self.log_file))
         return cfg
 
@@ -158,14 +183,32 @@ class KafkaNode:
         """Write the config and start formatting the storage unless it is formatted already
         (the caller waits: a cluster's nodes format in parallel, each is a JVM start)."""
         cfg = self.write_config()
+        marker = self.data_dir / AUTH_MARKER
         if (self.data_dir / "meta.properties").exists():
+            if not marker.exists():
+                raise StackError(
+                    f"{self.data_dir} was formatted before the stack's Kafka required authentication, so "
+                    f"its metadata holds no SCRAM credential for {KAFKA_USER!r}. Stop the stack and delete "
+                    f"{self.dir} to start an empty, authenticated log (its events are not carried over).")
             return None
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # The SCRAM credential goes into the bootstrap metadata; the tool reads its arguments
+        # from a private file (a command line is readable by every user of the box).
+        args = self.dir / "format.args"
+        args.unlink(missing_ok=True)
+        with os.fdopen(os.open(args, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write("\n".join([STORAGE_TOOL, "format", "-t", cluster_id,
+                               "-c", f'"{cfg}"', "--ignore-formatted", "--add-scram",
+                               f'"SCRAM-SHA-256=[name={KAFKA_USER},password={self.s.secret("kafka")}]"', ""]))
         # A short-lived tool: C1 only and the serial GC start it in about half the CPU.
         return subprocess.Popen(["java", "-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-cp", f"{self.libs}/*",
-                                 STORAGE_TOOL, "format", "-t", cluster_id,
-                                 "-c", str(cfg), "--ignore-formatted"],
+                                 f"@{args}"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def formatted(self) -> None:
+        """Record that the storage was formatted with the stack's credential."""
+        (self.data_dir / AUTH_MARKER).write_text("SCRAM-SHA-256\n")
+        (self.dir / "format.args").unlink(missing_ok=True)
 
     def pid(self) -> int | None:
         pid = read_pid(self.pid_file)
@@ -364,8 +407,10 @@ class KafkaService:
         cluster_id = self._cluster_id()
         formats = [(n, n.format_storage(cluster_id)) for n in down]
         for n, fmt in formats:
-            if fmt is not None and fmt.wait() != 0:
-                raise StackError(f"kafka storage format of node {n.node_id} failed: {fmt.stdout.read()}")
+            if fmt is not None:
+                if fmt.wait() != 0:
+                    raise StackError(f"kafka storage format of node {n.node_id} failed: {fmt.stdout.read()}")
+                n.formatted()
         procs = [(n, n.launch()) for n in down]
         try:
             wait_until(lambda: self._ready(procs), timeout, 0.5,
@@ -383,7 +428,8 @@ class KafkaService:
         return len(self.live_brokers()) == self.brokers and self.round_trip()
 
     def _client_conf(self) -> dict:
-        return {"bootstrap.servers": self.s.kafka_bootstrap, "socket.timeout.ms": 3000,
+        bus = BusSettings(bootstrap=self.s.kafka_bootstrap, secrets_dir=self.s.secrets_dir)
+        return {**bus.client_conf(), "socket.timeout.ms": 3000,
                 "logger": logging.getLogger("switchyard.stack.rdkafka")}
 
     def live_brokers(self) -> list[int]:

@@ -126,7 +126,7 @@ class PeerDirectory:
 
         topic = Catalog(bus.topic_prefix).topic("workers")
         codec = EventCodec()
-        c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"sy-peers-{uuid.uuid4().hex}",
+        c = Consumer({**bus.client_conf(), "group.id": f"sy-peers-{uuid.uuid4().hex}",
                       "enable.auto.commit": False, "fetch.wait.max.ms": 500,
                       "logger": logging.getLogger("switchyard.rdkafka")})
         try:

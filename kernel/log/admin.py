@@ -47,7 +47,7 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
     :func:`wait_led`).
     """
     catalog = catalog or Catalog(settings.topic_prefix)
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap,
+    admin = AdminClient({**settings.client_conf(),
                          "logger": logging.getLogger("switchyard.rdkafka")})
     md = admin.list_topics(timeout=timeout)
     rf = replication_factor or replication_for(len(md.brokers))[0]
@@ -113,7 +113,7 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
 def replication_factor(settings: BusSettings, timeout: float = 10) -> int:
     """What :func:`apply_topics` gives a new topic: min(3, brokers in the metadata). For topics
     made elsewhere (a Faust table's changelog)."""
-    admin = AdminClient({"bootstrap.servers": settings.bootstrap, "logger": logging.getLogger("switchyard.rdkafka")})
+    admin = AdminClient({**settings.client_conf(), "logger": logging.getLogger("switchyard.rdkafka")})
     return replication_for(len(admin.list_topics(timeout=timeout).brokers))[0]
 
 

@@ -42,7 +42,7 @@ H_DLQ_CONSUMER = "sy-dlq-consumer"
 
 def producer_config(settings: BusSettings, **extra) -> dict:
     conf = {
-        "bootstrap.servers": settings.bootstrap,
+        **settings.client_conf(),
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": settings.linger_ms,
@@ -309,7 +309,7 @@ class EventConsumer:
             dead_letters = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
         self._dlq = DeadLetters(dead_letters, self.catalog, self.name)
         base = {
-            "bootstrap.servers": settings.bootstrap,
+            **settings.client_conf(),
             "group.id": group_id or f"sy-assign-{self.name}",
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",

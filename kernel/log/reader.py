@@ -31,6 +31,7 @@ from typing import Protocol
 import msgspec
 
 from kernel.errors import LogReadError
+from kernel.settings import kafka_conf
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ class KafkaLogReader:
 
         self._timeout = timeout_s
         self._c = Consumer({
-            "bootstrap.servers": bootstrap,
+            **kafka_conf(bootstrap),
             "group.id": f"sy-replay-{time.time_ns()}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,

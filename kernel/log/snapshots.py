@@ -26,7 +26,7 @@ class SnapshotStore:
         self.bus = bus
         self.topic = (catalog or Catalog(bus.topic_prefix)).topic("snapshots")
         self._p = Producer({
-            "bootstrap.servers": bus.bootstrap, "enable.idempotence": True, "acks": "all",
+            **bus.client_conf(), "enable.idempotence": True, "acks": "all",
             "compression.type": "zstd", "message.max.bytes": MAX_SNAPSHOT_BYTES + 1024 * 1024,
             "logger": logging.getLogger("switchyard.rdkafka"),
         })

@@ -60,7 +60,7 @@ def test_50k_events_from_4_producers_exactly_once_in_key_order(bus: BusSettings)
         t.join()
     # Redeliver a slice on purpose (as a producer retry after a timeout would): same envelopes.
     replayer = EventProducer(bus, "replayer")
-    c0 = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "peek", "auto.offset.reset": "earliest"})
+    c0 = Consumer({**bus.client_conf(), "group.id": "peek", "auto.offset.reset": "earliest"})
     c0.assign([TopicPartition(Catalog(bus.topic_prefix).topic("kv"), 0, 0)])
     dup_values = [m.value() for m in c0.consume(500, 10)]
     c0.close()
@@ -115,7 +115,7 @@ def test_poison_records_go_to_dead_letter_and_consumer_continues(bus: BusSetting
     assert sorted(d.envelope.data.request_id for d in got) == ["r-after", "r-before"]
     assert consumer.dead_lettered == 4
 
-    dlq = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "dlq-read", "auto.offset.reset": "earliest"})
+    dlq = Consumer({**bus.client_conf(), "group.id": "dlq-read", "auto.offset.reset": "earliest"})
     dlq.assign([TopicPartition(Catalog(bus.topic_prefix).deadletter, 0, 0)])
     records = []
     deadline = time.monotonic() + 20

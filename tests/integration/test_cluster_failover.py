@@ -167,7 +167,7 @@ def test_kill9_of_the_partition_leader_keeps_every_acknowledged_event_once(clust
     bus = BusSettings(bootstrap=cluster.s.kafka_bootstrap, topic_prefix="failover")
     apply_topics(bus)
     topic = Catalog(bus.topic_prefix).topic("kv")
-    admin = AdminClient({"bootstrap.servers": bus.bootstrap})
+    admin = AdminClient({**bus.client_conf()})
     _assert_replicated(admin, topic)
 
     sender = Sender(bus)

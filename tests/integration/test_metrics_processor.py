@@ -66,7 +66,7 @@ def oracle(bus: BusSettings, config: ProjectionConfig) -> MetricsProjection:
     codec = EventCodec()
     cat = Catalog(bus.topic_prefix)
     # fetch.wait.max.ms: a fetch parked on the broker would delay every watermark query behind it.
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "metrics-oracle", "enable.auto.commit": False,
+    c = Consumer({**bus.client_conf(), "group.id": "metrics-oracle", "enable.auto.commit": False,
                   "fetch.wait.max.ms": 10})
     for stream in ("workers", *(s for s in CONSUMED_STREAMS if s != "workers")):
         topic = cat.topic(stream)

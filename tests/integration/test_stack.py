@@ -128,7 +128,7 @@ def test_broker_kill9_loses_no_acknowledged_event_and_writes_none_twice(private_
 
     # Read the raw log (no dedupe): every acknowledged event is there exactly once.
     topic = Catalog(bus.topic_prefix).topic("kv")
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "crash-check", "auto.offset.reset": "earliest",
+    c = Consumer({**bus.client_conf(), "group.id": "crash-check", "auto.offset.reset": "earliest",
                   "enable.auto.commit": False})
     md = c.list_topics(topic, timeout=10)
     c.assign([TopicPartition(topic, p, 0) for p in md.topics[topic].partitions])

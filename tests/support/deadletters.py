@@ -31,7 +31,7 @@ class DeadLetter:
 def dead_letters(bus: BusSettings) -> list[DeadLetter]:
     """Every record on the dead-letter topic now (one pass up to its end)."""
     topic = Catalog(bus.topic_prefix).deadletter
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": f"dlq-read-{uuid.uuid4().hex}",
+    c = Consumer({**bus.client_conf(), "group.id": f"dlq-read-{uuid.uuid4().hex}",
                   "enable.auto.commit": False})
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
@@ -57,7 +57,7 @@ def dead_letters(bus: BusSettings) -> list[DeadLetter]:
 
 def committed(bus: BusSettings, group: str, topic: str) -> dict[int, int]:
     """Partition -> offset ``group`` committed on ``topic`` (partitions without a commit left out)."""
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": group, "enable.auto.commit": False})
+    c = Consumer({**bus.client_conf(), "group.id": group, "enable.auto.commit": False})
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         got = c.committed([TopicPartition(topic, p) for p in parts], timeout=10)

@@ -125,7 +125,7 @@ def wait_router_caught_up(base: str, bus: BusSettings, stream: str = "kv", timeo
     from kernel.log.catalog import Catalog
 
     topic = Catalog(bus.topic_prefix).topic(stream)
-    c = Consumer({"bootstrap.servers": bus.bootstrap, "group.id": "vllm-tier-hw"})
+    c = Consumer({**bus.client_conf(), "group.id": "vllm-tier-hw"})
     try:
         parts = c.list_topics(topic, timeout=10).topics[topic].partitions
         ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts}
