@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -27,13 +30,14 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 class Procs:
-    def __init__(self, bus: BusSettings, log_dir) -> None:
+    def __init__(self, bus: BusSettings, log_dir: Path | None = None) -> None:
         self.env = {**os.environ, "SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap,
                     "SWITCHYARD_TOPIC_PREFIX": bus.topic_prefix, "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
-        # The routers' output, kept with the test's other files (pytest prints the path on a
-        # failure and prunes old runs).
-        self.log = open(log_dir / "router.log", "ab")
+        # The routers' output: in the test's tmp dir when given (pytest keeps the last runs),
+        # else in a private dir removed on close.
+        self._own_dir = None if log_dir is not None else Path(tempfile.mkdtemp(prefix="router-test-"))
+        self.log = open((log_dir or self._own_dir) / "router.log", "ab")
 
     def worker(self, wid: str, *extra: str) -> tuple[subprocess.Popen, int]:
         port = free_port()
@@ -56,6 +60,8 @@ class Procs:
                 p.kill()
             p.wait(10)
         self.log.close()
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
 
 
 def _wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 60) -> httpx.Response:
