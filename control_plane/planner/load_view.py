@@ -220,7 +220,7 @@ class _Acc(msgspec.Struct, kw_only=True):
         self.itl.merge(o.itl)
         self.prompt_tokens += o.prompt_tokens
         self.cached_tokens += o.cached_tokens
-        self.steady.extend(o.steady)
+        # ``steady`` is not merged: LoadView.window sums it per bucket (``_steady_sums``).
 
 
 # ----------------------------------------------------------------------------------------------
@@ -471,6 +471,11 @@ class LoadView:
         self._start_fixed = start_ns is not None
         self.applied = 0
         self.late_dropped = 0
+        #: Bumped by every fold that can change whether a completion was warm (a registration,
+        #: a first load report); keys ``_steady_cache``.
+        self._warm_version = 0
+        #: (pool, bucket) -> ((warm version, samples), steady sums): derived, never stored.
+        self._steady_cache: dict[tuple[str, int], tuple[tuple[int, int], tuple[int, int, int, int]]] = {}
 
     # -- folding ----------------------------------------------------------------------------
 
@@ -558,6 +563,7 @@ class LoadView:
                 *cur.earlier, _Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
         self.workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=epoch, pool=ev.pool, role=role,
                                              registered_at_ns=at, earlier=earlier)
+        self._warm_version += 1
         return self._unpark(ev.worker_id)
 
     def _worker_event(self, ev, epoch: int, at: int) -> None:
@@ -568,6 +574,7 @@ class LoadView:
             if cur.state == "starting":
                 cur.state = "ready"
                 cur.ready_at_ns = at
+                self._warm_version += 1
             cur.reported_at_ns = max(cur.reported_at_ns, at)
             cur.running, cur.waiting = ev.running, ev.waiting
             cur.queued_prefill_tokens = ev.queued_prefill_tokens
@@ -693,6 +700,8 @@ class LoadView:
         for per_pool in self._buckets.values():
             for b in [b for b in per_pool if b < horizon_b]:
                 del per_pool[b]
+        for key in [k for k in self._steady_cache if k[1] < horizon_b]:
+            del self._steady_cache[key]
         ttl = self.watermark_ns - int(cfg.request_ttl_s * NS)
         if len(self._requests) > 1024:
             for rid in [k for k, r in self._requests.items() if r.seen_ns < ttl]:
@@ -712,21 +721,37 @@ class LoadView:
         """Aggregates of ``pool`` over ``[start_ns, end_ns)`` (bucket-aligned)."""
         bn = self.config.bucket_ns
         acc = _Acc()
+        steady = [0, 0, 0, 0]
         per_pool = self._buckets.get(pool, {})
         for b in range(start_ns // bn, end_ns // bn):
             a = per_pool.get(b)
             if a is not None:
                 acc.merge(a)
-        # The steady means: one pass over the window's completions (buckets are merged in time
-        # order, each sorted, so the sums are taken in one order whatever the fold's was).
-        ttfts, itls = [], []
-        for at, worker_id, ttft, itl in acc.steady:
+                for i, x in enumerate(self._steady_sums(pool, b, a)):
+                    steady[i] += x
+        return _stats(acc, start_ns, end_ns, *steady)
+
+    def _steady_sums(self, pool: str, b: int, a: _Acc) -> tuple[int, int, int, int]:
+        """(TTFT count, TTFT sum, ITL count, ITL sum) of one bucket's completions on warmed-up
+        workers, sums in ``_SUM_SCALE`` units. One pass over the bucket's completions, cached
+        until a completion lands in it or a registration or first report is folded: a planner
+        tick re-reads the newest bucket only."""
+        key = (self._warm_version, len(a.steady))
+        hit = self._steady_cache.get((pool, b))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        nt = st = ni = si = 0
+        for at, worker_id, ttft, itl in a.steady:
             if self._warm(worker_id, at):
                 if ttft >= 0:
-                    ttfts.append(ttft)
+                    nt += 1
+                    st += round(ttft * _SUM_SCALE)
                 if itl >= 0:
-                    itls.append(itl)
-        return _stats(acc, start_ns, end_ns, ttfts, itls)
+                    ni += 1
+                    si += round(itl * _SUM_SCALE)
+        sums = (nt, st, ni, si)
+        self._steady_cache[(pool, b)] = (key, sums)
+        return sums
 
     def closed_windows(self, pool: str, now_ns: int, size_s: float, limit: int) -> list[WindowStats]:
         """The last ``limit`` closed windows of ``size_s``, aligned to multiples of the size,
@@ -838,12 +863,12 @@ def _pct(h: Histogram) -> Percentiles:
     return Percentiles(h.quantile(0.50), h.quantile(0.95), h.quantile(0.99))
 
 
-def _stats(a: _Acc, start_ns: int, end_ns: int, steady_ttft: list[float], steady_itl: list[float]) -> WindowStats:
+def _stats(a: _Acc, start_ns: int, end_ns: int, nttft: int, sttft: int, nitl: int, sitl: int) -> WindowStats:
     return WindowStats(
         start_ns=start_ns, end_ns=end_ns, arrivals=a.arrivals, isl_mean=a.isl.mean, isl_sd=a.isl.sd,
         isl=_pct(a.isl), completions=a.completions, osl_mean=a.osl.mean, osl_sd=a.osl.sd, osl=_pct(a.osl), ttft_mean=a.ttft.mean,
         ttft=_pct(a.ttft), itl_mean=a.itl.mean, itl=_pct(a.itl), good=a.good, failures=a.failures,
         prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
-        steady_ttft_mean=math.fsum(steady_ttft) / len(steady_ttft) if steady_ttft else None,
-        steady_itl_mean=math.fsum(steady_itl) / len(steady_itl) if steady_itl else None,
-        steady_samples=max(len(steady_ttft), len(steady_itl)))
+        steady_ttft_mean=sttft / _SUM_SCALE / nttft if nttft else None,
+        steady_itl_mean=sitl / _SUM_SCALE / nitl if nitl else None,
+        steady_samples=max(nttft, nitl))
