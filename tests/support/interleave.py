@@ -4,9 +4,10 @@
 and evict KV blocks, report load, drain or crash and come back under a new epoch (re-announcing
 their persistent blocks, as ``data_plane.workers.wiring`` does); a router admits, routes and
 completes requests on them (aggregated, or disaggregated over a prefill and a decode worker;
-some attempts fail and are retried, some requests fail). Every event is wrapped by its producer's ``EnvelopeFactory`` with the
-partition scope ``EventProducer`` uses, and placed in the partition its key hashes to (xxh64 mod
-the catalog's partition count). A few KV events are produced but never written (``lost``): their
+some attempts fail and are retried, some requests fail); an operator asks for some drains
+(``admin``). Every event is wrapped by its producer's ``EnvelopeFactory`` with the partition
+scope ``EventProducer`` uses, and placed in the partition its key hashes to (xxh64 mod the
+catalog's partition count). A few KV events are produced but never written (``lost``): their
 sequence numbers are consumed, so the log has real gaps.
 
 ``interleavings(log, rng)`` yields the same records merged in a random order that keeps each
@@ -36,6 +37,7 @@ from schemas.events import (
     RequestRouted,
     WorkerDeregistered,
     WorkerDraining,
+    WorkerDrainRequested,
     WorkerLoadReported,
     WorkerRegistered,
 )
@@ -98,6 +100,7 @@ def cluster_log(seed: int, *, workers: int = 3, steps: int = 120, gaps: bool = T
     up: dict[str, bool] = dict.fromkeys(ids, False)
     held: dict[str, dict[Tier, set[int]]] = {w: {t: set() for t in Tier} for w in ids}
     router = EnvelopeFactory("router-0", 1, log.clock)
+    admin = EnvelopeFactory("admin-api", 1, log.clock)
     #: (request id, worker completing it, its prefill worker when disaggregated)
     open_requests: list[tuple[str, str, str | None]] = []
     nreq = 0
@@ -193,7 +196,10 @@ def cluster_log(seed: int, *, workers: int = 3, steps: int = 120, gaps: bool = T
                                                cached_tokens=rng.choice((0, 16)), ttft_ms=40.0 + rng.random() * 200,
                                                itl_mean_ms=5.0 + rng.random() * 60, e2e_ms=300.0))
         elif roll < 0.97:
-            # A graceful stop: drain, forget the memory tiers, deregister.
+            # A graceful stop, sometimes asked by an operator: drain, forget the memory tiers,
+            # deregister.
+            if rng.random() < 0.5:
+                log.write(admin, WorkerDrainRequested(worker_id=w, reason="maintenance", actor="ops"))
             log.write(factory[w], WorkerDraining(worker_id=w, reason="scale down"))
             kv(w, AllBlocksCleared(worker_id=w, tier=Tier.DEVICE))
             kv(w, AllBlocksCleared(worker_id=w, tier=Tier.HOST))
