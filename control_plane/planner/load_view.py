@@ -14,7 +14,9 @@ Workers (per incarnation, the envelope's epoch):
   snapshot time counts as ``stale``, not ready (killed with -9: nobody deregistered it).
 
 Pools are attributed per request: ``RequestRouted`` names the worker, the worker's registration
-names the pool. One request counts one arrival in each pool it is routed to (a retry in the same
+names the pool. The registration is on another topic and may be folded after the request's
+events; those wait for it (see :class:`LoadView`), so the view does not depend on the
+interleaving. One request counts one arrival in each pool it is routed to (a retry in the same
 pool is not a new arrival; prefill and decode pools of a disaggregated request each count it).
 A completion is counted at ``RequestCompleted``'s event time: in the completing worker's pool
 (OSL, ITL, and TTFT too when the request had no separate prefill pool) and, for a disaggregated
@@ -27,11 +29,13 @@ Windows are keyed by *event time* (the envelope's ``at``): every pool keeps one 
 ``bucket_s`` (the hopping step). A tumbling window is ``tumbling_s / bucket_s`` consecutive
 buckets, a hopping window ``hopping_s / bucket_s``; a window is *closed* once ``now`` passes its
 end plus ``grace_s`` (events may arrive that late across partitions). Percentiles come from
-mergeable log-bucket histograms (2% relative resolution), so windows merge exactly and the fold
-is order-independent within a window.
+mergeable log-bucket histograms (2% relative resolution) with exact integer sums, so windows
+merge exactly and the fold is order-independent within a window.
 
-"Steady" latency sums only count completions on workers that have been ready for ``warmup_s``:
-a slow new worker must not make the planner believe the whole pool got slower (Dynamo #12430).
+"Steady" latency sums only count completions on workers that have been ready for ``warmup_s``
+at the completion's event time (decided when a window is read: the first load report may be
+folded after the completion): a slow new worker must not make the planner believe the whole
+pool got slower (Dynamo #12430).
 """
 
 from __future__ import annotations

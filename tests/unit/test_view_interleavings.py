@@ -1,16 +1,21 @@
-"""The router view folds to the same state for any interleaving that keeps each partition's order.
+"""Every in-memory view folds to the same state for any interleaving that keeps each partition's order.
 
 A consumer of several partitions (Faust, replay, the metrics processor, a test oracle) sees their
 records merged in an order nobody chose: one partition may lag another by seconds. A view that
 depends on that order differs from the log it claims to be. The cluster log of
 ``tests.support.interleave`` (workers restarting under new epochs, graceful and kill -9 stops,
-lost KV events, KV and lifecycle events of one worker in two topics) is folded in its produce
-order and in random interleavings, and every state must equal the first one, for both index
-implementations.
+lost KV events, KV and lifecycle events of one worker in two topics, aggregated, disaggregated
+and retried requests on ``requests``, operator drains on ``admin``) is folded in its produce
+order and in random interleavings, and every state must equal the first one:
 
-The planner's load view and the metrics projection are not yet order-independent: they join
-request events to the worker registry (another topic) when they fold them (docs/architecture.md,
-"Interleavings").
+* the router view (``kv``, ``workers``), for both index implementations: its whole ``as_dict``;
+* the planner's load view (``requests``, ``workers``): its ``digest`` (workers, requests, parked
+  steps, every bucket) and the snapshot the planner reads once every window has closed;
+* the metrics projection (every stream): every family with every sample.
+
+The audit store's tables are checked the same way in ``tests/integration/test_audit_interleavings.py``
+(it needs a database). What makes each fold order-independent, and its limits: docs/architecture.md,
+"Interleavings".
 """
 
 from __future__ import annotations
