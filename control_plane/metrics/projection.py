@@ -37,7 +37,9 @@ for any interleaving that keeps each partition's order (``tests/unit/test_view_i
 * the request metrics labelled with a pool (:data:`WORKER_JOINED`) are folded per *worker id*
   and resolved to the worker's pool when read (``unknown`` until its registration is folded);
   a completion's goodput is judged once the pool is known, at its registration if it comes
-  later. A worker id is assumed to keep its pool across incarnations;
+  later. A worker id is assumed to keep its pool across incarnations. The price: an
+  ``unknown`` series shrinks when the registration arrives (its counts move to the pool), which
+  Prometheus reads as a counter reset of that series;
 * a pending admission is abandoned against the admissions of its own requests partition
   (``max_pending`` is per partition), where its end also is;
 * a router's last view state is its decision with the newest event time (then event id);
