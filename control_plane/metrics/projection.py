@@ -21,7 +21,8 @@ What the numbers mean (see :mod:`control_plane.metrics.catalog` for the full lis
 * **Goodput** counts completed requests whose TTFT <= the pool's TTFT SLO and whose mean ITL <=
   the pool's ITL SLO (ITL is not judged for a single output token). A pool's SLO is the latest
   ``PoolUpdated`` for it (``None`` keeps the default: 2 s / 50 ms). The pool of a request is
-  the pool of the worker named in its ``RequestCompleted``.
+  the pool of the worker named in its ``RequestCompleted`` (resolved when read, see
+  "Interleavings" below).
 * **Prefix hits** come from each prefill/aggregated ``RequestRouted``: the chosen row's
   ``overlap_by_tier`` against the admitted prompt's block count. **Avoidable prefill** is the
   best overlap among the *eligible, fresh* candidates minus the chosen one, in tokens: prefill
@@ -29,8 +30,24 @@ What the numbers mean (see :mod:`control_plane.metrics.catalog` for the full lis
 * **Index size, staleness and tier occupancy** come from a :class:`PrefixIndex` folded exactly
   as the router folds its own (same producer keys per partition), so they can be compared.
 
-Cross-stream order is not defined by Kafka (a ``PoolUpdated`` and a ``RequestCompleted`` on
-different topics have no order), so an SLO change applies from whenever the fold sees it.
+Interleavings: Kafka orders a partition, not the topics or partitions between them, and a
+consumer may read ``requests`` seconds ahead of ``workers``. Every family is therefore the same
+for any interleaving that keeps each partition's order (``tests/unit/test_view_interleavings.py``):
+
+* the request metrics labelled with a pool (:data:`WORKER_JOINED`) are folded per *worker id*
+  and resolved to the worker's pool when read (``unknown`` until its registration is folded);
+  a completion's goodput is judged once the pool is known, at its registration if it comes
+  later. A worker id is assumed to keep its pool across incarnations. The price: an
+  ``unknown`` series shrinks when the registration arrives (its counts move to the pool), which
+  Prometheus reads as a counter reset of that series;
+* a pending admission is abandoned against the admissions of its own requests partition
+  (``max_pending`` is per partition), where its end also is;
+* a router's last view state is its decision with the newest event time (then event id);
+* histogram sums are exact integers (``_SUM_SCALE``), counters count integers;
+* the prefix index is folded per producer and partition as the router's (see its docs).
+
+The exception, by definition: an SLO change (``admin``) applies to the completions judged after
+the fold sees it, so goodput may depend on where a ``PoolUpdated`` falls among the requests.
 """
 
 from __future__ import annotations
@@ -109,7 +126,8 @@ class ProjectionConfig:
     #: An admitted request with no completion, final failure or rejection after this much event
     #: time is counted as ``abandoned`` and forgotten (the router died mid-request).
     pending_ttl_s: float = 600.0
-    #: Bound on remembered admissions; beyond it the oldest are counted as abandoned.
+    #: Bound on remembered admissions per requests partition; beyond it the oldest are counted as
+    #: abandoned.
     max_pending: int = 200_000
 
     def __post_init__(self) -> None:
@@ -200,11 +218,27 @@ class _Pending(msgspec.Struct, array_like=True):
     prompt_blocks: int
     block_size: int
     admitted_ns: int
+    #: The requests partition it was admitted on (-1: restored from a snapshot without it).
+    partition: int = -1
+
+
+#: Histogram sums are integers in units of 2^-30 (about a nanosecond for seconds): integer
+#: addition is associative, so a sum does not depend on the order values were folded in.
+_SUM_SCALE = 2**30
 
 
 class _Hist(msgspec.Struct, array_like=True):
     counts: list[int]  # per bucket, not cumulative; the last is +Inf
+    #: Sum of a snapshot written before ``qsum`` existed; new values go to ``qsum``.
     sum: float = 0.0
+    qsum: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.sum + self.qsum / _SUM_SCALE
+
+    def merged(self, other: _Hist) -> _Hist:
+        return _Hist([a + b for a, b in zip(self.counts, other.counts)], self.sum + other.sum, self.qsum + other.qsum)
 
 
 class _Snapshot(msgspec.Struct, kw_only=True):
@@ -223,6 +257,29 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     tracker: bytes
     index: bytes
     applied: int
+    #: Series keyed by worker id where the metric's pool label goes (see ``WORKER_JOINED``).
+    wcounters: list[tuple[str, list[str], float]] = []
+    whists: list[tuple[str, list[str], _Hist]] = []
+    #: worker id -> (TTFT ms, ITL ms or None) of completions not yet judged against an SLO.
+    unjudged: dict[str, list[tuple[float, float | None]]] = {}
+    #: router id -> (event time, event id) of the decision ``routers`` holds the state of.
+    router_at: dict[str, tuple[int, str]] = {}
+
+
+#: Request metrics whose ``pool`` label is the pool of the worker the event names. Folded per
+#: worker id and resolved to the pool when read: the worker's registration is on another topic
+#: and may be folded after the request's events (see "Interleavings" in the module docstring).
+WORKER_JOINED = frozenset({
+    "switchyard_requests_total", "switchyard_request_attempt_failures_total",
+    "switchyard_request_ttft_seconds", "switchyard_request_e2e_seconds", "switchyard_request_itl_seconds",
+    "switchyard_request_prompt_tokens_total", "switchyard_request_cached_tokens_total",
+    "switchyard_request_output_tokens_total", "switchyard_goodput_requests_total", "switchyard_slo_violations_total",
+    "switchyard_prefix_lookup_blocks_total", "switchyard_routed_prompt_tokens_total",
+    "switchyard_prefix_hit_blocks_total", "switchyard_avoidable_prefill_tokens_total",
+    "switchyard_routing_suboptimal_decisions_total", "switchyard_prefill_duration_seconds"})
+#: Bound on completions waiting for their worker's registration to be judged; beyond it they
+#: are judged against the default SLO at once (and the state may depend on interleaving).
+MAX_UNJUDGED = 100_000
 
 
 # -- the projection ---------------------------------------------------------------------------
@@ -245,12 +302,21 @@ class MetricsProjection:
         self._hists: dict[str, dict[Labels, _Hist]] = {}
         self._workers: dict[str, _Worker] = {}
         self._pools: dict[str, _Pool] = {}
-        #: router id -> view state of its latest decision.
+        #: WORKER_JOINED series, labels with the worker id in the pool's place.
+        self._wcounters: dict[str, dict[Labels, float]] = {}
+        self._whists: dict[str, dict[Labels, _Hist]] = {}
+        self._unjudged: dict[str, list[tuple[float, float | None]]] = {}
+        self._nunjudged = 0
+        #: router id -> view state of its latest decision (by event time, then event id).
         self._routers: dict[str, str] = {}
+        self._router_at: dict[str, tuple[int, str]] = {}
         self._config_versions: dict[str, int] = {}
-        #: request id -> admission facts, oldest admission first.
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
-        self._handlers: dict[type[Event], Callable[[Envelope, Event], None]] = {
+        #: request id -> admission facts.
+        self._pending: dict[str, _Pending] = {}
+        #: requests partition -> its pending request ids, oldest admission first.
+        self._admission_order: dict[int, OrderedDict[str, None]] = {}
+        #: (envelope, payload, partition); only the requests handlers use the partition.
+        self._handlers: dict[type[Event], Callable[[Envelope, Event, int], None]] = {
             BlockStored: self._block_stored,
             BlockRemoved: self._block_removed,
             BlockMoved: self._block_moved,
@@ -304,7 +370,7 @@ class MetricsProjection:
                 pass  # counted by the index (switchyard_index_events_total{outcome="rejected"})
         handler = self._handlers.get(type(env.data))
         if handler is not None:
-            handler(env, env.data)
+            handler(env, env.data, partition)
         return "applied"
 
     def undecodable(self, stream: str, partition: int, offset: int, ts_ms: int = 0) -> str:
@@ -345,15 +411,30 @@ class MetricsProjection:
         series = self._counters.setdefault(name, {})
         series[labels] = series.get(labels, 0.0) + by
 
-    def _observe(self, name: str, labels: Labels, value: float) -> None:
+    def _winc(self, name: str, worker_id: str | None, labels: Labels, by: float = 1.0) -> None:
+        """``_inc`` of a WORKER_JOINED counter: ``labels`` without the pool, which is the pool of
+        ``worker_id`` when the series is read."""
+        if name not in WORKER_JOINED:
+            raise ValueError(f"{name} is not joined to a worker's pool")
+        series = self._wcounters.setdefault(name, {})
+        key = (worker_id or "", *labels)
+        series[key] = series.get(key, 0.0) + by
+
+    def _observe(self, name: str, labels: Labels, value: float, hists: dict[str, dict[Labels, _Hist]] | None = None) -> None:
         spec = BY_NAME[name]
-        series = self._hists.setdefault(name, {})
+        series = (self._hists if hists is None else hists).setdefault(name, {})
         h = series.get(labels)
         if h is None:
             h = series[labels] = _Hist([0] * (len(spec.buckets) + 1))
         # Prometheus buckets are inclusive upper bounds: value <= le.
         h.counts[bisect.bisect_left(spec.buckets, value)] += 1
-        h.sum += value
+        h.qsum += round(value * _SUM_SCALE)
+
+    def _wobserve(self, name: str, worker_id: str | None, value: float) -> None:
+        """``_observe`` of a WORKER_JOINED histogram (its only label is the pool)."""
+        if name not in WORKER_JOINED:
+            raise ValueError(f"{name} is not joined to a worker's pool")
+        self._observe(name, (worker_id or "",), value, self._whists)
 
     def pool_of(self, worker_id: str | None) -> str:
         w = self._workers.get(worker_id) if worker_id else None
@@ -374,115 +455,152 @@ class MetricsProjection:
 
     # -- kv -----------------------------------------------------------------------------------
 
-    def _block_stored(self, env, ev: BlockStored) -> None:
+    def _block_stored(self, env, ev: BlockStored, partition: int = -1) -> None:
         self._inc("switchyard_kv_blocks_stored_total", (_v(ev.tier),), len(ev.block_hashes))
 
-    def _block_removed(self, env, ev: BlockRemoved) -> None:
+    def _block_removed(self, env, ev: BlockRemoved, partition: int = -1) -> None:
         self._inc("switchyard_kv_blocks_removed_total", (_v(ev.tier),), len(ev.block_hashes))
 
-    def _block_moved(self, env, ev: BlockMoved) -> None:
+    def _block_moved(self, env, ev: BlockMoved, partition: int = -1) -> None:
         self._inc("switchyard_kv_blocks_moved_total", (_v(ev.from_tier), _v(ev.to_tier)), len(ev.block_hashes))
 
-    def _all_cleared(self, env, ev: AllBlocksCleared) -> None:
+    def _all_cleared(self, env, ev: AllBlocksCleared, partition: int = -1) -> None:
         self._inc("switchyard_kv_clears_total", ("all" if ev.tier is None else _v(ev.tier),))
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _admitted(self, env, ev: RequestAdmitted) -> None:
-        self._pending.pop(ev.request_id, None)
+    def _admitted(self, env, ev: RequestAdmitted, partition: int = -1) -> None:
+        # Abandonment is decided per requests partition, against the admissions of that
+        # partition only: a request's own end is on its partition, so whether it ended before
+        # the TTL ran out does not depend on how partitions interleave.
+        self._end(ev.request_id)
         self._pending[ev.request_id] = _Pending(ev.endpoint, ev.prompt_tokens, len(ev.block_hashes),
-                                                ev.block_size, env.occurred_at_ns)
+                                                ev.block_size, env.occurred_at_ns, partition)
+        order = self._admission_order.setdefault(partition, OrderedDict())
+        order[ev.request_id] = None
         cutoff = env.occurred_at_ns - int(self.config.pending_ttl_s * 1e9)
-        while self._pending:
-            rid, oldest = next(iter(self._pending.items()))
-            if oldest.admitted_ns >= cutoff and len(self._pending) <= self.config.max_pending:
+        while order:
+            rid = next(iter(order))
+            oldest = self._pending[rid]
+            if oldest.admitted_ns >= cutoff and len(order) <= self.config.max_pending:
                 break
-            del self._pending[rid]
+            self._end(rid)
             self._inc("switchyard_requests_total", ("none", oldest.endpoint, "abandoned"))
 
-    def _routed(self, env, ev: RequestRouted) -> None:
+    def _end(self, request_id: str) -> _Pending | None:
+        """Forget a pending admission (the request ended); its facts, or None."""
+        adm = self._pending.pop(request_id, None)
+        if adm is not None:
+            order = self._admission_order.get(adm.partition)
+            if order is not None:
+                order.pop(request_id, None)
+        return adm
+
+    def _routed(self, env, ev: RequestRouted, partition: int = -1) -> None:
         view_state = ev.view_state or UNKNOWN
         phase = _v(ev.phase)
         self._inc("switchyard_routing_decisions_total", (_v(ev.mode), phase, view_state))
         if ev.router_id and ev.view_state:
-            self._routers[ev.router_id] = ev.view_state
+            # The router's newest decision by event time (its decisions are spread over the
+            # requests partitions, so fold order says nothing).
+            at = (env.occurred_at_ns, env.event_id)
+            if at > self._router_at.get(ev.router_id, (-1, "")):
+                self._routers[ev.router_id] = ev.view_state
+                self._router_at[ev.router_id] = at
         adm = self._pending.get(ev.request_id)
         if phase == "decode" or adm is None:
             return  # decode reuses the prefill's KV; without the admission there is no prompt size
-        pool = self.pool_of(ev.worker_id)
+        w = ev.worker_id
         chosen = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
-        self._inc("switchyard_prefix_lookup_blocks_total", (pool,), adm.prompt_blocks)
-        self._inc("switchyard_routed_prompt_tokens_total", (pool,), adm.prompt_tokens)
+        self._winc("switchyard_prefix_lookup_blocks_total", w, (), adm.prompt_blocks)
+        self._winc("switchyard_routed_prompt_tokens_total", w, (), adm.prompt_tokens)
         chosen_overlap = 0
         if chosen is not None:
             chosen_overlap = chosen.overlap_blocks
             for tier, n in chosen.overlap_by_tier.items():
                 if tier in TIERS and n > 0:
-                    self._inc("switchyard_prefix_hit_blocks_total", (pool, tier), n)
+                    self._winc("switchyard_prefix_hit_blocks_total", w, (tier,), n)
         best = max((s.overlap_blocks for s in ev.scores if s.eligible and not s.stale), default=0)
-        self._inc("switchyard_avoidable_prefill_tokens_total", (pool,), max(best - chosen_overlap, 0) * adm.block_size)
-        if best > chosen_overlap:
-            self._inc("switchyard_routing_suboptimal_decisions_total", (pool,))
-        else:
-            self._inc("switchyard_routing_suboptimal_decisions_total", (pool,), 0)
+        self._winc("switchyard_avoidable_prefill_tokens_total", w, (), max(best - chosen_overlap, 0) * adm.block_size)
+        self._winc("switchyard_routing_suboptimal_decisions_total", w, (), 1 if best > chosen_overlap else 0)
 
-    def _prefill_completed(self, env, ev: PrefillCompleted) -> None:
-        self._observe("switchyard_prefill_duration_seconds", (self.pool_of(ev.worker_id),), ev.duration_ms / 1000)
+    def _prefill_completed(self, env, ev: PrefillCompleted, partition: int = -1) -> None:
+        self._wobserve("switchyard_prefill_duration_seconds", ev.worker_id, ev.duration_ms / 1000)
 
-    def _transfer_started(self, env, ev: KvTransferStarted) -> None:
+    def _transfer_started(self, env, ev: KvTransferStarted, partition: int = -1) -> None:
         self._inc("switchyard_kv_transfers_started_total", (ev.backend,))
 
-    def _transfer_completed(self, env, ev: KvTransferCompleted) -> None:
+    def _transfer_completed(self, env, ev: KvTransferCompleted, partition: int = -1) -> None:
         self._inc("switchyard_kv_transfers_total", (ev.backend, "completed"))
         self._inc("switchyard_kv_transfer_bytes_total", (ev.backend,), ev.bytes)
         self._inc("switchyard_kv_transfer_blocks_total", (ev.backend,), ev.blocks)
         self._observe("switchyard_kv_transfer_duration_seconds", (ev.backend, "completed"), ev.duration_ms / 1000)
 
-    def _transfer_failed(self, env, ev: KvTransferFailed) -> None:
+    def _transfer_failed(self, env, ev: KvTransferFailed, partition: int = -1) -> None:
         self._inc("switchyard_kv_transfers_total", (ev.backend, "failed"))
         self._inc("switchyard_kv_transfer_failures_total", (ev.backend, reason_class(ev.reason), ev.fallback))
         self._observe("switchyard_kv_transfer_duration_seconds", (ev.backend, "failed"), ev.duration_ms / 1000)
 
-    def _completed(self, env, ev: RequestCompleted) -> None:
-        pool = self.pool_of(ev.worker_id)
-        adm = self._pending.pop(ev.request_id, None)
-        self._inc("switchyard_requests_total", (pool, adm.endpoint if adm else UNKNOWN, "completed"))
-        self._observe("switchyard_request_ttft_seconds", (pool,), ev.ttft_ms / 1000)
-        self._observe("switchyard_request_e2e_seconds", (pool,), ev.e2e_ms / 1000)
+    def _completed(self, env, ev: RequestCompleted, partition: int = -1) -> None:
+        w = ev.worker_id
+        adm = self._end(ev.request_id)
+        self._winc("switchyard_requests_total", w, (adm.endpoint if adm else UNKNOWN, "completed"))
+        self._wobserve("switchyard_request_ttft_seconds", w, ev.ttft_ms / 1000)
+        self._wobserve("switchyard_request_e2e_seconds", w, ev.e2e_ms / 1000)
         judged_itl = ev.output_tokens > 1
         if judged_itl:
-            self._observe("switchyard_request_itl_seconds", (pool,), ev.itl_mean_ms / 1000)
-        self._inc("switchyard_request_prompt_tokens_total", (pool,), ev.prompt_tokens)
-        self._inc("switchyard_request_cached_tokens_total", (pool,), ev.cached_tokens)
-        self._inc("switchyard_request_output_tokens_total", (pool,), ev.output_tokens)
-        ttft_slo, itl_slo = self.slo_ms(pool)
-        ttft_ok = ev.ttft_ms <= ttft_slo
-        itl_ok = not judged_itl or ev.itl_mean_ms <= itl_slo
+            self._wobserve("switchyard_request_itl_seconds", w, ev.itl_mean_ms / 1000)
+        self._winc("switchyard_request_prompt_tokens_total", w, (), ev.prompt_tokens)
+        self._winc("switchyard_request_cached_tokens_total", w, (), ev.cached_tokens)
+        self._winc("switchyard_request_output_tokens_total", w, (), ev.output_tokens)
+        itl = ev.itl_mean_ms if judged_itl else None
+        if w in self._workers or self._nunjudged >= MAX_UNJUDGED:
+            self._judge(w, ev.ttft_ms, itl)
+        else:
+            # The SLO is the pool's, and the pool is the worker's: judged once it registers.
+            self._unjudged.setdefault(w, []).append((ev.ttft_ms, itl))
+            self._nunjudged += 1
+
+    def _judge(self, worker_id: str, ttft_ms: float, itl_ms: float | None,
+               into: dict[str, dict[Labels, float]] | None = None) -> None:
+        """Count a completion as good or as violating the SLO of its worker's pool."""
+        ttft_slo, itl_slo = self.slo_ms(self.pool_of(worker_id))
+        ttft_ok = ttft_ms <= ttft_slo
+        itl_ok = itl_ms is None or itl_ms <= itl_slo
         # Touch every series of the pool so "no violation yet" is a visible 0.
-        self._inc("switchyard_goodput_requests_total", (pool,), 1 if ttft_ok and itl_ok else 0)
-        self._inc("switchyard_slo_violations_total", (pool, "ttft"), 0 if ttft_ok else 1)
-        self._inc("switchyard_slo_violations_total", (pool, "itl"), 0 if itl_ok else 1)
+        for name, labels, n in (("switchyard_goodput_requests_total", (), 1 if ttft_ok and itl_ok else 0),
+                                ("switchyard_slo_violations_total", ("ttft",), 0 if ttft_ok else 1),
+                                ("switchyard_slo_violations_total", ("itl",), 0 if itl_ok else 1)):
+            if into is None:
+                self._winc(name, worker_id, labels, n)
+            else:
+                series = into.setdefault(name, {})
+                key = (UNKNOWN, *labels)
+                series[key] = series.get(key, 0.0) + n
 
-    def _failed(self, env, ev: RequestFailed) -> None:
-        pool = self.pool_of(ev.worker_id)
-        self._inc("switchyard_request_attempt_failures_total", (pool, ev.code, "true" if ev.retried else "false"))
+    def _failed(self, env, ev: RequestFailed, partition: int = -1) -> None:
+        w = ev.worker_id
+        self._winc("switchyard_request_attempt_failures_total", w, (ev.code, "true" if ev.retried else "false"))
         if not ev.retried:
-            adm = self._pending.pop(ev.request_id, None)
-            self._inc("switchyard_requests_total", (pool, adm.endpoint if adm else UNKNOWN, "failed"))
+            adm = self._end(ev.request_id)
+            self._winc("switchyard_requests_total", w, (adm.endpoint if adm else UNKNOWN, "failed"))
 
-    def _rejected(self, env, ev: RequestRejected) -> None:
-        adm = self._pending.pop(ev.request_id, None)
+    def _rejected(self, env, ev: RequestRejected, partition: int = -1) -> None:
+        adm = self._end(ev.request_id)
         self._inc("switchyard_requests_total", ("none", adm.endpoint if adm else UNKNOWN, "rejected"))
 
     # -- workers ------------------------------------------------------------------------------
 
-    def _registered(self, env, ev: WorkerRegistered) -> None:
+    def _registered(self, env, ev: WorkerRegistered, partition: int = -1) -> None:
         cur = self._workers.get(ev.worker_id)
         if cur is not None and cur.epoch > env.epoch:
             return  # a late registration of an older incarnation
         self._workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=env.epoch, pool=ev.pool,
                                               role=_v(ev.role))
         self._pool(ev.pool)
+        for ttft_ms, itl_ms in self._unjudged.pop(ev.worker_id, ()):
+            self._nunjudged -= 1
+            self._judge(ev.worker_id, ttft_ms, itl_ms)
         self._inc("switchyard_worker_lifecycle_total", (ev.pool, "registered"))
 
     def _current(self, env, worker_id: str) -> _Worker | None:
@@ -490,7 +608,7 @@ class MetricsProjection:
         cur = self._workers.get(worker_id)
         return cur if cur is not None and cur.epoch == env.epoch else None
 
-    def _load_reported(self, env, ev: WorkerLoadReported) -> None:
+    def _load_reported(self, env, ev: WorkerLoadReported, partition: int = -1) -> None:
         cur = self._current(env, ev.worker_id)
         if cur is None:
             return
@@ -498,13 +616,13 @@ class MetricsProjection:
         cur.queued_prefill_tokens = ev.queued_prefill_tokens
         cur.tier_usage = dict(ev.tier_usage)
 
-    def _draining(self, env, ev: WorkerDraining) -> None:
+    def _draining(self, env, ev: WorkerDraining, partition: int = -1) -> None:
         cur = self._current(env, ev.worker_id)
         if cur is not None and cur.state == "ready":
             cur.state = "draining"
             self._inc("switchyard_worker_lifecycle_total", (cur.pool, "draining"))
 
-    def _deregistered(self, env, ev: WorkerDeregistered) -> None:
+    def _deregistered(self, env, ev: WorkerDeregistered, partition: int = -1) -> None:
         cur = self._current(env, ev.worker_id)
         if cur is not None and cur.state != "gone":
             cur.state = "gone"
@@ -512,33 +630,33 @@ class MetricsProjection:
 
     # -- planner and admin --------------------------------------------------------------------
 
-    def _scaling_decision(self, env, ev: ScalingDecision) -> None:
+    def _scaling_decision(self, env, ev: ScalingDecision, partition: int = -1) -> None:
         direction = ("up" if ev.to_replicas > ev.from_replicas else
                      "down" if ev.to_replicas < ev.from_replicas else "hold")
         self._inc("switchyard_scaling_decisions_total", (ev.pool, _v(ev.role), direction))
         self._pool(ev.pool).target[_v(ev.role)] = ev.to_replicas
 
-    def _scaling_applied(self, env, ev: ScalingApplied) -> None:
+    def _scaling_applied(self, env, ev: ScalingApplied, partition: int = -1) -> None:
         self._inc("switchyard_scaling_applied_total", (ev.pool, "success" if ev.success else "failure"))
         if ev.success:
             self._pool(ev.pool).applied = ev.replicas
 
-    def _config_changed(self, env, ev: RouterConfigChanged | PlannerConfigChanged) -> None:
+    def _config_changed(self, env, ev: RouterConfigChanged | PlannerConfigChanged, partition: int = -1) -> None:
         self._admin_event(env, ev)
         component = "router" if isinstance(ev, RouterConfigChanged) else "planner"
         self._config_versions[component] = max(self._config_versions.get(component, 0), ev.config_version)
 
-    def _pool_updated(self, env, ev: PoolUpdated) -> None:
+    def _pool_updated(self, env, ev: PoolUpdated, partition: int = -1) -> None:
         self._admin_event(env, ev)
         p = self._pool(ev.pool)
         p.ttft_slo_ms, p.itl_slo_ms = ev.ttft_slo_ms, ev.itl_slo_ms
         p.min_replicas, p.max_replicas = ev.min_replicas, ev.max_replicas
 
-    def _pool_pinned(self, env, ev: PoolPinned) -> None:
+    def _pool_pinned(self, env, ev: PoolPinned, partition: int = -1) -> None:
         self._admin_event(env, ev)
         self._pool(ev.pool).pinned = ev.replicas
 
-    def _admin_event(self, env, ev: Event) -> None:
+    def _admin_event(self, env, ev: Event, partition: int = -1) -> None:
         self._inc("switchyard_admin_events_total", (ev.TYPE,))
 
     # -- reading ------------------------------------------------------------------------------
@@ -552,9 +670,9 @@ class MetricsProjection:
         :func:`processor_families`)."""
         stats = self.index.stats()
         gauges = self._gauges(stats)
+        counters, hists = self._joined()
         # The index keeps its own counters (they survive in its snapshot); exposed as is.
-        counters = {**self._counters,
-                    "switchyard_index_events_total": {(k,): float(v) for k, v in stats.counters.items()}}
+        counters["switchyard_index_events_total"] = {(k,): float(v) for k, v in stats.counters.items()}
         out = []
         for spec in SPECS:
             if spec.name in PROCESSOR_METRICS:
@@ -563,12 +681,35 @@ class MetricsProjection:
                 samples: dict = {labels: 0.0 for labels in spec.init}
                 samples.update(counters.get(spec.name, {}))
             elif spec.kind is Kind.HISTOGRAM:
-                samples = {labels: _hist_value(spec, h) for labels, h in self._hists.get(spec.name, {}).items()}
+                samples = {labels: _hist_value(spec, h) for labels, h in hists.get(spec.name, {}).items()}
             else:
                 samples = {labels: 0.0 for labels in spec.init}
                 samples.update(gauges.get(spec.name, {}))
             out.append(Family(spec, samples))
         return out
+
+    def _joined(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, _Hist]]]:
+        """Counters and histograms with the WORKER_JOINED series resolved to their worker's pool
+        as the registry stands now (``unknown`` for a worker not registered yet), and the
+        completions still waiting for that registration judged against the ``unknown`` pool's SLO.
+        One pass over the per-worker series (a few per worker): what a scrape costs extra."""
+        counters = {name: dict(series) for name, series in self._counters.items()}
+        for name, wseries in self._wcounters.items():
+            out = counters.setdefault(name, {})
+            for (worker_id, *rest), v in wseries.items():
+                key = (self.pool_of(worker_id), *rest)
+                out[key] = out.get(key, 0.0) + v
+        for worker_id, samples in self._unjudged.items():
+            for ttft_ms, itl_ms in samples:
+                self._judge(worker_id, ttft_ms, itl_ms, into=counters)
+        hists = {name: dict(series) for name, series in self._hists.items()}
+        for name, wseries in self._whists.items():
+            out = hists.setdefault(name, {})
+            for (worker_id,), h in wseries.items():
+                key = (self.pool_of(worker_id),)
+                cur = out.get(key)
+                out[key] = h if cur is None else cur.merged(h)
+        return counters, hists
 
     def _gauges(self, stats: IndexStats) -> dict[str, dict[Labels, float]]:
         g: dict[str, dict[Labels, float]] = {}
@@ -577,15 +718,20 @@ class MetricsProjection:
         # As the router counts them (RouterView.stale_workers): registered workers not gone.
         known = {w for w, st in self._workers.items() if st.state != "gone"}
         g["switchyard_index_stale_workers"] = {(): float(len(stale_ids & known))}
-        g["switchyard_index_worker_stale"] = {(r.worker_id,): float(r.worker_id in stale_ids)
-                                              for r in self.index.workers()}
+        # Per-worker series for the workers registered and not gone, holding blocks, or stale;
+        # not for every slot the index happens to keep (whether a slot exists, empty, depends
+        # on which topic was read first).
+        holding = {rank.worker_id for rank, tiers in stats.blocks.items() if any(tiers.values())}
+        shown = known | holding | stale_ids
+        g["switchyard_index_worker_stale"] = {(w,): float(w in stale_ids) for w in sorted(shown)}
         per_tier: dict[Labels, float] = {}
         per_worker: dict[Labels, float] = {}
         for rank, tiers in stats.blocks.items():
             for tier, n in tiers.items():
                 per_tier[(tier.value,)] = per_tier.get((tier.value,), 0.0) + n
-                key = (rank.worker_id, tier.value)
-                per_worker[key] = per_worker.get(key, 0.0) + n
+                if rank.worker_id in shown:
+                    key = (rank.worker_id, tier.value)
+                    per_worker[key] = per_worker.get(key, 0.0) + n
         g["switchyard_kv_blocks"] = per_tier
         g["switchyard_kv_worker_blocks"] = per_worker
         workers: dict[Labels, float] = {}
@@ -643,7 +789,10 @@ class MetricsProjection:
             config_versions=self._config_versions, pending=list(self._pending.items()),
             positions=[(s, p, o) for (s, p), o in sorted(self.positions.items())],
             last_ts_ms=self.last_ts_ms, tracker=self.tracker.snapshot(), index=self.index.snapshot(),
-            applied=self.applied)
+            applied=self.applied,
+            wcounters=[(n, list(k), v) for n, s in self._wcounters.items() for k, v in s.items()],
+            whists=[(n, list(k), h) for n, s in self._whists.items() for k, h in s.items()],
+            unjudged=self._unjudged, router_at=self._router_at)
         return msgspec.msgpack.encode(snap)
 
     @classmethod
@@ -663,7 +812,17 @@ class MetricsProjection:
         p._pools = dict(snap.pools)
         p._routers = dict(snap.routers)
         p._config_versions = dict(snap.config_versions)
-        p._pending = OrderedDict(snap.pending)
+        for name, labels, value in snap.wcounters:
+            p._wcounters.setdefault(name, {})[tuple(labels)] = value
+        for name, labels, h in snap.whists:
+            p._whists.setdefault(name, {})[tuple(labels)] = h
+        p._unjudged = {w: [tuple(x) for x in xs] for w, xs in snap.unjudged.items()}
+        p._nunjudged = sum(len(xs) for xs in p._unjudged.values())
+        p._router_at = {r: tuple(at) for r, at in snap.router_at.items()}
+        # Pending admissions in admission order (the order they were stored in), per partition.
+        p._pending = dict(snap.pending)
+        for rid, adm in snap.pending:
+            p._admission_order.setdefault(adm.partition, OrderedDict())[rid] = None
         p.positions = {(s, part): o for s, part, o in snap.positions}
         p.last_ts_ms = dict(snap.last_ts_ms)
         p.tracker = SequenceTracker.restore(snap.tracker)
@@ -677,7 +836,7 @@ def _hist_value(spec: MetricSpec, h: _Hist) -> HistogramValue:
     for c in h.counts:
         running += c
         cumulative.append(running)
-    return HistogramValue(spec.buckets, tuple(cumulative), h.sum)
+    return HistogramValue(spec.buckets, tuple(cumulative), h.total)
 
 
 def lag(positions: dict[tuple[str, int], int], end_offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:

@@ -14,7 +14,9 @@ Workers (per incarnation, the envelope's epoch):
   snapshot time counts as ``stale``, not ready (killed with -9: nobody deregistered it).
 
 Pools are attributed per request: ``RequestRouted`` names the worker, the worker's registration
-names the pool. One request counts one arrival in each pool it is routed to (a retry in the same
+names the pool. The registration is on another topic and may be folded after the request's
+events; those wait for it (see :class:`LoadView`), so the view does not depend on the
+interleaving. One request counts one arrival in each pool it is routed to (a retry in the same
 pool is not a new arrival; prefill and decode pools of a disaggregated request each count it).
 A completion is counted at ``RequestCompleted``'s event time: in the completing worker's pool
 (OSL, ITL, and TTFT too when the request had no separate prefill pool) and, for a disaggregated
@@ -27,15 +29,18 @@ Windows are keyed by *event time* (the envelope's ``at``): every pool keeps one 
 ``bucket_s`` (the hopping step). A tumbling window is ``tumbling_s / bucket_s`` consecutive
 buckets, a hopping window ``hopping_s / bucket_s``; a window is *closed* once ``now`` passes its
 end plus ``grace_s`` (events may arrive that late across partitions). Percentiles come from
-mergeable log-bucket histograms (2% relative resolution), so windows merge exactly and the fold
-is order-independent within a window.
+mergeable log-bucket histograms (2% relative resolution) with exact integer sums, so windows
+merge exactly and the fold is order-independent within a window.
 
-"Steady" latency sums only count completions on workers that have been ready for ``warmup_s``:
-a slow new worker must not make the planner believe the whole pool got slower (Dynamo #12430).
+"Steady" latency sums only count completions on workers that have been ready for ``warmup_s``
+at the completion's event time (decided when a window is read: the first load report may be
+folded after the completion): a slow new worker must not make the planner believe the whole
+pool got slower (Dynamo #12430).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,7 +63,7 @@ from schemas.events import (
 from schemas.types import RequestPhase
 
 NS = 1_000_000_000
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2
 
 # ----------------------------------------------------------------------------------------------
 # Configuration
@@ -130,40 +135,52 @@ _LOG_STEP = math.log1p(0.02)
 _ZERO = -(10**6)
 
 
+#: Sums are kept as integers in these fixed-point units (value * 2^30, square * 2^8): integer
+#: addition is associative, so a sum does not depend on the order the values were folded in
+#: (float addition is not: two interleavings would differ in the last bits).
+_SUM_SCALE = 2**30
+_SQ_SCALE = 2**8
+
+
 class Histogram(msgspec.Struct, kw_only=True):
     """Log-bucket histogram: bucket ``b`` holds values in ``[(1.02)^b, (1.02)^(b+1))``; values
-    <= 0 share one bucket. Quantiles answer the bucket's geometric middle (<= 1% off)."""
+    <= 0 share one bucket. Quantiles answer the bucket's geometric middle (<= 1% off). The sum
+    and the sum of squares are exact fixed-point integers (see ``_SUM_SCALE``)."""
 
     counts: dict[int, int] = {}
     n: int = 0
-    total: float = 0.0
-    total_sq: float = 0.0
+    total_q: int = 0
+    total_sq_q: int = 0
 
     def add(self, x: float) -> None:
         b = _ZERO if x <= 0 else math.floor(math.log(x) / _LOG_STEP)
         self.counts[b] = self.counts.get(b, 0) + 1
         self.n += 1
-        self.total += x
-        self.total_sq += x * x
+        self.total_q += round(x * _SUM_SCALE)
+        self.total_sq_q += round(x * x * _SQ_SCALE)
 
     def merge(self, other: Histogram) -> None:
         for b, c in other.counts.items():
             self.counts[b] = self.counts.get(b, 0) + c
         self.n += other.n
-        self.total += other.total
-        self.total_sq += other.total_sq
+        self.total_q += other.total_q
+        self.total_sq_q += other.total_sq_q
+
+    @property
+    def total(self) -> float:
+        return self.total_q / _SUM_SCALE
 
     @property
     def mean(self) -> float | None:
-        return self.total / self.n if self.n else None
+        return self.total_q / _SUM_SCALE / self.n if self.n else None
 
     @property
     def sd(self) -> float | None:
-        """Population standard deviation (exact: from the sums, not the buckets)."""
+        """Population standard deviation (from the sums, not the buckets)."""
         if not self.n:
             return None
-        m = self.total / self.n
-        return math.sqrt(max(self.total_sq / self.n - m * m, 0.0))
+        m = self.total_q / _SUM_SCALE / self.n
+        return math.sqrt(max(self.total_sq_q / _SQ_SCALE / self.n - m * m, 0.0))
 
     def quantile(self, q: float) -> float | None:
         """Nearest-rank quantile (rank ``ceil(q*n)``)."""
@@ -191,10 +208,10 @@ class _Acc(msgspec.Struct, kw_only=True):
     itl: Histogram = msgspec.field(default_factory=Histogram)
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    steady_ttft_sum: float = 0.0
-    steady_ttft_n: int = 0
-    steady_itl_sum: float = 0.0
-    steady_itl_n: int = 0
+    #: Completions that may count as steady, sorted: (event time, worker, TTFT, ITL), -1.0 for
+    #: a latency not attributed here. Whether the worker was warmed up at that time is decided
+    #: when a window is read (its first load report may be folded after the completion).
+    steady: list[tuple[int, str, float, float]] = []
 
     def merge(self, o: _Acc) -> None:
         self.arrivals += o.arrivals
@@ -207,10 +224,7 @@ class _Acc(msgspec.Struct, kw_only=True):
         self.itl.merge(o.itl)
         self.prompt_tokens += o.prompt_tokens
         self.cached_tokens += o.cached_tokens
-        self.steady_ttft_sum += o.steady_ttft_sum
-        self.steady_ttft_n += o.steady_ttft_n
-        self.steady_itl_sum += o.steady_itl_sum
-        self.steady_itl_n += o.steady_itl_n
+        # ``steady`` is not merged: LoadView.window sums it per bucket (``_steady_sums``).
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +368,15 @@ def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", 
 # ----------------------------------------------------------------------------------------------
 
 
+class _Incarnation(msgspec.Struct, array_like=True):
+    """An earlier incarnation of a worker, kept so a completion is judged warm or not by the
+    incarnation that was serving at its event time."""
+
+    epoch: int
+    registered_at_ns: int
+    ready_at_ns: int | None
+
+
 class _Worker(msgspec.Struct, kw_only=True):
     worker_id: str
     epoch: int
@@ -369,6 +392,8 @@ class _Worker(msgspec.Struct, kw_only=True):
     queued_prefill_tokens: int = 0
     active_decode_blocks: int = 0
     kv_usage: float = 0.0
+    #: Earlier incarnations, newest last (at most ``MAX_INCARNATIONS``).
+    earlier: list[_Incarnation] = []
 
 
 class _Req(msgspec.Struct, kw_only=True):
@@ -379,13 +404,20 @@ class _Req(msgspec.Struct, kw_only=True):
     prefill_worker: str | None = None
 
 
-class _Orphan(msgspec.Struct, kw_only=True):
-    """A routing to a worker whose registration has not been folded yet (other topic)."""
+class _Step(msgspec.Struct, array_like=True):
+    """What one request event contributes once its worker's pool is known: the fold's unit of
+    work, and what waits in ``_parked`` while it is not."""
 
+    kind: str  # "routed" | "prefill" | "completed" | "failed"
     request_id: str
     worker_id: str
-    phase: str
     at_ns: int
+    phase: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_ms: float = 0.0
+    itl_ms: float | None = None
 
 
 class _State(msgspec.Struct, kw_only=True):
@@ -394,15 +426,20 @@ class _State(msgspec.Struct, kw_only=True):
     requests: dict[str, _Req]
     #: pool -> bucket index -> accumulator
     buckets: dict[str, dict[int, _Acc]]
-    orphans: list[_Orphan]
+    #: request id -> its steps waiting for a worker's registration, in the request's log order.
+    parked: dict[str, list[_Step]]
     positions: list[tuple[str, int, int]]
     watermark_ns: int
     start_ns: int | None
+    start_fixed: bool
     applied: int
     late_dropped: int
 
 
-MAX_ORPHANS = 10_000
+#: Bound on parked steps (requests whose worker's registration has not been folded yet); beyond
+#: it new steps of unknown workers are dropped, and the view may depend on interleaving.
+MAX_PARKED = 10_000
+MAX_INCARNATIONS = 8
 
 #: What one fold step counted: (pool, counter, event time ns) per increment. Counters:
 #: "arrivals", "completions", "good", "failures".
@@ -410,20 +447,39 @@ Counted = tuple[tuple[str, str, int], ...]
 
 
 class LoadView:
-    """Mutable fold state; everything it answers is an immutable :class:`LoadSnapshot`."""
+    """Mutable fold state; everything it answers is an immutable :class:`LoadSnapshot`.
+
+    Order-independence (any interleaving of the ``requests`` and ``workers`` partitions that
+    keeps each partition's order folds to the same state, ``digest`` included): a request's
+    events are in one partition (keyed by request id), a worker's in one other. The join
+    between them, the worker's pool, is made only once the worker's registration is folded: a
+    request step naming an unregistered worker is parked, with every later step of that
+    request, and folded in order when the registration arrives. Whether a completion's worker
+    was warmed up is decided when a window is read, from the incarnation serving at the
+    completion's event time. Sums are exact integers; ``start_ns`` is the earliest event time
+    folded. Bounds: a worker id keeps one pool across incarnations; lags shorter than
+    ``retention_s`` and ``request_ttl_s``; at most ``MAX_PARKED`` parked steps.
+    """
 
     def __init__(self, config: LoadViewConfig | None = None, *, start_ns: int | None = None) -> None:
         self.config = config or LoadViewConfig()
         self.workers: dict[str, _Worker] = {}
         self._requests: dict[str, _Req] = {}
         self._buckets: dict[str, dict[int, _Acc]] = {}
-        self._orphans: list[_Orphan] = []
+        self._parked: dict[str, list[_Step]] = {}
+        self._nparked = 0
         self.positions: dict[tuple[str, int], int] = {}
         self.watermark_ns = 0
         #: Windows starting before this are not reported (the view saw nothing of them).
         self.start_ns = start_ns
+        self._start_fixed = start_ns is not None
         self.applied = 0
         self.late_dropped = 0
+        #: Bumped by every fold that can change whether a completion was warm (a registration,
+        #: a first load report); keys ``_steady_cache``.
+        self._warm_version = 0
+        #: (pool, bucket) -> ((warm version, samples), steady sums): derived, never stored.
+        self._steady_cache: dict[tuple[str, int], tuple[tuple[int, int], tuple[int, int, int, int]]] = {}
 
     # -- folding ----------------------------------------------------------------------------
 
@@ -441,7 +497,7 @@ class LoadView:
         self.applied += 1
         counted: Counted = ()
         at = env.occurred_at_ns
-        if self.start_ns is None:
+        if self.start_ns is None or (not self._start_fixed and at < self.start_ns):
             self.start_ns = at
         if at > self.watermark_ns:
             self.watermark_ns = at
@@ -452,15 +508,12 @@ class LoadView:
             self._worker_event(ev, env.epoch, at)
         elif isinstance(ev, RequestAdmitted):
             self._req(ev.request_id, at).prompt_tokens = ev.prompt_tokens
-        elif isinstance(ev, RequestRouted):
-            counted = self._routed(ev.request_id, ev.worker_id,
-                                   ev.phase.value if hasattr(ev.phase, "value") else str(ev.phase), at)
-        elif isinstance(ev, PrefillCompleted):
-            self._prefill_completed(ev, at)
-        elif isinstance(ev, RequestCompleted):
-            counted = self._completed(ev, at)
-        elif isinstance(ev, RequestFailed):
-            counted = self._failed(ev, at)
+        else:
+            step = _step_of(ev, at)
+            if step is not None:
+                counted = self._step(step)
+            elif isinstance(ev, RequestFailed) and not ev.retried:
+                self._requests.pop(ev.request_id, None)  # failed before any worker was chosen
         self._evict()
         return counted
 
@@ -490,26 +543,32 @@ class LoadView:
         w = self.workers.get(worker_id) if worker_id else None
         return w.pool if w is not None else None
 
-    def _warm(self, worker_id: str | None, at: int) -> bool:
-        w = self.workers.get(worker_id) if worker_id else None
-        return (w is not None and w.ready_at_ns is not None
-                and at - w.ready_at_ns >= int(self.config.warmup_s * NS))
+    def _warm(self, worker_id: str, at: int) -> bool:
+        """Was the incarnation serving ``worker_id`` at ``at`` ready for ``warmup_s`` by then?"""
+        w = self.workers.get(worker_id)
+        if w is None:
+            return False
+        ready = w.ready_at_ns
+        if w.registered_at_ns > at:
+            serving = [i for i in w.earlier if i.registered_at_ns <= at]
+            ready = serving[-1].ready_at_ns if serving else None
+        return ready is not None and at - ready >= int(self.config.warmup_s * NS)
 
     # workers
 
     def _registered(self, ev: WorkerRegistered, epoch: int, at: int) -> Counted:
         cur = self.workers.get(ev.worker_id)
         if cur is not None and cur.epoch > epoch:
-            return  # a late registration of an older incarnation
+            return ()  # a late registration of an older incarnation
         role = ev.role.value if hasattr(ev.role, "value") else str(ev.role)
+        earlier = []
+        if cur is not None:
+            earlier = cur.earlier if cur.epoch == epoch else [
+                *cur.earlier, _Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
         self.workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=epoch, pool=ev.pool, role=role,
-                                             registered_at_ns=at)
-        if self._orphans:
-            waiting = [o for o in self._orphans if o.worker_id == ev.worker_id]
-            if waiting:
-                self._orphans = [o for o in self._orphans if o.worker_id != ev.worker_id]
-                return tuple(c for o in waiting for c in self._routed(o.request_id, o.worker_id, o.phase, o.at_ns))
-        return ()
+                                             registered_at_ns=at, earlier=earlier)
+        self._warm_version += 1
+        return self._unpark(ev.worker_id)
 
     def _worker_event(self, ev, epoch: int, at: int) -> None:
         cur = self.workers.get(ev.worker_id)
@@ -519,6 +578,7 @@ class LoadView:
             if cur.state == "starting":
                 cur.state = "ready"
                 cur.ready_at_ns = at
+                self._warm_version += 1
             cur.reported_at_ns = max(cur.reported_at_ns, at)
             cur.running, cur.waiting = ev.running, ev.waiting
             cur.queued_prefill_tokens = ev.queued_prefill_tokens
@@ -531,42 +591,69 @@ class LoadView:
             cur.state = "gone"
             cur.gone_at_ns = at
 
-    # requests
+    # requests: the join
 
-    def _routed(self, rid: str, worker_id: str, phase: str, at: int) -> Counted:
-        pool = self._pool_of(worker_id)
-        if pool is None:
-            if len(self._orphans) < MAX_ORPHANS:
-                self._orphans.append(_Orphan(request_id=rid, worker_id=worker_id, phase=phase, at_ns=at))
+    def _step(self, step: _Step) -> Counted:
+        """Fold a request's step now if its worker's pool is known and nothing of the request is
+        parked before it; else park it behind the request's earlier steps."""
+        parked = self._parked.get(step.request_id)
+        if parked is None and self._pool_of(step.worker_id) is not None:
+            return self._fold_step(step)
+        if self._nparked < MAX_PARKED:
+            self._parked.setdefault(step.request_id, []).append(step)
+            self._nparked += 1
+        return ()
+
+    def _unpark(self, worker_id: str) -> Counted:
+        """Fold, in order, the parked steps a registration of ``worker_id`` releases."""
+        out: list[tuple[str, str, int]] = []
+        for rid in [rid for rid, steps in self._parked.items() if steps[0].worker_id == worker_id]:
+            steps = self._parked[rid]
+            while steps and self._pool_of(steps[0].worker_id) is not None:
+                out.extend(self._fold_step(steps.pop(0)))
+                self._nparked -= 1
+            if not steps:
+                del self._parked[rid]
+        return tuple(out)
+
+    def _fold_step(self, s: _Step) -> Counted:
+        if s.kind == "routed":
+            return self._routed(s)
+        if s.kind == "prefill":
+            self._prefill_completed(s)
             return ()
-        r = self._req(rid, at)
-        if phase == RequestPhase.PREFILL.value:
-            r.prefill_worker = worker_id
+        if s.kind == "completed":
+            return self._completed(s)
+        return self._failed(s)
+
+    def _routed(self, s: _Step) -> Counted:
+        pool = self._pool_of(s.worker_id)
+        r = self._req(s.request_id, s.at_ns)
+        if s.phase == RequestPhase.PREFILL.value:
+            r.prefill_worker = s.worker_id
         if pool in r.pools:
             return ()  # a retry inside the same pool is not a new arrival
         r.pools.append(pool)
-        acc = self._acc(pool, at)
+        acc = self._acc(pool, s.at_ns)
         if acc is None:
             return ()
         acc.arrivals += 1
         if r.prompt_tokens >= 0:
             acc.isl.add(r.prompt_tokens)
-        return ((pool, "arrivals", at),)
+        return ((pool, "arrivals", s.at_ns),)
 
-    def _prefill_completed(self, ev: PrefillCompleted, at: int) -> None:
-        pool = self._pool_of(ev.worker_id)
-        if pool is None:
-            return
-        acc = self._acc(pool, at)
+    def _prefill_completed(self, s: _Step) -> None:
+        acc = self._acc(self._pool_of(s.worker_id), s.at_ns)
         if acc is not None:
-            acc.prompt_tokens += ev.prompt_tokens
-            acc.cached_tokens += ev.cached_tokens
+            acc.prompt_tokens += s.prompt_tokens
+            acc.cached_tokens += s.cached_tokens
 
-    def _completed(self, ev: RequestCompleted, at: int) -> Counted:
+    def _completed(self, s: _Step) -> Counted:
         out: list[tuple[str, str, int]] = []
-        r = self._requests.pop(ev.request_id, None)
-        pool = self._pool_of(ev.worker_id)
-        itl = ev.itl_mean_ms if ev.output_tokens > 1 else None
+        at = s.at_ns
+        r = self._requests.pop(s.request_id, None)
+        pool = self._pool_of(s.worker_id)
+        itl = s.itl_ms if s.output_tokens > 1 else None
         prefill_pool = self._pool_of(r.prefill_worker) if r is not None and r.prefill_worker else None
         split = prefill_pool is not None and prefill_pool != pool
         if split:
@@ -574,52 +661,39 @@ class LoadView:
             if acc is not None:
                 acc.completions += 1
                 out.append((prefill_pool, "completions", at))
-                acc.ttft.add(ev.ttft_ms)
-                if self.config.slo(prefill_pool).met(ev.ttft_ms, None):
+                acc.ttft.add(s.ttft_ms)
+                if self.config.slo(prefill_pool).met(s.ttft_ms, None):
                     acc.good += 1
                     out.append((prefill_pool, "good", at))
-                if self._warm(r.prefill_worker, at):
-                    acc.steady_ttft_sum += ev.ttft_ms
-                    acc.steady_ttft_n += 1
-        if pool is None:
-            return tuple(out)
+                bisect.insort(acc.steady, (at, r.prefill_worker, s.ttft_ms, -1.0))
         acc = self._acc(pool, at)
         if acc is None:
             return tuple(out)
         acc.completions += 1
         out.append((pool, "completions", at))
-        acc.osl.add(ev.output_tokens)
+        acc.osl.add(s.output_tokens)
         if itl is not None:
             acc.itl.add(itl)
-        ttft = None if split else ev.ttft_ms
+        ttft = None if split else s.ttft_ms
         if ttft is not None:
             acc.ttft.add(ttft)
-            acc.prompt_tokens += ev.prompt_tokens
-            acc.cached_tokens += ev.cached_tokens
+            acc.prompt_tokens += s.prompt_tokens
+            acc.cached_tokens += s.cached_tokens
         if self.config.slo(pool).met(ttft, itl):
             acc.good += 1
             out.append((pool, "good", at))
-        if self._warm(ev.worker_id, at):
-            if ttft is not None:
-                acc.steady_ttft_sum += ttft
-                acc.steady_ttft_n += 1
-            if itl is not None:
-                acc.steady_itl_sum += itl
-                acc.steady_itl_n += 1
+        if ttft is not None or itl is not None:
+            bisect.insort(acc.steady, (at, s.worker_id, -1.0 if ttft is None else ttft, -1.0 if itl is None else itl))
         return tuple(out)
 
-    def _failed(self, ev: RequestFailed, at: int) -> Counted:
-        if ev.retried:
-            return ()  # the router tries another worker; the request is not over
-        self._requests.pop(ev.request_id, None)
-        pool = self._pool_of(ev.worker_id)
-        if pool is None:
-            return ()
-        acc = self._acc(pool, at)
+    def _failed(self, s: _Step) -> Counted:
+        self._requests.pop(s.request_id, None)
+        pool = self._pool_of(s.worker_id)
+        acc = self._acc(pool, s.at_ns)
         if acc is None:
             return ()
         acc.failures += 1
-        return ((pool, "failures", at),)
+        return ((pool, "failures", s.at_ns),)
 
     def _evict(self) -> None:
         """Drop what no window can need any more (bounded memory on an endless log)."""
@@ -630,6 +704,8 @@ class LoadView:
         for per_pool in self._buckets.values():
             for b in [b for b in per_pool if b < horizon_b]:
                 del per_pool[b]
+        for key in [k for k in self._steady_cache if k[1] < horizon_b]:
+            del self._steady_cache[key]
         ttl = self.watermark_ns - int(cfg.request_ttl_s * NS)
         if len(self._requests) > 1024:
             for rid in [k for k, r in self._requests.items() if r.seen_ns < ttl]:
@@ -637,8 +713,8 @@ class LoadView:
         gone = self.watermark_ns - int(cfg.retention_s * NS)
         for wid in [k for k, w in self.workers.items() if w.gone_at_ns is not None and w.gone_at_ns < gone]:
             del self.workers[wid]
-        if self._orphans:
-            self._orphans = [o for o in self._orphans if o.at_ns >= ttl]
+        for rid in [rid for rid, steps in self._parked.items() if steps[0].at_ns < ttl]:
+            self._nparked -= len(self._parked.pop(rid))
 
     # -- answering --------------------------------------------------------------------------
 
@@ -649,12 +725,37 @@ class LoadView:
         """Aggregates of ``pool`` over ``[start_ns, end_ns)`` (bucket-aligned)."""
         bn = self.config.bucket_ns
         acc = _Acc()
+        steady = [0, 0, 0, 0]
         per_pool = self._buckets.get(pool, {})
         for b in range(start_ns // bn, end_ns // bn):
             a = per_pool.get(b)
             if a is not None:
                 acc.merge(a)
-        return _stats(acc, start_ns, end_ns)
+                for i, x in enumerate(self._steady_sums(pool, b, a)):
+                    steady[i] += x
+        return _stats(acc, start_ns, end_ns, *steady)
+
+    def _steady_sums(self, pool: str, b: int, a: _Acc) -> tuple[int, int, int, int]:
+        """(TTFT count, TTFT sum, ITL count, ITL sum) of one bucket's completions on warmed-up
+        workers, sums in ``_SUM_SCALE`` units. One pass over the bucket's completions, cached
+        until a completion lands in it or a registration or first report is folded: a planner
+        tick re-reads the newest bucket only."""
+        key = (self._warm_version, len(a.steady))
+        hit = self._steady_cache.get((pool, b))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        nt = st = ni = si = 0
+        for at, worker_id, ttft, itl in a.steady:
+            if self._warm(worker_id, at):
+                if ttft >= 0:
+                    nt += 1
+                    st += round(ttft * _SUM_SCALE)
+                if itl >= 0:
+                    ni += 1
+                    si += round(itl * _SUM_SCALE)
+        sums = (nt, st, ni, si)
+        self._steady_cache[(pool, b)] = (key, sums)
+        return sums
 
     def closed_windows(self, pool: str, now_ns: int, size_s: float, limit: int) -> list[WindowStats]:
         """The last ``limit`` closed windows of ``size_s``, aligned to multiples of the size,
@@ -712,13 +813,15 @@ class LoadView:
 
     # -- checkpoints ------------------------------------------------------------------------
 
+    def _state(self, positions: list[tuple[str, int, int]], applied: int) -> _State:
+        return _State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
+                      buckets=self._buckets, parked=self._parked, positions=positions,
+                      watermark_ns=self.watermark_ns, start_ns=self.start_ns, start_fixed=self._start_fixed,
+                      applied=applied, late_dropped=self.late_dropped)
+
     def to_bytes(self) -> bytes:
-        st = _State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
-                    buckets=self._buckets, orphans=self._orphans,
-                    positions=[(t, p, o) for (t, p), o in sorted(self.positions.items())],
-                    watermark_ns=self.watermark_ns, start_ns=self.start_ns, applied=self.applied,
-                    late_dropped=self.late_dropped)
-        return msgspec.msgpack.encode(st)
+        return msgspec.msgpack.encode(self._state([(t, p, o) for (t, p), o in sorted(self.positions.items())],
+                                                  self.applied))
 
     @classmethod
     def from_bytes(cls, data: bytes, config: LoadViewConfig | None = None) -> LoadView:
@@ -726,32 +829,50 @@ class LoadView:
         if st.format != SNAPSHOT_FORMAT:
             raise ValueError(f"load view snapshot format {st.format} not supported (want {SNAPSHOT_FORMAT})")
         v = cls(config, start_ns=st.start_ns)
-        v.workers, v._requests, v._buckets, v._orphans = st.workers, st.requests, st.buckets, st.orphans
+        v.workers, v._requests, v._buckets, v._parked = st.workers, st.requests, st.buckets, st.parked
+        v._nparked = sum(len(steps) for steps in st.parked.values())
+        v._start_fixed = st.start_fixed
         v.positions = {(t, p): o for t, p, o in st.positions}
         v.watermark_ns, v.applied, v.late_dropped = st.watermark_ns, st.applied, st.late_dropped
         return v
 
     def digest(self) -> str:
-        """Fingerprint of the folded state (positions excluded): equal digests, equal views."""
+        """Fingerprint of the folded state (positions and the count of records applied
+        excluded): equal digests, equal views."""
         import hashlib
 
-        st = msgspec.to_builtins(_State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
-                                        buckets=self._buckets, orphans=self._orphans, positions=[],
-                                        watermark_ns=self.watermark_ns, start_ns=self.start_ns, applied=0,
-                                        late_dropped=self.late_dropped), str_keys=True)
+        st = msgspec.to_builtins(self._state([], 0), str_keys=True)
         return hashlib.sha256(msgspec.json.encode(st, order="sorted")).hexdigest()
+
+
+def _step_of(ev: Event, at: int) -> _Step | None:
+    """The step a request event names a worker for (None: it counts nothing)."""
+    if isinstance(ev, RequestRouted):
+        return _Step("routed", ev.request_id, ev.worker_id, at,
+                     phase=ev.phase.value if hasattr(ev.phase, "value") else str(ev.phase))
+    if isinstance(ev, PrefillCompleted) and ev.worker_id:
+        return _Step("prefill", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
+                     cached_tokens=ev.cached_tokens)
+    if isinstance(ev, RequestCompleted) and ev.worker_id:
+        return _Step("completed", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
+                     cached_tokens=ev.cached_tokens, output_tokens=ev.output_tokens, ttft_ms=ev.ttft_ms,
+                     itl_ms=ev.itl_mean_ms)
+    if isinstance(ev, RequestFailed) and ev.worker_id and not ev.retried:
+        # A retried attempt counts nothing: the router tries another worker, the request goes on.
+        return _Step("failed", ev.request_id, ev.worker_id, at)
+    return None
 
 
 def _pct(h: Histogram) -> Percentiles:
     return Percentiles(h.quantile(0.50), h.quantile(0.95), h.quantile(0.99))
 
 
-def _stats(a: _Acc, start_ns: int, end_ns: int) -> WindowStats:
+def _stats(a: _Acc, start_ns: int, end_ns: int, nttft: int, sttft: int, nitl: int, sitl: int) -> WindowStats:
     return WindowStats(
         start_ns=start_ns, end_ns=end_ns, arrivals=a.arrivals, isl_mean=a.isl.mean, isl_sd=a.isl.sd,
         isl=_pct(a.isl), completions=a.completions, osl_mean=a.osl.mean, osl_sd=a.osl.sd, osl=_pct(a.osl), ttft_mean=a.ttft.mean,
         ttft=_pct(a.ttft), itl_mean=a.itl.mean, itl=_pct(a.itl), good=a.good, failures=a.failures,
         prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
-        steady_ttft_mean=a.steady_ttft_sum / a.steady_ttft_n if a.steady_ttft_n else None,
-        steady_itl_mean=a.steady_itl_sum / a.steady_itl_n if a.steady_itl_n else None,
-        steady_samples=max(a.steady_ttft_n, a.steady_itl_n))
+        steady_ttft_mean=sttft / _SUM_SCALE / nttft if nttft else None,
+        steady_itl_mean=sitl / _SUM_SCALE / nitl if nitl else None,
+        steady_samples=max(nttft, nitl))

@@ -43,7 +43,7 @@ STREAMS = ("requests", "workers")
 
 def snapshot_key(cfg: LoadViewConfig) -> str:
     """One key per window geometry: any replica's snapshot of the same geometry will do."""
-    return f"load-view:v1:{cfg.tumbling_s:g}:{cfg.hop_step_s:g}:{cfg.hopping_s:g}"
+    return f"load-view:v2:{cfg.tumbling_s:g}:{cfg.hop_step_s:g}:{cfg.hopping_s:g}"
 
 
 class LoadViewProcessor(FoldProcessor):

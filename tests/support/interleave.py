@@ -3,9 +3,11 @@
 ``cluster_log(seed)`` plays a small cluster forward in real time: workers register, store, move
 and evict KV blocks, report load, drain or crash and come back under a new epoch (re-announcing
 their persistent blocks, as ``data_plane.workers.wiring`` does); a router admits, routes and
-completes requests on them. Every event is wrapped by its producer's ``EnvelopeFactory`` with the
-partition scope ``EventProducer`` uses, and placed in the partition its key hashes to (xxh64 mod
-the catalog's partition count). A few KV events are produced but never written (``lost``): their
+completes requests on them (aggregated, or disaggregated over a prefill and a decode worker;
+some attempts fail and are retried, some requests fail); an operator asks for some drains
+(``admin``). Every event is wrapped by its producer's ``EnvelopeFactory`` with the partition
+scope ``EventProducer`` uses, and placed in the partition its key hashes to (xxh64 mod the
+catalog's partition count). A few KV events are produced but never written (``lost``): their
 sequence numbers are consumed, so the log has real gaps.
 
 ``interleavings(log, rng)`` yields the same records merged in a random order that keeps each
@@ -31,9 +33,11 @@ from schemas.events import (
     PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
+    RequestFailed,
     RequestRouted,
     WorkerDeregistered,
     WorkerDraining,
+    WorkerDrainRequested,
     WorkerLoadReported,
     WorkerRegistered,
 )
@@ -96,7 +100,9 @@ def cluster_log(seed: int, *, workers: int = 3, steps: int = 120, gaps: bool = T
     up: dict[str, bool] = dict.fromkeys(ids, False)
     held: dict[str, dict[Tier, set[int]]] = {w: {t: set() for t in Tier} for w in ids}
     router = EnvelopeFactory("router-0", 1, log.clock)
-    open_requests: list[tuple[str, str]] = []
+    admin = EnvelopeFactory("admin-api", 1, log.clock)
+    #: (request id, worker completing it, its prefill worker when disaggregated)
+    open_requests: list[tuple[str, str, str | None]] = []
     nreq = 0
 
     def kv(w: str, ev: Event) -> None:
@@ -154,22 +160,46 @@ def cluster_log(seed: int, *, workers: int = 3, steps: int = 120, gaps: bool = T
         elif roll < 0.84:
             nreq += 1
             rid = f"req-{nreq}"
-            log.write(router, RequestAdmitted(request_id=rid, model="m", prompt_tokens=64, max_tokens=8,
+            prompt = rng.choice((16, 64, 200))
+            log.write(router, RequestAdmitted(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=8,
                                               block_size=BLOCK_SIZE, hash_algo=HASH_ALGO, block_hashes=[1, 2, 3, 4]))
-            phase = RequestPhase.PREFILL if roles[w] == "prefill" else (
-                RequestPhase.DECODE if roles[w] == "decode" else RequestPhase.AGGREGATED)
-            log.write(router, RequestRouted(request_id=rid, worker_id=w, phase=phase, mode=RoutingMode.KV,
-                                            reason="kv_overlap", config_version=1, rng_seed=nreq))
-            open_requests.append((rid, w))
+
+            def route(worker: str, phase: RequestPhase) -> None:
+                log.write(router, RequestRouted(request_id=rid, worker_id=worker, phase=phase, mode=RoutingMode.KV,
+                                                reason="kv_overlap", config_version=1, rng_seed=nreq))
+
+            decoders = [d for d in ids if up[d] and roles[d] == "decode"]
+            if roles[w] == "prefill" and decoders and rng.random() < 0.7:
+                # Disaggregated: prefill here, decode on a decode worker (two pools).
+                route(w, RequestPhase.PREFILL)
+                d = rng.choice(decoders)
+                route(d, RequestPhase.DECODE)
+                open_requests.append((rid, d, w))
+            else:
+                if rng.random() < 0.2:
+                    # An attempt that failed before any token: the router retries (same worker here).
+                    route(w, RequestPhase.AGGREGATED)
+                    log.write(router, RequestFailed(request_id=rid, worker_id=w, reason="worker_error: reset",
+                                                    code="worker_error", retried=True))
+                route(w, RequestPhase.AGGREGATED)
+                open_requests.append((rid, w, None))
         elif roll < 0.94 and open_requests:
-            rid, rw = open_requests.pop(rng.randrange(len(open_requests)))
-            if rng.random() < 0.5:
-                log.write(router, PrefillCompleted(request_id=rid, worker_id=rw, prompt_tokens=64,
+            rid, rw, pw = open_requests.pop(rng.randrange(len(open_requests)))
+            if rng.random() < 0.1:
+                log.write(router, RequestFailed(request_id=rid, worker_id=rw, reason="timeout", code="timeout"))
+                continue
+            if pw is not None or rng.random() < 0.5:
+                log.write(router, PrefillCompleted(request_id=rid, worker_id=pw or rw, prompt_tokens=64,
                                                    cached_tokens=16, duration_ms=12.0))
-            log.write(router, RequestCompleted(request_id=rid, worker_id=rw, prompt_tokens=64, output_tokens=8,
-                                               ttft_ms=40.0 + rng.random() * 200, e2e_ms=300.0))
+            out = rng.choice((1, 8, 30))
+            log.write(router, RequestCompleted(request_id=rid, worker_id=rw, prompt_tokens=64, output_tokens=out,
+                                               cached_tokens=rng.choice((0, 16)), ttft_ms=40.0 + rng.random() * 200,
+                                               itl_mean_ms=5.0 + rng.random() * 60, e2e_ms=300.0))
         elif roll < 0.97:
-            # A graceful stop: drain, forget the memory tiers, deregister.
+            # A graceful stop, sometimes asked by an operator: drain, forget the memory tiers,
+            # deregister.
+            if rng.random() < 0.5:
+                log.write(admin, WorkerDrainRequested(worker_id=w, reason="maintenance", actor="ops"))
             log.write(factory[w], WorkerDraining(worker_id=w, reason="scale down"))
             kv(w, AllBlocksCleared(worker_id=w, tier=Tier.DEVICE))
             kv(w, AllBlocksCleared(worker_id=w, tier=Tier.HOST))

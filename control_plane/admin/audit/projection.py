@@ -15,6 +15,11 @@ Each fold dispatches on the payload's type through one table (type -> handler), 
 :mod:`control_plane.metrics.projection` does: what an event type does to a table is one entry,
 and a type absent from the table leaves the row alone (the fold answers None).
 
+Interleavings: a worker's own events are on one ``workers`` partition, its drain requests on
+one ``admin`` partition, and request counters only add; the one cross-topic rule, which
+incarnation a drain request is about, goes by event time. So the tables are the same for any
+interleaving that keeps each partition's order (``tests/integration/test_audit_interleavings.py``).
+
 Idempotence is the store's job: it folds an event only when its ``audit_events`` row was newly
 inserted, so a redelivered event changes nothing, counters included.
 """
@@ -130,9 +135,12 @@ def fold_worker(row: Row | None, env: Envelope[Event]) -> Row | None:
     return None if fold is None else fold(row, env, env.data)
 
 
-def _drain_requested(row: Row | None, env: Envelope[Event], ev: WorkerDrainRequested) -> Row:
-    # An operator's request (producer: the admin API, whose epoch is not the worker's): no
-    # epoch rule applies.
+def _drain_requested(row: Row | None, env: Envelope[Event], ev: WorkerDrainRequested) -> Row | None:
+    # An operator's request (producer: the admin API, whose epoch is not the worker's, on the
+    # admin topic): it is about the incarnation registered at its event time. One asked before
+    # the registration folded so far was asked of an earlier incarnation.
+    if row is not None and env.occurred_at_ns < row["registered_at_ns"]:
+        return None
     out = dict(row) if row is not None else new_worker(ev.worker_id, 0)
     out["drain_requested_at_ns"] = env.occurred_at_ns
     out["drain_requested_by"] = _clip(ev.actor, 128)
@@ -156,9 +164,11 @@ def _registered(row: Row | None, env: Envelope[Event], ev: WorkerRegistered) -> 
                model=_clip(ev.model, 256), state="ready", capacity=dict(ev.capacity), block_size=ev.block_size,
                hash_algo=ev.hash_algo[:64], registered_at_ns=env.occurred_at_ns)
     if newer:
-        # A new incarnation starts with nothing reported and no drain asked of it.
-        out.update(running=0, waiting=0, queued_prefill_tokens=0, active_decode_blocks=0, tier_usage={},
-                   drain_requested_at_ns=None, drain_requested_by=None)
+        # A new incarnation starts with nothing reported and no drain asked of it, unless the
+        # request is from after its registration (folded first: the admin topic ran ahead).
+        out.update(running=0, waiting=0, queued_prefill_tokens=0, active_decode_blocks=0, tier_usage={})
+        if (out["drain_requested_at_ns"] or 0) < env.occurred_at_ns:
+            out.update(drain_requested_at_ns=None, drain_requested_by=None)
     return out
 
 
