@@ -23,7 +23,7 @@ from data_plane.engines.kv_manager import KVCacheManager
 from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.request import EngineRequest, Status
 from data_plane.engines.scheduler import OnboardStats, ScheduledStep, Scheduler, TokenOutput
-from data_plane.engines.tiers import LowerTiers, OnboardCosts
+from data_plane.engines.tiers import LowerTiers, OnboardCosts, costs_for
 from data_plane.engines.timing import StepShape, decode_run_starts
 from kernel.hashing import HashAlgo, HashConfig
 from schemas.events import KvEvent
@@ -131,7 +131,7 @@ class EngineCore:
         )
         self.kv = KVCacheManager(self.pool, self.hash_config, emit_token_ids=emit_token_ids)
         self.scheduler = Scheduler(self.profile, self.kv, self.role, tiers=tiers,
-                                   onboard_costs=onboard_costs)
+                                   onboard_costs=onboard_costs or costs_for(self.profile.timing))
         self.timing = self.profile.timing
 
     # ------------------------------------------------------------------------------ commands

@@ -80,6 +80,13 @@ class OnboardCosts:
         return ms
 
 
+def costs_for(timing: TimingModel, links: Mapping[Tier, TierLink] | None = None) -> OnboardCosts:
+    """Default costs for an engine: KV bytes per token from its timing model's model config
+    when it has one (the roofline profiles), else :data:`DEFAULT_KV_BYTES_PER_TOKEN`."""
+    kv = getattr(timing, "kv_bytes_per_token", None) or DEFAULT_KV_BYTES_PER_TOKEN
+    return OnboardCosts(kv_bytes_per_token=kv, links=dict(links or DEFAULT_LINKS))
+
+
 def prefill_ms(timing: TimingModel, start: int, end: int) -> float:
     """Modelled time to compute tokens ``[start, end)`` of one request, alone in a step."""
     n = end - start

@@ -209,3 +209,22 @@ def test_real_kvbm_corrupt_disk_block_falls_back_to_recompute(tmp_path: Path):
     removed = [h for e in sink.events if isinstance(e, BlockRemoved) and e.tier is DISK
                for h in e.block_hashes]
     assert removed and set(removed) <= set(on_disk)
+
+
+def test_worker_metrics_export_offloads_and_onboards_per_direction():
+    from data_plane.workers.metrics import WorkerMetrics
+
+    m = WorkerMetrics("m", "w1")
+    m.set_kv_moves({"offloaded_host": 5, "demoted_host_disk": 2, "onboarded_disk": 1},
+                   {HOST: 3, DISK: 1}, {"corrupt": 2})
+    m.set_kv_moves({"offloaded_host": 7, "demoted_host_disk": 2, "onboarded_disk": 1},
+                   {HOST: 3, DISK: 1}, {"corrupt": 2})  # totals, not increments
+    text = m.render().decode()
+    lbl = 'engine="w1",from_tier="{}",model_name="m",to_tier="{}"'
+    assert f"switchyard_worker_kvbm_offload_blocks_total{{{lbl.format('device', 'host')}}} 7.0" in text
+    assert f"switchyard_worker_kvbm_offload_blocks_total{{{lbl.format('host', 'disk')}}} 2.0" in text
+    assert f"switchyard_worker_kvbm_onboard_blocks_total{{{lbl.format('host', 'device')}}} 3.0" in text
+    assert f"switchyard_worker_kvbm_onboard_blocks_total{{{lbl.format('disk', 'device')}}} 1.0" in text
+    assert f"switchyard_worker_kvbm_onboard_blocks_total{{{lbl.format('disk', 'host')}}} 1.0" in text
+    assert ('switchyard_worker_kvbm_onboard_fallback_blocks_total{engine="w1",model_name="m",'
+            'reason="corrupt"} 2.0') in text
