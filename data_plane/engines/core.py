@@ -43,6 +43,9 @@ class StepResult:
     preempted: list[RequestId]
     num_scheduled: int
     shape: StepShape
+    #: Of ``admitted``, requests that loaded part of their prefix from a tier below the device:
+    #: (request id, tokens loaded). Included in ``admitted``'s cached tokens.
+    onboarded: tuple[tuple[RequestId, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +180,8 @@ class EngineCore:
             duration += plan.onboard_ms
         tokens, finished = self.scheduler.update(plan)
         return StepResult(
-            duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape
+            duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape,
+            tuple(plan.onboarded),
         )
 
     #: The most steps one decode run takes (a run may stop anywhere: the next one goes on).

@@ -78,6 +78,8 @@ class ScheduledStep:
     #: Modelled time to load the step's onboarded blocks from the tiers below, before the
     #: forward pass (the step waits for it: loads are synchronous here).
     onboard_ms: float = 0.0
+    #: First admissions that loaded tokens from a tier below: (request id, tokens loaded).
+    onboarded: list[tuple[RequestId, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +281,8 @@ class Scheduler:
                 req.cached_tokens = hit_tokens
                 req.onboarded_tokens = len(sources) * bs
                 step.admitted.append((req.request_id, hit_tokens))
+                if sources:
+                    step.onboarded.append((req.request_id, len(sources) * bs))
             step.entries.append((req, n, self._is_decode(req, n)))
             budget -= n
 

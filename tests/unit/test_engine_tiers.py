@@ -228,3 +228,48 @@ def test_worker_metrics_export_offloads_and_onboards_per_direction():
     assert f"switchyard_worker_kvbm_onboard_blocks_total{{{lbl.format('disk', 'host')}}} 1.0" in text
     assert ('switchyard_worker_kvbm_onboard_fallback_blocks_total{engine="w1",model_name="m",'
             'reason="corrupt"} 2.0') in text
+
+
+# -- the cluster simulator -------------------------------------------------------------------
+
+
+def _sim_requests():
+    return [EngineRequest(request_id="a", prompt=PROMPT_A, max_tokens=2, arrival_ms=0.0),
+            EngineRequest(request_id="b", prompt=PROMPT_B, max_tokens=2, arrival_ms=100.0),
+            EngineRequest(request_id="a2", prompt=PROMPT_A, max_tokens=2, arrival_ms=200.0)]
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_simulation_models_tiers_and_onboarding_time(coalesce):
+    """Device only, A2 recomputes 17 tokens; with a host tier it loads 16 and computes 1, and its
+    first token comes that much sooner (minus the modelled load time)."""
+    from data_plane.engines import simulate
+
+    prof = _profile()
+    base = simulate(_sim_requests(), prof, coalesce=coalesce)
+    tiered = simulate(_sim_requests(), prof, coalesce=coalesce, tiers={HOST: 16})
+    b = {r.request_id: r for r in base.requests}
+    t = {r.request_id: r for r in tiered.requests}
+    assert b["a2"].cached_tokens == 0 and t["a2"].cached_tokens == 16
+    assert t["a2"].onboarded_tokens == 16 and b["a2"].onboarded_tokens == 0
+    timing = prof.timing
+    load = OnboardCosts().load_ms({HOST: 4}, BS)
+    assert b["a2"].ttft_ms == pytest.approx(timing.prefill_ms(17))
+    assert t["a2"].ttft_ms == pytest.approx(timing.prefill_ms(1) + load)
+    # Everything else is as without tiers.
+    assert [b[r].token_times.tolist() for r in "ab"] == [t[r].token_times.tolist() for r in "ab"]
+
+
+def test_simulation_tiers_cascade_to_disk_and_report_events():
+    from data_plane.engines import simulate
+
+    sink = MemorySink()
+    res = simulate(_sim_requests(), _profile(), sink=sink, tiers={HOST: 2, DISK: 16},
+                   onboard_costs=OnboardCosts(links={HOST: TierLink(25e9), DISK: TierLink(25e9)}))
+    a2 = next(r for r in res.requests if r.request_id == "a2")
+    assert a2.onboarded_tokens == 16
+    kinds = {(type(e).__name__, getattr(e, "tier", None) or (e.from_tier, e.to_tier))
+             for e in sink.events}
+    assert ("BlockStored", HOST) in kinds and ("BlockMoved", (HOST, DISK)) in kinds
+    sources = {e.source_tier for e in sink.events if isinstance(e, BlockStored) and e.tier is DEVICE}
+    assert {HOST, DISK} <= sources
