@@ -273,3 +273,44 @@ def test_simulation_tiers_cascade_to_disk_and_report_events():
     assert ("BlockStored", HOST) in kinds and ("BlockMoved", (HOST, DISK)) in kinds
     sources = {e.source_tier for e in sink.events if isinstance(e, BlockStored) and e.tier is DEVICE}
     assert {HOST, DISK} <= sources
+
+
+def _tiered_case(seed):
+    """The driver property test's random cluster, with half the device (so prefixes get evicted
+    and come back) and small host and disk tiers."""
+    from tests.unit.test_cluster_driver import _case
+
+    prof, workers, reqs, opts, hooks_kw = _case(seed)
+    prof = prof.replace(num_device_blocks=max(prof.num_device_blocks // 2, 12))
+    return prof, workers, reqs, opts, hooks_kw
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_coalesced_decode_runs_keep_their_results_with_tiers(seed):
+    """The driver's speed-up (decode runs applied at once) changes nothing with tiers either:
+    coalesced and step-by-step runs agree on every token time, cached and onboarded count, step
+    count, hook call and tier move."""
+    from data_plane.engines.simulate import Cluster
+    from tests.unit.test_cluster_driver import _run, _same
+
+    prof, workers, reqs, opts, hooks_kw = _tiered_case(seed)
+    tiers = {HOST: 4, DISK: 8}
+    fast = _run(Cluster, prof, workers, reqs, opts, hooks_kw, tiers=tiers)
+    slow = _run(Cluster, prof, workers, reqs, opts, hooks_kw, tiers=tiers, coalesce=False)
+    _same(fast, slow)
+    assert [r.onboarded_tokens for r in fast[2]] == [r.onboarded_tokens for r in slow[2]]
+    assert {w: dict(vt.moves) for w, vt in fast[1].virtual_tiers.items()} == \
+        {w: dict(vt.moves) for w, vt in slow[1].virtual_tiers.items()}
+
+
+def test_the_tiered_property_cases_do_onboard():
+    """Not vacuous: several of those random clusters really load prefixes from their tiers."""
+    from data_plane.engines.simulate import Cluster
+    from tests.unit.test_cluster_driver import _run
+
+    onboarding = 0
+    for seed in range(80):
+        prof, workers, reqs, opts, hooks_kw = _tiered_case(seed)
+        _, _, records = _run(Cluster, prof, workers, reqs, opts, hooks_kw, tiers={HOST: 4, DISK: 8})
+        onboarding += any(r.onboarded_tokens for r in records)
+    assert onboarding >= 5
