@@ -110,17 +110,18 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
             extra_engine_args={"engine": {"num_gpu_blocks": DYNAMO_BIG_BLOCKS}})
         rows["dynamo kv_router, unbounded device"] = {
             "ttft_p50_ms": s["median_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
-            "itl_p50_ms": s["median_itl_ms"], "reuse": s["prefix_cache_reused_ratio"],
+            "ttft_p90_ms": s["p90_ttft_ms"], "itl_p50_ms": s["median_itl_ms"],
+            "itl_p99_ms": s["p99_itl_ms"], "reuse": s["prefix_cache_reused_ratio"],
             "requests": s["completed_requests"], "wall_s": wall or time.perf_counter() - t0}
 
-    print(f"\n{'config':<36} {'TTFT p50':>10} {'TTFT p99':>10} {'ITL p50':>8} {'reuse':>7} "
-          f"{'device':>7} {'onboard by tier':<28} {'wall':>6}")
+    print(f"\n{'config':<36} {'TTFT p50':>10} {'TTFT p90':>10} {'TTFT p99':>10} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'reuse':>7} {'device':>7} {'onboard by tier':<28} {'wall':>6}")
     for name, r in rows.items():
         by_tier = ", ".join(f"{t} {v:.3f}" for t, v in r.get("reuse_by_tier", {}).items())
         dev = r.get("reuse_device")
-        print(f"{name:<36} {r['ttft_p50_ms']:>8.1f}ms {r['ttft_p99_ms']:>8.1f}ms {r['itl_p50_ms']:>6.2f}ms "
-              f"{r['reuse']:>7.4f} {dev if dev is not None else math.nan:>7.4f} {by_tier or '-':<28} "
-              f"{r['wall_s']:>5.1f}s")
+        print(f"{name:<36} {r['ttft_p50_ms']:>8.1f}ms {r['ttft_p90_ms']:>8.1f}ms {r['ttft_p99_ms']:>8.1f}ms "
+              f"{r['itl_p50_ms']:>6.2f}ms {r['itl_p99_ms']:>6.2f}ms {r['reuse']:>7.4f} "
+              f"{dev if dev is not None else math.nan:>7.4f} {by_tier or '-':<28} {r['wall_s']:>5.1f}s")
     for name, r in rows.items():
         if r.get("bytes_moved"):
             print(f"bytes moved, {name}: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in r["bytes_moved"].items()))

@@ -22,6 +22,11 @@ Dynamo's mocker does):
   blocks ``release_after_ms`` later (0: at that instant, after its next step has started), or
   before its next step with ``release_before_step``.
 
+* Tiers (``Cluster(tiers={Tier.HOST: n, ...})``, default none): every worker's evictions go to
+  its own :class:`~data_plane.engines.tiers.VirtualTiers`, and its engine onboards a prefix from
+  them when loading is cheaper than recomputing; the modelled load time is added to the step
+  that admits the request (loads are synchronous), and the tiers' events join the engine's.
+
 The order (the invariant every speed-up below keeps): results are those of one event heap
 popped by (time, kind, push order), one ``EngineCore.step()`` per step. At one instant the kinds
 run in this order: KV deliveries (a step's KV events after ``kv_event_lag_ms``), load reports,
