@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 import time
 from array import array
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +38,10 @@ from data_plane.engines import EngineRequest, default_hash_config, load_profile
 from data_plane.engines.core import EngineStats
 from data_plane.engines.profiles import HardwareProfile
 from data_plane.engines.simulate import Cluster, Hooks, Placement
+from data_plane.engines.tiers import OnboardCosts
 from schemas.envelope import Envelope, EnvelopeFactory
 from schemas.events import Event, PrefillCompleted, RequestAdmitted, RequestCompleted
-from schemas.types import BlockHash, RequestPhase, RequestId, RoutingMode, WorkerId, WorkerRole
+from schemas.types import BlockHash, RequestPhase, RequestId, RoutingMode, Tier, WorkerId, WorkerRole
 
 #: A live worker's ``WorkerSettings.load_interval_s`` default, in ms.
 DEFAULT_LOAD_REPORT_MS = 1000.0
@@ -282,6 +284,8 @@ class RoutedRequest:
     #: Delivery times of the tokens the client sees.
     token_times: array = field(default_factory=lambda: array("d"))
     finished: bool = False
+    #: Of ``cached_tokens``, those loaded from a tier below the device (``run_cluster(tiers=)``).
+    onboarded_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -293,6 +297,8 @@ class ClusterResult:
     steps: int
     preemptions: int
     router: RouterStats
+    #: With tiers: blocks moved between tiers over the run, by (from tier, to tier), all workers.
+    tier_moves: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.records if r.token_times]
@@ -342,8 +348,13 @@ def run_cluster(
     load_report_ms: float | None = DEFAULT_LOAD_REPORT_MS,
     kv_event_lag_ms: float = 0.0,
     worker_ids: Sequence[str] | None = None,
+    tiers: Mapping[Tier, int] | None = None,
+    onboard_costs: OnboardCosts | None = None,
 ) -> ClusterResult:
     """Replay ``requests`` (sorted by arrival) on ``topology`` with ``config`` routing them.
+
+    ``tiers``: blocks per tier below the device of every worker (None: device only); engines
+    then offload there and onboard at ``onboard_costs`` (see :class:`Cluster`).
 
     ``load_report_ms``: interval of each worker's load report (None: the router gets no reports
     and relies on its ledger alone, like Dynamo's router). ``kv_event_lag_ms``: transport delay
@@ -370,7 +381,8 @@ def run_cluster(
     )
     # The prefill worker frees a handed-off prompt's blocks at the hand-off (release after 0 ms).
     cluster = Cluster(prof, router, hash_config=hash_config, disaggregated=topology.disaggregated,
-                      release_after_ms=0.0, load_report_ms=load_report_ms, kv_event_lag_ms=kv_event_lag_ms)
+                      release_after_ms=0.0, load_report_ms=load_report_ms, kv_event_lag_ms=kv_event_lag_ms,
+                      tiers=tiers, onboard_costs=onboard_costs)
     cores = [cluster.add_worker(wid, role) for wid, role in zip(ids, roles)]
     out = cluster.run(requests)
     disaggregated = topology.disaggregated
@@ -385,7 +397,11 @@ def run_cluster(
             prefill_worker=r.prefill_worker_id if r.handoff_ms is not None else r.worker_id,
             worker=r.worker_id if not disaggregated or r.handoff_ms is not None else None,
             handoff_ms=r.handoff_ms, token_times=times, finished=r.finished,
+            onboarded_tokens=r.onboarded_tokens,
         ))
+    moves: Counter[tuple[str, str]] = Counter()
+    for vt in cluster.virtual_tiers.values():
+        moves.update(vt.moves)
     first_arrival = records[0].arrival_ms if records else 0.0
     return ClusterResult(
         records=records,
@@ -393,4 +409,5 @@ def run_cluster(
         steps=cluster.steps,
         preemptions=sum(c.scheduler.num_preemptions for c in cores),
         router=router.stats,
+        tier_moves=dict(moves),
     )

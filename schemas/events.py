@@ -84,6 +84,10 @@ class BlockStored(KvEvent, frozen=True, kw_only=True, omit_defaults=True):
     #: All token ids of all blocks, when the producer shares them (vLLM does).
     token_ids: list[int] = []
     dp_rank: int = 0
+    #: Device stores only: the tier the blocks were loaded (onboarded) from instead of being
+    #: computed; None when computed. Added in place (a default, omitted when unset), so every
+    #: earlier payload still decodes to the same event.
+    source_tier: Tier | None = None
 
 
 class BlockRemoved(KvEvent, frozen=True, kw_only=True, omit_defaults=True):

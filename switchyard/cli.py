@@ -528,6 +528,19 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
     run(trace, limit)
 
 
+@bench_app.command("tiers")
+def bench_tiers(trace: TraceOpt = Path(TRACE_DEFAULT),
+                limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
+                dynamo: Annotated[bool, typer.Option(help="Also run Dynamo's mocker kv_router (bench group).")] = True,
+                ) -> None:
+    """What KV tiers buy: 8 aggregated workers in virtual time, device only / +host / +host+disk
+    with onboarding, our kv routing, beside Dynamo's mocker kv_router at its default and an
+    unbounded device cache. Needs the bench group: `uv run --group bench ...`."""
+    from benchmarks.tiers_bench import main as run
+
+    run(trace, limit, dynamo=dynamo)
+
+
 @bench_app.command("e2e")
 def bench_e2e(trace: Annotated[Path, typer.Option(help="Mooncake-format trace (default: the demo's slice).")] = DEMO_TRACE,
               limit: Annotated[int, typer.Option(help="Requests of the trace.")] = DEMO_DEFAULTS.limit,

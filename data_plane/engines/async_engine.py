@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from data_plane.engines.core import EngineCore, EngineStats
 from data_plane.engines.errors import EngineError, RequestRejected
 from data_plane.engines.request import EngineRequest
+from data_plane.engines.scheduler import OnboardStats
 from kernel.log.sink import EventSink
 from schemas.types import RequestId
 
@@ -211,6 +212,9 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def onboard_stats(self) -> OnboardStats:
+        return self.core.onboard_stats()
 
     # ------------------------------------------------------------------------------ the loop
 

@@ -322,11 +322,13 @@ class BlockPool:
         start: int,
         end: int,
         token_ids: list[int] | None = None,
+        source_tier: Tier | None = None,
     ) -> None:
         """Register ``blocks[start:end]`` (now full) under ``block_hashes[start:end]``.
 
         Queues one ``BlockStored`` for the range, chained from ``block_hashes[start - 1]``.
-        ``token_ids``, when given, are the tokens of exactly those blocks.
+        ``token_ids``, when given, are the tokens of exactly those blocks. ``source_tier``: the
+        blocks were loaded from that tier (onboarded), not computed; the event says so.
         """
         if end <= start or not self.enable_caching:
             return
@@ -339,7 +341,7 @@ class BlockPool:
             b.block_hash = h
             b.parent_hash = parent
             self._cache_copy(cached, b, h)
-            self._queue_stored([h], parent, token_ids)
+            self._queue_stored([h], parent, token_ids, source_tier)
             return
         p = parent
         hashes = list(block_hashes[start:end])
@@ -353,7 +355,7 @@ class BlockPool:
         else:
             for b, h in zip(new, hashes):
                 self._cache_copy(cached, b, h)
-        self._queue_stored(hashes, parent, token_ids)
+        self._queue_stored(hashes, parent, token_ids, source_tier)
 
     def _cache_copy(self, cached: dict[BlockHash, KVCacheBlock], b: KVCacheBlock, h: BlockHash) -> None:
         """Index ``b`` under ``h``: the first copy of a hash is the cached one, later copies
@@ -365,7 +367,7 @@ class BlockPool:
             self._extra_copies.setdefault(h, []).append(b)
 
     def _queue_stored(self, hashes: list[BlockHash], parent: BlockHash | None,
-                      token_ids: list[int] | None) -> None:
+                      token_ids: list[int] | None, source_tier: Tier | None = None) -> None:
         self._events.append(
             BlockStored(
                 worker_id=self.worker_id,
@@ -375,8 +377,14 @@ class BlockPool:
                 block_size=self.block_size,
                 hash_algo=self.hash_algo,
                 token_ids=token_ids if token_ids is not None else [],
+                source_tier=source_tier,
             )
         )
+
+    def queue_event(self, event: KvEvent) -> None:
+        """Queue an event of a tier below (an offload the ``on_evict`` hook made, a copy a load
+        placed), so it leaves with the device's own events in the order they happened."""
+        self._events.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no request holds a block (else refuse, like vLLM).
@@ -429,8 +437,9 @@ class BlockPool:
         # One step evicts in bursts (an allocation frees many cached blocks at once): the
         # burst is one BlockRemoved, not one per block. Only the newest queued event is
         # extended, so every block's own events keep their order.
+        # (A tier below may have queued its own BlockRemoved: only a device one is extended.)
         last = self._events[-1] if self._events else None
-        if type(last) is BlockRemoved:
+        if type(last) is BlockRemoved and last.tier is Tier.DEVICE:
             last.block_hashes.extend(hashes)
         else:
             self._events.append(BlockRemoved(worker_id=self.worker_id, tier=Tier.DEVICE, block_hashes=hashes))

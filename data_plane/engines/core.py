@@ -22,7 +22,8 @@ from data_plane.engines.errors import ProfileError
 from data_plane.engines.kv_manager import KVCacheManager
 from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.request import EngineRequest, Status
-from data_plane.engines.scheduler import ScheduledStep, Scheduler, TokenOutput
+from data_plane.engines.scheduler import OnboardStats, ScheduledStep, Scheduler, TokenOutput
+from data_plane.engines.tiers import LowerTiers, OnboardCosts, costs_for
 from data_plane.engines.timing import StepShape, decode_run_starts
 from kernel.hashing import HashAlgo, HashConfig
 from schemas.events import KvEvent
@@ -42,6 +43,9 @@ class StepResult:
     preempted: list[RequestId]
     num_scheduled: int
     shape: StepShape
+    #: Of ``admitted``, requests that loaded part of their prefix from a tier below the device:
+    #: (request id, tokens loaded). Included in ``admitted``'s cached tokens.
+    onboarded: tuple[tuple[RequestId, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +107,13 @@ class EngineCore:
         hash_config: HashConfig | None = None,
         on_evict: EvictHook | None = None,
         emit_token_ids: bool = False,
+        tiers: LowerTiers | None = None,
+        onboard_costs: OnboardCosts | None = None,
     ) -> None:
+        """``tiers``: the tiers below the device pool to onboard prefixes from (the worker's
+        KVBM, or the simulation's :class:`~data_plane.engines.tiers.VirtualTiers`), at
+        ``onboard_costs`` (defaults: :mod:`data_plane.engines.tiers`). ``on_evict`` is how the
+        device's evictions reach them; without tiers the engine recomputes every miss."""
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         self.worker_id = worker_id
         self.role = WorkerRole(role)
@@ -123,7 +133,8 @@ class EngineCore:
             reuse_uncached_first=self.profile.reuse_uncached_first,
         )
         self.kv = KVCacheManager(self.pool, self.hash_config, emit_token_ids=emit_token_ids)
-        self.scheduler = Scheduler(self.profile, self.kv, self.role)
+        self.scheduler = Scheduler(self.profile, self.kv, self.role, tiers=tiers,
+                                   onboard_costs=onboard_costs or costs_for(self.profile.timing))
         self.timing = self.profile.timing
 
     # ------------------------------------------------------------------------------ commands
@@ -165,9 +176,12 @@ class EngineCore:
     def _apply(self, plan: ScheduledStep, preempted: list[RequestId]) -> StepResult:
         """Time a sealed plan and apply it (sample tokens, finish requests)."""
         duration = self.timing.step_ms(plan.shape)
+        if plan.onboard_ms:
+            duration += plan.onboard_ms
         tokens, finished = self.scheduler.update(plan)
         return StepResult(
-            duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape
+            duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape,
+            tuple(plan.onboarded),
         )
 
     #: The most steps one decode run takes (a run may stop anywhere: the next one goes on).
@@ -235,6 +249,16 @@ class EngineCore:
         if req is None or req.cached_tokens < 0:
             return None
         return req.cached_tokens
+
+    def onboarded_tokens(self, request_id: RequestId) -> int:
+        """Of :meth:`cached_tokens`, those loaded from a tier below the device (0 if unknown)."""
+        req = self.scheduler.requests.get(request_id) or self.scheduler.held.get(request_id)
+        return req.onboarded_tokens if req is not None else 0
+
+    def onboard_stats(self) -> OnboardStats:
+        """Blocks loaded from the tiers below (by tier), skipped as dearer than recompute, and
+        fallen back to recompute (by reason), since the engine started."""
+        return self.scheduler.onboard_stats()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

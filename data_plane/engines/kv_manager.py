@@ -24,6 +24,7 @@ from data_plane.engines.block_pool import BlockPool, KVCacheBlock
 from data_plane.engines.blockhash import block_digests, generated_digests
 from data_plane.engines.request import RequestState
 from kernel.hashing import HashConfig
+from schemas.types import Tier
 
 
 class KVCacheManager:
@@ -83,11 +84,22 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         return -(-total // self.block_size) - len(req.blocks) - len(hits)
 
+    def can_allocate(self, req: RequestState, num_new_tokens: int, hits: Sequence[KVCacheBlock] = ()) -> bool:
+        """Whether :meth:`allocate_slots` with these arguments would succeed (no state change)."""
+        need = self.blocks_needed(req, num_new_tokens, hits)
+        evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        return need <= self.pool.free_queue.num_free - evictable_hits
+
     def allocate_slots(
-        self, req: RequestState, num_new_tokens: int, hits: Sequence[KVCacheBlock] = ()
+        self, req: RequestState, num_new_tokens: int, hits: Sequence[KVCacheBlock] = (),
+        sources: Sequence[Tier] = (),
     ) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens after its computed ones and its
-        prefix ``hits``. All or nothing; False when the free queue is too short."""
+        prefix ``hits``. All or nothing; False when the free queue is too short.
+
+        ``sources``: the blocks right after the hits were loaded from these tiers (one per
+        block) rather than computed; their ``BlockStored`` say so, one event per run of equal
+        source, before the computed blocks' own."""
         pool = self.pool
         bs = self.block_size
         total = req.num_computed_tokens + len(hits) * bs + num_new_tokens
@@ -110,8 +122,18 @@ class KVCacheManager:
         start = req.num_cached_blocks
         if num_full > start and pool.enable_caching:
             self.ensure_hashes(req, num_full)
-            token_ids = req.tokens(start * bs, num_full * bs) if self.emit_token_ids else None
-            pool.cache_full_blocks(blocks, req.hashes, start, num_full, token_ids)
+            i = 0
+            while i < len(sources) and start < num_full:
+                j = i
+                while j < len(sources) and sources[j] is sources[i]:
+                    j += 1
+                end = min(start + j - i, num_full)
+                token_ids = req.tokens(start * bs, end * bs) if self.emit_token_ids else None
+                pool.cache_full_blocks(blocks, req.hashes, start, end, token_ids, sources[i])
+                start, i = end, j
+            if num_full > start:
+                token_ids = req.tokens(start * bs, num_full * bs) if self.emit_token_ids else None
+                pool.cache_full_blocks(blocks, req.hashes, start, num_full, token_ids)
             req.num_cached_blocks = num_full
         return True
 

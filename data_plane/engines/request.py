@@ -149,6 +149,7 @@ class RequestState:
         "num_cached_blocks",
         "status",
         "cached_tokens",
+        "onboarded_tokens",
         "num_preemptions",
         "seed",
         "transferred",
@@ -187,6 +188,8 @@ class RequestState:
         self.status = Status.WAITING
         #: Prompt tokens served from the prefix cache at first admission (-1: not admitted yet).
         self.cached_tokens = -1
+        #: Of ``cached_tokens``, those loaded from a tier below the device at that admission.
+        self.onboarded_tokens = 0
         self.num_preemptions = 0
         self.seed = request_seed(request.request_id)
         #: Decode role: the prompt's KV arrived by transfer (no prefill compute).

@@ -32,16 +32,20 @@ transfer failed.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+import logging
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from data_plane.engines.errors import RequestRejected
 from data_plane.engines.kv_manager import KVCacheManager
 from data_plane.engines.profiles import Admission, HardwareProfile
 from data_plane.engines.request import EngineRequest, RequestState, Status, pseudo_token
+from data_plane.engines.tiers import LowerTiers, OnboardCosts, OnboardPlan, plan_onboard
 from data_plane.engines.timing import StepShape
 from schemas.events import KvEvent
-from schemas.types import RequestId, RequestPhase, WorkerRole
+from schemas.types import RequestId, RequestPhase, Tier, WorkerRole
+
+logger = logging.getLogger(__name__)
 
 _ROLE_PHASE = {
     WorkerRole.PREFILL: RequestPhase.PREFILL,
@@ -71,13 +75,42 @@ class ScheduledStep:
     #: Requests admitted for the first time, with the prompt tokens served from the cache.
     admitted: list[tuple[RequestId, int]] = field(default_factory=list)
     preempted: list[RequestId] = field(default_factory=list)
+    #: Modelled time to load the step's onboarded blocks from the tiers below, before the
+    #: forward pass (the step waits for it: loads are synchronous here).
+    onboard_ms: float = 0.0
+    #: First admissions that loaded tokens from a tier below: (request id, tokens loaded).
+    onboarded: list[tuple[RequestId, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class OnboardStats:
+    """What the engine did with prefixes found below the device, since it started."""
+
+    #: Blocks loaded to the device instead of recomputed, by source tier.
+    loaded: dict[Tier, int]
+    #: Blocks found below that were recomputed because loading them cost more (counted at
+    #: each admission that found them).
+    skipped: int
+    #: Blocks planned for a load that failed (missing, corrupt, I/O error) and were recomputed,
+    #: by the reason the tiers gave.
+    fallbacks: dict[str, int]
+    #: Modelled time spent loading.
+    load_ms: float
 
 
 class Scheduler:
-    def __init__(self, profile: HardwareProfile, kv: KVCacheManager, role: WorkerRole) -> None:
+    def __init__(self, profile: HardwareProfile, kv: KVCacheManager, role: WorkerRole, *,
+                 tiers: LowerTiers | None = None, onboard_costs: OnboardCosts | None = None) -> None:
         self.profile = profile
         self.kv = kv
         self.role = WorkerRole(role)
+        #: The tiers below the device pool, when the engine onboards from them.
+        self.tiers = tiers
+        self.onboard_costs = onboard_costs or OnboardCosts()
+        self._loaded: Counter[Tier] = Counter()
+        self._skipped = 0
+        self._fallbacks: Counter[str] = Counter()
+        self._load_ms = 0.0
         self.block_size = profile.block_size
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -143,6 +176,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def onboard_stats(self) -> OnboardStats:
+        return OnboardStats(dict(self._loaded), self._skipped, dict(self._fallbacks), self._load_ms)
+
     # ------------------------------------------------------------------------------ schedule
 
     def schedule(self) -> ScheduledStep:
@@ -197,6 +233,10 @@ class Scheduler:
             req = waiting[0]
             hits = kv.get_computed_blocks(req)
             hit_tokens = len(hits) * bs
+            plan = None
+            if self.tiers is not None and not req.transferred and kv.pool.enable_caching:
+                plan = self._plan_onboard(req, len(hits))
+                hit_tokens += plan.load_blocks * bs  # planned: computed once loaded
             if req.transferred:
                 # Decode role: the KV up to the last known token arrived by transfer; only that
                 # token is fed. The transferred tokens need blocks but no compute.
@@ -214,17 +254,58 @@ class Scheduler:
                 needed = -(-req.num_tokens // bs) - active_hits
                 if needed > kv.pool.free_queue.num_free:
                     break
-            if not kv.allocate_slots(req, transferred + n, hits):
+            sources: tuple[Tier, ...] = ()
+            if plan is not None and plan.load_blocks:
+                loaded = plan.load_blocks * bs
+                if not kv.can_allocate(req, loaded + n, hits):
+                    break  # decided before any I/O: a refused admission loads nothing
+                sources = self._load(req, len(hits), plan)
+                if len(sources) < plan.load_blocks:
+                    # Fallback: recompute from the first block that did not load.
+                    short = (plan.load_blocks - len(sources)) * bs
+                    hit_tokens -= short
+                    n = min(n + short, budget) if chunked else n + short
+                    if not chunked and n > budget:
+                        break
+            if not kv.allocate_slots(req, transferred + n + (len(sources) * bs), hits, sources):
                 break
             waiting.popleft()
             req.num_computed_tokens = hit_tokens + transferred
             req.status = Status.RUNNING
             running.append(req)
+            if plan is not None:
+                self._skipped += plan.available - plan.load_blocks
+            if sources:
+                step.onboard_ms += self.onboard_costs.load_ms(Counter(sources), bs)
             if req.cached_tokens < 0:
                 req.cached_tokens = hit_tokens
+                req.onboarded_tokens = len(sources) * bs
                 step.admitted.append((req.request_id, hit_tokens))
+                if sources:
+                    step.onboarded.append((req.request_id, len(sources) * bs))
             step.entries.append((req, n, self._is_decode(req, n)))
             budget -= n
+
+    def _plan_onboard(self, req: RequestState, device_hits: int) -> OnboardPlan:
+        """The cost-aware choice of which blocks after the device hits to load (no I/O)."""
+        max_blocks = (req.num_tokens - 1) // self.block_size  # get_computed_blocks hashed these
+        found = self.tiers.lookup(req.hashes[device_hits:max_blocks]) if max_blocks > device_hits else ()
+        return plan_onboard(found, cached_blocks=device_hits, num_tokens=req.num_tokens,
+                            block_size=self.block_size, costs=self.onboard_costs,
+                            timing=self.profile.timing)
+
+    def _load(self, req: RequestState, device_hits: int, plan: OnboardPlan) -> tuple[Tier, ...]:
+        """Load the planned blocks; count what loaded, what was skipped and what fell back."""
+        res = self.tiers.load(req.hashes[device_hits:device_hits + plan.load_blocks])
+        sources = tuple(res.sources[: plan.load_blocks])
+        self._loaded.update(sources)
+        self._load_ms += self.onboard_costs.load_ms(Counter(sources), self.block_size)
+        short = plan.load_blocks - len(sources)
+        if short:
+            self._fallbacks[res.stop_reason] += short
+            logger.warning("request %s: %d of %d planned blocks did not load (%s); recomputing "
+                           "them", req.request_id, short, plan.load_blocks, res.stop_reason)
+        return sources
 
     def _is_decode(self, req: RequestState, n: int) -> bool:
         """One token fed from an already computed context: a decode, not a prefill chunk."""

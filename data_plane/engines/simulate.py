@@ -22,6 +22,11 @@ Dynamo's mocker does):
   blocks ``release_after_ms`` later (0: at that instant, after its next step has started), or
   before its next step with ``release_before_step``.
 
+* Tiers (``Cluster(tiers={Tier.HOST: n, ...})``, default none): every worker's evictions go to
+  its own :class:`~data_plane.engines.tiers.VirtualTiers`, and its engine onboards a prefix from
+  them when loading is cheaper than recomputing; the modelled load time is added to the step
+  that admits the request (loads are synchronous), and the tiers' events join the engine's.
+
 The order (the invariant every speed-up below keeps): results are those of one event heap
 popped by (time, kind, push order), one ``EngineCore.step()`` per step. At one instant the kinds
 run in this order: KV deliveries (a step's KV events after ``kv_event_lag_ms``), load reports,
@@ -50,7 +55,7 @@ import heapq
 import math
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Protocol
@@ -62,9 +67,10 @@ from data_plane.engines.core import DecodeRun, EngineCore, EngineStats, StepResu
 from data_plane.engines.gcpause import paused_gc
 from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.request import EngineRequest
+from data_plane.engines.tiers import OnboardCosts, VirtualTiers
 from kernel.log.sink import EventSink
 from schemas.events import KvEvent
-from schemas.types import RequestId, WorkerId, WorkerRole
+from schemas.types import RequestId, Tier, WorkerId, WorkerRole
 
 Router = Callable[[EngineRequest, Sequence[EngineCore]], int]
 
@@ -93,6 +99,8 @@ class RequestRecord:
     #: Disaggregated: the prefill worker and the instant it handed the request off.
     prefill_worker_id: WorkerId | None = None
     handoff_ms: float | None = None
+    #: Of ``cached_tokens``, those loaded from a tier below the device (``Cluster(tiers=...)``).
+    onboarded_tokens: int = 0
 
     @property
     def output_tokens(self) -> int:
@@ -394,8 +402,17 @@ class Cluster:
         release_before_step: bool = False,
         load_report_ms: float | None = None,
         kv_event_lag_ms: float = 0.0,
+        tiers: Mapping[Tier, int] | None = None,
+        onboard_costs: OnboardCosts | None = None,
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        #: Blocks per tier below the device of every worker (None: device only, as before).
+        #: Each worker gets :class:`~data_plane.engines.tiers.VirtualTiers` of these sizes:
+        #: evictions are offloaded there and its engine onboards from them at ``onboard_costs``
+        #: (modelled load time added to the admitting step); their events join the engine's.
+        self.tier_capacities = dict(tiers) if tiers else None
+        self.onboard_costs = onboard_costs
+        self.virtual_tiers: dict[WorkerId, VirtualTiers] = {}
         self.hooks = hooks
         self.hash_config = hash_config
         self.emit_token_ids = emit_token_ids
@@ -449,7 +466,13 @@ class Cluster:
             raise ValueError("load reports start with the run: add every worker before it")
         role = WorkerRole(role)
         core = EngineCore(self.profile, worker_id=worker_id, role=role, hash_config=self.hash_config,
-                          emit_token_ids=self.emit_token_ids)
+                          emit_token_ids=self.emit_token_ids, onboard_costs=self.onboard_costs)
+        if self.tier_capacities:
+            vt = VirtualTiers(self.tier_capacities, worker_id=worker_id, block_size=self.profile.block_size,
+                              hash_algo=core.hash_config.hash_algo, emit=core.pool.queue_event)
+            core.pool.on_evict = vt.on_device_evicted
+            core.scheduler.tiers = vt
+            self.virtual_tiers[worker_id] = vt
         wk = _Worker(len(self.workers), worker_id, role, core, self.disaggregated and role is WorkerRole.PREFILL)
         self.workers.append(wk)
         self._index[worker_id] = wk.index
@@ -762,6 +785,10 @@ class Cluster:
                         rec = records[rid]
                         if rec.handoff_ms is None:  # its first admission (not the decode side's)
                             rec.cached_tokens = cached
+                    for rid, loaded in payload.onboarded:
+                        rec = records[rid]
+                        if rec.handoff_ms is None:
+                            rec.onboarded_tokens = loaded
                     if producer:
                         for tok in payload.tokens:
                             records[tok.request_id].token_times.append(t)
@@ -1123,6 +1150,8 @@ def simulate(
     release_after_ms: float | None = 0.0,
     emit_token_ids: bool = False,
     coalesce: bool = True,
+    tiers: Mapping[Tier, int] | None = None,
+    onboard_costs: OnboardCosts | None = None,
 ) -> SimulationResult:
     """Run ``requests`` to completion on ``num_workers`` simulated workers.
 
@@ -1133,6 +1162,8 @@ def simulate(
     ``coalesce`` (default) lets a worker apply runs of identical decode steps at once
     (:meth:`EngineCore.run_decode`); False runs every step through ``EngineCore.step``. The
     results, the KV events and their order are the same either way.
+
+    ``tiers`` / ``onboard_costs``: tiers below each worker's device, see :class:`Cluster`.
     """
     prof = load_profile(profile) if isinstance(profile, str) else profile
     if worker_ids is None:
@@ -1149,7 +1180,7 @@ def simulate(
 
     hooks = _EngineOnly(route, cores, ids) if sink is None else _EngineOnlyToSink(route, cores, ids, sink)
     cluster = Cluster(prof, hooks, hash_config=hash_config, emit_token_ids=emit_token_ids, coalesce=coalesce,
-                      release_after_ms=release_after_ms)
+                      release_after_ms=release_after_ms, tiers=tiers, onboard_costs=onboard_costs)
     engines = [cluster.add_worker(w, role) for w in ids]
     # Round robin reads no engine: every worker runs on its own from its share of the arrivals.
     records = cluster.run(requests, fixed_routing=router == "round_robin")

@@ -204,6 +204,9 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
         for tier, used in (await worker.kvbm.usage()).items():
             m.labels(m.tier_usage, tier).set(used)
         m.labels(m.tier_usage, "device").set(st.kv_usage)
+        onboard = getattr(worker.engine, "onboard_stats", None)  # the simulated engine's loads
+        ob = onboard() if onboard is not None else None
+        m.set_kv_moves(await worker.kvbm.stats(), ob.loaded if ob else {}, ob.fallbacks if ob else {})
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/kv/metadata")

@@ -7,7 +7,11 @@ counters. Gauges are set from the engine and KVBM at scrape time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from schemas.types import Tier
 
 #: vLLM's buckets (``vllm/v1/metrics/loggers.py``).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -16,6 +20,15 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+#: KVBM stats keys of the offloads, as (from tier, to tier).
+_OFFLOAD_KEYS = {
+    "offloaded_host": ("device", "host"),
+    "offloaded_disk": ("device", "disk"),
+    "offloaded_object": ("device", "object"),
+    "demoted_host_disk": ("host", "disk"),
+    "demoted_disk_object": ("disk", "object"),
+}
 
 
 class WorkerMetrics:
@@ -49,8 +62,48 @@ class WorkerMetrics:
         self.holds = Gauge("switchyard_worker_kv_holds", "Handoffs whose blocks this worker holds.", lbl, registry=r)
         self.hold_releases = Counter("switchyard_worker_kv_hold_releases", "Held handoffs freed, by reason.",
                                      (*lbl, "reason"), registry=r)
+        self.kvbm_offload = Counter(
+            "switchyard_worker_kvbm_offload_blocks",
+            "Blocks offloaded down the KV tiers (device -> host: Dynamo's kvbm_offload_blocks_d2h; "
+            "host -> disk: _h2d), by from_tier and to_tier.", (*lbl, "from_tier", "to_tier"), registry=r)
+        self.kvbm_onboard = Counter(
+            "switchyard_worker_kvbm_onboard_blocks",
+            "Blocks onboarded up the KV tiers (to_tier device: loaded by the engine instead of "
+            "recomputed, Dynamo's kvbm_onboard_blocks_h2d/_d2d; to_tier host: the KVBM's copy up "
+            "on the way), by from_tier and to_tier.", (*lbl, "from_tier", "to_tier"), registry=r)
+        self.kvbm_onboard_fallback = Counter(
+            "switchyard_worker_kvbm_onboard_fallback_blocks",
+            "Blocks the engine planned to onboard that did not load (missing, corrupt, I/O error) "
+            "and recomputed instead, by reason.", (*lbl, "reason"), registry=r)
+        #: Totals already counted, per (metric, labels): counters only go up by the difference.
+        self._seen: dict[tuple, int] = {}
         self.staging_free = Gauge("switchyard_worker_staging_free_blocks", "Free staging slots of the NIXL region.",
                                   lbl, registry=r)
+
+    def set_kv_moves(self, kvbm_stats: Mapping[str, int], onboarded: Mapping[Tier, int],
+                     fallbacks: Mapping[str, int]) -> None:
+        """Bring the block-move counters up to the KVBM's and the engine's running totals
+        (read at scrape time): offloads device -> host/disk and the demotions below, onboards
+        tier -> host (the KVBM's copies up) and tier -> device (the engine's loads), like
+        Dynamo's ``kvbm_offload_blocks_d2h`` / ``kvbm_onboard_blocks_h2d``."""
+        offloads = {(f, t): kvbm_stats.get(k, 0) for k, (f, t) in _OFFLOAD_KEYS.items()}
+        onboards = {(t.value, Tier.DEVICE.value): n for t, n in onboarded.items()}
+        for k, n in kvbm_stats.items():
+            if k.startswith("onboarded_"):
+                onboards[(k.removeprefix("onboarded_"), Tier.HOST.value)] = n
+        for (f, t), n in offloads.items():
+            self._advance(self.kvbm_offload, n, f, t)
+        for (f, t), n in onboards.items():
+            self._advance(self.kvbm_onboard, n, f, t)
+        for reason, n in fallbacks.items():
+            self._advance(self.kvbm_onboard_fallback, n, reason)
+
+    def _advance(self, metric, total: int, *extra: str) -> None:
+        key = (id(metric), *extra)
+        delta = total - self._seen.get(key, 0)
+        if delta > 0:
+            self.labels(metric, *extra).inc(delta)
+            self._seen[key] = total
 
     def labels(self, metric, *extra: str):
         return metric.labels(*self._lv, *extra)

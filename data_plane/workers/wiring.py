@@ -37,6 +37,7 @@ from data_plane.engines import AsyncEngine, EngineCore, default_hash_config, loa
 from data_plane.kvbm import AsyncKvbm, build_kvbm, claimed_persistent
 from data_plane.workers.history import OwnHistory, next_epoch, read_own_history
 from data_plane.workers.metrics import WorkerMetrics
+from data_plane.workers.onboard import KvbmTiers
 from data_plane.workers.peers import PeerDirectory
 from data_plane.workers.service import Worker
 from data_plane.workers.settings import WorkerSettings
@@ -153,7 +154,11 @@ async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str) -
         engine = real
         device_blocks, engine_name = real.num_blocks, real.name
     else:
-        core = EngineCore(profile, worker_id=wid, role=s.role, hash_config=hash_config, on_evict=offload)
+        # The engine onboards prefixes the KVBM holds (host, disk, object) when loading them is
+        # cheaper than recomputing them (data_plane/engines/tiers.py).
+        tiers = KvbmTiers(manager) if manager.capacity() else None
+        core = EngineCore(profile, worker_id=wid, role=s.role, hash_config=hash_config, on_evict=offload,
+                          tiers=tiers)
         engine = AsyncEngine(core, speedup=s.speedup, sink=producer)
         device_blocks, engine_name = profile.num_device_blocks, profile.name
     peers = PeerDirectory(on_forget=plane.endpoint.remove_peer)

@@ -70,6 +70,7 @@ def _make_block_stored(**overrides: Any) -> ev.BlockStored:
             "lora_name": "sql-adapter",
             "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
             "dp_rank": 1,
+            "source_tier": Tier.DISK,
             **overrides,
         }
     )
