@@ -142,6 +142,10 @@ SPECS: tuple[MetricSpec, ...] = (
                init=tuple((t,) for t in TIERS)),
     MetricSpec("switchyard_kv_blocks_moved_total", C, "Blocks moved between tiers (BlockMoved).",
                ("from_tier", "to_tier")),
+    MetricSpec("switchyard_kv_blocks_onboarded_total", C,
+               "Blocks loaded into the device from a slower tier instead of recomputed (BlockStored "
+               "device with a source_tier); offloads are switchyard_kv_blocks_moved_total from device.",
+               ("from_tier",)),
     MetricSpec("switchyard_kv_clears_total", C, "AllBlocksCleared events, by tier (all: every tier).", ("tier",)),
     # -- KV transfers (NIXL) ------------------------------------------------------------------
     MetricSpec("switchyard_kv_transfers_started_total", C, "KV transfers started.", ("backend",)),

@@ -457,6 +457,10 @@ class MetricsProjection:
 
     def _block_stored(self, env, ev: BlockStored, partition: int = -1) -> None:
         self._inc("switchyard_kv_blocks_stored_total", (_v(ev.tier),), len(ev.block_hashes))
+        if ev.source_tier is not None and _v(ev.tier) == "device":
+            # An onboard: the engine loaded these blocks from a slower tier instead of
+            # recomputing them (Dynamo's kvbm_onboard_blocks_h2d / _d2d, by source tier).
+            self._inc("switchyard_kv_blocks_onboarded_total", (_v(ev.source_tier),), len(ev.block_hashes))
 
     def _block_removed(self, env, ev: BlockRemoved, partition: int = -1) -> None:
         self._inc("switchyard_kv_blocks_removed_total", (_v(ev.tier),), len(ev.block_hashes))

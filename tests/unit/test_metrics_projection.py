@@ -247,6 +247,25 @@ def test_kv_tiers_moves_and_index() -> None:
     assert _m(p, "switchyard_index_events_total")[("applied",)] == 7.0  # 2 registrations + 5 kv events
 
 
+def test_onboards_are_counted_by_source_tier() -> None:
+    """Blocks 3, 4 offloaded to host and 5 to disk come back: 2 onboarded from host, 1 from
+    disk. A plain store (no source tier) and a host store are no onboard."""
+    log = _Log()
+    _register(log, "w1")
+    log.add(ev.BlockStored(worker_id="w1", tier="device", block_hashes=[1, 2, 3, 4, 5], block_size=BS,
+                           hash_algo=ALGO), producer="w1")
+    log.add(ev.BlockMoved(worker_id="w1", block_hashes=[3, 4], from_tier="device", to_tier="host"), producer="w1")
+    log.add(ev.BlockStored(worker_id="w1", tier="disk", block_hashes=[5], block_size=BS, hash_algo=ALGO),
+            producer="w1")
+    log.add(ev.BlockStored(worker_id="w1", tier="device", block_hashes=[3, 4], block_size=BS, hash_algo=ALGO,
+                           source_tier="host"), producer="w1")
+    log.add(ev.BlockStored(worker_id="w1", tier="device", block_hashes=[5], block_size=BS, hash_algo=ALGO,
+                           source_tier="disk"), producer="w1")
+    p = log.fold()
+    assert _m(p, "switchyard_kv_blocks_onboarded_total") == {("host",): 2.0, ("disk",): 1.0}
+    assert _m(p, "switchyard_kv_blocks_moved_total") == {("device", "host"): 2.0}
+
+
 def test_index_staleness_from_a_sequence_gap() -> None:
     """w1's events seq 0, 1 then 3: seq 2 was lost, so w1's entries are stale and the gap is
     counted once on the kv stream."""
