@@ -66,7 +66,7 @@ class StackSettings:
     def redis_url(self) -> str:
         """With the stack's Redis password (:meth:`secret`): keep it out of logs, use
         :attr:`redis_address` to show where Redis is."""
-        return f"redis://:{self.secret('redis')}@{self.host}:{self.redis_port}/0"
+        return f"redis://switchyard:{self.secret('redis')}@{self.host}:{self.redis_port}/0"
 
     @property
     def redis_address(self) -> str:

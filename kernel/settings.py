@@ -92,7 +92,9 @@ class BusSettings:
         if self.security_protocol.upper().startswith("SASL"):
             conf.update({"security.protocol": self.security_protocol, "sasl.mechanisms": "SCRAM-SHA-256",
                          "sasl.username": self.username, "sasl.password": self.secret()})
-        elif self.security_protocol.upper() != "PLAINTEXT":
+        elif self.security_protocol.upper() == "PLAINTEXT":
+            _warn_insecure(self.bootstrap)
+        else:
             raise ValueError(f"security_protocol {self.security_protocol!r}: SASL_PLAINTEXT or PLAINTEXT")
         return conf
 
@@ -123,6 +125,21 @@ class BusSettings:
             kwargs["secrets_dir"] = Path(env["SWITCHYARD_SECRETS_DIR"])
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+_insecure_warned: set[str] = set()
+
+
+def _warn_insecure(bootstrap: str) -> None:
+    """Say it loudly, once per process and cluster: PLAINTEXT is for development only."""
+    if bootstrap in _insecure_warned:
+        return
+    _insecure_warned.add(bootstrap)
+    import logging
+
+    logging.getLogger("switchyard.security").warning(
+        "INSECURE: talking to Kafka at %s without authentication (SWITCHYARD_KAFKA_SECURITY_PROTOCOL="
+        "PLAINTEXT): anyone who reaches it can read the log and write events as any component", bootstrap)
 
 
 def kafka_conf(bootstrap: str) -> dict[str, str]:

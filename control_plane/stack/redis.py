@@ -1,7 +1,7 @@
 """A project-local Redis (Debian's redis-server, our dir and port). Used for the planner lease.
 
-Commands need the stack's Redis password (``StackSettings.secret("redis")``, part of
-``StackSettings.redis_url``). It is passed in a config file readable by us only, never on the
+Commands need the ACL user ``switchyard`` and its password (``StackSettings.secret("redis")``,
+part of ``StackSettings.redis_url``); the default user is off. It is passed in a config file readable by us only, never on the
 command line, where every user of the box could read it.
 """
 
@@ -14,6 +14,10 @@ import subprocess
 
 from control_plane.settings import StackSettings
 from control_plane.stack.process import StackError, alive, read_pid, require_free_port, terminate, wait_until
+
+
+#: The ACL user of the stack's clients (``StackSettings.redis_url``).
+REDIS_USER = "switchyard"
 
 
 class RedisService:
@@ -41,7 +45,9 @@ class RedisService:
         conf = self.dir / "redis.conf"
         conf.unlink(missing_ok=True)
         with os.fdopen(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(f"requirepass {self.s.secret('redis')}\n")
+            # The default (unauthenticated) user is off; the stack's ACL user may do everything
+            # on every key and channel (the planner's lease is the one client).
+            f.write(f"user default off\nuser {REDIS_USER} on >{self.s.secret('redis')} ~* &* +@all\n")
         r = subprocess.run(
             ["redis-server", str(conf), "--port", str(self.s.redis_port), "--bind", self.s.host,
              "--dir", str(self.dir), "--daemonize", "yes", "--pidfile", str(self.pid_file),
@@ -56,7 +62,7 @@ class RedisService:
 
     def ready(self) -> bool:
         with socket.create_connection((self.s.host, self.s.redis_port), timeout=1) as s:
-            s.sendall(f"AUTH {self.s.secret('redis')}\r\nPING\r\n".encode())
+            s.sendall(f"AUTH {REDIS_USER} {self.s.secret('redis')}\r\nPING\r\n".encode())
             got = b""
             while got.count(b"\r\n") < 2:
                 chunk = s.recv(64)

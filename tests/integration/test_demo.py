@@ -56,13 +56,14 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert [x for x in listeners if not x.loopback] == [], listeners
 
         # The operator's security check against the running system: no server error, nothing off
-        # loopback, every input attack and every uncredentialed admin mutation refused.
+        # loopback, every input attack, every uncredentialed admin mutation and every client
+        # without a service's credential (Kafka, PostgreSQL, Redis) refused.
         check = subprocess.run([sys.executable, "-m", "switchyard.cli", "security-check"], env=env,
                                capture_output=True, text=True, timeout=300)
         assert check.returncode == 0, check.stdout + check.stderr
         print(check.stdout)
         rows = [ln.split(None, 1) for ln in check.stdout.splitlines()[1:-1]]
-        assert all("refused" in rest for area, rest in rows if area in ("router", "admin", "postgres", "redis")), check.stdout
+        assert all("refused" in rest for area, rest in rows if area in ("router", "admin", "kafka", "postgres", "redis")), check.stdout
         got = dict(kv.split("=") for kv in check.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
         assert got["server_errors"] == "0" and got["nonloopback_listeners"] == "0", check.stdout
         assert int(got["attacks_tried"]) >= 17, check.stdout

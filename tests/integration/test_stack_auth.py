@@ -1,0 +1,69 @@
+"""The stack's services refuse a client without their credential (issue 14: "a client without
+Kafka credentials is refused"; the database escalation needs the password).
+
+Against the running test stack: a Kafka client without SASL, and one with a wrong password, can
+neither read the topic list nor write a forged registration; PostgreSQL refuses a connection
+without the password; Redis refuses commands without its ACL user, and the default user is off.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+import sqlalchemy as sa
+from confluent_kafka import KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from control_plane.admin.db.session import make_engine
+from control_plane.settings import StackSettings
+from kernel.log.catalog import Catalog
+from kernel.settings import BusSettings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.redis]
+
+
+def _forge(conf: dict, topic: str) -> list[str]:
+    """Try to write a record; the delivery errors (one per record) or [] if it was written."""
+    errors: list[str] = []
+    p = Producer({**conf, "message.timeout.ms": 5000, "socket.timeout.ms": 3000, "logger": None})
+    p.produce(topic, value=b'{"forged": true}', key=b"decode-0",
+              on_delivery=lambda err, _m: errors.append(str(err)) if err else None)
+    left = p.flush(15)
+    return errors + ["undelivered"] * left
+
+
+def test_kafka_refuses_clients_without_the_stack_credential(bus: BusSettings) -> None:
+    topic = Catalog(bus.topic_prefix).topic("workers")
+    bare = {"bootstrap.servers": bus.bootstrap}
+    wrong = {**bus.client_conf(), "sasl.password": "not-" + uuid.uuid4().hex}
+    for conf in (bare, wrong):
+        with pytest.raises(KafkaException):
+            AdminClient({**conf, "socket.timeout.ms": 3000}).list_topics(timeout=5)
+        assert _forge(conf, topic), "a record was written without the stack's credential"
+    # The stack's own credential works: what is refused above is the credential, not the broker.
+    assert AdminClient(bus.client_conf()).list_topics(timeout=10).topics
+
+
+def test_postgres_refuses_a_connection_without_the_password(stack_settings: StackSettings) -> None:
+    bare = sa.create_engine(stack_settings.postgres_url)  # no passfile: what any local user has
+    with pytest.raises(sa.exc.OperationalError, match="password"):
+        with bare.connect():
+            pass
+    bare.dispose()
+    with make_engine(stack_settings.postgres_url).connect() as c:
+        assert c.execute(sa.text("SELECT current_user")).scalar() == "switchyard"
+
+
+def test_redis_refuses_commands_without_its_acl_user(stack_settings: StackSettings) -> None:
+    s = stack_settings
+    for client in (redis.Redis(host=s.host, port=s.redis_port, socket_timeout=5),
+                   redis.Redis(host=s.host, port=s.redis_port, username="default", password=s.secret("redis"),
+                               socket_timeout=5)):
+        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
+            client.set("sy-forged", "1")
+        client.close()
+    ok = redis.Redis.from_url(s.redis_url, socket_timeout=5)
+    assert ok.ping()
+    ok.close()
