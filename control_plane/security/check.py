@@ -155,17 +155,33 @@ def probe_cli_pin(admin_url: str | None) -> Probe:
 
 # -- the stores --------------------------------------------------------------------------------
 
-def probe_kafka(bootstrap: str) -> Probe:
+def probe_kafka(bootstrap: str) -> list[Probe]:
+    """Without a credential and with a wrong password, list the topics (the first step of a
+    forged registration). Checked first: the stack's own credential is served, so a refusal is
+    the credential's, not a broker that is down."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": _quiet()})
+    from kernel.settings import kafka_conf
+
+    real = kafka_conf(bootstrap)
     try:
-        md = admin.list_topics(timeout=10)
-    except Exception as e:  # an authentication failure (or no broker): refused
-        return Probe("kafka", "unauthenticated client lists and could write the topics", REFUSED,
-                     f"{type(e).__name__}: {str(e)[:100]}")
-    return Probe("kafka", "unauthenticated client lists and could write the topics", ACCEPTED,
-                 f"PLAINTEXT, no SASL: {len(md.topics)} topics visible")
+        AdminClient({**real, "logger": _quiet()}).list_topics(timeout=10)
+    except Exception as e:
+        return [Probe("kafka", "the stack's own credential is served", SERVER_ERROR,
+                      f"broker not answering: {type(e).__name__}: {str(e)[:100]}")]
+    attempts = [("unauthenticated client lists and could write the topics", {"bootstrap.servers": bootstrap})]
+    if "sasl.password" in real:
+        attempts.append(("a wrong password lists and could write the topics",
+                         {**real, "sasl.password": real["sasl.password"] + "-guess"}))
+    out = []
+    for attack, conf in attempts:
+        try:
+            md = AdminClient({**conf, "logger": _quiet()}).list_topics(timeout=10)
+        except Exception as e:
+            out.append(Probe("kafka", attack, REFUSED, f"{type(e).__name__}: {str(e)[:100]}"))
+        else:
+            out.append(Probe("kafka", attack, ACCEPTED, f"{len(md.topics)} topics visible"))
+    return out
 
 
 def probe_postgres(url: str) -> Probe:
