@@ -143,10 +143,16 @@ class KafkaNode:
         ]
         if n > 1:
             lines += [
-                # Fence a broker that stopped heartbeating after 6 s (default 9 s): the time a
-                # kill -9 of a partition leader stops its partitions' writes.
-                "broker.heartbeat.interval.ms=1000",
-                "broker.session.timeout.ms=6000",
+                # A kill -9 of a node stops its partitions' writes until the controller fences
+                # it: after its session timeout, and when the node was also the active KRaft
+                # controller, after a new one is elected first (the fetch timeout, then an
+                # election), whose brokers' sessions start afresh. Defaults 9 s + 2 s + 1 s;
+                # here 2 s + 1 s + 0.5 s, with heartbeats every 250 ms (eight chances for a busy
+                # JVM before a false fence, which only moves leaders: clients ride it out).
+                "broker.heartbeat.interval.ms=250",
+                "broker.session.timeout.ms=2000",
+                "controller.quorum.fetch.timeout.ms=1000",
+                "controller.quorum.election.timeout.ms=500",
                 # A leader killed before its followers caught up is never re-elected over them.
                 "unclean.leader.election.enable=false",
             ]
