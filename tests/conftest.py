@@ -15,6 +15,21 @@ from kernel.settings import BusSettings
 logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ANN201 - pytest's hook signature
+    """A failed test's report carries the tail of every worker log written while it ran."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or call.when == "collect":
+        return
+    from tests.integration.workerproc import WorkerProc
+
+    for w in WorkerProc.launched:
+        path = w.log_path
+        if path.exists() and path.stat().st_mtime >= call.start:
+            rep.sections.append((f"worker {w.worker_id} log (tail of {path.name})", w.log(4000)))
+
+
 def _reachable(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):

@@ -129,6 +129,9 @@ async def _sse(run: Run, model: str, include_usage: bool, tokenizer: Tokenizer) 
         yield "data: [DONE]\n\n"
     except WorkerError as e:
         yield _data(error_body(str(e), e.kind, e.status))
+    except Exception as e:  # noqa: BLE001 - the headers are sent: end the stream with the error, not a torn body
+        log.exception("request %s failed mid-stream", run.request_id)
+        yield _data(error_body(f"internal error: {type(e).__name__}: {e}", "server_error", 500))
     finally:
         await it.aclose()  # type: ignore[attr-defined]
 

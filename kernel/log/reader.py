@@ -259,15 +259,19 @@ class KafkaLogReader:
 
     def _retry(self, what: str, fn):
         """Metadata calls answer "not leader" for a moment after a topic is created or a broker
-        restarts: retry those for a few seconds, then say which call failed."""
-        from confluent_kafka import KafkaException
+        restarts, and "unknown partition" while the client's metadata cache has not caught up
+        with a partition the broker already listed: retry those for a few seconds, then say
+        which call failed."""
+        from confluent_kafka import KafkaError, KafkaException
 
         deadline = time.monotonic() + self._timeout
         while True:
             try:
                 return fn()
             except KafkaException as e:
-                if not e.args[0].retriable() and "leader" not in str(e).lower() or time.monotonic() > deadline:
+                err = e.args[0]
+                transient = err.retriable() or "leader" in str(e).lower() or err.code() == KafkaError._UNKNOWN_PARTITION
+                if not transient or time.monotonic() > deadline:
                     raise LogReadError(f"{what}: {e}") from None
                 time.sleep(0.1)
 

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -24,6 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class WorkerProc:
     """One worker process. ``args`` are extra CLI options; output goes to ``<log_dir>/<id>.log``."""
+
+    #: Every worker launched in this test session: a failed test's report shows the tail of the
+    #: logs written during it (tests/conftest.py), which is all a CI run leaves behind.
+    launched: ClassVar[list[WorkerProc]] = []
 
     def __init__(self, bus: BusSettings, worker_id: str, data_dir: Path, log_dir: Path, *,
                  role: str = "aggregated", args: tuple[str, ...] = (), python: str | None = None,
@@ -55,6 +60,8 @@ class WorkerProc:
         cmd = [self.python, "-m", "switchyard.cli", "worker", "--worker-id", self.worker_id,
                "--role", self.role, "--port", str(self.port), "--data-dir", str(self.data_dir), *self.args]
         self.starts += 1
+        if self not in WorkerProc.launched:
+            WorkerProc.launched.append(self)
         log = open(self.log_dir / f"{self.worker_id}.{self.starts}.log", "wb")  # noqa: SIM115
         # Its own process group: a vLLM worker's engine core is a child process, and "the
         # worker died" (kill) or "is gone" (stop) must take it along.
@@ -77,9 +84,13 @@ class WorkerProc:
             time.sleep(0.1)
         raise AssertionError(f"worker {self.worker_id} not ready after {timeout}s:\n{self.log()}")
 
-    def log(self) -> str:
-        path = self.log_dir / f"{self.worker_id}.{self.starts}.log"
-        return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.worker_id}.{self.starts}.log"
+
+    def log(self, chars: int = 6000) -> str:
+        path = self.log_path
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def state(self) -> dict:
         return httpx.get(f"{self.url}/debug/state", timeout=5).json()
