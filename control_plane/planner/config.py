@@ -151,9 +151,10 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: applied), so the next one's replicas are ready another lead time later, a tick after that
     #: at the earliest. What is ordered now must carry the load that long.
     forecast_horizon_s: float | None = None
-    #: A trend slope within this many of its standard deviations of zero is not extrapolated
-    #: (see predictors.kalman): noise times a long horizon would look like a ramp.
-    trend_z: float = 2.0
+    #: Only the part of a trend slope beyond this many of its standard deviations is
+    #: extrapolated (see predictors.kalman), and the extrapolation's own uncertainty (this many
+    #: sd of it) widens the noise band: noise times a long horizon would look like a ramp.
+    trend_z: float = 0.5
     #: Headroom from the forecast's own error, measured online: every horizon forecast is scored
     #: against the mean rate that came over its horizon after the lead time, ``u = actual /
     #: forecast - 1``; an asymmetric EWMA (weight ``headroom_alpha``) tracks the

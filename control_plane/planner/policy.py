@@ -772,7 +772,15 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
         inputs.update(backlog_prefill_tok_s=round(backlog[0], 1), backlog_decode_tok_s=round(backlog[1], 1))
     need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
                                  backlog)
-    m_f = min(cfg.noise_z * rel_f, cfg.max_noise_margin)
+    # the band also covers the model's own uncertainty about an extrapolated trend: a slope
+    # read from noise must not prove a scale-up by itself
+    spread = trend_rel = 0.0
+    if rate_f.spread > 0 and rate_f.value > 0:
+        spread = rate_f.spread
+        trend_rel = cfg.trend_z * spread / rate_f.value
+    m_f = min(cfg.noise_z * rel_f + trend_rel, cfg.max_noise_margin)
+    if spread:
+        inputs["forecast_spread"] = round(spread, 4)
     p_need, d_need = float(inputs.get("prefill_needed", 0.0)), float(inputs.get("decode_needed", 0.0))
     inputs["binding_slo"] = ("ttft" if role is WorkerRole.PREFILL else "itl" if role is WorkerRole.DECODE
                              else "ttft" if p_need >= d_need else "itl")

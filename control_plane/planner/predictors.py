@@ -18,9 +18,9 @@ recorded inputs. Forecasts are clamped at 0 (a rate or a length is never negativ
   measurement noise). The noise variance ``r`` is estimated from the history (variance of
   successive differences / 2); process variances are ``0.1 r`` (level) and ``0.05 r`` (slope).
   With a ``horizon`` of h windows it answers the largest of ``level + i*slope``, i = 1..h. With
-  ``trend_z`` > 0 a slope within ``trend_z`` standard deviations of zero (the filter's own slope
-  variance) is not extrapolated: over a long horizon, noise read as a trend would be multiplied
-  by the horizon and make a constant load look like a ramp.
+  ``trend_z`` > 0 only the part of the slope beyond ``trend_z`` standard deviations (the
+  filter's own slope variance) is extrapolated (soft threshold): over a long horizon, noise read
+  as a trend would be multiplied by the horizon and make a constant load look like a ramp.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class Forecast:
     #: observation divided by sqrt(samples)): 1 for constant and Holt-Winters, the window for a
     #: moving average, (2 - K) / K for a Kalman filter of steady gain K.
     samples: float = 1.0
+    #: Standard deviation of the forecast *as the model sees it* beyond the sampling noise of
+    #: the observations (a trend extrapolated over a long horizon is uncertain by the slope's
+    #: sd times the horizon); 0 when the model does not say.
+    spread: float = 0.0
 
 
 def constant(history: Sequence[float]) -> Forecast:
@@ -67,8 +71,8 @@ def kalman(history: Sequence[float], process_ratio: float = 0.1, horizon: int = 
     Measurement variance ``r`` from the history (variance of successive differences / 2);
     process variances ``process_ratio * r`` (level) and ``trend_ratio * r`` (slope). Answers the
     largest forecast ``level + h*slope`` for h = 1..horizon (a level-only filter for horizon 1
-    would lag a ramp by its whole reaction time). ``trend_z``: extrapolate only a slope at least
-    that many of its standard deviations away from zero."""
+    would lag a ramp by its whole reaction time). ``trend_z``: extrapolate only the part of the
+    slope beyond that many of its standard deviations."""
     if not history:
         return Forecast(0.0)
     if len(history) < 3:
@@ -93,12 +97,16 @@ def kalman(history: Sequence[float], process_ratio: float = 0.1, horizon: int = 
         p00, p01, p11 = (1 - k0) * p00, (1 - k0) * p01, p11 - k1 * p01
     h = max(horizon, 1)
     slope_sd = math.sqrt(max(p11, 0.0))
-    trend = slope if abs(slope) >= trend_z * slope_sd else 0.0
-    value = max(lvl + i * trend for i in range(1, h + 1))
+    # soft threshold: the part of the slope beyond trend_z sd (continuous in the data, so a
+    # slope growing out of the noise raises the forecast gradually, not in one jump)
+    trend = math.copysign(max(abs(slope) - trend_z * slope_sd, 0.0), slope)
+    i_best = max(range(1, h + 1), key=lambda i: lvl + i * trend)
+    value = lvl + i_best * trend
+    spread = math.sqrt(max(p00 + 2 * i_best * p01 + i_best * i_best * p11, 0.0)) if trend else 0.0
     samples = (2 - k0) / k0 if k0 > 0 else float(len(history))
-    note = "" if trend == slope else f" (not significant: sd {slope_sd:.3g}, not extrapolated)"
+    note = "" if trend == slope else f" (sd {slope_sd:.3g}: {trend:+.3g} extrapolated)"
     return Forecast(max(value, 0.0), f"level {lvl:.3g}, slope {slope:+.3g}/window{note}, gain {k0:.3f}, "
-                    f"max of {h} ahead", samples)
+                    f"max of {h} ahead", samples, spread)
 
 
 def holt_winters(history: Sequence[float], window: int, seasonal_periods: int | None = None,
