@@ -610,7 +610,14 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
 
 
 #: Why Dynamo's column is nan (until its side-by-side run is wired).
-DYNAMO_NOT_RUN = "not run (nan): its side-by-side run through ai-dynamo's replay adapter is not wired yet"
+DYNAMO_NOT_RUN = (
+    "not run (nan). Tried in a separate venv (python 3.11): `uv pip install ai-dynamo==1.6.1` fails building "
+    "its dependency aisimulate==0.13.0, a wheel_stub that downloads the real wheel from NVIDIA's index: "
+    "`urllib.error.URLError: <urlopen error [Errno -2] Name or service not known>` (no route to that index "
+    "here). With ai-dynamo --no-deps plus its other deps and scikit-learn, importing "
+    "dynamo.planner.offline.replay_adapter fails: `ModuleNotFoundError: No module named 'aisimulate_core'` "
+    "(dynamo/planner/core/perf_model/ais_adapter.py line 21), so run_replay(..., scaling_policy=adapter) "
+    "cannot be reached")
 
 
 def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span: float,

@@ -24,9 +24,14 @@ One tick, per pool:
    is overloaded (utilisation above ``max_utilization``, or decode requests queueing): latency
    there is the backlog's age, and learning it as slowness would over-scale one pool and starve
    the others of budget.
-3. **Predict** the next window's rate (the pool's predictor; a trend predictor answers the
-   largest forecast until replicas ordered now are ready, ``lead_time_s``), ISL, OSL and hit
-   rate (``length_predictor``).
+3. **Predict** the rate over ``forecast_horizon_s`` (default ``2 * lead_time_s + tick_s``:
+   replicas ordered now are ready after the lead time, the next decision waits for them, and its
+   replicas take another lead time; a trend predictor answers the largest forecast within it,
+   extrapolating only the slope beyond ``trend_z`` of its sd, whose uncertainty widens the noise
+   band), then add the **headroom**: every horizon forecast is scored against the mean rate that
+   came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
+   the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
+   ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
 4. **Size** (see :mod:`control_plane.planner.profile`)::
 
        prefill: needed_p = rate * ISL * (1 - hit) / prefill_capacity(ISL*(1-hit), TTFT SLO / ttft_corr, cv, k)
@@ -51,10 +56,11 @@ One tick, per pool:
    scale_down_threshold)``.
 5. **Stabilise.** A pin wins (operator override, clamped to the bounds). Otherwise: scale up to
    ``up`` when ``low > target`` (the load needs more even at the low end of its noise), unless
-   the last scale-up is still pending (its replicas are not all ready and ``startup_timeout_s``
-   has not passed: never add again while pods are pending, AIBrix #2670) or ``cooldown_up_s``
-   has not passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks``
-   ticks in a row and ``cooldown_down_s`` passed since the last change. Between the two nothing
+   the last decision is still pending (a scale-up until all its replicas are ready, a
+   scale-down until nothing drains, at most ``startup_timeout_s``: never decide again while the
+   last decision is being applied, AIBrix #2670, Dynamo #9774) or ``cooldown_up_s`` has not
+   passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
+   a row, nothing is pending and ``cooldown_down_s`` passed since the last change. Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
    cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
    replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
