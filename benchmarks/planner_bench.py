@@ -70,13 +70,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.load_shapes import SHAPES, Shape, arrivals, assign, scaled
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_profiles
 from control_plane.planner.load_view import LoadView, stamp
 from control_plane.planner.policy import PlannerState, decide
 from data_plane.engines import EngineCore, EngineRequest, default_hash_config, load_profile, read_mooncake
 from data_plane.engines.simulate import Cluster, HandOff, Hooks, Placement
-from data_plane.engines.trace import MooncakeTrace
+from data_plane.engines.trace import MooncakeTrace, TraceRecord
 from schemas.events import (
     PrefillCompleted,
     RequestAdmitted,
@@ -448,25 +449,63 @@ def _fresh(reqs: list[Req]) -> list[Req]:
     return [Req(r.rid, r.engine, r.osl, r.arrival_ms) for r in reqs]
 
 
-def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft_slo_ms: float = 2000.0,
-         itl_slo_ms: float = 25.0, predictor: str = "kalman", startup_s: float = 30.0,
-         pattern: BurstPattern = BurstPattern(), splits: Sequence[int] | None = None,
-         png: str | Path | None = None) -> dict:
-    t_start = time.perf_counter()
-    reqs = load_requests(Path(trace), limit, pattern, load_profile("mocker").block_size)
-    span = max(r.arrival_ms for r in reqs) / 1000
-    print(f"trace: {len(reqs)} requests over {span:.0f} s virtual (cycles of {pattern.calm_s:g} s at "
-          f"{pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, {pattern.burst_s:g} s at {pattern.burst_speedup:g}x, "
-          f"{pattern.ramp_s:g} s ramp), budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, "
-          f"new workers ready after {startup_s:g} s", flush=True)
+def shape_requests(records: Sequence[TraceRecord], shape: Shape, seed: int, block_size: int) -> list[Req]:
+    """A generated load shape's arrivals with consecutive trace records' contents."""
+    mt = MooncakeTrace(default_hash_config(block_size))
+    out = []
+    for i, (rec, at) in enumerate(assign(records, arrivals(shape, seed), seed)):
+        er = dataclasses.replace(mt.request(rec, f"{shape.name}-{i}"), arrival_ms=at)
+        out.append(Req(RequestId(er.request_id), er, max(rec.output_length, 1), at))
+    return out
 
-    cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
+
+def reversals(decisions: Sequence[tuple[float, str, int, int]]) -> int:
+    """Direction reversals summed over pools: a scale-up after a scale-down or the reverse."""
+    last: dict[str, int] = {}
+    n = 0
+    for _t, pool, a, b in decisions:
+        d = 1 if b > a else -1 if b < a else 0
+        if d and last.get(pool, d) != d:
+            n += 1
+        if d:
+            last[pool] = d
+    return n
+
+
+def max_gpus(res: SimResult) -> int:
+    """Most workers alive at once (starting, ready or draining: each holds its GPU)."""
+    edges = sorted([(w.started_ms, 1) for w in res.workers]
+                   + [(w.gone_ms, -1) for w in res.workers if w.gone_ms is not None])
+    n = best = 0
+    for _t, d in edges:
+        n += d
+        best = max(best, n)
+    return best
+
+
+@dataclass
+class Row:
+    who: str
+    attainment: float
+    replica_seconds: float
+    reversals: int
+    max_gpus: int
+    decisions: int
+    note: str = ""
+
+
+def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttft_slo_ms: float, itl_slo_ms: float,
+             startup_s: float, splits: Sequence[int] | None = None, equal_cost: bool = False) -> dict:
+    """Ours and the best static split (and, with ``equal_cost``, the best static split of our mean
+    GPU count) on one load."""
+    span = max(r.arrival_ms for r in reqs) / 1000
     p0, d0 = initial_split(cfg, reqs)
     ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run(cfg.tick_s)
     ours_att = ours.attainment(ttft_slo_ms, itl_slo_ms)
     p50, p99 = ours.ttft_p50_p99()
-    print(f"planner ({predictor}, starting at {p0}P+{d0}D): attainment {ours_att:.3f}, replica-seconds {ours.replica_seconds():.0f}, "
-          f"{len(ours.decisions)} decisions, TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({ours.wall_s:.1f} s)", flush=True)
+    print(f"  [{name}] planner ({cfg.pools[0].predictor.value}, starting at {p0}P+{d0}D): attainment {ours_att:.3f}, "
+          f"replica-seconds {ours.replica_seconds():.0f}, {len(ours.decisions)} decisions, TTFT p50 {p50:.0f} "
+          f"p99 {p99:.0f} ms ({ours.wall_s:.1f} s)", flush=True)
 
     def best_static(gpus: int, fixed: Sequence[int] | None = None) -> tuple[float, SimResult, list[int]]:
         tried: dict[int, tuple[float, SimResult]] = {}
@@ -476,8 +515,8 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
                 res = Sim(_fresh(reqs), prefill=p, decode=gpus - p, label=f"static {p}P+{gpus - p}D").run()
                 att = res.attainment(ttft_slo_ms, itl_slo_ms)
                 p50, p99 = res.ttft_p50_p99()
-                print(f"static {p}P+{gpus - p}D: attainment {att:.3f}, replica-seconds {res.replica_seconds():.0f}, "
-                      f"TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({res.wall_s:.1f} s)", flush=True)
+                print(f"  [{name}] static {p}P+{gpus - p}D: attainment {att:.3f}, replica-seconds "
+                      f"{res.replica_seconds():.0f}, TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({res.wall_s:.1f} s)", flush=True)
                 tried[p] = (att, res)
             return tried[p][0]
 
@@ -499,22 +538,86 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
         return att, res, sorted(tried)
 
     static_att, static_res, tried = best_static(budget, splits)
-    # The same comparison at equal cost: the best static split of the planner's mean GPUs.
+    rows = [Row("ours", ours_att, ours.replica_seconds(), reversals(ours.decisions), max_gpus(ours), len(ours.decisions)),
+            Row(f"best static {static_res.label.split()[-1]}", static_att, static_res.replica_seconds(), 0,
+                max_gpus(static_res), 0, f"of P in {tried}")]
     mean_gpus = round(ours.replica_seconds() / span)
-    if 2 <= mean_gpus < budget and not splits:
+    if equal_cost and 2 <= mean_gpus < budget and not splits:
         eq_att, eq_res, _ = best_static(mean_gpus)
-        print(f"at equal cost ({mean_gpus} GPUs, the planner's mean): best {eq_res.label} attains "
-              f"{eq_att:.3f} vs the planner's {ours_att:.3f}", flush=True)
-    ratio = ours.replica_seconds() / static_res.replica_seconds()
+        rows.append(Row(f"static at our mean {eq_res.label.split()[-1]}", eq_att, eq_res.replica_seconds(), 0,
+                        max_gpus(eq_res), 0, f"{mean_gpus} GPUs"))
+    return {"name": name, "requests": len(reqs), "span_s": span, "rows": rows, "ours": ours, "static": static_res,
+            "start": (p0, d0)}
+
+
+def print_table(case: dict, description: str) -> None:
+    rows: list[Row] = case["rows"]
+    static_rs = next(r.replica_seconds for r in rows if r.who.startswith("best static"))
+    print(f"\n{case['name']}: {description} ({case['requests']} requests over {case['span_s']:.0f} s)")
+    print(f"  {'planner':<28} {'SLO att.':>8} {'replica-s':>10} {'vs static':>9} {'reversals':>9} {'max GPUs':>8} "
+          f"{'decisions':>9}  note")
+    for r in rows:
+        print(f"  {r.who:<28} {r.attainment:>8.4f} {r.replica_seconds:>10.0f} {r.replica_seconds / static_rs:>9.3f} "
+              f"{r.reversals:>9d} {r.max_gpus:>8d} {r.decisions:>9d}  {r.note}", flush=True)
+
+
+def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft_slo_ms: float = 2000.0,
+         itl_slo_ms: float = 25.0, predictor: str = "kalman", startup_s: float = 30.0,
+         pattern: BurstPattern = BurstPattern(), splits: Sequence[int] | None = None,
+         png: str | Path | None = None, shapes: Sequence[str] | None = None, time_scale: float = 1.0,
+         seed: int = 15, dynamo: bool = True) -> dict:
+    """Every load shape (``shapes``: names from ``load_shapes.SHAPES``, default all; ``time_scale``
+    shortens them for a quick run) and the shared trace, ours vs the best static split, one
+    planner config for all."""
+    t_start = time.perf_counter()
+    block = load_profile("mocker").block_size
+    cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
+    print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
+          f"{startup_s:g} s; one planner config for every load: {predictor}, {cfg.tick_s:g} s ticks, forecast "
+          f"{cfg.horizon_s:g} s ahead, headroom at the {cfg.headroom_quantile:g} expectile of its measured error "
+          f"(at most {cfg.max_headroom:.0%})", flush=True)
+    names = list(SHAPES) if shapes is None else list(shapes)
+    records = read_mooncake(Path(trace)) if names else []
+    cases = []
+    for name in names:
+        shape = scaled(SHAPES[name](), time_scale)
+        reqs = shape_requests(records, shape, seed, block)
+        case = run_case(name, reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
+                        startup_s=startup_s, splits=splits)
+        print_table(case, shape.description)
+        cases.append(case)
+
+    reqs = load_requests(Path(trace), limit, pattern, block)
+    desc = (f"the shared trace, {pattern.calm_s:g} s at {pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, "
+            f"{pattern.burst_s:g} s at {pattern.burst_speedup:g}x, {pattern.ramp_s:g} s ramp, repeated")
+    main_case = run_case("trace", reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
+                         startup_s=startup_s, splits=splits, equal_cost=True)
+    print_table(main_case, desc)
+    ours_row, static_row = main_case["rows"][0], main_case["rows"][1]
+    ratio = ours_row.replica_seconds / static_row.replica_seconds
     if png is not None:
-        _plot(Path(png), ours, static_res, reqs, span, (p0, d0))
-    print(f"best static split: {static_res.label} (of {tried} prefill counts tried); Dynamo's planner: not "
-          f"runnable here (its `ai-dynamo` package is not installed; ai-dynamo-runtime ships the mocker, whose "
-          f"scaling_policy hook could host a planner); wall {time.perf_counter() - t_start:.0f} s")
-    print(f"RESULT slo_attainment={ours_att:.4f} static_slo_attainment={static_att:.4f} "
-          f"replica_seconds_ratio={ratio:.4f}")
-    return {"slo_attainment": ours_att, "static_slo_attainment": static_att, "replica_seconds_ratio": ratio,
-            "best_static": static_res.label, "decisions": ours.decisions}
+        _plot(Path(png), main_case["ours"], main_case["static"], reqs, main_case["span_s"], main_case["start"])
+    const = next((c for c in cases if c["name"] == "constant"), None)
+    rev_const = f"{const['rows'][0].reversals}" if const else "nan"
+    print(f"\nDynamo's planner: {DYNAMO_NOT_RUN}")
+    print(f"wall {time.perf_counter() - t_start:.0f} s")
+    print(f"RESULT slo_attainment={ours_row.attainment:.4f} static_slo_attainment={static_row.attainment:.4f} "
+          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment=nan dynamo_replica_seconds_ratio=nan "
+          f"reversals_constant={rev_const}")
+    return {"slo_attainment": ours_row.attainment, "static_slo_attainment": static_row.attainment,
+            "replica_seconds_ratio": ratio, "best_static": main_case["static"].label,
+            "decisions": main_case["ours"].decisions, "cases": cases, "reversals_constant": rev_const}
+
+
+#: Why Dynamo's column is nan (until its side-by-side run is wired).
+DYNAMO_NOT_RUN = (
+    "not run (nan). Tried in a separate venv (python 3.11): `uv pip install ai-dynamo==1.6.1` fails building "
+    "its dependency aisimulate==0.13.0, a wheel_stub that downloads the real wheel from NVIDIA's index: "
+    "`urllib.error.URLError: <urlopen error [Errno -2] Name or service not known>` (no route to that index "
+    "here). With ai-dynamo --no-deps plus its other deps and scikit-learn, importing "
+    "dynamo.planner.offline.replay_adapter fails: `ModuleNotFoundError: No module named 'aisimulate_core'` "
+    "(dynamo/planner/core/perf_model/ais_adapter.py line 21), so run_replay(..., scaling_policy=adapter) "
+    "cannot be reached")
 
 
 def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span: float,
@@ -566,6 +669,13 @@ if __name__ == "__main__":
             kw[k[2:]] = int(args.pop(0))
         elif k in ("--predictor", "--png"):
             kw[k[2:]] = args.pop(0)
+        elif k == "--shapes":
+            v = args.pop(0)
+            kw["shapes"] = [x for x in v.split(",") if x] if v != "none" else []
+        elif k == "--time-scale":
+            kw["time_scale"] = float(args.pop(0))
+        elif k == "--seed":
+            kw["seed"] = int(args.pop(0))
         elif k in ("--ttft-slo-ms", "--itl-slo-ms", "--startup-s"):
             kw[k[2:].replace("-", "_")] = float(args.pop(0))
         elif k == "--splits":

@@ -418,6 +418,16 @@ class ScalingDecision(PlannerEvent, frozen=True, kw_only=True, omit_defaults=Tru
     config_version: int
     #: Leader-lease fencing token; scalers reject decisions older than the newest they saw.
     fencing_token: int = 0
+    #: Added in v1 with defaults (older payloads decode unchanged): the request rate (req/s)
+    #: the pool was sized for, how far ahead it was forecast (s), the headroom added on top
+    #: from the forecast's measured error (fraction), the start-up time allowed for new
+    #: replicas (s), and the term that bound the target: "ttft" or "itl" (that SLO's sizing),
+    #: "gpu_budget", "max_replicas", "min_replicas" or "pin".
+    forecast_rate: float | None = None
+    forecast_horizon_s: float | None = None
+    headroom: float | None = None
+    startup_allowance_s: float | None = None
+    binding: str = ""
 
 
 class ScalingApplied(PlannerEvent, frozen=True, kw_only=True, omit_defaults=True):

@@ -145,7 +145,27 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: How long a new replica takes to become ready (scheduling, image pull, weights): trend
     #: predictors size for the largest load forecast until then.
     lead_time_s: float = 0.0
-    #: A scale-up is pending until its replicas are ready; after this long they count as failed.
+    #: How far ahead the rate is forecast (trend predictors answer the largest forecast within
+    #: it). None: ``2 * lead_time_s + tick_s``: replicas ordered now are ready after the lead
+    #: time; no new decision is issued for the pool until they are (a decision is *pending* until
+    #: applied), so the next one's replicas are ready another lead time later, a tick after that
+    #: at the earliest. What is ordered now must carry the load that long.
+    forecast_horizon_s: float | None = None
+    #: Only the part of a trend slope beyond this many of its standard deviations is
+    #: extrapolated (see predictors.kalman), and the extrapolation's own uncertainty (this many
+    #: sd of it) widens the noise band: noise times a long horizon would look like a ramp.
+    trend_z: float = 0.5
+    #: Headroom from the forecast's own error, measured online: every horizon forecast is scored
+    #: against the mean rate that came over its horizon after the lead time, ``u = actual /
+    #: forecast - 1``; an asymmetric EWMA (weight ``headroom_alpha``) tracks the
+    #: ``headroom_quantile`` expectile of ``u``, and the pool is sized for ``forecast * (1 +
+    #: clamp(that, 0, max_headroom))``. A forecast that has been right needs none; one that missed
+    #: a ramp gets more at once, and gives it back slowly while it is right again.
+    headroom_quantile: float = 0.9
+    headroom_alpha: float = 0.2
+    max_headroom: float = 0.5
+    #: A decision is pending until applied (scale-up: its replicas ready; scale-down: its
+    #: drains gone); after this long it counts as failed and no longer holds the pool.
     startup_timeout_s: float = 300.0
     #: Fraction of requests sizing aims to keep inside the latency targets (None: size the
     #: *mean* latency to the target, Dynamo's rule). Prefill: the M/G/1 wait's quantile fits
@@ -207,6 +227,14 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 raise PlannerConfigError(f"{name} must be > 0")
         if self.lead_time_s < 0:
             raise PlannerConfigError("lead_time_s must be >= 0")
+        if self.forecast_horizon_s is not None and self.forecast_horizon_s < self.lead_time_s:
+            raise PlannerConfigError(
+                f"forecast_horizon_s ({self.forecast_horizon_s}) < lead_time_s ({self.lead_time_s}): capacity "
+                "ordered now is ready only after the lead time, so the forecast must reach at least that far")
+        if (self.trend_z < 0 or not 0.5 <= self.headroom_quantile < 1 or not 0 < self.headroom_alpha <= 1
+                or not 0 <= self.max_headroom <= 2):
+            raise PlannerConfigError("need trend_z >= 0, 0.5 <= headroom_quantile < 1, 0 < headroom_alpha <= 1 and "
+                                     "0 <= max_headroom <= 2 (a headroom of 2 already triples the forecast)")
         if self.cooldown_up_s < 0 or self.cooldown_down_s < 0 or self.startup_timeout_s <= 0:
             raise PlannerConfigError("cooldowns must be >= 0 and startup_timeout_s > 0")
         if self.startup_timeout_s < self.tick_s:
@@ -236,6 +264,13 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             self.load_view_config()
         except ValueError as e:
             raise PlannerConfigError(str(e)) from None
+
+    @property
+    def horizon_s(self) -> float:
+        """How far ahead the rate is forecast (``forecast_horizon_s`` or its default)."""
+        if self.forecast_horizon_s is not None:
+            return self.forecast_horizon_s
+        return 2 * self.lead_time_s + self.tick_s
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:

@@ -24,9 +24,14 @@ One tick, per pool:
    is overloaded (utilisation above ``max_utilization``, or decode requests queueing): latency
    there is the backlog's age, and learning it as slowness would over-scale one pool and starve
    the others of budget.
-3. **Predict** the next window's rate (the pool's predictor; a trend predictor answers the
-   largest forecast until replicas ordered now are ready, ``lead_time_s``), ISL, OSL and hit
-   rate (``length_predictor``).
+3. **Predict** the rate over ``forecast_horizon_s`` (default ``2 * lead_time_s + tick_s``:
+   replicas ordered now are ready after the lead time, the next decision waits for them, and its
+   replicas take another lead time; a trend predictor answers the largest forecast within it,
+   extrapolating only the slope beyond ``trend_z`` of its sd, whose uncertainty widens the noise
+   band), then add the **headroom**: every horizon forecast is scored against the mean rate that
+   came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
+   the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
+   ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
 4. **Size** (see :mod:`control_plane.planner.profile`)::
 
        prefill: needed_p = rate * ISL * (1 - hit) / prefill_capacity(ISL*(1-hit), TTFT SLO / ttft_corr, cv, k)
@@ -51,10 +56,11 @@ One tick, per pool:
    scale_down_threshold)``.
 5. **Stabilise.** A pin wins (operator override, clamped to the bounds). Otherwise: scale up to
    ``up`` when ``low > target`` (the load needs more even at the low end of its noise), unless
-   the last scale-up is still pending (its replicas are not all ready and ``startup_timeout_s``
-   has not passed: never add again while pods are pending, AIBrix #2670) or ``cooldown_up_s``
-   has not passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks``
-   ticks in a row and ``cooldown_down_s`` passed since the last change. Between the two nothing
+   the last decision is still pending (a scale-up until all its replicas are ready, a
+   scale-down until nothing drains, at most ``startup_timeout_s``: never decide again while the
+   last decision is being applied, AIBrix #2670, Dynamo #9774) or ``cooldown_up_s`` has not
+   passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
+   a row, nothing is pending and ``cooldown_down_s`` passed since the last change. Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
    cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
    replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
@@ -97,6 +103,11 @@ ERROR_ALPHA = 0.2
 #: Prefix hit rates above this are not trusted for sizing (a cold cache must not starve a pool).
 MAX_HIT_RATE = 0.9
 _EPS = 1e-9
+#: Forecasts below this rate (req/s) are scored as if they were this (a relative error of a
+#: forecast of zero is unbounded).
+_RATE_FLOOR = 0.1
+#: Standard deviations of Poisson noise an error must exceed before it counts as the forecast's.
+_SCORE_Z = 2.0
 
 InputValue = float | int | str
 
@@ -138,7 +149,8 @@ class PoolState:
     target: int | None = None
     last_up_ns: int | None = None
     last_change_ns: int | None = None
-    #: Set by a scale-up, cleared once the target is ready (or after startup_timeout_s).
+    #: Set by every decision, cleared once it is applied (the target is ready and nothing is
+    #: draining) or after startup_timeout_s. While set, no new decision is issued for the pool.
     pending_since_ns: int | None = None
     #: Consecutive ticks with ``down < target``.
     below_ticks: int = 0
@@ -154,6 +166,13 @@ class PoolState:
     #: Since when the pool has been settled (nothing pending, no backlog, no recent change);
     #: only windows starting a full window after this teach the corrections.
     settled_since_ns: int | None = None
+    #: Horizon forecasts not yet scored: (window end they were made after, window end they are
+    #: scored at, forecast rate, arrivals the forecast effectively averaged).
+    horizon_forecasts: tuple[tuple[int, int, float, float], ...] = ()
+    #: The ``headroom_quantile`` expectile of the horizon forecast's relative under-forecast ``u =
+    #: actual / forecast - 1``, tracked online; the headroom is this, clamped.
+    horizon_error: float = 0.0
+    horizon_scored: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +284,14 @@ class _Plan:
     needed: float | None
     pinned: bool
     load: PoolLoad
+    #: Its last decision is still being applied: the budget must not move it either.
+    frozen: bool = False
+    #: The SLO term its sizing was bound by ("ttft", "itl"; "" before any window).
+    binding: str = ""
+    #: How far a budget squeeze may take it down when it is not growing: the high end of its
+    #: noise band, or nothing at all while its last decision is pending or it changed within
+    #: ``cooldown_down_s`` (a scale-down forced by the budget is still a scale-down: slow).
+    yield_to: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,6 +318,11 @@ def decide(now_ns: int, snapshot: LoadSnapshot, config: PlannerConfig,
         inputs = dict(plan.inputs)
         inputs["proposed_replicas"] = plan.proposed
         action = "up" if to > plan.current else "down" if to < plan.current else "hold"
+        binding = ("pin" if plan.pinned else "gpu_budget" if budget_note
+                   else "max_replicas" if to == pc.max_replicas and plan.needed is not None and plan.needed > to
+                   else "min_replicas" if to == pc.min_replicas and (plan.needed or 0.0) < to else plan.binding)
+        if binding:
+            inputs["binding"] = binding
         if action != "hold":
             drain = _victims(plan.load, plan.current - to) if to < plan.current else ()
             if drain:
@@ -300,12 +332,13 @@ def decide(now_ns: int, snapshot: LoadSnapshot, config: PlannerConfig,
                 role=WorkerRole(pc.role), from_replicas=plan.current, to_replicas=to,
                 reason=f"scale {action} {plan.current} -> {to}: {reason}", inputs=inputs,
                 predictor=pc.predictor.value, config_version=config.version,
-                fencing_token=state.fencing_token)
+                fencing_token=state.fencing_token,
+                forecast_rate=_num(inputs.get("forecast_rate")), forecast_horizon_s=_num(inputs.get("forecast_horizon_s")),
+                headroom=_num(inputs.get("headroom")), startup_allowance_s=config.lead_time_s, binding=binding)
             seq += 1
             effects.append(ScaleEffect(pc.name, WorkerRole(pc.role), plan.current, to, event.reason, drain, event))
             ps = replace(ps, target=to, last_change_ns=now_ns, below_ticks=0,
-                         last_up_ns=now_ns if action == "up" else ps.last_up_ns,
-                         pending_since_ns=now_ns if action == "up" else ps.pending_since_ns)
+                         last_up_ns=now_ns if action == "up" else ps.last_up_ns, pending_since_ns=now_ns)
         else:
             ps = replace(ps, target=plan.current)
         pool_states[pc.name] = ps
@@ -355,8 +388,9 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         "gpus_per_replica": pc.gpus_per_replica, "profile": prof.name,
     }
 
-    # 1-2. observe and correct
-    pending = ps.pending_since_ns is not None and reps.ready < current
+    # 1-2. observe and correct. A decision is pending until applied: every replica of the target
+    # ready (a scale-up) and nothing draining (a scale-down).
+    pending = ps.pending_since_ns is not None and (reps.ready != current or reps.draining > 0)
     settled = not pending and _settled(load, pc, prof, cfg) and (
         ps.last_change_ns is None or now - ps.last_change_ns >= cfg.tumbling_s * NS)
     if not settled:
@@ -372,6 +406,7 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
 
     # 3-4. predict and size
     needed: float | None = None
+    binding = ""
     sizing = "no closed window observed yet"
     up = down = None
     low = high = None
@@ -382,6 +417,7 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         down = max(math.ceil(high / cfg.scale_down_threshold - _EPS), 0)
         inputs.update(needed_replicas=round(needed, 4), needed_low=round(low, 4), needed_high=round(high, 4),
                       desired_up=up, desired_down=down)
+        binding = str(inputs.get("binding_slo", ""))
     inputs.update(ttft_correction=round(ps.ttft_correction, 4), itl_correction=round(ps.itl_correction, 4))
     if ps.forecast_error is not None:
         inputs["forecast_error"] = round(ps.forecast_error, 4)
@@ -403,8 +439,9 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         below = 0
         since = (now - (ps.pending_since_ns or now)) / NS
         held = _held((
-            (pending, f"wants {up} but the scale-up {since:.0f}s ago is still pending "
-                      f"({reps.ready} of {current} ready): never add while an addition is pending"),
+            (pending, f"wants {up} but the decision {since:.0f}s ago is still pending "
+                      f"({reps.ready} of {current} ready, {reps.draining} draining): never decide again "
+                      "while the last decision is being applied"),
             (_cooling(now, ps.last_up_ns, cfg.cooldown_up_s),
              f"wants {up} but in scale-up cooldown ({cfg.cooldown_up_s:g}s)"),
         ))
@@ -414,11 +451,11 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
             proposed, action = min(up, hi), "up"
             reason = sizing + (f"; capped at max_replicas {hi}" if up > hi else "")
             if timed_out:
-                reason += f"; the previous scale-up did not become ready within {cfg.startup_timeout_s:g}s"
+                reason += f"; the previous decision was not applied within {cfg.startup_timeout_s:g}s"
     elif down is not None and down < current:
         below += 1
         held = _held((
-            (pending, "below the scale-down threshold but a scale-up is pending"),
+            (pending, "below the scale-down threshold but the last decision is still pending"),
             (below < cfg.scale_down_ticks, f"below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
                                            f"{cfg.scale_down_ticks} ticks"),
             (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s),
@@ -444,7 +481,17 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         proposed = min(max(proposed, lo), hi)
         reason += f"; brought into bounds [{lo}, {hi}]"
     ps = replace(ps, below_ticks=below if action != "down" else 0)
-    return _Plan(pc, ps, current, proposed, action, reason, inputs, needed, pin is not None, load)
+    frozen = pending and pin is None
+    if frozen or high is None or _cooling(now, ps.last_change_ns, cfg.cooldown_down_s):
+        yield_to = proposed
+    else:
+        yield_to = min(proposed, max(math.ceil(high - _EPS), lo))
+    return _Plan(pc, ps, current, proposed, action, reason, inputs, needed, pin is not None, load,
+                 frozen=frozen, binding=binding, yield_to=yield_to)
+
+
+def _num(x: InputValue | None) -> float | None:
+    return float(x) if isinstance(x, (int, float)) else None
 
 
 def _held(gates: tuple[tuple[bool, str], ...]) -> str | None:
@@ -479,8 +526,54 @@ def _observe(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, 
         settled = ps.settled_since_ns is not None and w.start_ns >= ps.settled_since_ns + int(cfg.tumbling_s * NS)
         if not pending and settled:
             ttft_c, itl_c = _corrections(w, load, pc, cfg, prof, ttft_c, itl_c)
-    return replace(ps, history=tuple(history[-cfg.history_limit:]), last_window_end_ns=last_end,
-                   forecast_error=err, forecast_scored=scored, ttft_correction=ttft_c, itl_correction=itl_c)
+    ps = replace(ps, history=tuple(history[-cfg.history_limit:]), last_window_end_ns=last_end,
+                 forecast_error=err, forecast_scored=scored, ttft_correction=ttft_c, itl_correction=itl_c)
+    return _score_horizon(ps, history, cfg)
+
+
+def _score_horizon(ps: PoolState, history: list[Observation], cfg: PlannerConfig) -> PoolState:
+    """Score every horizon forecast whose horizon has closed against the mean rate observed in
+    it after the lead time (what the replicas ordered then had to carry): ``u = actual /
+    forecast - 1``, less ``_SCORE_Z`` sd of Poisson noise (``sqrt(1/arrivals in
+    the span + 1/arrivals the forecast averaged)``: the noise band covers that), clamped to [-1, 1]. The tracked error ``e`` moves toward ``u`` by ``alpha *
+    tau * (u - e)`` when the forecast fell short of ``u``'s estimate (``u > e``), by ``alpha *
+    (1 - tau) * (u - e)`` otherwise: an asymmetric EWMA, converging to the ``tau`` expectile of
+    ``u``. A miss raises it at once, hits lower it slowly, and one outlier cannot inflate a
+    variance for long. Each forecast weighs ``alpha / windows in its horizon``: overlapping
+    horizons all see the same surprise, which must count about once."""
+    if not ps.horizon_forecasts:
+        return ps
+    lead_ns = int(cfg.lead_time_s * NS)
+    keep: list[tuple[int, int, float, float]] = []
+    e, n = ps.horizon_error, ps.horizon_scored
+    a, tau = cfg.headroom_alpha, cfg.headroom_quantile
+    for made, due, f, n_f in ps.horizon_forecasts:
+        if due > ps.last_window_end_ns:
+            keep.append((made, due, f, n_f))
+            continue
+        span = [o for o in history if made + lead_ns < o.window_end_ns <= due] or [
+            o for o in history if made < o.window_end_ns <= due]
+        if not span:
+            continue  # the windows are gone (history limit): nothing to score against
+        actual = sum(o.rate for o in span) / len(span)
+        u = actual / max(f, _RATE_FLOOR) - 1.0
+        # what Poisson sampling noise explains (the span's and the forecast's own) is the noise
+        # band's business, not the forecast's: only the excess beyond _SCORE_Z sd counts
+        noise = _SCORE_Z * math.sqrt(1 / max(sum(o.arrivals for o in span), 1) + 1 / max(n_f, 1))
+        u = min(max(math.copysign(max(abs(u) - noise, 0.0), u), -1.0), 1.0)
+        # horizons overlap: one surprise is scored by every forecast whose horizon it falls in,
+        # so each forecast moves the estimate by 1/windows of the weight
+        windows = max(1.0, (due - made) / (cfg.tumbling_s * NS))
+        e += a / windows * (tau if u > e else 1 - tau) * (u - e)
+        n += 1
+    return replace(ps, horizon_forecasts=tuple(keep), horizon_error=e, horizon_scored=n)
+
+
+def headroom(ps: PoolState, cfg: PlannerConfig) -> float:
+    """The fraction added to the rate forecast: the tracked expectile of the horizon forecast's
+    measured relative under-forecast, in [0, max_headroom] (0 until a horizon has been scored:
+    until then the noise band alone guards the forecast)."""
+    return min(max(ps.horizon_error, 0.0), cfg.max_headroom)
 
 
 def _settled(load: PoolLoad, pc: PoolConfig, prof: PerformanceProfile, cfg: PlannerConfig) -> bool:
@@ -645,9 +738,10 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     (``needed * (1 - margin)``, margin = ``noise_z`` x relative noise, capped) of either proves a
     scale-up; a scale-down needs the high end of both to fit."""
     hist = ps.history
-    horizon = 1 + math.ceil(cfg.lead_time_s / cfg.tumbling_s - _EPS)
+    horizon = max(1, math.ceil(cfg.horizon_s / cfg.tumbling_s - _EPS))
     rate_f = forecast(pc.predictor, [o.rate for o in hist], window=pc.predictor_window,
-                      history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods, horizon=horizon)
+                      history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods, horizon=horizon,
+                      trend_z=cfg.trend_z)
 
     def length(values: list[float]) -> float | None:
         if not values:
@@ -658,13 +752,19 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     isl = length([o.isl for o in hist if o.isl is not None]) or 0.0
     osl = length([o.osl for o in hist if o.osl is not None]) or 0.0
     hit = min(length([o.hit_rate for o in hist if o.hit_rate is not None]) or 0.0, MAX_HIT_RATE)
-    rate = rate_f.value
     last = hist[-1]
     k = max(1, min(len(hist), math.ceil(rate_f.samples)))
     n_short = rate_f.samples * sum(o.arrivals for o in hist[-k:]) / k
+    made = tuple(f for f in ps.horizon_forecasts if f[0] != last.window_end_ns)
+    ps = replace(ps, horizon_forecasts=made + (
+        (last.window_end_ns, last.window_end_ns + horizon * int(round(cfg.tumbling_s * NS)), rate_f.value, n_short),))
+    room = headroom(ps, cfg)
+    rate = rate_f.value * (1 + room)
     isl_cv, osl_cv = _cv(last.isl, last.isl_sd), _cv(last.osl, last.osl_sd)
-    ps = replace(ps, forecast_rate=rate, forecast_for_ns=last.window_end_ns + int(round(cfg.tumbling_s * NS)))
-    inputs.update(predicted_rate=round(rate, 4), predicted_isl=round(isl, 1), predicted_osl=round(osl, 1),
+    ps = replace(ps, forecast_rate=rate_f.value, forecast_for_ns=last.window_end_ns + int(round(cfg.tumbling_s * NS)))
+    inputs.update(forecast_rate=round(rate_f.value, 4), forecast_horizon_s=round(horizon * cfg.tumbling_s, 3),
+                  headroom=round(room, 4), startup_allowance_s=cfg.lead_time_s,
+                  horizon_error_scored=ps.horizon_scored, predicted_rate=round(rate, 4), predicted_isl=round(isl, 1), predicted_osl=round(osl, 1),
                   predicted_hit_rate=round(hit, 4), observed_rate=round(last.rate, 4),
                   window_end_ms=last.window_end_ns // 1_000_000, predictor=pc.predictor.value)
     if rate_f.detail:
@@ -678,7 +778,18 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
         inputs.update(backlog_prefill_tok_s=round(backlog[0], 1), backlog_decode_tok_s=round(backlog[1], 1))
     need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
                                  backlog)
-    m_f = min(cfg.noise_z * rel_f, cfg.max_noise_margin)
+    # the band also covers the model's own uncertainty about an extrapolated trend: a slope
+    # read from noise must not prove a scale-up by itself
+    spread = trend_rel = 0.0
+    if rate_f.spread > 0 and rate_f.value > 0:
+        spread = rate_f.spread
+        trend_rel = cfg.trend_z * spread / rate_f.value
+    m_f = min(cfg.noise_z * rel_f + trend_rel, cfg.max_noise_margin)
+    if spread:
+        inputs["forecast_spread"] = round(spread, 4)
+    p_need, d_need = float(inputs.get("prefill_needed", 0.0)), float(inputs.get("decode_needed", 0.0))
+    inputs["binding_slo"] = ("ttft" if role is WorkerRole.PREFILL else "itl" if role is WorkerRole.DECODE
+                             else "ttft" if p_need >= d_need else "itl")
 
     # long horizon: arrival-weighted averages over the last confirm_windows windows
     tail = hist[-cfg.confirm_windows:]
@@ -718,24 +829,30 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
 def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]:
     """Final replicas per pool and a note when the budget changed the proposal.
 
-    While the proposals fit, nothing changes. When they do not: pools that hold or shrink offer
-    their surplus above what they need (``ceil(needed)``, at least their minimum: the hysteresis
-    band is a luxury a binding budget cannot afford, their need is not); growing pools start from
+    Draining replicas still hold their GPUs until they are gone: the budget the targets share is
+    ``budget`` less those. While the proposals fit, nothing changes. When they do not: pools that
+    hold or shrink offer their surplus above the high end of their noise band (``yield_to``, at
+    least their minimum; nothing while pending or within ``cooldown_down_s`` of their last
+    change: trading a replica costs a start-up, and doing it on a noisy need is churn); growing pools start from
     what they hold; what is left of the budget goes one replica at a time to the growing pool
     with the largest unmet fraction (pins first); a holder gets back the surplus nobody took.
     Only if even that base does not fit (the budget was lowered) does every pool start again
-    from its minimum. So a holder never drops below its need, and never drains for nothing.
+    from its minimum. So a holder never drops below its need, and never drains for nothing. A
+    pool whose last decision is still pending (``frozen``) offers nothing: no new decision for it
+    until that one is applied.
     """
     names = sorted(p.config.name for p in plans)
     by = {p.config.name: p for p in plans}
     g = {n: by[n].config.gpus_per_replica for n in names}
     floor = {n: by[n].config.min_replicas for n in names}
     proposed = {n: by[n].proposed for n in names}
+    total = budget
+    budget -= sum(by[n].load.replicas.draining * g[n] for n in names)
     if sum(proposed[n] * g[n] for n in names) <= budget:
         return {n: (proposed[n], "") for n in names}
     growing = {n for n in names if by[n].pinned or proposed[n] > by[n].current}
-    need = {n: proposed[n] if n in growing or by[n].needed is None
-            else min(proposed[n], max(math.ceil(by[n].needed - _EPS), floor[n])) for n in names}
+    need = {n: proposed[n] if n in growing or by[n].yield_to is None
+            else max(min(proposed[n], by[n].yield_to), floor[n]) for n in names}
     base = {n: max(floor[n], by[n].current if n in growing else need[n]) for n in names}
     if sum(base[n] * g[n] for n in names) > budget:
         base, growing = dict(floor), set(names)  # the budget was lowered: everyone from its minimum
@@ -763,7 +880,8 @@ def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]
         note = ""
         if alloc[n] != proposed[n]:
             note = (f"GPU budget: {proposed[n]} -> {alloc[n]} replicas (needs {need[n]}; {used} of {budget} "
-                    f"GPUs allocated, {g[n]} per replica)")
+                    f"GPUs allocated, {g[n]} per replica"
+                    + (f", {total - budget} held by draining replicas)" if total != budget else ")"))
         out[n] = (alloc[n], note)
     return out
 

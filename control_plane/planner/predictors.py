@@ -17,7 +17,10 @@ recorded inputs. Forecasts are clamped at 0 (a rate or a length is never negativ
 * ``kalman``: a local linear trend Kalman filter (level and slope, each a random walk, plus
   measurement noise). The noise variance ``r`` is estimated from the history (variance of
   successive differences / 2); process variances are ``0.1 r`` (level) and ``0.05 r`` (slope).
-  With a ``horizon`` of h windows it answers the largest of ``level + i*slope``, i = 1..h.
+  With a ``horizon`` of h windows it answers the largest of ``level + i*slope``, i = 1..h. With
+  ``trend_z`` > 0 only the part of the slope beyond ``trend_z`` standard deviations (the
+  filter's own slope variance) is extrapolated (soft threshold): over a long horizon, noise read
+  as a trend would be multiplied by the horizon and make a constant load look like a ramp.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class Forecast:
     #: observation divided by sqrt(samples)): 1 for constant and Holt-Winters, the window for a
     #: moving average, (2 - K) / K for a Kalman filter of steady gain K.
     samples: float = 1.0
+    #: Standard deviation of the forecast *as the model sees it* beyond the sampling noise of
+    #: the observations (a trend extrapolated over a long horizon is uncertain by the slope's
+    #: sd times the horizon); 0 when the model does not say.
+    spread: float = 0.0
 
 
 def constant(history: Sequence[float]) -> Forecast:
@@ -59,12 +66,13 @@ def moving_average(history: Sequence[float], window: int) -> Forecast:
 
 
 def kalman(history: Sequence[float], process_ratio: float = 0.1, horizon: int = 1,
-           trend_ratio: float = 0.05) -> Forecast:
+           trend_ratio: float = 0.05, trend_z: float = 0.0) -> Forecast:
     """Local linear trend Kalman filter: state (level, slope), ``level += slope`` each window.
     Measurement variance ``r`` from the history (variance of successive differences / 2);
     process variances ``process_ratio * r`` (level) and ``trend_ratio * r`` (slope). Answers the
     largest forecast ``level + h*slope`` for h = 1..horizon (a level-only filter for horizon 1
-    would lag a ramp by its whole reaction time)."""
+    would lag a ramp by its whole reaction time). ``trend_z``: extrapolate only the part of the
+    slope beyond that many of its standard deviations."""
     if not history:
         return Forecast(0.0)
     if len(history) < 3:
@@ -88,10 +96,17 @@ def kalman(history: Sequence[float], process_ratio: float = 0.1, horizon: int = 
         slope += k1 * e
         p00, p01, p11 = (1 - k0) * p00, (1 - k0) * p01, p11 - k1 * p01
     h = max(horizon, 1)
-    value = max(lvl + i * slope for i in range(1, h + 1))
+    slope_sd = math.sqrt(max(p11, 0.0))
+    # soft threshold: the part of the slope beyond trend_z sd (continuous in the data, so a
+    # slope growing out of the noise raises the forecast gradually, not in one jump)
+    trend = math.copysign(max(abs(slope) - trend_z * slope_sd, 0.0), slope)
+    i_best = max(range(1, h + 1), key=lambda i: lvl + i * trend)
+    value = lvl + i_best * trend
+    spread = math.sqrt(max(p00 + 2 * i_best * p01 + i_best * i_best * p11, 0.0)) if trend else 0.0
     samples = (2 - k0) / k0 if k0 > 0 else float(len(history))
-    return Forecast(max(value, 0.0), f"level {lvl:.3g}, slope {slope:+.3g}/window, gain {k0:.3f}, max of {h} ahead",
-                    samples)
+    note = "" if trend == slope else f" (sd {slope_sd:.3g}: {trend:+.3g} extrapolated)"
+    return Forecast(max(value, 0.0), f"level {lvl:.3g}, slope {slope:+.3g}/window{note}, gain {k0:.3f}, "
+                    f"max of {h} ahead", samples, spread)
 
 
 def holt_winters(history: Sequence[float], window: int, seasonal_periods: int | None = None,
@@ -128,10 +143,10 @@ def holt_winters(history: Sequence[float], window: int, seasonal_periods: int | 
 
 def forecast(kind: PredictorKind | str, history: Sequence[float], *, window: int = 6,
              history_limit: int = 64, seasonal_periods: int | None = None,
-             process_ratio: float = 0.1, horizon: int = 1) -> Forecast:
+             process_ratio: float = 0.1, horizon: int = 1, trend_z: float = 0.0) -> Forecast:
     """Dispatch on ``kind`` over the last ``history_limit`` observations. ``horizon``: how many
     windows ahead the answer must hold (trend predictors answer the largest forecast up to it;
-    level predictors have nothing to extrapolate)."""
+    level predictors have nothing to extrapolate); ``trend_z``: see :func:`kalman`."""
     h = list(history[-history_limit:])
     kind = PredictorKind(kind)
     if kind is PredictorKind.CONSTANT:
@@ -139,5 +154,5 @@ def forecast(kind: PredictorKind | str, history: Sequence[float], *, window: int
     if kind is PredictorKind.MOVING_AVERAGE:
         return moving_average(h, window)
     if kind is PredictorKind.KALMAN:
-        return kalman(h, process_ratio, horizon)
+        return kalman(h, process_ratio, horizon, trend_z=trend_z)
     return holt_winters(h, window, seasonal_periods, horizon)

@@ -326,6 +326,11 @@ def _make_scaling_decision(**overrides: Any) -> ev.ScalingDecision:
             "predictor": "arima",
             "config_version": 4,
             "fencing_token": 9,
+            "forecast_rate": 12.5,
+            "forecast_horizon_s": 65.0,
+            "headroom": 0.12,
+            "startup_allowance_s": 30.0,
+            "binding": "itl",
             **overrides,
         }
     )
