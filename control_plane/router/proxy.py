@@ -106,6 +106,10 @@ class WorkerFailed(Exception):
         self.worker_id = worker_id
 
 
+# Failures where the request never reached the worker: a prefill hold made for it is still there.
+NEVER_REACHED = frozenset({"worker_unreachable", "connect_timeout"})
+
+
 def _unsendable(e: Exception) -> RouterRejected | None:
     """The request itself could not be put on the wire (an illegal header or URL): the request's
     fault, not the worker's, so no worker is blamed or excluded and nothing is retried."""
@@ -299,12 +303,17 @@ class Router:
     async def _attempts(self, adm: Admission, excluded: set[str]) -> AsyncIterator[Chunk]:
         sent = 0
         last_error = ""
+        # A finished prefill whose decode worker was never reached is still held on the prefill
+        # worker under this request id: the next attempt hands the same KV to another decode
+        # worker instead of prefilling again (a second prefill of the same id is refused while
+        # the hold lives).
+        handoff: list[tuple[str, dict | None]] = []
         for attempt in range(self.max_attempts):
             worker = None
             try:
                 disagg = self._serving_mode() == "disaggregated"
                 if disagg:
-                    stream, worker = await self._disaggregated(adm, excluded, attempt)
+                    stream, worker = await self._disaggregated(adm, excluded, attempt, handoff)
                 else:
                     ev, worker = self.decide(adm, RequestPhase.AGGREGATED, excluded, attempt)
                     stream = self._stream_from(worker, adm, None)
@@ -329,6 +338,8 @@ class Router:
                 last_error = f"{wid}: {e}"
                 if wid:
                     excluded.add(wid)
+                if not (handoff and e.code in NEVER_REACHED and wid != handoff[0][0]):
+                    handoff.clear()
                 if not retry:
                     if sent:
                         yield Chunk(error=f"worker failed after {sent} tokens: {e}")
@@ -346,7 +357,12 @@ class Router:
                     return
                 raise RouterRejected(f"{e}; last error: {last_error}", 503, "no_workers_left", recorded=True) from None
 
-    async def _disaggregated(self, adm: Admission, excluded: set[str], attempt: int):
+    async def _disaggregated(self, adm: Admission, excluded: set[str], attempt: int,
+                             handoff: list[tuple[str, dict | None]]):
+        if handoff:
+            _, decode = self.decide(adm, RequestPhase.DECODE, excluded, attempt)
+            self.admission.poke()
+            return self._stream_from(decode, adm, handoff[0][1]), decode
         _, prefill = self.decide(adm, RequestPhase.PREFILL, excluded, attempt)
         body = {"model": adm.model, "prompt": adm.tokens, "max_tokens": 1, "stream": False,
                 "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True}}
@@ -361,6 +377,7 @@ class Router:
             params = r.json().get("kv_transfer_params")
         except (httpx.HTTPError, OSError, ValueError, AttributeError) as e:
             raise _unsendable(e) or _failure(e, f"prefill {wid}", wid) from None
+        handoff.append((wid, params))
         # The decode decision releases the prefill entry (the KV is handed off) before it reads
         # the ledger; replay does the same when it folds the decode phase's RequestRouted.
         _, decode = self.decide(adm, RequestPhase.DECODE, excluded, attempt)

@@ -70,6 +70,15 @@ def status(code: int) -> Answer:
     return lambda body: httpx.Response(code, json={"error": f"HTTP {code} from the engine"})
 
 
+def unreachable() -> Answer:
+    """A worker whose port refuses the connection: the request never reached it."""
+
+    def answer(body: dict) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    return answer
+
+
 def prefilled(params: dict) -> Answer:
     """A prefill worker's (non-streamed) answer, carrying the KV handoff parameters."""
     return lambda body: httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "length"}],
@@ -298,6 +307,29 @@ async def test_a_decode_failure_before_the_first_token_routes_both_phases_again(
                                                       (RequestPhase.PREFILL, 1), (RequestPhase.DECODE, 1)]
     assert routed[3].worker_id != first_decode and routed[3].excluded_workers == [first_decode]
     assert fake.calls[3].body["kv_transfer_params"]["remote_block_ids"] == [9]  # this attempt's handoff
+    check.verify()
+    await router.close()
+
+
+async def test_a_decode_worker_never_reached_takes_the_same_handoff_to_another_decode_worker() -> None:
+    # The prefill worker still holds the KV under this request id (and would refuse a second
+    # prefill of it): only the decode phase is decided again, with the first handoff.
+    router, sink, fake, check = _scenario(
+        [_worker("p-1", "prefill"), _worker("d-1", "decode"), _worker("d-2", "decode")],
+        [prefilled(KV_PARAMS), unreachable(), tokens("z")])
+    adm = await _admit(router, "dis-unreached")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks if c.text] == ["z"]
+    [failed] = sink.of_type(RequestFailed)
+    first_decode = fake.calls[1].worker
+    assert failed.retried and failed.code == "worker_unreachable" and failed.worker_id == first_decode
+    routed = sink.of_type(RequestRouted)
+    assert [(r.phase, r.attempt) for r in routed] == [(RequestPhase.PREFILL, 0), (RequestPhase.DECODE, 0),
+                                                      (RequestPhase.DECODE, 1)]
+    assert routed[2].worker_id != first_decode and routed[2].excluded_workers == [first_decode]
+    assert [c.worker for c in fake.calls] == ["p-1", first_decode, routed[2].worker_id]
+    assert fake.calls[2].body["kv_transfer_params"] == KV_PARAMS  # the first attempt's handoff
     check.verify()
     await router.close()
 
