@@ -11,10 +11,13 @@ dead-lettering an unknown one, never pays for a full decode.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 
 from schemas.errors import MalformedEvent, UnknownEventType, UnsupportedSchemaVersion
 from schemas.events import ALL_EVENT_TYPES, Event
@@ -69,7 +72,9 @@ class EventCodec:
     Decoding an older version validates it against its own struct, then applies the upcasters
     one version step at a time. A type it does not know, or a version newer than the newest it
     knows, raises a :class:`schemas.errors.SchemaError` subclass with a message that says which.
-    So does a payload naming a worker id longer than :data:`~schemas.types.MAX_WORKER_ID_LEN`.
+    So does a payload naming a worker id longer than :data:`~schemas.types.MAX_WORKER_ID_LEN`,
+    or holding a NaN or an infinity in a float field (msgpack can carry them; no duration, cost
+    or rate is one, and one would poison every sum and histogram it reaches).
     """
 
     def __init__(self, types: tuple[type[Event], ...] = ALL_EVENT_TYPES) -> None:
@@ -89,6 +94,8 @@ class EventCodec:
             cls: fields for cls in types
             if (fields := tuple(f for f in cls.__struct_fields__ if f in WORKER_ID_FIELDS))
         }
+        #: Payload type -> the function that finds a non-finite float in it (types with floats).
+        self._float_checks = {cls: check for cls in types if (check := _float_check(mi.type_info(cls)))}
         self._raw_decoder = msgspec.msgpack.Decoder(_RawEnvelope)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -148,6 +155,9 @@ class EventCodec:
             if wid is not None and len(wid) > MAX_WORKER_ID_LEN:
                 raise MalformedEvent(f"{raw.type} v{raw.version} {name} of {len(wid)} characters "
                                      f"(at most {MAX_WORKER_ID_LEN})")
+        check = self._float_checks.get(type(payload))
+        if check is not None and (where := check(payload)):
+            raise MalformedEvent(f"{raw.type} v{raw.version} {where} is not a finite number")
         return Envelope(
             event_id=raw.event_id,
             type=raw.type,
@@ -174,6 +184,54 @@ class EventCodec:
             return msgspec.convert(doc, self._by_key[(name, latest)])
         except msgspec.ValidationError as e:
             raise MalformedEvent(f"{name} upcast v{version}->v{latest} invalid: {e}") from None
+
+
+_FloatCheck = Callable[[object], str | None]
+
+
+def _float_check(t: mi.Type) -> _FloatCheck | None:
+    """A function returning the path of the first NaN or infinity in a value of type ``t``
+    (None when all are finite), or None when ``t`` cannot hold a float: floats as such, in
+    optional fields, in nested structs and in lists of them (free-form dicts are not walked)."""
+    if isinstance(t, mi.FloatType):
+        return lambda v: None if math.isfinite(v) else "value"
+    if isinstance(t, mi.UnionType):
+        checks = [c for c in map(_float_check, t.types) if c]
+        if not checks:
+            return None
+
+        def first(v: object) -> str | None:
+            if v is None or isinstance(v, (str, int, bytes)):
+                return None
+            for c in checks:  # a float, a struct or a list: only the matching member finds one
+                try:
+                    w = c(v)
+                except (TypeError, AttributeError):
+                    continue
+                if w is not None:
+                    return w
+            return None
+
+        return first
+    if isinstance(t, (mi.ListType, mi.TupleType, mi.VarTupleType)) and hasattr(t, "item_type"):
+        inner = _float_check(t.item_type)
+        if inner is None:
+            return None
+        return lambda v: next((f"[{i}].{w}" for i, x in enumerate(v) if (w := inner(x)) is not None), None)
+    if isinstance(t, mi.StructType):
+        fields = [(f.name, c) for f in t.fields if (c := _float_check(f.type))]
+        if not fields:
+            return None
+
+        def check(v: object) -> str | None:
+            for name, c in fields:
+                x = getattr(v, name)
+                if x is not None and (w := c(x)) is not None:
+                    return name if w == "value" else f"{name}{w if w.startswith('[') else '.' + w}"
+            return None
+
+        return check
+    return None
 
 
 class EnvelopeFactory:

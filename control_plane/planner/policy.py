@@ -491,7 +491,9 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
 
 
 def _num(x: InputValue | None) -> float | None:
-    return float(x) if isinstance(x, (int, float)) else None
+    """A number for the event, or None: a NaN or infinite forecast is no number (the codec
+    refuses one in any float field)."""
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def _held(gates: tuple[tuple[bool, str], ...]) -> str | None:

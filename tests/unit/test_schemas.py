@@ -7,6 +7,7 @@ prove the current one still reads them. They are never regenerated to make a tes
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -663,6 +664,22 @@ def test_worker_id_longer_than_the_limit_is_malformed(make):
     assert CODEC.decode(CODEC.encode(_wrap(make("w" * MAX_WORKER_ID_LEN)))).data == make("w" * MAX_WORKER_ID_LEN)
     with pytest.raises(MalformedEvent, match=f"of {MAX_WORKER_ID_LEN + 1} characters"):
         CODEC.decode(CODEC.encode(_wrap(make("w" * (MAX_WORKER_ID_LEN + 1)))))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_nan_or_infinite_float_is_malformed(bad: float):
+    """msgpack carries NaN and infinities; no duration, cost or rate is one. Found in a float
+    field at the top, in an optional one, or in a nested row, the event is refused."""
+    done = ev.RequestCompleted(request_id="r", worker_id="w", prompt_tokens=1, output_tokens=1, ttft_ms=bad,
+                               e2e_ms=1.0)
+    with pytest.raises(MalformedEvent, match="RequestCompleted v1 ttft_ms is not a finite number"):
+        CODEC.decode(CODEC.encode(_wrap(done)))
+    routed = ev.RequestRouted(request_id="r", worker_id="w", mode=RoutingMode.KV, config_version=1, rng_seed=0,
+                              scores=[ev.CandidateScore(worker_id="w"), ev.CandidateScore(worker_id="v", cost=bad)])
+    with pytest.raises(MalformedEvent, match=r"scores\[1\]\.cost is not a finite number"):
+        CODEC.decode(CODEC.encode(_wrap(routed)))
+    fine = msgspec.structs.replace(routed, scores=[ev.CandidateScore(worker_id="v", cost=1e300)], inflight_ttl_s=None)
+    assert CODEC.decode(CODEC.encode(_wrap(fine))).data == fine
 
 
 def test_schema_errors_have_distinct_reasons():
