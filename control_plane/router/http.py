@@ -228,6 +228,55 @@ def _error(status: int, message: str, code: str, type_: str = "invalid_request_e
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorBody(BaseModel):
+    """Every refusal, as OpenAI sends it."""
+
+    error: ErrorDetail
+
+
+def _openapi(model: type[BaseModel], success: str) -> dict:
+    """What a generation route declares: its JSON body (read by hand, so that a bad one is an
+    OpenAI-style 400, not FastAPI's 422) and every answer it can give."""
+    refusal = {"content": {"application/json": {"schema": ErrorBody.model_json_schema(
+        ref_template="#/components/schemas/{model}")}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}},
+        "responses": {
+            "200": {"description": success, "content": {"application/json": {}, "text/event-stream": {}}},
+            **{str(code): {"description": why, **refusal} for code, why in (
+                (400, "the request is invalid (the message and param say why)"),
+                (404, "unknown model"), (413, "the body is over the limit"),
+                (429, "over a rate or concurrency limit"), (503, "no worker can take it now"))},
+        },
+    }
+
+
+def _component_schemas(app: FastAPI) -> None:
+    """Put the bodies' nested models where ``_openapi``'s references point."""
+    base = app.openapi
+    models = (CompletionRequest, ChatRequest, ErrorBody)
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        doc = base()
+        comps = doc.setdefault("components", {}).setdefault("schemas", {})
+        for m in models:
+            for name, sub in m.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}).items():
+                comps.setdefault(name, sub)
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _error_type(status: int) -> str:
     return {429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "invalid_request_error")
 
@@ -427,14 +476,16 @@ def create_app(ctx: RouterApp) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code, "invalid_request"), _error_type(exc.status_code), headers=exc.headers)
 
-    @app.post("/v1/completions")
+    _component_schemas(app)
+
+    @app.post("/v1/completions", openapi_extra=_openapi(CompletionRequest, "the completion, or its SSE stream"))
     async def completions(body: CompletionBody, request: Request, c: Ctx):
         model = _accepted_model(c, body)
         tokens = await _prompt_tokens(c, body)
         max_tokens = check_generation(tokens, body.max_tokens, c.limits)
         return await _run(c, body, request, tokens, "completions", model, max_tokens, _client_id(c, body, request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_openapi(ChatRequest, "the chat completion, or its SSE stream"))
     async def chat(body: ChatBody, request: Request, c: Ctx):
         model = _accepted_model(c, body)
         tokens = await _chat_tokens(c, body)
