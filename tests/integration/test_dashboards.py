@@ -340,7 +340,12 @@ def _wait_folded(mport: int, wave: int) -> str:
         done = _sample(text, 'switchyard_requests_total{endpoint="completions",outcome="completed",pool="default"}')
         dlq = _sample(text, 'switchyard_deadletter_records_total{reason="malformed",source="kv"}')
         lagging = httpx.get(f"http://127.0.0.1:{mport}/health", timeout=5).json()["lag_records"]
-        if done == 5 * (wave + 1) and dlq == wave + 1 and lagging == 0 and "switchyard_consumer_group_lag_records{" in text:
+        # The wave's redelivered and undecodable records too: the lag figure comes from the
+        # last probe, which may predate the wave's last records.
+        dup = _sample(text, 'switchyard_metrics_records_total{outcome="duplicate",stream="requests"}')
+        bad = _sample(text, 'switchyard_metrics_records_total{outcome="undecodable",stream="requests"}')
+        if (done == 5 * (wave + 1) and dlq == wave + 1 and dup == bad == wave + 1 and lagging == 0
+                and "switchyard_consumer_group_lag_records{" in text):
             return text
         time.sleep(0.3)
     raise AssertionError(f"processor did not fold wave {wave}:\n{text}")
