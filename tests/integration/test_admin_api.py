@@ -4,8 +4,6 @@ queries, replay jobs, and a schemathesis run against the served OpenAPI schema."
 
 from __future__ import annotations
 
-import collections
-import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -72,7 +70,7 @@ def _seed(bus: BusSettings) -> None:
     for wid, role, pool in (("w1", "aggregated", "default"), ("w2", "aggregated", "default"),
                             ("p1", "prefill", "pre"), ("d1", "decode", "dec")):
         p = EventProducer(bus, wid)
-        p.publish(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://{wid}", block_size=64,
+        p.publish(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://127.0.0.1/{wid}", block_size=64,
                                    hash_algo="sha256", capacity={"device": 1000}))
         p.publish(WorkerLoadReported(worker_id=wid, running=1, waiting=0, tier_usage={"device": 0.1}))
         if wid == "w1":
@@ -288,7 +286,7 @@ def test_index_overlap_stats_workers_and_planner(env: Env) -> None:
     stats = c.get("/index/stats?digest=true", headers=v).json()
     assert stats["blocks"]["w1"] == {"device": 6} and len(stats["digest"]) == 64
     w1 = c.get("/workers/w1", headers=v).json()
-    assert w1["blocks"] == {"device": 6} and w1["incarnations"][0]["endpoint"] == "http://w1"
+    assert w1["blocks"] == {"device": 6} and w1["incarnations"][0]["endpoint"] == "http://127.0.0.1/w1"
     page = c.get("/workers?role=aggregated&limit=1", headers=v).json()
     assert page["total"] == 2 and len(page["items"]) == 1
     d = c.get("/planner/decisions?pool=dec", headers=v).json()["items"]
@@ -312,42 +310,21 @@ def test_replay_jobs_run_and_store_results(env: Env) -> None:
 
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(env: Env) -> None:
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis.errors import Unsatisfiable
     from schemathesis.checks import not_a_server_error
-    from schemathesis.generation.modes import GenerationMode
     from schemathesis.specs.openapi.checks import (
         content_type_conformance,
         response_schema_conformance,
         status_code_conformance,
     )
 
+    from tests.support.schemathesis_run import run_schemathesis
+
     runner = ThreadJobRunner(1)
     env.ctx.jobs = runner
-    examples = int(os.environ.get("SY_SCHEMATHESIS_EXAMPLES", "10"))
     schema = schemathesis.openapi.from_asgi("/openapi.json", env.client.app)
-    headers = env.h("admin")
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-    failures: list[str] = []
-    seen: collections.Counter = collections.Counter()
     try:
-        for op in schema.get_all_operations():
-            operation = op.ok()
-            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-                @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-                @given(case=operation.as_strategy(generation_mode=mode))
-                def run(case) -> None:
-                    r = case.call_and_validate(headers=headers, checks=checks)
-                    seen[(operation.method.upper(), operation.path, r.status_code)] += 1
-
-                try:
-                    run()
-                except Unsatisfiable:  # nothing to make invalid (no parameters, no body)
-                    assert mode is GenerationMode.NEGATIVE
-                except (Exception, BaseExceptionGroup) as e:  # collect, report all at the end
-                    failures.append(f"{mode.value} {operation.method.upper()} {operation.path}: {str(e)[:1500]}")
+        failures, seen = run_schemathesis(schema, checks, headers=env.h("admin"))
     finally:
         runner.shutdown(wait=True)
         env.ctx.jobs = InlineJobRunner()

@@ -12,9 +12,7 @@ client port never changed: a reset would have forced a new connection.
 
 from __future__ import annotations
 
-import collections
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -360,39 +358,18 @@ def test_schemathesis_against_the_openai_api_finds_no_5xx_and_hurts_nothing(stac
     5xx, every refusal is an OpenAI error body, and afterwards the router is EXACT, the worker
     routable and never blamed."""
     import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis.errors import Unsatisfiable
     from schemathesis.checks import not_a_server_error
-    from schemathesis.generation.modes import GenerationMode
 
-    examples = int(os.environ.get("SY_SCHEMATHESIS_EXAMPLES", "40"))
-    schema = schemathesis.openapi.from_url(f"{stack.url}/openapi.json")
-    failures: list[str] = []
-    seen: collections.Counter = collections.Counter()
+    from tests.support.schemathesis_run import run_schemathesis
 
-    def openai_error_body(ctx, response, case) -> None:
+    def openai_error_body(response) -> None:
         if response.status_code >= 400:
             err = response.json()["error"]
             assert {"message", "type", "param", "code"} <= set(err), err
 
-    for op in schema.get_all_operations():
-        operation = op.ok()
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def run(case) -> None:
-                r = case.call_and_validate(checks=[not_a_server_error], timeout=60)
-                openai_error_body(None, r, case)
-                seen[(operation.method.upper(), operation.path, r.status_code)] += 1
-
-            try:
-                run()
-            except Unsatisfiable:  # nothing to make invalid (no parameters, no body)
-                assert mode is GenerationMode.NEGATIVE
-            except (Exception, BaseExceptionGroup) as e:  # collect, report all at the end
-                failures.append(f"{mode.value} {operation.method.upper()} {operation.path}: {str(e)[:1500]}")
+    schema = schemathesis.openapi.from_url(f"{stack.url}/openapi.json")
+    failures, seen = run_schemathesis(schema, [not_a_server_error], call=openai_error_body, default_examples=40,
+                                      timeout=60)
     assert not failures, "\n\n".join(failures)
     generation = {k: n for k, n in seen.items() if k[1].startswith("/v1/") and k[0] == "POST"}
     # Both generation routes were reached, and some generated requests were served in full.
