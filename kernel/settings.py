@@ -54,6 +54,12 @@ def write_private(path: Path, text: str) -> bool:
     return True
 
 
+def kafka_ca_file(secrets_dir: Path) -> Path:
+    """The stack CA's certificate, which every Kafka client verifies the brokers with (made by
+    ``control_plane.stack.tls`` when the stack starts)."""
+    return secrets_dir / "kafka-ca.pem"
+
+
 def broker_addresses(host: str, port: int, brokers: int = 1) -> list[str]:
     """Client addresses of a local cluster: broker ``i`` (0-based) listens on ``port + 2 i``
     (its KRaft controller on the port after it), so broker 0 is where a one-broker stack is."""
@@ -74,14 +80,17 @@ class BusSettings:
     #: When set, every EventProducer of the process keeps an ack ledger (kernel/log/ledger.py)
     #: in this directory, one JSON-lines file per producer incarnation, for ``check_acks``.
     ack_ledger_dir: str | None = None
-    #: ``SASL_PLAINTEXT`` (the local stack: every client authenticates with SCRAM-SHA-256 on
-    #: loopback) or ``PLAINTEXT`` (a cluster without authentication).
+    #: ``SASL_SSL`` (the local stack: TLS to the brokers, verified against the stack's CA, and
+    #: SCRAM-SHA-256 inside it), ``SASL_PLAINTEXT`` (a cluster with authentication but no TLS) or
+    #: ``PLAINTEXT`` (a development cluster without either: logged loudly).
     security_protocol: str = "SASL_PLAINTEXT"
-    #: The SCRAM user this process authenticates as.
+    #: The SCRAM user this process authenticates as: the stack's super user, or a component's
+    #: own (``sy-<role>``, see kernel/log/principals.py and :meth:`from_env`'s ``role``).
     username: str = "switchyard"
-    #: Its password; None: the checkout's stack secret (``secrets_dir/kafka``), read when a
+    #: Its password; None: the checkout's stack secret ``secrets_dir/<secret_name>``, read when a
     #: client is made, so it is never in the environment or on a command line.
     password: str | None = field(default=None, repr=False)
+    secret_name: str = "kafka"
     #: Where the stack's secrets are (see :func:`default_secrets_dir`).
     secrets_dir: Path = field(default_factory=default_secrets_dir)
 
@@ -89,22 +98,47 @@ class BusSettings:
         """The librdkafka settings that reach and authenticate to the log: the base of every
         producer, consumer and admin client of the process."""
         conf = {"bootstrap.servers": self.bootstrap}
-        if self.security_protocol.upper().startswith("SASL"):
-            conf.update({"security.protocol": self.security_protocol, "sasl.mechanisms": "SCRAM-SHA-256",
+        proto = self.security_protocol.upper()
+        if proto in ("SASL_SSL", "SASL_PLAINTEXT"):
+            conf.update({"security.protocol": proto, "sasl.mechanisms": "SCRAM-SHA-256",
                          "sasl.username": self.username, "sasl.password": self.secret()})
-        elif self.security_protocol.upper() == "PLAINTEXT":
+            if proto == "SASL_SSL":
+                conf.update({"ssl.ca.location": str(self.ca_file()), "ssl.endpoint.identification.algorithm": "https"})
+        elif proto == "PLAINTEXT":
             _warn_insecure(self.bootstrap)
         else:
-            raise ValueError(f"security_protocol {self.security_protocol!r}: SASL_PLAINTEXT or PLAINTEXT")
+            raise ValueError(f"security_protocol {self.security_protocol!r}: SASL_SSL, SASL_PLAINTEXT or PLAINTEXT")
         return conf
 
+    def ca_file(self) -> Path:
+        """The CA the brokers' certificate must chain to (``SASL_SSL``)."""
+        ca = kafka_ca_file(self.secrets_dir)
+        if not ca.exists():
+            raise FileNotFoundError(f"no Kafka CA certificate at {ca}: the stack makes it when Kafka starts "
+                                    "(`switchyard stack up`)")
+        return ca
+
+    def ssl_context(self):
+        """For Python clients (Faust/aiokafka): verifies the brokers against :meth:`ca_file`."""
+        import ssl
+
+        return ssl.create_default_context(cafile=str(self.ca_file()))
+
     def secret(self) -> str:
-        return self.password if self.password is not None else stack_secret(self.secrets_dir, "kafka")
+        return self.password if self.password is not None else stack_secret(self.secrets_dir, self.secret_name)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides) -> BusSettings:
+    def from_env(cls, env: dict[str, str] | None = None, *, role: str | None = None, **overrides) -> BusSettings:
+        """Settings from ``SWITCHYARD_*`` variables. ``role``: the component this process is
+        (router, worker, planner, admin, processor): it authenticates as that role's principal,
+        whose ACLs confine it to its topics, unless ``SWITCHYARD_KAFKA_USERNAME`` names a user."""
         env = dict(os.environ if env is None else env)
         kwargs: dict = {}
+        if role is not None and not env.get("SWITCHYARD_KAFKA_USERNAME"):
+            from kernel.log.principals import role as find_role
+
+            r = find_role(role)
+            kwargs.update(username=r.user, secret_name=r.secret_name)
         if "SWITCHYARD_KAFKA_BOOTSTRAP" in env:
             kwargs["bootstrap"] = env["SWITCHYARD_KAFKA_BOOTSTRAP"]
         elif "SWITCHYARD_KAFKA_PORT" in env or "SWITCHYARD_KAFKA_BROKERS" in env:
@@ -119,6 +153,8 @@ class BusSettings:
             kwargs["ack_ledger_dir"] = env["SWITCHYARD_ACK_LEDGER_DIR"]
         if env.get("SWITCHYARD_KAFKA_SECURITY_PROTOCOL"):
             kwargs["security_protocol"] = env["SWITCHYARD_KAFKA_SECURITY_PROTOCOL"]
+        elif env.get("SWITCHYARD_KAFKA_TLS", "").strip().lower() in ("0", "false", "no", "off"):
+            kwargs["security_protocol"] = "SASL_PLAINTEXT"  # a stack started without TLS
         if env.get("SWITCHYARD_KAFKA_USERNAME"):
             kwargs["username"] = env["SWITCHYARD_KAFKA_USERNAME"]
         if env.get("SWITCHYARD_SECRETS_DIR"):

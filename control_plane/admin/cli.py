@@ -78,7 +78,7 @@ def create_token_cmd(
     from kernel.settings import BusSettings
 
     s = _settings(db_url)
-    bus = BusSettings.from_env()
+    bus = BusSettings.from_env(role="admin")
     try:
         body = TokenCreate(name=name, role=role, expires_in_days=expires_in_days)
     except ValueError as e:
@@ -116,7 +116,7 @@ def audit_cmd(
     from kernel.settings import BusSettings
 
     s = _settings(db_url)
-    c = AuditConsumer(BusSettings.from_env(), session_factory(make_engine(s.db_url)), streams=s.audit_streams,
+    c = AuditConsumer(BusSettings.from_env(role="admin"), session_factory(make_engine(s.db_url)), streams=s.audit_streams,
                       batch=s.audit_batch)
     if once:
         c.drain(timeout=600)

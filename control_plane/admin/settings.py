@@ -85,4 +85,4 @@ class AdminSettings:
         return cls(**kw)
 
     def bus(self) -> BusSettings:
-        return BusSettings.from_env()
+        return BusSettings.from_env(role="admin")

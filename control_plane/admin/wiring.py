@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def build_admin(settings: AdminSettings, bus: BusSettings | None = None) -> AdminContext:
     from kernel.hashing import HashAlgo, HashConfig
 
-    bus = bus or BusSettings.from_env()
+    bus = bus or BusSettings.from_env(role="admin")
     # Fail at start-up, not on the first overlap query, when the hashing cannot be reproduced.
     HashConfig(HashAlgo(settings.hash_algo), settings.block_size)
     engine = make_engine(settings.db_url)

@@ -60,7 +60,7 @@ def run(
     except ValueError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
-    raise typer.Exit(run_metrics(settings, BusSettings.from_env()))
+    raise typer.Exit(run_metrics(settings, BusSettings.from_env(role="processor")))
 
 
 @metrics_app.command("list")

@@ -70,7 +70,7 @@ def run(
                                    kubeconfig=kubeconfig, in_cluster=in_cluster,
                                    worker_args=tuple(worker_arg or ()), virtual_startup_s=virtual_startup_s,
                                    health_host=health_host, health_port=health_port, **kw)
-        raise typer.Exit(run_planner(settings, BusSettings.from_env()))
+        raise typer.Exit(run_planner(settings, BusSettings.from_env(role="planner")))
     except PlannerConfigError as e:
         _fail(str(e), 2)
 

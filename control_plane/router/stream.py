@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from control_plane.index.errors import IndexRejected
 from control_plane.router.health import HealthThresholds, RouterHealth, assess
-from control_plane.router.view import RouterView
+from control_plane.router.view import EndpointAllowlist, RouterView
 from control_plane.streaming import FoldProcessor
 from kernel.log.fold import Poisoned, RecordFold
 from kernel.log.reader import LogRecord
@@ -67,13 +67,14 @@ class RouterViewProcessor(FoldProcessor):
         self._fold = RecordFold(view.positions, self._apply_record, self.dead_letter_poison)
 
     @classmethod
-    def load_view(cls, bus: BusSettings, hash_algo: str, block_size: int) -> RouterView:
+    def load_view(cls, bus: BusSettings, hash_algo: str, block_size: int,
+                  allowlist: EndpointAllowlist | None = None) -> RouterView:
         """The newest snapshot's view for this configuration, or an empty one."""
-        empty = RouterView(hash_algo, block_size)
+        empty = RouterView(hash_algo, block_size, allowlist)
         data = SnapshotStore(bus).load_latest(snapshot_key(empty))
         if data is None:
             return empty
-        view = RouterView.restore(data)
+        view = RouterView.restore(data, allowlist)
         log.info("restored router view from snapshot: %d records applied, positions %s",
                  view.applied, view.positions)
         return view

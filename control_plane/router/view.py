@@ -16,7 +16,9 @@ index decodes KV envelopes itself, everything else goes through the codec and ``
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -86,9 +88,48 @@ class Applied:
     worker_id: str | None = None
 
 
+#: Where a worker's endpoint may be (loopback unless configured): networks, or host names.
+DEFAULT_WORKER_NETWORKS: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "localhost")
+
+
+class EndpointAllowlist:
+    """Which registered endpoints the router may send requests (prompts included) to: hosts in
+    the listed networks, or named exactly. Pure: no name is resolved, so every fold of the same
+    log, live or replayed, accepts the same registrations."""
+
+    def __init__(self, entries: tuple[str, ...] = DEFAULT_WORKER_NETWORKS) -> None:
+        self.entries = tuple(entries)
+        self._nets = []
+        self._names = set()
+        for e in entries:
+            try:
+                self._nets.append(ipaddress.ip_network(e, strict=False))
+            except ValueError:
+                self._names.add(e.lower())
+
+    def refusal(self, endpoint: str) -> str | None:
+        """Why ``endpoint`` is refused, or None."""
+        try:
+            parts = urlsplit(endpoint)
+            host, _ = parts.hostname, parts.port
+        except ValueError as e:
+            return f"endpoint {endpoint[:200]!r} is not a URL ({e})"
+        if parts.scheme not in ("http", "https") or not host:
+            return f"endpoint {endpoint[:200]!r} is not an http(s) URL with a host"
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            return None if host.lower() in self._names else (
+                f"endpoint host {host!r} is not in the worker allowlist {list(self.entries)}")
+        if any(addr in n for n in self._nets):
+            return None
+        return f"endpoint address {host} is not in the worker allowlist {list(self.entries)}"
+
+
 class RouterView:
-    def __init__(self, hash_algo: str, block_size: int) -> None:
+    def __init__(self, hash_algo: str, block_size: int, allowlist: EndpointAllowlist | None = None) -> None:
         self.index = new_index(hash_algo, block_size)
+        self.allowlist = allowlist or EndpointAllowlist()
         self.workers: dict[str, WorkerState] = {}
         self.positions: dict[tuple[str, int], int] = {}
         self.last_ts_ms: dict[tuple[str, int], int] = {}
@@ -169,6 +210,9 @@ class RouterView:
         cur = self.workers.get(ev.worker_id)
         if cur is not None and cur.epoch > env.epoch:
             return  # a late registration of an older incarnation
+        why = self.allowlist.refusal(ev.endpoint)
+        if why is not None:  # the position has advanced: dead-lettered, never re-read
+            raise IndexRejected("endpoint_not_allowed", f"worker {ev.worker_id!r}: {why}")
         self.workers[ev.worker_id] = WorkerState(
             worker_id=ev.worker_id, epoch=env.epoch, role=ev.role.value if hasattr(ev.role, "value") else str(ev.role),
             pool=ev.pool, endpoint=ev.endpoint, model=ev.model, block_size=ev.block_size,
@@ -245,11 +289,11 @@ class RouterView:
         return msgspec.msgpack.encode(snap)
 
     @classmethod
-    def restore(cls, data: bytes) -> RouterView:
+    def restore(cls, data: bytes, allowlist: EndpointAllowlist | None = None) -> RouterView:
         snap = msgspec.msgpack.decode(data, type=_Snapshot)
         if snap.format != SNAPSHOT_FORMAT:
             raise ValueError(f"router snapshot format {snap.format} not supported (want {SNAPSHOT_FORMAT})")
-        view = cls(snap.hash_algo, snap.block_size)
+        view = cls(snap.hash_algo, snap.block_size, allowlist)
         view.index = restore_index(snap.index)
         view.workers = {w.worker_id: w for w in snap.workers}
         view.positions = {(t, p): o for t, p, o in snap.positions}

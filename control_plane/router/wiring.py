@@ -18,6 +18,7 @@ from control_plane.router.http import RouterApp, RouterMetrics, create_app
 from control_plane.router.limits import RequestLimits
 from control_plane.router.proxy import Router
 from control_plane.router.stream import RouterViewProcessor
+from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
@@ -55,6 +56,9 @@ class RouterSettings:
     #: control_plane/router/limits.py). ``None``: the served model's, as far as it is known
     #: (the simulated model's context and vocabulary; an HF tokenizer's vocabulary size).
     limits: RequestLimits | None = None
+    #: Where workers' endpoints may be: networks or host names (a registration elsewhere is
+    #: refused and dead-lettered; control_plane/router/view.py ``EndpointAllowlist``).
+    worker_networks: tuple[str, ...] = DEFAULT_WORKER_NETWORKS
 
 
 def request_limits(s: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
@@ -108,7 +112,8 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
     producer = EventProducer(bus, s.router_id)
     config = resolve_router_config(s, bus, producer)
-    view = RouterViewProcessor.load_view(bus, hash_config.hash_algo, s.block_size)
+    view = RouterViewProcessor.load_view(bus, hash_config.hash_algo, s.block_size,
+                                         EndpointAllowlist(s.worker_networks))
     processor = RouterViewProcessor(bus, s.router_id, view, snapshot_every_s=s.snapshot_every_s,
                                     thresholds=s.thresholds)
     metrics = RouterMetrics()

@@ -16,6 +16,8 @@ Probes:
   request; afterwards the router's ``/health`` must still be EXACT.
 * **admin API**: mutations without a credential (issue a token, change the planner config).
 * **CLI**: ``switchyard planner pin`` without a token.
+* **Kafka roles**: each component's own credential writing a topic its role does not own
+  (a worker pinning or scaling a pool, a router registering a worker).
 * **stores**: an unauthenticated Kafka client listing topics, PostgreSQL without a password, Redis
   without a password.
 * **listeners**: every listening socket of the system's processes (and their children) must be
@@ -58,6 +60,7 @@ class Targets:
     redis_url: str
     #: Every process of the system, children included (whose listeners are checked).
     pids: list[int]
+    topic_prefix: str = "sy"
 
 
 # -- the router's OpenAI API -------------------------------------------------------------------
@@ -233,6 +236,43 @@ def probe_listeners(pids: list[int]) -> list[Probe]:
     return out
 
 
+#: (role whose credential is used, topic stream it must not write, what it would be)
+ROLE_ATTACKS = [
+    ("worker", "admin", "a worker's credential pins a pool (writes the admin topic)"),
+    ("worker", "planner", "a worker's credential scales a pool (writes the planner topic)"),
+    ("router", "workers", "a router's credential registers a worker (writes the workers topic)"),
+    ("processor", "kv", "the metrics processor's credential writes KV events"),
+]
+
+
+def probe_kafka_roles(bootstrap: str, topic_prefix: str = "sy") -> list[Probe]:
+    """Each component's own credential writing a topic its role does not own: the broker must
+    refuse it (TOPIC_AUTHORIZATION_FAILED). The record is one byte no consumer could fold, so
+    a hole shows up as a dead-lettered record, not as a changed view."""
+    from confluent_kafka import Producer
+
+    from kernel.log.catalog import Catalog
+    from kernel.settings import BusSettings
+
+    out = []
+    for role, stream, attack in ROLE_ATTACKS:
+        bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
+        errors: list[str] = []
+        p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
+        p.produce(Catalog(topic_prefix).topic(stream), value=b"\xc1", key=b"security-check",
+                  on_delivery=lambda err, _m: errors.append(str(err)) if err else None)
+        left = p.flush(20)
+        if left:
+            out.append(Probe("kafka", attack, SERVER_ERROR, "no delivery report within 20 s"))
+        elif errors and "AUTHORIZATION" in errors[0]:
+            out.append(Probe("kafka", attack, REFUSED, errors[0][:100]))
+        elif errors:
+            out.append(Probe("kafka", attack, SERVER_ERROR, errors[0][:100]))
+        else:
+            out.append(Probe("kafka", attack, ACCEPTED, f"written to {Catalog(topic_prefix).topic(stream)}"))
+    return out
+
+
 def _quiet():
     import logging
 
@@ -249,6 +289,7 @@ def run(t: Targets) -> list[Probe]:
     if t.admin_url:
         steps.append(lambda: probe_admin(t.admin_url))
     steps += [lambda: probe_cli_pin(t.admin_url), lambda: probe_kafka(t.kafka_bootstrap),
+              lambda: probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
               lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
               lambda: probe_listeners(t.pids)]
     for step in steps:
@@ -280,4 +321,5 @@ def demo_targets(stack_settings) -> Targets:
     urls = {p.name: p.url or None for p in Supervisor(stack_settings).procs}
     return Targets(router_url=urls.get("router"), admin_url=urls.get("admin"),
                    kafka_bootstrap=stack_settings.kafka_bootstrap, postgres_url=stack_settings.postgres_url,
-                   redis_url=stack_settings.redis_url, pids=system_pids(stack_settings))
+                   redis_url=stack_settings.redis_url, pids=system_pids(stack_settings),
+                   topic_prefix=os.environ.get("SWITCHYARD_TOPIC_PREFIX", "sy"))

@@ -44,7 +44,8 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
     replicas is reported, not reassigned.
 
     Returns only once every partition it created is led, i.e. answers a ListOffsets (see
-    :func:`wait_led`).
+    :func:`wait_led`). It also gives every component role its credential and its ACLs on these
+    topics (:func:`kernel.log.principals.apply_principals`): run it as the stack's super user.
     """
     catalog = catalog or Catalog(settings.topic_prefix)
     admin = AdminClient({**settings.client_conf(),
@@ -107,6 +108,10 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
         if to_alter:
             for _res, fut in admin.incremental_alter_configs(to_alter).items():
                 fut.result(timeout)
+    if settings.security_protocol.upper().startswith("SASL"):
+        from kernel.log.principals import apply_principals
+
+        apply_principals(admin, catalog.prefix, settings.secrets_dir, settings.bootstrap, timeout)
     return changes
 
 

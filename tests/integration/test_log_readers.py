@@ -134,7 +134,7 @@ def _write(bus: BusSettings) -> Written:
         producer.publish(ev)
 
     for wid, port in (("w-b", 1), ("w-a", 2)):
-        publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="p", endpoint=f"http://h:{port}",
+        publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="p", endpoint=f"http://127.0.0.1:{port}",
                                  capacity={"device": 100}, block_size=16, hash_algo="sha256"))
     for rid in REQUEST_KEYS:
         publish(RequestAdmitted(request_id=rid, model="m", prompt_tokens=32, max_tokens=4, block_size=16,

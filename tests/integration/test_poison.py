@@ -95,7 +95,7 @@ def test_audit_dead_letters_poison_and_says_degraded_while_it_retries(bus: BusSe
     topic = Catalog(bus.topic_prefix).topic("workers")
     where = Located()
     p = EventProducer(bus, "w1", epoch=100, on_ack=where)
-    p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1",
+    p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://127.0.0.1/w1",
                                   block_size=16, hash_algo="sha256"))
     garbage = _raw_source(p, topic, b"\x00\xffnot an envelope", b"w1")
     long_id = "x" * (MAX_WORKER_ID_LEN + 44)
@@ -166,7 +166,7 @@ def test_audit_blames_no_record_while_the_database_is_down(bus: BusSettings) -> 
     from tests.support.db import pg_admin_url
 
     p = EventProducer(bus, "w1", epoch=100)
-    p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://w1",
+    p.publish(ev.WorkerRegistered(worker_id="w1", role="aggregated", pool="p", endpoint="http://127.0.0.1/w1",
                                   block_size=16, hash_algo="sha256"))
     assert p.flush(10) == 0
     admin = make_engine(pg_admin_url(), isolation_level="AUTOCOMMIT")
@@ -260,7 +260,7 @@ def _load(worker_id: str, running: int, waiting: int = 0) -> ev.WorkerLoadReport
 
 
 def _registered(worker_id: str) -> ev.WorkerRegistered:
-    return ev.WorkerRegistered(worker_id=worker_id, role="aggregated", pool="agg", endpoint=f"http://{worker_id}",
+    return ev.WorkerRegistered(worker_id=worker_id, role="aggregated", pool="agg", endpoint=f"http://127.0.0.1/{worker_id}",
                                block_size=16, hash_algo="sha256_cbor")
 
 
@@ -401,12 +401,12 @@ def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
     topic = Catalog(bus.topic_prefix).topic("workers")
     p = EventProducer(bus, "p1", epoch=1)
     p.produce_raw(topic, b"\x00\xffnot an envelope", b"p1", [("sy-type", b"WorkerRegistered")])
-    p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://p1", block_size=16,
+    p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://127.0.0.1/p1", block_size=16,
                                   hash_algo="sha256_cbor",
                                   transfer=ev.TransferInfo(agent_name="p1:0", agent_metadata=b"junk")))
     good = EndpointMetadata(agent_name="p1:1", agent_metadata=b"nixl", region=BlockRegion(base_addr=4096, block_len=64,
                                                                                           n_blocks=4))
-    p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://p1", block_size=16,
+    p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://127.0.0.1/p1", block_size=16,
                                   hash_algo="sha256_cbor", transfer=good.to_transfer_info()))
     assert p.flush(10) == 0
     directory = PeerDirectory()

@@ -104,7 +104,7 @@ def _payload(draw):
     if kind == "register":
         bs = draw(st.sampled_from((BS, BS, BS, 8)))
         return WorkerRegistered(worker_id=w, role=WorkerRole.AGGREGATED, pool="p",
-                                endpoint="http://x", block_size=bs, hash_algo=ALGO)
+                                endpoint="http://127.0.0.1:1", block_size=bs, hash_algo=ALGO)
     if kind == "deregister":
         return WorkerDeregistered(worker_id=w)
     return WorkerLoadReported(worker_id=w, running=1, waiting=0)
@@ -210,7 +210,7 @@ def test_envelope_bytes_path_equals_the_decoded_path(events, cut):
 def test_bytes_path_leaves_records_it_does_not_take_to_the_codec():
     nat = NativePrefixIndex(ALGO, BS)
     reg = WorkerRegistered(worker_id="a", role=WorkerRole.AGGREGATED, pool="p",
-                           endpoint="http://x", block_size=BS, hash_algo=ALGO)
+                           endpoint="http://127.0.0.1:1", block_size=BS, hash_algo=ALGO)
     wire = CODEC.encode(EnvelopeFactory("a", 1, lambda: 0).wrap(reg))
     assert nat.apply_bytes(wire) is None
     assert nat.apply_bytes(b"\x81\xa1x\x01") is None

@@ -60,7 +60,7 @@ def _cleared(worker="w1", tier=None, **overrides) -> AllBlocksCleared:
 
 
 def _registered(worker="w1", **overrides) -> WorkerRegistered:
-    fields = dict(worker_id=worker, role=WorkerRole.AGGREGATED, pool="p", endpoint="http://x",
+    fields = dict(worker_id=worker, role=WorkerRole.AGGREGATED, pool="p", endpoint="http://127.0.0.1:1",
                   block_size=BS, hash_algo=ALGO)
     fields.update(overrides)
     return WorkerRegistered(**fields)

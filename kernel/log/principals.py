@@ -1,0 +1,151 @@
+"""Who may write the log: one Kafka principal per component, with ACLs by topic and operation.
+
+Every component authenticates as its own SCRAM user (``sy-<role>``, password in the stack's
+secrets dir as ``kafka-<role>``) and the brokers' StandardAuthorizer lets it do only what its
+role needs. The stack's own user (``switchyard``) is the super user: brokers between
+themselves, the controllers, and the operator's tools (``stack``, ``topics``, ``replay``,
+``bench``).
+
+=========== =================================================== ===============================
+role        writes (topics under the prefix)                     run by
+=========== =================================================== ===============================
+router      requests, snapshots, deadletter; admin (the config   ``switchyard router``
+            it was started with, ``RouterConfigChanged``)
+worker      kv, workers, requests, deadletter                    ``switchyard worker``
+planner     planner, snapshots, deadletter; its load view's      ``switchyard planner run``
+            changelog topics (``load-view.*``: created, written)
+admin       admin, deadletter                                    ``switchyard admin serve|audit``
+processor   snapshots, deadletter                                ``switchyard metrics run``
+=========== =================================================== ===============================
+
+Every role reads every topic of its prefix (a view is a fold of the whole log), joins
+and manages consumer groups, and describes the cluster. Nothing else: a worker cannot write
+``admin`` or ``planner``, a router cannot register a worker or scale a pool, no component can create, delete or
+reconfigure a catalog topic. Writes a worker makes to ``requests`` are the handoff facts
+(``PrefillCompleted``, ``KvTransfer*``); who may write *which key* of a shared topic is not
+something Kafka ACLs express (see docs/architecture.md, "Security").
+
+:func:`role_bindings` is pure (the ACLs of one topic prefix); :func:`apply_principals` upserts
+the users' credentials and creates the ACLs, idempotently, as the super user.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernel.log.catalog import Catalog
+
+log = logging.getLogger(__name__)
+
+#: The stack's super user (brokers, controllers, operator tools).
+SUPER_USER = "switchyard"
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    #: Streams (catalog names) the role may write.
+    writes: tuple[str, ...]
+    #: Topic-name prefixes, after ``<prefix>.``, the role may create and use (Faust changelogs).
+    owns: tuple[str, ...] = ()
+
+    @property
+    def user(self) -> str:
+        return f"sy-{self.name}"
+
+    @property
+    def secret_name(self) -> str:
+        return f"kafka-{self.name}"
+
+
+ROLES: dict[str, Role] = {r.name: r for r in (
+    # admin: a router started with its own config (a file, --mode) records it as the next
+    # RouterConfigChanged version, which replay reads back; ACLs cannot narrow that to one type.
+    Role("router", ("requests", "snapshots", "deadletter", "admin")),
+    Role("worker", ("kv", "workers", "requests", "deadletter")),
+    Role("planner", ("planner", "snapshots", "deadletter"), owns=("load-view.",)),
+    Role("admin", ("admin", "deadletter")),
+    Role("processor", ("snapshots", "deadletter")),
+)}
+
+
+def role(name: str) -> Role:
+    try:
+        return ROLES[name]
+    except KeyError:
+        raise ValueError(f"unknown Kafka role {name!r}; known: {sorted(ROLES)}") from None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One ACL, allowed to ``User:<user>`` from any host: (resource, pattern, name, operation)."""
+
+    user: str
+    resource: str  # topic | group | cluster
+    pattern: str  # literal | prefixed
+    name: str
+    operation: str  # read | write | describe | create | all
+
+
+def role_bindings(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
+    """Every ACL of the roles for the topics under ``prefix`` (pure)."""
+    catalog = Catalog(prefix)
+    out: list[Grant] = []
+    for r in roles.values():
+        out.append(Grant(r.user, "topic", "prefixed", f"{prefix}.", "read"))
+        for stream in r.writes:
+            out.append(Grant(r.user, "topic", "literal", catalog.topic(stream), "write"))
+        for own in r.owns:
+            out.append(Grant(r.user, "topic", "prefixed", f"{prefix}.{own}", "all"))
+        out.append(Grant(r.user, "group", "literal", "*", "all"))
+        out.append(Grant(r.user, "cluster", "literal", "kafka-cluster", "describe"))
+    return out
+
+
+def _acl_binding(g: Grant):
+    from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
+
+    return AclBinding(
+        {"topic": ResourceType.TOPIC, "group": ResourceType.GROUP, "cluster": ResourceType.BROKER}[g.resource],
+        g.name,
+        {"literal": ResourcePatternType.LITERAL, "prefixed": ResourcePatternType.PREFIXED}[g.pattern],
+        f"User:{g.user}", "*",
+        {"read": AclOperation.READ, "write": AclOperation.WRITE, "describe": AclOperation.DESCRIBE,
+         "create": AclOperation.CREATE, "all": AclOperation.ALL}[g.operation],
+        AclPermissionType.ALLOW,
+    )
+
+
+_credentials_set: set[tuple[str, str]] = set()
+
+
+def apply_principals(admin, prefix: str, secrets_dir: Path, bootstrap: str, timeout: float = 30.0) -> int:
+    """Create the ACLs of ``prefix`` and upsert every role's SCRAM credential (from the stack's
+    secrets; once per process and cluster), through an ``AdminClient`` of the super user.
+    Returns the ACLs created or kept; 0 when the cluster has no authorizer (logged)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import ScramCredentialInfo, ScramMechanism, UserScramCredentialUpsertion
+
+    from kernel.settings import stack_secret
+
+    bindings = [_acl_binding(g) for g in role_bindings(prefix)]
+    try:
+        for fut in admin.create_acls(bindings, request_timeout=timeout).values():
+            fut.result()
+    except KafkaException as e:
+        if "SECURITY_DISABLED" in str(e) or "No Authorizer" in str(e):
+            log.warning("the cluster has no authorizer: components are not confined to their topics (%s)", e)
+            return 0
+        raise
+    done = (bootstrap, str(secrets_dir))
+    if done in _credentials_set:
+        return len(bindings)
+    info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_256, 8192)
+    upserts = [UserScramCredentialUpsertion(r.user, info, stack_secret(secrets_dir, r.secret_name).encode())
+               for r in ROLES.values()]
+    for fut in admin.alter_user_scram_credentials(upserts, request_timeout=timeout).values():
+        fut.result()
+    _credentials_set.add(done)
+    return len(bindings)

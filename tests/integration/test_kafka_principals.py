@@ -1,0 +1,61 @@
+"""Each component is its own Kafka principal, confined by ACLs (issue 14, item 1): against the
+running stack, every role can write the topics of its role and read the log, and every other
+write is refused by the broker (TOPIC_AUTHORIZATION_FAILED), whatever the record says: a router
+cannot register a worker, a worker cannot pin a pool or scale one, only the admin API and a
+router (recording the config it started with) write ``admin``."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from kernel.log.catalog import Catalog
+from kernel.log.principals import ROLES
+from kernel.settings import BusSettings
+
+pytestmark = [pytest.mark.kafka]
+
+
+def _as(bus: BusSettings, role: str) -> BusSettings:
+    return BusSettings.from_env({}, role=role, bootstrap=bus.bootstrap, topic_prefix=bus.topic_prefix,
+                                secrets_dir=bus.secrets_dir)
+
+
+def _write(bus: BusSettings, stream: str) -> str | None:
+    """Write one record; the delivery error, or None when it was written."""
+    out: list[str | None] = []
+    p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "acks": "all", "logger": None})
+    p.produce(Catalog(bus.topic_prefix).topic(stream), value=b"\x80", key=b"forged-0",
+              on_delivery=lambda err, _m: out.append(str(err) if err else None))
+    assert p.flush(20) == 0, "no delivery report"
+    return out[0]
+
+
+@pytest.mark.parametrize("name", sorted(ROLES))
+def test_a_role_writes_its_topics_and_nothing_else(bus: BusSettings, name: str) -> None:
+    me = _as(bus, name)
+    for stream in (s.stream for s in Catalog(bus.topic_prefix).specs):
+        err = _write(me, stream)
+        if stream in ROLES[name].writes:
+            assert err is None, f"{name} could not write {stream}: {err}"
+        else:
+            assert err is not None and "TOPIC_AUTHORIZATION_FAILED" in err, f"{name} wrote {stream}: {err}"
+
+
+def test_every_role_reads_the_log(bus: BusSettings) -> None:
+    assert _write(bus, "workers") is None  # the super user (the operator's tools)
+    topic = Catalog(bus.topic_prefix).topic("workers")
+    for name in ROLES:
+        c = Consumer({**_as(bus, name).client_conf(), "group.id": f"{bus.topic_prefix}.{name}.probe",
+                      "enable.auto.commit": False, "logger": None})
+        try:
+            c.assign([TopicPartition(topic, p, 0) for p in range(3)])
+            got = None
+            for _ in range(40):
+                m = c.poll(0.5)
+                if m is not None and not m.error():
+                    got = m
+                    break
+            assert got is not None and got.value() == b"\x80", f"{name} read nothing"
+        finally:
+            c.close()

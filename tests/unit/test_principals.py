@@ -1,0 +1,50 @@
+"""The ACLs each component role gets (pure): who may write which topic of a prefix."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernel.log.catalog import Catalog
+from kernel.log.principals import ROLES, SUPER_USER, role, role_bindings
+from kernel.settings import BusSettings
+
+
+def _writers(prefix: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for g in role_bindings(prefix):
+        if g.resource == "topic" and g.operation == "write":
+            out.setdefault(g.name, set()).add(g.user)
+    return out
+
+
+def test_only_the_planner_writes_planner_only_workers_kv_and_workers_admin_and_router_admin() -> None:
+    c = Catalog("p1")
+    w = _writers("p1")
+    # The router records the config it was started with (RouterConfigChanged), nothing else does.
+    assert w[c.topic("admin")] == {"sy-admin", "sy-router"}
+    assert w[c.topic("planner")] == {"sy-planner"}
+    assert w[c.topic("kv")] == {"sy-worker"} and w[c.topic("workers")] == {"sy-worker"}
+    assert w[c.topic("requests")] == {"sy-router", "sy-worker"}
+    assert w[c.topic("deadletter")] == {r.user for r in ROLES.values()}  # every consumer dead-letters
+    assert SUPER_USER not in {g.user for g in role_bindings("p1")}
+
+
+def test_grants_never_reach_past_their_prefix_or_allow_topic_admin() -> None:
+    for g in role_bindings("p1"):
+        if g.resource == "topic":
+            assert g.name.startswith("p1."), g
+            # Creating, deleting or reconfiguring topics: only the planner's own changelogs.
+            assert g.operation in ("read", "write") or (g.pattern == "prefixed" and g.name == "p1.load-view."), g
+    assert not any(g.name.startswith("p10") for g in role_bindings("p1"))
+
+
+def test_a_role_is_its_own_principal_with_its_own_secret(tmp_path) -> None:
+    b = BusSettings.from_env({"SWITCHYARD_SECRETS_DIR": str(tmp_path)}, role="worker")
+    assert (b.username, b.secret_name) == ("sy-worker", "kafka-worker")
+    assert b.client_conf()["sasl.username"] == "sy-worker"
+    assert b.secret() != BusSettings.from_env({"SWITCHYARD_SECRETS_DIR": str(tmp_path)}).secret()
+    assert (tmp_path / "kafka-worker").stat().st_mode & 0o077 == 0
+    # An explicit user wins over the role (an operator's own credential).
+    assert BusSettings.from_env({"SWITCHYARD_KAFKA_USERNAME": "ops"}, role="worker").username == "ops"
+    with pytest.raises(ValueError, match="unknown Kafka role 'root'"):
+        role("root")
