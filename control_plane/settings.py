@@ -47,6 +47,10 @@ class StackSettings:
     #: competes with the first requests), at the same TTFT. A broker serving a large fleet wants
     #: C2 back: set ``SWITCHYARD_KAFKA_JVM_OPTS=""``.
     kafka_jvm_opts: str = "-XX:TieredStopAtLevel=1"
+    #: TLS on the client and inter-broker listener (``SASL_SSL``, certificates made by
+    #: ``control_plane/stack/tls.py``); off: ``SASL_PLAINTEXT``. Clients must agree
+    #: (``BusSettings.security_protocol``, ``SWITCHYARD_KAFKA_SECURITY_PROTOCOL``).
+    kafka_tls: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.kafka_brokers <= 9:
@@ -99,6 +103,8 @@ class StackSettings:
                 kwargs[f.name] = Path(raw)
             elif f.name.endswith("_port") or f.type == "int":
                 kwargs[f.name] = int(raw)
+            elif f.type == "bool":
+                kwargs[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
             else:
                 kwargs[f.name] = raw
         kwargs.update(overrides)

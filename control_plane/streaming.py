@@ -197,8 +197,9 @@ class FoldProcessor:
             self.datadir.mkdir(parents=True, exist_ok=True)
             options["datadir"] = str(self.datadir)
         if self.bus.security_protocol.upper().startswith("SASL"):
+            tls = self.bus.ssl_context() if self.bus.security_protocol.upper() == "SASL_SSL" else None
             options["broker_credentials"] = faust.SASLCredentials(
-                username=self.bus.username, password=self.bus.secret(), mechanism="SCRAM-SHA-256")
+                username=self.bus.username, password=self.bus.secret(), mechanism="SCRAM-SHA-256", ssl_context=tls)
         app = faust.App(self.group, broker=f"kafka://{self.bus.bootstrap}", **options)
         topic = app.topic(*self.topics, value_serializer="raw", key_serializer="raw")
         self.extend(app, topic)

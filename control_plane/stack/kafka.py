@@ -115,12 +115,13 @@ class KafkaNode:
             "process.roles=broker,controller",
             f"node.id={self.node_id}",
             f"controller.quorum.voters={voters}",
-            f"listeners=SASL_PLAINTEXT://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}",
-            f"advertised.listeners=SASL_PLAINTEXT://{h}:{self.port}",
+            f"listeners={self.listener}://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}",
+            f"advertised.listeners={self.listener}://{h}:{self.port}",
             "controller.listener.names=CONTROLLER",
-            "inter.broker.listener.name=SASL_PLAINTEXT",
-            "listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT",
+            f"inter.broker.listener.name={self.listener}",
+            f"listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,{self.listener}:{self.listener}",
             *self.auth_lines(),
+            *self.tls_lines(),
             f"log.dirs={self.data_dir}",
             "num.partitions=3",
             # Topics are created explicitly from the catalog, never by accident.
@@ -165,15 +166,44 @@ class KafkaNode:
         peers before it has read any metadata, so it cannot look SCRAM credentials up)."""
         user, pw = KAFKA_USER, self.s.secret("kafka")
         return [
+            # Each component is its own principal, confined by ACLs (kernel/log/principals.py);
+            # the stack's user is the super user: brokers, controllers, operator tools.
+            "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            f"super.users=User:{user}",
             "sasl.enabled.mechanisms=SCRAM-SHA-256",
             "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-256",
-            "listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config="
+            f"listener.name.{self.listener.lower()}.scram-sha-256.sasl.jaas.config="
             f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{pw}";',
             "listener.name.controller.sasl.enabled.mechanisms=PLAIN",
             "sasl.mechanism.controller.protocol=PLAIN",
             "listener.name.controller.plain.sasl.jaas.config="
             f'org.apache.kafka.common.security.plain.PlainLoginModule required username="{user}" password="{pw}" '
             f'user_{user}="{pw}";',
+        ]
+
+    @property
+    def listener(self) -> str:
+        """The client and inter-broker listener's protocol (and name)."""
+        return "SASL_SSL" if self.s.kafka_tls else "SASL_PLAINTEXT"
+
+    def tls_lines(self) -> list[str]:
+        """TLS on the client and inter-broker listener: the stack CA's broker certificate; the
+        brokers verify each other against the same CA (hostname checked: 127.0.0.1 is in the
+        certificate). The controller listener stays SASL_PLAINTEXT on loopback."""
+        if not self.s.kafka_tls:
+            return []
+        from control_plane.stack.tls import ensure_kafka_tls
+
+        tls = ensure_kafka_tls(self.s.secrets_dir, self.s.host)
+        return [
+            "ssl.keystore.type=PKCS12",
+            f"ssl.keystore.location={tls.keystore}",
+            f"ssl.keystore.password={tls.keystore_password}",
+            f"ssl.key.password={tls.keystore_password}",
+            "ssl.truststore.type=PEM",
+            f"ssl.truststore.location={tls.ca_file}",
+            "ssl.endpoint.identification.algorithm=https",
+            "ssl.client.auth=none",
         ]
 
     def write_config(self) -> Path:
@@ -434,7 +464,8 @@ class KafkaService:
         return len(self.live_brokers()) == self.brokers and self.round_trip()
 
     def _client_conf(self) -> dict:
-        bus = BusSettings(bootstrap=self.s.kafka_bootstrap, secrets_dir=self.s.secrets_dir)
+        bus = BusSettings(bootstrap=self.s.kafka_bootstrap, secrets_dir=self.s.secrets_dir,
+                          security_protocol="SASL_SSL" if self.s.kafka_tls else "SASL_PLAINTEXT")
         return {**bus.client_conf(), "socket.timeout.ms": 3000,
                 "logger": logging.getLogger("switchyard.stack.rdkafka")}
 
