@@ -244,6 +244,8 @@ def router_cmd(
     context_tokens: Annotated[Optional[int], typer.Option(help="Model context: prompt + max_tokens must fit.")] = None,
     max_output_tokens: Annotated[Optional[int], typer.Option(help="Largest max_tokens one request may ask for.")] = None,
     vocab_size: Annotated[Optional[int], typer.Option(help="Token ids must be below this (the model's vocabulary).")] = None,
+    worker_networks: Annotated[Optional[str], typer.Option(
+        help="Comma list of networks or host names workers' endpoints may be in (default: loopback).")] = None,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail), decides KV-aware routes, records every decision, and
@@ -254,6 +256,8 @@ def router_cmd(
     from kernel.settings import BusSettings
 
     kw: dict = {"router_id": router_id} if router_id else {}
+    if worker_networks:
+        kw["worker_networks"] = tuple(n.strip() for n in worker_networks.split(",") if n.strip())
     bounds = {k: v for k, v in (("max_body_bytes", max_body_bytes), ("context_tokens", context_tokens),
                                 ("max_output_tokens", max_output_tokens), ("vocab_size", vocab_size)) if v is not None}
     if bounds:
@@ -265,7 +269,7 @@ def router_cmd(
     run_router(RouterSettings(host=host, port=port, mode=mode, config_file=config, block_size=block_size,
                               hash_algo=hash_algo, tokenizer=tokenizer, snapshot_every_s=snapshot_every,
                               admission=admission, **kw),
-               BusSettings.from_env())
+               BusSettings.from_env(role="router"))
 
 
 # -- worker -----------------------------------------------------------------------------------
@@ -347,7 +351,7 @@ def worker(
             drain_timeout_s=drain_timeout_s)
     except (WorkerConfigError, ValueError) as e:
         _fail(str(e), 2)
-    raise typer.Exit(run_worker(settings, BusSettings.from_env()))
+    raise typer.Exit(run_worker(settings, BusSettings.from_env(role="worker")))
 
 
 # -- the whole system ---------------------------------------------------------------------------
