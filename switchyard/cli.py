@@ -457,6 +457,70 @@ def loadgen_cmd(
         raise typer.Exit(1)
 
 
+# -- faults -----------------------------------------------------------------------------------
+
+
+@app.command("chaos")
+def chaos_cmd(
+    report: Annotated[Path, typer.Option("--report", help="Directory of report.json, timeline.png, logs and ack ledgers.")] = Path(".stack/chaos"),
+    seed: Annotated[int, typer.Option(help="Seed of the fault times, order and targets (same seed, same plan).")] = 0,
+    duration: Annotated[float, typer.Option(help="Seconds of load, overload phase included (recoveries that overrun their gap extend it).")] = 180.0,
+    brokers: Annotated[int, typer.Option(min=3, max=9, help="Kafka nodes of the private KRaft cluster (3 survives the loss of one).")] = 3,
+    faults: Annotated[str, typer.Option(help="Comma list of broker_kill, broker_hang, router_kill, metrics_kill, planner_kill, prefill_kill, decode_kill ('all': every one).")] = "all",
+    in_order: Annotated[bool, typer.Option("--in-order", help="Inject in the order given, evenly spaced (default: seeded order and times).")] = False,
+    rate: Annotated[float, typer.Option(help="Requests per second (open loop, Poisson arrivals).")] = 4.0,
+    overload_s: Annotated[float, typer.Option(help="Seconds of the overload phase at the end (0: none).")] = 20.0,
+    overload_factor: Annotated[float, typer.Option(help="Arrival rate multiplier during the overload phase.")] = 8.0,
+    gap: Annotated[float, typer.Option(help="Least seconds between two faults.")] = 5.0,
+    routers: Annotated[int, typer.Option(min=1, help="Router replicas.")] = 2,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 2,
+    decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = 2,
+    planners: Annotated[int, typer.Option(min=0, help="Planner replicas sharing one Redis lease (planner_kill needs 2).")] = 2,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the state dir (Kafka data, worker disks) under --report.")] = False,
+) -> None:
+    """Fault injection under load on a private system: a KRaft cluster, routers, disaggregated
+    simulated workers, the metrics processor and the planner, on free ports. Each fault once
+    (kill -9 / SIGSTOP), each component restarted and awaited, then an overload phase; then the
+    log is checked against every producer's ack ledger, every router's view against the oracle
+    fold and every admitted request for an end with a reason. Ends with one RESULT line; exits 1
+    if a must-be-zero figure is not 0."""
+    _logging()
+    for noisy in ("httpx", "faust", "aiokafka", "mode"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    for probe in ("switchyard.stack.rdkafka", "switchyard.chaos.rdkafka"):  # brokers down on purpose
+        logging.getLogger(probe).setLevel(logging.CRITICAL)
+    import signal
+
+    from control_plane.chaos.errors import ChaosError
+    from control_plane.chaos.plan import PlanConfig, parse_faults
+    from control_plane.chaos.run import ChaosSettings, run_chaos
+
+    def _terminated(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        raise SystemExit(128 + signum)  # unwinds through run_chaos: everything it started is stopped
+
+    signal.signal(signal.SIGTERM, _terminated)
+
+    try:
+        plan = PlanConfig(seed=seed, duration_s=duration, faults=parse_faults(faults), in_order=in_order,
+                          gap_s=gap, overload_s=overload_s, overload_factor=overload_factor)
+    except ValueError as e:
+        _fail(str(e), 2)
+    if "planner_kill" in plan.faults and planners < 2:
+        _fail("planner_kill needs --planners 2 or more (a standby to take the lease)", 2)
+    settings = ChaosSettings(plan=plan, report_dir=report.resolve(), rate=rate, routers=routers, prefill=prefill,
+                             decode=decode, brokers=brokers, planners=planners, keep=keep)
+    try:
+        result = run_chaos(settings, echo=typer.echo)
+    except ChaosError as e:
+        _fail(str(e))
+    for line in result.summary():
+        typer.echo(line)
+    typer.echo(f"report     {settings.report_dir / 'report.json'}, {settings.report_dir / 'timeline.png'}")
+    typer.echo(result.result_line())
+    if not result.ok:
+        raise typer.Exit(1)
+
+
 # -- benchmarks -------------------------------------------------------------------------------
 
 

@@ -45,6 +45,8 @@ class Result:
     #: Refused at admission with a reason (429, or 503 from the router's queue): load shed on
     #: purpose, reported apart from failures.
     rejected: bool = False
+    #: The router's id of the request (its ``X-Request-Id`` header; empty: no answer came).
+    router_request_id: str = ""
 
 
 def ideal_hit_rate(records: list[TraceRecord]) -> float:
@@ -117,12 +119,19 @@ def _refusal(res: Result, status: int, raw: bytes) -> None:
     res.rejected = status == 429 or res.code in ADMISSION_CODES
 
 
+async def send_one(client: httpx.AsyncClient, url: str, p: Prepared) -> Result:
+    """Send one prepared request (streaming) to ``url`` and measure it at the client: TTFT, ITL,
+    end-to-end; a refusal's status and error code, or the exception's name when no answer came."""
+    return await _one(client, url, p)
+
+
 async def _one(client: httpx.AsyncClient, url: str, p: Prepared) -> Result:
     res = Result(p.index, p.request_id, p.prompt_tokens)
     t0 = time.monotonic()
     last = None
     try:
         async with client.stream("POST", url, content=p.body, headers={"Content-Type": "application/json"}) as r:
+            res.router_request_id = r.headers.get("x-request-id", "")
             if r.status_code != 200:
                 _refusal(res, r.status_code, await r.aread())
                 return res

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.index.errors import IndexRejected
+from control_plane.replay.oracle import oracle_view
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer
-from kernel.log.reader import KafkaLogReader, scan
 from kernel.settings import BusSettings
-from schemas import EventCodec, SchemaError
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
 
 pytestmark = pytest.mark.kafka
@@ -21,7 +19,7 @@ ALGO, BS = "sha256_cbor", 16
 
 
 def _register(p: EventProducer, wid: str) -> None:
-    p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint=f"http://{wid}",
+    p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint=f"http://127.0.0.1/{wid}",
                                capacity={"device": 1000}, block_size=BS, hash_algo=ALGO))
 
 
@@ -43,21 +41,8 @@ def _traffic(producers: dict[str, EventProducer], rounds: int, base: int) -> Non
 
 def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
            upto: dict[tuple[str, int], int] | None = None) -> RouterView:
-    """Fold every record of kv and workers (or up to ``upto`` offsets), partition by partition
-    in offset order; workers first (registrations before stores, as a live fold mostly sees)."""
-    view = RouterView(algo, block_size)
-    codec = EventCodec()
-    cat = Catalog(bus.topic_prefix)
-    for stream in ("workers", "kv"):
-        topic = cat.topic(stream)
-        limit = None if upto is None else {p: o for (t, p), o in upto.items() if t == topic}
-        with KafkaLogReader(bus.bootstrap) as reader:
-            for m in scan(reader, topic, upto=limit):
-                try:
-                    view.apply(codec.decode(m.value), topic, m.partition, m.offset)
-                except (SchemaError, IndexRejected):
-                    view.positions[(topic, m.partition)] = m.offset + 1
-    return view
+    """The oracle fold of the log (control_plane/replay/oracle.py), with this module's defaults."""
+    return oracle_view(bus, algo, block_size, upto=upto)
 
 
 async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus: BusSettings) -> None:

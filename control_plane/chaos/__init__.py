@@ -1,0 +1,15 @@
+"""Fault injection as a command (``switchyard chaos``): a seeded plan of faults (kill -9 and
+SIGSTOP of brokers, kill -9 of routers, metrics processor, planner leader and workers) run
+against the whole system on private ports, under open-loop load with an overload phase; then
+the log is checked against every producer's ack ledger, the routers' views against the oracle
+fold, and every admitted request for an end with a reason.
+
+* :mod:`.plan` is pure: (seed, duration, faults) -> the schedule.
+* :mod:`.system` starts and restarts the processes (adapter).
+* :mod:`.load` is the open-loop client; :mod:`.run` executes a plan against a system;
+  :mod:`.report` folds what was recorded and what the log holds into the verdict.
+"""
+
+from control_plane.chaos.errors import ChaosError, PlanError
+
+__all__ = ["ChaosError", "PlanError"]

@@ -1,0 +1,89 @@
+"""The chaos verdict (control_plane/chaos/report.py): a pure fold of client records, the
+requests log, the ledger check and the view checks. Core only, no mocks."""
+
+from __future__ import annotations
+
+from control_plane.chaos.load import Sent
+from control_plane.chaos.plan import PlanConfig, make_plan
+from control_plane.chaos.report import FaultRecord, ViewCheck, build_report
+from control_plane.demo.loadgen import Result
+from kernel.log.ledger import AckEntry, LedgerCheck
+from schemas import Envelope
+from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
+
+
+def _env(payload) -> Envelope:
+    return Envelope(event_id="x", type=payload.TYPE, version=payload.VERSION, key=payload.key(), producer="r1",
+                    epoch=1, seq=0, occurred_at_ns=0, data=payload)
+
+
+def _adm(rid: str, client: str) -> Envelope:
+    return _env(RequestAdmitted(request_id=rid, model="m", prompt_tokens=1, max_tokens=1, block_size=64,
+                                hash_algo="a", client_request_id=client))
+
+
+def _sent(i: int, *, ok: bool = True, status: int = 200, code: str = "", rid: str = "", rejected: bool = False,
+          at: float = 10.0, overload: bool = False) -> Sent:
+    r = Result(i, f"c-{i}", 10, ok=ok, status=status, code=code, rejected=rejected, router_request_id=rid,
+               ttft_ms=5.0)
+    return Sent(i, f"c-{i}", at, overload, replica=0, attempts=1, end_s=at + 0.1, result=r)
+
+
+def _report(sent, events, faults=(), ledger=None, views=None, **plan):
+    p = make_plan(PlanConfig(duration_s=60, faults=("router_kill",), overload_s=10, **plan))
+    return build_report(p, list(faults) or [_recovered()], sent, events,
+                        ledger or LedgerCheck(acked=10, failed=0, records=10),
+                        [ViewCheck("router-0", True, "d", "d", 5)] if views is None else views)
+
+
+def _recovered() -> FaultRecord:
+    return FaultRecord("router_kill", 20.0, 20.0, "router-0", healthy_s=24.0, traffic_s=23.0, recovered=True)
+
+
+def test_a_clean_run_is_all_zeros_and_recovery_is_the_later_of_health_and_traffic() -> None:
+    """Killed at 20 s, healthy at 24 s, traffic served again at 23 s: recovery 4 s."""
+    events = [_adm("r-0", "c-0"), _env(RequestCompleted(request_id="r-0", worker_id="w", prompt_tokens=1,
+                                                        output_tokens=1, ttft_ms=1, e2e_ms=2))]
+    rep = _report([_sent(0, rid="r-0")], events)
+    assert rep.ok
+    assert rep.checks["max_recovery_s"] == 4.0 and rep.checks["faults"] == 1
+    assert rep.result_line().startswith("RESULT faults=1 acked_lost=0 duplicates=0 gaps=0 views_equal_oracle=1 "
+                                        "unended=0 silent_failures=0 unrecovered=0 max_recovery_s=4.00 "
+                                        "broker_failover_s=nan")
+
+
+def test_failures_the_log_explains_are_not_silent_and_the_others_are() -> None:
+    """c-1: 503 and a final RequestFailed (explained); c-2: stream cut, the log says completed
+    (silent); c-3: stream cut, admitted, nothing after (silent and unended); c-4: no answer,
+    never admitted (the fault cut it before the log: counted apart); c-5: overload 429 with
+    RequestRejected."""
+    events = [
+        _adm("r-1", "c-1"), _env(RequestFailed(request_id="r-1", reason="x", code="worker_lost", retried=True)),
+        _env(RequestFailed(request_id="r-1", reason="x", code="no_worker")),
+        _adm("r-2", "c-2"), _env(RequestCompleted(request_id="r-2", worker_id="w", prompt_tokens=1, output_tokens=1,
+                                                  ttft_ms=1, e2e_ms=2)),
+        _adm("r-3", "c-3"),
+        _adm("r-5", "c-5"), _env(RequestRejected(request_id="r-5", reason="full", code="queue_full", http_status=429)),
+    ]
+    sent = [_sent(1, ok=False, status=503, code="no_worker", rid="r-1"),
+            _sent(2, ok=False, status=200, code="stream_ended_early", rid="r-2"),
+            _sent(3, ok=False, status=0, code="RemoteProtocolError"),
+            _sent(4, ok=False, status=0, code="ReadError"),
+            _sent(5, ok=False, status=429, code="queue_full", rid="r-5", rejected=True, at=55.0, overload=True)]
+    rep = _report(sent, events)
+    assert rep.checks["silent_failures"] == 2 and rep.examples["silent"] == ["c-2", "c-3"]
+    assert rep.checks["unended"] == 1 and rep.examples["unended"] == ["r-3"]
+    assert rep.unadmitted_client_errors == {"ReadError": 1}
+    assert rep.overload == {"sent": 1, "ok": 0, "rejected": 1, "failed": 0,
+                            "rejected_by_reason": {"queue_full": 1}, "failed_by_reason": {}}
+    assert rep.log_ends_by_reason["failed:no_worker"] == 1
+    assert not rep.ok
+
+
+def test_ledger_views_and_recovery_failures_make_the_run_fail() -> None:
+    lost = AckEntry(event_id="e1", topic="t", partition=0, offset=3, producer="p", epoch=1, seq=3)
+    unrecovered = FaultRecord("router_kill", 20.0, 20.0, "router-0", error="timed out")
+    rep = _report([], [], faults=[unrecovered], ledger=LedgerCheck(acked=1, failed=0, records=0, missing=(lost,)),
+                  views=[ViewCheck("router-0", False, "a", "b", 5)])
+    assert (rep.checks["acked_lost"], rep.checks["views_equal_oracle"], rep.checks["unrecovered"]) == (1, 0, 1)
+    assert rep.checks["max_recovery_s"] is None and not rep.ok
