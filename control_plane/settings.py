@@ -50,7 +50,7 @@ class StackSettings:
     #: TLS on the client and inter-broker listener (``SASL_SSL``, certificates made by
     #: ``control_plane/stack/tls.py``); off: ``SASL_PLAINTEXT``. Clients must agree
     #: (``BusSettings.security_protocol``, ``SWITCHYARD_KAFKA_SECURITY_PROTOCOL``).
-    kafka_tls: bool = False
+    kafka_tls: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.kafka_brokers <= 9:

@@ -83,7 +83,7 @@ class BusSettings:
     #: ``SASL_SSL`` (the local stack: TLS to the brokers, verified against the stack's CA, and
     #: SCRAM-SHA-256 inside it), ``SASL_PLAINTEXT`` (a cluster with authentication but no TLS) or
     #: ``PLAINTEXT`` (a development cluster without either: logged loudly).
-    security_protocol: str = "SASL_PLAINTEXT"
+    security_protocol: str = "SASL_SSL"
     #: The SCRAM user this process authenticates as: the stack's super user, or a component's
     #: own (``sy-<role>``, see kernel/log/principals.py and :meth:`from_env`'s ``role``).
     username: str = "switchyard"

@@ -67,3 +67,16 @@ def test_redis_refuses_commands_without_its_acl_user(stack_settings: StackSettin
     ok = redis.Redis.from_url(s.redis_url, socket_timeout=5)
     assert ok.ping()
     ok.close()
+
+
+def test_kafka_refuses_a_client_without_tls_or_one_that_does_not_trust_the_stack_ca(bus: BusSettings,
+                                                                                     tmp_path) -> None:
+    from control_plane.stack.tls import ensure_kafka_tls
+
+    assert bus.client_conf()["security.protocol"] == "SASL_SSL"
+    no_tls = BusSettings(bootstrap=bus.bootstrap, security_protocol="SASL_PLAINTEXT").client_conf()
+    stranger_ca = ensure_kafka_tls(tmp_path / "elsewhere").ca_file  # a CA the brokers' cert is not from
+    for conf in (no_tls, {**bus.client_conf(), "ssl.ca.location": str(stranger_ca)}):
+        with pytest.raises(KafkaException):
+            AdminClient({**conf, "socket.timeout.ms": 3000, "logger": None}).list_topics(timeout=5)
+        assert _forge(conf, Catalog(bus.topic_prefix).topic("workers"))
