@@ -103,10 +103,15 @@ def serving(bus: BusSettings, workers: Sequence[WorkerProc]) -> Iterator[str]:
         for w in workers:
             w.wait_ready(READY_TIMEOUT)
         port = free_port()
-        start_router(procs, port, "r-vllm")
+        router = start_router(procs, port, "r-vllm")
         base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == len(workers),
-                   timeout=120)
+        try:
+            _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == len(workers),
+                       timeout=120)
+        except AssertionError as e:  # say why: the router's own output (its log is removed on close)
+            procs.log.flush()
+            tail = Path(procs.log.name).read_text(errors="replace")[-4000:]
+            raise AssertionError(f"{e}; router exit code {router.poll()}; its log ends:\n{tail}") from None
         yield base
     finally:
         procs.close()
