@@ -494,6 +494,7 @@ def chaos_cmd(
     from control_plane.chaos.errors import ChaosError
     from control_plane.chaos.plan import PlanConfig, parse_faults
     from control_plane.chaos.run import ChaosSettings, run_chaos
+    from control_plane.chaos.system import Topology
 
     def _terminated(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         raise SystemExit(128 + signum)  # unwinds through run_chaos: everything it started is stopped
@@ -507,8 +508,8 @@ def chaos_cmd(
         _fail(str(e), 2)
     if "planner_kill" in plan.faults and planners < 2:
         _fail("planner_kill needs --planners 2 or more (a standby to take the lease)", 2)
-    settings = ChaosSettings(plan=plan, report_dir=report.resolve(), rate=rate, routers=routers, prefill=prefill,
-                             decode=decode, brokers=brokers, planners=planners, keep=keep)
+    topology = Topology(brokers=brokers, routers=routers, prefill=prefill, decode=decode, planners=planners)
+    settings = ChaosSettings(plan=plan, report_dir=report.resolve(), rate=rate, topology=topology, keep=keep)
     try:
         result = run_chaos(settings, echo=typer.echo)
     except ChaosError as e:

@@ -40,7 +40,7 @@ from control_plane.chaos.report import (
     plot_timeline,
     request_ends,
 )
-from control_plane.chaos.system import ChaosSystem, Proc, SystemSettings, wait
+from control_plane.chaos.system import ChaosSystem, Proc, SystemSettings, Topology, wait
 from control_plane.stack.process import StackError
 from kernel.log.kafka import Ack, EventProducer
 from schemas.events import AdminAction
@@ -57,11 +57,7 @@ class ChaosSettings:
     report_dir: Path
     #: Requests per second outside the overload phase.
     rate: float = 4.0
-    routers: int = 2
-    prefill: int = 2
-    decode: int = 2
-    brokers: int = 3
-    planners: int = 2
+    topology: Topology = Topology()
     #: Keep the state dir (Kafka's data, workers' disks) after the run.
     keep: bool = False
     state_dir: Path | None = None
@@ -265,13 +261,13 @@ class Runner:
 
     def _probe_leader(self) -> int:
         topic = self.system.probe_topic()
-        st = wait(lambda: (s := self.system.partition_state(topic)) and len(s[1]) == self.system.s.brokers and s,
+        st = wait(lambda: (s := self.system.partition_state(topic)) and len(s[1]) == self.system.s.topology.brokers and s,
                   60, f"{topic}:0 with a full ISR before a broker fault")
         return st[0]
 
     def _broker_back(self, topic: str) -> None:
         wait(lambda: self.system.cluster_whole(topic), RECOVERY_TIMEOUT_S,
-             lambda: f"all {self.system.s.brokers} brokers live and {topic}:0's ISR full: "
+             lambda: f"all {self.system.s.topology.brokers} brokers live and {topic}:0's ISR full: "
                      f"{self.system.live_brokers()} {self.system.partition_state(topic)}")
         for r in self.system.routers:
             self.system.wait_router_exact(r, RECOVERY_TIMEOUT_S)
@@ -372,9 +368,8 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
     report_dir.mkdir(parents=True, exist_ok=True)
     prefix = f"chaos{uuid.uuid4().hex[:6]}"
     state_dir = settings.state_dir or report_dir / "state"
-    system = ChaosSystem(SystemSettings(state_dir=state_dir, report_dir=report_dir, brokers=settings.brokers,
-                                        routers=settings.routers, prefill=settings.prefill, decode=settings.decode,
-                                        planners=settings.planners, topic_prefix=prefix))
+    topo = settings.topology
+    system = ChaosSystem(SystemSettings(state_dir=state_dir, report_dir=report_dir, topology=topo, topic_prefix=prefix))
     echo(f"plan: seed {plan.config.seed}, {len(plan.faults)} faults "
          f"({', '.join(f'{f.kind}@{f.at_s:.0f}s' for f in plan.faults)}), "
          + (f"overload x{plan.overload.factor:g} at {plan.overload.start_s:.0f}-{plan.overload.end_s:.0f} s"
@@ -384,8 +379,8 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
     try:
         t0 = time.monotonic()
         system.start()
-        echo(f"system up in {time.monotonic() - t0:.0f} s: {settings.brokers} brokers, {settings.routers} routers, "
-             f"{settings.prefill} prefill + {settings.decode} decode workers, metrics, {settings.planners} planners")
+        echo(f"system up in {time.monotonic() - t0:.0f} s: {topo.brokers} brokers, {topo.routers} routers, "
+             f"{topo.prefill} prefill + {topo.decode} decode workers, metrics, {topo.planners} planners")
         try:
             sampler = LagSampler(system, lambda: runner.load.now_s() if runner.load else 0.0)
             sampler.start()
@@ -420,9 +415,7 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
                               lag=sampler.samples if sampler else [])
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),
-            "bootstrap": system.bus.bootstrap, "brokers": settings.brokers, "routers": settings.routers,
-            "prefill": settings.prefill, "decode": settings.decode, "planners": settings.planners,
-            "rate": settings.rate})
+            "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate})
     finally:
         system.close()
         if not settings.keep:

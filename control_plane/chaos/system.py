@@ -45,19 +45,26 @@ PROBE_STREAM = "admin"
 
 
 @dataclass(frozen=True)
-class SystemSettings:
-    """What the chaos system runs. Sized by default for a 2-core box."""
+class Topology:
+    """How many of each component the chaos system runs. Sized by default for a 2-core box."""
 
-    #: Every process's data (Kafka, Redis, workers' disks, planner state).
-    state_dir: Path
-    #: Logs and ack ledgers go here (with the report).
-    report_dir: Path
     brokers: int = 3
     routers: int = 2
     prefill: int = 2
     decode: int = 2
     #: Planner replicas sharing one Redis lease (0: no planner).
     planners: int = 2
+
+
+@dataclass(frozen=True)
+class SystemSettings:
+    """What the chaos system runs."""
+
+    #: Every process's data (Kafka, Redis, workers' disks, planner state).
+    state_dir: Path
+    #: Logs and ack ledgers go here (with the report).
+    report_dir: Path
+    topology: Topology = Topology()
     #: Topic prefix of the run (unique: the log holds this run only).
     topic_prefix: str = "chaos"
     block_size: int = 64
@@ -183,8 +190,8 @@ class ChaosSystem:
         s = self.s
         kw = {"secrets_dir": s.secrets_dir} if s.secrets_dir else {}
         # Three JVMs on a small shared box: small heaps, C1 only (half the start-up CPU).
-        self.stack = StackSettings(state_dir=s.state_dir / "stack", kafka_port=free_port(span=2 * s.brokers),
-                                   kafka_brokers=s.brokers, kafka_heap=s.kafka_heap,
+        self.stack = StackSettings(state_dir=s.state_dir / "stack", kafka_port=free_port(span=2 * s.topology.brokers),
+                                   kafka_brokers=s.topology.brokers, kafka_heap=s.kafka_heap,
                                    kafka_jvm_opts="-XX:TieredStopAtLevel=1", redis_port=free_port(), **kw)
         self.kafka = KafkaService(self.stack)
         self.bus = BusSettings(bootstrap=self.stack.kafka_bootstrap, topic_prefix=s.topic_prefix,
@@ -219,7 +226,7 @@ class ChaosSystem:
 
     def _build(self) -> None:
         s, env = self.s, self.env()
-        for role, n, into in (("prefill", s.prefill, self.prefill), ("decode", s.decode, self.decode)):
+        for role, n, into in (("prefill", s.topology.prefill, self.prefill), ("decode", s.topology.decode, self.decode)):
             for i in range(n):
                 wid = f"{role}-{i}"
                 port = free_port()
@@ -229,7 +236,7 @@ class ChaosSystem:
                                        "--device-blocks", "1024", "--disk-blocks", "64"],
                                  env, s.log_dir, port))
         # Every id carries the run's prefix, so ``processes_mentioning(prefix)`` finds them all.
-        for i in range(s.routers):
+        for i in range(s.topology.routers):
             port = free_port()  # below the ephemeral range: restarted on the same port
             self.routers.append(Proc(f"router-{i}", [
                 "router", "--port", str(port), "--router-id", f"{s.topic_prefix}-router-{i}", "--snapshot-every", "1",
@@ -240,7 +247,7 @@ class ChaosSystem:
         self.metrics = Proc("metrics", ["metrics", "run", "--port", str(port), "--processor-id",
                                         f"{s.topic_prefix}-metrics", "--block-size", str(s.block_size)],
                             env, s.log_dir, port)
-        for i in range(s.planners):
+        for i in range(s.topology.planners):
             port = free_port()
             self.planners.append(Proc(f"planner-{i}", [
                 "planner", "run", "--scaler", "virtual", "--planner-id", f"{s.topic_prefix}-planner-{i}",
@@ -253,10 +260,10 @@ class ChaosSystem:
         s = self.s
         for d in (s.state_dir, s.ledger_dir, s.log_dir):
             d.mkdir(parents=True, exist_ok=True)
-        log.info("starting a %d-broker Kafka cluster on %s", s.brokers, self.stack.kafka_bootstrap)
+        log.info("starting a %d-broker Kafka cluster on %s", s.topology.brokers, self.stack.kafka_bootstrap)
         self.kafka.start(timeout)
         apply_topics(self.bus)
-        if s.planners:
+        if s.topology.planners:
             self.redis = RedisService(self.stack)
             self.redis.start()
         self._build()
@@ -371,7 +378,7 @@ class ChaosSystem:
 
     def cluster_whole(self, topic: str, partition: int = 0) -> bool:
         """Every broker registered and unfenced, and the partition's ISR full again."""
-        if len(self.live_brokers()) != self.s.brokers:
+        if len(self.live_brokers()) != self.s.topology.brokers:
             return False
         st = self.partition_state(topic, partition)
-        return st is not None and len(st[1]) == self.s.brokers
+        return st is not None and len(st[1]) == self.s.topology.brokers
