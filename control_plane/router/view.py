@@ -111,7 +111,8 @@ class EndpointAllowlist:
         """Why ``endpoint`` is refused, or None."""
         try:
             parts = urlsplit(endpoint)
-            host, _ = parts.hostname, parts.port
+            host = parts.hostname
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number in range
         except ValueError as e:
             return f"endpoint {endpoint[:200]!r} is not a URL ({e})"
         if parts.scheme not in ("http", "https") or not host:
