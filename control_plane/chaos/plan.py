@@ -58,8 +58,9 @@ class PlanConfig:
     overload_factor: float = 8.0
     #: How long a hung broker stays stopped.
     hang_s: float = 6.0
-    #: The brokers' session timeout (control_plane/stack/kafka.py: broker.session.timeout.ms).
-    session_timeout_s: float = 2.0
+    #: The brokers' session timeout (control_plane/stack/kafka.py:
+    #: BROKER_SESSION_TIMEOUT_MS; tests/unit/test_chaos_plan.py holds the two equal).
+    session_timeout_s: float = 1.5
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.faults if f not in FAULT_KINDS]

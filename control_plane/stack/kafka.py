@@ -12,8 +12,8 @@ controller and serving every partition when any one of them dies.
   2 when that is 3 (:func:`kernel.log.catalog.replication_for`): an ``acks=all`` write is on
   two brokers before it is acknowledged, so losing any one broker loses no acknowledged write.
   A dead broker is fenced, and its partitions led elsewhere, within ``broker.session.timeout.ms``
-  (6 s here rather than 9 s: the nodes share one machine, so a missed heartbeat is a dead JVM,
-  not a slow network).
+  (:data:`BROKER_SESSION_TIMEOUT_MS`, 1.5 s here rather than 9 s: the nodes share one machine,
+  so a missed heartbeat is a dead or stopped JVM, not a slow network).
 
 The jars come from Maven Central through ``scripts/kafka-pom.xml`` and are cached under
 ``<cache_dir>/kafka/libs``. Storage is formatted once (a cluster's nodes with one cluster id,
@@ -88,6 +88,10 @@ def java_version() -> int | None:
     return int(m.group(2)) if major == 1 and m.group(2) else major
 
 
+#: How long a broker may miss heartbeats before the controller fences it (clusters only).
+BROKER_SESSION_TIMEOUT_MS = 1500
+
+
 class KafkaNode:
     """One Kafka JVM: KRaft controller and broker ``node_id`` of a cluster of ``cluster_size``."""
 
@@ -148,11 +152,14 @@ class KafkaNode:
                 # it: after its session timeout, and when the node was also the active KRaft
                 # controller, after a new one is elected first (the fetch timeout, then an
                 # election), whose brokers' sessions start afresh. Defaults 9 s + 2 s + 1 s;
-                # here 2 s + 1 s + 0.5 s, with heartbeats every 250 ms (eight chances for a busy
-                # JVM before a false fence, which only moves leaders: clients ride it out).
+                # here 1.5 s + 0.75 s + 0.5 s, with heartbeats every 250 ms (six chances for a
+                # busy JVM before a false fence, which only moves leaders: clients ride it out).
+                # Measured with a producer's socket timeout of 2 s (kernel/log/kafka.py): the
+                # first acknowledged produce after a leader's kill -9 came 2.4-3.3 s later, after
+                # a SIGSTOP 3.1-4.8 s later (4 runs each; 2 s + 1 s: 2.3-3.8 and 3.2-5.4 s).
                 "broker.heartbeat.interval.ms=250",
-                "broker.session.timeout.ms=2000",
-                "controller.quorum.fetch.timeout.ms=1000",
+                f"broker.session.timeout.ms={BROKER_SESSION_TIMEOUT_MS}",
+                "controller.quorum.fetch.timeout.ms=750",
                 "controller.quorum.election.timeout.ms=500",
                 # A leader killed before its followers caught up is never re-elected over them.
                 "unclean.leader.election.enable=false",

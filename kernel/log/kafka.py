@@ -50,6 +50,13 @@ def producer_config(settings: BusSettings, **extra) -> dict:
         "compression.type": "lz4",
         # Keep retrying through a broker restart; the idempotent producer dedupes on the broker.
         "message.timeout.ms": 120000,
+        # A hung leader (stopped, not dead: its TCP connections stay up) holds every in-flight
+        # request until the socket timeout, 60 s by default, long after the controller has moved
+        # the partition (1.5 s in a cluster). 2 s, then retries (safe: idempotent) that look for
+        # the new leader every 250 ms at most instead of backing off to 1 s. Measured against a
+        # SIGSTOPped leader: produce resumed after 3.1-4.8 s (never within 60 s by default).
+        "socket.timeout.ms": 2000,
+        "retry.backoff.max.ms": 250,
         "logger": _rdkafka_log,
     }
     conf.update(extra)

@@ -61,8 +61,8 @@ def test_shifted_moves_the_rest_of_the_plan_not_the_past() -> None:
 
 
 def test_bad_fault_names_say_which_and_what_is_known() -> None:
-    with pytest.raises(PlanError, match=r"unknown fault\(s\) 'disk_full'.*known: broker_kill"):
-        parse_faults("router_kill,disk_full")
+    with pytest.raises(PlanError, match=r"unknown fault\(s\) 'power_cut'.*known: broker_kill"):
+        parse_faults("router_kill,power_cut")
     with pytest.raises(PlanError, match="given twice"):
         _config(faults=("router_kill", "router_kill"))
     assert parse_faults("all") == FAULT_KINDS and parse_faults(" decode_kill , router_kill") == (
@@ -75,3 +75,9 @@ def test_too_short_a_run_and_a_hang_below_the_session_timeout_are_refused() -> N
         make_plan(_config(duration_s=60.0))
     with pytest.raises(PlanError, match="must exceed the brokers' session timeout"):
         _config(hang_s=1.5)
+
+
+def test_the_plan_knows_the_brokers_session_timeout() -> None:
+    from control_plane.stack.kafka import BROKER_SESSION_TIMEOUT_MS
+
+    assert PlanConfig().session_timeout_s * 1000 == BROKER_SESSION_TIMEOUT_MS
