@@ -40,6 +40,14 @@ class StorageError(KvbmError):
     reason = "storage"
 
 
+class TierFull(StorageError):
+    """The backend refused a write for want of space (ENOSPC, EDQUOT): the tier's filesystem is
+    full, whatever the tier's own capacity in blocks says. Nothing is lost: the block is not
+    reported in that tier, and writes succeed again once space is freed."""
+
+    reason = "full"
+
+
 class CapacityExceeded(KvbmError):
     """A store was asked to hold more blocks than it has room for: a bug in the caller, since
     the manager always makes room first."""

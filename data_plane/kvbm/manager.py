@@ -309,7 +309,7 @@ class KvBlockManager:
         try:
             self._stores[op.dst].put(h, data)
         except StorageError as e:
-            self._stats["write_errors"] += 1
+            self._note_write_failure(op.dst, e)
             logger.warning("demoting block %016x to %s failed: %s", h, op.dst.value, e)
             self._drop(batch, h, src, f"{op.reason}; write failed")
             return
@@ -318,6 +318,12 @@ class KvBlockManager:
         self._res.discard(h, src)
         batch.moved(src, op.dst, h)
         self._stats[f"demoted_{src.value}_{op.dst.value}"] += 1
+
+    def _note_write_failure(self, tier: Tier, e: StorageError) -> None:
+        """All write failures, and per tier and reason (``write_errors_disk_full``: the
+        filesystem under the disk tier is full), for the worker's metrics."""
+        self._stats["write_errors"] += 1
+        self._stats[f"write_errors_{tier.value}_{e.reason}"] += 1
 
     def _note_read_failure(self, e: Exception) -> None:
         if isinstance(e, CorruptBlock):
@@ -337,7 +343,7 @@ class KvBlockManager:
         try:
             self._stores[adm.tier].put(adm.write.block_hash, data)
         except StorageError as e:
-            self._stats["write_errors"] += 1
+            self._note_write_failure(adm.tier, e)
             logger.warning("writing block %016x to %s failed: %s", adm.write.block_hash,
                            adm.tier.value, e)
             return False

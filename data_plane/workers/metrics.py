@@ -75,6 +75,11 @@ class WorkerMetrics:
             "switchyard_worker_kvbm_onboard_fallback_blocks",
             "Blocks the engine planned to onboard that did not load (missing, corrupt, I/O error) "
             "and recomputed instead, by reason.", (*lbl, "reason"), registry=r)
+        self.kvbm_write_errors = Counter(
+            "switchyard_worker_kvbm_write_errors",
+            "Block writes a KV tier refused, by tier and reason (full: no space left on the tier's "
+            "filesystem; storage: any other I/O error). The block is not reported in that tier.",
+            (*lbl, "tier", "reason"), registry=r)
         #: Totals already counted, per (metric, labels): counters only go up by the difference.
         self._seen: dict[tuple, int] = {}
         self.staging_free = Gauge("switchyard_worker_staging_free_blocks", "Free staging slots of the NIXL region.",
@@ -91,6 +96,9 @@ class WorkerMetrics:
         for k, n in kvbm_stats.items():
             if k.startswith("onboarded_"):
                 onboards[(k.removeprefix("onboarded_"), Tier.HOST.value)] = n
+            elif k.startswith("write_errors_"):
+                tier, _, reason = k.removeprefix("write_errors_").partition("_")
+                self._advance(self.kvbm_write_errors, n, tier, reason)
         for (f, t), n in offloads.items():
             self._advance(self.kvbm_offload, n, f, t)
         for (f, t), n in onboards.items():

@@ -28,6 +28,7 @@ from data_plane.kvbm import (
     fold_residency,
     verify,
 )
+from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from data_plane.kvbm.errors import StorageError
 from data_plane.kvbm.stores import DiskStore, HostStore
 from data_plane.kvbm.stores.s3 import S3Store, make_client
@@ -365,3 +366,34 @@ def test_async_wrapper_offloads_off_the_event_loop_in_order(tmp_path, s3):
         ("moved", "disk", "object", [1]), ("moved", "host", "disk", [2]),
         ("moved", "device", "host", [3]),
     ]
+
+
+def test_a_full_filesystem_under_the_disk_tier_loses_no_claim_and_recovers(tmp_path):
+    """The kernel's own ENOSPC (a small tmpfs over the disk tier, filled with a ballast): the
+    demotion that cannot be written is dropped and reported, never claimed in disk; once space
+    is freed the next demotion lands. Every event still folds to what the stores hold."""
+    s = _settings(tmp_path, S3Settings(bucket="unused"), host_capacity=1, disk_capacity=4, object_capacity=0)
+    disk = SmallDisk(s.disk_root, 1024 * 1024)
+    try:
+        disk.mount()
+    except DiskFaultUnavailable as e:
+        pytest.skip(f"no small filesystem to fill on this machine: {e}")
+    try:
+        sink = MemorySink()
+        kvbm = build_kvbm(s, sink)
+        kvbm.on_device_evicted(1)
+        kvbm.on_device_evicted(2)  # 1: host -> disk
+        assert disk.fill() > 0 and disk.free_bytes() == 0
+        kvbm.on_device_evicted(3)  # 2 cannot be written to disk: dropped from host
+        assert _compact(sink.events)[-2:] == [("removed", "host", [2]), ("moved", "device", "host", [3])]
+        stats = kvbm.stats()
+        assert stats["write_errors_disk_full"] == 1 and stats["write_errors"] == 1
+        assert kvbm.tiers_of(2) == () and kvbm.tiers_of(1) == (DISK,)
+        disk.free()
+        kvbm.on_device_evicted(4)  # 3: host -> disk, written this time
+        assert _compact(sink.events)[-2:] == [("moved", "host", "disk", [3]), ("moved", "device", "host", [4])]
+        assert claimed_persistent(sink.events, WORKER)[DISK] == [1, 3] == kvbm.scan_persistent()[DISK]
+        assert verify(3, kvbm.onboard([3], pin=False) and kvbm.read_host(3))
+        kvbm.close()
+    finally:
+        disk.unmount()

@@ -217,8 +217,8 @@ def test_worker_metrics_export_offloads_and_onboards_per_direction():
     m = WorkerMetrics("m", "w1")
     m.set_kv_moves({"offloaded_host": 5, "demoted_host_disk": 2, "onboarded_disk": 1},
                    {HOST: 3, DISK: 1}, {"corrupt": 2})
-    m.set_kv_moves({"offloaded_host": 7, "demoted_host_disk": 2, "onboarded_disk": 1},
-                   {HOST: 3, DISK: 1}, {"corrupt": 2})  # totals, not increments
+    m.set_kv_moves({"offloaded_host": 7, "demoted_host_disk": 2, "onboarded_disk": 1, "write_errors": 3,
+                    "write_errors_disk_full": 3}, {HOST: 3, DISK: 1}, {"corrupt": 2})  # totals, not increments
     text = m.render().decode()
     lbl = 'engine="w1",from_tier="{}",model_name="m",to_tier="{}"'
     assert f"switchyard_worker_kvbm_offload_blocks_total{{{lbl.format('device', 'host')}}} 7.0" in text
@@ -228,6 +228,8 @@ def test_worker_metrics_export_offloads_and_onboards_per_direction():
     assert f"switchyard_worker_kvbm_onboard_blocks_total{{{lbl.format('disk', 'host')}}} 1.0" in text
     assert ('switchyard_worker_kvbm_onboard_fallback_blocks_total{engine="w1",model_name="m",'
             'reason="corrupt"} 2.0') in text
+    assert ('switchyard_worker_kvbm_write_errors_total{engine="w1",model_name="m",reason="full",'
+            'tier="disk"} 3.0') in text
 
 
 # -- the cluster simulator -------------------------------------------------------------------

@@ -10,19 +10,22 @@ when the store opens. One worker process per directory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import uuid
 from pathlib import Path
 
 from data_plane.kvbm import frame
-from data_plane.kvbm.errors import StorageError
+from data_plane.kvbm.errors import StorageError, TierFull
 from data_plane.kvbm.stores.base import Buffer, block_name, driver_errors, parse_block_name
 from schemas.types import BlockHash, Tier
 
 logger = logging.getLogger(__name__)
 
 _TMP_SUFFIX = ".tmp"
+#: A write refused for want of space (the filesystem, or the user's quota, is full).
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def _absent(e: BaseException) -> bool:
@@ -64,7 +67,8 @@ class DiskStore:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise StorageError(f"writing block {block_hash:016x} to {final}: {e}") from e
+            error = TierFull if e.errno in _NO_SPACE else StorageError
+            raise error(f"writing block {block_hash:016x} to {final}: {e}") from e
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.root, os.O_RDONLY)
