@@ -1,10 +1,9 @@
-"""API tokens and roles. Pure (hashlib and secrets only).
+"""API tokens and roles. Pure.
 
-A token is ``sy_<id>_<secret>``: ``id`` (8 hex chars) finds the row, ``secret`` (32 random
-bytes, url-safe base64) is checked against ``sha256(salt || secret)`` with a per-token random
-salt, compared in constant time. A fast hash is enough because the secret has 256 bits of
-entropy (a slow KDF protects *guessable* passwords); the salt keeps equal hashes from ever
-revealing equal tokens. The plain token is shown once, at creation, and never stored or logged.
+A token is ``sy_<id>_<secret>``, in the one credential scheme of :mod:`kernel.bearer` (the
+router's API keys use it too): ``id`` finds the row, the secret is checked against
+``sha256(salt || secret)`` in constant time. The plain token is shown once, at creation, and
+never stored or logged.
 
 Roles are ordered: ``viewer`` < ``operator`` < ``admin``; a route names the least role it needs.
 
@@ -17,12 +16,12 @@ rate limit (:mod:`control_plane.admin.ratelimit`).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
+
+from kernel import bearer
+from kernel.bearer import hash_secret, verify_secret  # noqa: F401 - re-exported under their old names
 
 TOKEN_PREFIX = "sy"
 
@@ -57,36 +56,15 @@ class IssuedToken:
     token_hash: str
 
 
-def hash_secret(salt: str, secret: str) -> str:
-    return hashlib.sha256(bytes.fromhex(salt) + secret.encode()).hexdigest()
-
-
 def issue_token(token_id: str | None = None) -> IssuedToken:
     """A new token; with ``token_id``, a new secret for that id (rotation)."""
-    token_id = token_id or secrets.token_hex(4)
-    secret = secrets.token_urlsafe(32)
-    salt = secrets.token_hex(16)
-    return IssuedToken(token_id, f"{TOKEN_PREFIX}_{token_id}_{secret}", salt, hash_secret(salt, secret))
+    i = bearer.issue(TOKEN_PREFIX, token_id)
+    return IssuedToken(i.id, i.plain, i.salt, i.hash)
 
 
 def parse_token(token: str) -> tuple[str, str] | None:
     """(id, secret) of a well-formed token, else None."""
-    parts = token.split("_", 2)
-    if len(parts) != 3 or parts[0] != TOKEN_PREFIX or len(parts[1]) != 8 or not parts[2]:
-        return None
-    try:
-        int(parts[1], 16)
-    except ValueError:
-        return None
-    return parts[1], parts[2]
-
-
-def verify_secret(salt: str, expected_hash: str, secret: str) -> bool:
-    try:
-        got = hash_secret(salt, secret)
-    except ValueError:
-        return False
-    return hmac.compare_digest(got, expected_hash)
+    return bearer.parse(token, TOKEN_PREFIX)
 
 
 def expiry(now: datetime, days: int) -> datetime:
