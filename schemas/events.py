@@ -532,6 +532,45 @@ class AdminAction(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
         return self.target
 
 
+class RouterKeyIssued(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """A router API key was issued (the admin API, an admin's call). Routers fold it into their
+    key table: a bearer ``sk-sy_<key_id>_<secret>`` whose secret hashes to ``key_hash`` with
+    ``salt`` (sha256(salt || secret), :mod:`kernel.bearer`) may call the generation routes. The
+    secret itself is never on the log: it is shown once, to the caller who issued the key."""
+
+    TYPE: ClassVar[str] = "RouterKeyIssued"
+    VERSION: ClassVar[int] = 1
+    key_id: str
+    #: Who or what the key is for (unique among live keys; shown in lists and logs).
+    name: str
+    #: Hex salt and hex sha256(salt || secret).
+    salt: str
+    key_hash: str
+    #: Unix ns after which the key stops authenticating; None: it does not expire.
+    expires_at_ns: int | None = None
+    #: Requests per second the key may start (token bucket) and the burst above that rate;
+    #: None: no rate limit.
+    rate_per_s: float | None = None
+    burst: int | None = None
+    #: Requests the key may have in flight at once; None: no limit.
+    max_concurrent: int | None = None
+
+    def key(self) -> str:
+        return f"router-key:{self.key_id}"
+
+
+class RouterKeyRevoked(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """A router API key stops authenticating (for good: a key id is never issued again)."""
+
+    TYPE: ClassVar[str] = "RouterKeyRevoked"
+    VERSION: ClassVar[int] = 1
+    key_id: str
+    reason: str = ""
+
+    def key(self) -> str:
+        return f"router-key:{self.key_id}"
+
+
 #: Every payload type the codec knows, current and superseded versions alike.
 ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     BlockStored,
@@ -560,4 +599,6 @@ ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     PoolPinned,
     WorkerDrainRequested,
     AdminAction,
+    RouterKeyIssued,
+    RouterKeyRevoked,
 )

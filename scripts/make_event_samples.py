@@ -289,6 +289,14 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
                                                        worker_id=WorkerId("llama8b-decode-3"), reason="kernel update"),
     ev.AdminAction: lambda: ev.AdminAction(actor="root", actor_role="admin", action="token_created", target="ci-bot",
                                      details={"role": "viewer"}),
+    ev.RouterKeyIssued: lambda: ev.RouterKeyIssued(
+        actor="root", actor_role="admin", key_id="5e1f9a2c", name="chat-frontend",
+        salt="8c2d4f0b1a9e7d6c5b4a39281706f5e4",
+        key_hash="0b5f3c1e9d7a2b4c6e8f0a1b3c5d7e9f1a2b3c4d5e6f708192a3b4c5d6e7f809",
+        expires_at_ns=1_767_225_600_000_000_000, rate_per_s=20.0, burst=40, max_concurrent=16,
+    ),
+    ev.RouterKeyRevoked: lambda: ev.RouterKeyRevoked(actor="root", actor_role="admin", key_id="5e1f9a2c",
+                                                     reason="rotated to a new key"),
 }
 
 #: Which component produces each stream (envelope ``producer``).

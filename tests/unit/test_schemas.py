@@ -382,6 +382,17 @@ def _make_admin_action(**overrides: Any) -> ev.AdminAction:
                           "details": {"role": "viewer"}, **overrides})
 
 
+def _make_router_key_issued(**overrides: Any) -> ev.RouterKeyIssued:
+    return ev.RouterKeyIssued(**{"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "name": "k",
+                                 "salt": "00" * 16, "key_hash": "ab" * 32, "expires_at_ns": 1_800_000_000_000_000_000,
+                                 "rate_per_s": 5.0, "burst": 10, "max_concurrent": 4, **overrides})
+
+
+def _make_router_key_revoked(**overrides: Any) -> ev.RouterKeyRevoked:
+    return ev.RouterKeyRevoked(**{"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "reason": "leaked",
+                                  **overrides})
+
+
 BUILDERS: dict[type[ev.Event], Callable[..., ev.Event]] = {
     ev.BlockStored: _make_block_stored,
     ev.BlockRemoved: _make_block_removed,
@@ -409,6 +420,8 @@ BUILDERS: dict[type[ev.Event], Callable[..., ev.Event]] = {
     ev.PoolPinned: _make_pool_pinned,
     ev.WorkerDrainRequested: _make_worker_drain_requested,
     ev.AdminAction: _make_admin_action,
+    ev.RouterKeyIssued: _make_router_key_issued,
+    ev.RouterKeyRevoked: _make_router_key_revoked,
 }
 
 
