@@ -76,7 +76,7 @@ def one_run(mode: str, trace: Path, limit: int, rate: float, max_output: int, sp
             config_file = Path(tmp) / "router.json"
             config_file.write_bytes(msgspec.json.encode(config))
             sup.start("router", ["router", "--port", str(port), "--router-id", f"e2e-{mode}", "--config",
-                                 str(config_file)])
+                                 str(config_file), "--no-auth"])
             wait_http(f"{url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == 4, timeout=120)
             t0 = time.monotonic()
             since = now_ms() - 1000

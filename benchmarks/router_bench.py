@@ -71,7 +71,7 @@ def http_overhead(n: int = 400) -> dict:
     try:
         _wait(f"http://127.0.0.1:{wport}/health", lambda r: r.status_code == 200)
         procs.append(subprocess.Popen([sys.executable, "-m", "switchyard.cli", "router", "--port", str(rport),
-                                       "--router-id", "bench"], env=env,
+                                       "--router-id", "bench", "--no-auth"], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait(f"http://127.0.0.1:{rport}/health", lambda r: r.status_code == 200 and r.json()["workers"] >= 1)
         body = {"model": "switchyard-sim", "prompt": list(range(5000, 5000 + 4096)), "max_tokens": 1}

@@ -83,7 +83,7 @@ def _router(env: dict, port: int) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "switchyard.cli", "router", "--port", str(port), "--router-id",
          "restart-bench", "--snapshot-every", "1", "--hash-algo", HASH_ALGO, "--block-size",
-         str(BLOCK_SIZE)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         str(BLOCK_SIZE), "--no-auth"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def run() -> dict:

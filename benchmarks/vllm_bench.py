@@ -112,7 +112,7 @@ def _worker(procs: Procs, wid: str, role: str, tmp: Path, extra: tuple[str, ...]
 def _router(procs: Procs, mode: str, name: str) -> str:
     port = free_port()
     procs.start(name, sys.executable, ["router", "--port", str(port), "--router-id", name, "--mode", mode,
-                                       "--block-size", "32", "--snapshot-every", "60"])
+                                       "--block-size", "32", "--snapshot-every", "60", "--no-auth"])
     return f"http://127.0.0.1:{port}"
 
 

@@ -1,4 +1,6 @@
-"""Consumer-group plumbing shared by the Faust processors (router view, load view, metrics).
+"""Consumer-group plumbing shared by the Faust processors (router view, load view, metrics),
+and :class:`StreamFollower`, the thread that folds a small stream from its start (the planner's
+and the router's followers of the ``admin`` stream).
 
 Each processor incarnation is its own consumer group, seeded with the positions of the
 snapshot it restored (see ``control_plane/router/stream.py`` for why).
@@ -7,6 +9,8 @@ snapshot it restored (see ``control_plane/router/stream.py`` for why).
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
@@ -16,6 +20,7 @@ from kernel.settings import BusSettings
 if TYPE_CHECKING:
     from kernel.log.fold import Poisoned
     from kernel.log.reader import LogRecord
+    from schemas import Envelope
 
 log = logging.getLogger(__name__)
 
@@ -313,3 +318,89 @@ class FoldProcessor:
             except Exception:  # consumer not ready yet; fall back to the start-up log end
                 pass
         return out
+
+
+# ----------------------------------------------------------------------------------------------
+# A thread folding a small stream from its start
+# ----------------------------------------------------------------------------------------------
+
+
+class StreamFollower:
+    """Folds every partition of ``streams`` from its start, in a daemon thread, through
+    ``fold(envelope) -> changed``; for streams small enough to read whole at every start (the
+    ``admin`` stream: pins, configs, router keys), so there is no snapshot and no group.
+
+    The fold runs under :attr:`lock`: a reader that needs a consistent copy of what it folds into
+    takes it too. An event the fold raises on is dead-lettered at once (the folds are in memory
+    and pure: a retry would fail the same way) and the follower goes on; undecodable records are
+    dead-lettered by the consumer. :meth:`wait_caught_up` returns once every partition reached
+    the log end read at :meth:`start`.
+    """
+
+    def __init__(self, bus: BusSettings, streams: list[str], name: str,
+                 fold: Callable[[Envelope], bool]) -> None:
+        from kernel.log.kafka import EventConsumer
+
+        self.bus = bus
+        self.name = name
+        self.fold = fold
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._consumer = EventConsumer(bus, streams, assign_all=True, consumer_name=name)
+        self._thread = threading.Thread(target=self._run, name=f"follow-{name}", daemon=True)
+        self._target: dict[tuple[str, int], int] = {}
+
+    def start(self) -> StreamFollower:
+        self._target = log_end(self.bus, self.name, self._consumer.topics)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = self._consumer.poll_batch(200, 0.2)
+            except Exception:  # keep following; the broker client reconnects by itself
+                log.exception("%s: poll failed", self.name)
+                self._stop.wait(1.0)
+                continue
+            if batch:
+                with self.lock:
+                    for d in batch:
+                        self._apply(d)
+
+    def _apply(self, d) -> None:
+        from kernel.log.fold import apply_failed_reason
+
+        try:
+            changed = self.fold(d.envelope)
+        except Exception as e:
+            log.exception("%s: event %s:%d:%d not applied", self.name, d.topic, d.partition, d.offset)
+            self._consumer.dead_letter(d, apply_failed_reason(e), f"{type(e).__name__}: {e}")
+            return
+        if changed:
+            log.info("%s: %s %s by %s", self.name, d.envelope.type, d.envelope.key,
+                     getattr(d.envelope.data, "actor", "?"))
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """Next offset per partition: how far the follower has read (poison included)."""
+        return self._consumer.positions()
+
+    @property
+    def caught_up(self) -> bool:
+        pos = self.positions()
+        return all(pos.get(tp, 0) >= end for tp, end in self._target.items())
+
+    def wait_caught_up(self, timeout_s: float = 60.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not self.caught_up:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise TimeoutError(f"{self.name} not at the log end {self._target} after {timeout_s:g}s: "
+                                   f"{self.positions()}")
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._consumer.close()

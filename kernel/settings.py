@@ -42,6 +42,17 @@ def stack_secret(secrets_dir: Path, name: str) -> str:
     return path.read_text().strip()
 
 
+#: The stack secret shared by every router and worker of a cluster: the bearer a worker's
+#: private endpoints (``/kv/metadata``, ``/debug/*``, ``/admin/*``) require, sent by the routers
+#: and by the workers' peers.
+WORKER_CREDENTIAL = "worker-endpoint"
+
+
+def worker_credential(secrets_dir: Path | None = None) -> str:
+    """The cluster's worker credential (made on first use, like every stack secret)."""
+    return stack_secret(secrets_dir or default_secrets_dir(), WORKER_CREDENTIAL)
+
+
 def write_private(path: Path, text: str) -> bool:
     """Create ``path`` readable by its owner only, unless it exists (then keep it; False)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

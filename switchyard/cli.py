@@ -246,10 +246,15 @@ def router_cmd(
     vocab_size: Annotated[Optional[int], typer.Option(help="Token ids must be below this (the model's vocabulary).")] = None,
     worker_networks: Annotated[Optional[str], typer.Option(
         help="Comma list of networks or host names workers' endpoints may be in (default: loopback).")] = None,
+    auth: Annotated[bool, typer.Option(
+        "--auth/--no-auth", envvar="SWITCHYARD_ROUTER_AUTH",
+        help="API keys on the generation routes (issued by the admin API: POST /router-keys). --no-auth (or "
+             "SWITCHYARD_ROUTER_AUTH=0) lets anyone who reaches the port send prompts: logged loudly.")] = True,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
-    newest snapshot plus the log tail), decides KV-aware routes, records every decision, and
-    proxies OpenAI requests to the chosen workers."""
+    newest snapshot plus the log tail) and the admin stream's API keys into its key table,
+    decides KV-aware routes, records every decision, and proxies OpenAI requests (each with a
+    valid key, within its limits) to the chosen workers."""
     _logging()
     from control_plane.router.admission import AdmissionConfig
     from control_plane.router.wiring import RouterSettings, run_router
@@ -268,7 +273,7 @@ def router_cmd(
                                 queue_timeout_s=queue_timeout)
     run_router(RouterSettings(host=host, port=port, mode=mode, config_file=config, block_size=block_size,
                               hash_algo=hash_algo, tokenizer=tokenizer, snapshot_every_s=snapshot_every,
-                              admission=admission, **kw),
+                              admission=admission, auth=auth, **kw),
                BusSettings.from_env(role="router"))
 
 
@@ -437,6 +442,8 @@ def loadgen_cmd(
     block_size: Annotated[int, typer.Option(help="Engine block size (for prompt synthesis).")] = 64,
     png: Annotated[Optional[Path], typer.Option(help="Write a PNG report here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    api_key: Annotated[Optional[str], typer.Option(
+        envvar="SWITCHYARD_API_KEY", help="Router API key (sk-sy_...; `switchyard admin issue-router-key`).")] = None,
 ) -> None:
     """Replay a trace through the router's OpenAI API at its arrival times (compressed by
     --rate), streaming, with a progress bar; print TTFT/ITL percentiles, throughput and the
@@ -446,7 +453,7 @@ def loadgen_cmd(
     from control_plane.demo.loadgen import format_summary, plot, run_trace
 
     s = asyncio.run(run_trace(url, trace, limit=limit, speedup=rate, max_output=max_output, block_size=block_size,
-                              progress=not as_json))
+                              progress=not as_json, api_key=api_key))
     if png:
         plot(s, png)
     if as_json:
@@ -466,7 +473,7 @@ def chaos_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the fault times, order and targets (same seed, same plan).")] = 0,
     duration: Annotated[float, typer.Option(help="Seconds of load, overload phase included (recoveries that overrun their gap extend it).")] = 180.0,
     brokers: Annotated[int, typer.Option(min=3, max=9, help="Kafka nodes of the private KRaft cluster (3 survives the loss of one).")] = 3,
-    faults: Annotated[str, typer.Option(help="Comma list of broker_kill, broker_hang, router_kill, metrics_kill, planner_kill, prefill_kill, decode_kill ('all': every one).")] = "all",
+    faults: Annotated[str, typer.Option(help="Comma list of broker_kill, broker_hang, router_kill, metrics_kill, planner_kill, prefill_kill, decode_kill, disk_full ('all': every one).")] = "all",
     in_order: Annotated[bool, typer.Option("--in-order", help="Inject in the order given, evenly spaced (default: seeded order and times).")] = False,
     rate: Annotated[float, typer.Option(help="Requests per second (open loop, Poisson arrivals).")] = 4.0,
     overload_s: Annotated[float, typer.Option(help="Seconds of the overload phase at the end (0: none).")] = 20.0,

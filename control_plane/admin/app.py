@@ -1,5 +1,5 @@
 """The admin API (FastAPI): workers, pools, configs, planner decisions, the index, request traces,
-replay jobs and tokens.
+replay jobs, tokens and the router's API keys.
 
 :func:`create_app` assembles the per-resource routers of :mod:`control_plane.admin.routes` with
 the lifespan and the exception handlers. Routes parse, check the caller's role (``deps``), and
@@ -24,7 +24,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from control_plane.admin import services
 from control_plane.admin.context import AdminContext
 from control_plane.admin.errors import ApiError
-from control_plane.admin.routes import audit, configs, health, index, planner, pools, replay, tokens, workers
+from control_plane.admin.routes import (
+    audit,
+    configs,
+    health,
+    index,
+    planner,
+    pools,
+    replay,
+    router_keys,
+    tokens,
+    workers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +64,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         app.add_exception_handler(exc_type, handler)
     # In this order, which is the order of the OpenAPI schema's paths.
     for router in (health.router, tokens.caller, workers.router, pools.router, *configs.routers(), planner.router,
-                   index.router, audit.router, replay.router, tokens.router):
+                   index.router, audit.router, replay.router, tokens.router, router_keys.router):
         app.include_router(router)
     return app
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -99,6 +100,60 @@ def create_token_cmd(
         engine.dispose()
     typer.echo(f"token {row.id} ({row.role}) for {row.name}, expires {row.expires_at.isoformat(timespec='seconds')}:"
                f"\n{token}")
+
+
+TokenFileOpt = Annotated[Optional[Path], typer.Option(
+    "--token-file", help="File holding an admin token (mode 600; default: $SWITCHYARD_ADMIN_TOKEN).")]
+AdminUrlOpt = Annotated[Optional[str], typer.Option(
+    "--admin-url", help="Admin API (default: $SWITCHYARD_ADMIN_URL or http://127.0.0.1:8300).")]
+
+
+def _api_call(token_file: Path | None, url: str | None, call):
+    """``call(client)`` through the admin API with the caller's token; a refusal exits 1 (2: no credential)."""
+    from control_plane.admin.client import AdminClient, ClientError, admin_url, load_token
+
+    try:
+        client = AdminClient(admin_url(url), load_token(token_file))
+    except ClientError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(e.exit_code) from None
+    try:
+        return call(client)
+    except ClientError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(e.exit_code) from None
+    finally:
+        client.close()
+
+
+@admin_app.command("issue-router-key")
+def issue_router_key_cmd(
+    name: Annotated[str, typer.Option(help="Who or what the key is for.")],
+    expires_in_days: Annotated[Optional[int], typer.Option(help="Days it authenticates (default: no expiry).")] = None,
+    rate: Annotated[Optional[float], typer.Option(help="Requests/s it may start on each router replica.")] = None,
+    burst: Annotated[Optional[int], typer.Option(help="Requests above the rate at once (default: one second's).")] = None,
+    max_concurrent: Annotated[Optional[int], typer.Option(help="Requests in flight on each router replica.")] = None,
+    token_file: TokenFileOpt = None,
+    admin_url: AdminUrlOpt = None,
+) -> None:
+    """Issue a router API key through the admin API (an admin token): RouterKeyIssued on the log,
+    which every router folds. Prints the key once (only its hash is kept)."""
+    made = _api_call(token_file, admin_url, lambda c: c.issue_router_key(
+        name, expires_in_days=expires_in_days, rate_per_s=rate, burst=burst, max_concurrent=max_concurrent))
+    typer.echo(f"router key {made['key_id']} for {made['name']}:\n{made['key']}")
+
+
+@admin_app.command("revoke-router-key")
+def revoke_router_key_cmd(
+    key_id: Annotated[str, typer.Argument(help="The key's id (the 8 hex chars after sk-sy_).")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the event).")] = "",
+    token_file: TokenFileOpt = None,
+    admin_url: AdminUrlOpt = None,
+) -> None:
+    """Revoke a router API key through the admin API (RouterKeyRevoked): the routers refuse it
+    once they folded the event."""
+    _api_call(token_file, admin_url, lambda c: c.revoke_router_key(key_id, reason))
+    typer.echo(f"router key {key_id} revoked")
 
 
 @admin_app.command("audit")

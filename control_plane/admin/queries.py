@@ -17,6 +17,7 @@ from control_plane.admin.db.models import (
     Pool,
     ReplayJob,
     ReplayResult,
+    RouterKeyRow,
     Worker,
     WorkerIncarnation,
 )
@@ -351,6 +352,13 @@ def job_result(session: Session, job_id: str) -> ReplayResult:
 
 def tokens(session: Session, limit: int, offset: int):
     return page(session, select(ApiToken), limit, offset, (ApiToken.created_at, ApiToken.id))
+
+
+def router_keys(session: Session, limit: int, offset: int, include_revoked: bool):
+    stmt = select(RouterKeyRow).where(RouterKeyRow.issued_at_ns > 0)
+    if not include_revoked:
+        stmt = stmt.where(RouterKeyRow.revoked_at_ns.is_(None))
+    return page(session, stmt, limit, offset, (RouterKeyRow.issued_at_ns, RouterKeyRow.key_id))
 
 
 # -- the prefix index (folded from the log) ------------------------------------------------------

@@ -31,6 +31,7 @@ from control_plane.admin.db.models import (
     Pool,
     ReplayJob,
     RouterConfigVersion,
+    RouterKeyRow,
     Worker,
     utcnow,
 )
@@ -41,6 +42,7 @@ from control_plane.admin.shapes import (
     PoolUpdate,
     ReplayJobCreate,
     RouterConfigUpdate,
+    RouterKeyCreate,
     TokenCreate,
     TokenRotate,
 )
@@ -52,6 +54,8 @@ from schemas.events import (
     PoolPinned,
     PoolUpdated,
     RouterConfigChanged,
+    RouterKeyIssued,
+    RouterKeyRevoked,
     WorkerDrainRequested,
 )
 from schemas.types import PoolName, WorkerId, WorkerRole
@@ -246,6 +250,50 @@ def revoke_token(session: Session, ctx: AdminContext, who: Principal, token_id: 
                                              details={"token_id": row.id, "role": row.role}, **_actor(who)))
             row.revoked_at = ctx.now()
             session.commit()
+    return row
+
+
+# -- router API keys -----------------------------------------------------------------------------
+
+
+def issue_router_key(session: Session, ctx: AdminContext, who: Principal,
+                     body: RouterKeyCreate) -> tuple[RouterKeyRow, str]:
+    """Issue a router API key (``RouterKeyIssued``: its id, salt, hash, expiry and limits, never
+    the secret). Every router folds the event into its key table; the plain key is returned
+    once, here."""
+    from control_plane.router.keys import KEY_PREFIX, KeyLimits
+    from kernel import bearer
+
+    try:
+        KeyLimits(rate_per_s=body.rate_per_s, burst=body.burst, max_concurrent=body.max_concurrent)
+    except ValueError as e:
+        raise Invalid(f"limits rejected: {e}") from None
+    with ctx.write_lock:
+        live = select(RouterKeyRow.key_id).where(RouterKeyRow.name == body.name, RouterKeyRow.revoked_at_ns.is_(None))
+        if session.scalar(live) is not None:
+            raise Conflict(f"a router key named {body.name!r} is live: revoke it first, or pick another name")
+        issued = bearer.issue(KEY_PREFIX)
+        while session.get(RouterKeyRow, issued.id) is not None:  # ids are never reused, revoked ones included
+            issued = bearer.issue(KEY_PREFIX)
+        expires = int((ctx.clock() + body.expires_in_days * 86_400) * 1e9) if body.expires_in_days else None
+        record(ctx, session, RouterKeyIssued(key_id=issued.id, name=body.name, salt=issued.salt, key_hash=issued.hash,
+                                             expires_at_ns=expires, rate_per_s=body.rate_per_s, burst=body.burst,
+                                             max_concurrent=body.max_concurrent, **_actor(who)))
+        session.commit()
+    return session.get(RouterKeyRow, issued.id), issued.plain
+
+
+def revoke_router_key(session: Session, ctx: AdminContext, who: Principal, key_id: str, reason: str) -> RouterKeyRow:
+    """Revoke a router API key (``RouterKeyRevoked``); the routers refuse it once they folded
+    the event. Revoking a revoked key changes nothing."""
+    with ctx.write_lock:
+        row = session.get(RouterKeyRow, key_id)
+        if row is None or not row.issued_at_ns:
+            raise NotFound(f"no router key {key_id!r}")
+        if row.revoked_at_ns is None:
+            record(ctx, session, RouterKeyRevoked(key_id=key_id, reason=reason, **_actor(who)))
+            session.commit()
+            session.refresh(row)
     return row
 
 

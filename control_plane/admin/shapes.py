@@ -440,3 +440,46 @@ class TokenPublic(BaseModel):
 
 class TokenCreated(TokenPublic):
     token: str = Field(description="The bearer token. Shown once; only its salted hash is stored.")
+
+
+# -- router API keys ------------------------------------------------------------------------------
+
+
+class RouterKeyCreate(Strict):
+    """A router API key to issue: who it is for, when it stops (never, by default) and its
+    limits on each router replica (none, by default)."""
+
+    name: Name = Field(description="Who or what the key is for; unique among keys that are not revoked.")
+    expires_in_days: int | None = Field(default=None, ge=1, le=3650,
+                                        description="Days the key authenticates from now; omitted: it never expires.")
+    rate_per_s: float | None = Field(default=None, gt=0, le=1_000_000,
+                                     description="Requests per second the key may start (per router replica).")
+    burst: int | None = Field(default=None, ge=1, le=1_000_000,
+                              description="Requests above the rate that may come at once (default: one second's).")
+    max_concurrent: int | None = Field(default=None, ge=1, le=1_000_000,
+                                       description="Requests the key may have in flight (per router replica).")
+
+    @model_validator(mode="after")
+    def _burst_needs_a_rate(self) -> RouterKeyCreate:
+        if self.burst is not None and self.rate_per_s is None:
+            raise ValueError("burst is the size of a rate's bucket: give rate_per_s too")
+        return self
+
+
+class RouterKeyPublic(BaseModel):
+    key_id: str
+    name: str
+    expires_at_ns: int | None = Field(description="Unix ns after which it stops authenticating; null: never.")
+    rate_per_s: float | None
+    burst: int | None
+    max_concurrent: int | None
+    issued_at_ns: int
+    issued_by: str
+    revoked_at_ns: int | None
+    revoked_by: str | None
+    revoke_reason: str
+
+
+class RouterKeyCreated(RouterKeyPublic):
+    key: str = Field(description="The API key (Authorization: Bearer <key> on the router). Shown once: the log and "
+                                 "the store keep only its salted hash.")

@@ -241,7 +241,8 @@ class ChaosSystem:
             self.routers.append(Proc(f"router-{i}", [
                 "router", "--port", str(port), "--router-id", f"{s.topic_prefix}-router-{i}", "--snapshot-every", "1",
                 "--block-size", str(s.block_size), "--queue-max", str(s.queue_max),
-                "--queue-timeout", str(s.queue_timeout_s), "--busy-prefill-tokens", str(s.busy_prefill_tokens)],
+                "--queue-timeout", str(s.queue_timeout_s), "--busy-prefill-tokens", str(s.busy_prefill_tokens),
+                "--no-auth"],
                 env, s.log_dir, port))
         port = free_port()
         self.metrics = Proc("metrics", ["metrics", "run", "--port", str(port), "--processor-id",

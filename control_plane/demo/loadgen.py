@@ -180,9 +180,11 @@ async def run_trace(
     concurrency: int = 1024,
     progress: bool = True,
     id_prefix: str | None = None,
+    api_key: str | None = None,
 ) -> dict:
     """Replay the trace; ``id_prefix`` (default: unique per run) names requests ``<prefix>-<i>``,
-    so a second run against the same log never reuses a request id."""
+    so a second run against the same log never reuses a request id. ``api_key``: the router API
+    key every request carries (a router with auth off takes none)."""
     records = read_mooncake(trace, limit)
     prefix = id_prefix or f"lg-{uuid.uuid4().hex[:8]}"
     prepared = await asyncio.to_thread(prepare, records, block_size=block_size, speedup=speedup,
@@ -196,7 +198,8 @@ async def run_trace(
     endpoint = f"{url.rstrip('/')}/v1/completions"
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0),
-                                 limits=httpx.Limits(max_connections=concurrency)) as client:
+                                 limits=httpx.Limits(max_connections=concurrency),
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None) as client:
         start = time.monotonic()
 
         async def fire(p: Prepared) -> Result:

@@ -41,8 +41,9 @@ def vllm_python() -> str:
     return py
 
 
-def replay(router_url: str, d: Any, echo=print) -> dict:  # noqa: ANN001 - DemoSettings
-    """The trace slice through the router, arrivals compressed by ``d.rate``."""
+def replay(router_url: str, d: Any, echo=print, api_key: str | None = None) -> dict:  # noqa: ANN001 - DemoSettings
+    """The trace slice through the router, arrivals compressed by ``d.rate``; every request
+    carries ``api_key`` (the demo's router key) when there is one."""
     records = read_mooncake(d.trace, d.limit)
     max_out = min(d.max_output, 16)
     prompts = [prompt_of(r, BLOCK, MAX_MODEL_LEN - max_out - 1) for r in records]
@@ -53,7 +54,8 @@ def replay(router_url: str, d: Any, echo=print) -> dict:  # noqa: ANN001 - DemoS
         start = time.monotonic()
         t_first = records[0].timestamp_ms if records else 0
         sem = asyncio.Semaphore(8)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0),
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else None) as client:
             async def fire(i: int) -> Any:
                 delay = (records[i].timestamp_ms - t_first) / 1000 / d.rate - (time.monotonic() - start)
                 if delay > 0:

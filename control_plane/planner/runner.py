@@ -115,56 +115,28 @@ def build_scaler(s: PlannerSettings, config: PlannerConfig, bus: BusSettings, em
 
 
 class AdminFollower:
-    """Folds the ``admin`` stream from its start in a thread; :meth:`current` hands the loop a
+    """Folds the ``admin`` stream from its start in a thread (a
+    :class:`~control_plane.streaming.StreamFollower`); :meth:`current` hands the loop a
     consistent copy."""
 
     def __init__(self, bus: BusSettings, planner_id: str) -> None:
-        from kernel.log.kafka import EventConsumer
+        from control_plane.streaming import StreamFollower
 
         self.inputs = AdminInputs()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._consumer = EventConsumer(bus, ["admin"], assign_all=True, consumer_name=f"{planner_id}.admin")
-        self._thread = threading.Thread(target=self._run, name="admin-follower", daemon=True)
+        # Through self.inputs at each event (a test swaps the inputs before start).
+        self._follower = StreamFollower(bus, ["admin"], f"{planner_id}.admin", lambda env: self.inputs.apply(env))
 
     def start(self) -> AdminFollower:
-        self._thread.start()
+        self._follower.start()
         return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                batch = self._consumer.poll_batch(200, 0.2)
-            except Exception:  # keep following; the broker client reconnects by itself
-                log.exception("admin stream poll failed")
-                self._stop.wait(1.0)
-                continue
-            if batch:
-                with self._lock:
-                    for d in batch:
-                        self._apply(d)
-
-    def _apply(self, d) -> None:
-        """Fold one admin event; one the fold raises on is dead-lettered at once (the fold is
-        in memory and pure: a retry would fail the same way) and the follower goes on."""
-        from kernel.log.fold import apply_failed_reason
-
-        try:
-            changed = self.inputs.apply(d.envelope)
-        except Exception as e:
-            log.exception("admin event %s:%d:%d not applied", d.topic, d.partition, d.offset)
-            self._consumer.dead_letter(d, apply_failed_reason(e), f"{type(e).__name__}: {e}")
-            return
-        if changed:
-            log.info("admin: %s %s by %s", d.envelope.type, d.envelope.key, getattr(d.envelope.data, "actor", "?"))
 
     def positions(self) -> dict[tuple[str, int], int]:
         """Next offset per admin partition: how far the follower has read (poison included)."""
-        return self._consumer.positions()
+        return self._follower.positions()
 
     def current(self, base: PlannerConfig) -> tuple[dict[str, Pin], int, PlannerConfig | None, str]:
         """(pins, config generation, effective config or None if unchanged/invalid, error)."""
-        with self._lock:
+        with self._follower.lock:
             pins = dict(self.inputs.pins)
             gen = self.inputs.generation
             try:
@@ -175,9 +147,7 @@ class AdminFollower:
         return pins, gen, cfg, err
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._consumer.close()
+        self._follower.stop()
 
 
 def run_planner(s: PlannerSettings, bus: BusSettings) -> int:

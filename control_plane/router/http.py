@@ -5,6 +5,13 @@ JSON). Errors are OpenAI-style JSON (``{"error": {"message", "type", "param", "c
 request outside :mod:`control_plane.router.limits` or not understood is a 4xx before it is
 admitted (nothing reaches the log or a worker), no worker is 503. Nothing a client sends raises
 out of a route: a raised exception would be a 500 and cost the client its keep-alive connection.
+
+API keys (:mod:`control_plane.router.keys`): with :attr:`RouterApp.auth` set, the generation
+routes take ``Authorization: Bearer sk-sy_...`` first, before the body is read: a missing,
+invalid, revoked or expired key is a 401, a key over its rate or concurrency a 429 (with
+``Retry-After``). A request holds its key's concurrency slot until its last byte is sent (the
+dependency's exit runs after the response, streamed or not). ``/v1/models``, ``/health``,
+``/metrics`` and ``/router/view`` take no key.
 """
 
 from __future__ import annotations
@@ -15,12 +22,14 @@ import logging
 import re
 import time
 from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -34,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.router.errors import InvalidRequest
+from control_plane.router.keys import Denied, KeyGate, KeyTable, RouterKey
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from kernel.tokenizer import Tokenizer, chat_tokens
@@ -179,6 +189,17 @@ class RouterMetrics:
 
 
 @dataclass
+class RouterAuth:
+    """The router's API keys: the table folded from the log, the per-key limits, the clocks."""
+
+    table: KeyTable
+    gate: KeyGate = field(default_factory=KeyGate)
+    #: Unix ns (expiry is a time on the log) and a monotonic clock in seconds (the limits).
+    clock_ns: Callable[[], int] = time.time_ns
+    monotonic: Callable[[], float] = time.monotonic
+
+
+@dataclass
 class RouterApp:
     """What the routes need; built by :func:`control_plane.router.wiring.build_router`."""
 
@@ -190,6 +211,8 @@ class RouterApp:
     start: Any = None  # async () -> None
     stop: Any = None  # async () -> None
     limits: RequestLimits = RequestLimits()
+    #: API keys on the generation routes; None: auth is off (``--no-auth``, in-process tests).
+    auth: RouterAuth | None = None
 
     def models(self) -> list[str]:
         """The served models: the router's default and every routable worker's."""
@@ -201,6 +224,40 @@ def get_ctx(request: Request) -> RouterApp:
 
 
 Ctx = Annotated[RouterApp, Depends(get_ctx)]
+
+api_key_scheme = HTTPBearer(auto_error=False, scheme_name="ApiKey", bearerFormat="sk-sy_<id>_<secret>",
+                            description="A router API key (an admin issues it: POST /router-keys on the admin API).")
+
+
+class KeyRefused(Exception):
+    """A generation call without a valid key, or over its key's limits."""
+
+    def __init__(self, denied: Denied) -> None:
+        super().__init__(denied.message)
+        self.denied = denied
+
+
+async def api_key(c: Ctx, creds: Annotated[HTTPAuthorizationCredentials | None, Security(api_key_scheme)]
+                  ) -> AsyncIterator[RouterKey | None]:
+    """The caller's key, checked and holding one of its concurrency slots until the response is
+    sent; None when auth is off."""
+    auth = c.auth
+    if auth is None:
+        yield None
+        return
+    got = auth.table.verify(creds.credentials if creds is not None else None, auth.clock_ns())
+    if isinstance(got, Denied):
+        raise KeyRefused(got)
+    over = auth.gate.admit(got, auth.monotonic())
+    if over is not None:
+        raise KeyRefused(over)
+    try:
+        yield got
+    finally:
+        auth.gate.release(got)
+
+
+ApiKey = Annotated[RouterKey | None, Depends(api_key)]
 
 #: Beyond the limit, a body is read and dropped up to this many bytes so the client's
 #: connection stays usable; a larger one is answered and the connection closed.
@@ -253,8 +310,10 @@ def _openapi(model: type[BaseModel], success: str) -> dict:
             "200": {"description": success, "content": {"application/json": {}, "text/event-stream": {}}},
             **{str(code): {"description": why, **refusal} for code, why in (
                 (400, "the request is invalid (the message and param say why)"),
+                (401, "no API key, or one that is invalid, revoked or expired"),
                 (404, "unknown model"), (413, "the body is over the limit"),
-                (429, "over a rate or concurrency limit"), (503, "no worker can take it now"))},
+                (429, "over the key's rate (Retry-After) or concurrency limit, or the router's queue is full"),
+                (503, "no worker can take it now"))},
         },
     }
 
@@ -471,6 +530,13 @@ def create_app(ctx: RouterApp) -> FastAPI:
     async def _invalid(request: Request, exc: InvalidRequest):
         return _refused(exc)
 
+    @app.exception_handler(KeyRefused)
+    async def _key_refused(request: Request, exc: KeyRefused):
+        d = exc.denied
+        status = d.why.status
+        return _error(status, d.message, d.why.value, _error_type(status), d.retry_after_s,
+                      headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
         return _error(exc.status_code, str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(
@@ -479,14 +545,14 @@ def create_app(ctx: RouterApp) -> FastAPI:
     _component_schemas(app)
 
     @app.post("/v1/completions", openapi_extra=_openapi(CompletionRequest, "the completion, or its SSE stream"))
-    async def completions(body: CompletionBody, request: Request, c: Ctx):
+    async def completions(key: ApiKey, body: CompletionBody, request: Request, c: Ctx):
         model = _accepted_model(c, body)
         tokens = await _prompt_tokens(c, body)
         max_tokens = check_generation(tokens, body.max_tokens, c.limits)
         return await _run(c, body, request, tokens, "completions", model, max_tokens, _client_id(c, body, request))
 
     @app.post("/v1/chat/completions", openapi_extra=_openapi(ChatRequest, "the chat completion, or its SSE stream"))
-    async def chat(body: ChatBody, request: Request, c: Ctx):
+    async def chat(key: ApiKey, body: ChatBody, request: Request, c: Ctx):
         model = _accepted_model(c, body)
         tokens = await _chat_tokens(c, body)
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

@@ -160,6 +160,7 @@ class Router:
         metrics=None,
         admission: AdmissionConfig | None = None,
         http: httpx.AsyncClient | None = None,
+        worker_credential: str | None = None,
     ) -> None:
         self.router_id = router_id
         self.view = view
@@ -171,10 +172,13 @@ class Router:
         self.max_attempts = max_attempts
         self._health = health
         self.metrics = metrics
-        #: The worker transport (tests pass a client over ``httpx.MockTransport``).
+        #: The worker transport (tests pass a client over ``httpx.MockTransport``). Every call
+        #: carries the cluster's worker credential when there is one (``worker_credential``:
+        #: the workers' ``/kv/metadata`` and ``/debug/*`` require it).
         self.http = http or httpx.AsyncClient(
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
+            headers={"Authorization": f"Bearer {worker_credential}"} if worker_credential else None,
         )
         self.admission = AdmissionQueue(admission or AdmissionConfig(), self._has_room)
 

@@ -59,6 +59,12 @@ class RouterSettings:
     #: Where workers' endpoints may be: networks or host names (a registration elsewhere is
     #: refused and dead-lettered; control_plane/router/view.py ``EndpointAllowlist``).
     worker_networks: tuple[str, ...] = DEFAULT_WORKER_NETWORKS
+    #: API keys on the generation routes (control_plane/router/keys.py), folded from the admin
+    #: stream. Off only when asked (``--no-auth``, ``SWITCHYARD_ROUTER_AUTH=0``), said loudly.
+    auth: bool = True
+    #: The bearer every call to a worker carries (the cluster's worker credential, a stack
+    #: secret: ``kernel.settings.worker_credential``); None: read it from the secrets dir.
+    worker_credential: str | None = field(default=None, repr=False)
 
 
 def request_limits(s: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
@@ -109,6 +115,11 @@ def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
 
 
 def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
+    from control_plane.router.http import RouterAuth
+    from control_plane.router.keys import KeyTable
+    from control_plane.streaming import StreamFollower
+    from kernel.settings import worker_credential
+
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
     producer = EventProducer(bus, s.router_id)
     config = resolve_router_config(s, bus, producer)
@@ -120,7 +131,17 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config, hash_config=hash_config,
                     health=processor.health, max_attempts=s.max_attempts, read_timeout_s=s.read_timeout_s,
                     connect_timeout_s=s.connect_timeout_s, admission=s.admission,
-                    metrics=metrics)
+                    metrics=metrics, worker_credential=s.worker_credential or worker_credential(bus.secrets_dir))
+    auth: RouterAuth | None = None
+    keys: StreamFollower | None = None
+    if s.auth:
+        auth = RouterAuth(KeyTable())
+        keys = StreamFollower(bus, ["admin"], f"{s.router_id}.keys", auth.table.apply)
+    else:
+        logging.getLogger("switchyard.security").warning(
+            "INSECURE: router %s runs WITHOUT API keys (--no-auth / SWITCHYARD_ROUTER_AUTH=0): anyone who reaches "
+            "%s:%d can send prompts to the workers, with no per-key rate or concurrency limit", s.router_id,
+            s.host, s.port)
 
     async def start() -> None:
         import asyncio
@@ -128,19 +149,30 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
         from control_plane.router.orphans import close_orphans
 
         await asyncio.to_thread(close_orphans, bus, producer)
+        if keys is not None:
+            # Every key the log holds is known before the first request: a new replica never
+            # refuses a key its peers accept.
+            await asyncio.to_thread(keys.start)
+            await asyncio.to_thread(keys.wait_caught_up, 60.0)
         await processor.start()
-        log.info("router %s serving on %s:%d (mode %s, view at %d records)", s.router_id, s.host, s.port,
-                 config.mode, view.applied)
+        log.info("router %s serving on %s:%d (mode %s, view at %d records, %s)", s.router_id, s.host, s.port,
+                 config.mode, view.applied,
+                 f"API keys on: {len(auth.table.keys)} in the log" if auth is not None else "API keys OFF")
 
     async def stop() -> None:
+        import asyncio
+
         await processor.checkpoint()
         await processor.stop()
         await router.close()
+        if keys is not None:
+            await asyncio.to_thread(keys.stop)
         producer.close(10)
 
     tokenizer = build_tokenizer(s.tokenizer)
     return RouterApp(router=router, tokenizer=tokenizer, metrics=metrics, served_model=s.served_model,
-                     health=processor.health, start=start, stop=stop, limits=request_limits(s, tokenizer))
+                     health=processor.health, start=start, stop=stop, limits=request_limits(s, tokenizer),
+                     auth=auth)
 
 
 def run_router(s: RouterSettings, bus: BusSettings) -> None:

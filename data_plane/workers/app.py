@@ -19,6 +19,10 @@ Contract (what the router relies on):
 * ``GET /v1/models``, ``GET /health`` (200 serving, 503 otherwise), ``GET /metrics``
   (Prometheus, vLLM names), ``GET /kv/metadata`` (this worker's NIXL ``EndpointMetadata``
   bytes), ``GET /debug/state`` (what the worker holds; for tests and operators).
+* The private endpoints, ``/kv/metadata``, ``/debug/*`` and ``/admin/*``, require the cluster's
+  worker credential (``Authorization: Bearer <credential>``, a stack secret shared by the
+  routers and workers: :func:`kernel.settings.worker_credential`); without it they answer 401.
+  The routers send it on every call, and a decode worker's peer lookup sends it too.
 """
 
 from __future__ import annotations
@@ -27,12 +31,14 @@ import json
 import logging
 import time
 import uuid
+import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -75,6 +81,25 @@ def get_tokenizer(request: Request) -> Tokenizer:
 
 WorkerDep = Annotated[Worker, Depends(get_worker)]
 TokenizerDep = Annotated[Tokenizer, Depends(get_tokenizer)]
+
+_credential_scheme = HTTPBearer(auto_error=False, scheme_name="WorkerCredential",
+                                description="The cluster's worker credential (the stack secret `worker-endpoint`).")
+
+
+class CredentialRequired(Exception):
+    """A private endpoint called without the cluster's worker credential."""
+
+
+def require_credential(request: Request,
+                       creds: Annotated[HTTPAuthorizationCredentials | None, Security(_credential_scheme)]) -> None:
+    expected: str = request.app.state.credential
+    given = creds.credentials if creds is not None else ""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise CredentialRequired()
+
+
+#: What a private route declares: it needs the worker credential.
+Private = [Depends(require_credential)]
 
 
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -136,10 +161,15 @@ async def _sse(run: Run, model: str, include_usage: bool, tokenizer: Tokenizer) 
         await it.aclose()  # type: ignore[attr-defined]
 
 
-def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
+def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential: str) -> FastAPI:
+    """``credential``: the bearer the private endpoints require (never empty: an empty one
+    would let every caller in)."""
+    if not credential:
+        raise ValueError("the worker's private endpoints need a credential (kernel.settings.worker_credential)")
     app = FastAPI(title=f"Switchyard worker {worker.worker_id}", docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.state.tokenizer = tokenizer or HashTokenizer()
+    app.state.credential = credential
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,6 +186,12 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
         msg = "; ".join(f"{where(e)}: {e.get('msg')}" for e in errors[:5]) or "invalid request body"
         param = where(errors[0]) if errors else None
         return JSONResponse(error_body(msg, "invalid_request_error", 400, param), 400)
+
+    @app.exception_handler(CredentialRequired)
+    async def _no_credential(_request: Request, exc: CredentialRequired) -> JSONResponse:
+        return JSONResponse(error_body("this endpoint needs the cluster's worker credential "
+                                       "(Authorization: Bearer <the stack secret worker-endpoint>)",
+                                       "authentication_error", 401), 401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(WorkerError)
     async def _worker_error(_request: Request, exc: WorkerError) -> JSONResponse:
@@ -212,13 +248,13 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
         m.set_kv_moves(await worker.kvbm.stats(), ob.loaded if ob else {}, ob.fallbacks if ob else {})
         return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/kv/metadata")
+    @app.get("/kv/metadata", dependencies=Private)
     async def kv_metadata(worker: WorkerDep) -> Response:
         md = worker.plane.metadata()
         return Response(md.encode(), media_type="application/msgpack",
                         headers={"X-Nixl-Agent": md.agent_name})
 
-    @app.post("/admin/reset_prefix_cache")
+    @app.post("/admin/reset_prefix_cache", dependencies=Private)
     async def reset_prefix_cache(worker: WorkerDep) -> JSONResponse:
         """Real engines only (vLLM): empty the device prefix cache; the engine's own
         AllBlocksCleared event tells the index."""
@@ -227,7 +263,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
             return JSONResponse(error_body("this engine has no prefix-cache reset", "invalid_request_error", 400), 400)
         return JSONResponse({"reset": await reset()})
 
-    @app.post("/admin/kv_bridge/{action}")
+    @app.post("/admin/kv_bridge/{action}", dependencies=Private)
     async def kv_bridge(action: str, worker: WorkerDep, from_seq: int | None = None) -> JSONResponse:
         """Real engines only (vLLM): ``stop`` or ``start`` the KV event bridge (``start``
         takes ``from_seq``: a bridge that lost its position fills the gap from vLLM's replay
@@ -241,7 +277,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None) -> FastAPI:
         except RuntimeError as e:
             return JSONResponse(error_body(str(e), "invalid_request_error", 409), 409)
 
-    @app.get("/debug/state")
+    @app.get("/debug/state", dependencies=Private)
     async def debug_state(worker: WorkerDep) -> dict[str, Any]:
         return await worker.debug_state()
 

@@ -5,7 +5,7 @@ First choice: the log. Every worker publishes its :class:`EndpointMetadata` in
 whose ``sy-type`` header says WorkerRegistered or WorkerDeregistered are decoded) and keeps them
 by agent name. Fallback, for a peer registered after we last polled: its side channel,
 ``GET http://<remote_host>:<remote_port>/kv/metadata`` (raw :meth:`EndpointMetadata.encode`
-bytes). Either way the agent name must be the one the handoff names: a prefill worker that
+bytes, behind the cluster's worker credential, which the lookup sends). Either way the agent name must be the one the handoff names: a prefill worker that
 restarted is a new agent and the old handoff's blocks are gone.
 """
 
@@ -29,8 +29,10 @@ class PeerDirectory:
     """``on_forget(agent_name)`` runs (in the follower thread) when an agent's worker
     deregistered or re-registered as a new incarnation, so the endpoint can drop the peer."""
 
-    def __init__(self, on_forget: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_forget: Callable[[str], None] | None = None, credential: str | None = None) -> None:
         self._on_forget = on_forget
+        #: The bearer a peer's side channel requires (the cluster's worker credential).
+        self._headers = {"Authorization": f"Bearer {credential}"} if credential else {}
         self._by_agent: dict[str, EndpointMetadata] = {}
         #: worker id -> its current agent name (to forget it on deregistration).
         self._agent_of: dict[str, str] = {}
@@ -62,7 +64,7 @@ class PeerDirectory:
         if not host or not port:
             raise PeerLost(f"no metadata for {agent_name!r} in the log and no side channel given")
         try:
-            r = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s)
+            r = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s, headers=self._headers)
             r.raise_for_status()
             md = EndpointMetadata.decode(r.content)
         except (httpx.HTTPError, InvalidTransfer) as e:

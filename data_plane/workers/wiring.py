@@ -43,7 +43,7 @@ from data_plane.workers.service import Worker
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import TransferPlane
 from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from kernel.settings import BusSettings, worker_credential
 from kernel.tokenizer import HashTokenizer
 from schemas.events import AllBlocksCleared, BlockStored, WorkerRegistered
 from schemas.types import Tier, WorkerRole
@@ -66,8 +66,9 @@ def _log_offload_error(fut) -> None:  # noqa: ANN001 - concurrent.futures.Future
         log.error("offloading an evicted block failed: %r", exc)
 
 
-async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str) -> Worker:
-    """Steps 2-6 of the module docstring; returns a worker ready to :meth:`Worker.start`."""
+async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str, credential: str | None = None) -> Worker:
+    """Steps 2-6 of the module docstring; returns a worker ready to :meth:`Worker.start`.
+    ``credential``: the cluster's worker credential its peer lookups send."""
     wid = s.worker_id
     history = await asyncio.to_thread(read_own_history, bus, wid) if s.read_history else OwnHistory()
     epoch = next_epoch(time.time_ns() // 1_000_000, history.last_epoch)
@@ -161,7 +162,7 @@ async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str) -
                           tiers=tiers)
         engine = AsyncEngine(core, speedup=s.speedup, sink=producer)
         device_blocks, engine_name = profile.num_device_blocks, profile.name
-    peers = PeerDirectory(on_forget=plane.endpoint.remove_peer)
+    peers = PeerDirectory(on_forget=plane.endpoint.remove_peer, credential=credential)
     if s.role is not WorkerRole.PREFILL:
         peers.follow(bus)
 
@@ -213,8 +214,9 @@ async def _main(s: WorkerSettings, bus: BusSettings) -> int:
         log.error("cannot listen on %s:%d: %s", s.host, s.port, e)
         return 1
     endpoint_url = f"http://{s.host}:{sock.getsockname()[1]}"
-    worker = await build_worker(s, bus, endpoint_url)
-    server = _Server(uvicorn.Config(create_app(worker, HashTokenizer()), log_level="warning",
+    credential = worker_credential(bus.secrets_dir)
+    worker = await build_worker(s, bus, endpoint_url, credential)
+    server = _Server(uvicorn.Config(create_app(worker, HashTokenizer(), credential=credential), log_level="warning",
                                     access_log=False, lifespan="off"))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None

@@ -342,3 +342,55 @@ def test_cli_pin_needs_a_token_and_records_its_name(env: Env, served: str, tmp_p
     assert (_pins(env)[-1].replicas, _pins(env)[-1].reason, _pins(env)[-1].actor) == (None, "over", "operator-1")
     same = _cli(served, "pin", "default", "3", "--actor", "operator-1", token=env.tokens["operator"])
     assert same.exit_code == 0 and "deprecated" in same.output
+
+
+# -- router API keys ------------------------------------------------------------------------------
+
+
+def test_router_keys_are_issued_and_revoked_by_admins_as_events_without_the_secret(env: Env) -> None:
+    """POST /router-keys (admin only) returns the key once; the event carries its id, salt, hash,
+    expiry and limits, never the secret; the routers' fold of those events accepts the key, then
+    refuses it once DELETE /router-keys/{id} recorded its revocation."""
+    from control_plane.router.keys import KeyTable, Refusal, RouterKey
+
+    c, admin = env.client, env.h("admin")
+    body = {"name": "chat-frontend", "expires_in_days": 2, "rate_per_s": 5, "burst": 10, "max_concurrent": 3}
+    for role in ("viewer", "operator"):
+        assert c.post("/router-keys", json=body, headers=env.h(role)).status_code == 403
+        assert c.get("/router-keys", headers=env.h(role)).status_code == 403
+    assert c.post("/router-keys", json=body).status_code == 401
+    r = c.post("/router-keys", json=body, headers=admin)
+    assert r.status_code == 201, r.text
+    made = r.json()
+    key, key_id = made["key"], made["key_id"]
+    assert key.startswith(f"sk-sy_{key_id}_") and made["expires_at_ns"] == int((T0 + 2 * DAY) * 1e9)
+    assert (made["rate_per_s"], made["burst"], made["max_concurrent"], made["issued_by"]) == (5.0, 10, 3, "admin-1")
+    # A second live key of that name is a conflict; bad limits are a 422 with the reason.
+    assert c.post("/router-keys", json=body, headers=admin).status_code == 409
+    bad = c.post("/router-keys", json={"name": "b", "burst": 4}, headers=admin)
+    assert bad.status_code == 422 and "rate_per_s" in bad.json()["error"]["message"]
+    assert c.post("/router-keys", json={"name": "z", "rate_per_s": 0}, headers=admin).status_code == 422
+
+    [issued] = [e.env for e in env.events.events if e.env.type == "RouterKeyIssued"]
+    assert key.split("_", 2)[2] not in repr(issued.data) and issued.data.actor == "admin-1"
+    assert (issued.key, issued.data.key_id, issued.data.rate_per_s) == (f"router-key:{key_id}", key_id, 5.0)
+    table = KeyTable()
+    for e in env.events.events:
+        table.apply(e.env)
+    assert isinstance(table.verify(key, int(T0 * 1e9)), RouterKey)
+
+    listed = c.get("/router-keys", headers=admin).json()
+    assert [k["key_id"] for k in listed["items"]] == [key_id] and "key" not in listed["items"][0]
+    assert c.delete("/router-keys/0badcafe", headers=admin).status_code == 404
+    assert c.delete(f"/router-keys/{key_id}", headers=env.h("operator")).status_code == 403
+    gone = c.delete(f"/router-keys/{key_id}", params={"reason": "leaked"}, headers=admin)
+    assert gone.status_code == 200 and gone.json()["revoke_reason"] == "leaked" and gone.json()["revoked_by"] == "admin-1"
+    assert c.delete(f"/router-keys/{key_id}", headers=admin).status_code == 200  # again: no second event
+    assert [e.env.type for e in env.events.events].count("RouterKeyRevoked") == 1
+    for e in env.events.events[-1:]:
+        table.apply(e.env)
+    assert table.verify(key, int(T0 * 1e9)).why is Refusal.REVOKED
+    assert c.get("/router-keys", headers=admin).json()["items"] == []
+    assert len(c.get("/router-keys", params={"include_revoked": True}, headers=admin).json()["items"]) == 1
+    # The name is free again once its key is revoked.
+    assert c.post("/router-keys", json={"name": "chat-frontend"}, headers=admin).status_code == 201

@@ -47,9 +47,12 @@ class Procs:
         _wait_http(f"http://127.0.0.1:{port}/health")
         return p, port
 
-    def router(self, port: int, rid: str = "r-test") -> subprocess.Popen:
+    def router(self, port: int, rid: str = "r-test", *extra: str) -> subprocess.Popen:
+        """A router; without ``extra``, with API keys off (what these tests are about is
+        routing; tests/integration/test_router_keys.py is about the keys)."""
+        extra = extra or ("--no-auth",)
         p = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "router", "--port", str(port),
-                              "--router-id", rid, "--snapshot-every", "1"], env=self.env,
+                              "--router-id", rid, "--snapshot-every", "1", *extra], env=self.env,
                              stdout=self.log, stderr=subprocess.STDOUT)
         self.procs.append(p)
         return p

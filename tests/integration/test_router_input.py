@@ -1,7 +1,8 @@
 """Input that cannot hurt (issue 14, item 4): every bad request an attacker sent the router is
 answered with an OpenAI-style 4xx that says why, over a keep-alive connection that stays usable;
 the router's health stays EXACT and the worker's state (registry entry, ledger, failures on
-the log) does not change.
+the log) does not change. The router runs with API keys on, and every request here carries a
+valid key: what is under test is the input, past the key check.
 
 Real HTTP on both sides: the router's FastAPI app and a fake worker, each served by uvicorn on a
 local port; the router's log is a ``MemorySink`` (no broker). The client is the official
@@ -27,15 +28,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from control_plane.router import RouterConfig
 from control_plane.router.health import assess
-from control_plane.router.http import RouterApp, RouterMetrics, create_app
+from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics, create_app
+from control_plane.router.keys import KEY_PREFIX, KeyTable
 from control_plane.router.limits import RequestLimits
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState
+from kernel import bearer
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.sink import MemorySink
 from kernel.net import free_port
 from kernel.tokenizer import HashTokenizer
-from schemas.events import RequestAdmitted, RequestFailed, RequestRejected, RequestRouted
+from schemas import EnvelopeFactory
+from schemas.events import RequestAdmitted, RequestFailed, RequestRejected, RequestRouted, RouterKeyIssued
 from tests.support.waits import wait_for
 
 MODEL = "switchyard-sim"
@@ -110,6 +114,7 @@ class Stack:
     worker_calls: list[dict]
     url: str
     http: httpx.Client
+    key: str
     ports: set[int] = field(default_factory=set)
 
     def post(self, path: str, body: dict | None = None, content: bytes | None = None, **kw) -> httpx.Response:
@@ -121,7 +126,7 @@ class Stack:
         return r
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, http_client=self.http)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0, http_client=self.http)
 
     def worker(self) -> WorkerState:
         return self.router.view.workers["w-0"]
@@ -146,11 +151,15 @@ def stack() -> Iterator[Stack]:
 
         router = Router(router_id="r-input", view=view, producer=sink, config=RouterConfig(),
                         hash_config=HashConfig(HashAlgo.SHA256, 16), health=health, max_attempts=3)
+        keys, issued = KeyTable(), bearer.issue(KEY_PREFIX)
+        keys.apply(EnvelopeFactory("admin-api", 1, time.time_ns).wrap(RouterKeyIssued(
+            actor="test", key_id=issued.id, name="input-tests", salt=issued.salt, key_hash=issued.hash)))
         ctx = RouterApp(router=router, tokenizer=HashTokenizer(), metrics=RouterMetrics(), served_model=MODEL,
-                        health=health, stop=router.close, limits=RequestLimits())
+                        health=health, stop=router.close, limits=RequestLimits(), auth=RouterAuth(keys))
         with Served(create_app(ctx)) as served:
-            with httpx.Client(base_url=served.url, timeout=60, limits=httpx.Limits(max_connections=1)) as http:
-                yield Stack(router, sink, ctx, calls, served.url, http)
+            with httpx.Client(base_url=served.url, timeout=60, limits=httpx.Limits(max_connections=1),
+                              headers={"Authorization": f"Bearer {issued.plain}"}) as http:
+                yield Stack(router, sink, ctx, calls, served.url, http, issued.plain)
 
 
 def assert_unhurt(s: Stack, worker_calls: int) -> None:
@@ -369,7 +378,7 @@ def test_schemathesis_against_the_openai_api_finds_no_5xx_and_hurts_nothing(stac
 
     schema = schemathesis.openapi.from_url(f"{stack.url}/openapi.json")
     failures, seen = run_schemathesis(schema, [not_a_server_error], call=openai_error_body, default_examples=40,
-                                      timeout=60)
+                                      timeout=60, headers={"Authorization": f"Bearer {stack.key}"})
     assert not failures, "\n\n".join(failures)
     generation = {k: n for k, n in seen.items() if k[1].startswith("/v1/") and k[0] == "POST"}
     # Both generation routes were reached, and some generated requests were served in full.

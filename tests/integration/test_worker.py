@@ -92,9 +92,18 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):
         assert name in metrics, name
     assert 'vllm:prefix_cache_hits_total{engine="w-api",model_name="switchyard-sim"} 48.0' in metrics
-    side = EndpointMetadata.decode(httpx.get(f"{worker.url}/kv/metadata").content)
+    side = EndpointMetadata.decode(httpx.get(f"{worker.url}/kv/metadata", headers=worker.credential()).content)
     epoch = worker.state()["epoch"]
     assert side.agent_name == f"w-api:{epoch}"
+    # The private endpoints need the cluster's worker credential: without it, or with another
+    # secret, 401 (an OpenAI-shaped error), whatever the method's input.
+    private = [("GET", "/kv/metadata"), ("GET", "/debug/state"), ("POST", "/admin/reset_prefix_cache"),
+               ("POST", "/admin/kv_bridge/stop")]
+    for method, path in private:
+        for headers in ({}, {"Authorization": "Bearer not-the-credential"}, {"Authorization": "Basic eDp5"}):
+            r = httpx.request(method, f"{worker.url}{path}", headers=headers, timeout=10)
+            assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
 
     # SIGTERM while a stream is in flight: /health turns 503, new requests are refused, the
     # stream still finishes, then the process exits 0. (600 tokens: the stream must outlast the

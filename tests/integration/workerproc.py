@@ -17,7 +17,7 @@ import httpx
 from kernel.log.catalog import Catalog
 from kernel.log.reader import KafkaLogReader, scan_events
 from kernel.net import free_port
-from kernel.settings import BusSettings
+from kernel.settings import BusSettings, worker_credential
 from schemas import Envelope
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,8 +92,12 @@ class WorkerProc:
         path = self.log_path
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
+    def credential(self) -> dict[str, str]:
+        """The header the worker's private endpoints (``/kv/metadata``, ``/debug/*``) require."""
+        return {"Authorization": f"Bearer {worker_credential(self.bus.secrets_dir)}"}
+
     def state(self) -> dict:
-        return httpx.get(f"{self.url}/debug/state", timeout=5).json()
+        return httpx.get(f"{self.url}/debug/state", timeout=5, headers=self.credential()).json()
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None

@@ -87,7 +87,7 @@ def start_router(procs, port: int, rid: str, mode: str = "kv"):  # noqa: ANN001,
 
     p = subprocess.Popen([sys.executable, "-m", "switchyard.cli", "router", "--port", str(port),
                           "--router-id", rid, "--mode", mode, "--block-size", str(BLOCK), "--hash-algo", "sha256",
-                          "--snapshot-every", "5"], env=procs.env, stdout=procs.log, stderr=subprocess.STDOUT)
+                          "--snapshot-every", "5", "--no-auth"], env=procs.env, stdout=procs.log, stderr=subprocess.STDOUT)
     procs.procs.append(p)
     return p
 

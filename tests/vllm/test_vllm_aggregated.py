@@ -178,17 +178,17 @@ def test_bridge_restarts_lose_nothing(agg, vbus: BusSettings) -> None:
         want = {int(h) for h in hash_blocks(prompt[: len(prompt) // BLOCK * BLOCK], HASH)}
         return want <= {int(h) for ev in _stored(vbus, w.worker_id) for h in ev.block_hashes}
 
-    assert httpx.post(f"{w.url}/admin/kv_bridge/stop", timeout=30).status_code == 200
+    assert httpx.post(f"{w.url}/admin/kv_bridge/stop", timeout=30, headers=w.credential()).status_code == 200
     lost = vllm_prompt(50, 5 * BLOCK + 1)
     assert httpx.post(f"{w.url}/v1/completions", json={"prompt": lost, "max_tokens": 1}, timeout=120).status_code == 200
-    assert httpx.post(f"{w.url}/admin/kv_bridge/start", timeout=30).status_code == 200
+    assert httpx.post(f"{w.url}/admin/kv_bridge/start", timeout=30, headers=w.credential()).status_code == 200
     wait_for(lambda: bridged(1), timeout=60, interval=0.2, what="a batch through the restarted bridge")
     wait_for(lambda: in_log(lost), timeout=30, what="the batch published while the bridge was down")
     st = w.state()["vllm"]["bridge"]
     assert st["incarnations"] == 2 and st["gaps"] == 0 and st["resyncs"] == 0
 
-    assert httpx.post(f"{w.url}/admin/kv_bridge/stop", timeout=30).status_code == 200
-    assert httpx.post(f"{w.url}/admin/kv_bridge/start?from_seq=0", timeout=30).status_code == 200
+    assert httpx.post(f"{w.url}/admin/kv_bridge/stop", timeout=30, headers=w.credential()).status_code == 200
+    assert httpx.post(f"{w.url}/admin/kv_bridge/start?from_seq=0", timeout=30, headers=w.credential()).status_code == 200
     wait_for(lambda: bridged(2), timeout=60, interval=0.2, what="batches through the bridge that lost its position")
     st = w.state()["vllm"]["bridge"]
     assert st["incarnations"] == 3 and st["gaps"] >= 1 and st["replays"] >= 1

@@ -9,7 +9,8 @@ return plain dicts. :mod:`control_plane.admin.audit.store` turns them into batch
   epoch rules as :class:`control_plane.router.view.RouterView`: an older incarnation's events
   never overwrite a newer one's state).
 * :func:`counter_of` -- which per-worker counter a request event increments.
-* :func:`fold_pool`, :func:`config_row` -- pools and config versions from the ``admin`` stream.
+* :func:`fold_pool`, :func:`config_row`, :func:`fold_router_key` -- pools, config versions and
+  router API keys from the ``admin`` stream.
 
 Each fold dispatches on the payload's type through one table (type -> handler), as
 :mod:`control_plane.metrics.projection` does: what an event type does to a table is one entry,
@@ -42,6 +43,8 @@ from schemas.events import (
     RequestFailed,
     RequestRouted,
     RouterConfigChanged,
+    RouterKeyIssued,
+    RouterKeyRevoked,
     WorkerDeregistered,
     WorkerDraining,
     WorkerDrainRequested,
@@ -312,6 +315,45 @@ def config_row(env: Envelope[Event]) -> tuple[str, Row] | None:
     return kind, {"version": ev.config_version, "config": scrub_nul(msgspec.to_builtins(ev.config)),
                   "created_at_ns": env.occurred_at_ns, "created_by": _clip(ev.actor, 128),
                   "actor_role": (ev.actor_role or "")[:16], "event_id": env.event_id[:64]}
+
+
+def new_router_key(key_id: str) -> Row:
+    return {"key_id": key_id, "name": "", "expires_at_ns": None, "rate_per_s": None, "burst": None,
+            "max_concurrent": None, "issued_at_ns": 0, "issued_by": "", "revoked_at_ns": None, "revoked_by": None,
+            "revoke_reason": "", "last_event_id": ""}
+
+
+def fold_router_key(row: Row | None, env: Envelope[Event]) -> Row | None:
+    """The ``router_keys`` row after ``env``; the same rules as the routers' key table
+    (:class:`control_plane.router.keys.KeyTable`): the first issue of an id wins, a revoked id
+    stays revoked."""
+    ev = env.data
+    apply = _ROUTER_KEY_FOLDS.get(type(ev))
+    if apply is None:
+        return None
+    out = dict(row) if row is not None else new_router_key(ev.key_id)
+    return out if apply(out, env, ev) else None
+
+
+def _router_key_issued(out: Row, env: Envelope[Event], ev: RouterKeyIssued) -> bool:
+    if out["issued_at_ns"]:
+        return False
+    out.update(name=_clip(ev.name, 128), expires_at_ns=ev.expires_at_ns, rate_per_s=ev.rate_per_s, burst=ev.burst,
+               max_concurrent=ev.max_concurrent, issued_at_ns=env.occurred_at_ns or 1,
+               issued_by=_clip(ev.actor, 128), last_event_id=env.event_id[:64])
+    return True
+
+
+def _router_key_revoked(out: Row, env: Envelope[Event], ev: RouterKeyRevoked) -> bool:
+    if out["revoked_at_ns"] is not None:
+        return False
+    out.update(revoked_at_ns=env.occurred_at_ns, revoked_by=_clip(ev.actor, 128),
+               revoke_reason=_clip(ev.reason, 512), last_event_id=env.event_id[:64])
+    return True
+
+
+_ROUTER_KEY_FOLDS: dict[type[Event], Callable[[Row, Envelope[Event], Any], bool]] = {
+    RouterKeyIssued: _router_key_issued, RouterKeyRevoked: _router_key_revoked}
 
 
 def _enum(v) -> str:

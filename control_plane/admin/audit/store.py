@@ -5,7 +5,8 @@
 1. inserts their ``audit_events`` rows with ``INSERT ... ON CONFLICT (event_id) DO NOTHING
    RETURNING event_id`` (PostgreSQL and SQLite alike), which says exactly which events are new;
 2. folds only the new ones into ``workers``, ``worker_incarnations``, ``pools``,
-   ``router_configs`` and ``planner_configs`` (so a redelivered event never counts twice);
+   ``router_configs``, ``planner_configs`` and ``router_keys`` (so a redelivered event never
+   counts twice);
 3. advances ``audit_positions``.
 
 The caller commits. The audit consumer commits once per batch; the API commits right after it
@@ -31,6 +32,7 @@ from control_plane.admin.audit.projection import (
     counter_of,
     fold_incarnation,
     fold_pool,
+    fold_router_key,
     fold_worker,
     new_worker,
 )
@@ -39,12 +41,13 @@ from control_plane.admin.db.models import (
     AuditEvent,
     AuditPosition,
     Pool,
+    RouterKeyRow,
     Worker,
     WorkerIncarnation,
     utcnow,
 )
 from schemas import Envelope
-from schemas.events import Event
+from schemas.events import Event, RouterKeyIssued, RouterKeyRevoked
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +191,7 @@ class AuditStore:
         workers.preload({w.worker_id: w for w in stored}, worker_ids)
         incarnations = _Rows(session, WorkerIncarnation)
         pools = _Rows(session, Pool)
+        keys = _Rows(session, RouterKeyRow)
 
         for env in envs:
             ev = env.data
@@ -203,6 +207,8 @@ class AuditStore:
             pool = getattr(ev, "pool", None)
             if pool is not None:
                 pools.fold(pool, fold_pool, env)
+            if isinstance(ev, (RouterKeyIssued, RouterKeyRevoked)):
+                keys.fold(ev.key_id, fold_router_key, env)
             cfg = config_row(env)
             if cfg is not None:
                 kind, row = cfg
@@ -212,7 +218,7 @@ class AuditStore:
                     log.warning("%s config v%d recorded twice (event %s); keeping the first", kind,
                                 row["version"], row["event_id"])
 
-        for rows in (workers, incarnations, pools):
+        for rows in (workers, incarnations, pools, keys):
             rows.write()
         session.flush()
 

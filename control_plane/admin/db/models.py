@@ -6,7 +6,8 @@ Two kinds of tables:
   ``audit_events`` (every event, keyed by event id), ``audit_positions`` (how far the audit
   consumer got, committed in the same transaction as the rows), ``workers`` and
   ``worker_incarnations`` (the registry and load view), ``pools``, ``router_configs``,
-  ``planner_configs`` (folded from the ``admin`` stream: every change is an event first).
+  ``planner_configs``, ``router_keys`` (folded from the ``admin`` stream: every change is an
+  event first).
 * **Local state** that does not belong in the log: ``api_tokens`` (salted hashes; a secret must
   never reach a forever-retained topic; creating and revoking one is still an event), and
   ``replay_jobs`` / ``replay_results``.
@@ -210,6 +211,27 @@ class PlannerConfigVersion(ConfigVersionColumns, Base):
 #: The version table of each config kind (the ``/{kind}-config`` routes, the store's fold).
 CONFIG_TABLES: dict[str, type[RouterConfigVersion] | type[PlannerConfigVersion]] = {
     "router": RouterConfigVersion, "planner": PlannerConfigVersion}
+
+
+class RouterKeyRow(Base):
+    """A router API key as the log states it (``RouterKeyIssued``, ``RouterKeyRevoked``): what
+    an admin lists and revokes. Not its salt or hash: the routers verify keys from the log, the
+    admin store only says which exist."""
+
+    __tablename__ = "router_keys"
+
+    key_id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    expires_at_ns: Mapped[int | None] = mapped_column(BigInteger)
+    rate_per_s: Mapped[float | None] = mapped_column(Float)
+    burst: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
+    issued_at_ns: Mapped[int] = mapped_column(BigInteger, default=0)
+    issued_by: Mapped[str] = mapped_column(String(128), default="")
+    revoked_at_ns: Mapped[int | None] = mapped_column(BigInteger)
+    revoked_by: Mapped[str | None] = mapped_column(String(128))
+    revoke_reason: Mapped[str] = mapped_column(String(512), default="")
+    last_event_id: Mapped[str] = mapped_column(String(64), default="")
 
 
 # -- local state ---------------------------------------------------------------------------------
