@@ -31,6 +31,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "planner_kill",  # kill -9 the planner replica holding the leader lease; restart it
     "prefill_kill",  # kill -9 one prefill worker; restart it with its id and data dir
     "decode_kill",   # kill -9 one decode worker; restart it
+    "disk_full",     # fill the filesystem under one worker's KV disk tier (ENOSPC), then free it
 )
 
 BROKER_FAULTS = frozenset({"broker_kill", "broker_hang"})
@@ -58,6 +59,8 @@ class PlanConfig:
     overload_factor: float = 8.0
     #: How long a hung broker stays stopped.
     hang_s: float = 6.0
+    #: How long a worker's KV disk tier stays full.
+    disk_full_s: float = 8.0
     #: The brokers' session timeout (control_plane/stack/kafka.py:
     #: BROKER_SESSION_TIMEOUT_MS; tests/unit/test_chaos_plan.py holds the two equal).
     session_timeout_s: float = 1.5

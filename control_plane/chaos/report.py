@@ -52,6 +52,8 @@ class FaultRecord:
     failover_s: float | None = None
     #: Planner: kill of the leader -> another replica holds the lease.
     takeover_s: float | None = None
+    #: Disk full: block writes the worker's disk tier refused while it was full (ENOSPC).
+    refused_writes: int | None = None
     recovered: bool = False
     error: str = ""
 
@@ -136,6 +138,8 @@ class ChaosReport:
         for f in self.faults:
             extra = "".join(f", {k.removesuffix('_s')} {f[k]:.2f} s" for k in ("failover_s", "takeover_s")
                             if f.get(k) is not None)
+            if f.get("refused_writes") is not None:
+                extra += f", {f['refused_writes']} writes refused"
             state = f"recovery {f['recovery_s']:.1f} s" if f["recovered"] else f"NOT RECOVERED: {f['error'][:120]}"
             lines.append(f"fault      {f['kind']:13s} {f['target']:12s} at {f['at_s']:6.1f} s  {state}{extra}")
         lines.append(f"ledger     {self.ledger}")

@@ -324,6 +324,35 @@ class Runner:
             raise ChaosError(f"no produce acknowledged within 60 s of the stop of broker {leader}")
 
 
+    def disk_full(self, f: FaultAt, rec: FaultRecord) -> None:
+        """Fill the filesystem under one worker's disk tier for ``disk_full_s`` under load: its
+        demotions to disk are refused (ENOSPC) and dropped, never claimed; once the ballast is
+        deleted, a block is written to that disk again (the recovery)."""
+        if self.system.disk_error is not None:
+            raise ChaosError(f"not injected: no small filesystem could be mounted: {self.system.disk_error}")
+        # A prefill worker: every prompt's KV lands there first, so its device keeps evicting.
+        pool = self.system.prefill or self.system.workers
+        w = pool[f.pick % len(pool)]
+        disk = self.system.disks[w.name]
+        rec.target = w.name
+        # The tier in use first (the device has filled and evicts to it), else nothing to refuse.
+        wait(lambda: self.system.disk_counts(w)[1] > 0, RECOVERY_TIMEOUT_S,
+             f"{w.name}'s first block written to its disk tier")
+        refused0, _ = self.system.disk_counts(w)
+        rec.at_s = self.now()
+        disk.fill()
+        t_end = rec.at_s + self.plan.config.disk_full_s
+        self.sleep_until(t_end)
+        refused, written = self.system.disk_counts(w)
+        disk.free()
+        rec.refused_writes = max(0, refused - refused0)
+        if rec.refused_writes == 0:
+            raise ChaosError(f"the full disk of {w.name} refused no write in {self.plan.config.disk_full_s:g} s: "
+                             "no block reached its disk tier, the fault did not bite")
+        wait(lambda: self.system.disk_counts(w)[1] > written, RECOVERY_TIMEOUT_S,
+             f"a block written to {w.name}'s disk tier once its space came back")
+
+
 _HANDLERS: dict[str, Callable[[Runner, FaultAt, FaultRecord], None]] = {
     "broker_kill": Runner.broker_kill,
     "broker_hang": Runner.broker_hang,
@@ -332,6 +361,7 @@ _HANDLERS: dict[str, Callable[[Runner, FaultAt, FaultRecord], None]] = {
     "planner_kill": Runner.planner_kill,
     "prefill_kill": Runner.prefill_kill,
     "decode_kill": Runner.decode_kill,
+    "disk_full": Runner.disk_full,
 }
 
 
@@ -369,7 +399,8 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
     prefix = f"chaos{uuid.uuid4().hex[:6]}"
     state_dir = settings.state_dir or report_dir / "state"
     topo = settings.topology
-    system = ChaosSystem(SystemSettings(state_dir=state_dir, report_dir=report_dir, topology=topo, topic_prefix=prefix))
+    system = ChaosSystem(SystemSettings(state_dir=state_dir, report_dir=report_dir, topology=topo, topic_prefix=prefix,
+                                        small_disks="disk_full" in plan.config.faults))
     echo(f"plan: seed {plan.config.seed}, {len(plan.faults)} faults "
          f"({', '.join(f'{f.kind}@{f.at_s:.0f}s' for f in plan.faults)}), "
          + (f"overload x{plan.overload.factor:g} at {plan.overload.start_s:.0f}-{plan.overload.end_s:.0f} s"

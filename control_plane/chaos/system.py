@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from control_plane.chaos.errors import ChaosError
 from control_plane.settings import StackSettings
 from control_plane.stack.kafka import KafkaNode, KafkaService
@@ -81,6 +82,15 @@ class SystemSettings:
     lease_ttl_ms: int = 2000
     kafka_heap: str = "384m"
     secrets_dir: Path | None = None
+    #: Mount a small filesystem under every worker's KV disk tier, so that the disk_full fault
+    #: can fill it (root only; see control_plane/chaos/diskfill.py).
+    small_disks: bool = False
+    #: Size of each. The tier's capacity is then ``small_disk_blocks`` (half of it): a run never
+    #: fills it, so no write has to evict a block first, and every write the ballast's ENOSPC
+    #: refuses is a write that would have landed. (Without small disks: 64 blocks, which the
+    #: load fills, so the tier's removals are exercised.)
+    small_disk_bytes: int = 256 * 1024 * 1024
+    small_disk_blocks: int = 8192
 
     @property
     def ledger_dir(self) -> Path:
@@ -185,6 +195,10 @@ class ChaosSystem:
     decode: list[Proc] = field(default_factory=list)
     planners: list[Proc] = field(default_factory=list)
     metrics: Proc | None = None
+    #: Each worker's small filesystem under its disk tier (``small_disks``), by worker name.
+    disks: dict[str, SmallDisk] = field(default_factory=dict)
+    #: Why no small filesystem could be mounted (the disk_full fault is then not injected).
+    disk_error: str | None = None
 
     def __post_init__(self) -> None:
         s = self.s
@@ -198,6 +212,33 @@ class ChaosSystem:
                                ack_ledger_dir=str(s.ledger_dir), **kw)
 
     # -- layout -----------------------------------------------------------------------------
+
+    def _kv_blocks(self, small_disk: bool) -> list[str]:
+        """The workers' KV capacities. With a small disk, an eighth of the device blocks (the
+        load's prompts are 8 blocks, one of them unique): the device evicts to disk after about
+        120 requests, so the disk_full fault has writes to refuse."""
+        if small_disk:
+            return ["--device-blocks", "128", "--disk-blocks", str(self.s.small_disk_blocks)]
+        return ["--device-blocks", "1024", "--disk-blocks", "64"]
+
+    def disk_counts(self, w: Proc) -> tuple[int, int]:
+        """(block writes its disk tier refused as full, blocks written to its disk tier) so
+        far, from the worker's /metrics; (-1, -1) while it does not answer."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            text = httpx.get(f"{w.url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return -1, -1
+        refused = written = 0.0
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name == "switchyard_worker_kvbm_write_errors_total" and smp.labels.get("tier") == "disk" \
+                        and smp.labels.get("reason") == "full":
+                    refused += smp.value
+                elif smp.name == "switchyard_worker_kvbm_offload_blocks_total" and smp.labels.get("to_tier") == "disk":
+                    written += smp.value
+        return int(refused), int(written)
 
     @property
     def workers(self) -> list[Proc]:
@@ -230,10 +271,19 @@ class ChaosSystem:
             for i in range(n):
                 wid = f"{role}-{i}"
                 port = free_port()
+                data_dir = s.state_dir / "workers" / wid
+                if s.small_disks and self.disk_error is None:
+                    disk = SmallDisk(data_dir / "kvbm" / "g3", s.small_disk_bytes)  # KvbmSettings.disk_root
+                    try:
+                        disk.mount()
+                        self.disks[wid] = disk
+                    except DiskFaultUnavailable as e:
+                        self.disk_error = str(e)
+                        log.warning("the disk_full fault cannot be injected here: %s", e)
                 into.append(Proc(wid, ["worker", "--worker-id", wid, "--role", role, "--pool", role, "--port",
-                                       str(port), "--data-dir", str(s.state_dir / "workers" / wid),
+                                       str(port), "--data-dir", str(data_dir),
                                        "--speedup", str(s.worker_speedup), "--block-size", str(s.block_size),
-                                       "--device-blocks", "1024", "--disk-blocks", "64"],
+                                       *self._kv_blocks(wid in self.disks)],
                                  env, s.log_dir, port))
         # Every id carries the run's prefix, so ``processes_mentioning(prefix)`` finds them all.
         for i in range(s.topology.routers):
@@ -306,6 +356,8 @@ class ChaosSystem:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
+        for disk in self.disks.values():
+            disk.unmount()
         if self.redis is not None:
             self.redis.stop()
         self.kafka.stop()

@@ -17,22 +17,36 @@ import sys
 
 import pytest
 
+from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from control_plane.stack.process import processes_mentioning
 from kernel.settings import repo_root
 
-pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(480)]
 
-FAULTS = "broker_kill,router_kill,decode_kill,planner_kill,broker_hang"
+FAULTS = "broker_kill,router_kill,decode_kill,planner_kill,broker_hang,disk_full"
+
+
+def _faults(tmp_path) -> str:
+    """Every fault above; disk_full only where a small filesystem can be mounted (root)."""
+    disk = SmallDisk(tmp_path / "mount-probe", 1024 * 1024)
+    try:
+        disk.mount()
+    except DiskFaultUnavailable as e:
+        print(f"disk_full left out: {e}")
+        return FAULTS.replace(",disk_full", "")
+    disk.unmount()
+    return FAULTS
 
 
 def test_chaos_command_short_run_loses_nothing_and_recovers(tmp_path) -> None:
     report_dir = tmp_path / "chaos"
+    faults = _faults(tmp_path)
     cmd = [sys.executable, "-m", "switchyard.cli", "chaos", "--report", str(report_dir), "--seed", "3",
-           "--duration", "45", "--faults", FAULTS, "--rate", "3", "--overload-s", "8", "--gap", "5",
+           "--duration", "45", "--faults", faults, "--rate", "3", "--overload-s", "8", "--gap", "5",
            "--prefill", "1"]  # no prefill fault here: one prefill worker spares the 2-core box
     proc = subprocess.Popen(cmd, cwd=repo_root(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        stdout, stderr = proc.communicate(timeout=360)
+        stdout, stderr = proc.communicate(timeout=420)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the command stops what it started, then exits
         stdout, stderr = proc.communicate(timeout=60)
@@ -45,14 +59,16 @@ def test_chaos_command_short_run_loses_nothing_and_recovers(tmp_path) -> None:
     try:
         assert proc.returncode == 0, out[-4000:]
         lines = stdout.strip().splitlines()
-        assert lines[-1].startswith("RESULT faults=5 ") and lines[-1] == report["result"]
+        n = len(faults.split(","))
+        assert lines[-1].startswith(f"RESULT faults={n} ") and lines[-1] == report["result"]
         checks = report["checks"]
         assert {k: checks[k] for k in ("acked_lost", "duplicates", "gaps", "unended", "silent_failures",
                                        "unrecovered")} == dict.fromkeys(
             ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered"), 0)
         assert checks["views_equal_oracle"] == 1 and len(report["views"]) == 2
-        assert sorted(f["kind"] for f in report["faults"]) == sorted(FAULTS.split(","))
+        assert sorted(f["kind"] for f in report["faults"]) == sorted(faults.split(","))
         assert all(f["recovered"] for f in report["faults"])
+        assert all(f["refused_writes"] > 0 for f in report["faults"] if f["kind"] == "disk_full")
         assert checks["broker_failover_s"] is not None and checks["acked"] > 0
         assert report["requests"]["ok"] > 0 and report["overload"]["sent"] > 0
         assert (report_dir / "timeline.png").stat().st_size > 0
@@ -61,3 +77,5 @@ def test_chaos_command_short_run_loses_nothing_and_recovers(tmp_path) -> None:
         # command lines), routers, metrics and planners (the run's prefix is in their ids).
         assert processes_mentioning(system["state_dir"]) == [], "a process outlived the chaos run"
         assert processes_mentioning(system["topic_prefix"]) == [], "a process outlived the chaos run"
+        with open("/proc/mounts") as mounts:
+            assert [m for m in mounts if system["state_dir"] in m] == [], "a small disk outlived the chaos run"

@@ -70,8 +70,8 @@ def test_bad_fault_names_say_which_and_what_is_known() -> None:
 
 
 def test_too_short_a_run_and_a_hang_below_the_session_timeout_are_refused() -> None:
-    """5 + 7 x 8 + 20 = 81 s needed; 60 s given."""
-    with pytest.raises(PlanError, match="too short for 7 faults.*= 81 s"):
+    """5 + 8 x 8 + 20 = 89 s needed; 60 s given."""
+    with pytest.raises(PlanError, match="too short for 8 faults.*= 89 s"):
         make_plan(_config(duration_s=60.0))
     with pytest.raises(PlanError, match="must exceed the brokers' session timeout"):
         _config(hang_s=1.5)
