@@ -5,6 +5,13 @@ real ``switchyard ...`` subprocess with its own log under ``.stack/demo/``: the 
 metrics processor, the router, the admin API, the planner, and simulated prefill/decode workers.
 Their pids go to ``.stack/demo/procs.json`` so ``switchyard down`` (another process) can stop
 them: SIGTERM first (workers drain), SIGKILL after a grace period, then the stack.
+
+The router runs with API keys on: once the admin API answers, the demo makes itself an admin
+token (``switchyard admin create-token``, the bootstrap way), issues a router key through the
+API (``POST /router-keys``) and its load generator sends that key. Both secrets go to 0600
+files, ``.stack/demo/admin-token`` and ``.stack/demo/router-key``, for ``switchyard
+security-check``. Without the admin API (``with_admin`` off) the router runs ``--no-auth``, and
+the demo says so.
 """
 
 from __future__ import annotations
@@ -84,12 +91,13 @@ class Supervisor:
         return killed
 
 
-def wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 90.0, what: str = "") -> dict:
+def wait_http(url: str, pred=lambda r: r.status_code == 200, timeout: float = 90.0, what: str = "",
+              method: str = "GET", headers: dict[str, str] | None = None) -> dict:
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
         try:
-            r = httpx.get(url, timeout=2)
+            r = httpx.request(method, url, timeout=2, headers=headers)
             if pred(r):
                 try:
                     return r.json()
@@ -193,8 +201,12 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
             workers.append(f"127.0.0.1:{wport}")
     router_port = port(d.router_port)
     router_url = f"http://127.0.0.1:{router_port}"
+    if not d.with_admin:
+        echo("API keys OFF: this demo runs without the admin API, so the router runs --no-auth (nothing can "
+             "issue keys); anyone on this box can send it prompts")
     sup.start("router", ["router", "--port", str(router_port), "--router-id", "demo-router",
-                         *(vllm_demo.ROUTER_ARGS if vllm else [])], router_url)
+                         *(vllm_demo.ROUTER_ARGS if vllm else []), *([] if d.with_admin else ["--no-auth"])],
+              router_url)
     write_prometheus_targets(targets, {"routers": [f"127.0.0.1:{router_port}"], "workers": workers})
     admin_url = ""
     if d.with_admin:
@@ -210,8 +222,12 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     echo(f"waiting for {n_workers} workers to register with the router ...")
     wait_http(f"{router_url}/health", lambda r: r.status_code == 200 and r.json().get("workers") == n_workers,
               timeout=vllm_demo.READY_TIMEOUT_S if vllm else 120, what="router")
+    api_key = None
     if admin_url:
         wait_http(f"{admin_url}/health", timeout=90, what="admin API")
+        api_key = issue_demo_key(sup, stack_settings, admin_url, router_url)
+        echo(f"API keys on: the load generator uses router key {api_key.split('_')[1]} "
+             f"(issued through the admin API; {sup.dir / 'router-key'})")
     startup_s = time.monotonic() - t0
 
     import asyncio
@@ -228,9 +244,10 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     since = now_ms() - 1000
     cpu = CpuSampler().start()
     if vllm:
-        summary = vllm_demo.replay(router_url, d, echo)
+        summary = vllm_demo.replay(router_url, d, echo, api_key=api_key)
     else:
-        summary = asyncio.run(run_trace(router_url, d.trace, limit=d.limit, speedup=d.rate, max_output=d.max_output))
+        summary = asyncio.run(run_trace(router_url, d.trace, limit=d.limit, speedup=d.rate, max_output=d.max_output,
+                                        api_key=api_key))
     load = cpu.stop()
     # The simulator models the mocker-profile engine; a vLLM engine has no prediction.
     pred = None if vllm else predict(d.trace, limit=d.limit, rate=d.rate, speedup=d.speedup,
@@ -269,6 +286,43 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
         echo("still running: `switchyard down` stops everything")
     echo(result_line(out))
     return out
+
+
+def issue_demo_key(sup: Supervisor, stack_settings: StackSettings, admin_url: str, router_url: str) -> str:
+    """An admin token (straight into the database, as an operator bootstraps the first one), then
+    a router key through the admin API with it; both kept in 0600 files of the demo's directory.
+    Returns the key once the router has folded it."""
+    from control_plane.admin.client import AdminClient
+    from kernel.settings import write_private
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    made = subprocess.run([sys.executable, "-m", "switchyard.cli", "admin", "create-token", "--name",
+                           f"demo-{stamp}", "--role", "admin", "--db-url", stack_settings.postgres_url],
+                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    if made.returncode != 0:
+        raise RuntimeError(f"could not make the demo's admin token: {made.stderr.strip()[-300:]}")
+    token = made.stdout.strip().splitlines()[-1]
+    client = AdminClient(admin_url, token)
+    try:
+        key = client.issue_router_key(f"demo-loadgen-{stamp}")["key"]
+    finally:
+        client.close()
+    for name, secret in (("admin-token", token), ("router-key", key)):
+        (sup.dir / name).unlink(missing_ok=True)
+        write_private(sup.dir / name, secret + "\n")
+    # The key is checked before the body: an empty body is a 400 (nothing admitted) once the
+    # router knows the key, a 401 until then.
+    wait_http(f"{router_url}/v1/chat/completions", lambda r: r.status_code != 401, timeout=30,
+              what="the router to fold the demo's key", method="POST", headers={"Authorization": f"Bearer {key}"})
+    return key
+
+
+def demo_secret(stack_settings: StackSettings, name: str) -> str | None:
+    """The demo's admin token or router key (``admin-token``, ``router-key``), if it made one."""
+    try:
+        return (stack_settings.state_dir / "demo" / name).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def result_line(out: dict) -> str:

@@ -13,7 +13,14 @@ Probes:
   a negative ``max_completion_tokens``, a request id with a newline, an oversized body, a
   prompt beyond the context, huge ``max_tokens``, token ids beyond the vocabulary, an unknown
   model, ``n: 2``. Refused means a 4xx on a keep-alive connection that still serves the next
-  request; afterwards the router's ``/health`` must still be EXACT.
+  request; afterwards the router's ``/health`` must still be EXACT. These carry the demo's
+  router key (``.stack/demo/router-key``) when there is one, so they reach the input checks.
+* **router API keys**: a generation call without a key, with a wrong key, with a revoked key
+  and over a key's rate (the last two issue a key through the admin API with the demo's admin
+  token, ``.stack/demo/admin-token``, and revoke it after: without a token they are
+  ``skipped``, not counted). Refused means a 401, or a 429 for the rate.
+* **workers**: ``/debug/state`` and ``/kv/metadata`` of every worker without the cluster's
+  worker credential (refused: a 401).
 * **admin API**: mutations without a credential (issue a token, change the planner config).
 * **CLI**: ``switchyard planner pin`` without a token.
 * **Kafka roles**: each component's own credential writing a topic its role does not own
@@ -39,6 +46,8 @@ from pathlib import Path
 import httpx
 
 REFUSED, ACCEPTED, SERVER_ERROR = "refused", "accepted", "server_error"
+#: A probe that could not run here (what it needs is missing); not counted as an attack.
+SKIPPED = "skipped"
 #: Listener verdicts.
 LOOPBACK, EXPOSED = "loopback", "exposed"
 
@@ -61,6 +70,11 @@ class Targets:
     #: Every process of the system, children included (whose listeners are checked).
     pids: list[int]
     topic_prefix: str = "sy"
+    #: A valid router API key (the input probes carry it) and an admin token (the key probes
+    #: issue and revoke keys with it).
+    router_key: str | None = None
+    admin_token: str | None = None
+    worker_urls: tuple[str, ...] = ()
 
 
 # -- the router's OpenAI API -------------------------------------------------------------------
@@ -87,9 +101,10 @@ def _router_attacks(model: str) -> list[tuple[str, str, dict | bytes]]:
     ]
 
 
-def probe_router(url: str) -> list[Probe]:
+def probe_router(url: str, key: str | None = None) -> list[Probe]:
     out: list[Probe] = []
-    with httpx.Client(base_url=url, timeout=60) as c:
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    with httpx.Client(base_url=url, timeout=60, headers=headers) as c:
         models = c.get("/v1/models").json().get("data", [])
         model = models[0]["id"] if models else "m"
         for attack, path, body in _router_attacks(model):
@@ -124,6 +139,102 @@ def probe_router(url: str) -> list[Probe]:
         state = health.get("state")
         out.append(Probe("router", "router stays EXACT after the input attacks",
                          REFUSED if state == "EXACT" else ACCEPTED, f"state {state}"))
+    return out
+
+
+# -- the router's API keys ---------------------------------------------------------------------
+
+_GENERATE = {"prompt": "hi", "max_tokens": 1}
+
+
+def _key_verdict(attack: str, r: httpx.Response, want: int) -> Probe:
+    if r.status_code >= 500:
+        return Probe("router", attack, SERVER_ERROR, f"HTTP {r.status_code}")
+    try:
+        code = (r.json().get("error") or {}).get("code") or ""
+    except ValueError:
+        code = ""
+    return Probe("router", attack, REFUSED if r.status_code == want else ACCEPTED, f"HTTP {r.status_code} {code}".strip())
+
+
+def probe_router_keys(url: str, admin_url: str | None, admin_token: str | None, timeout_s: float = 20.0) -> list[Probe]:
+    """Generation calls the keys must stop: none, a wrong one, a revoked one, one over its rate."""
+    import time
+
+    from control_plane.admin.client import AdminClient, ClientError
+
+    out: list[Probe] = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for attack, headers in (("generation without an API key", {}),
+                                ("generation with a wrong API key", {"Authorization": "Bearer sk-sy_0badc0de_guess"})):
+            try:
+                out.append(_key_verdict(attack, c.post("/v1/completions", json=_GENERATE, headers=headers), 401))
+            except httpx.TransportError as e:
+                out.append(Probe("router", attack, SERVER_ERROR, f"{type(e).__name__}: {e}"))
+        needs = ("generation with a revoked API key", "generation over its API key's rate")
+        if not (admin_url and admin_token):
+            return out + [Probe("router", a, SKIPPED, "no admin token to issue a key with") for a in needs]
+        admin = AdminClient(admin_url, admin_token)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+
+        def folded(key: str) -> int:
+            """The status of an empty body with ``key`` once the router knows it (400: the key is
+            checked first), polled; a bad body is never admitted, but it is one call of the key."""
+            deadline = time.monotonic() + timeout_s
+            while True:
+                r = c.post("/v1/chat/completions", content=b"{}", headers={"Authorization": f"Bearer {key}",
+                                                                           "Content-Type": "application/json"})
+                if r.status_code != 401 or time.monotonic() > deadline:
+                    return r.status_code
+                time.sleep(0.1)
+
+        try:
+            revoked = admin.issue_router_key(f"security-check-revoked-{stamp}")
+            folded(revoked["key"])
+            admin.revoke_router_key(revoked["key_id"], "security-check")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                r = c.post("/v1/completions", json=_GENERATE, headers={"Authorization": f"Bearer {revoked['key']}"})
+                if r.status_code == 401 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            out.append(_key_verdict(needs[0], r, 401))
+            # Burst 2: the poll below spends one token (the rate counts every call the key makes,
+            # a refused body too), the first request the other, the second must be a 429.
+            rated = admin.issue_router_key(f"security-check-rated-{stamp}", rate_per_s=0.1, burst=2)
+            try:
+                folded(rated["key"])
+                auth = {"Authorization": f"Bearer {rated['key']}"}
+                first = c.post("/v1/completions", json=_GENERATE, headers=auth)
+                second = c.post("/v1/completions", json=_GENERATE, headers=auth)
+                p = _key_verdict(needs[1], second, 429)
+                if p.verdict == REFUSED and "retry-after" not in second.headers:
+                    p = Probe("router", needs[1], ACCEPTED, "429 without Retry-After")
+                out.append(Probe(p.area, p.attack, p.verdict, f"{p.detail} (the call before it: HTTP {first.status_code})"))
+            finally:
+                admin.revoke_router_key(rated["key_id"], "security-check")
+        except (ClientError, httpx.TransportError) as e:
+            got = {p.attack for p in out}
+            out += [Probe("router", a, SERVER_ERROR, f"{type(e).__name__}: {str(e)[:100]}") for a in needs if a not in got]
+        finally:
+            admin.close()
+    return out
+
+
+# -- the workers' private endpoints ---------------------------------------------------------------
+
+def probe_workers(urls: tuple[str, ...]) -> list[Probe]:
+    out: list[Probe] = []
+    for url in urls:
+        for path in ("/debug/state", "/kv/metadata"):
+            attack = f"worker {path} without the worker credential ({url.rsplit(':', 1)[-1]})"
+            try:
+                r = httpx.get(f"{url}{path}", timeout=10)
+            except httpx.TransportError as e:
+                out.append(Probe("worker", attack, SERVER_ERROR, f"{type(e).__name__}: {e}"))
+                continue
+            verdict = SERVER_ERROR if r.status_code >= 500 else REFUSED if r.status_code == 401 else ACCEPTED
+            out.append(Probe("worker", attack, verdict, f"HTTP {r.status_code}"))
     return out
 
 
@@ -285,7 +396,10 @@ def run(t: Targets) -> list[Probe]:
     probes: list[Probe] = []
     steps: list[Callable[[], list[Probe] | Probe]] = []
     if t.router_url:
-        steps.append(lambda: probe_router(t.router_url))
+        steps.append(lambda: probe_router(t.router_url, t.router_key))
+        steps.append(lambda: probe_router_keys(t.router_url, t.admin_url, t.admin_token))
+    if t.worker_urls:
+        steps.append(lambda: probe_workers(t.worker_urls))
     if t.admin_url:
         steps.append(lambda: probe_admin(t.admin_url))
     steps += [lambda: probe_cli_pin(t.admin_url), lambda: probe_kafka(t.kafka_bootstrap),
@@ -299,7 +413,7 @@ def run(t: Targets) -> list[Probe]:
 
 
 def summary(probes: list[Probe]) -> dict[str, int]:
-    attacks = [p for p in probes if p.area != "listeners"]
+    attacks = [p for p in probes if p.area != "listeners" and p.verdict != SKIPPED]
     return {"attacks_tried": len(attacks), "attacks_refused": sum(p.verdict == REFUSED for p in attacks),
             "server_errors": sum(p.verdict == SERVER_ERROR for p in probes),
             "nonloopback_listeners": sum(p.verdict == EXPOSED for p in probes)}
@@ -316,10 +430,14 @@ def report(probes: list[Probe]) -> str:
 
 def demo_targets(stack_settings) -> Targets:
     """The system ``switchyard up`` started: URLs from its ``procs.json``, every process of it."""
-    from control_plane.demo.up import Supervisor, system_pids
+    from control_plane.demo.up import Supervisor, demo_secret, system_pids
 
-    urls = {p.name: p.url or None for p in Supervisor(stack_settings).procs}
+    procs = Supervisor(stack_settings).procs
+    urls = {p.name: p.url or None for p in procs}
     return Targets(router_url=urls.get("router"), admin_url=urls.get("admin"),
                    kafka_bootstrap=stack_settings.kafka_bootstrap, postgres_url=stack_settings.postgres_url,
                    redis_url=stack_settings.redis_url, pids=system_pids(stack_settings),
-                   topic_prefix=os.environ.get("SWITCHYARD_TOPIC_PREFIX", "sy"))
+                   topic_prefix=os.environ.get("SWITCHYARD_TOPIC_PREFIX", "sy"),
+                   router_key=demo_secret(stack_settings, "router-key"),
+                   admin_token=demo_secret(stack_settings, "admin-token"),
+                   worker_urls=tuple(p.url for p in procs if p.name.startswith("worker-") and p.url))

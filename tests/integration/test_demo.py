@@ -33,7 +33,7 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         out = r.stdout
         for line in ("TTFT", "ITL", "prefix hits", "predicted", "handoffs", "CPU", "scaling", "router", "report",
-                     "still running"):
+                     "still running", "API keys on"):
             assert line in out
         result = dict(kv.split("=") for kv in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
         # Every request completes unless refused at admission with a reason; none fails.
@@ -56,17 +56,22 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert [x for x in listeners if not x.loopback] == [], listeners
 
         # The operator's security check against the running system: no server error, nothing off
-        # loopback, every input attack, every uncredentialed admin mutation and every client
-        # without a service's credential (Kafka, PostgreSQL, Redis) refused.
+        # loopback, every input attack, every generation call without a valid key (none, wrong,
+        # revoked, over its rate), every worker endpoint without the worker credential, every
+        # uncredentialed admin mutation and every client without a service's credential (Kafka,
+        # PostgreSQL, Redis) refused.
         check = subprocess.run([sys.executable, "-m", "switchyard.cli", "security-check"], env=env,
                                capture_output=True, text=True, timeout=300)
         assert check.returncode == 0, check.stdout + check.stderr
         print(check.stdout)
         rows = [ln.split(None, 1) for ln in check.stdout.splitlines()[1:-1]]
-        assert all("refused" in rest for area, rest in rows if area in ("router", "admin", "kafka", "postgres", "redis")), check.stdout
+        assert all("refused" in rest for area, rest in rows
+                   if area in ("router", "worker", "admin", "kafka", "postgres", "redis")), check.stdout
+        assert "skipped" not in check.stdout and "revoked API key" in check.stdout, check.stdout
+        assert sum(area == "worker" for area, _ in rows) == 4, check.stdout
         got = dict(kv.split("=") for kv in check.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
         assert got["server_errors"] == "0" and got["nonloopback_listeners"] == "0", check.stdout
-        assert int(got["attacks_tried"]) >= 21, check.stdout
+        assert int(got["attacks_tried"]) >= 29, check.stdout
 
         down = subprocess.run([sys.executable, "-m", "switchyard.cli", "down"], env=env, capture_output=True,
                               text=True, timeout=180)
