@@ -330,14 +330,19 @@ class Runner:
         deleted, a block is written to that disk again (the recovery)."""
         if self.system.disk_error is not None:
             raise ChaosError(f"not injected: no small filesystem could be mounted: {self.system.disk_error}")
-        # A prefill worker: every prompt's KV lands there first, so its device keeps evicting.
+        # A prefill worker (every prompt's KV lands there first) whose disk tier is in use: its
+        # device has filled and evicts to it, else there is nothing to refuse. (Not any prefill
+        # worker: one restarted a moment ago, or one the router sends little to, may not have
+        # evicted a block for minutes.)
         pool = self.system.prefill or self.system.workers
-        w = pool[f.pick % len(pool)]
+
+        def writing() -> list[Proc]:
+            return [p for p in pool if self.system.disk_counts(p)[1] > 0]
+
+        busy = wait(writing, RECOVERY_TIMEOUT_S, f"a block written to the disk tier of one of {[p.name for p in pool]}")
+        w = busy[f.pick % len(busy)]
         disk = self.system.disks[w.name]
         rec.target = w.name
-        # The tier in use first (the device has filled and evicts to it), else nothing to refuse.
-        wait(lambda: self.system.disk_counts(w)[1] > 0, RECOVERY_TIMEOUT_S,
-             f"{w.name}'s first block written to its disk tier")
         refused0, _ = self.system.disk_counts(w)
         rec.at_s = self.now()
         disk.fill()
