@@ -35,7 +35,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -115,7 +115,9 @@ class BrokerProbe:
         self.topics = [catalog.topic(s) for s in streams]
         self.group_prefix = f"{catalog.prefix}."
         self.timeout = timeout
-        self._admin = AdminClient({**bus.client_conf(), "logger": _rdkafka_log})
+        self._conf = bus.client_conf()
+        self._admin = AdminClient({**self._conf, "logger": _rdkafka_log})
+        self._offset_readers: dict[str, Consumer] = {}
 
     def end_offsets(self) -> dict[tuple[str, int], int]:
         md = self._admin.list_topics(timeout=self.timeout)
@@ -143,25 +145,36 @@ class BrokerProbe:
                     members[gid] = len(fut.result().members)
                 except KafkaException as e:  # deleted between list and describe
                     log.debug("describe %s: %s", gid, e)
-            futures = {g: self._admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(g)],
-                                                                  request_timeout=self.timeout)[g]
-                       for g in groups}
-            for gid, fut in futures.items():
+            tps = [TopicPartition(self.catalog.topic(stream), p) for stream, p in ends]
+            for gid in groups:
                 try:
-                    res = fut.result()
+                    res = self._offset_reader(gid).committed(tps, timeout=self.timeout)
                 except KafkaException as e:
                     log.debug("offsets of %s: %s", gid, e)
                     continue
-                committed = {}
-                for tp in res.topic_partitions or []:
-                    if tp.offset < 0:
-                        continue
-                    try:
-                        committed[(self.catalog.stream_of(tp.topic), tp.partition)] = tp.offset
-                    except KeyError:
-                        continue  # a topic outside this prefix
-                offsets[gid] = committed
+                offsets[gid] = {(self.catalog.stream_of(tp.topic), tp.partition): tp.offset
+                                for tp in res if tp.error is None and tp.offset >= 0}
+        for gid in set(self._offset_readers) - set(groups):  # the group is gone
+            self._offset_readers.pop(gid).close()
         return BrokerState(end_offsets=ends, group_members=members, group_offsets=offsets)
+
+    def _offset_reader(self, group_id: str) -> Consumer:
+        """A consumer of ``group_id`` that never subscribes (so it never joins the group) and
+        only reads what the group committed. Not ``AdminClient.list_consumer_group_offsets``:
+        when the group's coordinator moves (a broker fault, a loaded broker), librdkafka's admin
+        path answers NOT_COORDINATOR through a consumer-group handle an admin client does not
+        have, and the process dies of SIGSEGV (librdkafka issue #5040, open; seen here in 2.16:
+        ``rd_kafka_cgrp_op + 65``, the metrics processor killed under `switchyard chaos`)."""
+        c = self._offset_readers.get(group_id)
+        if c is None:
+            c = self._offset_readers[group_id] = Consumer({
+                **self._conf, "group.id": group_id, "enable.auto.commit": False, "logger": _rdkafka_log})
+        return c
+
+    def close(self) -> None:
+        for c in self._offset_readers.values():
+            c.close()
+        self._offset_readers.clear()
 
 
 # -- the processor ------------------------------------------------------------------------------
@@ -263,6 +276,7 @@ class MetricsProcessor(FoldProcessor):
         if self._runner is not None:
             await self._runner.cleanup()
         await super().stop()
+        self.probe.close()
 
     async def _serve_http(self) -> None:
         from aiohttp import web
