@@ -13,7 +13,9 @@ Must be zero (or one), else the command exits non-zero:
   ``RequestFailed`` with ``retried=False``) is not on the log;
 * ``silent_failures``: requests the client saw fail whose failure the log does not explain (no
   ``RequestRejected`` / final ``RequestFailed`` for the router's id of the request);
-* ``unrecovered``: faults after which the component or the traffic did not come back.
+* ``unrecovered``: faults after which the component or the traffic did not come back;
+* ``crashed``: Switchyard processes that exited on their own (a crash, not a fault: say a
+  segfault in a client library), whenever it happened and whatever came back after it.
 
 Described: recovery and failover times, failures and rejections by reason (client and log),
 what the overload phase shed (rejected, with reasons) and failed, and client errors of requests
@@ -117,7 +119,7 @@ class ChaosReport:
     system: dict = field(default_factory=dict)
 
     #: Figures that must be 0, and the one that must be 1.
-    ZERO = ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered")
+    ZERO = ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered", "crashed")
 
     @property
     def ok(self) -> bool:
@@ -127,7 +129,7 @@ class ChaosReport:
         c = self.checks
         return (f"RESULT faults={c['faults']} acked_lost={c['acked_lost']} duplicates={c['duplicates']} "
                 f"gaps={c['gaps']} views_equal_oracle={c['views_equal_oracle']} unended={c['unended']} "
-                f"silent_failures={c['silent_failures']} unrecovered={c['unrecovered']} "
+                f"silent_failures={c['silent_failures']} unrecovered={c['unrecovered']} crashed={c['crashed']} "
                 f"max_recovery_s={_fmt(c['max_recovery_s'])} broker_failover_s={_fmt(c['broker_failover_s'])} "
                 f"overload_rejected={self.overload['rejected']} overload_failed={self.overload['failed']}")
 
@@ -142,6 +144,8 @@ class ChaosReport:
                 extra += f", {f['refused_writes']} writes refused"
             state = f"recovery {f['recovery_s']:.1f} s" if f["recovered"] else f"NOT RECOVERED: {f['error'][:120]}"
             lines.append(f"fault      {f['kind']:13s} {f['target']:12s} at {f['at_s']:6.1f} s  {state}{extra}")
+        for c in self.checks.get("crashes", []):
+            lines.append(f"CRASHED    {c}")
         lines.append(f"ledger     {self.ledger}")
         for v in self.views:
             lines.append(f"view       {v['router']}: {'equal to' if v['equal'] else 'DIFFERS from'} the oracle "
@@ -177,7 +181,8 @@ def _fmt(x: float | None) -> str:
 
 
 def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events: list[Envelope],
-                 ledger: LedgerCheck, views: list[ViewCheck], lag: list | None = None) -> ChaosReport:
+                 ledger: LedgerCheck, views: list[ViewCheck], lag: list | None = None,
+                 crashes: list[str] | tuple[str, ...] = ()) -> ChaosReport:
     """Fold the run into the report. Pure."""
     admitted, ended = request_ends(events)
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
@@ -220,6 +225,8 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
         "unended": len(unended),
         "silent_failures": len(silent),
         "unrecovered": sum(1 for f in faults if not f.recovered) + (len(plan.faults) - len(faults)),
+        "crashed": len(crashes),
+        "crashes": list(crashes),
         "max_recovery_s": max(recoveries) if recoveries else None,
         "broker_failover_s": max(failovers) if failovers else None,
         "raw_duplicates": len(ledger.duplicates),

@@ -443,12 +443,13 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
         except ChaosError as e:
             echo(f"warning: {e}")
         views = _views(system)
+        crashes = system.crashes()
         system.close_procs()  # every producer flushed and gone: the ledgers are final
         events = read_events(system.bus, "requests")
         with KafkaLogReader(system.bus.bootstrap) as reader:
             ledger = check_acks(reader, _ledger_entries(system.s.ledger_dir))
         report = build_report(runner.plan, runner.faults, runner.load.snapshot(), events, ledger, views,
-                              lag=sampler.samples if sampler else [])
+                              lag=sampler.samples if sampler else [], crashes=crashes)
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),
             "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate})

@@ -113,12 +113,25 @@ class Proc:
     health_path: str = "/health"
     popen: subprocess.Popen | None = None
     starts: int = 0
+    #: Exits nobody asked for ("<name> start N exited -11"): found when the process is next
+    #: killed, launched or stopped, or by :meth:`note_crash`.
+    crashes: list[str] = field(default_factory=list)
+    #: Set by kill9/stop: this incarnation's exit is ours, not a crash.
+    _ended_by_us: bool = False
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def note_crash(self) -> None:
+        """Record this incarnation's exit if it ended on its own (once)."""
+        if self.popen is not None and not self._ended_by_us and self.popen.poll() is not None:
+            self.crashes.append(f"{self.name} start {self.starts} exited {self.popen.poll()}")
+            self._ended_by_us = True  # recorded: not again
+
     def launch(self) -> Proc:
+        self.note_crash()
+        self._ended_by_us = False
         self.starts += 1
         with open(self.log_dir / f"{self.name}.{self.starts}.log", "wb") as out:
             self.popen = subprocess.Popen([sys.executable, "-m", "switchyard.cli", *self.args], cwd=repo_root(),
@@ -137,6 +150,8 @@ class Proc:
         """SIGKILL to the process and its session: no drain, no flush."""
         if self.popen is None:
             return
+        self.note_crash()
+        self._ended_by_us = True
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -147,6 +162,8 @@ class Proc:
         """SIGTERM, then SIGKILL to whatever is left of its session."""
         if self.popen is None:
             return
+        self.note_crash()
+        self._ended_by_us = True
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -333,10 +350,18 @@ class ChaosSystem:
         if self.planners:
             self.wait_planners(timeout)
 
+    def crashes(self) -> list[str]:
+        """Every exit of a Switchyard process that no fault and no stop caused, so far."""
+        for p in self.procs:
+            p.note_crash()
+        return [c for p in self.procs for c in p.crashes]
+
     def close_procs(self) -> None:
         """Stop every Switchyard process (workers first: they drain); SIGKILL what lingers."""
         for group in (self.workers, [*self.routers, *self.planners, *([self.metrics] if self.metrics else [])]):
             for p in group:
+                p.note_crash()
+                p._ended_by_us = True
                 if p.pid:
                     try:
                         p.popen.send_signal(signal.SIGTERM)

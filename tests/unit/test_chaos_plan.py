@@ -81,3 +81,23 @@ def test_the_plan_knows_the_brokers_session_timeout() -> None:
     from control_plane.stack.kafka import BROKER_SESSION_TIMEOUT_MS
 
     assert PlanConfig().session_timeout_s * 1000 == BROKER_SESSION_TIMEOUT_MS
+
+
+def test_a_process_records_an_exit_nobody_asked_for_once(tmp_path) -> None:
+    import sys
+
+    from control_plane.chaos.system import Proc
+
+    p = Proc("x", [], {}, tmp_path)
+    p.popen = __import__("subprocess").Popen([sys.executable, "-c", "import os; os.abort()"],
+                                             start_new_session=True)
+    p.popen.wait(30)
+    p.note_crash()
+    p.kill9()  # a fault meeting the dead process: no second record
+    assert p.crashes == ["x start 0 exited -6"]
+    p.popen = __import__("subprocess").Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                             start_new_session=True)
+    p._ended_by_us = False
+    p.kill9()
+    p.note_crash()
+    assert p.crashes == ["x start 0 exited -6"]  # killed by us: not a crash

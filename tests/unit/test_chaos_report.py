@@ -48,7 +48,7 @@ def test_a_clean_run_is_all_zeros_and_recovery_is_the_later_of_health_and_traffi
     assert rep.ok
     assert rep.checks["max_recovery_s"] == 4.0 and rep.checks["faults"] == 1
     assert rep.result_line().startswith("RESULT faults=1 acked_lost=0 duplicates=0 gaps=0 views_equal_oracle=1 "
-                                        "unended=0 silent_failures=0 unrecovered=0 max_recovery_s=4.00 "
+                                        "unended=0 silent_failures=0 unrecovered=0 crashed=0 max_recovery_s=4.00 "
                                         "broker_failover_s=nan")
 
 
@@ -87,3 +87,12 @@ def test_ledger_views_and_recovery_failures_make_the_run_fail() -> None:
                   views=[ViewCheck("router-0", False, "a", "b", 5)])
     assert (rep.checks["acked_lost"], rep.checks["views_equal_oracle"], rep.checks["unrecovered"]) == (1, 0, 1)
     assert rep.checks["max_recovery_s"] is None and not rep.ok
+
+
+def test_a_process_that_exited_on_its_own_fails_the_run_even_when_everything_recovered() -> None:
+    p = make_plan(PlanConfig(duration_s=60, faults=("router_kill",), overload_s=10))
+    rep = build_report(p, [_recovered()], [], [], LedgerCheck(acked=10, failed=0, records=10),
+                       [ViewCheck("router-0", True, "d", "d", 5)], crashes=["metrics start 2 exited -11"])
+    assert rep.checks["crashed"] == 1 and rep.checks["unrecovered"] == 0 and not rep.ok
+    assert " crashed=1 " in rep.result_line()
+    assert "CRASHED    metrics start 2 exited -11" in rep.summary()
