@@ -118,6 +118,9 @@ class BrokerProbe:
         self._conf = bus.client_conf()
         self._admin = AdminClient({**self._conf, "logger": _rdkafka_log})
         self._offset_readers: dict[str, Consumer] = {}
+        self._bus = bus
+        self._aio_loop = None
+        self._aio_admin = None
 
     def end_offsets(self) -> dict[tuple[str, int], int]:
         md = self._admin.list_topics(timeout=self.timeout)
@@ -140,11 +143,7 @@ class BrokerProbe:
         members: dict[str, int] = {}
         offsets: dict[str, dict[tuple[str, int], int]] = {}
         if groups:
-            for gid, fut in self._admin.describe_consumer_groups(groups, request_timeout=self.timeout).items():
-                try:
-                    members[gid] = len(fut.result().members)
-                except KafkaException as e:  # deleted between list and describe
-                    log.debug("describe %s: %s", gid, e)
+            members = self._members(groups)
             tps = [TopicPartition(self.catalog.topic(stream), p) for stream, p in ends]
             for gid in groups:
                 try:
@@ -157,6 +156,49 @@ class BrokerProbe:
         for gid in set(self._offset_readers) - set(groups):  # the group is gone
             self._offset_readers.pop(gid).close()
         return BrokerState(end_offsets=ends, group_members=members, group_offsets=offsets)
+
+    def _members(self, groups: list[str]) -> dict[str, int]:
+        """Members of each group, through aiokafka's admin client on a loop of its own. Not
+        ``AdminClient.describe_consumer_groups``: when a connection drops under a coordinator
+        request (a broker killed or stopped), librdkafka frees the request's handle twice and
+        aborts the process (``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt >
+        0' failed``; librdkafka issues #4605, #5397), seen here under `switchyard chaos`."""
+        import threading
+
+        if self._aio_loop is None:
+            self._aio_loop = asyncio.new_event_loop()
+            threading.Thread(target=self._aio_loop.run_forever, name="broker-probe-admin", daemon=True).start()
+        fut = asyncio.run_coroutine_threadsafe(self._describe(groups), self._aio_loop)
+        try:
+            return fut.result(self.timeout * 2)
+        except Exception as e:  # noqa: BLE001 - members are a gauge: the next probe tries again
+            fut.cancel()
+            log.debug("describing groups: %r", e)
+            return {}
+
+    async def _describe(self, groups: list[str]) -> dict[str, int]:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        if self._aio_admin is None:
+            bus = self._bus
+            kw = {}
+            proto = bus.security_protocol.upper()
+            if proto in ("SASL_SSL", "SASL_PLAINTEXT"):
+                kw = {"sasl_mechanism": "SCRAM-SHA-256", "sasl_plain_username": bus.username,
+                      "sasl_plain_password": bus.secret()}
+                if proto == "SASL_SSL":
+                    kw["ssl_context"] = bus.ssl_context()
+            admin = AIOKafkaAdminClient(bootstrap_servers=bus.bootstrap, security_protocol=proto,
+                                        request_timeout_ms=int(self.timeout * 1000), **kw)
+            await admin.start()
+            self._aio_admin = admin
+        out: dict[str, int] = {}
+        for resp in await asyncio.wait_for(self._aio_admin.describe_consumer_groups(groups), self.timeout):
+            for g in resp.groups:
+                error_code, gid, members = g[0], g[1], g[5]
+                if error_code == 0:
+                    out[gid] = len(members)
+        return out
 
     def _offset_reader(self, group_id: str) -> Consumer:
         """A consumer of ``group_id`` that never subscribes (so it never joins the group) and
@@ -175,6 +217,14 @@ class BrokerProbe:
         for c in self._offset_readers.values():
             c.close()
         self._offset_readers.clear()
+        if self._aio_loop is not None:
+            if self._aio_admin is not None:
+                try:
+                    asyncio.run_coroutine_threadsafe(self._aio_admin.close(), self._aio_loop).result(self.timeout)
+                except Exception as e:  # noqa: BLE001 - closing anyway
+                    log.debug("closing the admin client: %r", e)
+            self._aio_loop.call_soon_threadsafe(self._aio_loop.stop)
+            self._aio_loop = self._aio_admin = None
 
 
 # -- the processor ------------------------------------------------------------------------------
