@@ -29,6 +29,7 @@ itself is never dead-lettered again (that would loop).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -106,6 +107,23 @@ class MetricsSettings:
 # -- the broker probe ---------------------------------------------------------------------------
 
 
+#: Run by :meth:`BrokerProbe._members` in a child process: {"conf", "groups", "timeout"} on
+#: stdin, {group: members} on stdout.
+_DESCRIBE_GROUPS = """
+import json, sys
+from confluent_kafka.admin import AdminClient
+a = json.load(sys.stdin)
+admin = AdminClient(a["conf"])
+out = {}
+for gid, fut in admin.describe_consumer_groups(a["groups"], request_timeout=a["timeout"]).items():
+    try:
+        out[gid] = len(fut.result().members)
+    except Exception:
+        pass
+print(json.dumps(out))
+"""
+
+
 class BrokerProbe:
     """Long-lived admin client answering: where does each partition end, which consumer groups
     exist under this prefix, how many members do they have and what did they commit."""
@@ -118,9 +136,6 @@ class BrokerProbe:
         self._conf = bus.client_conf()
         self._admin = AdminClient({**self._conf, "logger": _rdkafka_log})
         self._offset_readers: dict[str, Consumer] = {}
-        self._bus = bus
-        self._aio_loop = None
-        self._aio_admin = None
 
     def end_offsets(self) -> dict[tuple[str, int], int]:
         md = self._admin.list_topics(timeout=self.timeout)
@@ -158,47 +173,28 @@ class BrokerProbe:
         return BrokerState(end_offsets=ends, group_members=members, group_offsets=offsets)
 
     def _members(self, groups: list[str]) -> dict[str, int]:
-        """Members of each group, through aiokafka's admin client on a loop of its own. Not
-        ``AdminClient.describe_consumer_groups``: when a connection drops under a coordinator
-        request (a broker killed or stopped), librdkafka frees the request's handle twice and
-        aborts the process (``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt >
-        0' failed``; librdkafka issues #4605, #5397), seen here under `switchyard chaos`."""
-        import threading
+        """Members of each group, asked by a short-lived child process. Not in this process:
+        when a connection drops under a coordinator request (a broker killed or stopped),
+        librdkafka's ``describe_consumer_groups`` frees the request's handle twice and aborts
+        (``rd_kafka_enq_once_del_source_return: Assertion `eonce->refcnt > 0' failed``;
+        librdkafka issues #4605, #5397), seen here under `switchyard chaos`; aiokafka's admin
+        client cannot decode the answer for Faust's groups (``Buffer underrun decoding
+        string``). A child that aborts costs one probe's member counts, nothing else. The
+        client settings (a password among them) go through its stdin, never its command line."""
+        import subprocess
+        import sys
 
-        if self._aio_loop is None:
-            self._aio_loop = asyncio.new_event_loop()
-            threading.Thread(target=self._aio_loop.run_forever, name="broker-probe-admin", daemon=True).start()
-        fut = asyncio.run_coroutine_threadsafe(self._describe(groups), self._aio_loop)
         try:
-            return fut.result(self.timeout * 2)
-        except Exception as e:  # noqa: BLE001 - members are a gauge: the next probe tries again
-            fut.cancel()
-            log.debug("describing groups: %r", e)
+            r = subprocess.run([sys.executable, "-c", _DESCRIBE_GROUPS], input=json.dumps(
+                {"conf": self._conf, "groups": groups, "timeout": self.timeout}), capture_output=True, text=True,
+                timeout=self.timeout * 3)
+        except subprocess.TimeoutExpired:
+            log.warning("describing consumer groups timed out: members unknown until the next probe")
             return {}
-
-    async def _describe(self, groups: list[str]) -> dict[str, int]:
-        from aiokafka.admin import AIOKafkaAdminClient
-
-        if self._aio_admin is None:
-            bus = self._bus
-            kw = {}
-            proto = bus.security_protocol.upper()
-            if proto in ("SASL_SSL", "SASL_PLAINTEXT"):
-                kw = {"sasl_mechanism": "SCRAM-SHA-256", "sasl_plain_username": bus.username,
-                      "sasl_plain_password": bus.secret()}
-                if proto == "SASL_SSL":
-                    kw["ssl_context"] = bus.ssl_context()
-            admin = AIOKafkaAdminClient(bootstrap_servers=bus.bootstrap, security_protocol=proto,
-                                        request_timeout_ms=int(self.timeout * 1000), **kw)
-            await admin.start()
-            self._aio_admin = admin
-        out: dict[str, int] = {}
-        for resp in await asyncio.wait_for(self._aio_admin.describe_consumer_groups(groups), self.timeout):
-            for g in resp.groups:
-                error_code, gid, members = g[0], g[1], g[5]
-                if error_code == 0:
-                    out[gid] = len(members)
-        return out
+        if r.returncode != 0:
+            log.warning("describing consumer groups failed (exit %s): %s", r.returncode, r.stderr.strip()[-300:])
+            return {}
+        return {str(k): int(v) for k, v in json.loads(r.stdout).items()}
 
     def _offset_reader(self, group_id: str) -> Consumer:
         """A consumer of ``group_id`` that never subscribes (so it never joins the group) and
@@ -217,14 +213,6 @@ class BrokerProbe:
         for c in self._offset_readers.values():
             c.close()
         self._offset_readers.clear()
-        if self._aio_loop is not None:
-            if self._aio_admin is not None:
-                try:
-                    asyncio.run_coroutine_threadsafe(self._aio_admin.close(), self._aio_loop).result(self.timeout)
-                except Exception as e:  # noqa: BLE001 - closing anyway
-                    log.debug("closing the admin client: %r", e)
-            self._aio_loop.call_soon_threadsafe(self._aio_loop.stop)
-            self._aio_loop = self._aio_admin = None
 
 
 # -- the processor ------------------------------------------------------------------------------
