@@ -14,35 +14,35 @@ import math
 
 import numpy as np
 
-from control_plane.planner import PlannerConfig, PlannerState, PoolConfig, decide, flat_profile
-from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, ReplicaCounts, WindowStats
+from control_plane.planner import PlannerConfig, PlannerState, PoolConfig, decide
+from control_plane.planner.load_view import (
+    NS,
+    LoadSnapshot,
+    PoolLoad,
+    ReplicaCounts,
+    WindowStats,
+)
 from control_plane.planner.policy import PoolState, headroom
 from control_plane.planner.scalers import VirtualScaler
+from tests.support.planner import WINDOW_S, make_config, make_pool, make_window
 
-WINDOW_S = 10
 PER_REPLICA = 8500 / 2000  # req/s of ISL 2,000 one prefill replica carries
 
 
 def _make_pool(**overrides) -> PoolConfig:
-    fields = {"name": "p", "role": "prefill", "min_replicas": 1, "max_replicas": 20, "ttft_slo_ms": 1000.0,
-              "performance": flat_profile(), "predictor": "kalman"}
-    fields.update(overrides)
-    return PoolConfig(**fields)
+    return make_pool(**{"max_replicas": 20, "predictor": "kalman", **overrides})
 
 
 def _make_config(*pools: PoolConfig, **overrides) -> PlannerConfig:
-    fields = {"pools": pools or (_make_pool(),), "gpu_budget": 20, "tick_s": WINDOW_S, "tumbling_s": WINDOW_S,
-              "hop_step_s": WINDOW_S, "cooldown_up_s": 0.0, "cooldown_down_s": 60.0, "lead_time_s": 30.0,
-              "startup_timeout_s": 120.0, "noise_z": 1.0}
+    """Start-up takes a lead time: 30 s lead, 120 s start-up timeout, a 60 s scale-down cooldown."""
+    fields = {"gpu_budget": 20, "tumbling_s": WINDOW_S, "hop_step_s": WINDOW_S, "cooldown_up_s": 0.0,
+              "cooldown_down_s": 60.0, "lead_time_s": 30.0, "startup_timeout_s": 120.0, "noise_z": 1.0}
     fields.update(overrides)
-    return PlannerConfig(**fields)
+    return make_config(*(pools or (_make_pool(),)), **fields)
 
 
 def _make_window(end_s: float, **overrides) -> WindowStats:
-    fields = {"start_ns": int((end_s - WINDOW_S) * NS), "end_ns": int(end_s * NS), "arrivals": 100,
-              "isl_mean": 2000.0, "osl_mean": 100.0}
-    fields.update(overrides)
-    return WindowStats(**fields)
+    return make_window(end_s, **{"osl_mean": 100.0, **overrides})
 
 
 def _run(cfg: PlannerConfig, rates, *, startup_s: float = 30.0, start: int = 2, seed: int = 0,

@@ -15,45 +15,21 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.planner import PlannerConfig, PlannerState, PoolConfig, decide, flat_profile
+from control_plane.planner import PlannerConfig, PlannerState, decide
 from control_plane.planner.load_view import (
     NS,
     LoadSnapshot,
     PoolLoad,
     PoolWorker,
     ReplicaCounts,
-    WindowStats,
 )
 from control_plane.planner.scalers import VirtualScaler
 from schemas.events import ScalingDecision
-
-WINDOW_S = 10
+from tests.support.planner import WINDOW_S, make_config, make_pool, make_window
 
 # ----------------------------------------------------------------------------------------------
 # Builders
 # ----------------------------------------------------------------------------------------------
-
-
-def _make_pool(**overrides) -> PoolConfig:
-    fields = {"name": "p", "role": "prefill", "min_replicas": 1, "max_replicas": 10,
-              "ttft_slo_ms": 1000.0, "performance": flat_profile()}
-    fields.update(overrides)
-    return PoolConfig(**fields)
-
-
-def _make_config(*pools: PoolConfig, **overrides) -> PlannerConfig:
-    fields = {"pools": pools or (_make_pool(),), "gpu_budget": 16, "tick_s": WINDOW_S,
-              "cooldown_up_s": 0.0, "cooldown_down_s": 0.0, "warmup_s": 30.0}
-    fields.update(overrides)
-    return PlannerConfig(**fields)
-
-
-def _make_window(end_s: float, **overrides) -> WindowStats:
-    """A 10 s window ending at ``end_s``; defaults: 100 arrivals (10 req/s) of ISL 2,000."""
-    fields = {"start_ns": int((end_s - WINDOW_S) * NS), "end_ns": int(end_s * NS), "arrivals": 100,
-              "isl_mean": 2000.0, "osl_mean": 500.0}
-    fields.update(overrides)
-    return WindowStats(**fields)
 
 
 def _make_snapshot(now_s: float, *, pool: str = "p", windows=(), ready: int = 2, starting: int = 0,
@@ -91,7 +67,7 @@ def test_prefill_sizing_worked_example():
     max_utilization 0.85: 8,500 tokens/s per replica. Needed 20,000 / 8,500 = 2.353. Noise: 100
     arrivals of one length (cv 0): relative sd 1/sqrt(100) = 0.1, margin 2 x 0.1 = 0.2, low end
     2.353 x 0.8 = 1.88 > 1 replica: scale up 1 -> ceil(2.353) = 3."""
-    d, st_ = _tick(21, _make_config(), _state(1), ready=1, windows=[_make_window(20)])
+    d, st_ = _tick(21, make_config(), _state(1), ready=1, windows=[make_window(20)])
     (eff,) = d.effects
     assert (eff.from_replicas, eff.to_replicas) == (1, 3)
     assert eff.event.inputs["noise_margin"] == 0.2 and eff.event.inputs["needed_low"] == round(20000 / 8500 * 0.8, 4)
@@ -109,12 +85,12 @@ def test_decode_sizing_worked_example():
     """Decode pool, 10 req/s x OSL 500 = 5,000 tokens/s; one replica decodes 100 sequences at
     10 ms = 10,000 tokens/s (ITL target 20 ms, context 2,000 + 250 fits). Needed 0.5 -> 1:
     from 3, down = ceil(0.5 / 0.8) = 1 < 3, so after 3 ticks below it scales 3 -> 1."""
-    cfg = _make_config(_make_pool(role="decode", ttft_slo_ms=None, itl_slo_ms=20.0))
+    cfg = make_config(make_pool(role="decode", ttft_slo_ms=None, itl_slo_ms=20.0))
     state = _state(3)
     actions = []
     for k in range(3):
         end = 20 + WINDOW_S * k
-        d, state = _tick(end + 1, cfg, state, ready=3, windows=[_make_window(end)])
+        d, state = _tick(end + 1, cfg, state, ready=3, windows=[make_window(end)])
         actions.append([(e.from_replicas, e.to_replicas) for e in d.effects])
         rep = d.report("p")
         assert rep.input("decode_tok_s_per_replica") == 10000.0
@@ -126,8 +102,8 @@ def test_decode_sizing_worked_example():
 def test_aggregated_pool_adds_prefill_and_decode_load():
     """Aggregated: prefill 20,000 / 8,500 = 2.353 plus decode 5,000 / 10,000 = 0.5 -> 2.853;
     low end 2.853 x 0.8 = 2.28 > 1 -> 3 replicas."""
-    cfg = _make_config(_make_pool(role="aggregated", itl_slo_ms=20.0))
-    d, _ = _tick(21, cfg, _state(1), windows=[_make_window(20)])
+    cfg = make_config(make_pool(role="aggregated", itl_slo_ms=20.0))
+    d, _ = _tick(21, cfg, _state(1), windows=[make_window(20)])
     assert d.effects[0].to_replicas == 3
     assert d.report("p").needed == 20000 / 8500 + 0.5
 
@@ -136,8 +112,8 @@ def test_prefix_hits_reduce_prefill_demand():
     """Hit rate 0.5 (cached 1,000 of 2,000 prompt tokens): new tokens 1,000 per request, S = 100
     ms, rho = 2*900/(100+1800) = 0.947 -> 0.85: 8,500 tokens/s. Needed 10 x 1,000 / 8,500 = 1.18
     -> 2 (high end 1.18 x 1.2 = 1.41 fits 80% of 2): holds at 2."""
-    w = _make_window(20, prompt_tokens=2000, cached_tokens=1000)
-    d, _ = _tick(21, _make_config(), _state(2), windows=[w])
+    w = make_window(20, prompt_tokens=2000, cached_tokens=1000)
+    d, _ = _tick(21, make_config(), _state(2), windows=[w])
     assert not d.effects
     assert d.report("p").input("predicted_hit_rate") == 0.5
 
@@ -146,12 +122,12 @@ def test_hysteresis_band_holds_between_thresholds():
     """At target 3 a need of 2.5 (margin 0.2): low 2.0 is not above 3, and the high end 3.0
     needs ceil(3.0 / 0.8) = 4 replicas: neither moves."""
     # 2.5 replicas = 21,250 tokens/s = 10.625 req/s of ISL 2,000 -> 106.25 arrivals; use ISL to tune
-    w = _make_window(20, arrivals=100, isl_mean=2125.0)  # 10 x 2,125 = 21,250 tok/s; S = 212.5 ms
-    cfg = _make_config()
+    w = make_window(20, arrivals=100, isl_mean=2125.0)  # 10 x 2,125 = 21,250 tok/s; S = 212.5 ms
+    cfg = make_config()
     state = _state(3)
     for k in range(10):
         d, state = _tick(21 + WINDOW_S * k, cfg, state, ready=3,
-                         windows=[_make_window(20 + WINDOW_S * k, arrivals=100, isl_mean=2125.0)])
+                         windows=[make_window(20 + WINDOW_S * k, arrivals=100, isl_mean=2125.0)])
         assert not d.effects, d.report("p").reason
     assert d.report("p").input("desired_up") == 3
     del w
@@ -160,12 +136,12 @@ def test_hysteresis_band_holds_between_thresholds():
 def test_scale_down_waits_for_cooldown_after_a_change():
     """cooldown_down 120 s: a scale-up at t=21 blocks scale-downs until t=141 even when the load
     vanished right after it."""
-    cfg = _make_config(cooldown_down_s=120.0, scale_down_ticks=1)
-    d, state = _tick(21, cfg, _state(1), ready=1, windows=[_make_window(20)])
+    cfg = make_config(cooldown_down_s=120.0, scale_down_ticks=1)
+    d, state = _tick(21, cfg, _state(1), ready=1, windows=[make_window(20)])
     assert d.effects[0].to_replicas == 3
     for k in range(1, 14):
         now = 21 + WINDOW_S * k
-        d, state = _tick(now, cfg, state, ready=3, windows=[_make_window(now - 1, arrivals=0)])
+        d, state = _tick(now, cfg, state, ready=3, windows=[make_window(now - 1, arrivals=0)])
         moved = [(e.from_replicas, e.to_replicas) for e in d.effects]
         if now < 141:
             assert moved == [], (now, d.report("p").reason)
@@ -181,24 +157,24 @@ def test_pending_scale_up_blocks_further_additions():
     t=31 (needed 4.71, low end 4.71 x (1 - 2/sqrt(200)) = 4.04 > 3) but no replica is added
     while 1 of 3 is pending; once it is ready (t=51) the planner adds the rest in one step.
     (Headroom off: the doubling would add 50% on top; that has its own test.)"""
-    cfg = _make_config(max_headroom=0.0)
-    d, state = _tick(21, cfg, _state(1), ready=1, windows=[_make_window(20)])
+    cfg = make_config(max_headroom=0.0)
+    d, state = _tick(21, cfg, _state(1), ready=1, windows=[make_window(20)])
     assert d.effects[0].to_replicas == 3
     for now in (31, 41):
-        d, state = _tick(now, cfg, state, ready=2, starting=1, windows=[_make_window(now - 1, arrivals=200)])
+        d, state = _tick(now, cfg, state, ready=2, starting=1, windows=[make_window(now - 1, arrivals=200)])
         assert not d.effects
         assert "still pending" in d.report("p").reason
-    d, state = _tick(51, cfg, state, ready=3, windows=[_make_window(50, arrivals=200)])
+    d, state = _tick(51, cfg, state, ready=3, windows=[make_window(50, arrivals=200)])
     assert [(e.from_replicas, e.to_replicas) for e in d.effects] == [(3, 5)]
 
 
 def test_pending_scale_up_times_out():
     """startup_timeout 60 s: a replica that never becomes ready stops blocking at t = 21 + 60.
     (Headroom off, as above.)"""
-    cfg = _make_config(startup_timeout_s=60.0, max_headroom=0.0)
-    d, state = _tick(21, cfg, _state(1), ready=1, windows=[_make_window(20)])
+    cfg = make_config(startup_timeout_s=60.0, max_headroom=0.0)
+    d, state = _tick(21, cfg, _state(1), ready=1, windows=[make_window(20)])
     for now in range(31, 101, 10):
-        d, state = _tick(now, cfg, state, ready=2, starting=1, windows=[_make_window(now - 1, arrivals=200)])
+        d, state = _tick(now, cfg, state, ready=2, starting=1, windows=[make_window(now - 1, arrivals=200)])
         if now - 21 <= 60:
             assert not d.effects
         else:
@@ -219,12 +195,12 @@ def test_slow_new_workers_do_not_inflate_the_correction():
     """A new replica serves at 3x the TTFT for its warm-up. The window's overall TTFT mean is
     high, but its *steady* mean (warmed-up workers only) matches the model's expectation (244.4
     ms, see EXPECTED_TTFT_MS), so the correction stays 1.0 and nothing scales."""
-    cfg = _make_config()
+    cfg = make_config()
     state = _state(3)
     windows = []
     for k in range(6):
         end = 20 + WINDOW_S * k
-        windows.append(_make_window(end, completions=100, ttft_mean=1200.0, steady_ttft_mean=EXPECTED_TTFT_MS,
+        windows.append(make_window(end, completions=100, ttft_mean=1200.0, steady_ttft_mean=EXPECTED_TTFT_MS,
                                     steady_samples=60))
         d, state = _tick(end + 1, cfg, state, ready=3, windows=windows)
         assert not d.effects, d.report("p").reason
@@ -238,12 +214,12 @@ def test_correction_follows_a_slower_fleet():
     [40, 50) is the first. The correction divides the TTFT target the queueing model must meet
     (500 ms here): the tolerable utilisation, hence the capacity per replica, falls as it grows,
     and the needed replicas rise."""
-    cfg = _make_config(_make_pool(ttft_slo_ms=500.0))
+    cfg = make_config(make_pool(ttft_slo_ms=500.0))
     windows = []
     state = _state(3)
     corrections, capacity, needed = [], [], []
     for end in (20, 30, 40, 50, 60, 70):
-        windows.append(_make_window(end, completions=100, steady_ttft_mean=2 * EXPECTED_TTFT_MS, steady_samples=60))
+        windows.append(make_window(end, completions=100, steady_ttft_mean=2 * EXPECTED_TTFT_MS, steady_samples=60))
         d, state = _tick(end + 1, cfg, state, ready=3, windows=windows)
         corrections.append(round(state.pool("p").ttft_correction, 6))
         capacity.append(d.report("p").input("prefill_tok_s_per_replica"))
@@ -257,13 +233,13 @@ def test_corrections_do_not_learn_from_a_backlog():
     """A burst left 40,000 queued prompt tokens per worker (4 s of work at 10,000 tokens/s, above
     the 1 s TTFT target): TTFTs measured now are the backlog's age, not the hardware's speed, so
     the pool is not settled and the correction stays 1.0."""
-    cfg = _make_config()
+    cfg = make_config()
     busy = tuple(PoolWorker(worker_id=f"p-{i}", pool="p", role="prefill", state="ready",
                             queued_prefill_tokens=40_000) for i in range(3))
     state = _state(3)
     windows = []
     for end in (20, 30, 40, 50):
-        windows.append(_make_window(end, completions=100, steady_ttft_mean=5000.0, steady_samples=60))
+        windows.append(make_window(end, completions=100, steady_ttft_mean=5000.0, steady_samples=60))
         _, state = _tick(end + 1, cfg, state, ready=3, workers=busy, windows=windows)
     assert state.pool("p").ttft_correction == 1.0 and state.pool("p").settled_since_ns is None
 
@@ -271,13 +247,13 @@ def test_corrections_do_not_learn_from_a_backlog():
 def test_pin_overrides_the_load():
     """A pin sets the replicas whatever the load says (clamped to the bounds), and the decision
     says who decided."""
-    cfg = _make_config()
+    cfg = make_config()
     state = _state(2).with_pins({"p": 7})
-    d, state = _tick(21, cfg, state, windows=[_make_window(20, arrivals=0)])
+    d, state = _tick(21, cfg, state, windows=[make_window(20, arrivals=0)])
     assert d.effects[0].to_replicas == 7
     assert "pinned by operator to 7" in d.effects[0].reason
     assert d.effects[0].event.inputs["pinned"] == 7
-    d, state = _tick(31, cfg, state.with_pins({"p": 50}), ready=7, windows=[_make_window(30)])
+    d, state = _tick(31, cfg, state.with_pins({"p": 50}), ready=7, windows=[make_window(30)])
     assert d.effects[0].to_replicas == 10 and "clamped" in d.effects[0].reason
 
 
@@ -285,13 +261,13 @@ def test_gpu_budget_is_shared_by_unmet_fraction():
     """Two pools at 2 replicas each want 5 (20 req/s of ISL 2,000: 40,000 / 8,500 = 4.7 -> 5),
     budget 8 GPUs: base 2 + 2 = 4, 4 left. Both miss 3/5; 'a' (name order) gets one (2/5 unmet
     left), then 'b', then 'a', then 'b': 4 and 4."""
-    a, b = _make_pool(name="a"), _make_pool(name="b")
-    cfg = _make_config(a, b, gpu_budget=8)
+    a, b = make_pool(name="a"), make_pool(name="b")
+    cfg = make_config(a, b, gpu_budget=8)
     from control_plane.planner.policy import PoolState
 
     state = PlannerState(pools=(PoolState(pool="a", target=2), PoolState(pool="b", target=2)))
     snap = LoadSnapshot(now_ns=21 * NS, pools=tuple(
-        PoolLoad(pool=n, replicas=ReplicaCounts(ready=2), windows=(_make_window(20, arrivals=200),))
+        PoolLoad(pool=n, replicas=ReplicaCounts(ready=2), windows=(make_window(20, arrivals=200),))
         for n in ("a", "b")))
     d, _ = decide(21 * NS, snap, cfg, state)
     assert sorted((e.pool, e.to_replicas) for e in d.effects) == [("a", 4), ("b", 4)]
@@ -303,9 +279,9 @@ def test_scale_down_drains_starting_then_least_loaded():
     workers = (PoolWorker(worker_id="w-busy", pool="p", role="prefill", state="ready", running=9),
                PoolWorker(worker_id="w-idle", pool="p", role="prefill", state="ready", running=1),
                PoolWorker(worker_id="w-new", pool="p", role="prefill", state="starting"))
-    cfg = _make_config(scale_down_ticks=1)
+    cfg = make_config(scale_down_ticks=1)
     d, _ = _tick(21, cfg, _state(3), ready=2, starting=1, workers=workers,
-                 windows=[_make_window(20, arrivals=0)])
+                 windows=[make_window(20, arrivals=0)])
     (eff,) = d.effects
     assert (eff.from_replicas, eff.to_replicas) == (3, 1)
     assert eff.drain == ("w-new", "w-idle")
@@ -315,15 +291,15 @@ def test_scale_down_drains_starting_then_least_loaded():
 def test_first_tick_adopts_observed_replicas_and_enforces_bounds():
     """No state yet: the observed count (0 here) is the starting point, and min_replicas 2 is
     enforced at once even before any window closed."""
-    cfg = _make_config(_make_pool(min_replicas=2))
+    cfg = make_config(make_pool(min_replicas=2))
     d, state = decide(5 * NS, _make_snapshot(5, ready=0), cfg, PlannerState())
     assert [(e.from_replicas, e.to_replicas) for e in d.effects] == [(0, 2)]
     assert "brought into bounds [2, 10]" in d.effects[0].reason
 
 
 def test_decisions_are_deterministic_and_carry_the_fencing_token():
-    cfg = _make_config()
-    snap = _make_snapshot(21, windows=[_make_window(20)])
+    cfg = make_config()
+    snap = _make_snapshot(21, windows=[make_window(20)])
     a = decide(21 * NS, snap, cfg, _state(1).with_token(7))
     b = decide(21 * NS, snap, cfg, _state(1).with_token(7))
     assert a == b
@@ -334,10 +310,10 @@ def test_decisions_are_deterministic_and_carry_the_fencing_token():
 def test_forecast_error_is_scored_against_the_window_it_predicted():
     """Constant predictor: after 10 req/s it predicts 10 for the next window; 20 arrives, so the
     relative error is |10 - 20| / 20 = 0.5 (first score: the average starts there)."""
-    cfg = _make_config()
-    _, state = _tick(21, cfg, _state(3), ready=3, windows=[_make_window(20)])
+    cfg = make_config()
+    _, state = _tick(21, cfg, _state(3), ready=3, windows=[make_window(20)])
     assert state.pool("p").forecast_rate == 10.0
-    _, state = _tick(31, cfg, state, ready=3, windows=[_make_window(20), _make_window(30, arrivals=200)])
+    _, state = _tick(31, cfg, state, ready=3, windows=[make_window(20), make_window(30, arrivals=200)])
     assert state.pool("p").forecast_error == 0.5 and state.pool("p").forecast_scored == 1
 
 
@@ -363,7 +339,7 @@ def _run(cfg: PlannerConfig, rates, *, startup_s: float = 20.0, isl: float = 200
         loads = []
         for name in pools:
             n = int(rng.poisson(rate * WINDOW_S)) if poisson else int(round(rate * WINDOW_S))
-            w = _make_window(end, arrivals=n, isl_mean=isl)
+            w = make_window(end, arrivals=n, isl_mean=isl)
             loads.append(PoolLoad(pool=name, replicas=scaler.counts(name, now), workers=scaler.workers(name, now),
                                   windows=(w,)))
         d, state = decide(now, LoadSnapshot(now_ns=now, pools=tuple(loads)), cfg, state)
@@ -380,7 +356,7 @@ def test_constant_load_does_not_oscillate_over_1000_ticks():
     (sd). Adding a 5th replica needs the low end above 4: needed > 4 / (1 - 0.163) = 4.78, a
     4.3 sd window (or a 6-window average 6.5 sd high); removing one needs the high end to fit
     80% of 3: needed < 2.4 / 1.163 = 2.06."""
-    cfg = _make_config()
+    cfg = make_config()
     effects, targets = _run(cfg, [15.0] * 1000)
     changes = [(k, e.from_replicas, e.to_replicas) for k, es in enumerate(effects) for e in es]
     assert changes == [(0, 2, 4)]
@@ -389,7 +365,7 @@ def test_constant_load_does_not_oscillate_over_1000_ticks():
 
 def test_constant_load_does_not_oscillate_with_every_predictor():
     for predictor in ("moving_average", "kalman", "holt_winters"):
-        cfg = _make_config(_make_pool(predictor=predictor))
+        cfg = make_config(make_pool(predictor=predictor))
         effects, _ = _run(cfg, [15.0] * (30 if predictor == "holt_winters" else 1000), seed=1)
         changes = [(e.from_replicas, e.to_replicas) for es in effects for e in es]
         assert len(changes) <= 1, (predictor, changes)
@@ -403,7 +379,7 @@ def test_load_step_is_followed_within_three_ticks():
     the step, within the documented 3. (Headroom off: the missed step would add up to 18% on
     top of 12.5 and 20; that has its own test.)"""
     rates = [5.0] * 10 + [12.5] + [20.0] * 20
-    cfg = _make_config(max_headroom=0.0)
+    cfg = make_config(max_headroom=0.0)
     effects, targets = _run(cfg, rates, poisson=False, start=2)
     first_full = next(k for k, t in enumerate(targets) if t["p"] >= 5)
     assert first_full - 10 <= 3
@@ -413,7 +389,7 @@ def test_load_step_is_followed_within_three_ticks():
 def test_moving_average_follows_a_step_within_its_window_plus_three():
     """Moving average of 4: the full level is seen 4 windows after the step at the latest."""
     rates = [5.0] * 10 + [20.0] * 20
-    cfg = _make_config(_make_pool(predictor="moving_average", predictor_window=4))
+    cfg = make_config(make_pool(predictor="moving_average", predictor_window=4))
     _, targets = _run(cfg, rates, poisson=False)
     first_full = next(k for k, t in enumerate(targets) if t["p"] >= 5)
     assert first_full - 10 <= 3 + 3
@@ -424,7 +400,7 @@ def test_slow_starting_workers_do_not_trigger_extra_scale_up():
     scale-up to 6, none while its replicas start (the load stays above what is ready), none
     after (the load did not change). (Headroom off, as above.)"""
     rates = [5.0] * 5 + [25.0] * 40
-    cfg = _make_config(startup_timeout_s=300.0, max_headroom=0.0)
+    cfg = make_config(startup_timeout_s=300.0, max_headroom=0.0)
     effects, targets = _run(cfg, rates, startup_s=60.0, poisson=False)
     ups = [(k, e.from_replicas, e.to_replicas) for k, es in enumerate(effects) for e in es]
     assert ups == [(5, 2, 6)], ups
@@ -445,10 +421,10 @@ def test_budget_and_bounds_always_hold(budget, mins, spans, gpus, rates, pin, st
     together stay within the GPU budget."""
     if mins[0] * gpus[0] + mins[1] * gpus[1] > budget:
         mins = (0, 0)
-    pools = (_make_pool(name="a", min_replicas=mins[0], max_replicas=mins[0] + spans[0], gpus_per_replica=gpus[0]),
-             _make_pool(name="b", role="decode", ttft_slo_ms=None, itl_slo_ms=20.0, min_replicas=mins[1],
+    pools = (make_pool(name="a", min_replicas=mins[0], max_replicas=mins[0] + spans[0], gpus_per_replica=gpus[0]),
+             make_pool(name="b", role="decode", ttft_slo_ms=None, itl_slo_ms=20.0, min_replicas=mins[1],
                         max_replicas=mins[1] + spans[1], gpus_per_replica=gpus[1]))
-    cfg = _make_config(*pools, gpu_budget=budget, pins={"a": pin} if pin is not None else {},
+    cfg = make_config(*pools, gpu_budget=budget, pins={"a": pin} if pin is not None else {},
                        cooldown_up_s=10.0, scale_down_ticks=2)
     state = PlannerState().with_pins(cfg.pins)
     scaler = VirtualScaler(startup_s=startup, drain_s=5.0)
@@ -456,7 +432,7 @@ def test_budget_and_bounds_always_hold(budget, mins, spans, gpus, rates, pin, st
         end = (k + 1) * WINDOW_S
         now = int((end + 1) * NS)
         loads = tuple(PoolLoad(pool=p.name, replicas=scaler.counts(p.name, now), workers=scaler.workers(p.name, now),
-                               windows=(_make_window(end, arrivals=int(rate * WINDOW_S)),)) for p in pools)
+                               windows=(make_window(end, arrivals=int(rate * WINDOW_S)),)) for p in pools)
         d, state = decide(now, LoadSnapshot(now_ns=now, pools=loads), cfg, state)
         for e in d.effects:
             pc = cfg.pool(e.pool)
