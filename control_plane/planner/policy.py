@@ -438,35 +438,27 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
     elif low is not None and up is not None and low > current + _EPS:
         below = 0
         since = (now - (ps.pending_since_ns or now)) / NS
-        held = _held((
+        go = (sizing + (f"; capped at max_replicas {hi}" if up > hi else "")
+              + (f"; the previous decision was not applied within {cfg.startup_timeout_s:g}s"
+                 if timed_out else ""))
+        proposed, action, reason = _gated(current, sizing, (
             (pending, f"wants {up} but the decision {since:.0f}s ago is still pending "
                       f"({reps.ready} of {current} ready, {reps.draining} draining): never decide again "
                       "while the last decision is being applied"),
             (_cooling(now, ps.last_up_ns, cfg.cooldown_up_s),
              f"wants {up} but in scale-up cooldown ({cfg.cooldown_up_s:g}s)"),
-        ))
-        if held is not None:
-            reason = f"{sizing}; {held}"
-        else:
-            proposed, action = min(up, hi), "up"
-            reason = sizing + (f"; capped at max_replicas {hi}" if up > hi else "")
-            if timed_out:
-                reason += f"; the previous decision was not applied within {cfg.startup_timeout_s:g}s"
+        ), (min(up, hi), "up", go))
     elif down is not None and down < current:
         below += 1
-        held = _held((
+        go = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
+              + (f"; kept at min_replicas {lo}" if down < lo else ""))
+        proposed, action, reason = _gated(current, sizing, (
             (pending, "below the scale-down threshold but the last decision is still pending"),
             (below < cfg.scale_down_ticks, f"below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
                                            f"{cfg.scale_down_ticks} ticks"),
             (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s),
              f"wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"),
-        ))
-        if held is not None:
-            reason = f"{sizing}; {held}"
-        else:
-            proposed, action = max(down, lo), "down"
-            reason = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
-                      + (f"; kept at min_replicas {lo}" if down < lo else ""))
+        ), (max(down, lo), "down", go))
     else:
         below = 0
         if low is None:
@@ -496,10 +488,13 @@ def _num(x: InputValue | None) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def _held(gates: tuple[tuple[bool, str], ...]) -> str | None:
-    """Why a scale step waits: the reason of the first gate that holds (None: it may go). Both
-    directions are gated this way, in the order their reasons should be read."""
-    return next((why for holds, why in gates if holds), None)
+def _gated(current: int, sizing: str, gates: tuple[tuple[bool, str], ...],
+           step: tuple[int, str, str]) -> tuple[int, str, str]:
+    """(proposed, action, reason) of a scale step: ``step`` when no gate holds, else a hold at
+    ``current`` with the reason of the first gate that holds. Both directions are gated this way,
+    their gates in the order their reasons should be read."""
+    held = next((why for holds, why in gates if holds), None)
+    return step if held is None else (current, "hold", f"{sizing}; {held}")
 
 
 def _cooling(now: int, since_ns: int | None, cooldown_s: float) -> bool:
