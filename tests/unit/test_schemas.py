@@ -6,11 +6,13 @@ prove the current one still reads them. They are never regenerated to make a tes
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -54,374 +56,241 @@ def _name(cls: type[ev.Event]) -> str:
 
 W = WorkerId("w-1")
 R = RequestId("req-1")
+S = TypeVar("S", bound=msgspec.Struct)
 
 
-def _make_block_stored(**overrides: Any) -> ev.BlockStored:
-    return ev.BlockStored(
-        **{
-            "worker_id": W,
-            "tier": Tier.HOST,
-            "block_hashes": [BlockHash(2**64 - 1), BlockHash(7)],
-            "parent_hash": BlockHash(3),
-            "block_size": 4,
-            "token_counts": [4, 4],
-            "hash_algo": "xxh3_64:1337",
-            "cache_group": CacheGroup.SLIDING_WINDOW,
-            "lora_id": 2,
-            "lora_name": "sql-adapter",
-            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-            "dp_rank": 1,
-            "source_tier": Tier.DISK,
-            **overrides,
-        }
-    )
+#: What the three KvTransfer* events share.
+TRANSFER_FIELDS: dict[str, Any] = {"request_id": R, "transfer_id": "x-1", "src_worker": W,
+                                   "dst_worker": WorkerId("w-2"), "blocks": 3, "bytes": 3 * 2**21, "backend": "UCX"}
 
 
-def _make_block_removed(**overrides: Any) -> ev.BlockRemoved:
-    return ev.BlockRemoved(
-        **{
-            "worker_id": W,
-            "tier": Tier.DISK,
-            "block_hashes": [BlockHash(11)],
-            "cache_group": CacheGroup.MAMBA,
-            "dp_rank": 2,
-            **overrides,
-        }
-    )
+#: What v1 and v2 of WorkerLoadReported share (v2 only replaced ``kv_usage``).
+LOAD_FIELDS: dict[str, Any] = {"worker_id": W, "running": 2, "waiting": 1, "queued_prefill_tokens": 32,
+                               "active_decode_blocks": 7}
 
 
-def _make_block_moved(**overrides: Any) -> ev.BlockMoved:
-    return ev.BlockMoved(
-        **{
-            "worker_id": W,
-            "block_hashes": [BlockHash(11), BlockHash(12)],
-            "from_tier": Tier.HOST,
-            "to_tier": Tier.OBJECT,
-            "cache_group": CacheGroup.OTHER,
-            "dp_rank": 3,
-            **overrides,
-        }
-    )
+#: A CandidateScore (the score rows of RequestRouted).
+SCORE_FIELDS: dict[str, Any] = {
+    "worker_id": W,
+    "overlap_blocks": 2,
+    "overlap_by_tier": {"device": 1, "host": 1},
+    "queued_prefill_tokens": 64,
+    "active_decode_blocks": 9,
+    "inflight_requests": 3,
+    "stale": True,
+    "prefill_blocks": 4.0,
+    "decode_blocks": 0.9,
+    "cost": 4.9,
+    "probability": 0.25,
+    "eligible": False,
+    "speculative_overlap": 3,
+    "excluded": "draining",
+    "kv_capacity_blocks": 16384,
+}
 
-
-def _make_all_blocks_cleared(**overrides: Any) -> ev.AllBlocksCleared:
-    return ev.AllBlocksCleared(**{"worker_id": W, "tier": Tier.DEVICE, "dp_rank": 1, **overrides})
-
-
-def _make_request_admitted(**overrides: Any) -> ev.RequestAdmitted:
-    return ev.RequestAdmitted(
-        **{
-            "request_id": R,
-            "model": "m",
-            "prompt_tokens": 40,
-            "max_tokens": 8,
-            "stream": True,
-            "block_hashes": [BlockHash(1), BlockHash(2)],
-            "block_size": 16,
-            "hash_algo": "sha256_cbor",
-            "endpoint": "chat/completions",
-            "priority": 5,
-            "client_request_id": "client-1",
-            **overrides,
-        }
-    )
-
-
-def _make_candidate_score(**overrides: Any) -> ev.CandidateScore:
-    return ev.CandidateScore(
-        **{
-            "worker_id": W,
-            "overlap_blocks": 2,
-            "overlap_by_tier": {"device": 1, "host": 1},
-            "queued_prefill_tokens": 64,
-            "active_decode_blocks": 9,
-            "inflight_requests": 3,
-            "stale": True,
-            "prefill_blocks": 4.0,
-            "decode_blocks": 0.9,
-            "cost": 4.9,
-            "probability": 0.25,
-            "eligible": False,
-            "speculative_overlap": 3,
-            "excluded": "draining",
-            "kv_capacity_blocks": 16384,
-            **overrides,
-        }
-    )
-
-
-def _make_request_routed(**overrides: Any) -> ev.RequestRouted:
-    return ev.RequestRouted(
-        **{
-            "request_id": R,
-            "worker_id": W,
-            "phase": RequestPhase.DECODE,
-            "mode": RoutingMode.KV,
-            "scores": [_make_candidate_score(), _make_candidate_score(worker_id=WorkerId("w-2"))],
-            "reason": "lowest cost",
-            "config_version": 3,
-            "rng_seed": 99,
-            "index_position": {"switchyard.kv:0": 10},
-            "router_id": "router-1",
-            "attempt": 1,
-            "rr_cursor": "w-2",
-            "guards": ["capacity"],
-            "expected_output_tokens": 256,
-            "view_state": "EXACT",
-            "excluded_workers": ["w-7"],
-            "decided_at_s": 1795980000.25,
-            "queued_ms": 12.5,
-            "inflight_prefill_tokens": 0,
-            "inflight_blocks": 40,
-            "inflight_ttl_s": 600.0,
-            **overrides,
-        }
-    )
-
-
-def _make_prefill_completed(**overrides: Any) -> ev.PrefillCompleted:
-    return ev.PrefillCompleted(
-        **{
-            "request_id": R,
-            "worker_id": W,
-            "prompt_tokens": 40,
-            "cached_tokens": 16,
-            "duration_ms": 12.5,
-            "kv_transfer_params": {
-                "remote_host": "10.0.0.1",
-                "remote_port": 5600,
-                "expiry_s": 30.0,
-                "do_remote_decode": True,
-                "remote_block_ids": [1, 2, 3],
-                "remote_engine_id": None,
-            },
-            **overrides,
-        }
-    )
-
-
-def _transfer_fields() -> dict[str, Any]:
-    return {
+#: Per struct, one instance's fields: every optional one set to a non-default value.
+SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
+    ev.BlockStored: {
+        "worker_id": W,
+        "tier": Tier.HOST,
+        "block_hashes": [BlockHash(2**64 - 1), BlockHash(7)],
+        "parent_hash": BlockHash(3),
+        "block_size": 4,
+        "token_counts": [4, 4],
+        "hash_algo": "xxh3_64:1337",
+        "cache_group": CacheGroup.SLIDING_WINDOW,
+        "lora_id": 2,
+        "lora_name": "sql-adapter",
+        "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "dp_rank": 1,
+        "source_tier": Tier.DISK,
+    },
+    ev.BlockRemoved: {
+        "worker_id": W,
+        "tier": Tier.DISK,
+        "block_hashes": [BlockHash(11)],
+        "cache_group": CacheGroup.MAMBA,
+        "dp_rank": 2,
+    },
+    ev.BlockMoved: {
+        "worker_id": W,
+        "block_hashes": [BlockHash(11), BlockHash(12)],
+        "from_tier": Tier.HOST,
+        "to_tier": Tier.OBJECT,
+        "cache_group": CacheGroup.OTHER,
+        "dp_rank": 3,
+    },
+    ev.AllBlocksCleared: {"worker_id": W, "tier": Tier.DEVICE, "dp_rank": 1},
+    ev.RequestAdmitted: {
         "request_id": R,
-        "transfer_id": "x-1",
-        "src_worker": W,
-        "dst_worker": WorkerId("w-2"),
-        "blocks": 3,
-        "bytes": 3 * 2**21,
-        "backend": "UCX",
-    }
+        "model": "m",
+        "prompt_tokens": 40,
+        "max_tokens": 8,
+        "stream": True,
+        "block_hashes": [BlockHash(1), BlockHash(2)],
+        "block_size": 16,
+        "hash_algo": "sha256_cbor",
+        "endpoint": "chat/completions",
+        "priority": 5,
+        "client_request_id": "client-1",
+    },
+    ev.CandidateScore: SCORE_FIELDS,
+    ev.RequestRouted: {
+        "request_id": R,
+        "worker_id": W,
+        "phase": RequestPhase.DECODE,
+        "mode": RoutingMode.KV,
+        "scores": [ev.CandidateScore(**SCORE_FIELDS),
+                   ev.CandidateScore(**{**SCORE_FIELDS, "worker_id": WorkerId("w-2")})],
+        "reason": "lowest cost",
+        "config_version": 3,
+        "rng_seed": 99,
+        "index_position": {"switchyard.kv:0": 10},
+        "router_id": "router-1",
+        "attempt": 1,
+        "rr_cursor": "w-2",
+        "guards": ["capacity"],
+        "expected_output_tokens": 256,
+        "view_state": "EXACT",
+        "excluded_workers": ["w-7"],
+        "decided_at_s": 1795980000.25,
+        "queued_ms": 12.5,
+        "inflight_prefill_tokens": 0,
+        "inflight_blocks": 40,
+        "inflight_ttl_s": 600.0,
+    },
+    ev.PrefillCompleted: {
+        "request_id": R,
+        "worker_id": W,
+        "prompt_tokens": 40,
+        "cached_tokens": 16,
+        "duration_ms": 12.5,
+        "kv_transfer_params": {"remote_host": "10.0.0.1", "remote_port": 5600, "expiry_s": 30.0,
+                               "do_remote_decode": True, "remote_block_ids": [1, 2, 3], "remote_engine_id": None},
+    },
+    ev.KvTransferStarted: TRANSFER_FIELDS,
+    ev.KvTransferCompleted: {**TRANSFER_FIELDS, "duration_ms": 1.5},
+    ev.KvTransferFailed: {**TRANSFER_FIELDS, "duration_ms": 50.0, "reason": "timeout", "fallback": "recompute"},
+    ev.RequestCompleted: {
+        "request_id": R,
+        "worker_id": W,
+        "prompt_tokens": 40,
+        "output_tokens": 8,
+        "cached_tokens": 16,
+        "ttft_ms": 20.0,
+        "itl_mean_ms": 10.5,
+        "itl_p50_ms": 10.0,
+        "itl_p99_ms": 15.0,
+        "e2e_ms": 100.0,
+        "finish_reason": "stop",
+    },
+    ev.RequestFailed: {
+        "request_id": R,
+        "worker_id": W,
+        "reason": "worker lost",
+        "code": "worker_lost",
+        "tokens_sent": 2,
+        "retried": True,
+    },
+    ev.RequestRejected: {"request_id": R, "reason": "busy", "code": "overloaded", "http_status": 503},
+    ev.WorkerRegistered: {
+        "worker_id": W,
+        "role": WorkerRole.PREFILL,
+        "pool": PoolName("p"),
+        "endpoint": "http://w-1:8000",
+        "model": "m",
+        "capacity": {"device": 100, "host": 400},
+        "block_size": 16,
+        "hash_algo": "sha256_cbor",
+        "transfer": ev.TransferInfo(backend="LIBFABRIC", agent_name="w-1", agent_metadata=b"\x00\xffmeta",
+                                    bytes_per_block=2**21),
+    },
+    ev.WorkerLoadReportedV1: {**LOAD_FIELDS, "kv_usage": 0.5},
+    ev.WorkerLoadReported: {**LOAD_FIELDS, "tier_usage": {"device": 0.5, "host": 0.25}},
+    ev.WorkerDraining: {"worker_id": W, "reason": "scale-down", "inflight": 4},
+    ev.WorkerDeregistered: {"worker_id": W, "reason": "drained"},
+    ev.ScalingDecision: {
+        "pool": PoolName("p"),
+        "decision_id": "d-1",
+        "role": WorkerRole.DECODE,
+        "from_replicas": 2,
+        "to_replicas": 3,
+        "reason": "load",
+        "inputs": {"predicted_rps": 10.5, "isl": 1000, "profile": "h100"},
+        "predictor": "arima",
+        "config_version": 4,
+        "fencing_token": 9,
+        "forecast_rate": 12.5,
+        "forecast_horizon_s": 65.0,
+        "headroom": 0.12,
+        "startup_allowance_s": 30.0,
+        "binding": "itl",
+    },
+    ev.ScalingApplied: {
+        "pool": PoolName("p"),
+        "decision_id": "d-1",
+        "replicas": 3,
+        "success": False,
+        "error": "quota exceeded",
+        "scaler": "kubernetes",
+    },
+    ev.RouterConfigChanged: {
+        "actor": "a",
+        "actor_role": "operator",
+        "config_version": 2,
+        "config": {"mode": "kv", "temperature": 0.5},
+    },
+    ev.PlannerConfigChanged: {
+        "actor": "a",
+        "actor_role": "operator",
+        "config_version": 2,
+        "config": {"interval_s": 30},
+    },
+    ev.PoolUpdated: {
+        "actor": "a",
+        "actor_role": "operator",
+        "pool": PoolName("p"),
+        "role": WorkerRole.DECODE,
+        "ttft_slo_ms": 500.0,
+        "itl_slo_ms": 10.0,
+        "min_replicas": 1,
+        "max_replicas": 8,
+        "gpus_per_replica": 2,
+        "gpu_budget": 16,
+    },
+    ev.PoolPinned: {"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "replicas": 4, "reason": "test"},
+    ev.WorkerDrainRequested: {"actor": "a", "actor_role": "operator", "worker_id": WorkerId("w"), "reason": "r"},
+    ev.AdminAction: {
+        "actor": "a",
+        "actor_role": "admin",
+        "action": "token_created",
+        "target": "t",
+        "details": {"role": "viewer"},
+    },
+    ev.RouterKeyIssued: {
+        "actor": "root",
+        "actor_role": "admin",
+        "key_id": "0a1b2c3d",
+        "name": "k",
+        "salt": "00" * 16,
+        "key_hash": "ab" * 32,
+        "expires_at_ns": 1_800_000_000_000_000_000,
+        "rate_per_s": 5.0,
+        "burst": 10,
+        "max_concurrent": 4,
+    },
+    ev.RouterKeyRevoked: {"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "reason": "leaked"},
+}
 
 
-def _make_kv_transfer_started(**overrides: Any) -> ev.KvTransferStarted:
-    return ev.KvTransferStarted(**{**_transfer_fields(), **overrides})
+def build(cls: type[S], **overrides: Any) -> S:
+    """An instance of ``cls`` from its :data:`SAMPLE_FIELDS` (a fresh copy), with ``overrides``."""
+    return cls(**{**copy.deepcopy(SAMPLE_FIELDS[cls]), **overrides})
 
 
-def _make_kv_transfer_completed(**overrides: Any) -> ev.KvTransferCompleted:
-    return ev.KvTransferCompleted(**{**_transfer_fields(), "duration_ms": 1.5, **overrides})
-
-
-def _make_kv_transfer_failed(**overrides: Any) -> ev.KvTransferFailed:
-    return ev.KvTransferFailed(
-        **{
-            **_transfer_fields(),
-            "duration_ms": 50.0,
-            "reason": "timeout",
-            "fallback": "recompute",
-            **overrides,
-        }
-    )
-
-
-def _make_request_completed(**overrides: Any) -> ev.RequestCompleted:
-    return ev.RequestCompleted(
-        **{
-            "request_id": R,
-            "worker_id": W,
-            "prompt_tokens": 40,
-            "output_tokens": 8,
-            "cached_tokens": 16,
-            "ttft_ms": 20.0,
-            "itl_mean_ms": 10.5,
-            "itl_p50_ms": 10.0,
-            "itl_p99_ms": 15.0,
-            "e2e_ms": 100.0,
-            "finish_reason": "stop",
-            **overrides,
-        }
-    )
-
-
-def _make_request_failed(**overrides: Any) -> ev.RequestFailed:
-    return ev.RequestFailed(
-        **{
-            "request_id": R,
-            "worker_id": W,
-            "reason": "worker lost",
-            "code": "worker_lost",
-            "tokens_sent": 2,
-            "retried": True,
-            **overrides,
-        }
-    )
-
-
-def _make_request_rejected(**overrides: Any) -> ev.RequestRejected:
-    return ev.RequestRejected(
-        **{"request_id": R, "reason": "busy", "code": "overloaded", "http_status": 503, **overrides}
-    )
-
-
-def _make_worker_registered(**overrides: Any) -> ev.WorkerRegistered:
-    return ev.WorkerRegistered(
-        **{
-            "worker_id": W,
-            "role": WorkerRole.PREFILL,
-            "pool": PoolName("p"),
-            "endpoint": "http://w-1:8000",
-            "model": "m",
-            "capacity": {"device": 100, "host": 400},
-            "block_size": 16,
-            "hash_algo": "sha256_cbor",
-            "transfer": ev.TransferInfo(
-                backend="LIBFABRIC",
-                agent_name="w-1",
-                agent_metadata=b"\x00\xffmeta",
-                bytes_per_block=2**21,
-            ),
-            **overrides,
-        }
-    )
-
-
-def _load_fields() -> dict[str, Any]:
-    """What v1 and v2 of WorkerLoadReported share (v2 only replaced ``kv_usage``)."""
-    return {"worker_id": W, "running": 2, "waiting": 1, "queued_prefill_tokens": 32, "active_decode_blocks": 7}
-
-
-def _make_worker_load_reported_v1(**overrides: Any) -> ev.WorkerLoadReportedV1:
-    return ev.WorkerLoadReportedV1(**{**_load_fields(), "kv_usage": 0.5, **overrides})
-
-
-def _make_worker_load_reported(**overrides: Any) -> ev.WorkerLoadReported:
-    return ev.WorkerLoadReported(**{**_load_fields(), "tier_usage": {"device": 0.5, "host": 0.25}, **overrides})
-
-
-def _make_worker_draining(**overrides: Any) -> ev.WorkerDraining:
-    return ev.WorkerDraining(**{"worker_id": W, "reason": "scale-down", "inflight": 4, **overrides})
-
-
-def _make_worker_deregistered(**overrides: Any) -> ev.WorkerDeregistered:
-    return ev.WorkerDeregistered(**{"worker_id": W, "reason": "drained", **overrides})
-
-
-def _make_scaling_decision(**overrides: Any) -> ev.ScalingDecision:
-    return ev.ScalingDecision(
-        **{
-            "pool": PoolName("p"),
-            "decision_id": "d-1",
-            "role": WorkerRole.DECODE,
-            "from_replicas": 2,
-            "to_replicas": 3,
-            "reason": "load",
-            "inputs": {"predicted_rps": 10.5, "isl": 1000, "profile": "h100"},
-            "predictor": "arima",
-            "config_version": 4,
-            "fencing_token": 9,
-            "forecast_rate": 12.5,
-            "forecast_horizon_s": 65.0,
-            "headroom": 0.12,
-            "startup_allowance_s": 30.0,
-            "binding": "itl",
-            **overrides,
-        }
-    )
-
-
-def _make_scaling_applied(**overrides: Any) -> ev.ScalingApplied:
-    return ev.ScalingApplied(
-        **{
-            "pool": PoolName("p"),
-            "decision_id": "d-1",
-            "replicas": 3,
-            "success": False,
-            "error": "quota exceeded",
-            "scaler": "kubernetes",
-            **overrides,
-        }
-    )
-
-
-def _make_router_config_changed(**overrides: Any) -> ev.RouterConfigChanged:
-    return ev.RouterConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
-                                  "config": {"mode": "kv", "temperature": 0.5}, **overrides})
-
-
-def _make_planner_config_changed(**overrides: Any) -> ev.PlannerConfigChanged:
-    return ev.PlannerConfigChanged(**{"actor": "a", "actor_role": "operator", "config_version": 2,
-                                   "config": {"interval_s": 30}, **overrides})
-
-
-def _make_pool_updated(**overrides: Any) -> ev.PoolUpdated:
-    return ev.PoolUpdated(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "role": WorkerRole.DECODE,
-                          "ttft_slo_ms": 500.0, "itl_slo_ms": 10.0, "min_replicas": 1, "max_replicas": 8,
-                          "gpus_per_replica": 2, "gpu_budget": 16, **overrides})
-
-
-def _make_pool_pinned(**overrides: Any) -> ev.PoolPinned:
-    return ev.PoolPinned(**{"actor": "a", "actor_role": "operator", "pool": PoolName("p"), "replicas": 4,
-                         "reason": "test", **overrides})
-
-
-def _make_worker_drain_requested(**overrides: Any) -> ev.WorkerDrainRequested:
-    return ev.WorkerDrainRequested(**{"actor": "a", "actor_role": "operator", "worker_id": WorkerId("w"),
-                                   "reason": "r", **overrides})
-
-
-def _make_admin_action(**overrides: Any) -> ev.AdminAction:
-    return ev.AdminAction(**{"actor": "a", "actor_role": "admin", "action": "token_created", "target": "t",
-                          "details": {"role": "viewer"}, **overrides})
-
-
-def _make_router_key_issued(**overrides: Any) -> ev.RouterKeyIssued:
-    return ev.RouterKeyIssued(**{"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "name": "k",
-                                 "salt": "00" * 16, "key_hash": "ab" * 32, "expires_at_ns": 1_800_000_000_000_000_000,
-                                 "rate_per_s": 5.0, "burst": 10, "max_concurrent": 4, **overrides})
-
-
-def _make_router_key_revoked(**overrides: Any) -> ev.RouterKeyRevoked:
-    return ev.RouterKeyRevoked(**{"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "reason": "leaked",
-                                  **overrides})
-
-
+#: One builder per registered payload type.
 BUILDERS: dict[type[ev.Event], Callable[..., ev.Event]] = {
-    ev.BlockStored: _make_block_stored,
-    ev.BlockRemoved: _make_block_removed,
-    ev.BlockMoved: _make_block_moved,
-    ev.AllBlocksCleared: _make_all_blocks_cleared,
-    ev.RequestAdmitted: _make_request_admitted,
-    ev.RequestRouted: _make_request_routed,
-    ev.PrefillCompleted: _make_prefill_completed,
-    ev.KvTransferStarted: _make_kv_transfer_started,
-    ev.KvTransferCompleted: _make_kv_transfer_completed,
-    ev.KvTransferFailed: _make_kv_transfer_failed,
-    ev.RequestCompleted: _make_request_completed,
-    ev.RequestFailed: _make_request_failed,
-    ev.RequestRejected: _make_request_rejected,
-    ev.WorkerRegistered: _make_worker_registered,
-    ev.WorkerLoadReportedV1: _make_worker_load_reported_v1,
-    ev.WorkerLoadReported: _make_worker_load_reported,
-    ev.WorkerDraining: _make_worker_draining,
-    ev.WorkerDeregistered: _make_worker_deregistered,
-    ev.ScalingDecision: _make_scaling_decision,
-    ev.ScalingApplied: _make_scaling_applied,
-    ev.RouterConfigChanged: _make_router_config_changed,
-    ev.PlannerConfigChanged: _make_planner_config_changed,
-    ev.PoolUpdated: _make_pool_updated,
-    ev.PoolPinned: _make_pool_pinned,
-    ev.WorkerDrainRequested: _make_worker_drain_requested,
-    ev.AdminAction: _make_admin_action,
-    ev.RouterKeyIssued: _make_router_key_issued,
-    ev.RouterKeyRevoked: _make_router_key_revoked,
+    cls: functools.partial(build, cls) for cls in SAMPLE_FIELDS if issubclass(cls, ev.Event)
 }
 
 
@@ -446,7 +315,7 @@ def _wrap(payload: ev.Event, **overrides: Any) -> Envelope[ev.Event]:
 
 def _raw_envelope(**overrides: Any) -> bytes:
     """Envelope bytes built from plain builtins, for records no struct would let us build."""
-    doc = msgspec.to_builtins(_wrap(_make_block_stored()))
+    doc = msgspec.to_builtins(_wrap(build(ev.BlockStored)))
     doc.update(overrides)
     return msgspec.msgpack.encode(doc)
 
@@ -502,8 +371,8 @@ def test_superseded_version_decodes_as_latest(cls):
 
 def test_worker_load_reported_v1_upcasts_kv_usage_to_device_tier():
     """v1 kv_usage=0.5 becomes v2 tier_usage={"device": 0.5}; the other fields carry over."""
-    decoded = CODEC.decode(CODEC.encode(_wrap(_make_worker_load_reported_v1(kv_usage=0.5))))
-    assert decoded.data == _make_worker_load_reported(tier_usage={"device": 0.5})
+    decoded = CODEC.decode(CODEC.encode(_wrap(build(ev.WorkerLoadReportedV1, kv_usage=0.5))))
+    assert decoded.data == build(ev.WorkerLoadReported, tier_usage={"device": 0.5})
 
 
 # -- stored samples ---------------------------------------------------------------------------
@@ -650,7 +519,7 @@ def test_check_reports_missing_extra_and_differing_files(tmp_path):
         ),
         pytest.param(
             _raw_envelope(
-                data={**msgspec.to_builtins(_make_block_stored()), "block_size": "sixteen"}
+                data={**msgspec.to_builtins(build(ev.BlockStored)), "block_size": "sixteen"}
             ),
             MalformedEvent,
             ["BlockStored v1", "block_size"],
@@ -667,9 +536,9 @@ def test_bad_record_raises_named_schema_error(buf, error, fragments):
 
 
 @pytest.mark.parametrize("make", [
-    lambda wid: _make_worker_load_reported(worker_id=wid),
-    lambda wid: _make_request_routed(worker_id=wid),
-    lambda wid: _make_kv_transfer_started(src_worker=wid),
+    lambda wid: build(ev.WorkerLoadReported, worker_id=wid),
+    lambda wid: build(ev.RequestRouted, worker_id=wid),
+    lambda wid: build(ev.KvTransferStarted, src_worker=wid),
 ])
 def test_worker_id_longer_than_the_limit_is_malformed(make):
     """Refused by the codec, so every consumer dead-letters it alike (none stalls on it later,
