@@ -375,12 +375,7 @@ class ChaosSystem:
         continued first: a stopped JVM would ignore the SIGTERM)."""
         self.close_procs()
         for n in self.kafka.nodes:
-            pid = n.pid()
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            n.send_signal(signal.SIGCONT)
         for disk in self.disks.values():
             disk.unmount()
         if self.redis is not None:

@@ -257,6 +257,15 @@ class KafkaNode:
         pid = read_pid(self.pid_file)
         return pid if alive(pid) else None
 
+    def send_signal(self, sig: int) -> None:
+        """``sig`` to the node's JVM, if it runs (one that exits meanwhile is no error)."""
+        pid = self.pid()
+        if pid:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     def check_ports(self) -> None:
         for port in (self.port, self.controller_port):
             require_free_port(f"kafka node {self.node_id}", self.s.host, port, "SWITCHYARD_KAFKA_PORT")
@@ -533,12 +542,7 @@ class KafkaService:
         nodes = [*self.nodes, *self._other_layout()]
         # SIGTERM all first: each node's controlled shutdown then overlaps the others'.
         for n in nodes:
-            pid = n.pid()
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            n.send_signal(signal.SIGTERM)
         for n in nodes:
             n.stop(timeout)
 
