@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -61,6 +62,15 @@ from schemas.events import (
     WorkerRegistered,
 )
 from schemas.types import RequestPhase
+
+
+class _PerPool(Protocol):
+    @property
+    def pool(self) -> str: ...
+
+
+#: A per-pool record (PoolLoad here, the planner's PoolState).
+P = TypeVar("P", bound=_PerPool)
 
 NS = 1_000_000_000
 SNAPSHOT_FORMAT = 2
@@ -349,10 +359,16 @@ class LoadSnapshot:
     watermark_ns: int = 0
 
     def pool(self, name: str) -> PoolLoad:
-        for p in self.pools:
-            if p.pool == name:
-                return p
-        return PoolLoad(pool=name)
+        return pool_entry(self.pools, name, PoolLoad)
+
+
+def pool_entry(entries: Iterable[P], name: str, empty: Callable[..., P]) -> P:
+    """The entry of pool ``name`` among per-pool ``entries``, else ``empty(pool=name)`` (a pool
+    nothing is known of yet)."""
+    for e in entries:
+        if e.pool == name:
+            return e
+    return empty(pool=name)
 
 
 def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", seq: int = 0) -> Envelope[Event]:

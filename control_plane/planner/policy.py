@@ -92,7 +92,14 @@ from dataclasses import dataclass, replace
 
 from control_plane.planner.config import PlannerConfig, PoolConfig
 from control_plane.planner.errors import PlannerConfigError
-from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, PoolWorker, WindowStats
+from control_plane.planner.load_view import (
+    NS,
+    LoadSnapshot,
+    PoolLoad,
+    PoolWorker,
+    WindowStats,
+    pool_entry,
+)
 from control_plane.planner.predictors import forecast
 from control_plane.planner.profile import PerformanceProfile, erlang_c
 from schemas.events import ScalingDecision
@@ -186,10 +193,7 @@ class PlannerState:
     decisions: int = 0
 
     def pool(self, name: str) -> PoolState:
-        for p in self.pools:
-            if p.pool == name:
-                return p
-        return PoolState(pool=name)
+        return pool_entry(self.pools, name, PoolState)
 
     def with_token(self, token: int) -> PlannerState:
         return replace(self, fencing_token=token)
