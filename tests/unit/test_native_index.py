@@ -22,20 +22,11 @@ from control_plane.index.errors import IndexRejected
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
 from schemas import EnvelopeFactory, EventCodec
-from schemas.events import (
-    AllBlocksCleared,
-    BlockMoved,
-    BlockRemoved,
-    BlockStored,
-    WorkerDeregistered,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
-from schemas.types import TIER_ORDER, CacheGroup, WorkerRole
+from schemas.events import WorkerDeregistered, WorkerLoadReported
+from schemas.types import TIER_ORDER, CacheGroup
 from tests.unit import test_prefix_index as contract
 
-ALGO = "sha256_cbor"
-BS = 16
+ALGO, BS = contract.ALGO, contract.BS
 CODEC = EventCodec()
 
 
@@ -87,24 +78,21 @@ def _payload(draw):
         if kind == "bad_store":
             extra = draw(st.sampled_from([{"block_size": 32}, {"hash_algo": "xxh3_64:1337"},
                                           {"cache_group": CacheGroup.SLIDING_WINDOW}]))
-        return BlockStored(**{**dict(worker_id=w, tier=tier, block_hashes=hs, block_size=BS,
-                                     hash_algo=ALGO, dp_rank=dp), **extra})
+        return contract._stored(w, hs, **{"tier": tier, "dp_rank": dp, **extra})
     if kind in ("remove", "hybrid_remove"):
         hs = draw(st.lists(st.sampled_from(ALL_HASHES), min_size=1, max_size=4))
         group = CacheGroup.MAMBA if kind == "hybrid_remove" else CacheGroup.FULL_ATTENTION
-        return BlockRemoved(worker_id=w, tier=tier, block_hashes=hs, dp_rank=dp, cache_group=group)
+        return contract._removed(w, hs, tier=tier, dp_rank=dp, cache_group=group)
     if kind == "move":
         hs = draw(st.lists(st.sampled_from(ALL_HASHES), min_size=1, max_size=4))
-        return BlockMoved(worker_id=w, block_hashes=hs, from_tier=tier,
-                          to_tier=draw(st.sampled_from(TIER_ORDER)), dp_rank=dp)
+        return contract._moved(w, hs, frm=tier, to=draw(st.sampled_from(TIER_ORDER)), dp_rank=dp)
     if kind == "clear":
-        return AllBlocksCleared(worker_id=w, tier=tier, dp_rank=dp)
+        return contract._cleared(w, tier, dp_rank=dp)
     if kind == "clear_all":
-        return AllBlocksCleared(worker_id=w, dp_rank=dp)
+        return contract._cleared(w, dp_rank=dp)
     if kind == "register":
         bs = draw(st.sampled_from((BS, BS, BS, 8)))
-        return WorkerRegistered(worker_id=w, role=WorkerRole.AGGREGATED, pool="p",
-                                endpoint="http://127.0.0.1:1", block_size=bs, hash_algo=ALGO)
+        return contract._registered(w, block_size=bs)
     if kind == "deregister":
         return WorkerDeregistered(worker_id=w)
     return WorkerLoadReported(worker_id=w, running=1, waiting=0)
@@ -209,8 +197,7 @@ def test_envelope_bytes_path_equals_the_decoded_path(events, cut):
 
 def test_bytes_path_leaves_records_it_does_not_take_to_the_codec():
     nat = NativePrefixIndex(ALGO, BS)
-    reg = WorkerRegistered(worker_id="a", role=WorkerRole.AGGREGATED, pool="p",
-                           endpoint="http://127.0.0.1:1", block_size=BS, hash_algo=ALGO)
+    reg = contract._registered("a")
     wire = CODEC.encode(EnvelopeFactory("a", 1, lambda: 0).wrap(reg))
     assert nat.apply_bytes(wire) is None
     assert nat.apply_bytes(b"\x81\xa1x\x01") is None
@@ -239,6 +226,5 @@ def test_an_index_built_on_one_thread_folds_on_another():
     t.start()
     t.join()
     idx = box[0]
-    idx.apply("a", 1, 0, BlockStored(worker_id="a", tier=TIER_ORDER[0], block_hashes=[1, 2],
-                                     block_size=BS, hash_algo=ALGO))
+    idx.apply("a", 1, 0, contract._stored("a", [1, 2]))
     assert len(idx) == 2
