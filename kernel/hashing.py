@@ -223,23 +223,6 @@ def hash_blocks(
     """Wire-form (u64) hashes of every full block of ``token_ids``; see
     :func:`hash_block_digests` for the arguments. This is what KV events and the prefix index
     carry, and what :meth:`PrefixIndex.find_matches` takes."""
-    toks = _token_tuple(token_ids)
-    bs = config.block_size
-    n = len(toks) // bs
-    ser, dig = _SERIALIZERS[config.algo]
-    if extra_keys is not None and len(extra_keys) != n:
-        raise ValueError(f"extra_keys has {len(extra_keys)} entries for {n} full blocks")
-    p = parent or _resolve(config.algo, config.seed)[1]
     from_bytes = int.from_bytes
-    out: list[BlockHash] = []
-    append = out.append
-    # Two copies of the loop so the common case (no extra keys) does no per-block indexing.
-    if extra_keys is None:
-        for i in range(0, n * bs, bs):
-            p = dig(ser((p, toks[i : i + bs], None)))
-            append(from_bytes(p[-8:], "big"))  # type: ignore[arg-type]
-    else:
-        for b, i in enumerate(range(0, n * bs, bs)):
-            p = dig(ser((p, toks[i : i + bs], extra_keys[b])))
-            append(from_bytes(p[-8:], "big"))  # type: ignore[arg-type]
-    return out
+    return [from_bytes(d[-8:], "big")  # type: ignore[misc]
+            for d in hash_block_digests(token_ids, config, extra_keys, parent=parent)]
