@@ -96,11 +96,8 @@ class Unavailable(WorkerError):
     kind = "service_unavailable"
 
 
-class Aborted(WorkerError):
-    """The engine dropped the request (worker stopping)."""
-
-    status = 503
-    kind = "service_unavailable"
+class Aborted(Unavailable):
+    """The engine dropped the request (worker stopping): answered as any unavailability."""
 
 
 @dataclass(frozen=True, slots=True)
