@@ -16,13 +16,8 @@ from control_plane.planner.stream import LoadViewProcessor
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
-from schemas.events import (
-    RequestAdmitted,
-    RequestCompleted,
-    RequestRouted,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
+from schemas.events import WorkerLoadReported
+from tests.support.traffic import Clock, register_worker, serve_request
 from tests.support.waits import until
 
 pytestmark = pytest.mark.kafka
@@ -31,33 +26,18 @@ COUNTERS = ("arrivals", "completions", "good")
 CFG = LoadViewConfig(tumbling_s=10.0, hopping_s=30.0, hop_step_s=10.0, slos={"agg": PoolSlo(ttft_ms=200.0, itl_ms=20.0)})
 
 
-class Clock:
-    def __init__(self, t: int) -> None:
-        self.t = t
-
-    def __call__(self) -> int:
-        return self.t
-
-
 def _traffic(bus: BusSettings, clock: Clock, base: int, first: int, n: int, workers=("a1", "a2")) -> None:
     router = EventProducer(bus, "router", clock_ns=clock)
     wps = {w: EventProducer(bus, w, epoch=1, clock_ns=clock) for w in workers}
     if first == 0:
         clock.t = base
         for w, p in wps.items():
-            p.publish(WorkerRegistered(worker_id=w, role="aggregated", pool="agg", endpoint=f"http://{w}",
-                                       block_size=16, hash_algo="sha256"))
+            register_worker(p, w, block_size=16)
             p.publish(WorkerLoadReported(worker_id=w, running=1, waiting=0))
     for i in range(first, first + n):
-        clock.t = base + int(i * 0.37 * NS)
-        rid, w = f"r{i}", workers[i % len(workers)]
-        router.publish(RequestAdmitted(request_id=rid, model="m", prompt_tokens=500 + 10 * i, max_tokens=64,
-                                       block_size=16, hash_algo="sha256"))
-        router.publish(RequestRouted(request_id=rid, worker_id=w, mode="kv", config_version=1, rng_seed=0))
-        clock.t += int(0.2 * NS)
-        router.publish(RequestCompleted(request_id=rid, worker_id=w, prompt_tokens=500 + 10 * i, output_tokens=64,
-                                        cached_tokens=100, ttft_ms=50.0 + (i % 7) * 40, itl_mean_ms=10.0 + i % 15,
-                                        e2e_ms=900.0))
+        serve_request(router, clock, f"r{i}", workers[i % len(workers)], at_ns=base + int(i * 0.37 * NS), served_s=0.2,
+                      prompt_tokens=500 + 10 * i, output_tokens=64, block_size=16, cached_tokens=100,
+                      ttft_ms=50.0 + (i % 7) * 40, itl_mean_ms=10.0 + i % 15, e2e_ms=900.0)
     for p in (router, *wps.values()):
         assert p.flush(30) == 0
 

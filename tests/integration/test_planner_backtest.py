@@ -15,13 +15,8 @@ from control_plane.planner.cli import planner_app
 from control_plane.planner.load_view import NS
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
-from schemas.events import (
-    RequestAdmitted,
-    RequestCompleted,
-    RequestRouted,
-    WorkerLoadReported,
-    WorkerRegistered,
-)
+from schemas.events import WorkerLoadReported
+from tests.support.traffic import Clock, register_worker, serve_request
 
 pytestmark = pytest.mark.kafka
 
@@ -46,28 +41,21 @@ profile = "mocker"
 def _record(bus: BusSettings, start: int, seconds: int) -> None:
     """One worker; Poisson arrivals at 2 req/s, then 12 req/s from half-way; ISL 4,000, OSL 200;
     the recorded TTFT degrades to 3 s in the busy half (one worker is not enough)."""
-    t = [start]
-    clock = lambda: t[0]  # noqa: E731
+    clock = Clock(start)
     router, worker = EventProducer(bus, "router", clock_ns=clock), EventProducer(bus, "a1", epoch=1, clock_ns=clock)
-    worker.publish(WorkerRegistered(worker_id="a1", role="aggregated", pool="agg", endpoint="http://a1",
-                                    block_size=64, hash_algo="sha256"))
+    register_worker(worker, "a1", block_size=64)
     rng = np.random.default_rng(3)
     now, i, next_report = 0.0, 0, 0.0
     while now < seconds:
         busy = now >= seconds / 2
         now += rng.exponential(1 / (12.0 if busy else 2.0))
         while next_report <= now:
-            t[0] = start + int(next_report * NS)
+            clock.t = start + int(next_report * NS)
             worker.publish(WorkerLoadReported(worker_id="a1", running=8, waiting=0))
             next_report += 1.0
-        t[0] = start + int(now * NS)
-        rid = f"r{i}"
-        router.publish(RequestAdmitted(request_id=rid, model="m", prompt_tokens=4000, max_tokens=200, block_size=64,
-                                       hash_algo="sha256"))
-        router.publish(RequestRouted(request_id=rid, worker_id="a1", mode="kv", config_version=1, rng_seed=0))
-        t[0] += int(2 * NS)
-        router.publish(RequestCompleted(request_id=rid, worker_id="a1", prompt_tokens=4000, output_tokens=200,
-                                        ttft_ms=3000.0 if busy else 150.0, itl_mean_ms=12.0, e2e_ms=4000.0))
+        serve_request(router, clock, f"r{i}", "a1", at_ns=start + int(now * NS), served_s=2, prompt_tokens=4000,
+                      output_tokens=200, block_size=64, ttft_ms=3000.0 if busy else 150.0, itl_mean_ms=12.0,
+                      e2e_ms=4000.0)
         i += 1
     assert router.flush(30) == 0 and worker.flush(30) == 0
 
