@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from control_plane.chaos.plan import PlanConfig, Topology
 from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
 
 app = typer.Typer(
@@ -370,10 +371,10 @@ def up_cmd(
     rate: Annotated[float, typer.Option(help="Arrival speed-up over the trace timestamps.")] = DEMO_DEFAULTS.rate,
     max_output: Annotated[int, typer.Option(help="Cap output tokens per request.")] = DEMO_DEFAULTS.max_output,
     speedup: Annotated[float, typer.Option(help="Engine speed-up over the mocker profile's real time (1 = model speed).")] = DEMO_DEFAULTS.speedup,
-    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 2,
-    decode: Annotated[int, typer.Option(help="Decode workers.")] = 2,
-    stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = False,
-    engine: Annotated[str, typer.Option(help="sim (default) | vllm: real vLLM workers from .venv-vllm (NixlConnector P/D).")] = "sim",
+    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = DEMO_DEFAULTS.prefill_workers,
+    decode: Annotated[int, typer.Option(help="Decode workers.")] = DEMO_DEFAULTS.decode_workers,
+    stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = DEMO_DEFAULTS.stop_after,
+    engine: Annotated[str, typer.Option(help="sim (default) | vllm: real vLLM workers from .venv-vllm (NixlConnector P/D).")] = DEMO_DEFAULTS.engine,
 ) -> None:
     """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus),
     the metrics processor, the router, the admin API, the planner and simulated prefill/decode
@@ -470,19 +471,19 @@ def loadgen_cmd(
 @app.command("chaos")
 def chaos_cmd(
     report: Annotated[Path, typer.Option("--report", help="Directory of report.json, timeline.png, logs and ack ledgers.")] = Path(".stack/chaos"),
-    seed: Annotated[int, typer.Option(help="Seed of the fault times, order and targets (same seed, same plan).")] = 0,
-    duration: Annotated[float, typer.Option(help="Seconds of load, overload phase included (recoveries that overrun their gap extend it).")] = 180.0,
-    brokers: Annotated[int, typer.Option(min=3, max=9, help="Kafka nodes of the private KRaft cluster (3 survives the loss of one).")] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of the fault times, order and targets (same seed, same plan).")] = PlanConfig.seed,
+    duration: Annotated[float, typer.Option(help="Seconds of load, overload phase included (recoveries that overrun their gap extend it).")] = PlanConfig.duration_s,
+    brokers: Annotated[int, typer.Option(min=3, max=9, help="Kafka nodes of the private KRaft cluster (3 survives the loss of one).")] = Topology.brokers,
     faults: Annotated[str, typer.Option(help="Comma list of broker_kill, broker_hang, router_kill, metrics_kill, planner_kill, prefill_kill, decode_kill, disk_full ('all': every one).")] = "all",
-    in_order: Annotated[bool, typer.Option("--in-order", help="Inject in the order given, evenly spaced (default: seeded order and times).")] = False,
+    in_order: Annotated[bool, typer.Option("--in-order", help="Inject in the order given, evenly spaced (default: seeded order and times).")] = PlanConfig.in_order,
     rate: Annotated[float, typer.Option(help="Requests per second (open loop, Poisson arrivals).")] = 4.0,
-    overload_s: Annotated[float, typer.Option(help="Seconds of the overload phase at the end (0: none).")] = 20.0,
-    overload_factor: Annotated[float, typer.Option(help="Arrival rate multiplier during the overload phase.")] = 8.0,
-    gap: Annotated[float, typer.Option(help="Least seconds between two faults.")] = 5.0,
-    routers: Annotated[int, typer.Option(min=1, help="Router replicas.")] = 2,
-    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = 2,
-    decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = 2,
-    planners: Annotated[int, typer.Option(min=0, help="Planner replicas sharing one Redis lease (planner_kill needs 2).")] = 2,
+    overload_s: Annotated[float, typer.Option(help="Seconds of the overload phase at the end (0: none).")] = PlanConfig.overload_s,
+    overload_factor: Annotated[float, typer.Option(help="Arrival rate multiplier during the overload phase.")] = PlanConfig.overload_factor,
+    gap: Annotated[float, typer.Option(help="Least seconds between two faults.")] = PlanConfig.gap_s,
+    routers: Annotated[int, typer.Option(min=1, help="Router replicas.")] = Topology.routers,
+    prefill: Annotated[int, typer.Option(min=1, help="Prefill workers.")] = Topology.prefill,
+    decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = Topology.decode,
+    planners: Annotated[int, typer.Option(min=0, help="Planner replicas sharing one Redis lease (planner_kill needs 2).")] = Topology.planners,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the state dir (Kafka data, worker disks) under --report.")] = False,
 ) -> None:
     """Fault injection under load on a private system: a KRaft cluster, routers, disaggregated
@@ -499,9 +500,8 @@ def chaos_cmd(
     import signal
 
     from control_plane.chaos.errors import ChaosError
-    from control_plane.chaos.plan import PlanConfig, parse_faults
+    from control_plane.chaos.plan import parse_faults
     from control_plane.chaos.run import ChaosSettings, run_chaos
-    from control_plane.chaos.system import Topology
 
     def _terminated(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         raise SystemExit(128 + signum)  # unwinds through run_chaos: everything it started is stopped

@@ -38,6 +38,18 @@ BROKER_FAULTS = frozenset({"broker_kill", "broker_hang"})
 
 
 @dataclass(frozen=True)
+class Topology:
+    """How many of each component the chaos system runs. Sized by default for a 2-core box."""
+
+    brokers: int = 3
+    routers: int = 2
+    prefill: int = 2
+    decode: int = 2
+    #: Planner replicas sharing one Redis lease (0: no planner).
+    planners: int = 2
+
+
+@dataclass(frozen=True)
 class PlanConfig:
     """What a plan is built from. Times are seconds of load."""
 

@@ -30,6 +30,7 @@ import httpx
 
 from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from control_plane.chaos.errors import ChaosError
+from control_plane.chaos.plan import Topology
 from control_plane.settings import StackSettings
 from control_plane.stack.kafka import KafkaNode, KafkaService
 from control_plane.stack.redis import RedisService
@@ -43,18 +44,6 @@ log = logging.getLogger(__name__)
 #: The topic the probe producer writes (one partition: its leader is the broker hit) and reads
 #: nothing else from; ``AdminAction`` events there are audit records no fold acts on.
 PROBE_STREAM = "admin"
-
-
-@dataclass(frozen=True)
-class Topology:
-    """How many of each component the chaos system runs. Sized by default for a 2-core box."""
-
-    brokers: int = 3
-    routers: int = 2
-    prefill: int = 2
-    decode: int = 2
-    #: Planner replicas sharing one Redis lease (0: no planner).
-    planners: int = 2
 
 
 @dataclass(frozen=True)
