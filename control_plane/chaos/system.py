@@ -31,6 +31,7 @@ import httpx
 from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from control_plane.chaos.errors import ChaosError
 from control_plane.chaos.plan import Topology
+from control_plane.router.admission import AdmissionConfig
 from control_plane.settings import StackSettings
 from control_plane.stack.kafka import KafkaNode, KafkaService
 from control_plane.stack.redis import RedisService
@@ -60,13 +61,11 @@ class SystemSettings:
     block_size: int = 64
     #: Engine speed-up of the simulated workers.
     worker_speedup: float = 20.0
-    #: Router admission: requests that may wait before 429, and the longest wait before 503
-    #: (small, so that the overload phase sheds load with reasons instead of queueing it).
-    queue_max: int = 32
-    queue_timeout_s: float = 5.0
-    #: Pending prefill tokens at which a worker counts as busy (the router's default, 65536, is
-    #: 128 of this load's 512-token prompts per worker: the overload phase would never queue).
-    busy_prefill_tokens: int = 2048
+    #: Router admission: a short queue (32 requests may wait before 429, 5 s at most before 503),
+    #: so that the overload phase sheds load with reasons instead of queueing it; a worker is busy
+    #: at 2048 pending prefill tokens (the router's default, 65536, is 128 of this load's
+    #: 512-token prompts per worker: the overload phase would never queue).
+    admission: AdmissionConfig = AdmissionConfig(busy_prefill_tokens=2048, queue_max=32, queue_timeout_s=5.0)
     #: Planner lease time-to-live: a dead leader is replaced within about this.
     lease_ttl_ms: int = 2000
     kafka_heap: str = "384m"
@@ -296,8 +295,9 @@ class ChaosSystem:
             port = free_port()  # below the ephemeral range: restarted on the same port
             self.routers.append(Proc(f"router-{i}", [
                 "router", "--port", str(port), "--router-id", f"{s.topic_prefix}-router-{i}", "--snapshot-every", "1",
-                "--block-size", str(s.block_size), "--queue-max", str(s.queue_max),
-                "--queue-timeout", str(s.queue_timeout_s), "--busy-prefill-tokens", str(s.busy_prefill_tokens),
+                "--block-size", str(s.block_size), "--queue-max", str(s.admission.queue_max),
+                "--queue-timeout", str(s.admission.queue_timeout_s),
+                "--busy-prefill-tokens", str(s.admission.busy_prefill_tokens),
                 "--no-auth"],
                 env, s.log_dir, port))
         port = free_port()
