@@ -122,6 +122,28 @@ def _spread(walls: list[float]) -> str:
     )
 
 
+#: How the simulation benches print a metric of a run's summary: key -> (label, format).
+METRIC_ROWS: dict[str, tuple[str, str]] = {
+    "ttft_p50_ms": ("TTFT p50 (ms)", "{:.1f}"),
+    "ttft_p99_ms": ("TTFT p99 (ms)", "{:.1f}"),
+    "ttft_mean_ms": ("TTFT mean (ms)", "{:.1f}"),
+    "ttft_p90_ms": ("TTFT p90 (ms)", "{:.1f}"),
+    "itl_p50_ms": ("ITL p50 (ms)", "{:.3f}"),
+    "itl_p99_ms": ("ITL p99 (ms)", "{:.2f}"),
+    "e2e_p99_ms": ("e2e p99 (ms)", "{:.0f}"),
+    "output_tok_s": ("output tok/s", "{:.1f}"),
+    "reuse": ("prefix reuse", "{:.5f}"),
+    "requests": ("requests done", "{}"),
+    "duration_s": ("simulated s", "{:.1f}"),
+    "wall_s": ("wall s", "{:.1f}"),
+}
+
+
+def metric_rows(*keys: str) -> list[tuple[str, str, str]]:
+    """(label, key, format) of each of ``keys``, in that order: one bench's table rows."""
+    return [(METRIC_ROWS[k][0], k, METRIC_ROWS[k][1]) for k in keys]
+
+
 def main(trace: str | Path = DEFAULT_TRACE, limit: int | None = None, runs: int = 3) -> dict[str, Any]:
     trace = Path(trace)
     # Interleaved (mocker, ours, mocker, ours, ...): a machine whose load changes during the
@@ -134,16 +156,8 @@ def main(trace: str | Path = DEFAULT_TRACE, limit: int | None = None, runs: int 
     ours, our_walls = _median_run(our_runs, "our engine")
     dyn["wall_detail"] = _spread(dyn_walls)
     ours["wall_detail"] = f"{_spread(our_walls)}; fastest run: {min(our_runs, key=lambda r: r['wall_s'])['wall_detail']}"
-    rows = [
-        ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
-        ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
-        ("ITL p50 (ms)", "itl_p50_ms", "{:.3f}"),
-        ("output tok/s", "output_tok_s", "{:.1f}"),
-        ("prefix reuse", "reuse", "{:.5f}"),
-        ("requests done", "requests", "{}"),
-        ("simulated s", "duration_s", "{:.1f}"),
-        ("wall s", "wall_s", "{:.1f}"),
-    ]
+    rows = metric_rows("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "output_tok_s", "reuse", "requests",
+                       "duration_s", "wall_s")
     scope = f"first {limit} lines of" if limit else "all of"
     print(
         f"Engine simulation, {scope} {trace.name}: "

@@ -69,7 +69,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.engine_bench import replay_dynamo_mocker
+from benchmarks.engine_bench import metric_rows, replay_dynamo_mocker
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig
 from control_plane.simulation import (  # noqa: F401 - re-exported for the tests and callers
@@ -269,19 +269,8 @@ def main(
     if dynamo:
         echo(f"dynamo: mocker kv_router at its default KvRouterConfig and at the same prefill_load_scale "
              f"grid; every config the median of {dynamo_runs} runs (min-max in brackets)")
-    rows = [
-        ("TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
-        ("TTFT p99 (ms)", "ttft_p99_ms", "{:.1f}"),
-        ("TTFT mean (ms)", "ttft_mean_ms", "{:.1f}"),
-        ("TTFT p90 (ms)", "ttft_p90_ms", "{:.1f}"),
-        ("ITL p50 (ms)", "itl_p50_ms", "{:.3f}"),
-        ("ITL p99 (ms)", "itl_p99_ms", "{:.2f}"),
-        ("e2e p99 (ms)", "e2e_p99_ms", "{:.0f}"),
-        ("output tok/s", "output_tok_s", "{:.1f}"),
-        ("prefix reuse", "reuse", "{:.4f}"),
-        ("requests done", "requests", "{}"),
-        ("wall s", "wall_s", "{:.1f}"),
-    ]
+    rows = metric_rows("ttft_p50_ms", "ttft_p99_ms", "ttft_mean_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p99_ms",
+                       "e2e_p99_ms", "output_tok_s", "reuse", "requests", "wall_s")
     gains: dict[str, dict[str, float]] = {}
     best: dict[str, dict[str, str]] = {}
     for t in topologies:
