@@ -86,31 +86,33 @@ def prefill_params(handoff: Handoff, *, engine_id: str, block_hashes: Sequence[i
     }
 
 
-class DecodeHandoff(msgspec.Struct, frozen=True, kw_only=True):
-    """A decode worker's reading of the params it was sent."""
+class _PeerParams(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of the params a decode worker reads as sent (same name on the wire)."""
 
-    handoff: Handoff
-    engine_id: str
-    block_hashes: list[int]
     remote_host: str | None = None
     remote_port: int | None = None
     block_size: int | None = None
     bytes_per_block: int | None = None
     first_token_ids: list[int] = []
+
+
+class DecodeHandoff(_PeerParams, frozen=True, kw_only=True):
+    """A decode worker's reading of the params it was sent."""
+
+    handoff: Handoff
+    engine_id: str
+    block_hashes: list[int]
 
     @property
     def blocks(self) -> int:
         return len(self.handoff.block_ids)
 
 
-class _Extras(msgspec.Struct, kw_only=True):
+class _Extras(_PeerParams, frozen=True, kw_only=True):
+    """The params beyond the handoff's block ids, as decoded from the wire."""
+
     remote_engine_id: str
     remote_block_hashes: list[int]
-    remote_host: str | None = None
-    remote_port: int | None = None
-    block_size: int | None = None
-    bytes_per_block: int | None = None
-    first_token_ids: list[int] = []
 
 
 def is_prefill_request(params: Params | None) -> bool:
@@ -132,11 +134,8 @@ def parse_decode_params(params: Params | None) -> DecodeHandoff | None:
     if len(extras.remote_block_hashes) != len(handoff.block_ids):
         raise InvalidTransfer(f"kv_transfer_params: {len(extras.remote_block_hashes)} block hashes "
                               f"for {len(handoff.block_ids)} block ids")
-    return DecodeHandoff(handoff=handoff, engine_id=extras.remote_engine_id,
-                         block_hashes=extras.remote_block_hashes, remote_host=extras.remote_host,
-                         remote_port=extras.remote_port, block_size=extras.block_size,
-                         bytes_per_block=extras.bytes_per_block,
-                         first_token_ids=extras.first_token_ids)
+    return DecodeHandoff(handoff=handoff, engine_id=extras.remote_engine_id, block_hashes=extras.remote_block_hashes,
+                         **{f: getattr(extras, f) for f in _PeerParams.__struct_fields__})
 
 
 def mismatch(h: DecodeHandoff, prompt_hashes: Sequence[int], *, block_size: int,
