@@ -39,9 +39,10 @@ from control_plane.settings import StackSettings
 from control_plane.stack.process import (
     StackError,
     alive,
+    live_pid,
+    log_tail,
     port_in_use,
     processes_mentioning,
-    read_pid,
     require_free_port,
     terminate,
     wait_until,
@@ -254,8 +255,7 @@ class KafkaNode:
         (self.dir / "format.args").unlink(missing_ok=True)
 
     def pid(self) -> int | None:
-        pid = read_pid(self.pid_file)
-        return pid if alive(pid) else None
+        return live_pid(self.pid_file)
 
     def send_signal(self, sig: int) -> None:
         """``sig`` to the node's JVM, if it runs (one that exits meanwhile is no error)."""
@@ -299,8 +299,8 @@ class KafkaNode:
         return proc
 
     def stop(self, timeout: float = 30.0) -> None:
-        pid = read_pid(self.pid_file)
-        if pid and alive(pid):
+        pid = self.pid()
+        if pid:
             terminate(pid, timeout)
         # Anything else still holding our data dir (e.g. a crashed start) goes too.
         for stray in processes_mentioning(f"-Dswitchyard.stack={self.dir}"):
@@ -468,7 +468,7 @@ class KafkaService:
             wait_until(lambda: self._ready(procs), timeout, 0.5,
                        f"Kafka ({self.brokers} broker(s)) to accept a produce/consume round trip")
         except StackError as e:
-            tail = "".join(_tail(n.log_file) + _tail(n.dir / "stdout.log") for n in down)
+            tail = "".join(f"{log_tail(log, 20)}\n" for n in down for log in (n.log_file, n.dir / "stdout.log"))
             raise StackError(f"Kafka did not become ready ({e}); last log lines:\n{tail}") from None
         return True
 
@@ -476,7 +476,7 @@ class KafkaService:
         for node, proc in procs:
             if proc.poll() is not None:
                 raise StackError(f"Kafka node {node.node_id} exited with code {proc.returncode}:\n"
-                                 f"{_tail(node.dir / 'stdout.log')}")
+                                 f"{log_tail(node.dir / 'stdout.log', 20)}\n")
         return len(self.live_brokers()) == self.brokers and self.round_trip()
 
     def _client_conf(self) -> dict:
@@ -574,10 +574,3 @@ def _min_heap(max_heap: str) -> str:
     if m and (int(m.group(1)) * (1024 if m.group(2) in "gG" else 1)) < 256:
         return max_heap
     return "256m"
-
-
-def _tail(path: Path, n: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) + "\n"
-    except FileNotFoundError:
-        return ""

@@ -19,7 +19,13 @@ import subprocess
 from pathlib import Path
 
 from control_plane.settings import StackSettings
-from control_plane.stack.process import StackError, alive, read_pid, require_free_port, wait_until
+from control_plane.stack.process import (
+    StackError,
+    live_pid,
+    log_tail,
+    require_free_port,
+    wait_until,
+)
 
 
 def _pg_bindir() -> Path:
@@ -73,8 +79,7 @@ class PostgresService:
         _pg_bindir()
 
     def pid(self) -> int | None:
-        pid = read_pid(self.data / "postmaster.pid")
-        return pid if alive(pid) else None
+        return live_pid(self.data / "postmaster.pid")
 
     def start(self, timeout: float = 60.0) -> bool:
         if self.pid():
@@ -112,7 +117,7 @@ class PostgresService:
             capture_output=True, text=True, stdin=subprocess.DEVNULL,
         )
         if r.returncode != 0:
-            raise StackError(f"PostgreSQL failed to start: {r.stderr or r.stdout}\n{_tail(self.log_file)}")
+            raise StackError(f"PostgreSQL failed to start: {r.stderr or r.stdout}\n{log_tail(self.log_file)}")
         wait_until(self.ready, timeout, 0.3, "pg_isready")
         self._require_passwords(bindir)
         if fresh:
@@ -168,10 +173,3 @@ class PostgresService:
         pid = self.pid()
         return {"service": self.name, "running": bool(pid), "pid": pid,
                 "address": self.s.postgres_url, "data": str(self.data)}
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except (FileNotFoundError, PermissionError):
-        return ""

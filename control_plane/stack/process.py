@@ -27,6 +27,20 @@ def read_pid(pid_file: Path) -> int | None:
         return None
 
 
+def live_pid(pid_file: Path) -> int | None:
+    """The pid in ``pid_file`` when that process is alive, else None."""
+    pid = read_pid(pid_file)
+    return pid if alive(pid) else None
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log, for an error message ("" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except (FileNotFoundError, PermissionError):
+        return ""
+
+
 def alive(pid: int | None) -> bool:
     if not pid:
         return False

@@ -16,7 +16,14 @@ import urllib.request
 from pathlib import Path
 
 from control_plane.settings import StackSettings
-from control_plane.stack.process import StackError, alive, read_pid, require_free_port, terminate, wait_until
+from control_plane.stack.process import (
+    StackError,
+    live_pid,
+    log_tail,
+    require_free_port,
+    terminate,
+    wait_until,
+)
 from kernel.settings import repo_root
 
 TEMPLATE = Path("dashboards") / "prometheus.yml"
@@ -88,8 +95,7 @@ class PrometheusService:
         return binary
 
     def pid(self) -> int | None:
-        pid = read_pid(self.pid_file)
-        return pid if alive(pid) else None
+        return live_pid(self.pid_file)
 
     def write_config(self) -> Path:
         template = (repo_root() / TEMPLATE).read_text()
@@ -124,14 +130,14 @@ class PrometheusService:
 
         def ready() -> bool:
             if proc.poll() is not None:
-                raise StackError(f"prometheus exited with code {proc.returncode}:\n{_tail(self.log_file)}")
+                raise StackError(f"prometheus exited with code {proc.returncode}:\n{log_tail(self.log_file)}")
             return self.ready()
 
         try:
             wait_until(ready, timeout, 0.2, "Prometheus /-/ready")
         except StackError as e:
             self.stop()
-            raise StackError(f"Prometheus did not become ready: {e}\n{_tail(self.log_file)}") from None
+            raise StackError(f"Prometheus did not become ready: {e}\n{log_tail(self.log_file)}") from None
         return True
 
     def ready(self) -> bool:
@@ -147,8 +153,8 @@ class PrometheusService:
         os.kill(pid, 1)
 
     def stop(self, timeout: float = 20.0) -> None:
-        pid = read_pid(self.pid_file)
-        if pid and alive(pid):
+        pid = self.pid()
+        if pid:
             terminate(pid, timeout)  # SIGTERM: Prometheus flushes its head block and exits
         self.pid_file.unlink(missing_ok=True)
 
@@ -156,10 +162,3 @@ class PrometheusService:
         pid = self.pid()
         return {"service": self.name, "running": bool(pid), "pid": pid, "address": self.url,
                 "data": str(self.data_dir), "targets": str(self.targets_dir)}
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except FileNotFoundError:
-        return ""

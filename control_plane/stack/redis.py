@@ -13,8 +13,13 @@ import socket
 import subprocess
 
 from control_plane.settings import StackSettings
-from control_plane.stack.process import StackError, alive, read_pid, require_free_port, terminate, wait_until
-
+from control_plane.stack.process import (
+    StackError,
+    live_pid,
+    require_free_port,
+    terminate,
+    wait_until,
+)
 
 #: The ACL user of the stack's clients (``StackSettings.redis_url``).
 REDIS_USER = "switchyard"
@@ -33,8 +38,7 @@ class RedisService:
             raise StackError("redis-server not found: apt-get install -y redis-server")
 
     def pid(self) -> int | None:
-        pid = read_pid(self.pid_file)
-        return pid if alive(pid) else None
+        return live_pid(self.pid_file)
 
     def start(self, timeout: float = 20.0) -> bool:
         if self.pid():
@@ -72,8 +76,8 @@ class RedisService:
             return got.startswith(b"+OK\r\n+PONG")
 
     def stop(self, timeout: float = 10.0) -> None:
-        pid = read_pid(self.pid_file)
-        if pid and alive(pid):
+        pid = self.pid()
+        if pid:
             terminate(pid, timeout)
         self.pid_file.unlink(missing_ok=True)
 
