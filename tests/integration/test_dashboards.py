@@ -427,10 +427,3 @@ def test_every_panel_query_returns_data(bus: BusSettings, prometheus: Prometheus
         code = processor.wait(30)
     assert code == 0, "the processor exits cleanly on SIGTERM (after a final checkpoint)"
     assert not list(prometheus.targets_dir.glob("metrics-*.json")), "its target file is removed on stop"
-
-
-@pytest.fixture
-def procs(bus: BusSettings):
-    p = Procs(bus)
-    yield p
-    p.close()

@@ -104,13 +104,6 @@ def _checkpointed(bus: BusSettings, applied: int) -> bool:
         return any(s.applied >= applied for s in ReplayEngine(reader, Catalog(bus.topic_prefix)).snapshots())
 
 
-@pytest.fixture
-def procs(bus: BusSettings, tmp_path):
-    p = Procs(bus, tmp_path)
-    yield p
-    p.close()
-
-
 def _routed(bus: BusSettings) -> dict[str, list[RequestRouted]]:
     """Each request's decisions, by the client's request id where it sent one."""
     client = {rid: cid for cid, rid in router_ids(bus).items()}

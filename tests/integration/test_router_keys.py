@@ -44,13 +44,6 @@ def admin(bus: BusSettings, procs: Procs, tmp_path) -> AdminClient:
     client.close()
 
 
-@pytest.fixture
-def procs(bus: BusSettings, tmp_path):
-    p = Procs(bus, tmp_path)
-    yield p
-    p.close()
-
-
 def _router(procs: Procs) -> str:
     port = free_port()
     procs.router(port, f"r-keys-{port}", "--auth")

@@ -26,13 +26,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 WORKER_ARGS = ("--speedup", "20", "--block-size", "64", "--device-blocks", "512", "--disk-blocks", "64")
 
 
-@pytest.fixture
-def procs(bus: BusSettings):
-    p = Procs(bus)
-    yield p
-    p.close()
-
-
 def _chain(bus: BusSettings, client_id: str) -> list[str]:
     rid = router_ids(bus)[client_id]
     return [e.type for e in read_stream(bus, "requests") if e.correlation_id == rid]
