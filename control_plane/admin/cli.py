@@ -108,8 +108,10 @@ AdminUrlOpt = Annotated[Optional[str], typer.Option(
     "--admin-url", help="Admin API (default: $SWITCHYARD_ADMIN_URL or http://127.0.0.1:8300).")]
 
 
-def _api_call(token_file: Path | None, url: str | None, call):
-    """``call(client)`` through the admin API with the caller's token; a refusal exits 1 (2: no credential)."""
+def api_call(token_file: Path | None, url: str | None, call):
+    """``call(client)`` through the admin API with the caller's token; a refusal exits 1 (2: no
+    credential). The commands of other contexts that act through the admin API (``planner pin``)
+    call it too, with these same two options."""
     from control_plane.admin.client import AdminClient, ClientError, admin_url, load_token
 
     try:
@@ -138,7 +140,7 @@ def issue_router_key_cmd(
 ) -> None:
     """Issue a router API key through the admin API (an admin token): RouterKeyIssued on the log,
     which every router folds. Prints the key once (only its hash is kept)."""
-    made = _api_call(token_file, admin_url, lambda c: c.issue_router_key(
+    made = api_call(token_file, admin_url, lambda c: c.issue_router_key(
         name, expires_in_days=expires_in_days, rate_per_s=rate, burst=burst, max_concurrent=max_concurrent))
     typer.echo(f"router key {made['key_id']} for {made['name']}:\n{made['key']}")
 
@@ -152,7 +154,7 @@ def revoke_router_key_cmd(
 ) -> None:
     """Revoke a router API key through the admin API (RouterKeyRevoked): the routers refuse it
     once they folded the event."""
-    _api_call(token_file, admin_url, lambda c: c.revoke_router_key(key_id, reason))
+    api_call(token_file, admin_url, lambda c: c.revoke_router_key(key_id, reason))
     typer.echo(f"router key {key_id} revoked")
 
 

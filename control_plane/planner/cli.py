@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from control_plane.admin.cli import AdminUrlOpt, TokenFileOpt, api_call
+
 planner_app = typer.Typer(
     help="SLO planner: sizes prefill/decode/aggregated pools from the load view, one active "
          "replica at a time (Redis lease + fencing token); every decision is a ScalingDecision event.",
@@ -115,10 +117,6 @@ def backtest(
         typer.echo(f"chart: {png}")
 
 
-TokenFileOpt = Annotated[Optional[Path], typer.Option(
-    "--token-file", help="File holding the admin API token (mode 600; default: $SWITCHYARD_ADMIN_TOKEN).")]
-AdminUrlOpt = Annotated[Optional[str], typer.Option(
-    "--admin-url", help="Admin API (default: $SWITCHYARD_ADMIN_URL or http://127.0.0.1:8300).")]
 ActorOpt = Annotated[Optional[str], typer.Option(
     hidden=True, help="Deprecated: the actor is the token's name; refused when it names anyone else.")]
 
@@ -154,14 +152,10 @@ def unpin(pool: Annotated[str, typer.Argument(help="Pool to release.")],
 
 
 def _pin_call(token_file: Path | None, url: str | None, actor: str | None, call) -> str:
-    """Run ``call`` with an admin client built from the credential; the actor the API records."""
-    from control_plane.admin.client import AdminClient, ClientError, admin_url, load_token
+    """Run ``call`` through the admin API with the caller's token (:func:`api_call`); the actor
+    the API records."""
 
-    try:
-        client = AdminClient(admin_url(url), load_token(token_file))
-    except ClientError as e:
-        _fail(str(e), e.exit_code)
-    try:
+    def checked(client):
         if actor is not None:
             name = client.whoami()["name"]
             if actor != name:
@@ -169,9 +163,6 @@ def _pin_call(token_file: Path | None, url: str | None, actor: str | None, call)
                       "as the actor; --actor is deprecated, drop it", 2)
             typer.secho("warning: --actor is deprecated (the actor is the token's name)", err=True,
                         fg=typer.colors.YELLOW)
-        pool = call(client)
-    except ClientError as e:
-        _fail(str(e), e.exit_code)
-    finally:
-        client.close()
-    return pool.get("updated_by", "?")
+        return call(client)
+
+    return api_call(token_file, url, checked).get("updated_by", "?")
