@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from control_plane.chaos.plan import PlanConfig, Topology
+from control_plane.clikit import fail, setup_logging
 from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
 
 app = typer.Typer(
@@ -51,17 +52,6 @@ _register_subapps()
 ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis, prometheus.")]
 
 
-def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
-
-
-def _fail(msg: str, code: int = 1) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
 # -- stack ------------------------------------------------------------------------------------
 
 
@@ -82,7 +72,7 @@ def _stack_settings(brokers: int | None = None):
 def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
     """Start the services that are not running (idempotent), wait until each is really ready,
     and create or update the Kafka topics from the catalog."""
-    _logging()
+    setup_logging()
     import os
 
     from control_plane.stack import Stack, StackError
@@ -94,7 +84,7 @@ def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
     try:
         started = stack.up(service)
     except StackError as e:
-        _fail(str(e))
+        fail(str(e))
     for name, new in started.items():
         typer.echo(f"{name:10s} {'started' if new else 'already running'}")
     if not service or "kafka" in service:
@@ -115,12 +105,12 @@ def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
 @stack_app.command("down")
 def stack_down(service: ServiceOpt = None) -> None:
     """Stop the services (data dirs are kept) and check that no process is left behind."""
-    _logging()
+    setup_logging()
     from control_plane.stack import Stack
 
     left = Stack(_stack_settings()).down(service)
     if left:
-        _fail(f"processes still running after stop: {left}")
+        fail(f"processes still running after stop: {left}")
     typer.echo("stack stopped")
 
 
@@ -156,7 +146,7 @@ def _print_status(stack) -> None:
 @topics_app.command("apply")
 def topics_apply() -> None:
     """Create missing topics and update configs of existing ones (never deletes, never shrinks)."""
-    _logging()
+    setup_logging()
     from kernel.log.admin import apply_topics
     from kernel.settings import BusSettings
 
@@ -256,7 +246,7 @@ def router_cmd(
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,
     decides KV-aware routes, records every decision, and proxies OpenAI requests (each with a
     valid key, within its limits) to the chosen workers."""
-    _logging()
+    setup_logging()
     from control_plane.router.admission import AdmissionConfig
     from control_plane.router.wiring import RouterSettings, run_router
     from kernel.settings import BusSettings
@@ -329,7 +319,7 @@ def worker(
     object blocks the log says it holds, and reports its memory tiers empty.
 
     SIGTERM drains: /health turns 503, in-flight requests finish, then exit 0."""
-    _logging(verbose)
+    setup_logging(verbose)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     import json as _json
 
@@ -356,7 +346,7 @@ def worker(
             transfer_timeout_s=transfer_timeout_s, ack_timeout_s=ack_timeout_s, load_interval_s=load_interval,
             drain_timeout_s=drain_timeout_s)
     except (WorkerConfigError, ValueError) as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     raise typer.Exit(run_worker(settings, BusSettings.from_env(role="worker")))
 
 
@@ -380,14 +370,14 @@ def up_cmd(
     the metrics processor, the router, the admin API, the planner and simulated prefill/decode
     workers; then replay a time-compressed trace slice through the router with a progress bar
     and print a summary plus a PNG report. `switchyard down` stops everything."""
-    _logging()
+    setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
     from control_plane.demo.up import DemoSettings, run_demo
     from control_plane.settings import StackSettings
 
     trace = trace or DEMO_TRACE
     if not trace.exists():
-        _fail(f"trace {trace} not found (give --trace)")
+        fail(f"trace {trace} not found (give --trace)")
     try:
         run_demo(DemoSettings(trace=trace, limit=limit if demo else 0, rate=rate, max_output=max_output, speedup=speedup,
                               prefill_workers=prefill, decode_workers=decode, stop_after=stop, engine=engine,
@@ -395,13 +385,13 @@ def up_cmd(
                               with_planner=any(g.name == "planner" for g in app.registered_groups)),
                  StackSettings.from_env(), echo=typer.echo)
     except RuntimeError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @app.command("down")
 def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's processes but keep the stack.")] = False) -> None:
     """Stop everything `switchyard up` started (workers drain first), then the stack."""
-    _logging()
+    setup_logging()
     from control_plane.demo.up import stop_demo
     from control_plane.settings import StackSettings
 
@@ -492,7 +482,7 @@ def chaos_cmd(
     log is checked against every producer's ack ledger, every router's view against the oracle
     fold and every admitted request for an end with a reason. Ends with one RESULT line; exits 1
     if a must-be-zero figure is not 0."""
-    _logging()
+    setup_logging()
     for noisy in ("httpx", "faust", "aiokafka", "mode"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for probe in ("switchyard.stack.rdkafka", "switchyard.chaos.rdkafka"):  # brokers down on purpose
@@ -512,15 +502,15 @@ def chaos_cmd(
         plan = PlanConfig(seed=seed, duration_s=duration, faults=parse_faults(faults), in_order=in_order,
                           gap_s=gap, overload_s=overload_s, overload_factor=overload_factor)
     except ValueError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if "planner_kill" in plan.faults and planners < 2:
-        _fail("planner_kill needs --planners 2 or more (a standby to take the lease)", 2)
+        fail("planner_kill needs --planners 2 or more (a standby to take the lease)", 2)
     topology = Topology(brokers=brokers, routers=routers, prefill=prefill, decode=decode, planners=planners)
     settings = ChaosSettings(plan=plan, report_dir=report.resolve(), rate=rate, topology=topology, keep=keep)
     try:
         result = run_chaos(settings, echo=typer.echo)
     except ChaosError as e:
-        _fail(str(e))
+        fail(str(e))
     for line in result.summary():
         typer.echo(line)
     typer.echo(f"report     {settings.report_dir / 'report.json'}, {settings.report_dir / 'timeline.png'}")

@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from control_plane.clikit import setup_logging
+
 admin_app = typer.Typer(help="Admin API, its database (migrations) and the audit projection.", no_args_is_help=True)
 
 DbOpt = Annotated[Optional[str], typer.Option("--db-url", help="SQLAlchemy URL (default $SWITCHYARD_DB_URL or SQLite "
@@ -31,8 +33,7 @@ def serve(
     no_migrate: Annotated[bool, typer.Option("--no-migrate", help="Do not run `alembic upgrade head` first.")] = False,
 ) -> None:
     """Run the admin API (migrating the database first) with the audit consumer in-process."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    setup_logging()
     from control_plane.admin.wiring import run_admin
 
     kw = {k: v for k, v in (("host", host), ("port", port)) if v is not None}

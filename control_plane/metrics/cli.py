@@ -6,12 +6,12 @@ runnable alone: ``python -m control_plane.metrics.cli run --port 59100``.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from control_plane.clikit import setup_logging
 from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
 
 metrics_app = typer.Typer(help="Event-derived metrics: fold the log into Prometheus metrics on /metrics.",
@@ -38,11 +38,7 @@ def run(
     avoidable prefill, index size and staleness, tier occupancy and moves, KV transfers,
     scaling decisions, consumer lag per group and dead letters. Resumes from its newest
     checkpoint; SIGTERM checkpoints and exits."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
-    for noisy in ("faust", "aiokafka", "mode"):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    setup_logging(verbose, libraries=("faust", "aiokafka", "mode"))
     from control_plane.metrics.projection import ProjectionConfig
     from control_plane.metrics.stream import MetricsSettings, run_metrics
     from kernel.hashing import HashAlgo, HashConfig

@@ -11,25 +11,13 @@ from typing import Annotated, Optional
 import typer
 
 from control_plane.admin.cli import AdminUrlOpt, TokenFileOpt, api_call
+from control_plane.clikit import fail, setup_logging
 
 planner_app = typer.Typer(
     help="SLO planner: sizes prefill/decode/aggregated pools from the load view, one active "
          "replica at a time (Redis lease + fencing token); every decision is a ScalingDecision event.",
     no_args_is_help=True,
 )
-
-
-def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
-    for noisy in ("faust", "aiokafka", "mode"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def _fail(msg: str, code: int = 1) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 @planner_app.command("run")
@@ -54,7 +42,7 @@ def run(
 ) -> None:
     """Run a planner replica: fold the load view, elect a leader, and (as leader) decide every
     tick and apply the decisions through the scaler."""
-    _logging(verbose)
+    setup_logging(verbose, libraries=("faust", "aiokafka", "mode"))
     from control_plane.planner.errors import PlannerConfigError
     from control_plane.planner.runner import PlannerSettings, run_planner
     from kernel.settings import BusSettings
@@ -74,7 +62,7 @@ def run(
                                    health_host=health_host, health_port=health_port, **kw)
         raise typer.Exit(run_planner(settings, BusSettings.from_env(role="planner")))
     except PlannerConfigError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
 
 
 @planner_app.command("backtest")
@@ -101,12 +89,12 @@ def backtest(
         cfg = load_config(config) if config else default_config()
         start_ns, end_ns = parse_time(from_), parse_time(to)
         if end_ns <= start_ns:
-            _fail("--to must be after --from")
+            fail("--to must be after --from")
         events = read_log(BusSettings.from_env(), start_ns, end_ns)
         report = run_backtest(events, cfg, start_ns=start_ns, end_ns=end_ns, predictor=predictor,
                               startup_s=startup_s)
     except PlannerConfigError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if png is not None:
         report.plot(png)
     if as_json:
@@ -134,7 +122,7 @@ def pin(
     on the admin stream naming the token as the actor; the leading planner holds the pool at
     REPLICAS until unpinned."""
     if replicas < 0:
-        _fail("replicas must be >= 0", 2)
+        fail("replicas must be >= 0", 2)
     who = _pin_call(token_file, admin_url, actor, lambda c: c.pin(pool, replicas, reason))
     typer.echo(f"pinned {pool} to {replicas} (as {who})")
 
@@ -159,7 +147,7 @@ def _pin_call(token_file: Path | None, url: str | None, actor: str | None, call)
         if actor is not None:
             name = client.whoami()["name"]
             if actor != name:
-                _fail(f"--actor {actor!r} is not this token's name ({name!r}): the log records the token's name "
+                fail(f"--actor {actor!r} is not this token's name ({name!r}): the log records the token's name "
                       "as the actor; --actor is deprecated, drop it", 2)
             typer.secho("warning: --actor is deprecated (the actor is the token's name)", err=True,
                         fg=typer.colors.YELLOW)
