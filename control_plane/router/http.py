@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import msgspec
+import msgspec.inspect as mi
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,7 +41,6 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.router.errors import InvalidRequest
@@ -53,74 +54,105 @@ log = logging.getLogger(__name__)
 
 # -- request shapes ---------------------------------------------------------------------------
 #
-# Strict where a wrong type would otherwise crash or be silently coerced (token ids, content
-# parts, stream), and ``extra="forbid"``: an argument the router does not know is refused
-# (OpenAI's "Unrecognized request argument"), never silently dropped. Bounds that depend on the
-# model (context, vocabulary, output) are checked in :mod:`control_plane.router.limits`.
+# msgspec Structs, decoded straight from the body bytes (``msgspec.json.decode(body, type=...)``,
+# in C: a 32K-token prompt is one pass, no intermediate dict or per-item validator). They are
+# the one definition of each rule, and the OpenAPI document is generated from them
+# (``msgspec.json.schema_components``). Strict: a wrong type is refused, never coerced (token
+# ids, content parts, stream), and ``forbid_unknown_fields``: an argument the router does not
+# know is refused (OpenAI's "Unrecognized request argument"), never silently dropped. Bounds
+# that depend on the model (context, vocabulary, output) are checked in
+# :mod:`control_plane.router.limits`.
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: StrictBool = False
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(default="", description="A served model (GET /v1/models); empty: the router's default.")
-    max_tokens: StrictInt | None = None
-    stream: StrictBool = False
+def _ranged(low: float, high: float) -> Any:
+    return Annotated[float, msgspec.Meta(ge=low, le=high)] | None
+
+
+class _Base(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, msgspec.Meta(
+        description="A served model (GET /v1/models); empty: the router's default.")] = ""
+    max_tokens: int | None = None
+    stream: bool = False
     stream_options: StreamOptions | None = None
     #: Extension: the client's own id for the request. Kept as metadata
     #: (``RequestAdmitted.client_request_id``, ``X-Client-Request-Id``); the request id is the router's.
     request_id: str | None = None
     # Accepted; the engines sample their own way, so these do not change the answer's shape.
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: StrictInt | None = None
-    user: str | None = Field(default=None, max_length=256)
-    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
-    ignore_eos: StrictBool | None = None
+    temperature: _ranged(0, 2) = None
+    top_p: _ranged(0, 1) = None
+    presence_penalty: _ranged(-2, 2) = None
+    frequency_penalty: _ranged(-2, 2) = None
+    seed: int | None = None
+    user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    metadata: Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=512)]],
+                        msgspec.Meta(max_length=16)] | None = None
+    ignore_eos: bool | None = None
     # Accepted only at their neutral value (see ``_unsupported``).
-    n: StrictInt | None = None
+    n: int | None = None
     stop: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: int | None = None
 
 
-class CompletionRequest(_Base):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(description="Text, or token ids.")
-    best_of: StrictInt | None = None
-    echo: StrictBool | None = None
+#: What ``prompt`` may be, as published: msgspec's unions hold one array type, so the list is
+#: decoded as ``list[int | str | list[int]]`` and :func:`_one_kind` requires one kind of item.
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "string"}},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
+
+
+class CompletionRequest(_Base, kw_only=True):
+    prompt: Annotated[str | list[int | str | list[int]], msgspec.Meta(
+        description="Text, or token ids.", extra_json_schema=_PROMPT_SCHEMA)]
+    best_of: int | None = None
+    echo: bool | None = None
     suffix: str | None = None
-    logprobs: StrictInt | None = None
+    logprobs: int | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text"]
-    text: StrictStr
+    text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id...: not part of the prompt
+class ChatMessage(msgspec.Struct):  # unknown fields ignored: name, tool_call_id...: not part of the prompt
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: str | list[TextPart] | None = None
 
 
-class ChatRequest(_Base):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool | None = None
+class ChatRequest(_Base, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-    store: StrictBool | None = None
+    store: bool | None = None
     service_tier: str | None = None
+
+
+_KIND_NAMES = {int: "integer", str: "string", list: "list"}
+
+
+def _one_kind(body: CompletionRequest) -> None:
+    """A list prompt is token ids, strings or token-id lists, never a mix: :class:`InvalidRequest`
+    at the first item of another kind than the first."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt:
+        kind = type(prompt[0])
+        for i, x in enumerate(prompt):
+            if type(x) is not kind:
+                where = f"prompt.{i}"
+                raise InvalidRequest(f"{where}: Input should be a valid {_KIND_NAMES[kind]}", param=where,
+                                     code="invalid_body")
 
 
 def _unsupported(body: _Base) -> InvalidRequest | None:
@@ -285,27 +317,31 @@ def _error(status: int, message: str, code: str, type_: str = "invalid_request_e
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
-class ErrorDetail(BaseModel):
+class ErrorDetail(msgspec.Struct):
     message: str
     type: str
     param: str | None
     code: str | int | None
 
 
-class ErrorBody(BaseModel):
+class ErrorBody(msgspec.Struct):
     """Every refusal, as OpenAI sends it."""
 
     error: ErrorDetail
 
 
-def _openapi(model: type[BaseModel], success: str) -> dict:
+#: The published schemas of the bodies and of a refusal, generated from the Structs that decode
+#: them, and the components their references point to.
+(_COMPLETION_SCHEMA, _CHAT_SCHEMA, _ERROR_SCHEMA), _COMPONENTS = msgspec.json.schema_components(
+    (CompletionRequest, ChatRequest, ErrorBody), ref_template="#/components/schemas/{name}")
+
+
+def _openapi(schema: dict, success: str) -> dict:
     """What a generation route declares: its JSON body (read by hand, so that a bad one is an
     OpenAI-style 400, not FastAPI's 422) and every answer it can give."""
-    refusal = {"content": {"application/json": {"schema": ErrorBody.model_json_schema(
-        ref_template="#/components/schemas/{model}")}}}
+    refusal = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
     return {
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}},
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "responses": {
             "200": {"description": success, "content": {"application/json": {}, "text/event-stream": {}}},
             **{str(code): {"description": why, **refusal} for code, why in (
@@ -319,18 +355,16 @@ def _openapi(model: type[BaseModel], success: str) -> dict:
 
 
 def _component_schemas(app: FastAPI) -> None:
-    """Put the bodies' nested models where ``_openapi``'s references point."""
+    """Put the bodies' Structs where ``_openapi``'s references point."""
     base = app.openapi
-    models = (CompletionRequest, ChatRequest, ErrorBody)
 
     def openapi() -> dict:
         if app.openapi_schema:
             return app.openapi_schema
         doc = base()
         comps = doc.setdefault("components", {}).setdefault("schemas", {})
-        for m in models:
-            for name, sub in m.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}).items():
-                comps.setdefault(name, sub)
+        for name, sub in _COMPONENTS.items():
+            comps.setdefault(name, sub)
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -345,33 +379,57 @@ def _refused(e: InvalidRequest) -> JSONResponse:
     return _error(e.status, str(e), e.code, param=e.param, headers=close)
 
 
-async def _read_json(request: Request, limits: RequestLimits) -> Any:
-    """The body as JSON, at most ``limits.max_body_bytes``, with every string valid Unicode."""
+async def _read_body(request: Request, limits: RequestLimits) -> bytes:
+    """The body's bytes, at most ``limits.max_body_bytes`` (joined once, not grown chunk by chunk)."""
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > _DRAIN_BYTES:
         raise _BodyTooLarge(limit, drained=False)  # not worth reading: answer and close
-    body = bytearray()
+    chunks: list[bytes] = []
     seen = 0
     async for chunk in request.stream():
         seen += len(chunk)
         if seen > _DRAIN_BYTES:
             raise _BodyTooLarge(limit, drained=False)
-        if seen <= limit:
-            body += chunk
+        if seen <= limit and chunk:
+            chunks.append(chunk)
     if seen > limit:
         raise _BodyTooLarge(limit, drained=True)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_json(body: bytes) -> None:
+    """:class:`InvalidRequest` when ``body`` is not JSON (``invalid_json``) or a string in it is
+    not valid Unicode (``invalid_unicode``, naming where). Off the hot path: run only when a
+    body failed to decode, or escapes a surrogate."""
     try:
         obj = json.loads(body, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and UnicodeDecodeError
         raise InvalidRequest(f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-    # The walk over every string is only needed when the body escapes a surrogate (a 32K-token
-    # prompt is 32K list items to walk; the byte scan is one pass in C).
-    bad = _bad_string(obj, "") if _SURROGATE_ESCAPE.search(body) else None
+    bad = _bad_string(obj, "")
     if bad is not None:
         raise InvalidRequest(f"{bad or 'body'}: invalid Unicode (a lone surrogate)", param=bad or None,
                              code="invalid_unicode")
-    return obj
+
+
+def _decoded(model: type[_Base], body: bytes) -> Any:
+    """``body`` decoded as ``model``, or :class:`InvalidRequest`: ``invalid_json`` and
+    ``invalid_unicode`` first (as a parse then a walk would find them, whatever the field
+    order), then ``invalid_body`` naming the parameter."""
+    try:
+        out = msgspec.json.decode(body, type=model)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        _check_json(body)
+        if isinstance(e, msgspec.ValidationError):
+            raise _invalid_body(e, model) from None
+        raise InvalidRequest(f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+    # A surrogate code point can only reach a string through a JSON escape; the byte scan is
+    # one pass in C, the walk only runs when it finds one.
+    if _SURROGATE_ESCAPE.search(body):
+        _check_json(body)
+    if isinstance(out, CompletionRequest):
+        _one_kind(out)
+    return out
 
 
 def _no_constant(name: str) -> Any:
@@ -401,42 +459,94 @@ def _bad_string(obj: Any, path: str) -> str | None:
     return None
 
 
-def _loc(loc: tuple) -> str:
-    """A pydantic error location as a parameter path, without the union members' tags
-    (``messages.0.content.list[TextPart].0.text`` -> ``messages.0.content.0.text``)."""
-    return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in _TYPE_TAGS)))
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_STEP = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+_EXPECTED = re.compile(r"^Expected `(?P<kind>[^`]+)`(?:, got `[^`]+`)?"
+                       r"(?: (?P<length>of length )?(?P<op>>=|<=|>|<) (?P<bound>\S+))?$")
+_KINDS = {"str": "a valid string", "int": "a valid integer", "float": "a valid number", "bool": "a valid boolean",
+          "object": "a valid dictionary", "array": "a valid list", "null": "None"}
+_OPS = {">=": "greater than or equal to", "<=": "less than or equal to", ">": "greater than", "<": "less than"}
+_SIZED = {"str": ("String", "character"), "array": ("List", "item"), "object": ("Dictionary", "item")}
 
 
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list"})
+def _loc(path: str) -> list[str | int]:
+    """msgspec's error path (``.messages[0].content[0].text``) as steps (a dict's key is not
+    named: ``[...]``)."""
+    return [name or int(index) for name, index in _STEP.findall(path) if name or index != "..."]
 
 
-def _validated(model: type[BaseModel], obj: Any) -> Any:
-    """``obj`` as ``model``, or :class:`InvalidRequest` naming the most specific bad parameter."""
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        errors = e.errors(include_url=False, include_input=False)
-        parts: list[str] = []
-        for err in errors:
-            loc = _loc(err.get("loc", ()))
-            if err.get("type") == "extra_forbidden":
-                part = f"Unrecognized request argument supplied: {loc}"
-            else:
-                part = f"{loc or 'body'}: {err.get('msg')}"
-            if part not in parts:
-                parts.append(part)
-        deepest = max(errors, key=lambda err: len(_loc(err.get("loc", ())).split(".")), default=None)
-        param = _loc(deepest.get("loc", ())) or None if deepest else None
-        message = "; ".join(parts[:5]) + (f"; ... and {len(parts) - 5} more" if len(parts) > 5 else "")
-        raise InvalidRequest(message or "invalid request body", param=param, code="invalid_body") from None
+def _type_at(t: Any, loc: list[str | int]) -> Any:
+    """The declared type at ``loc`` in ``t`` (a :mod:`msgspec.inspect` type), or None."""
+    for step in loc:
+        while isinstance(t, mi.Metadata):
+            t = t.type
+        if isinstance(t, mi.UnionType):
+            want = mi.ListType if isinstance(step, int) else (mi.StructType, mi.DictType)
+            t = next((m for m in t.types if isinstance(m, want)), None)
+        if isinstance(t, mi.ListType) and isinstance(step, int):
+            t = t.item_type
+        elif isinstance(t, mi.StructType) and isinstance(step, str):
+            t = next((f.type for f in t.fields if f.encode_name == step), None)
+        elif isinstance(t, mi.DictType):
+            t = t.value_type
+        else:
+            return None
+    while isinstance(t, mi.Metadata):
+        t = t.type
+    return t
+
+
+def _literal(t: Any) -> str | None:
+    """'Input should be ...' for a Literal (or a union holding one), else None."""
+    members = t.types if isinstance(t, mi.UnionType) else (t,)
+    lit = next((m for m in members if isinstance(m, mi.LiteralType)), None)
+    if lit is None:
+        return None
+    vals = [repr(v) for v in lit.values]
+    return "Input should be " + (vals[0] if len(vals) == 1 else f"{', '.join(vals[:-1])} or {vals[-1]}")
+
+
+def _invalid_body(e: msgspec.ValidationError, model: type[_Base]) -> InvalidRequest:
+    """msgspec's first error as the router words it: ``<param>: <what it should be>``, or
+    ``Unrecognized request argument supplied: <param>``; ``param`` names the field."""
+    m = _AT.match(str(e))
+    what, loc = (m["msg"], _loc(m["path"] or "")) if m else (str(e), [])
+    declared = _type_at(mi.type_info(model), loc)
+    if got := re.fullmatch(r"Object contains unknown field `(.+)`", what):
+        where = ".".join(map(str, [*loc, got[1]]))
+        return InvalidRequest(f"Unrecognized request argument supplied: {where}", param=where, code="invalid_body")
+    if got := re.fullmatch(r"Object missing required field `(.+)`", what):
+        loc, why = [*loc, got[1]], "Field required"
+    elif (lit := _literal(declared)) is not None and (what.startswith("Invalid enum value")
+                                                      or what.startswith("Expected")):
+        why = lit
+    elif (got := _EXPECTED.match(what)) and got["op"]:
+        kind = got["kind"].split(" | ")[0]
+        if got["length"]:
+            noun, unit = _SIZED.get(kind, ("Value", "item"))
+            amount = "at least" if got["op"].startswith(">") else "at most"
+            n = got["bound"]
+            why = f"{noun} should have {amount} {n} {unit}{'' if n == '1' else 's'}"
+        else:
+            bound = got["bound"].removesuffix(".0")
+            why = f"Input should be {_OPS[got['op']]} {bound}"
+    elif got:
+        why = f"Input should be {_KINDS.get(got['kind'].split(' | ')[0], got['kind'])}"
+    elif what == "Number out of range":
+        base = declared.types[0] if isinstance(declared, mi.UnionType) else declared
+        why = "Input should be a valid integer" if isinstance(base, mi.IntType) else "Input should be a finite number"
+    else:
+        why = what
+    where = ".".join(map(str, loc))
+    return InvalidRequest(f"{where or 'body'}: {why}", param=where or None, code="invalid_body")
 
 
 async def completion_body(request: Request, c: Ctx) -> CompletionRequest:
-    return _validated(CompletionRequest, await _read_json(request, c.limits))
+    return _decoded(CompletionRequest, await _read_body(request, c.limits))
 
 
 async def chat_body(request: Request, c: Ctx) -> ChatRequest:
-    return _validated(ChatRequest, await _read_json(request, c.limits))
+    return _decoded(ChatRequest, await _read_body(request, c.limits))
 
 
 CompletionBody = Annotated[CompletionRequest, Depends(completion_body)]
@@ -463,11 +573,11 @@ async def _prompt_tokens(c: RouterApp, body: CompletionRequest) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return await _encode(c.tokenizer, prompt)
-    return list(prompt)
+    return prompt  # a list of ints, fresh from the decoder: nothing else holds it
 
 
 async def _chat_tokens(c: RouterApp, body: ChatRequest) -> list[int]:
-    messages = [m.model_dump() for m in body.messages]
+    messages = msgspec.to_builtins(body.messages)
     if sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content or ())
            for m in body.messages) <= _TOKENIZE_INLINE_CHARS:
         return chat_tokens(c.tokenizer, messages)
@@ -544,14 +654,14 @@ def create_app(ctx: RouterApp) -> FastAPI:
 
     _component_schemas(app)
 
-    @app.post("/v1/completions", openapi_extra=_openapi(CompletionRequest, "the completion, or its SSE stream"))
+    @app.post("/v1/completions", openapi_extra=_openapi(_COMPLETION_SCHEMA, "the completion, or its SSE stream"))
     async def completions(key: ApiKey, body: CompletionBody, request: Request, c: Ctx):
         model = _accepted_model(c, body)
         tokens = await _prompt_tokens(c, body)
         max_tokens = check_generation(tokens, body.max_tokens, c.limits)
         return await _run(c, body, request, tokens, "completions", model, max_tokens, _client_id(c, body, request))
 
-    @app.post("/v1/chat/completions", openapi_extra=_openapi(ChatRequest, "the chat completion, or its SSE stream"))
+    @app.post("/v1/chat/completions", openapi_extra=_openapi(_CHAT_SCHEMA, "the chat completion, or its SSE stream"))
     async def chat(key: ApiKey, body: ChatBody, request: Request, c: Ctx):
         model = _accepted_model(c, body)
         tokens = await _chat_tokens(c, body)
