@@ -13,7 +13,7 @@ import typer
 
 from control_plane.chaos.plan import PlanConfig, Topology
 from control_plane.clikit import fail, setup_logging
-from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
+from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
 
 app = typer.Typer(
     help="Switchyard: an event-sourced control plane for disaggregated LLM inference.\n\n"
@@ -372,7 +372,8 @@ def up_cmd(
     and print a summary plus a PNG report. `switchyard down` stops everything."""
     setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
-    from control_plane.demo.up import DemoSettings, run_demo
+    from control_plane.demo.settings import DemoSettings
+    from control_plane.demo.up import run_demo
     from control_plane.settings import StackSettings
 
     trace = trace or DEMO_TRACE
