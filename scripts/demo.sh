@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-bash scripts/uv.sh sync --frozen --quiet
+bash scripts/sync.sh
 exec bash scripts/uv.sh run --frozen switchyard up --demo "$@"

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 UV="bash scripts/uv.sh"
-$UV sync --frozen --quiet
+bash scripts/sync.sh
 # The native crate's own tests (its pure core: no Python needed to link them).
 . scripts/cargo-env.sh
 cargo test --quiet --manifest-path native/Cargo.toml
