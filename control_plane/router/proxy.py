@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 
 from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
 from control_plane.router.config import RouterConfig
@@ -105,6 +106,11 @@ class WorkerFailed(Exception):
         self.code = code
         self.worker_id = worker_id
 
+
+#: The worker call's body: encoded once, straight to bytes (httpx's ``json=`` builds a str
+#: with the stdlib encoder and encodes it again; a 32K-token prompt is ~200 KB).
+_json = msgspec.json.encode
+_JSON = {"Content-Type": "application/json"}
 
 # Failures where the request never reached the worker: a prefill hold made for it is still there.
 NEVER_REACHED = frozenset({"worker_unreachable", "connect_timeout"})
@@ -372,8 +378,8 @@ class Router:
                 "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True}}
         wid = prefill.worker_id
         try:
-            r = await self.http.post(f"{prefill.endpoint}/v1/completions", json=body,
-                                     headers={"X-Request-Id": adm.request_id})
+            r = await self.http.post(f"{prefill.endpoint}/v1/completions", content=_json(body),
+                                     headers={"X-Request-Id": adm.request_id, **_JSON})
             if r.status_code >= 500:
                 raise WorkerFailed("worker_error", f"prefill {wid}: HTTP {r.status_code}: {r.text[:200]}", wid)
             if r.status_code >= 400:
@@ -395,7 +401,8 @@ class Router:
             body["kv_transfer_params"] = kv_params
         url = f"{worker.endpoint}/v1/completions"
         try:
-            async with self.http.stream("POST", url, json=body, headers={"X-Request-Id": adm.request_id}) as r:
+            async with self.http.stream("POST", url, content=_json(body),
+                                        headers={"X-Request-Id": adm.request_id, **_JSON}) as r:
                 if r.status_code >= 500:
                     raise WorkerFailed("worker_error", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}",
                                        worker.worker_id)
