@@ -86,6 +86,14 @@ def load_trace(path: Path, limit: int | None) -> list[list[int]]:
     return out
 
 
+def dynamo_stored(event_id: int, chained: list[int], local: list[int]) -> bytes:
+    """A store of ``chained`` blocks (from the root) as the JSON Dynamo's ``RadixTree.apply_event``
+    takes; its tree matches on ``local`` (``tokens_hash``)."""
+    return json.dumps({"event_id": event_id, "dp_rank": 0, "data": {"stored": {
+        "parent_hash": None,
+        "blocks": [{"block_hash": c, "tokens_hash": lh} for c, lh in zip(chained, local)]}}}).encode()
+
+
 def build_workload(trace: list[list[int]], n_workers: int, capacity: int) -> Workload:
     codec = EventCodec()
     factories = [EnvelopeFactory(f"w{i}", epoch=1, clock_ns=lambda: 0) for i in range(n_workers)]
@@ -106,11 +114,9 @@ def build_workload(trace: list[list[int]], n_workers: int, capacity: int) -> Wor
         # Store: all blocks of the request, one event.
         stored = BlockStored(worker_id=wid, tier=Tier.DEVICE, block_hashes=chained,
                              parent_hash=None, block_size=TRACE_BLOCK_SIZE, hash_algo=HASH_ALGO)
-        dyn = {"event_id": event_ids[w], "dp_rank": 0, "data": {"stored": {
-            "parent_hash": None,
-            "blocks": [{"block_hash": c, "tokens_hash": lh} for c, lh in zip(chained, local)]}}}
+        dyn = dynamo_stored(event_ids[w], chained, local)
         event_ids[w] += 1
-        wl.events.append((w, codec.encode(factories[w].wrap(stored)), json.dumps(dyn).encode()))
+        wl.events.append((w, codec.encode(factories[w].wrap(stored)), dyn))
         wl.stores += 1
         wl.stored_blocks += len(chained)
         # LRU: touch tail first so the root ends most recent (vLLM frees a request's blocks in
@@ -304,7 +310,7 @@ def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tr
             "ref_agree": ref_agree, "ref_disagree": ref_disagree}
 
 
-def _load_dynamo():
+def load_dynamo():
     try:
         from dynamo._core import RadixTree  # type: ignore[import-not-found]
     except Exception as e:  # noqa: BLE001 - any import failure means "no comparison"
@@ -342,7 +348,7 @@ def run(
         f" blocks avg, {wl.removes} removes of {wl.removed_blocks} blocks); "
         f"built in {time.perf_counter() - t0:.1f}s")
 
-    radix_tree_cls, why = _load_dynamo()
+    radix_tree_cls, why = load_dynamo()
     if radix_tree_cls is None:
         say(f"DYNAMO UNAVAILABLE ({why}): run `uv sync --group bench`. Reporting ours only.")
 

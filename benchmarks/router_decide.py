@@ -79,10 +79,12 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 
 def run(samples: int = SAMPLES) -> dict:
-    """Measure; return {"decide": {"<workers>w/<tokens>tok": {...us...}}, "ledger": {...}}."""
+    """Measure; return {"decide": {"<workers>w/<tokens>tok": {...us...}}, "ledger": {...},
+    "inputs": {"<workers>w/<tokens>tok": (request, overlaps)}} (what each point decided on, so an
+    anchor can be measured on the same prompt)."""
     rng = random.Random(20260501)
     config = RouterConfig()
-    results: dict = {"decide": {}, "ledger": {}}
+    results: dict = {"decide": {}, "ledger": {}, "inputs": {}}
     for prompt_tokens in PROMPT_TOKENS:
         for n_workers in WORKER_COUNTS:
             request, workers, overlaps, ledger = _scenario(rng, n_workers, prompt_tokens)
@@ -101,6 +103,7 @@ def run(samples: int = SAMPLES) -> dict:
                 decide(request, workers, config, rng_seed=seed, overlaps=overlaps)
                 idle.append((time.perf_counter_ns() - t0) / 1000.0)
             idle.sort()
+            results["inputs"][f"{n_workers}w/{prompt_tokens}tok"] = (request, overlaps)
             results["decide"][f"{n_workers}w/{prompt_tokens}tok"] = {
                 "workers": n_workers,
                 "prompt_tokens": prompt_tokens,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what Switchyard needs on a fresh Debian/Ubuntu machine: system packages (Java 17 and
-# Maven for the Kafka broker, PostgreSQL, Redis, Prometheus), uv, and the Python environment.
+# Maven for the Kafka broker, PostgreSQL, Redis, Prometheus, nginx for a bench), uv, and the Python environment.
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,8 @@ ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need_apt+=(postgresql)
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v runuser >/dev/null || need_apt+=(util-linux)
+# nginx: the plain reverse proxy `switchyard bench router` measures the router against.
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -27,6 +29,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   (service postgresql stop || true) >/dev/null 2>&1
   (service redis-server stop || true) >/dev/null 2>&1
   (service prometheus stop || true) >/dev/null 2>&1
+  (service nginx stop || true) >/dev/null 2>&1
 fi
 
 # Rust: `uv sync` builds native/ (PyO3, maturin) from source; its dependencies come from the

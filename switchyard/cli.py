@@ -557,13 +557,16 @@ def bench_index(trace: TraceOpt = Path(TRACE_DEFAULT),
 
 
 @bench_app.command("router")
-def bench_router(n: Annotated[int, typer.Option(help="Sequential HTTP requests per side.")] = 400) -> None:
-    """Decision latency at 8/64/256 workers for 4K and 32K prompts, and the HTTP overhead of the
-    router in front of an instant worker (needs `switchyard stack up`)."""
+def bench_router(n: Annotated[int, typer.Option(help="Sequential HTTP requests per side.")] = 400,
+                 restart: Annotated[bool, typer.Option(help="Also a router restart with 1M blocks to EXACT.")] = True,
+                 ) -> None:
+    """Decision latency at 8/64/256 workers for 4K and 32K prompts beside Dynamo's find_matches
+    (bench group), the HTTP overhead of the router and of nginx in front of an instant worker,
+    and a router restart with 1M blocks (needs `switchyard stack up`)."""
     logging.basicConfig(level=logging.WARNING)
     from benchmarks.router_bench import main as run
 
-    run(n)
+    run(n, restart=restart)
 
 
 @bench_app.command("transfer")
