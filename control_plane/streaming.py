@@ -200,7 +200,12 @@ class FoldProcessor:
             for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
                 shutil.rmtree(old, ignore_errors=True)
             self.datadir.mkdir(parents=True, exist_ok=True)
-            options["datadir"] = str(self.datadir)
+        else:  # Faust's default is ``<app id>-data`` in the working directory: one per start
+            import tempfile
+            from pathlib import Path
+
+            self.datadir = Path(tempfile.mkdtemp(prefix="switchyard-faust-"))
+        options["datadir"] = str(self.datadir)
         if self.bus.security_protocol.upper().startswith("SASL"):
             tls = self.bus.ssl_context() if self.bus.security_protocol.upper() == "SASL_SSL" else None
             options["broker_credentials"] = faust.SASLCredentials(
