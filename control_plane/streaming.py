@@ -80,6 +80,21 @@ def log_end(bus: BusSettings, group: str, topics: list[str]) -> dict[tuple[str, 
         c.close()
 
 
+def _table_manager():
+    """Faust's table manager, without the fixed 1 s sleep it takes at start for tables declared
+    late: every processor declares its tables (:meth:`FoldProcessor.extend`) before the app
+    starts, and that second was a third of a router restart's time spent inside Faust."""
+    from faust.tables import TableManager
+
+    class EagerTableManager(TableManager):
+        async def on_start(self) -> None:
+            if not self.should_stop:
+                await self._update_channels()
+                await self.recovery.start()
+
+    return EagerTableManager
+
+
 # ----------------------------------------------------------------------------------------------
 # The processor every materialized view runs in
 # ----------------------------------------------------------------------------------------------
@@ -188,6 +203,7 @@ class FoldProcessor:
         self._target = await self.log_end()
         self.check_caught_up()
         options = {"store": "memory://", "web_enabled": False, "topic_allow_declare": False,
+                   "TableManager": _table_manager(),
                    "topic_disable_leader": True, "consumer_auto_offset_reset": "earliest",
                    "broker_commit_every": 1000, "broker_commit_interval": self.commit_every_s,
                    **self.app_options}
