@@ -148,6 +148,11 @@ def _one_kind(body: CompletionRequest) -> None:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt:
         kind = type(prompt[0])
+        try:  # one pass in C; the loop below only finds where, on a mixed list
+            msgspec.convert(prompt, list[kind], strict=True)  # type: ignore[valid-type]
+            return
+        except msgspec.ValidationError:
+            pass
         for i, x in enumerate(prompt):
             if type(x) is not kind:
                 where = f"prompt.{i}"
