@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from control_plane.chaos.plan import PlanConfig, Topology
+from control_plane.chaos.plan import FAULT_KINDS, PlanConfig, Topology
 from control_plane.clikit import fail, setup_logging
 from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
 
@@ -465,7 +465,7 @@ def chaos_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the fault times, order and targets (same seed, same plan).")] = PlanConfig.seed,
     duration: Annotated[float, typer.Option(help="Seconds of load, overload phase included (recoveries that overrun their gap extend it).")] = PlanConfig.duration_s,
     brokers: Annotated[int, typer.Option(min=3, max=9, help="Kafka nodes of the private KRaft cluster (3 survives the loss of one).")] = Topology.brokers,
-    faults: Annotated[str, typer.Option(help="Comma list of broker_kill, broker_hang, router_kill, metrics_kill, planner_kill, prefill_kill, decode_kill, disk_full ('all': every one).")] = "all",
+    faults: Annotated[str, typer.Option(help=f"Comma list of {', '.join(FAULT_KINDS)} ('all': every one).")] = "all",
     in_order: Annotated[bool, typer.Option("--in-order", help="Inject in the order given, evenly spaced (default: seeded order and times).")] = PlanConfig.in_order,
     rate: Annotated[float, typer.Option(help="Requests per second (open loop, Poisson arrivals).")] = 4.0,
     overload_s: Annotated[float, typer.Option(help="Seconds of the overload phase at the end (0: none).")] = PlanConfig.overload_s,

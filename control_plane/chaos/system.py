@@ -117,6 +117,11 @@ class Proc:
             self.crashes.append(f"{self.name} start {self.starts} exited {self.popen.poll()}")
             self._ended_by_us = True  # recorded: not again
 
+    def mark_stopping(self) -> None:
+        """From here on this incarnation's exit is ours (a crash before now is recorded first)."""
+        self.note_crash()
+        self._ended_by_us = True
+
     def launch(self) -> Proc:
         self.note_crash()
         self._ended_by_us = False
@@ -138,8 +143,7 @@ class Proc:
         """SIGKILL to the process and its session: no drain, no flush."""
         if self.popen is None:
             return
-        self.note_crash()
-        self._ended_by_us = True
+        self.mark_stopping()
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -150,8 +154,7 @@ class Proc:
         """SIGTERM, then SIGKILL to whatever is left of its session."""
         if self.popen is None:
             return
-        self.note_crash()
-        self._ended_by_us = True
+        self.mark_stopping()
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -349,8 +352,7 @@ class ChaosSystem:
         """Stop every Switchyard process (workers first: they drain); SIGKILL what lingers."""
         for group in (self.workers, [*self.routers, *self.planners, *([self.metrics] if self.metrics else [])]):
             for p in group:
-                p.note_crash()
-                p._ended_by_us = True
+                p.mark_stopping()
                 if p.pid:
                     try:
                         p.popen.send_signal(signal.SIGTERM)
