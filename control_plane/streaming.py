@@ -9,8 +9,10 @@ snapshot it restored (see ``control_plane/router/stream.py`` for why).
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
@@ -149,7 +151,10 @@ class FoldProcessor:
         self.snapshots = SnapshotStore(bus, self.catalog)
         self.snapshot_every_s = snapshot_every_s
         self.commit_every_s = commit_every_s
-        self.datadir = None if datadir is None else datadir / self.group
+        # Faust's own default is ``<app id>-data`` in the working directory, one per start.
+        # Here: one per incarnation under ``datadir`` (a temporary directory unless given);
+        # those of earlier incarnations of this owner, left by a kill -9, go at the next start.
+        self.datadir = (datadir or Path(tempfile.gettempdir()) / "switchyard-faust") / self.group
         self.app_options = dict(app_options or {})
         self._dlq = DeadLetters(EventProducer(bus, f"dlq:{self.group}", catalog=self.catalog), self.catalog,
                                 self.group)
@@ -212,15 +217,9 @@ class FoldProcessor:
             from kernel.log.admin import replication_factor
 
             options["topic_replication_factor"] = await asyncio.to_thread(replication_factor, self.bus)
-        if self.datadir is not None:
-            for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
-                shutil.rmtree(old, ignore_errors=True)
-            self.datadir.mkdir(parents=True, exist_ok=True)
-        else:  # Faust's default is ``<app id>-data`` in the working directory: one per start
-            import tempfile
-            from pathlib import Path
-
-            self.datadir = Path(tempfile.mkdtemp(prefix="switchyard-faust-"))
+        for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
+            shutil.rmtree(old, ignore_errors=True)
+        self.datadir.mkdir(parents=True, exist_ok=True)
         options["datadir"] = str(self.datadir)
         if self.bus.security_protocol.upper().startswith("SASL"):
             tls = self.bus.ssl_context() if self.bus.security_protocol.upper() == "SASL_SSL" else None
@@ -250,8 +249,7 @@ class FoldProcessor:
         if self.app is not None:
             await self.app.stop()
         self._dlq.producer.close(10)
-        if self.datadir is not None:  # memory:// store: it only holds Faust's bookkeeping
-            shutil.rmtree(self.datadir, ignore_errors=True)
+        shutil.rmtree(self.datadir, ignore_errors=True)  # memory:// store: only Faust's bookkeeping
 
     # -- folding -----------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ metrics, the planner reads the pure view.
 from __future__ import annotations
 
 import logging
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -57,7 +56,7 @@ class LoadViewProcessor(FoldProcessor):
         # The windowed counters table declares its changelog topic, with as many replicas as
         # the catalog's topics get on this cluster (FoldProcessor.start asks the metadata).
         super().__init__(bus, planner_id, snapshot_every_s=snapshot_every_s,
-                         datadir=datadir or Path(tempfile.gettempdir()) / "switchyard-faust",
+                         datadir=datadir,
                          app_options={"topic_allow_declare": True})
         self.planner_id = planner_id
         self.view = view
