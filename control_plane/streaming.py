@@ -147,7 +147,7 @@ class FoldProcessor:
         self.topics = [self.catalog.topic(s) for s in self.STREAMS]
         self.group_prefix = f"{bus.topic_prefix}.{self.KIND}.{owner_id}."
         self.group = f"{self.group_prefix}{time.time_ns() // 1_000_000}"
-        self.codec = EventCodec()
+        self.codec = EventCodec(verifier=bus.verifier())
         self.snapshots = SnapshotStore(bus, self.catalog)
         self.snapshot_every_s = snapshot_every_s
         self.commit_every_s = commit_every_s

@@ -53,6 +53,13 @@ def worker_credential(secrets_dir: Path | None = None) -> str:
     return stack_secret(secrets_dir or default_secrets_dir(), WORKER_CREDENTIAL)
 
 
+def signing_master(secrets_dir: Path) -> bytes:
+    """The secret every event owner's signing key derives from (schemas/signing.py)."""
+    from schemas.signing import MASTER_SECRET
+
+    return stack_secret(secrets_dir, MASTER_SECRET).encode()
+
+
 def write_private(path: Path, text: str) -> bool:
     """Create ``path`` readable by its owner only, unless it exists (then keep it; False)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -104,6 +111,42 @@ class BusSettings:
     secret_name: str = "kafka"
     #: Where the stack's secrets are (see :func:`default_secrets_dir`).
     secrets_dir: Path = field(default_factory=default_secrets_dir)
+    #: This process's one event-signing identity and key (``<owner>`` and the hex key on two
+    #: lines, from ``switchyard stack signing-key OWNER``), for a process on a host that does not
+    #: hold the stack's secrets; None: derived from the master secret in ``secrets_dir``.
+    signing_key_file: Path | None = None
+
+    def signer(self, producer_id: str):
+        """What this process may sign (schemas/signing.py): the key file's one identity; else,
+        by the principal it authenticates as, a worker only its own events (``producer_id`` is
+        its worker id), the admin API the admin stream, a router its config record; the stack's
+        super user (the operator's tools) any owner."""
+        from schemas.signing import ADMIN, ROUTER, Signer, owner_key, worker_owner
+
+        if self.signing_key_file is not None:
+            owner, key = self.signing_key_file.read_text().split()
+            return Signer.identity(owner, bytes.fromhex(key))
+        master = signing_master(self.secrets_dir)
+        identity = {"sy-worker": worker_owner(producer_id), "sy-admin": ADMIN, "sy-router": ROUTER,
+                    "sy-planner": "role:planner", "sy-processor": "role:processor"}.get(self.username)
+        if identity is None:
+            return Signer.master(master)
+        return Signer.identity(identity, owner_key(master, identity))
+
+    def verifier(self):
+        """Checks every guarded event's owner signed it, from the stack's master secret; None
+        (logged) for a process given only its own key (``signing_key_file``) on a host without
+        that secret: it cannot tell a forged event from a signed one."""
+        from schemas.signing import MASTER_SECRET, Verifier
+
+        if self.signing_key_file is not None and not (self.secrets_dir / MASTER_SECRET).exists():
+            import logging
+
+            logging.getLogger("switchyard.security").warning(
+                "no %s secret in %s: events read by this process are not checked for their owner's "
+                "signature", MASTER_SECRET, self.secrets_dir)
+            return None
+        return Verifier(signing_master(self.secrets_dir))
 
     def client_conf(self) -> dict[str, str]:
         """The librdkafka settings that reach and authenticate to the log: the base of every
@@ -170,6 +213,8 @@ class BusSettings:
             kwargs["username"] = env["SWITCHYARD_KAFKA_USERNAME"]
         if env.get("SWITCHYARD_SECRETS_DIR"):
             kwargs["secrets_dir"] = Path(env["SWITCHYARD_SECRETS_DIR"])
+        if env.get("SWITCHYARD_SIGNING_KEY_FILE"):
+            kwargs["signing_key_file"] = Path(env["SWITCHYARD_SIGNING_KEY_FILE"])
         kwargs.update(overrides)
         return cls(**kwargs)
 

@@ -114,6 +114,25 @@ def stack_down(service: ServiceOpt = None) -> None:
     typer.echo("stack stopped")
 
 
+@stack_app.command("signing-key")
+def stack_signing_key(
+    owner: Annotated[str, typer.Argument(help="worker:<worker id>, role:admin or role:router.")],
+    out: Annotated[Path, typer.Option("--out", help="File to write (created 0600; must not exist).")],
+) -> None:
+    """Write one owner's event-signing key (schemas/signing.py) for a process on a host that
+    must not hold the stack's secrets: it sets SWITCHYARD_SIGNING_KEY_FILE to the file and can
+    then sign only that owner's events."""
+    from kernel.settings import BusSettings, signing_master, write_private
+    from schemas.signing import ADMIN, ROUTER, owner_key
+
+    if not (owner.startswith("worker:") and len(owner) > 7) and owner not in (ADMIN, ROUTER):
+        fail(f"owner {owner!r}: worker:<worker id>, {ADMIN} or {ROUTER}")
+    key = owner_key(signing_master(BusSettings.from_env().secrets_dir), owner)
+    if not write_private(out, f"{owner}\n{key.hex()}\n"):
+        fail(f"{out} exists; not overwritten")
+    typer.echo(f"signing key of {owner} written to {out}")
+
+
 @stack_app.command("status")
 def stack_status(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """Show which services run, their pids, addresses and data dirs (every Kafka broker)."""

@@ -44,6 +44,7 @@ from kernel.errors import LogReadError
 from kernel.log.catalog import Catalog
 from kernel.log.fold import FoldStats
 from kernel.log.reader import TP, LogReader, LogRecord, scan, scan_events
+from kernel.settings import BusSettings
 from schemas import Envelope, EventCodec, SchemaError
 from schemas.events import Event, RequestAdmitted, RequestCompleted, RequestRouted
 
@@ -200,7 +201,9 @@ class ReplayEngine:
                  progress: ProgressFactory = no_progress, chunk: int = 20000) -> None:
         self.reader = reader
         self.catalog = catalog
-        self.codec = codec or EventCodec()
+        # The live folds refuse a forged event (schemas/signing.py), so replay must too, or it
+        # would re-execute on a different view: the checkout's master secret checks them.
+        self.codec = codec or EventCodec(verifier=BusSettings.from_env().verifier())
         self.progress = progress
         self.chunk = chunk
         self._snapshots: list[SnapshotInfo] | None = None

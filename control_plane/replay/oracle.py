@@ -18,7 +18,7 @@ def oracle_view(bus: BusSettings, algo: str, block_size: int,
     partition in offset order; workers first (registrations before stores, as a live fold
     mostly sees). Records the router dead-letters advance the position and change nothing."""
     view = RouterView(algo, block_size)
-    codec = EventCodec()
+    codec = EventCodec(verifier=bus.verifier())
     cat = Catalog(bus.topic_prefix)
     with KafkaLogReader(bus.bootstrap) as reader:
         for stream in ("workers", "kv"):

@@ -167,12 +167,14 @@ class RouterView:
         """Fold one record from its value bytes; the same fold as ``apply(codec.decode(value))``.
 
         KV envelopes go straight to the native index's decoder (no Python objects per event);
-        records it does not take are decoded by ``codec``. Raises ``SchemaError`` for a record
-        the codec cannot decode (nothing changed: the caller advances and dead-letters) and
+        records it does not take are decoded by ``codec``. Either way ``codec`` checks first that
+        the record's owner signed it (when it has a verifier). Raises ``SchemaError`` for a record
+        the codec cannot decode or that is forged (nothing changed: the caller advances and dead-letters) and
         ``IndexRejected`` like ``apply`` (the position has advanced).
         """
         fast = getattr(self.index, "apply_bytes", None)
         if fast is not None:
+            codec.check_owner(value)  # the native decoder does not verify signatures
             tp = (topic, partition)
             suffix = self._suffixes.get(tp)
             if suffix is None:

@@ -127,7 +127,7 @@ class PeerDirectory:
         from schemas.events import WorkerDeregistered, WorkerRegistered
 
         topic = Catalog(bus.topic_prefix).topic("workers")
-        codec = EventCodec()
+        codec = EventCodec(verifier=bus.verifier())  # a forged registration is skipped
         c = Consumer({**bus.client_conf(), "group.id": f"sy-peers-{uuid.uuid4().hex}",
                       "enable.auto.commit": False, "fetch.wait.max.ms": 500,
                       "logger": logging.getLogger("switchyard.rdkafka")})

@@ -99,6 +99,8 @@ class EventProducer:
         # Default incarnation: start time in ms, monotonic across restarts of one producer id.
         self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
         self._p = Producer(producer_config(settings, **conf))
+        #: Signs the events of guarded streams as their owner (schemas/signing.py).
+        self.signer = settings.signer(producer_id)
         self._lock = threading.Lock()
         self._on_ack = on_ack
         self._partitions: dict[str, int] = {}
@@ -135,6 +137,7 @@ class EventProducer:
     ) -> Envelope[Event]:
         topic = self.catalog.topic(payload.STREAM)
         key = payload.key()
+        self.signer.check(payload.TYPE, key)  # before a sequence number is spent on it
         with self._lock:
             partition = self._partition(topic, key)
             env = self.factory.wrap(payload, correlation_id=correlation_id, causation_id=causation_id,
@@ -180,7 +183,7 @@ class EventProducer:
 
         headers = [(H_TYPE, env.type.encode()), (H_VERSION, str(env.version).encode()),
                    (H_PRODUCER, env.producer.encode())]
-        value = self.codec.encode(env)
+        value = self.signer.sign(env.type, env.key, self.codec.encode(env))
         while True:
             try:
                 self._p.produce(topic, value=value, key=env.key.encode(), partition=partition, headers=headers,
@@ -306,7 +309,7 @@ class EventConsumer:
         if not group_id and not assign_all:
             raise ValueError("give a group_id, or assign_all=True to read every partition")
         self.catalog = catalog or Catalog(settings.topic_prefix)
-        self.codec = codec or EventCodec()
+        self.codec = codec or EventCodec(verifier=settings.verifier())
         self.tracker = tracker or SequenceTracker()
         self.dedupe = dedupe
         self.name = consumer_name or group_id or "consumer"

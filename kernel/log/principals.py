@@ -23,7 +23,7 @@ and manages consumer groups, and describes the cluster. Nothing else: a worker c
 ``admin`` or ``planner``, a router cannot register a worker or scale a pool, no component can create, delete or
 reconfigure a catalog topic. Writes a worker makes to ``requests`` are the handoff facts
 (``PrefillCompleted``, ``KvTransfer*``); who may write *which key* of a shared topic is not
-something Kafka ACLs express (see docs/architecture.md, "Security").
+something Kafka ACLs express: event signatures by owner do that (schemas/signing.py).
 
 :func:`role_bindings` is pure (the ACLs of one topic prefix); :func:`apply_principals` upserts
 the users' credentials and creates the ACLs, idempotently, as the super user.

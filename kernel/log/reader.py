@@ -125,9 +125,12 @@ def read_events(bus, stream: str, **bounds) -> list:
     within ``scan``'s bounds: the start-up scans and tools (config lookup, orphan scan, test
     oracles) read the log this way."""
     from kernel.log.catalog import Catalog
+    from schemas import EventCodec
 
+    codec = EventCodec(verifier=bus.verifier())  # a forged event is skipped, as the folds refuse it
     with KafkaLogReader(bus.bootstrap) as reader:
-        return [env for _, env in scan_events(reader, Catalog(bus.topic_prefix).topic(stream), **bounds)]
+        return [env for _, env in scan_events(reader, Catalog(bus.topic_prefix).topic(stream), codec=codec,
+                                              **bounds)]
 
 
 # ----------------------------------------------------------------------------------------------

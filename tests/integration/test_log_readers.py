@@ -113,8 +113,9 @@ def _write(bus: BusSettings) -> Written:
             errors.append(ack.error)
             return
         env = ack.envelope
+        value = producer.signer.sign(env.type, env.key, producer.codec.encode(env))  # the bytes publish wrote
         out.records.append(LogRecord(ack.topic, ack.partition, ack.offset, env.occurred_at_ns // 1_000_000,
-                                     env.key.encode(), producer.codec.encode(env)))
+                                     env.key.encode(), value))
         out.envelopes[(ack.topic, ack.partition, ack.offset)] = env
 
     producer = EventProducer(bus, "log-contract", clock_ns=clock, on_ack=acked)
