@@ -4,6 +4,9 @@
   record it reads from Kafka. A record decodes, or the decoder raises a
   :class:`~schemas.errors.SchemaError` (the consumer dead-letters it). A decoded envelope must
   survive ``encode`` then ``decode`` unchanged: what a consumer accepted, a producer can write.
+* **signed**: the owner-signature check every live consumer runs before it decodes
+  (:class:`schemas.signing.Verifier`): it passes or raises ``ForgedEvent``, and a decodable
+  envelope signed by its owner verifies and decodes unchanged.
 * **vllm**: the vLLM KV-event path of a worker's bridge: :func:`data_plane.vllm.kv_events.decode_batch`
   on a ZMQ payload, :class:`~data_plane.vllm.kv_events.KvEventTranslator` on the batch, then
   each payload stamped into an envelope and encoded, as the bridge publishes it. A payload
@@ -95,6 +98,40 @@ def envelope_target() -> Target:
     return run
 
 
+def signed_target() -> Target:
+    """The owner check every live consumer runs first (schemas/signing.py): on any bytes it
+    passes or raises ``ForgedEvent``; and an envelope that decodes, once signed by its owner,
+    verifies and decodes to the same envelope (unless its key is not its worker's)."""
+    from schemas.signing import ForgedEvent, Signer, Verifier
+
+    master = b"fuzz-master-secret"
+    codec, verifying = EventCodec(), EventCodec(verifier=Verifier(master))
+    signer = Signer.master(master)
+
+    def run(buf: bytes) -> str:
+        try:
+            verifying.check_owner(buf)
+            verdict = "pass"
+        except ForgedEvent as e:
+            verdict = e.reason
+        try:
+            env = codec.decode(buf)
+        except SchemaError as e:
+            return f"err:{type(e).__name__}:{verdict}:{str(e)[:40]}"
+        signed = signer.sign(env.type, env.key, codec.encode(env))
+        try:
+            again = verifying.decode(signed)
+        except ForgedEvent as e:
+            if e.reason != "forged:key_not_worker":
+                raise AssertionError(f"{env.type} signed by its owner does not verify: {e}") from None
+            return f"ok:{env.type}:{verdict}:key_not_worker"
+        if codec.encode(again) != codec.encode(env):
+            raise AssertionError(f"{env.type}: the signed envelope decodes differently")
+        return f"ok:{env.type}:{verdict}"
+
+    return run
+
+
 def vllm_target() -> Target:
     codec = EventCodec()
     source = VllmSource(worker_id="fuzz-w", hash_algo="sha256", block_size=16)
@@ -126,6 +163,7 @@ def _seeds(pattern: str) -> list[bytes]:
 
 TARGETS: dict[str, tuple[Callable[[], Target], str]] = {
     "envelope": (envelope_target, "tests/samples/*.msgpack"),
+    "signed": (signed_target, "tests/samples/*.msgpack"),
     "vllm": (vllm_target, "tests/fixtures/vllm/*.msgpack"),
 }
 
