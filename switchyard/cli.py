@@ -260,6 +260,17 @@ def router_cmd(
         "--auth/--no-auth", envvar="SWITCHYARD_ROUTER_AUTH",
         help="API keys on the generation routes (issued by the admin API: POST /router-keys). --no-auth (or "
              "SWITCHYARD_ROUTER_AUTH=0) lets anyone who reaches the port send prompts: logged loudly.")] = True,
+    key_limits: Annotated[Optional[str], typer.Option(
+        envvar="SWITCHYARD_ROUTER_KEY_LIMITS",
+        help="shared | local: count each API key's rate and concurrency in Redis for every replica (default; "
+             "a call Redis does not answer is counted by this replica alone, see "
+             "switchyard_router_key_gate_fallbacks_total) or in this process only.")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(
+        envvar="SWITCHYARD_REDIS_URL", help="Redis of the shared key limits (default: the local stack's).")] = None,
+    max_connections: Annotated[int, typer.Option(help="Connections served at once (503 beyond).")] = 1024,
+    request_timeout: Annotated[float, typer.Option(
+        help="Seconds a connection has to send a request's headers (closed beyond).")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(help="Seconds a request has to send its body (408 beyond).")] = 30.0,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,
@@ -268,6 +279,7 @@ def router_cmd(
     setup_logging()
     from control_plane.router.admission import AdmissionConfig
     from control_plane.router.wiring import RouterSettings, run_router
+    from kernel.http_server import ConnectionLimits
     from kernel.settings import BusSettings
 
     kw: dict = {"router_id": router_id} if router_id else {}
@@ -275,6 +287,8 @@ def router_cmd(
         kw["worker_networks"] = tuple(n.strip() for n in worker_networks.split(",") if n.strip())
     bounds = {k: v for k, v in (("max_body_bytes", max_body_bytes), ("context_tokens", context_tokens),
                                 ("max_output_tokens", max_output_tokens), ("vocab_size", vocab_size)) if v is not None}
+    if body_timeout != 30.0:
+        bounds["body_timeout_s"] = body_timeout
     if bounds:
         from control_plane.router.limits import RequestLimits
 
@@ -283,8 +297,20 @@ def router_cmd(
                                 queue_timeout_s=queue_timeout)
     run_router(RouterSettings(host=host, port=port, mode=mode, config_file=config, block_size=block_size,
                               hash_algo=hash_algo, tokenizer=tokenizer, snapshot_every_s=snapshot_every,
-                              admission=admission, auth=auth, **kw),
+                              admission=admission, auth=auth, key_limits=key_limits,
+                              redis_url=redis_url or _stack_redis_url(key_limits),
+                              connections=ConnectionLimits(max_connections=max_connections,
+                                                           request_timeout_s=request_timeout), **kw),
                BusSettings.from_env(role="router"))
+
+
+def _stack_redis_url(key_limits: str | None) -> str | None:
+    """The local stack's Redis URL, unless the key limits are local (no Redis needed)."""
+    if key_limits == "local":
+        return None
+    from control_plane.settings import StackSettings
+
+    return StackSettings.from_env().redis_url
 
 
 # -- worker -----------------------------------------------------------------------------------

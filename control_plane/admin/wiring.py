@@ -65,11 +65,9 @@ def alembic_config(db_url: str):
 
 
 def run_admin(settings: AdminSettings, bus: BusSettings | None = None, *, migrate_first: bool = True) -> None:
-    import uvicorn
-
     from control_plane.admin.app import create_app
+    from kernel.http_server import serve
 
     if migrate_first:
         migrate(settings.db_url)
-    app = create_app(build_admin(settings, bus))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning", access_log=False)
+    serve(create_app(build_admin(settings, bus)), settings.host, settings.port)

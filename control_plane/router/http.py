@@ -44,9 +44,10 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.router.errors import InvalidRequest
-from control_plane.router.keys import Denied, KeyGate, KeyTable, RouterKey
+from control_plane.router.keys import Denied, KeyTable, RouterKey
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
+from control_plane.router.shared_gate import Gate, LocalGate
 from kernel.tokenizer import Tokenizer, chat_tokens
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,9 @@ class RouterMetrics:
         self.stale_workers = Gauge("switchyard_index_stale_workers",
                                    "Registered workers (not gone) whose index entries are stale", registry=r)
         self.workers = Gauge("switchyard_router_workers", "Routable workers by role", ["role"], registry=r)
+        self.key_gate_fallbacks = Counter("switchyard_router_key_gate_fallbacks_total",
+                                          "API-key limit calls this replica counted alone: Redis (the shared "
+                                          "limits) unreachable", ["op"], registry=r)
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -227,10 +231,12 @@ class RouterMetrics:
 
 @dataclass
 class RouterAuth:
-    """The router's API keys: the table folded from the log, the per-key limits, the clocks."""
+    """The router's API keys: the table folded from the log, the per-key limits (this replica's
+    :class:`LocalGate`, or the :class:`~control_plane.router.shared_gate.SharedKeyGate` every
+    replica shares through Redis), the clocks."""
 
     table: KeyTable
-    gate: KeyGate = field(default_factory=KeyGate)
+    gate: Gate = field(default_factory=LocalGate)
     #: Unix ns (expiry is a time on the log) and a monotonic clock in seconds (the limits).
     clock_ns: Callable[[], int] = time.time_ns
     monotonic: Callable[[], float] = time.monotonic
@@ -285,13 +291,13 @@ async def api_key(c: Ctx, creds: Annotated[HTTPAuthorizationCredentials | None, 
     got = auth.table.verify(creds.credentials if creds is not None else None, auth.clock_ns())
     if isinstance(got, Denied):
         raise KeyRefused(got)
-    over = auth.gate.admit(got, auth.monotonic())
+    over = await auth.gate.admit(got, auth.monotonic())
     if over is not None:
         raise KeyRefused(over)
     try:
         yield got
     finally:
-        auth.gate.release(got)
+        await auth.gate.release(got)
 
 
 ApiKey = Annotated[RouterKey | None, Depends(api_key)]
@@ -310,6 +316,17 @@ class _BodyTooLarge(InvalidRequest):
     def __init__(self, limit: int, drained: bool) -> None:
         super().__init__(f"request body exceeds {limit} bytes", param=None, code="request_too_large", status=413)
         self.drained = drained
+
+
+class _BodyTimeout(InvalidRequest):
+    """The body did not arrive within ``RequestLimits.body_timeout_s`` (a slow or stalled
+    client): 408, and the connection is closed, since the rest of the body may still come."""
+
+    drained = False
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the request body did not arrive within {timeout_s:g} s", param=None,
+                         code="request_timeout", status=408)
 
 
 def _error(status: int, message: str, code: str, type_: str = "invalid_request_error",
@@ -380,24 +397,29 @@ def _error_type(status: int) -> str:
 
 
 def _refused(e: InvalidRequest) -> JSONResponse:
-    close = {"Connection": "close"} if isinstance(e, _BodyTooLarge) and not e.drained else None
+    close = {"Connection": "close"} if isinstance(e, (_BodyTooLarge, _BodyTimeout)) and not e.drained else None
     return _error(e.status, str(e), e.code, param=e.param, headers=close)
 
 
 async def _read_body(request: Request, limits: RequestLimits) -> bytes:
-    """The body's bytes, at most ``limits.max_body_bytes`` (joined once, not grown chunk by chunk)."""
+    """The body's bytes, at most ``limits.max_body_bytes`` (joined once, not grown chunk by chunk),
+    within ``limits.body_timeout_s``."""
     limit = limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > _DRAIN_BYTES:
         raise _BodyTooLarge(limit, drained=False)  # not worth reading: answer and close
     chunks: list[bytes] = []
     seen = 0
-    async for chunk in request.stream():
-        seen += len(chunk)
-        if seen > _DRAIN_BYTES:
-            raise _BodyTooLarge(limit, drained=False)
-        if seen <= limit and chunk:
-            chunks.append(chunk)
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                seen += len(chunk)
+                if seen > _DRAIN_BYTES:
+                    raise _BodyTooLarge(limit, drained=False)
+                if seen <= limit and chunk:
+                    chunks.append(chunk)
+    except TimeoutError:
+        raise _BodyTimeout(limits.body_timeout_s) from None
     if seen > limit:
         raise _BodyTooLarge(limit, drained=True)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

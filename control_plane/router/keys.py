@@ -16,9 +16,13 @@ Invariants:
 * **The secret is checked first.** :meth:`KeyTable.verify` tells a caller that its key is
   revoked or expired only when the secret is right; anyone else reads "invalid", whatever the
   id. One sha256 of the presented secret and a constant-time compare: cheap on the hot path.
-* **Limits are per replica.** :class:`KeyGate` counts in this process (a token bucket per key for
-  the rate, a counter for the requests in flight): N replicas let a key through up to N times
-  its limit. Concurrency is checked before the rate, so a request refused for concurrency does
+* **Limits are counted here per replica; the router shares them.** :class:`KeyGate` counts in
+  this process (a token bucket per key for the rate, a counter for the requests in flight), so
+  on its own N replicas would let a key through up to N times its limit. The router counts in
+  Redis instead (:mod:`control_plane.router.shared_gate`: the same bucket and refusals in one
+  Lua script on Redis's clock, concurrency slots as leases a killed replica cannot keep), and
+  falls back to this gate, per replica, for a call Redis does not answer (``--key-limits local``:
+  always). Concurrency is checked before the rate, so a request refused for concurrency does
   not spend a rate token.
 
 Threads: the table is folded in a follower thread and read on the event loop. Each entry is a
@@ -45,7 +49,8 @@ KEY_PREFIX = "sk-sy"
 
 @dataclass(frozen=True)
 class KeyLimits:
-    """What one key may do at once on one replica; None: unlimited."""
+    """What one key may do at once (across the router's replicas when its limits are shared, else on
+    one replica); None: unlimited."""
 
     #: Requests per second (the bucket's refill rate) and how many may come at once above it
     #: (the bucket's size; default: one second's worth, at least 1).
@@ -184,6 +189,21 @@ _HANDLERS: dict[type[Event], Callable[[KeyTable, Envelope[Event]], bool]] = {
 # -- limits ------------------------------------------------------------------------------------
 
 
+def concurrency_denied(key: RouterKey, n: int) -> Denied:
+    """The refusal of a key with ``n`` requests in flight, at or over its limit."""
+    return Denied(Refusal.CONCURRENCY, f"API key {key.key_id} has {n} requests in flight, its limit is "
+                                       f"{key.limits.max_concurrent}: wait for one to finish", retry_after_s=1)
+
+
+def rate_denied(key: RouterKey, level: float) -> Denied:
+    """The refusal of a key whose bucket holds ``level`` (< 1) tokens: retry once one has refilled."""
+    lim = key.limits
+    assert lim.rate_per_s is not None
+    wait = max(1, math.ceil((1.0 - level) / lim.rate_per_s))
+    return Denied(Refusal.RATE, f"API key {key.key_id} is over its rate of {lim.rate_per_s:g} requests/s "
+                                f"(burst {lim.bucket_size:g}); retry in {wait} s", retry_after_s=wait)
+
+
 @dataclass
 class _Bucket:
     level: float
@@ -203,8 +223,7 @@ class KeyGate:
         lim = key.limits
         n = self._inflight.get(key.key_id, 0)
         if lim.max_concurrent is not None and n >= lim.max_concurrent:
-            return Denied(Refusal.CONCURRENCY, f"API key {key.key_id} has {n} requests in flight, its limit is "
-                                               f"{lim.max_concurrent}: wait for one to finish", retry_after_s=1)
+            return concurrency_denied(key, n)
         if lim.rate_per_s is not None:
             size = lim.bucket_size
             b = self._buckets.get(key.key_id)
@@ -212,9 +231,7 @@ class KeyGate:
             level = size if b is None else min(size, b.level + max(0.0, now_s - b.at) * lim.rate_per_s)
             if level < 1.0:
                 self._buckets[key.key_id] = _Bucket(level, now_s)
-                wait = max(1, math.ceil((1.0 - level) / lim.rate_per_s))
-                return Denied(Refusal.RATE, f"API key {key.key_id} is over its rate of {lim.rate_per_s:g} requests/s "
-                                            f"(burst {size:g}); retry in {wait} s", retry_after_s=wait)
+                return rate_denied(key, level)
             self._buckets[key.key_id] = _Bucket(level - 1.0, now_s)
         self._inflight[key.key_id] = n + 1
         return None
@@ -230,4 +247,5 @@ class KeyGate:
         return self._inflight.get(key_id, 0)
 
 
-__all__ = ["KEY_PREFIX", "Denied", "KeyGate", "KeyLimits", "KeyTable", "Refusal", "RouterKey"]
+__all__ = ["KEY_PREFIX", "Denied", "KeyGate", "KeyLimits", "KeyTable", "Refusal", "RouterKey", "concurrency_denied",
+           "rate_denied"]

@@ -47,6 +47,9 @@ class RequestLimits:
     default_max_tokens: int = 16
     #: Longest client request id kept as metadata.
     max_client_id_chars: int = 200
+    #: Seconds a request's body may take to arrive once its headers have; beyond: 408 and the
+    #: connection closed (the headers' own bound is the server's, kernel/http_server.py).
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "context_tokens", "max_output_tokens", "vocab_size", "default_max_tokens",
@@ -54,6 +57,9 @@ class RequestLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if isinstance(self.body_timeout_s, bool) or not isinstance(self.body_timeout_s, (int, float)) \
+                or not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s={self.body_timeout_s!r} must be a number > 0")
         if self.default_max_tokens > self.max_output_tokens:
             raise ValueError(f"default_max_tokens={self.default_max_tokens} exceeds max_output_tokens="
                              f"{self.max_output_tokens}: a request without max_tokens would be refused")

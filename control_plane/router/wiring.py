@@ -20,6 +20,7 @@ from control_plane.router.proxy import Router
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from kernel.hashing import HashAlgo, HashConfig
+from kernel.http_server import ConnectionLimits
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
 from kernel.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
@@ -62,9 +63,32 @@ class RouterSettings:
     #: API keys on the generation routes (control_plane/router/keys.py), folded from the admin
     #: stream. Off only when asked (``--no-auth``, ``SWITCHYARD_ROUTER_AUTH=0``), said loudly.
     auth: bool = True
+    #: Where the per-key limits are counted (with ``auth``): ``shared``, in Redis for every replica
+    #: (control_plane/router/shared_gate.py; this replica alone for a call Redis does not answer),
+    #: or ``local``, in this process (N replicas admit up to N times a key's limits). None:
+    #: shared when :attr:`redis_url` is set, else local.
+    key_limits: str | None = None
+    #: The Redis of the shared limits (the stack's, as the planner's lease; ``SWITCHYARD_REDIS_URL``).
+    redis_url: str | None = field(default=None, repr=False)
+    #: A concurrency slot's lease in Redis, renewed every third of it while its request runs: the
+    #: longest a replica killed with -9 keeps its slots.
+    key_slot_lease_s: float = 10.0
     #: The bearer every call to a worker carries (the cluster's worker credential, a stack
     #: secret: ``kernel.settings.worker_credential``); None: read it from the secrets dir.
     worker_credential: str | None = field(default=None, repr=False)
+    #: Connections served at once, and how long one may take to send a request's headers
+    #: (kernel/http_server.py); a body's own bound is ``limits.body_timeout_s``.
+    connections: ConnectionLimits = ConnectionLimits()
+
+
+def key_limits_mode(s: RouterSettings) -> str:
+    """``shared`` or ``local``: the setting, else shared when a Redis URL is configured."""
+    mode = s.key_limits or ("shared" if s.redis_url else "local")
+    if mode not in ("shared", "local"):
+        raise ValueError(f"key_limits={mode!r}: shared (Redis, every replica) or local (this replica)")
+    if mode == "shared" and not s.redis_url:
+        raise ValueError("key_limits=shared needs a Redis URL (--redis-url, SWITCHYARD_REDIS_URL)")
+    return mode
 
 
 def request_limits(s: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
@@ -136,6 +160,11 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
     keys: StreamFollower | None = None
     if s.auth:
         auth = RouterAuth(KeyTable())
+        if key_limits_mode(s) == "shared":
+            from control_plane.router.shared_gate import SharedKeyGate
+
+            auth.gate = SharedKeyGate.from_url(s.redis_url, lease_s=s.key_slot_lease_s,
+                                               on_fallback=lambda op: metrics.key_gate_fallbacks.labels(op).inc())
         keys = StreamFollower(bus, ["admin"], f"{s.router_id}.keys", auth.table.apply)
     else:
         logging.getLogger("switchyard.security").warning(
@@ -154,10 +183,13 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
             # refuses a key its peers accept.
             await asyncio.to_thread(keys.start)
             await asyncio.to_thread(keys.wait_caught_up, 60.0)
+        if auth is not None:
+            await auth.gate.start()
         await processor.start()
         log.info("router %s serving on %s:%d (mode %s, view at %d records, %s)", s.router_id, s.host, s.port,
                  config.mode, view.applied,
-                 f"API keys on: {len(auth.table.keys)} in the log" if auth is not None else "API keys OFF")
+                 f"API keys on: {len(auth.table.keys)} in the log, limits {key_limits_mode(s)}"
+                 if auth is not None else "API keys OFF")
 
     async def stop() -> None:
         import asyncio
@@ -167,6 +199,8 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
         await router.close()
         if keys is not None:
             await asyncio.to_thread(keys.stop)
+        if auth is not None:
+            await auth.gate.close()
         producer.close(10)
 
     tokenizer = build_tokenizer(s.tokenizer)
@@ -176,7 +210,6 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
 
 
 def run_router(s: RouterSettings, bus: BusSettings) -> None:
-    import uvicorn
+    from kernel.http_server import serve
 
-    app = create_app(build_router(s, bus))
-    uvicorn.run(app, host=s.host, port=s.port, loop="asyncio", log_level="warning", access_log=False)
+    serve(create_app(build_router(s, bus)), s.host, s.port, s.connections)

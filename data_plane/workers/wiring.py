@@ -200,6 +200,7 @@ async def _main(s: WorkerSettings, bus: BusSettings) -> int:
     import uvicorn
 
     from data_plane.workers.app import create_app
+    from kernel.http_server import server_config
 
     class _Server(uvicorn.Server):
         # The worker owns SIGTERM/SIGINT: it drains first (503 on /health while in-flight
@@ -216,8 +217,8 @@ async def _main(s: WorkerSettings, bus: BusSettings) -> int:
     endpoint_url = f"http://{s.host}:{sock.getsockname()[1]}"
     credential = worker_credential(bus.secrets_dir)
     worker = await build_worker(s, bus, endpoint_url, credential)
-    server = _Server(uvicorn.Config(create_app(worker, HashTokenizer(), credential=credential), log_level="warning",
-                                    access_log=False, lifespan="off"))
+    app = create_app(worker, HashTokenizer(), credential=credential)
+    server = _Server(server_config(app, s.host, sock.getsockname()[1], lifespan="off"))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None
 

@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -35,6 +36,7 @@ from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState
 from kernel import bearer
 from kernel.hashing import HashAlgo, HashConfig
+from kernel.http_server import ConnectionLimits, server_config
 from kernel.log.sink import MemorySink
 from kernel.net import free_port
 from kernel.tokenizer import HashTokenizer
@@ -53,12 +55,17 @@ GOOD = {"model": MODEL, "prompt": [300, 301, 302, 303], "max_tokens": 2}
 
 
 class Served:
-    """An ASGI app on a local port, served by uvicorn in a thread."""
+    """An ASGI app on a local port, served by uvicorn in a thread; with ``connections``, through
+    the router's own server (kernel/http_server.py) and those limits."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, connections: ConnectionLimits | None = None) -> None:
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    loop="asyncio", access_log=False))
+        if connections is None:
+            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio",
+                                    access_log=False)
+        else:
+            config = server_config(app, "127.0.0.1", self.port, connections)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 
     @property
@@ -139,6 +146,15 @@ def client_port(r: httpx.Response) -> int:
 
 @pytest.fixture
 def stack() -> Iterator[Stack]:
+    with router_stack() as s:
+        yield s
+
+
+@contextmanager
+def router_stack(limits: RequestLimits = RequestLimits(), connections: ConnectionLimits | None = None
+                 ) -> Iterator[Stack]:
+    """The router's app with API keys on, in front of the fake worker, and a keep-alive client
+    holding a valid key."""
     calls: list[dict] = []
     with Served(fake_worker(calls)) as worker:
         view = RouterView("sha256", 16)
@@ -155,8 +171,8 @@ def stack() -> Iterator[Stack]:
         keys.apply(EnvelopeFactory("admin-api", 1, time.time_ns).wrap(RouterKeyIssued(
             actor="test", key_id=issued.id, name="input-tests", salt=issued.salt, key_hash=issued.hash)))
         ctx = RouterApp(router=router, tokenizer=HashTokenizer(), metrics=RouterMetrics(), served_model=MODEL,
-                        health=health, stop=router.close, limits=RequestLimits(), auth=RouterAuth(keys))
-        with Served(create_app(ctx)) as served:
+                        health=health, stop=router.close, limits=limits, auth=RouterAuth(keys))
+        with Served(create_app(ctx), connections) as served:
             with httpx.Client(base_url=served.url, timeout=60, limits=httpx.Limits(max_connections=1),
                               headers={"Authorization": f"Bearer {issued.plain}"}) as http:
                 yield Stack(router, sink, ctx, calls, served.url, http, issued.plain)

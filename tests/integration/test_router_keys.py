@@ -2,7 +2,8 @@
 on SQLite) issues and revokes keys as events on the broker, a real router process folds them,
 and the official ``openai`` client calls it: a key works, no key or a wrong one is a 401, a
 revoked key is refused once the router folded the revocation, a key over its rate or its
-concurrency is a 429. A second router replica started afterwards knows every key from the log."""
+concurrency is a 429. A second router replica started afterwards knows every key from the log,
+and shares each key's limits with the first (through the stack's Redis)."""
 
 from __future__ import annotations
 
@@ -113,10 +114,26 @@ def test_keys_issued_and_revoked_through_the_admin_api_gate_the_router(bus: BusS
     assert finished.is_set()
     assert _complete(client).choices[0].text  # the slot is free again
 
+    # One token in all, spent on the first replica before the second starts.
+    once = admin.issue_router_key("once", rate_per_s=0.001, burst=1)
+    wait_for(lambda: _status(base, once["key"]) == 200, timeout=20, what="the one-token key folded")
+
     # A replica started now learns every key from the log: the live ones work, the revoked one does not.
     second = _router(procs)
     assert _status(second, plain["key"]) == 200 and _status(second, single["key"]) == 200
     assert _status(second, late["key"]) == 401
+    # The limits are the key's across both replicas (counted in the stack's Redis): a token spent
+    # on the first is gone on the second, and a stream on the first holds the key's one slot.
+    assert _status(second, once["key"]) == 429 and _status(base, once["key"]) == 429
+    started.clear()
+    t = threading.Thread(target=long_stream, daemon=True)
+    t.start()
+    assert started.wait(30)
+    r = httpx.post(f"{second}/v1/completions", headers={"Authorization": f"Bearer {single['key']}"}, timeout=30,
+                   json={"model": MODEL, "prompt": "probe", "max_tokens": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency_limit_exceeded"
+    t.join(60)
+    assert _status(second, single["key"]) == 200
     # Health, metrics and the view need no key.
     for path in ("/health", "/metrics", "/router/view", "/v1/models"):
         assert httpx.get(f"{second}{path}", timeout=10).status_code == 200, path

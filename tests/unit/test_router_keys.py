@@ -273,3 +273,15 @@ def test_the_openapi_schema_declares_the_key_and_the_401_and_429_answers() -> No
         op = doc["paths"][path]["post"]
         assert op["security"] == [{"ApiKey": []}] and {"401", "429"} <= set(op["responses"])
     assert "security" not in doc["paths"]["/health"]["get"] and "security" not in doc["paths"]["/v1/models"]["get"]
+
+
+def test_key_limits_are_shared_when_a_redis_url_is_set_unless_asked_otherwise() -> None:
+    from control_plane.router.wiring import RouterSettings, key_limits_mode
+
+    assert key_limits_mode(RouterSettings(redis_url="redis://r:1/0")) == "shared"
+    assert key_limits_mode(RouterSettings()) == "local"
+    assert key_limits_mode(RouterSettings(redis_url="redis://r:1/0", key_limits="local")) == "local"
+    with pytest.raises(ValueError, match="needs a Redis URL"):
+        key_limits_mode(RouterSettings(key_limits="shared"))
+    with pytest.raises(ValueError, match="shared .* or local"):
+        key_limits_mode(RouterSettings(redis_url="redis://r:1/0", key_limits="global"))

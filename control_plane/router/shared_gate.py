@@ -1,0 +1,317 @@
+"""Router API-key limits shared by every router replica: the token bucket and the concurrency
+slots of each key live in Redis, so N replicas together admit a key's rate, not N times it.
+
+The gates the router's ``api_key`` dependency awaits (:class:`Gate`): :class:`LocalGate`, the
+per-replica :class:`~control_plane.router.keys.KeyGate` (``--key-limits local``, and in-process
+tests), and :class:`SharedKeyGate` (``--key-limits shared``, the default when a Redis URL is
+configured).
+
+Invariants of the shared gate:
+
+* **One atomic script per admit, one round trip.** ``_ADMIT`` drops the key's expired slot
+  leases, checks concurrency before the rate (a request refused for concurrency spends no
+  token), refills and takes from the bucket, and takes a slot, all inside Redis; a release is
+  one ``ZREM``. The refusals (reason, message, Retry-After) are :func:`keys.concurrency_denied`
+  and :func:`keys.rate_denied`, the same as :class:`KeyGate`'s.
+* **Redis's clock, not the replicas'.** The script reads ``TIME``: the bucket's refill and the
+  leases' expiries are in the server's time, so replicas whose clocks disagree still share one
+  bucket. (``redis.replicate_commands()`` is called where it exists: Redis < 5 needs it before a
+  write that follows ``TIME``; 7.x replicates a script's effects anyway.)
+* **A slot is a lease, so a killed replica leaks nothing for long.** A concurrency slot is a
+  member of the key's sorted set scored by its expiry (server ms). The replica holding it
+  renews all its slots every ``lease_s / 3`` (one pipelined round trip) while the requests run;
+  a replica killed with -9 stops renewing, and its slots are dropped by the next admit of that
+  key after at most ``lease_s``. A renewal only extends slots still there (``ZADD XX``): a slot
+  whose lease lapsed while Redis was unreachable is not taken back, so a late renewal cannot
+  resurrect a released one.
+* **Redis down never fails a generation.** A call that cannot reach Redis (connection refused,
+  timeout, an error reply) is decided by this replica's own :class:`KeyGate` instead, counted
+  (``on_fallback``: the router's ``switchyard_router_key_gate_fallbacks_total``) and logged at
+  most once per ``log_every_s``; for ``retry_s`` after a failure calls go to the local gate at
+  once rather than wait on a dead Redis again. The price while Redis is down is the old one:
+  each replica admits a key's whole rate.
+
+Each admit is paired with one release by the caller (the ``api_key`` dependency); a key's
+requests on this replica are interchangeable, so :meth:`SharedKeyGate.release` releases the one
+admitted last, wherever it was counted (a Redis slot, no slot, or the local gate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from control_plane.router.keys import Denied, KeyGate, RouterKey, concurrency_denied, rate_denied
+
+log = logging.getLogger(__name__)
+
+#: KEYS[1] the key's bucket (hash: level, at in server us), KEYS[2] its slots (zset: slot id ->
+#: lease expiry in server ms). ARGV: rate/s ("" none), bucket size, max concurrent ("" none),
+#: slot id, lease ms. Returns {0, n} admitted, {1, n} over concurrency (n in flight),
+#: {2, n, level} over the rate. Numbers go back to Redis through string.format: Redis renders a
+#: Lua number with 14 significant digits, too few for microseconds since 1970.
+_ADMIT = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now_us / 1000)
+local maxc = tonumber(ARGV[3])
+local n = 0
+if maxc then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%d', now_ms))
+  n = redis.call('ZCARD', KEYS[2])
+  if n >= maxc then return {1, n} end
+end
+local rate = tonumber(ARGV[1])
+if rate then
+  local size = tonumber(ARGV[2])
+  local b = redis.call('HMGET', KEYS[1], 'level', 'at')
+  local level = size
+  if b[1] then
+    -- A clock that steps back refills nothing.
+    level = math.min(size, tonumber(b[1]) + math.max(0, now_us - tonumber(b[2])) / 1000000 * rate)
+  end
+  local admitted = level >= 1
+  if admitted then level = level - 1 end
+  redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level), 'at', string.format('%d', now_us))
+  -- Once a bucket could have refilled, its absence reads the same: full.
+  redis.call('PEXPIRE', KEYS[1], math.ceil(size / rate * 1000) + 1000)
+  if not admitted then return {2, n, string.format('%.17g', level)} end
+end
+if maxc then
+  local lease = tonumber(ARGV[5])
+  redis.call('ZADD', KEYS[2], string.format('%d', now_ms + lease), ARGV[4])
+  redis.call('PEXPIRE', KEYS[2], lease * 2)
+end
+return {0, n}
+"""
+
+#: KEYS[1] a key's slots; ARGV[1] lease ms, ARGV[2..] this replica's slot ids of that key.
+_RENEW = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local expiry = string.format('%d', math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000) + tonumber(ARGV[1]))
+local renewed = 0
+for i = 2, #ARGV do
+  renewed = renewed + redis.call('ZADD', KEYS[1], 'XX', 'CH', expiry, ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * 2)
+return renewed
+"""
+
+
+class Gate(Protocol):
+    """What the router's ``api_key`` dependency awaits: :class:`KeyGate`'s contract, async."""
+
+    async def admit(self, key: RouterKey, now_s: float) -> Denied | None: ...
+
+    async def release(self, key: RouterKey) -> None: ...
+
+    def inflight(self, key_id: str) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalGate:
+    """This replica's :class:`KeyGate` behind the async :class:`Gate` contract."""
+
+    def __init__(self, gate: KeyGate | None = None) -> None:
+        self.gate = gate if gate is not None else KeyGate()
+
+    async def admit(self, key: RouterKey, now_s: float) -> Denied | None:
+        return self.gate.admit(key, now_s)
+
+    async def release(self, key: RouterKey) -> None:
+        self.gate.release(key)
+
+    def inflight(self, key_id: str) -> int:
+        return self.gate.inflight(key_id)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+#: Where an admitted request of this replica is counted: a Redis slot id, Redis without a slot
+#: (a key with no concurrency limit), or the local gate (Redis was unreachable).
+_NO_SLOT = ""
+_LOCAL = None
+
+
+class SharedKeyGate:
+    """Per-key rate and concurrency counted in Redis for every replica (see the module
+    docstring); this replica's :class:`KeyGate` when Redis cannot be reached."""
+
+    def __init__(self, client: aioredis.Redis, *, lease_s: float = 10.0, prefix: str = "switchyard:router-key",
+                 fallback: KeyGate | None = None, on_fallback: Callable[[str], None] | None = None,
+                 retry_s: float = 1.0, log_every_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic,
+                 replica: str | None = None) -> None:
+        if lease_s < 0.3:
+            raise ValueError(f"lease_s={lease_s}: a slot is renewed every lease_s / 3, at least 0.1 s")
+        self.client = client
+        self.lease_ms = int(lease_s * 1000)
+        self.prefix = prefix
+        self.local = fallback if fallback is not None else KeyGate()
+        self.on_fallback = on_fallback
+        self.retry_s = retry_s
+        self.log_every_s = log_every_s
+        self.monotonic = monotonic
+        #: Unique per incarnation, so a restarted replica never renews or releases its
+        #: predecessor's slots.
+        self.replica = replica or uuid.uuid4().hex[:12]
+        self._admit = client.register_script(_ADMIT)
+        self._renew = client.register_script(_RENEW)
+        self._seq = 0
+        #: key id -> where each of its requests on this replica is counted, in admit order.
+        self._held: dict[str, list[str | None]] = {}
+        self._down_until = float("-inf")
+        self._next_log = float("-inf")
+        self._unlogged = 0
+        self._renewer: asyncio.Task | None = None
+        #: Fallbacks by operation, for tests and logs (the metric is ``on_fallback``'s).
+        self.fallbacks: dict[str, int] = {}
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedKeyGate:
+        """A gate on the Redis at ``url``; a call waits at most ``timeout_s`` for it, and is never
+        retried (the local gate answers instead)."""
+        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        return cls(client, **kw)
+
+    def _keys(self, key_id: str) -> list[str]:
+        # One hash tag per key: both keys land on one slot of a Redis Cluster.
+        return [f"{self.prefix}:{{{key_id}}}:bucket", f"{self.prefix}:{{{key_id}}}:slots"]
+
+    # -- the contract -----------------------------------------------------------------------
+
+    async def admit(self, key: RouterKey, now_s: float) -> Denied | None:
+        lim = key.limits
+        if lim.rate_per_s is None and lim.max_concurrent is None:
+            self._held.setdefault(key.key_id, []).append(_NO_SLOT)
+            return None
+        if self.monotonic() >= self._down_until:
+            slot = _NO_SLOT
+            if lim.max_concurrent is not None:
+                self._seq += 1
+                slot = f"{self.replica}:{self._seq}"
+            args = ["" if lim.rate_per_s is None else repr(lim.rate_per_s),
+                    "" if lim.rate_per_s is None else repr(lim.bucket_size),
+                    "" if lim.max_concurrent is None else str(lim.max_concurrent), slot, str(self.lease_ms)]
+            try:
+                got = await self._admit(keys=self._keys(key.key_id), args=args)
+            except (RedisError, OSError) as e:
+                self._failed("admit", e)
+            else:
+                code, n = int(got[0]), int(got[1])
+                if code == 1:
+                    return concurrency_denied(key, n)
+                if code == 2:
+                    return rate_denied(key, float(got[2]))
+                self._held.setdefault(key.key_id, []).append(slot)
+                return None
+        else:
+            self._count("admit")
+        over = self.local.admit(key, now_s)
+        if over is None:
+            self._held.setdefault(key.key_id, []).append(_LOCAL)
+        return over
+
+    async def release(self, key: RouterKey) -> None:
+        held = self._held.get(key.key_id)
+        if not held:
+            return
+        where = held.pop()
+        if not held:
+            del self._held[key.key_id]
+        if where is _LOCAL:
+            self.local.release(key)
+        elif where:
+            try:
+                await self.client.zrem(self._keys(key.key_id)[1], where)
+            except (RedisError, OSError) as e:
+                # Not renewed from now on: its lease frees it.
+                self._failed("release", e)
+
+    def inflight(self, key_id: str) -> int:
+        """This replica's requests of ``key_id`` (the shared count is in Redis)."""
+        return len(self._held.get(key_id, ()))
+
+    async def shared_inflight(self, key: RouterKey) -> int:
+        """Every replica's live slots of ``key`` (expired leases not counted)."""
+        t = await self.client.time()
+        now_ms = t[0] * 1000 + t[1] // 1000
+        return int(await self.client.zcount(self._keys(key.key_id)[1], f"({now_ms}", "+inf"))
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start renewing this replica's slots (the router's start-up)."""
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_forever(), name="key-slot-renewer")
+
+    async def close(self) -> None:
+        """Stop renewing (held slots then expire) and close the client."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            try:
+                await self._renewer
+            except asyncio.CancelledError:
+                pass
+            self._renewer = None
+        await self.client.aclose()
+
+    async def renew(self) -> int:
+        """Extend every slot this replica holds by a lease; the number renewed. One round trip."""
+        slots = {k: [s for s in held if s] for k, held in self._held.items()}
+        slots = {k: s for k, s in slots.items() if s}
+        if not slots:
+            return 0
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key_id, ids in slots.items():
+                    await self._renew(keys=[self._keys(key_id)[1]], args=[self.lease_ms, *ids], client=pipe)
+                return sum(int(n) for n in await pipe.execute())
+        except (RedisError, OSError) as e:
+            self._failed("renew", e)
+            return 0
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            await self.renew()
+
+    # -- Redis unreachable ------------------------------------------------------------------
+
+    def _failed(self, op: str, e: BaseException) -> None:
+        self._down_until = self.monotonic() + self.retry_s
+        self._count(op, e)
+
+    def _count(self, op: str, e: BaseException | None = None) -> None:
+        self.fallbacks[op] = self.fallbacks.get(op, 0) + 1
+        if self.on_fallback is not None:
+            self.on_fallback(op)
+        self._unlogged += 1
+        now = self.monotonic()
+        if e is not None and now >= self._next_log:
+            log.warning("router key limits: Redis unreachable (%s: %s); %d call(s) counted by this replica "
+                        "alone since the last warning (its own KeyGate: up to N replicas x a key's limits)",
+                        op, e, self._unlogged)
+            self._unlogged = 0
+            self._next_log = now + self.log_every_s
+
+
+__all__ = ["Gate", "LocalGate", "SharedKeyGate"]
