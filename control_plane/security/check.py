@@ -4,8 +4,8 @@ would, and says for each attack whether it was refused.
 Each probe is one attempt with a verdict: ``refused`` (the system said no, with a 4xx or an
 authentication error), ``accepted`` (it went through: a hole), or ``server_error`` (a 5xx, a
 reset, a crash: a bug, whatever the intent). Nothing a probe sends changes state when it is
-refused; the probes that would (a forged worker registration) are not sent: whether the broker
-lets an unauthenticated client in at all is asked instead.
+refused, and the forged events name workers and keys of the probe's own, so even one that got
+through would not touch a real worker or key.
 
 Probes:
 
@@ -15,6 +15,9 @@ Probes:
   model, ``n: 2``. Refused means a 4xx on a keep-alive connection that still serves the next
   request; afterwards the router's ``/health`` must still be EXACT. These carry the demo's
   router key (``.stack/demo/router-key``) when there is one, so they reach the input checks.
+* **router connections**: one connection that sends nothing and one that sends its headers a
+  byte at a time (slowloris), side by side. Refused means the router closed each (its header
+  deadline) and still serves.
 * **router API keys**: a generation call without a key, with a wrong key, with a revoked key
   and over a key's rate (the last two issue a key through the admin API with the demo's admin
   token, ``.stack/demo/admin-token``, and revoke it after: without a token they are
@@ -25,6 +28,10 @@ Probes:
 * **CLI**: ``switchyard planner pin`` without a token.
 * **Kafka roles**: each component's own credential writing a topic its role does not own
   (a worker pinning or scaling a pool, a router registering a worker).
+* **forged events**: writes a role's topics let through but that are not its to make: a
+  worker's credential registering another worker, unsigned and signed with its own key, and
+  the router's credential issuing an API key on ``admin``. Refused means the running system's
+  consumers dead-letter them as ``forged:*`` (schemas/signing.py); only with a router running.
 * **stores**: an unauthenticated Kafka client listing topics, PostgreSQL without a password, Redis
   without a password.
 * **listeners**: every listening socket of the system's processes (and their children) must be
@@ -139,6 +146,64 @@ def probe_router(url: str, key: str | None = None) -> list[Probe]:
         state = health.get("state")
         out.append(Probe("router", "router stays EXACT after the input attacks",
                          REFUSED if state == "EXACT" else ACCEPTED, f"state {state}"))
+    return out
+
+
+def probe_router_connections(url: str, timeout_s: float = 20.0) -> list[Probe]:
+    """Two connections that would hold a socket forever without the server's header deadline
+    (kernel/http_server.py), run side by side: one that sends nothing, and one that sends its
+    request headers a byte every 100 ms (slowloris). Refused means the router closed each within
+    ``timeout_s`` (its deadline is 10 s by default); afterwards it must still serve ``/health``."""
+    import socket
+    import threading
+    import time
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    addr = (u.hostname or "127.0.0.1", u.port or 80)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {addr[0]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 2\r\nX-Padding: {'a' * 400}\r\n\r\n").encode()
+    results: dict[str, Probe] = {}
+
+    def hold(attack: str, trickle: bool) -> None:
+        start = time.monotonic()
+        try:
+            with socket.create_connection(addr, timeout=5) as sock:
+                sock.settimeout(0.1)
+                sent = 0
+                while time.monotonic() - start < timeout_s:
+                    if trickle and sent < len(head):
+                        sock.sendall(head[sent:sent + 1])
+                        sent += 1
+                    try:
+                        if sock.recv(4096) == b"":
+                            break
+                    except (TimeoutError, socket.timeout):
+                        continue
+                else:
+                    results[attack] = Probe("router", attack, ACCEPTED, f"still open after {timeout_s:g} s")
+                    return
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        except OSError as e:
+            results[attack] = Probe("router", attack, SERVER_ERROR, f"{type(e).__name__}: {e}")
+            return
+        results[attack] = Probe("router", attack, REFUSED, f"closed after {time.monotonic() - start:.1f} s")
+
+    attacks = [("connection that sends nothing", False), ("headers a byte every 100 ms (slowloris)", True)]
+    threads = [threading.Thread(target=hold, args=a, daemon=True) for a in attacks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    out = [results.get(a, Probe("router", a, SERVER_ERROR, "the probe did not finish")) for a, _ in attacks]
+    after = "router serves after the connection attacks"
+    try:
+        status = httpx.get(f"{url}/health", timeout=10).status_code  # any answer: it serves
+    except httpx.TransportError as e:
+        out.append(Probe("router", after, SERVER_ERROR, f"{type(e).__name__}: {e}"))
+    else:
+        out.append(Probe("router", after, REFUSED, f"/health HTTP {status}"))
     return out
 
 
@@ -384,6 +449,96 @@ def probe_kafka_roles(bootstrap: str, topic_prefix: str = "sy") -> list[Probe]:
     return out
 
 
+def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
+    """(role, stream, value, attack): writes the brokers' ACLs let through (each role's own
+    topics) that are not their owner's to make (schemas/signing.py). The worker ids and key
+    id are the probe's own, so an accepted forgery harms no real worker or key."""
+    import uuid
+
+    from kernel.settings import BusSettings
+    from schemas import EventCodec
+    from schemas.envelope import EnvelopeFactory
+    from schemas.events import RouterKeyIssued, WorkerRegistered
+
+    tag = uuid.uuid4().hex[:8]
+    victim, evil = f"security-check-victim-{tag}", f"security-check-{tag}"
+    codec = EventCodec()
+
+    def raw(payload, producer: str) -> bytes:
+        return codec.encode(EnvelopeFactory(producer, 1, lambda: 1).wrap(payload, key=payload.key()))
+
+    def own_key(role: str, producer: str, value: bytes) -> bytes:
+        return BusSettings.from_env(role=role).signer(producer).seal(value)
+
+    reg = WorkerRegistered(worker_id=victim, role="decode", pool="security-check", endpoint="http://127.0.0.1:9",
+                           block_size=16, hash_algo="sha256")
+    key = RouterKeyIssued(actor="security-check", actor_role="admin", key_id=f"sc{tag}", name=f"security-check-{tag}",
+                          salt="00", key_hash="00")
+    return [
+        ("worker", "workers", raw(reg, victim), "a worker's credential registers another worker (unsigned)"),
+        ("worker", "workers", own_key("worker", evil, raw(reg, victim)),
+         "a worker's credential registers another worker (signed with its own key)"),
+        ("router", "admin", own_key("router", "security-check", raw(key, "admin")),
+         "a router's credential issues an API key (writes the admin topic it may write)"),
+    ]
+
+
+def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0) -> list[Probe]:
+    """Each forgery written with the credential of a role that may write its topic: refused
+    means a consumer of the running system dead-letters it as ``forged:*`` (the router's view
+    and key table fold it only through that check)."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from kernel.log.catalog import Catalog
+    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+    from kernel.settings import BusSettings
+
+    cat = Catalog(topic_prefix)
+    su = BusSettings.from_env(bootstrap=bootstrap, topic_prefix=topic_prefix)
+    dlq = Consumer({**su.client_conf(), "group.id": "security-check-dlq", "enable.auto.commit": False,
+                    "logger": _quiet()})
+    try:
+        parts = dlq.list_topics(cat.deadletter, timeout=10).topics[cat.deadletter].partitions
+        start = [TopicPartition(cat.deadletter, p, dlq.get_watermark_offsets(TopicPartition(cat.deadletter, p),
+                                                                             timeout=10)[1]) for p in parts]
+        sent: dict[str, tuple[str, str]] = {}  # "topic:partition:offset" -> (attack, error)
+        for role, stream, value, attack in _forgeries(topic_prefix):
+            bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
+            got: list = []
+            p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
+            p.produce(cat.topic(stream), value=value, on_delivery=lambda err, m: got.append((err, m)))
+            p.flush(20)
+            if not got or got[0][0] is not None:
+                sent[f"-{attack}"] = (attack, f"not written: {got[0][0] if got else 'no delivery report'}")
+                continue
+            m = got[0][1]
+            sent[f"{m.topic()}:{m.partition()}:{m.offset()}"] = (attack, "")
+        dlq.assign(start)
+        reasons: dict[str, str] = {}
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(k in reasons for k in sent if not k.startswith("-")):
+            m = dlq.poll(0.5)
+            if m is None or m.error():
+                continue
+            h = {k: v.decode(errors="replace") for k, v in (m.headers() or ())}
+            if h.get(H_DLQ_SOURCE) in sent:
+                reasons.setdefault(h[H_DLQ_SOURCE], h.get(H_DLQ_REASON, ""))
+    finally:
+        dlq.close()
+    out = []
+    for where, (attack, error) in sent.items():
+        if where.startswith("-"):
+            out.append(Probe("kafka", attack, REFUSED if "AUTHORIZATION" in error else SERVER_ERROR, error[:100]))
+        elif reasons.get(where, "").startswith("forged:"):
+            out.append(Probe("kafka", attack, REFUSED, f"dead-lettered {reasons[where]} ({where})"))
+        else:
+            out.append(Probe("kafka", attack, ACCEPTED, f"written to {where}, not refused by any consumer within "
+                                                        f"{timeout_s:g} s"))
+    return out
+
+
 def _quiet():
     import logging
 
@@ -397,6 +552,7 @@ def run(t: Targets) -> list[Probe]:
     steps: list[Callable[[], list[Probe] | Probe]] = []
     if t.router_url:
         steps.append(lambda: probe_router(t.router_url, t.router_key))
+        steps.append(lambda: probe_router_connections(t.router_url))
         steps.append(lambda: probe_router_keys(t.router_url, t.admin_url, t.admin_token))
     if t.worker_urls:
         steps.append(lambda: probe_workers(t.worker_urls))
@@ -404,6 +560,7 @@ def run(t: Targets) -> list[Probe]:
         steps.append(lambda: probe_admin(t.admin_url))
     steps += [lambda: probe_cli_pin(t.admin_url), lambda: probe_kafka(t.kafka_bootstrap),
               lambda: probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
+              *([lambda: probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
               lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
               lambda: probe_listeners(t.pids)]
     for step in steps:

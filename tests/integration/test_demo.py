@@ -59,7 +59,8 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         # loopback, every input attack, every generation call without a valid key (none, wrong,
         # revoked, over its rate), every worker endpoint without the worker credential, every
         # uncredentialed admin mutation and every client without a service's credential (Kafka,
-        # PostgreSQL, Redis) refused.
+        # PostgreSQL, Redis) refused, every forged event dead-lettered, and a silent and a
+        # slowloris connection closed.
         check = subprocess.run([sys.executable, "-m", "switchyard.cli", "security-check"], env=env,
                                capture_output=True, text=True, timeout=300)
         assert check.returncode == 0, check.stdout + check.stderr
@@ -71,7 +72,11 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert sum(area == "worker" for area, _ in rows) == 4, check.stdout
         got = dict(kv.split("=") for kv in check.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
         assert got["server_errors"] == "0" and got["nonloopback_listeners"] == "0", check.stdout
-        assert int(got["attacks_tried"]) >= 29, check.stdout
+        assert int(got["attacks_tried"]) >= 39, check.stdout
+        assert "closed after" in check.stdout and "(slowloris)" in check.stdout, check.stdout
+        # Writes a role's ACLs let through but not its to make (another worker's registration,
+        # an API key by the router's credential): dead-lettered as forged by the running system.
+        assert sum("forged:" in rest for area, rest in rows if area == "kafka") == 3, check.stdout
 
         down = subprocess.run([sys.executable, "-m", "switchyard.cli", "down"], env=env, capture_output=True,
                               text=True, timeout=180)
