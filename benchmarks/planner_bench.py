@@ -51,19 +51,24 @@ over the arrival span ``[0, last arrival]``; ``replica_seconds_ratio`` is ours /
 
 Dynamo
 ------
-Dynamo's planner itself cannot run here: it lives in the ``ai-dynamo`` package
-(``components/src/dynamo/planner``), which is not installed; ``ai-dynamo-runtime`` 1.6.1 (the
-bench group) ships only the runtime, the router and the mocker. Its mocker does accept an offline
-``scaling_policy`` (``initial_tick_ms()`` and ``on_tick(snapshot) -> {"target_prefill",
-"target_decode", "next_tick_ms"}``, snapshots with per-interval traffic and active/starting/
-draining counts), so a planner *can* drive Dynamo's mocker; running ours through it is left as a
-cross-check (this benchmark uses our engine, which reproduces the mocker's timing).
+Dynamo's planner runs beside ours on every load (``dynamo_planner_replay.py``, in its own
+``.venv-dynamo`` from ``scripts/dynamo-planner-env.sh``, created here when missing): its offline
+replay (``dynamo.replay.api.run_trace_replay(..., planner_config=...)``, which passes
+``ReplayPlannerAdapter`` to the mocker as ``scaling_policy``), ``mode="disagg"`` with its defaults,
+our SLOs, GPU budget, start-up time and first split, once with its default adjustment interval and
+once per interval in ``DYNAMO_INTERVALS``. The two sides run on different engines: ours on
+:class:`~data_plane.engines.EngineCore` with the ``mocker`` profile (Dynamo's mocker timing,
+reproduced), Dynamo's on Dynamo's own (Rust) mocker given the same profile limits (block size,
+blocks, sequences, batched tokens). Both are scored by the same :class:`SimResult` methods;
+Dynamo's worker timeline comes from its planner's per-tick topology counts (5 s resolution).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -483,6 +488,82 @@ def max_gpus(res: SimResult) -> int:
     return best
 
 
+DYNAMO_ENV = Path(__file__).resolve().parent.parent / ".venv-dynamo"
+DYNAMO_DRIVER = Path(__file__).resolve().parent / "dynamo_planner_replay.py"
+
+
+def dynamo_job(reqs: Sequence[Req], *, budget: int, ttft_slo_ms: float, itl_slo_ms: float, startup_s: float,
+               prefill: int, decode: int, adjustment_interval_s: int | None) -> dict:
+    """One load as the JSON job ``dynamo_planner_replay.py`` reads: the same requests (arrival,
+    lengths, and each block's prefix identity as an integer hash id, equal digests equal ids), our
+    ``mocker`` profile's engine limits, the same SLOs, start-up time, GPU budget and first split."""
+    prof = load_profile("mocker")
+    ids: dict[object, int] = {}
+    rows = []
+    for r in reqs:
+        digests = r.engine.prompt_digests or r.engine.prompt_hashes or ()
+        hash_ids = [ids.setdefault(d, len(ids)) for d in digests]
+        while len(hash_ids) * prof.block_size < len(r.engine.prompt):
+            hash_ids.append(ids.setdefault((r.rid, len(hash_ids)), len(ids)))  # a partial last block: its own id
+        rows.append({"t_ms": r.arrival_ms, "isl": len(r.engine.prompt), "osl": r.osl, "hash_ids": hash_ids})
+    return {"requests": rows,
+            "engine": {"block_size": prof.block_size, "num_gpu_blocks": prof.num_device_blocks,
+                       "max_num_seqs": prof.max_num_seqs, "max_num_batched_tokens": prof.max_num_batched_tokens},
+            "startup_s": startup_s, "ttft_ms": ttft_slo_ms, "itl_ms": itl_slo_ms, "gpu_budget": budget,
+            "prefill": prefill, "decode": decode, "adjustment_interval_s": adjustment_interval_s}
+
+
+def dynamo_result(reqs: Sequence[Req], out: dict, end_arrival_ms: float) -> SimResult:
+    """Dynamo's replay output as a :class:`SimResult`, so one scorer serves both sides. Requests
+    pair up in arrival order. Workers come from the planner's per-tick topology counts (Dynamo's
+    5 s load ticks): a pool's count rising starts workers at that tick, falling ends them, so
+    replica-seconds and max GPUs are at that resolution; decisions are changes of a pool's target
+    (active + starting)."""
+    done = sorted(out["per_request"], key=lambda x: x["arrival_ms"])
+    mine = sorted(_fresh(list(reqs)), key=lambda r: r.arrival_ms)
+    for r, d in zip(mine, done):
+        if d["status"] == "completed":
+            r.first_ms, r.last_ms, r.outputs = d["first_ms"], d["last_ms"], d["outputs"]
+    workers: list[Worker] = []
+    alive: dict[str, list[Worker]] = {"prefill": [], "decode": []}
+    target: dict[str, int] = {}
+    decisions: list[tuple[float, str, int, int]] = []
+    ticks = [{"at_ms": 0.0, **{p: {"active": n, "starting": 0, "draining": 0} for p, n in
+                                (("prefill", out["start"][0]), ("decode", out["start"][1]))}}] + out["ticks"]
+    for t in ticks:
+        for pool in ("prefill", "decode"):
+            c = t[pool]
+            n = c["active"] + c["starting"] + c["draining"]
+            while len(alive[pool]) < n:
+                w = Worker(f"{pool}-{len(workers)}", pool, None, t["at_ms"])  # type: ignore[arg-type]
+                alive[pool].append(w)
+                workers.append(w)
+            while len(alive[pool]) > n:
+                alive[pool].pop().gone_ms = t["at_ms"]
+            want = c["active"] + c["starting"]
+            if pool in target and want != target[pool]:
+                decisions.append((t["at_ms"], pool, target[pool], want))
+            target[pool] = want
+    return SimResult("dynamo", mine, workers, end_arrival_ms, decisions)
+
+
+def run_dynamo(reqs: Sequence[Req], **job_args) -> SimResult | str:
+    """Dynamo's planner on this load, in its own venv (created by scripts/dynamo-planner-env.sh
+    when missing). Returns the result, or the exact error text when anything fails."""
+    env = subprocess.run(["bash", str(DYNAMO_ENV.parent / "scripts" / "dynamo-planner-env.sh")],
+                         capture_output=True, text=True)
+    if env.returncode != 0:
+        return f"scripts/dynamo-planner-env.sh failed ({env.returncode}): {env.stderr.strip()[-2000:]}"
+    job = dynamo_job(reqs, **job_args)
+    proc = subprocess.run([str(DYNAMO_ENV / "bin" / "python"), str(DYNAMO_DRIVER)], input=json.dumps(job),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return f"dynamo_planner_replay.py failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
+    out = json.loads(proc.stdout)
+    out["start"] = (job["prefill"], job["decode"])
+    return dynamo_result(reqs, out, max(r.arrival_ms for r in reqs))
+
+
 @dataclass
 class Row:
     who: str
@@ -495,7 +576,8 @@ class Row:
 
 
 def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttft_slo_ms: float, itl_slo_ms: float,
-             startup_s: float, splits: Sequence[int] | None = None, equal_cost: bool = False) -> dict:
+             startup_s: float, splits: Sequence[int] | None = None, equal_cost: bool = False,
+             dynamo: bool = True) -> dict:
     """Ours and the best static split (and, with ``equal_cost``, the best static split of our mean
     GPU count) on one load."""
     span = max(r.arrival_ms for r in reqs) / 1000
@@ -541,6 +623,18 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
     rows = [Row("ours", ours_att, ours.replica_seconds(), reversals(ours.decisions), max_gpus(ours), len(ours.decisions)),
             Row(f"best static {static_res.label.split()[-1]}", static_att, static_res.replica_seconds(), 0,
                 max_gpus(static_res), 0, f"of P in {tried}")]
+    if dynamo:
+        for label, interval in (("dynamo (defaults)", None), *((f"dynamo ({i} s interval)", i) for i in DYNAMO_INTERVALS)):
+            res = run_dynamo(reqs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, startup_s=startup_s,
+                             prefill=p0, decode=d0, adjustment_interval_s=interval)
+            if isinstance(res, str):
+                print(f"  [{name}] {label}: not run: {res}", flush=True)
+                rows.append(Row(label, math.nan, math.nan, 0, 0, 0, "not run (see log)"))
+                continue
+            rows.append(Row(label, res.attainment(ttft_slo_ms, itl_slo_ms), res.replica_seconds(),
+                            reversals(res.decisions), max_gpus(res), len(res.decisions), "Dynamo's mocker"))
+            print(f"  [{name}] {label}: attainment {rows[-1].attainment:.3f}, replica-seconds "
+                  f"{rows[-1].replica_seconds:.0f}", flush=True)
     mean_gpus = round(ours.replica_seconds() / span)
     if equal_cost and 2 <= mean_gpus < budget and not splits:
         eq_att, eq_res, _ = best_static(mean_gpus)
@@ -583,7 +677,7 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
         shape = scaled(SHAPES[name](), time_scale)
         reqs = shape_requests(records, shape, seed, block)
         case = run_case(name, reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                        startup_s=startup_s, splits=splits)
+                        startup_s=startup_s, splits=splits, dynamo=dynamo)
         print_table(case, shape.description)
         cases.append(case)
 
@@ -591,7 +685,7 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
     desc = (f"the shared trace, {pattern.calm_s:g} s at {pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, "
             f"{pattern.burst_s:g} s at {pattern.burst_speedup:g}x, {pattern.ramp_s:g} s ramp, repeated")
     main_case = run_case("trace", reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                         startup_s=startup_s, splits=splits, equal_cost=True)
+                         startup_s=startup_s, splits=splits, equal_cost=True, dynamo=dynamo)
     print_table(main_case, desc)
     ours_row, static_row = main_case["rows"][0], main_case["rows"][1]
     ratio = ours_row.replica_seconds / static_row.replica_seconds
@@ -599,25 +693,20 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
         _plot(Path(png), main_case["ours"], main_case["static"], reqs, main_case["span_s"], main_case["start"])
     const = next((c for c in cases if c["name"] == "constant"), None)
     rev_const = f"{const['rows'][0].reversals}" if const else "nan"
-    print(f"\nDynamo's planner: {DYNAMO_NOT_RUN}")
+    dyn = next((r for r in main_case["rows"] if r.who == "dynamo (defaults)"), None)
+    dyn_att = dyn.attainment if dyn else math.nan
+    dyn_ratio = dyn.replica_seconds / static_row.replica_seconds if dyn else math.nan
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT slo_attainment={ours_row.attainment:.4f} static_slo_attainment={static_row.attainment:.4f} "
-          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment=nan dynamo_replica_seconds_ratio=nan "
+          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment={dyn_att:.4f} dynamo_replica_seconds_ratio={dyn_ratio:.4f} "
           f"reversals_constant={rev_const}")
     return {"slo_attainment": ours_row.attainment, "static_slo_attainment": static_row.attainment,
             "replica_seconds_ratio": ratio, "best_static": main_case["static"].label,
             "decisions": main_case["ours"].decisions, "cases": cases, "reversals_constant": rev_const}
 
 
-#: Why Dynamo's column is nan (until its side-by-side run is wired).
-DYNAMO_NOT_RUN = (
-    "not run (nan). Tried in a separate venv (python 3.11): `uv pip install ai-dynamo==1.6.1` fails building "
-    "its dependency aisimulate==0.13.0, a wheel_stub that downloads the real wheel from NVIDIA's index: "
-    "`urllib.error.URLError: <urlopen error [Errno -2] Name or service not known>` (no route to that index "
-    "here). With ai-dynamo --no-deps plus its other deps and scikit-learn, importing "
-    "dynamo.planner.offline.replay_adapter fails: `ModuleNotFoundError: No module named 'aisimulate_core'` "
-    "(dynamo/planner/core/perf_model/ais_adapter.py line 21), so run_replay(..., scaling_policy=adapter) "
-    "cannot be reached")
+#: Dynamo's throughput adjustment intervals tried besides its default (180 s).
+DYNAMO_INTERVALS = (10, 30, 60)
 
 
 def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span: float,
