@@ -368,6 +368,10 @@ class StreamFollower:
         self._consumer = EventConsumer(bus, streams, assign_all=True, consumer_name=name)
         self._thread = threading.Thread(target=self._run, name=f"follow-{name}", daemon=True)
         self._target: dict[tuple[str, int], int] = {}
+        #: Next offset per partition of what the fold has applied, published under :attr:`lock`
+        #: after each batch: the consumer's own positions move when a batch is read, before it
+        #: is folded, so a reader trusting them could see the log end and an unfolded table.
+        self._applied: dict[tuple[str, int], int] = {}
 
     def start(self) -> StreamFollower:
         self._target = log_end(self.bus, self.name, self._consumer.topics)
@@ -382,10 +386,11 @@ class StreamFollower:
                 log.exception("%s: poll failed", self.name)
                 self._stop.wait(1.0)
                 continue
-            if batch:
-                with self.lock:
-                    for d in batch:
-                        self._apply(d)
+            read = self._consumer.positions()  # poison the consumer dead-lettered included
+            with self.lock:
+                for d in batch:
+                    self._apply(d)
+                self._applied = read
 
     def _apply(self, d) -> None:
         from kernel.log.fold import apply_failed_reason
@@ -401,8 +406,8 @@ class StreamFollower:
                      getattr(d.envelope.data, "actor", "?"))
 
     def positions(self) -> dict[tuple[str, int], int]:
-        """Next offset per partition: how far the follower has read (poison included)."""
-        return self._consumer.positions()
+        """Next offset per partition: how far the follower has folded (poison included)."""
+        return dict(self._applied)  # replaced whole, after the fold: no lock needed to read it
 
     @property
     def caught_up(self) -> bool:
