@@ -34,8 +34,9 @@ from tests.vllm.conftest import (
 )
 
 # Two vLLM engines and the broker share two cores here: the log's acknowledgement of a handoff
-# (PrefillCompleted) took over the workers' 10 s default once in a full-suite run, so the tier
-# gives it 30 s (a slow ack is logged with its wait either way).
+# (PrefillCompleted) took over the workers' 10 s default in full-suite runs, so the tier gives it
+# 30 s (a slow ack is logged with its wait either way). The cause, found later, was NIXL's
+# progress threads spinning on both cores (test_idle_workers_leave_the_cores_alone).
 NIXL = ("--engine", "vllm", "--vllm-kv-connector", "nixl", "--ack-timeout-s", "30")
 
 
@@ -62,6 +63,46 @@ def _ended(bus: BusSettings, rid: str) -> list:
         evs = _events(bus, rid)
         return evs if any(isinstance(e, (RequestCompleted, RequestFailed)) for e in evs) else None
     return wait_for(ended, timeout=30, what=f"the end of {rid} in the log")
+
+
+def _session_cpu_s(sid: int) -> float:
+    """CPU seconds used so far by every live process of session ``sid`` (a worker launched with
+    ``start_new_session``: its engine core and model worker too)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of stat, the session id
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def test_idle_workers_leave_the_cores_alone(pd) -> None:
+    """An idle prefill and decode worker, NIXL agents included, use a fraction of a core. NIXL's
+    UCX progress thread polls with a 0 ms timeout unless paced (data_plane/vllm/nixl_pacing.py):
+    before that, these two burned both cores of this box while idle, and the tier failed its
+    delivery and connect deadlines at random."""
+    import time
+
+    prefill, decode, _ = pd
+    sids = {w.worker_id: w.proc.pid for w in (prefill, decode)}
+    windows: list[dict[str, float]] = []
+
+    def quiet_window() -> bool:
+        before = {w: _session_cpu_s(sid) for w, sid in sids.items()}
+        t0 = time.monotonic()
+        time.sleep(2.0)
+        dt = time.monotonic() - t0
+        windows.append({w: round((_session_cpu_s(sid) - before[w]) / dt, 3) for w, sid in sids.items()})
+        return all(cores < 0.5 for cores in windows[-1].values())
+
+    wait_for(quiet_window, timeout=40, interval=0.0, what=lambda: f"idle workers under half a core: {windows}")
 
 
 def test_two_phase_request_moves_real_kv_over_nixl(pd, vbus: BusSettings) -> None:
