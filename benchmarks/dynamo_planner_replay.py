@@ -9,10 +9,14 @@ Job (every field required; the bench builds it)::
      "engine": {"block_size": 64, "num_gpu_blocks": 16384, "max_num_seqs": 256,
                 "max_num_batched_tokens": 8192},
      "startup_s": 30.0, "ttft_ms": 2000.0, "itl_ms": 25.0, "gpu_budget": 12,
-     "prefill": 1, "decode": 1, "adjustment_interval_s": null}
+     "prefill": 1, "decode": 1, "optimization_target": "throughput", "adjustment_interval_s": null}
 
-``adjustment_interval_s`` null keeps Dynamo's default (its throughput-scaling interval, 180 s);
-otherwise it sets ``throughput_adjustment_interval_seconds``. The planner runs in its defaults for
+``optimization_target`` is Dynamo's: ``throughput`` (its default: reactive load-based scaling on
+static queue and KV thresholds; it ignores the SLOs and turns throughput-based scaling off, so the
+adjustment interval does nothing there) or ``sla`` (throughput-based scaling on its performance
+model toward the job's TTFT/ITL, with load-based scaling on top). ``adjustment_interval_s`` null
+keeps Dynamo's default (its throughput-scaling interval, 180 s); otherwise it sets
+``throughput_adjustment_interval_seconds``. The planner runs in its defaults for
 the disaggregated topology (``mode="disagg"``, ``environment="virtual"``, ``backend="mocker"``),
 with the job's SLOs and GPU budget, on Dynamo's mocker (Rust) with the job's engine limits and
 worker start-up time. The request trace is written as a Mooncake JSONL (timestamp, lengths,
@@ -43,7 +47,7 @@ def mooncake_rows(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def planner_config(job: dict[str, Any]) -> dict[str, Any]:
     cfg: dict[str, Any] = {"environment": "virtual", "backend": "mocker", "mode": "disagg",
                            "ttft_ms": job["ttft_ms"], "itl_ms": job["itl_ms"],
-                           "max_gpu_budget": job["gpu_budget"]}
+                           "max_gpu_budget": job["gpu_budget"], "optimization_target": job["optimization_target"]}
     if job.get("adjustment_interval_s") is not None:
         cfg["throughput_adjustment_interval_seconds"] = int(job["adjustment_interval_s"])
     return cfg

@@ -55,8 +55,10 @@ Dynamo's planner runs beside ours on every load (``dynamo_planner_replay.py``, i
 ``.venv-dynamo`` from ``scripts/dynamo-planner-env.sh``, created here when missing): its offline
 replay (``dynamo.replay.api.run_trace_replay(..., planner_config=...)``, which passes
 ``ReplayPlannerAdapter`` to the mocker as ``scaling_policy``), ``mode="disagg"`` with its defaults,
-our SLOs, GPU budget, start-up time and first split, once with its default adjustment interval and
-once per interval in ``DYNAMO_INTERVALS``. The two sides run on different engines: ours on
+our SLOs, GPU budget, start-up time and first split, in every config of ``DYNAMO_CONFIGS``: its
+defaults (``optimization_target="throughput"``: reactive scaling on queue and KV thresholds, which
+ignores the SLOs) and its SLA target (``"sla"``: throughput-based scaling on its performance model
+toward our TTFT/ITL) at its default adjustment interval and at each of ``DYNAMO_INTERVALS``. The two sides run on different engines: ours on
 :class:`~data_plane.engines.EngineCore` with the ``mocker`` profile (Dynamo's mocker timing,
 reproduced), Dynamo's on Dynamo's own (Rust) mocker given the same profile limits (block size,
 blocks, sequences, batched tokens). Both are scored by the same :class:`SimResult` methods;
@@ -493,7 +495,7 @@ DYNAMO_DRIVER = Path(__file__).resolve().parent / "dynamo_planner_replay.py"
 
 
 def dynamo_job(reqs: Sequence[Req], *, budget: int, ttft_slo_ms: float, itl_slo_ms: float, startup_s: float,
-               prefill: int, decode: int, adjustment_interval_s: int | None) -> dict:
+               prefill: int, decode: int, optimization_target: str, adjustment_interval_s: int | None) -> dict:
     """One load as the JSON job ``dynamo_planner_replay.py`` reads: the same requests (arrival,
     lengths, and each block's prefix identity as an integer hash id, equal digests equal ids), our
     ``mocker`` profile's engine limits, the same SLOs, start-up time, GPU budget and first split."""
@@ -510,7 +512,8 @@ def dynamo_job(reqs: Sequence[Req], *, budget: int, ttft_slo_ms: float, itl_slo_
             "engine": {"block_size": prof.block_size, "num_gpu_blocks": prof.num_device_blocks,
                        "max_num_seqs": prof.max_num_seqs, "max_num_batched_tokens": prof.max_num_batched_tokens},
             "startup_s": startup_s, "ttft_ms": ttft_slo_ms, "itl_ms": itl_slo_ms, "gpu_budget": budget,
-            "prefill": prefill, "decode": decode, "adjustment_interval_s": adjustment_interval_s}
+            "prefill": prefill, "decode": decode, "optimization_target": optimization_target,
+            "adjustment_interval_s": adjustment_interval_s}
 
 
 def dynamo_result(reqs: Sequence[Req], out: dict, end_arrival_ms: float) -> SimResult:
@@ -624,9 +627,9 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
             Row(f"best static {static_res.label.split()[-1]}", static_att, static_res.replica_seconds(), 0,
                 max_gpus(static_res), 0, f"of P in {tried}")]
     if dynamo:
-        for label, interval in (("dynamo (defaults)", None), *((f"dynamo ({i} s interval)", i) for i in DYNAMO_INTERVALS)):
+        for label, target, interval in DYNAMO_CONFIGS:
             res = run_dynamo(reqs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, startup_s=startup_s,
-                             prefill=p0, decode=d0, adjustment_interval_s=interval)
+                             prefill=p0, decode=d0, optimization_target=target, adjustment_interval_s=interval)
             if isinstance(res, str):
                 print(f"  [{name}] {label}: not run: {res}", flush=True)
                 rows.append(Row(label, math.nan, math.nan, 0, 0, 0, "not run (see log)"))
@@ -705,8 +708,14 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
             "decisions": main_case["ours"].decisions, "cases": cases, "reversals_constant": rev_const}
 
 
-#: Dynamo's throughput adjustment intervals tried besides its default (180 s).
+#: Dynamo's throughput adjustment intervals tried besides its default (180 s), with its SLA target
+#: (its default target, throughput, turns throughput-based scaling off: the interval does nothing).
 DYNAMO_INTERVALS = (10, 30, 60)
+#: Dynamo's planner configs run on every load: (row label, optimization_target, adjustment
+#: interval or None for its default). Ours runs one config.
+DYNAMO_CONFIGS: tuple[tuple[str, str, int | None], ...] = (
+    ("dynamo (defaults)", "throughput", None), ("dynamo (sla)", "sla", None),
+    *((f"dynamo (sla, {i} s interval)", "sla", i) for i in DYNAMO_INTERVALS))
 
 
 def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span: float,

@@ -16,7 +16,7 @@ def _req(i: int, t_ms: float, digests: list[bytes], osl: int = 8) -> pb.Req:
 
 def _job(reqs: list[pb.Req], **overrides) -> dict:
     args = dict(budget=12, ttft_slo_ms=2000.0, itl_slo_ms=25.0, startup_s=30.0, prefill=2, decode=3,
-                adjustment_interval_s=None)
+                optimization_target="throughput", adjustment_interval_s=None)
     return pb.dynamo_job(reqs, **{**args, **overrides})
 
 
@@ -35,6 +35,8 @@ def test_job_carries_our_mocker_profile_and_the_same_budget() -> None:
     cfg = drv.planner_config(job)
     assert (cfg["mode"], cfg["max_gpu_budget"], cfg["throughput_adjustment_interval_seconds"]) == ("disagg", 12, 30)
     assert "throughput_adjustment_interval_seconds" not in drv.planner_config({**job, "adjustment_interval_s": None})
+    assert cfg["optimization_target"] == "throughput"
+    assert drv.planner_config(_job([_req(0, 0.0, [b"a"])], optimization_target="sla"))["optimization_target"] == "sla"
     assert drv.mooncake_rows(job["requests"]) == [{"timestamp": 0, "input_length": 64, "output_length": 8,
                                                    "hash_ids": [0]}]
 
