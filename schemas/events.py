@@ -238,38 +238,38 @@ class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tr
     kv_transfer_params: dict[str, str | int | float | bool | list[int] | None] = {}
 
 
-class KvTransferStarted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+class KvTransferEvent(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """What every event of one KV transfer (started, completed, failed) says about it.
+
+    A base, not an event type (no ``TYPE``): its fields come first in each subclass, in this
+    order, so each event's wire form is the one it had when it spelled them out itself.
+    """
+
+    transfer_id: str
+    src_worker: WorkerId
+    dst_worker: WorkerId
+    blocks: int
+    bytes: int
+    backend: str
+
+
+class KvTransferStarted(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "KvTransferStarted"
     VERSION: ClassVar[int] = 1
-    transfer_id: str
-    src_worker: WorkerId
-    dst_worker: WorkerId
-    blocks: int
-    bytes: int
-    backend: str
 
 
-class KvTransferCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+class KvTransferCompleted(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "KvTransferCompleted"
     VERSION: ClassVar[int] = 1
-    transfer_id: str
-    src_worker: WorkerId
-    dst_worker: WorkerId
-    blocks: int
-    bytes: int
-    backend: str
     duration_ms: float
 
 
-class KvTransferFailed(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+class KvTransferFailed(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "KvTransferFailed"
     VERSION: ClassVar[int] = 1
-    transfer_id: str
-    src_worker: WorkerId
-    dst_worker: WorkerId
-    blocks: int
+    #: A transfer may fail before any byte moved: here the size is optional (the field keeps
+    #: its place in the base's order).
     bytes: int = 0
-    backend: str
     duration_ms: float
     reason: str
     #: What happened to the request: "recompute" on the decode side, or "failed".
@@ -452,27 +452,34 @@ class AdminEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
     actor_role: str = ""
 
 
-class RouterConfigChanged(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+class ConfigChanged(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """A new version of one component's config, whole.
+
+    A base, not an event type: each subclass names its ``TYPE`` and ``CONFIG_KEY``, the entity
+    key (see the admin stream) every version of that config shares.
+    """
+
+    CONFIG_KEY: ClassVar[str]
+    config_version: int
+    #: The full config as builtins (not a diff: any version can be re-applied alone).
+    config: dict[str, Any] = {}
+
+    def key(self) -> str:
+        return self.CONFIG_KEY
+
+
+class RouterConfigChanged(ConfigChanged, frozen=True, kw_only=True, omit_defaults=True):
     """A new router config version. Decisions name the version they used."""
 
     TYPE: ClassVar[str] = "RouterConfigChanged"
     VERSION: ClassVar[int] = 1
-    config_version: int
-    #: The full RouterConfig as builtins (not a diff: any version can be re-applied alone).
-    config: dict[str, Any] = {}
-
-    def key(self) -> str:
-        return "router-config"
+    CONFIG_KEY: ClassVar[str] = "router-config"
 
 
-class PlannerConfigChanged(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+class PlannerConfigChanged(ConfigChanged, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "PlannerConfigChanged"
     VERSION: ClassVar[int] = 1
-    config_version: int
-    config: dict[str, Any] = {}
-
-    def key(self) -> str:
-        return "planner-config"
+    CONFIG_KEY: ClassVar[str] = "planner-config"
 
 
 class PoolUpdated(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -532,7 +539,16 @@ class AdminAction(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
         return self.target
 
 
-class RouterKeyIssued(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+class RouterKeyEvent(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of the events about one router API key (not an event type): keyed by the key id."""
+
+    key_id: str
+
+    def key(self) -> str:
+        return f"router-key:{self.key_id}"
+
+
+class RouterKeyIssued(RouterKeyEvent, frozen=True, kw_only=True, omit_defaults=True):
     """A router API key was issued (the admin API, an admin's call). Routers fold it into their
     key table: a bearer ``sk-sy_<key_id>_<secret>`` whose secret hashes to ``key_hash`` with
     ``salt`` (sha256(salt || secret), :mod:`kernel.bearer`) may call the generation routes. The
@@ -540,7 +556,6 @@ class RouterKeyIssued(AdminEvent, frozen=True, kw_only=True, omit_defaults=True)
 
     TYPE: ClassVar[str] = "RouterKeyIssued"
     VERSION: ClassVar[int] = 1
-    key_id: str
     #: Who or what the key is for (unique among live keys; shown in lists and logs).
     name: str
     #: Hex salt and hex sha256(salt || secret).
@@ -555,20 +570,13 @@ class RouterKeyIssued(AdminEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: Requests the key may have in flight at once; None: no limit.
     max_concurrent: int | None = None
 
-    def key(self) -> str:
-        return f"router-key:{self.key_id}"
 
-
-class RouterKeyRevoked(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
+class RouterKeyRevoked(RouterKeyEvent, frozen=True, kw_only=True, omit_defaults=True):
     """A router API key stops authenticating (for good: a key id is never issued again)."""
 
     TYPE: ClassVar[str] = "RouterKeyRevoked"
     VERSION: ClassVar[int] = 1
-    key_id: str
     reason: str = ""
-
-    def key(self) -> str:
-        return f"router-key:{self.key_id}"
 
 
 #: Every payload type the codec knows, current and superseded versions alike.
