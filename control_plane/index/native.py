@@ -41,11 +41,10 @@ from schemas.events import (
     WorkerDeregistered,
     WorkerRegistered,
 )
-from schemas.types import TIER_ORDER, BlockHash, CacheGroup, WorkerId
+from schemas.types import TIER_INDEX, TIER_ORDER, BlockHash, CacheGroup, WorkerId
 
 logger = logging.getLogger(__name__)
 
-_TIER_IDX = {t: i for i, t in enumerate(TIER_ORDER)}
 _OUTCOMES = (ApplyOutcome.APPLIED, ApplyOutcome.DUPLICATE, ApplyOutcome.FENCED,
              ApplyOutcome.IGNORED)
 _REJECTED = {4: "hash_algo", 5: "block_size", 6: "cache_group"}
@@ -153,16 +152,16 @@ class NativePrefixIndex:
             hashes = payload.block_hashes  # type: ignore[attr-defined]
             full = payload.cache_group is CacheGroup.FULL_ATTENTION  # type: ignore[attr-defined]
             if kind == 2:
-                tier = _TIER_IDX[payload.from_tier]  # type: ignore[attr-defined]
-                to_tier = _TIER_IDX[payload.to_tier]  # type: ignore[attr-defined]
+                tier = TIER_INDEX[payload.from_tier]  # type: ignore[attr-defined]
+                to_tier = TIER_INDEX[payload.to_tier]  # type: ignore[attr-defined]
             else:
-                tier = _TIER_IDX[payload.tier]  # type: ignore[attr-defined]
+                tier = TIER_INDEX[payload.tier]  # type: ignore[attr-defined]
             if kind == 0:
                 block_size = payload.block_size  # type: ignore[attr-defined]
                 hash_algo = payload.hash_algo  # type: ignore[attr-defined]
         elif kind == 3:
             t = payload.tier  # type: ignore[attr-defined]
-            tier = -1 if t is None else _TIER_IDX[t]
+            tier = -1 if t is None else TIER_INDEX[t]
         elif kind == 4:
             block_size = payload.block_size  # type: ignore[attr-defined]
             hash_algo = payload.hash_algo  # type: ignore[attr-defined]

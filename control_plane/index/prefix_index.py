@@ -100,12 +100,10 @@ from schemas.events import (
     WorkerDeregistered,
     WorkerRegistered,
 )
-from schemas.types import PERSISTENT_TIERS, TIER_ORDER, BlockHash, CacheGroup, Tier, WorkerId
+from schemas.types import PERSISTENT_TIERS, TIER_INDEX, TIER_ORDER, BlockHash, CacheGroup, Tier, WorkerId
 
 logger = logging.getLogger(__name__)
 
-#: Tier -> plane offset - 1 (the order of ``Match.by_tier``).
-_TIER_IDX: dict[Tier, int] = {t: i for i, t in enumerate(TIER_ORDER)}
 _N_TIERS = len(TIER_ORDER)
 _VOLATILE_IDX = tuple(i for i, t in enumerate(TIER_ORDER) if t not in PERSISTENT_TIERS)
 _ALL_IDX = tuple(range(_N_TIERS))
@@ -505,15 +503,15 @@ class PrefixIndex:
                 self._producer_slots[producer] = pm | (1 << slot)
 
         if tp is BlockStored:
-            self._store(slot, _TIER_IDX[payload.tier], payload.block_hashes)  # type: ignore[attr-defined]
+            self._store(slot, TIER_INDEX[payload.tier], payload.block_hashes)  # type: ignore[attr-defined]
         elif tp is BlockRemoved:
             if payload.cache_group is not CacheGroup.FULL_ATTENTION:  # type: ignore[attr-defined]
                 return self._ignored()
-            self._remove(slot, _TIER_IDX[payload.tier], payload.block_hashes)  # type: ignore[attr-defined]
+            self._remove(slot, TIER_INDEX[payload.tier], payload.block_hashes)  # type: ignore[attr-defined]
         elif tp is BlockMoved:
             if payload.cache_group is not CacheGroup.FULL_ATTENTION:  # type: ignore[attr-defined]
                 return self._ignored()
-            self._move(slot, _TIER_IDX[payload.from_tier], _TIER_IDX[payload.to_tier],  # type: ignore[attr-defined]
+            self._move(slot, TIER_INDEX[payload.from_tier], TIER_INDEX[payload.to_tier],  # type: ignore[attr-defined]
                        payload.block_hashes)  # type: ignore[attr-defined]
         elif tp is AllBlocksCleared:
             tier = payload.tier  # type: ignore[attr-defined]
@@ -521,7 +519,7 @@ class PrefixIndex:
                 self._clear(slot, _ALL_IDX)
                 self._resync(1 << slot)
             else:
-                self._clear(slot, (_TIER_IDX[tier],))
+                self._clear(slot, (TIER_INDEX[tier],))
         elif tp is WorkerRegistered:
             self._registered(wk, epoch)
         elif tp is WorkerDeregistered:
