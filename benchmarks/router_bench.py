@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import httpx
 from benchmarks import router_decide, router_restart
 from benchmarks.index_bench import dynamo_stored, load_dynamo
 from kernel.log.admin import apply_topics
+from kernel.net import free_port
 from kernel.settings import BusSettings, repo_root
 
 #: The decision point the Dynamo anchor is measured on (issue 12's goal: decide p99 there at most
@@ -42,12 +42,6 @@ from kernel.settings import BusSettings, repo_root
 ANCHOR_POINT = "64w/32768tok"
 FIND_SAMPLES = 1500
 FIND_WARMUP = 100
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(url: str, pred, timeout: float = 90) -> None:
@@ -151,7 +145,7 @@ def http_overhead(n: int = 400) -> dict:
     bus = BusSettings.from_env(topic_prefix=f"benchr{uuid.uuid4().hex[:6]}")
     apply_topics(bus)
     env = {**os.environ, "SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap, "SWITCHYARD_TOPIC_PREFIX": bus.topic_prefix}
-    wport, rport, nport = _port(), _port(), _port()
+    wport, rport, nport = free_port(), free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.support.mini_worker", "--worker-id", "instant",
                                "--port", str(wport), "--token-delay", "0"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 
 from kernel.log.admin import apply_topics
 from kernel.log.kafka import EventProducer
+from kernel.net import free_port
 from kernel.settings import BusSettings
 from schemas.events import BlockStored, WorkerRegistered
 from schemas.types import Tier, WorkerRole
@@ -34,12 +34,6 @@ PER_EVENT = 64
 TAIL_EVENTS = 1000
 HASH_ALGO = "sha256"
 BLOCK_SIZE = 64
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _health(port: int) -> dict | None:
@@ -100,7 +94,7 @@ def run() -> dict:
     t0 = time.perf_counter()
     blocks = _produce(producers, rng, BLOCKS // PER_EVENT)
     produce_s = time.perf_counter() - t0
-    port = _port()
+    port = free_port()
     first = _router(env, port)
     procs = [first]
     try:
@@ -109,7 +103,7 @@ def run() -> dict:
         first.kill()
         first.wait(10)
         tail = _produce(producers, rng, TAIL_EVENTS)
-        port = _port()
+        port = free_port()
         t1 = time.perf_counter()
         second = _router(env, port)
         procs.append(second)

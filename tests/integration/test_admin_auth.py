@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from control_plane.admin.settings import AdminSettings
 from control_plane.admin.shapes import PoolUpdate, TokenCreate
 from control_plane.admin.wiring import migrate
 from kernel.log.catalog import Catalog
+from kernel.net import free_port
 from tests.support.db import postgres_database, sqlite_database
 
 pytestmark = pytest.mark.postgres
@@ -280,18 +280,12 @@ def test_a_failed_job_shows_a_viewer_one_line_and_logs_the_traceback(env: Env, t
 # -- the CLI's pin goes through the API -----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def served(env: Env):
     """The same app served over HTTP on a free port (the CLI talks to a real server)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(env.client.app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(env.client.app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 15
