@@ -14,15 +14,17 @@ Job (every field required; the bench builds it)::
 ``optimization_target`` is Dynamo's: ``throughput`` (its default: reactive load-based scaling on
 static queue and KV thresholds; it ignores the SLOs and turns throughput-based scaling off, so the
 adjustment interval does nothing there) or ``sla`` (throughput-based scaling on its performance
-model toward the job's TTFT/ITL, with load-based scaling on top). ``adjustment_interval_s`` null
+model toward the job's TTFT/ITL, with load-based scaling on top); null runs no planner: the
+mocker at the job's split, static (the engine calibration row). ``adjustment_interval_s`` null
 keeps Dynamo's default (its throughput-scaling interval, 180 s); otherwise it sets
 ``throughput_adjustment_interval_seconds``. The planner runs in its defaults for
 the disaggregated topology (``mode="disagg"``, ``environment="virtual"``, ``backend="mocker"``),
 with the job's SLOs and GPU budget, on Dynamo's mocker (Rust) with the job's engine limits and
 worker start-up time. The request trace is written as a Mooncake JSONL (timestamp, lengths,
-hash_ids), the format Dynamo's replay reads.
+hash_ids), the format Dynamo's replay reads. Dynamo's replay starts its clock at the trace's
+first timestamp: every time in the result is relative to it (the bench shifts them back).
 
-Result: ``{"per_request": [{"arrival_ms", "first_ms", "last_ms", "outputs", "osl", "ttft_ms",
+Result: ``{"per_request": [{"arrival_ms", "isl", "first_ms", "last_ms", "outputs", "osl", "ttft_ms",
 "itl_ms", "status"}], "ticks": [{"at_ms", "prefill": {active,starting,draining}, "decode": ...}],
 "lifecycle_operations": [...], "scaling_events": [...], "summary": {...}}``. On failure the
 traceback goes to stderr and the exit code is non-zero: the bench prints it, never a number.
@@ -69,9 +71,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             decode_engine_args=engine_args(job, "decode"), num_prefill_workers=job["prefill"],
             num_decode_workers=job["decode"], router_mode="round_robin",
             trace_block_size=job["engine"]["block_size"], sla_ttft_ms=job["ttft_ms"],
-            sla_itl_ms=job["itl_ms"], planner_config=planner_config(job), capture_per_request=True)
+            sla_itl_ms=job["itl_ms"], capture_per_request=True,
+            planner_config=planner_config(job) if job["optimization_target"] else None)
     d = report.to_dict()
-    per_request = [{"arrival_ms": r["arrival_time_ms"], "first_ms": r["first_token_ms"],
+    per_request = [{"arrival_ms": r["arrival_time_ms"], "isl": r["input_length"], "first_ms": r["first_token_ms"],
                     "last_ms": r["last_token_ms"], "outputs": r["output_length"],
                     "osl": r["requested_output_length"], "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"],
                     "status": r["terminal_status"]} for r in d["per_request"] or []]

@@ -517,16 +517,26 @@ def dynamo_job(reqs: Sequence[Req], *, budget: int, ttft_slo_ms: float, itl_slo_
 
 
 def dynamo_result(reqs: Sequence[Req], out: dict, end_arrival_ms: float) -> SimResult:
-    """Dynamo's replay output as a :class:`SimResult`, so one scorer serves both sides. Requests
-    pair up in arrival order. Workers come from the planner's per-tick topology counts (Dynamo's
-    5 s load ticks): a pool's count rising starts workers at that tick, falling ends them, so
-    replica-seconds and max GPUs are at that resolution; decisions are changes of a pool's target
-    (active + starting)."""
-    done = sorted(out["per_request"], key=lambda x: x["arrival_ms"])
-    mine = sorted(_fresh(list(reqs)), key=lambda r: r.arrival_ms)
-    for r, d in zip(mine, done):
+    """Dynamo's replay output as a :class:`SimResult`, so one scorer serves both sides. Dynamo's
+    clock starts at the trace's first (integer ms) timestamp, so its times are shifted by that
+    much back onto ours. Requests pair up by (arrival ms as the job wrote it, prompt length,
+    output length), in order among equals. Workers come from the planner's per-tick topology
+    counts (Dynamo's 5 s load ticks): a pool's count rising starts workers at that tick, falling
+    ends them, so replica-seconds and max GPUs are at that resolution; decisions are changes of a
+    pool's target (active + starting)."""
+    mine = _fresh(list(reqs))
+    base = min((round(r.arrival_ms) for r in mine), default=0)
+    waiting: dict[tuple[int, int, int], list[Req]] = {}
+    for r in sorted(mine, key=lambda r: r.arrival_ms):
+        waiting.setdefault((round(r.arrival_ms) - base, len(r.engine.prompt), r.osl), []).append(r)
+    for d in sorted(out["per_request"], key=lambda x: x["arrival_ms"]):
+        same = waiting.get((round(d["arrival_ms"]), d["isl"], d["osl"]))
+        if not same:
+            raise ValueError(f"Dynamo's replay returned a request the job did not send: {d}")
+        r = same.pop(0)
         if d["status"] == "completed":
-            r.first_ms, r.last_ms, r.outputs = d["first_ms"], d["last_ms"], d["outputs"]
+            r.first_ms, r.last_ms, r.outputs = d["first_ms"] + base, d["last_ms"] + base, d["outputs"]
+    out = {**out, "ticks": [{**t, "at_ms": t["at_ms"] + base} for t in out["ticks"]]}
     workers: list[Worker] = []
     alive: dict[str, list[Worker]] = {"prefill": [], "decode": []}
     target: dict[str, int] = {}
@@ -638,6 +648,20 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
                             reversals(res.decisions), max_gpus(res), len(res.decisions), "Dynamo's mocker"))
             print(f"  [{name}] {label}: attainment {rows[-1].attainment:.3f}, replica-seconds "
                   f"{rows[-1].replica_seconds:.0f}", flush=True)
+        # The engines' calibration: Dynamo's mocker, no planner, at the best static split.
+        sp = static_res.label.split()[-1]
+        p_st = sum(1 for w in static_res.workers if w.pool == "prefill")
+        res = run_dynamo(reqs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, startup_s=startup_s,
+                         prefill=p_st, decode=len(static_res.workers) - p_st, optimization_target=None,
+                         adjustment_interval_s=None)
+        label = f"dynamo mocker, static {sp}"
+        if isinstance(res, str):
+            print(f"  [{name}] {label}: not run: {res}", flush=True)
+            rows.append(Row(label, math.nan, math.nan, 0, 0, 0, "not run (see log)"))
+        else:
+            rows.append(Row(label, res.attainment(ttft_slo_ms, itl_slo_ms), res.replica_seconds(), 0,
+                            max_gpus(res), 0, "engine calibration: no planner"))
+            print(f"  [{name}] {label}: attainment {rows[-1].attainment:.3f}", flush=True)
     mean_gpus = round(ours.replica_seconds() / span)
     if equal_cost and 2 <= mean_gpus < budget and not splits:
         eq_att, eq_res, _ = best_static(mean_gpus)
@@ -699,9 +723,13 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
     dyn = next((r for r in main_case["rows"] if r.who == "dynamo (defaults)"), None)
     dyn_att = dyn.attainment if dyn else math.nan
     dyn_ratio = dyn.replica_seconds / static_row.replica_seconds if dyn else math.nan
+    # Dynamo's best planner config on the trace (the calibration row runs no planner).
+    dyn_best = max((r.attainment for r in main_case["rows"] if r.who.startswith("dynamo (")
+                    and not math.isnan(r.attainment)), default=math.nan)
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT slo_attainment={ours_row.attainment:.4f} static_slo_attainment={static_row.attainment:.4f} "
-          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment={dyn_att:.4f} dynamo_replica_seconds_ratio={dyn_ratio:.4f} "
+          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment={dyn_att:.4f} dynamo_best_slo_attainment={dyn_best:.4f} "
+          f"dynamo_replica_seconds_ratio={dyn_ratio:.4f} "
           f"reversals_constant={rev_const}")
     return {"slo_attainment": ours_row.attainment, "static_slo_attainment": static_row.attainment,
             "replica_seconds_ratio": ratio, "best_static": main_case["static"].label,

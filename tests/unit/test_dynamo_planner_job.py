@@ -46,8 +46,8 @@ def test_dynamo_result_scores_with_our_scorer() -> None:
     span are 20 + 20 + 10 = 50, max GPUs 3, one decision."""
     reqs = [_req(0, 0.0, [b"a"], osl=3)]
     pool = lambda a, s=0: {"active": a, "starting": s, "draining": 0}  # noqa: E731
-    out = {"start": (1, 1), "per_request": [{"arrival_ms": 0.0, "first_ms": 100.0, "last_ms": 140.0, "outputs": 3,
-                                             "status": "completed"}],
+    out = {"start": (1, 1), "per_request": [{"arrival_ms": 0.0, "isl": 64, "osl": 3, "first_ms": 100.0,
+                                             "last_ms": 140.0, "outputs": 3, "status": "completed"}],
            "ticks": [{"at_ms": 10_000.0, "prefill": pool(1), "decode": pool(1, 1)}]}
     res = pb.dynamo_result(reqs, out, end_arrival_ms=20_000.0)
     assert res.attainment(2000.0, 25.0) == 1.0  # TTFT 100 ms, ITL (140-100)/2 = 20 ms
@@ -59,3 +59,17 @@ def test_partial_last_block_gets_its_own_id() -> None:
     r = _req(0, 0.0, [b"a"])
     r.engine = EngineRequest(request_id=RequestId("r0"), prompt=list(range(70)), max_tokens=8, prompt_digests=[b"a"])
     assert _job([r])["requests"][0]["hash_ids"] == [0, 1]
+
+
+def test_dynamo_times_are_shifted_back_to_the_trace_and_paired_by_lengths() -> None:
+    """Dynamo's clock starts at the first timestamp (here 1000 ms), and two requests in the same
+    millisecond come back in the other order: each still gets its own times."""
+    reqs = [_req(0, 1000.2, [b"a"], osl=3), _req(1, 1000.4, [b"b", b"c"], osl=3)]
+    out = {"start": (1, 1), "ticks": [],
+           "per_request": [{"arrival_ms": 0.0, "isl": 128, "osl": 3, "first_ms": 300.0, "last_ms": 340.0,
+                            "outputs": 3, "status": "completed"},
+                           {"arrival_ms": 0.0, "isl": 64, "osl": 3, "first_ms": 100.0, "last_ms": 140.0,
+                            "outputs": 3, "status": "completed"}]}
+    res = pb.dynamo_result(reqs, out, end_arrival_ms=1000.4)
+    by_id = {r.rid: (r.first_ms, r.last_ms) for r in res.requests}
+    assert by_id == {"r0": (1100.0, 1140.0), "r1": (1300.0, 1340.0)}
