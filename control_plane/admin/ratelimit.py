@@ -28,13 +28,8 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-
-@dataclass
-class _Bucket:
-    level: float
-    at: float
+from kernel.bucket import Bucket, level_at
 
 
 class FailureLimiter:
@@ -46,15 +41,11 @@ class FailureLimiter:
         self.burst = burst
         self.per_s = per_s
         self.max_keys = max_keys
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._buckets: OrderedDict[str, Bucket] = OrderedDict()
         self._lock = threading.Lock()
 
     def _level(self, key: str, now: float) -> float:
-        b = self._buckets.get(key)
-        if b is None:
-            return float(self.burst)
-        # A clock that steps back refills nothing (and takes nothing back).
-        return min(float(self.burst), b.level + max(0.0, now - b.at) * self.per_s)
+        return level_at(self._buckets.get(key), now, self.burst, self.per_s)
 
     def retry_after(self, keys: Iterable[str], now: float) -> int | None:
         """Whole seconds until every key's bucket holds a token again; None if they all do."""
@@ -67,7 +58,7 @@ class FailureLimiter:
         with self._lock:
             for k in keys:
                 level = max(0.0, self._level(k, now) - 1.0)
-                self._buckets[k] = _Bucket(level, now)
+                self._buckets[k] = Bucket(level, now)
                 self._buckets.move_to_end(k)
             self._forget(now)
 

@@ -40,6 +40,7 @@ from enum import Enum
 from typing import Any
 
 from kernel import bearer
+from kernel.bucket import Bucket, level_at
 from schemas.envelope import Envelope
 from schemas.events import Event, RouterKeyIssued, RouterKeyRevoked
 
@@ -204,18 +205,12 @@ def rate_denied(key: RouterKey, level: float) -> Denied:
                                 f"(burst {lim.bucket_size:g}); retry in {wait} s", retry_after_s=wait)
 
 
-@dataclass
-class _Bucket:
-    level: float
-    at: float
-
-
 class KeyGate:
     """Per-key rate (token bucket) and concurrency on one replica. Single-threaded (the event
     loop); the time is an input, in seconds of any monotonic clock."""
 
     def __init__(self) -> None:
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[str, Bucket] = {}
         self._inflight: dict[str, int] = {}
 
     def admit(self, key: RouterKey, now_s: float) -> Denied | None:
@@ -225,14 +220,11 @@ class KeyGate:
         if lim.max_concurrent is not None and n >= lim.max_concurrent:
             return concurrency_denied(key, n)
         if lim.rate_per_s is not None:
-            size = lim.bucket_size
-            b = self._buckets.get(key.key_id)
-            # A clock that steps back refills nothing.
-            level = size if b is None else min(size, b.level + max(0.0, now_s - b.at) * lim.rate_per_s)
+            level = level_at(self._buckets.get(key.key_id), now_s, lim.bucket_size, lim.rate_per_s)
             if level < 1.0:
-                self._buckets[key.key_id] = _Bucket(level, now_s)
+                self._buckets[key.key_id] = Bucket(level, now_s)
                 return rate_denied(key, level)
-            self._buckets[key.key_id] = _Bucket(level - 1.0, now_s)
+            self._buckets[key.key_id] = Bucket(level - 1.0, now_s)
         self._inflight[key.key_id] = n + 1
         return None
 
