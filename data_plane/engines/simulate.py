@@ -26,6 +26,7 @@ Dynamo's mocker does):
   its own :class:`~data_plane.engines.tiers.VirtualTiers`, and its engine onboards a prefix from
   them when loading is cheaper than recomputing; the modelled load time is added to the step
   that admits the request (loads are synchronous), and the tiers' events join the engine's.
+  ``tier_admission`` gives them the KVBM's admission filter (default None: every block admitted).
 
 The order (the invariant every speed-up below keeps): results are those of one event heap
 popped by (time, kind, push order), one ``EngineCore.step()`` per step. At one instant the kinds
@@ -68,6 +69,7 @@ from data_plane.engines.gcpause import paused_gc
 from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.request import EngineRequest
 from data_plane.engines.tiers import OnboardCosts, VirtualTiers
+from data_plane.kvbm.admission import AdmissionConfig
 from kernel.log.sink import EventSink
 from schemas.events import KvEvent
 from schemas.types import RequestId, Tier, WorkerId, WorkerRole
@@ -404,6 +406,7 @@ class Cluster:
         kv_event_lag_ms: float = 0.0,
         tiers: Mapping[Tier, int] | None = None,
         onboard_costs: OnboardCosts | None = None,
+        tier_admission: AdmissionConfig | None = None,
     ) -> None:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         #: Blocks per tier below the device of every worker (None: device only, as before).
@@ -412,6 +415,8 @@ class Cluster:
         #: (modelled load time added to the admitting step); their events join the engine's.
         self.tier_capacities = dict(tiers) if tiers else None
         self.onboard_costs = onboard_costs
+        #: The KVBM's admission filter in every worker's tiers (None: every block admitted).
+        self.tier_admission = tier_admission
         self.virtual_tiers: dict[WorkerId, VirtualTiers] = {}
         self.hooks = hooks
         self.hash_config = hash_config
@@ -469,7 +474,8 @@ class Cluster:
                           emit_token_ids=self.emit_token_ids, onboard_costs=self.onboard_costs)
         if self.tier_capacities:
             vt = VirtualTiers(self.tier_capacities, worker_id=worker_id, block_size=self.profile.block_size,
-                              hash_algo=core.hash_config.hash_algo, emit=core.pool.queue_event)
+                              hash_algo=core.hash_config.hash_algo, emit=core.pool.queue_event,
+                              admission=self.tier_admission)
             core.pool.on_evict = vt.on_device_evicted
             core.scheduler.tiers = vt
             self.virtual_tiers[worker_id] = vt
@@ -1152,6 +1158,7 @@ def simulate(
     coalesce: bool = True,
     tiers: Mapping[Tier, int] | None = None,
     onboard_costs: OnboardCosts | None = None,
+    tier_admission: AdmissionConfig | None = None,
 ) -> SimulationResult:
     """Run ``requests`` to completion on ``num_workers`` simulated workers.
 
@@ -1163,7 +1170,8 @@ def simulate(
     (:meth:`EngineCore.run_decode`); False runs every step through ``EngineCore.step``. The
     results, the KV events and their order are the same either way.
 
-    ``tiers`` / ``onboard_costs``: tiers below each worker's device, see :class:`Cluster`.
+    ``tiers`` / ``onboard_costs`` / ``tier_admission``: tiers below each worker's device, see
+    :class:`Cluster`.
     """
     prof = load_profile(profile) if isinstance(profile, str) else profile
     if worker_ids is None:
@@ -1180,7 +1188,8 @@ def simulate(
 
     hooks = _EngineOnly(route, cores, ids) if sink is None else _EngineOnlyToSink(route, cores, ids, sink)
     cluster = Cluster(prof, hooks, hash_config=hash_config, emit_token_ids=emit_token_ids, coalesce=coalesce,
-                      release_after_ms=release_after_ms, tiers=tiers, onboard_costs=onboard_costs)
+                      release_after_ms=release_after_ms, tiers=tiers, onboard_costs=onboard_costs,
+                      tier_admission=tier_admission)
     engines = [cluster.add_worker(w, role) for w in ids]
     # Round robin reads no engine: every worker runs on its own from its share of the arrivals.
     records = cluster.run(requests, fixed_routing=router == "round_robin")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from data_plane.engines.timing import StepShape, TimingModel
+from data_plane.kvbm.admission import AdmissionConfig, AdmissionFilter
 from schemas.events import BlockMoved, BlockRemoved, BlockStored, KvEvent
 from schemas.types import TIER_ORDER, BlockHash, Tier, WorkerId
 
@@ -212,7 +213,10 @@ class VirtualTiers:
 
     * a device eviction goes to the first tier (already there: touched, no write);
     * a full tier's least recently used block cascades one tier down, unless a lower tier already
-      holds it (then the copy is dropped) or there is no lower tier (gone);
+      holds it (then the copy is dropped), there is no lower tier (gone), or the lower tier's
+      admission filter refuses it (gone, counted in ``admission_refused``): the KVBM's own
+      :class:`~data_plane.kvbm.admission.AdmissionFilter`, fed the same uses (every device
+      eviction, every block loaded), when ``admission`` is given;
     * a load keeps the source copy (touched) and, from below the first tier, also places a copy
       in the first tier, as the KVBM's onboard does through host memory.
 
@@ -224,7 +228,8 @@ class VirtualTiers:
     """
 
     def __init__(self, capacities: Mapping[Tier, int], *, worker_id: WorkerId, block_size: int,
-                 hash_algo: str, emit: Callable[[KvEvent], None] | None = None) -> None:
+                 hash_algo: str, emit: Callable[[KvEvent], None] | None = None,
+                 admission: AdmissionConfig | None = None) -> None:
         self.tiers: tuple[Tier, ...] = tuple(t for t in TIER_ORDER
                                              if t is not Tier.DEVICE and capacities.get(t, 0) > 0)
         self._cap = {t: capacities[t] for t in self.tiers}
@@ -237,6 +242,12 @@ class VirtualTiers:
         self.fail: dict[BlockHash, str] = {}
         #: Blocks moved, by (from tier, to tier) value names: offloads and loads.
         self.moves: Counter[tuple[str, str]] = Counter()
+        #: Demotions the admission filter refused, by the refusing tier's value name.
+        self.admission_refused: Counter[str] = Counter()
+        self.admission: AdmissionFilter | None = None
+        if admission is not None and admission.enabled:
+            admission.check_capacities(self._cap)
+            self.admission = AdmissionFilter(admission)
 
     def _emit(self, ev: KvEvent) -> None:
         if self.emit is not None:
@@ -261,6 +272,8 @@ class VirtualTiers:
     def on_device_evicted(self, block_hash: BlockHash, parent_hash: BlockHash | None) -> None:
         if not self.tiers:
             return
+        if self.admission is not None:
+            self.admission.record_use(block_hash)
         first = self.tiers[0]
         lru = self._lru[first]
         if block_hash in lru:
@@ -280,7 +293,11 @@ class VirtualTiers:
             victim, vparent = lru.popitem(last=False)
             lower = next((j for j in range(i + 1, len(self.tiers))
                           if victim in self._lru[self.tiers[j]]), None)
-            if lower is None and i + 1 < len(self.tiers):
+            if (lower is None and i + 1 < len(self.tiers) and self.admission is not None
+                    and not self.admission.check(victim, self.tiers[i + 1]).admitted):
+                self.admission_refused[self.tiers[i + 1].value] += 1
+                self._emit(BlockRemoved(worker_id=self.worker_id, tier=tier, block_hashes=[victim]))
+            elif lower is None and i + 1 < len(self.tiers):
                 self._place(i + 1, victim, vparent)
                 self.moves[(tier.value, self.tiers[i + 1].value)] += 1
                 self._emit(BlockMoved(worker_id=self.worker_id, from_tier=tier,
@@ -301,6 +318,8 @@ class VirtualTiers:
                 self._emit(BlockRemoved(worker_id=self.worker_id, tier=tier, block_hashes=[h]))
                 return LoadResult(tuple(sources), reason)
             self._lru[tier].move_to_end(h)
+            if self.admission is not None:
+                self.admission.record_use(h)
             first = self.tiers[0]
             if tier is not first:
                 parent = self._lru[tier][h]

@@ -8,6 +8,7 @@ below the engine's G1 device pool, in the spirit of NVIDIA Dynamo's KVBM.
 * Blocking API (thread-safe); :class:`AsyncKvbm` for asyncio callers.
 """
 
+from data_plane.kvbm.admission import ADMIT_ALL, AdmissionConfig, AdmissionFilter
 from data_plane.kvbm.aio import AsyncKvbm
 from data_plane.kvbm.bootstrap import build_kvbm
 from data_plane.kvbm.content import expected_bytes, verify
@@ -26,7 +27,10 @@ from data_plane.kvbm.residency import Admission, Op, OpKind, Residency
 from data_plane.kvbm.settings import KvbmSettings, S3Settings
 
 __all__ = [
+    "ADMIT_ALL",
     "Admission",
+    "AdmissionConfig",
+    "AdmissionFilter",
     "AsyncKvbm",
     "BlockMissing",
     "CapacityExceeded",

@@ -48,6 +48,16 @@ class TierFull(StorageError):
     reason = "full"
 
 
+class TierUnavailable(StorageError):
+    """The backend did not answer, or answered that it cannot serve now (object store: no
+    connection, a timeout, a 5xx or a throttling reply). Nothing is lost: a write is not
+    reported in that tier (the block is dropped from the tier above, as any failed demotion), a
+    read leaves the claim in place and the caller recomputes; both work again once the backend
+    answers."""
+
+    reason = "unavailable"
+
+
 class CapacityExceeded(KvbmError):
     """A store was asked to hold more blocks than it has room for: a bug in the caller, since
     the manager always makes room first."""

@@ -11,7 +11,11 @@ one onboard of 100 blocks is one ``BlockStored``, not 100.
 Failure handling: a block that cannot be read (missing, corrupt, I/O error) or written while it is
 being demoted is dropped from its tier with ``BlockRemoved`` (so the space the decision counted
 on is freed and no one is sent to bytes that are not there); a corrupt block is deleted. A failed
-onboard stops the prefix there and says why.
+onboard stops the prefix there and says why. A block the admission filter (:mod:`.admission`)
+refuses is not written to that tier: a demotion victim is dropped from its tier with
+``BlockRemoved``, exactly as a victim with no slower tier, and counted
+(``<tier>_admission_refused``); the filter counts a use at every offload from the device and
+every onboard served from a KVBM tier.
 
 Threading: every public method is blocking (disk and S3 I/O happen inline) and takes one
 re-entrant lock for its whole duration, so calls from several threads are serialised and their
@@ -24,9 +28,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from data_plane.kvbm import content, frame
 from data_plane.kvbm.errors import (
@@ -35,9 +40,10 @@ from data_plane.kvbm.errors import (
     KvbmConfigError,
     KvbmError,
     StorageError,
+    TierUnavailable,
 )
 from data_plane.kvbm.policy import EvictionPolicy
-from data_plane.kvbm.residency import Admission, Op, OpKind, Residency
+from data_plane.kvbm.residency import Admission, Op, OpKind, Refusal, Residency
 from data_plane.kvbm.settings import KvbmSettings
 from data_plane.kvbm.stores.base import BlockStore, Buffer
 from data_plane.kvbm.stores.host import HostStore
@@ -46,6 +52,8 @@ from schemas.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStor
 from schemas.types import PERSISTENT_TIERS, TIER_ORDER, BlockHash, Tier
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 # -- results --------------------------------------------------------------------------------
@@ -230,7 +238,8 @@ class KvBlockManager:
                  *, policy: str | type[EvictionPolicy] | None = None) -> None:
         self.settings = settings
         self._sink = sink
-        self._res = Residency(settings.capacities, policy or settings.policy)  # type: ignore[arg-type]
+        self._res = Residency(settings.capacities, policy or settings.policy,  # type: ignore[arg-type]
+                              admission=settings.admission)
         for t in self._res.tiers:
             store = stores.get(t)
             if store is None:
@@ -250,6 +259,8 @@ class KvBlockManager:
         self._lock = threading.RLock()
         self._batch: _EventBatch | None = None
         self._stats: Counter[str] = Counter()
+        #: Tiers whose last call failed with TierUnavailable (for logging an outage once).
+        self._unavailable: set[Tier] = set()
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -270,7 +281,7 @@ class KvBlockManager:
                     self._sink.publish(ev, correlation_id=correlation_id)
 
     def _read(self, h: BlockHash, tier: Tier) -> Buffer:
-        data = self._stores[tier].get(h)
+        data = self._answered(tier, self._stores[tier].get, h)
         if (self.settings.verify_synthetic_content and tier is not Tier.HOST
                 and not content.verify(h, data)):
             raise CorruptBlock(f"block {h:016x} in {tier.value}: not the content of its hash")
@@ -297,20 +308,23 @@ class KvBlockManager:
         without the block, which is what the admission counted on."""
         h, src = op.block_hash, op.src
         if op.kind is OpKind.DROP:
+            if op.refused is not None:
+                self._stats[f"{op.refused.value}_admission_refused"] += 1
             self._drop(batch, h, src, op.reason)
             return
         assert op.kind is OpKind.MOVE and op.dst is not None
         try:
             data = self._read(h, src)
         except (BlockMissing, CorruptBlock, StorageError) as e:
-            self._note_read_failure(e)
+            self._note_read_failure(src, e)
             self._drop(batch, h, src, f"{op.reason}; unreadable: {e}")
             return
         try:
-            self._stores[op.dst].put(h, data)
+            self._answered(op.dst, self._stores[op.dst].put, h, data)
         except StorageError as e:
             self._note_write_failure(op.dst, e)
-            logger.warning("demoting block %016x to %s failed: %s", h, op.dst.value, e)
+            if not isinstance(e, TierUnavailable):  # an outage is logged once, when it starts
+                logger.warning("demoting block %016x to %s failed: %s", h, op.dst.value, e)
             self._drop(batch, h, src, f"{op.reason}; write failed")
             return
         self._res.add(h, op.dst)
@@ -325,7 +339,7 @@ class KvBlockManager:
         self._stats["write_errors"] += 1
         self._stats[f"write_errors_{tier.value}_{e.reason}"] += 1
 
-    def _note_read_failure(self, e: Exception) -> None:
+    def _note_read_failure(self, tier: Tier, e: Exception) -> None:
         if isinstance(e, CorruptBlock):
             self._stats["corrupt"] += 1
             logger.warning("corrupt block: %s", e)
@@ -334,18 +348,42 @@ class KvBlockManager:
             logger.warning("block missing from its store: %s", e)
         else:
             self._stats["read_errors"] += 1
-            logger.warning("read failed: %s", e)
+            reason = e.reason if isinstance(e, StorageError) else "storage"
+            self._stats[f"read_errors_{tier.value}_{reason}"] += 1
+            if not isinstance(e, TierUnavailable):  # an outage is logged once, when it starts
+                logger.warning("read failed: %s", e)
+
+    def _answered(self, tier: Tier, call: Callable[..., _T], *args: object) -> _T:
+        """``call(*args)`` against ``tier``'s store, keeping track of whether the tier answers:
+        the first :class:`TierUnavailable` of an outage is logged as a warning (what is dropped
+        and what recomputes meanwhile) and counted in ``unavailable_<tier>``; the first answer
+        after it is logged too. Errors propagate to the caller, which handles them as always."""
+        try:
+            out = call(*args)
+        except TierUnavailable as e:
+            if tier not in self._unavailable:
+                self._unavailable.add(tier)
+                self._stats[f"unavailable_{tier.value}"] += 1
+                logger.warning("KV tier %s unavailable (%s): blocks it would take are dropped "
+                               "from the tier above and its hits recompute until it answers",
+                               tier.value, e)
+            raise
+        if tier in self._unavailable:
+            self._unavailable.discard(tier)
+            logger.info("KV tier %s answers again", tier.value)
+        return out
 
     def _admit(self, batch: _EventBatch, adm: Admission, data: Buffer) -> bool:
         """Evictions, then the write of ``adm``. True once the block is in ``adm.tier``."""
         for op in adm.evictions:
             self._run_eviction(batch, op)
         try:
-            self._stores[adm.tier].put(adm.write.block_hash, data)
+            self._answered(adm.tier, self._stores[adm.tier].put, adm.write.block_hash, data)
         except StorageError as e:
             self._note_write_failure(adm.tier, e)
-            logger.warning("writing block %016x to %s failed: %s", adm.write.block_hash,
-                           adm.tier.value, e)
+            if not isinstance(e, TierUnavailable):
+                logger.warning("writing block %016x to %s failed: %s", adm.write.block_hash,
+                               adm.tier.value, e)
             return False
         self._res.add(adm.write.block_hash, adm.tier)
         return True
@@ -385,6 +423,7 @@ class KvBlockManager:
             parent = parent_hash if parent_hash is not None else self._res.parent_of(h)
             self._res.discard(h, Tier.DEVICE)
             self._res.set_parent(h, parent)
+            self._res.note_use(h)
             if self._res.holds(h, Tier.HOST):
                 self._res.touch(h, Tier.HOST)
                 if s.device_eviction_events:
@@ -394,6 +433,10 @@ class KvBlockManager:
             adm = None
             if self._res.tiers:
                 adm = self._res.plan_placement(h, source=Tier.DEVICE, start=self._res.tiers[0])
+            if isinstance(adm, Refusal):
+                self._stats[f"{adm.tier.value}_admission_refused"] += 1
+                logger.debug("offload of block %016x: %s", h, adm.reason)
+                adm = None
             if adm is not None:
                 payload = data if data is not None else content.expected_bytes(h, s.bytes_per_block)
                 if self._admit(batch, adm, payload):
@@ -466,6 +509,7 @@ class KvBlockManager:
                         break
                     if self._res.holds(h, Tier.HOST):
                         self._res.touch(h, Tier.HOST)
+                        self._res.note_use(h)
                         self._res.pin(h)
                         pinned.append(h)
                         blocks.append(OnboardedBlock(h, found, self._host.slot_of(h)))  # type: ignore[union-attr]
@@ -482,6 +526,7 @@ class KvBlockManager:
                     if stop != "ok":
                         break
                     stop = "complete"
+                    self._res.note_use(h)
                     self._res.pin(h)
                     pinned.append(h)
                     blocks.append(OnboardedBlock(h, found, self._host.slot_of(h)))
@@ -500,12 +545,14 @@ class KvBlockManager:
             try:
                 data = self._read(h, src)
             except (CorruptBlock, BlockMissing) as e:
-                self._note_read_failure(e)
+                self._note_read_failure(src, e)
                 self._drop(batch, h, src, f"onboard read failed: {e}")
                 outcome = "corrupt" if isinstance(e, CorruptBlock) else "miss"
                 continue
             except StorageError as e:
-                self._note_read_failure(e)
+                # Kept claimed: the bytes are most likely still there (an unavailable object
+                # store), and the caller recomputes this time.
+                self._note_read_failure(src, e)
                 outcome = "error"
                 continue
             adm = self._res.plan_admission(h, Tier.HOST, source=src, keep_source=keep,

@@ -18,6 +18,10 @@ Model
   stay reachable), or there is no lower tier (then it is gone). Making room below works the same
   way, so one admission is at most one eviction per tier, executed bottom-up: every write lands in
   a tier that already has room, so no capacity is ever exceeded, not even transiently.
+* A write into any tier but the first (a demotion, or a device eviction falling through a full
+  host) also needs the :mod:`.admission` filter's yes: a victim it refuses is dropped (``DROP``
+  with ``refused`` set), and a refused fall-through is a :class:`Refusal`. Uses are recorded by
+  the caller (:meth:`Residency.note_use`), so the decisions stay a function of the calls.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from data_plane.kvbm.admission import AdmissionConfig, AdmissionFilter
 from data_plane.kvbm.errors import CapacityExceeded, KvbmConfigError
 from data_plane.kvbm.policy import EvictionPolicy, make_policy
 from schemas.types import TIER_ORDER, BlockHash, Tier
@@ -52,6 +57,18 @@ class Op:
     src: Tier
     dst: Tier | None
     reason: str
+    #: For a DROP: the tier below whose admission filter refused the block (else None).
+    refused: Tier | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A device eviction that would have gone to ``tier`` (the tiers above it full of pinned
+    blocks) and that the tier's admission filter refused: the block is not written."""
+
+    block_hash: BlockHash
+    tier: Tier
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,8 @@ class Residency:
     """Residency of blocks in the managed tiers plus the engine-reported device set."""
 
     def __init__(self, capacities: Mapping[Tier, int],
-                 policy: str | Callable[[], EvictionPolicy] = "lru") -> None:
+                 policy: str | Callable[[], EvictionPolicy] = "lru",
+                 admission: AdmissionConfig | None = None) -> None:
         if Tier.DEVICE in capacities and capacities[Tier.DEVICE]:
             raise KvbmConfigError("the device tier belongs to the engine's block pool; the KVBM "
                                   "manages host, disk and object capacity only")
@@ -87,6 +105,11 @@ class Residency:
         self._device: set[BlockHash] = set()
         self._pins: dict[BlockHash, int] = {}
         self._parent: dict[BlockHash, BlockHash | None] = {}
+        #: None when every tier admits every block (no table is kept then).
+        self.admission: AdmissionFilter | None = None
+        if admission is not None and admission.enabled:
+            admission.check_capacities(capacities)
+            self.admission = AdmissionFilter(admission)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -165,6 +188,19 @@ class Residency:
         for h in list(self._device):
             self.discard(h, Tier.DEVICE)
 
+    def note_use(self, block_hash: BlockHash) -> None:
+        """A request used the block (offloaded from the device, or onboarded): it counts towards
+        its admission to the filtered tiers."""
+        if self.admission is not None:
+            self.admission.record_use(block_hash)
+
+    def _refuses(self, block_hash: BlockHash, tier: Tier) -> str | None:
+        """Why ``tier``'s admission filter refuses the block; None when it admits it."""
+        if self.admission is None or tier is self.tiers[0]:
+            return None
+        verdict = self.admission.check(block_hash, tier)
+        return None if verdict.admitted else verdict.reason
+
     def set_parent(self, block_hash: BlockHash, parent: BlockHash | None) -> None:
         if parent is not None or block_hash not in self._parent:
             self._parent[block_hash] = parent
@@ -201,14 +237,17 @@ class Residency:
         return Admission(tuple(evictions), write)
 
     def plan_placement(self, block_hash: BlockHash, *, source: Tier, start: Tier,
-                       keep_source: bool = False) -> Admission | None:
+                       keep_source: bool = False) -> Admission | Refusal | None:
         """Admission into ``start`` or, when it cannot make room, the first slower tier that can.
 
         None when no tier can take it, or when a tier on the way already holds the block (it stays
-        reachable there; writing it lower still would only cost I/O)."""
+        reachable there; writing it lower still would only cost I/O). A :class:`Refusal` when the
+        tier it would go to refuses it (admission filter); it is not tried lower still."""
         for t in (start, *self.below(start)):
             if self.holds(block_hash, t):
                 return None
+            if (why := self._refuses(block_hash, t)) is not None:
+                return Refusal(block_hash, t, why)
             adm = self.plan_admission(block_hash, t, source=source, keep_source=keep_source)
             if adm is not None:
                 return adm
@@ -229,6 +268,8 @@ class Residency:
         held_below = next((t for t in lower if self.holds(victim, t)), None)
         if held_below is not None:
             return [Op(OpKind.DROP, victim, tier, None, f"{why}; already in {held_below.value}")]
+        if (refused := self._refuses(victim, lower[0])) is not None:
+            return [Op(OpKind.DROP, victim, tier, None, f"{why}; {refused}", refused=lower[0])]
         sub = self._make_room(lower[0], exclude | {victim})
         if sub is None:
             return [Op(OpKind.DROP, victim, tier, None, f"{why}; no room in {lower[0].value}")]

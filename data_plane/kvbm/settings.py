@@ -7,12 +7,16 @@ work.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_plane.kvbm.admission import AdmissionConfig
 from data_plane.kvbm.errors import KvbmConfigError
 from data_plane.kvbm.policy import POLICIES
 from schemas.types import Tier, WorkerId
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,9 @@ class KvbmSettings:
     fsync: bool = False
     #: Data-parallel rank carried by the events.
     dp_rank: int = 0
+    #: Which blocks the slower tiers take (:mod:`.admission`): by default a block is written to
+    #: disk only once it has been used twice (Dynamo's disk filter); ``ADMIT_ALL`` turns it off.
+    admission: AdmissionConfig = AdmissionConfig()
 
     def __post_init__(self) -> None:
         if self.bytes_per_block <= 0:
@@ -109,6 +116,18 @@ class KvbmSettings:
                 raise KvbmConfigError(f"{name} must be >= 0")
         if self.policy not in POLICIES:
             raise KvbmConfigError(f"unknown policy {self.policy!r}; known: {sorted(POLICIES)}")
+        if not isinstance(self.admission, AdmissionConfig):
+            raise KvbmConfigError(f"admission must be an AdmissionConfig, got {self.admission!r}")
+        self.admission.check_capacities(self.capacities)
+        sizes = [(t, c) for t, c in self.capacities.items() if c > 0]
+        for (upper, up), (lower, low) in zip(sizes, sizes[1:]):
+            if low <= up:
+                # Allowed (tests and small demos use equal sizes), but it churns: every block the
+                # upper tier evicts is written below and pushes out one that is as recent.
+                logger.warning("KV tier sizes: %s holds %d blocks, not more than the %d of %s "
+                               "above it; each tier should be larger than the one above, or it "
+                               "churns (writes for almost no hits)", lower.value, low, up,
+                               upper.value)
 
     def check_backends(self) -> None:
         """Refuse tiers that have a capacity but nowhere to keep their bytes (called by

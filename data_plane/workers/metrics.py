@@ -80,6 +80,21 @@ class WorkerMetrics:
             "Block writes a KV tier refused, by tier and reason (full: no space left on the tier's "
             "filesystem; storage: any other I/O error). The block is not reported in that tier.",
             (*lbl, "tier", "reason"), registry=r)
+        self.kvbm_admission_refused = Counter(
+            "switchyard_worker_kvbm_admission_refused",
+            "Blocks a KV tier's admission filter refused (used fewer times than the tier needs, "
+            "e.g. 2 for disk): dropped from the tier above instead of written, by tier.",
+            (*lbl, "tier"), registry=r)
+        self.kvbm_read_errors = Counter(
+            "switchyard_worker_kvbm_read_errors",
+            "Block reads a KV tier failed with an I/O error, by tier and reason (unavailable: the "
+            "object store did not answer; storage: any other). The claim stays; the engine "
+            "recomputes those blocks.", (*lbl, "tier", "reason"), registry=r)
+        self.kvbm_tier_outages = Counter(
+            "switchyard_worker_kvbm_tier_outages",
+            "Times a KV tier stopped answering (the first unavailable reply after a success), by "
+            "tier. Meanwhile its demotions are dropped and its hits recomputed.",
+            (*lbl, "tier"), registry=r)
         #: Totals already counted, per (metric, labels): counters only go up by the difference.
         self._seen: dict[tuple, int] = {}
         self.staging_free = Gauge("switchyard_worker_staging_free_blocks", "Free staging slots of the NIXL region.",
@@ -99,6 +114,13 @@ class WorkerMetrics:
             elif k.startswith("write_errors_"):
                 tier, _, reason = k.removeprefix("write_errors_").partition("_")
                 self._advance(self.kvbm_write_errors, n, tier, reason)
+            elif k.startswith("read_errors_"):
+                tier, _, reason = k.removeprefix("read_errors_").partition("_")
+                self._advance(self.kvbm_read_errors, n, tier, reason)
+            elif k.startswith("unavailable_"):
+                self._advance(self.kvbm_tier_outages, n, k.removeprefix("unavailable_"))
+            elif k.endswith("_admission_refused"):
+                self._advance(self.kvbm_admission_refused, n, k.removesuffix("_admission_refused"))
         for (f, t), n in offloads.items():
             self._advance(self.kvbm_offload, n, f, t)
         for (f, t), n in onboards.items():

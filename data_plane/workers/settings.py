@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_plane.kvbm import KvbmSettings, S3Settings
+from data_plane.kvbm import AdmissionConfig, KvbmSettings, S3Settings
+from data_plane.kvbm.admission import MAX_MIN_USES
 from data_plane.vllm.serving import VllmEngineSettings
 from schemas.types import MAX_WORKER_ID_LEN, PoolName, WorkerId, WorkerRole
 
@@ -55,6 +56,10 @@ class WorkerSettings:
     host_blocks: int = 0
     disk_blocks: int = 0
     object_blocks: int | None = None
+    #: Uses a block needs before the KVBM writes it to disk (its admission filter: Dynamo's rule
+    #: is 2, see data_plane/kvbm/README.md); 1 admits every block. 1 here until the command line
+    #: exposes it and the vLLM tier tests, which push blocks used once down to disk, ask for it.
+    disk_admission_min_uses: int = 1
     #: S3-compatible endpoint and bucket of the object tier (needed when object_blocks > 0).
     s3_endpoint: str | None = None
     s3_bucket: str | None = None
@@ -130,6 +135,9 @@ class WorkerSettings:
                                     "loads every tier hit from the host pool")
         if self.load_interval_s <= 0:
             raise WorkerConfigError("load_interval_s must be > 0")
+        if not 1 <= self.disk_admission_min_uses <= MAX_MIN_USES:
+            raise WorkerConfigError(f"disk_admission_min_uses must be in 1..{MAX_MIN_USES} (1: every "
+                                    f"block is written to disk), got {self.disk_admission_min_uses}")
 
     def staging_blocks(self, device_blocks: int) -> int:
         """Staging slots for an engine with ``device_blocks`` device blocks."""
@@ -164,4 +172,5 @@ class WorkerSettings:
             # Synthetic content is the simulated engine's; vLLM's real bytes are checked by
             # the frame checksum alone.
             verify_synthetic_content=self.engine == "sim",
+            admission=AdmissionConfig(disk_min_uses=self.disk_admission_min_uses),
         )

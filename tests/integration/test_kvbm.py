@@ -18,6 +18,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from data_plane.kvbm import (
+    ADMIT_ALL,
     AsyncKvbm,
     KvBlockManager,
     KvbmSettings,
@@ -59,9 +60,11 @@ def s3(s3_endpoint) -> S3Settings:
 
 
 def _settings(tmp_path: Path, s3: S3Settings, **overrides) -> KvbmSettings:
+    # The cascade with every block admitted everywhere (the admission filter, on by default,
+    # has its own tests in tests/unit/test_kvbm_admission.py).
     fields = dict(worker_id=WORKER, bytes_per_block=BPB, block_size=16, hash_algo="xxh3_64:1",
                   host_capacity=2, disk_capacity=2, object_capacity=2, data_dir=tmp_path,
-                  s3=s3, verify_synthetic_content=True)
+                  s3=s3, verify_synthetic_content=True, admission=ADMIT_ALL)
     fields.update(overrides)
     return KvbmSettings(**fields)
 
@@ -397,3 +400,44 @@ def test_a_full_filesystem_under_the_disk_tier_loses_no_claim_and_recovers(tmp_p
         kvbm.close()
     finally:
         disk.unmount()
+
+
+def test_an_object_store_outage_keeps_claims_recomputes_and_recovers(tmp_path):
+    """A real S3-compatible server (its own, so stopping it touches no other test) goes away
+    with blocks in the object tier. Reads of them fail with TierUnavailable: the onboard stops
+    with "error" (the engine recomputes), the claim stays (the bytes are still in the bucket),
+    nothing is reported removed from object; demotions into object are dropped from disk
+    instead. Once the server is back on the same address the same block is served, verified."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3 = S3Settings(bucket=f"kvbm-{uuid.uuid4().hex[:12]}", endpoint_url=f"http://{host}:{port}",
+                    access_key_id="testing", secret_access_key="testing", create_bucket=True,
+                    max_attempts=1, connect_timeout_s=0.5)
+    sink = MemorySink()
+    kvbm = build_kvbm(_settings(tmp_path, s3, host_capacity=1, disk_capacity=1, object_capacity=4), sink)
+    try:
+        for h in (1, 2, 3):
+            kvbm.on_device_evicted(h)
+        assert kvbm.tiers_of(1) == (OBJECT,)
+        server.stop()
+        mark = len(sink.events)
+        res = kvbm.onboard([1], pin=False)
+        assert res.stop_reason == "error" and res.blocks == ()
+        assert kvbm.tiers_of(1) == (OBJECT,) and sink.events[mark:] == []
+        kvbm.on_device_evicted(4)  # 2: disk -> object cannot be written: dropped from disk
+        assert _compact(sink.events[mark:]) == [
+            ("removed", "disk", [2]), ("moved", "host", "disk", [3]), ("moved", "device", "host", [4])]
+        st = kvbm.stats()
+        assert st["read_errors_object_unavailable"] == 1 and st["write_errors_object_unavailable"] == 1
+        assert st["unavailable_object"] == 1
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        res = kvbm.onboard([1], pin=False)
+        assert res.found_by_tier() == {OBJECT: 1} and verify(1, kvbm.read_host(1))
+        # Making room for 1 in host pushed 4 to disk and 3 on to object, written this time; the
+        # log folds to what the stores hold.
+        assert claimed_persistent(sink.events, WORKER)[OBJECT] == [1, 3] == kvbm.scan_persistent()[OBJECT]
+    finally:
+        kvbm.close()
+        server.stop()

@@ -19,7 +19,7 @@ from data_plane.engines.tiers import (
     prefill_ms,
     tier_weights,
 )
-from data_plane.kvbm import KvbmSettings, build_kvbm
+from data_plane.kvbm import ADMIT_ALL, KvbmSettings, build_kvbm
 from data_plane.workers.onboard import KvbmTiers
 from kernel.log.sink import MemorySink
 from schemas.events import BlockRemoved, BlockStored
@@ -165,7 +165,7 @@ def _real_core(tmp_path: Path):
     manager = build_kvbm(KvbmSettings(
         worker_id="worker-0", bytes_per_block=256, block_size=BS, hash_algo=hc.hash_algo,
         host_capacity=2, disk_capacity=64, data_dir=tmp_path, verify_synthetic_content=True,
-        device_eviction_events=False), sink)
+        device_eviction_events=False, admission=ADMIT_ALL), sink)  # blocks used once reach disk
     # Test costs: no per-read latency on disk, so 4-token disk blocks are worth loading.
     costs = OnboardCosts(kv_bytes_per_token=64, links={HOST: TierLink(25e9), DISK: TierLink(5e9)})
     tiers = KvbmTiers(manager)
@@ -303,6 +303,24 @@ def test_coalesced_decode_runs_keep_their_results_with_tiers(seed):
     assert [r.onboarded_tokens for r in fast[2]] == [r.onboarded_tokens for r in slow[2]]
     assert {w: dict(vt.moves) for w, vt in fast[1].virtual_tiers.items()} == \
         {w: dict(vt.moves) for w, vt in slow[1].virtual_tiers.items()}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_coalesced_decode_runs_keep_their_results_with_the_admission_filter(seed):
+    """The same with the KVBM's disk admission filter in the tiers: it counts uses, not time,
+    so the coalesced and step-by-step runs still make every decision alike."""
+    from data_plane.engines.simulate import Cluster
+    from data_plane.kvbm import AdmissionConfig
+    from tests.unit.test_cluster_driver import _run, _same
+
+    prof, workers, reqs, opts, hooks_kw = _tiered_case(seed)
+    kw = dict(tiers={HOST: 4, DISK: 8}, tier_admission=AdmissionConfig())
+    fast = _run(Cluster, prof, workers, reqs, opts, hooks_kw, **kw)
+    slow = _run(Cluster, prof, workers, reqs, opts, hooks_kw, coalesce=False, **kw)
+    _same(fast, slow)
+    assert {w: (dict(vt.moves), dict(vt.admission_refused))
+            for w, vt in fast[1].virtual_tiers.items()} == \
+        {w: (dict(vt.moves), dict(vt.admission_refused)) for w, vt in slow[1].virtual_tiers.items()}
 
 
 def test_the_tiered_property_cases_do_onboard():

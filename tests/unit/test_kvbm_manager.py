@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from data_plane.kvbm import (
+    ADMIT_ALL,
+    AdmissionConfig,
     AsyncKvbm,
     KvBlockManager,
     KvbmError,
@@ -30,9 +32,11 @@ WORKER = "w1"
 
 
 def _settings(**overrides) -> KvbmSettings:
+    # The cascade with every block admitted everywhere; the admission filter (on by default) has
+    # its own tests in test_kvbm_admission.py.
     fields = dict(worker_id=WORKER, bytes_per_block=BPB, block_size=16, hash_algo="xxh3_64:1",
                   host_capacity=1, disk_capacity=1, object_capacity=1,
-                  verify_synthetic_content=True)
+                  verify_synthetic_content=True, admission=ADMIT_ALL)
     fields.update(overrides)
     return KvbmSettings(**fields)
 
@@ -488,10 +492,13 @@ _OPS = st.lists(st.tuples(st.sampled_from(_KINDS), _H, st.lists(_H, min_size=1, 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS, caps=st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(0, 3)),
-       policy=st.sampled_from(["lru", "lfu"]), keep=st.booleans())
-def test_events_always_replay_to_the_residency_and_capacity_holds(ops, caps, policy, keep):
+       policy=st.sampled_from(["lru", "lfu"]), keep=st.booleans(),
+       admission=st.sampled_from([ADMIT_ALL, AdmissionConfig(
+           disk_min_uses=2, object_min_uses=2, half_life_uses=8, max_entries=8)]))
+def test_events_always_replay_to_the_residency_and_capacity_holds(ops, caps, policy, keep,
+                                                                   admission):
     k = Kit(host_capacity=caps[0], disk_capacity=caps[1], object_capacity=caps[2],
-            policy=policy, onboard_keeps_source=keep)
+            policy=policy, onboard_keeps_source=keep, admission=admission)
     pins: list = []
     for op in ops:
         kind, h, prefix, tier = op

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from data_plane.kvbm import KvBlockManager, KvbmSettings
+from data_plane.kvbm import ADMIT_ALL, KvBlockManager, KvbmSettings
 from data_plane.kvbm.stores import HostStore, MemoryStore
 from data_plane.vllm import tier_protocol as proto
 from data_plane.vllm.connector import LoadSpec, SaveSpec, SchedulerSide, request_key
@@ -44,6 +44,8 @@ class WirePort:
 
 class Kit:
     def __init__(self, host: int = 8, disk: int = 16, **overrides) -> None:
+        # Every block admitted to disk (these tests push blocks used once down to it).
+        overrides.setdefault("admission", ADMIT_ALL)
         self.settings = KvbmSettings(worker_id="w1", bytes_per_block=BPB, block_size=BS, hash_algo="sha256",
                                      host_capacity=host, disk_capacity=disk, device_eviction_events=False,
                                      **overrides)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from data_plane.kvbm.errors import BlockMissing, StorageError
+from data_plane.kvbm.errors import BlockMissing, StorageError, TierUnavailable
 from schemas.types import BlockHash, Tier
 
 Buffer = bytes | bytearray | memoryview
@@ -48,16 +48,20 @@ def parse_block_name(name: str) -> BlockHash | None:
 
 @contextmanager
 def driver_errors(doing: str, driver: type[BaseException] | tuple[type[BaseException], ...], *,
-                  is_missing: Callable[[BaseException], bool] | None = None, missing: str = "") -> Iterator[None]:
+                  is_missing: Callable[[BaseException], bool] | None = None, missing: str = "",
+                  is_unavailable: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
     """Translate a backend's driver errors (``OSError``, botocore) into this package's, so the
     manager never has to know which backend failed: a ``driver`` error for which ``is_missing``
     holds becomes :class:`BlockMissing` (``missing`` is its message; the driver's traceback
-    adds nothing to "not there"), any other becomes ``StorageError("<doing>: <error>")``."""
+    adds nothing to "not there"), one for which ``is_unavailable`` holds becomes
+    :class:`TierUnavailable`, any other ``StorageError("<doing>: <error>")``."""
     try:
         yield
     except driver as e:
         if is_missing is not None and is_missing(e):
             raise BlockMissing(missing) from None
+        if is_unavailable is not None and is_unavailable(e):
+            raise TierUnavailable(f"{doing}: {e}") from e
         raise StorageError(f"{doing}: {e}") from e
 
 

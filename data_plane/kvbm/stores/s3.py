@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from data_plane.kvbm import frame
 from data_plane.kvbm.errors import StorageError
@@ -38,6 +39,22 @@ def _code(e: BaseException) -> str | None:
 def _absent(e: BaseException) -> bool:
     """The service said the bucket or key does not exist."""
     return _code(e) in _MISSING_CODES
+
+
+#: Replies that mean "not now" rather than "no": the service is down, overloaded or throttling.
+_UNAVAILABLE_CODES = frozenset({"ServiceUnavailable", "SlowDown", "InternalError", "RequestTimeout",
+                                "Throttling", "ThrottlingException", "RequestLimitExceeded"})
+
+
+def unavailable(e: BaseException) -> bool:
+    """The endpoint did not answer (no connection, a timeout, a dropped connection) or answered
+    that it cannot serve now (a 5xx or a throttling code), after botocore's own retries."""
+    if isinstance(e, (BotoConnectionError, HTTPClientError)):
+        return True
+    if isinstance(e, ClientError):
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return _code(e) in _UNAVAILABLE_CODES or status >= 500
+    return False
 
 
 def make_client(s3: S3Settings) -> Any:
@@ -97,24 +114,25 @@ class S3Store:
         return f"{self.prefix}{block_name(block_hash)}"
 
     def put(self, block_hash: BlockHash, data: Buffer) -> None:
-        with driver_errors(f"PUT block {block_hash:016x}", _DRIVER):
+        with driver_errors(f"PUT block {block_hash:016x}", _DRIVER, is_unavailable=unavailable):
             self.client.put_object(Bucket=self.bucket, Key=self.key_of(block_hash),
                                    Body=frame.encode(block_hash, data))
 
     def get(self, block_hash: BlockHash) -> memoryview:
         key = self.key_of(block_hash)
-        with driver_errors(f"GET block {block_hash:016x}", _DRIVER,
+        with driver_errors(f"GET block {block_hash:016x}", _DRIVER, is_unavailable=unavailable,
                            is_missing=_absent, missing=f"block {block_hash:016x}: no object {key}"):
             blob = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         return frame.decode(block_hash, blob, self.bytes_per_block)
 
     def delete(self, block_hash: BlockHash) -> None:
-        with driver_errors(f"DELETE block {block_hash:016x}", _DRIVER):
+        with driver_errors(f"DELETE block {block_hash:016x}", _DRIVER, is_unavailable=unavailable):
             self.client.delete_object(Bucket=self.bucket, Key=self.key_of(block_hash))
 
     def scan(self) -> dict[BlockHash, int]:
         found: dict[BlockHash, int] = {}
-        with driver_errors(f"listing s3://{self.bucket}/{self.prefix}", _DRIVER):
+        with driver_errors(f"listing s3://{self.bucket}/{self.prefix}", _DRIVER,
+                           is_unavailable=unavailable):
             pages = self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self.prefix)
             for page in pages:
