@@ -11,8 +11,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from control_plane.admin.audit.store import LocatedEvent
 from control_plane.admin.errors import Unavailable
+from kernel.log.reader import LocatedEvent
 from schemas import EnvelopeFactory
 from schemas.events import Event
 

@@ -21,7 +21,6 @@ import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from control_plane.admin.audit.store import LocatedEvent
 from control_plane.admin.auth import Principal, Role, expiry, issue_token
 from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import (
@@ -47,6 +46,7 @@ from control_plane.admin.shapes import (
     TokenRotate,
 )
 from control_plane.router import RouterConfig
+from kernel.log.reader import LocatedEvent
 from schemas.events import (
     AdminAction,
     Event,

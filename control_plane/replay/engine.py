@@ -43,10 +43,10 @@ from control_plane.router.view import RouterView
 from kernel.errors import LogReadError
 from kernel.log.catalog import Catalog
 from kernel.log.fold import FoldStats
-from kernel.log.reader import TP, LogReader, LogRecord, scan, scan_events
+from kernel.log.reader import TP, LocatedEvent, LogReader, LogRecord, scan, scan_events
 from kernel.settings import BusSettings
-from schemas import Envelope, EventCodec, SchemaError
-from schemas.events import Event, RequestAdmitted, RequestCompleted, RequestRouted
+from schemas import EventCodec, SchemaError
+from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted
 
 log = logging.getLogger(__name__)
 
@@ -133,25 +133,7 @@ class ConfigBook:
         return max([c.inflight_ttl_s for c in self.configs.values()] + [DEFAULT_TTL_S])
 
 
-@dataclass(frozen=True)
-class Located:
-    """A decoded event and where it sits in the log."""
-
-    env: Envelope[Event]
-    topic: str
-    partition: int
-    offset: int
-
-    @property
-    def at_ns(self) -> int:
-        return self.env.occurred_at_ns
-
-    @property
-    def position(self) -> str:
-        return f"{self.topic}:{self.partition}:{self.offset}"
-
-
-def router_streams(events) -> dict[str, list[Located]]:
+def router_streams(events) -> dict[str, list[LocatedEvent]]:
     """Each router incarnation's own events ("<router>@<epoch>"), in the order it published
     them: a producer stamps its events strictly increasing in time, whatever partition they
     went to (ties in older logs fall back to the log position). Routers are the producers of
@@ -159,7 +141,7 @@ def router_streams(events) -> dict[str, list[Located]]:
     part of a router's state."""
     evs = list(events)
     routers = {e.env.producer for e in evs if isinstance(e.env.data, RequestRouted)}
-    out: dict[str, list[Located]] = {}
+    out: dict[str, list[LocatedEvent]] = {}
     for e in evs:
         if e.env.producer in routers:
             out.setdefault(f"{e.env.producer}@{e.env.epoch}", []).append(e)
@@ -189,8 +171,8 @@ class Walk:
     items_seen: int = 0
     records_read: int = 0
     routers: set[str] = field(default_factory=set)
-    admissions: dict[str, Located] = field(default_factory=dict)
-    completions: dict[str, Located] = field(default_factory=dict)
+    admissions: dict[str, LocatedEvent] = field(default_factory=dict)
+    completions: dict[str, LocatedEvent] = field(default_factory=dict)
     #: The router view the walk rebuilt last (hash algorithm, block size) and its registry.
     view_algo: tuple[str, int] | None = None
     workers: dict[str, Any] = field(default_factory=dict)
@@ -420,11 +402,11 @@ class ReplayEngine:
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out, view
 
-    def _read_requests(self, starts: dict[TP, int], ends: dict[TP, int]) -> tuple[list[Located], int]:
+    def _read_requests(self, starts: dict[TP, int], ends: dict[TP, int]) -> tuple[list[LocatedEvent], int]:
         """The decodable records of request partitions from ``starts`` to ``ends`` (exclusive),
         partition by partition in offset order, and how many records were read (the ones that
         do not decode are read around, as every tool does)."""
-        located: list[Located] = []
+        located: list[LocatedEvent] = []
         read = 0
         bar = self.progress("reading requests", sum(max(e - starts[tp], 0) for tp, e in ends.items()))
         for (t, p), e in ends.items():
@@ -433,11 +415,11 @@ class ReplayEngine:
                 read += 1
                 env = self._decode(rec)
                 if env is not None:
-                    located.append(Located(env, t, p, rec.offset))
+                    located.append(LocatedEvent(env, t, p, rec.offset))
         bar.close()
         return located, read
 
-    def _ledgers_at(self, located: list[Located], configs: ConfigBook) -> dict:
+    def _ledgers_at(self, located: list[LocatedEvent], configs: ConfigBook) -> dict:
         """Each router incarnation's ledger after its last recorded event: the fold of its own
         events (the same :class:`RouterLedger` the live router keeps)."""
         out = {}
@@ -487,7 +469,7 @@ class ReplayEngine:
                 walk.completions[ev.request_id] = loc
         streams = router_streams(located)
 
-        def in_range(loc: Located) -> bool:
+        def in_range(loc: LocatedEvent) -> bool:
             return start[(loc.topic, loc.partition)] <= loc.offset < end[(loc.topic, loc.partition)]
 
         n_decisions = sum(1 for st in streams.values() for loc in st
@@ -498,7 +480,7 @@ class ReplayEngine:
             walk.routers.add(inc)
             # The router's own state, folded from its own events as it folded them live.
             ledger = RouterLedger(configs.ttl_s())
-            admitted: dict[str, Located] = {}
+            admitted: dict[str, LocatedEvent] = {}
             for loc in stream:
                 routed = loc.env.data
                 if isinstance(routed, RequestAdmitted):
@@ -514,7 +496,7 @@ class ReplayEngine:
         bar.close()
         return walk
 
-    def _decision_item(self, loc: Located, adm_loc: Located | None, ledger: RouterLedger, configs: ConfigBook,
+    def _decision_item(self, loc: LocatedEvent, adm_loc: LocatedEvent | None, ledger: RouterLedger, configs: ConfigBook,
                        views: dict, walk: Walk) -> WalkItem:
         """One recorded decision with its inputs rebuilt through the router's decision path:
         the view advanced to its ``index_position``, the router's ledger folded up to it."""
@@ -601,7 +583,7 @@ class ReplayEngine:
         return w.finish(walk, frm, to, configs=configs, profile=profile, simulate=simulate, progress=self.progress)
 
 
-def _record_of(ev: Located, adm: Located | None) -> DecisionRecord:
+def _record_of(ev: LocatedEvent, adm: LocatedEvent | None) -> DecisionRecord:
     env = ev.env
     return DecisionRecord(routed=env.data, admitted=adm.env.data if adm else None, at_ns=env.occurred_at_ns,
                           producer=env.producer, epoch=env.epoch, position=ev.position, event_id=env.event_id)

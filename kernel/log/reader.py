@@ -25,6 +25,7 @@ import logging
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -32,6 +33,8 @@ import msgspec
 
 from kernel.errors import LogReadError
 from kernel.settings import kafka_conf
+from schemas.envelope import Envelope
+from schemas.events import Event
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,24 @@ class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ts_ms: int
     key: bytes | None
     value: bytes | None
+
+
+@dataclass(frozen=True)
+class LocatedEvent:
+    """A decoded event and where it sits in the log (the audit store's rows, replay's folds)."""
+
+    env: Envelope[Event]
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def at_ns(self) -> int:
+        return self.env.occurred_at_ns
+
+    @property
+    def position(self) -> str:
+        return f"{self.topic}:{self.partition}:{self.offset}"
 
 
 class LogReader(Protocol):

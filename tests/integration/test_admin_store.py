@@ -14,7 +14,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import func, select
 
 from control_plane.admin.audit.consumer import AuditConsumer
-from control_plane.admin.audit.store import AuditStore, LocatedEvent
+from control_plane.admin.audit.store import AuditStore
 from control_plane.admin.db.models import (
     ApiToken,
     AuditEvent,
@@ -28,6 +28,7 @@ from control_plane.admin.db.models import (
 from control_plane.admin.db.session import make_engine, session_factory
 from control_plane.admin.wiring import migrate
 from kernel.log.kafka import EventProducer
+from kernel.log.reader import LocatedEvent
 from kernel.settings import BusSettings
 from schemas import EnvelopeFactory
 from schemas import events as ev

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.replay.engine import Located, router_streams
+from control_plane.replay.engine import router_streams
 from control_plane.replay.errors import BadPoint
 from control_plane.replay.points import parse_point
 from control_plane.replay.verify import DecisionRecord, check_table, decision_diffs, replayed_event
@@ -29,6 +29,7 @@ from control_plane.router import (
 )
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger, _entry_from_row
+from kernel.log.reader import LocatedEvent
 from schemas import EnvelopeFactory
 from schemas.events import (
     PrefillCompleted,
@@ -227,7 +228,7 @@ def test_the_fold_of_a_routers_log_equals_its_live_state_whatever_the_partition_
     f = EnvelopeFactory("r", 1, lambda: next(clock) * 1000)
     w = EnvelopeFactory("w1", 7, lambda: 5)
     live = RouterLedger(600.0)
-    log: list[Located] = []
+    log: list[LocatedEvent] = []
     open_: list[str] = []
     for i in range(rng.randrange(1, 60)):
         roll = rng.random()
@@ -247,13 +248,13 @@ def test_the_fold_of_a_routers_log_equals_its_live_state_whatever_the_partition_
         for ev in evs:
             env = _env(f, ev)
             live.apply(env)
-            log.append(Located(env, "t.requests", zlib.crc32(ev.request_id.encode()) % 3, len(log)))
+            log.append(LocatedEvent(env, "t.requests", zlib.crc32(ev.request_id.encode()) % 3, len(log)))
         if rng.random() < 0.2:  # a worker's PrefillCompleted for the same request, in the same topic
-            log.append(Located(_env(w, PrefillCompleted(request_id=rid, worker_id="w1", prompt_tokens=1,
+            log.append(LocatedEvent(_env(w, PrefillCompleted(request_id=rid, worker_id="w1", prompt_tokens=1,
                                                          duration_ms=1.0)), "t.requests", 0, len(log)))
     # Any interleaving that keeps each partition's order.
     parts = {p: [loc for loc in log if loc.partition == p] for p in range(3)}
-    mixed: list[Located] = []
+    mixed: list[LocatedEvent] = []
     while any(parts.values()):
         p = rng.choice([p for p, v in parts.items() if v])
         mixed.append(parts[p].pop(0))

@@ -35,9 +35,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from control_plane.admin.audit.store import AuditStore, IngestResult, LocatedEvent
+from control_plane.admin.audit.store import AuditStore, IngestResult
 from kernel.log.fold import apply_failed_reason
 from kernel.log.kafka import Delivered, EventConsumer
+from kernel.log.reader import LocatedEvent
 from kernel.settings import BusSettings
 
 log = logging.getLogger(__name__)

@@ -46,6 +46,7 @@ from control_plane.admin.db.models import (
     WorkerIncarnation,
     utcnow,
 )
+from kernel.log.reader import LocatedEvent
 from schemas import Envelope
 from schemas.events import Event, RouterKeyIssued, RouterKeyRevoked
 
@@ -55,14 +56,6 @@ _json = msgspec.json.Encoder()
 _PG_INSERT = text(
     "INSERT INTO audit_events SELECT * FROM jsonb_populate_recordset(NULL::audit_events, CAST(:rows AS jsonb)) "
     "ON CONFLICT (event_id) DO NOTHING RETURNING event_id")
-
-
-@dataclass(frozen=True)
-class LocatedEvent:
-    env: Envelope[Event]
-    topic: str
-    partition: int
-    offset: int
 
 
 @dataclass
