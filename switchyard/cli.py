@@ -331,6 +331,8 @@ def worker(
     data_dir: Annotated[Path, typer.Option(help="Worker data directory (disk tier under kvbm/g3).")] = Path("worker-data"),
     host_blocks: Annotated[int, typer.Option(help="Host DRAM tier (G2) capacity in blocks.")] = 0,
     disk_blocks: Annotated[int, typer.Option(help="Disk tier (G3) capacity in blocks.")] = 0,
+    disk_admission_min_uses: Annotated[int, typer.Option(
+        help="Uses a block needs before it is written to disk below the host tier (1: every block).")] = 2,
     object_blocks: Annotated[Optional[int], typer.Option(help="Object tier (G4) quota in blocks; default 1,000,000 with --s3-bucket, else 0.")] = None,
     s3_endpoint: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL of the object tier.")] = None,
     s3_bucket: Annotated[Optional[str], typer.Option(help="Bucket of the object tier.")] = None,
@@ -386,7 +388,7 @@ def worker(
             worker_id=worker_id, role=role, pool=pool, host=host, port=port, profile=profile,
             speedup=speedup, block_size=block_size, device_blocks=device_blocks, model=model,
             data_dir=data_dir, host_blocks=host_blocks, disk_blocks=disk_blocks,
-            object_blocks=object_blocks, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+            disk_admission_min_uses=disk_admission_min_uses, object_blocks=object_blocks, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
             bytes_per_block=bytes_per_block, transfer_blocks=transfer_blocks, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, ack_timeout_s=ack_timeout_s, load_interval_s=load_interval,
             drain_timeout_s=drain_timeout_s)

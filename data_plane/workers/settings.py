@@ -56,10 +56,9 @@ class WorkerSettings:
     host_blocks: int = 0
     disk_blocks: int = 0
     object_blocks: int | None = None
-    #: Uses a block needs before the KVBM writes it to disk (its admission filter: Dynamo's rule
-    #: is 2, see data_plane/kvbm/README.md); 1 admits every block. 1 here until the command line
-    #: exposes it and the vLLM tier tests, which push blocks used once down to disk, ask for it.
-    disk_admission_min_uses: int = 1
+    #: Uses a block needs before the KVBM writes it to disk (its admission filter, Dynamo's rule:
+    #: see data_plane/kvbm/README.md; ``--disk-admission-min-uses``); 1 admits every block.
+    disk_admission_min_uses: int = 2
     #: S3-compatible endpoint and bucket of the object tier (needed when object_blocks > 0).
     s3_endpoint: str | None = None
     s3_bucket: str | None = None

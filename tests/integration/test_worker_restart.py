@@ -2,7 +2,8 @@
 from the whole log (the oracle fold) equals what the worker really holds.
 
 The worker runs a tiny device cache (24 blocks) over host (8) and disk (48) tiers, so a few
-dozen distinct prompts push blocks device -> host -> disk. While requests are in flight it is
+dozen distinct prompts push blocks device -> host -> disk (every block: the disk admission
+filter is set to admit blocks used once, ``--disk-admission-min-uses 1``). While requests are in flight it is
 SIGKILLed; before the restart one disk block the log claims is corrupted and another deleted.
 The new incarnation must take a higher epoch, report those two ``BlockRemoved(disk)``, report
 its memory tiers empty, and register; then the oracle view (in either topic order) shows
@@ -32,7 +33,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
 WID = "w-restart"
 BS = 16
 ARGS = ("--speedup", "20", "--block-size", str(BS), "--device-blocks", "24", "--host-blocks", "8",
-        "--disk-blocks", "48", "--bytes-per-block", "4096", "--load-interval", "0.3")
+        "--disk-blocks", "48", "--disk-admission-min-uses", "1", "--bytes-per-block", "4096",
+        "--load-interval", "0.3")
 
 
 def oracle(records: list[Record], order: tuple[str, ...]) -> RouterView:

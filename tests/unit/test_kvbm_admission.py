@@ -445,9 +445,9 @@ def test_an_unreachable_object_store_drops_demotions_with_a_clear_error(caplog):
 def test_the_worker_passes_its_disk_admission_setting_to_the_kvbm():
     from data_plane.workers.settings import WorkerConfigError, WorkerSettings
 
-    s = WorkerSettings(worker_id="w", host_blocks=4, disk_blocks=8, disk_admission_min_uses=2)
+    s = WorkerSettings(worker_id="w", host_blocks=4, disk_blocks=8)
     assert s.kvbm_settings(block_size=16, hash_algo="sha256").admission == AdmissionConfig()
-    assert WorkerSettings(worker_id="w").kvbm_settings(
+    assert WorkerSettings(worker_id="w", disk_admission_min_uses=1).kvbm_settings(
         block_size=16, hash_algo="sha256").admission.disk_min_uses == 1
     with pytest.raises(WorkerConfigError, match="disk_admission_min_uses must be in 1..16"):
         WorkerSettings(worker_id="w", disk_admission_min_uses=0)

@@ -3,7 +3,8 @@ reproduces, the openai client streaming and not, prefix-sharing requests on the 
 router's predicted overlap equal to vLLM's own ``num_cached_tokens``, and SIGTERM drain.
 
 The second worker (``va-1``) also runs our KVBM as vLLM's tier backend
-(``--vllm-kv-connector switchyard``: host 128 blocks, disk 1,024, and a 96-block vLLM cache so
+(``--vllm-kv-connector switchyard``: host 128 blocks, disk 1,024 admitting blocks used once,
+and a 96-block vLLM cache so
 that vLLM evicts after a few requests): prefixes vLLM evicted come back from host and from
 disk with the same output tokens as a worker that recomputes them (``va-0``, the same seeded
 dummy weights), corrupt and missing disk blocks are recomputed and recorded, and after
@@ -52,6 +53,7 @@ from tests.vllm.conftest import (
 HASH = HashConfig(HashAlgo.SHA256, BLOCK)
 #: va-1: our tiers under vLLM, and a vLLM cache small enough to evict (96 blocks, 3,072 tokens).
 TIERS = ("--vllm-kv-connector", "switchyard", "--host-blocks", "128", "--disk-blocks", "1024",
+         "--disk-admission-min-uses", "1",
          "--vllm-args", json.dumps({"num_gpu_blocks_override": 96}))
 
 
