@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from data_plane.kvbm.errors import KvbmConfigError
 from schemas.types import TIER_ORDER, BlockHash, Tier
@@ -78,16 +78,20 @@ class AdmissionConfig:
     def enabled(self) -> bool:
         return any(n > 1 for n in self.min_uses.values())
 
+    def covering(self, capacities: Mapping[Tier, int]) -> AdmissionConfig:
+        """This config with ``half_life_uses`` and ``max_entries`` raised, where needed, to the
+        blocks of the tiers above each filtered tier (what :meth:`check_capacities` requires):
+        the defaults, sized for a host tier of up to 65,536 blocks, then fit any tier sizes."""
+        above = _blocks_above_filtered(self, capacities)
+        return replace(self, half_life_uses=max(self.half_life_uses, above),
+                       max_entries=max(self.max_entries, above))
+
     def check_capacities(self, capacities: Mapping[Tier, int]) -> None:
         """Refuse a filter that would refuse every block of a configured tier: a victim of the
         tiers above a filtered one was last used at least their capacity's worth of uses ago
         (LRU), so the filter must remember at least that many blocks, and its half-life must be
         at least that long, or every count has decayed or been dropped by the time it is asked."""
-        configured = [t for t in TIER_ORDER if t is not Tier.DEVICE and capacities.get(t, 0) > 0]
-        for i, tier in enumerate(configured):
-            if i == 0 or self.min_uses.get(tier, 1) <= 1:
-                continue  # the first tier is never filtered
-            above = sum(capacities[t] for t in configured[:i])
+        for tier, above in _filtered_tiers(self, capacities):
             for name in ("max_entries", "half_life_uses"):
                 if getattr(self, name) < above:
                     raise KvbmConfigError(
@@ -95,6 +99,18 @@ class AdmissionConfig:
                         f"the tiers above {tier.value}: a block those tiers evict would be "
                         f"forgotten or decayed before the filter is asked, so {tier.value} would "
                         f"refuse every block; raise {name} or set {tier.value}_min_uses to 1")
+
+
+def _filtered_tiers(config: AdmissionConfig, capacities: Mapping[Tier, int]) -> list[tuple[Tier, int]]:
+    """Each configured tier the filter guards (not the first: it is never filtered), with the
+    blocks of the configured tiers above it."""
+    configured = [t for t in TIER_ORDER if t is not Tier.DEVICE and capacities.get(t, 0) > 0]
+    return [(tier, sum(capacities[t] for t in configured[:i])) for i, tier in enumerate(configured)
+            if i > 0 and config.min_uses.get(tier, 1) > 1]
+
+
+def _blocks_above_filtered(config: AdmissionConfig, capacities: Mapping[Tier, int]) -> int:
+    return max((above for _, above in _filtered_tiers(config, capacities)), default=0)
 
 
 #: Admits every block: the behaviour before the filter existed.

@@ -13,7 +13,7 @@ from pathlib import Path
 from data_plane.kvbm import AdmissionConfig, KvbmSettings, S3Settings
 from data_plane.kvbm.admission import MAX_MIN_USES
 from data_plane.vllm.serving import VllmEngineSettings
-from schemas.types import MAX_WORKER_ID_LEN, PoolName, WorkerId, WorkerRole
+from schemas.types import MAX_WORKER_ID_LEN, PoolName, Tier, WorkerId, WorkerRole
 
 #: Object-tier quota when a bucket is given without one.
 DEFAULT_OBJECT_BLOCKS = 1_000_000
@@ -171,5 +171,8 @@ class WorkerSettings:
             # Synthetic content is the simulated engine's; vLLM's real bytes are checked by
             # the frame checksum alone.
             verify_synthetic_content=self.engine == "sim",
-            admission=AdmissionConfig(disk_min_uses=self.disk_admission_min_uses),
+            # Its table and half-life cover a host tier of any size.
+            admission=AdmissionConfig(disk_min_uses=self.disk_admission_min_uses).covering(
+                {Tier.HOST: self.host_blocks, Tier.DISK: self.disk_blocks,
+                 Tier.OBJECT: self.object_blocks or 0}),
         )

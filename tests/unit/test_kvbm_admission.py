@@ -451,3 +451,19 @@ def test_the_worker_passes_its_disk_admission_setting_to_the_kvbm():
         block_size=16, hash_algo="sha256").admission.disk_min_uses == 1
     with pytest.raises(WorkerConfigError, match="disk_admission_min_uses must be in 1..16"):
         WorkerSettings(worker_id="w", disk_admission_min_uses=0)
+
+
+def test_the_workers_filter_covers_a_host_tier_larger_than_its_defaults():
+    """A host tier of 200,000 blocks is above the default half-life (65,536) and table (131,072):
+    the KVBM alone refuses that config, the worker's filter is sized to cover it instead."""
+    from data_plane.workers.settings import WorkerSettings
+
+    with pytest.raises(KvbmConfigError, match="below the 200000 blocks of the tiers above disk"):
+        KvbmSettings(worker_id="w", bytes_per_block=BPB, block_size=16, hash_algo="xxh3_64:1",
+                     host_capacity=200_000, disk_capacity=400_000)
+    adm = WorkerSettings(worker_id="w", host_blocks=200_000, disk_blocks=400_000).kvbm_settings(
+        block_size=16, hash_algo="sha256").admission
+    assert (adm.disk_min_uses, adm.half_life_uses, adm.max_entries) == (2, 200_000, 200_000)
+    small = WorkerSettings(worker_id="w", host_blocks=4, disk_blocks=8).kvbm_settings(
+        block_size=16, hash_algo="sha256").admission
+    assert small == AdmissionConfig()
