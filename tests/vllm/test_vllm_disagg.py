@@ -6,6 +6,9 @@ the request still completes."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import httpx
 import openai
 import pytest
@@ -68,8 +71,6 @@ def _ended(bus: BusSettings, rid: str) -> list:
 def _session_cpu_s(sid: int) -> float:
     """CPU seconds used so far by every live process of session ``sid`` (a worker launched with
     ``start_new_session``: its engine core and model worker too)."""
-    import os
-
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -88,8 +89,6 @@ def test_idle_workers_leave_the_cores_alone(pd) -> None:
     UCX progress thread polls with a 0 ms timeout unless paced (data_plane/vllm/nixl_pacing.py):
     before that, these two burned both cores of this box while idle, and the tier failed its
     delivery and connect deadlines at random."""
-    import time
-
     prefill, decode, _ = pd
     sids = {w.worker_id: w.proc.pid for w in (prefill, decode)}
     windows: list[dict[str, float]] = []
