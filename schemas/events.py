@@ -183,6 +183,9 @@ class CandidateScore(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     excluded: str = ""
     #: The worker's device KV capacity in blocks as the router saw it (0 = unknown).
     kv_capacity_blocks: int = 0
+    #: Peer fetch: the worker holding the ``overlap_by_tier["peer"]`` blocks this one would pull
+    #: (empty when there is no peer reach). Added in place (a default, omitted when unset).
+    peer_from: WorkerId = ""
 
 
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -251,6 +254,10 @@ class KvTransferEvent(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tru
     blocks: int
     bytes: int
     backend: str
+    #: Why the blocks moved: "handoff" (prefill -> decode) or "peer_fetch" (a worker pulled a
+    #: prefix another worker holds, instead of recomputing it). Added in place (a default,
+    #: omitted when unset), so every earlier payload still decodes to the same event.
+    purpose: str = "handoff"
 
 
 class KvTransferStarted(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):

@@ -57,6 +57,14 @@ class AsyncKvbm:
         return await self._run(self.manager.onboard, block_hashes, pin=pin,
                                correlation_id=correlation_id)
 
+    async def copy_for_peer(self, block_hashes: Sequence[BlockHash], dest: Sequence[Any],
+                            on_device: Any = ()) -> list[Tier]:
+        return await self._run(self.manager.copy_for_peer, list(block_hashes), dest, on_device)
+
+    async def store_fetched(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, Any]], *,
+                            correlation_id: str | None = None) -> int:
+        return await self._run(self.manager.store_fetched, list(blocks), correlation_id=correlation_id)
+
     async def release(self, block_hashes: Sequence[BlockHash]) -> None:
         await self._run(self.manager.release, block_hashes)
 

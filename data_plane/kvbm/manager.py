@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -571,6 +571,61 @@ class KvBlockManager:
             self._stats[f"onboarded_{src.value}"] += 1
             return "ok"
         return outcome
+
+    def copy_for_peer(self, block_hashes: Sequence[BlockHash], dest: Sequence[Buffer],
+                      on_device: Collection[BlockHash] = ()) -> list[Tier]:
+        """Copy the leading run of ``block_hashes`` this worker holds in host or on the device
+        into ``dest`` (one writable buffer of ``bytes_per_block`` per block), for a peer to
+        READ; returns the tier each copied block came from. Host copies are the host slot's
+        bytes, copied under the lock (no eviction reuses the slot meanwhile); a block only on
+        the (simulated) device gets its synthetic content, as the prefill handoff's copy-out
+        does. ``on_device``: the engine's cached blocks, when it does not report them here.
+        No state change, no events."""
+        out: list[Tier] = []
+        with self._lock:
+            for h, row in zip(block_hashes, dest, strict=False):
+                if self._host is not None and self._res.holds(h, Tier.HOST):
+                    memoryview(row).cast("B")[:] = memoryview(self._host.get(h)).cast("B")
+                    out.append(Tier.HOST)
+                elif h in on_device or self._res.holds(h, Tier.DEVICE):
+                    content.fill(h, row)
+                    out.append(Tier.DEVICE)
+                else:
+                    break
+        return out
+
+    def store_fetched(self, blocks: Sequence[tuple[BlockHash, BlockHash | None, Buffer]], *,
+                      correlation_id: str | None = None) -> int:
+        """Blocks a peer sent (``(hash, parent, bytes)``, a chain from the root, each already
+        verified by the caller): written to host, reported ``BlockStored(host)``, so the engine's
+        next lookup onboards them to the device like any host hit. Returns how many of the
+        leading blocks are in host afterwards; it stops at the first that cannot be placed (no
+        host tier, every slot pinned, a write that failed). Making room never evicts another
+        block of ``blocks``."""
+        s = self.settings
+        protect = frozenset(h for h, _, _ in blocks)
+        n = 0
+        with self._call(correlation_id) as batch:
+            if self._host is None:
+                return 0
+            for h, parent, data in blocks:
+                if memoryview(data).nbytes != s.bytes_per_block:
+                    raise ValueError(f"block {h:016x}: {memoryview(data).nbytes} bytes, expected "
+                                     f"{s.bytes_per_block}")
+                self._res.set_parent(h, parent)
+                self._res.note_use(h)
+                if self._res.holds(h, Tier.HOST):
+                    self._res.touch(h, Tier.HOST)
+                    n += 1
+                    continue
+                adm = self._res.plan_admission(h, Tier.HOST, source=Tier.HOST, keep_source=True,
+                                               protect=protect)
+                if adm is None or not self._admit(batch, adm, data):
+                    break
+                batch.stored(Tier.HOST, h, parent)
+                self._stats["fetched_from_peer"] += 1
+                n += 1
+        return n
 
     def release(self, block_hashes: Iterable[BlockHash]) -> None:
         """Unpin host copies pinned by :meth:`onboard` (once per pin)."""

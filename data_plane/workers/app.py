@@ -35,6 +35,7 @@ import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import Depends, FastAPI, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +43,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from data_plane.workers.peer_fetch import PeerHoldRequest
 from data_plane.workers.service import CompletionInput, Run, Worker, WorkerError
 from kernel.tokenizer import HashTokenizer, Tokenizer
 
@@ -253,6 +255,16 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
         md = worker.plane.metadata()
         return Response(md.encode(), media_type="application/msgpack",
                         headers={"X-Nixl-Agent": md.agent_name})
+
+    @app.post("/kv/peer-hold", dependencies=Private)
+    async def kv_peer_hold(request: Request, worker: WorkerDep) -> JSONResponse:
+        """Hold the leading run of the asked blocks this worker has (host or device) in
+        staging slots for a peer to READ (``data_plane.workers.peer_fetch``)."""
+        try:
+            req = msgspec.json.decode(await request.body(), type=PeerHoldRequest)
+        except msgspec.DecodeError as e:
+            return JSONResponse(error_body(f"peer hold: {e}", "invalid_request_error", 400), 400)
+        return JSONResponse(await worker.peer_fetch.hold(req))
 
     @app.post("/admin/reset_prefix_cache", dependencies=Private)
     async def reset_prefix_cache(worker: WorkerDep) -> JSONResponse:

@@ -53,6 +53,7 @@ from data_plane.workers.handoff import (
     prefill_params,
 )
 from data_plane.workers.metrics import WorkerMetrics
+from data_plane.workers.peer_fetch import PeerFetch, PeerSource, parse_peer_source
 from data_plane.workers.peers import PeerDirectory
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import NotificationPoller, TransferPlane
@@ -230,6 +231,8 @@ class Worker:
         #: Set whenever staging slots are freed; a handoff waiting for slots re-tries then.
         self._slots_freed = asyncio.Event()
         self.last_pull_error = ""
+        #: Peers as a KV tier: holding blocks for a peer, fetching a prefix from one.
+        self.peer_fetch = PeerFetch(self)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -371,6 +374,7 @@ class Worker:
             return self._open_real(inp)
         try:
             decode = parse_decode_params(params)
+            peer = parse_peer_source(params) if decode is None else None
         except InvalidTransfer as e:
             raise BadRequest(str(e), "kv_transfer_params") from None
         if decode is not None and rid in self.holds and decode.handoff.agent_name == self.plane.agent_name:
@@ -406,13 +410,18 @@ class Worker:
                         reason=f"prefill held no KV: {params['reason']}"[:500], fallback="recompute"),
                         correlation_id=rid)
                 prefix = tuple(decode.first_token_ids[: inp.max_tokens - 1]) if decode else ()
-                stream = self.engine.submit(EngineRequest(
-                    request_id=rid, prompt=inp.prompt, max_tokens=inp.max_tokens,
-                    output_prefix=prefix, phase=RequestPhase.AGGREGATED))
-                run._gen = self._generate(run, stream, prefix)
+                req = EngineRequest(request_id=rid, prompt=inp.prompt, max_tokens=inp.max_tokens,
+                                    output_prefix=prefix, phase=RequestPhase.AGGREGATED)
+                if peer is not None:
+                    self.engine.validate(req)
+                    run._gen = self._peer_then_generate(run, req, peer)
+                else:
+                    stream = self.engine.submit(req)
+                    run._gen = self._generate(run, stream, prefix)
         except RequestRejected as e:
             raise BadRequest(str(e)) from None
-        run.in_engine = decode is None or not decode.blocks or is_prefill_request(params)
+        run.in_engine = (decode is None and peer is None) or (decode is not None and not decode.blocks) \
+            or is_prefill_request(params)
         self._inflight[rid] = run
         return run
 
@@ -437,6 +446,18 @@ class Worker:
         for i, t in enumerate(prefix):
             yield Token(i, t)
         async for tok in self._tokens(run, stream):
+            yield tok
+
+    async def _peer_then_generate(self, run: Run, req: EngineRequest, peer: PeerSource) -> AsyncIterator[Token]:
+        """Pull the prompt's prefix from a peer into the host tier, then run the request: the
+        engine onboards what arrived and recomputes the rest."""
+        await self.peer_fetch.fetch(run.request_id, peer, list(req.prompt))
+        try:
+            stream = self.engine.submit(req)
+        except RequestRejected as e:
+            raise Aborted(f"engine refused {run.request_id} after the peer fetch: {e}") from None
+        run.in_engine = True
+        async for tok in self._generate(run, stream, tuple(req.output_prefix)):
             yield tok
 
     # -- a real engine (vLLM): its KV connector moves the KV ----------------------------------
@@ -815,6 +836,7 @@ class Worker:
             "engine": {"running": st.running, "waiting": st.waiting, "held": st.held,
                        "free_blocks": st.free_blocks, "kv_usage": st.kv_usage},
             "transfers": dict(self.stats), "last_pull_error": self.last_pull_error,
+            "peer_fetch": {**self.peer_fetch.stats, "last_error": self.peer_fetch.last_error},
             "peers": {"from_log": self.peers.from_log, "from_side_channel": self.peers.from_side_channel},
             **({"vllm": self.engine.debug()} if hasattr(self.engine, "debug") else {}),
             "events_acked": self.producer.acked, "events_failed": len(self.producer.failed),

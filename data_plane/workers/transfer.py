@@ -53,6 +53,11 @@ class TransferPlane:
         for s, h in zip(slots, block_hashes, strict=True):
             content.fill(h, self._blocks[s])
 
+    def slot_rows(self, slots: Sequence[int]) -> list[np.ndarray]:
+        """Writable views of these slots (a holder copies blocks into them; a reader's slots
+        hold what it READ)."""
+        return [self._blocks[s] for s in slots]
+
     def poll(self) -> dict[PeerName, list[bytes]]:
         """Drain notifications; also drives READs peers issue against this region."""
         return self.endpoint.notifications()

@@ -61,7 +61,8 @@ S = TypeVar("S", bound=msgspec.Struct)
 
 #: What the three KvTransfer* events share.
 TRANSFER_FIELDS: dict[str, Any] = {"request_id": R, "transfer_id": "x-1", "src_worker": W,
-                                   "dst_worker": WorkerId("w-2"), "blocks": 3, "bytes": 3 * 2**21, "backend": "UCX"}
+                                   "dst_worker": WorkerId("w-2"), "blocks": 3, "bytes": 3 * 2**21, "backend": "UCX",
+                                   "purpose": "peer_fetch"}
 
 
 #: What v1 and v2 of WorkerLoadReported share (v2 only replaced ``kv_usage``).
@@ -86,6 +87,7 @@ SCORE_FIELDS: dict[str, Any] = {
     "speculative_overlap": 3,
     "excluded": "draining",
     "kv_capacity_blocks": 16384,
+    "peer_from": "w-9",
 }
 
 #: Per struct, one instance's fields: every optional one set to a non-default value.
