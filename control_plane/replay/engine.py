@@ -521,7 +521,7 @@ class ReplayEngine:
                 block_hashes=adm.block_hashes, block_size=adm.block_size,
                 expected_output_tokens=routed.expected_output_tokens or adm.max_tokens, phase=routed.phase,
                 attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
-                excluded=routed.excluded_workers)
+                excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0)
         except (ReplayError, LogReadError, NoEligibleWorker, ValueError) as e:
             item.error = f"error rebuilding state: {e}"
         walk.view_algo = key

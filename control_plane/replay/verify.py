@@ -42,7 +42,7 @@ from schemas.types import RequestPhase, WorkerRole
 
 #: Score-row columns that are *inputs* of the decision (as the router combined them).
 INPUT_COLUMNS = ("queued_prefill_tokens", "active_decode_blocks", "inflight_requests", "overlap_blocks",
-                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks")
+                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from")
 #: Columns that are outputs (computed from the inputs and the config).
 OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded")
 
@@ -146,8 +146,9 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
         workers.append(load)
         if mine is not None:
             inflight[row.worker_id] = mine
-        if row.overlap_blocks or row.stale:
-            overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale)
+        if row.overlap_blocks or row.stale or row.overlap_by_tier:
+            overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale,
+                                                               peer_from=row.peer_from)
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
                           rr_cursor=r.rr_cursor, rng_seed=r.rng_seed)
 

@@ -52,6 +52,14 @@ class TierWeights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     disk: float = 0.25
     #: Weight of a block resident in object storage (G4).
     object: float = 0.1
+    #: Weight of a block another worker holds in host or device memory, which the chosen
+    #: worker pulls over NIXL before its prefill (peers as a tier, ``data_plane.workers.
+    #: peer_fetch``). 0, the default, turns peer fetch off: the router then credits no peer
+    #: reach and sends no ``peer_fetch``. A 100 Gb/s NIC (12.5 GB/s) plus a hold round trip of
+    #: ~1 ms makes a 2 MiB block ~0.17 ms + its share of the round trip against ~0.6-1.5 ms to
+    #: recompute it: ~0.5-0.8 for long prefixes. Not bound by the tier order (a peer's DRAM over
+    #: RDMA can beat a local disk).
+    peer: float = 0.0
 
     def __post_init__(self) -> None:
         previous: tuple[Tier, float] | None = None
@@ -74,13 +82,16 @@ class TierWeights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     "must not be worth more than a faster one"
                 )
             previous = (tier, weight)
+        if not (isinstance(self.peer, (int, float)) and math.isfinite(self.peer) and 0.0 <= self.peer <= 1.0):
+            raise RouterConfigError(f"tier weight peer={self.peer!r} must be a finite number in [0, 1]")
 
     def weight(self, tier: Tier) -> float:
         return getattr(self, tier.value)
 
     def as_tuple(self) -> tuple[float, ...]:
-        """Weights in ``TIER_ORDER`` (fastest first)."""
-        return tuple(getattr(self, t.value) for t in TIER_ORDER)
+        """Weights in ``TIER_ORDER`` (fastest first), then the peer weight (the order of
+        ``WorkerOverlap.slots``)."""
+        return (*(getattr(self, t.value) for t in TIER_ORDER), self.peer)
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

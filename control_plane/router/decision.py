@@ -153,10 +153,26 @@ class WorkerOverlap(msgspec.Struct, frozen=True, kw_only=True):
     tiers: tuple[int, ...] = ()
     #: The index's view of this worker is not trusted to be current (lag, gap, new incarnation).
     stale: bool = False
+    #: Blocks beyond this worker's own match that another worker (``peer_from``) holds in host
+    #: or device memory, which this worker can pull over NIXL instead of recomputing
+    #: (``control_plane.router.inputs.with_peer_reach``). Weighted by ``TierWeights.peer`` and
+    #: laid after the worker's own tiers along the prefix. 0 when peer fetch is off.
+    peer: int = 0
+    peer_from: WorkerId = ""
 
     def __post_init__(self) -> None:
         if len(self.tiers) > len(TIER_ORDER) or any(c < 0 for c in self.tiers):
             raise InvalidRoutingInput(f"tier counts {self.tiers!r}: at most {len(TIER_ORDER)}, none negative")
+        if self.peer < 0 or (self.peer > 0) != bool(self.peer_from):
+            raise InvalidRoutingInput(f"peer reach {self.peer} from {self.peer_from!r}: a count >= 0, "
+                                      "and a source exactly when it is > 0")
+
+    def slots(self) -> tuple[int, ...]:
+        """The counts the cost weighs, in weight order: the tiers, then the peer reach (padded
+        so the peer count meets ``TierWeights.peer``)."""
+        if not self.peer:
+            return self.tiers
+        return (*self.tiers, *_ZEROS[len(self.tiers):], self.peer)
 
     @property
     def depth(self) -> int:
@@ -173,25 +189,35 @@ class WorkerOverlap(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_tiers(
-        cls, by_tier: Mapping[Tier | str, int] | Sequence[int], *, stale: bool = False
+        cls, by_tier: Mapping[Tier | str, int] | Sequence[int], *, stale: bool = False,
+        peer_from: WorkerId = "",
     ) -> WorkerOverlap:
         """Build from ``{Tier.HOST: 3, ...}``, ``{"host": 3, ...}`` or counts in
         ``TIER_ORDER`` (the prefix index's ``Match.by_tier``)."""
         if isinstance(by_tier, Mapping):
             counts = [0] * len(TIER_ORDER)
+            peer = 0
             for k, v in by_tier.items():
-                counts[TIER_INDEX[Tier(k)]] = int(v)
-            return cls(tiers=tuple(counts), stale=stale)
+                if k == PEER:
+                    peer = int(v)
+                else:
+                    counts[TIER_INDEX[Tier(k)]] = int(v)
+            return cls(tiers=tuple(counts), stale=stale, peer=peer, peer_from=peer_from if peer else "")
         return cls(tiers=tuple(by_tier), stale=stale)
 
     def by_tier(self) -> dict[str, int]:
         """Non-zero tiers by tier name (``CandidateScore.overlap_by_tier``). Built for every
         matched candidate of every decision: the few distinct count vectors of a moment come
-        from a cache (a copy of a small dict costs a fifth of building it)."""
-        return dict(_named_counts(self.tiers))
+        from a cache (a copy of a small dict costs a fifth of building it). The peer reach,
+        when there is one, is the key ``"peer"``."""
+        return dict(_named_counts(self.slots()))
 
 
-_TIER_NAMES = tuple(t.value for t in TIER_ORDER)
+#: The name of the peer reach in ``overlap_by_tier`` and reasons (not a ``Tier``: a peer's
+#: blocks are another worker's residency, reachable from here).
+PEER = "peer"
+_TIER_NAMES = (*(t.value for t in TIER_ORDER), PEER)
+_ZEROS = (0,) * len(TIER_ORDER)
 
 
 @lru_cache(maxsize=4096)
@@ -449,7 +475,7 @@ def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterCon
             # The index's blocks at positions [s, n_hash), weighted by tier, the tiers laid
             # along the prefix fastest first (see _real_segments, which states the same for
             # the reason).
-            counts = ov.tiers
+            counts = ov.tiers if not ov.peer else ov.slots()
             if s == 0 and sum(counts) <= n_hash:
                 # Every matched block counts: the dot product, summed left to right in C
                 # (reduce, not sum: sum() compensates float rounding on newer Pythons, and the
@@ -493,12 +519,14 @@ def _score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Ro
     declines the inputs (the caller then runs :func:`_score`, which also raises its errors)."""
     import switchyard_native  # only when selected: the specification runs without the build
 
+    if config.tier_weights.peer > 0 and any(ov.peer for ov in overlaps.values()):
+        return None  # the core weighs the four tiers only; the peer reach is the specification's
     t = _Scored(request, ordered, config)
     out = switchyard_native.score_kv(
         ordered, overlaps if type(overlaps) is dict else dict(overlaps),
         mine_by_worker if type(mine_by_worker) is dict else dict(mine_by_worker),
         request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
-        t.does_prefill, list(t.weights), config.stale_overlap_factor, config.load_combine == "max",
+        t.does_prefill, list(t.weights[:len(TIER_ORDER)]), config.stale_overlap_factor, config.load_combine == "max",
         config.prefill_load_scale)
     if out is None:
         return None
@@ -661,6 +689,7 @@ def _rows(t: _Scored, row_cost: list[float | None], probability: list[float | No
                 stale=ov.stale, prefill_blocks=prefill[i], decode_blocks=float(decode[i]), cost=row_cost[i],
                 probability=None if probability is None else probability[i], eligible=excluded[i] is None,
                 speculative_overlap=shared[i], excluded=excluded[i] or "", kv_capacity_blocks=w.kv_capacity_blocks,
+                peer_from=ov.peer_from,
             ))
     return tuple(rows)
 
@@ -685,8 +714,7 @@ def _real_segments(
     (count, tier name, weight); tiers laid along the prefix fastest first."""
     out = []
     pos = 0
-    for count, tier, weight in zip(ov.tiers, TIER_ORDER, weights):
-        name = tier.value
+    for count, name, weight in zip(ov.slots(), _TIER_NAMES, weights):
         start = max(pos, skip)
         end = min(pos + count, limit)
         pos += count

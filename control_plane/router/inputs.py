@@ -28,7 +28,7 @@ import msgspec
 import xxhash
 
 from control_plane.router.config import RouterConfig
-from control_plane.router.decision import Decision, RoutingRequest, WorkerLoad, WorkerOverlap, decide
+from control_plane.router.decision import NO_OVERLAP, Decision, RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, RouterLedger, role_of_phase
 from schemas.events import RequestRouted
@@ -78,8 +78,10 @@ def decision_inputs(
     attempt: int,
     now: float,
     excluded: Collection[str] = (),
+    peer_reach: bool = False,
 ) -> DecisionInputs:
-    """The inputs of one decision. Prepares the ledger for it (expiry at ``now``; a decode phase
+    """The inputs of one decision (``peer_reach``: credit each worker with the prefix a peer
+    holds, :func:`with_peer_reach`; on when the config's ``tier_weights.peer`` is above 0). Prepares the ledger for it (expiry at ``now``; a decode phase
     releases its prefill entry), exactly as folding the decision's ``RequestRouted`` will.
 
     Raises :class:`NoEligibleWorker`, with the ledger untouched, when the phase's role has no
@@ -97,10 +99,44 @@ def decision_inputs(
     ledger.prepare(request_id, phase, now)
     hashes = tuple(block_hashes)
     overlaps = dict(source.overlaps(hashes)) if phase is not RequestPhase.DECODE else {}
+    if peer_reach and overlaps:
+        overlaps = with_peer_reach(overlaps, workers)
     request = RoutingRequest(request_id=request_id, prompt_tokens=prompt_tokens, block_size=block_size,
                              block_hashes=hashes, expected_output_tokens=expected_output_tokens, phase=phase)
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
                           rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt))
+
+
+def with_peer_reach(overlaps: Mapping[WorkerId, WorkerOverlap], workers: Sequence[WorkerLoad]
+                    ) -> dict[WorkerId, WorkerOverlap]:
+    """Each candidate's overlap plus what a peer could send it: the prompt blocks beyond its own
+    match that the best holder among the other candidates has in device or host memory (the
+    tiers a peer serves; its match's leading tiers, laid fastest first). The holder is the one
+    with the longest such run, ties to the lowest id; it must be registered, not draining, and
+    its view not stale. Pure: the same candidates and matches give the same reach."""
+    holders: list[tuple[int, WorkerId]] = []
+    for w in workers:
+        ov = overlaps.get(w.worker_id)
+        if ov is None or ov.stale or not w.registered or w.draining:
+            continue
+        t = ov.tiers
+        reach = sum(t[:2])
+        if reach:
+            holders.append((-reach, w.worker_id))
+    if not holders:
+        return dict(overlaps)
+    holders.sort()
+    out = dict(overlaps)
+    for w in workers:
+        wid = w.worker_id
+        best = next(((-neg, hid) for neg, hid in holders[:2] if hid != wid), None)
+        if best is None:
+            continue
+        ov = overlaps.get(wid, NO_OVERLAP)
+        depth = sum(ov.tiers)
+        if best[0] > depth:
+            out[wid] = msgspec.structs.replace(ov, peer=best[0] - depth, peer_from=best[1])
+    return out
 
 
 class _Recorded:

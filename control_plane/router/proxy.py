@@ -27,6 +27,7 @@ import json
 import logging
 import statistics
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -270,7 +271,8 @@ class Router:
             inputs = decision_inputs(
                 self.view, self.ledger, request_id=adm.request_id, prompt_tokens=len(adm.tokens),
                 block_hashes=adm.hashes, block_size=self.hash_config.block_size,
-                expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now, excluded=excluded)
+                expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now, excluded=excluded,
+                peer_reach=self.config.tier_weights.peer > 0)
             t0 = time.perf_counter()
             d = execute(inputs, self.config)
         except NoEligibleWorker as e:
@@ -326,7 +328,7 @@ class Router:
                     stream, worker = await self._disaggregated(adm, excluded, attempt, handoff)
                 else:
                     ev, worker = self.decide(adm, RequestPhase.AGGREGATED, excluded, attempt)
-                    stream = self._stream_from(worker, adm, None)
+                    stream = self._stream_from(worker, adm, self._peer_params(ev))
                 outcome = _Tracker(worker.worker_id, adm.received_at)
                 async for chunk in stream:
                     if chunk.token_ids or chunk.text:
@@ -393,6 +395,21 @@ class Router:
         _, decode = self.decide(adm, RequestPhase.DECODE, excluded, attempt)
         self.admission.poke()
         return self._stream_from(decode, adm, params), decode
+
+    def _peer_params(self, ev: RequestRouted) -> dict | None:
+        """``kv_transfer_params`` naming the peer the chosen worker pulls its prefix from, when
+        the decision credited it with a peer's blocks (``CandidateScore.peer_from``)."""
+        row = next((r for r in ev.scores if r.worker_id == ev.worker_id), None)
+        if row is None or not row.peer_from:
+            return None
+        holder = self.view.workers.get(row.peer_from)
+        if holder is None or not holder.endpoint:
+            return None
+        u = urllib.parse.urlsplit(holder.endpoint)
+        if not u.hostname or not u.port:
+            return None
+        return {"peer_fetch": {"worker_id": row.peer_from, "host": u.hostname, "port": u.port,
+                               "blocks": row.overlap_blocks + row.overlap_by_tier.get("peer", 0)}}
 
     async def _stream_from(self, worker: WorkerState, adm: Admission, kv_params: dict | None) -> AsyncIterator[Chunk]:
         body = {"model": adm.model, "prompt": adm.tokens, "max_tokens": adm.max_tokens, "stream": True,
