@@ -33,7 +33,7 @@ from control_plane.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig, TierWeights
 from control_plane.simulation import AGGREGATED_8, run_cluster
 from data_plane.engines import load_profile
-from data_plane.engines.tiers import OnboardCosts, costs_for, tier_weights
+from data_plane.engines.tiers import OnboardCosts, costs_for, peer_weight, tier_weights
 from schemas.types import RoutingMode, Tier
 
 DEFAULT_TRACE = WHOLE_TRACE
@@ -43,19 +43,24 @@ DISK_BLOCKS = 8 * 16_384
 #: Dynamo's "unbounded" device cache per worker.
 DYNAMO_BIG_BLOCKS = 1 << 22
 
-CONFIGS: tuple[tuple[str, dict[Tier, int] | None], ...] = (
-    ("device only", None),
-    ("+host", {Tier.HOST: HOST_BLOCKS}),
-    ("+host+disk", {Tier.HOST: HOST_BLOCKS, Tier.DISK: DISK_BLOCKS}),
+#: (name, tiers per worker, peer fetch on)
+CONFIGS: tuple[tuple[str, dict[Tier, int] | None, bool], ...] = (
+    ("device only", None, False),
+    ("+host", {Tier.HOST: HOST_BLOCKS}, False),
+    ("+host+disk", {Tier.HOST: HOST_BLOCKS, Tier.DISK: DISK_BLOCKS}, False),
+    ("+host+disk+peer", {Tier.HOST: HOST_BLOCKS, Tier.DISK: DISK_BLOCKS}, True),
 )
 
 
-def derived_router_config(costs: OnboardCosts, profile_name: str = "mocker") -> RouterConfig:
-    """Our kv routing with tier weights derived from the engine's own onboarding cost."""
+def derived_router_config(costs: OnboardCosts, profile_name: str = "mocker", *, peer: bool = False) -> RouterConfig:
+    """Our kv routing with tier weights derived from the engine's own onboarding cost (and,
+    with ``peer``, the peer weight from the same cost: fetch over the peer link, then load
+    from host)."""
     prof = load_profile(profile_name)
     w = tier_weights(costs, prof.timing, prof.block_size)
     return RouterConfig(mode=RoutingMode.KV, tier_weights=TierWeights(
-        device=w[Tier.DEVICE], host=w[Tier.HOST], disk=w[Tier.DISK], object=w[Tier.OBJECT]))
+        device=w[Tier.DEVICE], host=w[Tier.HOST], disk=w[Tier.DISK], object=w[Tier.OBJECT],
+        peer=peer_weight(costs, prof.timing, prof.block_size) if peer else 0.0))
 
 
 def run_tiered(requests, tiers: dict[Tier, int] | None, config: RouterConfig,
@@ -73,6 +78,7 @@ def run_tiered(requests, tiers: dict[Tier, int] | None, config: RouterConfig,
     out["reuse_by_tier"] = {f: onboarded / prompt * n / total_loads for f, n in loads.items()} if total_loads else {}
     bpb = costs.kv_bytes_per_token * block_size
     out["bytes_moved"] = {f"{f}->{t}": n * bpb for (f, t), n in sorted(res.tier_moves.items())}
+    out["peer_fetches"] = res.router.peer_fetches
     return out
 
 
@@ -89,16 +95,19 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
     requests = load_requests(trace, limit, prof)
     costs = costs_for(prof.timing)
     config = derived_router_config(costs)
+    peer_config = derived_router_config(costs, peer=True)
     w = config.tier_weights
     print(f"tiers bench: {len(requests)} requests of {trace.name}, 8 aggregated mocker workers, virtual time")
     print(f"costs: {costs.kv_bytes_per_token / 1024:.0f} KiB/token; "
           + ", ".join(f"{t.value} {l.bandwidth_bytes_s / 1e9:g} GB/s + {l.latency_ms:g} ms"
                       for t, l in costs.links.items()))
     print(f"router tier weights (derived): device {w.device:.3f}, host {w.host:.3f}, disk {w.disk:.3f}, "
-          f"object {w.object:.3f}")
+          f"object {w.object:.3f}; peer {peer_config.tier_weights.peer:.3f} (peer link "
+          f"{costs.peer.bandwidth_bytes_s / 1e9:g} GB/s + {costs.peer.latency_ms:g} ms, then host -> device)")
     rows: dict[str, dict[str, Any]] = {}
-    for name, tiers in CONFIGS:
-        rows[f"ours kv, {name}"] = run_tiered(requests, tiers, config, costs, prof.block_size)
+    for name, tiers, peer in CONFIGS:
+        rows[f"ours kv, {name}"] = run_tiered(requests, tiers, peer_config if peer else config, costs,
+                                              prof.block_size)
     if dynamo:
         rows["dynamo kv_router"] = run_dynamo(trace, limit, AGGREGATED_8, "kv_router")
         t0 = time.perf_counter()
@@ -126,12 +135,16 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
         if r.get("bytes_moved"):
             print(f"bytes moved, {name}: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in r["bytes_moved"].items()))
 
+    peered = rows["ours kv, +host+disk+peer"]
+    print(f"peer fetches, +host+disk+peer: {peered['peer_fetches']}")
     tiered = rows["ours kv, +host+disk"]
-    result = {"reuse_tiered": tiered["reuse"]}
+    result = {"reuse_tiered": tiered["reuse"], "reuse_peer": peered["reuse"]}
     if dynamo:
         d, big = rows["dynamo kv_router"], rows["dynamo kv_router, unbounded device"]
         result.update(reuse_dynamo=d["reuse"], reuse_dynamo_bigcache=big["reuse"],
                       ttft_p99_gain_vs_dynamo=d["ttft_p99_ms"] / tiered["ttft_p99_ms"],
-                      ttft_p50_gain_vs_dynamo=d["ttft_p50_ms"] / tiered["ttft_p50_ms"])
+                      ttft_p50_gain_vs_dynamo=d["ttft_p50_ms"] / tiered["ttft_p50_ms"],
+                      ttft_p99_gain_peer_vs_dynamo=d["ttft_p99_ms"] / peered["ttft_p99_ms"],
+                      ttft_p50_gain_peer_vs_dynamo=d["ttft_p50_ms"] / peered["ttft_p50_ms"])
     print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in result.items()))
     return {"rows": rows, "result": result}

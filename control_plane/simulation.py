@@ -91,6 +91,9 @@ class RouterStats:
     chose_best_match: int = 0
     #: Decisions where some candidate had a non-zero index match.
     had_match: int = 0
+    #: Peer fetches the chosen workers ran, and the blocks they pulled.
+    peer_fetches: int = 0
+    peer_blocks: int = 0
 
 
 class SimRouter(Hooks):
@@ -142,6 +145,9 @@ class SimRouter(Hooks):
         #: A request's first phase: prefill when the cluster has prefill workers.
         self.entry_phase = (RequestPhase.PREFILL if WorkerRole.PREFILL in self.roles.values()
                             else RequestPhase.AGGREGATED)
+        #: The cluster it routes for (``run_cluster`` sets it): peer fetch reads the engines.
+        self.cluster: Cluster | None = None
+        self._peer: tuple[WorkerId, int] | None = None
 
     # -- the router's inputs (CandidateSource) -----------------------------------------------
 
@@ -205,7 +211,8 @@ class SimRouter(Hooks):
         now = now_ms / 1e3
         inputs = decision_inputs(self, self.ledger, request_id=request_id, prompt_tokens=prompt_tokens,
                                  block_hashes=hashes, block_size=self.block_size,
-                                 expected_output_tokens=max_tokens, phase=phase, attempt=0, now=now)
+                                 expected_output_tokens=max_tokens, phase=phase, attempt=0, now=now,
+                                 peer_reach=self.config.tier_weights.peer > 0)
         t0 = time.perf_counter()
         d = execute(inputs, self.config)
         st = self.stats
@@ -221,6 +228,8 @@ class SimRouter(Hooks):
             if got is not None and got.depth == best:
                 st.chose_best_match += 1
         self._record(routed_event(d, inputs, self.config, router_id=self.router_id, decided_at_s=now), now_ms)
+        chosen = inputs.overlaps.get(d.worker_id)
+        self._peer = (chosen.peer_from, chosen.depth + chosen.peer) if chosen is not None and chosen.peer else None
         return d.worker_id
 
     def first_token(self, request_id: str, worker_id: WorkerId, now_ms: float) -> None:
@@ -235,10 +244,48 @@ class SimRouter(Hooks):
 
     # -- the cluster driver's hooks ---------------------------------------------------------------
 
-    def arrive(self, request: EngineRequest, now: float) -> Placement:
+    def arrive(self, request: EngineRequest, now: float) -> Placement | None:
         rid = request.request_id
-        self.admit(rid, block_hashes(request), len(request.prompt), request.max_tokens, now)
-        return Placement(self.route(rid, self.entry_phase, now), request)
+        hashes = block_hashes(request)
+        self.admit(rid, hashes, len(request.prompt), request.max_tokens, now)
+        self._peer = None
+        wid = self.route(rid, self.entry_phase, now)
+        if self._peer is not None and self.cluster is not None:
+            ms = self._peer_fetch(wid, self._peer[0], hashes[: self._peer[1]])
+            if ms > 0:
+                cluster = self.cluster
+                cluster.schedule(now + ms, lambda t: cluster.place(wid, request, t), before_steps=True)
+                return None
+        return Placement(wid, request)
+
+    def _peer_fetch(self, wid: WorkerId, holder: WorkerId, hashes: Sequence[BlockHash]) -> float:
+        """The chosen worker pulls, from ``holder``, the leading blocks of ``hashes`` it lacks
+        and the holder has on its device or in host memory (the live worker's
+        ``PeerFetch.fetch``): they land in its host tier now; the request enters its engine
+        once the modelled transfer is over, and the engine onboards them from host. Returns
+        the transfer's modelled ms (0: nothing fetched)."""
+        cl = self.cluster
+        mine, theirs = cl.virtual_tiers.get(wid), cl.virtual_tiers.get(holder)
+        if mine is None or theirs is None:
+            return 0.0
+        own_pool, peer_pool = cl.core(wid).pool, cl.core(holder).pool
+        have = 0
+        for h in hashes:
+            if own_pool.get_cached_block(h) is None and not mine.holds_fast(h):
+                break
+            have += 1
+        run = []
+        for h in hashes[have:]:
+            if peer_pool.get_cached_block(h) is None and not theirs.holds_fast(h):
+                break
+            run.append(h)
+        if not run:
+            return 0.0
+        stored = mine.store_fetched(run, hashes[have - 1] if have else None)
+        st = self.stats
+        st.peer_fetches += 1
+        st.peer_blocks += stored
+        return (cl.onboard_costs or OnboardCosts()).peer_fetch_ms(stored, self.block_size)
 
     def hand_off(self, request: EngineRequest, worker: WorkerId, token: int, now: float) -> Placement:
         """The prompt's KV is computed and held: route the decode phase (its decision releases
@@ -383,6 +430,7 @@ def run_cluster(
     cluster = Cluster(prof, router, hash_config=hash_config, disaggregated=topology.disaggregated,
                       release_after_ms=0.0, load_report_ms=load_report_ms, kv_event_lag_ms=kv_event_lag_ms,
                       tiers=tiers, onboard_costs=onboard_costs)
+    router.cluster = cluster
     cores = [cluster.add_worker(wid, role) for wid, role in zip(ids, roles)]
     out = cluster.run(requests)
     disaggregated = topology.disaggregated

@@ -61,12 +61,27 @@ DEFAULT_LINKS: Mapping[Tier, TierLink] = {
 }
 
 
+#: A peer's host or device memory over the network into this worker's host memory (peer
+#: fetch): a 400 Gb/s RDMA NIC (50 GB/s, one per GPU on current GPU nodes) and ~1 ms for the
+#: hold request's round trip before the READ.
+DEFAULT_PEER_LINK = TierLink(50e9, 1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class OnboardCosts:
     """What a load from each tier costs: the links and the size of a token's KV."""
 
     kv_bytes_per_token: float = DEFAULT_KV_BYTES_PER_TOKEN
     links: Mapping[Tier, TierLink] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+    #: Fetching from a peer worker (network into host memory; the engine then onboards the
+    #: blocks from host like any host hit).
+    peer: TierLink = DEFAULT_PEER_LINK
+
+    def peer_fetch_ms(self, blocks: int, block_size: int) -> float:
+        """Time to pull ``blocks`` from a peer into host memory (latency once + bytes / bandwidth)."""
+        if blocks <= 0:
+            return 0.0
+        return self.peer.latency_ms + 1e3 * blocks * self.kv_bytes_per_token * block_size / self.peer.bandwidth_bytes_s
 
     def load_ms(self, blocks_by_tier: Mapping[Tier, int], block_size: int) -> float:
         """Time to bring these blocks to the device: per tier, latency + bytes / bandwidth."""
@@ -176,6 +191,20 @@ def tier_weights(costs: OnboardCosts, timing: TimingModel, block_size: int, *,
         out[tier] = w
         previous = w
     return out
+
+
+def peer_weight(costs: OnboardCosts, timing: TimingModel, block_size: int, *,
+                prompt_tokens: int = 4096) -> float:
+    """``TierWeights.peer`` from the same cost model: the fraction of a block's prefill a block
+    pulled from a peer saves, for a run of a ``prompt_tokens`` prompt's blocks (the round trip
+    shared over the run), after the fetch into host and the host -> device load; clamped to
+    [0, 1]."""
+    n = max(prompt_tokens // block_size, 1)
+    recompute = prefill_ms(timing, 0, prompt_tokens) - prefill_ms(timing, 0, prompt_tokens - block_size)
+    if recompute <= 0:
+        return 0.0
+    per_block = costs.peer_fetch_ms(n, block_size) / n + costs.load_ms({Tier.HOST: 1}, block_size)
+    return min(max(1.0 - per_block / recompute, 0.0), 1.0)
 
 
 # -- the port -------------------------------------------------------------------------------
@@ -305,6 +334,27 @@ class VirtualTiers:
             else:
                 self._emit(BlockRemoved(worker_id=self.worker_id, tier=tier, block_hashes=[victim]))
         lru[h] = parent
+
+    def holds_fast(self, block_hash: BlockHash) -> bool:
+        """In the first tier (host memory): what a peer can serve (a peer does not serve disk)."""
+        return bool(self.tiers) and self.tiers[0] is Tier.HOST and block_hash in self._lru[Tier.HOST]
+
+    def store_fetched(self, block_hashes: Sequence[BlockHash], parent: BlockHash | None) -> int:
+        """Blocks pulled from a peer, a chain after ``parent``: into the first tier (the KVBM's
+        ``store_fetched``), reported ``BlockStored``; returns how many are there afterwards."""
+        if not self.tiers or self.tiers[0] is not Tier.HOST:
+            return 0
+        lru = self._lru[Tier.HOST]
+        for h in block_hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                self._place(0, h, parent)
+                self.moves[("peer", Tier.HOST.value)] += 1
+                self._emit(BlockStored(worker_id=self.worker_id, tier=Tier.HOST, block_hashes=[h],
+                                       parent_hash=parent, block_size=self.block_size, hash_algo=self.hash_algo))
+            parent = h
+        return len(block_hashes)
 
     def load(self, block_hashes: Sequence[BlockHash]) -> LoadResult:
         sources: list[Tier] = []
