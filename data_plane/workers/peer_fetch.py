@@ -149,10 +149,13 @@ class PeerFetch:
         if want <= 0 or src.worker_id == w.worker_id:
             return 0
         hashes = hash_blocks(prompt[: want * bs], w.hash_config)
+        cached = getattr(w.engine, "cached_hashes", None)
+        on_device = cached() if cached is not None else set()
+        tiers = await w.kvbm.lookup(hashes)
         have = 0
-        for t in await w.kvbm.lookup(hashes):
-            if t not in (Tier.DEVICE, Tier.HOST):
-                break  # a slower local copy: the peer's may be cheaper, ask for it
+        for i, h in enumerate(hashes):
+            if h not in on_device and (i >= len(tiers) or tiers[i] not in (Tier.DEVICE, Tier.HOST)):
+                break  # missing, or only in a slower local tier: the peer's copy may be cheaper
             have += 1
         if have >= want:
             return 0

@@ -66,6 +66,12 @@ def test_a_prefix_is_pulled_from_a_peer_not_recomputed(pair, bus: BusSettings):
                for h in r.env.data.block_hashes]
         return done, host, dev
 
+    # Asked again, B already holds the prefix: nothing is pulled.
+    again = _client(b).completions.create(model="switchyard-sim", prompt=prompt, max_tokens=2,
+                                          extra_body={"kv_transfer_params": {"peer_fetch": peer}})
+    assert again.usage.prompt_tokens_details.cached_tokens == 8 * BS
+    assert b.state()["peer_fetch"]["peer_fetches_ok"] == 1
+
     wait_for(lambda: all(moved()), 15, "the peer fetch and its stores in the log")
     done, host, dev = moved()
     assert done[0].env.data.src_worker == a.worker_id and done[0].env.data.blocks == 8
