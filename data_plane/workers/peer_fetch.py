@@ -230,7 +230,7 @@ class PeerFetch:
         quarantine = False
         try:
             try:
-                await asyncio.to_thread(self._read, h, local)
+                await asyncio.to_thread(w._pull_blocking, h, local)  # noqa: SLF001 - the decode pull's steps
             except TransferTimeout as e:
                 quarantine = True  # NIXL may still write into these slots: never reuse them
                 w.stats["quarantined_slots"] += len(local)
@@ -250,19 +250,6 @@ class PeerFetch:
         finally:
             if not quarantine:
                 w._free_slots(local)  # noqa: SLF001
-
-    def _read(self, h: DecodeHandoff, local: list[int]) -> None:
-        """Metadata, READ, verify, notify (the decode pull's steps). Runs in a thread."""
-        w = self.w
-        ho = h.handoff
-        if not ho.readable(w._clock(), w.s.lease_margin_s):  # noqa: SLF001
-            raise TransferError(f"the holder's lease ends at {ho.expires_at:.3f}: too late to start a READ")
-        md = w.peers.lookup(ho.agent_name, h.remote_host, h.remote_port, w.s.transfer_timeout_s)
-        w.plane.read(md, ho.block_ids, local, w.s.transfer_timeout_s)
-        bad = w.plane.corrupt(local, h.block_hashes)
-        self._done(h)
-        if bad:
-            raise TransferError(f"{len(bad)} of {h.blocks} blocks failed verification (first: block {bad[0]})")
 
     def _done(self, h: DecodeHandoff) -> None:
         try:
