@@ -154,3 +154,53 @@ async def test_a_request_the_worker_cannot_take_is_a_4xx_that_never_blames_the_w
         assert all(w.routable for w in router.view.workers.values())
     finally:
         await _close(router, servers)
+
+
+async def _keep_alive_worker(close_after_answer: bool) -> tuple[asyncio.AbstractServer, int, list[int]]:
+    """A worker that answers each request with a chunked SSE stream whose end (the last chunk)
+    follows ``[DONE]`` a moment later, as uvicorn's does, and keeps the connection (or closes it
+    after each answer, without saying so). Returns (server, port, requests per connection)."""
+    served: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(0)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            served[-1] += 1
+            sse = b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(sse), sse))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            if close_after_answer:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], served
+
+
+@pytest.mark.parametrize("close_after_answer", [False, True], ids=["kept", "closed by the worker"])
+async def test_requests_reuse_a_connection_and_one_the_worker_closed_is_not_a_failure(close_after_answer) -> None:
+    """The router stops reading at ``[DONE]``; the rest of the answer is drained so the
+    connection is reused. A pooled connection the worker closed meanwhile is replaced by a new
+    one: the request is served, nothing is recorded against the worker."""
+    server, port, served = await _keep_alive_worker(close_after_answer)
+    router, sink, _ = await _router([])
+    router.view.workers["w"] = WorkerState(worker_id="w", epoch=1, role="aggregated", pool="p",
+                                           endpoint=f"http://127.0.0.1:{port}", capacity={"device": 1000})
+    try:
+        for i in range(4):
+            assert [c.text for c in await _collect(router, f"keep-{i}") if c.text] == ["a"]
+            await router.workers.drained()  # the connection is back in the pool
+        assert sink.of_type(RequestFailed) == []
+        assert served == ([4] if not close_after_answer else [1, 1, 1, 1]), served
+    finally:
+        await _close(router, [server])
