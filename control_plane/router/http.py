@@ -747,8 +747,8 @@ def create_app(ctx: RouterApp) -> FastAPI:
         return _error(exc.status_code, str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code, "invalid_request"), _error_type(exc.status_code), headers=exc.headers)
 
-    for route in _GENERATION:
-        app.router.routes.append(Route(route.path, _Generation(ctx, route), methods=["POST"]))
+    # First in the router's list: a request is matched against the routes in order.
+    app.router.routes[:0] = [Route(r.path, _Generation(ctx, r), methods=["POST"]) for r in _GENERATION]
     _component_schemas(app)
 
     @app.get("/v1/models")

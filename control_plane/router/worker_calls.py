@@ -2,8 +2,8 @@
 
 :class:`WorkerCalls` is what :class:`control_plane.router.proxy.Router` needs from the network:
 POST a JSON body to a worker and read the answer's status and body bytes, whole or as they
-arrive. Every way a call can fail at the transport is one :class:`CallFailed` subclass whose
-``code`` is the router's failure code (``connect_timeout``, ``worker_unreachable``, ``timeout``,
+arrive. Every way a call can fail at the transport is a :class:`CallFailed` whose ``code`` is
+the router's failure code (``connect_timeout``, ``worker_unreachable``, ``timeout``,
 ``worker_lost``); a request that cannot be put on the wire at all (an illegal header or URL) is
 :class:`Unsendable`, the request's fault and not the worker's. Each adapter translates its
 driver's errors into these, so the router classifies failures once, whatever the transport.
@@ -44,33 +44,14 @@ _ILLEGAL_HEADER = re.compile(r"[\r\n\x00]")
 
 
 class CallFailed(Exception):
-    """A call to a worker failed at the transport; ``code`` says how."""
+    """A call to a worker failed at the transport; ``code`` says how: ``connect_timeout`` or
+    ``worker_unreachable`` (the request never reached the worker), ``timeout`` (the worker
+    stopped answering for longer than the read timeout), ``worker_lost`` (the connection broke,
+    or the answer was not HTTP the client could read)."""
 
-    code = "worker_lost"
-
-
-class ConnectTimeout(CallFailed):
-    """No connection within the connect timeout (the request never reached the worker)."""
-
-    code = "connect_timeout"
-
-
-class Unreachable(CallFailed):
-    """The connection was refused or could not be made (the request never reached the worker)."""
-
-    code = "worker_unreachable"
-
-
-class CallTimeout(CallFailed):
-    """The worker stopped answering for longer than the read timeout."""
-
-    code = "timeout"
-
-
-class Lost(CallFailed):
-    """The connection broke, or the worker's answer was not HTTP the client could read."""
-
-    code = "worker_lost"
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
 
 
 class Unsendable(Exception):
@@ -213,14 +194,14 @@ async def _mark_reused(session: aiohttp.ClientSession, trace: object, params: ob
 
 def _translated(e: BaseException) -> CallFailed:
     if isinstance(e, aiohttp.ConnectionTimeoutError):
-        cls: type[CallFailed] = ConnectTimeout
+        code = "connect_timeout"
     elif isinstance(e, aiohttp.ClientConnectorError):
-        cls = Unreachable
+        code = "worker_unreachable"
     elif isinstance(e, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
-        cls = CallTimeout
+        code = "timeout"
     else:  # disconnected, reset, a malformed answer
-        cls = Lost
-    return cls(f"{type(e).__name__}: {e}".rstrip(": "))
+        code = "worker_lost"
+    return CallFailed(code, f"{type(e).__name__}: {e}".rstrip(": "))
 
 
 @dataclass

@@ -13,6 +13,7 @@ from control_plane.router import RouterConfig
 from control_plane.router.admission import AdmissionConfig
 from control_plane.router.proxy import Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
+from control_plane.router.worker_calls import DRAIN_S
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.sink import MemorySink
 from kernel.net import free_port
@@ -54,7 +55,8 @@ async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
-async def _router(kinds: list[str], *, max_attempts: int = 3) -> tuple[Router, MemorySink, list]:
+async def _router(kinds: list[str], *, max_attempts: int = 3, read_timeout_s: float = 0.5
+                  ) -> tuple[Router, MemorySink, list]:
     view = RouterView("sha256", 16)
     servers = []
     for i, kind in enumerate(kinds):
@@ -66,7 +68,7 @@ async def _router(kinds: list[str], *, max_attempts: int = 3) -> tuple[Router, M
     sink = MemorySink()
     router = Router(router_id="r-test", view=view, producer=sink, config=RouterConfig(),
                     hash_config=HashConfig(HashAlgo.SHA256, 16), max_attempts=max_attempts,
-                    connect_timeout_s=1.0, read_timeout_s=0.5)
+                    connect_timeout_s=1.0, read_timeout_s=read_timeout_s)
     return router, sink, servers
 
 
@@ -202,5 +204,40 @@ async def test_requests_reuse_a_connection_and_one_the_worker_closed_is_not_a_fa
             await router.workers.drained()  # the connection is back in the pool
         assert sink.of_type(RequestFailed) == []
         assert served == ([4] if not close_after_answer else [1, 1, 1, 1]), served
+    finally:
+        await _close(router, [server])
+
+
+async def test_a_stream_the_router_gives_up_on_closes_the_worker_connection() -> None:
+    """The client went away after a token: the router closes the worker's connection (never
+    drains or pools it), which is how an engine learns to stop generating for it."""
+    gone = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        sse = b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": null}]}\n\n'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"%x\r\n%s\r\n" % (len(sse), sse))
+        await writer.drain()
+        if await reader.read() == b"":  # still generating, until the router hangs up
+            gone.set()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    router, sink, _ = await _router([], read_timeout_s=60)  # no read timeout ends it for the router
+    router.view.workers["w"] = WorkerState(worker_id="w", epoch=1, role="aggregated", pool="p",
+                                           endpoint=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                           capacity={"device": 1000})
+    try:
+        adm = router.admit(request_id="gone-1", model="m", tokens=list(range(40)), max_tokens=2, stream=True,
+                           endpoint="completions")
+        await router.queue(adm)
+        stream = router.serve(adm)
+        assert (await stream.__anext__()).text == "a"
+        await stream.aclose()  # what the HTTP front does when its client is gone
+        await asyncio.wait_for(gone.wait(), timeout=DRAIN_S / 2)  # closed, not drained
+        assert [f.code for f in sink.of_type(RequestFailed)] == ["client_cancelled"]
     finally:
         await _close(router, [server])

@@ -24,7 +24,7 @@ from control_plane.router.http import RouterApp, RouterMetrics, create_app
 from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
-from control_plane.router.worker_calls import MemoryReply, MemoryWorkerCalls, Unreachable, WorkerCall
+from control_plane.router.worker_calls import CallFailed, MemoryReply, MemoryWorkerCalls, WorkerCall
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
 from kernel.log.sink import MemorySink
 from schemas.events import (
@@ -75,7 +75,7 @@ def unreachable() -> Answer:
     """A worker whose port refuses the connection: the request never reached it."""
 
     def answer(body: dict) -> MemoryReply:
-        raise Unreachable("[Errno 111] Connection refused")
+        raise CallFailed("worker_unreachable", "[Errno 111] Connection refused")
 
     return answer
 
