@@ -127,7 +127,10 @@ class HttpWorkerCalls:
         for last in (False, True):
             call: dict = {}
             try:
-                response = await session.post(url, data=body, headers=headers, trace_request_ctx=call)
+                # Never follow a redirect: it would carry the body and the worker credential
+                # elsewhere (a 3xx is answered as it is, an answer without [DONE]).
+                response = await session.post(url, data=body, headers=headers, trace_request_ctx=call,
+                                              allow_redirects=False)
                 break
             except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as e:
                 raise Unsendable(f"{type(e).__name__}: {e}") from None

@@ -38,6 +38,9 @@ async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
             body = b'{"error": {"message": "token id out of vocabulary"}}'
             writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        elif kind == "redirect":  # followed, it would fail as worker_unreachable (nothing listens there)
+            writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://127.0.0.1:%d/v1/completions\r\n"
+                         b"content-length: 0\r\n\r\n" % free_port())
         elif kind == "error":
             body = b'{"error": "boom"}'
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
@@ -87,7 +90,8 @@ async def _close(router: Router, servers: list) -> None:
 
 
 @pytest.mark.parametrize(("kind", "code"), [("refuse", "worker_unreachable"), ("stall", "timeout"),
-                                             ("reset", "worker_lost"), ("error", "worker_error")])
+                                             ("reset", "worker_lost"), ("error", "worker_error"),
+                                             ("redirect", "worker_lost")])
 async def test_each_failure_before_the_first_token_is_a_recorded_503(kind: str, code: str) -> None:
     router, sink, servers = await _router([kind])
     try:
