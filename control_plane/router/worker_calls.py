@@ -116,7 +116,8 @@ class HttpWorkerCalls:
                                                keepalive_timeout=KEEP_ALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.read_timeout_s + self.connect_timeout_s,
                                               sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s),
-                headers=self._headers, skip_auto_headers=("Accept-Encoding",), trace_configs=[reuse])
+                headers=self._headers, skip_auto_headers=("Accept-Encoding",), trace_configs=[reuse],
+                cookie_jar=aiohttp.DummyCookieJar())  # workers set none; no state between calls
         return self._session
 
     @asynccontextmanager
