@@ -2,7 +2,7 @@
 
 ``SWITCHYARD_INDEX=native`` (the default) selects the Rust core in ``native/`` for both hot
 paths: :class:`~control_plane.index.native.NativePrefixIndex` for the prefix index, and
-``switchyard_native.score_kv`` for the kv terms of every routing candidate
+``switchyard_native.decide_kv`` for the kv terms, guards and argmin of every routing decision
 (:func:`control_plane.router.decision.decide`). ``SWITCHYARD_INDEX=reference`` selects the
 pure-Python executable specifications of both, :class:`~control_plane.index.prefix_index.PrefixIndex`
 and ``decision._score``, for debugging. The two index implementations fold the same events to

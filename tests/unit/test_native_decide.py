@@ -1,12 +1,13 @@
-"""The native kv scoring (``native/src/decide.rs``) against the specification (``decision._score``).
+"""The native kv decision (``native/src/decide.rs``) against the specification (``decision._score``
+and ``decision._pick``).
 
-``decide(..., native=True)`` scores every candidate in Rust; ``native=False`` runs the pure-Python
-loop. For random decision inputs (1..300 candidates with random loads, roles, drains and
-capacities; overlaps per tier, some stale; in-flight loads with speculative overlap; configs
-with every mode, tier weights, load combine, guards, temperature; seeds and cursors) the two
-must give the same ``Decision``: equal as values and byte-identical when encoded (so every
-float is the same double). The native run is made with the Python loop disabled, so an
-agreement cannot come from a silent fallback.
+``decide(..., native=True)`` scores every candidate, applies the guards and finds the kv argmin
+in Rust; ``native=False`` runs the pure-Python steps. For random decision inputs (1..300
+candidates with random loads, roles, drains and capacities; overlaps per tier, some stale;
+in-flight loads with speculative overlap; configs with every mode, tier weights, load combine,
+guards, temperature; seeds and cursors) the two must give the same ``Decision``: equal as
+values and byte-identical when encoded (so every float is the same double). The native run is
+made with the Python steps disabled, so an agreement cannot come from a silent fallback.
 """
 
 from __future__ import annotations
@@ -110,8 +111,16 @@ def _both(request, workers, config, seed, overlaps, inflight, cursor):
         except (NoEligibleWorker, InvalidRoutingInput) as e:
             return type(e), str(e)
 
+    def pick_only_when_none_eligible(t, config):
+        # The native core computes the pick whenever a candidate is eligible; the specification's
+        # _pick runs on the native path only to find that none is.
+        assert all(x is not None for x in t.excluded), "native pick fell back"
+        return spec_pick(t, config)
+
+    spec_pick = decision._pick
     reference = run(False)
-    with mock.patch.object(decision, "_score", side_effect=AssertionError("native scoring fell back")):
+    with mock.patch.object(decision, "_score", side_effect=AssertionError("native scoring fell back")), \
+            mock.patch.object(decision, "_pick", side_effect=pick_only_when_none_eligible):
         native = run(True)
     return reference, native
 
