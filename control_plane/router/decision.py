@@ -77,6 +77,7 @@ from itertools import repeat
 from operator import add, attrgetter, mul
 
 import msgspec
+from msgspec.structs import astuple
 
 from control_plane.index.select import native_core
 from control_plane.router.config import RouterConfig
@@ -243,6 +244,19 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_capacity_blocks: int = 0
 
 
+#: Where ``decide_kv`` finds each field it reads in ``msgspec.structs.astuple(WorkerLoad)``.
+_LOAD_AT = tuple(WorkerLoad.__struct_fields__.index(f) for f in (
+    "worker_id", "role", "registered", "draining", "queued_prefill_tokens", "active_decode_blocks",
+    "inflight_requests", "kv_capacity_blocks"))
+#: Where ``decide_kv`` puts each score row field it fills in ``CandidateScore``'s positional
+#: arguments: the leading 15 fields, so the rest (``peer_from``) keep their defaults.
+_ROW_AT = tuple(CandidateScore.__struct_fields__.index(f) for f in (
+    "worker_id", "overlap_blocks", "overlap_by_tier", "queued_prefill_tokens", "active_decode_blocks",
+    "inflight_requests", "stale", "prefill_blocks", "decode_blocks", "cost", "probability", "eligible",
+    "speculative_overlap", "excluded", "kv_capacity_blocks"))
+assert sorted(_ROW_AT) == list(range(len(_ROW_AT))), "decide_kv fills CandidateScore's leading fields"
+
+
 # ----------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------
@@ -393,9 +407,9 @@ def decide(
 class _Scored:
     """Every candidate's terms, by position in id order (what the rows and the reason show)."""
 
-    __slots__ = ("active", "config", "cost", "decode", "does_prefill", "excluded", "in_flight", "matched", "n",
-                 "n_hash", "ordered", "overlap_w", "pick", "prefill", "queued", "request", "request_blocks", "shared",
-                 "weights")
+    __slots__ = ("active", "by_tier", "config", "cost", "decode", "decode_f", "does_prefill", "excluded",
+                 "in_flight", "matched", "n", "n_hash", "ordered", "overlap_blocks", "overlap_w", "pick", "prefill",
+                 "queued", "request", "request_blocks", "rows", "shared", "stale", "weights")
 
     def __init__(self, request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig) -> None:
         n = len(ordered)
@@ -407,24 +421,37 @@ class _Scored:
         self.request_blocks = request.request_blocks
         self.does_prefill = request.phase is not RequestPhase.DECODE
         self.weights = config.tier_weights.as_tuple()
-        self.queued = [0] * n
-        self.active = [0] * n
-        self.in_flight = [0] * n
-        self.shared = [0] * n
-        self.overlap_w = [0.0] * n
-        self.prefill = [0.0] * n
-        self.decode = [0] * n
-        self.cost = [0.0] * n
+        # The terms, filled by _score or the native core.
+        self.queued: list[int]
+        self.active: list[int]
+        self.in_flight: list[int]
+        self.shared: list[int]
+        self.overlap_w: list[float]
+        self.prefill: list[float]
+        self.decode: list[int]
+        self.cost: list[float]
+        self.matched: list[WorkerOverlap | None]
         self.excluded: list[str | None] = [None] * n
-        self.matched: list[WorkerOverlap | None] = [None] * n
         #: The native core's :class:`_Pick`, when it computed one (else :func:`_pick` does).
         self.pick: _Pick | None = None
+        #: The rows' overlap columns (matched blocks, by tier, stale) and the decode term as a
+        #: float, when the native core made them (else :func:`_rows` does).
+        self.overlap_blocks: list[int] | None = None
+        self.by_tier: list[dict[str, int]] | None = None
+        self.stale: list[bool] | None = None
+        self.decode_f: list[float] | None = None
+        #: The score rows, when the native core built them (kv argmin; excluded ones unworded).
+        self.rows: tuple[CandidateScore, ...] | None = None
 
 
 def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
            overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad]) -> _Scored:
     """The kv cost's terms for every candidate (the module docstring's formula)."""
     t = _Scored(request, ordered, config)
+    n = t.n
+    t.queued, t.active, t.in_flight, t.shared, t.decode = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
+    t.overlap_w, t.prefill, t.cost = [0.0] * n, [0.0] * n, [0.0] * n
+    t.matched = [None] * n
     n_hash = t.n_hash
     block_size = request.block_size
     prompt_tokens = request.prompt_tokens
@@ -518,27 +545,28 @@ def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterCon
 def _score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
                   overlaps: Mapping[WorkerId, WorkerOverlap],
                   mine_by_worker: Mapping[WorkerId, InflightLoad]) -> _Scored | None:
-    """:func:`_score`'s terms and :func:`_pick`'s numbers from the Rust core
-    (``native/src/decide.rs``); None when the core declines the inputs (the caller then runs
-    :func:`_score`, which also raises its errors)."""
+    """:func:`_score`'s terms, :func:`_pick`'s numbers and the rows' overlap columns from the Rust
+    core (``native/src/decide.rs``); None when the core declines the inputs (a peer reach among
+    them included: the core weighs the four tiers only), and the caller then runs
+    :func:`_score`, which also raises its errors."""
     import switchyard_native  # only when selected: the specification runs without the build
 
-    if config.tier_weights.peer > 0 and any(ov.peer for ov in overlaps.values()):
-        return None  # the core weighs the four tiers only; the peer reach is the specification's
     t = _Scored(request, ordered, config)
     kv = config.mode is RoutingMode.KV
+    argmin = kv and config.temperature == 0.0
     out = switchyard_native.decide_kv(
-        ordered, overlaps if type(overlaps) is dict else dict(overlaps),
-        mine_by_worker if type(mine_by_worker) is dict else dict(mine_by_worker),
+        list(map(astuple, ordered)), _LOAD_AT, overlaps if type(overlaps) is dict else dict(overlaps), mine_by_worker,
         request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
-        t.does_prefill, list(t.weights[:len(TIER_ORDER)]), config.stale_overlap_factor, config.load_combine == "max",
+        t.does_prefill, t.weights[:len(TIER_ORDER)], config.stale_overlap_factor, config.load_combine == "max",
         config.prefill_load_scale, config.capacity_guard,
         (config.imbalance_abs_threshold, config.imbalance_rel_threshold) if kv and config.imbalance_guard else None,
-        kv and config.temperature == 0.0)
+        argmin, (CandidateScore, _ROW_AT) if argmin else None)
     if out is None:
         return None
-    (t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost, t.matched,
-     ineligible, pick) = out
+    ((t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost), t.matched,
+     ineligible, pick, t.rows, row_columns) = out
+    if row_columns is not None:
+        t.overlap_blocks, t.by_tier, t.stale, t.decode_f = row_columns
     phase_value = request.phase.value
     for i in ineligible:
         t.excluded[i] = _exclusion(ordered[i], phase_value)
@@ -731,27 +759,37 @@ _CHOOSERS = {
 def _rows(t: _Scored, row_cost: list[float | None], probability: list[float | None] | None) -> tuple[CandidateScore, ...]:
     """One score row per candidate, in id order: its combined loads, overlap and terms.
 
-    Built in one comprehension with at most 15 keywords per row: CPython passes 16 or more
+    The native core builds them for the kv argmin (positionally: a keyword call matches 15
+    names per row); this builds them otherwise, in one comprehension with at most 15 keywords
+    per row: CPython passes 16 or more
     arguments through a heap-allocated array, which made every row twice as slow (measured,
     64 rows: 21 us with 15 keywords, 48 us with 16). ``peer_from`` (set with a peer reach
     only) is added to the few rows that have one.
     """
-    excluded = t.excluded
+    if t.rows is not None:  # the native core's, for the kv argmin: their costs, no probability
+        if len(t.pick.eligible) == t.n:  # type: ignore[union-attr]  # nothing excluded to word
+            return t.rows
+        return tuple(r if x is None else msgspec.structs.replace(r, excluded=x) for r, x in zip(t.rows, t.excluded))
+    peers: list[tuple[int, WorkerId]] = []
+    if t.by_tier is None:  # scored by the specification (the native core declines a peer reach)
+        t.overlap_blocks = [0 if ov is None else sum(ov.tiers) for ov in t.matched]
+        t.by_tier = [{} if ov is None else ov.by_tier() for ov in t.matched]
+        t.stale = [ov is not None and ov.stale for ov in t.matched]
+        t.decode_f = [float(d) for d in t.decode]
+        peers = [(i, ov.peer_from) for i, ov in enumerate(t.matched) if ov is not None and ov.peer_from]
     rows = [
         CandidateScore(
-            worker_id=w.worker_id, overlap_blocks=0 if ov is None else sum(ov.tiers),
-            overlap_by_tier={} if ov is None else ov.by_tier(), queued_prefill_tokens=q, active_decode_blocks=a,
-            inflight_requests=r, stale=ov is not None and ov.stale, prefill_blocks=p, decode_blocks=float(d),
-            cost=c, probability=pr, eligible=x is None, speculative_overlap=s, excluded=x or "",
+            worker_id=w.worker_id, overlap_blocks=ob, overlap_by_tier=bt, queued_prefill_tokens=q,
+            active_decode_blocks=a, inflight_requests=r, stale=st, prefill_blocks=p, decode_blocks=d, cost=c,
+            probability=pr, eligible=x is None, speculative_overlap=s, excluded=x or "",
             kv_capacity_blocks=w.kv_capacity_blocks,
         )
-        for w, ov, q, a, r, p, d, c, pr, x, s in zip(
-            t.ordered, t.matched, t.queued, t.active, t.in_flight, t.prefill, t.decode, row_cost,
-            repeat(None) if probability is None else probability, excluded, t.shared)
+        for w, ob, bt, q, a, r, st, p, d, c, pr, x, s in zip(
+            t.ordered, t.overlap_blocks, t.by_tier, t.queued, t.active, t.in_flight, t.stale, t.prefill, t.decode_f,
+            row_cost, repeat(None) if probability is None else probability, t.excluded, t.shared)
     ]
-    for i, ov in enumerate(t.matched):
-        if ov is not None and ov.peer_from:
-            rows[i] = msgspec.structs.replace(rows[i], peer_from=ov.peer_from)
+    for i, peer_from in peers:
+        rows[i] = msgspec.structs.replace(rows[i], peer_from=peer_from)
     return tuple(rows)
 
 

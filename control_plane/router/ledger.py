@@ -227,9 +227,12 @@ class InflightLedger:
         depth = self._accounts.overlap(worker, hashes)
         return self._specification().overlap(worker, hashes) if depth is None else depth
 
-    def view(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, InflightLoad]:
+    def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         """``load_for`` plus ``speculative_overlap(hashes)`` of every worker with requests in
-        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads)."""
+        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads): a dict
+        from the specification's accounts, a read-only ``switchyard_native.InflightView`` from
+        the native ones (the native decision reads its numbers without an object per worker).
+        Either iterates in the order the workers' accounts opened."""
         hashes = hashes if type(hashes) is tuple else tuple(hashes)
         out = self._accounts.view(hashes)
         return self._specification().view(hashes) if out is None else out
@@ -364,6 +367,8 @@ def _new_accounts(native: bool) -> _Accounts | Any:
         return _Accounts()
     import switchyard_native  # only when selected: the specification runs without the build
 
+    # Its views are read-only mappings like the specification's dicts (idempotent).
+    Mapping.register(switchyard_native.InflightView)
     return switchyard_native.InflightAccounts(InflightLoad)
 
 
@@ -497,7 +502,7 @@ class RouterLedger:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def view(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, InflightLoad]:
+    def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         return self.inflight.view(hashes)
 
     def load_for(self, worker: WorkerId) -> InflightLoad:

@@ -11,8 +11,9 @@
 //! Accounts iterate in the order they were opened (a Python dict's order): one is opened by its
 //! worker's first entry and closed when its last one leaves.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasherDefault;
+use std::sync::Arc;
 
 use crate::index::U64Hasher;
 
@@ -48,11 +49,13 @@ impl Account {
     }
 }
 
-/// Every worker's account, in the order they were opened.
+/// Every worker's account, in the order they were opened; indexed by worker id in id order
+/// (which is the order a decision visits its candidates).
 #[derive(Default, Debug)]
 pub struct Accounts {
-    slots: Vec<Option<(String, Account)>>,
-    index: HashMap<String, usize>,
+    /// Worker ids are shared with the views taken of the accounts (a view outlives changes).
+    slots: Vec<Option<(Arc<str>, Account)>>,
+    index: BTreeMap<Arc<str>, usize>,
 }
 
 /// The counters after adding (`sign` 1) or removing (`sign` -1) one entry; None on overflow.
@@ -71,7 +74,13 @@ impl Accounts {
 
     /// Open accounts, in the order they were opened.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Account)> {
-        self.slots.iter().flatten().map(|(w, a)| (w.as_str(), a))
+        self.slots.iter().flatten().map(|(w, a)| (&**w, a))
+    }
+
+    /// Open accounts in worker id order (byte order: for UTF-8, the code point order Python
+    /// sorts `str` by), each with its rank in opening order's slots (ascending = opening order).
+    pub fn iter_by_id(&self) -> impl Iterator<Item = (&Arc<str>, usize, &Account)> {
+        self.index.iter().map(|(w, &i)| (w, i, &self.slots[i].as_ref().expect("indexed slots are open").1))
     }
 
     pub fn len(&self) -> usize {
@@ -91,8 +100,9 @@ impl Accounts {
                 if moved(&Account::default(), prefill, extra, 1).is_none() {
                     return false;
                 }
-                self.slots.push(Some((worker.to_owned(), Account::default())));
-                self.index.insert(worker.to_owned(), self.slots.len() - 1);
+                let name: Arc<str> = Arc::from(worker);
+                self.slots.push(Some((name.clone(), Account::default())));
+                self.index.insert(name, self.slots.len() - 1);
                 self.slots.len() - 1
             }
         };
@@ -149,7 +159,7 @@ impl Accounts {
         if self.slots.len() > 2 * self.index.len() + 16 {
             self.slots.retain(Option::is_some);
             for (i, (w, _)) in self.slots.iter().flatten().enumerate() {
-                *self.index.get_mut(w).expect("open slots are indexed") = i;
+                *self.index.get_mut(&**w).expect("open slots are indexed") = i;
             }
         }
     }
@@ -207,6 +217,16 @@ mod tests {
         acc.add("w", &[1, 3], 0, 0);
         assert_eq!(depth(&acc, "w", &[1, 2, 3]), 1);
         assert_eq!(depth(&acc, "w", &[]), 0);
+    }
+
+    #[test]
+    fn by_id_is_sorted_and_slots_give_the_opening_order() {
+        let mut acc = Accounts::default();
+        for w in ["b", "c", "a"] {
+            acc.add(w, &[1], 0, 0);
+        }
+        let by_id: Vec<(&str, usize)> = acc.iter_by_id().map(|(w, i, _)| (&**w, i)).collect();
+        assert_eq!(by_id, vec![("a", 2), ("b", 0), ("c", 1)]);
     }
 
     #[test]

@@ -11,6 +11,8 @@ the same expiries and the same entries.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -131,3 +133,26 @@ def test_view_reports_workers_in_the_order_their_accounts_opened(native):
     ledger.add(RequestId("d"), WorkerId("w0"), _chain(1, 2), 0, 2, 0.0, 60.0)
     assert list(ledger.view(_chain(0, 3))) == ["w2", "w1", "w0"]
     assert [x.shared_blocks for x in ledger.view(_chain(0, 3)).values()] == [3, 3, 0]
+
+
+def test_the_native_view_reads_like_the_specifications_dict():
+    """``InflightView`` is a read-only ``Mapping`` with a dict's reads and equality."""
+    native, reference = InflightLedger(native=True), InflightLedger(native=False)
+    for ledger in (native, reference):
+        ledger.add(RequestId("a"), WorkerId("w1"), _chain(0, 5), 80, 7, 0.0, 60.0)
+        ledger.add(RequestId("b"), WorkerId("w0"), _chain(0, 2), 32, 2, 0.0, 60.0)
+    view, spec = native.view(_chain(0, 4)), reference.view(_chain(0, 4))
+    assert isinstance(view, Mapping) and type(view) is not dict
+    assert view == spec and spec == view and not (view != spec)
+    assert view != {**spec, WorkerId("w9"): NO_INFLIGHT} and view != [1]
+    assert list(view) == list(spec) == ["w1", "w0"]
+    assert view.keys() == list(spec.keys()) and view.values() == list(spec.values())
+    assert view.items() == list(spec.items()) and len(view) == 2
+    assert view["w1"] == InflightLoad(80, 7, 1, 4) and view.get("w0") == InflightLoad(32, 2, 1, 2)
+    assert view.get("w9") is None and view.get("w9", NO_INFLIGHT) is NO_INFLIGHT
+    assert "w0" in view and "w9" not in view and 3 not in view
+    with pytest.raises(KeyError):
+        view["w9"]
+    assert dict(view) == spec and repr(view).startswith("InflightView(")
+    native.complete(RequestId("a"))  # a view is a snapshot: later changes do not reach it
+    assert view == spec and list(native.view(_chain(0, 4))) == ["w0"]
