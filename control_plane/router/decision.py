@@ -394,7 +394,8 @@ def decide(
         rr_cursor=choice.next_cursor if choice.next_cursor is not _KEEP else rr_cursor,
         prefill_tokens=own_prefill,
         decode_blocks=t.request_blocks,
-        speculative_overlap={w.worker_id: s for w, s in zip(t.ordered, t.shared) if s},
+        speculative_overlap=(t.shared_by_worker if t.shared_by_worker is not None
+                             else {w.worker_id: s for w, s in zip(t.ordered, t.shared) if s}),
         guards=tuple(guards),
     )
 
@@ -409,7 +410,7 @@ class _Scored:
 
     __slots__ = ("active", "by_tier", "config", "cost", "decode", "decode_f", "does_prefill", "excluded",
                  "in_flight", "matched", "n", "n_hash", "ordered", "overlap_blocks", "overlap_w", "pick", "prefill",
-                 "queued", "request", "request_blocks", "rows", "shared", "stale", "weights")
+                 "queued", "request", "request_blocks", "rows", "shared", "shared_by_worker", "stale", "weights")
 
     def __init__(self, request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig) -> None:
         n = len(ordered)
@@ -442,6 +443,8 @@ class _Scored:
         self.decode_f: list[float] | None = None
         #: The score rows, when the native core built them (kv argmin; excluded ones unworded).
         self.rows: tuple[CandidateScore, ...] | None = None
+        #: The non-zero speculative overlaps by worker id, when the native core made them.
+        self.shared_by_worker: dict[WorkerId, int] | None = None
 
 
 def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
@@ -563,8 +566,8 @@ def _score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Ro
         argmin, (CandidateScore, _ROW_AT) if argmin else None)
     if out is None:
         return None
-    ((t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost), t.matched,
-     ineligible, pick, t.rows, row_columns) = out
+    ((t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost), t.shared_by_worker,
+     t.matched, ineligible, pick, t.rows, row_columns) = out
     if row_columns is not None:
         t.overlap_blocks, t.by_tier, t.stale, t.decode_f = row_columns
     phase_value = request.phase.value
@@ -761,10 +764,9 @@ def _rows(t: _Scored, row_cost: list[float | None], probability: list[float | No
 
     The native core builds them for the kv argmin (positionally: a keyword call matches 15
     names per row); this builds them otherwise, in one comprehension with at most 15 keywords
-    per row: CPython passes 16 or more
-    arguments through a heap-allocated array, which made every row twice as slow (measured,
-    64 rows: 21 us with 15 keywords, 48 us with 16). ``peer_from`` (set with a peer reach
-    only) is added to the few rows that have one.
+    per row: CPython passes 16 or more arguments through a heap-allocated array, which made
+    every row twice as slow (measured, 64 rows: 21 us with 15 keywords, 48 us with 16).
+    ``peer_from`` (set with a peer reach only) is added to the few rows that have one.
     """
     if t.rows is not None:  # the native core's, for the kv argmin: their costs, no probability
         if len(t.pick.eligible) == t.n:  # type: ignore[union-attr]  # nothing excluded to word

@@ -200,13 +200,15 @@ pub struct Pick {
 /// `decision._TIE_RTOL`.
 const TIE_RTOL: f64 = 1e-9;
 
-/// Python's `min(xs, key=cost)`: the first position whose cost no later one undercuts.
+/// Python's `min(xs, key=cost)`: the first position whose cost no later one undercuts (a later
+/// one replaces it only when strictly less, which is also what Python does with a NaN).
 fn first_min(xs: impl Iterator<Item = usize>, cost: impl Fn(usize) -> f64) -> Option<usize> {
     let mut best: Option<usize> = None;
     for i in xs {
         match best {
-            Some(b) if !(cost(i) < cost(b)) => {}
-            _ => best = Some(i),
+            Some(b) if cost(i) < cost(b) => best = Some(i),
+            Some(_) => {}
+            None => best = Some(i),
         }
     }
     best

@@ -61,14 +61,15 @@ fn declined<T>(py: Python<'_>, r: PyResult<Option<T>>) -> PyResult<Option<T>> {
 /// positionally: no keyword matching per row). Excluded rows get `excluded=""`; the caller
 /// words them.
 ///
-/// Returns `((queued, active, in_flight, shared, overlap_w, prefill, decode, cost), matched,
-/// ineligible, pick, rows, row_columns)`: the `_Scored` lists, the overlap object per candidate
-/// (None when unmatched), the positions whose role, drain or registration excludes them (the
-/// caller words why), `pick` = `(over, capacity, eligible, imbalance, competing, tied,
-/// runner_up)` (see [`decide::Pick`]; `capacity` 0 unchanged, 1 excluded, 2 ignored; None when
-/// nothing is eligible), and either the score rows (a tuple, when asked for and something is
-/// eligible) or the rows' columns `(overlap_blocks, overlap_by_tier, stale, decode_blocks as
-/// floats)` for the caller to build them. None when the specification must decide instead (a
+/// Returns `((queued, active, in_flight, shared, overlap_w, prefill, decode, cost),
+/// shared_by_worker, matched, ineligible, pick, rows, row_columns)`: the `_Scored` lists, the
+/// non-zero speculative overlaps by worker id (`Decision.speculative_overlap`), the overlap
+/// object per candidate (None when unmatched), the positions whose role, drain or registration
+/// excludes them (the caller words why), `pick` = `(over, capacity, eligible, imbalance,
+/// competing, tied, runner_up)` (see [`decide::Pick`]; `capacity` 0 unchanged, 1 excluded, 2
+/// ignored; None when nothing is eligible), and either the score rows (a tuple, when asked for
+/// and something is eligible) or the rows' columns `(overlap_blocks, overlap_by_tier, stale,
+/// decode_blocks as floats)` for the caller to build them. None when the specification must decide instead (a
 /// peer reach among the overlaps included: the core weighs the four tiers only).
 #[pyfunction]
 #[pyo3(signature = (loads, load_at, overlaps, mine, serving_role, n_hash, block_size, prompt_tokens, request_blocks, does_prefill, weights, stale_factor, use_max, prefill_load_scale, capacity_guard, imbalance, argmin, rows))]
@@ -110,6 +111,14 @@ fn decide_kv<'py>(
         use_max,
         prefill_load_scale,
     };
+    if let Some((_, at)) = &rows {
+        let mut seen = [false; ROW_FIELDS];
+        for &k in at {
+            if k >= ROW_FIELDS || std::mem::replace(&mut seen[k], true) {
+                return Err(PyValueError::new_err("row_at must order CandidateScore's first 15 fields"));
+            }
+        }
+    }
     let r = (|| {
         let (abs, rel) = match imbalance {
             Some((abs, rel)) => (Some(abs.extract::<i64>()?), rel),
@@ -355,9 +364,16 @@ fn decide_all<'py>(
             pk.runner_up,
         )),
     };
+    let shared_by_worker = PyDict::new(py);
+    for ((r, t), s) in rows.iter().zip(&terms).zip(&cols[3]) {
+        if t.shared != 0 {
+            shared_by_worker.set_item(&r.wid, s)?;
+        }
+    }
     let [q, a, r, sh, ow, pf, d, c] = cols.map(|col| PyList::new(py, col));
     let out = (
         (q?, a?, r?, sh?, ow?, pf?, d?, c?),
+        shared_by_worker,
         matched,
         PyList::new(py, ineligible)?,
         pick,
@@ -390,13 +406,30 @@ impl PyAccounts {
     fn take_chain(&mut self, hashes: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.chain.clear();
         for h in hashes.try_iter()? {
-            match h?.extract::<u64>() {
+            match hash_u64(&h?) {
                 Ok(v) => self.chain.push(v),
                 Err(_) => return Ok(false),
             }
         }
         Ok(true)
     }
+}
+
+/// A block hash as a `u64`, the error of `extract::<u64>` otherwise. Half of all hashes are
+/// below 2^63, where `PyLong_AsLongLongAndOverflow` reads the digits directly; CPython 3.11's
+/// `PyLong_AsUnsignedLongLong` always goes through a byte-array conversion.
+#[inline]
+fn hash_u64(h: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let mut overflow = 0;
+    // SAFETY: a live object; the call raises (and returns -1) for a non-int.
+    let v = unsafe { pyo3::ffi::PyLong_AsLongLongAndOverflow(h.as_ptr(), &mut overflow) };
+    if overflow == 0 && v >= 0 {
+        return Ok(v as u64);
+    }
+    if let Some(e) = PyErr::take(h.py()) {
+        return Err(e);
+    }
+    h.extract::<u64>()
 }
 
 fn int(o: &Bound<'_, PyAny>) -> Option<i64> {
@@ -434,12 +467,12 @@ impl PyAccounts {
     /// The speculative overlap of `hashes` on `worker`; None for a hash that is not a `u64`.
     fn overlap(&self, worker: &str, hashes: &Bound<'_, PyTuple>) -> PyResult<Option<usize>> {
         let Some(a) = self.inner.get(worker) else { return Ok(Some(0)) };
-        let py = hashes.py();
-        declined(py, (|| {
-            let mut bad = None;
-            let d = matched_depth(a, hashes.len(), |i| probed(hashes, i, &mut bad));
-            bad.map_or(Ok(Some(d)), Err)
-        })())
+        let mut bad = None;
+        let d = matched_depth(a, hashes.len(), |i| probed(hashes, i, &mut bad));
+        match bad {
+            None => Ok(Some(d)),
+            Some(e) => declined(hashes.py(), Err(e)),
+        }
     }
 
     /// The `InflightView` of `hashes`: per open account, its load and the speculative overlap
@@ -602,7 +635,7 @@ impl PyInflightView {
 /// `hashes[i]` as a `u64`; the first failure is kept in `bad` (the search's answer is then
 /// discarded) and 0 stands in for it.
 fn probed(hashes: &Bound<'_, PyTuple>, i: usize, bad: &mut Option<PyErr>) -> u64 {
-    match hashes.get_item(i).and_then(|h| h.extract::<u64>()) {
+    match hashes.get_item(i).and_then(|h| hash_u64(&h)) {
         Ok(v) => v,
         Err(e) => {
             bad.get_or_insert(e);
