@@ -175,6 +175,17 @@ class Verifier:
     def __init__(self, master: bytes) -> None:
         self._keys: dict[str, bytes] = {}
         self._master = master
+        self._native = None
+
+    def native(self):
+        """This check in the native core (``switchyard_native.NativeVerifier``), built once: it
+        accepts a ``kv`` record only when this class would, and leaves every other record to
+        :meth:`check` (the batch folds, ``NativePrefixIndex.apply_run``, use it)."""
+        if self._native is None:
+            import switchyard_native
+
+            self._native = switchyard_native.NativeVerifier(self._master)
+        return self._native
 
     def _key(self, owner: str) -> bytes:
         k = self._keys.get(owner)

@@ -5,6 +5,7 @@
 //! * [`envelope`]: KV events decoded straight from the envelope's MessagePack bytes;
 //! * [`mp`]: the MessagePack reader/writer both use;
 //! * [`decide`]: the kv cost of a routing candidate, term for term as `control_plane/router/decision.py`;
+//! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay.
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
@@ -16,6 +17,7 @@ pub mod decide;
 pub mod envelope;
 pub mod index;
 pub mod mp;
+pub mod signing;
 
 #[cfg(feature = "python")]
 mod py;
