@@ -283,9 +283,11 @@ impl PyIndex {
         PyBytes::new(py, &self.inner.snapshot())
     }
 
+    /// Without the GIL: a restarting router restores its snapshot on a worker thread while the
+    /// main thread imports its HTTP stack.
     #[staticmethod]
-    fn restore(data: &[u8]) -> PyResult<PyIndex> {
-        NativeIndex::restore(data).map(PyIndex::wrap).map_err(|e| PyValueError::new_err(e.0))
+    fn restore(py: Python<'_>, data: &[u8]) -> PyResult<PyIndex> {
+        py.detach(|| NativeIndex::restore(data)).map(PyIndex::wrap).map_err(|e| PyValueError::new_err(e.0))
     }
 
     /// The raw in-Rust throughput, no Python crossing per event or query: replay `records`
