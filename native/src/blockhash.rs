@@ -469,10 +469,10 @@ impl MooncakeHasher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn hex(d: &[u8]) -> String {
+    pub(crate) fn hex(d: &[u8]) -> String {
         d.iter().map(|b| format!("{b:02x}")).collect()
     }
 

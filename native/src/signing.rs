@@ -160,10 +160,7 @@ impl Verifier {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn hex(d: &[u8]) -> String {
-        d.iter().map(|b| format!("{b:02x}")).collect()
-    }
+    use crate::blockhash::tests::hex;
 
     #[test]
     fn hmac_sha256_rfc4231() {
