@@ -312,6 +312,12 @@ class KafkaLogReader:
             "logger": logging.getLogger("switchyard.rdkafka"),
         })
         self._parts: dict[str, list[int]] = {}
+        #: Where the last completed read stopped, still assigned: (topic, partition, end), and the
+        #: records already fetched past that end. A read starting there goes on from them instead
+        #: of assigning anew (which drops what librdkafka prefetched and fetches it again: replay
+        #: advancing a view chunk by chunk read each partition's rest once per chunk).
+        self._at: tuple[str, int, int] | None = None
+        self._left: list = []
 
     def close(self) -> None:
         self._c.close()
@@ -381,15 +387,24 @@ class KafkaLogReader:
         end = min(end, hi)
         if end <= start:
             return
-        self._c.assign([TopicPartition(topic, partition, start)])
+        if self._at == (topic, partition, start):
+            pending, self._left = self._left, []
+        else:
+            self._c.assign([TopicPartition(topic, partition, start)])
+            pending = []
+        self._at = None
+        done = False
         try:
             nxt = start
             idle_deadline = time.monotonic() + self._timeout
             while nxt < end:
-                # poll() returns as soon as one record is there; consume(n, 0) then takes what
-                # is already fetched (consume(n, t) alone would wait for n records or t).
-                first = self._c.poll(0.5)
-                msgs = [first] + self._c.consume(BATCH_RECORDS - 1, 0) if first is not None else []
+                if pending:
+                    msgs, pending = pending, []
+                else:
+                    # poll() returns as soon as one record is there; consume(n, 0) then takes what
+                    # is already fetched (consume(n, t) alone would wait for n records or t).
+                    first = self._c.poll(0.5)
+                    msgs = [first] + self._c.consume(BATCH_RECORDS - 1, 0) if first is not None else []
                 if not msgs:
                     if time.monotonic() > idle_deadline:
                         raise LogReadError(f"timed out reading {topic}:{partition} at offset {nxt} (want < {end})")
@@ -407,7 +422,7 @@ class KafkaLogReader:
                                       [m.key() for m in msgs], [m.value() for m in msgs])
                     continue
                 kept = []
-                for m in msgs:
+                for i, m in enumerate(msgs):
                     err = m.error()
                     if err is not None:
                         if err.code() == KafkaError._PARTITION_EOF:
@@ -424,13 +439,19 @@ class KafkaLogReader:
                         continue
                     if off >= end:
                         nxt = end
+                        self._left = msgs[i:]  # fetched already: the next read from ``end`` starts here
                         break
                     nxt = off + 1
                     kept.append(LogRecord(topic, partition, off, m.timestamp()[1], m.key(), m.value()))
                 if kept:
                     yield RecordBatch.of(topic, partition, kept)
+            done = True
         finally:
-            self._c.unassign()
+            if done:
+                self._at = (topic, partition, end)
+            else:  # closed early or failed: where the consumer stands is unknown
+                self._left = []
+                self._c.unassign()
 
 
 # ----------------------------------------------------------------------------------------------
