@@ -48,6 +48,7 @@ class RouterViewProcessor(FoldProcessor):
 
     KIND = "router-view"
     STREAMS = STREAMS
+    FOLDS_BATCHES = True
 
     def __init__(
         self,
@@ -93,8 +94,6 @@ class RouterViewProcessor(FoldProcessor):
 
     def snapshot_bytes(self) -> bytes:
         return self.view.snapshot()
-
-    FOLDS_BATCHES = True
 
     def fold_message(self, m) -> None:
         self._apply(m.topic, m.partition, m.offset, m.value, int((m.timestamp or 0) * 1000))

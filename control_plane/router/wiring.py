@@ -57,6 +57,10 @@ class RouterSettings:
     served_model: str = "switchyard-sim"
     #: Seconds between index checkpoints to the snapshots topic.
     snapshot_every_s: float = 5.0
+    #: Longest a start folds the log tail after the snapshot itself, before it serves (a tail
+    #: longer than that is left to Faust, at about 2k records/s, while ``/health`` says
+    #: LOADING): the port must open before a liveness probe gives up on the process.
+    restore_budget_s: float = 20.0
     max_attempts: int = 3
     read_timeout_s: float = 60.0
     #: TCP connect timeout to a worker; a timeout is retried on another worker.
@@ -192,7 +196,7 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
         t_view = time.monotonic()
         processor = RouterViewProcessor(bus, s.router_id, view, snapshot_every_s=s.snapshot_every_s,
                                         thresholds=s.thresholds)
-        processor.restore()
+        processor.restore(s.restore_budget_s)
         t_tail = time.monotonic()
         orphans.result()
         if follower is not None:
