@@ -6,7 +6,9 @@ offset order, so the same code runs against the broker, against a file exported 
 against records held in memory (tests, mutated copies).
 
 ``LogRecord`` keeps the raw value: decoding is the fold's business (a record that does not
-decode is skipped and counted, exactly as the live consumers dead-letter it).
+decode is skipped and counted, exactly as the live consumers dead-letter it). ``read_batches``
+hands out the same records by column (:class:`RecordBatch`, one partition's in offset order),
+without a Python object per record, for the batch folds (``RecordFold.fold_batch``).
 
 File export format (``.sylog``), written by :func:`export_log`::
 
