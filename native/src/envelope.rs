@@ -15,6 +15,11 @@ pub const CACHE_GROUPS: [&str; 4] = ["full_attention", "sliding_window", "mamba"
 
 /// A decoded KV record: envelope sequencing fields and the payload the index folds.
 pub struct KvRecord<'a> {
+    /// The envelope's key (a worker's events are keyed by its id).
+    pub key: &'a str,
+    /// The envelope's one `sig` field is its last, as signers write it: `"sig": bin8(32)`
+    /// (see `signing.rs`).
+    pub sig_last: bool,
     pub producer: &'a str,
     pub epoch: i64,
     pub seq: i64,
@@ -76,10 +81,12 @@ pub fn decode<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Option<KvRecord<'a>> 
 fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRecord<'a>>> {
     let mut r = Reader::new(buf);
     let n = r.map_len()?;
-    let (mut id, mut ty, mut v, mut key) = (false, None, None, false);
+    let (mut id, mut ty, mut v, mut key) = (false, None, None, None);
+    let (mut sigs, mut sig_last) = (0, false);
     let (mut producer, mut epoch, mut seq, mut at) = (None, None, None, false);
     let mut data: Option<&'a [u8]> = None;
     for _ in 0..n {
+        let field_at = r.pos();
         match r.str()? {
             "id" => {
                 r.str()?;
@@ -87,10 +94,7 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
             }
             "type" => ty = Some(r.str()?),
             "v" => v = Some(r.i64()?),
-            "key" => {
-                r.str()?;
-                key = true;
-            }
+            "key" => key = Some(r.str()?),
             "producer" => producer = Some(r.str()?),
             "epoch" => epoch = Some(r.i64()?),
             "seq" => seq = Some(r.i64()?),
@@ -104,13 +108,18 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
                 }
             }
             "data" => data = Some(r.raw()?),
+            "sig" => {
+                let raw = r.raw()?;
+                sigs += 1;
+                sig_last = field_at + crate::signing::SIG_TRAILER == buf.len() && raw.len() == 34 && raw[..2] == [0xc4, 0x20];
+            }
             _ => r.skip()?,
         }
     }
-    if !r.at_end() || !id || !key || !at || v != Some(1) {
+    if !r.at_end() || !id || !at || v != Some(1) {
         return Ok(None);
     }
-    let (Some(ty), Some(producer), Some(epoch), Some(seq), Some(data)) = (ty, producer, epoch, seq, data)
+    let (Some(ty), Some(key), Some(producer), Some(epoch), Some(seq), Some(data)) = (ty, key, producer, epoch, seq, data)
     else {
         return Ok(None);
     };
@@ -208,7 +217,8 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
     if which == 3 {
         hashes.clear();
     }
-    Ok(Some(KvRecord { producer, epoch, seq, worker_id, dp_rank, kind }))
+    let sig_last = sig_last && sigs == 1;
+    Ok(Some(KvRecord { key, sig_last, producer, epoch, seq, worker_id, dp_rank, kind }))
 }
 
 #[cfg(test)]

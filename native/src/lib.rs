@@ -7,6 +7,7 @@
 //! * [`decide`]: the kv cost of a routing candidate, the guards and the kv argmin, term for term as
 //!   `control_plane/router/decision.py`;
 //! * [`inflight`]: the router's in-flight accounts per worker, as `control_plane/router/ledger.py`;
+//! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay.
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
@@ -19,6 +20,7 @@ pub mod envelope;
 pub mod index;
 pub mod inflight;
 pub mod mp;
+pub mod signing;
 
 #[cfg(feature = "python")]
 mod py;

@@ -54,6 +54,11 @@ impl<'a> Reader<'a> {
         self.pos == self.buf.len()
     }
 
+    /// Bytes read so far.
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
     fn byte(&mut self) -> Result<u8> {
         match self.buf.get(self.pos) {
             Some(&b) => {

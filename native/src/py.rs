@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use crate::envelope;
+use crate::signing;
 use crate::index::{Event, MatchOut, NativeIndex, Outcome, Payload, COUNTER_NAMES, N_TIERS};
 
 /// Outcome codes: 0 applied, 1 duplicate, 2 fenced, 3 ignored, 4/5/6 rejected for hash_algo /
@@ -75,6 +76,51 @@ impl PyIndex {
         });
         self.hashes = hashes;
         out
+    }
+
+    /// Fold `values[start..]` in order (one partition's record values, sequenced with `suffix`)
+    /// while each is a kv record this path takes and, given a `verifier`, carries its owner's
+    /// signature. Returns `(i, code)`: the records before `i` were folded with plain outcomes
+    /// (applied, duplicate, fenced, ignored); `code` None: record `i` was not touched (or `i` is
+    /// the end) and the caller folds it through the per-record path; `code` Some: record `i` was
+    /// folded with an outcome that needs words (a new epoch, a gap, a rejection).
+    #[pyo3(signature = (values, start, suffix, verifier=None))]
+    fn apply_run(
+        &mut self,
+        values: &Bound<'_, PyList>,
+        start: usize,
+        suffix: &str,
+        mut verifier: Option<PyRefMut<'_, PyVerifier>>,
+    ) -> (usize, Option<u32>) {
+        let mut hashes = std::mem::take(&mut self.hashes);
+        let n = values.len();
+        let mut i = start;
+        let mut flagged = None;
+        while i < n {
+            let Ok(item) = values.get_item(i) else { break };
+            let Ok(bytes) = item.cast::<PyBytes>() else { break };
+            let buf = bytes.as_bytes();
+            let Some(rec) = envelope::decode(buf, &mut hashes) else { break };
+            if let Some(v) = verifier.as_mut() {
+                if !v.inner.verified(buf, rec.key, rec.worker_id, rec.sig_last) {
+                    break;
+                }
+            }
+            self.producer.clear();
+            self.producer.push_str(rec.producer);
+            self.producer.push_str(suffix);
+            let ev = rec.event(&hashes);
+            let c = code(self.inner.apply(&self.producer, rec.epoch, rec.seq, &ev));
+            if c >= 4 {
+                self.worker.clear();
+                self.worker.push_str(rec.worker_id);
+                flagged = Some(c);
+                break;
+            }
+            i += 1;
+        }
+        self.hashes = hashes;
+        (i, flagged)
     }
 
     /// Worker id of the last record `apply_record` folded.
@@ -235,9 +281,11 @@ impl PyIndex {
         PyBytes::new(py, &self.inner.snapshot())
     }
 
+    /// Without the GIL: a restarting router restores its snapshot on a worker thread while the
+    /// main thread imports its HTTP stack.
     #[staticmethod]
-    fn restore(data: &[u8]) -> PyResult<PyIndex> {
-        NativeIndex::restore(data).map(PyIndex::wrap).map_err(|e| PyValueError::new_err(e.0))
+    fn restore(py: Python<'_>, data: &[u8]) -> PyResult<PyIndex> {
+        py.detach(|| NativeIndex::restore(data)).map(PyIndex::wrap).map_err(|e| PyValueError::new_err(e.0))
     }
 
     /// The raw in-Rust throughput, no Python crossing per event or query: replay `records`
@@ -281,6 +329,31 @@ impl PyIndex {
                 t0.elapsed().as_nanos() as u64
             })
             .collect()
+    }
+}
+
+/// Checks worker signatures on kv records natively (`signing.rs`); `schemas.signing.Verifier`
+/// is the specification and decides every record this one does not verify.
+#[pyclass(module = "switchyard_native", name = "NativeVerifier")]
+struct PyVerifier {
+    inner: signing::Verifier,
+}
+
+#[pymethods]
+impl PyVerifier {
+    #[new]
+    fn new(master: &[u8]) -> Self {
+        PyVerifier { inner: signing::Verifier::new(master) }
+    }
+
+    /// True when `data` is a kv envelope this path takes, signed by its owner; False: not
+    /// decided here (the reference accepts it or says why not).
+    fn verified(&mut self, data: &[u8]) -> bool {
+        let mut hashes = Vec::new();
+        match envelope::decode(data, &mut hashes) {
+            Some(rec) => self.inner.verified(data, rec.key, rec.worker_id, rec.sig_last),
+            None => false,
+        }
     }
 }
 
@@ -409,6 +482,7 @@ impl PyMooncakeHasher {
 #[pymodule]
 fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
+    m.add_class::<PyVerifier>()?;
     m.add_function(wrap_pyfunction!(sha256_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(mooncake_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(pseudo_tokens, m)?)?;
