@@ -442,6 +442,72 @@ def test_an_unreachable_object_store_drops_demotions_with_a_clear_error(caplog):
     assert 'switchyard_worker_kvbm_tier_outages_total{engine="w1",model_name="m",tier="object"} 1.0' in text
 
 
+def test_an_unavailable_tier_is_skipped_for_its_backoff_then_probed(caplog):
+    """The object store goes down at t=0 (an in-memory store whose every call fails with
+    TierUnavailable while down, counted in ``calls``). With one host and one disk slot, each
+    device eviction (1, 2, ...) demotes the block evicted two before it disk -> object:
+
+    * t=0, evicting 1 demotes 100: the call fails; the outage starts (logged once, counted),
+      backoff 1 s;
+    * t=0, 2 demotes 101: not called (skipped), dropped from disk at once;
+    * t=1, 3 demotes 1: the backoff is over: one probe, fails; the backoff doubles to 2 s;
+    * t=2, 4 demotes 2: skipped;
+    * t=3, the store is back; 5 demotes 3: the probe is answered, the breaker closes;
+    * t=3, 6 demotes 4: called as usual.
+
+    So 4 calls reach the store for 6 demotions; every demotion that did not land is dropped
+    from disk with BlockRemoved, never claimed in object."""
+    from data_plane.kvbm.breaker import BreakerConfig
+
+    now = [0.0]
+    obj = MemoryStore(OBJECT, BPB)
+    s = _settings(host_capacity=1, disk_capacity=1, object_capacity=8, admission=ADMIT_ALL,
+                  outage_breaker=BreakerConfig(backoff_s=1.0, max_backoff_s=4.0))
+    sink = MemorySink()
+    kvbm = KvBlockManager(s, sink, {HOST: HostStore(1, BPB), DISK: MemoryStore(DISK, BPB), OBJECT: obj},
+                          clock=lambda: now[0])
+    for h in (100, 101):
+        kvbm.on_device_evicted(h)  # 100 in disk, 101 in host: the next eviction demotes 100
+    obj.down = True
+    with caplog.at_level(logging.INFO, logger="data_plane.kvbm.manager"):
+        for t, h in ((0.0, 1), (0.0, 2), (1.0, 3), (2.0, 4), (3.0, 5), (3.0, 6)):
+            now[0] = t
+            if t == 3.0:
+                obj.down = False
+            kvbm.on_device_evicted(h)
+    st = kvbm.stats()
+    assert obj.calls == 4
+    assert (st["unavailable_object"], st["skipped_object"], st["probes_object"]) == (1, 2, 2)
+    assert st["write_errors_object_unavailable"] == 4
+    removed = [e.block_hashes for e in sink.events if isinstance(e, BlockRemoved) and e.tier is DISK]
+    assert removed == [[100], [101], [1], [2]]
+    assert kvbm.residency()[OBJECT] == [3, 4] == fold_residency(sink.events, WORKER)[OBJECT]
+    logged = [r.getMessage() for r in caplog.records if r.name == "data_plane.kvbm.manager"]
+    assert sum("unavailable" in m for m in logged) == 1 and "not called for 1.0 s" in logged[0]
+    assert logged[-1] == "KV tier object answers again"
+    m = WorkerMetrics("m", "w1")
+    m.set_kv_moves(st, {}, {})
+    text = m.render().decode()
+    assert 'switchyard_worker_kvbm_tier_skipped_calls_total{engine="w1",model_name="m",tier="object"} 2.0' in text
+    assert 'switchyard_worker_kvbm_tier_probes_total{engine="w1",model_name="m",tier="object"} 2.0' in text
+
+
+def test_breaker_backoff_doubles_to_its_maximum_and_settings_validate():
+    from data_plane.kvbm.breaker import BreakerConfig, TierBreaker, Verdict
+
+    b = TierBreaker(BreakerConfig(backoff_s=1.0, max_backoff_s=3.0))
+    assert b.verdict(OBJECT, 0.0) is Verdict.CALL
+    assert [b.failed(OBJECT, t) for t in (0.0, 1.0, 3.0, 6.0)] == [1.0, 2.0, 3.0, 3.0]
+    assert b.verdict(OBJECT, 8.9) is Verdict.SKIP and b.verdict(OBJECT, 9.0) is Verdict.PROBE
+    assert b.verdict(DISK, 8.9) is Verdict.CALL  # one breaker per tier
+    assert b.answered(OBJECT) and not b.answered(OBJECT)
+    assert b.verdict(OBJECT, 9.0) is Verdict.CALL
+    with pytest.raises(KvbmConfigError, match="backoff"):
+        BreakerConfig(backoff_s=0.0)
+    with pytest.raises(KvbmConfigError, match="backoff"):
+        BreakerConfig(backoff_s=2.0, max_backoff_s=1.0)
+
+
 def test_the_worker_passes_its_disk_admission_setting_to_the_kvbm():
     from data_plane.workers.settings import WorkerConfigError, WorkerSettings
 
