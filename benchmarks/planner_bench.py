@@ -346,18 +346,19 @@ class Sim(Hooks):
 
     # -- the run ------------------------------------------------------------------------------
 
-    def run(self, tick_s: float = 10.0) -> SimResult:
+    def run(self) -> SimResult:
         t0 = time.perf_counter()
         end_arrival = max(r.arrival_ms for r in self.requests)
         cluster = self.cluster
+        planner = self.planner
 
         def tick(t: float) -> None:
             self._tick(t)
             if t < end_arrival or cluster.has_work():
-                cluster.schedule(t + tick_s * 1000.0, tick)
+                cluster.schedule(planner.next_tick_ns(int(t * 1e6)) / 1e6, tick)
 
-        if self.planner is not None:
-            cluster.schedule(tick_s * 1000.0 + 1.0, tick)
+        if planner is not None:  # ticks as the live planner's: just after each window closes
+            cluster.schedule(planner.next_tick_ns(0) / 1e6, tick)
         cluster.run([r.engine for r in self.requests])
         for r in self.requests:
             rec = cluster.records[r.rid]
@@ -644,7 +645,7 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
     GPU count) on one load."""
     span = max(r.arrival_ms for r in reqs) / 1000
     p0, d0 = initial_split(cfg, reqs)
-    ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run(cfg.tick_s)
+    ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run()
     ours_att = ours.attainment(ttft_slo_ms, itl_slo_ms)
     p50, p99 = ours.ttft_p50_p99()
     print(f"  [{name}] planner ({cfg.pools[0].predictor.value}, starting at {p0}P+{d0}D): attainment {ours_att:.3f}, "

@@ -189,6 +189,19 @@ def test_a_binding_budget_takes_a_holders_surplus_but_not_its_need():
     assert st.pool("a").target + st.pool("b").target == 10
 
 
+def test_ticks_come_just_after_a_window_closes():
+    """5 s windows closed 0.5 s after their end: a tick is due on a close + 1 ms, at least tick_s
+    less half a window after the last. From 0: due 0 + 5 - 2.5 = 2.5 -> the first close after it,
+    5.501; then 5.501 + 2.5 = 8.001 -> 10.501. A tick at 7.2 s (say, right after an election):
+    due 9.7 -> 10.501, realigned. With 10 s ticks over 5 s windows: every other close."""
+    cfg = PlannerConfig(pools=(_pool(),), tick_s=5.0, tumbling_s=5.0, hop_step_s=5.0, hopping_s=30.0, grace_s=0.5)
+    assert cfg.next_tick_ns(0) == 5_501_000_000
+    assert cfg.next_tick_ns(5_501_000_000) == 10_501_000_000
+    assert cfg.next_tick_ns(7_200_000_000) == 10_501_000_000
+    slow = cfg.replace(tick_s=10.0)
+    assert slow.next_tick_ns(5_501_000_000) == 15_501_000_000
+
+
 # ----------------------------------------------------------------------------------------------
 # Admin stream fold
 # ----------------------------------------------------------------------------------------------
