@@ -421,11 +421,17 @@ def load_requests(trace: Path, limit: int, pattern: BurstPattern, block_size: in
 def planner_config(budget: int, ttft_slo_ms: float, itl_slo_ms: float, predictor: str, *,
                    lead_time_s: float = 30.0, **overrides) -> PlannerConfig:
     """The planner under test: two pools sharing ``budget``; 5 s windows and ticks; sizing for
-    80% of requests inside the SLOs; a noise band of 0.5 sd; looking ``lead_time_s`` ahead (the
-    workers' start-up time)."""
+    95% of requests inside the SLOs with prefill planned at most 75% busy; a noise band of 0.5
+    sd; looking ``lead_time_s`` ahead (the workers' start-up time).
+
+    Why 95% and 75%: the bench judges against the best static split, which keeps about 99.4% of
+    requests inside both SLOs. The queueing model at 80% and up to 85% busy (the earlier
+    setting) sizes for far less than that: the Mooncake prompts' lengths are heavy-tailed (cv
+    1.1-1.5), and the oracle (``planner_oracle.py``) needed 1.5-1.85x that sizing to reach
+    static's attainment. Measured on all shapes, seeds 15-17 (``docs/planner.md``)."""
     fields = dict(version=1, gpu_budget=budget, tick_s=5.0, tumbling_s=5.0, hop_step_s=5.0, hopping_s=30.0,
                   grace_s=0.5, cooldown_up_s=5.0, cooldown_down_s=60.0, scale_down_ticks=4, startup_timeout_s=120.0,
-                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.8, lead_time_s=lead_time_s)
+                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.95, max_utilization=0.75, lead_time_s=lead_time_s)
     fields.update(overrides)
     return resolve_profiles(PlannerConfig(
         pools=(PoolConfig(name="prefill", role=WorkerRole.PREFILL, min_replicas=1, max_replicas=budget - 1,
@@ -705,18 +711,21 @@ def print_table(case: dict, description: str) -> None:
               f"{r.reversals:>9d} {r.max_gpus:>8d} {r.decisions:>9d}  {r.note}", flush=True)
 
 
-def loads(trace: str | Path, *, shapes: Sequence[str] | None = None, time_scale: float = 1.0, seed: int = 15,
+def loads(trace: str | Path | None, *, shapes: Sequence[str] | None = None, time_scale: float = 1.0, seed: int = 15,
           limit: int = 7500, pattern: BurstPattern = BurstPattern()):
     """(name, description, requests, surprise_s) of every load the bench runs: the shapes
     (``shapes``: names from ``load_shapes.SHAPES``, default all; ``time_scale`` shortens them),
-    then the shared trace in ramped bursts (always last, named ``trace``). ``surprise_s``: see
+    then the shared trace in ramped bursts (always last, named ``trace``; ``trace=None``: without
+    it, the shapes still take their request contents from the default trace). ``surprise_s``: see
     :attr:`Shape.surprise_s` (None for the trace)."""
     block = load_profile("mocker").block_size
     names = list(SHAPES) if shapes is None else list(shapes)
-    records = read_mooncake(Path(trace)) if names else []
+    records = read_mooncake(Path(trace or TRACE)) if names else []
     for name in names:
         shape = scaled(SHAPES[name](), time_scale)
         yield name, shape.description, shape_requests(records, shape, seed, block), shape.surprise_s
+    if trace is None:
+        return
     desc = (f"the shared trace, {pattern.calm_s:g} s at {pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, "
             f"{pattern.burst_s:g} s at {pattern.burst_speedup:g}x, {pattern.ramp_s:g} s ramp, repeated")
     yield "trace", desc, load_requests(Path(trace), limit, pattern, block), None
