@@ -38,6 +38,9 @@ class Shape:
     rate: Callable[[float], float]
     #: One line saying what it is (printed above its table).
     description: str
+    #: When the load jumps in a way its history before cannot announce (a step, a fast ramp, a
+    #: flash crowd), for the oracle's causal bound; None: nothing unannounced.
+    surprise_s: float | None = None
 
     def peak(self, step_s: float = 0.5) -> float:
         return max(self.rate(i * step_s) for i in range(int(self.duration_s / step_s) + 1))
@@ -61,7 +64,7 @@ def constant(rate: float = 9.0, duration_s: float = 600.0) -> Shape:
 
 def step(lo: float = 5.0, hi: float = 15.0, at_s: float = 120.0, duration_s: float = 420.0) -> Shape:
     return Shape("step", duration_s, lambda t: lo if t < at_s else hi,
-                 f"{lo:g} req/s, {hi:g} from t={at_s:g} s, {duration_s:g} s")
+                 f"{lo:g} req/s, {hi:g} from t={at_s:g} s, {duration_s:g} s", at_s)
 
 
 def ramp(lo: float = 5.0, hi: float = 17.0, at_s: float = 120.0, ramp_s: float = 20.0, hold_s: float = 180.0,
@@ -72,7 +75,7 @@ def ramp(lo: float = 5.0, hi: float = 17.0, at_s: float = 120.0, ramp_s: float =
         return _ramp(t, at_s, at_s + ramp_s, lo, hi) if t < down else _ramp(t, down, down + ramp_s, hi, lo)
 
     return Shape("ramp", duration_s, rate, f"{lo:g} -> {hi:g} req/s in {ramp_s:g} s at t={at_s:g} s, held "
-                 f"{hold_s:g} s, back in {ramp_s:g} s; {duration_s:g} s")
+                 f"{hold_s:g} s, back in {ramp_s:g} s; {duration_s:g} s", at_s)
 
 
 def flash_crowd(base: float = 6.0, peak: float = 18.0, at_s: float = 150.0, tau_s: float = 60.0,
@@ -81,7 +84,7 @@ def flash_crowd(base: float = 6.0, peak: float = 18.0, at_s: float = 150.0, tau_
         return base if t < at_s else base + (peak - base) * math.exp(-(t - at_s) / tau_s)
 
     return Shape("flash_crowd", duration_s, rate, f"{base:g} req/s, {peak:g} at once at t={at_s:g} s decaying "
-                 f"back (tau {tau_s:g} s); {duration_s:g} s")
+                 f"back (tau {tau_s:g} s); {duration_s:g} s", at_s)
 
 
 def diurnal(lo: float = 4.0, hi: float = 16.0, period_s: float = 300.0, duration_s: float = 600.0) -> Shape:
@@ -102,7 +105,8 @@ def scaled(shape: Shape, factor: float) -> Shape:
     if factor == 1.0:
         return shape
     return Shape(shape.name, shape.duration_s * factor, lambda t: shape.rate(t / factor),
-                 shape.description + f" (time x{factor:g})")
+                 shape.description + f" (time x{factor:g})",
+                 None if shape.surprise_s is None else shape.surprise_s * factor)
 
 
 def arrivals(shape: Shape, seed: int) -> list[float]:

@@ -217,7 +217,8 @@ class Sim(Hooks):
     """
 
     def __init__(self, requests: list[Req], *, profile: str = "mocker", prefill: int, decode: int,
-                 planner: PlannerConfig | None = None, startup_s: float = 30.0, label: str = "") -> None:
+                 planner: PlannerConfig | None = None, startup_s: float = 30.0, label: str = "",
+                 schedule: Sequence[tuple[float, str, int]] = ()) -> None:
         self.profile = load_profile(profile)
         self.hash_config = default_hash_config(self.profile.block_size)
         self.requests = requests
@@ -239,6 +240,9 @@ class Sim(Hooks):
             self._spawn("decode", 0.0, ready=True)
         if planner is not None:
             self.state = self.state.with_targets({"prefill": prefill, "decode": decode})
+        # A scripted schedule instead of a planner (the oracle): (virtual s, pool, replicas).
+        for at_s, pool, to in schedule:
+            self.cluster.schedule(at_s * 1000.0, lambda t, pool=pool, to=to: self._scripted(pool, to, t))
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -342,18 +346,19 @@ class Sim(Hooks):
 
     # -- the run ------------------------------------------------------------------------------
 
-    def run(self, tick_s: float = 10.0) -> SimResult:
+    def run(self) -> SimResult:
         t0 = time.perf_counter()
         end_arrival = max(r.arrival_ms for r in self.requests)
         cluster = self.cluster
+        planner = self.planner
 
         def tick(t: float) -> None:
             self._tick(t)
             if t < end_arrival or cluster.has_work():
-                cluster.schedule(t + tick_s * 1000.0, tick)
+                cluster.schedule(planner.next_tick_ns(int(t * 1e6)) / 1e6, tick)
 
-        if self.planner is not None:
-            cluster.schedule(tick_s * 1000.0 + 1.0, tick)
+        if planner is not None:  # ticks as the live planner's: just after each window closes
+            cluster.schedule(planner.next_tick_ns(0) / 1e6, tick)
         cluster.run([r.engine for r in self.requests])
         for r in self.requests:
             rec = cluster.records[r.rid]
@@ -376,18 +381,29 @@ class Sim(Hooks):
         decision, self.state = decide(now, self.view.snapshot(now), self.planner, self.state)
         for eff in decision.effects:
             self.decisions.append((t / 1000.0, eff.pool, eff.from_replicas, eff.to_replicas))
-            active = [w for w in self.workers.values() if w.pool == eff.pool and w.state in ("starting", "ready")]
-            if eff.to_replicas > len(active):
-                for _ in range(eff.to_replicas - len(active)):
-                    self._spawn(eff.pool, t)
-            elif eff.to_replicas < len(active):
-                named = set(eff.drain)
-                order = sorted(active, key=lambda w: (w.wid not in named, w.state != "starting", w.outstanding))
-                for w in order[: len(active) - eff.to_replicas]:
-                    if w.state != "starting":
-                        w.state = "draining"
-                        self._emit(WorkerDraining(worker_id=w.wid, reason="scale down"), t, w.wid)
-                    self.cluster.drain(WorkerId(w.wid), t)  # a starting worker: just stop it
+            self.scale(eff.pool, eff.to_replicas, t, eff.drain)
+
+    def _scripted(self, pool: str, to: int, t: float) -> None:
+        n = sum(1 for w in self.workers.values() if w.pool == pool and w.state in ("starting", "ready"))
+        if n != to:
+            self.decisions.append((t / 1000.0, pool, n, to))
+            self.scale(pool, to, t)
+
+    def scale(self, pool: str, to: int, t: float, drain: Sequence[str] = ()) -> None:
+        """Bring ``pool`` to ``to`` replicas (starting or ready) at ``t``: start new workers, or
+        drain ``drain`` first, then starting workers, then the least loaded."""
+        active = [w for w in self.workers.values() if w.pool == pool and w.state in ("starting", "ready")]
+        if to > len(active):
+            for _ in range(to - len(active)):
+                self._spawn(pool, t)
+        elif to < len(active):
+            named = set(drain)
+            order = sorted(active, key=lambda w: (w.wid not in named, w.state != "starting", w.outstanding))
+            for w in order[: len(active) - to]:
+                if w.state != "starting":
+                    w.state = "draining"
+                    self._emit(WorkerDraining(worker_id=w.wid, reason="scale down"), t, w.wid)
+                self.cluster.drain(WorkerId(w.wid), t)  # a starting worker: just stop it
 
 
 def load_requests(trace: Path, limit: int, pattern: BurstPattern, block_size: int) -> list[Req]:
@@ -405,11 +421,17 @@ def load_requests(trace: Path, limit: int, pattern: BurstPattern, block_size: in
 def planner_config(budget: int, ttft_slo_ms: float, itl_slo_ms: float, predictor: str, *,
                    lead_time_s: float = 30.0, **overrides) -> PlannerConfig:
     """The planner under test: two pools sharing ``budget``; 5 s windows and ticks; sizing for
-    80% of requests inside the SLOs; a noise band of 0.5 sd; looking ``lead_time_s`` ahead (the
-    workers' start-up time)."""
+    95% of requests inside the SLOs with prefill planned at most 75% busy; a noise band of 0.5
+    sd; looking ``lead_time_s`` ahead (the workers' start-up time).
+
+    Why 95% and 75%: the bench judges against the best static split, which keeps about 99.4% of
+    requests inside both SLOs. The queueing model at 80% and up to 85% busy (the earlier
+    setting) sizes for far less than that: the Mooncake prompts' lengths are heavy-tailed (cv
+    1.1-1.5), and the oracle (``planner_oracle.py``) needed 1.5-1.85x that sizing to reach
+    static's attainment. Measured on all shapes, seeds 15-17 (``docs/planner.md``)."""
     fields = dict(version=1, gpu_budget=budget, tick_s=5.0, tumbling_s=5.0, hop_step_s=5.0, hopping_s=30.0,
                   grace_s=0.5, cooldown_up_s=5.0, cooldown_down_s=60.0, scale_down_ticks=4, startup_timeout_s=120.0,
-                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.8, lead_time_s=lead_time_s)
+                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.95, max_utilization=0.75, lead_time_s=lead_time_s)
     fields.update(overrides)
     return resolve_profiles(PlannerConfig(
         pools=(PoolConfig(name="prefill", role=WorkerRole.PREFILL, min_replicas=1, max_replicas=budget - 1,
@@ -588,6 +610,40 @@ class Row:
     note: str = ""
 
 
+def best_static_split(name: str, reqs: list[Req], cfg: PlannerConfig, gpus: int, *, ttft_slo_ms: float,
+                      itl_slo_ms: float, fixed: Sequence[int] | None = None) -> tuple[float, SimResult, list[int]]:
+    """The best static split of ``gpus`` by SLO attainment on ``reqs``: (attainment, its run, the
+    prefill counts tried). Attainment is unimodal in P (too few prefill workers break TTFT, too
+    few decode ones ITL), so P is hill-climbed from the split the profile suggests for the peak
+    load; ``fixed`` tries those P instead."""
+    tried: dict[int, tuple[float, SimResult]] = {}
+
+    def static(p: int) -> float:
+        if p not in tried:
+            res = Sim(_fresh(reqs), prefill=p, decode=gpus - p, label=f"static {p}P+{gpus - p}D").run()
+            att = res.attainment(ttft_slo_ms, itl_slo_ms)
+            p50, p99 = res.ttft_p50_p99()
+            print(f"  [{name}] static {p}P+{gpus - p}D: attainment {att:.3f}, replica-seconds "
+                  f"{res.replica_seconds():.0f}, TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({res.wall_s:.1f} s)", flush=True)
+            tried[p] = (att, res)
+        return tried[p][0]
+
+    if fixed:
+        for p in fixed:
+            static(p)
+    else:
+        p = peak_split(cfg, reqs, gpus)
+        while True:
+            here = static(p)
+            ups = [q for q in (p - 1, p + 1) if 1 <= q <= gpus - 1]
+            best_q = max(ups, key=static)
+            if static(best_q) <= here:
+                break
+            p = best_q
+    att, res = max(tried.values(), key=lambda x: x[0])
+    return att, res, sorted(tried)
+
+
 def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttft_slo_ms: float, itl_slo_ms: float,
              startup_s: float, splits: Sequence[int] | None = None, equal_cost: bool = False,
              dynamo: bool = True) -> dict:
@@ -595,7 +651,7 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
     GPU count) on one load."""
     span = max(r.arrival_ms for r in reqs) / 1000
     p0, d0 = initial_split(cfg, reqs)
-    ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run(cfg.tick_s)
+    ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run()
     ours_att = ours.attainment(ttft_slo_ms, itl_slo_ms)
     p50, p99 = ours.ttft_p50_p99()
     print(f"  [{name}] planner ({cfg.pools[0].predictor.value}, starting at {p0}P+{d0}D): attainment {ours_att:.3f}, "
@@ -603,34 +659,7 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
           f"p99 {p99:.0f} ms ({ours.wall_s:.1f} s)", flush=True)
 
     def best_static(gpus: int, fixed: Sequence[int] | None = None) -> tuple[float, SimResult, list[int]]:
-        tried: dict[int, tuple[float, SimResult]] = {}
-
-        def static(p: int) -> float:
-            if p not in tried:
-                res = Sim(_fresh(reqs), prefill=p, decode=gpus - p, label=f"static {p}P+{gpus - p}D").run()
-                att = res.attainment(ttft_slo_ms, itl_slo_ms)
-                p50, p99 = res.ttft_p50_p99()
-                print(f"  [{name}] static {p}P+{gpus - p}D: attainment {att:.3f}, replica-seconds "
-                      f"{res.replica_seconds():.0f}, TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({res.wall_s:.1f} s)", flush=True)
-                tried[p] = (att, res)
-            return tried[p][0]
-
-        if fixed:
-            for p in fixed:
-                static(p)
-        else:
-            # Attainment is unimodal in P (too few prefill workers break TTFT, too few decode
-            # ones ITL): climb from the split the profile suggests for the peak load.
-            p = peak_split(cfg, reqs, gpus)
-            while True:
-                here = static(p)
-                ups = [q for q in (p - 1, p + 1) if 1 <= q <= gpus - 1]
-                best_q = max(ups, key=static)
-                if static(best_q) <= here:
-                    break
-                p = best_q
-        att, res = max(tried.values(), key=lambda x: x[0])
-        return att, res, sorted(tried)
+        return best_static_split(name, reqs, cfg, gpus, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, fixed=fixed)
 
     static_att, static_res, tried = best_static(budget, splits)
     rows = [Row("ours", ours_att, ours.replica_seconds(), reversals(ours.decisions), max_gpus(ours), len(ours.decisions)),
@@ -682,6 +711,26 @@ def print_table(case: dict, description: str) -> None:
               f"{r.reversals:>9d} {r.max_gpus:>8d} {r.decisions:>9d}  {r.note}", flush=True)
 
 
+def loads(trace: str | Path | None, *, shapes: Sequence[str] | None = None, time_scale: float = 1.0, seed: int = 15,
+          limit: int = 7500, pattern: BurstPattern = BurstPattern()):
+    """(name, description, requests, surprise_s) of every load the bench runs: the shapes
+    (``shapes``: names from ``load_shapes.SHAPES``, default all; ``time_scale`` shortens them),
+    then the shared trace in ramped bursts (always last, named ``trace``; ``trace=None``: without
+    it, the shapes still take their request contents from the default trace). ``surprise_s``: see
+    :attr:`Shape.surprise_s` (None for the trace)."""
+    block = load_profile("mocker").block_size
+    names = list(SHAPES) if shapes is None else list(shapes)
+    records = read_mooncake(Path(trace or TRACE)) if names else []
+    for name in names:
+        shape = scaled(SHAPES[name](), time_scale)
+        yield name, shape.description, shape_requests(records, shape, seed, block), shape.surprise_s
+    if trace is None:
+        return
+    desc = (f"the shared trace, {pattern.calm_s:g} s at {pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, "
+            f"{pattern.burst_s:g} s at {pattern.burst_speedup:g}x, {pattern.ramp_s:g} s ramp, repeated")
+    yield "trace", desc, load_requests(Path(trace), limit, pattern, block), None
+
+
 def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft_slo_ms: float = 2000.0,
          itl_slo_ms: float = 25.0, predictor: str = "kalman", startup_s: float = 30.0,
          pattern: BurstPattern = BurstPattern(), splits: Sequence[int] | None = None,
@@ -691,29 +740,19 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
     shortens them for a quick run) and the shared trace, ours vs the best static split, one
     planner config for all."""
     t_start = time.perf_counter()
-    block = load_profile("mocker").block_size
     cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
     print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
           f"{startup_s:g} s; one planner config for every load: {predictor}, {cfg.tick_s:g} s ticks, forecast "
           f"{cfg.horizon_s:g} s ahead, headroom at the {cfg.headroom_quantile:g} expectile of its measured error "
           f"(at most {cfg.max_headroom:.0%})", flush=True)
-    names = list(SHAPES) if shapes is None else list(shapes)
-    records = read_mooncake(Path(trace)) if names else []
     cases = []
-    for name in names:
-        shape = scaled(SHAPES[name](), time_scale)
-        reqs = shape_requests(records, shape, seed, block)
+    for name, desc, reqs, _ in loads(trace, shapes=shapes, time_scale=time_scale, seed=seed, limit=limit,
+                                     pattern=pattern):
         case = run_case(name, reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                        startup_s=startup_s, splits=splits, dynamo=dynamo)
-        print_table(case, shape.description)
+                        startup_s=startup_s, splits=splits, equal_cost=name == "trace", dynamo=dynamo)
+        print_table(case, desc)
         cases.append(case)
-
-    reqs = load_requests(Path(trace), limit, pattern, block)
-    desc = (f"the shared trace, {pattern.calm_s:g} s at {pattern.calm_speedup:g}x, {pattern.ramp_s:g} s ramp, "
-            f"{pattern.burst_s:g} s at {pattern.burst_speedup:g}x, {pattern.ramp_s:g} s ramp, repeated")
-    main_case = run_case("trace", reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                         startup_s=startup_s, splits=splits, equal_cost=True, dynamo=dynamo)
-    print_table(main_case, desc)
+    main_case = cases.pop()
     ours_row, static_row = main_case["rows"][0], main_case["rows"][1]
     ratio = ours_row.replica_seconds / static_row.replica_seconds
     if png is not None:
@@ -806,6 +845,8 @@ if __name__ == "__main__":
             kw[k[2:].replace("-", "_")] = float(args.pop(0))
         elif k == "--splits":
             kw["splits"] = [int(x) for x in args.pop(0).split(",")]
+        elif k == "--no-dynamo":
+            kw["dynamo"] = False
         else:
             sys.exit(f"unknown argument {k}")
     main(trace, **kw)

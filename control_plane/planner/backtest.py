@@ -3,7 +3,8 @@
 ``read_log`` reads the ``workers`` topic from its start (registrations before the range are
 needed to attribute requests to pools) and the ``requests`` topic from ``lookback_s`` before the
 range, both up to its end, ordered by event time. ``run_backtest`` folds them into a
-:class:`LoadView` and ticks :func:`decide` every ``tick_s`` of *event time*. The requests are
+:class:`LoadView` and ticks :func:`decide` every ``tick_s`` of *event time*, just after a window
+closes (:meth:`PlannerConfig.next_tick_ns`, as the live planner). The requests are
 what really came; the replicas are counterfactual: a :class:`VirtualScaler` applies the
 candidate's decisions (new replicas ready after ``startup_s``), and the snapshot the core sees
 carries the virtual replicas instead of the recorded ones.
@@ -254,7 +255,7 @@ def run_backtest(events: Sequence[Envelope[Event]] | Iterable[Envelope[Event]], 
     tick = int(cfg.tick_s * NS)
     rec_rs = {pc.name: 0.0 for pc in cfg.pools}
     forecasts: dict[tuple[str, int], float] = {}
-    t = start_ns + tick
+    prev, t = start_ns, cfg.next_tick_ns(start_ns)  # ticks as the live planner's
     while t <= end_ns:
         while i < len(evs) and evs[i].occurred_at_ns <= t:
             view.apply(evs[i])
@@ -270,8 +271,8 @@ def run_backtest(events: Sequence[Envelope[Event]] | Iterable[Envelope[Event]], 
             scaler.apply(eff.event, now_ns=t)
         for pc in cfg.pools:
             reps = recorded.pool(pc.name).replicas
-            rec_rs[pc.name] += (reps.active + reps.draining) * cfg.tick_s
-        t += tick
+            rec_rs[pc.name] += (reps.active + reps.draining) * (t - prev) / NS
+        prev, t = t, cfg.next_tick_ns(t)
     # windows of the range, judged against the load that really came
     final = view.snapshot(end_ns + int(cfg.grace_s * NS), history=10_000)
     ready_at = {(r.pool, r.t_ns): r for r in report.ticks}

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from control_plane.planner.errors import PlannerConfigError
-from control_plane.planner.load_view import LoadViewConfig, PoolSlo
+from control_plane.planner.load_view import NS, LoadViewConfig, PoolSlo
 from control_plane.planner.predictors import PredictorKind
 from control_plane.planner.profile import PerformanceProfile, derive_profile
 from schemas.types import WorkerRole
@@ -271,6 +271,18 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.forecast_horizon_s is not None:
             return self.forecast_horizon_s
         return 2 * self.lead_time_s + self.tick_s
+
+    def next_tick_ns(self, now_ns: int) -> int:
+        """When the tick after one at ``now_ns`` is due: about ``tick_s`` later, on the first
+        tumbling-window close (window end + ``grace_s``, + 1 ms) at least ``tick_s`` less half a
+        window after ``now_ns``. A tick then sees the window that has just closed, not one that
+        closed up to a window earlier: every reaction is that much sooner (5 s windows with
+        0.5 s grace: ticks at 5.501, 10.501, ... s instead of a free-running phase that sees each
+        window up to 4.5 s late)."""
+        w = int(round(self.tumbling_s * NS))
+        close = int(round(self.grace_s * NS)) + 1_000_000
+        due = now_ns + int(round(self.tick_s * NS)) - w // 2
+        return -(-(due - close) // w) * w + close
 
     def pool(self, name: str) -> PoolConfig:
         for p in self.pools:

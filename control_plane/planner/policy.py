@@ -850,7 +850,7 @@ def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]
     total = budget
     budget -= sum(by[n].load.replicas.draining * g[n] for n in names)
     if sum(proposed[n] * g[n] for n in names) <= budget:
-        return {n: (proposed[n], "") for n in names}
+        return _wait_for_drains(by, names, dict(proposed), proposed, budget)
     growing = {n for n in names if by[n].pinned or proposed[n] > by[n].current}
     need = {n: proposed[n] if n in growing or by[n].yield_to is None
             else max(min(proposed[n], by[n].yield_to), floor[n]) for n in names}
@@ -876,15 +876,42 @@ def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]
     fill([n for n in names if n in growing], want)
     fill([n for n in names if n not in growing], proposed)  # give back the surplus nobody took
     used = budget - left
-    out: dict[str, tuple[int, str]] = {}
+    notes: dict[str, str] = {}
     for n in names:
-        note = ""
         if alloc[n] != proposed[n]:
-            note = (f"GPU budget: {proposed[n]} -> {alloc[n]} replicas (needs {need[n]}; {used} of {budget} "
-                    f"GPUs allocated, {g[n]} per replica"
-                    + (f", {total - budget} held by draining replicas)" if total != budget else ")"))
-        out[n] = (alloc[n], note)
-    return out
+            notes[n] = (f"GPU budget: {proposed[n]} -> {alloc[n]} replicas (needs {need[n]}; {used} of {budget} "
+                        f"GPUs allocated, {g[n]} per replica"
+                        + (f", {total - budget} held by draining replicas)" if total != budget else ")"))
+    out = _wait_for_drains(by, names, alloc, proposed, budget)
+    return {n: (to, "; ".join(x for x in (notes.get(n, ""), note) if x)) for n, (to, note) in out.items()}
+
+
+def _wait_for_drains(by: Mapping[str, _Plan], names: list[str], alloc: dict[str, int], proposed: Mapping[str, int],
+                     budget: int) -> dict[str, tuple[int, str]]:
+    """Growth never takes a GPU that a replica drained in the same tick still holds: a shrinking
+    pool keeps holding its victims' GPUs until they are gone (counted as held even when a victim
+    is still starting: a scaler may take a moment to stop it too). While the targets plus those
+    do not fit ``budget`` (already less the replicas draining from earlier ticks), the growing
+    pool whose unmet fraction is smallest gives back one replica; it asks again on a later tick,
+    once the drain is through (the shrinking pool's decision is pending until then). Returns
+    (replicas, note) per pool."""
+    g = {n: by[n].config.gpus_per_replica for n in names}
+    cur = {n: by[n].current for n in names}
+
+    def held(n: str) -> int:
+        return max(alloc[n], cur[n])
+
+    freeing = sum((held(n) - alloc[n]) * g[n] for n in names)
+    waited: dict[str, int] = {}
+    while sum(held(n) * g[n] for n in names) > budget:
+        growers = [n for n in names if alloc[n] > cur[n]]
+        if not growers:
+            break
+        n = min(growers, key=lambda n: ((proposed[n] - alloc[n]) / proposed[n], n))
+        alloc[n] -= 1
+        waited[n] = waited.get(n, 0) + 1
+    return {n: (alloc[n], f"waits for {freeing} GPUs that replicas drained now still hold ({waited[n]} replica"
+                          f"{'s' if waited[n] > 1 else ''} later)" if n in waited else "") for n in names}
 
 
 def _victims(load: PoolLoad, k: int) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ holding the Redis lease ticks:
 1. On election: a fresh :class:`PlannerState` that adopts the replica counts the scaler reports
    (a new leader starts from reality, not from a dead leader's memory), the new fencing token,
    the pins. ``LEADER planner=<id> token=<n>`` goes to stdout.
-2. Every ``tick_s`` (and at once after an election), once the view has caught up with the log:
+2. Every ``tick_s``, just after a window closes (:meth:`PlannerConfig.next_tick_ns`), and at once
+   after an election, once the view has caught up with the log:
    ``decide(now, view.snapshot(now), config, state)``; each effect's ``ScalingDecision`` is
    published to the ``planner`` stream, then handed to the scaler (if the lease is still ours),
    whose ``ScalingApplied`` is published too.
@@ -42,6 +43,7 @@ from control_plane.planner.config import (
     resolve_profiles,
 )
 from control_plane.planner.errors import PlannerConfigError
+from control_plane.planner.load_view import NS
 from control_plane.planner.policy import Pin, PlannerState, decide
 from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
 from control_plane.settings import StackSettings
@@ -229,11 +231,12 @@ async def _main(s: PlannerSettings, bus: BusSettings) -> int:
                     print(f"CONFIG version={config.version} pools={[p.name for p in config.pools]}", flush=True)
                 else:
                     log.warning("admin config change refused, keeping version %d: %s", config.version, err)
-            next_tick = time.monotonic() + config.tick_s
             pins: dict[str, int | Pin] = dict(config.pins)
             pins.update(admin_pins)
             state = state.with_pins({k: v for k, v in pins.items() if k in {p.name for p in config.pools}})
             now = time.time_ns()
+            # the next tick just after the next window closes (event time is wall time)
+            next_tick = time.monotonic() + (config.next_tick_ns(now) - now) / NS
             decision, state = decide(now, view.snapshot(now), config, state)
             for eff in decision.effects:
                 producer.publish(eff.event)

@@ -46,9 +46,10 @@ def _make_window(end_s: float, **overrides) -> WindowStats:
 
 
 def _run(cfg: PlannerConfig, rates, *, startup_s: float = 30.0, start: int = 2, seed: int = 0,
-         poisson: bool = True):
+         poisson: bool = True, after=None):
     """One tick per window; arrivals Poisson(rate x 10 s) per pool. Returns per tick: the effects,
-    the targets, the ready counts and the replicas the window's actual rate needed."""
+    the targets, the ready counts and the replicas the window's actual rate needed. ``after(scaler,
+    now)`` is called once each tick's effects are applied."""
     rng = np.random.default_rng(seed)
     scaler = VirtualScaler(startup_s=startup_s, drain_s=5.0)
     for p in cfg.pools:
@@ -66,6 +67,8 @@ def _run(cfg: PlannerConfig, rates, *, startup_s: float = 30.0, start: int = 2, 
         d, state = decide(now, snap, cfg, state)
         for e in d.effects:
             scaler.apply(e.event, now_ns=now)
+        if after is not None:
+            after(scaler, now)
         out.append((d, {p.name: state.pool(p.name).target for p in cfg.pools},
                     {p.name: scaler.counts(p.name, now).ready for p in cfg.pools}, rate / PER_REPLICA, snap))
     return out
@@ -130,12 +133,17 @@ def test_the_gpu_budget_is_never_exceeded_counting_draining_replicas():
     """Budget 8 over prefill and decode pools, a load that swings between 4 and 40 req/s (each
     pool alone would want up to 10 prefill / 8 decode replicas). At every tick the targets of
     both pools plus the replicas still draining (they hold their GPUs until gone) fit 8: a
-    decode scale-down at t frees its GPUs for prefill only once the drain is over."""
+    decode scale-down at t frees its GPUs for prefill only once the drain is over, also when
+    both happen in one tick: right after every tick's decisions are applied, the replicas that
+    exist (starting, ready or draining) fit 8."""
     pools = (_make_pool(name="pre", max_replicas=10),
              _make_pool(name="dec", role="decode", ttft_slo_ms=None, itl_slo_ms=20.0, max_replicas=10))
     cfg = _make_config(*pools, gpu_budget=8, cooldown_down_s=0.0, scale_down_ticks=1)
     rates = ([4.0] * 6 + [40.0] * 8 + [4.0] * 6) * 4
-    ticks = _run(cfg, rates, startup_s=20.0, start=1, seed=1)
+    held: list[int] = []
+    ticks = _run(cfg, rates, startup_s=20.0, start=1, seed=1, after=lambda scaler, now: held.append(
+        sum(c.starting + c.ready + c.draining for c in (scaler.counts(p.name, now) for p in pools))))
+    assert max(held) <= 8
     for _d, targets, *_ in ticks:
         assert sum(targets.values()) <= 8
     # draining counted: after a tick that drained, the next targets leave room for the drains

@@ -418,7 +418,8 @@ def test_slow_starting_workers_do_not_trigger_extra_scale_up():
 )
 def test_budget_and_bounds_always_hold(budget, mins, spans, gpus, rates, pin, startup):
     """Whatever the load, every decision and every target stays in [min, max] and all pools
-    together stay within the GPU budget."""
+    together stay within the GPU budget, counting the replicas still draining (they hold their
+    GPUs until gone, also those drained in the tick another pool grows)."""
     if mins[0] * gpus[0] + mins[1] * gpus[1] > budget:
         mins = (0, 0)
     pools = (make_pool(name="a", min_replicas=mins[0], max_replicas=mins[0] + spans[0], gpus_per_replica=gpus[0]),
@@ -438,10 +439,13 @@ def test_budget_and_bounds_always_hold(budget, mins, spans, gpus, rates, pin, st
             pc = cfg.pool(e.pool)
             assert pc.min_replicas <= e.to_replicas <= pc.max_replicas
             scaler.apply(e.event, now_ns=now)
-        used = 0
+        used = held = 0
         for p in pools:
             t = state.pool(p.name).target
             assert p.min_replicas <= t <= p.max_replicas
             used += t * p.gpus_per_replica
+            c = scaler.counts(p.name, now)
+            held += (c.starting + c.ready + c.draining) * p.gpus_per_replica
         assert used <= budget
+        assert held <= budget
         assert math.isfinite(sum(r.needed or 0 for r in d.reports))

@@ -166,7 +166,9 @@ def test_a_binding_budget_takes_a_holders_surplus_but_not_its_need():
     2.82: inside its hysteresis band, so on its own it would hold); pool b at 2 sees 28 req/s =
     56,000 / 8,500 = 6.59 -> 7. 6 + 7 > 10: a offers its surplus above the high end of its noise
     band (2.82 x (1 + 2/sqrt(120)) = 3.34 -> 4: trading a replica on a noisy need would be
-    churn), b grows into it: a drains to 4, b gets 6."""
+    churn), b grows into it: a drains to 4, b gets 6. The 2 replicas a drains hold their GPUs
+    until they are gone, so b takes the 2 GPUs free now (6 + 4 = 10) and the other 2 once a's
+    drains are through (b's 4 ready by then: nothing pending)."""
     a, b = _pool(name="a"), _pool(name="b")
     cfg = PlannerConfig(pools=(a, b), gpu_budget=10, cooldown_up_s=0.0)
     snap = LoadSnapshot(now_ns=21 * NS, pools=(
@@ -176,8 +178,28 @@ def test_a_binding_budget_takes_a_holders_surplus_but_not_its_need():
     d, st = decide(21 * NS, snap, cfg, state)
     need_a = d.report("a").needed
     assert math.ceil(need_a) == 3
-    assert {e.pool: e.to_replicas for e in d.effects} == {"a": 4, "b": 6}
+    assert {e.pool: e.to_replicas for e in d.effects} == {"a": 4, "b": 4}
+    assert "waits for 2 GPUs that replicas drained now still hold" in d.report("b").reason
+    assert d.report("b").input("binding") == "gpu_budget"
+    snap = LoadSnapshot(now_ns=61 * NS, pools=(
+        PoolLoad(pool="a", replicas=ReplicaCounts(ready=4), windows=(_window(60, arrivals=120),)),
+        PoolLoad(pool="b", replicas=ReplicaCounts(ready=4), windows=(_window(60, arrivals=280, isl_mean=2000.0),))))
+    d, st = decide(61 * NS, snap, cfg, st)
+    assert {e.pool: e.to_replicas for e in d.effects} == {"b": 6}
     assert st.pool("a").target + st.pool("b").target == 10
+
+
+def test_ticks_come_just_after_a_window_closes():
+    """5 s windows closed 0.5 s after their end: a tick is due on a close + 1 ms, at least tick_s
+    less half a window after the last. From 0: due 0 + 5 - 2.5 = 2.5 -> the first close after it,
+    5.501; then 5.501 + 2.5 = 8.001 -> 10.501. A tick at 7.2 s (say, right after an election):
+    due 9.7 -> 10.501, realigned. With 10 s ticks over 5 s windows: every other close."""
+    cfg = PlannerConfig(pools=(_pool(),), tick_s=5.0, tumbling_s=5.0, hop_step_s=5.0, hopping_s=30.0, grace_s=0.5)
+    assert cfg.next_tick_ns(0) == 5_501_000_000
+    assert cfg.next_tick_ns(5_501_000_000) == 10_501_000_000
+    assert cfg.next_tick_ns(7_200_000_000) == 10_501_000_000
+    slow = cfg.replace(tick_s=10.0)
+    assert slow.next_tick_ns(5_501_000_000) == 15_501_000_000
 
 
 # ----------------------------------------------------------------------------------------------
