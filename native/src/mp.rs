@@ -54,6 +54,21 @@ impl<'a> Reader<'a> {
         self.pos == self.buf.len()
     }
 
+    /// Where the next value starts (for [`Reader::rewind`] and [`Reader::since`]).
+    pub fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// Go back to `pos` (a value taken from [`Reader::pos`]).
+    pub fn rewind(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+
+    /// The bytes read since `start` (a value taken from [`Reader::pos`]).
+    pub fn since(&self, start: usize) -> &'a [u8] {
+        &self.buf[start..self.pos]
+    }
+
     fn byte(&mut self) -> Result<u8> {
         match self.buf.get(self.pos) {
             Some(&b) => {
@@ -130,6 +145,13 @@ impl<'a> Reader<'a> {
     }
 
     pub fn str(&mut self) -> Result<&'a str> {
+        utf8(self.str_bytes()?)
+    }
+
+    /// A str's bytes, not yet checked to be UTF-8: for map keys compared with ASCII names (a
+    /// key equal to one is valid UTF-8; the caller checks any other with [`utf8`]).
+    #[inline]
+    pub fn str_bytes(&mut self) -> Result<&'a [u8]> {
         let b = self.byte()?;
         let n = match b {
             0xa0..=0xbf => (b & 0x1f) as usize,
@@ -138,7 +160,7 @@ impl<'a> Reader<'a> {
             0xdb => self.be(4)? as usize,
             _ => return err(format!("expected str, got 0x{b:02x}")),
         };
-        std::str::from_utf8(self.take(n)?).map_err(|_| DecodeError("invalid utf-8".into()))
+        self.take(n)
     }
 
     pub fn bin(&mut self) -> Result<&'a [u8]> {
@@ -294,6 +316,16 @@ impl<'a> Reader<'a> {
         self.skip()?;
         Ok(&self.buf[start..self.pos])
     }
+}
+
+/// `bytes` as a str if they are UTF-8 (ASCII, the common case, checked word-wise first).
+#[inline]
+pub fn utf8(bytes: &[u8]) -> Result<&str> {
+    if bytes.is_ascii() {
+        // SAFETY: ASCII is valid UTF-8.
+        return Ok(unsafe { std::str::from_utf8_unchecked(bytes) });
+    }
+    std::str::from_utf8(bytes).map_err(|_| DecodeError("invalid utf-8".into()))
 }
 
 fn signed(v: i64) -> Int {
