@@ -14,6 +14,7 @@ pub mod bitset;
 pub mod blockhash;
 pub mod decide;
 pub mod envelope;
+pub mod holders;
 pub mod index;
 pub mod mp;
 
