@@ -315,6 +315,67 @@ mod tests {
         assert!(matches!(rec.kind, Kind::Stored { tier: 1, block_size: 16, hash_algo: "sha256", .. }));
     }
 
+    fn removed(w: &mut Writer, tier: &str, hashes: &[u64]) {
+        w.map(3);
+        w.str("worker_id");
+        w.str("w0");
+        w.str("tier");
+        w.str(tier);
+        w.str("block_hashes");
+        w.array(hashes.len());
+        for &h in hashes {
+            w.uint(h);
+        }
+    }
+
+    /// An envelope of `fields` in the given order (each a key and its writer).
+    fn fields(fields: &[(&str, &dyn Fn(&mut Writer))]) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.map(fields.len());
+        for (k, f) in fields {
+            w.str(k);
+            f(&mut w);
+        }
+        w.buf
+    }
+
+    #[test]
+    fn field_order_and_duplicate_keys_decode_as_msgspec_does() {
+        let s = |v: &'static str| move |w: &mut Writer| w.str(v);
+        let i = |v: i64| move |w: &mut Writer| w.int(v);
+        let (id, key, prod, v1, ep, sq, at) = (s("abc"), s("w0"), s("w0"), i(1), i(2), i(7), i(1));
+        let data = |w: &mut Writer| removed(w, "host", &[1, 2]);
+        let other = |w: &mut Writer| removed(w, "disk", &[9]);
+        let bad = |w: &mut Writer| removed(w, "gpu", &[9]);
+        let stored = s("BlockStored");
+        let removed_t = s("BlockRemoved");
+        let head: [(&str, &dyn Fn(&mut Writer)); 6] =
+            [("id", &id), ("key", &key), ("producer", &prod), ("v", &v1), ("epoch", &ep), ("seq", &sq)];
+        let mut hs = Vec::new();
+        // The payload before its type: decoded after the envelope.
+        let mut f = head.to_vec();
+        f.extend([("data", &data as &dyn Fn(&mut Writer)), ("at", &at), ("type", &removed_t)]);
+        let buf = fields(&f);
+        assert!(matches!(decode(&buf, &mut hs).unwrap().kind, Kind::Removed { tier: 1, .. }));
+        assert_eq!(hs, vec![1, 2]);
+        // A later type wins: the payload decoded under the first is decoded again.
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &stored), ("data", &data), ("type", &removed_t)]);
+        assert!(matches!(decode(&fields(&f), &mut hs).unwrap().kind, Kind::Removed { tier: 1, .. }));
+        // A later payload wins, whether the earlier one was taken or not.
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &removed_t), ("data", &other), ("data", &data)]);
+        decode(&fields(&f), &mut hs).unwrap();
+        assert_eq!(hs, vec![1, 2]);
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &removed_t), ("data", &bad), ("data", &data)]);
+        decode(&fields(&f), &mut hs).unwrap();
+        assert_eq!(hs, vec![1, 2]);
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &removed_t), ("data", &data), ("data", &bad)]);
+        assert!(decode(&fields(&f), &mut hs).is_none());
+    }
+
     #[test]
     fn refuses_what_it_does_not_take() {
         let mut hs = Vec::new();
