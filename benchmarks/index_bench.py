@@ -206,11 +206,11 @@ def _raw_pass(wl: Workload) -> SideResult:
     idx = NativePrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
     records = [buf for _, buf, _ in wl.events]
     queries = [(first, chained) for _, chained, _, first in wl.requests]
-    apply_ns, match_ns, skipped, _ = idx._n.replay_timed(records, queries, "")
+    apply_ns, match_ns, skipped, _ = idx.replay_timed(records, queries, "")
     assert skipped == 0, f"{skipped} records not taken by the native decoder"
     res.apply_per_s = len(records) / (apply_ns / 1e9)
     res.match_per_s = len(queries) / (match_ns / 1e9)
-    lat = sorted(idx._n.match_timed([q for _, q in queries]))
+    lat = sorted(idx.match_timed([q for _, q in queries]))
     res.match_p50_us, res.match_p99_us = _pct(lat, 50), _pct(lat, 99)
     return res
 

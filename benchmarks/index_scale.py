@@ -95,7 +95,7 @@ def run_point(workers: int, entries: int) -> dict:
         lat.append((time.perf_counter_ns() - s) / 1e3)
     lat.sort()
     matched_workers = len(got)
-    rust_lat = sorted(x / 1e3 for x in idx._n.match_timed(queries))
+    rust_lat = sorted(x / 1e3 for x in idx.match_timed(queries))
     out = {
         "workers": workers, "target_entries": entries, "events": len(events),
         "entries": idx.entries(), "distinct": len(idx),
@@ -110,7 +110,7 @@ def run_point(workers: int, entries: int) -> dict:
     gc.collect()
     # In Rust: the same bytes, no Python crossing per event.
     idx = NativePrefixIndex(HASH_ALGO, BLOCK_SIZE)
-    apply_ns, _, skipped, _ = idx._n.replay_timed(events, [], "")
+    apply_ns, _, skipped, _ = idx.replay_timed(events, [], "")
     assert skipped == 0
     out["rust_apply_per_s"] = len(events) / (apply_ns / 1e9)
     out["rust_entries_per_s"] = out["rust_apply_per_s"] * BLOCKS_PER_EVENT

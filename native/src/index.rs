@@ -158,6 +158,14 @@ pub struct MatchOut {
     pub stale: bool,
 }
 
+/// `find_matches`'s answer (`out`) and its working space, reused across queries so that a
+/// lookup allocates nothing.
+#[derive(Default)]
+pub struct Matches {
+    pub out: Vec<MatchOut>,
+    cur: Vec<(u32, [u32; N_TIERS])>,
+}
+
 struct Worker {
     name: String,
     /// Newest epoch seen on the `kv` stream (-1: none yet).
@@ -324,11 +332,12 @@ impl NativeIndex {
 
     /// Matched prefix per slot, ordered by (depth, slot); slots with no matched block and
     /// inactive (deregistered) slots are absent.
-    pub fn find_matches(&self, hashes: &[u64], out: &mut Vec<MatchOut>) {
+    pub fn find_matches(&self, hashes: &[u64], m: &mut Matches) {
+        let Matches { out, cur } = m;
         out.clear();
+        cur.clear();
         let Some(&h0) = hashes.first() else { return };
         let mut tmp = [0u32; 1];
-        let mut cur: Vec<(u32, [u32; N_TIERS])> = Vec::new();
         for &hd in self.holders(h0, &mut tmp) {
             let s = hd >> 4;
             if self.active.contains(s) {
@@ -362,9 +371,19 @@ impl NativeIndex {
             cur.truncate(w);
             depth += 1;
         }
-        for (s, by) in cur {
+        for &(s, by) in cur.iter() {
             out.push(MatchOut { slot: s, depth, by_tier: by, stale: self.stale.contains(s) });
         }
+    }
+
+    /// Slot numbers in use so far (free ones included).
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// (worker number, dp rank) of a live slot: a worker's number never changes.
+    pub fn slot_owner(&self, slot: u32) -> Option<(u32, i64)> {
+        self.slots.get(slot as usize).and_then(|k| k.as_ref()).map(|k| (k.worker, k.dp_rank))
     }
 
     pub fn slot_key(&self, slot: u32) -> Option<(&str, i64)> {
@@ -1151,9 +1170,10 @@ mod tests {
     }
 
     fn matches(idx: &NativeIndex, q: &[u64]) -> Vec<(String, u32, [u32; 4], bool)> {
-        let mut out = Vec::new();
-        idx.find_matches(q, &mut out);
-        out.iter()
+        let mut m = Matches::default();
+        idx.find_matches(q, &mut m);
+        m.out
+            .iter()
             .map(|m| (idx.slot_key(m.slot).unwrap().0.to_string(), m.depth, m.by_tier, m.stale))
             .collect()
     }

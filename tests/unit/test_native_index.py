@@ -228,3 +228,26 @@ def test_an_index_built_on_one_thread_folds_on_another():
     idx = box[0]
     idx.apply("a", 1, 0, contract._stored("a", [1, 2]))
     assert len(idx) == 2
+
+
+def test_find_matches_reads_any_sequence_of_u64_hashes():
+    """Lists and tuples are read in place (with a faster int conversion above 2^63), other
+    sequences through PyO3; every one gives the same answer, and an int outside the u64 range is
+    an OverflowError, as before."""
+    import numpy as np
+
+    nat = NativePrefixIndex(ALGO, BS)
+    chain = [5, 2**62, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+    nat.apply("a", 1, 0, contract._stored("a", chain))
+    want = nat.find_matches(chain)
+    assert next(iter(want.values())).depth == len(chain)
+    for q in (tuple(chain), np.array(chain, dtype=np.uint64), [np.uint64(h) for h in chain],
+              range(5, 6)):
+        got = nat.find_matches(q)
+        assert list(got.items()) == (list(want.items()) if len(q) == len(chain)
+                                     else list(nat.find_matches([5]).items()))
+    for bad in (-1, 2**64, 2**70, -(2**64)):
+        with pytest.raises(OverflowError):
+            nat.find_matches([5, bad])
+    with pytest.raises(TypeError):
+        nat.find_matches([5, "6"])
