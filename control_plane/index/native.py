@@ -19,8 +19,9 @@ What the native core adds:
   inline when one cache holds it, a sorted holder list in a pooled chunk otherwise; measured
   per (block, worker) entry by ``switchyard bench index``.
 * Speed: the class extends the Rust one, so ``apply_bytes`` and ``find_matches`` are called
-  with no Python frame in between, and ``find_matches`` builds the reference's answer (a dict
-  of ``WorkerRank`` to ``Match``) in Rust, reusing the immutable objects it made before.
+  with no Python frame in between, and ``find_matches`` answers with the reference's objects
+  (``WorkerRank`` keys, ``Match`` values, the immutable ones made before reused) in a
+  read-only ``Mapping`` made in Rust rather than a dict, which would hash every key again.
 
 Not thread-safe, like the reference: apply and query from one thread.
 """
@@ -28,7 +29,7 @@ Not thread-safe, like the reference: apply and query from one thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import switchyard_native
 from control_plane.index.errors import IndexRejected
@@ -47,6 +48,9 @@ from schemas.events import (
 from schemas.types import TIER_INDEX, TIER_ORDER, CacheGroup
 
 logger = logging.getLogger(__name__)
+
+#: ``find_matches``'s answer type (read-only, made in Rust) is a Mapping like the reference's dict.
+Mapping.register(switchyard_native.Matches)
 
 _OUTCOMES = (ApplyOutcome.APPLIED, ApplyOutcome.DUPLICATE, ApplyOutcome.FENCED,
              ApplyOutcome.IGNORED)
@@ -79,7 +83,9 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
 
     # -- queries -------------------------------------------------------------------------------
 
-    # find_matches(hashes) -> dict[WorkerRank, Match]: the Rust method (see the class docstring).
+    # find_matches(hashes) -> Mapping[WorkerRank, Match]: the Rust method (see the class
+    # docstring). The reference's items in its order; not a dict (a dict would hash every
+    # WorkerRank on insert), but equal to one, with keys/values/items/get/in/len/iteration.
 
     def is_stale(self, worker: WorkerRank) -> bool:
         return self._is_stale(worker[0], worker[1])

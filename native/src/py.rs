@@ -121,6 +121,91 @@ impl Answers {
     }
 }
 
+/// `NativeIndex.find_matches`'s answer: a read-only mapping `WorkerRank -> Match` in the
+/// reference's order (registered as a `collections.abc.Mapping` by the Python side). Not a dict:
+/// a dict hashes every `WorkerRank` key (a tuple, hashed anew each time) on insert, about 350
+/// instructions per matched cache, and its readers (the router's view) iterate the items once
+/// anyway. Lookups by key scan the few entries.
+#[pyclass(module = "switchyard_native", name = "Matches", frozen, mapping)]
+struct PyMatches {
+    items: Vec<(Py<PyAny>, Py<PyAny>)>,
+}
+
+impl PyMatches {
+    fn find(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<&Py<PyAny>>> {
+        for (k, v) in &self.items {
+            if k.as_ptr() == key.as_ptr() || k.bind(key.py()).eq(key)? {
+                return Ok(Some(v));
+            }
+        }
+        Ok(None)
+    }
+
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in &self.items {
+            d.set_item(k.bind(py), v.bind(py))?;
+        }
+        Ok(d)
+    }
+}
+
+#[pymethods]
+impl PyMatches {
+    fn __len__(&self) -> usize {
+        self.items.len()
+    }
+
+    fn __getitem__<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        match self.find(key)? {
+            Some(v) => Ok(v.bind(key.py()).clone()),
+            None => Err(pyo3::exceptions::PyKeyError::new_err(key.clone().unbind())),
+        }
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.find(key)?.is_some())
+    }
+
+    #[pyo3(signature = (key, default=None))]
+    fn get<'py>(&self, key: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(match self.find(key)? {
+            Some(v) => Some(v.bind(key.py()).clone()),
+            None => default,
+        })
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyIterator>> {
+        self.keys(py)?.try_iter()
+    }
+
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.items.iter().map(|(k, _)| k.bind(py)))
+    }
+
+    fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.items.iter().map(|(_, v)| v.bind(py)))
+    }
+
+    /// `[(WorkerRank, Match), ...]` in order.
+    fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.items.iter().map(|(k, v)| (k.bind(py), v.bind(py))))
+    }
+
+    /// Equal to any mapping with the same items (a dict included), as a dict would be.
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let other = match other.cast::<PyMatches>() {
+            Ok(m) => m.get().as_dict(py)?.into_any(),
+            Err(_) => other.clone(),
+        };
+        self.as_dict(py)?.eq(other)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.as_dict(py)?.repr()?.to_string())
+    }
+}
+
 /// `hashes` as u64s into `out`: a list or tuple of ints read in place, any other sequence of
 /// integers through PyO3's conversion. Negative or too big: OverflowError.
 fn read_hashes(obj: &Bound<'_, PyAny>, out: &mut Vec<u64>) -> PyResult<()> {
@@ -156,33 +241,22 @@ fn read_hashes(obj: &Bound<'_, PyAny>, out: &mut Vec<u64>) -> PyResult<()> {
     Ok(())
 }
 
-/// 2^64, the bound `int_to_u64` compares with.
-static TWO_TO_64: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-
-/// An int as a u64 with `PyLong_AsUnsignedLongLong`'s result and errors, without its slow path:
-/// in CPython 3.11 an int above 2^30 goes through a generic byte-array conversion (~200
-/// instructions; a block hash is 64 bits). Below 2^63 one digit loop; above, the masked value
-/// once the int is known to be below 2^64.
+/// An int as a u64 with `PyLong_AsUnsignedLongLong`'s result and error type (OverflowError),
+/// without its slow path: in CPython 3.11 an int above 2^30 goes through a generic byte-array
+/// conversion (~200 instructions; a block hash is 64 bits), while `PyLong_AsUnsignedLong` is
+/// one digit loop with an exact overflow check, and is 64 bits wide where `c_ulong` is (LP64:
+/// Linux, macOS).
 ///
 /// # Safety
 /// `item` is a valid pointer to an int (`PyLong_Check`), alive for the call.
+#[inline]
 unsafe fn int_to_u64(py: Python<'_>, item: *mut pyo3::ffi::PyObject) -> PyResult<u64> {
     use pyo3::ffi;
-    let mut overflow = 0;
-    let v = ffi::PyLong_AsLongLongAndOverflow(item, &mut overflow);
-    if overflow == 0 && v >= 0 {
-        return Ok(v as u64);
-    }
-    if overflow > 0 {
-        let bound = TWO_TO_64.get_or_init(py, || (1u128 << 64).into_pyobject(py).unwrap().into_any().unbind());
-        match ffi::PyObject_RichCompareBool(item, bound.as_ptr(), ffi::Py_LT) {
-            1 => return Ok(ffi::PyLong_AsUnsignedLongLongMask(item)),
-            -1 => return Err(PyErr::fetch(py)),
-            _ => {}
-        }
-    }
-    // Negative or at least 2^64: the exact conversion raises its OverflowError.
-    let v = ffi::PyLong_AsUnsignedLongLong(item);
+    let v = if std::mem::size_of::<std::os::raw::c_ulong>() == 8 {
+        ffi::PyLong_AsUnsignedLong(item) as u64
+    } else {
+        ffi::PyLong_AsUnsignedLongLong(item)
+    };
     if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
         return Err(PyErr::fetch(py));
     }
@@ -349,27 +423,26 @@ impl PyIndex {
         Ok(code(self.inner.apply(producer, epoch, seq, &ev)))
     }
 
-    /// Matched prefix per cache: `{WorkerRank: Match}` ordered by (depth, slot), the
-    /// reference's answer, built here in one call.
-    fn find_matches<'py>(slf: &Bound<'py, Self>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    /// Matched prefix per cache: a read-only mapping `WorkerRank -> Match` ordered by (depth,
+    /// slot), the reference's answer (see `PyMatches`).
+    fn find_matches<'py>(slf: &Bound<'py, Self>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyMatches>> {
         let py = slf.py();
         let mut this = slf.borrow_mut();
         let this = &mut *this;
         read_hashes(hashes, &mut this.query)?;
         this.inner.find_matches(&this.query, &mut this.matches);
-        let out = PyDict::new(py);
-        if this.matches.out.is_empty() {
-            return Ok(out);
+        let mut items = Vec::with_capacity(this.matches.out.len());
+        if !this.matches.out.is_empty() {
+            let objs = this.objs.as_mut().ok_or_else(|| {
+                pyo3::exceptions::PyRuntimeError::new_err("NativeIndex._bind() was not called")
+            })?;
+            objs.refresh_ranks(py, &this.inner)?;
+            for m in &this.matches.out {
+                let v = objs.match_obj(py, m)?;
+                items.push((objs.rank(py, m.slot).clone().unbind(), v.unbind()));
+            }
         }
-        let objs = this.objs.as_mut().ok_or_else(|| {
-            pyo3::exceptions::PyRuntimeError::new_err("NativeIndex._bind() was not called")
-        })?;
-        objs.refresh_ranks(py, &this.inner)?;
-        for m in &this.matches.out {
-            let v = objs.match_obj(py, m)?;
-            out.set_item(objs.rank(py, m.slot), v)?;
-        }
-        Ok(out)
+        Bound::new(py, PyMatches { items })
     }
 
     /// Matched depth per slot only (no Python objects per block): `[(slot, depth), ...]`.
@@ -777,6 +850,7 @@ fn score_all<'py>(
 #[pymodule]
 fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
+    m.add_class::<PyMatches>()?;
     m.add_function(wrap_pyfunction!(sha256_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(mooncake_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(pseudo_tokens, m)?)?;
