@@ -251,3 +251,30 @@ def test_find_matches_reads_any_sequence_of_u64_hashes():
             nat.find_matches([5, bad])
     with pytest.raises(TypeError):
         nat.find_matches([5, "6"])
+
+
+def test_find_matches_answers_a_read_only_mapping_equal_to_the_references_dict():
+    from collections.abc import Mapping
+
+    from control_plane.index.prefix_index import Match, WorkerRank
+
+    ref, nat = PrefixIndex(ALGO, BS), NativePrefixIndex(ALGO, BS)
+    for i, (w, hs) in enumerate((("a", [1, 2, 3]), ("b", [1, 2]))):
+        for idx in (ref, nat):
+            idx.apply(w, 1, 0, contract._stored(w, hs, dp_rank=i))
+    want, got = ref.find_matches([1, 2, 3]), nat.find_matches([1, 2, 3])
+    assert isinstance(got, Mapping) and got == want and want == got and not got != want
+    assert list(got) == list(want) and list(got.keys()) == list(want.keys())
+    assert list(got.values()) == list(want.values()) and len(got) == 2 and got
+    a, missing = WorkerRank("a", 0), WorkerRank("a", 1)
+    assert got[a] == want[a] == Match(3, (3, 0, 0, 0)) and got.get(a) == want[a]
+    assert a in got and ("a", 0) in got and missing not in got
+    assert got.get(missing) is None and got.get(missing, 7) == 7
+    with pytest.raises(KeyError):
+        got[missing]
+    assert repr(got) == repr(want) and dict(got) == want
+    assert not nat.find_matches([9]) and nat.find_matches([9]) == {} and got != {}
+    with pytest.raises(TypeError):
+        hash(got)
+    with pytest.raises(TypeError):
+        got[a] = Match(1, (1, 0, 0, 0))  # type: ignore[index]
