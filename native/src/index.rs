@@ -318,8 +318,15 @@ impl NativeIndex {
 
     /// Heap bytes the hash structures occupy (map buckets, control bytes, holder pool).
     pub fn structure_bytes(&self) -> usize {
-        let buckets = self.map.capacity() * 8 / 7 + 1;
-        buckets.next_power_of_two() * (16 + 1) + self.holders.bytes()
+        // hashbrown: capacity = buckets * 7/8 (buckets - 1 below 8 buckets); 16 bytes per bucket
+        // and a control byte, plus one group (16) of trailing control bytes.
+        let cap = self.map.capacity();
+        let buckets = match cap {
+            0 => 0,
+            1..=7 => (cap + 1).next_power_of_two(),
+            _ => (cap * 8 / 7).next_power_of_two(),
+        };
+        buckets * (16 + 1) + if buckets > 0 { 16 } else { 0 } + self.holders.bytes()
     }
 
     #[inline]
