@@ -150,7 +150,7 @@ impl<'a> Reader<'a> {
 
     /// A str's bytes, not yet checked to be UTF-8: for map keys compared with ASCII names (a
     /// key equal to one is valid UTF-8; the caller checks any other with [`utf8`]).
-    #[inline]
+    #[inline(always)]
     pub fn str_bytes(&mut self) -> Result<&'a [u8]> {
         // Fast path: a fixstr (up to 31 bytes: keys, ids, names).
         if let Some(&b) = self.buf.get(self.pos) {
@@ -162,6 +162,11 @@ impl<'a> Reader<'a> {
                 }
             }
         }
+        self.str_bytes_long()
+    }
+
+    #[cold]
+    fn str_bytes_long(&mut self) -> Result<&'a [u8]> {
         let b = self.byte()?;
         let n = match b {
             0xa0..=0xbf => (b & 0x1f) as usize,
