@@ -103,6 +103,10 @@ impl Hasher for FxHasher {
     fn write_usize(&mut self, i: usize) {
         self.0 = (self.0 ^ i as u64).wrapping_mul(FX_K);
     }
+    #[inline]
+    fn write_u64(&mut self, i: u64) {
+        self.0 = (self.0 ^ i).wrapping_mul(FX_K);
+    }
 }
 
 type StrMap<V> = HashMap<String, V, BuildHasherDefault<FxHasher>>;

@@ -56,10 +56,17 @@ struct Answers {
     device: Vec<[Py<PyAny>; 2]>,
     /// Other `Match`es by (by_tier, stale), bounded.
     mixed: std::collections::HashMap<([u32; N_TIERS], bool), Py<PyAny>>,
+    /// `(WorkerRank, Match)` pairs by (slot, by_tier, stale), bounded; emptied when a slot's
+    /// `WorkerRank` changes.
+    pairs: std::collections::HashMap<[u64; 3], Py<PyTuple>, FxBuild>,
 }
+
+type FxBuild = std::hash::BuildHasherDefault<crate::index::FxHasher>;
 
 /// At most this many mixed-tier `Match` objects are kept for reuse.
 const MIXED_CACHE: usize = 4096;
+/// At most this many `(WorkerRank, Match)` pairs are kept for reuse (~100 bytes each).
+const PAIR_CACHE: usize = 1 << 16;
 
 impl Answers {
     fn refresh_ranks(&mut self, py: Python<'_>, idx: &NativeIndex) -> PyResult<()> {
@@ -77,6 +84,7 @@ impl Answers {
                 _ => false,
             };
             if !same {
+                self.pairs.clear();
                 self.ranks[s] = match cur {
                     None => None,
                     Some((w, d)) => {
@@ -92,6 +100,22 @@ impl Answers {
 
     fn rank<'py>(&self, py: Python<'py>, slot: u32) -> &Bound<'py, PyAny> {
         self.ranks[slot as usize].as_ref().expect("a matched slot is live").2.bind(py)
+    }
+
+    /// The `(WorkerRank, Match)` pair of a match (immutable, so made once and reused).
+    fn pair<'py>(&mut self, py: Python<'py>, m: &MatchOut) -> PyResult<Bound<'py, PyTuple>> {
+        let [a, b, c, d] = m.by_tier.map(u64::from);
+        let key = [(m.slot as u64) << 1 | m.stale as u64, a | b << 32, c | d << 32];
+        if let Some(p) = self.pairs.get(&key) {
+            return Ok(p.bind(py).clone());
+        }
+        if self.pairs.len() >= PAIR_CACHE {
+            self.pairs.clear();
+        }
+        let v = self.match_obj(py, m)?;
+        let p = PyTuple::new(py, [self.rank(py, m.slot).clone(), v])?;
+        self.pairs.insert(key, p.clone().unbind());
+        Ok(p)
     }
 
     fn match_obj<'py>(&mut self, py: Python<'py>, m: &MatchOut) -> PyResult<Bound<'py, PyAny>> {
@@ -124,41 +148,49 @@ impl Answers {
 /// `NativeIndex.find_matches`'s answer: a read-only mapping `WorkerRank -> Match` in the
 /// reference's order (registered as a `collections.abc.Mapping` by the Python side). Not a dict:
 /// a dict hashes every `WorkerRank` key (a tuple, hashed anew each time) on insert, about 350
-/// instructions per matched cache, and its readers (the router's view) iterate the items once
-/// anyway. Lookups by key scan the few entries.
+/// instructions per matched cache, and its readers (the router's view, the simulation) only
+/// iterate the items once. The items are kept as the `(WorkerRank, Match)` pairs `items()`
+/// returns (a tuple: iterating it makes no new objects); lookups by key scan them.
 #[pyclass(module = "switchyard_native", name = "Matches", frozen, mapping)]
 struct PyMatches {
-    items: Vec<(Py<PyAny>, Py<PyAny>)>,
+    pairs: Py<PyTuple>,
 }
 
 impl PyMatches {
-    fn find(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<&Py<PyAny>>> {
-        for (k, v) in &self.items {
-            if k.as_ptr() == key.as_ptr() || k.bind(key.py()).eq(key)? {
-                return Ok(Some(v));
+    fn find<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        for pair in self.pairs.bind(key.py()).iter() {
+            let k = pair.get_item(0)?;
+            if k.as_ptr() == key.as_ptr() || k.eq(key)? {
+                return pair.get_item(1).map(Some);
             }
         }
         Ok(None)
     }
 
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (k, v) in &self.items {
-            d.set_item(k.bind(py), v.bind(py))?;
+        PyDict::from_sequence(self.pairs.bind(py).as_any())
+    }
+
+    /// Element `i` of every pair.
+    fn column<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyList>> {
+        let pairs = self.pairs.bind(py);
+        let out = PyList::empty(py);
+        for pair in pairs.iter() {
+            out.append(pair.get_item(i)?)?;
         }
-        Ok(d)
+        Ok(out)
     }
 }
 
 #[pymethods]
 impl PyMatches {
-    fn __len__(&self) -> usize {
-        self.items.len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.pairs.bind(py).len()
     }
 
     fn __getitem__<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         match self.find(key)? {
-            Some(v) => Ok(v.bind(key.py()).clone()),
+            Some(v) => Ok(v),
             None => Err(pyo3::exceptions::PyKeyError::new_err(key.clone().unbind())),
         }
     }
@@ -169,10 +201,7 @@ impl PyMatches {
 
     #[pyo3(signature = (key, default=None))]
     fn get<'py>(&self, key: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        Ok(match self.find(key)? {
-            Some(v) => Some(v.bind(key.py()).clone()),
-            None => default,
-        })
+        Ok(self.find(key)?.or(default))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyIterator>> {
@@ -180,16 +209,16 @@ impl PyMatches {
     }
 
     fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.items.iter().map(|(k, _)| k.bind(py)))
+        self.column(py, 0)
     }
 
     fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.items.iter().map(|(_, v)| v.bind(py)))
+        self.column(py, 1)
     }
 
-    /// `[(WorkerRank, Match), ...]` in order.
-    fn items<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.items.iter().map(|(k, v)| (k.bind(py), v.bind(py))))
+    /// `((WorkerRank, Match), ...)` in order.
+    fn items<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
+        self.pairs.bind(py).clone()
     }
 
     /// Equal to any mapping with the same items (a dict included), as a dict would be.
@@ -334,6 +363,7 @@ impl PyIndex {
             ranks_gen: u64::MAX,
             device: Vec::new(),
             mixed: Default::default(),
+            pairs: Default::default(),
         });
         Ok(())
     }
@@ -431,18 +461,27 @@ impl PyIndex {
         let this = &mut *this;
         read_hashes(hashes, &mut this.query)?;
         this.inner.find_matches(&this.query, &mut this.matches);
-        let mut items = Vec::with_capacity(this.matches.out.len());
-        if !this.matches.out.is_empty() {
+        let out = &this.matches.out;
+        let pairs = if out.is_empty() {
+            PyTuple::empty(py)
+        } else {
             let objs = this.objs.as_mut().ok_or_else(|| {
                 pyo3::exceptions::PyRuntimeError::new_err("NativeIndex._bind() was not called")
             })?;
             objs.refresh_ranks(py, &this.inner)?;
-            for m in &this.matches.out {
-                let v = objs.match_obj(py, m)?;
-                items.push((objs.rank(py, m.slot).clone().unbind(), v.unbind()));
+            // SAFETY: a new tuple of out.len() slots, each filled once (SetItem steals the
+            // reference `into_ptr` hands over) before the tuple is seen by anyone.
+            unsafe {
+                let t = Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyTuple_New(out.len() as pyo3::ffi::Py_ssize_t))?
+                    .cast_into_unchecked::<PyTuple>();
+                for (i, m) in out.iter().enumerate() {
+                    let p = objs.pair(py, m)?;
+                    pyo3::ffi::PyTuple_SetItem(t.as_ptr(), i as pyo3::ffi::Py_ssize_t, p.into_ptr());
+                }
+                t
             }
-        }
-        Bound::new(py, PyMatches { items })
+        };
+        Bound::new(py, PyMatches { pairs: pairs.unbind() })
     }
 
     /// Matched depth per slot only (no Python objects per block): `[(slot, depth), ...]`.
