@@ -56,17 +56,17 @@ struct Answers {
     device: Vec<[Py<PyAny>; 2]>,
     /// Other `Match`es by (by_tier, stale), bounded.
     mixed: std::collections::HashMap<([u32; N_TIERS], bool), Py<PyAny>>,
-    /// `(WorkerRank, Match)` pairs by (slot, by_tier, stale), bounded; emptied when a slot's
+    /// `(WorkerRank, Match)` pairs by (slot, by_tier, stale): a direct-mapped cache (a key's
+    /// place is its hash; a new pair replaces the one there), emptied when a slot's
     /// `WorkerRank` changes.
-    pairs: std::collections::HashMap<[u64; 3], Py<PyTuple>, FxBuild>,
+    pairs: Vec<Option<([u64; 3], Py<PyTuple>)>>,
 }
-
-type FxBuild = std::hash::BuildHasherDefault<crate::index::FxHasher>;
 
 /// At most this many mixed-tier `Match` objects are kept for reuse.
 const MIXED_CACHE: usize = 4096;
-/// At most this many `(WorkerRank, Match)` pairs are kept for reuse (~100 bytes each).
-const PAIR_CACHE: usize = 1 << 16;
+/// Places in the `(WorkerRank, Match)` pair cache (a power of two; 40 bytes each, plus ~100
+/// per pair held).
+const PAIR_CACHE: usize = 1 << 14;
 
 impl Answers {
     fn refresh_ranks(&mut self, py: Python<'_>, idx: &NativeIndex) -> PyResult<()> {
@@ -84,7 +84,7 @@ impl Answers {
                 _ => false,
             };
             if !same {
-                self.pairs.clear();
+                self.pairs.iter_mut().for_each(|p| *p = None);
                 self.ranks[s] = match cur {
                     None => None,
                     Some((w, d)) => {
@@ -106,15 +106,19 @@ impl Answers {
     fn pair<'py>(&mut self, py: Python<'py>, m: &MatchOut) -> PyResult<Bound<'py, PyTuple>> {
         let [a, b, c, d] = m.by_tier.map(u64::from);
         let key = [(m.slot as u64) << 1 | m.stale as u64, a | b << 32, c | d << 32];
-        if let Some(p) = self.pairs.get(&key) {
-            return Ok(p.bind(py).clone());
+        let at = (key[0] ^ key[1].rotate_left(21) ^ key[2].rotate_left(42)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            >> (64 - PAIR_CACHE.trailing_zeros()) as usize;
+        if self.pairs.is_empty() {
+            self.pairs.resize_with(PAIR_CACHE, || None);
         }
-        if self.pairs.len() >= PAIR_CACHE {
-            self.pairs.clear();
+        if let Some((k, p)) = &self.pairs[at as usize] {
+            if *k == key {
+                return Ok(p.bind(py).clone());
+            }
         }
         let v = self.match_obj(py, m)?;
         let p = PyTuple::new(py, [self.rank(py, m.slot).clone(), v])?;
-        self.pairs.insert(key, p.clone().unbind());
+        self.pairs[at as usize] = Some((key, p.clone().unbind()));
         Ok(p)
     }
 
