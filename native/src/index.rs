@@ -358,9 +358,15 @@ impl NativeIndex {
             }
         }
         let mut depth = 1u32;
-        for &h in &hashes[1..] {
-            if cur.is_empty() {
-                break;
+        for (i, &h) in hashes.iter().enumerate().skip(1) {
+            if cur.len() <= 1 {
+                // One candidate left (deep prompts end this way): follow it alone.
+                if let Some(&(s, by)) = cur.first() {
+                    cur.clear();
+                    let (depth, by) = self.follow(s, by, depth, &hashes[i..]);
+                    out.push(MatchOut { slot: s, depth, by_tier: by, stale: self.stale.contains(s) });
+                }
+                return;
             }
             let mut tmp = [0u32; 1];
             let hs = self.holders(h, &mut tmp);
@@ -395,6 +401,22 @@ impl NativeIndex {
     /// (worker number, dp rank) of a live slot: a worker's number never changes.
     pub fn slot_owner(&self, slot: u32) -> Option<(u32, i64)> {
         self.slots.get(slot as usize).and_then(|k| k.as_ref()).map(|k| (k.worker, k.dp_rank))
+    }
+
+    /// `find_matches` for one candidate: extend its match (`depth` blocks so far, counted by
+    /// tier in `by`) along `rest`; returns the final depth and counts.
+    #[inline]
+    fn follow(&self, s: u32, mut by: [u32; N_TIERS], mut depth: u32, rest: &[u64]) -> (u32, [u32; N_TIERS]) {
+        let mut tmp = [0u32; 1];
+        for &h in rest {
+            let hs = self.holders(h, &mut tmp);
+            match hs.binary_search_by_key(&s, |x| x >> 4) {
+                Ok(j) => by[(hs[j] & 15).trailing_zeros() as usize] += 1,
+                Err(_) => break,
+            }
+            depth += 1;
+        }
+        (depth, by)
     }
 
     pub fn slot_key(&self, slot: u32) -> Option<(&str, i64)> {
