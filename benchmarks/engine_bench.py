@@ -63,9 +63,13 @@ def run_ours(trace: Path, limit: int | None) -> dict[str, Any]:
     }
 
 
-def replay_dynamo_mocker(trace: Path, limit: int | None, hint: str, **kwargs: Any) -> tuple[dict, float]:
+def replay_dynamo_mocker(trace: Path, limit: int | None, hint: str, *, per_request: bool = False,
+                         **kwargs: Any) -> tuple[dict, float]:
     """Run Dynamo's mocker offline replay on ``trace`` (its first ``limit`` lines); returns its
-    summary dict and the wall time. Shared by the engine and routing benchmarks."""
+    summary dict and the wall time. Shared by the engine and routing benchmarks. With
+    ``per_request`` the summary also holds the replay's record of every request under
+    ``"per_request"`` (arrival, first admission, first token, input length, reused tokens,
+    worker, ...: Dynamo's ``capture_per_request``)."""
     os.environ.setdefault("DYN_LOG", "warn")  # else the replay logs every decision
     try:
         from dynamo._core import run_mocker_trace_replay
@@ -82,8 +86,12 @@ def replay_dynamo_mocker(trace: Path, limit: int | None, hint: str, **kwargs: An
                     dst.write(line)
         t0 = time.perf_counter()
         r = run_mocker_trace_replay([str(path)], arrival_speedup_ratio=1.0, trace_block_size=TRACE_BLOCK_SIZE,
-                                    replay_mode="offline", **kwargs)
-        return r.summary, time.perf_counter() - t0
+                                    replay_mode="offline", capture_per_request=per_request, **kwargs)
+        wall = time.perf_counter() - t0
+        summary = dict(r.summary)
+        if per_request:
+            summary["per_request"] = r.per_request
+        return summary, wall
 
 
 def run_dynamo(trace: Path, limit: int | None) -> dict[str, Any]:

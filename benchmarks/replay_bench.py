@@ -11,7 +11,11 @@
 3. Reconstructs the state at the position 1,000,000 view events deep: from the start of the
    log, and from a router snapshot taken 900,000 events deep plus the tail.
 
-Last line: ``RESULT replay_events_per_s=<broker, view + load> reconstruct_1m_s=<from start> ...``.
+Before the folds, the same records are read with no fold at all (``raw_read_events_per_s``): the
+broker's and the client's share, so the folds' share is the difference.
+
+Last line: ``RESULT replay_events_per_s=<broker, view + load> reconstruct_1m_s=<from start>
+raw_read_events_per_s=<no fold> view_fold_events_per_s=<broker, view alone> ...``.
 """
 
 from __future__ import annotations
@@ -118,6 +122,20 @@ def generate(bus: BusSettings, n_view: int = VIEW_EVENTS, snapshot_at: int = SNA
     return {"generated_view_events": n, "requests": req, "generate_s": round(time.perf_counter() - t0, 1)}
 
 
+def raw_read(reader, topics) -> dict:
+    """Every record of ``topics`` read and counted, folded into nothing: the reading's own rate,
+    beside which the folds' rates show their share."""
+    n = 0
+    t0 = time.perf_counter()
+    for t in topics:
+        for p in reader.partitions(t):
+            lo, hi = reader.bounds(t, p)
+            for batch in reader.read_batches(t, p, lo, hi):
+                n += len(batch)
+    dt = time.perf_counter() - t0
+    return {"raw_read_records": n, "raw_read_s": round(dt, 2), "raw_read_records_per_s": round(n / dt)}
+
+
 def replay(engine: ReplayEngine, label: str) -> dict:
     """Fold the whole view log and the whole requests stream; records per second."""
     view_topics = engine.topics(VIEW_STREAMS)
@@ -163,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         out["generated"] = "reused"
     engine = ReplayEngine(reader, cat)
+    raw = raw_read(reader, [cat.topic(s) for s in (*VIEW_STREAMS, "requests")])
+    print(json.dumps({"source": "broker", **raw}), flush=True)
     broker = replay(engine, "broker")
     print(json.dumps(broker), flush=True)
 
@@ -194,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
              "snapshot_applied": (st["snapshot"] or {}).get("applied"), "tail_records": st["fold"]["records"]}
     print(json.dumps(recon), flush=True)
     print(f"RESULT replay_events_per_s={broker['records_per_s']} reconstruct_1m_s={recon['reconstruct_1m_s']} "
+          f"raw_read_events_per_s={raw['raw_read_records_per_s']} view_fold_events_per_s={broker['view_records_per_s']} "
           f"replay_file_events_per_s={filed['records_per_s']} "
           f"reconstruct_1m_from_snapshot_s={recon['reconstruct_1m_from_snapshot_s']}")
 

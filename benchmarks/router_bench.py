@@ -12,7 +12,10 @@ anchor measured in the same run (issue 12: machines differ 2-4x, so the goals ar
    to the worker), with the same non-streaming 1-token completions of a 4K-token prompt, one at
    a time; each overhead is the difference of the percentiles from the direct calls. The
    router's path includes decoding the body, tokenizer-free hashing of the prompt (token ids are
-   sent), the decision, two events published, and the proxy hop.
+   sent), the decision, four events published, and the proxy hop. Beside the latencies, the CPU
+   each side's process spent per request (``routed_cpu_ms``: the router; ``proxied_cpu_ms``:
+   nginx's master and workers; ``direct_cpu_ms``: the worker), read from /proc over its own
+   phase: on a shared box it moves far less than the percentiles do.
 3. Restart (needs the local broker): ``benchmarks.router_restart`` — 1M indexed blocks, kill -9,
    spawn to EXACT (``restart_exact_s``); ``--no-restart`` skips it.
 
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 
@@ -65,6 +69,18 @@ def _latencies(client: httpx.Client, url: str, body: dict, n: int) -> list[float
         r.raise_for_status()
         out.append((time.perf_counter() - t0) * 1000)
     return sorted(out)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and its children's processes (nginx's
+    workers), from /proc."""
+    def own(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = [int(c) for c in children.read_text().split()] if children.exists() else []
+    return own(pid) + sum(own(k) for k in kids)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -160,11 +176,18 @@ def http_overhead(n: int = 400) -> dict:
         body = {"model": "switchyard-sim", "prompt": list(range(5000, 5000 + 4096)), "max_tokens": 1}
         urls = {side: f"http://127.0.0.1:{port}/v1/completions"
                 for side, port in (("direct", wport), ("routed", rport), ("proxied", nport))}
+        # CPU per request of what sits in front of the worker (the router process; nginx's master
+        # and workers): unlike the latencies, it hardly moves with the load of a shared box.
+        serving = {"direct": procs[0].pid, "routed": procs[1].pid, "proxied": procs[2].pid}
+        out = {}
         with httpx.Client(timeout=30) as client:
             for url in urls.values():
                 _latencies(client, url, body, 50)
-            lat = {side: _latencies(client, url, body, n) for side, url in urls.items()}
-        out = {}
+            lat = {}
+            for side, url in urls.items():
+                cpu0 = _cpu_s(serving[side])
+                lat[side] = _latencies(client, url, body, n)
+                out[f"{side}_cpu_ms"] = (_cpu_s(serving[side]) - cpu0) * 1000 / n
         for side, xs in lat.items():
             out[f"{side}_p50_ms"], out[f"{side}_p99_ms"] = _pct(xs, 0.5), _pct(xs, 0.99)
         for side, name in (("routed", "overhead"), ("proxied", "proxy_overhead")):
@@ -193,6 +216,8 @@ def main(n: int = 400, restart: bool = True) -> dict:
     print(f"  through nginx      p50 {http['proxied_p50_ms']:.2f} ms  p99 {http['proxied_p99_ms']:.2f} ms")
     print(f"  overhead: router p50 {http['overhead_p50_ms']:.2f} / p99 {http['overhead_p99_ms']:.2f} ms, "
           f"nginx p50 {http['proxy_overhead_p50_ms']:.2f} / p99 {http['proxy_overhead_p99_ms']:.2f} ms")
+    print(f"  CPU per request: router {http['routed_cpu_ms']:.2f} ms, nginx {http['proxied_cpu_ms']:.2f} ms, "
+          f"worker {http['direct_cpu_ms']:.2f} ms")
     rs = router_restart.run() if restart else None
     if rs is not None:
         print(f"\nrouter restart, {rs['blocks']:,} blocks: EXACT after {rs['restart_exact_s']:.2f} s")

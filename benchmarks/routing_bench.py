@@ -111,17 +111,22 @@ def run_ours(requests: Sequence[EngineRequest], topology: Topology, config: Rout
 
 
 def run_dynamo(trace: Path, limit: int | None, topology: Topology, mode: str,
-               overrides: dict[str, float] | None = None) -> dict[str, Any]:
+               overrides: dict[str, float] | None = None, *, engine_args: dict[str, Any] | None = None,
+               per_request: bool = False) -> dict[str, Any]:
     """One replay of Dynamo's mocker; ``overrides``: ``KvRouterConfig`` fields (its default when
-    None)."""
+    None); ``engine_args``: the mocker's engine arguments (aggregated workers), e.g.
+    ``{"num_gpu_blocks": ...}``; ``per_request``: keep its per-request records
+    (``"per_request"``)."""
     extra: dict[str, Any] = {}
     if overrides is not None:
         from dynamo._core import KvRouterConfig
 
         extra["router_config"] = KvRouterConfig(**overrides)
+    if engine_args is not None:
+        extra["extra_engine_args"] = {"engine": dict(engine_args)}
     s, wall = replay_dynamo_mocker(trace, limit, "uv run --group bench python benchmarks/routing_bench.py",
-                                   router_mode=mode, **topology.dynamo_kwargs(), **extra)
-    return {
+                                   per_request=per_request, router_mode=mode, **topology.dynamo_kwargs(), **extra)
+    out = {
         "ttft_p50_ms": s["median_ttft_ms"],
         "ttft_p99_ms": s["p99_ttft_ms"],
         "ttft_mean_ms": s["mean_ttft_ms"],
@@ -136,6 +141,9 @@ def run_dynamo(trace: Path, limit: int | None, topology: Topology, mode: str,
         "duration_s": s["duration_ms"] / 1e3,
         "wall_s": wall,
     }
+    if per_request:
+        out["per_request"] = s["per_request"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,13 +175,19 @@ def _dynamo_variants() -> list[tuple[str, str, dict[str, float] | None]]:
 
 
 def run_dynamo_median(trace: Path, limit: int | None, topology: Topology, mode: str,
-                      overrides: dict[str, float] | None, runs: int = DYNAMO_RUNS) -> dict[str, Any]:
-    """The median of ``runs`` replays, metric by metric, with each metric's (min, max)."""
-    samples = [run_dynamo(trace, limit, topology, mode, overrides) for _ in range(runs)]
+                      overrides: dict[str, float] | None, runs: int = DYNAMO_RUNS, *,
+                      engine_args: dict[str, Any] | None = None, per_request: bool = False) -> dict[str, Any]:
+    """The median of ``runs`` replays, metric by metric, with each metric's (min, max)
+    (``engine_args``, ``per_request``: see :func:`run_dynamo`; the per-request records are the
+    run whose TTFT p50 is the median's)."""
+    samples = [run_dynamo(trace, limit, topology, mode, overrides, engine_args=engine_args,
+                          per_request=per_request) for _ in range(runs)]
     out: dict[str, Any] = {k: statistics.median(s[k] for s in samples) for k in _METRICS}
     out["requests"] = int(out["requests"])
     out["spread"] = {k: (min(s[k] for s in samples), max(s[k] for s in samples)) for k in _METRICS}
     out["runs"] = runs
+    if per_request:
+        out["per_request"] = sorted(samples, key=lambda s: s["ttft_p50_ms"])[len(samples) // 2]["per_request"]
     return out
 
 

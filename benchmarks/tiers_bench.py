@@ -1,39 +1,49 @@
 """Tiers benchmark: what host and disk KV tiers buy, in virtual time, beside Dynamo's mocker.
 
 8 aggregated workers with the ``mocker`` profile (its timing and its device: 16,384 blocks of 64
-tokens), our kv routing, on the conversation trace, three ways: device only, with a host tier,
-with host and disk. Every worker offloads its device evictions into its own tiers and onboards a
-prefix from them when the load is cheaper than recomputing it (``data_plane/engines/tiers.py``:
-host 25 GB/s, disk 5 GB/s + 0.1 ms, 128 KiB of KV per token, i.e. Llama 3 8B BF16; recompute at
-the mocker's prefill polynomial). The modelled load time is added to the step that admits the
-request. The router weighs a hit in each tier by :func:`~data_plane.engines.tiers.tier_weights`,
+tokens), our kv routing, on the conversation trace, four ways: device only, with a host tier,
+with host and disk, and with host, disk and peer fetch. Every worker offloads its device
+evictions into its own tiers and onboards a prefix from them when the load is cheaper than
+recomputing it (``data_plane/engines/tiers.py``: host 25 GB/s, disk 5 GB/s + 0.1 ms, 128 KiB of
+KV per token, i.e. Llama 3 8B BF16; recompute at the mocker's prefill polynomial, in the
+engine's 8,192-token chunks). A load runs beside the worker's steps; only its request waits for
+it. The router weighs a hit in each tier by :func:`~data_plane.engines.tiers.tier_weights`,
 derived from the same cost (not Dynamo's hand-set 0.75 / 0.25).
 
 Beside it, Dynamo's mocker with its kv_router (``ai-dynamo-runtime``, ``--group bench``) at its
 default device cache and with an unbounded one (``num_gpu_blocks`` 2^22 per worker): the two
-anchors of issue 17. Dynamo's replay is not deterministic; it runs once per config here.
+anchors of issue 17. Dynamo's replay is not deterministic: each config runs ``dynamo_runs`` (3)
+times; the table shows the median and the (min-max) of TTFT p50 and p99, the RESULT the
+median.
 
 Tier sizes per worker (each larger than the one above, or the tier churns): host 2x the device
 (32,768 blocks, 256 GiB of KV at 8 MiB a block), disk 8x (131,072 blocks, 1 TiB).
 
 Prints TTFT p50/p99, reuse split into device hits and onboarded tokens (the onboarded part split
-by source tier in proportion to the blocks each tier loaded), bytes moved per direction, and the
-RESULT line. Run: ``uv run --group bench switchyard bench tiers [--limit N]``.
+by source tier in proportion to the blocks each tier loaded), bytes moved per direction; then
+where TTFT goes around the median and the 99th percentile, on both sides (:func:`breakdown`), and
+a lower bound no router or cache can beat on this trace and engine model (every request alone on
+an idle worker, with one infinite cache shared by all: :func:`ideal_uncached`); and the RESULT
+line. Run: ``uv run --group bench switchyard bench tiers [--limit N]``.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from benchmarks.routing_bench import load_requests, run_dynamo
+import numpy as np
+
+from benchmarks.routing_bench import DYNAMO_RUNS, load_requests, run_dynamo_median
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig, TierWeights
-from control_plane.simulation import AGGREGATED_8, run_cluster
-from data_plane.engines import load_profile
-from data_plane.engines.tiers import OnboardCosts, costs_for, peer_weight, tier_weights
+from control_plane.simulation import AGGREGATED_8, block_hashes, run_cluster
+from data_plane.engines import EngineRequest, default_hash_config, load_profile
+from data_plane.engines.blockhash import block_digests
+from data_plane.engines.tiers import OnboardCosts, costs_for, peer_weight, prefill_ms, tier_weights
 from schemas.types import RoutingMode, Tier
 
 DEFAULT_TRACE = WHOLE_TRACE
@@ -79,7 +89,106 @@ def run_tiered(requests, tiers: dict[Tier, int] | None, config: RouterConfig,
     bpb = costs.kv_bytes_per_token * block_size
     out["bytes_moved"] = {f"{f}->{t}": n * bpb for (f, t), n in sorted(res.tier_moves.items())}
     out["peer_fetches"] = res.router.peer_fetches
+    out["served"] = [Served(r.arrival_ms, r.admitted_ms, r.token_times[0], r.worker, len(r.request.prompt),
+                            r.cached_tokens, r.prefill_steps, r.onboard_ms)
+                     for r in res.records if r.token_times and r.admitted_ms is not None]
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Where TTFT goes: a breakdown per request, and what no router could beat
+# ----------------------------------------------------------------------------------------------
+
+
+class Served(NamedTuple):
+    """One request as either side served it (virtual ms)."""
+
+    arrival_ms: float
+    #: Start of the step that admitted it (its wait in the queue ends there).
+    admitted_ms: float
+    first_token_ms: float
+    worker: Any
+    prompt_tokens: int
+    cached_tokens: int
+    #: Steps its worker ran from its admission through its first token (ours only).
+    steps: int | None = None
+    #: ms from its admission until its onboarded prefix was in (ours only).
+    onboard_ms: float | None = None
+
+
+def served_dynamo(per_request: Sequence[dict[str, Any]]) -> list[Served]:
+    """Dynamo's replay records (``capture_per_request``) in the same form."""
+    return [Served(p["arrival_time_ms"], p["first_admit_ms"], p["first_token_ms"], p["decode_worker_idx"],
+                   p["input_length"], p["reused_input_tokens"])
+            for p in per_request if p.get("first_token_ms") is not None and p.get("first_admit_ms") is not None]
+
+
+def ideal_uncached(requests: Sequence[EngineRequest], block_size: int) -> list[int]:
+    """Per request (in arrival order), the prompt tokens one infinite cache shared by every
+    worker could not serve: its blocks after the longest prefix that any earlier arrival
+    already had (chained hashes: a prefix match), never its last token. No cache can hit
+    more: a block is cached only once some request has computed it."""
+    seen: set = set()
+    out = []
+    hash_config = default_hash_config(block_size)
+    for r in sorted(requests, key=lambda r: r.arrival_ms or 0.0):
+        # The trace loader's hashes, else the engine's own chain over the prompt.
+        hashes = block_hashes(r) or block_digests(list(r.prompt), hash_config)[1]
+        n = len(r.prompt)
+        hit = 0
+        for h in hashes[: (n - 1) // block_size]:
+            if h not in seen:
+                break
+            hit += 1
+        seen.update(hashes)
+        out.append(n - hit * block_size)
+    return out
+
+
+def alone_ms(timing: Any, uncached: Sequence[int], chunk: int) -> np.ndarray:
+    """Each request's TTFT alone on an idle worker: its uncached tokens in the engine's
+    chunks, nothing queued before it, no other request's tokens in its steps."""
+    return np.array([prefill_ms(timing, 0, u, chunk) for u in uncached])
+
+
+def shares_its_first_step(served: Sequence[Served]) -> np.ndarray:
+    """Per request: whether another request that arrived at the same instant (the same burst of
+    the trace) went to the same worker and was admitted in the same step: their tokens share
+    the step, which lasts as long as all of them."""
+    groups: dict[tuple, int] = {}
+    keys = [(s.arrival_ms, s.worker, round(s.admitted_ms, 6)) for s in served]
+    for k in keys:
+        groups[k] = groups.get(k, 0) + 1
+    return np.array([groups[k] > 1 for k in keys], dtype=bool)
+
+
+def breakdown(served: Sequence[Served], timing: Any, chunk: int, lo: float, hi: float) -> dict[str, float]:
+    """Means over the requests whose TTFT lies in the [lo, hi] percentile band: TTFT = queue
+    (arrival to the start of its admitting step) + service (that start to its first token);
+    alone = its uncached tokens alone on an idle worker."""
+    ttft = np.array([s.first_token_ms - s.arrival_ms for s in served])
+    a, b = np.percentile(ttft, [lo, hi])
+    m = (ttft >= a) & (ttft <= b)
+    pick = [s for s, k in zip(served, m) if k]
+    uncached = [s.prompt_tokens - s.cached_tokens for s in pick]
+    shared = shares_its_first_step(served)[m]
+    out = {
+        "n": float(m.sum()),
+        "ttft": float(ttft[m].mean()),
+        "queue": float(np.mean([s.admitted_ms - s.arrival_ms for s in pick])),
+        "service": float(np.mean([s.first_token_ms - s.admitted_ms for s in pick])),
+        "alone": float(alone_ms(timing, uncached, chunk).mean()),
+        "uncached": float(np.mean(uncached)),
+        "shared": float(shared.mean()),
+    }
+    if pick and pick[0].steps is not None:
+        out["steps"] = float(np.mean([s.steps for s in pick]))
+        out["load"] = float(np.mean([s.onboard_ms for s in pick]))
+    return out
+
+
+#: The TTFT bands the breakdown explains: around the median, and around the 99th percentile.
+BANDS = (("p50", 45.0, 55.0), ("p99", 98.5, 99.5))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -90,8 +199,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool = True) -> dict[str, Any]:
+def _spread(r: dict[str, Any], key: str) -> str:
+    lo_hi = r.get("spread", {}).get(key)
+    return f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else ""
+
+
+def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool = True,
+         dynamo_runs: int = DYNAMO_RUNS) -> dict[str, Any]:
     prof = load_profile("mocker")
+    chunk = prof.max_num_batched_tokens
     requests = load_requests(trace, limit, prof)
     costs = costs_for(prof.timing)
     config = derived_router_config(costs)
@@ -109,34 +225,59 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
         rows[f"ours kv, {name}"] = run_tiered(requests, tiers, peer_config if peer else config, costs,
                                               prof.block_size)
     if dynamo:
-        rows["dynamo kv_router"] = run_dynamo(trace, limit, AGGREGATED_8, "kv_router")
-        t0 = time.perf_counter()
-        from benchmarks.engine_bench import replay_dynamo_mocker
+        for name, engine_args in (("dynamo kv_router", None),
+                                  ("dynamo kv_router, unbounded device", {"num_gpu_blocks": DYNAMO_BIG_BLOCKS})):
+            r = run_dynamo_median(trace, limit, AGGREGATED_8, "kv_router", None, dynamo_runs,
+                                  engine_args=engine_args, per_request=True)
+            r["served"] = served_dynamo(r.pop("per_request"))
+            rows[name] = r
 
-        s, wall = replay_dynamo_mocker(
-            trace, limit, "uv run --group bench switchyard bench tiers", router_mode="kv_router",
-            num_workers=AGGREGATED_8.aggregated,
-            extra_engine_args={"engine": {"num_gpu_blocks": DYNAMO_BIG_BLOCKS}})
-        rows["dynamo kv_router, unbounded device"] = {
-            "ttft_p50_ms": s["median_ttft_ms"], "ttft_p99_ms": s["p99_ttft_ms"],
-            "ttft_p90_ms": s["p90_ttft_ms"], "itl_p50_ms": s["median_itl_ms"],
-            "itl_p99_ms": s["p99_itl_ms"], "reuse": s["prefix_cache_reused_ratio"],
-            "requests": s["completed_requests"], "wall_s": wall or time.perf_counter() - t0}
-
-    print(f"\n{'config':<36} {'TTFT p50':>10} {'TTFT p90':>10} {'TTFT p99':>10} {'ITL p50':>8} "
+    print(f"\n{'config':<36} {'TTFT p50':>16} {'TTFT p90':>10} {'TTFT p99':>18} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'reuse':>7} {'device':>7} {'onboard by tier':<28} {'wall':>6}")
     for name, r in rows.items():
         by_tier = ", ".join(f"{t} {v:.3f}" for t, v in r.get("reuse_by_tier", {}).items())
         dev = r.get("reuse_device")
-        print(f"{name:<36} {r['ttft_p50_ms']:>8.1f}ms {r['ttft_p90_ms']:>8.1f}ms {r['ttft_p99_ms']:>8.1f}ms "
+        p50 = f"{r['ttft_p50_ms']:.1f}{_spread(r, 'ttft_p50_ms')}"
+        p99 = f"{r['ttft_p99_ms']:.1f}{_spread(r, 'ttft_p99_ms')}"
+        print(f"{name:<36} {p50:>14}ms {r['ttft_p90_ms']:>8.1f}ms {p99:>16}ms "
               f"{r['itl_p50_ms']:>6.2f}ms {r['itl_p99_ms']:>6.2f}ms {r['reuse']:>7.4f} "
               f"{dev if dev is not None else math.nan:>7.4f} {by_tier or '-':<28} {r['wall_s']:>5.1f}s")
+    if dynamo:
+        print(f"(Dynamo: median of {dynamo_runs} replays, (min-max) of TTFT p50 and p99; its replay is not "
+              "deterministic, ours is)")
     for name, r in rows.items():
         if r.get("bytes_moved"):
             print(f"bytes moved, {name}: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in r["bytes_moved"].items()))
 
     peered = rows["ours kv, +host+disk+peer"]
     print(f"peer fetches, +host+disk+peer: {peered['peer_fetches']}")
+
+    # Where TTFT goes, around the median and the 99th percentile.
+    print(f"\nTTFT breakdown (means over the band): queue = arrival to the start of the admitting step, "
+          f"service = that start to the first token, alone = the uncached tokens alone on an idle worker "
+          f"({chunk}-token chunks), shared = share admitted in one step with another request of the same "
+          f"arrival instant, load = its prefix's load time")
+    print(f"{'config':<36} {'band':<5} {'n':>5} {'TTFT':>8} {'queue':>7} {'service':>8} {'alone':>7} "
+          f"{'uncached':>9} {'steps':>6} {'load':>6} {'shared':>7}")
+    for name, r in rows.items():
+        for band, lo, hi in BANDS:
+            b = breakdown(r["served"], prof.timing, chunk, lo, hi)
+            r[f"breakdown_{band}"] = b
+            print(f"{name:<36} {band:<5} {b['n']:>5.0f} {b['ttft']:>8.1f} {b['queue']:>7.1f} {b['service']:>8.1f} "
+                  f"{b['alone']:>7.1f} {b['uncached']:>9.0f} {b.get('steps', math.nan):>6.2f} "
+                  f"{b.get('load', math.nan):>6.2f} {b['shared']:>7.3f}")
+
+    # What no router and no cache could beat, on this trace and engine model.
+    ideal = alone_ms(prof.timing, ideal_uncached(requests, prof.block_size), chunk)
+    bound = {q: float(np.percentile(ideal, q)) for q in (50, 90, 99)}
+    print(f"\nlower bound (every request alone on an idle worker, one infinite cache shared by all: reuse "
+          f"{1 - sum(ideal_uncached(requests, prof.block_size)) / sum(len(r.prompt) for r in requests):.4f}): "
+          f"TTFT p50 {bound[50]:.1f} ms, p90 {bound[90]:.1f} ms, p99 {bound[99]:.1f} ms")
+    for name, r in rows.items():
+        u = alone_ms(prof.timing, [s.prompt_tokens - s.cached_tokens for s in r["served"]], chunk)
+        print(f"  {name}: alone with its own reuse: p50 {np.percentile(u, 50):.1f} ms, "
+              f"p99 {np.percentile(u, 99):.1f} ms")
+
     tiered = rows["ours kv, +host+disk"]
     result = {"reuse_tiered": tiered["reuse"], "reuse_peer": peered["reuse"]}
     if dynamo:
@@ -145,6 +286,9 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
                       ttft_p99_gain_vs_dynamo=d["ttft_p99_ms"] / tiered["ttft_p99_ms"],
                       ttft_p50_gain_vs_dynamo=d["ttft_p50_ms"] / tiered["ttft_p50_ms"],
                       ttft_p99_gain_peer_vs_dynamo=d["ttft_p99_ms"] / peered["ttft_p99_ms"],
-                      ttft_p50_gain_peer_vs_dynamo=d["ttft_p50_ms"] / peered["ttft_p50_ms"])
+                      ttft_p50_gain_peer_vs_dynamo=d["ttft_p50_ms"] / peered["ttft_p50_ms"],
+                      ttft_p99_gain_bound=d["ttft_p99_ms"] / bound[99],
+                      ttft_p50_gain_bound=d["ttft_p50_ms"] / bound[50])
+    result.update(ttft_p99_bound_ms=bound[99], ttft_p50_bound_ms=bound[50])
     print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in result.items()))
     return {"rows": rows, "result": result}

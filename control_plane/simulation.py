@@ -333,6 +333,11 @@ class RoutedRequest:
     finished: bool = False
     #: Of ``cached_tokens``, those loaded from a tier below the device (``run_cluster(tiers=)``).
     onboarded_tokens: int = 0
+    #: The driver's account of its prefill (:class:`~data_plane.engines.simulate.RequestRecord`):
+    #: start of its admitting step, steps through its first token, its prefix's load time.
+    admitted_ms: float | None = None
+    prefill_steps: int = 0
+    onboard_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -445,7 +450,8 @@ def run_cluster(
             prefill_worker=r.prefill_worker_id if r.handoff_ms is not None else r.worker_id,
             worker=r.worker_id if not disaggregated or r.handoff_ms is not None else None,
             handoff_ms=r.handoff_ms, token_times=times, finished=r.finished,
-            onboarded_tokens=r.onboarded_tokens,
+            onboarded_tokens=r.onboarded_tokens, admitted_ms=r.admitted_ms,
+            prefill_steps=r.prefill_steps, onboard_ms=r.onboard_ms,
         ))
     moves: Counter[tuple[str, str]] = Counter()
     for vt in cluster.virtual_tiers.values():

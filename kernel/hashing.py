@@ -36,7 +36,6 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any
 
-import cbor2
 import xxhash
 
 from kernel.errors import HashConfigError
@@ -138,6 +137,8 @@ def _pickle_bytes(obj: Any) -> bytes:
 
 
 def _cbor_bytes(obj: Any) -> bytes:
+    import cbor2  # only the cbor algorithms need it (a router imports this module at start-up)
+
     return cbor2.dumps(obj, canonical=True)
 
 

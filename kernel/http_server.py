@@ -4,10 +4,15 @@ to send its request.
 uvicorn (0.54) closes a keep-alive connection that stays idle after a response, but nothing
 bounds a connection that sends its request slowly: every byte resets the idle timer, and a
 connection that never sends a request has no timer at all. A few hundred such connections
-(slowloris) hold the process's sockets and memory. :class:`GuardedH11Protocol` gives each
+(slowloris) hold the process's sockets and memory. :class:`GuardedProtocol` gives each
 request ``request_timeout_s`` from the connection's start (or the end of the previous response)
 until its headers are complete, then closes the connection if they are not. Bodies have their
 own bound, in the app (the router's ``RequestLimits.body_timeout_s``: a 408).
+
+The protocol is uvicorn's httptools one (llhttp's C parser), not its pure-Python h11 one: in a
+profile of the router serving 4K-token requests, h11's parsing and framing took about 8% of the
+main thread, and with httptools the router's CPU per request fell from 2.6-3.0 ms to 1.8-2.2 ms
+(no-broker harness, alternated).
 
 ``max_connections`` is uvicorn's ``limit_concurrency``: past it, a request is answered 503 and
 the connection closed, so the process keeps its sockets for the clients it serves.
@@ -19,7 +24,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 if TYPE_CHECKING:
     import uvicorn
@@ -43,11 +48,13 @@ class ConnectionLimits:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's headers (module docstring)."""
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline for each request's headers (module
+    docstring)."""
 
     request_timeout_s = ConnectionLimits.request_timeout_s
     closed_stalled = 0  # class-wide count, for the process's metrics and tests
+    _header_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -58,15 +65,13 @@ class GuardedH11Protocol(H11Protocol):
         self._header_deadline = self.loop.call_later(self.request_timeout_s, self._stalled)
 
     def _disarm(self) -> None:
-        timer = getattr(self, "_header_deadline", None)
-        if timer is not None:
-            timer.cancel()
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
             self._header_deadline = None
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.cycle is not None and not self.cycle.response_complete:
-            self._disarm()  # a request is being served: its headers came in time
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._disarm()  # a request is being served: its headers came in time
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -85,14 +90,14 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedProtocol]:
     """A protocol class with these limits' header deadline (uvicorn takes a class)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"request_timeout_s": limits.request_timeout_s})
+    return type("GuardedProtocol", (GuardedProtocol,), {"request_timeout_s": limits.request_timeout_s})
 
 
 def server_config(app, host: str, port: int, limits: ConnectionLimits = ConnectionLimits(),
                   **uvicorn_options) -> uvicorn.Config:
-    """uvicorn's config with the limits (h11, asyncio loop, no access log unless asked)."""
+    """uvicorn's config with the limits (httptools, asyncio loop, no access log unless asked)."""
     import uvicorn
 
     options = {"loop": "asyncio", "log_level": "warning", "access_log": False, **uvicorn_options}

@@ -162,7 +162,9 @@ class _ProbeData(msgspec.Struct):
 class _Probe(msgspec.Struct):
     type: str
     key: str
-    sig: bytes | None = None
+    #: Any value: a ``sig`` that is not bytes is a bad signature, not a record the probe cannot
+    #: read (which would pass it on unverified).
+    sig: object = None
     data: _ProbeData | None = None
 
 
@@ -175,6 +177,17 @@ class Verifier:
     def __init__(self, master: bytes) -> None:
         self._keys: dict[str, bytes] = {}
         self._master = master
+        self._native = None
+
+    def native(self):
+        """This check in the native core (``switchyard_native.NativeVerifier``), built once: it
+        accepts a ``kv`` record only when this class would, and leaves every other record to
+        :meth:`check` (the batch folds, ``NativePrefixIndex.apply_run``, use it)."""
+        if self._native is None:
+            import switchyard_native
+
+            self._native = switchyard_native.NativeVerifier(self._master)
+        return self._native
 
     def _key(self, owner: str) -> bytes:
         k = self._keys.get(owner)
@@ -201,7 +214,7 @@ class Verifier:
             if wid != p.key:
                 raise ForgedEvent("key_not_worker", f"{p.type} keyed {p.key[:100]!r} is about worker "
                                   f"{str(wid)[:100]!r}: a worker's events carry its own id as their key")
-        if value[-_TRAILER:-32] != _FIELD or len(p.sig) != 32:
+        if not isinstance(p.sig, bytes) or value[-_TRAILER:-32] != _FIELD or len(p.sig) != 32:
             raise ForgedEvent("bad_signature", f"{p.type} for {p.key[:100]!r}: the signature is not the "
                               "envelope's last field")
         unsigned = bytes((value[0] - 1,)) + value[1:-_TRAILER]

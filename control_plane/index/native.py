@@ -15,6 +15,9 @@ What the native core adds:
   decodes the record with the Python codec (which raises the schema error a malformed record
   deserves). The rare events that need words (a gap, a new epoch, a rejection) are decoded in
   Python too, so the log lines and :class:`IndexRejected` messages are the reference's.
+* :meth:`NativePrefixIndex.apply_run` does the same for a run of one partition's records in one
+  call, checking each worker's signature natively on the way (``switchyard_native.NativeVerifier``,
+  :meth:`schemas.signing.Verifier.native`): replay and a restarting router fold the log this way.
 * Memory: one hash-map bucket per distinct block (16 bytes + a control byte) with its holder
   inline when one cache holds it, a sorted holder list in a pooled chunk otherwise; measured
   per (block, worker) entry by ``switchyard bench index``.
@@ -147,6 +150,28 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
     # decode it with the codec and call :meth:`apply` (nothing changed). Raises
     # :class:`IndexRejected` like :meth:`apply` (through :meth:`_explain_record`).
     # last_worker() -> str: the worker id of the last record it folded.
+
+    def apply_run(self, values: list, start: int, suffix: str = "",
+                  verifier=None) -> tuple[int, IndexRejected | None]:
+        """Fold ``values[start:]`` (one partition's record values, in offset order) as
+        :meth:`apply_bytes` would one by one, for as long as each is a ``kv`` record this path
+        takes and, given a ``verifier`` (``switchyard_native.NativeVerifier``), one it finds
+        signed by its owner. Returns ``(end, rejected)``: the records before ``end`` are
+        folded; with ``rejected`` None, record ``end`` (if any) is untouched, for the caller's
+        one-record path; otherwise record ``end`` was folded and refused, as ``apply_bytes``
+        would have raised ``rejected``."""
+        n = len(values)
+        i = start
+        while i < n:
+            i, code = self._apply_run(values, i, suffix, verifier)
+            if code is None:
+                break
+            try:
+                self._explain_record(code, values[i], suffix)
+            except IndexRejected as e:
+                return i, e
+            i += 1
+        return i, None
 
     def _explain_record(self, code: int, value: bytes, suffix: str) -> ApplyOutcome:
         """:meth:`apply_bytes`'s words for a record the core flagged (new epoch, gap, rejection)."""

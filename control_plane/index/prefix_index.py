@@ -86,7 +86,6 @@ from enum import Enum
 from typing import NamedTuple
 
 import msgspec
-import numpy as np
 
 from control_plane.index.errors import IndexRejected
 from kernel.hashing import HashConfig
@@ -229,6 +228,8 @@ class _Snapshot(msgspec.Struct, frozen=True, kw_only=True):
 def _u64_bytes(hashes: Collection[int]) -> bytes:
     """Sorted little-endian u64s. Sorted in numpy, not Python: a router checkpoints on its event
     loop, and ``sorted`` over a few hundred thousand ints held the loop for over a second."""
+    import numpy as np  # the reference's snapshots only (a router imports this module at start-up)
+
     a = np.fromiter(hashes, dtype="<u8", count=len(hashes))
     a.sort()
     return a.tobytes()

@@ -1,15 +1,19 @@
-"""Whether a process uses the native core (index and scoring) or the reference: the one switch.
+"""Whether a process uses the native core (index and decision) or the reference: the one switch.
 
-``SWITCHYARD_INDEX=native`` (the default) selects the Rust core in ``native/`` for both hot
-paths: :class:`~control_plane.index.native.NativePrefixIndex` for the prefix index, and
-``switchyard_native.score_kv`` for the kv terms of every routing candidate
-(:func:`control_plane.router.decision.decide`). ``SWITCHYARD_INDEX=reference`` selects the
-pure-Python executable specifications of both, :class:`~control_plane.index.prefix_index.PrefixIndex`
-and ``decision._score``, for debugging. The two index implementations fold the same events to
-the same state and read each other's snapshots, and the two scorers give bit-identical score
-rows and choices (``tests/unit/test_native_index.py``, ``tests/unit/test_native_decide.py``), so
-the switch can be flipped across a restart and a replay verifies decisions made under either.
-It is read when an index is created or a decision made (never at import).
+``SWITCHYARD_INDEX=native`` (the default) selects the Rust core in ``native/`` for the hot
+paths: :class:`~control_plane.index.native.NativePrefixIndex` for the prefix index,
+``switchyard_native.decide_kv`` for the kv terms, guards, argmin and score rows of every
+routing decision (:func:`control_plane.router.decision.decide`), and
+``switchyard_native.InflightAccounts`` for the in-flight ledger's accounts
+(:class:`control_plane.router.ledger.InflightLedger`). ``SWITCHYARD_INDEX=reference`` selects
+the pure-Python executable specifications of all three, :class:`~control_plane.index.prefix_index.PrefixIndex`,
+``decision._score`` / ``decision._pick`` and ``ledger._Accounts``, for debugging. The two index
+implementations fold the same events to the same state and read each other's snapshots, the
+two decision paths give bit-identical score rows and choices, and the two ledgers the same
+views (``tests/unit/test_native_index.py``, ``tests/unit/test_native_decide.py``,
+``tests/unit/test_native_ledger.py``), so the switch can be flipped across a restart and a
+replay verifies decisions made under either. It is read when an index or a ledger is created
+or a decision made (never at import).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def index_impl() -> str:
 
 
 def native_core() -> bool:
-    """True when the native core is selected (the index *and* the router's kv scoring)."""
+    """True when the native core is selected (the index, the router's decision and its ledger)."""
     return index_impl() == "native"
 
 

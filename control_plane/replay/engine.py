@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from control_plane.router.view import RouterView
 from kernel.errors import LogReadError
 from kernel.log.catalog import Catalog
 from kernel.log.fold import FoldStats
-from kernel.log.reader import TP, LocatedEvent, LogReader, LogRecord, scan, scan_events
+from kernel.log.reader import TP, LocatedEvent, LogReader, LogRecord, RecordBatch, scan, scan_events
 from kernel.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted
@@ -95,11 +96,12 @@ class SnapshotInfo:
 
 @dataclass
 class _Cursor:
-    """Buffered forward reading of one partition (many small advances, few broker reads)."""
+    """Buffered forward reading of one partition (many small advances, few broker reads):
+    ``buf`` holds the record batches read and not yet folded."""
 
     next_unread: int
     high: int
-    buf: deque = field(default_factory=deque)
+    buf: deque[RecordBatch] = field(default_factory=deque)
 
 
 class ConfigBook:
@@ -650,7 +652,7 @@ class ViewAdvancer:
         cursors = {tp: self._cursor(tp) for tp in targets}
         bar: Bar = _NullBar()
         if progress:
-            todo = sum(max(min(targets[tp], c.high) - (c.buf[0].offset if c.buf else c.next_unread), 0)
+            todo = sum(max(min(targets[tp], c.high) - (c.buf[0].offsets[0] if c.buf else c.next_unread), 0)
                        for tp, c in cursors.items())
             bar = self.engine.progress("folding kv+workers", todo)
         # workers first, then kv: what a live fold sees in practice (the result does not depend on it)
@@ -663,11 +665,18 @@ class ViewAdvancer:
                     if c.next_unread >= target:
                         break  # the offsets left hold no record (compaction): nothing to fold
                     stop = min(c.high, max(target, c.next_unread + chunk))
-                    buf.extend(reader.read(tp[0], tp[1], c.next_unread, stop))
+                    buf.extend(reader.read_batches(tp[0], tp[1], c.next_unread, stop))
                     c.next_unread = stop
                     continue
-                if buf[0].offset >= target:
+                batch = buf[0]
+                k = bisect_left(batch.offsets, target)
+                if k == 0:
                     break
-                self.folder.apply(buf.popleft())
-                bar.update(1)
+                if k < len(batch):  # fold up to the target, keep the rest
+                    buf[0] = batch.slice(k, len(batch))
+                    batch = batch.slice(0, k)
+                else:
+                    buf.popleft()
+                self.folder.apply_batch(batch)
+                bar.update(len(batch))
         bar.close()

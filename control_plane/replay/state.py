@@ -15,14 +15,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.router.view import RouterView
+from control_plane.router.view import RouterView, rejected_poison
 from kernel.log.fold import Poisoned, RecordFold
-from kernel.log.reader import LogRecord
+from kernel.log.reader import LogRecord, RecordBatch
 from schemas import Envelope, EventCodec
 from schemas.events import (
     Event,
@@ -39,17 +39,22 @@ class ViewFolder:
     fold glue every view uses (:class:`~kernel.log.fold.RecordFold`: skip what the view
     covers, count poison, go on) and the view's own record fold (the live agent's)."""
 
-    def __init__(self, view: RouterView, codec: EventCodec | None = None) -> None:
+    def __init__(self, view: RouterView, codec: EventCodec | None = None,
+                 on_poison: Callable[[LogRecord, Poisoned], None] | None = None) -> None:
         self.view = view
         self.codec = codec or EventCodec()
-        self._fold = RecordFold(view.positions, self._apply)
+        self._fold = RecordFold(view.positions, self._apply, on_poison)
         self.stats = self._fold.stats
 
     def _apply(self, rec: LogRecord) -> None:
         try:
             self.view.apply_record(rec.value, rec.topic, rec.partition, rec.offset, rec.ts_ms, self.codec)
         except IndexRejected as e:
-            raise Poisoned(f"index_rejected:{e.reason}", str(e)) from None
+            raise rejected_poison(e) from None
+
+    def _run(self, batch: RecordBatch, start: int) -> tuple[int, Poisoned | None]:
+        end, rejected = self.view.apply_run(batch, start, self.codec)
+        return end, (None if rejected is None else rejected_poison(rejected))
 
     def apply(self, rec: LogRecord) -> None:
         self._fold(rec)
@@ -57,6 +62,10 @@ class ViewFolder:
     def apply_all(self, records: Iterable[LogRecord]) -> None:
         for r in records:
             self._fold(r)
+
+    def apply_batch(self, batch: RecordBatch) -> None:
+        """The same fold as ``apply`` of each record, whole runs at a time in the native index."""
+        self._fold.fold_batch(batch, self._run)
 
 
 class WorkerTraffic(msgspec.Struct, kw_only=True):

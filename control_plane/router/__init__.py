@@ -6,8 +6,9 @@ account, a fold of the events the router itself publishes), :mod:`.inputs` (the 
 view + ledger + request to ``decide``'s inputs and back to ``RequestRouted``), :mod:`.view`
 (the router's view of the log), :mod:`.admission`, :mod:`.health`.
 
-Adapters: :mod:`.proxy` (the request path: admit, decide, record, proxy, retry), :mod:`.http`
-(the OpenAI-compatible FastAPI app), :mod:`.stream` (the Faust agent folding the view),
+Adapters: :mod:`.proxy` (the request path: admit, decide, record, proxy, retry),
+:mod:`.worker_calls` (its HTTP calls to workers), :mod:`.http` (the OpenAI-compatible FastAPI
+app), :mod:`.stream` (the Faust agent folding the view),
 :mod:`.wiring` (one process). This package's ``__init__`` imports only the pure core.
 """
 

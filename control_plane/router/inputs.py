@@ -53,8 +53,9 @@ class DecisionInputs(msgspec.Struct, kw_only=True):
     request: RoutingRequest
     workers: list[WorkerLoad]
     overlaps: dict[str, WorkerOverlap]
-    #: The ledger's view for the prompt when the decision was made.
-    inflight: dict[str, InflightLoad]
+    #: The ledger's view for the prompt when the decision was made (a dict, or the native
+    #: ledger's read-only ``InflightView``).
+    inflight: Mapping[str, InflightLoad]
     rr_cursor: str | None = None
     rng_seed: int = 0
 
@@ -144,10 +145,10 @@ class _Recorded:
 
     __slots__ = ("loads",)
 
-    def __init__(self, loads: dict[str, InflightLoad]) -> None:
+    def __init__(self, loads: Mapping[str, InflightLoad]) -> None:
         self.loads = loads
 
-    def view(self, hashes: Sequence[BlockHash]) -> dict[str, InflightLoad]:
+    def view(self, hashes: Sequence[BlockHash]) -> Mapping[str, InflightLoad]:
         return self.loads
 
 

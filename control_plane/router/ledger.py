@@ -22,6 +22,14 @@ binary search (O(log n) set lookups) instead of a walk.
 
 How the two interact in a decision is described in :mod:`control_plane.router.decision`.
 
+The per-worker accounts (the load sums and the refcounted hashes) are :class:`_Accounts`, the
+executable specification, or ``switchyard_native.InflightAccounts`` (``native/src/inflight.rs``),
+the same rules in Rust, selected when the ledger is created by the native-core switch
+(:func:`control_plane.index.select.native_core`). The native accounts hold ``u64`` hashes and
+``i64`` counters; handed anything else they decline, change nothing, and the ledger moves its
+accounts to the specification for good (``tests/unit/test_native_ledger.py`` folds random
+operation sequences through both and requires the same views).
+
 The ledger is plain mutable state owned by one router and passed explicitly; it never reads a
 clock (``now`` is an argument). ``decide`` only reads it, through :class:`InflightView`, so a
 replay can rebuild it by folding the recorded events and re-run any decision.
@@ -33,10 +41,11 @@ import heapq
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
+from control_plane.index.select import native_core
 from control_plane.router.errors import InvalidRoutingInput
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -105,13 +114,15 @@ class InflightLedger:
     idempotent on repeated input (events arrive at least once).
     """
 
-    __slots__ = ("_by_request", "_entries", "_expiry", "_seq", "_workers")
+    __slots__ = ("_accounts", "_by_request", "_entries", "_expiry", "_seq")
 
-    def __init__(self) -> None:
+    def __init__(self, *, native: bool | None = None) -> None:
+        """``native``: keep the accounts in the Rust core (None = the process's switch,
+        :func:`~control_plane.index.select.native_core`)."""
         self._entries: dict[tuple[RequestId, WorkerId], _Entry] = {}
         #: Workers each request has entries on, in the order they were added.
         self._by_request: dict[RequestId, list[WorkerId]] = {}
-        self._workers: dict[WorkerId, _WorkerAccount] = {}
+        self._accounts: _Accounts | Any = _new_accounts(native_core() if native is None else native)
         self._expiry: list[tuple[float, int, RequestId, WorkerId]] = []
         self._seq = 0
 
@@ -153,16 +164,8 @@ class InflightLedger:
         entry = _Entry(hashes, prefill_tokens, decode_blocks - len(hashes), now + ttl, self._seq)
         self._entries[key] = entry
         self._by_request.setdefault(request_id, []).append(worker)
-        account = self._workers.get(worker)
-        if account is None:
-            account = self._workers[worker] = _WorkerAccount()
-        refs = account.refs
-        get = refs.get
-        for h in hashes:
-            refs[h] = get(h, 0) + 1
-        account.prefill_tokens += prefill_tokens
-        account.extra_blocks += entry.extra_blocks
-        account.requests += 1
+        if not self._accounts.add(worker, hashes, prefill_tokens, entry.extra_blocks):
+            self._specification().add(worker, hashes, prefill_tokens, entry.extra_blocks)
         heapq.heappush(self._expiry, (entry.expires_at, entry.seq, request_id, worker))
         if len(self._expiry) > 2 * len(self._entries) + 1024:
             # Completed entries leave their heap items behind until they would have expired;
@@ -180,7 +183,8 @@ class InflightLedger:
         """
         for key in self._keys(request_id, worker):
             entry = self._entries[key]
-            self._workers[key[1]].prefill_tokens -= entry.prefill_tokens
+            if not self._accounts.prefill_done(key[1], entry.prefill_tokens):
+                self._specification().prefill_done(key[1], entry.prefill_tokens)
             entry.prefill_tokens = 0
 
     def complete(self, request_id: RequestId, worker: WorkerId | None = None) -> None:
@@ -213,42 +217,25 @@ class InflightLedger:
     # -- queries (the InflightView protocol) -------------------------------------------------
 
     def load_for(self, worker: WorkerId) -> InflightLoad:
-        account = self._workers.get(worker)
-        if account is None:
-            return NO_INFLIGHT
-        return InflightLoad(
-            account.prefill_tokens, len(account.refs) + account.extra_blocks, account.requests
-        )
+        load = self._accounts.load(worker)
+        return NO_INFLIGHT if load is None else load
 
     def speculative_overlap(self, worker: WorkerId, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``hashes`` (a chain from the root) in-flight requests on
         ``worker`` hold."""
-        account = self._workers.get(worker)
-        return 0 if account is None else _matched_depth(account.refs, hashes, hashes[::-1])
+        hashes = hashes if type(hashes) is tuple else tuple(hashes)
+        depth = self._accounts.overlap(worker, hashes)
+        return self._specification().overlap(worker, hashes) if depth is None else depth
 
-    def view(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, InflightLoad]:
+    def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         """``load_for`` plus ``speculative_overlap(hashes)`` of every worker with requests in
-        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads)."""
-        out: dict[WorkerId, InflightLoad] = {}
-        n = len(hashes)
-        if n == 0:
-            for worker, a in self._workers.items():
-                out[worker] = InflightLoad(
-                    a.prefill_tokens, len(a.refs) + a.extra_blocks, a.requests
-                )
-            return out
-        # _matched_depth inlined: this loop runs over every busy worker on every decision.
-        first = hashes[0]
-        backwards = hashes[::-1]
-        for worker, a in self._workers.items():
-            refs = a.refs
-            depth = (
-                n - bisect_left(backwards, True, key=refs.__contains__) if first in refs else 0
-            )
-            out[worker] = InflightLoad(
-                a.prefill_tokens, len(refs) + a.extra_blocks, a.requests, depth
-            )
-        return out
+        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads): a dict
+        from the specification's accounts, a read-only ``switchyard_native.InflightView`` from
+        the native ones (the native decision reads its numbers without an object per worker).
+        Either iterates in the order the workers' accounts opened."""
+        hashes = hashes if type(hashes) is tuple else tuple(hashes)
+        out = self._accounts.view(hashes)
+        return self._specification().view(hashes) if out is None else out
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -272,19 +259,117 @@ class InflightLedger:
         workers.remove(key[1])
         if not workers:
             del self._by_request[key[0]]
-        account = self._workers[key[1]]
+        if not self._accounts.remove(key[1], entry.hashes, entry.prefill_tokens, entry.extra_blocks):
+            self._specification().remove(key[1], entry.hashes, entry.prefill_tokens, entry.extra_blocks)
+
+    def _specification(self) -> _Accounts:
+        """The accounts as the specification keeps them, moved there if they were native (for
+        good: what the native accounts declined once, they would decline again)."""
+        if type(self._accounts) is not _Accounts:
+            self._accounts = _Accounts.restore(self._accounts.export())
+        return self._accounts
+
+
+class _Accounts:
+    """Per worker: the load its in-flight entries add and a refcount per prompt block hash they
+    hold (the executable specification of ``switchyard_native.InflightAccounts``).
+
+    An account opens with its worker's first entry and closes with its last; every method
+    returns what the native accounts return when they take the input (mutations True).
+    """
+
+    __slots__ = ("_workers",)
+
+    def __init__(self) -> None:
+        self._workers: dict[WorkerId, _WorkerAccount] = {}
+
+    @classmethod
+    def restore(cls, exported: list[tuple[WorkerId, list[tuple[BlockHash, int]], int, int, int]]) -> _Accounts:
+        """From ``export()``'s rows (either implementation's)."""
+        out = cls()
+        for worker, refs, prefill_tokens, extra_blocks, requests in exported:
+            out._workers[worker] = _WorkerAccount(dict(refs), prefill_tokens, extra_blocks, requests)
+        return out
+
+    def export(self) -> list[tuple[WorkerId, list[tuple[BlockHash, int]], int, int, int]]:
+        return [(w, list(a.refs.items()), a.prefill_tokens, a.extra_blocks, a.requests)
+                for w, a in self._workers.items()]
+
+    def add(self, worker: WorkerId, hashes: Sequence[BlockHash], prefill_tokens: int, extra_blocks: int) -> bool:
+        account = self._workers.get(worker)
+        if account is None:
+            account = self._workers[worker] = _WorkerAccount()
         refs = account.refs
-        for h in entry.hashes:
+        get = refs.get
+        for h in hashes:
+            refs[h] = get(h, 0) + 1
+        account.prefill_tokens += prefill_tokens
+        account.extra_blocks += extra_blocks
+        account.requests += 1
+        return True
+
+    def remove(self, worker: WorkerId, hashes: Sequence[BlockHash], prefill_tokens: int, extra_blocks: int) -> bool:
+        account = self._workers[worker]
+        refs = account.refs
+        for h in hashes:
             left = refs[h] - 1
             if left:
                 refs[h] = left
             else:
                 del refs[h]
-        account.prefill_tokens -= entry.prefill_tokens
-        account.extra_blocks -= entry.extra_blocks
+        account.prefill_tokens -= prefill_tokens
+        account.extra_blocks -= extra_blocks
         account.requests -= 1
         if account.requests == 0:
-            del self._workers[key[1]]
+            del self._workers[worker]
+        return True
+
+    def prefill_done(self, worker: WorkerId, tokens: int) -> bool:
+        self._workers[worker].prefill_tokens -= tokens
+        return True
+
+    def load(self, worker: WorkerId) -> InflightLoad | None:
+        a = self._workers.get(worker)
+        return None if a is None else InflightLoad(a.prefill_tokens, len(a.refs) + a.extra_blocks, a.requests)
+
+    def overlap(self, worker: WorkerId, hashes: tuple[BlockHash, ...]) -> int:
+        account = self._workers.get(worker)
+        return 0 if account is None else _matched_depth(account.refs, hashes, hashes[::-1])
+
+    def view(self, hashes: tuple[BlockHash, ...]) -> dict[WorkerId, InflightLoad]:
+        out: dict[WorkerId, InflightLoad] = {}
+        n = len(hashes)
+        if n == 0:
+            for worker, a in self._workers.items():
+                out[worker] = InflightLoad(
+                    a.prefill_tokens, len(a.refs) + a.extra_blocks, a.requests
+                )
+            return out
+        # _matched_depth inlined: this loop runs over every busy worker on every decision.
+        first = hashes[0]
+        backwards = hashes[::-1]
+        for worker, a in self._workers.items():
+            refs = a.refs
+            depth = (
+                n - bisect_left(backwards, True, key=refs.__contains__) if first in refs else 0
+            )
+            out[worker] = InflightLoad(
+                a.prefill_tokens, len(refs) + a.extra_blocks, a.requests, depth
+            )
+        return out
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+
+def _new_accounts(native: bool) -> _Accounts | Any:
+    if not native:
+        return _Accounts()
+    import switchyard_native  # only when selected: the specification runs without the build
+
+    # Its views are read-only mappings like the specification's dicts (idempotent).
+    Mapping.register(switchyard_native.InflightView)
+    return switchyard_native.InflightAccounts(InflightLoad)
 
 
 def _matched_depth(
@@ -417,7 +502,7 @@ class RouterLedger:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def view(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, InflightLoad]:
+    def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         return self.inflight.view(hashes)
 
     def load_for(self, worker: WorkerId) -> InflightLoad:

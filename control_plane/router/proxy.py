@@ -23,7 +23,6 @@ every read has a timeout.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -31,7 +30,6 @@ import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
 import msgspec
 
 from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
@@ -41,6 +39,7 @@ from control_plane.router.inputs import decision_inputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.limits import new_request_id
 from control_plane.router.view import RouterView, WorkerState
+from control_plane.router.worker_calls import CallFailed, HttpWorkerCalls, Unsendable, WorkerCalls, lines
 from kernel.hashing import HashConfig, hash_blocks
 from kernel.log.sink import EventSink
 from schemas.envelope import Envelope
@@ -108,10 +107,10 @@ class WorkerFailed(Exception):
         self.worker_id = worker_id
 
 
-#: The worker call's body: encoded once, straight to bytes (httpx's ``json=`` builds a str
-#: with the stdlib encoder and encodes it again; a 32K-token prompt is ~200 KB).
+#: The worker call's body: encoded once, straight to bytes (a 32K-token prompt is ~200 KB).
 _json = msgspec.json.encode
-_JSON = {"Content-Type": "application/json"}
+#: A worker's JSON (an SSE event's data, a prefill answer), decoded without a str in between.
+_decode = msgspec.json.decode
 
 # Failures where the request never reached the worker: a prefill hold made for it is still there.
 NEVER_REACHED = frozenset({"worker_unreachable", "connect_timeout"})
@@ -120,20 +119,19 @@ NEVER_REACHED = frozenset({"worker_unreachable", "connect_timeout"})
 def _unsendable(e: Exception) -> RouterRejected | None:
     """The request itself could not be put on the wire (an illegal header or URL): the request's
     fault, not the worker's, so no worker is blamed or excluded and nothing is retried."""
-    if isinstance(e, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL)):
+    if isinstance(e, Unsendable):
         return RouterRejected(f"the request could not be sent to a worker: {e}", 400, "invalid_request")
     return None
 
 
 def _failure(e: Exception, what: str, worker_id: str) -> WorkerFailed:
-    """One code per way an HTTP call to a worker can fail (all are retried before a token)."""
-    if isinstance(e, httpx.ConnectTimeout):
-        code = "connect_timeout"
-    elif isinstance(e, httpx.ConnectError):
-        code = "worker_unreachable"
-    elif isinstance(e, httpx.TimeoutException):  # read, write or pool timeout
-        code = "timeout"
-    elif isinstance(e, (httpx.HTTPError, OSError)):
+    """One code per way an HTTP call to a worker can fail (all are retried before a token): the
+    transport's (:class:`~control_plane.router.worker_calls.CallFailed`: ``connect_timeout``,
+    ``worker_unreachable``, ``timeout``, ``worker_lost``), or ``bad_response`` for an answer
+    that is not what a worker sends."""
+    if isinstance(e, CallFailed):
+        code = e.code
+    elif isinstance(e, OSError):
         code = "worker_lost"
     else:  # a body we could not parse
         code = "bad_response"
@@ -166,7 +164,7 @@ class Router:
         read_timeout_s: float = 60.0,
         metrics=None,
         admission: AdmissionConfig | None = None,
-        http: httpx.AsyncClient | None = None,
+        workers: WorkerCalls | None = None,
         worker_credential: str | None = None,
     ) -> None:
         self.router_id = router_id
@@ -179,18 +177,15 @@ class Router:
         self.max_attempts = max_attempts
         self._health = health
         self.metrics = metrics
-        #: The worker transport (tests pass a client over ``httpx.MockTransport``). Every call
-        #: carries the cluster's worker credential when there is one (``worker_credential``:
-        #: the workers' ``/kv/metadata`` and ``/debug/*`` require it).
-        self.http = http or httpx.AsyncClient(
-            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
-            headers={"Authorization": f"Bearer {worker_credential}"} if worker_credential else None,
-        )
+        #: The calls to workers (unit tests pass in-memory workers). Every call carries the
+        #: cluster's worker credential when there is one (``worker_credential``: the workers'
+        #: ``/kv/metadata`` and ``/debug/*`` require it).
+        self.workers = workers or HttpWorkerCalls(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
+                                                  credential=worker_credential)
         self.admission = AdmissionQueue(admission or AdmissionConfig(), self._has_room)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        await self.workers.close()
 
     def _record(self, payload: Event, request_id: str) -> Envelope[Event]:
         """Publish one fact of this router and fold it into its own state (the only way the
@@ -380,14 +375,15 @@ class Router:
                 "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True}}
         wid = prefill.worker_id
         try:
-            r = await self.http.post(f"{prefill.endpoint}/v1/completions", content=_json(body),
-                                     headers={"X-Request-Id": adm.request_id, **_JSON})
-            if r.status_code >= 500:
-                raise WorkerFailed("worker_error", f"prefill {wid}: HTTP {r.status_code}: {r.text[:200]}", wid)
-            if r.status_code >= 400:
-                raise RouterRejected(f"prefill worker refused the request: {r.text[:300]}", r.status_code, "bad_request")
-            params = r.json().get("kv_transfer_params")
-        except (httpx.HTTPError, OSError, ValueError, AttributeError) as e:
+            async with self.workers.post(f"{prefill.endpoint}/v1/completions", _json(body), adm.request_id) as r:
+                answer = await r.read()
+            if r.status >= 500:
+                raise WorkerFailed("worker_error", f"prefill {wid}: HTTP {r.status}: {_text(answer, 200)}", wid)
+            if r.status >= 400:
+                raise RouterRejected(f"prefill worker refused the request: {_text(answer, 300)}", r.status,
+                                     "bad_request")
+            params = _decode(answer).get("kv_transfer_params")
+        except (CallFailed, Unsendable, OSError, ValueError, AttributeError) as e:
             raise _unsendable(e) or _failure(e, f"prefill {wid}", wid) from None
         handoff.append((wid, params))
         # The decode decision releases the prefill entry (the KV is handed off) before it reads
@@ -418,23 +414,22 @@ class Router:
             body["kv_transfer_params"] = kv_params
         url = f"{worker.endpoint}/v1/completions"
         try:
-            async with self.http.stream("POST", url, content=_json(body),
-                                        headers={"X-Request-Id": adm.request_id, **_JSON}) as r:
-                if r.status_code >= 500:
-                    raise WorkerFailed("worker_error", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}",
+            async with self.workers.post(url, _json(body), adm.request_id) as r:
+                if r.status >= 500:
+                    raise WorkerFailed("worker_error", f"HTTP {r.status}: {(await r.read())[:200]!r}",
                                        worker.worker_id)
-                if r.status_code >= 400:
-                    raise RouterRejected(f"worker refused the request: {(await r.aread())[:300].decode(errors='replace')}",
-                                         r.status_code, "bad_request")
+                if r.status >= 400:
+                    raise RouterRejected(f"worker refused the request: {_text(await r.read(), 300)}",
+                                         r.status, "bad_request")
                 done = False
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
+                async for line in lines(r.chunks()):
+                    if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         done = True
                         break
-                    obj = json.loads(data)
+                    obj = _decode(data)
                     if "error" in obj:
                         raise WorkerFailed("worker_error", str(obj["error"])[:300], worker.worker_id)
                     choices = obj.get("choices") or []
@@ -446,7 +441,7 @@ class Router:
                         yield Chunk(usage=obj["usage"])
                 if not done:
                     raise WorkerFailed("worker_lost", "stream ended without [DONE]", worker.worker_id)
-        except (httpx.HTTPError, OSError, ValueError) as e:
+        except (CallFailed, Unsendable, OSError, ValueError) as e:
             # A refused connection is recorded as ``worker_unreachable``: folding that drops
             # everything this router sent to the worker (its KV is gone with it).
             raise _unsendable(e) or _failure(e, worker.worker_id, worker.worker_id) from None
@@ -477,6 +472,11 @@ class Router:
             self.metrics.ttft_seconds.observe(t.ttft_ms / 1000)
             for x in itls:
                 self.metrics.itl_seconds.observe(x / 1000)
+
+
+def _text(body: bytes, limit: int) -> str:
+    """The start of a worker's answer, for a message."""
+    return body[:limit].decode(errors="replace")
 
 
 class _Tracker:

@@ -43,14 +43,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Protocol
-
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from typing import TYPE_CHECKING, Protocol
 
 from control_plane.router.keys import Denied, KeyGate, RouterKey, concurrency_denied, rate_denied
+
+if TYPE_CHECKING:  # redis is imported where a gate is made: every router imports this module
+    import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +159,10 @@ class SharedKeyGate:
                  replica: str | None = None) -> None:
         if lease_s < 0.3:
             raise ValueError(f"lease_s={lease_s}: a slot is renewed every lease_s / 3, at least 0.1 s")
+        from redis.exceptions import RedisError
+
+        #: What a Redis call that did not answer raises (the local gate answers instead).
+        self._down = (RedisError, OSError)
         self.client = client
         self.lease_ms = int(lease_s * 1000)
         self.prefix = prefix
@@ -188,6 +190,10 @@ class SharedKeyGate:
     def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedKeyGate:
         """A gate on the Redis at ``url``; a call waits at most ``timeout_s`` for it, and is never
         retried (the local gate answers instead)."""
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
         client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                          retry=Retry(NoBackoff(), 0), health_check_interval=0)
         return cls(client, **kw)
@@ -213,7 +219,7 @@ class SharedKeyGate:
                     "" if lim.max_concurrent is None else str(lim.max_concurrent), slot, str(self.lease_ms)]
             try:
                 got = await self._admit(keys=self._keys(key.key_id), args=args)
-            except (RedisError, OSError) as e:
+            except self._down as e:
                 self._failed("admit", e)
             else:
                 code, n = int(got[0]), int(got[1])
@@ -242,7 +248,7 @@ class SharedKeyGate:
         elif where:
             try:
                 await self.client.zrem(self._keys(key.key_id)[1], where)
-            except (RedisError, OSError) as e:
+            except self._down as e:
                 # Not renewed from now on: its lease frees it.
                 self._failed("release", e)
 
@@ -285,7 +291,7 @@ class SharedKeyGate:
                 for key_id, ids in slots.items():
                     await self._renew(keys=[self._keys(key_id)[1]], args=[self.lease_ms, *ids], client=pipe)
                 return sum(int(n) for n in await pipe.execute())
-        except (RedisError, OSError) as e:
+        except self._down as e:
             self._failed("renew", e)
             return 0
 

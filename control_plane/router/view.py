@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import msgspec
@@ -26,6 +27,7 @@ from control_plane.index.errors import IndexRejected
 from control_plane.index.prefix_index import ApplyOutcome, Match, WorkerRank
 from control_plane.index.select import new_index, restore_index
 from control_plane.router.decision import WorkerLoad, WorkerOverlap
+from kernel.log.fold import Poisoned
 from schemas.envelope import Envelope, EventCodec
 from schemas.events import (
     Event,
@@ -35,6 +37,9 @@ from schemas.events import (
     WorkerRegistered,
 )
 from schemas.types import WorkerId
+
+if TYPE_CHECKING:
+    from kernel.log.reader import RecordBatch
 
 SNAPSHOT_FORMAT = 1
 
@@ -80,6 +85,11 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     #: [topic, partition, timestamp ms of the last applied record]
     last_ts_ms: list[tuple[str, int, int]]
     applied: int
+
+
+def rejected_poison(e: IndexRejected, key: bytes | None = None) -> Poisoned:
+    """A record the index refused, as the fold glue's poison (dead-lettered live, counted in replay)."""
+    return Poisoned(f"index_rejected:{e.reason}", str(e), key)
 
 
 @dataclass(frozen=True)
@@ -176,11 +186,8 @@ class RouterView:
         if fast is not None:
             codec.check_owner(value)  # the native decoder does not verify signatures
             tp = (topic, partition)
-            suffix = self._suffixes.get(tp)
-            if suffix is None:
-                suffix = self._suffixes[tp] = f"@{topic}:{partition}"
             try:
-                outcome = fast(value, suffix)
+                outcome = fast(value, self._suffix(tp))
             except IndexRejected:
                 self._advance(tp, offset, ts_ms)
                 raise
@@ -190,6 +197,36 @@ class RouterView:
                     return Applied(outcome.value)
                 return Applied(outcome.value, self.index.last_worker())
         return self.apply(codec.decode(value), topic, partition, offset, ts_ms)
+
+    def apply_run(self, batch: RecordBatch, start: int, codec: EventCodec) -> tuple[int, IndexRejected | None]:
+        """Fold ``batch`` (one partition's records) from record ``start`` on, for as long as the
+        native index takes the records whole (kv envelopes, each verified as its owner's when
+        ``codec`` verifies); the same fold as ``apply_record`` of each. Returns ``(end,
+        rejected)`` as :meth:`NativePrefixIndex.apply_run`: record ``end`` is left to
+        ``apply_record`` unless ``rejected`` says it was folded and refused (the position has
+        advanced past it). The reference index has no run: it takes none."""
+        run = getattr(self.index, "apply_run", None)
+        if run is None:
+            return start, None
+        tp = (batch.topic, batch.partition)
+        native_verifier = codec.verifier.native() if codec.verifier is not None else None
+        end, rejected = run(batch.values, start, self._suffix(tp), native_verifier)
+        last = end if rejected is not None else end - 1
+        if last >= start:
+            self.positions[tp] = batch.offsets[last] + 1
+            ts = batch.ts_ms
+            for k in range(last, start - 1, -1):  # ``apply``'s rule: the last record with a time
+                if ts[k]:
+                    self.last_ts_ms[tp] = ts[k]
+                    break
+            self.applied += last - start + 1
+        return end, rejected
+
+    def _suffix(self, tp: tuple[str, int]) -> str:
+        suffix = self._suffixes.get(tp)
+        if suffix is None:
+            suffix = self._suffixes[tp] = f"@{tp[0]}:{tp[1]}"
+        return suffix
 
     def _advance(self, tp: tuple[str, int], offset: int, ts_ms: int) -> None:
         self.positions[tp] = offset + 1

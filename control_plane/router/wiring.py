@@ -1,12 +1,20 @@
-"""One wiring function for the router process: settings -> running FastAPI app."""
+"""One wiring function for the router process: settings -> running FastAPI app.
+
+Start-up order, for a restart's sake: the log side (:func:`restore_router`: config, orphans,
+API keys, the newest snapshot and the log tail) is read in a thread while the main thread
+imports the HTTP side; :func:`build_router` then puts the HTTP side on it, and the app's start
+only starts Faust on a view that has already reached the log end.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -14,16 +22,19 @@ from control_plane.router import RouterConfig
 from control_plane.router.admission import AdmissionConfig
 from control_plane.router.config import load_router_config
 from control_plane.router.health import HealthThresholds
-from control_plane.router.http import RouterApp, RouterMetrics, create_app
+from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits
-from control_plane.router.proxy import Router
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
+from control_plane.streaming import StreamFollower
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.http_server import ConnectionLimits
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings
 from kernel.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
+
+if TYPE_CHECKING:
+    from control_plane.router.http import RouterApp
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,10 @@ class RouterSettings:
     served_model: str = "switchyard-sim"
     #: Seconds between index checkpoints to the snapshots topic.
     snapshot_every_s: float = 5.0
+    #: Longest a start folds the log tail after the snapshot itself, before it serves (a tail
+    #: longer than that is left to Faust, at about 2k records/s, while ``/health`` says
+    #: LOADING): the port must open before a liveness probe gives up on the process.
+    restore_budget_s: float = 20.0
     max_attempts: int = 3
     read_timeout_s: float = 60.0
     #: TCP connect timeout to a worker; a timeout is retried on another worker.
@@ -138,34 +153,82 @@ def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
     return best
 
 
-def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
-    from control_plane.router.http import RouterAuth
-    from control_plane.router.keys import KeyTable
-    from control_plane.streaming import StreamFollower
-    from kernel.settings import worker_credential
+@dataclass
+class RouterLog:
+    """The log side of a router replica: what it reads from the log before it serves."""
 
+    producer: EventProducer
+    config: RouterConfig
+    hash_config: HashConfig
+    #: The router view, restored from the newest snapshot with the tail folded (Faust not started).
+    processor: RouterViewProcessor
+    #: The API keys folded from the ``admin`` stream and the thread that keeps them current
+    #: (None without auth).
+    keys: KeyTable | None = None
+    follower: StreamFollower | None = None
+
+
+def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
+    """Everything a replica reads from the log before it serves, the independent reads side by
+    side: the config lookup, the orphan scan (requests its killed incarnations left open are
+    closed) and the API keys in threads, while this one restores the newest snapshot and folds
+    the log tail in batches (:meth:`~control_plane.streaming.FoldProcessor.restore`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from control_plane.router.orphans import close_orphans
+
+    t0 = time.monotonic()
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
     producer = EventProducer(bus, s.router_id)
-    config = resolve_router_config(s, bus, producer)
-    view = RouterViewProcessor.load_view(bus, hash_config.hash_algo, s.block_size,
-                                         EndpointAllowlist(s.worker_networks))
-    processor = RouterViewProcessor(bus, s.router_id, view, snapshot_every_s=s.snapshot_every_s,
-                                    thresholds=s.thresholds)
+    keys: KeyTable | None = None
+    follower: StreamFollower | None = None
+    with ThreadPoolExecutor(3, thread_name_prefix="router-start") as pool:
+        config = pool.submit(resolve_router_config, s, bus, producer)
+        orphans = pool.submit(close_orphans, bus, producer)
+        if s.auth:
+            # Every key the log holds is known before the first request: a new replica never
+            # refuses a key its peers accept.
+            keys = KeyTable()
+            follower = StreamFollower(bus, ["admin"], f"{s.router_id}.keys", keys.apply)
+            keys_read = pool.submit(lambda: follower.start().wait_caught_up(60.0))
+        view = RouterViewProcessor.load_view(bus, hash_config.hash_algo, s.block_size,
+                                             EndpointAllowlist(s.worker_networks))
+        t_view = time.monotonic()
+        processor = RouterViewProcessor(bus, s.router_id, view, snapshot_every_s=s.snapshot_every_s,
+                                        thresholds=s.thresholds)
+        processor.restore(s.restore_budget_s)
+        t_tail = time.monotonic()
+        orphans.result()
+        if follower is not None:
+            keys_read.result()
+        out = RouterLog(producer, config.result(), hash_config, processor, keys, follower)
+    log.info("router %s restored from the log in %.2f s: snapshot %.2f s, tail to the log end and group seeded "
+             "%.2f s, then config/orphans/keys %.2f s", s.router_id, time.monotonic() - t0, t_view - t0,
+             t_tail - t_view, time.monotonic() - t_tail)
+    return out
+
+
+def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> RouterApp:
+    """The HTTP side on the restored log side."""
+    from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics
+    from control_plane.router.proxy import Router
+    from kernel.settings import worker_credential
+
+    producer, config, processor, follower = restored.producer, restored.config, restored.processor, restored.follower
+    view = processor.view
     metrics = RouterMetrics()
-    router = Router(router_id=s.router_id, view=view, producer=producer, config=config, hash_config=hash_config,
-                    health=processor.health, max_attempts=s.max_attempts, read_timeout_s=s.read_timeout_s,
-                    connect_timeout_s=s.connect_timeout_s, admission=s.admission,
+    router = Router(router_id=s.router_id, view=view, producer=producer, config=config,
+                    hash_config=restored.hash_config, health=processor.health, max_attempts=s.max_attempts,
+                    read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s, admission=s.admission,
                     metrics=metrics, worker_credential=s.worker_credential or worker_credential(bus.secrets_dir))
     auth: RouterAuth | None = None
-    keys: StreamFollower | None = None
-    if s.auth:
-        auth = RouterAuth(KeyTable())
+    if restored.keys is not None:
+        auth = RouterAuth(restored.keys)
         if key_limits_mode(s) == "shared":
             from control_plane.router.shared_gate import SharedKeyGate
 
             auth.gate = SharedKeyGate.from_url(s.redis_url, lease_s=s.key_slot_lease_s,
                                                on_fallback=lambda op: metrics.key_gate_fallbacks.labels(op).inc())
-        keys = StreamFollower(bus, ["admin"], f"{s.router_id}.keys", auth.table.apply)
     else:
         logging.getLogger("switchyard.security").warning(
             "INSECURE: router %s runs WITHOUT API keys (--no-auth / SWITCHYARD_ROUTER_AUTH=0): anyone who reaches "
@@ -173,16 +236,6 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
             s.host, s.port)
 
     async def start() -> None:
-        import asyncio
-
-        from control_plane.router.orphans import close_orphans
-
-        await asyncio.to_thread(close_orphans, bus, producer)
-        if keys is not None:
-            # Every key the log holds is known before the first request: a new replica never
-            # refuses a key its peers accept.
-            await asyncio.to_thread(keys.start)
-            await asyncio.to_thread(keys.wait_caught_up, 60.0)
         if auth is not None:
             await auth.gate.start()
         await processor.start()
@@ -197,8 +250,8 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
         await processor.checkpoint()
         await processor.stop()
         await router.close()
-        if keys is not None:
-            await asyncio.to_thread(keys.stop)
+        if follower is not None:
+            await asyncio.to_thread(follower.stop)
         if auth is not None:
             await auth.gate.close()
         producer.close(10)
@@ -210,6 +263,18 @@ def build_router(s: RouterSettings, bus: BusSettings) -> RouterApp:
 
 
 def run_router(s: RouterSettings, bus: BusSettings) -> None:
-    from kernel.http_server import serve
+    """Restore the log side in a thread while this one imports the HTTP side (FastAPI, the
+    proxy, uvicorn, Faust: about as long as the snapshot takes to read), then serve. A restart
+    from a 1M-block snapshot spends most of its time in these two, so they overlap."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    serve(create_app(build_router(s, bus)), s.host, s.port, s.connections)
+    from control_plane.streaming import import_faust
+
+    with ThreadPoolExecutor(1, thread_name_prefix="router-restore") as pool:
+        restoring = pool.submit(restore_router, s, bus)
+        from control_plane.router.http import create_app
+        from kernel.http_server import serve
+
+        import_faust()
+        restored = restoring.result()
+    serve(create_app(build_router(s, bus, restored)), s.host, s.port, s.connections)

@@ -41,11 +41,13 @@ class StepResult:
     #: First admissions in this step: (request id, prompt tokens served from the prefix cache).
     admitted: list[tuple[RequestId, int]]
     preempted: list[RequestId]
+    #: Requests the step computed for; for a *stall* (nothing to compute while prefixes load
+    #: from the tiers below), the requests whose loads it waited for.
     num_scheduled: int
     shape: StepShape
-    #: Of ``admitted``, requests that loaded part of their prefix from a tier below the device:
-    #: (request id, tokens loaded). Included in ``admitted``'s cached tokens.
-    onboarded: tuple[tuple[RequestId, int], ...] = ()
+    #: Of ``admitted``, requests that load part of their prefix from a tier below the device:
+    #: (request id, tokens loaded, ms until loaded). Included in ``admitted``'s cached tokens.
+    onboarded: tuple[tuple[RequestId, int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,15 +172,21 @@ class EngineCore:
             plan = sched.schedule()
             preempted = preempted + plan.preempted
         if not plan.entries:
-            return StepResult(0.0, [], [], plan.admitted, preempted, 0, plan.shape)
+            wait = sched.next_load_ms()
+            if wait is None:
+                return StepResult(0.0, [], [], plan.admitted, preempted, 0, plan.shape)
+            # Nothing to compute until a load is in: the step is that wait.
+            loading = len(sched.loading)
+            sched.advance_loads(wait)
+            return StepResult(wait, [], [], plan.admitted, preempted, loading, plan.shape,
+                              tuple(plan.onboarded))
         return self._apply(plan, preempted)
 
     def _apply(self, plan: ScheduledStep, preempted: list[RequestId]) -> StepResult:
         """Time a sealed plan and apply it (sample tokens, finish requests)."""
         duration = self.timing.step_ms(plan.shape)
-        if plan.onboard_ms:
-            duration += plan.onboard_ms
         tokens, finished = self.scheduler.update(plan)
+        self.scheduler.advance_loads(duration)
         return StepResult(
             duration, tokens, finished, plan.admitted, preempted, len(plan.entries), plan.shape,
             tuple(plan.onboarded),
@@ -268,8 +276,10 @@ class EngineCore:
         for r in s.running:
             if r.status is Status.RUNNING and r.num_computed_tokens < r.prompt_len:
                 queued += r.prompt_len - r.num_computed_tokens
+        for r, _ in s.loading:  # admitted, their prefix loading: the rest still to compute
+            queued += max(r.prompt_len - r.num_computed_tokens, 0)
         return EngineStats(
-            running=len(s.running),
+            running=len(s.running) + len(s.loading),
             waiting=len(s.waiting),
             held=len(s.held),
             kv_usage=self.pool.usage,

@@ -125,6 +125,8 @@ class Status(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    #: Admitted, its blocks allocated, waiting for its prefix to load from a tier below.
+    LOADING = "loading"
     #: Prefill role: prompt KV computed and first token emitted; blocks held for the transfer.
     HELD = "held"
     FINISHED = "finished"

@@ -15,7 +15,14 @@ the step lasts. The rules, in order:
    ``max_num_seqs`` run and budget remains. A request's prefix-cache hits count as computed;
    it is admitted when its blocks can be allocated (``Admission.CHUNK``, vLLM) or only when its
    whole known sequence fits in the free blocks (``Admission.WHOLE_PROMPT``, Dynamo's mocker).
-   The head of the queue blocks the rest (no skipping).
+   The head of the queue blocks the rest (no skipping). With tiers below the device, a request
+   whose prefix is cheaper to load than to recompute (``plan_onboard``) is admitted *loading*:
+   its blocks are allocated and its prefix counts as computed, but it computes nothing until
+   the load is done. Loads run beside the steps, one at a time on the worker's host -> device
+   link (vLLM's offloading connector loads asynchronously; Dynamo's mocker models it so); a
+   finished load's request joins the running ones (last). Loading requests count against
+   ``max_num_seqs``, are never preempted, and a step with nothing to compute while loads run
+   is a stall of the time to the first load's end.
 3. **Update**: every scheduled request whose tokens are now all computed samples one
    deterministic pseudo-token. It finishes after ``max_tokens`` tokens (its blocks are freed,
    last block first). In the prefill role a request finishes after its first token and its
@@ -75,11 +82,10 @@ class ScheduledStep:
     #: Requests admitted for the first time, with the prompt tokens served from the cache.
     admitted: list[tuple[RequestId, int]] = field(default_factory=list)
     preempted: list[RequestId] = field(default_factory=list)
-    #: Modelled time to load the step's onboarded blocks from the tiers below, before the
-    #: forward pass (the step waits for it: loads are synchronous here).
-    onboard_ms: float = 0.0
-    #: First admissions that loaded tokens from a tier below: (request id, tokens loaded).
-    onboarded: list[tuple[RequestId, int]] = field(default_factory=list)
+    #: First admissions that load tokens from a tier below: (request id, tokens loaded, ms until
+    #: they are in: the load, behind those already on the link). The load runs beside the steps;
+    #: the request computes from the first step that starts after it.
+    onboarded: list[tuple[RequestId, int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +117,10 @@ class Scheduler:
         self._skipped = 0
         self._fallbacks: Counter[str] = Counter()
         self._load_ms = 0.0
+        #: Requests whose prefix is being loaded from the tiers: [request, ms until it is in].
+        self.loading: list[list] = []
+        #: Backlog of the host -> device link (ms until the last load on it is done).
+        self._link_ms = 0.0
         self.block_size = profile.block_size
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -167,6 +177,8 @@ class Scheduler:
             return False
         if req.status is Status.RUNNING:
             self.running.remove(req)
+        elif req.status is Status.LOADING:
+            self.loading = [e for e in self.loading if e[0] is not req]
         else:
             self.waiting.remove(req)
         self.kv.free(req)
@@ -174,7 +186,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.loading)
 
     def onboard_stats(self) -> OnboardStats:
         return OnboardStats(dict(self._loaded), self._skipped, dict(self._fallbacks), self._load_ms)
@@ -229,7 +241,7 @@ class Scheduler:
         max_seqs = self.profile.max_num_seqs
         chunked = self.profile.enable_chunked_prefill
         whole_prompt = self.profile.admission is Admission.WHOLE_PROMPT
-        while waiting and len(running) < max_seqs and budget > 0:
+        while waiting and len(running) + len(self.loading) < max_seqs and budget > 0:
             req = waiting[0]
             hits = kv.get_computed_blocks(req)
             hit_tokens = len(hits) * bs
@@ -267,32 +279,67 @@ class Scheduler:
                     n = min(n + short, budget) if chunked else n + short
                     if not chunked and n > budget:
                         break
-            if not kv.allocate_slots(req, transferred + n + (len(sources) * bs), hits, sources):
+            # A loading request gets the blocks of its loaded prefix now (its compute's come
+            # when it runs, like any running request's); the others their whole first chunk.
+            new_tokens = len(sources) * bs if sources else transferred + n
+            if not kv.allocate_slots(req, new_tokens, hits, sources):
                 break
             waiting.popleft()
             req.num_computed_tokens = hit_tokens + transferred
-            req.status = Status.RUNNING
-            running.append(req)
             if plan is not None:
                 self._skipped += plan.available - plan.load_blocks
+            wait_ms = 0.0
             if sources:
-                step.onboard_ms += self.onboard_costs.load_ms(Counter(sources), bs)
+                # The copy runs beside the steps (vLLM's offloading connector loads
+                # asynchronously; Dynamo's mocker models it so): only this request waits for
+                # it, on the worker's one host -> device link, behind the loads already on it.
+                self._link_ms += self.onboard_costs.load_ms(Counter(sources), bs)
+                wait_ms = self._link_ms
+                req.status = Status.LOADING
+                self.loading.append([req, wait_ms])
+            else:
+                req.status = Status.RUNNING
+                running.append(req)
             if req.cached_tokens < 0:
                 req.cached_tokens = hit_tokens
                 req.onboarded_tokens = len(sources) * bs
                 step.admitted.append((req.request_id, hit_tokens))
                 if sources:
-                    step.onboarded.append((req.request_id, len(sources) * bs))
+                    step.onboarded.append((req.request_id, len(sources) * bs, wait_ms))
+            if sources:
+                continue
             step.entries.append((req, n, self._is_decode(req, n)))
             budget -= n
+
+    def advance_loads(self, ms: float) -> None:
+        """``ms`` of engine time went by (a step): the link's backlog and every load in progress
+        advance; a finished load's request runs from the next step on (after those running)."""
+        if not self.loading:
+            return
+        self._link_ms = max(self._link_ms - ms, 0.0)
+        still = []
+        for entry in self.loading:
+            entry[1] -= ms
+            if entry[1] <= 1e-9:
+                req = entry[0]
+                req.status = Status.RUNNING
+                self.running.append(req)
+            else:
+                still.append(entry)
+        self.loading = still
+
+    def next_load_ms(self) -> float | None:
+        """Time until the first load in progress finishes (None: none is)."""
+        return min(e[1] for e in self.loading) if self.loading else None
 
     def _plan_onboard(self, req: RequestState, device_hits: int) -> OnboardPlan:
         """The cost-aware choice of which blocks after the device hits to load (no I/O)."""
         max_blocks = (req.num_tokens - 1) // self.block_size  # get_computed_blocks hashed these
         found = self.tiers.lookup(req.hashes[device_hits:max_blocks]) if max_blocks > device_hits else ()
+        prof = self.profile
         return plan_onboard(found, cached_blocks=device_hits, num_tokens=req.num_tokens,
-                            block_size=self.block_size, costs=self.onboard_costs,
-                            timing=self.profile.timing)
+                            block_size=self.block_size, costs=self.onboard_costs, timing=prof.timing,
+                            chunk=prof.max_num_batched_tokens if prof.enable_chunked_prefill else None)
 
     def _load(self, req: RequestState, device_hits: int, plan: OnboardPlan) -> tuple[Tier, ...]:
         """Load the planned blocks; count what loaded, what was skipped and what fell back."""
@@ -371,8 +418,8 @@ class Scheduler:
         """If the next step is a pure decode step of every running request: the batch (schedule
         order) and the index of the first step in which one of them finishes. Else None."""
         running = self.running
-        if not running or len(running) > self.profile.max_num_batched_tokens:
-            return None
+        if not running or self.loading or len(running) > self.profile.max_num_batched_tokens:
+            return None  # (a load finishing changes the batch: step by step until it has)
         first_finish = 1 << 62
         for req in running:
             no = req.num_output
@@ -467,7 +514,7 @@ class Scheduler:
                 step.entries = [(req, 1, True) for req in batch]
                 if waiting:
                     self._admit(step, budget)
-                if j == finish_at or len(step.entries) > nreq:
+                if j == finish_at or len(step.entries) > nreq or self.loading:
                     final = step
                     k = j
                     break

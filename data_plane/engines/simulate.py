@@ -24,8 +24,11 @@ Dynamo's mocker does):
 
 * Tiers (``Cluster(tiers={Tier.HOST: n, ...})``, default none): every worker's evictions go to
   its own :class:`~data_plane.engines.tiers.VirtualTiers`, and its engine onboards a prefix from
-  them when loading is cheaper than recomputing; the modelled load time is added to the step
-  that admits the request (loads are synchronous), and the tiers' events join the engine's.
+  them when loading is cheaper than recomputing. A load runs beside the worker's steps (as
+  vLLM's offloading connector loads asynchronously): the request waits for its prefix, behind
+  the loads already on the worker's one host -> device link, and computes from the first step
+  that starts after it; a worker with nothing else to do runs a stall step for the wait. The
+  tiers' events join the engine's.
   ``tier_admission`` gives them the KVBM's admission filter (default None: every block admitted).
 
 The order (the invariant every speed-up below keeps): results are those of one event heap
@@ -103,6 +106,13 @@ class RequestRecord:
     handoff_ms: float | None = None
     #: Of ``cached_tokens``, those loaded from a tier below the device (``Cluster(tiers=...)``).
     onboarded_tokens: int = 0
+    #: Start of the step that first admitted it (its wait in the queue ends there; None until
+    #: admitted). Disaggregated: on the prefill worker.
+    admitted_ms: float | None = None
+    #: Steps its worker ran from that admission through its first token (stalls included).
+    prefill_steps: int = 0
+    #: From its admission, ms until its onboarded prefix was in (0: nothing loaded).
+    onboard_ms: float = 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -328,6 +338,7 @@ class _Worker:
         "index", "id", "role", "core", "producer", "holds", "ready", "draining", "gone",
         "arrivals", "next_arrival", "releases", "next_t", "payload", "cur", "num_boundaries",
         "times", "wake", "buffer", "kv", "report_t", "report_times", "handoffs", "handoff_b",
+        "prefilling",
     )
 
     def __init__(self, index: int, wid: WorkerId, role: WorkerRole, core: EngineCore, producer: bool) -> None:
@@ -365,6 +376,8 @@ class _Worker:
         #: The tokens of a boundary that hands requests off, waiting for the driver's loop.
         self.handoffs: list | None = None
         self.handoff_b = -1
+        #: Records of requests admitted here (first admission) whose first token is not out yet.
+        self.prefilling: dict[RequestId, RequestRecord] = {}
 
 
 class Cluster:
@@ -412,7 +425,8 @@ class Cluster:
         #: Blocks per tier below the device of every worker (None: device only, as before).
         #: Each worker gets :class:`~data_plane.engines.tiers.VirtualTiers` of these sizes:
         #: evictions are offloaded there and its engine onboards from them at ``onboard_costs``
-        #: (modelled load time added to the admitting step); their events join the engine's.
+        #: (the request waits for its modelled load, the others' steps do not); their events join
+        #: the engine's.
         self.tier_capacities = dict(tiers) if tiers else None
         self.onboard_costs = onboard_costs
         #: The KVBM's admission filter in every worker's tiers (None: every block admitted).
@@ -791,10 +805,13 @@ class Cluster:
                         rec = records[rid]
                         if rec.handoff_ms is None:  # its first admission (not the decode side's)
                             rec.cached_tokens = cached
-                    for rid, loaded in payload.onboarded:
+                    for rid, loaded, ms in payload.onboarded:
                         rec = records[rid]
                         if rec.handoff_ms is None:
                             rec.onboarded_tokens = loaded
+                            rec.onboard_ms = ms
+                    if payload.admitted or wk.prefilling:
+                        self._count_prefill_step(wk, payload, t)
                     if producer:
                         for tok in payload.tokens:
                             records[tok.request_id].token_times.append(t)
@@ -864,6 +881,21 @@ class Cluster:
                 wk.handoffs = handoffs
                 wk.handoff_b = b
                 return
+
+    def _count_prefill_step(self, wk: _Worker, res: StepResult, t: float) -> None:
+        """The step ending at ``t``: when it started for the requests it admitted first, and
+        one more step for every request still before its first token."""
+        prefilling = wk.prefilling
+        records = self.records
+        for rid, _ in res.admitted:
+            rec = records[rid]
+            if rec.handoff_ms is None and rec.admitted_ms is None:
+                rec.admitted_ms = t - res.duration_ms
+                prefilling[rid] = rec
+        for rec in prefilling.values():
+            rec.prefill_steps += 1
+        for tok in res.tokens:
+            prefilling.pop(tok.request_id, None)
 
     def _release_before(self, rel: tuple, w: int, lc: int, lnode: tuple | None) -> bool:
         """Whether a release at the limit's instant comes before the limit."""

@@ -25,13 +25,14 @@ wrong KV).
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from data_plane.engines.timing import StepShape, TimingModel
 from data_plane.kvbm.admission import AdmissionConfig, AdmissionFilter
+from data_plane.kvbm.residency import MANAGED_TIERS, Admission, OpKind, Refusal, Residency
 from schemas.events import BlockMoved, BlockRemoved, BlockStored, KvEvent
 from schemas.types import TIER_ORDER, BlockHash, Tier, WorkerId
 
@@ -103,15 +104,21 @@ def costs_for(timing: TimingModel, links: Mapping[Tier, TierLink] | None = None)
     return OnboardCosts(kv_bytes_per_token=kv, links=dict(links or DEFAULT_LINKS))
 
 
-def prefill_ms(timing: TimingModel, start: int, end: int) -> float:
-    """Modelled time to compute tokens ``[start, end)`` of one request, alone in a step."""
-    n = end - start
-    if n <= 0:
-        return 0.0
-    return timing.step_ms(StepShape(
-        prefill_tokens=n, prefill_seqs=1, prefill_attention_pairs=n * (start + (n + 1) / 2),
-        prefill_kv_tokens=end, kv_capacity_tokens=max(end, 1),
-    ))
+def prefill_ms(timing: TimingModel, start: int, end: int, chunk: int | None = None) -> float:
+    """Modelled time to compute tokens ``[start, end)`` of one request alone on its worker: in
+    steps of at most ``chunk`` tokens (the engine's ``max_num_batched_tokens`` under chunked
+    prefill: each step pays the step's fixed cost again, and the batch-size term of a step never
+    sees more than ``chunk`` tokens), or in one step (``chunk`` None)."""
+    ms = 0.0
+    while start < end:
+        stop = end if chunk is None else min(end, start + chunk)
+        n = stop - start
+        ms += timing.step_ms(StepShape(
+            prefill_tokens=n, prefill_seqs=1, prefill_attention_pairs=n * (start + (n + 1) / 2),
+            prefill_kv_tokens=stop, kv_capacity_tokens=max(stop, 1),
+        ))
+        start = stop
+    return ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,18 +151,22 @@ class OnboardPlan:
 
 
 def plan_onboard(found: Sequence[Tier], *, cached_blocks: int, num_tokens: int, block_size: int,
-                 costs: OnboardCosts, timing: TimingModel) -> OnboardPlan:
+                 costs: OnboardCosts, timing: TimingModel, chunk: int | None = None) -> OnboardPlan:
     """Which leading run of ``found`` (the fastest tier of each block after the ``cached_blocks``
-    device hits, in prefix order) to load rather than recompute, for a request of ``num_tokens``.
+    device hits, in prefix order) to load rather than recompute, for a request of ``num_tokens``
+    whose prefill runs in steps of at most ``chunk`` tokens (see :func:`prefill_ms`).
 
     Minimises ``load_ms(first n) + prefill_ms(rest of the request)`` over ``n``; ties go to the
     longer load (the same time, less compute). Worked example, mocker timing (prefill
-    ``16.5 + 0.0152 T + 4.2e-7 T^2`` ms), 64-token blocks of 8 MiB: a host block loads in
-    0.34 ms and saves about 1 ms of prefill, so it is loaded; a disk block loads in 1.7 ms and is
-    loaded only where the prefill it saves is dearer (long suffixes, where the T^2 term bites).
+    ``16.5 + 0.0152 T + 4.2e-7 T^2`` ms per step, chunks of 8,192 tokens), 64-token blocks of
+    8 MiB: a host block loads in 0.34 ms and saves 1.0 to 1.4 ms of prefill (a block's share of
+    a step, ``64 * (0.0152 + 2 * 4.2e-7 * T)``), so it is loaded; a disk block loads in 1.78 ms
+    and is loaded only where the load saves a whole step (16.5 ms of fixed cost: a suffix just
+    over a multiple of the chunk). Timed as one step, a long suffix's ``T^2`` term made every
+    block look dearer than it is (80,000 tokens: 3.9 s instead of the 1.65 s of ten chunks).
     """
     base = cached_blocks * block_size
-    recompute = prefill_ms(timing, base, num_tokens)
+    recompute = prefill_ms(timing, base, num_tokens, chunk)
     best_n, best_cost, best_load = 0, recompute, 0.0
     counts: Counter[Tier] = Counter()
     for i, tier in enumerate(found):
@@ -164,7 +175,7 @@ def plan_onboard(found: Sequence[Tier], *, cached_blocks: int, num_tokens: int, 
         if start > num_tokens:
             break
         load = costs.load_ms(counts, block_size)
-        cost = load + prefill_ms(timing, start, num_tokens)
+        cost = load + prefill_ms(timing, start, num_tokens, chunk)
         if cost <= best_cost:
             best_n, best_cost, best_load = i + 1, cost, load
     return OnboardPlan(best_n, len(found), tuple(found[:best_n]), best_load,
@@ -233,12 +244,30 @@ class LowerTiers(Protocol):
         ...
 
 
+def load_in_chunks(block_hashes: Sequence[BlockHash], chunk: int,
+                   load_chunk: Callable[[Sequence[BlockHash], list[Tier]], str]) -> LoadResult:
+    """A load through host memory, at most ``chunk`` blocks (a host pool's worth) at a time: an
+    onboard pins (protects) its blocks there until their bytes are copied out, so a prefix longer
+    than the pool goes in chunks (a later chunk may then push an earlier one, already copied, down
+    a tier). ``load_chunk`` loads one chunk, appends the source tier of each block it loaded to
+    its list, and returns why it stopped ("complete" when it did not)."""
+    chunk = max(chunk, 1)
+    sources: list[Tier] = []
+    for i in range(0, len(block_hashes), chunk):
+        stop = load_chunk(block_hashes[i:i + chunk], sources)
+        if stop != "complete":
+            return LoadResult(tuple(sources), stop)
+    return LoadResult(tuple(sources))
+
+
 # -- the virtual tiers of the simulation ----------------------------------------------------
 
 
 class VirtualTiers:
-    """Host, disk and object tiers of one simulated worker, without bytes: an ordered vector of
-    LRU tiers with the KVBM's rules (see ``data_plane/kvbm/residency.py``):
+    """Host, disk and object tiers of one simulated worker, without bytes: the KVBM's own
+    residency core (:class:`~data_plane.kvbm.residency.Residency`, LRU) decides every placement,
+    victim and cascade, exactly as it does for a worker's :class:`~data_plane.kvbm.manager.
+    KvBlockManager`; this class carries the decisions out with no I/O:
 
     * a device eviction goes to the first tier (already there: touched, no write);
     * a full tier's least recently used block cascades one tier down, unless a lower tier already
@@ -246,6 +275,9 @@ class VirtualTiers:
       admission filter refuses it (gone, counted in ``admission_refused``): the KVBM's own
       :class:`~data_plane.kvbm.admission.AdmissionFilter`, fed the same uses (every device
       eviction, every block loaded), when ``admission`` is given;
+    * making room never evicts the block being placed (not even its copy in a lower tier), nor,
+      during a load, any other block of the prefix being loaded: a load that cannot make room in
+      the first tier for its next block stops there (``"host_full"``), as the KVBM's onboard does;
     * a load keeps the source copy (touched) and, from below the first tier, also places a copy
       in the first tier, as the KVBM's onboard does through host memory.
 
@@ -259,11 +291,8 @@ class VirtualTiers:
     def __init__(self, capacities: Mapping[Tier, int], *, worker_id: WorkerId, block_size: int,
                  hash_algo: str, emit: Callable[[KvEvent], None] | None = None,
                  admission: AdmissionConfig | None = None) -> None:
-        self.tiers: tuple[Tier, ...] = tuple(t for t in TIER_ORDER
-                                             if t is not Tier.DEVICE and capacities.get(t, 0) > 0)
-        self._cap = {t: capacities[t] for t in self.tiers}
-        self._lru: dict[Tier, OrderedDict[BlockHash, BlockHash | None]] = {
-            t: OrderedDict() for t in self.tiers}
+        self.res = Residency({t: capacities.get(t, 0) for t in MANAGED_TIERS}, "lru", admission)
+        self.tiers: tuple[Tier, ...] = self.res.tiers
         self.worker_id = worker_id
         self.block_size = block_size
         self.hash_algo = hash_algo
@@ -271,112 +300,135 @@ class VirtualTiers:
         self.fail: dict[BlockHash, str] = {}
         #: Blocks moved, by (from tier, to tier) value names: offloads and loads.
         self.moves: Counter[tuple[str, str]] = Counter()
+        self._name = {t: t.value for t in Tier}  # an enum's .value is a slow property
         #: Demotions the admission filter refused, by the refusing tier's value name.
         self.admission_refused: Counter[str] = Counter()
-        self.admission: AdmissionFilter | None = None
-        if admission is not None and admission.enabled:
-            admission.check_capacities(self._cap)
-            self.admission = AdmissionFilter(admission)
+
+    @property
+    def admission(self) -> AdmissionFilter | None:
+        return self.res.admission
 
     def _emit(self, ev: KvEvent) -> None:
         if self.emit is not None:
             self.emit(ev)
 
+    def _stored(self, tier: Tier, h: BlockHash) -> None:
+        self._emit(BlockStored(worker_id=self.worker_id, tier=tier, block_hashes=[h],
+                               parent_hash=self.res.parent_of(h), block_size=self.block_size,
+                               hash_algo=self.hash_algo))
+
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[Tier]:
         out: list[Tier] = []
-        lrus = [(t, self._lru[t]) for t in self.tiers]
         for h in block_hashes:
-            for t, lru in lrus:
-                if h in lru:
-                    out.append(t)
-                    break
-            else:
+            t = self.res.fastest_managed(h)
+            if t is None:
                 break
+            out.append(t)
         return out
 
     def count(self, tier: Tier) -> int:
-        lru = self._lru.get(tier)
-        return len(lru) if lru is not None else 0
+        return self.res.count(tier)
+
+    def members(self, tier: Tier) -> list[BlockHash]:
+        """The blocks of a tier, next victim first."""
+        return self.res.members(tier)
+
+    def _admit(self, adm: Admission) -> None:
+        """Carry out an admission: its evictions (deepest first), then its write."""
+        res = self.res
+        for op in adm.evictions:
+            h, src = op.block_hash, op.src
+            res.discard(h, src)
+            if op.kind is OpKind.DROP:
+                if op.refused is not None:
+                    self.admission_refused[self._name[op.refused]] += 1
+                self._emit(BlockRemoved(worker_id=self.worker_id, tier=src, block_hashes=[h]))
+            else:
+                assert op.dst is not None
+                res.add(h, op.dst)
+                self.moves[(self._name[src], self._name[op.dst])] += 1
+                self._emit(BlockMoved(worker_id=self.worker_id, from_tier=src, to_tier=op.dst,
+                                      block_hashes=[h]))
+        res.add(adm.write.block_hash, adm.tier)
 
     def on_device_evicted(self, block_hash: BlockHash, parent_hash: BlockHash | None) -> None:
         if not self.tiers:
             return
-        if self.admission is not None:
-            self.admission.record_use(block_hash)
+        res = self.res
+        h = block_hash
+        res.set_parent(h, parent_hash)
+        res.note_use(h)
         first = self.tiers[0]
-        lru = self._lru[first]
-        if block_hash in lru:
-            lru.move_to_end(block_hash)
+        if res.holds(h, first):
+            res.touch(h, first)
             return
-        self._place(0, block_hash, parent_hash)
-        self.moves[(Tier.DEVICE.value, first.value)] += 1
-        self._emit(BlockStored(worker_id=self.worker_id, tier=first, block_hashes=[block_hash],
-                               parent_hash=parent_hash, block_size=self.block_size,
-                               hash_algo=self.hash_algo))
-
-    def _place(self, i: int, h: BlockHash, parent: BlockHash | None) -> None:
-        """Put ``h`` in tier ``i``, making room by cascading its victim down."""
-        tier = self.tiers[i]
-        lru = self._lru[tier]
-        if len(lru) >= self._cap[tier]:
-            victim, vparent = lru.popitem(last=False)
-            lower = next((j for j in range(i + 1, len(self.tiers))
-                          if victim in self._lru[self.tiers[j]]), None)
-            if (lower is None and i + 1 < len(self.tiers) and self.admission is not None
-                    and not self.admission.check(victim, self.tiers[i + 1]).admitted):
-                self.admission_refused[self.tiers[i + 1].value] += 1
-                self._emit(BlockRemoved(worker_id=self.worker_id, tier=tier, block_hashes=[victim]))
-            elif lower is None and i + 1 < len(self.tiers):
-                self._place(i + 1, victim, vparent)
-                self.moves[(tier.value, self.tiers[i + 1].value)] += 1
-                self._emit(BlockMoved(worker_id=self.worker_id, from_tier=tier,
-                                      to_tier=self.tiers[i + 1], block_hashes=[victim]))
-            else:
-                self._emit(BlockRemoved(worker_id=self.worker_id, tier=tier, block_hashes=[victim]))
-        lru[h] = parent
+        adm = res.plan_placement(h, source=Tier.DEVICE, start=first)
+        if isinstance(adm, Refusal):
+            self.admission_refused[adm.tier.value] += 1
+        elif adm is not None:
+            self._admit(adm)
+            self.moves[("device", self._name[adm.tier])] += 1
+            self._stored(adm.tier, h)
 
     def holds_fast(self, block_hash: BlockHash) -> bool:
         """In the first tier (host memory): what a peer can serve (a peer does not serve disk)."""
-        return bool(self.tiers) and self.tiers[0] is Tier.HOST and block_hash in self._lru[Tier.HOST]
+        return bool(self.tiers) and self.tiers[0] is Tier.HOST and self.res.holds(block_hash, Tier.HOST)
 
     def store_fetched(self, block_hashes: Sequence[BlockHash], parent: BlockHash | None) -> int:
         """Blocks pulled from a peer, a chain after ``parent``: into the first tier (the KVBM's
-        ``store_fetched``), reported ``BlockStored``; returns how many are there afterwards."""
+        ``store_fetched``), reported ``BlockStored``; returns how many of the leading ones are
+        there afterwards (making room never evicts another of them)."""
         if not self.tiers or self.tiers[0] is not Tier.HOST:
             return 0
-        lru = self._lru[Tier.HOST]
+        res = self.res
+        protect = frozenset(block_hashes)
+        n = 0
         for h in block_hashes:
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                self._place(0, h, parent)
-                self.moves[("peer", Tier.HOST.value)] += 1
-                self._emit(BlockStored(worker_id=self.worker_id, tier=Tier.HOST, block_hashes=[h],
-                                       parent_hash=parent, block_size=self.block_size, hash_algo=self.hash_algo))
+            res.set_parent(h, parent)
+            res.note_use(h)
             parent = h
-        return len(block_hashes)
+            if res.holds(h, Tier.HOST):
+                res.touch(h, Tier.HOST)
+                n += 1
+                continue
+            adm = res.plan_admission(h, Tier.HOST, source=Tier.HOST, keep_source=True, protect=protect)
+            if adm is None:
+                break
+            self._admit(adm)
+            self.moves[("peer", Tier.HOST.value)] += 1
+            self._stored(Tier.HOST, h)
+            n += 1
+        return n
 
     def load(self, block_hashes: Sequence[BlockHash]) -> LoadResult:
-        sources: list[Tier] = []
+        first = self.tiers[0] if self.tiers else None
+        chunk = self.res.capacity(first) if first is Tier.HOST else len(block_hashes)
+        return load_in_chunks(block_hashes, chunk, self._load_chunk)
+
+    def _load_chunk(self, block_hashes: Sequence[BlockHash], sources: list[Tier]) -> str:
+        """One onboard call of the KVBM: the chunk's blocks are protected from eviction while it
+        makes room for them."""
+        res = self.res
+        protect = frozenset(block_hashes)
+        first = self.tiers[0] if self.tiers else None
         for h in block_hashes:
-            tier = next((t for t in self.tiers if h in self._lru[t]), None)
+            tier = self.res.fastest_managed(h)
             if tier is None:
-                return LoadResult(tuple(sources), "miss")
+                return "miss"
             reason = self.fail.pop(h, None)
             if reason is not None:
-                del self._lru[tier][h]  # the KVBM drops an unreadable copy
+                res.discard(h, tier)  # the KVBM drops an unreadable copy
                 self._emit(BlockRemoved(worker_id=self.worker_id, tier=tier, block_hashes=[h]))
-                return LoadResult(tuple(sources), reason)
-            self._lru[tier].move_to_end(h)
-            if self.admission is not None:
-                self.admission.record_use(h)
-            first = self.tiers[0]
+                return reason
             if tier is not first:
-                parent = self._lru[tier][h]
-                self._place(0, h, parent)
-                self._emit(BlockStored(worker_id=self.worker_id, tier=first, block_hashes=[h],
-                                       parent_hash=parent, block_size=self.block_size,
-                                       hash_algo=self.hash_algo))
-            self.moves[(tier.value, Tier.DEVICE.value)] += 1
+                assert first is not None
+                adm = res.plan_admission(h, first, source=tier, keep_source=True, protect=protect)
+                if adm is None:
+                    return "host_full"
+                self._admit(adm)
+                self._stored(first, h)
+            res.touch(h, tier)
+            res.note_use(h)
+            self.moves[(self._name[tier], "device")] += 1
             sources.append(tier)
-        return LoadResult(tuple(sources))
+        return "complete"

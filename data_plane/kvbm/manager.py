@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from data_plane.kvbm import content, frame
+from data_plane.kvbm.breaker import TierBreaker, Verdict
 from data_plane.kvbm.errors import (
     BlockMissing,
     CorruptBlock,
@@ -235,7 +237,10 @@ class KvBlockManager:
     """Tiers G2 (host), G3 (disk), G4 (object) of one worker, below the engine's G1 pool."""
 
     def __init__(self, settings: KvbmSettings, sink: EventSink, stores: Mapping[Tier, BlockStore],
-                 *, policy: str | type[EvictionPolicy] | None = None) -> None:
+                 *, policy: str | type[EvictionPolicy] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock`` (seconds) times an unavailable tier's backoff (:mod:`.breaker`), nothing
+        else."""
         self.settings = settings
         self._sink = sink
         self._res = Residency(settings.capacities, policy or settings.policy,  # type: ignore[arg-type]
@@ -259,8 +264,9 @@ class KvBlockManager:
         self._lock = threading.RLock()
         self._batch: _EventBatch | None = None
         self._stats: Counter[str] = Counter()
-        #: Tiers whose last call failed with TierUnavailable (for logging an outage once).
-        self._unavailable: set[Tier] = set()
+        #: Tiers that stopped answering: skipped until their backoff is over, then probed.
+        self._breaker = TierBreaker(settings.outage_breaker)
+        self._clock = clock
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -289,12 +295,13 @@ class KvBlockManager:
 
     def _delete(self, h: BlockHash, tier: Tier) -> None:
         try:
-            self._stores[tier].delete(h)
+            self._answered(tier, self._stores[tier].delete, h)
         except StorageError as e:
             # The block is no longer served from this tier either way; leftover bytes are an
             # orphan that the next rebuild deletes.
             self._stats["delete_errors"] += 1
-            logger.warning("could not delete block %016x from %s: %s", h, tier.value, e)
+            if not isinstance(e, TierUnavailable):  # an outage is logged once, when it starts
+                logger.warning("could not delete block %016x from %s: %s", h, tier.value, e)
 
     def _drop(self, batch: _EventBatch, h: BlockHash, tier: Tier, why: str) -> None:
         self._delete(h, tier)
@@ -354,22 +361,30 @@ class KvBlockManager:
                 logger.warning("read failed: %s", e)
 
     def _answered(self, tier: Tier, call: Callable[..., _T], *args: object) -> _T:
-        """``call(*args)`` against ``tier``'s store, keeping track of whether the tier answers:
+        """``call(*args)`` against ``tier``'s store, through the tier's breaker (:mod:`.breaker`):
         the first :class:`TierUnavailable` of an outage is logged as a warning (what is dropped
-        and what recomputes meanwhile) and counted in ``unavailable_<tier>``; the first answer
-        after it is logged too. Errors propagate to the caller, which handles them as always."""
+        and what recomputes meanwhile) and counted in ``unavailable_<tier>``; until the backoff
+        is over, calls are not made and raise :class:`TierUnavailable` at once (counted in
+        ``skipped_<tier>``); then one call probes the tier (``probes_<tier>``), and the first
+        answer is logged. Errors propagate to the caller, which handles them as always."""
+        breaker = self._breaker
+        verdict = breaker.verdict(tier, self._clock())
+        if verdict is Verdict.SKIP:
+            self._stats[f"skipped_{tier.value}"] += 1
+            raise TierUnavailable(f"{tier.value} tier unavailable: not called until its next probe")
+        if verdict is Verdict.PROBE:
+            self._stats[f"probes_{tier.value}"] += 1
         try:
             out = call(*args)
         except TierUnavailable as e:
-            if tier not in self._unavailable:
-                self._unavailable.add(tier)
+            backoff = breaker.failed(tier, self._clock())
+            if verdict is Verdict.CALL:
                 self._stats[f"unavailable_{tier.value}"] += 1
                 logger.warning("KV tier %s unavailable (%s): blocks it would take are dropped "
-                               "from the tier above and its hits recompute until it answers",
-                               tier.value, e)
+                               "from the tier above and its hits recompute until it answers; "
+                               "not called for %.1f s, then probed", tier.value, e, backoff)
             raise
-        if tier in self._unavailable:
-            self._unavailable.discard(tier)
+        if breaker.answered(tier):
             logger.info("KV tier %s answers again", tier.value)
         return out
 

@@ -37,6 +37,8 @@ from schemas.types import TIER_ORDER, BlockHash, Tier
 
 #: Tiers the KVBM itself stores bytes in, fastest first.
 MANAGED_TIERS: tuple[Tier, ...] = tuple(t for t in TIER_ORDER if t is not Tier.DEVICE)
+#: Each tier's name (an enum's ``.value`` is a property lookup; the simulation asks millions).
+_NAME: dict[Tier, str] = {t: t.value for t in Tier}
 
 
 class OpKind(str, Enum):
@@ -101,6 +103,10 @@ class Residency:
         self.tiers: tuple[Tier, ...] = tuple(t for t in MANAGED_TIERS if capacities.get(t, 0) > 0)
         self._cap = {t: capacities.get(t, 0) for t in MANAGED_TIERS}
         self._pol: dict[Tier, EvictionPolicy] = {t: factory() for t in self.tiers}
+        #: Per tier (device included), the configured tiers slower than it, fastest first.
+        self._below: dict[Tier, tuple[Tier, ...]] = {
+            tier: tuple(t for t in self.tiers if TIER_ORDER.index(t) > TIER_ORDER.index(tier))
+            for tier in TIER_ORDER}
         self.policy_name = next(iter(self._pol.values())).name if self._pol else str(policy)
         self._device: set[BlockHash] = set()
         self._pins: dict[BlockHash, int] = {}
@@ -131,8 +137,14 @@ class Residency:
         return tuple(t for t in TIER_ORDER if self.holds(block_hash, t))
 
     def fastest(self, block_hash: BlockHash) -> Tier | None:
-        for t in TIER_ORDER:
-            if self.holds(block_hash, t):
+        if block_hash in self._device:
+            return Tier.DEVICE
+        return self.fastest_managed(block_hash)
+
+    def fastest_managed(self, block_hash: BlockHash) -> Tier | None:
+        """The fastest managed tier (host, disk, object) holding the block."""
+        for t, pol in self._pol.items():  # in tier order
+            if block_hash in pol:
                 return t
         return None
 
@@ -146,9 +158,7 @@ class Residency:
 
     def below(self, tier: Tier) -> tuple[Tier, ...]:
         """Managed tiers slower than ``tier`` (device: all of them)."""
-        if tier is Tier.DEVICE:
-            return self.tiers
-        return tuple(t for t in self.tiers if TIER_ORDER.index(t) > TIER_ORDER.index(tier))
+        return self._below[tier]
 
     def pinned(self, block_hash: BlockHash) -> bool:
         return block_hash in self._pins
@@ -177,7 +187,7 @@ class Residency:
             self._device.discard(block_hash)
         elif (pol := self._pol.get(tier)) is not None:
             pol.remove(block_hash)
-        if not self.tiers_of(block_hash):
+        if self.fastest(block_hash) is None:
             self._parent.pop(block_hash, None)
 
     def touch(self, block_hash: BlockHash, tier: Tier) -> None:
@@ -233,7 +243,7 @@ class Residency:
             return None
         kind = OpKind.COPY if keep_source else OpKind.MOVE
         verb = "onboard" if TIER_ORDER.index(source) > TIER_ORDER.index(tier) else "offload"
-        write = Op(kind, block_hash, source, tier, f"{verb} {source.value}->{tier.value}")
+        write = Op(kind, block_hash, source, tier, f"{verb} {_NAME[source]}->{_NAME[tier]}")
         return Admission(tuple(evictions), write)
 
     def plan_placement(self, block_hash: BlockHash, *, source: Tier, start: Tier,
@@ -243,7 +253,7 @@ class Residency:
         None when no tier can take it, or when a tier on the way already holds the block (it stays
         reachable there; writing it lower still would only cost I/O). A :class:`Refusal` when the
         tier it would go to refuses it (admission filter); it is not tried lower still."""
-        for t in (start, *self.below(start)):
+        for t in (start, *self._below[start]):
             if self.holds(block_hash, t):
                 return None
             if (why := self._refuses(block_hash, t)) is not None:
@@ -254,24 +264,23 @@ class Residency:
         return None
 
     def _make_room(self, tier: Tier, exclude: frozenset[BlockHash]) -> list[Op] | None:
-        if self.count(tier) < self._cap[tier]:
-            return []
         pol = self._pol[tier]
-        is_host = tier is Tier.HOST
-        victim = pol.victim(lambda h: h in exclude or (is_host and h in self._pins))
+        if len(pol) < self._cap[tier]:
+            return []
+        pins = self._pins if tier is Tier.HOST else None
+        victim = pol.victim(lambda h: h in exclude or (pins is not None and h in pins))
         if victim is None:
             return None
-        lower = self.below(tier)
-        why = f"{pol.name} victim of full {tier.value}"
+        lower = self._below[tier]
+        why = f"{pol.name} victim of full {_NAME[tier]}"
         if not lower:
             return [Op(OpKind.DROP, victim, tier, None, f"{why}; no slower tier")]
-        held_below = next((t for t in lower if self.holds(victim, t)), None)
+        held_below = next((t for t in lower if victim in self._pol[t]), None)
         if held_below is not None:
-            return [Op(OpKind.DROP, victim, tier, None, f"{why}; already in {held_below.value}")]
+            return [Op(OpKind.DROP, victim, tier, None, f"{why}; already in {_NAME[held_below]}")]
         if (refused := self._refuses(victim, lower[0])) is not None:
             return [Op(OpKind.DROP, victim, tier, None, f"{why}; {refused}", refused=lower[0])]
         sub = self._make_room(lower[0], exclude | {victim})
         if sub is None:
-            return [Op(OpKind.DROP, victim, tier, None, f"{why}; no room in {lower[0].value}")]
+            return [Op(OpKind.DROP, victim, tier, None, f"{why}; no room in {_NAME[lower[0]]}")]
         return [*sub, Op(OpKind.MOVE, victim, tier, lower[0], f"{why}; demoted")]
-

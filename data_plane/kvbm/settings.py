@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_plane.kvbm.admission import AdmissionConfig
+from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import KvbmConfigError
 from data_plane.kvbm.policy import POLICIES
 from schemas.types import Tier, WorkerId
@@ -103,6 +104,10 @@ class KvbmSettings:
     #: Which blocks the slower tiers take (:mod:`.admission`): by default a block is written to
     #: disk only once it has been used twice (Dynamo's disk filter); ``ADMIT_ALL`` turns it off.
     admission: AdmissionConfig = AdmissionConfig()
+    #: How long a tier that stopped answering (an object store outage) is skipped before it is
+    #: probed again (:mod:`.breaker`): its calls fail at once meanwhile instead of each waiting
+    #: for the client's timeouts under the KVBM's lock.
+    outage_breaker: BreakerConfig = BreakerConfig()
 
     def __post_init__(self) -> None:
         if self.bytes_per_block <= 0:
@@ -118,6 +123,8 @@ class KvbmSettings:
             raise KvbmConfigError(f"unknown policy {self.policy!r}; known: {sorted(POLICIES)}")
         if not isinstance(self.admission, AdmissionConfig):
             raise KvbmConfigError(f"admission must be an AdmissionConfig, got {self.admission!r}")
+        if not isinstance(self.outage_breaker, BreakerConfig):
+            raise KvbmConfigError(f"outage_breaker must be a BreakerConfig, got {self.outage_breaker!r}")
         self.admission.check_capacities(self.capacities)
         sizes = [(t, c) for t, c in self.capacities.items() if c > 0]
         for (upper, up), (lower, low) in zip(sizes, sizes[1:]):

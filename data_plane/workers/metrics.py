@@ -95,6 +95,14 @@ class WorkerMetrics:
             "Times a KV tier stopped answering (the first unavailable reply after a success), by "
             "tier. Meanwhile its demotions are dropped and its hits recomputed.",
             (*lbl, "tier"), registry=r)
+        self.kvbm_tier_skipped = Counter(
+            "switchyard_worker_kvbm_tier_skipped_calls",
+            "Calls to an unavailable KV tier not made (its breaker open: failed at once instead of "
+            "waiting for the client's timeouts), by tier.", (*lbl, "tier"), registry=r)
+        self.kvbm_tier_probes = Counter(
+            "switchyard_worker_kvbm_tier_probes",
+            "Calls let through to an unavailable KV tier once its backoff was over, to see whether "
+            "it answers again, by tier.", (*lbl, "tier"), registry=r)
         #: Totals already counted, per (metric, labels): counters only go up by the difference.
         self._seen: dict[tuple, int] = {}
         self.staging_free = Gauge("switchyard_worker_staging_free_blocks", "Free staging slots of the NIXL region.",
@@ -119,6 +127,10 @@ class WorkerMetrics:
                 self._advance(self.kvbm_read_errors, n, tier, reason)
             elif k.startswith("unavailable_"):
                 self._advance(self.kvbm_tier_outages, n, k.removeprefix("unavailable_"))
+            elif k.startswith("skipped_"):
+                self._advance(self.kvbm_tier_skipped, n, k.removeprefix("skipped_"))
+            elif k.startswith("probes_"):
+                self._advance(self.kvbm_tier_probes, n, k.removeprefix("probes_"))
             elif k.endswith("_admission_refused"):
                 self._advance(self.kvbm_admission_refused, n, k.removesuffix("_admission_refused"))
         for (f, t), n in offloads.items():

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from data_plane.engines.tiers import LoadResult
+from data_plane.engines.tiers import LoadResult, load_in_chunks
 from data_plane.kvbm import content
 from data_plane.kvbm.manager import KvBlockManager
 from schemas.types import BlockHash, Tier
@@ -38,17 +38,7 @@ class KvbmTiers:
         return out
 
     def load(self, block_hashes: Sequence[BlockHash]) -> LoadResult:
-        # Through host memory, at most a host pool's worth at a time: an onboard pins its
-        # blocks there until their bytes are copied out, so a prefix longer than the pool goes
-        # in chunks (a later chunk may then push an earlier one, already copied, down a tier).
-        m = self.manager
-        chunk = max(m.settings.host_capacity, 1)
-        sources: list[Tier] = []
-        for i in range(0, len(block_hashes), chunk):
-            stop = self._load_chunk(block_hashes[i:i + chunk], sources)
-            if stop != "complete":
-                return LoadResult(tuple(sources), stop)
-        return LoadResult(tuple(sources))
+        return load_in_chunks(block_hashes, self.manager.settings.host_capacity, self._load_chunk)
 
     def _load_chunk(self, block_hashes: Sequence[BlockHash], sources: list[Tier]) -> str:
         m = self.manager

@@ -6,7 +6,9 @@ offset order, so the same code runs against the broker, against a file exported 
 against records held in memory (tests, mutated copies).
 
 ``LogRecord`` keeps the raw value: decoding is the fold's business (a record that does not
-decode is skipped and counted, exactly as the live consumers dead-letter it).
+decode is skipped and counted, exactly as the live consumers dead-letter it). ``read_batches``
+hands out the same records by column (:class:`RecordBatch`, one partition's in offset order),
+without a Python object per record, for the batch folds (``RecordFold.fold_batch``).
 
 File export format (``.sylog``), written by :func:`export_log`::
 
@@ -21,6 +23,7 @@ reader seeks straight to the frames of the partition and range it wants.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import struct
 import time
@@ -50,6 +53,42 @@ class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ts_ms: int
     key: bytes | None
     value: bytes | None
+
+
+class RecordBatch(msgspec.Struct, frozen=True):
+    """Records of one partition in offset order, by column: what the batch folds take
+    (:meth:`kernel.log.fold.RecordFold.fold_batch`), without a Python object per record."""
+
+    topic: str
+    partition: int
+    offsets: list[int]
+    ts_ms: list[int]
+    keys: list[bytes | None]
+    values: list[bytes | None]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def record(self, i: int) -> LogRecord:
+        return LogRecord(self.topic, self.partition, self.offsets[i], self.ts_ms[i], self.keys[i], self.values[i])
+
+    def records(self) -> Iterator[LogRecord]:
+        t, p = self.topic, self.partition
+        for off, ts, key, value in zip(self.offsets, self.ts_ms, self.keys, self.values):
+            yield LogRecord(t, p, off, ts, key, value)
+
+    def slice(self, start: int, stop: int) -> RecordBatch:
+        return RecordBatch(self.topic, self.partition, self.offsets[start:stop], self.ts_ms[start:stop],
+                           self.keys[start:stop], self.values[start:stop])
+
+    @classmethod
+    def of(cls, topic: str, partition: int, records: Sequence[LogRecord]) -> RecordBatch:
+        return cls(topic, partition, [r.offset for r in records], [r.ts_ms for r in records],
+                   [r.key for r in records], [r.value for r in records])
+
+
+#: Records per batch where a reader chooses (the batch folds' unit; about 2 MB of kv events).
+BATCH_RECORDS = 10000
 
 
 @dataclass(frozen=True)
@@ -89,6 +128,10 @@ class LogReader(Protocol):
 
     def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
         """Records with ``start <= offset < end``, in offset order."""
+        ...
+
+    def read_batches(self, topic: str, partition: int, start: int, end: int) -> Iterator[RecordBatch]:
+        """The same records as :meth:`read`, in batches (as the source holds them)."""
         ...
 
 
@@ -180,6 +223,16 @@ class _HeldLog:
     def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
         raise NotImplementedError
 
+    def read_batches(self, topic: str, partition: int, start: int, end: int) -> Iterator[RecordBatch]:
+        chunk: list[LogRecord] = []
+        for r in self.read(topic, partition, start, end):
+            chunk.append(r)
+            if len(chunk) >= BATCH_RECORDS:
+                yield RecordBatch.of(topic, partition, chunk)
+                chunk = []
+        if chunk:
+            yield RecordBatch.of(topic, partition, chunk)
+
     def partitions(self, topic: str) -> list[int]:
         if topic not in self._n:
             raise LogReadError(f"topic {topic} is not in {self._where}")
@@ -261,6 +314,12 @@ class KafkaLogReader:
             "logger": logging.getLogger("switchyard.rdkafka"),
         })
         self._parts: dict[str, list[int]] = {}
+        #: Where the last completed read stopped, still assigned: (topic, partition, end), and the
+        #: records already fetched past that end. A read starting there goes on from them instead
+        #: of assigning anew (which drops what librdkafka prefetched and fetches it again: replay
+        #: advancing a view chunk by chunk read each partition's rest once per chunk).
+        self._at: tuple[str, int, int] | None = None
+        self._left: list = []
 
     def close(self) -> None:
         self._c.close()
@@ -318,6 +377,11 @@ class KafkaLogReader:
         return off
 
     def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        for batch in self.read_batches(topic, partition, start, end):
+            yield from batch.records()
+
+    def read_batches(self, topic: str, partition: int, start: int, end: int) -> Iterator[RecordBatch]:
+        """What the broker hands over per fetch (up to :data:`BATCH_RECORDS`), as columns."""
         from confluent_kafka import KafkaError, TopicPartition
 
         lo, hi = self.bounds(topic, partition)
@@ -325,21 +389,42 @@ class KafkaLogReader:
         end = min(end, hi)
         if end <= start:
             return
-        self._c.assign([TopicPartition(topic, partition, start)])
+        if self._at == (topic, partition, start):
+            pending, self._left = self._left, []
+        else:
+            self._c.assign([TopicPartition(topic, partition, start)])
+            pending = []
+        self._at = None
+        done = False
         try:
             nxt = start
             idle_deadline = time.monotonic() + self._timeout
             while nxt < end:
-                # poll() returns as soon as one record is there; consume(n, 0) then takes what
-                # is already fetched (consume(n, t) alone would wait for n records or t).
-                first = self._c.poll(0.5)
-                msgs = [first] + self._c.consume(10000, 0) if first is not None else []
+                if pending:
+                    msgs, pending = pending, []
+                else:
+                    # poll() returns as soon as one record is there; consume(n, 0) then takes what
+                    # is already fetched (consume(n, t) alone would wait for n records or t).
+                    first = self._c.poll(0.5)
+                    msgs = [first] + self._c.consume(BATCH_RECORDS - 1, 0) if first is not None else []
                 if not msgs:
                     if time.monotonic() > idle_deadline:
                         raise LogReadError(f"timed out reading {topic}:{partition} at offset {nxt} (want < {end})")
                     continue
                 idle_deadline = time.monotonic() + self._timeout
-                for m in msgs:
+                offsets = [m.offset() for m in msgs]
+                ok = True
+                for m in msgs:  # errors and strays are rare: one pass to find any, columns when none
+                    if m.error() is not None or m.partition() != partition or m.topic() != topic:
+                        ok = False
+                        break
+                if ok and offsets[0] >= nxt and offsets[-1] < end:
+                    nxt = offsets[-1] + 1
+                    yield RecordBatch(topic, partition, offsets, [m.timestamp()[1] for m in msgs],
+                                      [m.key() for m in msgs], [m.value() for m in msgs])
+                    continue
+                kept = []
+                for i, m in enumerate(msgs):
                     err = m.error()
                     if err is not None:
                         if err.code() == KafkaError._PARTITION_EOF:
@@ -356,12 +441,19 @@ class KafkaLogReader:
                         continue
                     if off >= end:
                         nxt = end
+                        self._left = msgs[i:]  # fetched already: the next read from ``end`` starts here
                         break
                     nxt = off + 1
-                    ts = m.timestamp()[1]
-                    yield LogRecord(topic, partition, off, ts, m.key(), m.value())
+                    kept.append(LogRecord(topic, partition, off, m.timestamp()[1], m.key(), m.value()))
+                if kept:
+                    yield RecordBatch.of(topic, partition, kept)
+            done = True
         finally:
-            self._c.unassign()
+            if done:
+                self._at = (topic, partition, end)
+            else:  # closed early or failed: where the consumer stands is unknown
+                self._left = []
+                self._c.unassign()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,14 +550,21 @@ class FileLogReader(_HeldLog):
         return (fr[0][0], fr[-1][1]) if fr else None
 
     def read(self, topic: str, partition: int, start: int, end: int) -> Iterator[LogRecord]:
+        for batch in self.read_batches(topic, partition, start, end):
+            yield from batch.records()
+
+    def read_batches(self, topic: str, partition: int, start: int, end: int) -> Iterator[RecordBatch]:
+        """One batch per frame (its records within the range)."""
         for first, last, pos, bl in self._frames.get((topic, partition), ()):
             if last < start:
                 continue
             if first >= end:
                 break
             self._f.seek(pos)
-            for off, ts, key, value in self._body.decode(self._f.read(bl)):
-                if off >= end:
-                    return
-                if off >= start:
-                    yield LogRecord(topic, partition, off, ts, key, value)
+            rows = self._body.decode(self._f.read(bl))
+            offs = [r[0] for r in rows]
+            i, j = bisect.bisect_left(offs, start), bisect.bisect_left(offs, end)
+            if i < j:
+                rows = rows[i:j]
+                yield RecordBatch(topic, partition, offs[i:j], [r[1] for r in rows], [r[2] for r in rows],
+                                  [r[3] for r in rows])

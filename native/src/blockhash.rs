@@ -22,7 +22,7 @@ const K: [u32; 64] = [
     0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
 ];
 
-const H0: [u32; 8] = [
+pub(crate) const H0: [u32; 8] = [
     0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
 ];
 
@@ -130,7 +130,7 @@ mod shani {
     }
 }
 
-fn compress(state: &mut [u32; 8], blocks: &[u8], hw: bool) {
+pub(crate) fn compress(state: &mut [u32; 8], blocks: &[u8], hw: bool) {
     #[cfg(target_arch = "x86_64")]
     if hw {
         // SAFETY: `hw` is only true when `shani::available()` said so.
@@ -469,10 +469,10 @@ impl MooncakeHasher {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn hex(d: &[u8]) -> String {
+    pub(crate) fn hex(d: &[u8]) -> String {
         d.iter().map(|b| format!("{b:02x}")).collect()
     }
 

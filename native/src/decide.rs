@@ -156,6 +156,117 @@ pub fn score(p: &Params, load: Load, mine: Option<Mine>, overlap: Option<Overlap
     Some(Terms { queued: q, active: d, in_flight: r, shared: s, overlap_w: ow, prefill, decode: dec, cost })
 }
 
+/// The candidate-set guards and the kv choice (`RouterConfig`'s `capacity_guard`,
+/// `imbalance_guard` and its thresholds; `argmin` = temperature 0).
+#[derive(Clone, Copy, Debug)]
+pub struct PickParams {
+    pub capacity_guard: bool,
+    pub imbalance_guard: bool,
+    pub imbalance_abs: i64,
+    pub imbalance_rel: f64,
+    pub argmin: bool,
+}
+
+/// What the capacity guard did (`_capacity_guard`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capacity {
+    /// Off, or no eligible worker over its capacity.
+    Unchanged = 0,
+    /// The workers in `over` were excluded.
+    Excluded = 1,
+    /// Every eligible worker is over: the guard is ignored (a note says so).
+    Ignored = 2,
+}
+
+/// The kv decision's numbers after scoring, as `decide` / `_capacity_guard` / `_choose_kv`
+/// compute them (the caller words the reason and draws among `tied` with its seeded RNG).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Pick {
+    /// Eligible positions over their KV capacity (`0 < capacity < decode`).
+    pub over: Vec<usize>,
+    pub capacity: Capacity,
+    /// Eligible after the capacity guard.
+    pub eligible: Vec<usize>,
+    /// The in-flight spread (hi, lo) when the imbalance guard narrowed the competitors.
+    pub imbalance: Option<(i64, i64)>,
+    /// Who competes (the least busy when the imbalance guard fired, else `eligible`).
+    pub competing: Vec<usize>,
+    /// argmin only: the competitors within the tie tolerance of the lowest cost, in id order.
+    pub tied: Vec<usize>,
+    /// argmin with one tied: the cheapest other competitor (the first in id order).
+    pub runner_up: Option<usize>,
+}
+
+/// `decision._TIE_RTOL`.
+const TIE_RTOL: f64 = 1e-9;
+
+/// Python's `min(xs, key=cost)`: the first position whose cost no later one undercuts (a later
+/// one replaces it only when strictly less, which is also what Python does with a NaN).
+fn first_min(xs: impl Iterator<Item = usize>, cost: impl Fn(usize) -> f64) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for i in xs {
+        match best {
+            Some(b) if cost(i) < cost(b) => best = Some(i),
+            Some(_) => {}
+            None => best = Some(i),
+        }
+    }
+    best
+}
+
+/// The guards and the kv choice over scored candidates; `eligible` (id order, not empty) are
+/// the positions role, drain and registration leave. `capacity[i]` is candidate i's
+/// `kv_capacity_blocks`. None when an integer leaves the range where the comparisons are exact
+/// (the caller then runs the specification).
+pub fn pick(terms: &[Terms], capacity: &[i64], eligible: Vec<usize>, p: &PickParams) -> Option<Pick> {
+    let mut out = Pick {
+        over: Vec::new(),
+        capacity: Capacity::Unchanged,
+        eligible,
+        imbalance: None,
+        competing: Vec::new(),
+        tied: Vec::new(),
+        runner_up: None,
+    };
+    if p.capacity_guard {
+        out.over = out.eligible.iter().copied().filter(|&i| 0 < capacity[i] && capacity[i] < terms[i].decode).collect();
+        if !out.over.is_empty() {
+            if out.over.len() < out.eligible.len() {
+                out.capacity = Capacity::Excluded;
+                let over = &out.over;
+                out.eligible.retain(|i| !over.contains(i));
+            } else {
+                out.capacity = Capacity::Ignored;
+            }
+        }
+    }
+    out.competing = out.eligible.clone();
+    if p.imbalance_guard && out.eligible.len() > 1 {
+        let load = |i: usize| terms[i].in_flight;
+        let hi = out.eligible.iter().map(|&i| load(i)).max()?;
+        let lo = out.eligible.iter().map(|&i| load(i)).min()?;
+        // `hi > rel * lo`: Python multiplies float(lo) and compares the int hi with the float
+        // exactly; both are exact here only while hi and lo convert to f64 exactly.
+        let threshold = p.imbalance_rel * exact(lo)?;
+        if hi.checked_sub(lo)? > p.imbalance_abs && exact(hi)? > threshold {
+            out.imbalance = Some((hi, lo));
+            out.competing = out.eligible.iter().copied().filter(|&i| load(i) == lo).collect();
+        }
+    }
+    if p.argmin {
+        let cost = |i: usize| terms[i].cost;
+        let best = cost(first_min(out.competing.iter().copied(), cost)?);
+        let scale = if best.abs() > 1.0 { best.abs() } else { 1.0 };
+        let limit = best + TIE_RTOL * scale;
+        out.tied = out.competing.iter().copied().filter(|&i| cost(i) <= limit).collect();
+        if out.tied.len() == 1 {
+            let chosen = out.tied[0];
+            out.runner_up = first_min(out.competing.iter().copied().filter(|&i| i != chosen), cost);
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,5 +351,44 @@ mod tests {
         assert!(score(&p, big, None, None).is_none());
         let overflow = Load { active_decode_blocks: i64::MAX, ..Load::default() };
         assert!(score(&p, overflow, None, None).is_none());
+    }
+
+    fn scored(costs: &[f64], in_flight: &[i64], decode: &[i64]) -> Vec<Terms> {
+        costs.iter().zip(in_flight).zip(decode)
+            .map(|((&cost, &in_flight), &decode)| Terms { cost, in_flight, decode, ..Terms::default() })
+            .collect()
+    }
+
+    const ARGMIN: PickParams =
+        PickParams { capacity_guard: true, imbalance_guard: true, imbalance_abs: 64, imbalance_rel: 1.5, argmin: true };
+
+    #[test]
+    fn argmin_ties_within_tolerance_and_runner_up() {
+        let t = scored(&[5.0, 3.0, 3.0 + 1e-10, 4.0], &[0; 4], &[1; 4]);
+        let p = pick(&t, &[0; 4], vec![0, 1, 2, 3], &ARGMIN).unwrap();
+        assert_eq!((p.tied, p.runner_up), (vec![1, 2], None));
+        let t = scored(&[5.0, 3.0, 4.0, 4.0], &[0; 4], &[1; 4]);
+        let p = pick(&t, &[0; 4], vec![0, 1, 2, 3], &ARGMIN).unwrap();
+        assert_eq!((p.tied, p.runner_up), (vec![1], Some(2)));
+    }
+
+    /// Capacity: 0 = unknown (never over); all over = the guard is ignored.
+    #[test]
+    fn capacity_guard_excludes_unless_all_are_over() {
+        let t = scored(&[1.0, 2.0, 3.0], &[0; 3], &[10, 10, 10]);
+        let p = pick(&t, &[5, 0, 20], vec![0, 1, 2], &ARGMIN).unwrap();
+        assert_eq!((p.over.clone(), p.capacity, p.eligible.clone(), p.tied.clone()), (vec![0], Capacity::Excluded, vec![1, 2], vec![1]));
+        let p = pick(&t, &[5, 5, 5], vec![0, 1, 2], &ARGMIN).unwrap();
+        assert_eq!((p.capacity, p.eligible), (Capacity::Ignored, vec![0, 1, 2]));
+    }
+
+    /// Spread 100 - 10 > 64 and 100 > 1.5 x 10: only the least busy compete.
+    #[test]
+    fn imbalance_guard_keeps_the_least_busy() {
+        let t = scored(&[1.0, 9.0, 8.0], &[100, 10, 10], &[1; 3]);
+        let p = pick(&t, &[0; 3], vec![0, 1, 2], &ARGMIN).unwrap();
+        assert_eq!((p.imbalance, p.competing, p.tied, p.runner_up), (Some((100, 10)), vec![1, 2], vec![2], Some(1)));
+        let t = scored(&[1.0, 9.0], &[i64::MAX, 0], &[1; 2]);
+        assert!(pick(&t, &[0; 2], vec![0, 1], &ARGMIN).is_none());
     }
 }

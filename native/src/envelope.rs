@@ -15,6 +15,11 @@ pub const CACHE_GROUPS: [&str; 4] = ["full_attention", "sliding_window", "mamba"
 
 /// A decoded KV record: envelope sequencing fields and the payload the index folds.
 pub struct KvRecord<'a> {
+    /// The envelope's key (a worker's events are keyed by its id).
+    pub key: &'a str,
+    /// The envelope's one `sig` field is its last, as signers write it: `"sig": bin8(32)`
+    /// (see `signing.rs`).
+    pub sig_last: bool,
     pub producer: &'a str,
     pub epoch: i64,
     pub seq: i64,
@@ -98,7 +103,8 @@ pub fn decode<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Option<KvRecord<'a>> 
 fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRecord<'a>>> {
     let mut r = Reader::new(buf);
     let n = r.map_len()?;
-    let (mut id, mut ty, mut v, mut key) = (false, None, None, false);
+    let (mut id, mut ty, mut v, mut key) = (false, None, None, None);
+    let (mut sigs, mut sig_last) = (0, false);
     let (mut producer, mut epoch, mut seq, mut at) = (None, None, None, false);
     // The payload's bytes and, when its type came before it (as every writer puts it), its
     // fields decoded in the same pass under that type (`None` inside: not taken). A later
@@ -106,6 +112,7 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
     let mut data: Option<&'a [u8]> = None;
     let mut parsed: Option<(Which, Option<Fields<'a>>)> = None;
     for _ in 0..n {
+        let field_at = r.pos();
         // Keys are compared as bytes: one equal to an ASCII name is UTF-8; others are checked.
         match r.str_bytes()? {
             b"id" => {
@@ -114,10 +121,7 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
             }
             b"type" => ty = Some(r.str()?),
             b"v" => v = Some(r.i64()?),
-            b"key" => {
-                r.str()?;
-                key = true;
-            }
+            b"key" => key = Some(r.str()?),
             b"producer" => producer = Some(r.str()?),
             b"epoch" => epoch = Some(r.i64()?),
             b"seq" => seq = Some(r.i64()?),
@@ -148,16 +152,21 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
                 }
                 data = Some(r.since(start));
             }
+            b"sig" => {
+                let raw = r.raw()?;
+                sigs += 1;
+                sig_last = field_at + crate::signing::SIG_TRAILER == buf.len() && raw.len() == 34 && raw[..2] == [0xc4, 0x20];
+            }
             k => {
                 utf8(k)?;
                 r.skip()?;
             }
         }
     }
-    if !r.at_end() || !id || !key || !at || v != Some(1) {
+    if !r.at_end() || !id || !at || v != Some(1) {
         return Ok(None);
     }
-    let (Some(ty), Some(producer), Some(epoch), Some(seq), Some(data)) = (ty, producer, epoch, seq, data)
+    let (Some(ty), Some(key), Some(producer), Some(epoch), Some(seq), Some(data)) = (ty, key, producer, epoch, seq, data)
     else {
         return Ok(None);
     };
@@ -173,7 +182,8 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
     if which == Which::Cleared {
         hashes.clear();
     }
-    Ok(Some(KvRecord { producer, epoch, seq, worker_id, dp_rank, kind }))
+    let sig_last = sig_last && sigs == 1;
+    Ok(Some(KvRecord { key, sig_last, producer, epoch, seq, worker_id, dp_rank, kind }))
 }
 
 /// One payload map of type `which`, consumed whole when it is taken (`Some`).

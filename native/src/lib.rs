@@ -4,7 +4,10 @@
 //!   exact rules of the Python reference in `control_plane/index/prefix_index.py`;
 //! * [`envelope`]: KV events decoded straight from the envelope's MessagePack bytes;
 //! * [`mp`]: the MessagePack reader/writer both use;
-//! * [`decide`]: the kv cost of a routing candidate, term for term as `control_plane/router/decision.py`;
+//! * [`decide`]: the kv cost of a routing candidate, the guards and the kv argmin, term for term as
+//!   `control_plane/router/decision.py`;
+//! * [`inflight`]: the router's in-flight accounts per worker, as `control_plane/router/ledger.py`;
+//! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay.
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
@@ -16,7 +19,11 @@ pub mod decide;
 pub mod envelope;
 pub mod holders;
 pub mod index;
+pub mod inflight;
 pub mod mp;
+pub mod signing;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_router;

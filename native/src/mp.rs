@@ -54,7 +54,8 @@ impl<'a> Reader<'a> {
         self.pos == self.buf.len()
     }
 
-    /// Where the next value starts (for [`Reader::rewind`] and [`Reader::since`]).
+    /// Bytes read so far: where the next value starts (for [`Reader::rewind`] and
+    /// [`Reader::since`]).
     pub fn pos(&self) -> usize {
         self.pos
     }

@@ -4,10 +4,10 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::intern;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use crate::decide;
 use crate::envelope;
+use crate::signing;
 use crate::index::{Event, MatchOut, NativeIndex, Outcome, Payload, COUNTER_NAMES, N_TIERS};
 
 /// Outcome codes: 0 applied, 1 duplicate, 2 fenced, 3 ignored, 4/5/6 rejected for hash_algo /
@@ -343,12 +343,14 @@ fn needs_words(code: u32) -> bool {
 impl PyIndex {
     /// An empty index, or (`snapshot=`) one restored from snapshot bytes (then `hash_algo` and
     /// `block_size` are the snapshot's, the arguments are ignored).
+    /// A restore runs without the GIL: a restarting router restores its snapshot on a worker
+    /// thread while the main thread imports its HTTP stack.
     #[new]
     #[pyo3(signature = (hash_algo, block_size, *, snapshot=None))]
-    fn new(hash_algo: &str, block_size: i64, snapshot: Option<&[u8]>) -> PyResult<Self> {
+    fn new(py: Python<'_>, hash_algo: &str, block_size: i64, snapshot: Option<&[u8]>) -> PyResult<Self> {
         let inner = match snapshot {
             None => NativeIndex::new(hash_algo, block_size),
-            Some(data) => NativeIndex::restore(data).map_err(|e| PyValueError::new_err(e.0))?,
+            Some(data) => py.detach(|| NativeIndex::restore(data)).map_err(|e| PyValueError::new_err(e.0))?,
         };
         Ok(PyIndex::wrap(inner))
     }
@@ -403,6 +405,51 @@ impl PyIndex {
             code
         };
         slf.call_method1(intern!(py, "_explain_record"), (code, value, suffix)).map(Some)
+    }
+
+    /// Fold `values[start..]` in order (one partition's record values, sequenced with `suffix`)
+    /// while each is a kv record this path takes and, given a `verifier`, carries its owner's
+    /// signature. Returns `(i, code)`: the records before `i` were folded with plain outcomes
+    /// (applied, duplicate, fenced, ignored); `code` None: record `i` was not touched (or `i` is
+    /// the end) and the caller folds it through the per-record path; `code` Some: record `i` was
+    /// folded with an outcome that needs words (a new epoch, a gap, a rejection).
+    #[pyo3(signature = (values, start, suffix, verifier=None))]
+    fn _apply_run(
+        &mut self,
+        values: &Bound<'_, PyList>,
+        start: usize,
+        suffix: &str,
+        mut verifier: Option<PyRefMut<'_, PyVerifier>>,
+    ) -> (usize, Option<u32>) {
+        let mut hashes = std::mem::take(&mut self.hashes);
+        let n = values.len();
+        let mut i = start;
+        let mut flagged = None;
+        while i < n {
+            let Ok(item) = values.get_item(i) else { break };
+            let Ok(bytes) = item.cast::<PyBytes>() else { break };
+            let buf = bytes.as_bytes();
+            let Some(rec) = envelope::decode(buf, &mut hashes) else { break };
+            if let Some(v) = verifier.as_mut() {
+                if !v.inner.verified(buf, rec.key, rec.worker_id, rec.sig_last) {
+                    break;
+                }
+            }
+            self.producer.clear();
+            self.producer.push_str(rec.producer);
+            self.producer.push_str(suffix);
+            let ev = rec.event(&hashes);
+            let c = code(self.inner.apply(&self.producer, rec.epoch, rec.seq, &ev));
+            if c >= 4 {
+                self.worker.clear();
+                self.worker.push_str(rec.worker_id);
+                flagged = Some(c);
+                break;
+            }
+            i += 1;
+        }
+        self.hashes = hashes;
+        (i, flagged)
     }
 
     /// Worker id of the last record `apply_bytes` folded.
@@ -623,6 +670,31 @@ impl PyIndex {
     }
 }
 
+/// Checks worker signatures on kv records natively (`signing.rs`); `schemas.signing.Verifier`
+/// is the specification and decides every record this one does not verify.
+#[pyclass(module = "switchyard_native", name = "NativeVerifier")]
+struct PyVerifier {
+    inner: signing::Verifier,
+}
+
+#[pymethods]
+impl PyVerifier {
+    #[new]
+    fn new(master: &[u8]) -> Self {
+        PyVerifier { inner: signing::Verifier::new(master) }
+    }
+
+    /// True when `data` is a kv envelope this path takes, signed by its owner; False: not
+    /// decided here (the reference accepts it or says why not).
+    fn verified(&mut self, data: &[u8]) -> bool {
+        let mut hashes = Vec::new();
+        match envelope::decode(data, &mut hashes) {
+            Some(rec) => self.inner.verified(data, rec.key, rec.worker_id, rec.sig_last),
+            None => false,
+        }
+    }
+}
+
 /// The pseudo-token generators take ids modulo `vocab`: it must not be 0.
 fn positive_vocab(vocab: u64) -> PyResult<()> {
     if vocab == 0 {
@@ -745,161 +817,17 @@ impl PyMooncakeHasher {
     }
 }
 
-/// The kv terms of every candidate of a decision (`decision.py::_score`'s loop, natively).
-///
-/// `ordered`: the `WorkerLoad`s in id order; `overlaps`: worker id -> `WorkerOverlap`; `mine`:
-/// worker id -> `InflightLoad` (both dicts). Returns `(queued, active, in_flight, shared,
-/// overlap_w, prefill, decode, cost, matched, ineligible)`: the `_Scored` lists, the overlap
-/// object per candidate (None when unmatched) and the positions whose role, drain or
-/// registration excludes them (the caller words why). None when the reference must decide
-/// instead: a worker listed twice (the reference raises the error), a value that is not a plain
-/// integer, or one beyond the range where `f64` reproduces Python's arithmetic exactly.
-#[pyfunction]
-#[pyo3(signature = (ordered, overlaps, mine, serving_role, n_hash, block_size, prompt_tokens, request_blocks, does_prefill, weights, stale_factor, use_max, prefill_load_scale))]
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-fn score_kv<'py>(
-    py: Python<'py>,
-    ordered: &Bound<'py, PyList>,
-    overlaps: &Bound<'py, PyDict>,
-    mine: &Bound<'py, PyDict>,
-    serving_role: &str,
-    n_hash: i64,
-    block_size: i64,
-    prompt_tokens: i64,
-    request_blocks: i64,
-    does_prefill: bool,
-    weights: Vec<f64>,
-    stale_factor: f64,
-    use_max: bool,
-    prefill_load_scale: f64,
-) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    let mut w = [0.0f64; decide::N_TIERS];
-    if weights.len() != decide::N_TIERS {
-        return Err(PyValueError::new_err(format!("{} tier weights, expected {}", weights.len(), decide::N_TIERS)));
-    }
-    w.copy_from_slice(&weights);
-    let p = decide::Params {
-        n_hash,
-        block_size,
-        prompt_tokens,
-        request_blocks,
-        does_prefill,
-        weights: w,
-        stale_factor,
-        use_max,
-        prefill_load_scale,
-    };
-    match score_all(py, ordered, overlaps, mine, serving_role, &p) {
-        Ok(r) => Ok(r),
-        // Not a plain integer (or a bool, or a str id): the reference copes or raises.
-        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py)
-            || e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-fn score_all<'py>(
-    py: Python<'py>,
-    ordered: &Bound<'py, PyList>,
-    overlaps: &Bound<'py, PyDict>,
-    mine: &Bound<'py, PyDict>,
-    serving_role: &str,
-    p: &decide::Params,
-) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    let n = ordered.len();
-    let (mut queued, mut active, mut in_flight, mut shared, mut decode) =
-        (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut overlap_w, mut prefill, mut cost) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-    let matched = PyList::empty(py);
-    let mut ineligible: Vec<usize> = Vec::new();
-    let mut previous: Option<Bound<'py, PyString>> = None;
-    let mut tiers = [0i64; decide::N_TIERS];
-    let none = py.None().into_bound(py);
-    for (i, worker) in ordered.iter().enumerate() {
-        let wid = worker.getattr(intern!(py, "worker_id"))?.cast_into::<PyString>().map_err(PyErr::from)?;
-        if let Some(prev) = &previous {
-            if prev.to_str()? == wid.to_str()? {
-                return Ok(None);
-            }
-        }
-        let load = decide::Load {
-            queued_prefill_tokens: worker.getattr(intern!(py, "queued_prefill_tokens"))?.extract()?,
-            active_decode_blocks: worker.getattr(intern!(py, "active_decode_blocks"))?.extract()?,
-            inflight_requests: worker.getattr(intern!(py, "inflight_requests"))?.extract()?,
-        };
-        let m = match mine.get_item(&wid)? {
-            None => None,
-            Some(m) if m.is_none() => None,
-            Some(m) => Some(decide::Mine {
-                prefill_tokens: m.getattr(intern!(py, "prefill_tokens"))?.extract()?,
-                decode_blocks: m.getattr(intern!(py, "decode_blocks"))?.extract()?,
-                requests: m.getattr(intern!(py, "requests"))?.extract()?,
-                shared_blocks: m.getattr(intern!(py, "shared_blocks"))?.extract()?,
-            }),
-        };
-        let ov = overlaps.get_item(&wid)?.filter(|o| !o.is_none());
-        let terms = match &ov {
-            None => decide::score(p, load, m, None),
-            Some(o) => {
-                let t = o.getattr(intern!(py, "tiers"))?.cast_into::<PyTuple>().map_err(PyErr::from)?;
-                if t.len() > decide::N_TIERS {
-                    return Ok(None);
-                }
-                for (k, c) in t.iter().enumerate() {
-                    tiers[k] = c.extract()?;
-                }
-                let stale = o.getattr(intern!(py, "stale"))?.is_truthy()?;
-                decide::score(p, load, m, Some(decide::Overlap { tiers: &tiers[..t.len()], stale }))
-            }
-        };
-        let Some(terms) = terms else { return Ok(None) };
-        matched.append(ov.as_ref().unwrap_or(&none))?;
-        let role = worker.getattr(intern!(py, "role"))?;
-        let serves = match role.cast::<PyString>() {
-            Ok(r) => r.to_str()? == serving_role,
-            Err(_) => return Ok(None),
-        };
-        if !serves
-            || worker.getattr(intern!(py, "draining"))?.is_truthy()?
-            || !worker.getattr(intern!(py, "registered"))?.is_truthy()?
-        {
-            ineligible.push(i);
-        }
-        queued.push(terms.queued);
-        active.push(terms.active);
-        in_flight.push(terms.in_flight);
-        shared.push(terms.shared);
-        overlap_w.push(terms.overlap_w);
-        prefill.push(terms.prefill);
-        decode.push(terms.decode);
-        cost.push(terms.cost);
-        previous = Some(wid);
-    }
-    let out = (
-        PyList::new(py, queued)?,
-        PyList::new(py, active)?,
-        PyList::new(py, in_flight)?,
-        PyList::new(py, shared)?,
-        PyList::new(py, overlap_w)?,
-        PyList::new(py, prefill)?,
-        PyList::new(py, decode)?,
-        PyList::new(py, cost)?,
-        matched,
-        PyList::new(py, ineligible)?,
-    );
-    Ok(Some(out.into_pyobject(py)?))
-}
-
 #[pymodule]
 fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
     m.add_class::<PyMatches>()?;
+    m.add_class::<PyVerifier>()?;
     m.add_function(wrap_pyfunction!(sha256_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(mooncake_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(pseudo_tokens, m)?)?;
     m.add_class::<PyMooncakeHasher>()?;
     m.add_function(wrap_pyfunction!(trace_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(sha256_generated_chain, m)?)?;
-    m.add_function(wrap_pyfunction!(score_kv, m)?)?;
+    crate::py_router::register(m)?;
     Ok(())
 }

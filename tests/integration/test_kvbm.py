@@ -30,12 +30,14 @@ from data_plane.kvbm import (
     verify,
 )
 from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
+from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import StorageError
 from data_plane.kvbm.stores import DiskStore, HostStore
 from data_plane.kvbm.stores.s3 import S3Store, make_client
 from kernel.log.sink import MemorySink
 from schemas.events import BlockMoved, BlockRemoved, BlockStored
 from schemas.types import Tier
+from tests.support.waits import wait_for
 from tests.unit.test_kvbm_stores import BPB, PersistentStoreContract
 
 DEVICE, HOST, DISK, OBJECT = Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.OBJECT
@@ -407,7 +409,9 @@ def test_an_object_store_outage_keeps_claims_recomputes_and_recovers(tmp_path):
     with blocks in the object tier. Reads of them fail with TierUnavailable: the onboard stops
     with "error" (the engine recomputes), the claim stays (the bytes are still in the bucket),
     nothing is reported removed from object; demotions into object are dropped from disk
-    instead. Once the server is back on the same address the same block is served, verified."""
+    instead, without calling the store while its breaker is open. Once the server is back on the
+    same address, the first probe after the backoff finds it and the same block is served,
+    verified."""
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -415,7 +419,8 @@ def test_an_object_store_outage_keeps_claims_recomputes_and_recovers(tmp_path):
                     access_key_id="testing", secret_access_key="testing", create_bucket=True,
                     max_attempts=1, connect_timeout_s=0.5)
     sink = MemorySink()
-    kvbm = build_kvbm(_settings(tmp_path, s3, host_capacity=1, disk_capacity=1, object_capacity=4), sink)
+    kvbm = build_kvbm(_settings(tmp_path, s3, host_capacity=1, disk_capacity=1, object_capacity=4,
+                                outage_breaker=BreakerConfig(backoff_s=0.1, max_backoff_s=0.2)), sink)
     try:
         for h in (1, 2, 3):
             kvbm.on_device_evicted(h)
@@ -433,8 +438,11 @@ def test_an_object_store_outage_keeps_claims_recomputes_and_recovers(tmp_path):
         assert st["unavailable_object"] == 1
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         server.start()
-        res = kvbm.onboard([1], pin=False)
+        # Skipped (stop "error", claim kept) until a probe after the backoff gets an answer.
+        res = wait_for(lambda: (r := kvbm.onboard([1], pin=False)).blocks and r,
+                       what="an onboard from object once the store answers again")
         assert res.found_by_tier() == {OBJECT: 1} and verify(1, kvbm.read_host(1))
+        assert kvbm.stats()["probes_object"] >= 1
         # Making room for 1 in host pushed 4 to disk and 3 on to object, written this time; the
         # log folds to what the stores hold.
         assert claimed_persistent(sink.events, WORKER)[OBJECT] == [1, 3] == kvbm.scan_persistent()[OBJECT]

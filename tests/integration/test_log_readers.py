@@ -254,6 +254,22 @@ def test_a_whole_partition_reads_in_offset_order_as_written(reader: LogReader, w
             assert [r.offset for r in got] == sorted(r.offset for r in got)
 
 
+def test_consecutive_ranges_read_as_one(reader: LogReader, written: Written) -> None:
+    """A partition read range after range, one record at a time (a replayed view advancing
+    decision by decision), interleaved with another partition and an abandoned read, holds the
+    same records as one read of it, as records and as batches."""
+    t = written.topic("requests")
+    lo, hi = reader.bounds(t, 3)
+    got = []
+    for at in range(lo, hi):
+        got += [r for b in reader.read_batches(t, 3, at, at + 1) for r in b.records()]
+        if at == lo + 1:
+            assert list(reader.read(t, 0, *reader.bounds(t, 0))) == written.of("requests", 0)
+        if at == lo + 2:
+            next(iter(reader.read(t, 3, at + 1, hi)))  # started, never finished
+    assert got == written.of("requests", 3)
+
+
 # (start, end) as a function of the partition's (lo, hi), and the slice of its records expected.
 RANGES = {
     "inner": (lambda lo, hi: (lo + 1, lo + 3), slice(1, 3)),

@@ -4,7 +4,7 @@ for a bounded time only; past ``max_connections`` a request is answered 503 inst
 without bound; and once the bad connections are gone, clients are served as before.
 
 The router's app is served by the router's own server (``kernel.http_server``: uvicorn with the
-guarded h11 protocol) with short limits, in front of the fake worker of test_router_input. The
+guarded httptools protocol) with short limits, in front of the fake worker of test_router_input. The
 attacks are raw sockets on loopback; the good client is ``httpx``.
 """
 

@@ -40,8 +40,8 @@ def _profile(**overrides):
     return load_profile("mocker").replace(name="tiny", **base)
 
 
-def _virtual_core(costs: OnboardCosts | None = None, host: int = 16, disk: int = 0):
-    prof = _profile()
+def _virtual_core(costs: OnboardCosts | None = None, host: int = 16, disk: int = 0, **profile):
+    prof = _profile(**profile)
     hc = default_hash_config(BS)
     core = EngineCore(prof, hash_config=hc, onboard_costs=costs)
     tiers = VirtualTiers({HOST: host, DISK: disk}, worker_id=core.worker_id, block_size=BS,
@@ -51,12 +51,15 @@ def _virtual_core(costs: OnboardCosts | None = None, host: int = 16, disk: int =
     return core, tiers
 
 
-def _run(core: EngineCore, rid: str, prompt: list[int]):
-    """Run one request alone to its end; return (its admission step, every KV event)."""
+def _run(core: EngineCore, rid: str, prompt: list[int], steps: list | None = None):
+    """Run one request alone to its end; return (its admission step, every KV event); every
+    step's result goes to ``steps`` when given."""
     core.add_request(EngineRequest(request_id=rid, prompt=prompt, max_tokens=1))
     first = None
     while core.has_work():
         res = core.step()
+        if steps is not None:
+            steps.append(res)
         if first is None:
             first = res
     return first, core.take_kv_events()
@@ -77,22 +80,70 @@ def _device_stores(events):
 
 def test_offloaded_prefix_is_onboarded_not_recomputed():
     """A's 4 blocks were evicted to host. A again: 0 device hits, 4 host blocks. Loading one
-    4-token block of 512 KiB at 25 GB/s takes 0.021 ms; recomputing it ~0.06 ms: all 4 load,
-    and the admission step computes 1 token: prefill_ms(1) + 4 * 0.021 ms."""
+    4-token block of 512 KiB at 25 GB/s takes 0.021 ms; recomputing it ~0.06 ms: all 4 load.
+    The load runs beside the steps; with nothing else to compute, the admission step is a stall
+    of the load's 4 * 0.021 ms, and the next step computes the last token: prefill_ms(1)."""
     core, tiers = _virtual_core()
     hashes = _offload_a(core)
     assert tiers.count(HOST) == 4
-    step, events = _run(core, "a2", PROMPT_A)
+    steps: list = []
+    step, events = _run(core, "a2", PROMPT_A, steps)
     assert step.admitted == [("a2", 16)]
     st = core.onboard_stats()
     assert st.loaded == {HOST: 4} and st.skipped == 0 and st.fallbacks == {}
-    assert step.shape.prefill_tokens == 1
     load = OnboardCosts().load_ms({HOST: 4}, BS)
     assert load == pytest.approx(4 * 1e3 * BS * 131072 / 25e9)
-    assert step.duration_ms == pytest.approx(core.timing.prefill_ms(1) + load)
+    assert step.onboarded == (("a2", 16, pytest.approx(load)),)
+    assert (step.shape.prefill_tokens, step.tokens, step.num_scheduled) == (0, [], 1)
+    assert step.duration_ms == pytest.approx(load)
+    assert len(steps) == 2 and steps[1].shape.prefill_tokens == 1
+    assert steps[1].duration_ms == pytest.approx(core.timing.prefill_ms(1))
     onboarded = [e for e in _device_stores(events) if e.source_tier is HOST]
     assert sorted(h for e in onboarded for h in e.block_hashes) == sorted(hashes)
     assert tiers.moves[("host", "device")] == 4
+
+
+def test_a_load_runs_beside_the_steps_of_other_requests():
+    """X decodes while A2's 4 host blocks load (0.084 ms): the step that admits A2 is X's
+    decode step alone, no longer by the load (only A2 waits for it); A2 computes its last token
+    in the next step, beside X. Two loads share the one host -> device link: the second is in
+    once both are."""
+    core, tiers = _virtual_core()
+    _offload_a(core)
+    core.add_request(EngineRequest(request_id="x", prompt=[900, 901], max_tokens=8))
+    core.step()  # x's prefill
+    core.add_request(EngineRequest(request_id="a2", prompt=PROMPT_A, max_tokens=1))
+    admit = core.step()
+    load = OnboardCosts().load_ms({HOST: 4}, BS)
+    assert admit.admitted == [("a2", 16)] and admit.onboarded == (("a2", 16, pytest.approx(load)),)
+    assert [t.request_id for t in admit.tokens] == ["x"]
+    assert admit.duration_ms == pytest.approx(core.timing.step_ms(admit.shape))
+    assert admit.shape.prefill_tokens == 0 and admit.shape.decode_seqs == 1
+    nxt = core.step()
+    assert sorted(t.request_id for t in nxt.tokens) == ["a2", "x"]
+    assert nxt.shape.prefill_tokens == 1 and nxt.shape.decode_seqs == 1
+
+
+
+def test_loads_queue_on_the_one_host_to_device_link():
+    """A and C (4 full blocks each) are offloaded; A2 and C2 arrive together and are admitted in
+    one step, both loading: C2's load starts when A2's is done, so C2 waits for both (2 x 0.084
+    ms); the step is the stall until A2's is in, then A2 computes while C2 still waits."""
+    core, _ = _virtual_core(host=16, num_device_blocks=16)
+    prompt_c = list(range(300, 317))
+    _run(core, "a", PROMPT_A)
+    _run(core, "c", prompt_c)
+    _run(core, "d", list(range(700, 763)))  # 16 blocks: evicts A and C to host
+    core.add_request(EngineRequest(request_id="a2", prompt=PROMPT_A, max_tokens=1))
+    core.add_request(EngineRequest(request_id="c2", prompt=prompt_c, max_tokens=1))
+    load = OnboardCosts().load_ms({HOST: 4}, BS)
+    admit = core.step()
+    assert admit.onboarded == (("a2", 16, pytest.approx(load)), ("c2", 16, pytest.approx(2 * load)))
+    assert admit.duration_ms == pytest.approx(load) and admit.tokens == []
+    a2 = core.step()  # A2's last token; C2's load is in by the end of this (longer) step
+    assert [t.request_id for t in a2.tokens] == ["a2"] and a2.duration_ms > load
+    c2 = core.step()
+    assert [t.request_id for t in c2.tokens] == ["c2"] and not core.has_work()
 
 
 def test_a_slow_tier_is_skipped_when_recompute_is_cheaper():
@@ -117,11 +168,12 @@ def test_a_corrupt_tier_block_falls_back_to_recompute_and_is_recorded():
     chain = list(req.hashes[:4])
     core.abort("probe")
     tiers.fail[chain[2]] = "corrupt"
-    step, events = _run(core, "a2", PROMPT_A)
+    steps: list = []
+    step, events = _run(core, "a2", PROMPT_A, steps)
     assert step.admitted == [("a2", 8)]  # blocks 0 and 1 loaded, 2 and 3 recomputed
     st = core.onboard_stats()
     assert st.loaded == {HOST: 2} and st.fallbacks == {"corrupt": 2}
-    assert step.shape.prefill_tokens == 17 - 8
+    assert [s.shape.prefill_tokens for s in steps] == [0, 17 - 8]  # the load's stall, then compute
     assert any(isinstance(e, BlockRemoved) and e.tier is HOST and e.block_hashes == [chain[2]]
                for e in events)
     by_source = {h: e.source_tier for e in _device_stores(events) for h in e.block_hashes}
@@ -141,6 +193,27 @@ def test_plan_loads_the_cheapest_leading_run():
     empty = plan_onboard([], cached_blocks=0, num_tokens=10, block_size=64, costs=costs,
                          timing=timing)
     assert empty.load_blocks == 0 and empty.reason == "nothing below the device"
+
+
+def test_plan_times_recompute_in_the_engines_chunks():
+    """Recompute is timed as the engine runs it, in chunks of max_num_batched_tokens (8,192 on
+    the mocker): 80,000 tokens are ten steps, 1,650.5 ms, not one 80,000-token step (3,925.6 ms,
+    whose T^2 term no engine step ever reaches). So a disk block (1.78 ms) is not worth loading
+    in the middle of a long suffix (a block's share of a step is 1.0-1.4 ms)... but it is where
+    it saves a whole step: 8,192 + 64 tokens are two steps (16.5 ms of fixed cost for the last
+    64 tokens), one block loaded leaves one."""
+    prof = load_profile("mocker")
+    timing, chunk = prof.timing, prof.max_num_batched_tokens
+    assert prefill_ms(timing, 0, 80_000, chunk) == pytest.approx(1650.5, abs=0.1)
+    assert prefill_ms(timing, 0, 80_000) == pytest.approx(3925.6, abs=0.1)
+    costs = OnboardCosts()
+    long = plan_onboard([DISK] * 10, cached_blocks=0, num_tokens=60 * 64 + 20_000, block_size=64,
+                        costs=costs, timing=timing, chunk=chunk)
+    assert long.load_blocks == 0 and long.recompute_ms == pytest.approx(
+        prefill_ms(timing, 0, 60 * 64 + 20_000, chunk))
+    edge = plan_onboard([DISK] * 3, cached_blocks=0, num_tokens=chunk + 64, block_size=64,
+                        costs=costs, timing=timing, chunk=chunk)
+    assert edge.load_blocks >= 1 and edge.saved_ms > 10.0
 
 
 def test_tier_weights_derive_from_the_same_cost():
@@ -258,6 +331,11 @@ def test_simulation_models_tiers_and_onboarding_time(coalesce):
     load = OnboardCosts().load_ms({HOST: 4}, BS)
     assert b["a2"].ttft_ms == pytest.approx(timing.prefill_ms(17))
     assert t["a2"].ttft_ms == pytest.approx(timing.prefill_ms(1) + load)
+    # The driver's account: admitted on arrival (an idle worker); one step without tiers, two
+    # with (the stall while the prefix loads, then the last token).
+    assert b["a2"].admitted_ms == t["a2"].admitted_ms == 200.0
+    assert (b["a2"].prefill_steps, t["a2"].prefill_steps) == (1, 2)
+    assert (b["a2"].onboard_ms, t["a2"].onboard_ms) == (0.0, pytest.approx(load))
     # Everything else is as without tiers.
     assert [b[r].token_times.tolist() for r in "ab"] == [t[r].token_times.tolist() for r in "ab"]
 

@@ -337,36 +337,72 @@ def test_virtual_tiers_refuse_a_block_used_once_and_demote_a_reused_one():
     assert vt.admission.count(1) == 4
 
 
-def test_virtual_tiers_and_the_kvbm_decide_alike():
-    """Same calls into both (device evictions, one-block loads of what is held): same residency
-    per tier and the same refusals, step by step, since both ask the one AdmissionFilter. (One
-    block at a time: an onboard of a longer prefix protects its other blocks from eviction,
-    which the virtual tiers do not model; and a disk larger than the 15 blocks used, since the
-    two make room in a full disk a little differently when the incoming block is already there.)
-    """
-    rng = random.Random(11)
-    adm = AdmissionConfig(half_life_uses=20, max_entries=40)
-    k = Kit(host_capacity=3, disk_capacity=32, object_capacity=0, admission=adm,
+@pytest.mark.parametrize("seed", range(6))
+def test_virtual_tiers_and_the_kvbm_decide_alike(seed):
+    """Same calls into both, the KVBM through the worker's own engine port (``KvbmTiers``):
+    device evictions, and loads of prefixes of up to 6 blocks of what is held (longer than the
+    3-slot host: they go in chunks). Step by step: the same residency per tier, in the same
+    eviction order, the same loads (sources and stop reasons) and the same refusals, since both
+    run the one ``Residency`` with the one ``AdmissionFilter``, with a disk small enough to fill
+    (the incoming block's own copy below is never a victim; a load's other blocks are not
+    either)."""
+    from data_plane.workers.onboard import KvbmTiers
+
+    rng = random.Random(seed)
+    adm = AdmissionConfig(half_life_uses=20, max_entries=40) if seed % 2 else ADMIT_ALL
+    k = Kit(host_capacity=3, disk_capacity=6, object_capacity=0, admission=adm,
             device_eviction_events=False)
+    port = KvbmTiers(k.kvbm)
     events: list = []
-    vt = _vt(events, adm, host=3, disk=32)
-    refused = 0
+    vt = _vt(events, adm, host=3, disk=6)
+    loads = 0
     for _ in range(400):
-        h = rng.randrange(1, 16)
-        if rng.random() < 0.7:
+        if rng.random() < 0.6:
+            h = rng.randrange(1, 16)
             k.kvbm.on_device_evicted(h)
             vt.on_device_evicted(h, None)
         else:
-            held = vt.lookup([h])
-            assert k.kvbm.lookup([h]) == held
+            prefix = [rng.randrange(1, 16) for _ in range(rng.randrange(1, 7))]
+            held = vt.lookup(prefix)
+            assert port.lookup(prefix) == held
             if held:
-                k.kvbm.onboard([h], pin=False)
-                vt.load([h])
+                assert port.load(prefix[:len(held)]) == vt.load(prefix[:len(held)])
+                loads += len(held) > 3
         res = k.kvbm.residency()
-        assert set(res[HOST]) == set(vt._lru[HOST]) and set(res[DISK]) == set(vt._lru[DISK])
-        refused = vt.admission_refused["disk"]
-        assert k.kvbm.stats().get("disk_admission_refused", 0) == refused
-    assert refused > 0 and k.kvbm.stats()["demoted_host_disk"] > 0
+        assert (res[HOST], res[DISK]) == (vt.members(HOST), vt.members(DISK))
+        assert k.kvbm.stats().get("disk_admission_refused", 0) == vt.admission_refused["disk"]
+    assert loads > 0 and k.kvbm.stats()["demoted_host_disk"] > 0
+    assert (vt.admission_refused["disk"] > 0) == adm.enabled
+
+
+def test_virtual_tiers_keep_the_incoming_blocks_own_copy_below():
+    """Host [2], disk [1] (full). The device evicts 1 again: 1 goes to host, whose victim 2
+    needs room in disk, where the only block is 1 itself, the block being placed: it is not a
+    victim, so 2 is dropped (no room below) and 1 stays in disk too."""
+    events: list = []
+    vt = _vt(events, ADMIT_ALL, host=1, disk=1)
+    vt.on_device_evicted(1, None)
+    vt.on_device_evicted(2, None)  # 1: host -> disk
+    events.clear()
+    vt.on_device_evicted(1, None)
+    assert [_compact(e) for e in events] == [("removed", "host", [2]), ("stored", "host", [1])]
+    assert (vt.members(HOST), vt.members(DISK)) == ([1], [1])
+
+
+def test_virtual_tiers_protect_the_rest_of_a_loaded_prefix():
+    """Host [b, c] (b least recent), disk [a] full with room for nothing else. Loading [a, b]
+    copies a into host, which must evict one block: not b (the next block of the load), so c,
+    which cascades to disk... full of a, which is being loaded: c is dropped. Both blocks load,
+    b from host."""
+    events: list = []
+    vt = _vt(events, ADMIT_ALL, host=2, disk=1)
+    for h in (10, 11, 12):  # 10: host -> disk
+        vt.on_device_evicted(h, None)
+    assert (vt.members(HOST), vt.members(DISK)) == ([11, 12], [10])
+    events.clear()
+    assert vt.load([10, 11]).sources == (DISK, HOST)
+    assert [_compact(e) for e in events] == [("removed", "host", [12]), ("stored", "host", [10])]
+    assert (vt.members(HOST), vt.members(DISK)) == ([10, 11], [10])
 
 
 def test_simulation_with_the_filter_writes_less_to_disk():
@@ -440,6 +476,72 @@ def test_an_unreachable_object_store_drops_demotions_with_a_clear_error(caplog):
     text = m.render().decode()
     assert 'reason="unavailable",tier="object"} 2.0' in text
     assert 'switchyard_worker_kvbm_tier_outages_total{engine="w1",model_name="m",tier="object"} 1.0' in text
+
+
+def test_an_unavailable_tier_is_skipped_for_its_backoff_then_probed(caplog):
+    """The object store goes down at t=0 (an in-memory store whose every call fails with
+    TierUnavailable while down, counted in ``calls``). With one host and one disk slot, each
+    device eviction (1, 2, ...) demotes the block evicted two before it disk -> object:
+
+    * t=0, evicting 1 demotes 100: the call fails; the outage starts (logged once, counted),
+      backoff 1 s;
+    * t=0, 2 demotes 101: not called (skipped), dropped from disk at once;
+    * t=1, 3 demotes 1: the backoff is over: one probe, fails; the backoff doubles to 2 s;
+    * t=2, 4 demotes 2: skipped;
+    * t=3, the store is back; 5 demotes 3: the probe is answered, the breaker closes;
+    * t=3, 6 demotes 4: called as usual.
+
+    So 4 calls reach the store for 6 demotions; every demotion that did not land is dropped
+    from disk with BlockRemoved, never claimed in object."""
+    from data_plane.kvbm.breaker import BreakerConfig
+
+    now = [0.0]
+    obj = MemoryStore(OBJECT, BPB)
+    s = _settings(host_capacity=1, disk_capacity=1, object_capacity=8, admission=ADMIT_ALL,
+                  outage_breaker=BreakerConfig(backoff_s=1.0, max_backoff_s=4.0))
+    sink = MemorySink()
+    kvbm = KvBlockManager(s, sink, {HOST: HostStore(1, BPB), DISK: MemoryStore(DISK, BPB), OBJECT: obj},
+                          clock=lambda: now[0])
+    for h in (100, 101):
+        kvbm.on_device_evicted(h)  # 100 in disk, 101 in host: the next eviction demotes 100
+    obj.down = True
+    with caplog.at_level(logging.INFO, logger="data_plane.kvbm.manager"):
+        for t, h in ((0.0, 1), (0.0, 2), (1.0, 3), (2.0, 4), (3.0, 5), (3.0, 6)):
+            now[0] = t
+            if t == 3.0:
+                obj.down = False
+            kvbm.on_device_evicted(h)
+    st = kvbm.stats()
+    assert obj.calls == 4
+    assert (st["unavailable_object"], st["skipped_object"], st["probes_object"]) == (1, 2, 2)
+    assert st["write_errors_object_unavailable"] == 4
+    removed = [e.block_hashes for e in sink.events if isinstance(e, BlockRemoved) and e.tier is DISK]
+    assert removed == [[100], [101], [1], [2]]
+    assert kvbm.residency()[OBJECT] == [3, 4] == fold_residency(sink.events, WORKER)[OBJECT]
+    logged = [r.getMessage() for r in caplog.records if r.name == "data_plane.kvbm.manager"]
+    assert sum("unavailable" in m for m in logged) == 1 and "not called for 1.0 s" in logged[0]
+    assert logged[-1] == "KV tier object answers again"
+    m = WorkerMetrics("m", "w1")
+    m.set_kv_moves(st, {}, {})
+    text = m.render().decode()
+    assert 'switchyard_worker_kvbm_tier_skipped_calls_total{engine="w1",model_name="m",tier="object"} 2.0' in text
+    assert 'switchyard_worker_kvbm_tier_probes_total{engine="w1",model_name="m",tier="object"} 2.0' in text
+
+
+def test_breaker_backoff_doubles_to_its_maximum_and_settings_validate():
+    from data_plane.kvbm.breaker import BreakerConfig, TierBreaker, Verdict
+
+    b = TierBreaker(BreakerConfig(backoff_s=1.0, max_backoff_s=3.0))
+    assert b.verdict(OBJECT, 0.0) is Verdict.CALL
+    assert [b.failed(OBJECT, t) for t in (0.0, 1.0, 3.0, 6.0)] == [1.0, 2.0, 3.0, 3.0]
+    assert b.verdict(OBJECT, 8.9) is Verdict.SKIP and b.verdict(OBJECT, 9.0) is Verdict.PROBE
+    assert b.verdict(DISK, 8.9) is Verdict.CALL  # one breaker per tier
+    assert b.answered(OBJECT) and not b.answered(OBJECT)
+    assert b.verdict(OBJECT, 9.0) is Verdict.CALL
+    with pytest.raises(KvbmConfigError, match="backoff"):
+        BreakerConfig(backoff_s=0.0)
+    with pytest.raises(KvbmConfigError, match="backoff"):
+        BreakerConfig(backoff_s=2.0, max_backoff_s=1.0)
 
 
 def test_the_worker_passes_its_disk_admission_setting_to_the_kvbm():

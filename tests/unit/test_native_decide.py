@@ -1,12 +1,13 @@
-"""The native kv scoring (``native/src/decide.rs``) against the specification (``decision._score``).
+"""The native kv decision (``native/src/decide.rs``) against the specification (``decision._score``
+and ``decision._pick``).
 
-``decide(..., native=True)`` scores every candidate in Rust; ``native=False`` runs the pure-Python
-loop. For random decision inputs (1..300 candidates with random loads, roles, drains and
-capacities; overlaps per tier, some stale; in-flight loads with speculative overlap; configs
-with every mode, tier weights, load combine, guards, temperature; seeds and cursors) the two
-must give the same ``Decision``: equal as values and byte-identical when encoded (so every
-float is the same double). The native run is made with the Python loop disabled, so an
-agreement cannot come from a silent fallback.
+``decide(..., native=True)`` scores every candidate, applies the guards and finds the kv argmin
+in Rust; ``native=False`` runs the pure-Python steps. For random decision inputs (1..300
+candidates with random loads, roles, drains and capacities; overlaps per tier, some stale;
+in-flight loads with speculative overlap; configs with every mode, tier weights, load combine,
+guards, temperature; seeds and cursors) the two must give the same ``Decision``: equal as
+values and byte-identical when encoded (so every float is the same double). The native run is
+made with the Python steps disabled, so an agreement cannot come from a silent fallback.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from control_plane.router import decision
 from control_plane.router.config import RouterConfig, TierWeights
 from control_plane.router.decision import RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
-from control_plane.router.ledger import InflightLoad
+from control_plane.router.ledger import InflightLedger, InflightLoad
 from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
 
 
@@ -102,16 +103,55 @@ def _inputs(seed: int, n: int, phase: RequestPhase):
     return request, workers, overlaps, inflight, cursor
 
 
-def _both(request, workers, config, seed, overlaps, inflight, cursor):
+def _ledgers(seed: int, request: RoutingRequest, workers: list[WorkerLoad]) -> tuple[InflightLedger, InflightLedger]:
+    """The same random in-flight history in a ledger with native accounts and one with the
+    specification's: entries on candidates and on other workers, their prompts sharing a random
+    prefix of the request's, some prefilled, some completed."""
+    rng = random.Random(seed)
+    native, reference = InflightLedger(native=True), InflightLedger(native=False)
+    hashes = request.block_hashes
+    names = [w.worker_id for w in workers] + [WorkerId(f"gone{i}") for i in range(3)]
+    k = 0
+    for wid in names:
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):
+            k += 1
+            shared = hashes[: rng.randrange(0, len(hashes) + 1)]
+            chain = shared + tuple(BlockHash(rng.getrandbits(64)) for _ in range(rng.randrange(0, 8)))
+            args = (RequestId(f"q{k}"), wid, chain, rng.randrange(0, 40_000), len(chain) + rng.randrange(0, 64),
+                    0.0, 600.0)
+            for ledger in (native, reference):
+                ledger.add(*args)
+            if rng.random() < 0.3:
+                for ledger in (native, reference):
+                    ledger.prefill_done(RequestId(f"q{k}"))
+            if rng.random() < 0.2:
+                for ledger in (native, reference):
+                    ledger.complete(RequestId(f"q{k}"))
+    return native, reference
+
+
+def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inflight=None):
+    """``decide`` by the specification over ``inflight`` (a recorded view, or a ledger) and by
+    the native core over ``native_inflight`` (the same view by default)."""
     def run(native: bool):
+        source = native_inflight if native and native_inflight is not None else inflight
         try:
             return decide(request, workers, config, rng_seed=seed, overlaps=overlaps,
-                          inflight=_Recorded(inflight), rr_cursor=cursor, native=native)
+                          inflight=source if hasattr(source, "view") else _Recorded(source),
+                          rr_cursor=cursor, native=native)
         except (NoEligibleWorker, InvalidRoutingInput) as e:
             return type(e), str(e)
 
+    def pick_only_when_none_eligible(t, config):
+        # The native core computes the pick whenever a candidate is eligible; the specification's
+        # _pick runs on the native path only to find that none is.
+        assert all(x is not None for x in t.excluded), "native pick fell back"
+        return spec_pick(t, config)
+
+    spec_pick = decision._pick
     reference = run(False)
-    with mock.patch.object(decision, "_score", side_effect=AssertionError("native scoring fell back")):
+    with mock.patch.object(decision, "_score", side_effect=AssertionError("native scoring fell back")), \
+            mock.patch.object(decision, "_pick", side_effect=pick_only_when_none_eligible):
         native = run(True)
     return reference, native
 
@@ -124,6 +164,25 @@ def _both(request, workers, config, seed, overlaps, inflight, cursor):
 def test_native_scoring_gives_the_reference_decision(input_seed, n, phase, config, rng_seed):
     request, workers, overlaps, inflight, cursor = _inputs(input_seed, n, phase)
     reference, native = _both(request, workers, config, rng_seed, overlaps, inflight, cursor)
+    assert native == reference
+    if isinstance(reference, decision.Decision):
+        assert msgspec.msgpack.encode(native) == msgspec.msgpack.encode(reference)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    input_seed=st.integers(0, 2**32), n=st.integers(1, 120), phase=st.sampled_from(list(RequestPhase)),
+    config=_configs(), rng_seed=st.integers(0, 2**63 - 1), ledger_seed=st.integers(0, 2**32),
+)
+def test_native_decision_over_a_native_ledger(input_seed, n, phase, config, rng_seed, ledger_seed):
+    """The live router's path: the ledger's own view (native accounts: an ``InflightView`` the
+    core reads directly) against the specification's ledger (a dict), over random histories."""
+    request, workers, overlaps, _, cursor = _inputs(input_seed, n, phase)
+    native_ledger, reference_ledger = _ledgers(ledger_seed, request, workers)
+    view = native_ledger.view(request.block_hashes)
+    assert type(view) is not dict and view == reference_ledger.view(request.block_hashes)
+    reference, native = _both(request, workers, config, rng_seed, overlaps, reference_ledger, cursor,
+                              native_inflight=native_ledger)
     assert native == reference
     if isinstance(reference, decision.Decision):
         assert msgspec.msgpack.encode(native) == msgspec.msgpack.encode(reference)

@@ -13,6 +13,7 @@ from control_plane.router import RouterConfig
 from control_plane.router.admission import AdmissionConfig
 from control_plane.router.proxy import Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
+from control_plane.router.worker_calls import DRAIN_S
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.sink import MemorySink
 from kernel.net import free_port
@@ -37,6 +38,9 @@ async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
             body = b'{"error": {"message": "token id out of vocabulary"}}'
             writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        elif kind == "redirect":  # followed, it would fail as worker_unreachable (nothing listens there)
+            writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://127.0.0.1:%d/v1/completions\r\n"
+                         b"content-length: 0\r\n\r\n" % free_port())
         elif kind == "error":
             body = b'{"error": "boom"}'
             writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
@@ -54,7 +58,8 @@ async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
-async def _router(kinds: list[str], *, max_attempts: int = 3) -> tuple[Router, MemorySink, list]:
+async def _router(kinds: list[str], *, max_attempts: int = 3, read_timeout_s: float = 0.5
+                  ) -> tuple[Router, MemorySink, list]:
     view = RouterView("sha256", 16)
     servers = []
     for i, kind in enumerate(kinds):
@@ -66,7 +71,7 @@ async def _router(kinds: list[str], *, max_attempts: int = 3) -> tuple[Router, M
     sink = MemorySink()
     router = Router(router_id="r-test", view=view, producer=sink, config=RouterConfig(),
                     hash_config=HashConfig(HashAlgo.SHA256, 16), max_attempts=max_attempts,
-                    connect_timeout_s=1.0, read_timeout_s=0.5)
+                    connect_timeout_s=1.0, read_timeout_s=read_timeout_s)
     return router, sink, servers
 
 
@@ -85,7 +90,8 @@ async def _close(router: Router, servers: list) -> None:
 
 
 @pytest.mark.parametrize(("kind", "code"), [("refuse", "worker_unreachable"), ("stall", "timeout"),
-                                             ("reset", "worker_lost"), ("error", "worker_error")])
+                                             ("reset", "worker_lost"), ("error", "worker_error"),
+                                             ("redirect", "worker_lost")])
 async def test_each_failure_before_the_first_token_is_a_recorded_503(kind: str, code: str) -> None:
     router, sink, servers = await _router([kind])
     try:
@@ -154,3 +160,88 @@ async def test_a_request_the_worker_cannot_take_is_a_4xx_that_never_blames_the_w
         assert all(w.routable for w in router.view.workers.values())
     finally:
         await _close(router, servers)
+
+
+async def _keep_alive_worker(close_after_answer: bool) -> tuple[asyncio.AbstractServer, int, list[int]]:
+    """A worker that answers each request with a chunked SSE stream whose end (the last chunk)
+    follows ``[DONE]`` a moment later, as uvicorn's does, and keeps the connection (or closes it
+    after each answer, without saying so). Returns (server, port, requests per connection)."""
+    served: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(0)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            served[-1] += 1
+            sse = b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": "length"}]}\n\ndata: [DONE]\n\n'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(sse), sse))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            if close_after_answer:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], served
+
+
+@pytest.mark.parametrize("close_after_answer", [False, True], ids=["kept", "closed by the worker"])
+async def test_requests_reuse_a_connection_and_one_the_worker_closed_is_not_a_failure(close_after_answer) -> None:
+    """The router stops reading at ``[DONE]``; the rest of the answer is drained so the
+    connection is reused. A pooled connection the worker closed meanwhile is replaced by a new
+    one: the request is served, nothing is recorded against the worker."""
+    server, port, served = await _keep_alive_worker(close_after_answer)
+    router, sink, _ = await _router([])
+    router.view.workers["w"] = WorkerState(worker_id="w", epoch=1, role="aggregated", pool="p",
+                                           endpoint=f"http://127.0.0.1:{port}", capacity={"device": 1000})
+    try:
+        for i in range(4):
+            assert [c.text for c in await _collect(router, f"keep-{i}") if c.text] == ["a"]
+            await router.workers.drained()  # the connection is back in the pool
+        assert sink.of_type(RequestFailed) == []
+        assert served == ([4] if not close_after_answer else [1, 1, 1, 1]), served
+    finally:
+        await _close(router, [server])
+
+
+async def test_a_stream_the_router_gives_up_on_closes_the_worker_connection() -> None:
+    """The client went away after a token: the router closes the worker's connection (never
+    drains or pools it), which is how an engine learns to stop generating for it."""
+    gone = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        sse = b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": null}]}\n\n'
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                     b"%x\r\n%s\r\n" % (len(sse), sse))
+        await writer.drain()
+        if await reader.read() == b"":  # still generating, until the router hangs up
+            gone.set()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    router, sink, _ = await _router([], read_timeout_s=60)  # no read timeout ends it for the router
+    router.view.workers["w"] = WorkerState(worker_id="w", epoch=1, role="aggregated", pool="p",
+                                           endpoint=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                           capacity={"device": 1000})
+    try:
+        adm = router.admit(request_id="gone-1", model="m", tokens=list(range(40)), max_tokens=2, stream=True,
+                           endpoint="completions")
+        await router.queue(adm)
+        stream = router.serve(adm)
+        assert (await stream.__anext__()).text == "a"
+        await stream.aclose()  # what the HTTP front does when its client is gone
+        await asyncio.wait_for(gone.wait(), timeout=DRAIN_S / 2)  # closed, not drained
+        assert [f.code for f in sink.of_type(RequestFailed)] == ["client_cancelled"]
+    finally:
+        await _close(router, [server])

@@ -17,6 +17,7 @@ from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics, crea
 from control_plane.router.keys import KEY_PREFIX, Denied, KeyGate, KeyLimits, KeyTable, Refusal, RouterKey
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState
+from control_plane.router.worker_calls import MemoryReply, MemoryWorkerCalls, WorkerCall
 from kernel import bearer
 from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.sink import MemorySink
@@ -179,21 +180,20 @@ class Clock:
 
 
 def _app(table: KeyTable, clock: Clock, release: asyncio.Event | None = None):
-    """A router with one aggregated worker over a mock transport; the worker answers once
+    """A router with one aggregated worker in memory; the worker answers once
     ``release`` is set (None: at once)."""
 
-    async def worker(request: httpx.Request) -> httpx.Response:
+    async def worker(call: WorkerCall) -> MemoryReply:
         if release is not None:
             await release.wait()
         chunk = {"choices": [{"text": " t", "token_ids": [300], "finish_reason": "length"}]}
-        body = f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+        return MemoryReply(200, f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode())
 
     view = RouterView("sha256", 16)
     view.workers["w"] = WorkerState(worker_id="w", epoch=1, role="aggregated", pool="p", endpoint="http://w:1",
                                     capacity={"device": 1000})
     router = Router(router_id="r-keys", view=view, producer=MemorySink(), config=RouterConfig(),
-                    hash_config=HashConfig(HashAlgo.SHA256, 16), http=httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+                    hash_config=HashConfig(HashAlgo.SHA256, 16), workers=MemoryWorkerCalls(worker))
     auth = RouterAuth(table=table, clock_ns=clock.ns, monotonic=clock.mono)
     def health():
         return assess(view.positions, {}, view.last_ts_ms, [], 0.0, True)

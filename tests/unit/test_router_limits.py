@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from control_plane.router.errors import InvalidRequest
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
@@ -61,3 +63,17 @@ def test_server_ids_are_fresh_and_openai_shaped() -> None:
     ids = {new_request_id("completions") for _ in range(100)}
     assert len(ids) == 100 and all(i.startswith("cmpl-") for i in ids)
     assert new_request_id("chat").startswith("chatcmpl-")
+
+
+@given(st.lists(st.one_of(st.integers(-3, 53), st.integers(), st.booleans()), min_size=1, max_size=40))
+def test_the_vocabulary_check_refuses_exactly_the_ids_min_and_max_find(tokens: list) -> None:
+    """The one-pass check in C gives the verdict and the message of the rule it replaces: the
+    smallest id if it is negative, else the largest if it is past the vocabulary."""
+    low, high = min(tokens), max(tokens)
+    bad = low if low < 0 else high if high >= 50 else None
+    try:
+        check_generation(tokens, 1, _limits(context_tokens=10_000))
+    except InvalidRequest as e:
+        assert (e.code, str(e)) == ("invalid_token_id", f"token id {bad} is outside the model's vocabulary [0, 50)")
+    else:
+        assert bad is None

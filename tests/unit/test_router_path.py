@@ -1,5 +1,5 @@
 """The router's request path (admit, decide, record, proxy, retry) over in-memory ports: a
-``MemorySink`` for the log and ``httpx.MockTransport`` for the workers. No broker, no sockets.
+``MemorySink`` for the log and ``MemoryWorkerCalls`` for the workers. No broker, no sockets.
 
 Every scenario also checks the design property of :mod:`control_plane.router.ledger`: the
 router's live state is exactly the fold of the events it published. A fresh ``RouterLedger``
@@ -24,6 +24,7 @@ from control_plane.router.http import RouterApp, RouterMetrics, create_app
 from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
+from control_plane.router.worker_calls import CallFailed, MemoryReply, MemoryWorkerCalls, WorkerCall
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
 from kernel.log.sink import MemorySink
 from schemas.events import (
@@ -40,7 +41,7 @@ PROMPT = list(range(40))  # two full blocks (hashed) and a partial one
 KV_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [3, 4, 5], "remote_engine_id": "engine-p",
              "remote_host": "10.0.0.7", "remote_port": 5600}
 
-Answer = Callable[[dict], httpx.Response]
+Answer = Callable[[dict], MemoryReply]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,36 +64,34 @@ USAGE = {"usage": {"prompt_tokens": len(PROMPT), "completion_tokens": 3,
 def tokens(*texts: str) -> Answer:
     """A stream of one token per text, the last one finishing, then usage and [DONE]."""
     chunks = [_token(t, 100 + i, "length" if i == len(texts) - 1 else None) for i, t in enumerate(texts)]
-    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=_sse(*chunks, USAGE))
+    return lambda body: MemoryReply(200, _sse(*chunks, USAGE))
 
 
 def status(code: int) -> Answer:
-    return lambda body: httpx.Response(code, json={"error": f"HTTP {code} from the engine"})
+    return lambda body: MemoryReply(code, json.dumps({"error": f"HTTP {code} from the engine"}).encode())
 
 
 def unreachable() -> Answer:
     """A worker whose port refuses the connection: the request never reached it."""
 
-    def answer(body: dict) -> httpx.Response:
-        raise httpx.ConnectError("[Errno 111] Connection refused")
+    def answer(body: dict) -> MemoryReply:
+        raise CallFailed("worker_unreachable", "[Errno 111] Connection refused")
 
     return answer
 
 
 def prefilled(params: dict) -> Answer:
     """A prefill worker's (non-streamed) answer, carrying the KV handoff parameters."""
-    return lambda body: httpx.Response(200, json={"choices": [{"text": "x", "finish_reason": "length"}],
-                                                  "kv_transfer_params": params})
+    return lambda body: MemoryReply(200, json.dumps({"choices": [{"text": "x", "finish_reason": "length"}],
+                                                     "kv_transfer_params": params}).encode())
 
 
 def token_then_error(text: str) -> Answer:
-    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                       content=_sse(_token(text, 100), {"error": "engine core died"}, done=False))
+    return lambda body: MemoryReply(200, _sse(_token(text, 100), {"error": "engine core died"}, done=False))
 
 
 def token_then_cut(text: str) -> Answer:
-    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                       content=_sse(_token(text, 100), done=False))
+    return lambda body: MemoryReply(200, _sse(_token(text, 100), done=False))
 
 
 def token_then_hold(text: str, release: asyncio.Event) -> Answer:
@@ -103,7 +102,7 @@ def token_then_hold(text: str, release: asyncio.Event) -> Answer:
         await release.wait()
         yield _sse(_token("!", 101, "length"), USAGE)
 
-    return lambda body: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+    return lambda body: MemoryReply(200, stream())
 
 
 @dataclass
@@ -115,7 +114,7 @@ class Call:
 
 @dataclass
 class FakeWorkers:
-    """``httpx.MockTransport`` handler: the n-th call to any worker gets ``script[n]``. Before
+    """``MemoryWorkerCalls``'s answer: the n-th call to any worker gets ``script[n]``. Before
     answering it runs ``on_call`` (the router is waiting on the worker: every fact it decided so
     far is recorded)."""
 
@@ -123,8 +122,8 @@ class FakeWorkers:
     calls: list[Call] = field(default_factory=list)
     on_call: Callable[[Call], None] = lambda call: None
 
-    async def __call__(self, request: httpx.Request) -> httpx.Response:
-        call = Call(request.url.host, request.url.path, json.loads(request.content))
+    def __call__(self, request: WorkerCall) -> MemoryReply:
+        call = Call(request.host, request.path, json.loads(request.body))
         self.calls.append(call)
         self.on_call(call)
         assert len(self.calls) <= len(self.script), f"unscripted call {len(self.calls)}: {call}"
@@ -150,7 +149,7 @@ def _router(workers: list[WorkerState], fake: FakeWorkers, **config) -> tuple[Ro
     sink = MemorySink()
     router = Router(router_id="r-path", view=view, producer=sink, config=RouterConfig(**config),
                     hash_config=HashConfig(HashAlgo.SHA256, BLOCK), max_attempts=3,
-                    http=httpx.AsyncClient(transport=httpx.MockTransport(fake)))
+                    workers=MemoryWorkerCalls(fake))
     return router, sink
 
 

@@ -179,3 +179,15 @@ def test_each_principal_signs_as_its_own_owner(tmp_path):
     verifier.check(keyed.signer("anything").sign("WorkerRegistered", "w1", value))
     with pytest.raises(PermissionError):
         keyed.signer("w1").sign("BlockStored", "w2", encoded(stored("w2")))
+
+
+@pytest.mark.parametrize("sig", [b"\x00", b"\xa1x", b"\x90", b"\xc3"])
+def test_a_sig_field_that_is_not_bytes_is_a_bad_signature(sig):
+    """An unsigned worker event given a last field ``"sig"`` of another type (an int, a string,
+    an array, a bool) is forged, not passed on unverified as bytes the probe cannot read."""
+    raw = encoded(stored())
+    forged = bytes((raw[0] + 1,)) + raw[1:] + b"\xa3sig" + sig
+    with pytest.raises(ForgedEvent) as e:
+        Verifier(MASTER).check(forged)
+    assert e.value.reason == "forged:bad_signature"
+    assert not Verifier(MASTER).native().verified(forged)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.tiers_bench import DEFAULT_TRACE, derived_router_config, main
 from data_plane.engines.tiers import OnboardCosts
 from schemas.types import RoutingMode
@@ -23,6 +25,28 @@ def test_main_reports_reuse_by_tier_and_the_result_line(capsys):
     assert device["reuse_by_tier"] == {} and device["bytes_moved"] == {}
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("RESULT reuse_tiered=")
+    # The breakdown adds up, and the bound is below every request's alone time with its own
+    # reuse (one infinite cache serves at least as much).
+    for r in rows.values():
+        for band in ("p50", "p99"):
+            b = r[f"breakdown_{band}"]
+            assert b["ttft"] == pytest.approx(b["queue"] + b["service"])
+            assert b["service"] >= b["alone"] - 1e-6 or band == "p99"
+    assert out["result"]["ttft_p99_bound_ms"] <= device["ttft_p99_ms"]
+    assert out["result"]["ttft_p50_bound_ms"] <= device["ttft_p50_ms"]
+
+
+def test_the_ideal_cache_hits_every_prefix_an_earlier_arrival_had():
+    """Three prompts: A, then A's first two blocks plus a new one (hits 2 of its blocks), then
+    A again (hits all but its last token's block). 64-token blocks."""
+    from benchmarks.tiers_bench import ideal_uncached
+    from data_plane.engines import EngineRequest
+
+    a = list(range(64 * 3 + 1))
+    b = a[:128] + list(range(5000, 5065))
+    reqs = [EngineRequest(request_id=r, prompt=p, max_tokens=1, arrival_ms=t)
+            for r, p, t in (("a", a, 0.0), ("b", b, 1.0), ("a2", a, 2.0))]
+    assert ideal_uncached(reqs, 64) == [len(a), len(b) - 128, 1]
 
 
 def test_peer_fetch_row_pulls_from_peers_and_keeps_reuse(capsys):

@@ -2,14 +2,15 @@
 
 The pure simulation and the unit tests use it in place of disk or S3 (never in an integration
 test). It keeps the same framing as the real stores, so flipping a byte (``corrupt``) is caught
-the same way, and it can be told to fail its next operations (``fail_next``) to exercise the
-manager's error paths without mocks.
+the same way, and it can be told to fail its next operations (``fail_next``), or to be down
+(``down``: every call raises ``TierUnavailable``, as an object store outage does), to exercise
+the manager's error paths without mocks.
 """
 
 from __future__ import annotations
 
 from data_plane.kvbm import frame
-from data_plane.kvbm.errors import BlockMissing, StorageError
+from data_plane.kvbm.errors import BlockMissing, StorageError, TierUnavailable
 from data_plane.kvbm.stores.base import Buffer
 from schemas.types import BlockHash, Tier
 
@@ -23,12 +24,19 @@ class MemoryStore:
         #: Completed operations in order: ("put" | "delete", hash). Tests read it to check that
         #: a block was written before it was reported.
         self.journal: list[tuple[str, BlockHash]] = []
+        #: While True every call fails with TierUnavailable (an outage).
+        self.down = False
+        #: Calls that reached the store, failed ones included.
+        self.calls = 0
 
     def fail_next(self, op: str, times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` ("put", "get", "delete") raise StorageError."""
         self._failures[op] = self._failures.get(op, 0) + times
 
     def _maybe_fail(self, op: str, block_hash: BlockHash) -> None:
+        self.calls += 1
+        if self.down:
+            raise TierUnavailable(f"{self.tier.value} memory store is down ({op} {block_hash:016x})")
         if self._failures.get(op, 0) > 0:
             self._failures[op] -= 1
             raise StorageError(f"injected {op} failure for block {block_hash:016x}")
