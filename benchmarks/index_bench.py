@@ -206,11 +206,11 @@ def _raw_pass(wl: Workload) -> SideResult:
     idx = NativePrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
     records = [buf for _, buf, _ in wl.events]
     queries = [(first, chained) for _, chained, _, first in wl.requests]
-    apply_ns, match_ns, skipped, _ = idx._n.replay_timed(records, queries, "")
+    apply_ns, match_ns, skipped, _ = idx.replay_timed(records, queries, "")
     assert skipped == 0, f"{skipped} records not taken by the native decoder"
     res.apply_per_s = len(records) / (apply_ns / 1e9)
     res.match_per_s = len(queries) / (match_ns / 1e9)
-    lat = sorted(idx._n.match_timed([q for _, q in queries]))
+    lat = sorted(idx.match_timed([q for _, q in queries]))
     res.match_p50_us, res.match_p99_us = _pct(lat, 50), _pct(lat, 99)
     return res
 
@@ -308,6 +308,20 @@ def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tr
         ref.match_p50_us, ref.match_p99_us = _pct(lat_ref, 50), _pct(lat_ref, 99)
     return {"agree": agree, "disagree": disagree, "queries_with_a_match": matched,
             "ref_agree": ref_agree, "ref_disagree": ref_disagree}
+
+
+def dump(wl: Workload, path: Path | str) -> None:
+    """The workload's envelope bytes and queries in the format of the crate's replay example
+    (``native/examples/replay.rs``): the same fold and lookups inside Rust, for profilers."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(wl.events)))
+        for _, buf, _ in wl.events:
+            f.write(struct.pack("<I", len(buf)) + buf)
+        f.write(struct.pack("<Q", len(wl.requests)))
+        for _, chained, _, first in wl.requests:
+            f.write(struct.pack(f"<QI{len(chained)}Q", first, len(chained), *chained))
+        algo = HASH_ALGO.encode()
+        f.write(struct.pack("<I", len(algo)) + algo + struct.pack("<q", TRACE_BLOCK_SIZE))
 
 
 def load_dynamo():
@@ -452,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="pin this process (and so Dynamo's tree thread) to one CPU and run once")
     p.add_argument("--no-pinned", action="store_true",
                    help="skip the extra run pinned to one CPU")
+    p.add_argument("--dump", default=None, metavar="PATH",
+                   help="write the workload for native/examples/replay.rs to PATH and exit")
     p.add_argument("--scale", action="store_true",
                    help="growth on a generated stream instead (benchmarks/index_scale.py)")
     p.add_argument("--points", default=None,
@@ -464,6 +480,11 @@ def main(argv: list[str] | None = None) -> None:
         if a.points:
             points = [tuple(int(float(x)) for x in pt.split("x")) for pt in a.points.split(",")]
         index_scale.main(points)  # type: ignore[arg-type]
+        return
+    if a.dump:
+        wl = build_workload(load_trace(Path(a.trace), a.limit), a.workers, a.capacity)
+        dump(wl, a.dump)
+        print(f"wrote {len(wl.events)} events and {len(wl.requests)} queries to {a.dump}")
         return
     common = dict(limit=a.limit, n_workers=a.workers, capacity=a.capacity, repeat=a.repeat)
     if a.pin_cpu is not None:

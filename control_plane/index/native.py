@@ -19,8 +19,12 @@ What the native core adds:
   call, checking each worker's signature natively on the way (``switchyard_native.NativeVerifier``,
   :meth:`schemas.signing.Verifier.native`): replay and a restarting router fold the log this way.
 * Memory: one hash-map bucket per distinct block (16 bytes + a control byte) with its holder
-  inline when one cache holds it, a sorted holder list otherwise; measured per (block, worker)
-  entry by ``switchyard bench index``.
+  inline when one cache holds it, a sorted holder list in a pooled chunk otherwise; measured
+  per (block, worker) entry by ``switchyard bench index``.
+* Speed: the class extends the Rust one, so ``apply_bytes`` and ``find_matches`` are called
+  with no Python frame in between, and ``find_matches`` answers with the reference's objects
+  (``WorkerRank`` keys, ``Match`` values, the immutable ones made before reused) in a
+  read-only ``Mapping`` made in Rust rather than a dict, which would hash every key again.
 
 Not thread-safe, like the reference: apply and query from one thread.
 """
@@ -28,7 +32,7 @@ Not thread-safe, like the reference: apply and query from one thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import switchyard_native
 from control_plane.index.errors import IndexRejected
@@ -44,9 +48,12 @@ from schemas.events import (
     WorkerDeregistered,
     WorkerRegistered,
 )
-from schemas.types import TIER_INDEX, TIER_ORDER, BlockHash, CacheGroup, WorkerId
+from schemas.types import TIER_INDEX, TIER_ORDER, CacheGroup
 
 logger = logging.getLogger(__name__)
+
+#: ``find_matches``'s answer type (read-only, made in Rust) is a Mapping like the reference's dict.
+Mapping.register(switchyard_native.Matches)
 
 _OUTCOMES = (ApplyOutcome.APPLIED, ApplyOutcome.DUPLICATE, ApplyOutcome.FENCED,
              ApplyOutcome.IGNORED)
@@ -57,20 +64,20 @@ _KIND = {BlockStored: 0, BlockRemoved: 1, BlockMoved: 2, AllBlocksCleared: 3,
          WorkerRegistered: 4, WorkerDeregistered: 5}
 
 
-class NativePrefixIndex:
+class NativePrefixIndex(switchyard_native.NativeIndex):
     """Per worker (and DP rank), which chained block hashes it holds and in which tiers.
 
     See the reference :class:`~control_plane.index.prefix_index.PrefixIndex` for the rules.
+    A subclass of the Rust class, so the hot paths, :meth:`apply_bytes` and
+    :meth:`find_matches`, are its methods, called with no Python frame in between; they answer
+    with the reference's objects (``WorkerRank``, ``Match``, ``ApplyOutcome``) made in Rust from
+    the types bound here, immutable instances reused across calls.
     """
 
-    def __init__(self, hash_algo: str, block_size: int, *, _core=None) -> None:
-        self._n = _core if _core is not None else switchyard_native.NativeIndex(hash_algo, block_size)
-        self.hash_algo = self._n.hash_algo
-        self.block_size = self._n.block_size
-        self._ranks: list[WorkerRank | None] = []
-        self._ranks_gen = -1
-        #: Per depth: the shared device-only (fresh, stale) Match objects.
-        self._device_matches: list[tuple[Match, Match]] = []
+    def __init__(self, hash_algo: str, block_size: int, *, snapshot: bytes | None = None) -> None:
+        # The Rust core was built by ``__new__`` from the same arguments (restored from
+        # ``snapshot`` when given).
+        self._bind(WorkerRank, Match, list(_OUTCOMES))
         self._codec: EventCodec | None = None
 
     @classmethod
@@ -79,59 +86,21 @@ class NativePrefixIndex:
 
     # -- queries -------------------------------------------------------------------------------
 
-    def _slot_ranks(self) -> list[WorkerRank | None]:
-        gen = self._n.slot_version()
-        if gen != self._ranks_gen:
-            self._ranks = [None if k is None else WorkerRank(WorkerId(k[0]), k[1])
-                           for k in self._n.slot_table()]
-            self._ranks_gen = gen
-        return self._ranks
-
-    def find_matches(self, hashes: Sequence[BlockHash]) -> dict[WorkerRank, Match]:
-        """Matched prefix per worker (see the reference), in the reference's order."""
-        raw = self._n.find_matches(hashes)
-        if not raw:
-            return {}
-        ranks = self._slot_ranks()
-        cache = self._device_matches
-        out: dict[WorkerRank, Match] = {}
-        for s, d, dev, host, disk, obj, stale in raw:
-            if host or disk or obj:
-                out[ranks[s]] = Match(d, (dev, host, disk, obj), stale)  # type: ignore[index]
-            else:
-                if d >= len(cache):
-                    for k in range(len(cache), max(d + 1, 2 * len(cache))):
-                        by = (k, 0, 0, 0)
-                        cache.append((Match(k, by, False), Match(k, by, True)))
-                out[ranks[s]] = cache[d][1 if stale else 0]  # type: ignore[index]
-        return out
+    # find_matches(hashes) -> Mapping[WorkerRank, Match]: the Rust method (see the class
+    # docstring). The reference's items in its order; not a dict (a dict would hash every
+    # WorkerRank on insert), but equal to one, with keys/values/items/get/in/len/iteration.
 
     def is_stale(self, worker: WorkerRank) -> bool:
-        return self._n.is_stale(worker[0], worker[1])
+        return self._is_stale(worker[0], worker[1])
 
     def stale_workers(self) -> list[WorkerRank]:
-        ranks = self._slot_ranks()
-        return [ranks[s] for s in self._n.stale_slots()]  # type: ignore[misc]
+        ranks = self._ranks()
+        return [ranks[s] for s in self._stale_slots()]
 
     def workers(self) -> list[WorkerRank]:
-        return [r for r in self._slot_ranks() if r is not None]
+        return [r for r in self._ranks() if r is not None]
 
-    def epoch_of(self, worker_id: WorkerId) -> int | None:
-        return self._n.epoch_of(worker_id)
-
-    def position(self, producer: str, stream: str) -> tuple[int, int] | None:
-        return self._n.position(producer, stream)
-
-    def __len__(self) -> int:
-        return len(self._n)
-
-    def entries(self) -> int:
-        """(block, cache) entries: a block counts once per cache and tier holding it."""
-        return self._n.entries()
-
-    def structure_bytes(self) -> int:
-        """Heap bytes of the native hash structures (buckets, control bytes, holder lists)."""
-        return self._n.structure_bytes()
+    # epoch_of, position, __len__, entries, structure_bytes: the Rust methods.
 
     # -- applying events -----------------------------------------------------------------------
 
@@ -142,7 +111,7 @@ class NativePrefixIndex:
         """Fold one decoded event (see the reference's ``PrefixIndex.apply``)."""
         worker_id = getattr(payload, "worker_id", None)
         if worker_id is None:
-            self._n.count_ignored()
+            self._count_ignored()
             return ApplyOutcome.IGNORED
         tp = type(payload)
         kind = _KIND.get(tp, 6)
@@ -168,26 +137,19 @@ class NativePrefixIndex:
         elif kind == 4:
             block_size = payload.block_size  # type: ignore[attr-defined]
             hash_algo = payload.hash_algo  # type: ignore[attr-defined]
-        code = self._n.apply_fields(
+        code = self._apply_fields(
             producer, epoch, seq, kind, worker_id, payload.STREAM,
             getattr(payload, "dp_rank", None), tier, to_tier, hashes, full, block_size, hash_algo)
         if code >= _NEW_EPOCH or (code & 7) in _REJECTED:
             self._explain(code, producer, epoch, seq, payload)
         return _OUTCOMES[code & 7]
 
-    def apply_bytes(self, value: bytes, suffix: str = "") -> ApplyOutcome | None:
-        """Fold a ``kv`` record from its envelope bytes, sequenced as producer ``<envelope
-        producer><suffix>`` (the router view passes ``"@<topic>:<partition>"``).
-
-        ``None``: not a record this path takes; decode it with the codec and call :meth:`apply`
-        (nothing changed). Raises :class:`IndexRejected` like :meth:`apply`.
-        """
-        code = self._n.apply_record(value, suffix)
-        if code is None:
-            return None
-        if code >= _NEW_EPOCH or (code & 7) in _REJECTED:
-            self._explain_bytes(code, value, suffix)
-        return _OUTCOMES[code & 7]
+    # apply_bytes(value, suffix="") -> ApplyOutcome | None: the Rust method. It folds a ``kv``
+    # record from its envelope bytes, sequenced as producer ``<envelope producer><suffix>`` (the
+    # router view passes ``"@<topic>:<partition>"``). ``None``: not a record this path takes;
+    # decode it with the codec and call :meth:`apply` (nothing changed). Raises
+    # :class:`IndexRejected` like :meth:`apply` (through :meth:`_explain_record`).
+    # last_worker() -> str: the worker id of the last record it folded.
 
     def apply_run(self, values: list, start: int, suffix: str = "",
                   verifier=None) -> tuple[int, IndexRejected | None]:
@@ -201,23 +163,21 @@ class NativePrefixIndex:
         n = len(values)
         i = start
         while i < n:
-            i, code = self._n.apply_run(values, i, suffix, verifier)
+            i, code = self._apply_run(values, i, suffix, verifier)
             if code is None:
                 break
             try:
-                self._explain_bytes(code, values[i], suffix)
+                self._explain_record(code, values[i], suffix)
             except IndexRejected as e:
                 return i, e
             i += 1
         return i, None
 
-    def _explain_bytes(self, code: int, value: bytes, suffix: str) -> None:
+    def _explain_record(self, code: int, value: bytes, suffix: str) -> ApplyOutcome:
+        """:meth:`apply_bytes`'s words for a record the core flagged (new epoch, gap, rejection)."""
         env = self._decode(value)
         self._explain(code, env.producer + suffix, env.epoch, env.seq, env.data)
-
-    def last_worker(self) -> str:
-        """Worker id of the last record :meth:`apply_bytes` folded."""
-        return self._n.last_worker()
+        return _OUTCOMES[code & 7]
 
     def _decode(self, value: bytes) -> Envelope[Event]:
         if self._codec is None:
@@ -252,47 +212,41 @@ class NativePrefixIndex:
     # -- inspection ----------------------------------------------------------------------------
 
     def stats(self) -> IndexStats:
-        ranks = self._slot_ranks()
+        ranks = self._ranks()
         blocks = {}
-        for s in self._n.live_slots():
-            per = {TIER_ORDER[t]: c for t, c in enumerate(self._n.slot_counts(s)) if c}
+        for s in self._live_slots():
+            per = {TIER_ORDER[t]: c for t, c in enumerate(self._slot_counts(s)) if c}
             if per:
                 blocks[ranks[s]] = per
         return IndexStats(
-            distinct_hashes=len(self._n),
-            blocks=blocks,  # type: ignore[arg-type]
+            distinct_hashes=len(self),
+            blocks=blocks,
             stale=tuple(self.stale_workers()),
-            deregistered=tuple(sorted(w for w, _, d, _, _ in self._n.worker_states() if d)),
-            counters=dict(self._n.counters()),
+            deregistered=tuple(sorted(w for w, _, d, _, _ in self._worker_states() if d)),
+            counters=dict(self._counters()),
         )
 
     def as_dict(self) -> dict:
         """The reference's plain-data view (equal dicts = equal states)."""
-        ranks = self._slot_ranks()
+        ranks = self._ranks()
         residency = {}
-        for s, t, hashes in self._n.residency():
+        for s, t, hashes in self._residency():
             r = ranks[s]
-            residency[(r.worker_id, r.dp_rank, TIER_ORDER[t].value)] = frozenset(hashes)  # type: ignore[union-attr]
-        states = self._n.worker_states()
+            residency[(r.worker_id, r.dp_rank, TIER_ORDER[t].value)] = frozenset(hashes)
+        states = self._worker_states()
         return {
             "residency": residency,
             "stale": frozenset((k.worker_id, k.dp_rank) for k in self.stale_workers()),
             "epochs": {w: (e, life, reg) for w, e, _, life, reg in states},
             "deregistered": frozenset(w for w, _, d, _, _ in states if d),
-            "seq": {(p, s): (e, last) for p, s, e, last in self._n.positions()},
+            "seq": {(p, s): (e, last) for p, s, e, last in self._positions()},
         }
 
-    def verify_invariants(self) -> None:
-        """Recompute the core's derived counts and masks from its map; AssertionError if off."""
-        self._n.verify_invariants()
+    # verify_invariants() (AssertionError if the core's derived counts and masks disagree with
+    # its map), snapshot() -> bytes (the reference's bytes for the same state): Rust methods.
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def snapshot(self) -> bytes:
-        """The reference's snapshot bytes for the same state (deterministic)."""
-        return self._n.snapshot()
-
     @classmethod
     def restore(cls, data: bytes) -> NativePrefixIndex:
-        core = switchyard_native.NativeIndex.restore(data)
-        return cls(core.hash_algo, core.block_size, _core=core)
+        return cls("", 0, snapshot=data)

@@ -9,7 +9,7 @@
 //! only ever accept records the reference accepts, and folds them the same way.
 
 use crate::index::{tier_index, Event, Payload};
-use crate::mp::{Reader, Result};
+use crate::mp::{utf8, Reader, Result};
 
 pub const CACHE_GROUPS: [&str; 4] = ["full_attention", "sliding_window", "mamba", "other"];
 
@@ -73,6 +73,28 @@ fn opt_int(r: &mut Reader) -> Result<()> {
 /// The longest worker id a reader accepts (`schemas.types.MAX_WORKER_ID_LEN`, in characters).
 pub const MAX_WORKER_ID_LEN: usize = 256;
 
+/// The payload types this path takes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Stored,
+    Removed,
+    Moved,
+    Cleared,
+}
+
+fn which_of(ty: &str) -> Option<Which> {
+    Some(match ty {
+        "BlockStored" => Which::Stored,
+        "BlockRemoved" => Which::Removed,
+        "BlockMoved" => Which::Moved,
+        "AllBlocksCleared" => Which::Cleared,
+        _ => return None,
+    })
+}
+
+/// A payload's fields: (worker id, dp rank, what it says).
+type Fields<'a> = (&'a str, i64, Kind<'a>);
+
 /// Decode one envelope carrying a v1 KV event; `None` when this path does not take it.
 pub fn decode<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Option<KvRecord<'a>> {
     decode_inner(buf, hashes).ok().flatten()
@@ -84,36 +106,61 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
     let (mut id, mut ty, mut v, mut key) = (false, None, None, None);
     let (mut sigs, mut sig_last) = (0, false);
     let (mut producer, mut epoch, mut seq, mut at) = (None, None, None, false);
+    // The payload's bytes and, when its type came before it (as every writer puts it), its
+    // fields decoded in the same pass under that type (`None` inside: not taken). A later
+    // duplicate key (the last one wins, as in msgspec) is handled by decoding again below.
     let mut data: Option<&'a [u8]> = None;
+    let mut parsed: Option<(Which, Option<Fields<'a>>)> = None;
     for _ in 0..n {
         let field_at = r.pos();
-        match r.str()? {
-            "id" => {
+        // Keys are compared as bytes: one equal to an ASCII name is UTF-8; others are checked.
+        match r.str_bytes()? {
+            b"id" => {
                 r.str()?;
                 id = true;
             }
-            "type" => ty = Some(r.str()?),
-            "v" => v = Some(r.i64()?),
-            "key" => key = Some(r.str()?),
-            "producer" => producer = Some(r.str()?),
-            "epoch" => epoch = Some(r.i64()?),
-            "seq" => seq = Some(r.i64()?),
-            "at" => {
+            b"type" => ty = Some(r.str()?),
+            b"v" => v = Some(r.i64()?),
+            b"key" => key = Some(r.str()?),
+            b"producer" => producer = Some(r.str()?),
+            b"epoch" => epoch = Some(r.i64()?),
+            b"seq" => seq = Some(r.i64()?),
+            b"at" => {
                 r.int()?;
                 at = true;
             }
-            "corr" | "cause" => {
+            b"corr" | b"cause" => {
                 if !r.nil()? {
                     r.str()?;
                 }
             }
-            "data" => data = Some(r.raw()?),
-            "sig" => {
+            b"data" => {
+                let start = r.pos();
+                parsed = None;
+                match ty.and_then(which_of) {
+                    Some(w) => match payload(&mut r, w, hashes) {
+                        Ok(Some(f)) => parsed = Some((w, Some(f))),
+                        // Not taken under this type (or malformed): the same bytes decode the
+                        // same way again, so remember that, and step over the value.
+                        _ => {
+                            r.rewind(start);
+                            r.skip()?;
+                            parsed = Some((w, None));
+                        }
+                    },
+                    None => r.skip()?,
+                }
+                data = Some(r.since(start));
+            }
+            b"sig" => {
                 let raw = r.raw()?;
                 sigs += 1;
                 sig_last = field_at + crate::signing::SIG_TRAILER == buf.len() && raw.len() == 34 && raw[..2] == [0xc4, 0x20];
             }
-            _ => r.skip()?,
+            k => {
+                utf8(k)?;
+                r.skip()?;
+            }
         }
     }
     if !r.at_end() || !id || !at || v != Some(1) {
@@ -123,14 +170,25 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
     else {
         return Ok(None);
     };
-    let which = match ty {
-        "BlockStored" => 0,
-        "BlockRemoved" => 1,
-        "BlockMoved" => 2,
-        "AllBlocksCleared" => 3,
-        _ => return Ok(None),
+    let Some(which) = which_of(ty) else { return Ok(None) };
+    let fields = match parsed {
+        Some((w, f)) if w == which => f,
+        _ => {
+            let mut p = Reader::new(data);
+            payload(&mut p, which, hashes)?
+        }
     };
-    let mut p = Reader::new(data);
+    let Some((worker_id, dp_rank, kind)) = fields else { return Ok(None) };
+    if which == Which::Cleared {
+        hashes.clear();
+    }
+    let sig_last = sig_last && sigs == 1;
+    Ok(Some(KvRecord { key, sig_last, producer, epoch, seq, worker_id, dp_rank, kind }))
+}
+
+/// One payload map of type `which`, consumed whole when it is taken (`Some`).
+fn payload<'a>(p: &mut Reader<'a>, which: Which, hashes: &mut Vec<u64>) -> Result<Option<Fields<'a>>> {
+    use Which::*;
     let n = p.map_len()?;
     let mut worker_id = None;
     let mut dp_rank = 0i64;
@@ -140,85 +198,82 @@ fn decode_inner<'a>(buf: &'a [u8], hashes: &mut Vec<u64>) -> Result<Option<KvRec
     let (mut block_size, mut hash_algo) = (None, None);
     let mut cache_group = "full_attention";
     for _ in 0..n {
-        let k = p.str()?;
+        let k = p.str_bytes()?;
         match (which, k) {
-            (_, "worker_id") => worker_id = Some(p.str()?),
-            (_, "dp_rank") => dp_rank = p.i64()?,
-            (0 | 1 | 2, "block_hashes") => {
+            (_, b"worker_id") => worker_id = Some(p.str()?),
+            (_, b"dp_rank") => dp_rank = p.i64()?,
+            (Stored | Removed | Moved, b"block_hashes") => {
                 p.u64_array(hashes)?;
                 have_hashes = true;
             }
-            (0 | 1 | 2, "cache_group") => {
+            (Stored | Removed | Moved, b"cache_group") => {
                 let g = p.str()?;
                 match CACHE_GROUPS.iter().find(|&&c| c == g) {
                     Some(&c) => cache_group = c,
                     None => return Ok(None),
                 }
             }
-            (0 | 1, "tier") => match tier(&mut p)? {
+            (Stored | Removed, b"tier") => match tier(p)? {
                 Some(t) => tier_f = Some(Some(t)),
                 None => return Ok(None),
             },
-            (3, "tier") => {
+            (Cleared, b"tier") => {
                 if p.nil()? {
                     tier_f = Some(None);
                 } else {
-                    match tier(&mut p)? {
+                    match tier(p)? {
                         Some(t) => tier_f = Some(Some(t)),
                         None => return Ok(None),
                     }
                 }
             }
-            (2, "from_tier") => match tier(&mut p)? {
+            (Moved, b"from_tier") => match tier(p)? {
                 Some(t) => from = Some(t),
                 None => return Ok(None),
             },
-            (2, "to_tier") => match tier(&mut p)? {
+            (Moved, b"to_tier") => match tier(p)? {
                 Some(t) => to = Some(t),
                 None => return Ok(None),
             },
-            (0, "block_size") => block_size = Some(p.i64()?),
-            (0, "hash_algo") => hash_algo = Some(p.str()?),
-            (0, "parent_hash") | (0, "lora_id") => opt_int(&mut p)?,
-            (0, "lora_name") => {
+            (Stored, b"block_size") => block_size = Some(p.i64()?),
+            (Stored, b"hash_algo") => hash_algo = Some(p.str()?),
+            (Stored, b"parent_hash") | (Stored, b"lora_id") => opt_int(p)?,
+            (Stored, b"lora_name") => {
                 if !p.nil()? {
                     p.str()?;
                 }
             }
-            (0, "token_counts") | (0, "token_ids") => p.skip_int_array()?,
-            _ => p.skip()?,
+            (Stored, b"token_counts") | (Stored, b"token_ids") => p.skip_int_array()?,
+            (_, k) => {
+                utf8(k)?;
+                p.skip()?
+            }
         }
     }
-    if !p.at_end() {
-        return Ok(None);
-    }
     let Some(worker_id) = worker_id else { return Ok(None) };
-    if worker_id.chars().count() > MAX_WORKER_ID_LEN {
+    // Bytes bound characters from above: count only ids that might be too long.
+    if worker_id.len() > MAX_WORKER_ID_LEN && worker_id.chars().count() > MAX_WORKER_ID_LEN {
         // Left to the Python codec, which refuses it as malformed: every reader agrees.
         return Ok(None);
     }
     let kind = match which {
-        0 => match (tier_f, have_hashes, block_size, hash_algo) {
+        Stored => match (tier_f, have_hashes, block_size, hash_algo) {
             (Some(Some(tier)), true, Some(block_size), Some(hash_algo)) => {
                 Kind::Stored { tier, block_size, hash_algo, cache_group }
             }
             _ => return Ok(None),
         },
-        1 => match (tier_f, have_hashes) {
+        Removed => match (tier_f, have_hashes) {
             (Some(Some(tier)), true) => Kind::Removed { tier, cache_group },
             _ => return Ok(None),
         },
-        2 => match (from, to, have_hashes) {
+        Moved => match (from, to, have_hashes) {
             (Some(from), Some(to), true) => Kind::Moved { from, to, cache_group },
             _ => return Ok(None),
         },
-        _ => Kind::Cleared { tier: tier_f.flatten() },
+        Cleared => Kind::Cleared { tier: tier_f.flatten() },
     };
-    if which == 3 {
-        hashes.clear();
-    }
-    let sig_last = sig_last && sigs == 1;
-    Ok(Some(KvRecord { key, sig_last, producer, epoch, seq, worker_id, dp_rank, kind }))
+    Ok(Some((worker_id, dp_rank, kind)))
 }
 
 #[cfg(test)]
@@ -268,6 +323,67 @@ mod tests {
         assert_eq!((rec.producer, rec.epoch, rec.seq, rec.worker_id), ("w0", 2, 7, "w0"));
         assert_eq!(hs, vec![u64::MAX, 5]);
         assert!(matches!(rec.kind, Kind::Stored { tier: 1, block_size: 16, hash_algo: "sha256", .. }));
+    }
+
+    fn removed(w: &mut Writer, tier: &str, hashes: &[u64]) {
+        w.map(3);
+        w.str("worker_id");
+        w.str("w0");
+        w.str("tier");
+        w.str(tier);
+        w.str("block_hashes");
+        w.array(hashes.len());
+        for &h in hashes {
+            w.uint(h);
+        }
+    }
+
+    /// An envelope of `fields` in the given order (each a key and its writer).
+    fn fields(fields: &[(&str, &dyn Fn(&mut Writer))]) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.map(fields.len());
+        for (k, f) in fields {
+            w.str(k);
+            f(&mut w);
+        }
+        w.buf
+    }
+
+    #[test]
+    fn field_order_and_duplicate_keys_decode_as_msgspec_does() {
+        let s = |v: &'static str| move |w: &mut Writer| w.str(v);
+        let i = |v: i64| move |w: &mut Writer| w.int(v);
+        let (id, key, prod, v1, ep, sq, at) = (s("abc"), s("w0"), s("w0"), i(1), i(2), i(7), i(1));
+        let data = |w: &mut Writer| removed(w, "host", &[1, 2]);
+        let other = |w: &mut Writer| removed(w, "disk", &[9]);
+        let bad = |w: &mut Writer| removed(w, "gpu", &[9]);
+        let stored = s("BlockStored");
+        let removed_t = s("BlockRemoved");
+        let head: [(&str, &dyn Fn(&mut Writer)); 6] =
+            [("id", &id), ("key", &key), ("producer", &prod), ("v", &v1), ("epoch", &ep), ("seq", &sq)];
+        let mut hs = Vec::new();
+        // The payload before its type: decoded after the envelope.
+        let mut f = head.to_vec();
+        f.extend([("data", &data as &dyn Fn(&mut Writer)), ("at", &at), ("type", &removed_t)]);
+        let buf = fields(&f);
+        assert!(matches!(decode(&buf, &mut hs).unwrap().kind, Kind::Removed { tier: 1, .. }));
+        assert_eq!(hs, vec![1, 2]);
+        // A later type wins: the payload decoded under the first is decoded again.
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &stored), ("data", &data), ("type", &removed_t)]);
+        assert!(matches!(decode(&fields(&f), &mut hs).unwrap().kind, Kind::Removed { tier: 1, .. }));
+        // A later payload wins, whether the earlier one was taken or not.
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &removed_t), ("data", &other), ("data", &data)]);
+        decode(&fields(&f), &mut hs).unwrap();
+        assert_eq!(hs, vec![1, 2]);
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &removed_t), ("data", &bad), ("data", &data)]);
+        decode(&fields(&f), &mut hs).unwrap();
+        assert_eq!(hs, vec![1, 2]);
+        let mut f = head.to_vec();
+        f.extend([("at", &at as &dyn Fn(&mut Writer)), ("type", &removed_t), ("data", &data), ("data", &bad)]);
+        assert!(decode(&fields(&f), &mut hs).is_none());
     }
 
     #[test]

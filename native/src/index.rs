@@ -4,10 +4,11 @@
 //!
 //! Layout (why it is small)
 //! ------------------------
-//! One hash map from block hash to its holders. A holder is a `u32`: `slot << 4 | tiers` (one
-//! bit per tier, device first). A hash held by one slot, the common case, stores that holder
-//! inline in the map value (16 bytes per bucket with the key); a hash held by several stores the
-//! index of a sorted holder list in an arena. Per-(slot, tier) counters replace the reference's
+//! One hash map from block hash to its holders (see [`crate::holders`]). A holder is a `u32`:
+//! `slot << 4 | tiers` (one bit per tier, device first). A hash held by one slot, the common
+//! case, stores that holder inline in the map value (16 bytes per bucket with the key); a hash
+//! held by several stores a sorted holder list in a chunk of one shared pool. Per-(slot, tier)
+//! counters replace the reference's
 //! per-slot sets: stats are O(slots), and clearing a slot is one pass over the map (clears
 //! happen on restarts and resyncs, not on the per-event path).
 //!
@@ -19,6 +20,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::bitset::BitSet;
+use crate::holders::{Holders, EMPTY};
 use crate::mp::{self, Reader, Writer};
 
 pub const N_TIERS: usize = 4;
@@ -28,8 +30,6 @@ const ALL_TIERS: u8 = 0b1111;
 const VOLATILE_TIERS: u8 = 0b0011;
 const MIN_WIDTH: u32 = 8;
 const SNAPSHOT_FORMAT: i64 = 2;
-/// Map value tag: the low 32 bits are the only holder.
-const INLINE: u64 = 1 << 63;
 
 pub const COUNTER_NAMES: [&str; 8] = [
     "applied", "duplicate", "fenced", "ignored", "rejected", "gaps", "new_epochs", "resyncs",
@@ -66,6 +66,50 @@ impl Hasher for U64Hasher {
 }
 
 type HashIndex = HashMap<u64, u64, BuildHasherDefault<U64Hasher>>;
+
+/// FxHash (rustc's) for the string-keyed maps (worker ids, producers): a multiply per word
+/// instead of SipHash's rounds. Keys come from signed, sequenced records, not from clients.
+#[derive(Default)]
+pub struct FxHasher(u64);
+
+const FX_K: u64 = 0xf135_7aea_2e62_a9c5;
+
+impl Hasher for FxHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        // The multiply leaves the entropy in the high bits; the table indexes with the low ones.
+        self.0.rotate_left(26)
+    }
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = self.0;
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            h = (h ^ u64::from_le_bytes(w.try_into().unwrap())).wrapping_mul(FX_K);
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            h = (h ^ u64::from_le_bytes(w)).wrapping_mul(FX_K);
+        }
+        self.0 = h;
+    }
+    #[inline]
+    fn write_u8(&mut self, i: u8) {
+        self.0 = (self.0 ^ i as u64).wrapping_mul(FX_K);
+    }
+    #[inline]
+    fn write_usize(&mut self, i: usize) {
+        self.0 = (self.0 ^ i as u64).wrapping_mul(FX_K);
+    }
+    #[inline]
+    fn write_u64(&mut self, i: u64) {
+        self.0 = (self.0 ^ i).wrapping_mul(FX_K);
+    }
+}
+
+type StrMap<V> = HashMap<String, V, BuildHasherDefault<FxHasher>>;
 
 /// What the index did with one event (the reference's `ApplyOutcome`, plus `Rejected`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +162,14 @@ pub struct MatchOut {
     pub stale: bool,
 }
 
+/// `find_matches`'s answer (`out`) and its working space, reused across queries so that a
+/// lookup allocates nothing.
+#[derive(Default)]
+pub struct Matches {
+    pub out: Vec<MatchOut>,
+    cur: Vec<(u32, [u32; N_TIERS])>,
+}
+
 struct Worker {
     name: String,
     /// Newest epoch seen on the `kv` stream (-1: none yet).
@@ -144,13 +196,20 @@ struct SeqPos {
     last: i64,
 }
 
+/// One sequencing producer: its position per stream and the slots its events touched (`None`
+/// until one did: the reference's producer mask, absent rather than empty).
+struct Producer {
+    name: String,
+    streams: Vec<SeqPos>,
+    slots: Option<BitSet>,
+}
+
 pub struct NativeIndex {
     pub hash_algo: String,
     pub block_size: i64,
     width: u32,
     map: HashIndex,
-    lists: Vec<Vec<u32>>,
-    free_lists: Vec<u32>,
+    holders: Holders,
     slots: Vec<Option<SlotKey>>,
     free: Vec<u32>,
     counts: Vec<[u64; N_TIERS]>,
@@ -161,9 +220,9 @@ pub struct NativeIndex {
     unsynced: BitSet,
     nondev: BitSet,
     workers: Vec<Worker>,
-    worker_of: HashMap<String, u32>,
-    seq: HashMap<String, Vec<SeqPos>>,
-    producer_slots: HashMap<String, BitSet>,
+    worker_of: StrMap<u32>,
+    producers: Vec<Producer>,
+    producer_of: StrMap<u32>,
     pub counters: [u64; 8],
     /// Bumped whenever a slot is taken or freed (callers cache slot -> worker).
     pub slot_gen: u64,
@@ -173,86 +232,29 @@ pub struct NativeIndex {
 #[inline]
 fn update_holder(
     map: &mut HashIndex,
-    lists: &mut Vec<Vec<u32>>,
-    free_lists: &mut Vec<u32>,
+    holders: &mut Holders,
     h: u64,
     slot: u32,
     f: impl FnOnce(u8) -> u8,
 ) -> (u8, u8) {
     match map.entry(h) {
         Entry::Vacant(e) => {
-            let new = f(0);
-            if new != 0 {
-                e.insert(INLINE | (slot << 4 | new as u32) as u64);
+            let (nv, old, new) = holders.update(EMPTY, slot, f);
+            if nv != EMPTY {
+                e.insert(nv);
             }
-            (0, new)
+            (old, new)
         }
         Entry::Occupied(mut e) => {
             let v = *e.get();
-            if v & INLINE != 0 {
-                let hd = v as u32;
-                if hd >> 4 == slot {
-                    let old = (hd & 15) as u8;
-                    let new = f(old);
-                    if new != old {
-                        if new == 0 {
-                            e.remove();
-                        } else {
-                            *e.get_mut() = INLINE | (slot << 4 | new as u32) as u64;
-                        }
-                    }
-                    (old, new)
-                } else {
-                    let new = f(0);
-                    if new != 0 {
-                        let mine = slot << 4 | new as u32;
-                        let list = if hd < mine { vec![hd, mine] } else { vec![mine, hd] };
-                        *e.get_mut() = alloc_list(lists, free_lists, list) as u64;
-                    }
-                    (0, new)
-                }
-            } else {
-                let li = v as usize;
-                let list = &mut lists[li];
-                match list.binary_search_by_key(&slot, |x| x >> 4) {
-                    Ok(i) => {
-                        let old = (list[i] & 15) as u8;
-                        let new = f(old);
-                        if new != old {
-                            if new == 0 {
-                                list.remove(i);
-                                if list.len() == 1 {
-                                    let single = list[0];
-                                    lists[li] = Vec::new();
-                                    free_lists.push(li as u32);
-                                    *e.get_mut() = INLINE | single as u64;
-                                }
-                            } else {
-                                list[i] = slot << 4 | new as u32;
-                            }
-                        }
-                        (old, new)
-                    }
-                    Err(i) => {
-                        let new = f(0);
-                        if new != 0 {
-                            list.insert(i, slot << 4 | new as u32);
-                        }
-                        (0, new)
-                    }
-                }
+            let (nv, old, new) = holders.update(v, slot, f);
+            if nv == EMPTY {
+                e.remove();
+            } else if nv != v {
+                *e.get_mut() = nv;
             }
+            (old, new)
         }
-    }
-}
-
-fn alloc_list(lists: &mut Vec<Vec<u32>>, free_lists: &mut Vec<u32>, list: Vec<u32>) -> u32 {
-    if let Some(i) = free_lists.pop() {
-        lists[i as usize] = list;
-        i
-    } else {
-        lists.push(list);
-        (lists.len() - 1) as u32
     }
 }
 
@@ -277,8 +279,7 @@ impl NativeIndex {
             block_size,
             width: MIN_WIDTH,
             map: HashIndex::default(),
-            lists: Vec::new(),
-            free_lists: Vec::new(),
+            holders: Holders::new(),
             slots: Vec::new(),
             free: Vec::new(),
             counts: Vec::new(),
@@ -288,9 +289,9 @@ impl NativeIndex {
             unsynced: BitSet::new(),
             nondev: BitSet::new(),
             workers: Vec::new(),
-            worker_of: HashMap::new(),
-            seq: HashMap::new(),
-            producer_slots: HashMap::new(),
+            worker_of: StrMap::default(),
+            producers: Vec::new(),
+            producer_of: StrMap::default(),
             counters: [0; 8],
             slot_gen: 0,
         }
@@ -319,43 +320,35 @@ impl NativeIndex {
         n
     }
 
-    /// Heap bytes the hash structures occupy (map buckets, control bytes, holder lists).
+    /// Heap bytes the hash structures occupy (map buckets, control bytes, holder pool).
     pub fn structure_bytes(&self) -> usize {
-        let buckets = self.map.capacity() * 8 / 7 + 1;
-        let mut b = buckets.next_power_of_two() * (16 + 1);
-        b += self.lists.capacity() * std::mem::size_of::<Vec<u32>>();
-        for l in &self.lists {
-            b += l.capacity() * 4;
-        }
-        b
+        // hashbrown: capacity = buckets * 7/8 (buckets - 1 below 8 buckets); 16 bytes per bucket
+        // and a control byte, plus one group (16) of trailing control bytes.
+        let cap = self.map.capacity();
+        let buckets = match cap {
+            0 => 0,
+            1..=7 => (cap + 1).next_power_of_two(),
+            _ => (cap * 8 / 7).next_power_of_two(),
+        };
+        buckets * (16 + 1) + if buckets > 0 { 16 } else { 0 } + self.holders.bytes()
     }
 
     #[inline]
     fn holders<'a>(&'a self, h: u64, tmp: &'a mut [u32; 1]) -> &'a [u32] {
         match self.map.get(&h) {
             None => &[],
-            Some(&v) => self.entry_holders(v, tmp),
-        }
-    }
-
-    /// The holders a map value stands for: one inline (copied into `tmp`) or a holder list.
-    #[inline]
-    fn entry_holders<'a>(&'a self, v: u64, tmp: &'a mut [u32; 1]) -> &'a [u32] {
-        if v & INLINE != 0 {
-            tmp[0] = v as u32;
-            &tmp[..]
-        } else {
-            &self.lists[v as usize]
+            Some(&v) => self.holders.get(v, tmp),
         }
     }
 
     /// Matched prefix per slot, ordered by (depth, slot); slots with no matched block and
     /// inactive (deregistered) slots are absent.
-    pub fn find_matches(&self, hashes: &[u64], out: &mut Vec<MatchOut>) {
+    pub fn find_matches(&self, hashes: &[u64], m: &mut Matches) {
+        let Matches { out, cur } = m;
         out.clear();
+        cur.clear();
         let Some(&h0) = hashes.first() else { return };
         let mut tmp = [0u32; 1];
-        let mut cur: Vec<(u32, [u32; N_TIERS])> = Vec::new();
         for &hd in self.holders(h0, &mut tmp) {
             let s = hd >> 4;
             if self.active.contains(s) {
@@ -365,9 +358,15 @@ impl NativeIndex {
             }
         }
         let mut depth = 1u32;
-        for &h in &hashes[1..] {
-            if cur.is_empty() {
-                break;
+        for (i, &h) in hashes.iter().enumerate().skip(1) {
+            if cur.len() <= 1 {
+                // One candidate left (deep prompts end this way): follow it alone.
+                if let Some(&(s, by)) = cur.first() {
+                    cur.clear();
+                    let (depth, by) = self.follow(s, by, depth, &hashes[i..]);
+                    out.push(MatchOut { slot: s, depth, by_tier: by, stale: self.stale.contains(s) });
+                }
+                return;
             }
             let mut tmp = [0u32; 1];
             let hs = self.holders(h, &mut tmp);
@@ -389,9 +388,35 @@ impl NativeIndex {
             cur.truncate(w);
             depth += 1;
         }
-        for (s, by) in cur {
+        for &(s, by) in cur.iter() {
             out.push(MatchOut { slot: s, depth, by_tier: by, stale: self.stale.contains(s) });
         }
+    }
+
+    /// Slot numbers in use so far (free ones included).
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// (worker number, dp rank) of a live slot: a worker's number never changes.
+    pub fn slot_owner(&self, slot: u32) -> Option<(u32, i64)> {
+        self.slots.get(slot as usize).and_then(|k| k.as_ref()).map(|k| (k.worker, k.dp_rank))
+    }
+
+    /// `find_matches` for one candidate: extend its match (`depth` blocks so far, counted by
+    /// tier in `by`) along `rest`; returns the final depth and counts.
+    #[inline]
+    fn follow(&self, s: u32, mut by: [u32; N_TIERS], mut depth: u32, rest: &[u64]) -> (u32, [u32; N_TIERS]) {
+        let mut tmp = [0u32; 1];
+        for &h in rest {
+            let hs = self.holders(h, &mut tmp);
+            match hs.binary_search_by_key(&s, |x| x >> 4) {
+                Ok(j) => by[(hs[j] & 15).trailing_zeros() as usize] += 1,
+                Err(_) => break,
+            }
+            depth += 1;
+        }
+        (depth, by)
     }
 
     pub fn slot_key(&self, slot: u32) -> Option<(&str, i64)> {
@@ -436,15 +461,16 @@ impl NativeIndex {
     }
 
     pub fn position(&self, producer: &str, stream: &str) -> Option<(i64, i64)> {
-        self.seq.get(producer)?.iter().find(|p| p.stream == stream).map(|p| (p.epoch, p.last))
+        let &p = self.producer_of.get(producer)?;
+        self.producers[p as usize].streams.iter().find(|p| p.stream == stream).map(|p| (p.epoch, p.last))
     }
 
     /// (producer, stream, epoch, last) sorted by (producer, stream).
     pub fn positions(&self) -> Vec<(&str, &str, i64, i64)> {
         let mut out: Vec<_> = self
-            .seq
+            .producers
             .iter()
-            .flat_map(|(p, v)| v.iter().map(move |s| (p.as_str(), s.stream.as_str(), s.epoch, s.last)))
+            .flat_map(|p| p.streams.iter().map(move |s| (p.name.as_str(), s.stream.as_str(), s.epoch, s.last)))
             .collect();
         out.sort();
         out
@@ -456,7 +482,7 @@ impl NativeIndex {
             (0..self.slots.len()).map(|_| Default::default()).collect();
         for (&h, &v) in &self.map {
             let mut tmp = [0u32; 1];
-            let hs = self.entry_holders(v, &mut tmp);
+            let hs = self.holders.get(v, &mut tmp);
             for &hd in hs {
                 let s = (hd >> 4) as usize;
                 for t in 0..N_TIERS {
@@ -478,11 +504,11 @@ impl NativeIndex {
     pub fn verify_invariants(&self) -> Result<(), String> {
         let mut counts = vec![[0u64; N_TIERS]; self.slots.len()];
         for (&h, &v) in &self.map {
-            if v & INLINE == 0 && self.lists[v as usize].len() < 2 {
+            if Holders::is_list(v) && self.holders.get(v, &mut [0]).len() < 2 {
                 return Err(format!("hash {h} has a holder list of length < 2"));
             }
             let mut tmp = [0u32; 1];
-            let hs = self.entry_holders(v, &mut tmp);
+            let hs = self.holders.get(v, &mut tmp);
             let mut prev: Option<u32> = None;
             for &hd in hs {
                 let s = hd >> 4;
@@ -540,7 +566,24 @@ impl NativeIndex {
 
     fn slot_of(&self, worker_id: &str, dp_rank: i64) -> Option<u32> {
         let &w = self.worker_of.get(worker_id)?;
+        self.rank_slot(w, dp_rank)
+    }
+
+    #[inline]
+    fn rank_slot(&self, w: u32, dp_rank: i64) -> Option<u32> {
         self.workers[w as usize].ranks.iter().find(|r| r.0 == dp_rank).map(|r| r.1)
+    }
+
+    /// The producer's number, registered on first sight.
+    #[inline]
+    fn producer(&mut self, name: &str) -> u32 {
+        if let Some(&p) = self.producer_of.get(name) {
+            return p;
+        }
+        let p = self.producers.len() as u32;
+        self.producers.push(Producer { name: name.to_string(), streams: Vec::new(), slots: None });
+        self.producer_of.insert(name.to_string(), p);
+        p
     }
 
     /// Fold one event given its envelope's producer, epoch and seq (see the reference's
@@ -577,10 +620,8 @@ impl NativeIndex {
         }
         res.new_epoch = kv && cur >= 0 && cur < epoch;
         // Sequencing.
-        let streams = match self.seq.get_mut(producer) {
-            Some(v) => v,
-            None => self.seq.entry(producer.to_string()).or_default(),
-        };
+        let p = self.producer(producer);
+        let streams = &mut self.producers[p as usize].streams;
         match streams.iter_mut().find(|p| p.stream == ev.stream) {
             None => {
                 res.gap = seq != 0;
@@ -608,7 +649,7 @@ impl NativeIndex {
         }
 
         // Accepted. Sequencing side effects first: they stand even if the event is rejected.
-        let mut slot: Option<u32> = ev.dp_rank.and_then(|d| self.slot_of(ev.worker_id, d));
+        let mut slot: Option<u32> = ev.dp_rank.and_then(|d| self.rank_slot(w, d));
         if !kv {
             self.workers[w as usize].life_epoch = epoch;
         } else if res.new_epoch {
@@ -640,7 +681,7 @@ impl NativeIndex {
                     slot = Some(self.slot_for(w, d));
                 }
             }
-            let mut lost = self.producer_slots.get(producer).cloned().unwrap_or_default();
+            let mut lost = self.producers[p as usize].slots.clone().unwrap_or_default();
             if let Some(s) = slot {
                 lost.insert(s);
             }
@@ -673,11 +714,9 @@ impl NativeIndex {
             }
         }
         if let Some(s) = slot {
-            match self.producer_slots.get_mut(producer) {
+            match &mut self.producers[p as usize].slots {
                 Some(m) => m.insert(s),
-                None => {
-                    self.producer_slots.insert(producer.to_string(), BitSet::single(s));
-                }
+                none => *none = Some(BitSet::single(s)),
             }
         }
         match ev.payload {
@@ -772,7 +811,7 @@ impl NativeIndex {
         self.lost.remove(s);
         self.unsynced.remove(s);
         self.nondev.remove(s);
-        for m in self.producer_slots.values_mut() {
+        for m in self.producers.iter_mut().filter_map(|p| p.slots.as_mut()) {
             m.remove(s);
         }
         self.free.push(s);
@@ -780,11 +819,11 @@ impl NativeIndex {
 
     fn store(&mut self, s: u32, t: u8, hashes: &[u64]) {
         let bit = 1u8 << t;
-        let (map, lists, free_lists) = (&mut self.map, &mut self.lists, &mut self.free_lists);
+        let (map, holders) = (&mut self.map, &mut self.holders);
         let counts = &mut self.counts[s as usize];
         let mut added = false;
         for &h in hashes {
-            let (old, new) = update_holder(map, lists, free_lists, h, s, |o| o | bit);
+            let (old, new) = update_holder(map, holders, h, s, |o| o | bit);
             if old != new {
                 counts[t as usize] += 1;
                 added = true;
@@ -797,13 +836,10 @@ impl NativeIndex {
 
     fn remove(&mut self, s: u32, t: u8, hashes: &[u64]) {
         let keep = !(1u8 << t);
-        let (map, lists, free_lists) = (&mut self.map, &mut self.lists, &mut self.free_lists);
+        let (map, holders) = (&mut self.map, &mut self.holders);
         let counts = &mut self.counts[s as usize];
         for &h in hashes {
-            if !map.contains_key(&h) {
-                continue;
-            }
-            let (old, new) = update_holder(map, lists, free_lists, h, s, |o| o & keep);
+            let (old, new) = update_holder(map, holders, h, s, |o| o & keep);
             if old != new {
                 counts[t as usize] -= 1;
             }
@@ -819,10 +855,10 @@ impl NativeIndex {
             return;
         }
         let (keep, bit) = (!(1u8 << f), 1u8 << t);
-        let (map, lists, free_lists) = (&mut self.map, &mut self.lists, &mut self.free_lists);
+        let (map, holders) = (&mut self.map, &mut self.holders);
         let counts = &mut self.counts[s as usize];
         for &h in hashes {
-            let (old, new) = update_holder(map, lists, free_lists, h, s, |o| (o & keep) | bit);
+            let (old, new) = update_holder(map, holders, h, s, |o| (o & keep) | bit);
             count_diff(counts, old, new);
         }
         self.refresh_nondev(s);
@@ -844,42 +880,12 @@ impl NativeIndex {
         }
         if mask != 0 {
             let keep = !mask;
-            let (lists, free_lists) = (&mut self.lists, &mut self.free_lists);
+            let holders = &mut self.holders;
             self.map.retain(|_, v| {
-                if *v & INLINE != 0 {
-                    let hd = *v as u32;
-                    if hd >> 4 != s || hd & mask as u32 == 0 {
-                        return true;
-                    }
-                    let new = (hd & 15) as u8 & keep;
-                    count_diff(counts, (hd & 15) as u8, new);
-                    if new == 0 {
-                        return false;
-                    }
-                    *v = INLINE | (s << 4 | new as u32) as u64;
-                    return true;
-                }
-                let li = *v as usize;
-                let list = &mut lists[li];
-                let Ok(i) = list.binary_search_by_key(&s, |x| x >> 4) else { return true };
-                let old = (list[i] & 15) as u8;
-                let new = old & keep;
-                if new == old {
-                    return true;
-                }
+                let (nv, old, new) = holders.update(*v, s, |o| o & keep);
                 count_diff(counts, old, new);
-                if new != 0 {
-                    list[i] = s << 4 | new as u32;
-                    return true;
-                }
-                list.remove(i);
-                if list.len() == 1 {
-                    let single = list[0];
-                    lists[li] = Vec::new();
-                    free_lists.push(li as u32);
-                    *v = INLINE | single as u64;
-                }
-                true
+                *v = nv;
+                nv != EMPTY
             });
         }
         self.refresh_nondev(s);
@@ -999,7 +1005,8 @@ impl NativeIndex {
             w.int(last);
         }
         w.str("producers");
-        let mut ps: Vec<(&String, &BitSet)> = self.producer_slots.iter().collect();
+        let mut ps: Vec<(&String, &BitSet)> =
+            self.producers.iter().filter_map(|p| p.slots.as_ref().map(|m| (&p.name, m))).collect();
         ps.sort_by(|a, b| a.0.cmp(b.0));
         w.array(ps.len());
         for (p, m) in ps {
@@ -1151,14 +1158,16 @@ impl NativeIndex {
         }
         idx.free = free;
         for (p, stream, epoch, last) in seqs {
-            idx.seq.entry(p).or_default().push(SeqPos { stream, epoch, last });
+            let p = idx.producer(&p);
+            idx.producers[p as usize].streams.push(SeqPos { stream, epoch, last });
         }
         for (p, v) in producers {
             let mut m = BitSet::new();
             for s in v {
                 m.insert(s);
             }
-            idx.producer_slots.insert(p, m);
+            let p = idx.producer(&p);
+            idx.producers[p as usize].slots = Some(m);
         }
         for (name, v) in counters {
             if let Some(i) = COUNTER_NAMES.iter().position(|&c| c == name) {
@@ -1194,9 +1203,10 @@ mod tests {
     }
 
     fn matches(idx: &NativeIndex, q: &[u64]) -> Vec<(String, u32, [u32; 4], bool)> {
-        let mut out = Vec::new();
-        idx.find_matches(q, &mut out);
-        out.iter()
+        let mut m = Matches::default();
+        idx.find_matches(q, &mut m);
+        m.out
+            .iter()
             .map(|m| (idx.slot_key(m.slot).unwrap().0.to_string(), m.depth, m.by_tier, m.stale))
             .collect()
     }

@@ -17,6 +17,7 @@ pub mod bitset;
 pub mod blockhash;
 pub mod decide;
 pub mod envelope;
+pub mod holders;
 pub mod index;
 pub mod inflight;
 pub mod mp;

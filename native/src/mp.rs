@@ -54,9 +54,20 @@ impl<'a> Reader<'a> {
         self.pos == self.buf.len()
     }
 
-    /// Bytes read so far.
+    /// Bytes read so far: where the next value starts (for [`Reader::rewind`] and
+    /// [`Reader::since`]).
     pub fn pos(&self) -> usize {
         self.pos
+    }
+
+    /// Go back to `pos` (a value taken from [`Reader::pos`]).
+    pub fn rewind(&mut self, pos: usize) {
+        self.pos = pos;
+    }
+
+    /// The bytes read since `start` (a value taken from [`Reader::pos`]).
+    pub fn since(&self, start: usize) -> &'a [u8] {
+        &self.buf[start..self.pos]
     }
 
     fn byte(&mut self) -> Result<u8> {
@@ -135,6 +146,28 @@ impl<'a> Reader<'a> {
     }
 
     pub fn str(&mut self) -> Result<&'a str> {
+        utf8(self.str_bytes()?)
+    }
+
+    /// A str's bytes, not yet checked to be UTF-8: for map keys compared with ASCII names (a
+    /// key equal to one is valid UTF-8; the caller checks any other with [`utf8`]).
+    #[inline(always)]
+    pub fn str_bytes(&mut self) -> Result<&'a [u8]> {
+        // Fast path: a fixstr (up to 31 bytes: keys, ids, names).
+        if let Some(&b) = self.buf.get(self.pos) {
+            if b & 0xe0 == 0xa0 {
+                let end = self.pos + 1 + (b & 0x1f) as usize;
+                if let Some(s) = self.buf.get(self.pos + 1..end) {
+                    self.pos = end;
+                    return Ok(s);
+                }
+            }
+        }
+        self.str_bytes_long()
+    }
+
+    #[cold]
+    fn str_bytes_long(&mut self) -> Result<&'a [u8]> {
         let b = self.byte()?;
         let n = match b {
             0xa0..=0xbf => (b & 0x1f) as usize,
@@ -143,7 +176,7 @@ impl<'a> Reader<'a> {
             0xdb => self.be(4)? as usize,
             _ => return err(format!("expected str, got 0x{b:02x}")),
         };
-        std::str::from_utf8(self.take(n)?).map_err(|_| DecodeError("invalid utf-8".into()))
+        self.take(n)
     }
 
     pub fn bin(&mut self) -> Result<&'a [u8]> {
@@ -181,16 +214,19 @@ impl<'a> Reader<'a> {
     pub fn u64_array(&mut self, out: &mut Vec<u64>) -> Result<()> {
         let n = self.array_len()?;
         out.clear();
-        out.reserve(n);
-        for _ in 0..n {
-            // Fast path: uint64 is what 64-bit hashes almost always encode to.
-            if self.buf.get(self.pos) == Some(&0xcf) && self.buf.len() - self.pos >= 9 {
-                let s = &self.buf[self.pos + 1..self.pos + 9];
-                out.push(u64::from_be_bytes(s.try_into().unwrap()));
-                self.pos += 9;
-            } else {
-                out.push(self.u64()?);
+        // Fast path: every element a uint64, what 64-bit hashes almost always encode to.
+        if let Some(body) = self.buf[self.pos..].get(..n * 9) {
+            if body.chunks_exact(9).all(|c| c[0] == 0xcf) {
+                out.extend(body.chunks_exact(9).map(|c| u64::from_be_bytes(c[1..].try_into().unwrap())));
+                self.pos += n * 9;
+                return Ok(());
             }
+        }
+        // Each element takes a byte at least: a length beyond the bytes left is refused below,
+        // without reserving memory for it first.
+        out.reserve(n.min(self.buf.len() - self.pos));
+        for _ in 0..n {
+            out.push(self.u64()?);
         }
         Ok(())
     }
@@ -299,6 +335,16 @@ impl<'a> Reader<'a> {
         self.skip()?;
         Ok(&self.buf[start..self.pos])
     }
+}
+
+/// `bytes` as a str if they are UTF-8 (ASCII, the common case, checked word-wise first).
+#[inline]
+pub fn utf8(bytes: &[u8]) -> Result<&str> {
+    if bytes.is_ascii() {
+        // SAFETY: ASCII is valid UTF-8.
+        return Ok(unsafe { std::str::from_utf8_unchecked(bytes) });
+    }
+    std::str::from_utf8(bytes).map_err(|_| DecodeError("invalid utf-8".into()))
 }
 
 fn signed(v: i64) -> Int {
@@ -459,6 +505,21 @@ mod tests {
         assert_eq!(r.str().unwrap().len(), 40);
         assert_eq!(r.bin().unwrap(), b"abc");
         assert!(r.at_end());
+    }
+
+    #[test]
+    fn an_array_longer_than_its_bytes_is_refused_without_reserving_it() {
+        let mut out = Vec::new();
+        // array32 of 2^32 - 1 elements, then one.
+        assert!(Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff, 0x01]).u64_array(&mut out).is_err());
+        assert!(out.capacity() < 16);
+        let mut w = Writer::new();
+        w.array(3);
+        for v in [1u64, u64::MAX, 300] {
+            w.uint(v);
+        }
+        Reader::new(&w.buf).u64_array(&mut out).unwrap();
+        assert_eq!(out, vec![1, u64::MAX, 300]);
     }
 
     #[test]

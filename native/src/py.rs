@@ -1,9 +1,10 @@
-//! PyO3 bindings: a thin surface the Python wrapper (`control_plane/index/native.py`) builds the
-//! reference's API on. Outcomes travel as small ints so the per-event path allocates nothing.
+//! PyO3 bindings: the index class `control_plane/index/native.py` extends into the reference's
+//! API (its hot methods answer with the reference's objects, made here), and the kv scorer.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::intern;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::envelope;
 use crate::signing;
@@ -26,42 +27,295 @@ fn code(r: crate::index::ApplyResult) -> u32 {
 
 // Send + Sync (no `unsendable`): processes build or restore an index on a worker thread and
 // fold on the event loop. Concurrent use is refused by PyO3's borrow check, not undefined.
-#[pyclass(module = "switchyard_native", name = "NativeIndex")]
+// `subclass`: `control_plane.index.native.NativePrefixIndex` extends it, so its hot methods
+// (`apply_bytes`, `find_matches`) are these, called with no Python frame in between.
+#[pyclass(module = "switchyard_native", name = "NativeIndex", subclass)]
 struct PyIndex {
     inner: NativeIndex,
     hashes: Vec<u64>,
     producer: String,
     /// Worker id of the last record `apply_record` took.
     worker: String,
-    matches: Vec<MatchOut>,
+    matches: crate::index::Matches,
+    query: Vec<u64>,
+    /// The Python objects answers are made of (`_bind`).
+    objs: Option<Answers>,
 }
 
-impl PyIndex {
-    fn wrap(inner: NativeIndex) -> Self {
-        PyIndex { inner, hashes: Vec::new(), producer: String::new(), worker: String::new(), matches: Vec::new() }
+/// What `find_matches` and `apply_bytes` answer with: the reference's types, given by the
+/// Python side (`_bind`), and the immutable instances already made, reused across calls.
+struct Answers {
+    rank_cls: Py<PyAny>,
+    match_cls: Py<PyAny>,
+    /// `ApplyOutcome` by code (applied, duplicate, fenced, ignored).
+    outcomes: Vec<Py<PyAny>>,
+    /// Per slot: (worker number, dp rank, its `WorkerRank`), remade only when the slot changes.
+    ranks: Vec<Option<(u32, i64, Py<PyAny>)>>,
+    ranks_gen: u64,
+    /// Per depth, the device-only `Match` (fresh, stale): the common answer.
+    device: Vec<[Py<PyAny>; 2]>,
+    /// Other `Match`es by (by_tier, stale), bounded.
+    mixed: std::collections::HashMap<([u32; N_TIERS], bool), Py<PyAny>>,
+    /// `(WorkerRank, Match)` pairs by (slot, by_tier, stale): a direct-mapped cache (a key's
+    /// place is its hash; a new pair replaces the one there), emptied when a slot's
+    /// `WorkerRank` changes.
+    pairs: Vec<Option<([u64; 3], Py<PyTuple>)>>,
+}
+
+/// At most this many mixed-tier `Match` objects are kept for reuse.
+const MIXED_CACHE: usize = 4096;
+/// Places in the `(WorkerRank, Match)` pair cache (a power of two; 40 bytes each, plus ~100
+/// per pair held).
+const PAIR_CACHE: usize = 1 << 14;
+
+impl Answers {
+    fn refresh_ranks(&mut self, py: Python<'_>, idx: &NativeIndex) -> PyResult<()> {
+        if self.ranks_gen == idx.slot_gen {
+            return Ok(());
+        }
+        let n = idx.slot_count();
+        self.ranks.resize_with(n, || None);
+        self.ranks.truncate(n);
+        for s in 0..n {
+            let cur = idx.slot_owner(s as u32);
+            let same = match (&self.ranks[s], cur) {
+                (Some((w, d, _)), Some((w2, d2))) => *w == w2 && *d == d2,
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                self.pairs.iter_mut().for_each(|p| *p = None);
+                self.ranks[s] = match cur {
+                    None => None,
+                    Some((w, d)) => {
+                        let (name, _) = idx.slot_key(s as u32).expect("a live slot");
+                        Some((w, d, self.rank_cls.call1(py, (name, d))?))
+                    }
+                };
+            }
+        }
+        self.ranks_gen = idx.slot_gen;
+        Ok(())
+    }
+
+    fn rank<'py>(&self, py: Python<'py>, slot: u32) -> &Bound<'py, PyAny> {
+        self.ranks[slot as usize].as_ref().expect("a matched slot is live").2.bind(py)
+    }
+
+    /// The `(WorkerRank, Match)` pair of a match (immutable, so made once and reused).
+    fn pair<'py>(&mut self, py: Python<'py>, m: &MatchOut) -> PyResult<Bound<'py, PyTuple>> {
+        let [a, b, c, d] = m.by_tier.map(u64::from);
+        let key = [(m.slot as u64) << 1 | m.stale as u64, a | b << 32, c | d << 32];
+        let at = (key[0] ^ key[1].rotate_left(21) ^ key[2].rotate_left(42)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            >> (64 - PAIR_CACHE.trailing_zeros()) as usize;
+        if self.pairs.is_empty() {
+            self.pairs.resize_with(PAIR_CACHE, || None);
+        }
+        if let Some((k, p)) = &self.pairs[at as usize] {
+            if *k == key {
+                return Ok(p.bind(py).clone());
+            }
+        }
+        let v = self.match_obj(py, m)?;
+        let p = PyTuple::new(py, [self.rank(py, m.slot).clone(), v])?;
+        self.pairs[at as usize] = Some((key, p.clone().unbind()));
+        Ok(p)
+    }
+
+    fn match_obj<'py>(&mut self, py: Python<'py>, m: &MatchOut) -> PyResult<Bound<'py, PyAny>> {
+        let [dev, host, disk, obj] = m.by_tier;
+        if host == 0 && disk == 0 && obj == 0 {
+            let d = m.depth as usize;
+            while self.device.len() <= d {
+                let k = self.device.len() as u32;
+                let by = (k, 0u32, 0u32, 0u32);
+                let fresh = self.match_cls.call1(py, (k, by, false))?;
+                let stale = self.match_cls.call1(py, (k, by, true))?;
+                self.device.push([fresh, stale]);
+            }
+            return Ok(self.device[d][m.stale as usize].bind(py).clone());
+        }
+        let key = (m.by_tier, m.stale);
+        if let Some(o) = self.mixed.get(&key) {
+            return Ok(o.bind(py).clone());
+        }
+        if self.mixed.len() >= MIXED_CACHE {
+            self.mixed.clear();
+        }
+        let o = self.match_cls.call1(py, (m.depth, (dev, host, disk, obj), m.stale))?;
+        let b = o.bind(py).clone();
+        self.mixed.insert(key, o);
+        Ok(b)
+    }
+}
+
+/// `NativeIndex.find_matches`'s answer: a read-only mapping `WorkerRank -> Match` in the
+/// reference's order (registered as a `collections.abc.Mapping` by the Python side). Not a dict:
+/// a dict hashes every `WorkerRank` key (a tuple, hashed anew each time) on insert, about 350
+/// instructions per matched cache, and its readers (the router's view, the simulation) only
+/// iterate the items once. The items are kept as the `(WorkerRank, Match)` pairs `items()`
+/// returns (a tuple: iterating it makes no new objects); lookups by key scan them.
+#[pyclass(module = "switchyard_native", name = "Matches", frozen, mapping)]
+struct PyMatches {
+    pairs: Py<PyTuple>,
+}
+
+impl PyMatches {
+    fn find<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        for pair in self.pairs.bind(key.py()).iter() {
+            let k = pair.get_item(0)?;
+            if k.as_ptr() == key.as_ptr() || k.eq(key)? {
+                return pair.get_item(1).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        PyDict::from_sequence(self.pairs.bind(py).as_any())
+    }
+
+    /// Element `i` of every pair.
+    fn column<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyList>> {
+        let pairs = self.pairs.bind(py);
+        let out = PyList::empty(py);
+        for pair in pairs.iter() {
+            out.append(pair.get_item(i)?)?;
+        }
+        Ok(out)
     }
 }
 
 #[pymethods]
+impl PyMatches {
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.pairs.bind(py).len()
+    }
+
+    fn __getitem__<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        match self.find(key)? {
+            Some(v) => Ok(v),
+            None => Err(pyo3::exceptions::PyKeyError::new_err(key.clone().unbind())),
+        }
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.find(key)?.is_some())
+    }
+
+    #[pyo3(signature = (key, default=None))]
+    fn get<'py>(&self, key: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.find(key)?.or(default))
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyIterator>> {
+        self.keys(py)?.try_iter()
+    }
+
+    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.column(py, 0)
+    }
+
+    fn values<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.column(py, 1)
+    }
+
+    /// `((WorkerRank, Match), ...)` in order.
+    fn items<'py>(&self, py: Python<'py>) -> Bound<'py, PyTuple> {
+        self.pairs.bind(py).clone()
+    }
+
+    /// Equal to any mapping with the same items (a dict included), as a dict would be.
+    fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let other = match other.cast::<PyMatches>() {
+            Ok(m) => m.get().as_dict(py)?.into_any(),
+            Err(_) => other.clone(),
+        };
+        self.as_dict(py)?.eq(other)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(self.as_dict(py)?.repr()?.to_string())
+    }
+}
+
+/// `hashes` as u64s into `out`: a list or tuple of ints read in place, any other sequence of
+/// integers through PyO3's conversion. Negative or too big: OverflowError.
+fn read_hashes(obj: &Bound<'_, PyAny>, out: &mut Vec<u64>) -> PyResult<()> {
+    use pyo3::ffi;
+    out.clear();
+    let (get, n): (unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject, usize) =
+        if let Ok(l) = obj.cast::<PyList>() {
+            (ffi::PyList_GetItem, l.len())
+        } else if let Ok(t) = obj.cast::<PyTuple>() {
+            (ffi::PyTuple_GetItem, t.len())
+        } else {
+            *out = obj.extract()?;
+            return Ok(());
+        };
+    let py = obj.py();
+    out.reserve(n);
+    for i in 0..n {
+        // SAFETY: `obj` is a list or tuple we hold; GetItem returns a borrowed reference (or
+        // NULL with IndexError if a list shrank), used before any Python code can run, except
+        // in the fallback, which takes its own reference first.
+        unsafe {
+            let item = get(obj.as_ptr(), i as ffi::Py_ssize_t);
+            if item.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            if ffi::PyLong_Check(item) != 0 {
+                out.push(int_to_u64(py, item)?);
+            } else {
+                out.push(Bound::from_borrowed_ptr(py, item).extract()?);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An int as a u64 with `PyLong_AsUnsignedLongLong`'s result and error type (OverflowError),
+/// without its slow path: in CPython 3.11 an int above 2^30 goes through a generic byte-array
+/// conversion (~200 instructions; a block hash is 64 bits), while `PyLong_AsUnsignedLong` is
+/// one digit loop with an exact overflow check, and is 64 bits wide where `c_ulong` is (LP64:
+/// Linux, macOS).
+///
+/// # Safety
+/// `item` is a valid pointer to an int (`PyLong_Check`), alive for the call.
+#[inline]
+unsafe fn int_to_u64(py: Python<'_>, item: *mut pyo3::ffi::PyObject) -> PyResult<u64> {
+    use pyo3::ffi;
+    let v = if std::mem::size_of::<std::os::raw::c_ulong>() == 8 {
+        ffi::PyLong_AsUnsignedLong(item) as u64
+    } else {
+        ffi::PyLong_AsUnsignedLongLong(item)
+    };
+    if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    Ok(v)
+}
+
 impl PyIndex {
-    #[new]
-    fn new(hash_algo: &str, block_size: i64) -> Self {
-        PyIndex::wrap(NativeIndex::new(hash_algo, block_size))
+    fn wrap(inner: NativeIndex) -> Self {
+        PyIndex {
+            inner,
+            hashes: Vec::new(),
+            producer: String::new(),
+            worker: String::new(),
+            matches: Default::default(),
+            query: Vec::new(),
+            objs: None,
+        }
     }
 
-    #[getter]
-    fn hash_algo(&self) -> &str {
-        &self.inner.hash_algo
+    fn answers(&mut self) -> PyResult<&mut Answers> {
+        self.objs
+            .as_mut()
+            .ok_or_else(|| pyo3::exceptions::PyRuntimeError::new_err("NativeIndex._bind() was not called"))
     }
 
-    #[getter]
-    fn block_size(&self) -> i64 {
-        self.inner.block_size
-    }
-
-    /// Fold one `kv` record from its envelope bytes; the sequencing producer is the envelope's
-    /// producer followed by `suffix` (`"@<topic>:<partition>"`). None = not a record this path
-    /// takes (the caller decodes it with the Python codec).
+    /// Fold one `kv` record from its envelope bytes (see `apply_bytes`): the outcome code.
     fn apply_record(&mut self, data: &[u8], suffix: &str) -> Option<u32> {
         let mut hashes = std::mem::take(&mut self.hashes);
         let rec = envelope::decode(data, &mut hashes);
@@ -77,6 +331,81 @@ impl PyIndex {
         self.hashes = hashes;
         out
     }
+}
+
+/// Outcome codes `apply_bytes` leaves to the Python side's `_explain_record`: a new epoch, a
+/// gap (flags 8, 16) or a rejection (4-6).
+fn needs_words(code: u32) -> bool {
+    code >= 4
+}
+
+#[pymethods]
+impl PyIndex {
+    /// An empty index, or (`snapshot=`) one restored from snapshot bytes (then `hash_algo` and
+    /// `block_size` are the snapshot's, the arguments are ignored).
+    /// A restore runs without the GIL: a restarting router restores its snapshot on a worker
+    /// thread while the main thread imports its HTTP stack.
+    #[new]
+    #[pyo3(signature = (hash_algo, block_size, *, snapshot=None))]
+    fn new(py: Python<'_>, hash_algo: &str, block_size: i64, snapshot: Option<&[u8]>) -> PyResult<Self> {
+        let inner = match snapshot {
+            None => NativeIndex::new(hash_algo, block_size),
+            Some(data) => py.detach(|| NativeIndex::restore(data)).map_err(|e| PyValueError::new_err(e.0))?,
+        };
+        Ok(PyIndex::wrap(inner))
+    }
+
+    /// The types answers are made of: `rank_cls(worker_id, dp_rank)`, `match_cls(depth,
+    /// by_tier, stale)`, and the outcomes for codes 0-3.
+    fn _bind(&mut self, rank_cls: Py<PyAny>, match_cls: Py<PyAny>, outcomes: Vec<Py<PyAny>>) -> PyResult<()> {
+        if outcomes.len() != 4 {
+            return Err(PyValueError::new_err("four outcomes: applied, duplicate, fenced, ignored"));
+        }
+        self.objs = Some(Answers {
+            rank_cls,
+            match_cls,
+            outcomes,
+            ranks: Vec::new(),
+            ranks_gen: u64::MAX,
+            device: Vec::new(),
+            mixed: Default::default(),
+            pairs: Default::default(),
+        });
+        Ok(())
+    }
+
+    #[getter]
+    fn hash_algo(&self) -> &str {
+        &self.inner.hash_algo
+    }
+
+    #[getter]
+    fn block_size(&self) -> i64 {
+        self.inner.block_size
+    }
+
+    /// Fold a `kv` record from its envelope bytes, sequenced as producer `<envelope
+    /// producer><suffix>` (the router view passes `"@<topic>:<partition>"`). None: not a record
+    /// this path takes (nothing changed; decode it with the codec). A new epoch, a gap or a
+    /// rejection is handed to `self._explain_record(code, value, suffix)` (the log lines, the
+    /// `IndexRejected`), whose return is the answer.
+    #[pyo3(signature = (value, suffix=""))]
+    fn apply_bytes<'py>(
+        slf: &Bound<'py, Self>,
+        value: &Bound<'py, PyBytes>,
+        suffix: &str,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = slf.py();
+        let code = {
+            let mut this = slf.borrow_mut();
+            let Some(code) = this.apply_record(value.as_bytes(), suffix) else { return Ok(None) };
+            if !needs_words(code) {
+                return Ok(Some(this.answers()?.outcomes[code as usize].bind(py).clone()));
+            }
+            code
+        };
+        slf.call_method1(intern!(py, "_explain_record"), (code, value, suffix)).map(Some)
+    }
 
     /// Fold `values[start..]` in order (one partition's record values, sequenced with `suffix`)
     /// while each is a kv record this path takes and, given a `verifier`, carries its owner's
@@ -85,7 +414,7 @@ impl PyIndex {
     /// the end) and the caller folds it through the per-record path; `code` Some: record `i` was
     /// folded with an outcome that needs words (a new epoch, a gap, a rejection).
     #[pyo3(signature = (values, start, suffix, verifier=None))]
-    fn apply_run(
+    fn _apply_run(
         &mut self,
         values: &Bound<'_, PyList>,
         start: usize,
@@ -123,22 +452,22 @@ impl PyIndex {
         (i, flagged)
     }
 
-    /// Worker id of the last record `apply_record` folded.
+    /// Worker id of the last record `apply_bytes` folded.
     fn last_worker(&self) -> &str {
         &self.worker
     }
 
     /// An event about no worker: counted as ignored, not sequenced (as the reference does).
-    fn count_ignored(&mut self) {
+    fn _count_ignored(&mut self) {
         self.inner.counters[3] += 1;
     }
 
-    /// Fold one decoded event. `kind`: 0 stored, 1 removed, 2 moved, 3 cleared, 4 registered,
-    /// 5 deregistered, 6 any other event about a worker. Tiers are indices in TIER_ORDER
-    /// (-1 = none, for AllBlocksCleared).
+    /// Fold one decoded event: the outcome code (see `apply_bytes`). `kind`: 0 stored, 1
+    /// removed, 2 moved, 3 cleared, 4 registered, 5 deregistered, 6 any other event about a
+    /// worker. Tiers are indices in TIER_ORDER (-1 = none, for AllBlocksCleared).
     #[pyo3(signature = (producer, epoch, seq, kind, worker_id, stream, dp_rank, tier, to_tier, hashes, full_attention, block_size, hash_algo))]
     #[allow(clippy::too_many_arguments)]
-    fn apply_fields(
+    fn _apply_fields(
         &mut self,
         producer: &str,
         epoch: i64,
@@ -175,51 +504,67 @@ impl PyIndex {
         Ok(code(self.inner.apply(producer, epoch, seq, &ev)))
     }
 
-    /// `[(slot, depth, device, host, disk, object, stale), ...]` ordered by (depth, slot).
-    fn find_matches<'py>(&mut self, py: Python<'py>, hashes: Vec<u64>) -> PyResult<Bound<'py, PyList>> {
-        let mut out = std::mem::take(&mut self.matches);
-        self.inner.find_matches(&hashes, &mut out);
-        let list = PyList::empty(py);
-        for m in &out {
-            let [d, h, k, o] = m.by_tier;
-            list.append((m.slot, m.depth, d, h, k, o, m.stale))?;
-        }
-        self.matches = out;
-        Ok(list)
+    /// Matched prefix per cache: a read-only mapping `WorkerRank -> Match` ordered by (depth,
+    /// slot), the reference's answer (see `PyMatches`).
+    fn find_matches<'py>(slf: &Bound<'py, Self>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyMatches>> {
+        let py = slf.py();
+        let mut this = slf.borrow_mut();
+        let this = &mut *this;
+        read_hashes(hashes, &mut this.query)?;
+        this.inner.find_matches(&this.query, &mut this.matches);
+        let out = &this.matches.out;
+        let pairs = if out.is_empty() {
+            PyTuple::empty(py)
+        } else {
+            let objs = this.objs.as_mut().ok_or_else(|| {
+                pyo3::exceptions::PyRuntimeError::new_err("NativeIndex._bind() was not called")
+            })?;
+            objs.refresh_ranks(py, &this.inner)?;
+            // SAFETY: a new tuple of out.len() slots, each filled once (SetItem steals the
+            // reference `into_ptr` hands over) before the tuple is seen by anyone.
+            unsafe {
+                let t = Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyTuple_New(out.len() as pyo3::ffi::Py_ssize_t))?
+                    .cast_into_unchecked::<PyTuple>();
+                for (i, m) in out.iter().enumerate() {
+                    let p = objs.pair(py, m)?;
+                    pyo3::ffi::PyTuple_SetItem(t.as_ptr(), i as pyo3::ffi::Py_ssize_t, p.into_ptr());
+                }
+                t
+            }
+        };
+        Bound::new(py, PyMatches { pairs: pairs.unbind() })
     }
 
     /// Matched depth per slot only (no Python objects per block): `[(slot, depth), ...]`.
     fn match_depths(&mut self, hashes: Vec<u64>) -> Vec<(u32, u32)> {
-        let mut out = std::mem::take(&mut self.matches);
-        self.inner.find_matches(&hashes, &mut out);
-        let r = out.iter().map(|m| (m.slot, m.depth)).collect();
-        self.matches = out;
-        r
+        self.inner.find_matches(&hashes, &mut self.matches);
+        self.matches.out.iter().map(|m| (m.slot, m.depth)).collect()
     }
 
-    /// Slot table: per slot number, (worker id, dp rank) or None for a free slot.
-    fn slot_table(&self) -> Vec<Option<(String, i64)>> {
-        let n = self.inner.live_slots().last().map_or(0, |&s| s as usize + 1);
-        (0..n as u32).map(|s| self.inner.slot_key(s).map(|(w, d)| (w.to_string(), d))).collect()
+    /// Per slot number, its `WorkerRank` (None for a free slot): the objects `find_matches`
+    /// answers with.
+    fn _ranks<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let this = &mut *self;
+        let objs = this.objs.as_mut().ok_or_else(|| {
+            pyo3::exceptions::PyRuntimeError::new_err("NativeIndex._bind() was not called")
+        })?;
+        objs.refresh_ranks(py, &this.inner)?;
+        PyList::new(py, objs.ranks.iter().map(|r| r.as_ref().map(|(_, _, o)| o.clone_ref(py))))
     }
 
-    fn slot_version(&self) -> u64 {
-        self.inner.slot_gen
-    }
-
-    fn stale_slots(&self) -> Vec<u32> {
+    fn _stale_slots(&self) -> Vec<u32> {
         self.inner.stale_slots()
     }
 
-    fn live_slots(&self) -> Vec<u32> {
+    fn _live_slots(&self) -> Vec<u32> {
         self.inner.live_slots()
     }
 
-    fn slot_counts(&self, slot: u32) -> [u64; N_TIERS] {
+    fn _slot_counts(&self, slot: u32) -> [u64; N_TIERS] {
         self.inner.slot_counts(slot)
     }
 
-    fn is_stale(&self, worker_id: &str, dp_rank: i64) -> bool {
+    fn _is_stale(&self, worker_id: &str, dp_rank: i64) -> bool {
         self.inner.is_stale(worker_id, dp_rank)
     }
 
@@ -227,7 +572,7 @@ impl PyIndex {
         self.inner.epoch_of(worker_id)
     }
 
-    fn worker_states(&self) -> Vec<(String, i64, bool, i64, i64)> {
+    fn _worker_states(&self) -> Vec<(String, i64, bool, i64, i64)> {
         self.inner.worker_states().into_iter().map(|(w, e, d, l, r)| (w.to_string(), e, d, l, r)).collect()
     }
 
@@ -235,7 +580,7 @@ impl PyIndex {
         self.inner.position(producer, stream)
     }
 
-    fn positions(&self) -> Vec<(String, String, i64, i64)> {
+    fn _positions(&self) -> Vec<(String, String, i64, i64)> {
         self.inner
             .positions()
             .into_iter()
@@ -244,7 +589,7 @@ impl PyIndex {
     }
 
     /// `[(slot, tier index, [hashes...]), ...]` for every non-empty (slot, tier).
-    fn residency(&self) -> Vec<(u32, usize, Vec<u64>)> {
+    fn _residency(&self) -> Vec<(u32, usize, Vec<u64>)> {
         let mut out = Vec::new();
         for (s, per) in self.inner.residency().into_iter().enumerate() {
             for (t, hs) in per.into_iter().enumerate() {
@@ -256,7 +601,7 @@ impl PyIndex {
         out
     }
 
-    fn counters(&self) -> Vec<(&'static str, u64)> {
+    fn _counters(&self) -> Vec<(&'static str, u64)> {
         COUNTER_NAMES.iter().copied().zip(self.inner.counters.iter().copied()).collect()
     }
 
@@ -281,13 +626,6 @@ impl PyIndex {
         PyBytes::new(py, &self.inner.snapshot())
     }
 
-    /// Without the GIL: a restarting router restores its snapshot on a worker thread while the
-    /// main thread imports its HTTP stack.
-    #[staticmethod]
-    fn restore(py: Python<'_>, data: &[u8]) -> PyResult<PyIndex> {
-        py.detach(|| NativeIndex::restore(data)).map(PyIndex::wrap).map_err(|e| PyValueError::new_err(e.0))
-    }
-
     /// The raw in-Rust throughput, no Python crossing per event or query: replay `records`
     /// (envelope bytes, one sequencing suffix for all) and, before record `first` of each query,
     /// run that query's `find_matches`. Returns (apply ns, match ns, records not taken, matched
@@ -300,13 +638,13 @@ impl PyIndex {
     ) -> (u64, u64, u64, u64) {
         let (mut apply_ns, mut match_ns, mut skipped, mut matched) = (0u64, 0u64, 0u64, 0u64);
         let mut qi = 0;
-        let mut out = Vec::new();
+        let mut m = crate::index::Matches::default();
         for (i, r) in records.iter().enumerate() {
             while qi < queries.len() && queries[qi].0 <= i {
                 let t0 = std::time::Instant::now();
-                self.inner.find_matches(&queries[qi].1, &mut out);
+                self.inner.find_matches(&queries[qi].1, &mut m);
                 match_ns += t0.elapsed().as_nanos() as u64;
-                matched += out.len() as u64;
+                matched += m.out.len() as u64;
                 qi += 1;
             }
             let t0 = std::time::Instant::now();
@@ -320,12 +658,12 @@ impl PyIndex {
 
     /// In-Rust lookup latency: nanoseconds of each query's `find_matches` (no Python crossing).
     fn match_timed(&mut self, queries: Vec<Vec<u64>>) -> Vec<u64> {
-        let mut out = Vec::new();
+        let mut m = crate::index::Matches::default();
         queries
             .iter()
             .map(|q| {
                 let t0 = std::time::Instant::now();
-                self.inner.find_matches(q, &mut out);
+                self.inner.find_matches(q, &mut m);
                 t0.elapsed().as_nanos() as u64
             })
             .collect()
@@ -482,6 +820,7 @@ impl PyMooncakeHasher {
 #[pymodule]
 fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
+    m.add_class::<PyMatches>()?;
     m.add_class::<PyVerifier>()?;
     m.add_function(wrap_pyfunction!(sha256_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(mooncake_block_chain, m)?)?;

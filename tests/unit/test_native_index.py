@@ -228,3 +228,53 @@ def test_an_index_built_on_one_thread_folds_on_another():
     idx = box[0]
     idx.apply("a", 1, 0, contract._stored("a", [1, 2]))
     assert len(idx) == 2
+
+
+def test_find_matches_reads_any_sequence_of_u64_hashes():
+    """Lists and tuples are read in place (with a faster int conversion above 2^63), other
+    sequences through PyO3; every one gives the same answer, and an int outside the u64 range is
+    an OverflowError, as before."""
+    import numpy as np
+
+    nat = NativePrefixIndex(ALGO, BS)
+    chain = [5, 2**62, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1]
+    nat.apply("a", 1, 0, contract._stored("a", chain))
+    want = nat.find_matches(chain)
+    assert next(iter(want.values())).depth == len(chain)
+    for q in (tuple(chain), np.array(chain, dtype=np.uint64), [np.uint64(h) for h in chain],
+              range(5, 6)):
+        got = nat.find_matches(q)
+        assert list(got.items()) == (list(want.items()) if len(q) == len(chain)
+                                     else list(nat.find_matches([5]).items()))
+    for bad in (-1, 2**64, 2**70, -(2**64)):
+        with pytest.raises(OverflowError):
+            nat.find_matches([5, bad])
+    with pytest.raises(TypeError):
+        nat.find_matches([5, "6"])
+
+
+def test_find_matches_answers_a_read_only_mapping_equal_to_the_references_dict():
+    from collections.abc import Mapping
+
+    from control_plane.index.prefix_index import Match, WorkerRank
+
+    ref, nat = PrefixIndex(ALGO, BS), NativePrefixIndex(ALGO, BS)
+    for i, (w, hs) in enumerate((("a", [1, 2, 3]), ("b", [1, 2]))):
+        for idx in (ref, nat):
+            idx.apply(w, 1, 0, contract._stored(w, hs, dp_rank=i))
+    want, got = ref.find_matches([1, 2, 3]), nat.find_matches([1, 2, 3])
+    assert isinstance(got, Mapping) and got == want and want == got and not got != want
+    assert list(got) == list(want) and list(got.keys()) == list(want.keys())
+    assert list(got.values()) == list(want.values()) and len(got) == 2 and got
+    a, missing = WorkerRank("a", 0), WorkerRank("a", 1)
+    assert got[a] == want[a] == Match(3, (3, 0, 0, 0)) and got.get(a) == want[a]
+    assert a in got and ("a", 0) in got and missing not in got
+    assert got.get(missing) is None and got.get(missing, 7) == 7
+    with pytest.raises(KeyError):
+        got[missing]
+    assert repr(got) == repr(want) and dict(got) == want
+    assert not nat.find_matches([9]) and nat.find_matches([9]) == {} and got != {}
+    with pytest.raises(TypeError):
+        hash(got)
+    with pytest.raises(TypeError):
+        got[a] = Match(1, (1, 0, 0, 0))  # type: ignore[index]
