@@ -26,12 +26,13 @@ class StackSettings:
     cache_dir: Path = field(default_factory=lambda: repo_root() / ".cache")
     #: Host every service binds to. Loopback only: the stack is for one box.
     host: str = "127.0.0.1"
-    #: Kafka client (PLAINTEXT) port of the first broker; its KRaft controller listens on this
-    #: + 1. Broker ``i`` of a cluster (0-based) uses ``kafka_port + 2 i`` and the port after it.
+    #: Kafka client port of the first broker; its KRaft controller listens on this + 1. In a
+    #: cluster, broker ``i`` (0-based) uses ``kafka_port + 2 i`` and controller ``i`` the port after it.
     kafka_port: int = 19092
-    #: Kafka nodes to run (``stack up --brokers``). 1: one JVM, data in ``<state_dir>/kafka``.
-    #: More: that many combined controller+broker JVMs forming one KRaft quorum, data in
-    #: ``<state_dir>/kafka-cluster/broker-<id>``; topics then get min(3, brokers) replicas.
+    #: Kafka brokers to run (``stack up --brokers``). 1: one JVM, broker and controller, data in
+    #: ``<state_dir>/kafka``. More: that many broker JVMs beside min(3, brokers) dedicated
+    #: KRaft controllers, data in ``<state_dir>/kafka-cluster/broker-<id>`` and
+    #: ``controller-<j>``; topics then get min(3, brokers) replicas.
     kafka_brokers: int = 1
     #: PostgreSQL port of the project-local cluster.
     postgres_port: int = 55432

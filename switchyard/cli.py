@@ -154,7 +154,10 @@ def _print_status(stack) -> None:
                        f"{len(st['brokers'])} brokers{extra}")
             for b in st["brokers"]:
                 bstate = f"running pid {b['pid']}" if b["running"] else "stopped"
-                typer.echo(f"  broker {b['node']}  {bstate:18s} {b['address']} (controller {b['controller']})")
+                typer.echo(f"  broker {b['node']}  {bstate:18s} {b['address']}")
+            for c in st.get("controllers", ()):
+                cstate = f"running pid {c['pid']}" if c["running"] else "stopped"
+                typer.echo(f"  controller {c['node']}  {cstate:18s} {c['address']}")
             continue
         typer.echo(f"{st['service']:10s} {state:18s} {st['address']}{extra}")
 

@@ -211,7 +211,8 @@ class ChaosSystem:
     def __post_init__(self) -> None:
         s = self.s
         kw = {"secrets_dir": s.secrets_dir} if s.secrets_dir else {}
-        # Three JVMs on a small shared box: small heaps, C1 only (half the start-up CPU).
+        # Three brokers and three controllers on a small shared box: small heaps, C1 only (half
+        # the start-up CPU). The port span covers both (each controller's port follows a broker's).
         self.stack = StackSettings(state_dir=s.state_dir / "stack", kafka_port=free_port(span=2 * s.topology.brokers),
                                    kafka_brokers=s.topology.brokers, kafka_heap=s.kafka_heap,
                                    kafka_jvm_opts="-XX:TieredStopAtLevel=1", redis_port=free_port(), **kw)

@@ -1,19 +1,24 @@
-"""Real Apache Kafka 4.x in KRaft mode: one node, or a replicated cluster of nodes on one box.
+"""Real Apache Kafka 4.x in KRaft mode: one node, or a replicated cluster on one box.
 
-Every node is one JVM that is both a KRaft controller and a broker (``process.roles=broker,
-controller``): a cluster of N nodes is a quorum of N voters, so three nodes keep electing a
-controller and serving every partition when any one of them dies.
-
-* One broker (the default): node 1, data in ``<state_dir>/kafka``; client port ``kafka_port``,
-  controller ``kafka_port + 1``. Topics have one replica.
-* ``kafka_brokers`` = N > 1: nodes 1..N, data in ``<state_dir>/kafka-cluster/broker-<id>``;
-  node ``i`` listens on ``kafka_port + 2 (i - 1)`` (clients) and the port after it (controller).
-  Every topic, the internal ones included, gets min(3, N) replicas and ``min.insync.replicas``
-  2 when that is 3 (:func:`kernel.log.catalog.replication_for`): an ``acks=all`` write is on
-  two brokers before it is acknowledged, so losing any one broker loses no acknowledged write.
-  A dead broker is fenced, and its partitions led elsewhere, within ``broker.session.timeout.ms``
-  (:data:`BROKER_SESSION_TIMEOUT_MS`, 1.5 s here rather than 9 s: the nodes share one machine,
-  so a missed heartbeat is a dead or stopped JVM, not a slow network).
+* One broker (the default): one JVM that is both the KRaft controller and the broker
+  (``process.roles=broker,controller``), data in ``<state_dir>/kafka``; client port
+  ``kafka_port``, controller ``kafka_port + 1``. Topics have one replica.
+* ``kafka_brokers`` = N > 1: N brokers (``process.roles=broker``, node ids 1..N) beside a
+  quorum of min(N, 3) dedicated controllers (``process.roles=controller``, node ids 101..),
+  data in ``<state_dir>/kafka-cluster/broker-<id>`` and ``controller-<j>``. Broker ``i``
+  listens on ``kafka_port + 2 (i - 1)``, controller ``j`` on ``kafka_port + 2 (j - 1) + 1``.
+  Controllers apart from brokers, as Kafka recommends for production: a broker that dies is
+  only a broker. With combined nodes, killing the partition leader killed the active
+  controller in one case of three, and the new controller fenced the dead broker only a full
+  session after its own election (measured under a CPU hog, 6 kills of the leader: 3.6-4.4 s
+  to the first acknowledged produce when it was also the active controller, 2.7-3.0 s when it
+  was not). Every topic, the internal ones included, gets min(3, N) replicas and
+  ``min.insync.replicas`` 2 when that is 3 (:func:`kernel.log.catalog.replication_for`): an
+  ``acks=all`` write is on two brokers before it is acknowledged, so losing any one broker
+  loses no acknowledged write. A dead broker is fenced, and its partitions led elsewhere,
+  within ``broker.session.timeout.ms`` (:data:`BROKER_SESSION_TIMEOUT_MS`, 1.5 s here rather
+  than 9 s: the nodes share one machine, so a missed heartbeat is a dead or stopped JVM, not a
+  slow network).
 
 The jars come from Maven Central through ``scripts/kafka-pom.xml`` and are cached under
 ``<cache_dir>/kafka/libs``. Storage is formatted once (a cluster's nodes with one cluster id,
@@ -93,41 +98,79 @@ def java_version() -> int | None:
 BROKER_SESSION_TIMEOUT_MS = 1500
 
 
-class KafkaNode:
-    """One Kafka JVM: KRaft controller and broker ``node_id`` of a cluster of ``cluster_size``."""
+#: Node id of a cluster's first dedicated controller (the next ones follow): far from the
+#: brokers' 1..N, so a node id in the metadata says which kind of JVM it is.
+CONTROLLER_ID_BASE = 101
 
-    def __init__(self, settings: StackSettings, libs: Path, node_dir: Path, node_id: int, cluster_size: int) -> None:
+
+def controller_count(brokers: int) -> int:
+    """Dedicated controllers of an N-broker cluster: a quorum of three survives the loss of one."""
+    return min(brokers, 3)
+
+
+class KafkaNode:
+    """One Kafka JVM: the combined controller and broker of a one-node stack (``role``
+    ``combined``), or one broker or one dedicated controller of a cluster of ``cluster_size``
+    brokers."""
+
+    def __init__(self, settings: StackSettings, libs: Path, node_dir: Path, node_id: int, cluster_size: int,
+                 role: str = "combined") -> None:
         self.s = settings
         self.libs = libs
         self.node_id = node_id
         self.cluster_size = cluster_size
+        self.role = role
         self.dir = node_dir
         self.data_dir = node_dir / "data"
         self.pid_file = node_dir / "kafka.pid"
         self.log_file = node_dir / "server.log"
-        self.port = settings.kafka_port + 2 * (node_id - 1)
-        self.controller_port = self.port + 1
+        if role == "controller":
+            self.port = self.controller_port = settings.kafka_port + 2 * (node_id - CONTROLLER_ID_BASE) + 1
+        else:
+            self.port = settings.kafka_port + 2 * (node_id - 1)
+            self.controller_port = self.port + 1
 
     @property
     def address(self) -> str:
         return f"{self.s.host}:{self.port}"
 
+    def voters(self) -> str:
+        """``controller.quorum.voters``: the combined node itself, or the cluster's controllers."""
+        h, p = self.s.host, self.s.kafka_port
+        if self.role == "combined":
+            return f"{self.node_id}@{h}:{self.controller_port}"
+        return ",".join(f"{CONTROLLER_ID_BASE + j}@{h}:{p + 2 * j + 1}" for j in range(controller_count(self.cluster_size)))
+
     def config_lines(self) -> list[str]:
-        h, p, n = self.s.host, self.s.kafka_port, self.cluster_size
+        h, n = self.s.host, self.cluster_size
         rf, min_isr = replication_for(n)
-        voters = ",".join(f"{i}@{h}:{p + 2 * (i - 1) + 1}" for i in range(1, n + 1))
+        serves = self.role != "controller"
         lines = [
-            "process.roles=broker,controller",
+            f"process.roles={'broker,controller' if self.role == 'combined' else self.role}",
             f"node.id={self.node_id}",
-            f"controller.quorum.voters={voters}",
-            f"listeners={self.listener}://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}",
-            f"advertised.listeners={self.listener}://{h}:{self.port}",
+            f"controller.quorum.voters={self.voters()}",
             "controller.listener.names=CONTROLLER",
-            f"inter.broker.listener.name={self.listener}",
-            f"listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,{self.listener}:{self.listener}",
+        ]
+        if self.role == "combined":
+            lines.append(f"listeners={self.listener}://{h}:{self.port},CONTROLLER://{h}:{self.controller_port}")
+        elif self.role == "broker":
+            lines.append(f"listeners={self.listener}://{h}:{self.port}")
+        else:
+            lines.append(f"listeners=CONTROLLER://{h}:{self.controller_port}")
+        if serves:
+            lines += [
+                f"advertised.listeners={self.listener}://{h}:{self.port}",
+                f"inter.broker.listener.name={self.listener}",
+                f"listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT,{self.listener}:{self.listener}",
+            ]
+        else:
+            lines.append("listener.security.protocol.map=CONTROLLER:SASL_PLAINTEXT")
+        lines += [
             *self.auth_lines(),
-            *self.tls_lines(),
+            *(self.tls_lines() if serves else []),
             f"log.dirs={self.data_dir}",
+            # Topic defaults on every kind of node: a controller applies them when it creates a
+            # topic, a broker when it creates an internal one.
             "num.partitions=3",
             # Topics are created explicitly from the catalog, never by accident.
             "auto.create.topics.enable=false",
@@ -149,15 +192,15 @@ class KafkaNode:
         ]
         if n > 1:
             lines += [
-                # A kill -9 of a node stops its partitions' writes until the controller fences
-                # it: after its session timeout, and when the node was also the active KRaft
-                # controller, after a new one is elected first (the fetch timeout, then an
-                # election), whose brokers' sessions start afresh. Defaults 9 s + 2 s + 1 s;
+                # A kill -9 of a broker stops its partitions' writes until the controller fences
+                # it, after its session timeout; a dead controller costs an election (the fetch
+                # timeout, then the election timeout) but fences nobody. Defaults 9 s + 2 s + 1 s;
                 # here 1.5 s + 0.75 s + 0.5 s, with heartbeats every 250 ms (six chances for a
                 # busy JVM before a false fence, which only moves leaders: clients ride it out).
-                # Measured with a producer's socket timeout of 2 s (kernel/log/kafka.py): the
-                # first acknowledged produce after a leader's kill -9 came 2.4-3.3 s later, after
-                # a SIGSTOP 3.1-4.8 s later (4 runs each; 2 s + 1 s: 2.3-3.8 and 3.2-5.4 s).
+                # Measured with a producer's socket timeout of 2 s (kernel/log/kafka.py) on
+                # combined nodes: the first acknowledged produce after a leader's kill -9 came
+                # 2.4-3.3 s later, after a SIGSTOP 3.1-4.8 s later (4 runs each; 2 s + 1 s:
+                # 2.3-3.8 and 3.2-5.4 s).
                 "broker.heartbeat.interval.ms=250",
                 f"broker.session.timeout.ms={BROKER_SESSION_TIMEOUT_MS}",
                 "controller.quorum.fetch.timeout.ms=750",
@@ -173,15 +216,18 @@ class KafkaNode:
         PLAIN with the same password held in this file (a controller has to authenticate its
         peers before it has read any metadata, so it cannot look SCRAM credentials up)."""
         user, pw = KAFKA_USER, self.s.secret("kafka")
+        scram = [] if self.role == "controller" else [
+            "sasl.enabled.mechanisms=SCRAM-SHA-256",
+            "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-256",
+            f"listener.name.{self.listener.lower()}.scram-sha-256.sasl.jaas.config="
+            f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{pw}";',
+        ]
         return [
             # Each component is its own principal, confined by ACLs (kernel/log/principals.py);
             # the stack's user is the super user: brokers, controllers, operator tools.
             "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             f"super.users=User:{user}",
-            "sasl.enabled.mechanisms=SCRAM-SHA-256",
-            "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-256",
-            f"listener.name.{self.listener.lower()}.scram-sha-256.sasl.jaas.config="
-            f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{pw}";',
+            *scram,
             "listener.name.controller.sasl.enabled.mechanisms=PLAIN",
             "sasl.mechanism.controller.protocol=PLAIN",
             "listener.name.controller.plain.sasl.jaas.config="
@@ -267,7 +313,7 @@ class KafkaNode:
                 pass
 
     def check_ports(self) -> None:
-        for port in (self.port, self.controller_port):
+        for port in sorted({self.port, self.controller_port}) if self.role == "combined" else (self.port,):
             require_free_port(f"kafka node {self.node_id}", self.s.host, port, "SWITCHYARD_KAFKA_PORT")
 
     def launch(self) -> subprocess.Popen:
@@ -324,7 +370,7 @@ class KafkaNode:
 
     def status(self) -> dict:
         pid = self.pid()
-        return {"node": self.node_id, "running": bool(pid), "pid": pid, "address": self.address,
+        return {"node": self.node_id, "role": self.role, "running": bool(pid), "pid": pid, "address": self.address,
                 "controller": f"{self.s.host}:{self.controller_port}", "data": str(self.data_dir)}
 
 
@@ -344,13 +390,21 @@ class KafkaService:
         return self.s.state_dir / ("kafka" if brokers == 1 else "kafka-cluster")
 
     def _nodes(self, brokers: int) -> list[KafkaNode]:
+        """The layout's JVMs: brokers first (node ids 1..N), then a cluster's controllers."""
         if brokers == 1:
             return [KafkaNode(self.s, self.libs, self.s.state_dir / "kafka", 1, 1)]
         base = self._layout_dir(brokers)
-        return [KafkaNode(self.s, self.libs, base / f"broker-{i}", i, brokers) for i in range(1, brokers + 1)]
+        return [*(KafkaNode(self.s, self.libs, base / f"broker-{i}", i, brokers, "broker")
+                  for i in range(1, brokers + 1)),
+                *(KafkaNode(self.s, self.libs, base / f"controller-{j + 1}", CONTROLLER_ID_BASE + j, brokers,
+                            "controller") for j in range(controller_count(brokers)))]
 
     def node(self, node_id: int) -> KafkaNode:
-        return self.nodes[node_id - 1]
+        """The JVM of a node id (a broker's id is what partition metadata names as leader)."""
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise KeyError(f"no Kafka node {node_id} in this layout")
 
     # Kept for callers of the one-broker layout (its data dir, pid file and log).
     @property
@@ -409,6 +463,9 @@ class KafkaService:
             if formatted != self.brokers:
                 raise StackError(f"{self.dir} holds a {formatted}-broker cluster; start it with --brokers "
                                  f"{formatted}, or delete {self.dir} to start a {self.brokers}-broker one empty")
+            if self.brokers > 1 and not (self.dir / "controllers").exists():
+                raise StackError(f"{self.dir} holds a cluster of combined controller+broker nodes, formatted "
+                                 "before clusters had dedicated controllers; delete it to start one empty")
             return id_file.read_text().strip()
         self.dir.mkdir(parents=True, exist_ok=True)
         if self.brokers == 1 and (self.data_dir / "meta.properties").exists():
@@ -420,6 +477,8 @@ class KafkaService:
             cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         id_file.write_text(cid)
         size_file.write_text(str(self.brokers))
+        if self.brokers > 1:
+            (self.dir / "controllers").write_text(str(controller_count(self.brokers)))
         return cid
 
     def _other_layout(self) -> list[KafkaNode]:
@@ -493,7 +552,7 @@ class KafkaService:
 
         # A plain TCP probe first: librdkafka retries (and logs) forever on a closed port.
         for n in self.nodes:
-            if n.pid():
+            if n.role != "controller" and n.pid():
                 with socket.create_connection((self.s.host, n.port), timeout=1):
                     break
         else:
@@ -555,8 +614,9 @@ class KafkaService:
         nodes = self.nodes
         if not any(n.pid() for n in nodes) and self._other_layout_running():
             nodes = self._other_layout()
-        brokers = [n.status() for n in nodes]
-        running = all(b["running"] for b in brokers)
+        brokers = [n.status() for n in nodes if n.role != "controller"]
+        controllers = [n.status() for n in nodes if n.role == "controller"]
+        running = all(b["running"] for b in [*brokers, *controllers])
         return {
             "service": self.name,
             "running": running,
@@ -565,6 +625,7 @@ class KafkaService:
             "version": self.version(),
             "data": str(nodes[0].data_dir if len(nodes) == 1 else nodes[0].dir.parent),
             "brokers": brokers,
+            "controllers": controllers,
         }
 
 

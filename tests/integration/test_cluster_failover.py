@@ -37,7 +37,8 @@ KEY = "w-failover"  # one key: one partition, whose leader is killed
 
 @pytest.fixture
 def cluster(tmp_path):
-    # Three JVMs on a small shared box: small heaps, C1 only (half the start-up CPU).
+    # Three brokers and three controllers on a small shared box: small heaps, C1 only (half the
+    # start-up CPU).
     s = StackSettings(state_dir=tmp_path / "stack", kafka_port=free_port(span=6), kafka_brokers=3,
                       kafka_heap="384m", kafka_jvm_opts="-XX:TieredStopAtLevel=1")
     kafka = KafkaService(s)
