@@ -21,9 +21,16 @@ vllm-project/vllm):
 * On the wire (KV events, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default) a hash is the
   last 8 bytes of the digest read big-endian: an unsigned 64-bit int. That is :data:`BlockHash`.
 
-Speed: the router hashes every prompt. One block costs one C-level serialisation plus one digest
-and no other per-block work; 32K tokens (2,048 blocks of 16) take about 2.3 ms with sha256,
-4 ms with sha256_cbor, 1.3 / 3.2 ms with the xxhash variants (2-core dev box, CPython 3.11).
+Speed: the router hashes every prompt. In Python one block costs one C-level serialisation plus
+one digest and no other per-block work; 32K tokens (2,048 blocks of 16) take about 2.3 ms with
+sha256, 4 ms with sha256_cbor, 1.3 / 3.2 ms with the xxhash variants (2-core dev box, CPython
+3.11). vLLM's default, sha256 without extra keys, has a native path (``switchyard_native``,
+``native/src/blockhash.rs``: it writes the bytes CPython's pickler writes for the block's tuple
+and hashes them): :func:`hash_blocks` takes it for a list or tuple of plain ints, and
+:func:`hash_json_ids` reads a prompt's ids straight from the JSON array a client sent. The same
+hashes bit for bit (``tests/unit/test_hashing.py`` holds them equal to
+:func:`hash_block_digests`, the specification); for a 4K-token prompt in blocks of 64, 120 us in
+Python against 78 us from a list and 34 us from the JSON bytes (parsing included).
 """
 
 from __future__ import annotations
@@ -40,6 +47,13 @@ import xxhash
 
 from kernel.errors import HashConfigError
 from schemas.types import BlockHash
+
+try:  # the native crate is a project dependency; a build without it hashes in Python
+    from switchyard_native import sha256_ids_chain as _native_ids
+    from switchyard_native import sha256_json_ids_chain as _native_json_ids
+except ImportError:  # pragma: no cover - exercised only without the native build
+    _native_ids = None
+    _native_json_ids = None
 
 #: Seed vLLM derives NONE_HASH from when PYTHONHASHSEED is unset and the algorithm is
 #: cryptographic (``kv_cache_utils.DEFAULT_NONE_HASH_SEED``).
@@ -223,7 +237,24 @@ def hash_blocks(
 ) -> list[BlockHash]:
     """Wire-form (u64) hashes of every full block of ``token_ids``; see
     :func:`hash_block_digests` for the arguments. This is what KV events and the prefix index
-    carry, and what :meth:`PrefixIndex.find_matches` takes."""
+    carry, and what :meth:`PrefixIndex.find_matches` takes. Natively for sha256 without extra
+    keys when ``token_ids`` is a list or tuple of plain ints (module docstring)."""
+    if (_native_ids is not None and extra_keys is None and config.algo is HashAlgo.SHA256
+            and (parent is None or len(parent) == 32)):
+        out = _native_ids(parent or _resolve(config.algo, config.seed)[1], token_ids, config.block_size)
+        if out is not None:
+            return out
     from_bytes = int.from_bytes
     return [from_bytes(d[-8:], "big")  # type: ignore[misc]
             for d in hash_block_digests(token_ids, config, extra_keys, parent=parent)]
+
+
+def hash_json_ids(json: bytes, vocab_size: int, config: HashConfig) -> tuple[int, list[BlockHash]] | None:
+    """A prompt of token ids read from ``json``, the bytes of the JSON array a client sent:
+    (how many ids, :func:`hash_blocks` of them), in one native call that makes no Python int
+    per id. None unless ``json`` is an array of plain integers ``0 <= id < vocab_size`` (digits
+    only: no sign, fraction, exponent or leading zero) and ``config`` is sha256 with the native
+    build present; the caller then decodes the prompt the general way, which words any error."""
+    if _native_json_ids is None or config.algo is not HashAlgo.SHA256:
+        return None
+    return _native_json_ids(_resolve(config.algo, config.seed)[1], json, vocab_size, config.block_size)

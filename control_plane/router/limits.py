@@ -24,6 +24,7 @@ from typing import Annotated
 import msgspec
 
 from control_plane.router.errors import InvalidRequest
+from control_plane.router.prompt import PromptIds
 from schemas.types import RequestId
 
 #: The simulated model's context length (``switchyard-sim``: a Llama-3.1-8B-shaped engine,
@@ -107,8 +108,14 @@ def _ids_below(vocab_size: int) -> object:
 
 def _in_vocabulary(tokens: Sequence[int], vocab_size: int) -> bool:
     """Every id in ``[0, vocab_size)``, checked in one pass in C (2.5x faster than ``min`` and
-    ``max`` at 4K ids: 38-55 us against 94-136 us). False is only a hint (``check_generation``
-    finds the bad id with ``min`` and ``max``): ids that are not plain ints land there too."""
+    ``max`` at 4K ids: 38-55 us against 94-136 us), or known already: a prompt read natively
+    (:class:`~control_plane.router.prompt.PromptIds`) was read only if every id is below its
+    bound. False is only a hint (``check_generation`` finds the bad id with ``min`` and
+    ``max``): ids that are not plain ints land there too."""
+    if isinstance(tokens, PromptIds):
+        if tokens.below <= vocab_size:
+            return True
+        tokens = tokens.ids()
     try:
         msgspec.convert(tokens, _ids_below(vocab_size), strict=True)
     except msgspec.ValidationError:

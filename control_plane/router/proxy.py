@@ -27,7 +27,7 @@ import logging
 import statistics
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -40,7 +40,8 @@ from control_plane.router.ledger import RouterLedger
 from control_plane.router.limits import new_request_id
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import CallFailed, HttpWorkerCalls, Unsendable, WorkerCalls, lines
-from kernel.hashing import HashConfig, hash_blocks
+from control_plane.router.prompt import block_hashes, encode_json
+from kernel.hashing import HashConfig
 from kernel.log.sink import EventSink
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -75,7 +76,8 @@ class RouterRejected(Exception):
 class Admission:
     request_id: str
     model: str
-    tokens: list[int]
+    #: The prompt's ids: a list, or the client's JSON array read natively (``PromptIds``).
+    tokens: Sequence[int]
     hashes: list[int]
     max_tokens: int
     stream: bool
@@ -107,8 +109,9 @@ class WorkerFailed(Exception):
         self.worker_id = worker_id
 
 
-#: The worker call's body: encoded once, straight to bytes (a 32K-token prompt is ~200 KB).
-_json = msgspec.json.encode
+#: The worker call's body: encoded once, straight to bytes (a 32K-token prompt is ~200 KB; a
+#: prompt read natively is written as the bytes the client sent: control_plane/router/prompt.py).
+_json = encode_json
 #: A worker's JSON (an SSE event's data, a prefill answer), decoded without a str in between.
 _decode = msgspec.json.decode
 
@@ -196,12 +199,12 @@ class Router:
 
     # -- admission --------------------------------------------------------------------------
 
-    def admit(self, *, request_id: str | None, model: str, tokens: list[int], max_tokens: int,
+    def admit(self, *, request_id: str | None, model: str, tokens: Sequence[int], max_tokens: int,
               stream: bool, endpoint: str, client_request_id: str | None = None) -> Admission:
         """Record the request's admission. ``request_id`` is the router's own (see
         :mod:`.limits`: never a client's); ``client_request_id`` is kept as metadata."""
         rid = request_id or new_request_id(endpoint)
-        hashes = hash_blocks(tokens, self.hash_config)
+        hashes = block_hashes(tokens, self.hash_config)
         adm = Admission(rid, model, tokens, hashes, max_tokens, stream, endpoint)
         self._record(RequestAdmitted(
             request_id=rid, model=model, prompt_tokens=len(tokens), max_tokens=max_tokens, stream=stream,

@@ -323,6 +323,70 @@ pub fn chain_digests(parent: &[u8; 32], tokens: &[i64], block_size: usize) -> Op
     Some(out)
 }
 
+/// A digest's wire form (`kernel/hashing.py::to_wire`): its last 8 bytes, big-endian.
+#[inline]
+pub fn wire(d: &[u8; 32]) -> u64 {
+    u64::from_be_bytes(d[24..].try_into().unwrap())
+}
+
+/// JSON's insignificant whitespace (RFC 8259).
+#[inline(always)]
+fn json_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// The token ids of `json` when it is one JSON array of plain integers `0 <= id < vocab`, each
+/// written as digits only (no sign, fraction, exponent or leading zero), with JSON whitespace
+/// anywhere between tokens: appended to `out`, true. False for anything else, with `out` in any
+/// state: not an error, only "not this narrow form", and the caller reads the prompt the
+/// general way (which words the client's error). Every id of this form is the one a JSON parser
+/// reads; no prompt it accepts reads differently there.
+pub fn json_token_ids(json: &[u8], vocab: u64, out: &mut Vec<i64>) -> bool {
+    let n = json.len();
+    let mut i = 0;
+    let skip = |mut i: usize| {
+        while i < n && json_ws(json[i]) {
+            i += 1;
+        }
+        i
+    };
+    i = skip(i);
+    if i == n || json[i] != b'[' {
+        return false;
+    }
+    i = skip(i + 1);
+    if i < n && json[i] == b']' {
+        return skip(i + 1) == n;
+    }
+    // 19 digits always fit in a u64 (10^19 - 1 < 2^64); a longer one is beyond any vocabulary.
+    let limit = vocab.min(i64::MAX as u64);
+    loop {
+        let start = i;
+        let mut v: u64 = 0;
+        while i < n && json[i].is_ascii_digit() {
+            if i - start == 19 {
+                return false;
+            }
+            v = v * 10 + (json[i] - b'0') as u64;
+            i += 1;
+        }
+        let len = i - start;
+        if len == 0 || (len > 1 && json[start] == b'0') || v >= limit {
+            return false;
+        }
+        out.push(v as i64);
+        i = skip(i);
+        if i == n {
+            return false;
+        }
+        match json[i] {
+            b',' => i = skip(i + 1),
+            b']' => return skip(i + 1) == n,
+            _ => return false,
+        }
+    }
+}
+
 /// SplitMix64's finaliser (`data_plane/engines/request.py::mix64`).
 #[inline]
 pub fn mix64(x: u64) -> u64 {
@@ -516,6 +580,34 @@ pub(crate) mod tests {
             let end = put_int(&mut out, 0, v);
             assert_eq!(out[..end], want[..], "{v}");
         }
+    }
+
+    #[test]
+    fn json_token_ids_reads_only_plain_arrays_of_ids_below_vocab() {
+        let read = |s: &str, vocab: u64| {
+            let mut out = Vec::new();
+            json_token_ids(s.as_bytes(), vocab, &mut out).then_some(out)
+        };
+        assert_eq!(read("[1,2,3]", 10), Some(vec![1, 2, 3]));
+        assert_eq!(read(" [ 0 ,\n9\t,\r10 ] ", 11), Some(vec![0, 9, 10]));
+        assert_eq!(read("[]", 10), Some(vec![]));
+        assert_eq!(read("[ ]", 10), Some(vec![]));
+        assert_eq!(read("[9223372036854775806]", u64::MAX), Some(vec![i64::MAX - 1]));
+        for bad in [
+            "", "[", "]", "[1", "[1,]", "[,1]", "[1 2]", "[1,,2]", "[01]", "[00]", "[-1]", "[-0]", "[+1]",
+            "[1.0]", "[1e2]", "[1E2]", "[\"1\"]", "[true]", "[null]", "[[1]]", "[1]x", "[1] [2]", "1",
+            "{}", "[9223372036854775807]", "[12345678901234567890]", "[1\u{a0}]",
+        ] {
+            assert_eq!(read(bad, u64::MAX), None, "{bad:?}");
+        }
+        assert_eq!(read("[9,10]", 10), None, "an id at the vocabulary's size");
+        // The ids hash as the same list would.
+        let none = sha256(b"vllm-none-hash");
+        let ids: Vec<i64> = (5000..5000 + 130).collect();
+        let text = format!("[{}]", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
+        let mut out = Vec::new();
+        assert!(json_token_ids(text.as_bytes(), 128_256, &mut out));
+        assert_eq!(chain_digests(&none, &out, 64), chain_digests(&none, &ids, 64));
     }
 
     #[test]

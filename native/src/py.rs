@@ -709,8 +709,55 @@ fn digest32(b: &[u8], what: &str) -> PyResult<[u8; 32]> {
 
 /// (digests concatenated, their wire forms: last 8 bytes big-endian) for the Python side.
 fn digests_out<'py>(py: Python<'py>, ds: &[[u8; 32]]) -> (Bound<'py, PyBytes>, Vec<u64>) {
-    let wire = ds.iter().map(|d| u64::from_be_bytes(d[24..].try_into().unwrap())).collect();
+    let wire = ds.iter().map(crate::blockhash::wire).collect();
     (PyBytes::new(py, ds.as_flattened()), wire)
+}
+
+/// The wire hashes of `sha256_block_chain(parent, tokens, block_size)` for a list or tuple of
+/// token ids, without a Python type check first: None unless every item is exactly an `int`
+/// (a bool, an int subclass or a numpy scalar pickles differently) within 64 bits, or when a
+/// block is too big for one pickle frame (the caller hashes in Python). The GIL is kept: the
+/// router calls this per request, and a release would let another thread take the event
+/// loop's GIL for a whole switch interval.
+#[pyfunction]
+fn sha256_ids_chain(parent: &[u8], tokens: &Bound<'_, PyAny>, block_size: usize) -> PyResult<Option<Vec<u64>>> {
+    let p = digest32(parent, "parent")?;
+    fn exact(item: Bound<'_, PyAny>) -> Option<i64> {
+        if !item.is_exact_instance_of::<pyo3::types::PyInt>() {
+            return None;
+        }
+        item.extract::<i64>().ok()
+    }
+    let ids: Option<Vec<i64>> = if let Ok(list) = tokens.cast::<PyList>() {
+        list.iter().map(exact).collect()
+    } else if let Ok(tuple) = tokens.cast::<PyTuple>() {
+        tuple.iter().map(exact).collect()
+    } else {
+        None
+    };
+    Ok(ids.and_then(|ids| crate::blockhash::chain_digests(&p, &ids, block_size))
+        .map(|ds| ds.iter().map(crate::blockhash::wire).collect()))
+}
+
+/// A prompt of token ids as the client sent it (`json`: the JSON array's bytes) read and hashed
+/// in one call, no Python int made per id: (how many ids, the wire hashes of its full blocks as
+/// `sha256_block_chain` gives them). None when `json` is not an array of plain integers below
+/// `vocab` (`blockhash::json_token_ids`) or a block is too big for one pickle frame: the caller
+/// then reads the prompt the general way. The GIL is kept (see `sha256_ids_chain`).
+#[pyfunction]
+fn sha256_json_ids_chain(
+    parent: &[u8],
+    json: &[u8],
+    vocab: u64,
+    block_size: usize,
+) -> PyResult<Option<(usize, Vec<u64>)>> {
+    let p = digest32(parent, "parent")?;
+    let mut ids = Vec::with_capacity(json.len() / 4);
+    if !crate::blockhash::json_token_ids(json, vocab, &mut ids) {
+        return Ok(None);
+    }
+    Ok(crate::blockhash::chain_digests(&p, &ids, block_size)
+        .map(|ds| (ids.len(), ds.iter().map(crate::blockhash::wire).collect())))
 }
 
 /// `hash_block_digests(tokens, HashConfig(sha256, block_size), parent=parent)`, natively; None
@@ -823,6 +870,8 @@ fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyMatches>()?;
     m.add_class::<PyVerifier>()?;
     m.add_function(wrap_pyfunction!(sha256_block_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(sha256_ids_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(sha256_json_ids_chain, m)?)?;
     m.add_function(wrap_pyfunction!(mooncake_block_chain, m)?)?;
     m.add_function(wrap_pyfunction!(pseudo_tokens, m)?)?;
     m.add_class::<PyMooncakeHasher>()?;

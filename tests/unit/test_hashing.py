@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 
 import cbor2
 import msgspec
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kernel.errors import HashConfigError, KernelError
 from kernel.hashing import (
@@ -18,6 +21,7 @@ from kernel.hashing import (
     HashConfig,
     hash_block_digests,
     hash_blocks,
+    hash_json_ids,
     hash_object,
     to_wire,
 )
@@ -129,3 +133,76 @@ def test_config_validation_and_wire_name():
         HashConfig(block_size=0)
     with pytest.raises(ValueError, match="extra_keys"):
         hash_blocks(list(range(32)), HashConfig(), [None])
+
+
+# -- the native paths: the same hashes as the specification, bit for bit ------------------------
+
+_EDGES = [0, 1, 255, 256, 65535, 65536, 2**31 - 1, 2**31, -1, -(2**31), -(2**31) - 1, 2**63 - 1, -(2**63),
+          2**63, 2**64, -(2**63) - 1]
+
+
+@given(st.lists(st.one_of(st.integers(0, 200_000), st.sampled_from(_EDGES)), max_size=300),
+       st.sampled_from([1, 2, 3, 16, 64]), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_hash_blocks_natively_is_the_specification(tokens: list[int], block_size: int, chained: bool) -> None:
+    """Property: ``hash_blocks`` (native for sha256 on lists and tuples of plain ints) gives
+    the wire forms of ``hash_block_digests`` (pickle + hashlib), whatever the ints' sizes (an
+    int beyond 64 bits takes the Python path), from NONE_HASH or from a parent."""
+    cfg = HashConfig(HashAlgo.SHA256, block_size)
+    parent = hash_block_digests([7] * block_size, cfg)[0] if chained else None
+    want = [to_wire(d) for d in hash_block_digests(tokens, cfg, parent=parent)]
+    assert hash_blocks(tokens, cfg, parent=parent) == want
+    assert hash_blocks(tuple(tokens), cfg, parent=parent) == want
+
+
+def test_hash_blocks_falls_back_for_what_pickles_differently() -> None:
+    """A bool or a numpy int pickles otherwise than the int it equals: the native path refuses
+    them and the answer is the specification's."""
+    cfg = HashConfig(HashAlgo.SHA256, 2)
+    for odd in ([True, 3], [3, False], [np.int64(3), 4], [2**64, 1], [2**70, -(2**65)]):
+        assert hash_blocks(odd, cfg) == [to_wire(d) for d in hash_block_digests(odd, cfg)]
+    assert hash_blocks([True, 3], cfg) != hash_blocks([1, 3], cfg)
+
+
+_WS = st.sampled_from(["", " ", "\n", "\t", "\r\n", "  "])
+
+
+@st.composite
+def _json_ids(draw) -> str:
+    """JSON texts near the form ``hash_json_ids`` reads: arrays of ids with any whitespace,
+    and now and then one number written another way (sign, fraction, exponent, leading zero,
+    string, nesting) or a broken array."""
+    ids = draw(st.lists(st.integers(0, 300), max_size=80))
+    parts = [str(i) for i in ids]
+    if parts and draw(st.booleans()):
+        k = draw(st.integers(0, len(parts) - 1))
+        parts[k] = draw(st.sampled_from(["-1", "-0", "1.0", "1e2", "01", "00", '"5"', "[5]", "true", "null",
+                                         "12345678901234567890", "", "5,"]))
+    text = draw(_WS) + "[" + draw(_WS) + ",".join(p + draw(_WS) for p in parts) + "]" + draw(_WS)
+    return text if draw(st.integers(0, 9)) else text[: draw(st.integers(0, len(text)))]
+
+
+@given(_json_ids(), st.sampled_from([1, 4, 16, 64]), st.sampled_from([1, 200, 301, 128_256]))
+@settings(max_examples=500, deadline=None)
+def test_hash_json_ids_reads_what_a_json_parser_reads(text: str, block_size: int, vocab: int) -> None:
+    """Property: whenever ``hash_json_ids`` reads a JSON text, a JSON parser reads the same ids
+    from it (strictly, as a list of ints), all below the vocabulary, and the hashes are
+    ``hash_blocks`` of them; it declines every array of plain ids below the vocabulary only
+    when one is not written as digits alone."""
+    cfg = HashConfig(HashAlgo.SHA256, block_size)
+    got = hash_json_ids(text.encode(), vocab, cfg)
+    try:
+        ids = msgspec.json.decode(text, type=list[int], strict=True)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        ids = None
+    if got is not None:
+        assert ids is not None and all(0 <= i < vocab for i in ids)
+        assert got == (len(ids), hash_blocks(ids, cfg))
+    elif ids is not None and all(0 <= i < vocab for i in ids):
+        assert re.search(r"-0|01|00|e2|\.0", text), text  # msgspec reads -0, 01... as ints too
+
+
+def test_hash_json_ids_declines_other_configurations() -> None:
+    assert hash_json_ids(b"[1, 2]", 10, HashConfig(HashAlgo.SHA256_CBOR, 1)) is None
+    assert hash_json_ids(b"[1, 2]", 10, HashConfig(HashAlgo.SHA256, 1)) == (2, hash_blocks([1, 2], HashConfig(
+        HashAlgo.SHA256, 1)))
