@@ -321,6 +321,10 @@ class KafkaNode:
         cfg = self.dir / "server.properties"
         env = dict(os.environ)
         env.pop("KAFKA_OPTS", None)
+        # The JVM's temporary files (the compression codecs' native libraries, extracted at each
+        # start and never deleted) go in the node's own directory, not the machine's /tmp.
+        tmp = self.dir / "tmp"
+        tmp.mkdir(exist_ok=True)
         cmd = [
             "java",
             f"-Xmx{self.s.kafka_heap}",
@@ -331,6 +335,7 @@ class KafkaNode:
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={self.dir / 'log4j2.properties'}",
             f"-Dswitchyard.stack={self.dir}",
+            f"-Djava.io.tmpdir={tmp}",
             "-cp",
             f"{self.libs}/*",
             KAFKA_MAIN,
