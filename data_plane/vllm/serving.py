@@ -41,6 +41,8 @@ import asyncio
 import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -65,6 +67,63 @@ log = logging.getLogger(__name__)
 
 #: The tiny Llama shipped with the repo (config only: ``load_format="dummy"``).
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "models" / "tiny-llama"
+
+#: Prefix of a worker's private temporary directory (see :class:`_PrivateTmp`).
+PRIVATE_TMP_PREFIX = "switchyard-vllm-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _PrivateTmp:
+    """The temporary directory of one engine's vLLM processes, removed at stop.
+
+    vLLM names its ZMQ IPC sockets after ``VLLM_RPC_BASE_PATH`` and its file-store rendezvous
+    (``vllm_dist_*``, in the engine-core process) after ``tempfile.gettempdir()``, both the
+    machine's temporary directory by default, and removes neither: every start left files in
+    /tmp. While the engine runs, both point at ``<tmp>/switchyard-vllm-<pid>-<random>`` (short:
+    a unix socket path ends at 107 bytes). The engine core is forked (or spawned) inside
+    ``AsyncLLM`` construction, so it inherits ``TMPDIR`` and ``tempfile.tempdir`` from then.
+    Directories of processes that are gone (a kill -9) are removed by the next start.
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self._saved: dict[str, str | None] = {}
+        self._saved_tempdir: str | None = None
+
+    def enter(self) -> Path:
+        base = Path(tempfile.gettempdir())
+        for d in base.glob(PRIVATE_TMP_PREFIX + "*"):
+            pid = d.name.removeprefix(PRIVATE_TMP_PREFIX).split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_TMP_PREFIX}{os.getpid()}-", dir=base))
+        self._saved_tempdir = tempfile.tempdir
+        for name in ("TMPDIR", "VLLM_RPC_BASE_PATH"):
+            self._saved[name] = os.environ.get(name)
+            os.environ[name] = str(self.path)
+        tempfile.tempdir = str(self.path)
+        return self.path
+
+    def exit(self) -> None:
+        if self.path is None:
+            return
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        tempfile.tempdir = self._saved_tempdir
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path = None
 
 
 @dataclass(frozen=True)
@@ -364,6 +423,7 @@ class VllmServingEngine:
         self._llm: Any = None
         self._bridge: KvEventBridge | None = None
         self._bridges = 0
+        self._tmp = _PrivateTmp()
         #: Prompt tokens of requests submitted but not yet producing output (queued prefill).
         self._queued: dict[str, int] = {}
         self._live: set[str] = set()
@@ -470,7 +530,12 @@ class VllmServingEngine:
         args = self.engine_args(events_port, replay_port)
         log.info("starting vLLM: %s", json.dumps(args, default=str))
         t0 = time.monotonic()
-        self._llm = await asyncio.to_thread(self._build, args)
+        self._tmp.enter()
+        try:
+            self._llm = await asyncio.to_thread(self._build, args)
+        except BaseException:
+            self._tmp.exit()
+            raise
         cfg = self._llm.vllm_config
         self.num_blocks = int(cfg.cache_config.num_gpu_blocks or 0)
         mc = cfg.model_config
@@ -512,6 +577,7 @@ class VllmServingEngine:
             await asyncio.to_thread(self._bridge.stop)
             if self._bridge.error is not None:
                 log.error("KV event bridge failed: %r", self._bridge.error)
+        self._tmp.exit()
 
     # ------------------------------------------------------------------------------- requests
 

@@ -154,3 +154,35 @@ async def test_generate_maps_request_and_streams_indexed_chunks(fake_vllm):
         (1, (7,), False), (2, (8, 9), False), (4, (), True)]
     assert chunks[-1].finish_reason == "length"
     assert chunks[-1].kv_transfer_params == {"remote_block_ids": [1]}
+
+
+def test_private_tmp_holds_vllm_files_while_running_and_goes_at_exit(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from data_plane.vllm.serving import PRIVATE_TMP_PREFIX, _PrivateTmp
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    # Left by a worker killed -9 (no such pid), and one of a live process (this one's parent).
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / f"{PRIVATE_TMP_PREFIX}{dead}-old").mkdir()
+    live = tmp_path / f"{PRIVATE_TMP_PREFIX}{os.getppid()}-other"
+    live.mkdir()
+
+    tmp = _PrivateTmp()
+    path = tmp.enter()
+    assert path.parent == tmp_path and path.name.startswith(f"{PRIVATE_TMP_PREFIX}{os.getpid()}-")
+    assert os.environ["VLLM_RPC_BASE_PATH"] == os.environ["TMPDIR"] == tempfile.gettempdir() == str(path)
+    # vLLM's IPC socket paths (<dir>/<uuid4>) under /tmp stay within the unix socket limit.
+    assert len("/tmp/" + path.name) + 1 + 36 <= 107
+    assert not (tmp_path / f"{PRIVATE_TMP_PREFIX}{dead}-old").exists() and live.exists()
+    (path / "vllm_dist_x").write_text("rendezvous")
+
+    tmp.exit()
+    assert not path.exists()
+    assert "VLLM_RPC_BASE_PATH" not in os.environ
+    assert os.environ["TMPDIR"] == tempfile.gettempdir() == str(tmp_path)
+    tmp.exit()  # idempotent
