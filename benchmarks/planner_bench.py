@@ -70,8 +70,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -590,8 +592,10 @@ def run_dynamo(reqs: Sequence[Req], **job_args) -> SimResult | str:
     if env.returncode != 0:
         return f"scripts/dynamo-planner-env.sh failed ({env.returncode}): {env.stderr.strip()[-2000:]}"
     job = dynamo_job(reqs, **job_args)
-    proc = subprocess.run([str(DYNAMO_ENV / "bin" / "python"), str(DYNAMO_DRIVER)], input=json.dumps(job),
-                          capture_output=True, text=True)
+    # Dynamo's runtime writes a logging config to a temporary file per start and leaves it.
+    with tempfile.TemporaryDirectory(prefix="switchyard-dynamo-") as tmp:
+        proc = subprocess.run([str(DYNAMO_ENV / "bin" / "python"), str(DYNAMO_DRIVER)], input=json.dumps(job),
+                              capture_output=True, text=True, env={**os.environ, "TMPDIR": tmp})
     if proc.returncode != 0:
         return f"dynamo_planner_replay.py failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
     out = json.loads(proc.stdout)
