@@ -318,13 +318,7 @@ class VirtualTiers:
                                hash_algo=self.hash_algo))
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[Tier]:
-        out: list[Tier] = []
-        for h in block_hashes:
-            t = self.res.fastest_managed(h)
-            if t is None:
-                break
-            out.append(t)
-        return out
+        return self.res.held_prefix(block_hashes, device=False)
 
     def count(self, tier: Tier) -> int:
         return self.res.count(tier)

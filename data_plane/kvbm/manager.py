@@ -488,13 +488,7 @@ class KvBlockManager:
     def lookup(self, block_hashes: Sequence[BlockHash]) -> list[Tier]:
         """Fastest tier of each block of the longest held prefix (no I/O, no state change)."""
         with self._lock:
-            out: list[Tier] = []
-            for h in block_hashes:
-                t = self._res.fastest(h)
-                if t is None:
-                    break
-                out.append(t)
-            return out
+            return self._res.held_prefix(block_hashes)
 
     def onboard(self, block_hashes: Sequence[BlockHash], *, pin: bool = True,
                 correlation_id: str | None = None) -> OnboardResult:

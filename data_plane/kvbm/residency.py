@@ -26,7 +26,7 @@ Model
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -147,6 +147,18 @@ class Residency:
             if block_hash in pol:
                 return t
         return None
+
+    def held_prefix(self, block_hashes: Sequence[BlockHash], *, device: bool = True) -> list[Tier]:
+        """The fastest tier of each block of the longest prefix of ``block_hashes`` held
+        somewhere (``device=False``: in a managed tier only, the device set not asked)."""
+        fastest = self.fastest if device else self.fastest_managed
+        out: list[Tier] = []
+        for h in block_hashes:
+            t = fastest(h)
+            if t is None:
+                break
+            out.append(t)
+        return out
 
     def members(self, tier: Tier) -> list[BlockHash]:
         """Blocks of a managed tier, next victim first."""

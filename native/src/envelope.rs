@@ -338,6 +338,13 @@ mod tests {
         }
     }
 
+    /// A payload of only a `worker_id`.
+    fn worker_only(w: &mut Writer, worker_id: &str) {
+        w.map(1);
+        w.str("worker_id");
+        w.str(worker_id);
+    }
+
     /// An envelope of `fields` in the given order (each a key and its writer).
     fn fields(fields: &[(&str, &dyn Fn(&mut Writer))]) -> Vec<u8> {
         let mut w = Writer::new();
@@ -392,27 +399,11 @@ mod tests {
         // Another version, another type, a bad enum, a missing field, trailing bytes.
         assert!(decode(&envelope("BlockStored", 2, |w| w.map(0)), &mut hs).is_none());
         assert!(decode(&envelope("WorkerRegistered", 1, |w| w.map(0)), &mut hs).is_none());
-        let bad_tier = envelope("BlockRemoved", 1, |w| {
-            w.map(3);
-            w.str("worker_id");
-            w.str("w0");
-            w.str("tier");
-            w.str("gpu");
-            w.str("block_hashes");
-            w.array(0);
-        });
+        let bad_tier = envelope("BlockRemoved", 1, |w| removed(w, "gpu", &[]));
         assert!(decode(&bad_tier, &mut hs).is_none());
-        let missing = envelope("BlockRemoved", 1, |w| {
-            w.map(1);
-            w.str("worker_id");
-            w.str("w0");
-        });
+        let missing = envelope("BlockRemoved", 1, |w| worker_only(w, "w0"));
         assert!(decode(&missing, &mut hs).is_none());
-        let cleared = envelope("AllBlocksCleared", 1, |w| {
-            w.map(1);
-            w.str("worker_id");
-            w.str("w0");
-        });
+        let cleared = envelope("AllBlocksCleared", 1, |w| worker_only(w, "w0"));
         assert!(decode(&cleared, &mut hs).is_some());
         let mut trailing = cleared.clone();
         trailing.push(0xc0);
@@ -429,11 +420,7 @@ mod tests {
         });
         assert!(decode(&negative, &mut hs).is_none());
         let long_id = "w".repeat(MAX_WORKER_ID_LEN + 1);
-        let too_long = envelope("AllBlocksCleared", 1, |w| {
-            w.map(1);
-            w.str("worker_id");
-            w.str(&long_id);
-        });
+        let too_long = envelope("AllBlocksCleared", 1, |w| worker_only(w, &long_id));
         assert!(decode(&too_long, &mut hs).is_none());
     }
 }

@@ -22,7 +22,7 @@ from data_plane.engines import default_hash_config
 from data_plane.engines.request import pseudo_token, request_seed
 from kernel.hashing import hash_blocks
 from kernel.settings import BusSettings
-from tests.integration.workerproc import WorkerProc, of, read_log
+from tests.integration.workerproc import WorkerProc, of, read_log, start_all
 from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
@@ -85,8 +85,7 @@ def pair(bus: BusSettings, tmp_path):
     p = WorkerProc(bus, "w-prefill", tmp_path / "p", tmp_path, role="prefill",
                    args=(*COMMON, "--lease-s", str(LEASE_S)))
     d = WorkerProc(bus, "w-decode", tmp_path / "d", tmp_path, role="decode", args=COMMON)
-    p.launch(), d.launch()  # start-ups overlap
-    p.wait_ready(), d.wait_ready()
+    start_all(p, d)
     yield p, d
     p.kill()
     d.kill()

@@ -13,7 +13,7 @@ import pytest
 from kernel.net import free_port
 from kernel.settings import BusSettings
 from schemas.types import Tier
-from tests.integration.workerproc import WorkerProc, of, read_log
+from tests.integration.workerproc import WorkerProc, of, read_log, start_all
 from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(120)]
@@ -26,11 +26,7 @@ ARGS = ("--speedup", "20", "--block-size", str(BS), "--host-blocks", "32", "--lo
 def pair(bus: BusSettings, tmp_path):
     a = WorkerProc(bus, "w-holder", tmp_path / "a", tmp_path, args=ARGS)
     b = WorkerProc(bus, "w-reader", tmp_path / "b", tmp_path, args=ARGS)
-    a.launch()
-    b.launch()
-    a.wait_ready(60)
-    b.wait_ready(60)
-    yield a, b
+    yield start_all(a, b, timeout=60)
     a.kill()
     b.kill()
 

@@ -18,7 +18,7 @@ from kernel.net import free_port
 from kernel.settings import BusSettings
 from schemas.events import KvTransferCompleted, RequestRouted
 from tests.integration.test_router import Procs, _wait_http
-from tests.integration.workerproc import WorkerProc
+from tests.integration.workerproc import WorkerProc, start_all
 from tests.support.events import read_stream, router_ids
 from tests.support.waits import wait_for
 
@@ -33,10 +33,7 @@ def test_the_idle_worker_is_chosen_and_pulls_the_prefix_from_the_busy_one(bus: B
                                                                             tmp_path) -> None:
     a = WorkerProc(bus, "pf-a", tmp_path / "a", tmp_path, args=ARGS)
     b = WorkerProc(bus, "pf-b", tmp_path / "b", tmp_path, args=ARGS)
-    a.launch()
-    b.launch()
-    a.wait_ready(60)
-    b.wait_ready(60)
+    start_all(a, b, timeout=60)
     cfg = tmp_path / "router.json"
     cfg.write_text(json.dumps({"tier_weights": {"peer": 0.9}}))
     port = free_port()

@@ -39,6 +39,18 @@ def _traffic(producers: dict[str, EventProducer], rounds: int, base: int) -> Non
         assert p.flush(30) == 0
 
 
+def _workers_then_poison(bus: BusSettings, rounds: int) -> dict[str, EventProducer]:
+    """Three registered workers, ``rounds`` of traffic, then a record no decoder reads on the kv
+    stream (poison: dead-lettered, the fold continues); the producers, by worker id."""
+    producers = {w: EventProducer(bus, w) for w in ("w-a", "w-b", "w-c")}
+    for w, p in producers.items():
+        _register(p, w)
+    _traffic(producers, rounds=rounds, base=0)
+    producers["w-a"].produce_raw(Catalog(bus.topic_prefix).topic("kv"), b"garbage", b"w-a")
+    assert producers["w-a"].flush(10) == 0
+    return producers
+
+
 def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
            upto: dict[tuple[str, int], int] | None = None) -> RouterView:
     """The oracle fold of the log (control_plane/replay/oracle.py), with this module's defaults."""
@@ -46,14 +58,8 @@ def oracle(bus: BusSettings, algo: str = ALGO, block_size: int = BS,
 
 
 async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus: BusSettings) -> None:
-    workers = ["w-a", "w-b", "w-c"]
-    producers = {w: EventProducer(bus, w) for w in workers}
-    for w, p in producers.items():
-        _register(p, w)
-    _traffic(producers, rounds=30, base=0)
-    # Poison and a refused event (another hash algorithm): dead-lettered, the fold continues.
-    kv_topic = Catalog(bus.topic_prefix).topic("kv")
-    producers["w-a"].produce_raw(kv_topic, b"garbage", b"w-a")
+    producers = _workers_then_poison(bus, rounds=30)
+    # And a refused event (another hash algorithm): dead-lettered too, the fold continues.
     producers["w-b"].publish(BlockStored(worker_id="w-b", tier="device", block_hashes=[999], block_size=BS,
                                          hash_algo="xxhash"))
     assert producers["w-b"].flush(10) == 0
@@ -95,14 +101,7 @@ async def test_restore_folds_the_tail_before_faust_and_faust_folds_what_its_budg
     """A restart folds the log tail itself, in batches, before the app starts: caught up and equal
     to the oracle with no Faust app at all. With no budget for that fold it stops after one batch;
     Faust then folds the rest from where it stopped, to the same view."""
-    workers = ["w-a", "w-b", "w-c"]
-    producers = {w: EventProducer(bus, w) for w in workers}
-    for w, p in producers.items():
-        _register(p, w)
-    _traffic(producers, rounds=20, base=0)
-    kv_topic = Catalog(bus.topic_prefix).topic("kv")
-    producers["w-a"].produce_raw(kv_topic, b"garbage", b"w-a")  # poison: dead-lettered by the batch fold too
-    assert producers["w-a"].flush(10) == 0
+    _workers_then_poison(bus, rounds=20)  # the poison is dead-lettered by the batch fold too
 
     whole = RouterViewProcessor(bus, "r-whole", RouterView(ALGO, BS), snapshot_every_s=3600)
     whole.restore()

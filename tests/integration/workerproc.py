@@ -137,6 +137,16 @@ class WorkerProc:
         return rc
 
 
+def start_all(*workers: WorkerProc, timeout: float = 30.0) -> tuple[WorkerProc, ...]:
+    """Launch every worker, then wait until each is ready (``timeout`` each): their start-ups
+    overlap."""
+    for w in workers:
+        w.launch()
+    for w in workers:
+        w.wait_ready(timeout)
+    return workers
+
+
 @dataclass(frozen=True)
 class Record:
     topic: str

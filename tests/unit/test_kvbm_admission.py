@@ -24,12 +24,9 @@ from data_plane.kvbm.admission import MAX_MIN_USES
 from data_plane.kvbm.stores import HostStore, MemoryStore
 from data_plane.workers.metrics import WorkerMetrics
 from kernel.log.sink import MemorySink
-from schemas.events import BlockMoved, BlockRemoved, BlockStored
-from schemas.types import Tier
+from schemas.events import BlockRemoved
+from tests.support.kvbm import BPB, DEVICE, DISK, HOST, OBJECT, WORKER, KvbmKit, compact, kvbm_settings
 
-DEVICE, HOST, DISK, OBJECT = Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.OBJECT
-BPB = 64
-WORKER = "w1"
 
 
 def _filter(**overrides) -> AdmissionFilter:
@@ -136,11 +133,7 @@ def test_same_calls_same_decisions():
 
 
 def _settings(**overrides) -> KvbmSettings:
-    fields = dict(worker_id=WORKER, bytes_per_block=BPB, block_size=16, hash_algo="xxh3_64:1",
-                  host_capacity=1, disk_capacity=4, object_capacity=8,
-                  verify_synthetic_content=True)
-    fields.update(overrides)
-    return KvbmSettings(**fields)
+    return kvbm_settings(**(dict(host_capacity=1, disk_capacity=4, object_capacity=8) | overrides))
 
 
 def test_defaults_are_dynamos_rule():
@@ -193,34 +186,12 @@ def test_tier_sizes_not_growing_down_are_warned_about(caplog):
 # -- the worker's KVBM ----------------------------------------------------------------------
 
 
-class Kit:
-    """A manager over the real host pool and in-memory disk/object stores (default admission
-    unless overridden)."""
+class Kit(KvbmKit):
+    """:class:`KvbmKit` with the default admission unless overridden; keyword overrides go to
+    the settings."""
 
     def __init__(self, **overrides) -> None:
-        self.settings = s = _settings(**overrides)
-        self.sink = MemorySink()
-        self.stores = {HOST: HostStore(s.host_capacity, BPB)} if s.host_capacity else {}
-        if s.disk_capacity:
-            self.stores[DISK] = MemoryStore(DISK, BPB)
-        if s.object_capacity:
-            self.stores[OBJECT] = MemoryStore(OBJECT, BPB)
-        self.kvbm = KvBlockManager(s, self.sink, self.stores)
-
-    def events(self):
-        out = [_compact(e) for e in self.sink.events]
-        self.sink.clear()
-        return out
-
-
-def _compact(e):
-    if isinstance(e, BlockMoved):
-        return ("moved", e.from_tier.value, e.to_tier.value, e.block_hashes)
-    if isinstance(e, BlockRemoved):
-        return ("removed", e.tier.value, e.block_hashes)
-    if isinstance(e, BlockStored):
-        return ("stored", e.tier.value, e.block_hashes)
-    return (type(e).__name__,)
+        super().__init__(_settings(**overrides))
 
 
 def test_a_block_evicted_once_from_host_is_not_written_to_disk():
@@ -328,7 +299,7 @@ def test_virtual_tiers_refuse_a_block_used_once_and_demote_a_reused_one():
     vt.on_device_evicted(1, None)  # already in host: second use
     vt.on_device_evicted(2, None)  # 1 host -> disk
     vt.on_device_evicted(3, None)  # 2 (one use) refused
-    assert [_compact(e) for e in events] == [
+    assert [compact(e) for e in events] == [
         ("stored", "host", [1]),
         ("moved", "host", "disk", [1]), ("stored", "host", [2]),
         ("removed", "host", [2]), ("stored", "host", [3])]
@@ -385,7 +356,7 @@ def test_virtual_tiers_keep_the_incoming_blocks_own_copy_below():
     vt.on_device_evicted(2, None)  # 1: host -> disk
     events.clear()
     vt.on_device_evicted(1, None)
-    assert [_compact(e) for e in events] == [("removed", "host", [2]), ("stored", "host", [1])]
+    assert [compact(e) for e in events] == [("removed", "host", [2]), ("stored", "host", [1])]
     assert (vt.members(HOST), vt.members(DISK)) == ([1], [1])
 
 
@@ -401,7 +372,7 @@ def test_virtual_tiers_protect_the_rest_of_a_loaded_prefix():
     assert (vt.members(HOST), vt.members(DISK)) == ([11, 12], [10])
     events.clear()
     assert vt.load([10, 11]).sources == (DISK, HOST)
-    assert [_compact(e) for e in events] == [("removed", "host", [12]), ("stored", "host", [10])]
+    assert [compact(e) for e in events] == [("removed", "host", [12]), ("stored", "host", [10])]
     assert (vt.members(HOST), vt.members(DISK)) == ([10, 11], [10])
 
 
@@ -463,7 +434,7 @@ def test_an_unreachable_object_store_drops_demotions_with_a_clear_error(caplog):
     with caplog.at_level(logging.WARNING, logger="data_plane.kvbm.manager"):
         for h in (1, 2, 3, 4):
             kvbm.on_device_evicted(h)
-    events = [_compact(e) for e in sink.events]
+    events = [compact(e) for e in sink.events]
     assert ("removed", "disk", [1]) in events and ("removed", "disk", [2]) in events
     assert not any(e[0] == "moved" and e[2] == "object" for e in events)
     assert fold_residency(sink.events, WORKER)[OBJECT] == [] and kvbm.residency()[OBJECT] == []

@@ -21,61 +21,24 @@ from data_plane.kvbm import (
     expected_bytes,
     fold_residency,
 )
-from data_plane.kvbm.stores import HostStore, MemoryStore
-from kernel.log.sink import MemorySink
-from schemas.events import BlockMoved, BlockRemoved, BlockStored
-from schemas.types import PERSISTENT_TIERS, Tier
-
-DEVICE, HOST, DISK, OBJECT = Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.OBJECT
-BPB = 64
-WORKER = "w1"
+from schemas.events import BlockStored
+from schemas.types import PERSISTENT_TIERS
+from tests.support.kvbm import BPB, DEVICE, DISK, HOST, OBJECT, WORKER, KvbmKit, kvbm_settings
 
 
 def _settings(**overrides) -> KvbmSettings:
     # The cascade with every block admitted everywhere; the admission filter (on by default) has
     # its own tests in test_kvbm_admission.py.
-    fields = dict(worker_id=WORKER, bytes_per_block=BPB, block_size=16, hash_algo="xxh3_64:1",
-                  host_capacity=1, disk_capacity=1, object_capacity=1,
-                  verify_synthetic_content=True, admission=ADMIT_ALL)
-    fields.update(overrides)
-    return KvbmSettings(**fields)
+    return kvbm_settings(**(dict(host_capacity=1, disk_capacity=1, object_capacity=1,
+                                 admission=ADMIT_ALL) | overrides))
 
 
-class Kit:
-    """A manager over the real host pool and in-memory disk/object stores, with its sink;
-    keyword overrides go to the settings."""
+class Kit(KvbmKit):
+    """:class:`KvbmKit` with every block admitted everywhere; keyword overrides go to the
+    settings."""
 
     def __init__(self, **overrides) -> None:
-        self.settings = _settings(**overrides)
-        self.sink = MemorySink()
-        s = self.settings
-        self.stores = {}
-        if s.host_capacity:
-            self.stores[HOST] = HostStore(s.host_capacity, BPB)
-        if s.disk_capacity:
-            self.stores[DISK] = MemoryStore(DISK, BPB)
-        if s.object_capacity:
-            self.stores[OBJECT] = MemoryStore(OBJECT, BPB)
-        self.kvbm = KvBlockManager(s, self.sink, self.stores)
-
-    def evict(self, *hashes):
-        return [self.kvbm.on_device_evicted(h) for h in hashes]
-
-    def events(self):
-        """Events since the last call, as compact tuples."""
-        out = [_compact(e) for e in self.sink.events]
-        self.sink.clear()
-        return out
-
-
-def _compact(e):
-    if isinstance(e, BlockMoved):
-        return ("moved", e.from_tier.value, e.to_tier.value, e.block_hashes)
-    if isinstance(e, BlockRemoved):
-        return ("removed", e.tier.value, e.block_hashes)
-    if isinstance(e, BlockStored):
-        return ("stored", e.tier.value, e.block_hashes)
-    return (type(e).__name__, getattr(e, "tier", None))
+        super().__init__(_settings(**overrides))
 
 
 # -- offload cascade ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 from kernel.net import free_port
 from kernel.settings import BusSettings
 from tests.integration.test_router import Procs, _wait_http
-from tests.integration.workerproc import ROOT, WorkerProc
+from tests.integration.workerproc import ROOT, WorkerProc, start_all
 
 #: Seconds a vLLM worker may take to serve (engine start on a loaded 2-core box is ~2 min).
 READY_TIMEOUT = float(os.environ.get("SWITCHYARD_VLLM_READY_TIMEOUT", "900"))
@@ -98,10 +98,7 @@ def serving(bus: BusSettings, workers: Sequence[WorkerProc]) -> Iterator[str]:
     ``r-vllm`` seeing them all; yields the router's base URL, and stops everything on exit."""
     procs = Procs(bus)
     try:
-        for w in workers:
-            w.launch()
-        for w in workers:
-            w.wait_ready(READY_TIMEOUT)
+        start_all(*workers, timeout=READY_TIMEOUT)
         port = free_port()
         router = start_router(procs, port, "r-vllm")
         base = f"http://127.0.0.1:{port}"
