@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from control_plane.router.keys import Denied, KeyGate, RouterKey, concurrency_denied, rate_denied
+from kernel.tasks import cancel_and_wait
 
 if TYPE_CHECKING:  # redis is imported where a gate is made: every router imports this module
     import redis.asyncio as aioredis
@@ -272,11 +273,7 @@ class SharedKeyGate:
     async def close(self) -> None:
         """Stop renewing (held slots then expire) and close the client."""
         if self._renewer is not None:
-            self._renewer.cancel()
-            try:
-                await self._renewer
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._renewer)
             self._renewer = None
         await self.client.aclose()
 

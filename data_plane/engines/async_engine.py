@@ -35,6 +35,7 @@ from data_plane.engines.errors import EngineError, RequestRejected
 from data_plane.engines.request import EngineRequest
 from data_plane.engines.scheduler import OnboardStats
 from kernel.log.sink import EventSink
+from kernel.tasks import cancel_and_wait
 from schemas.types import RequestId
 
 logger = logging.getLogger(__name__)
@@ -130,11 +131,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
         for rid, stream in list(self._streams.items()):
             stream._put(StreamedToken(rid, -1, -1, True, self._t, "abort"))
