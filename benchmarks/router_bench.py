@@ -15,12 +15,15 @@ anchor measured in the same run (issue 12: machines differ 2-4x, so the goals ar
    sent), the decision, four events published, and the proxy hop. Beside the latencies, the CPU
    each side's process spent per request (``routed_cpu_ms``: the router; ``proxied_cpu_ms``:
    nginx's master and workers; ``direct_cpu_ms``: the worker), read from /proc over its own
-   phase: on a shared box it moves far less than the percentiles do.
+   phase: on a shared box it moves far less than the percentiles do. A fourth side is the floor
+   of any Python router here (``benchmarks.bare_proxy``: the router's HTTP server and worker
+   port forwarding the body, nothing else; ``floor_*``).
 3. Restart (needs the local broker): ``benchmarks.router_restart`` — 1M indexed blocks, kill -9,
    spawn to EXACT (``restart_exact_s``); ``--no-restart`` skips it.
 
 Last line: ``RESULT decide_p99_us=<256 workers, 32K tokens> decide_p99_us_64=<64 workers, 32K>
-dynamo_find_p99_us=... http_overhead_p99_ms=... proxy_overhead_p99_ms=... restart_exact_s=...``.
+dynamo_find_p99_us=... http_overhead_p99_ms=... proxy_overhead_p99_ms=... restart_exact_s=...
+floor_overhead_p99_ms=...``.
 """
 
 from __future__ import annotations
@@ -161,7 +164,7 @@ def http_overhead(n: int = 400) -> dict:
     bus = BusSettings.from_env(topic_prefix=f"benchr{uuid.uuid4().hex[:6]}")
     apply_topics(bus)
     env = {**os.environ, "SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap, "SWITCHYARD_TOPIC_PREFIX": bus.topic_prefix}
-    wport, rport, nport = free_port(), free_port(), free_port()
+    wport, rport, nport, fport = free_port(), free_port(), free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.support.mini_worker", "--worker-id", "instant",
                                "--port", str(wport), "--token-delay", "0"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
@@ -171,14 +174,18 @@ def http_overhead(n: int = 400) -> dict:
                                        "--router-id", "bench", "--no-auth"], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         procs.append(_nginx(wport, nport))
+        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.bare_proxy", "--port", str(fport),
+                                       "--worker", f"http://127.0.0.1:{wport}"], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait(f"http://127.0.0.1:{rport}/health", lambda r: r.status_code == 200 and r.json()["workers"] >= 1)
-        _wait(f"http://127.0.0.1:{nport}/health", lambda r: r.status_code == 200)
+        for port in (nport, fport):
+            _wait(f"http://127.0.0.1:{port}/health", lambda r: r.status_code == 200)
         body = {"model": "switchyard-sim", "prompt": list(range(5000, 5000 + 4096)), "max_tokens": 1}
         urls = {side: f"http://127.0.0.1:{port}/v1/completions"
-                for side, port in (("direct", wport), ("routed", rport), ("proxied", nport))}
+                for side, port in (("direct", wport), ("routed", rport), ("proxied", nport), ("floor", fport))}
         # CPU per request of what sits in front of the worker (the router process; nginx's master
         # and workers): unlike the latencies, it hardly moves with the load of a shared box.
-        serving = {"direct": procs[0].pid, "routed": procs[1].pid, "proxied": procs[2].pid}
+        serving = {"direct": procs[0].pid, "routed": procs[1].pid, "proxied": procs[2].pid, "floor": procs[3].pid}
         out = {}
         with httpx.Client(timeout=30) as client:
             for url in urls.values():
@@ -190,7 +197,7 @@ def http_overhead(n: int = 400) -> dict:
                 out[f"{side}_cpu_ms"] = (_cpu_s(serving[side]) - cpu0) * 1000 / n
         for side, xs in lat.items():
             out[f"{side}_p50_ms"], out[f"{side}_p99_ms"] = _pct(xs, 0.5), _pct(xs, 0.99)
-        for side, name in (("routed", "overhead"), ("proxied", "proxy_overhead")):
+        for side, name in (("routed", "overhead"), ("proxied", "proxy_overhead"), ("floor", "floor_overhead")):
             for q in ("p50", "p99"):
                 out[f"{name}_{q}_ms"] = out[f"{side}_{q}_ms"] - out[f"direct_{q}_ms"]
         return out
@@ -214,10 +221,13 @@ def main(n: int = 400, restart: bool = True) -> dict:
     print(f"  direct to worker   p50 {http['direct_p50_ms']:.2f} ms  p99 {http['direct_p99_ms']:.2f} ms")
     print(f"  through the router p50 {http['routed_p50_ms']:.2f} ms  p99 {http['routed_p99_ms']:.2f} ms")
     print(f"  through nginx      p50 {http['proxied_p50_ms']:.2f} ms  p99 {http['proxied_p99_ms']:.2f} ms")
+    print(f"  through the floor  p50 {http['floor_p50_ms']:.2f} ms  p99 {http['floor_p99_ms']:.2f} ms "
+          f"(a bare Python proxy: the router's HTTP server and worker port, nothing else)")
     print(f"  overhead: router p50 {http['overhead_p50_ms']:.2f} / p99 {http['overhead_p99_ms']:.2f} ms, "
-          f"nginx p50 {http['proxy_overhead_p50_ms']:.2f} / p99 {http['proxy_overhead_p99_ms']:.2f} ms")
+          f"nginx p50 {http['proxy_overhead_p50_ms']:.2f} / p99 {http['proxy_overhead_p99_ms']:.2f} ms, "
+          f"floor p50 {http['floor_overhead_p50_ms']:.2f} / p99 {http['floor_overhead_p99_ms']:.2f} ms")
     print(f"  CPU per request: router {http['routed_cpu_ms']:.2f} ms, nginx {http['proxied_cpu_ms']:.2f} ms, "
-          f"worker {http['direct_cpu_ms']:.2f} ms")
+          f"floor {http['floor_cpu_ms']:.2f} ms, worker {http['direct_cpu_ms']:.2f} ms")
     rs = router_restart.run() if restart else None
     if rs is not None:
         print(f"\nrouter restart, {rs['blocks']:,} blocks: EXACT after {rs['restart_exact_s']:.2f} s")
@@ -226,5 +236,5 @@ def main(n: int = 400, restart: bool = True) -> dict:
     restart_s = f"{rs['restart_exact_s']:.2f}" if rs is not None else "skipped"
     print(f"RESULT decide_p99_us={worst:.0f} decide_p99_us_64={at64:.0f} dynamo_find_p99_us={find['p99_us']:.0f} "
           f"http_overhead_p99_ms={http['overhead_p99_ms']:.2f} proxy_overhead_p99_ms={http['proxy_overhead_p99_ms']:.2f} "
-          f"restart_exact_s={restart_s}")
+          f"restart_exact_s={restart_s} floor_overhead_p99_ms={http['floor_overhead_p99_ms']:.2f}")
     return {"decide": decide, "dynamo_find": find, "http": http, "restart": rs}
