@@ -301,9 +301,11 @@ class KafkaLogReader:
     #: full: librdkafka parses a response whole before it hands out any record or asks for the
     #: next one, so while the broker prepares and encrypts a 64 MB response the reader waits, and
     #: while it parses one the broker waits. Reading ``bench replay``'s 1.3M records over TLS
-    #: (one broker on the same 2 cores, load ~2): 64 MB 248-257k records/s, 16 MB 278-287k/s,
-    #: 4 MB 328-364k/s, 2 MB 355-370k/s, 1 MB 348-360k/s (librdkafka wants at least
-    #: ``message.max.bytes``, 1 MB; a record batch larger than this still comes whole).
+    #: (ChaCha20, the broker C1-only on the same 2 cores, load ~2): 64 MB 248-257k records/s,
+    #: 16 MB 278-287k/s, 4 MB 328-364k/s, 2 MB 355-370k/s, 1 MB 348-360k/s (librdkafka wants
+    #: at least ``message.max.bytes``, 1 MB; a record batch larger than this still comes whole).
+    #: A broker with C2 sends large responses fast enough that 16 MB reads best there (390-417k/s
+    #: against 347-367k/s at 2 MB, with the backoff below).
     FETCH_BYTES = 2 * 1024 * 1024
 
     def __init__(self, bootstrap: str, *, fetch_bytes: int = FETCH_BYTES, timeout_s: float = 10.0) -> None:
