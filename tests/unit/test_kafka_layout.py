@@ -14,10 +14,10 @@ def _props(node) -> dict[str, str]:
     return dict(line.split("=", 1) for line in node.config_lines())
 
 
-def _service(tmp_path: Path, brokers: int) -> KafkaService:
+def _service(tmp_path: Path, brokers: int, **settings) -> KafkaService:
     secrets = tmp_path / "secrets"
     return KafkaService(StackSettings(state_dir=tmp_path / "stack", secrets_dir=secrets, kafka_port=30000,
-                                      kafka_brokers=brokers))
+                                      kafka_brokers=brokers, **settings))
 
 
 def test_one_broker_is_one_combined_node(tmp_path: Path) -> None:
@@ -61,3 +61,14 @@ def test_a_cluster_runs_its_brokers_beside_three_dedicated_controllers(tmp_path:
 def test_two_brokers_have_two_controllers(tmp_path: Path) -> None:
     kafka = _service(tmp_path, 2)
     assert [n.role for n in kafka.nodes] == ["broker", "broker", "controller", "controller"]
+
+
+def test_a_broker_without_c2_serves_tls_with_chacha20_and_one_with_c2_leaves_the_choice(tmp_path: Path) -> None:
+    """A C1-only JVM (the stack's default) has no AES-GCM intrinsics: its TLS listener offers
+    ChaCha20-Poly1305 only. With C2 the suite is the client's choice (AES-GCM, intrinsified)."""
+    [c1] = _service(tmp_path, 1).nodes
+    assert _props(c1)["ssl.cipher.suites"] == "TLS_CHACHA20_POLY1305_SHA256"
+    [c2] = _service(tmp_path, 1, kafka_jvm_opts="").nodes
+    assert "ssl.cipher.suites" not in _props(c2)
+    [plain] = _service(tmp_path, 1, kafka_tls=False).nodes
+    assert not any(k.startswith("ssl.") for k in _props(plain))
