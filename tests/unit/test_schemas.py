@@ -566,6 +566,24 @@ def test_a_nan_or_infinite_float_is_malformed(bad: float):
     assert CODEC.decode(CODEC.encode(_wrap(fine))).data == fine
 
 
+@given(sign=st.integers(0, 1), mantissa=st.integers(0, 2**52 - 1), prefix=st.binary(max_size=8))
+def test_every_non_finite_msgpack_float_matches_the_pre_check(sign: int, mantissa: int, prefix: bytes):
+    """decode walks a payload's float fields only where ``_NON_FINITE`` matches its bytes: every
+    msgpack float64 or float32 that is a NaN or an infinity (every exponent bit set; any sign,
+    any mantissa) must match, wherever it stands; a finite value next to it changes nothing."""
+    import struct
+
+    from schemas.envelope import _NON_FINITE
+
+    b64 = (sign << 63 | 0x7FF << 52 | mantissa).to_bytes(8, "big")
+    b32 = (sign << 31 | 0xFF << 23 | mantissa >> 29).to_bytes(4, "big")
+    assert not math.isfinite(struct.unpack(">d", b64)[0]) and not math.isfinite(struct.unpack(">f", b32)[0])
+    for packed in (b"\xcb" + b64, b"\xca" + b32):
+        assert _NON_FINITE.search(prefix + packed) is not None
+    assert _NON_FINITE.search(msgspec.msgpack.encode([prefix, 1.5, struct.unpack(">d", b64)[0]])) is not None
+    assert _NON_FINITE.search(msgspec.msgpack.encode([1.5, 1e300, -2.0**-1074])) is None
+
+
 def test_schema_errors_have_distinct_reasons():
     """Adapters dead-letter on ``reason``; each kind must be distinguishable."""
     reasons = {cls.reason for cls in (MalformedEvent, UnknownEventType, UnsupportedSchemaVersion)}
