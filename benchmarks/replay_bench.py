@@ -144,14 +144,13 @@ def replay(engine: ReplayEngine, label: str) -> dict:
     t_view = time.perf_counter() - t0
     load = RequestTraffic()
     req_topic = engine.catalog.topic("requests")
-    n_req = 0
     t1 = time.perf_counter()
-    for p in engine.reader.partitions(req_topic):
-        lo, hi = engine.reader.bounds(req_topic, p)
-        for rec in engine.reader.read(req_topic, p, lo, hi):
-            env = engine.codec.decode(rec.value)
-            load.apply(env, req_topic, p, rec.offset)
-            n_req += 1
+    # As `replay state` reads and folds them.
+    bounds = {(req_topic, p): engine.reader.bounds(req_topic, p) for p in engine.reader.partitions(req_topic)}
+    located, n_req = engine.read_requests({tp: lo for tp, (lo, _) in bounds.items()},
+                                          {tp: hi for tp, (_, hi) in bounds.items()})
+    for loc in located:
+        load.apply(loc.env, loc.topic, loc.partition, loc.offset)
     t_req = time.perf_counter() - t1
     total = stats.records + n_req
     return {"source": label, "view_records": stats.records, "view_s": round(t_view, 2),

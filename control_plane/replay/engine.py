@@ -279,14 +279,6 @@ class ReplayEngine:
             raise BadPoint(f"no RequestRouted for request {request_id!r} in {topic}")
         return found
 
-    def _decode(self, rec: LogRecord):
-        if rec.value is None:
-            return None
-        try:
-            return self.codec.decode(rec.value)
-        except SchemaError:
-            return None
-
     # -- configs ----------------------------------------------------------------------------
 
     def router_configs(self) -> dict[int, RouterConfig]:
@@ -394,7 +386,7 @@ class ReplayEngine:
             req_topic = self.catalog.topic("requests")
             req_targets = self.resolve(point, [req_topic], side="end")
             lows = {tp: self.reader.bounds(*tp)[0] for tp in req_targets}
-            located, _ = self._read_requests(lows, req_targets)
+            located, _ = self.read_requests(lows, req_targets)
             load = RequestTraffic()
             for loc in located:
                 load.apply(loc.env, loc.topic, loc.partition, loc.offset)
@@ -404,20 +396,25 @@ class ReplayEngine:
         out["seconds"] = round(time.perf_counter() - t0, 3)
         return out, view
 
-    def _read_requests(self, starts: dict[TP, int], ends: dict[TP, int]) -> tuple[list[LocatedEvent], int]:
+    def read_requests(self, starts: dict[TP, int], ends: dict[TP, int]) -> tuple[list[LocatedEvent], int]:
         """The decodable records of request partitions from ``starts`` to ``ends`` (exclusive),
         partition by partition in offset order, and how many records were read (the ones that
         do not decode are read around, as every tool does)."""
         located: list[LocatedEvent] = []
         read = 0
         bar = self.progress("reading requests", sum(max(e - starts[tp], 0) for tp, e in ends.items()))
+        decode = self.codec.decode
         for (t, p), e in ends.items():
-            for rec in self.reader.read(t, p, starts[(t, p)], e):
-                bar.update(1)
-                read += 1
-                env = self._decode(rec)
-                if env is not None:
-                    located.append(LocatedEvent(env, t, p, rec.offset))
+            for batch in self.reader.read_batches(t, p, starts[(t, p)], e):
+                bar.update(len(batch.offsets))
+                read += len(batch.offsets)
+                for offset, value in zip(batch.offsets, batch.values):
+                    if value is None:
+                        continue
+                    try:
+                        located.append(LocatedEvent(decode(value), t, p, offset))
+                    except SchemaError:
+                        pass
         bar.close()
         return located, read
 
@@ -461,7 +458,7 @@ class ReplayEngine:
             back = from_ts - int(configs.ttl_s() * 1000) - 60_000
             for (t, p) in start:
                 look[(t, p)] = min(start[(t, p)], self.reader.offset_for_time(t, p, back))
-        located, read = self._read_requests(look, end)
+        located, read = self.read_requests(look, end)
         walk.records_read += read
         for loc in located:
             ev = loc.env.data
