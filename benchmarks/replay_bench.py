@@ -147,10 +147,12 @@ def replay(engine: ReplayEngine, label: str) -> dict:
     t1 = time.perf_counter()
     # As `replay state` reads and folds them.
     bounds = {(req_topic, p): engine.reader.bounds(req_topic, p) for p in engine.reader.partitions(req_topic)}
-    located, n_req = engine.read_requests({tp: lo for tp, (lo, _) in bounds.items()},
-                                          {tp: hi for tp, (_, hi) in bounds.items()})
-    for loc in located:
-        load.apply(loc.env, loc.topic, loc.partition, loc.offset)
+    n_req = 0
+    for loc in engine.iter_requests({tp: lo for tp, (lo, _) in bounds.items()},
+                                    {tp: hi for tp, (_, hi) in bounds.items()}):
+        n_req += 1
+        if loc is not None:
+            load.apply(loc.env, loc.topic, loc.partition, loc.offset)
     t_req = time.perf_counter() - t1
     total = stats.records + n_req
     return {"source": label, "view_records": stats.records, "view_s": round(t_view, 2),

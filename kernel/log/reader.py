@@ -28,7 +28,6 @@ import logging
 import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -91,9 +90,9 @@ class RecordBatch(msgspec.Struct, frozen=True):
 BATCH_RECORDS = 10000
 
 
-@dataclass(frozen=True)
-class LocatedEvent:
-    """A decoded event and where it sits in the log (the audit store's rows, replay's folds)."""
+class LocatedEvent(msgspec.Struct, frozen=True):
+    """A decoded event and where it sits in the log (the audit store's rows, replay's folds).
+    A struct, not a dataclass: replay makes one per record (0.06 against 0.54 us)."""
 
     env: Envelope[Event]
     topic: str
