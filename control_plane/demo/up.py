@@ -29,8 +29,9 @@ import httpx
 
 from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE, DemoSettings  # noqa: F401 (re-exported)
 from control_plane.settings import StackSettings
-from control_plane.stack.process import alive, terminate
+from control_plane.stack.process import terminate
 from kernel.net import free_port
+from kernel.processes import alive
 
 
 @dataclass

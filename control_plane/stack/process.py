@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernel.processes import alive
+
 
 class StackError(RuntimeError):
     """A service could not be installed, started or stopped. The message says what to do."""
@@ -39,23 +41,6 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except (FileNotFoundError, PermissionError):
         return ""
-
-
-def alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is not alive for our purposes.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def processes_mentioning(needle: str) -> list[int]:

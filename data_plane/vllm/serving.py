@@ -60,6 +60,7 @@ from data_plane.vllm.kv_events import VllmSource
 from kernel.hashing import HashConfig
 from kernel.log.sink import EventSink
 from kernel.net import free_port
+from kernel.processes import alive
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from schemas.types import Tier, WorkerId
 
@@ -70,16 +71,6 @@ TINY_MODEL_DIR = Path(__file__).resolve().parent / "models" / "tiny-llama"
 
 #: Prefix of a worker's private temporary directory (see :class:`_PrivateTmp`).
 PRIVATE_TMP_PREFIX = "switchyard-vllm-"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _PrivateTmp:
@@ -103,7 +94,7 @@ class _PrivateTmp:
         base = Path(tempfile.gettempdir())
         for d in base.glob(PRIVATE_TMP_PREFIX + "*"):
             pid = d.name.removeprefix(PRIVATE_TMP_PREFIX).split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            if pid.isdigit() and not alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
         self.path = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_TMP_PREFIX}{os.getpid()}-", dir=base))
         self._saved_tempdir = tempfile.tempdir
