@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def alive(pid: int | None) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (one we may not signal counts)."""
+    """Whether process ``pid`` exists and is not a zombie (one we may not signal counts as alive)."""
     if not pid:
         return False
     try:

@@ -414,20 +414,22 @@ class ReplayEngine:
         per record read, None for one that does not decode."""
         bar = self.progress("reading requests", sum(max(e - starts[tp], 0) for tp, e in ends.items()))
         decode = self.codec.decode
-        for (t, p), e in ends.items():
-            for batch in self.reader.read_batches(t, p, starts[(t, p)], e):
-                bar.update(len(batch.offsets))
-                for offset, value in zip(batch.offsets, batch.values):
-                    if value is None:
-                        yield None
-                        continue
-                    try:
-                        env = decode(value)
-                    except SchemaError:
-                        yield None
-                        continue
-                    yield LocatedEvent(env, t, p, offset)
-        bar.close()
+        try:
+            for (t, p), e in ends.items():
+                for batch in self.reader.read_batches(t, p, starts[(t, p)], e):
+                    bar.update(len(batch.offsets))
+                    for offset, value in zip(batch.offsets, batch.values):
+                        if value is None:
+                            yield None
+                            continue
+                        try:
+                            env = decode(value)
+                        except SchemaError:
+                            yield None
+                            continue
+                        yield LocatedEvent(env, t, p, offset)
+        finally:  # also when the caller stops early
+            bar.close()
 
     def _ledgers_at(self, located: list[LocatedEvent], configs: ConfigBook) -> dict:
         """Each router incarnation's ledger after its last recorded event: the fold of its own
