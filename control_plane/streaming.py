@@ -9,6 +9,7 @@ snapshot it restored (see ``control_plane/router/stream.py`` for why).
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
 
+from kernel.processes import remove_dead_owned
 from kernel.settings import BusSettings
 
 if TYPE_CHECKING:
@@ -168,9 +170,13 @@ class FoldProcessor:
         self.snapshot_every_s = snapshot_every_s
         self.commit_every_s = commit_every_s
         # Faust's own default is ``<app id>-data`` in the working directory, one per start.
-        # Here: one per incarnation under ``datadir`` (a temporary directory unless given);
-        # those of earlier incarnations of this owner, left by a kill -9, go at the next start.
-        self.datadir = (datadir or Path(tempfile.gettempdir()) / "switchyard-faust") / self.group
+        # Here: one per incarnation under ``datadir``; those of earlier incarnations of this
+        # owner, left by a kill -9, go at the next start. Without ``datadir``: under
+        # ``<tmp>/switchyard-faust/pid-<pid>``, and a start removes the directories of every
+        # process that is gone (a killed test's router has a topic prefix no one starts again).
+        self._tmp_root = None if datadir else Path(tempfile.gettempdir()) / "switchyard-faust"
+        root = Path(datadir) if datadir else self._tmp_root / f"pid-{os.getpid()}"
+        self.datadir = root / self.group
         self.app_options = dict(app_options or {})
         self._dlq = DeadLetters(EventProducer(bus, f"dlq:{self.group}", catalog=self.catalog), self.catalog,
                                 self.group)
@@ -294,6 +300,8 @@ class FoldProcessor:
             options["topic_replication_factor"] = await asyncio.to_thread(replication_factor, self.bus)
         for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
             shutil.rmtree(old, ignore_errors=True)
+        if self._tmp_root is not None:
+            remove_dead_owned(self._tmp_root, "pid-")
         self.datadir.mkdir(parents=True, exist_ok=True)
         options["datadir"] = str(self.datadir)
         if self.bus.security_protocol.upper().startswith("SASL"):
@@ -325,6 +333,11 @@ class FoldProcessor:
             await self.app.stop()
         self._dlq.producer.close(10)
         shutil.rmtree(self.datadir, ignore_errors=True)  # memory:// store: only Faust's bookkeeping
+        if self._tmp_root is not None:
+            try:
+                self.datadir.parent.rmdir()  # this process's, once no other processor uses it
+            except OSError:
+                pass
 
     # -- folding -----------------------------------------------------------------------------
 

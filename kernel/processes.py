@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -22,3 +23,12 @@ def alive(pid: int | None) -> bool:
         return state != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def remove_dead_owned(base: Path, prefix: str) -> None:
+    """Remove the directories ``<base>/<prefix><pid>[-...]`` whose process is gone: a process
+    that names its scratch directory so lets the next one clean up after a kill -9."""
+    for d in base.glob(prefix + "*"):
+        pid = d.name.removeprefix(prefix).split("-", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)

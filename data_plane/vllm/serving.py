@@ -60,7 +60,7 @@ from data_plane.vllm.kv_events import VllmSource
 from kernel.hashing import HashConfig
 from kernel.log.sink import EventSink
 from kernel.net import free_port
-from kernel.processes import alive
+from kernel.processes import remove_dead_owned
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from schemas.types import Tier, WorkerId
 
@@ -92,10 +92,7 @@ class _PrivateTmp:
 
     def enter(self) -> Path:
         base = Path(tempfile.gettempdir())
-        for d in base.glob(PRIVATE_TMP_PREFIX + "*"):
-            pid = d.name.removeprefix(PRIVATE_TMP_PREFIX).split("-", 1)[0]
-            if pid.isdigit() and not alive(int(pid)):
-                shutil.rmtree(d, ignore_errors=True)
+        remove_dead_owned(base, PRIVATE_TMP_PREFIX)
         self.path = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_TMP_PREFIX}{os.getpid()}-", dir=base))
         self._saved_tempdir = tempfile.tempdir
         for name in ("TMPDIR", "VLLM_RPC_BASE_PATH"):
