@@ -47,7 +47,7 @@ import xxhash
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
-from data_plane.engines.lru_blocks import LruBlocks
+from benchmarks.lru_blocks import LruBlocks
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import BlockRemoved, BlockStored
 from schemas.types import Tier

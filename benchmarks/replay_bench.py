@@ -30,7 +30,7 @@ import time
 from control_plane.replay.engine import VIEW_STREAMS, ReplayEngine
 from control_plane.replay.state import RequestTraffic
 from control_plane.router.stream import snapshot_key
-from data_plane.engines.lru_blocks import LruBlocks
+from benchmarks.lru_blocks import LruBlocks
 from kernel.log.admin import apply_topics
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer

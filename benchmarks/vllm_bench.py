@@ -45,7 +45,7 @@ import httpx
 
 from control_plane.demo.trace_tokens import TRACE_BLOCK, prompt_of
 from control_plane.demo.up import WHOLE_TRACE, wait_http
-from control_plane.router.vllm_overlap import expected_cached_tokens
+from benchmarks.vllm_overlap import expected_cached_tokens
 from data_plane.engines.trace import read_mooncake
 from kernel.log.admin import apply_topics
 from kernel.log.reader import read_events

@@ -9,7 +9,3 @@ class ChaosError(Exception):
 
 class PlanError(ChaosError, ValueError):
     """The requested plan cannot be built (unknown fault, too short a run...)."""
-
-
-class NotRecovered(ChaosError):
-    """A component did not come back within its deadline after a fault."""

@@ -222,10 +222,3 @@ SPECS: tuple[MetricSpec, ...] = (
 BY_NAME: dict[str, MetricSpec] = {s.name: s for s in SPECS}
 if len(BY_NAME) != len(SPECS):
     raise ValueError("duplicate metric name in the catalog")
-
-
-def exposed_names(spec: MetricSpec) -> tuple[str, ...]:
-    """Sample names Prometheus stores for a metric (what PromQL can reference)."""
-    if spec.kind is Kind.HISTOGRAM:
-        return (f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count")
-    return (spec.name,)

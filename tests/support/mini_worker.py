@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from data_plane.engines.lru_blocks import LruBlocks
+from benchmarks.lru_blocks import LruBlocks
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
 from kernel.log.kafka import EventProducer
 from kernel.settings import BusSettings

@@ -1,4 +1,4 @@
-from data_plane.engines.lru_blocks import LruBlocks
+from benchmarks.lru_blocks import LruBlocks
 
 
 def test_touch_reports_new_blocks_and_evicts_the_least_recently_used():

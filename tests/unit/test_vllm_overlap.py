@@ -1,4 +1,4 @@
-from control_plane.router.vllm_overlap import expected_cached_tokens
+from benchmarks.vllm_overlap import expected_cached_tokens
 
 
 def test_whole_blocks_only_and_never_the_last_token():

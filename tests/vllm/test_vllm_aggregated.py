@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from control_plane.router.vllm_overlap import expected_cached_tokens
+from benchmarks.vllm_overlap import expected_cached_tokens
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
 from kernel.settings import BusSettings
 from schemas.events import (
