@@ -5,7 +5,7 @@ so the order between topics and partitions is whatever the broker hands out. The
 ``tests.support.interleave`` (restarts under new epochs, kill -9, request counters, operator
 drain requests on the ``admin`` topic) is ingested by the real :class:`AuditStore` on SQLite in
 produce order and in random interleavings, in batches as the consumer takes them, and every
-table must come out the same (docs/architecture.md, "Interleavings"). SQLite only: the fold
+table must come out the same (docs/events.md, "Interleavings"). SQLite only: the fold
 under test is the projection's, and no server is needed.
 """
 

@@ -14,7 +14,7 @@ order and in random interleavings, and every state must equal the first one:
 * the metrics projection (every stream): every family with every sample.
 
 The audit store's tables are checked the same way in ``tests/integration/test_audit_interleavings.py``
-(it needs a database). What makes each fold order-independent, and its limits: docs/architecture.md,
+(it needs a database). What makes each fold order-independent, and its limits: docs/events.md,
 "Interleavings".
 """
 
