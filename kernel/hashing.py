@@ -22,15 +22,13 @@ vllm-project/vllm):
   last 8 bytes of the digest read big-endian: an unsigned 64-bit int. That is :data:`BlockHash`.
 
 Speed: the router hashes every prompt. In Python one block costs one C-level serialisation plus
-one digest and no other per-block work; 32K tokens (2,048 blocks of 16) take about 2.3 ms with
-sha256, 4 ms with sha256_cbor, 1.3 / 3.2 ms with the xxhash variants (2-core dev box, CPython
-3.11). vLLM's default, sha256 without extra keys, has a native path (``switchyard_native``,
+one digest and no other per-block work (timings: docs/benchmarks.md, "Measurements behind
+defaults"). vLLM's default, sha256 without extra keys, has a native path (``switchyard_native``,
 ``native/src/blockhash.rs``: it writes the bytes CPython's pickler writes for the block's tuple
 and hashes them): :func:`hash_blocks` takes it for a list or tuple of plain ints, and
 :func:`hash_json_ids` reads a prompt's ids straight from the JSON array a client sent. The same
 hashes bit for bit (``tests/unit/test_hashing.py`` holds them equal to
-:func:`hash_block_digests`, the specification); for a 4K-token prompt in blocks of 64, 120 us in
-Python against 78 us from a list and 34 us from the JSON bytes (parsing included).
+:func:`hash_block_digests`, the specification).
 """
 
 from __future__ import annotations

@@ -8,71 +8,8 @@ Production processes use :class:`control_plane.index.native.NativePrefixIndex` (
 ``native/``), which follows it line by line and writes the same snapshot bytes; the switch is
 ``SWITCHYARD_INDEX`` (:mod:`control_plane.index.select`).
 
-Data layout (why it is fast in pure CPython)
---------------------------------------------
-Block hashes are chained (each one certifies the whole prefix before it), so a flat map from
-hash to holders is enough: no tree is needed to know that a match is a prefix. Each
-``(worker, dp_rank)`` gets a small *slot* number ``s`` and the map stores one int per hash::
-
-    value = any | device << W | host << 2W | disk << 3W | object << 4W     (each plane W bits)
-
-Bit ``s`` of the low plane says "slot s holds this block in some tier"; bit ``s`` of plane
-``1 + t`` says "in tier t". ``W`` is a power of two >= the number of slots (8 to start; the map is
-re-laid out when slots outgrow it, once per doubling). One dict lookup per query block then
-answers for every worker at once: ``find_matches`` ANDs the low planes down the prompt
-(``cur &= value``) and a worker's matched depth is where its bit drops out; while no candidate
-holds anything outside the device tier the walk does nothing else. Stores and removes are tight
-loops over the event's *new* hashes (a C-level set difference drops re-sent prefix hits first).
-Map values are interned (one int object per holder pattern, not per hash), and per
-``(slot, tier)`` a set of hashes makes clears O(that slot), stats and snapshots cheap.
-
-Measured on the 2-core dev box (CPython 3.11, ``benchmarks/index_bench.py``, Mooncake
-conversation trace, 8 workers, shared box so +-20%): 100-125k events/s including the msgpack
-envelope decode (24 blocks per store, p50 5-6 us) and 240-355k ``find_matches``/s (p50 ~2 us).
-
-Sequencing, fencing and staleness
----------------------------------
-Every event comes with its envelope's ``(producer, epoch, seq)``; sequence numbers are dense per
-``(producer, stream)`` within one epoch (see :class:`schemas.envelope.Envelope`).
-
-* Redelivery (same epoch, ``seq <=`` the last applied) is a no-op: ``DUPLICATE``.
-* Epochs are tracked per stream: a KV event of an epoch lower than the newest KV epoch of its
-  worker, or a lifecycle event (``workers``) lower than the newest lifecycle epoch, is dropped:
-  ``FENCED``. A stream never fences the other: ``kv`` and ``workers`` are separate topics, and a
-  consumer may read either one ahead of the other.
-* A gap (``seq > last + 1``, or a producer first seen at ``seq > 0``) in a KV sequence means
-  events were lost: the slots that producer writes are marked *stale* and *lost*. A gap in a
-  lifecycle sequence is counted; it says nothing about residency.
-* A new KV epoch for a worker drops its volatile (device, host) entries at once (all of them if
-  the slot was lost). Its persistent entries (disk, object survive restarts) stay, *unsynced*
-  (reported stale) until a ``WorkerRegistered`` of that epoch or a later one is folded, before
-  or after: a registration folded first confirms them as they arrive.
-* ``AllBlocksCleared(tier=None)`` empties that slot entirely and clears its flags: from here its
-  state is exact.
-* ``WorkerRegistered`` makes the worker routable; ``WorkerDeregistered`` takes it out of
-  ``find_matches``. Neither touches residency: that is the KV stream's alone (a draining worker
-  clears its memory tiers on ``kv``; a worker killed with -9 loses them at its next epoch). A
-  deregistered worker's slots that hold nothing and carry no flag are freed for reuse.
-
-So the index's state after a set of records is the same for every interleaving that keeps each
-partition's order (``tests/unit/test_view_interleavings.py``): every rule reads one stream's
-facts, or monotone facts of both (the newest KV epoch, the newest registered epoch).
-
-Events of types the index does not fold (``WorkerLoadReported``...) must still be passed in:
-they advance the sequence, so they are not mistaken for gaps. They return ``IGNORED``.
-
-Rejections (:class:`IndexRejected`, for the caller to dead-letter): a ``BlockStored`` or
-``WorkerRegistered`` whose ``hash_algo`` or ``block_size`` differ from the index's, and a
-``BlockStored`` whose ``cache_group`` is not ``full_attention`` (vLLM's hybrid groups reuse the
-same block hashes, so they would claim residency that is not there). ``BlockRemoved`` /
-``BlockMoved`` of other cache groups are ``IGNORED`` (applying them would remove the
-full-attention residency of the same hashes). A rejected event's seq is consumed first.
-
-Memory (tracemalloc, CPython 3.11, random u64 hashes decoded from msgpack as in production):
-111 MB per million distinct hashes held by one worker in one tier (dict entry, key int, set
-entry); each further (worker, tier) holding the same hashes adds about 70 MB per million (its
-set entry and, because every event decodes its own int objects, its own copy of the hash int):
-1M hashes on 8 workers = 596 MB. ``benchmarks/index_bench.py`` prints the figure for a trace.
+Its data layout, the sequencing, fencing and staleness rules, why every interleaving gives the same
+state, and what it rejects: ``docs/prefix-index.md``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Names follow the Prometheus conventions: a ``switchyard_`` prefix, base units (``_seconds``,
 ``_bytes``), ``_total`` on counters, ``_ratio`` on fractions. The dashboards under
 ``dashboards/`` may only reference names defined here, by the router's ``RouterMetrics`` or by
-Prometheus itself (``up``); ``tests/unit/test_dashboards_static.py`` enforces it.
+Prometheus itself (``up``); ``tests/integration/test_dashboards.py`` enforces it.
 
 Label values are bounded: pools, roles, tiers, backends, streams and machine-readable codes.
 Per-worker gauges carry ``worker_id`` (one series per worker, the fleet size); free-text

@@ -16,38 +16,8 @@ Idempotent under redelivery, twice over:
   ``(epoch, seq)`` was already applied (a producer that sent the same event twice) and fences
   older incarnations.
 
-What the numbers mean (see :mod:`control_plane.metrics.catalog` for the full list):
-
-* **Goodput** counts completed requests whose TTFT <= the pool's TTFT SLO and whose mean ITL <=
-  the pool's ITL SLO (ITL is not judged for a single output token). A pool's SLO is the latest
-  ``PoolUpdated`` for it (``None`` keeps the default: 2 s / 50 ms). The pool of a request is
-  the pool of the worker named in its ``RequestCompleted`` (resolved when read, see
-  "Interleavings" below).
-* **Prefix hits** come from each prefill/aggregated ``RequestRouted``: the chosen row's
-  ``overlap_by_tier`` against the admitted prompt's block count. **Avoidable prefill** is the
-  best overlap among the *eligible, fresh* candidates minus the chosen one, in tokens: prefill
-  the router could have skipped had it chosen on overlap alone (it trades that against load).
-* **Index size, staleness and tier occupancy** come from a :class:`PrefixIndex` folded exactly
-  as the router folds its own (same producer keys per partition), so they can be compared.
-
-Interleavings: Kafka orders a partition, not the topics or partitions between them, and a
-consumer may read ``requests`` seconds ahead of ``workers``. Every family is therefore the same
-for any interleaving that keeps each partition's order (``tests/unit/test_view_interleavings.py``):
-
-* the request metrics labelled with a pool (:data:`WORKER_JOINED`) are folded per *worker id*
-  and resolved to the worker's pool when read (``unknown`` until its registration is folded);
-  a completion's goodput is judged once the pool is known, at its registration if it comes
-  later. A worker id is assumed to keep its pool across incarnations. The price: an
-  ``unknown`` series shrinks when the registration arrives (its counts move to the pool), which
-  Prometheus reads as a counter reset of that series;
-* a pending admission is abandoned against the admissions of its own requests partition
-  (``max_pending`` is per partition), where its end also is;
-* a router's last view state is its decision with the newest event time (then event id);
-* histogram sums are exact integers (``_SUM_SCALE``), counters count integers;
-* the prefix index is folded per producer and partition as the router's (see its docs).
-
-The exception, by definition: an SLO change (``admin``) applies to the completions judged after
-the fold sees it, so goodput may depend on where a ``PoolUpdated`` falls among the requests.
+What the numbers mean (goodput, prefix hits, avoidable prefill, index series) and why every
+family is the same for any interleaving of the partitions: ``docs/metrics.md``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   router's view then (``digest()`` compares them).
 * :class:`RequestTraffic` folds the ``requests`` stream: what each worker has been sent and not yet
   finished, and per-worker counters. Together with the load the workers report (in the router
-  view's registry) and the routers' in-flight ledgers (:mod:`control_plane.replay.ledger`) it is
+  view's registry) and the routers' in-flight ledgers (:mod:`control_plane.router.ledger`) it is
   the load picture at a point of the log.
 """
 

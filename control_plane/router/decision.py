@@ -7,64 +7,9 @@ winning arithmetic, and the state the caller must carry to the next decision (th
 cursor). No I/O, no clock, no global RNG: the same inputs and seed give a bit-identical
 ``Decision``, so the replay tool can recompute any recorded decision and compare.
 
-The kv cost
------------
-For worker ``w`` (lower wins), in blocks::
-
-    prefill_blocks  = max((queued_prefill_tokens(w) + prompt_tokens) / block_size - overlap(w), 0)
-    decode_blocks   = active_decode_blocks(w) + request_blocks - shared_inflight(w)
-    cost            = prefill_load_scale * prefill_blocks + decode_blocks
-
-    overlap(w) = w_device * shared_inflight(w)
-               + f * sum over the index's matched blocks beyond shared_inflight(w) of w_tier
-
-This is Dynamo's cost with four tier weights (device 1.0, host 0.75, disk 0.25, object 0.1; see
-:class:`~control_plane.router.config.TierWeights`), plus:
-
-* ``f`` = ``stale_overlap_factor`` (default 0) when the index marks ``w``'s view stale, else 1;
-* ``request_blocks`` = ceil((prompt_tokens + expected_output_tokens) / block_size): the KV the
-  request holds at its end;
-* ``shared_inflight(w)`` = the request's leading blocks that requests this router sent to ``w``
-  still hold (the ledger's speculative overlap). They count as device hits (the blocks are being
-  written to ``w``'s device pool, and cannot be evicted while in use) and as blocks ``w`` does
-  not have to allocate again (an engine stores shared prefix blocks once, as Dynamo counts).
-* Loads combine the worker's report with the router's ledger (``load_combine``: max or sum).
-* Tiers are laid along the prefix fastest first (device, host, disk, object): engines evict a
-  chain's tail first and offload cascades one tier down, so the deeper blocks sit in slower
-  tiers. The layout only matters when the speculative overlap covers part of the real one.
-* A decode-phase request (disaggregated serving) has no prefill term: its KV arrives by transfer.
-
-Each score row carries the two terms (``prefill_blocks`` after the overlap, ``decode_blocks``)
-so ``cost = prefill_load_scale * prefill_blocks + decode_blocks`` checks from the row alone; its
-load columns are the combined (reported and in-flight) values the cost used.
-
-In-flight accounting and speculative overlap (why a burst spreads)
-------------------------------------------------------------------
-Speculative overlap alone would be a trap: after the first of N identical prompts goes to A, A
-"has" the prefix, so every later one prefers A and all N pile up there. The ledger therefore
-records the *load* each routed request adds as well, and the two cancel exactly where they
-should. Take 4 empty workers and identical prompts of P = 128 blocks (2,048 tokens) with 16
-output blocks (request_blocks = 144), prefill_load_scale 1:
-
-* r1: every worker costs 128 + 144 = 272; a seeded tie-break picks A. The ledger now holds, for
-  A, 2,048 queued prefill tokens, 144 blocks and the 128 hashes.
-* r2 on A: prefill = (2,048 + 2,048)/16 - 128 = 128 (r2 waits for r1's prefill, which is the
-  time its cache hit saves: the hit exactly pays for the queue), decode = 144 + 144 - 128 = 160
-  (only r2's own 16 blocks are new), cost 288. On B, C or D: 272. r2 goes to an empty worker,
-  and so do r3 and r4; r5..r8 see 288 everywhere and land one more per worker. No pile-up.
-* Once r1's prefill is done (``prefill_done``), A's queue is empty: r on A costs
-  max(128 - 128, 0) + 160 = 160 against 272 elsewhere, so a new identical prompt *does* go to A.
-
-So identical requests spread exactly while the load they would queue behind exceeds the cache
-benefit, and concentrate once the cached prefix is cheaper than a fresh prefill. Without the
-load term all N pile onto A; without the speculative term A looks cold until its KV events
-arrive (cost 128 + 288 = 416 after r1's prefill) and the burst scatters, recomputing the prefix
-on every worker.
-
-Tie-breaks and sampling use ``random.Random(rng_seed)`` built per decision (never dict order,
-never a global RNG): a fixed order (lowest id) would hot-spot one worker whenever the cluster
-is idle, and a recorded seed keeps the choice replayable. CPython's Mersenne Twister,
-``random()`` and ``randrange()`` are stable across versions for integer seeds.
+The kv cost (Dynamo's, with tier weights and the in-flight ledger's speculative overlap), a worked
+example of why a burst of identical prompts spreads, and the tie-break rules: ``docs/router.md``,
+"The kv cost".
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ the router's failure code (``connect_timeout``, ``worker_unreachable``, ``timeou
 driver's errors into these, so the router classifies failures once, whatever the transport.
 
 :class:`HttpWorkerCalls` is the real adapter: aiohttp (its C HTTP parser, keep-alive pool), the
-cluster's worker credential on every call. Measured in one process against an instant local
-server, 4K-token body, streamed answer: httpx 0.63-0.70 ms per call p50, aiohttp 0.13-0.16 ms.
+cluster's worker credential on every call (aiohttp rather than httpx: about 5x less time per
+call, docs/benchmarks.md, "Measurements behind defaults").
 A connection returns to the pool only once its answer was read to the end, so an answer the
 router is done with before its end (the SSE stream after ``[DONE]``) is drained in the
 background, for at most :data:`DRAIN_S`, instead of being closed (a new connection per request

@@ -1,41 +1,7 @@
 """Paged KV block pool with prefix caching, following vLLM v1's ``BlockPool`` semantics. Pure.
 
-What vLLM does (``vllm/v1/core/block_pool.py``, ``kv_cache_utils.py``), and so what this does:
-
-* ``N`` device blocks of ``B`` tokens. A block is *free* when no request references it
-  (``ref_cnt == 0``); every free block sits in one LRU **free queue** (vLLM: a doubly linked
-  list, so a block can leave from the middle in O(1); here an ``OrderedDict``, the same list
-  with its operations in C).
-* A block that became full gets the request's **chained hash** and enters the cache map
-  (hash -> block). Freeing it does *not* forget the hash: a free cached block is still a prefix
-  hit until it is reallocated. A hit on a free block takes it out of the free queue (``touch``).
-* Allocation pops from the **head** of the free queue (least recently freed first). Popping a
-  block that still has a hash **evicts** it: the hash leaves the cache map, a ``BlockRemoved``
-  is queued and the ``on_evict`` hook runs.
-* Freed blocks go to the **tail**. Callers free a request's blocks *last block first* so that a
-  sequence's tail is evicted before its head (heads are shared by more prompts).
-* The pool only **queues** KV events (``BlockStored`` per request per step for its newly full
-  blocks, ``BlockRemoved`` per burst of evicted blocks, ``AllBlocksCleared`` on reset); ``take_events``
-  drains them. Publishing is the driver's job.
-
-Deliberate differences from vLLM, and why:
-
-* No reserved "null block": all ``N`` blocks are usable (Dynamo's mocker does the same, and the
-  comparison benchmark depends on identical capacity).
-* Optional ``reuse_uncached_first`` (off by default; the ``mocker`` profile turns it on): a freed
-  block that never got a hash (a request's partial last block) goes to the *head* of the free
-  queue, so it is reused before any cached block is evicted. vLLM puts it at the tail; Dynamo's
-  mocker returns such "private" blocks to free capacity at once. Over the whole Mooncake
-  conversation trace this is the only difference between the two caches: with it our prefix
-  reuse equals the mocker's to 16 digits (0.0821334), without it it is 0.0818638.
-* The cache map is keyed by the wire form of the hash (:data:`BlockHash`, the digest's last 8
-  bytes) rather than the full digest: lookups hash a small int instead of 32 bytes. With 1e6
-  resident blocks the chance of any 64-bit collision is about 3e-8.
-* A hash can have several physical copies (vLLM allows this too: a fully cached prompt
-  recomputes its last block). vLLM emits ``BlockRemoved`` for *every* evicted copy, which makes a
-  prefix index forget a block that is still resident; here ``BlockRemoved`` (and ``on_evict``)
-  fire only when the *last* copy leaves. ``BlockStored`` fires for every newly cached copy
-  (stores are idempotent upserts), as in vLLM.
+vLLM's semantics it follows, and its deliberate differences from vLLM and why: ``docs/engine.md``,
+"The block pool".
 """
 
 from __future__ import annotations

@@ -2,38 +2,10 @@
 
 One call to :meth:`Scheduler.schedule` plans a step; :meth:`Scheduler.update` applies it
 (samples tokens, finishes requests). Between the two the driver asks the timing model how long
-the step lasts. The rules, in order:
+the step lasts.
 
-1. **Running requests first**, in admission order, while the step's token budget
-   (``max_num_batched_tokens``) lasts. Each asks for all its uncomputed tokens, capped by the
-   budget (chunked prefill); a decoding request asks for exactly one. If its blocks cannot be
-   allocated, the *last* running request is preempted (LIFO, recompute-style: its blocks are
-   freed, ``num_computed_tokens`` goes back to 0, it keeps its generated tokens and goes to the
-   *front* of the waiting queue), repeatedly, until the allocation fits or the request
-   preempted itself.
-2. **Then waiting requests**, FIFO, only if nothing was preempted this step, while fewer than
-   ``max_num_seqs`` run and budget remains. A request's prefix-cache hits count as computed;
-   it is admitted when its blocks can be allocated (``Admission.CHUNK``, vLLM) or only when its
-   whole known sequence fits in the free blocks (``Admission.WHOLE_PROMPT``, Dynamo's mocker).
-   The head of the queue blocks the rest (no skipping). With tiers below the device, a request
-   whose prefix is cheaper to load than to recompute (``plan_onboard``) is admitted *loading*:
-   its blocks are allocated and its prefix counts as computed, but it computes nothing until
-   the load is done. Loads run beside the steps, one at a time on the worker's host -> device
-   link (vLLM's offloading connector loads asynchronously; Dynamo's mocker models it so); a
-   finished load's request joins the running ones (last). Loading requests count against
-   ``max_num_seqs``, are never preempted, and a step with nothing to compute while loads run
-   is a stall of the time to the first load's end.
-3. **Update**: every scheduled request whose tokens are now all computed samples one
-   deterministic pseudo-token. It finishes after ``max_tokens`` tokens (its blocks are freed,
-   last block first). In the prefill role a request finishes after its first token and its
-   blocks are *held* (not freed) until :meth:`release`: they are the source of the KV transfer.
-
-Roles: ``aggregated`` does both phases; ``prefill`` stops after the first token and holds the
-blocks; ``decode`` receives requests whose prompt KV was already transferred: at admission the
-prompt's blocks are allocated (prefix hits first) and count as computed, with no prefill work,
-and the step only computes the next token. The role is each request's default phase; a request
-may name its own (``EngineRequest.phase``), e.g. a decode worker recomputing a prompt whose
-transfer failed.
+The rules (running first, then waiting; preemption; admission; loads beside the steps; roles):
+``docs/engine.md``, "The scheduler".
 """
 
 from __future__ import annotations

@@ -8,49 +8,8 @@ benchmark, replay's what-if and the demo's predictions (``control_plane.simulati
 planner benchmark (``benchmarks/planner_bench.py``). The router side plugs in through
 :class:`ClusterHooks`; this package imports nothing from the control plane.
 
-Clock rules (shared with :class:`~data_plane.engines.async_engine.AsyncEngine`, and what
-Dynamo's mocker does):
-
-* A worker runs steps back to back while it has work. A step that starts at ``t`` and lasts
-  ``d`` (the timing model's answer) delivers its tokens and KV events at ``t + d``; the next
-  step starts at ``t + d``.
-* A request arriving at ``t`` joins at the first step boundary ``>= t`` (a request arriving
-  exactly at a boundary joins that step). An idle worker starts a step at the arrival time.
-* Disaggregated serving (``disaggregated=True``): a prefill-role worker's tokens are prompts'
-  first tokens; the hooks place each decode phase at that step's end (the KV transfer is free and
-  instant, as in Dynamo's mocker without a bandwidth), and the prefill worker frees the held
-  blocks ``release_after_ms`` later (0: at that instant, after its next step has started), or
-  before its next step with ``release_before_step``.
-
-* Tiers (``Cluster(tiers={Tier.HOST: n, ...})``, default none): every worker's evictions go to
-  its own :class:`~data_plane.engines.tiers.VirtualTiers`, and its engine onboards a prefix from
-  them when loading is cheaper than recomputing. A load runs beside the worker's steps (as
-  vLLM's offloading connector loads asynchronously): the request waits for its prefix, behind
-  the loads already on the worker's one host -> device link, and computes from the first step
-  that starts after it; a worker with nothing else to do runs a stall step for the wait. The
-  tiers' events join the engine's.
-  ``tier_admission`` gives them the KVBM's admission filter (default None: every block admitted).
-
-The order (the invariant every speed-up below keeps): results are those of one event heap
-popped by (time, kind, push order), one ``EngineCore.step()`` per step. At one instant the kinds
-run in this order: KV deliveries (a step's KV events after ``kv_event_lag_ms``), load reports,
-arrivals, releases, ``before_steps`` timers, step boundaries, ``after_steps`` timers. A step
-boundary's own follow-ups at its instant (the hand-offs it causes, then its releases, then its
-drained worker going away) run right after it, before the next boundary; an event pushed at an
-instant where its kind has already run goes after those of its kind still waiting (push order).
-Everything is deterministic: same input, same output, same hook calls in the same order.
-
-Speed, with that loop's results (the unit tests keep the loop as the oracle and compare every
-token time, counter, KV event and hook call):
-
-* Workers only meet through the hooks. Each worker's own events are processed on its own
-  timeline, up to the next moment something outside may look at it: an arrival, a hand-off, a
-  timer (never, when the routing is fixed in advance: ``simulate``'s round robin). What the
-  workers tell the hooks meanwhile is buffered and merged back into the heap's order, equal-time
-  ties between workers included (:meth:`Cluster._before`), before any hook decides anything.
-* Between those moments an engine that only decodes runs identical steps; ``EngineCore.
-  run_decode`` applies such a run at once (same state, tokens, KV events and step times: see
-  there), stopping before the worker's own next load report or release.
+Its clock rules, the order every speed-up keeps, and how it goes fast: ``docs/engine.md``,
+"The virtual clock".
 """
 
 from __future__ import annotations

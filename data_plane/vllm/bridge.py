@@ -1,6 +1,6 @@
 """Feeds a running vLLM's KV cache events into our log: ZMQ SUB in, :class:`EventSink` out.
 
-Protocol (vLLM's ``ZmqEventPublisher``; ``/work/shared/docs/interfaces.md``): the publisher
+Protocol (vLLM's ``ZmqEventPublisher``, ``vllm/distributed/kv_events.py``): the publisher
 sends ``[topic, seq (8 bytes, big-endian), payload]`` on a PUB socket, numbering batches from 0
 per publisher, and keeps the last ``buffer_steps`` batches for a ROUTER replay socket. We ask
 the replay socket from a DEALER: ``[b"", start_seq]``; it answers one message per buffered batch

@@ -10,47 +10,10 @@ play for vLLM. vLLM loads it with::
 which ``switchyard worker --engine vllm --vllm-kv-connector switchyard --host-blocks N
 [--disk-blocks M] [--s3-bucket B]`` writes (:mod:`data_plane.vllm.serving`).
 
-What it does:
-
-* **Save, write-through.** Every full block vLLM computes (prompt or output) is copied out of
-  vLLM's KV tensors after the step's forward pass (``wait_for_save``) and handed to the KVBM
-  with its vLLM block hash (the router's hash), which places it (host, evicting LRU victims to
-  disk, then object) and reports ``BlockStored(host)`` / ``BlockMoved(host->disk)``. Blocks
-  vLLM got from its own prefix cache or from us are not saved again.
-* **Load.** When a prompt's next blocks are not in vLLM's prefix cache (evicted, reset, never
-  on this engine), ``get_num_new_matched_tokens`` asks the KVBM for them; it onboards the
-  longest prefix it can actually read into host slots (disk copies verified by checksum; a
-  corrupt or missing one is dropped, ``BlockRemoved``, and recorded as
-  ``KvTransferFailed(fallback="recompute")``), pins them, and the connector tells vLLM exactly
-  that many tokens. ``start_load_kv`` copies the pinned slots into the blocks vLLM allocated,
-  before the forward pass (a synchronous load), reads them back from vLLM's tensors (a copy
-  that did not land is a load error) and releases the pins. vLLM counts them in
-  ``num_cached_tokens`` and in its connector prefix-cache stats (by tier: host / disk). The
-  KVBM compares the read-back digests with those of the bytes vLLM computed when it saved the
-  blocks (``loads_verified`` / ``loads_mismatched`` in the worker's ``/debug/state``).
-* A late failure (a slot that cannot be copied) is reported through
-  ``get_block_ids_with_load_errors``: vLLM's ``kv_load_failure_policy=recompute`` recomputes
-  from the first failed block, and the KVBM records the fallback.
-
-The two halves: vLLM builds the connector twice, a scheduler side in its scheduler and a worker
-side next to the model (both in the engine-core process with ``distributed_executor_backend=
-uni``, in separate processes with ``mp``). Neither owns a tier. Both talk to the KVBM in the
-worker process (:mod:`data_plane.vllm.tier_server`) over a loopback ZMQ socket
-(:mod:`data_plane.vllm.tier_protocol`): the scheduler side onboards (request/reply), the worker
-side releases, stores (block bytes as message frames) and reports load failures (one way);
-the worker side reads loads straight from the KVBM's host pool, a shared-memory file it maps
-read-only. The scheduler side tells the worker side what to do each step through the connector
-metadata (:class:`TierStepMeta`: slot -> block copies, block -> hash saves).
-
-Why ``get_num_new_matched_tokens`` onboards although vLLM asks it to be side-effect free: vLLM
-fixes a request's cached-token count when it schedules it, so the count must be what will
-really be loaded; only an onboard (which reads and verifies disk copies) knows that. Its side
-effects are idempotent: a repeated call for the same request (vLLM asks again when it could
-not schedule it) replaces the previous lease, and blocks it brought into host stay useful.
-
-Not supported (refused or documented): hybrid / multi-group KV caches (one group is assumed, as
-vLLM itself asserts for connectors without ``SupportsHMA``), speculative decoding (block saves
-assume every scheduled token is kept), and prefill/decode handoffs (use ``nixl``).
+What it does (save write-through, load by onboarding, end-to-end digests, fallbacks to
+recompute), why its two halves are clients of the KVBM in the worker process (over
+:mod:`data_plane.vllm.tier_protocol`, to :mod:`data_plane.vllm.tier_server`), why
+``get_num_new_matched_tokens`` onboards, and what is not supported: ``docs/vllm-connector.md``.
 
 Nothing here imports vLLM or torch at module import: the connector class is assembled on first
 attribute access (module ``__getattr__``), which is what vLLM's loader does.

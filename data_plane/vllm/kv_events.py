@@ -1,8 +1,7 @@
 """vLLM KV cache event batches: decoding every wire form we know of, and translation into our
 payloads. Pure: no I/O, no vLLM import.
 
-What vLLM puts on the wire (``vllm/distributed/kv_events.py``; see
-``/work/shared/docs/interfaces.md``): one MessagePack value per ZMQ message, an ``EventBatch``
+What vLLM puts on the wire (``vllm/distributed/kv_events.py``): one MessagePack value per ZMQ message, an ``EventBatch``
 ``[ts, events, data_parallel_rank]`` whose ``events`` are ``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared``. The details moved between releases, so the decoder accepts each form it
 has evidence for and records which one it saw (:class:`EventForm`):

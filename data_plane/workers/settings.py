@@ -1,7 +1,7 @@
 """Typed settings of one worker process, built once at start-up from the command line.
 
 Nothing here reads the environment or touches I/O; the bus settings (Kafka, topic prefix) come
-from :class:`control_plane.settings.BusSettings` as for every other process. Validators explain
+from :class:`kernel.settings.BusSettings` as for every other process. Validators explain
 the design when a combination cannot work.
 """
 

@@ -299,12 +299,9 @@ class KafkaLogReader:
     #: Bytes per fetch (a partition's and the whole response's). Small fetches keep the pipeline
     #: full: librdkafka parses a response whole before it hands out any record or asks for the
     #: next one, so while the broker prepares and encrypts a 64 MB response the reader waits, and
-    #: while it parses one the broker waits. Reading ``bench replay``'s 1.3M records over TLS
-    #: (ChaCha20, the broker C1-only on the same 2 cores, load ~2): 64 MB 248-257k records/s,
-    #: 16 MB 278-287k/s, 4 MB 328-364k/s, 2 MB 355-370k/s, 1 MB 348-360k/s (librdkafka wants
-    #: at least ``message.max.bytes``, 1 MB; a record batch larger than this still comes whole).
-    #: A broker with C2 sends large responses fast enough that 16 MB reads best there (390-417k/s
-    #: against 347-367k/s at 2 MB, with the backoff below).
+    #: while it parses one the broker waits. 2 MB read best against the stack's C1-only broker
+    #: (the sweep: docs/benchmarks.md, "Measurements behind defaults"). librdkafka wants at least
+    #: ``message.max.bytes``, 1 MB; a record batch larger than this still comes whole.
     FETCH_BYTES = 2 * 1024 * 1024
 
     def __init__(self, bootstrap: str, *, fetch_bytes: int = FETCH_BYTES, timeout_s: float = 10.0) -> None:
@@ -323,9 +320,8 @@ class KafkaLogReader:
             "fetch.wait.max.ms": 10,
             # When the records fetched ahead reach queued.min.messages, librdkafka waits this
             # long before it fetches again (default 1 s), however soon the reader drains them:
-            # the reader then sat idle for up to a second per partition. Reading bench replay's
-            # 1.3M records (private broker, C2, load ~1.5): 2 MB fetches 248-304k -> 347-367k
-            # records/s, 16 MB 212-230k -> 390-417k/s.
+            # the reader then sat idle for up to a second per partition (measured:
+            # docs/benchmarks.md, "Measurements behind defaults").
             "fetch.queue.backoff.ms": 10,
             "logger": logging.getLogger("switchyard.rdkafka"),
         })

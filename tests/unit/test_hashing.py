@@ -28,7 +28,7 @@ from kernel.hashing import (
 from tests.fixtures.vllm.generate import SAMPLE_V0_33_HEX
 
 # The byte-exact KV event batch published by vLLM 0.33.0 (topic "kv-events", seq 0, ts
-# 1700000000.5, rank 0), copied from /work/shared/docs/interfaces.md: one BlockStored with two
+# 1700000000.5, rank 0; tests/fixtures/vllm/sample_v0_33.msgpack): one BlockStored with two
 # blocks of tokens 1..32, block_size 16, default sha256 hashing with PYTHONHASHSEED unset, int
 # hashes on the wire; then a BlockRemoved and an AllBlocksCleared.
 VLLM_0_33_SAMPLE_BATCH = bytes.fromhex(SAMPLE_V0_33_HEX)
@@ -58,7 +58,7 @@ def _vllm_reference(algo: str, seed: str, tokens: list[int], block_size: int, ex
 
 def test_none_hash_vectors_with_pythonhashseed_unset():
     """NONE_HASH = H("vllm-none-hash"): sha256 066b1e89...d71198, sha256_cbor 9bd96a48...9581eef0
-    (interfaces.md)."""
+    (vLLM's ``NONE_HASH``)."""
     sha = HashConfig(HashAlgo.SHA256).none_hash.hex()
     cbor = HashConfig(HashAlgo.SHA256_CBOR).none_hash.hex()
     assert sha.startswith("066b1e89") and sha.endswith("d71198")
