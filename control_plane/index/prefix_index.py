@@ -73,7 +73,7 @@ class Match(msgspec.Struct, frozen=True, gc=False):
 
     ``by_tier`` counts the matched blocks by the *fastest* tier holding each one, in
     :data:`schemas.types.TIER_ORDER` (device, host, disk, object); it sums to ``depth``.
-    ``stale`` means the worker's entries may be out of date (see the module docstring).
+    ``stale`` means the worker's entries may be out of date (docs/prefix-index.md).
     (A msgspec struct, not a NamedTuple: five times cheaper to build on the lookup path.)
     """
 
@@ -353,7 +353,7 @@ class PrefixIndex:
     def apply(self, producer: str, epoch: int, seq: int, payload: Event) -> ApplyOutcome:
         """Fold one decoded event given its envelope's ``producer``, ``epoch`` and ``seq``.
 
-        Pass every event of the ``kv`` and ``workers`` streams (see the module docstring);
+        Pass every event of the ``kv`` and ``workers`` streams (docs/prefix-index.md);
         payloads not about a worker (no ``worker_id``) are ``IGNORED`` without sequencing.
         Raises :class:`IndexRejected` for events the caller must dead-letter.
         """
@@ -669,7 +669,7 @@ class PrefixIndex:
 
     def _deregistered(self, wk: _Worker) -> None:
         # Takes the worker out of ``find_matches``; its residency is the KV stream's business
-        # (a draining worker clears its memory tiers there; see the module docstring).
+        # (a draining worker clears its memory tiers there; docs/prefix-index.md).
         wk.deregistered = True
         self._active &= ~wk.slots
 

@@ -238,7 +238,7 @@ class _Snapshot(msgspec.Struct, kw_only=True):
 
 #: Request metrics whose ``pool`` label is the pool of the worker the event names. Folded per
 #: worker id and resolved to the pool when read: the worker's registration is on another topic
-#: and may be folded after the request's events (see "Interleavings" in the module docstring).
+#: and may be folded after the request's events (see "Interleavings" in docs/metrics.md).
 WORKER_JOINED = frozenset({
     "switchyard_requests_total", "switchyard_request_attempt_failures_total",
     "switchyard_request_ttft_seconds", "switchyard_request_e2e_seconds", "switchyard_request_itl_seconds",

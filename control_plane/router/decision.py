@@ -394,7 +394,7 @@ class _Scored:
 
 def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
            overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad]) -> _Scored:
-    """The kv cost's terms for every candidate (the module docstring's formula)."""
+    """The kv cost's terms for every candidate (the formula: docs/router.md, "The kv cost")."""
     t = _Scored(request, ordered, config)
     n = t.n
     t.queued, t.active, t.in_flight, t.shared, t.decode = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
@@ -418,7 +418,7 @@ def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterCon
     overlap_w, prefill, decode, cost, excluded, matched = t.overlap_w, t.prefill, t.decode, t.cost, t.excluded, t.matched
 
     # The hot loop (every request, every worker): straight-line arithmetic, no helper calls on
-    # the common path. The overlap is the formula in the module docstring; _real_segments
+    # the common path. The overlap is the formula in docs/router.md ("The kv cost"); _real_segments
     # states the same layout for the reason, and the unit tests check decide against an
     # independent block-by-block implementation.
     previous_id = None
