@@ -403,7 +403,13 @@ def worker(
             drain_timeout_s=drain_timeout_s)
     except (WorkerConfigError, ValueError) as e:
         fail(str(e), 2)
-    raise typer.Exit(run_worker(settings, BusSettings.from_env(role="worker")))
+    from data_plane.kvbm.errors import StorageError
+
+    try:
+        code = run_worker(settings, BusSettings.from_env(role="worker"))
+    except StorageError as e:  # a tier's backend refused it (a wrong S3 key, an unwritable data dir)
+        fail(f"worker {worker_id}: a KV tier's storage failed: {e}")
+    raise typer.Exit(code)
 
 
 def _s3_credentials(path: Path) -> tuple[str, str]:
