@@ -16,9 +16,12 @@ from kernel.settings import broker_addresses, default_secrets_dir, repo_root, st
 #: The flags of ``weed mini``'s listeners, in the order of their ports from
 #: ``StackSettings.seaweedfs_port`` on (the S3 endpoint first).
 SEAWEEDFS_PORT_FLAGS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
-                        "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc")
-#: Consecutive ports SeaweedFS takes.
+                        "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port")
+#: Consecutive ports SeaweedFS takes from ``seaweedfs_port`` on.
 SEAWEEDFS_PORTS = len(SEAWEEDFS_PORT_FLAGS)
+#: Its admin server's gRPC port is its HTTP port + this: mini's maintenance workers dial the admin
+#: there whatever ``-admin.port.grpc`` says (SeaweedFS 4.48), so that is where it must listen.
+SEAWEEDFS_GRPC_OFFSET = 10000
 #: The access key id of the stack's one S3 identity (its secret key: ``StackSettings.s3_secret_key``).
 S3_ACCESS_KEY = "switchyard"
 
@@ -53,9 +56,10 @@ class StackSettings:
     prometheus_port: int = 59090
     #: SeaweedFS (``weed mini``, the object store of the KVBM's G4 tier): its S3 endpoint's port.
     #: Its other listeners take the next :data:`SEAWEEDFS_PORTS` - 1 ports, in the order of
-    #: :attr:`seaweedfs_ports` (master, volume, filer and admin, each an HTTP and a gRPC port), so
-    #: a private stack moves them all with this one setting.
-    seaweedfs_port: int = 58333
+    #: :attr:`seaweedfs_ports` (S3's gRPC, then master, volume and filer, each an HTTP and a gRPC
+    #: port, then the admin server's HTTP port), and the admin server's gRPC port is its HTTP port
+    #: + 10,000: a private stack moves them all with this one setting.
+    seaweedfs_port: int = 48333
     #: Maximum heap of each Kafka JVM (give a cluster's three a small one, e.g. 384m).
     kafka_heap: str = "1g"
     #: Extra JVM options of each Kafka node, space-separated. The default, C1 only
@@ -70,6 +74,9 @@ class StackSettings:
     kafka_tls: bool = True
 
     def __post_init__(self) -> None:
+        if self.seaweedfs_port + SEAWEEDFS_PORTS - 1 + SEAWEEDFS_GRPC_OFFSET > 65535:
+            raise ValueError(f"seaweedfs_port={self.seaweedfs_port}: at most {65535 - SEAWEEDFS_GRPC_OFFSET - SEAWEEDFS_PORTS + 1} "
+                             "(the admin server's gRPC port is its HTTP port + 10,000)")
         if not 1 <= self.kafka_brokers <= 9:
             raise ValueError(f"kafka_brokers={self.kafka_brokers}: run 1 broker, or a cluster of 2 to 9 "
                              "(3 is the one that survives a broker loss with min.insync.replicas=2)")
@@ -97,7 +104,8 @@ class StackSettings:
     def seaweedfs_ports(self) -> dict[str, int]:
         """Every port ``weed mini`` listens on, by its flag (``-s3.port`` ...): all explicit, so
         it never moves to another port when one is taken (it does for a port left at its default)."""
-        return {flag: self.seaweedfs_port + i for i, flag in enumerate(SEAWEEDFS_PORT_FLAGS)}
+        ports = {flag: self.seaweedfs_port + i for i, flag in enumerate(SEAWEEDFS_PORT_FLAGS)}
+        return {**ports, "admin.port.grpc": ports["admin.port"] + SEAWEEDFS_GRPC_OFFSET}
 
     @property
     def s3_endpoint(self) -> str:

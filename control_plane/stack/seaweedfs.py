@@ -21,16 +21,15 @@ What it is started with, and why:
   (the master's ``/col/delete`` drops a bucket's volumes), so they are off; the components talk
   gRPC among themselves. Reads and writes of the volume server's HTTP API need a JWT signed
   with keys made at each start (``security.toml`` in its working directory, 0600).
+* gRPC with mutual TLS (``[grpc.*]`` of ``security.toml``): a client without a certificate from
+  the stack's SeaweedFS CA (control_plane/stack/tls.py, in the secrets directory) is refused,
+  ``weed shell`` included.
 * its logs go to ``seaweedfs.log`` (``-logtostderr``; glog would write files into /tmp), its
   filer and S3 local sockets into its directory. Its gRPC local sockets are
   ``/tmp/seaweedfs-<component>-grpc-<port>.sock`` (hard-coded in ``weed``, no flag; mode 0755):
   ``stop`` removes those it leaves behind.
 * ``-volume.preStopSeconds=0``: nothing outside the process needs the volume server's grace
   period to learn it is going (mini's default is 1 s).
-
-Not closed: the gRPC ports take no credential (SeaweedFS would need mutual TLS on each,
-``[grpc.*]`` in ``security.toml``); a process on this box can reach them, as it can reach any
-loopback port.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from control_plane.stack.process import (
     start_daemon,
     terminate,
 )
+from control_plane.stack.tls import GrpcTls, ensure_seaweedfs_tls
 from kernel.processes import alive
 
 #: The release whose flags this module uses (pinned in pyproject.toml).
@@ -76,11 +76,18 @@ def s3_config(secret_key: str) -> dict:
                             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
 
 
-def security_toml(keys: list[str]) -> str:
-    """JWT keys of the volume server's writes and reads and the filer's (``weed scaffold
-    -config=security``'s ``[jwt.*]`` sections)."""
+#: The gRPC servers and clients of ``weed`` (``weed scaffold -config=security``'s ``[grpc.*]``).
+GRPC_SECTIONS = ("master", "volume", "filer", "s3", "admin", "worker", "client", "msg_broker", "msg_agent", "mq")
+
+
+def security_toml(keys: list[str], tls: GrpcTls) -> str:
+    """JWT keys of the volume server's writes and reads and the filer's (``[jwt.*]``), and mutual
+    TLS on every gRPC server and client (``[grpc.*]``), all with the one certificate."""
     sections = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
-    return "".join(f'[{s}]\nkey = "{k}"\nexpires_after_seconds = 10\n\n' for s, k in zip(sections, keys))
+    jwt = "".join(f'[{s}]\nkey = "{k}"\nexpires_after_seconds = 10\n\n' for s, k in zip(sections, keys))
+    grpc = f'[grpc]\nca = "{tls.ca_file}"\n\n' + "".join(
+        f'[grpc.{s}]\ncert = "{tls.cert_file}"\nkey = "{tls.key_file}"\n\n' for s in GRPC_SECTIONS)
+    return jwt + grpc
 
 
 class SeaweedService:
@@ -123,7 +130,9 @@ class SeaweedService:
         binary = self.ensure_installed()
         self.data.mkdir(parents=True, exist_ok=True)
         self._write_private(self.config_file, json.dumps(s3_config(self.s.s3_secret_key), indent=2))
-        self._write_private(self.dir / "security.toml", security_toml([secrets.token_urlsafe(32) for _ in range(4)]))
+        tls = ensure_seaweedfs_tls(self.s.secrets_dir, self.s.host)
+        self._write_private(self.dir / "security.toml",
+                            security_toml([secrets.token_urlsafe(32) for _ in range(4)], tls))
         env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
         start_daemon("SeaweedFS (its S3 endpoint accepting the stack's key)", self.command(binary),
                      log_file=self.log_file, pid_file=self.pid_file, ready=self.ready, stop=self.stop,

@@ -1,9 +1,12 @@
 """The stack's SeaweedFS (control_plane/stack/seaweedfs.py), as a client on this box sees it: the
-S3 API answers the stack's key only, the other HTTP APIs are off or want a JWT, and every port it
-listens on is one of the stack's, on loopback."""
+S3 API answers the stack's key only, the other HTTP APIs are off or want a JWT, every gRPC port
+wants a client certificate from the stack's SeaweedFS CA, and every port it listens on is one of
+the stack's, on loopback."""
 
 from __future__ import annotations
 
+import socket
+import ssl
 import uuid
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from botocore.exceptions import ClientError
 from control_plane.settings import S3_ACCESS_KEY
 from control_plane.stack.process import descendants, listening_sockets
 from control_plane.stack.seaweedfs import SeaweedService
+from control_plane.stack.tls import GrpcTls, ensure_seaweedfs_tls
 from data_plane.kvbm.stores.s3 import make_client
 
 
@@ -88,3 +92,37 @@ def test_it_listens_on_its_own_ports_only_all_on_loopback(seaweedfs: SeaweedServ
     assert not [x for x in found if x.proto.startswith("udp")]
     args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
     assert "-master.telemetry=false" in args and "-disableHttp" in args
+
+
+#: The first bytes of an HTTP/2 connection: a client's preface, and the server's SETTINGS frame
+#: header (length 0x18, type 4, no flags, stream 0) it answers with.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+H2_SETTINGS = bytes.fromhex("000018040000000000")
+
+
+def _h2_over_tls(port: int, ca: GrpcTls, client: GrpcTls | None) -> bytes:
+    ctx = ssl.create_default_context(cafile=str(ca.ca_file))
+    ctx.set_alpn_protocols(["h2"])
+    if client:
+        ctx.load_cert_chain(str(client.cert_file), str(client.key_file))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(H2_PREFACE)
+        return tls.recv(9)
+
+
+def test_grpc_wants_a_client_certificate_from_the_stacks_seaweedfs_ca(seaweedfs: SeaweedService, tmp_path) -> None:
+    """Without a client certificate, or with one from another CA, every gRPC server refuses the
+    handshake; in clear text it says nothing. With the stack's own it answers HTTP/2 (gRPC)."""
+    own = ensure_seaweedfs_tls(seaweedfs.s.secrets_dir, seaweedfs.s.host)
+    stranger = ensure_seaweedfs_tls(tmp_path / "elsewhere")
+    grpc_ports = [p for flag, p in seaweedfs.s.seaweedfs_ports.items() if flag.endswith(".grpc")]
+    assert len(grpc_ports) == 5  # S3, master, volume, filer, admin
+    for port in grpc_ports:
+        assert _h2_over_tls(port, own, own) == H2_SETTINGS, port
+        for client in (None, stranger):
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                _h2_over_tls(port, own, client)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(H2_PREFACE + bytes.fromhex("000000040000000000"))  # an empty SETTINGS frame
+            assert raw.recv(64) == b"", port
