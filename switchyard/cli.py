@@ -341,7 +341,7 @@ def worker(
     s3_endpoint: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL of the object tier.")] = None,
     s3_bucket: Annotated[Optional[str], typer.Option(help="Bucket of the object tier.")] = None,
     s3_credentials_file: Annotated[Optional[Path], typer.Option(
-        help="AWS shared credentials file whose [default] profile signs the object tier's requests "
+        help="AWS shared credentials file whose default profile signs the object tier's requests "
              "(the local stack's: .stack/secrets/s3-credentials); default: boto3's usual chain.")] = None,
     bytes_per_block: Annotated[int, typer.Option(help="Bytes of one KV block in every tier and on the wire.")] = 16384,
     transfer_blocks: Annotated[int, typer.Option(help="Staging slots of the NIXL region for handoffs (0: as many as the device blocks).")] = 0,
