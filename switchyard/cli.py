@@ -22,7 +22,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-stack_app = typer.Typer(help="Run the local stack: Kafka (KRaft), PostgreSQL, Redis as project-local processes.",
+stack_app = typer.Typer(help="Run the local stack: Kafka (KRaft), PostgreSQL, Redis, Prometheus, SeaweedFS (S3) as "
+                             "project-local processes.",
                         no_args_is_help=True)
 topics_app = typer.Typer(help="Kafka topics from the catalog (kernel/log/catalog.py).", no_args_is_help=True)
 schemas_app = typer.Typer(help="Event schemas: export the JSON Schema files, check code and files agree.",
@@ -49,7 +50,7 @@ def _register_subapps() -> None:
 
 _register_subapps()
 
-ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis, prometheus.")]
+ServiceOpt = Annotated[Optional[list[str]], typer.Option("--service", "-s", help="Only this service (repeatable): kafka, postgres, redis, prometheus, seaweedfs.")]
 
 
 # -- stack ------------------------------------------------------------------------------------
@@ -339,6 +340,9 @@ def worker(
     object_blocks: Annotated[Optional[int], typer.Option(help="Object tier (G4) quota in blocks; default 1,000,000 with --s3-bucket, else 0.")] = None,
     s3_endpoint: Annotated[Optional[str], typer.Option(help="S3-compatible endpoint URL of the object tier.")] = None,
     s3_bucket: Annotated[Optional[str], typer.Option(help="Bucket of the object tier.")] = None,
+    s3_credentials_file: Annotated[Optional[Path], typer.Option(
+        help="AWS shared credentials file whose default profile signs the object tier's requests "
+             "(the local stack's: .stack/secrets/s3-credentials); default: boto3's usual chain.")] = None,
     bytes_per_block: Annotated[int, typer.Option(help="Bytes of one KV block in every tier and on the wire.")] = 16384,
     transfer_blocks: Annotated[int, typer.Option(help="Staging slots of the NIXL region for handoffs (0: as many as the device blocks).")] = 0,
     lease_s: Annotated[float, typer.Option(help="Prefill: seconds a handoff's blocks stay held unread.")] = 30.0,
@@ -380,6 +384,7 @@ def worker(
 
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
     try:
+        s3_key_id, s3_secret = _s3_credentials(s3_credentials_file) if s3_credentials_file else (None, None)
         vllm_settings = VllmEngineSettings(
             model=vllm_model or str(TINY_MODEL_DIR), load_format=vllm_load_format, dtype=vllm_dtype,
             block_size=vllm_block_size, max_model_len=vllm_max_model_len, hash_algo=vllm_hash_algo,
@@ -392,12 +397,33 @@ def worker(
             speedup=speedup, block_size=block_size, device_blocks=device_blocks, model=model,
             data_dir=data_dir, host_blocks=host_blocks, disk_blocks=disk_blocks,
             disk_admission_min_uses=disk_admission_min_uses, object_blocks=object_blocks, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
+            s3_access_key_id=s3_key_id, s3_secret_access_key=s3_secret,
             bytes_per_block=bytes_per_block, transfer_blocks=transfer_blocks, lease_s=lease_s,
             transfer_timeout_s=transfer_timeout_s, ack_timeout_s=ack_timeout_s, load_interval_s=load_interval,
             drain_timeout_s=drain_timeout_s)
     except (WorkerConfigError, ValueError) as e:
         fail(str(e), 2)
-    raise typer.Exit(run_worker(settings, BusSettings.from_env(role="worker")))
+    from data_plane.kvbm.errors import StorageError
+
+    try:
+        code = run_worker(settings, BusSettings.from_env(role="worker"))
+    except StorageError as e:  # a tier's backend refused it (a wrong S3 key, an unwritable data dir)
+        fail(f"worker {worker_id}: a KV tier's storage failed: {e}")
+    raise typer.Exit(code)
+
+
+def _s3_credentials(path: Path) -> tuple[str, str]:
+    """The access key id and secret key of an AWS shared credentials file's [default] profile."""
+    import configparser
+
+    parser = configparser.ConfigParser()
+    try:
+        with open(path) as f:
+            parser.read_file(f)
+        return parser["default"]["aws_access_key_id"], parser["default"]["aws_secret_access_key"]
+    except (OSError, configparser.Error, KeyError) as e:
+        raise ValueError(f"--s3-credentials-file {path}: no [default] aws_access_key_id and "
+                         f"aws_secret_access_key ({type(e).__name__}: {e})") from None
 
 
 # -- the whole system ---------------------------------------------------------------------------
@@ -416,7 +442,7 @@ def up_cmd(
     stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = DEMO_DEFAULTS.stop_after,
     engine: Annotated[str, typer.Option(help="sim (default) | vllm: real vLLM workers from .venv-vllm (NixlConnector P/D).")] = DEMO_DEFAULTS.engine,
 ) -> None:
-    """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus),
+    """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus, SeaweedFS),
     the metrics processor, the router, the admin API, the planner and simulated prefill/decode
     workers; then replay a time-compressed trace slice through the router with a progress bar
     and print a summary plus a PNG report. `switchyard down` stops everything."""
@@ -456,7 +482,7 @@ def security_check_cmd(
     strict: Annotated[bool, typer.Option(help="Exit 1 if any attack went through or any server error.")] = False,
 ) -> None:
     """Probe the running system as an attacker on this box would: bad client input, mutations
-    without a credential, unauthenticated Kafka/PostgreSQL/Redis, listeners off loopback."""
+    without a credential, unauthenticated Kafka/PostgreSQL/Redis/S3, listeners off loopback."""
     import dataclasses
 
     from control_plane.security.check import demo_targets, report, run, summary

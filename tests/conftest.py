@@ -50,6 +50,16 @@ def kafka_bootstrap(stack_settings: StackSettings) -> str:
     return stack_settings.kafka_bootstrap
 
 
+@pytest.fixture(scope="session")
+def seaweedfs(stack_settings: StackSettings):
+    """The stack's SeaweedFS (its S3 endpoint); tests share it, each with buckets of its own."""
+    from control_plane.stack.seaweedfs import SeaweedService
+
+    if not _reachable(stack_settings.host, stack_settings.seaweedfs_port):
+        pytest.fail(f"SeaweedFS is not running on {stack_settings.s3_endpoint}: run `uv run switchyard stack up`")
+    return SeaweedService(stack_settings)
+
+
 @pytest.fixture
 def bus(kafka_bootstrap: str) -> BusSettings:
     """Bus settings with a topic prefix unique to this test, topics created from the catalog."""

@@ -1,6 +1,6 @@
 """``switchyard up --demo`` / ``switchyard down``: the whole system on one box.
 
-Starts the stack (Kafka, PostgreSQL, Redis, Prometheus), then Switchyard's processes, each a
+Starts the stack (Kafka, PostgreSQL, Redis, Prometheus, SeaweedFS), then Switchyard's processes, each a
 real ``switchyard ...`` subprocess with its own log under ``.stack/demo/``: the event-derived
 metrics processor, the router, the admin API, the planner, and simulated prefill/decode workers.
 Their pids go to ``.stack/demo/procs.json`` so ``switchyard down`` (another process) can stop
@@ -32,6 +32,13 @@ from control_plane.settings import StackSettings
 from control_plane.stack.process import terminate
 from kernel.net import free_port
 from kernel.processes import alive
+
+
+#: The object tier of the demo's simulated workers: the bucket in the stack's SeaweedFS (made by
+#: the first worker) and each worker's quota in blocks (above the disk tier's 8,192, as each tier
+#: should be larger than the one above it).
+DEMO_BUCKET = "switchyard-demo"
+DEMO_OBJECT_BLOCKS = 32768
 
 
 @dataclass
@@ -130,7 +137,7 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
 
     t0 = time.monotonic()
     stack = Stack(stack_settings)
-    echo("starting the stack: Kafka (KRaft), PostgreSQL, Redis, Prometheus ...")
+    echo("starting the stack: Kafka (KRaft), PostgreSQL, Redis, Prometheus, SeaweedFS ...")
     stack.up()
     bus = BusSettings.from_env()
     apply_topics(bus)
@@ -147,6 +154,10 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
                           "--targets-dir", str(targets)], f"http://127.0.0.1:{metrics_port}")
     workers = []
     vllm = d.engine == "vllm"
+    # G4 in the stack's SeaweedFS: one bucket, each worker under its own prefix, requests signed
+    # with the stack's key (read from its 0600 credentials file, never on a command line).
+    object_tier = ["--object-blocks", str(DEMO_OBJECT_BLOCKS), "--s3-endpoint", stack_settings.s3_endpoint,
+                   "--s3-bucket", DEMO_BUCKET, "--s3-credentials-file", str(stack_settings.s3_credentials_file)]
     if vllm:
         from control_plane import vllm_demo
     for role, n in (("prefill", d.prefill_workers), ("decode", d.decode_workers)):
@@ -159,7 +170,7 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
                           env=vllm_demo.WORKER_ENV, python=vllm_demo.vllm_python())
             else:
                 sup.start(f"worker-{wid}", args + ["--speedup", str(d.speedup), "--host-blocks", "4096",
-                                                   "--disk-blocks", "8192", "--lease-s", "10"],
+                                                   "--disk-blocks", "8192", *object_tier, "--lease-s", "10"],
                           f"http://127.0.0.1:{wport}")
             workers.append(f"127.0.0.1:{wport}")
     router_port = port(d.router_port)

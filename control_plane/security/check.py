@@ -33,7 +33,8 @@ Probes:
   the router's credential issuing an API key on ``admin``. Refused means the running system's
   consumers dead-letter them as ``forged:*`` (schemas/signing.py); only with a router running.
 * **stores**: an unauthenticated Kafka client listing topics, PostgreSQL without a password, Redis
-  without a password.
+  without a password, the S3 object store (SeaweedFS) listing buckets unsigned and with a wrong
+  secret key.
 * **listeners**: every listening socket of the system's processes (and their children) must be
   on loopback (verdict ``loopback``, else ``exposed``).
 
@@ -82,6 +83,8 @@ class Targets:
     router_key: str | None = None
     admin_token: str | None = None
     worker_urls: tuple[str, ...] = ()
+    #: The stack's S3 endpoint (SeaweedFS, the object tier's store).
+    s3_url: str | None = None
 
 
 # -- the router's OpenAI API -------------------------------------------------------------------
@@ -398,6 +401,39 @@ def probe_redis(url: str) -> Probe:
     return Probe("redis", "commands without a password", ACCEPTED, "PING answered")
 
 
+def probe_s3(endpoint: str) -> list[Probe]:
+    """Listing the buckets without a signature, and signed with the stack's key id and a wrong
+    secret: both must get a 403."""
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from control_plane.settings import S3_ACCESS_KEY
+
+    out = []
+    for attack, creds in (("list buckets unsigned", None),
+                          ("list buckets with a wrong secret key", (S3_ACCESS_KEY, "not-the-secret"))):
+        config = Config(retries={"max_attempts": 1}, connect_timeout=5, read_timeout=10,
+                        **({} if creds else {"signature_version": UNSIGNED}))
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=config,
+                              **({"aws_access_key_id": creds[0], "aws_secret_access_key": creds[1]} if creds else {}))
+        try:
+            got = client.list_buckets()
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = e.response.get("Error", {}).get("Code", "")
+            verdict = REFUSED if 400 <= status < 500 else SERVER_ERROR
+            out.append(Probe("s3", attack, verdict, f"{status} {code}"))
+        except BotoCoreError as e:
+            out.append(Probe("s3", attack, SKIPPED, f"no S3 endpoint at {endpoint}: {type(e).__name__}"))
+        else:
+            out.append(Probe("s3", attack, ACCEPTED, f"{len(got.get('Buckets', []))} buckets listed"))
+        finally:
+            client.close()
+    return out
+
+
 def probe_listeners(pids: list[int]) -> list[Probe]:
     from control_plane.stack.process import listening_sockets
 
@@ -562,6 +598,7 @@ def run(t: Targets) -> list[Probe]:
               lambda: probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
               *([lambda: probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
               lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
+              *([lambda: probe_s3(t.s3_url)] if t.s3_url else []),
               lambda: probe_listeners(t.pids)]
     for step in steps:
         got = step()
@@ -597,4 +634,5 @@ def demo_targets(stack_settings) -> Targets:
                    topic_prefix=os.environ.get("SWITCHYARD_TOPIC_PREFIX", "sy"),
                    router_key=demo_secret(stack_settings, "router-key"),
                    admin_token=demo_secret(stack_settings, "admin-token"),
-                   worker_urls=tuple(p.url for p in procs if p.name.startswith("worker-") and p.url))
+                   worker_urls=tuple(p.url for p in procs if p.name.startswith("worker-") and p.url),
+                   s3_url=stack_settings.s3_endpoint)

@@ -1,4 +1,5 @@
-"""The local stack: real Kafka (KRaft), PostgreSQL, Redis and Prometheus as project-local processes.
+"""The local stack: real Kafka (KRaft), PostgreSQL, Redis, Prometheus and SeaweedFS (S3) as
+project-local processes.
 
 ``Stack.up()`` is idempotent: a service already running is left alone. ``down()`` stops every
 service and verifies that no process holding the stack's data dir survives.
@@ -12,8 +13,9 @@ from control_plane.stack.postgres import PostgresService
 from control_plane.stack.process import StackError, processes_mentioning
 from control_plane.stack.prometheus import PrometheusService
 from control_plane.stack.redis import RedisService
+from control_plane.stack.seaweedfs import SeaweedService
 
-SERVICE_NAMES = ("kafka", "postgres", "redis", "prometheus")
+SERVICE_NAMES = ("kafka", "postgres", "redis", "prometheus", "seaweedfs")
 
 
 class Stack:
@@ -24,6 +26,7 @@ class Stack:
             "postgres": PostgresService(settings),
             "redis": RedisService(settings),
             "prometheus": PrometheusService(settings),
+            "seaweedfs": SeaweedService(settings),
         }
 
     def _select(self, only: list[str] | None):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +106,29 @@ def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "co
         time.sleep(interval)
     detail = f" (last error: {last_exc})" if last_exc else ""
     raise StackError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
+
+
+def start_daemon(what: str, argv: list[str], *, log_file: Path, pid_file: Path, ready: Callable[[], bool],
+                 stop: Callable[[], None], timeout: float, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+    """Run ``argv`` in a session of its own (its output appended to ``log_file``, its pid in
+    ``pid_file``) and wait until ``ready()``. If it exits first or is not ready in ``timeout``,
+    ``stop()`` it and raise a StackError with the tail of its log."""
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    pid_file.write_text(str(proc.pid))
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            raise StackError(f"{what} exited with code {proc.returncode}:\n{log_tail(log_file)}")
+        return ready()
+
+    try:
+        wait_until(up, timeout, 0.2, what)
+    except StackError as e:
+        stop()
+        raise StackError(f"{what} did not become ready: {e}\n{log_tail(log_file)}") from None
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -19,10 +18,9 @@ from control_plane.settings import StackSettings
 from control_plane.stack.process import (
     StackError,
     live_pid,
-    log_tail,
     require_free_port,
+    start_daemon,
     terminate,
-    wait_until,
 )
 from kernel.settings import repo_root
 
@@ -118,26 +116,11 @@ class PrometheusService:
         binary = self.ensure_installed()
         cfg = self.write_config()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_file, "ab")
-        proc = subprocess.Popen(
-            [binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.data_dir}",
-             f"--storage.tsdb.retention.time={self.retention}", f"--web.listen-address={self.listen}",
-             "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        out.close()
-        self.pid_file.write_text(str(proc.pid))
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise StackError(f"prometheus exited with code {proc.returncode}:\n{log_tail(self.log_file)}")
-            return self.ready()
-
-        try:
-            wait_until(ready, timeout, 0.2, "Prometheus /-/ready")
-        except StackError as e:
-            self.stop()
-            raise StackError(f"Prometheus did not become ready: {e}\n{log_tail(self.log_file)}") from None
+        start_daemon("Prometheus", [binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.data_dir}",
+                                    f"--storage.tsdb.retention.time={self.retention}",
+                                    f"--web.listen-address={self.listen}", "--log.level=warn"],
+                     log_file=self.log_file, pid_file=self.pid_file, ready=self.ready, stop=self.stop,
+                     timeout=timeout)
         return True
 
     def ready(self) -> bool:

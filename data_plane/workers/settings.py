@@ -62,6 +62,9 @@ class WorkerSettings:
     #: S3-compatible endpoint and bucket of the object tier (needed when object_blocks > 0).
     s3_endpoint: str | None = None
     s3_bucket: str | None = None
+    #: The object tier's credentials (``--s3-credentials-file``); None: boto3's usual chain.
+    s3_access_key_id: str | None = None
+    s3_secret_access_key: str | None = field(default=None, repr=False)
     #: Bytes of one KV block in every tier and on the wire (simulated content, derived from the
     #: block hash so every reader can verify it).
     bytes_per_block: int = 16 * 1024
@@ -120,6 +123,8 @@ class WorkerSettings:
         if self.object_blocks and not self.s3_bucket:
             raise WorkerConfigError("object_blocks > 0 needs --s3-bucket (and usually "
                                     "--s3-endpoint): the object tier has nowhere else to live")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise WorkerConfigError("S3 credentials need both the access key id and the secret key")
         if self.lease_s <= self.lease_margin_s:
             raise WorkerConfigError(f"lease_s ({self.lease_s}) must exceed lease_margin_s "
                                     f"({self.lease_margin_s}), else no READ could ever start")
@@ -154,6 +159,7 @@ class WorkerSettings:
         if self.object_blocks:
             assert self.s3_bucket is not None
             s3 = S3Settings(bucket=self.s3_bucket, endpoint_url=self.s3_endpoint,
+                            access_key_id=self.s3_access_key_id, secret_access_key=self.s3_secret_access_key,
                             create_bucket=self.s3_endpoint is not None)
         return KvbmSettings(
             worker_id=self.worker_id,

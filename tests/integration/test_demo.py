@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from control_plane.demo.up import system_pids
-from control_plane.settings import StackSettings
+from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
 from control_plane.stack.process import listening_sockets, processes_mentioning
 from kernel.net import free_port
 from kernel.settings import repo_root
@@ -24,7 +24,8 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
     state = repo_root() / ".stack" / "tests" / f"demo-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "SWITCHYARD_STATE_DIR": str(state), "SWITCHYARD_KAFKA_PORT": str(free_port(pair=True)),
            "SWITCHYARD_POSTGRES_PORT": str(free_port()), "SWITCHYARD_REDIS_PORT": str(free_port()),
-           "SWITCHYARD_PROMETHEUS_PORT": str(free_port()), "SWITCHYARD_TOPIC_PREFIX": "sy"}
+           "SWITCHYARD_PROMETHEUS_PORT": str(free_port()), "SWITCHYARD_SEAWEEDFS_PORT": str(free_port(span=SEAWEEDFS_PORTS)),
+           "SWITCHYARD_TOPIC_PREFIX": "sy"}
     env.pop("SWITCHYARD_KAFKA_BOOTSTRAP", None)
     try:
         r = subprocess.run([sys.executable, "-m", "switchyard.cli", "up", "--limit", "24", "--rate", "4",
@@ -48,18 +49,17 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert (state / "demo" / "report.png").stat().st_size > 10_000
 
         # With the whole system running, every listener (HTTP, Kafka, PostgreSQL, Redis,
-        # Prometheus, UCX/NIXL, ZMQ) is on loopback.
+        # Prometheus, SeaweedFS, UCX/NIXL, ZMQ) is on loopback.
         listeners = listening_sockets(system_pids(StackSettings(state_dir=state)))
-        assert {"kafka", "postgres", "redis", "prometheus", "router", "worker"} <= {
-            word for x in listeners for word in ("kafka", "postgres", "redis", "prometheus", "router", "worker")
-            if word in x.command}, listeners
+        words = ("kafka", "postgres", "redis", "prometheus", "weed", "router", "worker")
+        assert set(words) <= {word for x in listeners for word in words if word in x.command}, listeners
         assert [x for x in listeners if not x.loopback] == [], listeners
 
         # The operator's security check against the running system: no server error, nothing off
         # loopback, every input attack, every generation call without a valid key (none, wrong,
         # revoked, over its rate), every worker endpoint without the worker credential, every
         # uncredentialed admin mutation and every client without a service's credential (Kafka,
-        # PostgreSQL, Redis) refused, every forged event dead-lettered, and a silent and a
+        # PostgreSQL, Redis, S3) refused, every forged event dead-lettered, and a silent and a
         # slowloris connection closed.
         check = subprocess.run([sys.executable, "-m", "switchyard.cli", "security-check"], env=env,
                                capture_output=True, text=True, timeout=300)
@@ -67,12 +67,13 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         print(check.stdout)
         rows = [ln.split(None, 1) for ln in check.stdout.splitlines()[1:-1]]
         assert all("refused" in rest for area, rest in rows
-                   if area in ("router", "worker", "admin", "kafka", "postgres", "redis")), check.stdout
+                   if area in ("router", "worker", "admin", "kafka", "postgres", "redis", "s3")), check.stdout
         assert "skipped" not in check.stdout and "revoked API key" in check.stdout, check.stdout
         assert sum(area == "worker" for area, _ in rows) == 4, check.stdout
         got = dict(kv.split("=") for kv in check.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
         assert got["server_errors"] == "0" and got["nonloopback_listeners"] == "0", check.stdout
-        assert int(got["attacks_tried"]) >= 39, check.stdout
+        assert sum(area == "s3" for area, _ in rows) == 2, check.stdout
+        assert int(got["attacks_tried"]) >= 41, check.stdout
         assert "closed after" in check.stdout and "(slowloris)" in check.stdout, check.stdout
         # Writes a role's ACLs let through but not its to make (another worker's registration,
         # an API key by the router's credential): dead-lettered as forged by the running system.

@@ -1,5 +1,6 @@
-"""The KVBM against real storage: G3 files in a temporary directory, G4 in a real S3-compatible
-server (moto in server mode on 127.0.0.1, spoken to over HTTP by a real boto3 client).
+"""The KVBM against real storage: G3 files in a temporary directory, G4 in the stack's SeaweedFS
+(its S3 gateway on 127.0.0.1, spoken to over HTTP by a real boto3 client with the stack's key),
+in a bucket of each test's own.
 
 Covers the cascade through all four tiers and back, the exact event sequence, that every event
 follows the durable write it reports, corruption on disk and in the bucket, capacity under a long
@@ -15,7 +16,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from moto.server import ThreadedMotoServer
 
 from data_plane.kvbm import (
     ADMIT_ALL,
@@ -30,11 +30,15 @@ from data_plane.kvbm import (
     verify,
 )
 from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
+from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
+from control_plane.stack.seaweedfs import SeaweedService
 from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import StorageError
 from data_plane.kvbm.stores import DiskStore, HostStore
 from data_plane.kvbm.stores.s3 import S3Store, make_client
 from kernel.log.sink import MemorySink
+from kernel.net import free_port
+from kernel.settings import default_secrets_dir
 from schemas.events import BlockMoved, BlockRemoved, BlockStored
 from schemas.types import Tier
 from tests.support.waits import wait_for
@@ -44,21 +48,24 @@ DEVICE, HOST, DISK, OBJECT = Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.OBJECT
 WORKER = "w-int"
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+def _drop_bucket(s3: S3Settings) -> None:
+    """Delete a test's bucket with what is in it (SeaweedFS deletes a non-empty bucket)."""
+    client = make_client(s3)
+    try:
+        client.delete_bucket(Bucket=s3.bucket)
+    except Exception as e:  # noqa: BLE001 - a test that failed early may have made no bucket
+        if "NoSuchBucket" not in str(e):
+            raise
+    finally:
+        client.close()
 
 
 @pytest.fixture
-def s3(s3_endpoint) -> S3Settings:
-    """S3 settings with a bucket unique to the test."""
-    return S3Settings(bucket=f"kvbm-{uuid.uuid4().hex[:12]}", endpoint_url=s3_endpoint,
-                      access_key_id="testing", secret_access_key="testing",
-                      create_bucket=True, max_attempts=2)
+def s3(seaweedfs: SeaweedService):
+    """S3 settings of the stack's store with a bucket unique to the test, dropped after it."""
+    settings = seaweedfs.s3_settings(f"kvbm-{uuid.uuid4().hex[:12]}", create_bucket=True, max_attempts=2)
+    yield settings
+    _drop_bucket(settings)
 
 
 def _settings(tmp_path: Path, s3: S3Settings, **overrides) -> KvbmSettings:
@@ -412,12 +419,12 @@ def test_an_object_store_outage_keeps_claims_recomputes_and_recovers(tmp_path):
     instead, without calling the store while its breaker is open. Once the server is back on the
     same address, the first probe after the backoff finds it and the same block is served,
     verified."""
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    # A SeaweedFS of its own: its own data dir and ports, the stack's secrets.
+    server = SeaweedService(StackSettings(state_dir=tmp_path / "stack", secrets_dir=default_secrets_dir(),
+                                          seaweedfs_port=free_port(span=SEAWEEDFS_PORTS)))
     server.start()
-    host, port = server.get_host_and_port()
-    s3 = S3Settings(bucket=f"kvbm-{uuid.uuid4().hex[:12]}", endpoint_url=f"http://{host}:{port}",
-                    access_key_id="testing", secret_access_key="testing", create_bucket=True,
-                    max_attempts=1, connect_timeout_s=0.5)
+    s3 = server.s3_settings(f"kvbm-{uuid.uuid4().hex[:12]}", create_bucket=True, max_attempts=1,
+                            connect_timeout_s=0.5)
     sink = MemorySink()
     kvbm = build_kvbm(_settings(tmp_path, s3, host_capacity=1, disk_capacity=1, object_capacity=4,
                                 outage_breaker=BreakerConfig(backoff_s=0.1, max_backoff_s=0.2)), sink)
@@ -436,8 +443,7 @@ def test_an_object_store_outage_keeps_claims_recomputes_and_recovers(tmp_path):
         st = kvbm.stats()
         assert st["read_errors_object_unavailable"] == 1 and st["write_errors_object_unavailable"] == 1
         assert st["unavailable_object"] == 1
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
+        server.start()  # the same ports and data directory
         # Skipped (stop "error", claim kept) until a probe after the backoff gets an answer.
         res = wait_for(lambda: (r := kvbm.onboard([1], pin=False)).blocks and r,
                        what="an onboard from object once the store answers again")

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from control_plane.settings import StackSettings
+from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
 from control_plane.stack import Stack
 from control_plane.stack.process import port_in_use, processes_mentioning
 from kernel.log.admin import apply_topics
@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 def private_settings():
     state = repo_root() / ".stack" / "tests" / uuid.uuid4().hex[:8]
     s = StackSettings(state_dir=state, kafka_port=free_port(pair=True), postgres_port=free_port(),
-                      redis_port=free_port(), prometheus_port=free_port())
+                      redis_port=free_port(), prometheus_port=free_port(),
+                      seaweedfs_port=free_port(span=SEAWEEDFS_PORTS))
     yield s
     Stack(s).down()
     shutil.rmtree(state, ignore_errors=True)
@@ -45,7 +46,7 @@ def private_settings():
 def _env(s: StackSettings) -> dict[str, str]:
     return {**os.environ, "SWITCHYARD_STATE_DIR": str(s.state_dir), "SWITCHYARD_KAFKA_PORT": str(s.kafka_port),
             "SWITCHYARD_POSTGRES_PORT": str(s.postgres_port), "SWITCHYARD_REDIS_PORT": str(s.redis_port),
-            "SWITCHYARD_PROMETHEUS_PORT": str(s.prometheus_port)}
+            "SWITCHYARD_PROMETHEUS_PORT": str(s.prometheus_port), "SWITCHYARD_SEAWEEDFS_PORT": str(s.seaweedfs_port)}
 
 
 def _cli(s: StackSettings, *args: str) -> subprocess.CompletedProcess:
@@ -57,13 +58,13 @@ def test_stack_up_twice_is_harmless_and_down_leaves_no_process(private_settings:
     s = private_settings
     first = _cli(s, "stack", "up")
     assert first.returncode == 0, first.stderr
-    assert first.stdout.count("started") == 4
+    assert first.stdout.count("started") == 5
     pids = {st["service"]: st["pid"] for st in Stack(s).status()}
     assert all(pids.values())
 
     second = _cli(s, "stack", "up")
     assert second.returncode == 0, second.stderr
-    assert second.stdout.count("already running") == 4
+    assert second.stdout.count("already running") == 5
     assert {st["service"]: st["pid"] for st in Stack(s).status()} == pids, "nothing restarted"
     status = _cli(s, "stack", "status", "--json")
     assert status.returncode == 0 and '"running": true' in status.stdout
@@ -71,7 +72,8 @@ def test_stack_up_twice_is_harmless_and_down_leaves_no_process(private_settings:
     down = _cli(s, "stack", "down")
     assert down.returncode == 0, down.stderr
     assert processes_mentioning(str(s.state_dir)) == []
-    assert not any(port_in_use(s.host, p) for p in (s.kafka_port, s.postgres_port, s.redis_port, s.prometheus_port))
+    assert not any(port_in_use(s.host, p) for p in (s.kafka_port, s.postgres_port, s.redis_port, s.prometheus_port,
+                                                    *s.seaweedfs_ports.values()))
     assert all(not st["running"] for st in Stack(s).status())
 
 

@@ -91,6 +91,23 @@ def test_settings_explain_what_cannot_work(tmp_path):
     kv = ok.kvbm_settings(block_size=16, hash_algo="sha256")
     assert kv.host_capacity == 8 and not kv.device_eviction_events and kv.verify_synthetic_content
     for bad in (dict(worker_id="a:b"), dict(worker_id=""), dict(worker_id="w" * 257), dict(object_blocks=4),
-                dict(lease_s=1.0, lease_margin_s=1.0), dict(role="router"), dict(transfer_blocks=-1), dict(staging_wait_s=-1)):
+                dict(lease_s=1.0, lease_margin_s=1.0), dict(role="router"), dict(transfer_blocks=-1), dict(staging_wait_s=-1),
+                dict(s3_bucket="b", s3_access_key_id="k")):
         with pytest.raises((WorkerConfigError, ValueError)):
             WorkerSettings(**{"worker_id": "w1", **bad})
+
+
+def test_the_object_tiers_credentials_reach_its_s3_settings_and_stay_out_of_reprs(tmp_path):
+    from switchyard.cli import _s3_credentials
+
+    creds = tmp_path / "s3-credentials"
+    creds.write_text("[default]\naws_access_key_id = switchyard\naws_secret_access_key = s3cr3t\n")
+    key_id, secret = _s3_credentials(creds)
+    w = WorkerSettings(worker_id="w1", data_dir=tmp_path, s3_endpoint="http://127.0.0.1:9", s3_bucket="b",
+                       s3_access_key_id=key_id, s3_secret_access_key=secret)
+    s3 = w.kvbm_settings(block_size=16, hash_algo="sha256").s3
+    assert (s3.access_key_id, s3.secret_access_key, s3.create_bucket) == ("switchyard", "s3cr3t", True)
+    assert "s3cr3t" not in repr(w) and "s3cr3t" not in repr(s3)
+    creds.write_text("[other]\naws_access_key_id = x\n")
+    with pytest.raises(ValueError, match="no \\[default\\]"):
+        _s3_credentials(creds)
