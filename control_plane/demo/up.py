@@ -159,7 +159,7 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     object_tier = ["--object-blocks", str(DEMO_OBJECT_BLOCKS), "--s3-endpoint", stack_settings.s3_endpoint,
                    "--s3-bucket", DEMO_BUCKET, "--s3-credentials-file", str(stack_settings.s3_credentials_file)]
     if vllm:
-        from control_plane import vllm_demo
+        from control_plane.demo import vllm as vllm_demo
     for role, n in (("prefill", d.prefill_workers), ("decode", d.decode_workers)):
         for i in range(n):
             wid, wport = f"{role}-{i}", free_port()
