@@ -261,7 +261,7 @@ def _load(worker_id: str, running: int, waiting: int = 0) -> ev.WorkerLoadReport
 
 
 def _registered(worker_id: str) -> ev.WorkerRegistered:
-    return ev.WorkerRegistered(worker_id=worker_id, role="aggregated", pool="agg", endpoint=f"http://127.0.0.1/{worker_id}",
+    return ev.WorkerRegistered(worker_id=worker_id, role="aggregated", pool="agg", endpoint="http://127.0.0.1:9",
                                block_size=16, hash_algo="sha256_cbor")
 
 
