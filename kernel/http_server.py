@@ -5,8 +5,9 @@ uvicorn (0.54) closes a keep-alive connection that stays idle after a response, 
 bounds a connection that sends its request slowly: every byte resets the idle timer, and a
 connection that never sends a request has no timer at all. A few hundred such connections
 (slowloris) hold the process's sockets and memory. :class:`GuardedProtocol` gives each
-request ``request_timeout_s`` from the connection's start (or the end of the previous response)
-until its headers are complete, then closes the connection if they are not. Bodies have their
+request at most ``request_timeout_s`` (at least half of it) from the connection's start (or the
+end of the previous response) until its headers are complete, then closes the connection if
+they are not. Bodies have their
 own bound, in the app (the router's ``RequestLimits.body_timeout_s``: a 408).
 
 The protocol is uvicorn's httptools one (llhttp's C parser), not its pure-Python h11 one: in a
@@ -15,18 +16,20 @@ main thread, and with httptools the router's CPU per request fell from 2.6-3.0 m
 (no-broker harness, alternated).
 
 Connections are bounded without letting idle ones crowd out served ones (:class:`Connections`):
-past ``max_connections`` open at once (or ``max_per_ip`` from one address), a new connection
-closes the oldest *idle* one (waiting for its headers, or kept alive between requests); only
-when every connection is serving a request is the new one answered 503 and closed. So a flood
-of silent connections costs each of them its socket after at most ``request_timeout_s``, and a
-client that sends a request promptly is served whatever the flood holds: the flood's
-connections are the oldest idle ones. (uvicorn's own ``limit_concurrency`` counted idle
-connections: 1,030 silent sockets made every client a 503.)
+``max_connections`` bounds the requests being *served* at once (503 past it), and idle
+connections (waiting for their headers, or kept alive between requests) do not count. Open
+connections, idle included, are bounded by ``max_open`` (and ``max_per_ip`` from one address):
+past it, a new connection closes the oldest idle one, and only when none is idle is it refused.
+So a flood of silent connections holds no slot a client's request needs, each of its sockets
+lasts at most ``request_timeout_s``, and past ``max_open`` it closes its own oldest sockets.
+(uvicorn's own ``limit_concurrency`` counted idle connections: 1,030 silent sockets made every
+client a 503.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,41 +42,47 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    #: Connections open at once. A new one past it closes the oldest idle connection (one
-    #: waiting for its request's headers, or kept alive between requests); only when every
-    #: connection is serving a request is the new one answered 503 and closed.
+    #: Requests served at once (one per connection: HTTP/1.1). A request past it is answered
+    #: 503 and its connection closed. Idle connections do not count.
     max_connections: int = 1024
-    #: Connections open at once from one client address, enforced the same way (its own oldest
-    #: idle connection goes first). On one box every client is 127.0.0.1, so this is a second
-    #: total cap there; it separates clients only where they reach the server from their own
-    #: addresses (docs/security.md).
-    max_per_ip: int = 512
-    #: Seconds a connection has to send a request's headers, from its start or the end of the
-    #: previous response on it; beyond: closed.
+    #: Connections open at once, idle ones included (sockets, memory). A new one past it closes
+    #: the oldest idle connection; only when none is idle is the new one refused (503).
+    max_open: int = 8192
+    #: Connections open at once from one client address, enforced the same way (that address's
+    #: own oldest idle connection goes first). On one box every client is 127.0.0.1, so this is a
+    #: second total cap there; it separates clients only where they reach the server from their
+    #: own addresses (docs/security.md).
+    max_per_ip: int = 4096
+    #: Seconds a connection has at most to send a request's headers, from its start or the end
+    #: of the previous response on it; beyond: closed. Each deadline is drawn between half of it
+    #: and all of it, so that connections opened together do not all close together.
     request_timeout_s: float = 10.0
     #: Seconds an idle keep-alive connection stays open after a response.
     keep_alive_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_per_ip"):
+        for name in ("max_connections", "max_open", "max_per_ip"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: at least 1")
+        if self.max_connections > self.max_open or self.max_per_ip > self.max_open:
+            raise ValueError(f"max_connections={self.max_connections} and max_per_ip={self.max_per_ip} must not "
+                             f"exceed max_open={self.max_open}: connections serving requests are open connections")
         for name in ("request_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be > 0")
 
 
 class Connections:
-    """The open connections of one server, and which of them are idle, oldest first: what
-    :meth:`admit` closes to make room for a new one. Idle means no request is being served on it
-    (its headers are not complete yet, or its last response is sent), so closing it costs a
-    client at most a reconnect, never an answer."""
+    """The open connections of one server: how many serve a request, and which are idle, oldest
+    first (what :meth:`add` closes to make room for a new one). Idle means no request is being
+    served on it (its headers are not complete yet, or its last response is sent), so closing
+    it costs a client at most a reconnect, never an answer."""
 
-    def __init__(self, max_connections: int, max_per_ip: int) -> None:
-        self.max_connections = max_connections
-        self.max_per_ip = max_per_ip
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.limits = limits
         self.open: dict[str, int] = {}  # client address -> open connections
         self.total = 0
+        self.busy = 0
         self.idle: OrderedDict[GuardedProtocol, str] = OrderedDict()
         self.idle_by_ip: dict[str, OrderedDict[GuardedProtocol, None]] = {}
         self.evicted = 0
@@ -82,14 +91,15 @@ class Connections:
     def add(self, conn: GuardedProtocol, ip: str) -> bool:
         """Count ``conn`` (idle), closing the oldest idle connection of its address, then of the
         server, while either is over its cap. False: nothing idle was left to close (every
-        connection is serving): ``conn`` must be refused."""
+        connection serves a request): ``conn`` must be refused."""
         self.total += 1
         self.open[ip] = self.open.get(ip, 0) + 1
-        self.set_idle(conn, ip)
+        self.idle[conn] = ip
+        self.idle_by_ip.setdefault(ip, OrderedDict())[conn] = None
         ok = True
-        while ok and self.open.get(ip, 0) > self.max_per_ip:
+        while ok and self.open.get(ip, 0) > self.limits.max_per_ip:
             ok = self._evict(self.idle_by_ip.get(ip), conn)
-        while ok and self.total > self.max_connections:
+        while ok and self.total > self.limits.max_open:
             ok = self._evict(self.idle, conn)
         if not ok:
             self.refused += 1
@@ -103,21 +113,34 @@ class Connections:
         victim.evict()
         return True
 
-    def set_idle(self, conn: GuardedProtocol, ip: str) -> None:
+    def start_request(self, conn: GuardedProtocol) -> bool:
+        """``conn`` serves a request now; False when ``max_connections`` already do (refuse it)."""
+        self._not_idle(conn)
+        self.busy += 1
+        if self.busy > self.limits.max_connections:
+            self.refused += 1
+            return False
+        return True
+
+    def end_request(self, conn: GuardedProtocol, ip: str) -> None:
+        """Its response is sent and the connection kept alive: idle again, the newest."""
+        self.busy -= 1
         self.idle[conn] = ip
-        self.idle.move_to_end(conn)
         self.idle_by_ip.setdefault(ip, OrderedDict())[conn] = None
 
-    def set_busy(self, conn: GuardedProtocol) -> None:
+    def _not_idle(self, conn: GuardedProtocol) -> bool:
         ip = self.idle.pop(conn, None)
-        if ip is not None:
-            mine = self.idle_by_ip[ip]
-            del mine[conn]
-            if not mine:
-                del self.idle_by_ip[ip]
+        if ip is None:
+            return False
+        mine = self.idle_by_ip[ip]
+        del mine[conn]
+        if not mine:
+            del self.idle_by_ip[ip]
+        return True
 
     def remove(self, conn: GuardedProtocol, ip: str) -> None:
-        self.set_busy(conn)
+        if not self._not_idle(conn):
+            self.busy -= 1  # it was serving a request
         self.total -= 1
         left = self.open[ip] - 1
         if left:
@@ -160,7 +183,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._header_deadline = self.loop.call_later(self.request_timeout_s, self._stalled)
+        # Drawn in [1/2, 1] x request_timeout_s: connections opened together (a flood) are not
+        # all closed together, and do not all come back in one burst of accepts.
+        self._header_deadline = self.loop.call_later(self.request_timeout_s * (0.5 + random.random() / 2),
+                                                     self._stalled)
 
     def _disarm(self) -> None:
         if self._header_deadline is not None:
@@ -168,18 +194,19 @@ class GuardedProtocol(HttpToolsProtocol):
             self._header_deadline = None
 
     def on_headers_complete(self) -> None:
-        if self._ip is not None:
-            self.connections_of.set_busy(self)  # type: ignore[union-attr]
+        if self._ip is not None and not self.connections_of.start_request(self):  # type: ignore[union-attr]
+            self.limit_concurrency = 0  # uvicorn answers 503; the connection is closed after it
         super().on_headers_complete()
         self._disarm()  # a request is being served: its headers came in time
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.limit_concurrency == 0:  # refused at connect (every connection was serving)
+        if self.limit_concurrency == 0:  # refused (every slot was serving a request)
+            self._forget()
             self.transport.close()
         elif not self.transport.is_closing():
             if self._ip is not None:
-                self.connections_of.set_idle(self, self._ip)  # type: ignore[union-attr]
+                self.connections_of.end_request(self, self._ip)  # type: ignore[union-attr]
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -199,7 +226,7 @@ def guarded_protocol(limits: ConnectionLimits) -> type[GuardedProtocol]:
     """A protocol class for one server, with these limits (uvicorn takes a class)."""
     return type("GuardedProtocol", (GuardedProtocol,), {
         "request_timeout_s": limits.request_timeout_s,
-        "connections_of": Connections(limits.max_connections, limits.max_per_ip)})
+        "connections_of": Connections(limits)})
 
 
 def server_config(app, host: str, port: int, limits: ConnectionLimits = ConnectionLimits(),

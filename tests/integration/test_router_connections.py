@@ -29,7 +29,8 @@ MAX_CONNECTIONS = 4
 
 @pytest.fixture
 def guarded() -> Iterator[Stack]:
-    limits = ConnectionLimits(max_connections=MAX_CONNECTIONS, request_timeout_s=HEADER_S, keep_alive_s=5.0)
+    limits = ConnectionLimits(max_connections=MAX_CONNECTIONS, max_open=MAX_CONNECTIONS, max_per_ip=MAX_CONNECTIONS,
+                              request_timeout_s=HEADER_S, keep_alive_s=5.0)
     with router_stack(RequestLimits(body_timeout_s=BODY_S), limits) as s:
         yield s
 
@@ -75,7 +76,7 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_header_deadline(guarde
     took = time.monotonic() - start
     sock.close()
     assert closed and got == b"", (closed, got)
-    assert HEADER_S * 0.8 <= took <= HEADER_S + 3, took
+    assert HEADER_S * 0.4 <= took <= HEADER_S + 3, took  # the deadline is drawn in [1/2, 1] x HEADER_S
     _good(guarded)
 
 

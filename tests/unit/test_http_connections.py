@@ -117,8 +117,21 @@ def _get(s: _Server, source: str = "127.0.0.1") -> int:
         return _status(sock)
 
 
-def test_idle_connections_make_room_for_a_client_oldest_first(serve) -> None:
-    s = serve(max_connections=4)
+def test_idle_connections_hold_no_request_slot(serve) -> None:
+    """1,030 silent sockets made every client a 503 when the limit counted them (issue 36)."""
+    s = serve(max_connections=2, max_open=100, max_per_ip=100)
+    idle = [_connect(s) for _ in range(50)]
+    wait_for(lambda: s.connections.total == 50, timeout=10, what="50 connections counted")
+    try:
+        assert [_get(s) for _ in range(3)] == [200] * 3
+        assert s.connections.evicted == 0 and s.connections.refused == 0
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_past_max_open_idle_connections_make_room_oldest_first(serve) -> None:
+    s = serve(max_connections=4, max_open=4, max_per_ip=4)
     idle = [_connect(s) for _ in range(4)]
     wait_for(lambda: s.connections.total == 4, timeout=10, what="4 connections counted")
     try:
@@ -134,7 +147,7 @@ def test_idle_connections_make_room_for_a_client_oldest_first(serve) -> None:
 
 
 def test_a_keep_alive_connection_between_requests_is_idle_and_can_be_closed(serve) -> None:
-    s = serve(max_connections=2)
+    s = serve(max_connections=2, max_open=2, max_per_ip=2)
     kept = _connect(s)
     _send(kept)
     assert _status(kept) == 200  # kept alive after its response: idle again
@@ -147,8 +160,8 @@ def test_a_keep_alive_connection_between_requests_is_idle_and_can_be_closed(serv
         other.close()
 
 
-def test_when_every_connection_is_serving_a_new_one_is_503_and_closed(serve) -> None:
-    s = serve(max_connections=3)
+def test_past_max_connections_serving_a_request_is_503_and_closed(serve) -> None:
+    s = serve(max_connections=3, max_open=10, max_per_ip=10)
     busy = [_connect(s) for _ in range(3)]
     for sock in busy:
         _send(sock, "/hold")
@@ -168,7 +181,7 @@ def test_when_every_connection_is_serving_a_new_one_is_503_and_closed(serve) -> 
 
 
 def test_the_per_address_cap_closes_that_address_s_idle_connections_not_others(serve) -> None:
-    s = serve(max_connections=100, max_per_ip=2)
+    s = serve(max_connections=100, max_open=100, max_per_ip=2)
     theirs = [_connect(s, "127.0.0.2") for _ in range(2)]
     mine = _connect(s, "127.0.0.3")
     wait_for(lambda: s.connections.total == 3, timeout=10, what="3 connections counted")
@@ -195,3 +208,5 @@ def test_the_per_address_cap_closes_that_address_s_idle_connections_not_others(s
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="max_per_ip"):
         ConnectionLimits(max_per_ip=0)
+    with pytest.raises(ValueError, match="must not exceed max_open"):
+        ConnectionLimits(max_connections=10, max_open=5, max_per_ip=5)
