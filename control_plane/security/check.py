@@ -537,8 +537,8 @@ def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: flo
         elif reasons.get(where, "").startswith(refused_reason):
             out.append(Probe(area, attack, REFUSED, f"dead-lettered {reasons[where]} ({where})"))
         else:
-            out.append(Probe(area, attack, ACCEPTED, f"written to {where}, not refused by any consumer within "
-                                                        f"{timeout_s:g} s"))
+            out.append(Probe(area, attack, ACCEPTED, f"written to {where}, " + (
+                f"dead-lettered {reasons[where]}" if where in reasons else f"not refused by any consumer within {timeout_s:g} s")))
     return out
 
 

@@ -407,10 +407,12 @@ def _quiet():
 
 # -- the endpoint allowlist ------------------------------------------------------------------------
 
-def probe_allowlist(bootstrap: str, topic_prefix: str) -> list[Probe]:
+def probe_allowlist(bootstrap: str, topic_prefix: str, block_size: int = 64, hash_algo: str = "sha256") -> list[Probe]:
     """A worker's own signed registration (a probe-owned id) whose endpoint has a path: the
     router must dead-letter it ``endpoint_not_allowed`` (check.probe_forged_events watches the
-    dead-letter topic). A deregistration of that id follows, so no view keeps it."""
+    dead-letter topic). A deregistration of that id follows, so no view keeps it. ``block_size``
+    and ``hash_algo``: the router's (its defaults, the demo's), so that its index takes the
+    registration and only the endpoint is left to refuse it."""
     from confluent_kafka import Producer
 
     from control_plane.security.check import probe_forged_events
@@ -428,7 +430,7 @@ def probe_allowlist(bootstrap: str, topic_prefix: str) -> list[Probe]:
     def signed(payload, seq: int) -> bytes:
         return signer.seal(codec.encode(EnvelopeFactory(wid, epoch, lambda: seq).wrap(payload, key=payload.key())))
 
-    reg = WorkerRegistered(worker_id=wid, role="decode", pool="security-check", block_size=16, hash_algo="sha256",
+    reg = WorkerRegistered(worker_id=wid, role="decode", pool="security-check", block_size=block_size, hash_algo=hash_algo,
                            endpoint="http://127.0.0.1:9/admin/kv_bridge/stop#")
     try:
         out = probe_forged_events(bootstrap, topic_prefix, forgeries=[

@@ -69,7 +69,11 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert all("refused" in rest for area, rest in rows
                    if area in ("router", "worker", "admin", "kafka", "postgres", "redis")), check.stdout
         assert "skipped" not in check.stdout and "revoked API key" in check.stdout, check.stdout
-        assert sum(area == "worker" for area, _ in rows) == 4, check.stdout
+        assert sum(area == "worker" and "without the worker credential" in rest for area, rest in rows) == 4, check.stdout
+        # The HTTP side of issue 36 (control_plane/security/probes_http.py): floods of the router
+        # and of the workers, the workers' bearers and bounds, the admin lockout, labels, the CLI.
+        assert "idle connections: clients still served" in check.stdout, check.stdout
+        assert all("refused" in rest for area, rest in rows if area in ("metrics", "cli")), check.stdout
         got = dict(kv.split("=") for kv in check.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
         assert got["server_errors"] == "0" and got["nonloopback_listeners"] == "0", check.stdout
         assert int(got["attacks_tried"]) >= 39, check.stdout
