@@ -41,7 +41,7 @@ def bare_proxy(worker: str):
                 chunks.append(message.get("body", b""))
                 more = message.get("more_body", False)
             served += 1
-            async with calls.post(worker + scope["path"], b"".join(chunks), f"bare-{served}") as reply:
+            async with calls.post(worker + scope["path"], b"".join(chunks), f"bare-{served}", "") as reply:
                 status, answer = reply.status, await reply.read()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})

@@ -42,15 +42,25 @@ def stack_secret(secrets_dir: Path, name: str) -> str:
     return path.read_text().strip()
 
 
-#: The stack secret shared by every router and worker of a cluster: the bearer a worker's
-#: private endpoints (``/kv/metadata``, ``/debug/*``, ``/admin/*``) require, sent by the routers
-#: and by the workers' peers.
+#: The stack secret shared by every router and worker of a cluster. It is never sent: each
+#: worker's endpoints take a bearer derived from it and that worker's id (:func:`worker_token`).
 WORKER_CREDENTIAL = "worker-endpoint"
 
 
 def worker_credential(secrets_dir: Path | None = None) -> str:
-    """The cluster's worker credential (made on first use, like every stack secret)."""
+    """The cluster's worker secret (made on first use, like every stack secret)."""
     return stack_secret(secrets_dir or default_secrets_dir(), WORKER_CREDENTIAL)
+
+
+def worker_token(secret: str, worker_id: str) -> str:
+    """The bearer worker ``worker_id``'s endpoints require: HMAC-SHA256 of the cluster's worker
+    secret with the worker id. The routers and the worker's peers, which hold the secret, send
+    it; whoever only sees one call (a process that took over a stopped worker's port) learns a
+    token good for that worker id alone."""
+    import hashlib
+    import hmac
+
+    return hmac.new(secret.encode(), b"worker-endpoint\0" + worker_id.encode(), hashlib.sha256).hexdigest()
 
 
 def signing_master(secrets_dir: Path) -> bytes:

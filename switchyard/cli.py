@@ -271,7 +271,7 @@ def router_cmd(
              "switchyard_router_key_gate_fallbacks_total) or in this process only.")] = None,
     redis_url: Annotated[Optional[str], typer.Option(
         envvar="SWITCHYARD_REDIS_URL", help="Redis of the shared key limits (default: the local stack's).")] = None,
-    max_connections: Annotated[int, typer.Option(help="Connections served at once (503 beyond).")] = 1024,
+    max_connections: Annotated[int, typer.Option(help="Requests served at once (503 beyond; idle connections do not count).")] = 1024,
     request_timeout: Annotated[float, typer.Option(
         help="Seconds a connection has to send a request's headers (closed beyond).")] = 10.0,
     body_timeout: Annotated[float, typer.Option(help="Seconds a request has to send its body (408 beyond).")] = 30.0,

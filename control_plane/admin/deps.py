@@ -3,8 +3,7 @@ documentation.
 
 ``SessionDep`` is one database session per request; ``Viewer`` / ``Operator`` / ``Admin`` are the
 authenticated caller, checked to hold at least that role (401 without a valid bearer token,
-403 with a weaker role, 429 after too many failed authentications from the caller's address or
-for the token id it names). The path and query parameter types bound every input, so no value
+403 with a weaker role, 429 after too many failed authentications: see :func:`current_principal`). The path and query parameter types bound every input, so no value
 a client can send becomes a 500.
 """
 
@@ -42,35 +41,64 @@ bearer = HTTPBearer(auto_error=False, bearerFormat="sy_<id>_<secret>",
                     description="An API token (`switchyard admin create-token`, or POST /tokens as admin).")
 
 
+def client_source(request: Request, trusted_proxies: frozenset[str]) -> str:
+    """The address a request came from: the peer's, unless the peer is a configured proxy; then
+    the last ``X-Forwarded-For`` hop that is not one (a client can prepend any hops it likes, but
+    not the ones its proxies append). With no proxies configured the header is ignored: a client
+    that sends its own would otherwise pick the address it is limited under."""
+    peer = request.client.host if request.client else "-"
+    if peer not in trusted_proxies:
+        return peer
+    hops = [h.strip() for h in ",".join(request.headers.getlist("x-forwarded-for")).split(",") if h.strip()]
+    for hop in reversed(hops):
+        if hop not in trusted_proxies:
+            return hop[:64]
+    return peer
+
+
 def current_principal(request: Request, ctx: Ctx,
                       creds: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> Principal:
+    """The caller, from its bearer token. Failed guesses are limited per (token id, source
+    address), and per source for tokens that name no token at all (malformed, unknown id):
+
+    * A request naming a real token id is limited only by that id's failures *from its own
+      source*: someone guessing wrong with the admin's id (which is not secret: it is in the
+      log) from elsewhere costs the admin nothing, and a spray of invented ids costs nobody.
+    * The right secret always authenticates, even while its (id, source) bucket is empty: a
+      valid credential is never locked out by someone else's wrong guesses from the same
+      address (on one box, every client is 127.0.0.1). The limit then bounds the work and noise
+      of guessing, not its odds, which 256-bit secrets (kernel/bearer.py) already make nil.
+    """
     if creds is None or not creds.credentials:
         raise Unauthorized("missing bearer token (Authorization: Bearer sy_<id>_<secret>)")
     now = ctx.clock()
+    source = client_source(request, ctx.settings.trusted_proxies)
     parsed = parse_token(creds.credentials)
-    keys = [f"addr:{request.client.host if request.client else '-'}"]
+    record: TokenRecord | None = None
     if parsed is not None:
-        keys.append(f"token:{parsed[0]}")
+        with ctx.sessions() as s:
+            row = s.get(ApiToken, parsed[0])
+            if row is not None:
+                record = TokenRecord(token_id=row.id, name=row.name, role=row.role, salt=row.salt,
+                                     token_hash=row.token_hash, expires_at=row.expires_at, revoked_at=row.revoked_at)
+    keys = [f"addr:{source}"] if record is None else [f"token:{record.token_id}@{source}"]
+    if record is None:
+        _limited(ctx, keys, now)  # nothing to find: refused before any work
+    outcome: Principal | Denial = (Denial.MALFORMED if parsed is None
+                                   else authenticate(record, parsed[1], datetime.fromtimestamp(now, timezone.utc)))
+    if isinstance(outcome, Principal):
+        return outcome
+    if outcome.guess:
+        _limited(ctx, keys, now)
+        ctx.auth_limiter.failed(keys, now)
+    raise _denied(outcome, record)
+
+
+def _limited(ctx: AdminContext, keys: list[str], now: float) -> None:
     wait = ctx.auth_limiter.retry_after(keys, now)
     if wait is not None:
         raise TooManyRequests(f"too many failed authentications; retry in {wait} s",
                               headers={"Retry-After": str(wait)})
-    record: TokenRecord | None = None
-    if parsed is None:
-        outcome: Principal | Denial = Denial.MALFORMED
-    else:
-        token_id, secret = parsed
-        with ctx.sessions() as s:
-            row = s.get(ApiToken, token_id)
-            if row is not None:
-                record = TokenRecord(token_id=row.id, name=row.name, role=row.role, salt=row.salt,
-                                     token_hash=row.token_hash, expires_at=row.expires_at, revoked_at=row.revoked_at)
-        outcome = authenticate(record, secret, datetime.fromtimestamp(now, timezone.utc))
-    if isinstance(outcome, Principal):
-        return outcome
-    if outcome.guess:
-        ctx.auth_limiter.failed(keys, now)
-    raise _denied(outcome, record)
 
 
 def _denied(why: Denial, record: TokenRecord | None) -> Unauthorized:

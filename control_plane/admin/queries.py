@@ -67,6 +67,8 @@ def health(sessions: sessionmaker[Session], audit: AuditConsumer | None) -> Heal
                         last_error=audit.last_error, stuck=None if stuck is None else stuck.reason)
         if stuck is not None:
             reasons.append(stuck.reason)
+        elif progress["last_error"]:  # failing, not yet waiting: degraded until a step succeeds
+            reasons.append(f"audit consumer: {progress['last_error']}")
     return Health(status="degraded" if reasons else "ok", database=db_ok, audit=progress, reasons=reasons)
 
 

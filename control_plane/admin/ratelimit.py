@@ -1,15 +1,12 @@
 """Failed authentications, rate-limited per key with token buckets. Pure (the time is an input).
 
-Each key (a client address, a token id) has a bucket of ``burst`` tokens that refills at
-``per_s`` tokens a second; every failed authentication takes one token from the bucket of each
-key it carries. A request is refused (429, ``Retry-After``) *before* its secret is checked when
-any of its keys' buckets is empty: checking first and refusing after would still tell a guesser
-which guess was right. Successful authentications take nothing, so a client with a good token is
-never slowed by its own traffic.
+Each key has a bucket of ``burst`` tokens that refills at ``per_s`` tokens a second; every
+failed authentication takes one token from the bucket of each key it carries, and a key whose
+bucket is empty makes the caller answer 429 with ``Retry-After``. Successful authentications take
+nothing, so a client with a good token is never slowed by its own traffic.
 
-The token-id key stops a guesser spread over many addresses; its cost is that while a token id
-is under attack its holder is refused too, for seconds (until the bucket refills a token). The
-address key stops one client spraying ids.
+The keys are the admin API's (control_plane/admin/deps.py): a token id with the source address
+it was guessed from, and a source address alone for tokens that name no real id.
 
 A full bucket is the same as no bucket, so buckets are forgotten once full, and at most
 ``max_keys`` are kept (the least recently touched go first): memory stays bounded however many

@@ -52,6 +52,10 @@ class AdminSettings:
     #: rate they are allowed at after it (token buckets, :mod:`control_plane.admin.ratelimit`).
     auth_fail_burst: int = 10
     auth_fail_per_s: float = 0.5
+    #: Addresses of the reverse proxies in front of the API, whose ``X-Forwarded-For`` names the
+    #: client (comma-separated in $SWITCHYARD_ADMIN_TRUSTED_PROXIES). Empty: the header is
+    #: ignored, and a client is limited under the address it connects from.
+    trusted_proxies: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not 1 <= self.token_ttl_days <= self.token_max_ttl_days:
@@ -79,6 +83,8 @@ class AdminSettings:
                 kw[f.name] = raw.lower() in ("1", "true", "yes", "on")
             elif f.name == "audit_streams":
                 kw[f.name] = tuple(s.strip() for s in raw.split(",") if s.strip())
+            elif f.name == "trusted_proxies":
+                kw[f.name] = frozenset(s.strip() for s in raw.split(",") if s.strip())
             else:
                 kw[f.name] = raw
         kw.update(overrides)

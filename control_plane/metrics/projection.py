@@ -70,6 +70,21 @@ from schemas.events import (
 SNAPSHOT_FORMAT = 1
 #: Label value for a pool the projection cannot name (a worker it never saw register).
 UNKNOWN = "unknown"
+#: What a dead-letter ``reason`` label may say: the kind before the first ":" of the header
+#: (schemas/errors.py, schemas/signing.py, kernel/log/fold.py, the index), else ``other``. Any
+#: role may write the dead-letter topic and its headers, so a label never carries them as they
+#: are: 3,000 invented reasons would be 3,000 series. The header itself stays on the record.
+DEADLETTER_REASONS = frozenset({"schema_error", "malformed", "unknown_type", "unsupported_version", "no_value",
+                                "apply_failed", "index_rejected", "forged"})
+OTHER = "other"
+
+
+def deadletter_labels(reason: str, source: str) -> tuple[str, str]:
+    """The (reason, source) labels of a dead-lettered record: each from a fixed set, ``other``
+    for anything else (``unknown`` when the header is missing)."""
+    kind = reason.split(":", 1)[0]
+    return ((kind if kind in DEADLETTER_REASONS else OTHER) if reason else UNKNOWN,
+            (source if source in EVENT_STREAMS else OTHER) if source else UNKNOWN)
 #: Same encoding as the router's ``switchyard_router_view_state``.
 VIEW_STATES = {"LOADING": 0, "EXACT": 1, "DEGRADED": 2}
 #: Metrics the processor knows beyond the fold: broker probes and its own errors
@@ -359,7 +374,7 @@ class MetricsProjection:
         if not self._advance("deadletter", partition, offset, ts_ms):
             return "redelivered"
         self._inc("switchyard_metrics_records_total", ("deadletter", "applied"))
-        self._inc("switchyard_deadletter_records_total", (reason or UNKNOWN, source or UNKNOWN))
+        self._inc("switchyard_deadletter_records_total", deadletter_labels(reason, source))
         return "applied"
 
     def _advance(self, stream: str, partition: int, offset: int, ts_ms: int) -> bool:

@@ -37,8 +37,42 @@ ConfigsOpt = Annotated[Optional[list[Path]], typer.Option(
 
 
 def _fail(msg: str, code: int = 2) -> NoReturn:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    typer.secho(f"error: {' '.join(msg.split())}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
+
+
+#: Largest KV block a replay can be asked to hash with (vLLM's block sizes are at most a few
+#: hundred tokens).
+MAX_BLOCK_SIZE = 65_536
+
+
+def _check_args(*, source: str | None = None, points: dict[str, str] | None = None, range_: tuple[str, str] | None = None,
+                block_size: int | None = None, hash_algo: str | None = None,
+                outputs: dict[str, Path | None] | None = None) -> None:
+    """Refuse nonsense before reading anything: one line naming the option, exit 2."""
+    from control_plane.replay.errors import BadPoint
+    from control_plane.replay.points import check_range, parse_point
+    from kernel.hashing import HashAlgo
+
+    if source is not None and source != "kafka":
+        path = Path(source)
+        if not path.is_file():
+            _fail(f"--source {source[:200]!r}: no such file (give 'kafka' or a .sylog file from `replay export`)")
+    try:
+        parsed = {opt: parse_point(text) for opt, text in (points or {}).items()}
+        if range_ is not None:
+            check_range(parsed[range_[0]], parsed[range_[1]])
+    except BadPoint as e:
+        _fail(str(e))
+    if block_size is not None and not 1 <= block_size <= MAX_BLOCK_SIZE:
+        _fail(f"--block-size {block_size}: must be between 1 and {MAX_BLOCK_SIZE} tokens")
+    if hash_algo is not None and hash_algo not in {a.value for a in HashAlgo}:
+        _fail(f"--hash-algo {hash_algo[:40]!r}: one of {', '.join(a.value for a in HashAlgo)}")
+    for opt, path in (outputs or {}).items():
+        if path is None:
+            continue
+        if path.is_dir() or not path.parent.is_dir():
+            _fail(f"{opt} {str(path)[:200]!r}: not a file in an existing directory")
 
 
 def _engine(source: str, prefix: str | None, quiet: bool):
@@ -91,13 +125,23 @@ def _replay(source: str, prefix: str | None, quiet: bool, call: Callable[[Replay
     from control_plane.replay.errors import ReplayError
     from kernel.errors import LogReadError
 
-    engine, reader = _engine(source, prefix, quiet)
+    try:
+        engine, reader = _engine(source, prefix, quiet)
+    except (LogReadError, OSError, ValueError) as e:
+        _fail(f"--source {source[:200]!r}: {e}")
     try:
         return call(engine)
     except (ReplayError, LogReadError) as e:
         _fail(str(e))
     finally:
         _close(reader)
+
+
+def _write(opt: str, path: Path, write: Callable[[Path], None]) -> None:
+    try:
+        write(path)
+    except OSError as e:
+        _fail(f"{opt} {str(path)[:200]!r}: {e.strerror or e}")
 
 
 @replay_app.command("state")
@@ -112,14 +156,16 @@ def state_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Rebuild the prefix index, the worker registry and the load view as they were at --at."""
+    _check_args(source=source, points={"--at": at}, block_size=block_size, hash_algo=hash_algo,
+                outputs={"--export": export, "--plot": plot})
     state, _ = _replay(source, prefix, quiet, lambda engine: engine.state(
         at, hash_algo=hash_algo, block_size=block_size, use_snapshots=not no_snapshot))
     if export:
-        export.write_text(json.dumps(state, indent=1, default=str))
+        _write("--export", export, lambda p: p.write_text(json.dumps(state, indent=1, default=str)))
     if plot:
         from control_plane.replay.plot import plot_state
 
-        plot_state(state, plot)
+        _write("--plot", plot, lambda p: plot_state(state, p))
     if as_json:
         typer.echo(json.dumps(state, default=str))
         return
@@ -150,6 +196,8 @@ def verify_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Re-execute every recorded routing decision in the range; exit 1 unless all are identical."""
+    _check_args(source=source, points={"--from": frm, "--to": to}, range_=("--from", "--to"),
+                outputs={"--plot": plot})
     try:
         book = _book(config)
     except (ValueError, OSError) as e:
@@ -159,7 +207,7 @@ def verify_cmd(
     if plot:
         from control_plane.replay.plot import plot_verify
 
-        plot_verify(report, plot)
+        _write("--plot", plot, lambda p: plot_verify(report, p))
     if as_json:
         out = report.summary()
         out["mismatches"] = msgspec.to_builtins(report.mismatches)
@@ -197,6 +245,8 @@ def whatif_cmd(
 ) -> None:
     """Re-score the recorded traffic under another router config: changed choices, avoidable
     prefill tokens, and the TTFT/throughput effect on the simulated engine."""
+    _check_args(source=source, points={"--from": frm, "--to": to}, range_=("--from", "--to"),
+                outputs={"--plot": plot})
     try:
         from control_plane.router.config import load_router_config
 
@@ -209,7 +259,7 @@ def whatif_cmd(
     if plot:
         from control_plane.replay.plot import plot_whatif
 
-        plot_whatif(report, plot)
+        _write("--plot", plot, lambda p: plot_whatif(report, p))
     if as_json:
         out = report.summary()
         out["examples"] = msgspec.to_builtins(report.examples)
@@ -238,6 +288,7 @@ def export_cmd(
     prefix: PrefixOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Copy topics of the broker into a file that every replay command can read (--source)."""
+    _check_args(outputs={"OUT": out})
     from kernel.log.catalog import Catalog
     from kernel.log.reader import KafkaLogReader, export_log
     from kernel.settings import BusSettings

@@ -28,7 +28,7 @@ import msgspec
 import xxhash
 
 from control_plane.replay.errors import BadPoint, ReplayError
-from control_plane.replay.points import Point, format_positions, parse_point, parse_positions
+from control_plane.replay.points import Point, check_range, format_positions, parse_point, parse_positions
 from control_plane.replay.state import RequestTraffic, ViewFolder, view_summary
 from control_plane.replay.verify import (
     DecisionCheck,
@@ -463,8 +463,11 @@ class ReplayEngine:
         walk = Walk()
         req_topic = self.catalog.topic("requests")
         p_from, p_to = parse_point(frm), parse_point(to)
+        check_range(p_from, p_to)
         start = self.resolve(p_from, [req_topic], side="start")
         end = self.resolve(p_to, [req_topic], side="end")
+        if any(start[tp] > end.get(tp, start[tp]) for tp in start):
+            raise BadPoint(f"the range starts at {frm!r}, after it ends at {to!r} (in {req_topic})")
         from_ts = self.point_ts(p_from)
         look = dict(start)
         if from_ts is not None:

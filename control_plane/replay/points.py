@@ -28,6 +28,12 @@ from control_plane.replay.errors import BadPoint
 
 #: Epoch-millisecond values below this are taken for a mistake (seconds, or an offset).
 _MIN_EPOCH_MS = 10**11
+#: 9999-12-31T23:59:59.999Z: the largest time a point may name (Kafka's offset-for-time lookup
+#: takes a 64-bit value; 23 digits overflowed it).
+_MAX_EPOCH_MS = 253_402_300_799_999
+#: Kafka's own bounds on a partition number and an offset.
+_MAX_PARTITION = 2**31 - 1
+_MAX_OFFSET = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -82,17 +88,48 @@ def parse_point(text: str) -> Point:
         if ms < _MIN_EPOCH_MS:
             raise BadPoint(f"{s} is too small for epoch milliseconds (did you mean seconds, or "
                            "topic:partition:offset?); " + _FORMS)
+        if ms > _MAX_EPOCH_MS:
+            raise BadPoint(f"{s[:40]} is past the year 9999 as epoch milliseconds; " + _FORMS)
         return Point("time", ts_ms=ms, text=s)
     try:
         dt = datetime.fromisoformat(s[:-1] + "+00:00" if s.endswith("Z") else s)
     except ValueError:
         parts = s.rsplit(":", 2)
         if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
+            _check_position(parts[0], int(parts[1]), int(parts[2]))
             return Point("record", topic=parts[0], partition=int(parts[1]), offset=int(parts[2]), text=s)
-        raise BadPoint(f"{s!r} is not a point of the log; " + _FORMS) from None
+        raise BadPoint(f"{s[:80]!r} is not a point of the log; " + _FORMS) from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
-    return Point("time", ts_ms=int(dt.timestamp() * 1000), text=s)
+    try:
+        ms = int(dt.timestamp() * 1000)
+    except (OverflowError, ValueError):
+        raise BadPoint(f"{s[:80]!r} is not a time the log can hold; " + _FORMS) from None
+    if ms < 0:
+        raise BadPoint(f"{s[:80]!r} is before 1970, older than any log; " + _FORMS)
+    return Point("time", ts_ms=ms, text=s)
+
+
+def _check_position(topic: str, partition: int, offset: int) -> None:
+    if partition > _MAX_PARTITION or offset > _MAX_OFFSET:
+        raise BadPoint(f"{topic[:80]}:{partition}:{offset} is beyond Kafka's partition (< 2**31) or offset "
+                       "(< 2**63) range")
+
+
+def check_range(frm: Point, to: Point) -> None:
+    """Raise :class:`BadPoint` when ``frm`` comes after ``to`` on its face (before reading the
+    log: the end before the start, a later time before an earlier one, a later offset of a
+    partition before an earlier one); a range that only resolves reversed is checked by the
+    replay engine."""
+    rank = {"start": 0, "end": 2}
+    if frm.kind in rank and to.kind in rank and rank[frm.kind] > rank[to.kind] \
+            or frm.kind == "end" and to.kind != "end" or to.kind == "start" and frm.kind != "start":
+        raise BadPoint(f"the range starts at {frm.text or frm.kind!r} after it ends at {to.text or to.kind!r}")
+    if frm.kind == to.kind == "time" and frm.ts_ms > to.ts_ms:  # type: ignore[operator]
+        raise BadPoint(f"the range starts at {frm.text!r}, after it ends at {to.text!r}")
+    if frm.kind == to.kind == "record" and (frm.topic, frm.partition) == (to.topic, to.partition) \
+            and frm.offset > to.offset:  # type: ignore[operator]
+        raise BadPoint(f"the range starts at {frm.text!r}, after it ends at {to.text!r}")
 
 
 def parse_positions(raw: object) -> dict[tuple[str, int], int]:
@@ -103,7 +140,8 @@ def parse_positions(raw: object) -> dict[tuple[str, int], int]:
     for k, v in raw.items():
         t, _, p = str(k).rpartition(":")
         if not t or not p.isdigit() or not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise BadPoint(f"bad position {k!r}: {v!r} (want \"topic:partition\": non-negative offset)")
+            raise BadPoint(f"bad position {str(k)[:80]!r}: {str(v)[:40]} (want \"topic:partition\": non-negative offset)")
+        _check_position(t, int(p), v)
         out[(t, int(p))] = v
     return out
 

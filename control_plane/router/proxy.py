@@ -181,8 +181,8 @@ class Router:
         self._health = health
         self.metrics = metrics
         #: The calls to workers (unit tests pass in-memory workers). Every call carries the
-        #: cluster's worker credential when there is one (``worker_credential``: the workers'
-        #: ``/kv/metadata`` and ``/debug/*`` require it).
+        #: bearer of the worker it calls, derived from the cluster's worker secret
+        #: (``worker_credential``) when there is one: the workers' routes require it.
         self.workers = workers or HttpWorkerCalls(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
                                                   credential=worker_credential)
         self.admission = AdmissionQueue(admission or AdmissionConfig(), self._has_room)
@@ -378,7 +378,8 @@ class Router:
                 "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True}}
         wid = prefill.worker_id
         try:
-            async with self.workers.post(f"{prefill.endpoint}/v1/completions", _json(body), adm.request_id) as r:
+            async with self.workers.post(f"{prefill.endpoint}/v1/completions", _json(body), adm.request_id,
+                                         wid) as r:
                 answer = await r.read()
             if r.status >= 500:
                 raise WorkerFailed("worker_error", f"prefill {wid}: HTTP {r.status}: {_text(answer, 200)}", wid)
@@ -417,7 +418,7 @@ class Router:
             body["kv_transfer_params"] = kv_params
         url = f"{worker.endpoint}/v1/completions"
         try:
-            async with self.workers.post(url, _json(body), adm.request_id) as r:
+            async with self.workers.post(url, _json(body), adm.request_id, worker.worker_id) as r:
                 if r.status >= 500:
                     raise WorkerFailed("worker_error", f"HTTP {r.status}: {(await r.read())[:200]!r}",
                                        worker.worker_id)

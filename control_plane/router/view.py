@@ -103,8 +103,8 @@ DEFAULT_WORKER_NETWORKS: tuple[str, ...] = ("127.0.0.0/8", "::1/128", "localhost
 
 
 class EndpointAllowlist:
-    """Which registered endpoints the router may send requests (prompts included) to: hosts in
-    the listed networks, or named exactly. Pure: no name is resolved, so every fold of the same
+    """Which registered endpoints the router may send requests (prompts included) to:
+    ``scheme://host[:port]`` with the host in the listed networks, or named exactly. Pure: no name is resolved, so every fold of the same
     log, live or replayed, accepts the same registrations."""
 
     def __init__(self, entries: tuple[str, ...] = DEFAULT_WORKER_NETWORKS) -> None:
@@ -127,6 +127,12 @@ class EndpointAllowlist:
             return f"endpoint {endpoint[:200]!r} is not a URL ({e})"
         if parts.scheme not in ("http", "https") or not host:
             return f"endpoint {endpoint[:200]!r} is not an http(s) URL with a host"
+        # scheme://host[:port] and nothing else: the router appends the path itself, and a path,
+        # query, fragment or user of the registration's choosing would steer its calls (with
+        # the worker's bearer) to any route of the allowed hosts.
+        if parts.path or parts.query or parts.fragment or "?" in endpoint or "#" in endpoint \
+                or parts.username is not None or parts.password is not None:
+            return f"endpoint {endpoint[:200]!r} must be scheme://host[:port] only (no user, path, query or fragment)"
         try:
             addr = ipaddress.ip_address(host)
         except ValueError:

@@ -9,8 +9,9 @@ the router's failure code (``connect_timeout``, ``worker_unreachable``, ``timeou
 driver's errors into these, so the router classifies failures once, whatever the transport.
 
 :class:`HttpWorkerCalls` is the real adapter: aiohttp (its C HTTP parser, keep-alive pool), the
-cluster's worker credential on every call (aiohttp rather than httpx: about 5x less time per
-call, docs/benchmarks.md, "Measurements behind defaults").
+each worker's own bearer on every call (:func:`kernel.settings.worker_token`: derived from the
+cluster's worker secret, which never leaves the router), aiohttp rather than httpx: about 5x
+less time per call (docs/benchmarks.md, "Measurements behind defaults").
 A connection returns to the pool only once its answer was read to the end, so an answer the
 router is done with before its end (the SSE stream after ``[DONE]``) is drained in the
 background, for at most :data:`DRAIN_S`, instead of being closed (a new connection per request
@@ -32,6 +33,8 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from kernel.settings import worker_token
 
 #: Seconds a worker has to end an answer the router stopped reading (after ``[DONE]``) before
 #: its connection is closed instead of reused.
@@ -70,8 +73,9 @@ class Reply(Protocol):
 
 
 class WorkerCalls(Protocol):
-    def post(self, url: str, body: bytes, request_id: str) -> AbstractAsyncContextManager[Reply]:
-        """POST ``body`` (JSON) to ``url`` with ``X-Request-Id``; the answer, until the block
+    def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AbstractAsyncContextManager[Reply]:
+        """POST ``body`` (JSON) to worker ``worker_id`` at ``url`` with ``X-Request-Id`` (and the
+        worker's bearer, :func:`kernel.settings.worker_token`); the answer, until the block
         ends. Raises :class:`CallFailed` or :class:`Unsendable`."""
         ...
 
@@ -100,8 +104,9 @@ class HttpWorkerCalls:
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
         self._headers = {"Content-Type": "application/json"}
-        if credential:
-            self._headers["Authorization"] = f"Bearer {credential}"
+        #: The cluster's worker secret; each call carries the bearer of the worker it calls.
+        self._secret = credential
+        self._tokens: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None
         self._draining: set[asyncio.Task] = set()
 
@@ -121,10 +126,12 @@ class HttpWorkerCalls:
         return self._session
 
     @asynccontextmanager
-    async def post(self, url: str, body: bytes, request_id: str) -> AsyncIterator[Reply]:
+    async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
         _check_sendable(url, request_id)
         session = self._client()
         headers = {"X-Request-Id": request_id}
+        if self._secret:
+            headers["Authorization"] = f"Bearer {self._token(worker_id)}"
         for last in (False, True):
             call: dict = {}
             try:
@@ -153,6 +160,14 @@ class HttpWorkerCalls:
             response.release()
         else:
             self._drain(response)
+
+    def _token(self, worker_id: str) -> str:
+        token = self._tokens.get(worker_id)
+        if token is None:
+            if len(self._tokens) > 4096:  # workers come and go: keep the memo bounded
+                self._tokens.clear()
+            token = self._tokens[worker_id] = worker_token(self._secret, worker_id)  # type: ignore[arg-type]
+        return token
 
     def _drain(self, response: aiohttp.ClientResponse) -> None:
         """Read the rest of an answer in the background, then pool its connection (closed if
@@ -244,6 +259,7 @@ class WorkerCall:
     url: str
     body: bytes
     request_id: str
+    worker_id: str = ""
 
     @property
     def host(self) -> str:
@@ -289,9 +305,9 @@ class MemoryWorkerCalls:
         self.answer = answer
 
     @asynccontextmanager
-    async def post(self, url: str, body: bytes, request_id: str) -> AsyncIterator[Reply]:
+    async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
         _check_sendable(url, request_id)
-        reply = self.answer(WorkerCall(url, body, request_id))
+        reply = self.answer(WorkerCall(url, body, request_id, worker_id))
         if not isinstance(reply, MemoryReply):
             reply = await reply
         yield reply

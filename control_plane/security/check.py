@@ -35,6 +35,8 @@ Probes:
 * **stores**: an unauthenticated Kafka client listing topics, PostgreSQL without a password, Redis
   without a password, the S3 object store (SeaweedFS) listing buckets unsigned and with a wrong
   secret key.
+* **HTTP surfaces** (issue 36: floods, lockout, labels, workers, allowlist, replay CLI):
+  :mod:`control_plane.security.probes_http`.
 * **listeners**: every listening socket of the system's processes (and their children) must be
   on loopback (verdict ``loopback``, else ``exposed``).
 
@@ -519,10 +521,11 @@ def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
     ]
 
 
-def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0) -> list[Probe]:
+def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0, forgeries=None,
+                        refused_reason: str = "forged:", area: str = "kafka") -> list[Probe]:
     """Each forgery written with the credential of a role that may write its topic: refused
     means a consumer of the running system dead-letters it as ``forged:*`` (the router's view
-    and key table fold it only through that check)."""
+    and key table fold it only through that check), or ``refused_reason`` for other ``forgeries``."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
     from kernel.log.catalog import Catalog
@@ -538,7 +541,7 @@ def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: flo
         start = [TopicPartition(cat.deadletter, p, dlq.get_watermark_offsets(TopicPartition(cat.deadletter, p),
                                                                              timeout=10)[1]) for p in parts]
         sent: dict[str, tuple[str, str]] = {}  # "topic:partition:offset" -> (attack, error)
-        for role, stream, value, attack in _forgeries(topic_prefix):
+        for role, stream, value, attack in forgeries or _forgeries(topic_prefix):
             bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
             got: list = []
             p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
@@ -566,12 +569,12 @@ def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: flo
     out = []
     for where, (attack, error) in sent.items():
         if where.startswith("-"):
-            out.append(Probe("kafka", attack, REFUSED if "AUTHORIZATION" in error else SERVER_ERROR, error[:100]))
-        elif reasons.get(where, "").startswith("forged:"):
-            out.append(Probe("kafka", attack, REFUSED, f"dead-lettered {reasons[where]} ({where})"))
+            out.append(Probe(area, attack, REFUSED if "AUTHORIZATION" in error else SERVER_ERROR, error[:100]))
+        elif reasons.get(where, "").startswith(refused_reason):
+            out.append(Probe(area, attack, REFUSED, f"dead-lettered {reasons[where]} ({where})"))
         else:
-            out.append(Probe("kafka", attack, ACCEPTED, f"written to {where}, not refused by any consumer within "
-                                                        f"{timeout_s:g} s"))
+            out.append(Probe(area, attack, ACCEPTED, f"written to {where}, " + (
+                f"dead-lettered {reasons[where]}" if where in reasons else f"not refused by any consumer within {timeout_s:g} s")))
     return out
 
 
@@ -600,6 +603,9 @@ def run(t: Targets) -> list[Probe]:
               lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
               *([lambda: probe_s3(t.s3_url)] if t.s3_url else []),
               lambda: probe_listeners(t.pids)]
+    from control_plane.security import probes_http  # it imports this module's Probe
+
+    steps.insert(-1, lambda: probes_http.run(t))
     for step in steps:
         got = step()
         probes += got if isinstance(got, list) else [got]

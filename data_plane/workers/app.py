@@ -19,19 +19,24 @@ Contract (what the router relies on):
 * ``GET /v1/models``, ``GET /health`` (200 serving, 503 otherwise), ``GET /metrics``
   (Prometheus, vLLM names), ``GET /kv/metadata`` (this worker's NIXL ``EndpointMetadata``
   bytes), ``GET /debug/state`` (what the worker holds; for tests and operators).
-* The private endpoints, ``/kv/metadata``, ``/debug/*`` and ``/admin/*``, require the cluster's
-  worker credential (``Authorization: Bearer <credential>``, a stack secret shared by the
-  routers and workers: :func:`kernel.settings.worker_credential`); without it they answer 401.
-  The routers send it on every call, and a decode worker's peer lookup sends it too.
+* Every route but ``/health`` and ``/metrics`` (liveness and Prometheus's scrape, read-only)
+  requires this worker's bearer (``Authorization: Bearer <token>``, :func:`kernel.settings.worker_token`:
+  an HMAC of the cluster's worker secret with this worker's id); without it they answer 401.
+  The routers send it on every call, and a peer worker sends it on its lookups and fetches.
+* ``/v1/completions`` enforces the router's bounds on one request
+  (:class:`kernel.request_limits.RequestLimits`: body bytes, 413; ``max_tokens``, token ids,
+  context, 400), so a caller that reaches the worker directly gets no more than through the
+  router; a client that disconnects stops its generation, streamed or not.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
-import hmac
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -41,10 +46,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data_plane.workers.peer_fetch import PeerHoldRequest
 from data_plane.workers.service import CompletionInput, Run, Worker, WorkerError
+from kernel.request_limits import OutOfBounds, RequestLimits, check_generation
 from kernel.tokenizer import HashTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -85,11 +91,11 @@ WorkerDep = Annotated[Worker, Depends(get_worker)]
 TokenizerDep = Annotated[Tokenizer, Depends(get_tokenizer)]
 
 _credential_scheme = HTTPBearer(auto_error=False, scheme_name="WorkerCredential",
-                                description="The cluster's worker credential (the stack secret `worker-endpoint`).")
+                                description="This worker's bearer (kernel.settings.worker_token).")
 
 
 class CredentialRequired(Exception):
-    """A private endpoint called without the cluster's worker credential."""
+    """A route called without this worker's bearer."""
 
 
 def require_credential(request: Request,
@@ -100,8 +106,32 @@ def require_credential(request: Request,
         raise CredentialRequired()
 
 
-#: What a private route declares: it needs the worker credential.
+#: What a private route declares: it needs this worker's bearer.
 Private = [Depends(require_credential)]
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (the declared length checked before reading any)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _BodyTooLarge()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (its body was read whole before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -163,15 +193,17 @@ async def _sse(run: Run, model: str, include_usage: bool, tokenizer: Tokenizer) 
         await it.aclose()  # type: ignore[attr-defined]
 
 
-def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential: str) -> FastAPI:
-    """``credential``: the bearer the private endpoints require (never empty: an empty one
-    would let every caller in)."""
+def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential: str,
+               limits: RequestLimits = RequestLimits()) -> FastAPI:
+    """``credential``: the bearer the routes require, this worker's token (never empty: an empty
+    one would let every caller in); ``limits``: the bounds on one request (the router's)."""
     if not credential:
-        raise ValueError("the worker's private endpoints need a credential (kernel.settings.worker_credential)")
+        raise ValueError("the worker's routes need a credential (kernel.settings.worker_token)")
     app = FastAPI(title=f"Switchyard worker {worker.worker_id}", docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.state.tokenizer = tokenizer or HashTokenizer()
     app.state.credential = credential
+    app.state.limits = limits
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -191,8 +223,8 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
 
     @app.exception_handler(CredentialRequired)
     async def _no_credential(_request: Request, exc: CredentialRequired) -> JSONResponse:
-        return JSONResponse(error_body("this endpoint needs the cluster's worker credential "
-                                       "(Authorization: Bearer <the stack secret worker-endpoint>)",
+        return JSONResponse(error_body("this endpoint needs this worker's bearer "
+                                       "(Authorization: Bearer <kernel.settings.worker_token(secret, worker id)>)",
                                        "authentication_error", 401), 401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(WorkerError)
@@ -205,23 +237,47 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
         log.exception("unhandled error")
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", 500), 500)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, worker: WorkerDep,
-                          tokenizer: TokenizerDep) -> Response:
+    @app.post("/v1/completions", dependencies=Private)
+    async def completions(request: Request, worker: WorkerDep, tokenizer: TokenizerDep) -> Response:
+        try:
+            raw = await _read_body(request, limits.max_body_bytes)
+        except _BodyTooLarge:
+            return JSONResponse(error_body(f"the body exceeds {limits.max_body_bytes} bytes", "invalid_request_error",
+                                           413), 413)
+        try:
+            body = CompletionRequest.model_validate_json(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
         rid = body.request_id or request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
         prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        try:
+            max_tokens = check_generation(prompt, body.max_tokens, limits)
+        except OutOfBounds as e:
+            return JSONResponse({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
+                                           "code": e.code}}, 400)
         model = body.model or worker.s.model
-        run = worker.open(CompletionInput(request_id=rid, prompt=prompt,
-                                          max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS,
+        run = worker.open(CompletionInput(request_id=rid, prompt=prompt, max_tokens=max_tokens,
                                           kv_transfer_params=body.kv_transfer_params))
         headers = {"X-Request-Id": rid}
         if body.stream:
+            # Starlette ends the stream when a send finds the client gone; closing the
+            # generator closes the run.
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(run, model, include_usage, tokenizer),
                                      media_type="text/event-stream", headers=headers)
-        return JSONResponse(await _collect(run, model, tokenizer), headers=headers)
+        collect = asyncio.ensure_future(_collect(run, model, tokenizer))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()  # the client left: closing the run stops its generation
+        if collect.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(collect.result(), headers=headers)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=Private)
     async def models(worker: WorkerDep) -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": worker.s.model, "object": "model", "created": worker.epoch // 1000,

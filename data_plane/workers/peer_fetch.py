@@ -204,7 +204,7 @@ class PeerFetch:
         w = self.w
         ask = hashes[have:]
         body = msgspec.json.encode(PeerHoldRequest(request_id=request_id, block_hashes=[int(h) for h in ask]))
-        headers = {"Content-Type": "application/json", **w.peers._headers}  # noqa: SLF001
+        headers = {"Content-Type": "application/json", **w.peers.headers(src.worker_id)}
         try:
             async with httpx.AsyncClient(timeout=w.s.transfer_timeout_s) as c:
                 r = await c.post(f"http://{src.host}:{src.port}/kv/peer-hold", content=body, headers=headers)

@@ -5,7 +5,7 @@ First choice: the log. Every worker publishes its :class:`EndpointMetadata` in
 whose ``sy-type`` header says WorkerRegistered or WorkerDeregistered are decoded) and keeps them
 by agent name. Fallback, for a peer registered after we last polled: its side channel,
 ``GET http://<remote_host>:<remote_port>/kv/metadata`` (raw :meth:`EndpointMetadata.encode`
-bytes, behind the cluster's worker credential, which the lookup sends). Either way the agent name must be the one the handoff names: a prefill worker that
+bytes, behind the peer's bearer, which the lookup derives from the cluster's worker secret). Either way the agent name must be the one the handoff names: a prefill worker that
 restarted is a new agent and the old handoff's blocks are gone.
 """
 
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import httpx
 
 from data_plane.transfer import EndpointMetadata, InvalidTransfer, PeerLost
+from kernel.settings import worker_token
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,8 @@ class PeerDirectory:
 
     def __init__(self, on_forget: Callable[[str], None] | None = None, credential: str | None = None) -> None:
         self._on_forget = on_forget
-        #: The bearer a peer's side channel requires (the cluster's worker credential).
-        self._headers = {"Authorization": f"Bearer {credential}"} if credential else {}
+        #: The cluster's worker secret: each peer's bearer derives from it (:meth:`headers`).
+        self._secret = credential
         self._by_agent: dict[str, EndpointMetadata] = {}
         #: worker id -> its current agent name (to forget it on deregistration).
         self._agent_of: dict[str, str] = {}
@@ -46,6 +47,10 @@ class PeerDirectory:
         #: dead-letter the same record again), a miss falls back to the side channel, and the
         #: consumers that act on the workers topic dead-letter what they cannot apply.
         self.skipped = 0
+
+    def headers(self, worker_id: str) -> dict[str, str]:
+        """What a call to peer ``worker_id`` carries: its bearer (kernel.settings.worker_token)."""
+        return {"Authorization": f"Bearer {worker_token(self._secret, worker_id)}"} if self._secret else {}
 
     # -- queries (any thread) ------------------------------------------------------------------
 
@@ -64,7 +69,9 @@ class PeerDirectory:
         if not host or not port:
             raise PeerLost(f"no metadata for {agent_name!r} in the log and no side channel given")
         try:
-            r = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s, headers=self._headers)
+            # The agent name is "<worker id>:<epoch>" (data_plane/workers/wiring.py).
+            r = httpx.get(f"http://{host}:{port}/kv/metadata", timeout=timeout_s,
+                          headers=self.headers(agent_name.rpartition(":")[0]))
             r.raise_for_status()
             md = EndpointMetadata.decode(r.content)
         except (httpx.HTTPError, InvalidTransfer) as e:

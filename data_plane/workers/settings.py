@@ -13,6 +13,7 @@ from pathlib import Path
 from data_plane.kvbm import AdmissionConfig, KvbmSettings, S3Settings
 from data_plane.kvbm.admission import MAX_MIN_USES
 from data_plane.vllm.serving import VllmEngineSettings
+from kernel.request_limits import RequestLimits
 from schemas.types import MAX_WORKER_ID_LEN, PoolName, Tier, WorkerId, WorkerRole
 
 #: Object-tier quota when a bucket is given without one.
@@ -82,6 +83,10 @@ class WorkerSettings:
     lease_margin_s: float = 1.0
     #: Deadline of one NIXL READ and of the metadata side-channel request.
     transfer_timeout_s: float = 10.0
+    #: Bounds on one request on ``/v1/completions``: the router's defaults (the simulated
+    #: model's context and vocabulary), so a caller that reaches the worker directly gets no
+    #: more than the router would give it.
+    limits: RequestLimits = RequestLimits()
     #: How long a response waits for the broker to acknowledge the event it reveals
     #: (PrefillCompleted, KvTransferCompleted/Failed) before answering 503.
     ack_timeout_s: float = 10.0

@@ -43,7 +43,7 @@ from data_plane.workers.service import Worker
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import TransferPlane
 from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings, worker_credential
+from kernel.settings import BusSettings, worker_credential, worker_token
 from kernel.tokenizer import HashTokenizer
 from schemas.events import AllBlocksCleared, BlockStored, WorkerRegistered
 from schemas.types import Tier, WorkerRole
@@ -71,7 +71,8 @@ def _log_offload_error(fut) -> None:  # noqa: ANN001 - concurrent.futures.Future
 
 async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str, credential: str | None = None) -> Worker:
     """Steps 2-6 of the module docstring; returns a worker ready to :meth:`Worker.start`.
-    ``credential``: the cluster's worker credential its peer lookups send."""
+    ``credential``: the cluster's worker secret, from which its calls to peers derive their
+    bearers."""
     wid = s.worker_id
     history = await asyncio.to_thread(read_own_history, bus, wid) if s.read_history else OwnHistory()
     epoch = next_epoch(time.time_ns() // 1_000_000, history.last_epoch)
@@ -218,9 +219,9 @@ async def _main(s: WorkerSettings, bus: BusSettings) -> int:
         log.error("cannot listen on %s:%d: %s", s.host, s.port, e)
         return 1
     endpoint_url = f"http://{s.host}:{sock.getsockname()[1]}"
-    credential = worker_credential(bus.secrets_dir)
-    worker = await build_worker(s, bus, endpoint_url, credential)
-    app = create_app(worker, HashTokenizer(), credential=credential)
+    secret = worker_credential(bus.secrets_dir)
+    worker = await build_worker(s, bus, endpoint_url, secret)
+    app = create_app(worker, HashTokenizer(), credential=worker_token(secret, s.worker_id), limits=s.limits)
     server = _Server(server_config(app, s.host, sock.getsockname()[1], lifespan="off"))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None

@@ -67,10 +67,10 @@ class Env:
 
 def _seed(bus: BusSettings) -> None:
     cfg = HashConfig(HashAlgo.SHA256, 64)
-    for wid, role, pool in (("w1", "aggregated", "default"), ("w2", "aggregated", "default"),
-                            ("p1", "prefill", "pre"), ("d1", "decode", "dec")):
+    for port, (wid, role, pool) in enumerate((("w1", "aggregated", "default"), ("w2", "aggregated", "default"),
+                                              ("p1", "prefill", "pre"), ("d1", "decode", "dec")), 9001):
         p = EventProducer(bus, wid)
-        p.publish(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://127.0.0.1/{wid}", block_size=64,
+        p.publish(WorkerRegistered(worker_id=wid, role=role, pool=pool, endpoint=f"http://127.0.0.1:{port}", block_size=64,
                                    hash_algo="sha256", capacity={"device": 1000}))
         p.publish(WorkerLoadReported(worker_id=wid, running=1, waiting=0, tier_usage={"device": 0.1}))
         if wid == "w1":
@@ -286,7 +286,7 @@ def test_index_overlap_stats_workers_and_planner(env: Env) -> None:
     stats = c.get("/index/stats?digest=true", headers=v).json()
     assert stats["blocks"]["w1"] == {"device": 6} and len(stats["digest"]) == 64
     w1 = c.get("/workers/w1", headers=v).json()
-    assert w1["blocks"] == {"device": 6} and w1["incarnations"][0]["endpoint"] == "http://127.0.0.1/w1"
+    assert w1["blocks"] == {"device": 6} and w1["incarnations"][0]["endpoint"] == "http://127.0.0.1:9001"
     page = c.get("/workers?role=aggregated&limit=1", headers=v).json()
     assert page["total"] == 2 and len(page["items"]) == 1
     d = c.get("/planner/decisions?pool=dec", headers=v).json()["items"]

@@ -66,10 +66,18 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert check.returncode == 0, check.stdout + check.stderr
         print(check.stdout)
         rows = [ln.split(None, 1) for ln in check.stdout.splitlines()[1:-1]]
+        # The router flood's verdict also holds its p99 to 2x of the same client's without it:
+        # on a loaded 2-core box that swings with the box (docs/security.md); its service must not.
+        flood = "idle connections: clients still served"
         assert all("refused" in rest for area, rest in rows
-                   if area in ("router", "worker", "admin", "kafka", "postgres", "redis", "s3")), check.stdout
+                   if area in ("router", "worker", "admin", "kafka", "postgres", "redis", "s3")
+                   and flood not in rest), check.stdout
         assert "skipped" not in check.stdout and "revoked API key" in check.stdout, check.stdout
-        assert sum(area == "worker" for area, _ in rows) == 4, check.stdout
+        assert sum(area == "worker" and "without the worker credential" in rest for area, rest in rows) == 4, check.stdout
+        # The HTTP side of issue 36 (control_plane/security/probes_http.py): floods of the router
+        # and of the workers, the workers' bearers and bounds, the admin lockout, labels, the CLI.
+        assert "200/200 served" in next(rest for _, rest in rows if flood in rest), check.stdout
+        assert all("refused" in rest for area, rest in rows if area in ("metrics", "cli")), check.stdout
         got = dict(kv.split("=") for kv in check.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
         assert got["server_errors"] == "0" and got["nonloopback_listeners"] == "0", check.stdout
         assert sum(area == "s3" for area, _ in rows) == 2, check.stdout

@@ -44,7 +44,7 @@ def _expected(rid: str, n: int) -> list[int]:
 
 
 def _prefill(w: WorkerProc, rid: str, prompt: list[int]) -> dict:
-    r = httpx.post(f"{w.url}/v1/completions", timeout=30, json={
+    r = httpx.post(f"{w.url}/v1/completions", timeout=30, headers=w.credential(), json={
         "model": "switchyard-sim", "prompt": prompt, "max_tokens": 1, "stream": False, "request_id": rid,
         "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 200, r.text
@@ -60,7 +60,7 @@ def _decode(w: WorkerProc, rid: str, prompt: list[int], params: dict, max_tokens
     done = False
     body = {"model": "switchyard-sim", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "request_id": rid, "kv_transfer_params": params}
-    with httpx.stream("POST", f"{w.url}/v1/completions", json=body, timeout=30) as r:
+    with httpx.stream("POST", f"{w.url}/v1/completions", json=body, timeout=30, headers=w.credential()) as r:
         assert r.status_code == 200
         import json
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch
-from kernel.settings import BusSettings
+from kernel.settings import BusSettings, worker_credential, worker_token
 from schemas.events import ScalingDecision, WorkerDeregistered, WorkerDraining, WorkerRegistered
 from schemas.types import WorkerRole
 from tests.support.events import read_stream
@@ -45,7 +45,8 @@ async def _complete(client: httpx.AsyncClient, urls: dict[str, str], first: str,
                 "request_id": f"req-{i}-{wid}"}
         answered = False
         try:
-            async with client.stream("POST", f"{urls[wid]}/v1/completions", json=body) as r:
+            async with client.stream("POST", f"{urls[wid]}/v1/completions", json=body,
+                                     headers={"Authorization": f"Bearer {worker_token(worker_credential(), wid)}"}) as r:
                 answered = True
                 if r.status_code == 503:
                     continue

@@ -1,7 +1,7 @@
 """Connections that cannot hurt (issue 14, item 4): a client that opens connections and sends
 nothing, sends its headers a byte at a time (slowloris), or stalls in its body, holds a socket
-for a bounded time only; past ``max_connections`` a request is answered 503 instead of queued
-without bound; and once the bad connections are gone, clients are served as before.
+for a bounded time only; past ``max_connections`` a new client closes the oldest idle
+connection instead of being refused; and once the bad connections are gone, clients are served as before.
 
 The router's app is served by the router's own server (``kernel.http_server``: uvicorn with the
 guarded httptools protocol) with short limits, in front of the fake worker of test_router_input. The
@@ -29,7 +29,8 @@ MAX_CONNECTIONS = 4
 
 @pytest.fixture
 def guarded() -> Iterator[Stack]:
-    limits = ConnectionLimits(max_connections=MAX_CONNECTIONS, request_timeout_s=HEADER_S, keep_alive_s=5.0)
+    limits = ConnectionLimits(max_connections=MAX_CONNECTIONS, max_open=MAX_CONNECTIONS, max_per_ip=MAX_CONNECTIONS,
+                              request_timeout_s=HEADER_S, keep_alive_s=5.0)
     with router_stack(RequestLimits(body_timeout_s=BODY_S), limits) as s:
         yield s
 
@@ -75,7 +76,7 @@ def test_a_connection_that_sends_nothing_is_closed_at_the_header_deadline(guarde
     took = time.monotonic() - start
     sock.close()
     assert closed and got == b"", (closed, got)
-    assert HEADER_S * 0.8 <= took <= HEADER_S + 3, took
+    assert HEADER_S * 0.4 <= took <= HEADER_S + 3, took  # the deadline is drawn in [1/2, 1] x HEADER_S
     _good(guarded)
 
 
@@ -123,14 +124,14 @@ def test_a_keep_alive_connection_between_requests_is_served(guarded: Stack) -> N
     assert len(guarded.ports) == 1, guarded.ports
 
 
-def test_past_max_connections_a_request_is_503_until_idle_connections_are_closed(guarded: Stack) -> None:
+def test_idle_connections_past_max_connections_make_room_for_a_client(guarded: Stack) -> None:
+    """Idle connections cannot fill the server: a client's request on a new connection closes the
+    oldest idle one instead of being answered 503 (busy connections: tests/unit/test_http_connections.py)."""
     idle = [_connect(guarded) for _ in range(MAX_CONNECTIONS)]
     try:
-        wait_for(lambda: _status(guarded) == 503, timeout=10, what="a 503 with every slot held")
-        # The idle connections reach their header deadline and are closed; the slots come back.
-        wait_for(lambda: _status(guarded) == 200, timeout=HEADER_S + 10, what="served again")
-        for sock in idle:
-            assert _closed_within(sock, 5)[0]
+        assert _status(guarded) == 200
+        assert _closed_within(idle[0], 5)[0]
+        _good(guarded)
     finally:
         for sock in idle:
             sock.close()

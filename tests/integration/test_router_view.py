@@ -19,7 +19,7 @@ ALGO, BS = "sha256_cbor", 16
 
 
 def _register(p: EventProducer, wid: str) -> None:
-    p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint=f"http://127.0.0.1/{wid}",
+    p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint="http://127.0.0.1:9",
                                capacity={"device": 1000}, block_size=BS, hash_algo=ALGO))
 
 

@@ -15,7 +15,7 @@ from data_plane.engines import default_hash_config
 from data_plane.engines.request import pseudo_token, request_seed
 from data_plane.transfer import EndpointMetadata
 from kernel.hashing import hash_blocks
-from kernel.settings import BusSettings
+from kernel.settings import BusSettings, worker_credential, worker_token
 from schemas.events import TransferInfo
 from tests.integration.workerproc import WorkerProc, of, read_log
 from tests.support.waits import wait_for
@@ -41,7 +41,7 @@ def worker(bus: BusSettings, tmp_path):
 
 
 def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: WorkerProc, bus: BusSettings):
-    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key=worker.token(), max_retries=0)
     prompt = list(range(500, 564))  # 64 tokens = 4 full blocks of 16
 
     # Non-streaming, token-id prompt, request id as an extension field.
@@ -78,7 +78,8 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
            {"prompt": [1, 2], "kv_transfer_params": {"do_remote_prefill": True}},
            {"prompt": list(range(10_000)), "max_tokens": 10}]  # longer than the 256-block cache
     for body in bad:
-        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+        kw = ({"content": body, "headers": {"content-type": "application/json", **worker.credential()}}
+              if isinstance(body, bytes) else {"json": body, "headers": worker.credential()})
         r = httpx.post(f"{worker.url}/v1/completions", timeout=10, **kw)
         assert r.status_code == 400, (body, r.status_code, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
@@ -98,9 +99,12 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
     # The private endpoints need the cluster's worker credential: without it, or with another
     # secret, 401 (an OpenAI-shaped error), whatever the method's input.
     private = [("GET", "/kv/metadata"), ("GET", "/debug/state"), ("POST", "/admin/reset_prefix_cache"),
-               ("POST", "/admin/kv_bridge/stop")]
+               ("POST", "/admin/kv_bridge/stop"), ("POST", "/v1/completions"), ("GET", "/v1/models")]
+    other_worker = worker_token(worker_credential(worker.bus.secrets_dir), "w-other")
+    cluster_secret = worker_credential(worker.bus.secrets_dir)
     for method, path in private:
-        for headers in ({}, {"Authorization": "Bearer not-the-credential"}, {"Authorization": "Basic eDp5"}):
+        for headers in ({}, {"Authorization": "Bearer not-the-credential"}, {"Authorization": "Basic eDp5"},
+                        {"Authorization": f"Bearer {other_worker}"}, {"Authorization": f"Bearer {cluster_secret}"}):
             r = httpx.request(method, f"{worker.url}{path}", headers=headers, timeout=10)
             assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
             assert r.json()["error"]["type"] == "authentication_error"
@@ -122,7 +126,8 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
     assert first_token.wait(10)
     worker.signal(signal.SIGTERM)
     wait_for(lambda: httpx.get(f"{worker.url}/health").status_code == 503, 5, "health 503 while draining")
-    refused = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=5)
+    refused = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=5,
+                         headers=worker.credential())
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
     t.join(30)
     assert streamed == _expected("req-long", 600)
@@ -158,3 +163,42 @@ def test_worker_serves_openai_clients_publishes_its_facts_and_drains(worker: Wor
     for topic in {r.topic for r in of(records, "w-api")}:
         seqs = [r.env.seq for r in of(records, "w-api") if r.topic == topic]
         assert seqs == list(range(len(seqs))), topic
+
+
+def _running(w: WorkerProc) -> float:
+    for line in httpx.get(f"{w.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:num_requests_running on /metrics")
+
+
+def test_worker_enforces_the_router_s_bounds_and_stops_for_a_client_that_left(worker: WorkerProc) -> None:
+    """A direct call gets no more than through the router (issue 36): max_tokens, vocabulary,
+    context and body size are the router's (kernel.request_limits); and a client that
+    disconnects, streamed or not, stops its generation."""
+    auth = worker.credential()
+    url = f"{worker.url}/v1/completions"
+    for body, code in (({"prompt": "hi", "max_tokens": 131_072}, "max_tokens_exceeded"),
+                       ({"prompt": [2**40], "max_tokens": 1}, "invalid_token_id"),
+                       ({"prompt": [1] * 131_072, "max_tokens": 1}, "context_length_exceeded")):
+        r = httpx.post(url, json=body, headers=auth, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (code, r.status_code, r.text[:300])
+    big = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+    r = httpx.post(url, content=big, headers={**auth, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413, r.text[:300]
+    # 4,000 tokens at speedup 2 take seconds: the client leaves after the first ones.
+    for stream in (True, False):
+        with httpx.Client(timeout=30, headers=auth) as c:
+            if stream:
+                with c.stream("POST", url, json={"prompt": [1, 2, 3], "max_tokens": 4000, "stream": True}) as r:
+                    assert r.status_code == 200
+                    next(r.iter_lines())
+            else:
+                try:
+                    c.post(url, json={"prompt": [1, 2, 3], "max_tokens": 4000}, timeout=1.0)
+                except httpx.ReadTimeout:
+                    pass
+                else:
+                    raise AssertionError("4,000 tokens answered within 1 s: the test needs a longer run")
+        wait_for(lambda: _running(worker) == 0, timeout=10,
+                 what=lambda: f"no running request after the client left (stream={stream}): {_running(worker)}")

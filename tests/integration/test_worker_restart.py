@@ -66,9 +66,9 @@ def disk_files(w: WorkerProc) -> set[int]:
     return {int(p.name[:16], 16) for p in (w.data_dir / "kvbm" / "g3").glob("*.kvb")}
 
 
-def _load(url: str, stop: threading.Event, seed: int, ok: list[int]) -> None:
+def _load(url: str, headers: dict, stop: threading.Event, seed: int, ok: list[int]) -> None:
     rng = random.Random(seed)
-    with httpx.Client(timeout=10) as c:
+    with httpx.Client(timeout=10, headers=headers) as c:
         while not stop.is_set():
             base = rng.randrange(40) * 1000  # 40 distinct prompts: misses, and some hits
             try:
@@ -91,7 +91,7 @@ def test_kill9_under_load_then_restart_matches_the_log(bus: BusSettings, tmp_pat
     try:
         old_epoch = w.state()["epoch"]
         stop, ok = threading.Event(), []
-        threads = [threading.Thread(target=_load, args=(w.url, stop, i, ok)) for i in range(3)]
+        threads = [threading.Thread(target=_load, args=(w.url, w.credential(), stop, i, ok)) for i in range(3)]
         for t in threads:
             t.start()
         wait_for(lambda: len(w.state()["tiers"]["disk"]) >= 12, 30, "blocks cascading to disk")
@@ -148,7 +148,7 @@ def test_kill9_under_load_then_restart_matches_the_log(bus: BusSettings, tmp_pat
 
         # Traffic after the restart: the log keeps describing the worker exactly.
         stop2, ok2 = threading.Event(), []
-        threads = [threading.Thread(target=_load, args=(w.url, stop2, 10 + i, ok2)) for i in range(2)]
+        threads = [threading.Thread(target=_load, args=(w.url, w.credential(), stop2, 10 + i, ok2)) for i in range(2)]
         for t in threads:
             t.start()
         wait_for(lambda: len(ok2) >= 30, 30, "traffic after restart")

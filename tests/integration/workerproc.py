@@ -17,7 +17,7 @@ import httpx
 from kernel.log.catalog import Catalog
 from kernel.log.reader import KafkaLogReader, scan_events
 from kernel.net import free_port
-from kernel.settings import BusSettings, worker_credential
+from kernel.settings import BusSettings, worker_credential, worker_token
 from schemas import Envelope
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,8 +93,11 @@ class WorkerProc:
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def credential(self) -> dict[str, str]:
-        """The header the worker's private endpoints (``/kv/metadata``, ``/debug/*``) require."""
-        return {"Authorization": f"Bearer {worker_credential(self.bus.secrets_dir)}"}
+        """The header the worker's routes require: its own bearer (kernel.settings.worker_token)."""
+        return {"Authorization": f"Bearer {self.token()}"}
+
+    def token(self) -> str:
+        return worker_token(worker_credential(self.bus.secrets_dir), self.worker_id)
 
     def state(self) -> dict:
         return httpx.get(f"{self.url}/debug/state", timeout=5, headers=self.credential()).json()

@@ -380,10 +380,22 @@ def test_dead_letters_and_undecodable_records() -> None:
     assert p.deadletter(0, 1, "index_rejected:hash_algo", "kv") == "redelivered"
     assert p.undecodable("requests", 2, 0) == "undecodable"
     assert _m(p, "switchyard_deadletter_records_total") == {("malformed", "kv"): 1.0,
-                                                            ("index_rejected:hash_algo", "kv"): 1.0}
+                                                            ("index_rejected", "kv"): 1.0}
     rec = _m(p, "switchyard_metrics_records_total")
     assert rec[("requests", "undecodable")] == 1.0 and rec[("deadletter", "redelivered")] == 1.0
     assert rec[("kv", "applied")] == 0.0  # initialised: "nothing yet" is a visible 0
+
+
+def test_dead_letter_labels_come_from_a_fixed_set() -> None:
+    """Any role may write the dead-letter topic: 3,000 invented reasons and sources make no more
+    series than the fixed set (issue 36)."""
+    p = MetricsProjection()
+    for i in range(3000):
+        p.deadletter(0, i, f"invented-{i}", f"sy-x.topic-{i}")
+    p.deadletter(0, 3000, "forged:unsigned", "workers")
+    p.deadletter(0, 3001, "apply_failed:ValueError", "")
+    assert _m(p, "switchyard_deadletter_records_total") == {("other", "other"): 3000.0, ("forged", "workers"): 1.0,
+                                                            ("apply_failed", "unknown"): 1.0}
 
 
 # ----------------------------------------------------------------------------------------------

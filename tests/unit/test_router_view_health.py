@@ -37,7 +37,7 @@ def test_a_stray_kv_event_of_an_unregistered_worker_does_not_degrade_the_view() 
 def test_a_registered_workers_gap_degrades_the_view_until_it_is_gone() -> None:
     view = RouterView("sha256", BS)
     _fold(view, "w1", 1, 0, "t.workers", WorkerRegistered(worker_id="w1", role=WorkerRole.AGGREGATED, pool="p",
-                                                          endpoint="http://127.0.0.1/w1", block_size=BS, hash_algo="sha256"))
+                                                          endpoint="http://127.0.0.1:9", block_size=BS, hash_algo="sha256"))
     _fold(view, "w1", 1, 0, "t.kv", _stored("w1"))
     _fold(view, "w1", 1, 2, "t.kv", _stored("w1"))  # seq 1 was lost
     assert view.stale_workers() == ["w1"]
@@ -61,6 +61,10 @@ def _registered(worker: str, endpoint: str, epoch: int = 1):
     ("http://10.0.3.17:8001", False), ("http://192.168.1.5", False), ("http://attacker.example:80", False),
     ("http://[::ffff:8.8.8.8]:1", False), ("ftp://127.0.0.1/x", False), ("127.0.0.1:8001", False),
     ("http://:80", False), ("http://[::1", False),
+    # host and port only: a path, query, fragment or user would steer the router's calls
+    ("http://127.0.0.1:8001/admin/kv_bridge/stop", False), ("http://127.0.0.1:8001/", False),
+    ("http://127.0.0.1:8001#frag", False), ("http://127.0.0.1:8001#", False), ("http://127.0.0.1:8001?x=1", False),
+    ("http://user@127.0.0.1:8001", False), ("http://u:p@127.0.0.1:8001", False),
 ])
 def test_the_default_allowlist_is_loopback(endpoint: str, allowed: bool) -> None:
     assert (EndpointAllowlist().refusal(endpoint) is None) is allowed

@@ -23,7 +23,7 @@ import pytest
 
 from benchmarks.vllm_overlap import expected_cached_tokens
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.settings import BusSettings
+from kernel.settings import BusSettings, worker_credential, worker_token
 from schemas.events import (
     BlockMoved,
     BlockRemoved,
@@ -76,7 +76,7 @@ def test_vllm_block_hashes_are_the_routers_hashes(agg, vbus: BusSettings) -> Non
     w = workers[0]
     prompt = vllm_prompt(1, 200)  # 6 full blocks + 8 tokens
     r = httpx.post(f"{w.url}/v1/completions", json={"prompt": prompt, "max_tokens": 4, "request_id": "hash-1"},
-                   timeout=120)
+                   timeout=120, headers=w.credential())
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 4
     mine = hash_blocks(prompt[: 6 * BLOCK], HASH)
@@ -173,7 +173,7 @@ def test_bridge_restarts_lose_nothing(agg, vbus: BusSettings) -> None:
     def bridged(n: int) -> bool:
         # The new bridge's SUB needs vLLM's PUB to reconnect: poke until batches arrive.
         httpx.post(f"{w.url}/v1/completions", json={"prompt": vllm_prompt(next(seed), BLOCK + 1), "max_tokens": 1},
-                   timeout=120)
+                   timeout=120, headers=w.credential())
         return w.state()["vllm"]["bridge"]["batches_applied"] >= n
 
     def in_log(prompt: list[int]) -> bool:
@@ -182,7 +182,8 @@ def test_bridge_restarts_lose_nothing(agg, vbus: BusSettings) -> None:
 
     assert httpx.post(f"{w.url}/admin/kv_bridge/stop", timeout=30, headers=w.credential()).status_code == 200
     lost = vllm_prompt(50, 5 * BLOCK + 1)
-    assert httpx.post(f"{w.url}/v1/completions", json={"prompt": lost, "max_tokens": 1}, timeout=120).status_code == 200
+    assert httpx.post(f"{w.url}/v1/completions", json={"prompt": lost, "max_tokens": 1}, timeout=120,
+                      headers=w.credential()).status_code == 200
     assert httpx.post(f"{w.url}/admin/kv_bridge/start", timeout=30, headers=w.credential()).status_code == 200
     wait_for(lambda: bridged(1), timeout=60, interval=0.2, what="a batch through the restarted bridge")
     wait_for(lambda: in_log(lost), timeout=30, what="the batch published while the bridge was down")
@@ -205,9 +206,15 @@ def test_listeners_stay_on_loopback(agg) -> None:
 # -- our KVBM as vLLM's tier backend (va-1) -----------------------------------------------------
 
 
+def _auth(url: str) -> dict[str, str]:
+    """The bearer of the worker at ``url`` (its id from its open /health)."""
+    wid = httpx.get(f"{url}/health", timeout=30).json()["worker_id"]
+    return {"Authorization": f"Bearer {worker_token(worker_credential(), wid)}"}
+
+
 def _complete(url: str, prompt: list[int], rid: str, max_tokens: int = 8) -> tuple[list[int], int]:
     r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "request_id": rid},
-                   timeout=300)
+                   timeout=300, headers=_auth(url))
     assert r.status_code == 200, r.text
     body = r.json()
     return body["choices"][0]["token_ids"], body["usage"]["prompt_tokens_details"]["cached_tokens"]

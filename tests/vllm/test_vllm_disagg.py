@@ -147,14 +147,14 @@ def test_failed_transfer_is_recorded_and_recomputed(pd, vbus: BusSettings) -> No
     worker records KvTransferFailed(fallback=recompute) and the request still completes."""
     prefill, decode, _ = pd
     prompt = vllm_prompt(8, 6 * BLOCK + 3)
-    r = httpx.post(f"{prefill.url}/v1/completions", timeout=300, json={
+    r = httpx.post(f"{prefill.url}/v1/completions", timeout=300, headers=prefill.credential(), json={
         "prompt": prompt, "max_tokens": 1, "request_id": "pd-fail-p",
         "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 200, r.text
     params = dict(r.json()["kv_transfer_params"])
     params["remote_port"] = free_port()  # nobody listens there
     params["remote_engine_id"] = "no-such-engine"
-    r = httpx.post(f"{decode.url}/v1/completions", timeout=300, json={
+    r = httpx.post(f"{decode.url}/v1/completions", timeout=300, headers=decode.credential(), json={
         "prompt": prompt, "max_tokens": 4, "request_id": "pd-fail", "kv_transfer_params": params})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) == 4

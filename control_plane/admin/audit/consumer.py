@@ -123,6 +123,7 @@ class AuditConsumer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._consumer: EventConsumer | None = None
+        #: The failure being retried, in public words (:func:`_public`); None once a step succeeds.
         self.last_error: str | None = None
         #: Set while a record or the database is being retried (read by ``/health``).
         self.stuck: Stuck | None = None
@@ -175,7 +176,7 @@ class AuditConsumer:
                     return self._store_each(got, positions)
                 self._wait("database", 0, self.last_error, next(delays), _describe(e))
                 continue
-            self.stuck = None
+            self.stuck = self.last_error = None  # stored: whatever failed before is behind it
             return res
 
     def _store_each(self, got: list[Delivered], positions: dict[tuple[str, int], int]) -> IngestResult:
@@ -209,7 +210,7 @@ class AuditConsumer:
                     return IngestResult(received=1)
                 self._wait(source, attempts, self.last_error, next(delays), _describe(e))
                 continue
-            self.stuck = None
+            self.stuck = self.last_error = None
             return res
 
     def _dead_letter(self, d: Delivered, e: BaseException, attempts: int) -> None:
@@ -274,6 +275,7 @@ class AuditConsumer:
         while not self._stop.is_set():
             try:
                 self.step(0.5)
+                self.last_error = None
             except Exception as e:  # keep the API up; say why the audit stalls
                 if self._stop.is_set():
                     break
