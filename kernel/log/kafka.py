@@ -27,6 +27,7 @@ from kernel.log.sequencing import Observation, SequenceTracker, Verdict
 from kernel.settings import BusSettings
 from schemas import Envelope, EnvelopeFactory, EventCodec, SchemaError
 from schemas.events import Event
+from schemas.signing import about_of
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger("switchyard.rdkafka")
@@ -137,7 +138,7 @@ class EventProducer:
     ) -> Envelope[Event]:
         topic = self.catalog.topic(payload.STREAM)
         key = payload.key()
-        self.signer.check(payload.TYPE, key)  # before a sequence number is spent on it
+        self.signer.check(payload.TYPE, key, about_of(payload))  # before a sequence number is spent on it
         with self._lock:
             partition = self._partition(topic, key)
             env = self.factory.wrap(payload, correlation_id=correlation_id, causation_id=causation_id,
@@ -183,7 +184,7 @@ class EventProducer:
 
         headers = [(H_TYPE, env.type.encode()), (H_VERSION, str(env.version).encode()),
                    (H_PRODUCER, env.producer.encode())]
-        value = self.signer.sign(env.type, env.key, self.codec.encode(env))
+        value = self.signer.sign(env.type, env.key, self.codec.encode(env), about_of(env.data))
         while True:
             try:
                 self._p.produce(topic, value=value, key=env.key.encode(), partition=partition, headers=headers,
