@@ -462,7 +462,7 @@ class StreamFollower:
         self._applied: dict[tuple[str, int], int] = {}
 
     def start(self) -> StreamFollower:
-        self._target = log_end(self.bus, self.name, self._consumer.topics)
+        self._target = log_end(self.bus, self._consumer.group_id, self._consumer.topics)
         self._thread.start()
         return self
 

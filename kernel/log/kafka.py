@@ -319,9 +319,14 @@ class EventConsumer:
         if dead_letters is None:
             dead_letters = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
         self._dlq = DeadLetters(dead_letters, self.catalog, self.name)
+        from kernel.log.principals import group_id as owned_group
+
+        #: An assign-only consumer never joins its group, but librdkafka still looks its
+        #: coordinator up: the id is under this principal's own group prefix (principals.py).
+        self.group_id = group_id or owned_group(settings.topic_prefix, settings.username, f"assign.{self.name}")
         base = {
             **settings.client_conf(),
-            "group.id": group_id or f"sy-assign-{self.name}",
+            "group.id": self.group_id,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": False,
