@@ -483,7 +483,8 @@ def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
     ]
 
 
-def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0) -> list[Probe]:
+def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0,
+                        forgeries: list[tuple[str, str, bytes, str]] | None = None) -> list[Probe]:
     """Each forgery written with the credential of a role that may write its topic: refused
     means a consumer of the running system dead-letters it as ``forged:*`` (the router's view
     and key table fold it only through that check)."""
@@ -502,7 +503,7 @@ def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: flo
         start = [TopicPartition(cat.deadletter, p, dlq.get_watermark_offsets(TopicPartition(cat.deadletter, p),
                                                                              timeout=10)[1]) for p in parts]
         sent: dict[str, tuple[str, str]] = {}  # "topic:partition:offset" -> (attack, error)
-        for role, stream, value, attack in _forgeries(topic_prefix):
+        for role, stream, value, attack in forgeries or _forgeries(topic_prefix):
             bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
             got: list = []
             p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
@@ -548,6 +549,8 @@ def _quiet():
 # -- the whole check ---------------------------------------------------------------------------
 
 def run(t: Targets) -> list[Probe]:
+    from control_plane.security import probes_bus
+
     probes: list[Probe] = []
     steps: list[Callable[[], list[Probe] | Probe]] = []
     if t.router_url:
@@ -561,7 +564,7 @@ def run(t: Targets) -> list[Probe]:
     steps += [lambda: probe_cli_pin(t.admin_url), lambda: probe_kafka(t.kafka_bootstrap),
               lambda: probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
               *([lambda: probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
-              lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
+              lambda: probes_bus.run(t), lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
               lambda: probe_listeners(t.pids)]
     for step in steps:
         got = step()
