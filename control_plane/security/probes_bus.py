@@ -7,6 +7,12 @@ process could:
   assignor name Faust uses. Refused: the broker answers GROUP_AUTHORIZATION_FAILED
   (kernel/log/principals.py). A group the probe finds none of is probed by its prefix, with a
   group id of its own under that prefix.
+* **a foreign member of the same role**: with the router's own credential (the only one the
+  broker lets into a router view's group), the attack of issue 36 on the live router view's
+  group: join under Faust's assignor name with metadata that is not Faust's, and take every
+  partition once leader. Refused: the router's watch sees it (a crashed fetcher or a short
+  assignment), ``/health`` says DEGRADED, the view moves to a fresh group of its own and is
+  EXACT again (``control_plane/streaming.py``).
 * **replayed registration**: with the worker credential, a signed ``WorkerRegistered`` of a
   worker the log says is gone is copied, byte for byte, to another partition of ``workers``.
   Refused: the router's ``/health`` never counts that worker again (kernel/lifecycle.py). The
@@ -198,6 +204,111 @@ def probe_forged_requests(t: Targets) -> list[Probe]:
     ])
 
 
+async def steal_group(bus, group: str, topics: list[str], got: list, stop) -> None:
+    """The attack of issue 36 on a Faust group: join ``group`` under the assignor name Faust uses
+    (``faust``), with member metadata that is not Faust's (its leader fails to decode it), and,
+    once leader, hand every partition to itself. ``got`` receives the partitions it was handed;
+    it leaves when ``stop`` (an ``asyncio.Event``) is set."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
+    from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
+
+    class Greedy(AbstractPartitionAssignor):
+        name = "faust"
+        version = 0
+
+        @classmethod
+        def assign(cls, cluster, members):
+            out = {m: ConsumerProtocolMemberAssignment(0, [], b"") for m in members}
+            out[min(members)] = ConsumerProtocolMemberAssignment(
+                0, [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics], b"")
+            return out
+
+        @classmethod
+        def metadata(cls, topics_):
+            return ConsumerProtocolMemberMetadata(0, list(topics_), b"not faust's metadata")
+
+        @classmethod
+        def on_assignment(cls, assignment):
+            got.extend(assignment.partitions())
+
+    c = AIOKafkaConsumer(*topics, bootstrap_servers=bus.bootstrap, group_id=group, enable_auto_commit=False,
+                         security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256",
+                         sasl_plain_username=bus.username, sasl_plain_password=bus.secret(),
+                         ssl_context=bus.ssl_context(), partition_assignment_strategy=(Greedy,))
+    await c.start()
+    try:
+        while not stop.is_set():
+            await c.getmany(timeout_ms=200)
+    finally:
+        await c.stop()
+
+
+def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
+    """With the router's own credential (the one principal the broker lets into a router view's
+    group), the attack of issue 36 on the live router view's group. Refused: the router says so
+    (``/health`` DEGRADED) and moves to a fresh group of its own, then answers EXACT again."""
+    import asyncio
+
+    from confluent_kafka.admin import AdminClient
+
+    from kernel.log.catalog import Catalog
+
+    attack = "the router's credential joins the live router view's group under Faust's assignor name"
+    if not t.router_url:
+        return [Probe("kafka", attack, SKIPPED, "no router running")]
+    admin = AdminClient({**_bus(None, t).client_conf(), "logger": _quiet()})
+
+    def view_groups() -> list[str]:
+        listed = admin.list_consumer_groups(request_timeout=10).result()
+        prefix = f"{t.topic_prefix}.router-view."
+        return sorted((g.group_id for g in listed.valid if g.group_id.startswith(prefix)
+                       and g.group_id.rsplit(".", 1)[-1].isdigit()), key=lambda g: int(g.rsplit(".", 1)[-1]))
+
+    live = view_groups()
+    if not live:
+        return [Probe("kafka", attack, SKIPPED, "no router view group found")]
+    victim = live[-1]
+    owner = victim.rsplit(".", 1)[0]
+    cat = Catalog(t.topic_prefix)
+    got: list = []
+    states: list[str] = []
+
+    async def attack_and_watch() -> tuple[str, str]:
+        stop = asyncio.Event()
+        thief = asyncio.create_task(steal_group(_bus("router", t), victim, [cat.topic(s) for s in ("kv", "workers")],
+                                                got, stop))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        moved = None
+        try:
+            while loop.time() < deadline:
+                await asyncio.sleep(0.25)
+                if thief.done():
+                    thief.result()  # raises what stopped it
+                h = await asyncio.to_thread(_get, t.router_url, "/health")
+                states.append(h.get("state", "?"))
+                if moved is None:
+                    newer = [g for g in await asyncio.to_thread(view_groups) if g.startswith(owner) and g > victim]
+                    moved = newer[-1] if newer else None
+                elif h.get("state") == "EXACT":
+                    return REFUSED, (f"the router said {'DEGRADED' if 'DEGRADED' in states else 'nothing'}, moved "
+                                     f"to {moved} and is EXACT again (the foreign member was handed "
+                                     f"{len(got)} partitions of the old group)")
+            if moved is None:
+                return ACCEPTED, f"the router stayed in {victim} for {timeout_s:g} s; states {sorted(set(states))}"
+            return SERVER_ERROR, f"the router moved to {moved} but is not EXACT again: {states[-3:]}"
+        finally:
+            stop.set()
+            await asyncio.wait_for(thief, 30)
+
+    try:
+        verdict, detail = asyncio.run(attack_and_watch())
+    except Exception as e:  # noqa: BLE001 - the probe's own failure is reported, never hidden
+        return [Probe("kafka", attack, SERVER_ERROR, f"{type(e).__name__}: {e}"[:100])]
+    return [Probe("kafka", attack, verdict, detail)]
+
+
 def run(t: Targets) -> list[Probe]:
     """Every probe of the log (``check.run`` calls it)."""
-    return [*probe_groups(t), *probe_replayed_registration(t), *probe_forged_requests(t)]
+    return [*probe_groups(t), *probe_replayed_registration(t), *probe_forged_requests(t), *probe_foreign_member(t)]

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from control_plane.router.stream import RouterViewProcessor
+from control_plane.security.probes_bus import steal_group
 from control_plane.router.view import RouterView
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer
@@ -31,45 +32,6 @@ def _register(p: EventProducer, wid: str) -> None:
     p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint=f"http://127.0.0.1/{wid}",
                                block_size=BS, hash_algo=ALGO))
     assert p.flush(30) == 0
-
-
-async def _steal(bus: BusSettings, group: str, topics: list[str], got: list, stop: asyncio.Event) -> None:
-    """The attack of issue 36: join under the assignor name Faust uses, with member metadata that
-    is not Faust's, and, once leader, hand every partition to itself."""
-    from aiokafka import AIOKafkaConsumer
-    from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
-    from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
-
-    class Greedy(AbstractPartitionAssignor):
-        name = "faust"
-        version = 0
-
-        @classmethod
-        def assign(cls, cluster, members):
-            mine = min(members)  # this member, when it is the only one left to lead
-            out = {m: ConsumerProtocolMemberAssignment(0, [], b"") for m in members}
-            out[mine] = ConsumerProtocolMemberAssignment(
-                0, [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics], b"")
-            return out
-
-        @classmethod
-        def metadata(cls, topics_):
-            return ConsumerProtocolMemberMetadata(0, list(topics_), b"not faust's metadata")
-
-        @classmethod
-        def on_assignment(cls, assignment):
-            got.extend(assignment.partitions())
-
-    c = AIOKafkaConsumer(*topics, bootstrap_servers=bus.bootstrap, group_id=group, enable_auto_commit=False,
-                         security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256",
-                         sasl_plain_username=bus.username, sasl_plain_password=bus.secret(),
-                         ssl_context=bus.ssl_context(), partition_assignment_strategy=(Greedy,))
-    await c.start()
-    try:
-        while not stop.is_set():
-            await c.getmany(timeout_ms=200)
-    finally:
-        await c.stop()
 
 
 async def _until(cond, timeout_s: float, what: str) -> None:
@@ -96,7 +58,7 @@ async def test_a_foreign_member_is_detected_and_the_view_recovers(bus: BusSettin
         first_group = proc.group
         cat = Catalog(bus.topic_prefix)
         got: list = []
-        thief = asyncio.create_task(_steal(router, first_group, [cat.topic(s) for s in ("kv", "workers")], got, stop))
+        thief = asyncio.create_task(steal_group(router, first_group, [cat.topic(s) for s in ("kv", "workers")], got, stop))
         await _until(lambda: proc.recoveries > 0, 60, "the view never noticed the foreign member")
         assert got, "the foreign member was never handed a partition"
         assert proc.group != first_group
