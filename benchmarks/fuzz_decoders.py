@@ -102,7 +102,7 @@ def signed_target() -> Target:
     """The owner check every live consumer runs first (schemas/signing.py): on any bytes it
     passes or raises ``ForgedEvent``; and an envelope that decodes, once signed by its owner,
     verifies and decodes to the same envelope (unless its key is not its worker's)."""
-    from schemas.signing import ForgedEvent, Signer, Verifier
+    from schemas.signing import ForgedEvent, Signer, Verifier, about_of
 
     master = b"fuzz-master-secret"
     codec, verifying = EventCodec(), EventCodec(verifier=Verifier(master))
@@ -118,7 +118,7 @@ def signed_target() -> Target:
             env = codec.decode(buf)
         except SchemaError as e:
             return f"err:{type(e).__name__}:{verdict}:{str(e)[:40]}"
-        signed = signer.sign(env.type, env.key, codec.encode(env))
+        signed = signer.sign(env.type, env.key, codec.encode(env), about_of(env.data))
         try:
             again = verifying.decode(signed)
         except ForgedEvent as e:

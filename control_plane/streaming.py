@@ -142,7 +142,14 @@ class FoldProcessor:
       time so a large view never holds the loop more than ~5% of the time;
     * poison goes to the dead-letter topic (:meth:`dead_letter`) at once (the folds are pure: a
       retry would fail the same way); the agent continues. A checkpoint is written only once
-      the dead letters its positions pass are acknowledged.
+      the dead letters its positions pass are acknowledged;
+    * a watch, outside Faust, reads the log end every ``watch_every_s`` (a watermark query of
+      its own, not what the view's consumer last saw) and says when the fold stopped while the
+      log moved (:attr:`stalled`, :mod:`kernel.log.progress`), or when the group handed this
+      incarnation fewer than all its partitions: another member is in its group
+      (:attr:`foreign`; only a principal of the same role can join it, kernel/log/principals.py).
+      Either way the view's ``/health`` says so, and the processor moves to a fresh group,
+      seeded with its own positions (:meth:`recover`): the foreign member keeps the old one.
     """
 
     #: The projection's name in group ids and logs.
@@ -151,8 +158,11 @@ class FoldProcessor:
     STREAMS: tuple[str, ...] = ()
 
     def __init__(self, bus: BusSettings, owner_id: str, *, snapshot_every_s: float = 10.0,
-                 datadir=None, commit_every_s: float = 5.0, app_options: dict | None = None) -> None:
+                 datadir=None, commit_every_s: float = 5.0, app_options: dict | None = None,
+                 watch_every_s: float = 5.0, stall_after_s: float = 15.0) -> None:
         import time
+
+        from kernel.log.progress import ProgressWatch
 
         from kernel.log.catalog import Catalog
         from kernel.log.kafka import DeadLetters, EventProducer
@@ -178,6 +188,20 @@ class FoldProcessor:
         root = Path(datadir) if datadir else self._tmp_root / f"pid-{os.getpid()}"
         self.datadir = root / self.group
         self.app_options = dict(app_options or {})
+        self._root = root
+        self.watch_every_s = watch_every_s
+        self.progress = ProgressWatch(stall_after_s)
+        self._watch_task = None
+        self._recovery_lock = None
+        #: The log end the watch read last (merged into :meth:`highwaters`).
+        self._log_end_seen: dict[tuple[str, int], int] = {}
+        #: Why the fold is stopped while the log moves (None: following).
+        self.stalled: str | None = None
+        #: Why another member is taken to be in this incarnation's group (None: none seen).
+        self.foreign: str | None = None
+        self._short_assignments = 0
+        #: Times the processor moved to a fresh group (:meth:`recover`).
+        self.recoveries = 0
         self._dlq = DeadLetters(EventProducer(bus, f"dlq:{self.group}", catalog=self.catalog), self.catalog,
                                 self.group)
         self._target: dict[tuple[str, int], int] = {}
@@ -277,6 +301,13 @@ class FoldProcessor:
 
     async def start(self) -> None:
         import asyncio
+
+        await self._start_app()
+        if self._watch_task is None and self.watch_every_s > 0:
+            self._watch_task = asyncio.create_task(self._watch_loop(), name=f"{self.KIND}-watch")
+
+    async def _start_app(self) -> None:
+        import asyncio
         import shutil
 
         import faust
@@ -326,11 +357,130 @@ class FoldProcessor:
         self.app = app
         await app.start()
 
-    async def stop(self) -> None:
+    # -- the watch -----------------------------------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(self.watch_every_s)
+            try:
+                await self.watch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the broker is away: the next round tries again
+                log.warning("%s %s: watch failed: %s", self.KIND, self.owner_id, e)
+
+    async def watch(self) -> None:
+        """One round: read the log end, judge the fold's progress and its assignment, and move
+        to a fresh group when another member took partitions or the fold stopped."""
+        import time
+
+        ends = await self.log_end()
+        self._log_end_seen = ends
+        self.stalled = self.progress.observe(time.monotonic(), self.applied(), self.positions(), ends)
+        crashed = self.crashed()
+        if crashed:  # e.g. the fetcher of issue 36, crashed on a foreign member's metadata
+            self.foreign = f"its consumer crashed ({crashed})"
+            await self.recover(self.foreign)
+            return
+        mine = self.assigned()
+        rebalancing = bool(getattr(self.app, "rebalancing", False))
+        short = self.caught_up and (rebalancing or (mine is not None and len(mine) < len(ends)))
+        # Twice in a row: a rebalance in progress hands out nothing for a moment. This
+        # incarnation is its group's only member, so a rebalance that lasts, or an assignment
+        # short of every partition, is another member's doing.
+        self._short_assignments = self._short_assignments + 1 if short else 0
+        if self._short_assignments >= 2:
+            held = "a rebalance that does not end" if rebalancing else f"{len(mine or ())} of {len(ends)} partitions"
+            self.foreign = f"group {self.group} gave this incarnation {held}: another member is in its group"
+            await self.recover(self.foreign)
+        elif self.stalled:
+            await self.recover(self.stalled)
+        elif not short:
+            self.foreign = None
+
+    def crashed(self) -> str | None:
+        """Why the app's consumer or fetcher crashed (they do not restart by themselves), or None."""
+        app = self.app
+        if app is None:
+            return None
+        for part in (getattr(app, "_fetcher", None), getattr(app, "consumer", None)):
+            try:
+                if part is not None and part.crashed:
+                    reason = part.crash_reason
+                    return f"{type(part).__name__}: {type(reason).__name__}: {reason}"[:300]
+            except Exception:  # a consumer not made yet
+                continue
+        return None
+
+    def assigned(self) -> set[tuple[str, int]] | None:
+        """The partitions of :attr:`topics` the group handed this incarnation (None: unknown)."""
+        if self.app is None:
+            return None
+        try:
+            return {(tp.topic, tp.partition) for tp in self.app.consumer.assignment() if tp.topic in self.topics}
+        except Exception:  # the consumer is not started (or is gone)
+            return None
+
+    async def recover(self, why: str) -> None:
+        """Leave the group (and whoever else is in it) for a fresh one, seeded with the
+        projection's own positions: the view goes on from where it stopped."""
+        async with self._lock():
+            if self.app is None:  # stopped meanwhile
+                return
+            log.error("%s %s: %s; moving to a fresh consumer group", self.KIND, self.owner_id, why)
+            await self._move_group()
+            self.recoveries += 1
+
+    def _lock(self):
+        """Serializes a recovery and :meth:`stop` (made on the loop that runs them)."""
+        import asyncio
+
+        if self._recovery_lock is None:
+            self._recovery_lock = asyncio.Lock()
+        return self._recovery_lock
+
+    async def _move_group(self) -> None:
+        import asyncio
         import shutil
+        import time
+
+        from kernel.log.progress import ProgressWatch
 
         if self.app is not None:
             await self.app.stop()
+            shutil.rmtree(self.datadir, ignore_errors=True)
+            self.app = None
+        self.group = f"{self.group_prefix}{time.time_ns() // 1_000_000}"
+        self.datadir = self._root / self.group
+        self._short_assignments = 0
+        # Seeded at the projection's positions and followed by Faust from there: no batch fold
+        # in a thread now, since the view is being read on the loop (a router routes meanwhile).
+        positions = dict(self.positions())
+        await asyncio.to_thread(seed_group_offsets, self.bus, self.group, self.topics, positions)
+        self._restored = True
+        await self._start_app()
+        # The reasons stay until the next round sees the fold follow its whole log again.
+        self.progress = ProgressWatch(self.progress.stall_after_s)
+
+    def stopped_reason(self) -> str | None:
+        """Why this view must not be trusted now (its ``/health`` degrades), or None."""
+        return self.foreign or self.stalled
+
+    async def stop(self) -> None:
+        import contextlib
+        import shutil
+
+        async with self._lock():  # a recovery under way finishes first
+            if self._watch_task is not None:
+                self._watch_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._watch_task
+                self._watch_task = None
+            if self.app is not None:
+                await self.app.stop()
+                self.app = None
         self._dlq.producer.close(10)
         shutil.rmtree(self.datadir, ignore_errors=True)  # memory:// store: only Faust's bookkeeping
         if self._tmp_root is not None:
@@ -414,8 +564,11 @@ class FoldProcessor:
         return True
 
     def highwaters(self) -> dict[tuple[str, int], int]:
-        """The log end per partition: the start-up target, raised by what the consumer saw."""
+        """The log end per partition: the start-up target, raised by what the consumer saw and
+        by what the watch read itself (a consumer that lost its partitions sees nothing move)."""
         out = dict(self._target)
+        for tp, end in self._log_end_seen.items():
+            out[tp] = max(out.get(tp, 0), end)
         if self.app is not None:
             try:
                 for tp in self.app.consumer.assignment():
@@ -462,7 +615,7 @@ class StreamFollower:
         self._applied: dict[tuple[str, int], int] = {}
 
     def start(self) -> StreamFollower:
-        self._target = log_end(self.bus, self.name, self._consumer.topics)
+        self._target = log_end(self.bus, self._consumer.group_id, self._consumer.topics)
         self._thread.start()
         return self
 

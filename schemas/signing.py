@@ -17,10 +17,16 @@ router API key. Signatures close both:
   ``admin``    ``role:admin``                 only the admin API issues keys, pins pools;
                (``RouterConfigChanged``: or   a router may record only its own config
                ``role:router``)
+  ``requests`` ``role:router``; a worker's    the planner and the metrics count only what a
+               handoff facts: ``worker:<its   router saw (a worker cannot invent arrivals or
+               id>`` (``PrefillCompleted``    completions); a worker speaks only for its own
+               also ``role:router``)          prefill and the transfers it pulled
   ============ ============================== ============================================
 
   and the envelope key of a worker event must be the payload's ``worker_id`` (the key a
-  signature covers is the worker the event is about);
+  signature covers is the worker the event is about); a request event is keyed by its request,
+  so its worker owner is the payload's worker (:data:`ABOUT_FIELD`: ``worker_id`` of a
+  ``PrefillCompleted``, ``dst_worker``, the puller, of a ``KvTransfer*``);
 * an owner's key is ``HMAC-SHA256(master, "switchyard-event-owner\\0" + owner)``: the holder
   of the master (the operator's stack, and the components that verify) can derive every key,
   a process given one owner's key (:class:`Signer` of one identity) can sign only as that owner;
@@ -57,7 +63,12 @@ _CONTEXT = b"switchyard-event-owner\x00"
 _FIELD = b"\xa3sig\xc4\x20"  # fixstr "sig", then bin8 of 32 bytes
 _TRAILER = len(_FIELD) + 32
 _STREAM_OF: dict[str, str] = {cls.TYPE: cls.STREAM for cls in ALL_EVENT_TYPES}
-GUARDED_STREAMS = ("kv", "workers", "admin")
+GUARDED_STREAMS = ("kv", "workers", "admin", "requests")
+#: Request events a worker writes, and the payload field naming the worker that must sign them.
+ABOUT_FIELD: dict[str, str] = {"PrefillCompleted": "worker_id", "KvTransferStarted": "dst_worker",
+                               "KvTransferCompleted": "dst_worker", "KvTransferFailed": "dst_worker"}
+#: Of those, the ones a router writes too (aggregated serving records the prefill it saw).
+_ROUTER_TOO = frozenset({"PrefillCompleted"})
 
 
 class ForgedEvent(SchemaError):
@@ -77,14 +88,26 @@ def owner_key(master: bytes, owner: str) -> bytes:
     return hmac.new(master, _CONTEXT + owner.encode(), hashlib.sha256).digest()
 
 
-def signers_of(type_name: str, key: str) -> tuple[str, ...]:
+def about_of(payload) -> str | None:
+    """The worker a request event's signature speaks for (:data:`ABOUT_FIELD`), else None."""
+    f = ABOUT_FIELD.get(getattr(payload, "TYPE", ""))
+    return None if f is None else getattr(payload, f, None)
+
+
+def signers_of(type_name: str, key: str, about: str | None = None) -> tuple[str, ...]:
     """The identities whose signature an event of this type and envelope key needs (one of
-    them); () for an event of a stream that is not guarded."""
+    them); () for an event of a stream that is not guarded. ``about``: a request event's worker
+    (:func:`about_of`)."""
     stream = _STREAM_OF.get(type_name)
     if stream in ("kv", "workers"):
         return (worker_owner(key),)
     if stream == "admin":
         return (ADMIN, ROUTER) if type_name == RouterConfigChanged.TYPE else (ADMIN,)
+    if stream == "requests":
+        if type_name not in ABOUT_FIELD:
+            return (ROUTER,)
+        worker = () if not about else (worker_owner(about),)
+        return (*worker, ROUTER) if type_name in _ROUTER_TOO else worker or (ROUTER,)
     return ()
 
 
@@ -115,10 +138,10 @@ class Signer:
     def identity(cls, owner: str, key: bytes) -> Signer:
         return cls(lambda o: key if o == owner else None, owner)
 
-    def _owner_key(self, type_name: str, key: str) -> bytes | None:
+    def _owner_key(self, type_name: str, key: str, about: str | None = None) -> bytes | None:
         """The key to sign this event with; None when its stream is not guarded. Raises
         ``PermissionError`` when this signer may not sign it."""
-        owners = signers_of(type_name, key)
+        owners = signers_of(type_name, key, about)
         if not owners:
             return None
         for owner in owners:
@@ -128,9 +151,9 @@ class Signer:
         raise PermissionError(f"{type_name} for {key!r} must be signed by {' or '.join(owners)}; "
                               f"this process signs as {self.who}")
 
-    def check(self, type_name: str, key: str) -> None:
+    def check(self, type_name: str, key: str, about: str | None = None) -> None:
         """Raises ``PermissionError`` when this signer may not sign such an event."""
-        self._owner_key(type_name, key)
+        self._owner_key(type_name, key, about)
 
     def seal(self, value: bytes) -> bytes:
         """``value`` signed with this signer's one identity's key whatever the event says: what a
@@ -141,10 +164,10 @@ class Signer:
             raise ValueError("seal needs a signer of one identity")
         return _signed(value, _mac(k, value))
 
-    def sign(self, type_name: str, key: str, value: bytes) -> bytes:
+    def sign(self, type_name: str, key: str, value: bytes, about: str | None = None) -> bytes:
         """``value`` (an encoded envelope) with its signature, or as it is when its stream is
         not guarded. Raises ``PermissionError`` when this signer may not sign it."""
-        k = self._owner_key(type_name, key)
+        k = self._owner_key(type_name, key, about)
         return value if k is None else _signed(value, _mac(k, value))
 
 
@@ -156,7 +179,10 @@ def _signed(value: bytes, tag: bytes) -> bytes:
 
 
 class _ProbeData(msgspec.Struct):
-    worker_id: str | None = None
+    #: Any value: a request event's worker field that is not a string names no worker (the
+    #: codec refuses the payload after the signature check).
+    worker_id: object = None
+    dst_worker: object = None
 
 
 class _Probe(msgspec.Struct):
@@ -204,12 +230,14 @@ class Verifier:
             p = _probe(value)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        owners = signers_of(p.type, p.key)
+        field = ABOUT_FIELD.get(p.type)
+        about = getattr(p.data, field, None) if field is not None and p.data is not None else None
+        owners = signers_of(p.type, p.key, about if isinstance(about, str) else None)
         if not owners:
             return
         if p.sig is None:
             raise ForgedEvent("unsigned", f"{p.type} for {p.key[:100]!r} is not signed (needs {owners[0]})")
-        if _STREAM_OF[p.type] != "admin":
+        if _STREAM_OF[p.type] in ("kv", "workers"):
             wid = p.data.worker_id if p.data is not None else None
             if wid != p.key:
                 raise ForgedEvent("key_not_worker", f"{p.type} keyed {p.key[:100]!r} is about worker "

@@ -36,6 +36,7 @@ from control_plane.index.prefix_index import IndexStats
 from control_plane.index.select import new_index, restore_index
 from control_plane.metrics.catalog import BY_NAME, EVENT_STREAMS, SPECS, TIERS, Kind, MetricSpec
 from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
+from kernel.lifecycle import admits_registration
 from kernel.log.sequencing import SequenceTracker, Verdict
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -582,8 +583,8 @@ class MetricsProjection:
 
     def _registered(self, env, ev: WorkerRegistered, partition: int = -1) -> None:
         cur = self._workers.get(ev.worker_id)
-        if cur is not None and cur.epoch > env.epoch:
-            return  # a late registration of an older incarnation
+        if not admits_registration(cur.epoch if cur is not None else None, env.epoch):
+            return  # a copy of a registration folded already, or an older incarnation's
         self._workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=env.epoch, pool=ev.pool,
                                               role=_v(ev.role))
         self._pool(ev.pool)

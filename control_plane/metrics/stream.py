@@ -375,7 +375,9 @@ class MetricsProcessor(FoldProcessor):
 
     def health(self) -> dict:
         behind = lag(self.projection.positions, self.broker.end_offsets)
-        return {"state": "OK" if self.caught_up else "LOADING", "processor_id": self.settings.processor_id,
+        stopped = self.stopped_reason()
+        return {"state": "LOADING" if not self.caught_up else "DEGRADED" if stopped else "OK",
+                "reasons": [stopped] if stopped else [], "processor_id": self.settings.processor_id,
                 "group": self.group, "applied": self.projection.applied, "lag_records": sum(behind.values()),
                 "in_flight_requests": self.projection.in_flight, "fold_errors": self.fold_errors}
 

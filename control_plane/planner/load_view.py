@@ -48,6 +48,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
+from kernel.lifecycle import admits_registration
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -574,8 +575,8 @@ class LoadView:
 
     def _registered(self, ev: WorkerRegistered, epoch: int, at: int) -> Counted:
         cur = self.workers.get(ev.worker_id)
-        if cur is not None and cur.epoch > epoch:
-            return ()  # a late registration of an older incarnation
+        if not admits_registration(cur.epoch if cur is not None else None, epoch):
+            return ()  # a copy of a registration folded already, or an older incarnation's
         role = ev.role.value if hasattr(ev.role, "value") else str(ev.role)
         earlier = []
         if cur is not None:

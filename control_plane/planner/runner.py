@@ -189,7 +189,10 @@ async def _main(s: PlannerSettings, bus: BusSettings) -> int:
     led_with: int | None = None
 
     def health() -> tuple[bool, dict]:
+        stopped = proc.stopped_reason()  # the load view's fold stopped while the log moved
         return proc.caught_up, {"planner_id": s.planner_id, "caught_up": proc.caught_up,
+                                "state": "LOADING" if not proc.caught_up else "DEGRADED" if stopped else "OK",
+                                "reasons": [stopped] if stopped else [],
                                 "leader": elector.token is not None, "token": elector.token,
                                 "config_version": config.version, "scaler": scaler.name,
                                 "records_applied": view.applied}

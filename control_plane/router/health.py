@@ -41,7 +41,11 @@ def assess(
     now_ms: float,
     caught_up_once: bool,
     thresholds: HealthThresholds = HealthThresholds(),
+    stopped: str | None = None,
 ) -> RouterHealth:
+    """``stopped``: why the fold is not following the log (its processor's watch: the fold
+    stopped while the log moved, or another member took its partitions); it degrades the view
+    whatever the lag says, since the lag is then measured against what it no longer reads."""
     lag = 0
     oldest_ts: float | None = None
     for tp, hw in highwaters.items():
@@ -60,4 +64,6 @@ def assess(
         reasons.append(f"lag {lag_ms:.0f} ms > {thresholds.max_lag_ms:.0f} ms")
     if stale_workers:
         reasons.append(f"stale workers: {', '.join(stale_workers)}")
+    if stopped:
+        reasons.append(stopped)
     return RouterHealth("DEGRADED" if reasons else "EXACT", lag, lag_ms, tuple(stale_workers), tuple(reasons))

@@ -126,4 +126,5 @@ class RouterViewProcessor(FoldProcessor):
 
     def health(self) -> RouterHealth:
         return assess(self.view.positions, self.highwaters(), self.view.last_ts_ms,
-                      self.view.stale_workers(), time.time() * 1000, self.caught_up, self.thresholds)
+                      self.view.stale_workers(), time.time() * 1000, self.caught_up, self.thresholds,
+                      self.stopped_reason())

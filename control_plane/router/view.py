@@ -27,6 +27,7 @@ from control_plane.index.errors import IndexRejected
 from control_plane.index.prefix_index import ApplyOutcome, Match, WorkerRank
 from control_plane.index.select import new_index, restore_index
 from control_plane.router.decision import WorkerLoad, WorkerOverlap
+from kernel.lifecycle import Lifecycle, Lifecycles
 from kernel.log.fold import Poisoned
 from schemas.envelope import Envelope, EventCodec
 from schemas.events import (
@@ -85,6 +86,8 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     #: [topic, partition, timestamp ms of the last applied record]
     last_ts_ms: list[tuple[str, int, int]]
     applied: int
+    #: Each worker's lifecycle (kernel/lifecycle.py); absent in snapshots written before it.
+    lifecycles: dict[str, Lifecycle] = {}
 
 
 def rejected_poison(e: IndexRejected, key: bytes | None = None) -> Poisoned:
@@ -148,6 +151,9 @@ class RouterView:
         self.index = new_index(hash_algo, block_size)
         self.allowlist = allowlist or EndpointAllowlist()
         self.workers: dict[str, WorkerState] = {}
+        #: What the log said of each worker's incarnations: which registration is new, which
+        #: incarnation is gone (kernel/lifecycle.py, the rule every view shares).
+        self.lifecycles = Lifecycles()
         self.positions: dict[tuple[str, int], int] = {}
         self.last_ts_ms: dict[tuple[str, int], int] = {}
         self.applied = 0
@@ -253,21 +259,21 @@ class RouterView:
 
     def _registered(self, env: Envelope[Event]) -> None:
         ev: WorkerRegistered = env.data  # type: ignore[assignment]
-        cur = self.workers.get(ev.worker_id)
-        if cur is not None and cur.epoch > env.epoch:
-            return  # a late registration of an older incarnation
+        if not self.lifecycles.get(ev.worker_id).admits(env.epoch):
+            return  # a copy of a registration already folded, or an older incarnation's
         why = self.allowlist.refusal(ev.endpoint)
         if why is not None:  # the position has advanced: dead-lettered, never re-read
             raise IndexRejected("endpoint_not_allowed", f"worker {ev.worker_id!r}: {why}")
+        _, life = self.lifecycles.fold(ev.TYPE, ev.worker_id, env.epoch)
         self.workers[ev.worker_id] = WorkerState(
             worker_id=ev.worker_id, epoch=env.epoch, role=ev.role.value if hasattr(ev.role, "value") else str(ev.role),
             pool=ev.pool, endpoint=ev.endpoint, model=ev.model, block_size=ev.block_size,
-            capacity=dict(ev.capacity), registered_at_ns=env.occurred_at_ns)
+            capacity=dict(ev.capacity), registered_at_ns=env.occurred_at_ns, state=life.state(env.epoch))
 
     def _load_reported(self, env: Envelope[Event]) -> None:
         cur = self._current(env)
-        if cur is None:
-            return
+        if cur is None or env.occurred_at_ns <= cur.reported_at_ns:
+            return  # a report older than the one folded (a copy, or one replayed elsewhere)
         ev: WorkerLoadReported = env.data  # type: ignore[assignment]
         cur.running, cur.waiting = ev.running, ev.waiting
         cur.queued_prefill_tokens = ev.queued_prefill_tokens
@@ -275,15 +281,14 @@ class RouterView:
         cur.tier_usage = dict(ev.tier_usage)
         cur.reported_at_ns = env.occurred_at_ns
 
-    def _draining(self, env: Envelope[Event]) -> None:
-        cur = self._current(env)
+    def _lifecycle_event(self, env: Envelope[Event]) -> None:
+        """``WorkerDraining`` / ``WorkerDeregistered``: the registered incarnation's state is what
+        its lifecycle says (a deregistration of it or of a newer one: gone for good)."""
+        wid = env.data.worker_id  # type: ignore[attr-defined]
+        _, life = self.lifecycles.fold(env.type, wid, env.epoch)
+        cur = self.workers.get(wid)
         if cur is not None:
-            cur.state = "draining"
-
-    def _deregistered(self, env: Envelope[Event]) -> None:
-        cur = self._current(env)
-        if cur is not None:
-            cur.state = "gone"
+            cur.state = life.state(cur.epoch)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -331,7 +336,7 @@ class RouterView:
             index=self.index.snapshot(), workers=list(self.workers.values()),
             positions=[(t, p, o) for (t, p), o in sorted(self.positions.items())],
             last_ts_ms=[(t, p, o) for (t, p), o in sorted(self.last_ts_ms.items())],
-            applied=self.applied)
+            applied=self.applied, lifecycles=dict(self.lifecycles.by_worker))
         return msgspec.msgpack.encode(snap)
 
     @classmethod
@@ -345,6 +350,9 @@ class RouterView:
         view.positions = {(t, p): o for t, p, o in snap.positions}
         view.last_ts_ms = {(t, p): o for t, p, o in snap.last_ts_ms}
         view.applied = snap.applied
+        view.lifecycles = Lifecycles(snap.lifecycles or {
+            w.worker_id: Lifecycle(registered=w.epoch, draining=w.epoch if w.state == "draining" else -1,
+                                   ended=w.epoch if w.state == "gone" else -1) for w in snap.workers})
         return view
 
     def digest(self) -> str:
@@ -366,8 +374,8 @@ class RouterView:
 _WORKER_HANDLERS = {
     WorkerRegistered: RouterView._registered,
     WorkerLoadReported: RouterView._load_reported,
-    WorkerDraining: RouterView._draining,
-    WorkerDeregistered: RouterView._deregistered,
+    WorkerDraining: RouterView._lifecycle_event,
+    WorkerDeregistered: RouterView._lifecycle_event,
 }
 
 

@@ -521,7 +521,8 @@ def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
     ]
 
 
-def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0, forgeries=None,
+def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0,
+                        forgeries: list[tuple[str, str, bytes, str]] | None = None,
                         refused_reason: str = "forged:", area: str = "kafka") -> list[Probe]:
     """Each forgery written with the credential of a role that may write its topic: refused
     means a consumer of the running system dead-letters it as ``forged:*`` (the router's view
@@ -587,6 +588,8 @@ def _quiet():
 # -- the whole check ---------------------------------------------------------------------------
 
 def run(t: Targets) -> list[Probe]:
+    from control_plane.security import probes_bus
+
     probes: list[Probe] = []
     steps: list[Callable[[], list[Probe] | Probe]] = []
     if t.router_url:
@@ -600,7 +603,7 @@ def run(t: Targets) -> list[Probe]:
     steps += [lambda: probe_cli_pin(t.admin_url), lambda: probe_kafka(t.kafka_bootstrap),
               lambda: probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
               *([lambda: probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
-              lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
+              lambda: probes_bus.run(t), lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
               *([lambda: probe_s3(t.s3_url)] if t.s3_url else []),
               lambda: probe_listeners(t.pids)]
     from control_plane.security import probes_http  # it imports this module's Probe

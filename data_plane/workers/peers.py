@@ -133,9 +133,14 @@ class PeerDirectory:
         from schemas import EventCodec, SchemaError
         from schemas.events import WorkerDeregistered, WorkerRegistered
 
+        from kernel.lifecycle import GONE, Lifecycles
+        from kernel.log.principals import group_id
+
+        lifecycles = Lifecycles()
         topic = Catalog(bus.topic_prefix).topic("workers")
         codec = EventCodec(verifier=bus.verifier())  # a forged registration is skipped
-        c = Consumer({**bus.client_conf(), "group.id": f"sy-peers-{uuid.uuid4().hex}",
+        # Under the worker role's own group prefix (kernel/log/principals.py).
+        c = Consumer({**bus.client_conf(), "group.id": group_id(bus.topic_prefix, bus.username, f"peers.{uuid.uuid4().hex}"),
                       "enable.auto.commit": False, "fetch.wait.max.ms": 500,
                       "logger": logging.getLogger("switchyard.rdkafka")})
         try:
@@ -154,8 +159,12 @@ class PeerDirectory:
                     try:
                         env = codec.decode(m.value())
                         ev = env.data
+                        # kernel/lifecycle.py: a copy of a registration, or one of an
+                        # incarnation the log says is gone, never brings its agent back.
+                        before, after = lifecycles.fold(ev.TYPE, ev.worker_id, env.epoch)
                         if isinstance(ev, WorkerRegistered) and ev.transfer is not None:
-                            self._remember(EndpointMetadata.from_transfer_info(ev.transfer), ev.worker_id)
+                            if before.admits(env.epoch) and after.state(env.epoch) != GONE:
+                                self._remember(EndpointMetadata.from_transfer_info(ev.transfer), ev.worker_id)
                         elif isinstance(ev, WorkerDeregistered):
                             self._forget_worker(ev.worker_id, env.epoch)
                     except Exception as e:  # one bad record never stops the directory

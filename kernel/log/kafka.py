@@ -27,6 +27,7 @@ from kernel.log.sequencing import Observation, SequenceTracker, Verdict
 from kernel.settings import BusSettings
 from schemas import Envelope, EnvelopeFactory, EventCodec, SchemaError
 from schemas.events import Event
+from schemas.signing import about_of
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger("switchyard.rdkafka")
@@ -137,7 +138,7 @@ class EventProducer:
     ) -> Envelope[Event]:
         topic = self.catalog.topic(payload.STREAM)
         key = payload.key()
-        self.signer.check(payload.TYPE, key)  # before a sequence number is spent on it
+        self.signer.check(payload.TYPE, key, about_of(payload))  # before a sequence number is spent on it
         with self._lock:
             partition = self._partition(topic, key)
             env = self.factory.wrap(payload, correlation_id=correlation_id, causation_id=causation_id,
@@ -183,7 +184,7 @@ class EventProducer:
 
         headers = [(H_TYPE, env.type.encode()), (H_VERSION, str(env.version).encode()),
                    (H_PRODUCER, env.producer.encode())]
-        value = self.signer.sign(env.type, env.key, self.codec.encode(env))
+        value = self.signer.sign(env.type, env.key, self.codec.encode(env), about_of(env.data))
         while True:
             try:
                 self._p.produce(topic, value=value, key=env.key.encode(), partition=partition, headers=headers,
@@ -318,9 +319,14 @@ class EventConsumer:
         if dead_letters is None:
             dead_letters = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
         self._dlq = DeadLetters(dead_letters, self.catalog, self.name)
+        from kernel.log.principals import group_id as owned_group
+
+        #: An assign-only consumer never joins its group, but librdkafka still looks its
+        #: coordinator up: the id is under this principal's own group prefix (principals.py).
+        self.group_id = group_id or owned_group(settings.topic_prefix, settings.username, f"assign.{self.name}")
         base = {
             **settings.client_conf(),
-            "group.id": group_id or f"sy-assign-{self.name}",
+            "group.id": self.group_id,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "enable.partition.eof": False,

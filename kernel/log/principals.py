@@ -18,8 +18,29 @@ admin       admin, deadletter                                    ``switchyard ad
 processor   snapshots, deadletter                                ``switchyard metrics run``
 =========== =================================================== ===============================
 
-Every role reads every topic of its prefix (a view is a fold of the whole log), joins
-and manages consumer groups, and describes the cluster. Nothing else: a worker cannot write
+Every role reads every topic of its prefix (a view is a fold of the whole log) and describes
+the cluster. Consumer groups are owned like topics: a role joins, commits and deletes only the
+groups under its own prefixes (:attr:`Role.groups`, after ``<prefix>.``):
+
+=========== ======================================== ==========================================
+role        its groups                               which are
+=========== ======================================== ==========================================
+router      ``router-view.``, ``router.``            its view's Faust group, its followers
+worker      ``worker.``                              the peer directory's reader
+planner     ``load-view.``, ``planner.``             its load view's group, its follower
+admin       ``admin.``                               the audit's reader
+processor   ``metrics.``, ``processor.``;            its own group; the others' lag and members
+            describes every group of the prefix      (``switchyard_consumer_group_*``)
+=========== ======================================== ==========================================
+
+So a stolen processor credential can no longer join a router's view group and be handed its
+partitions (issue 36): the broker answers GROUP_AUTHORIZATION_FAILED. A member of the *same*
+role in a group is caught by the view itself (``control_plane/streaming.py``: an assignment
+that is not every partition is a foreign member; the view moves to a fresh group). Consumers
+that only ``assign()`` get a group id under their role's prefix too (:func:`group_id`): with a
+``group.id`` librdkafka looks the group's coordinator up even when it never joins.
+
+Nothing else: a worker cannot write
 ``admin`` or ``planner``, a router cannot register a worker or scale a pool, no component can create, delete or
 reconfigure a catalog topic. Writes a worker makes to ``requests`` are the handoff facts
 (``PrefillCompleted``, ``KvTransfer*``); who may write *which key* of a shared topic is not
@@ -50,6 +71,11 @@ class Role:
     writes: tuple[str, ...]
     #: Topic-name prefixes, after ``<prefix>.``, the role may create and use (Faust changelogs).
     owns: tuple[str, ...] = ()
+    #: Consumer-group prefixes, after ``<prefix>.``, the role may join, commit and delete; the
+    #: last one is where its assign-only consumers' group ids go (:func:`group_id`).
+    groups: tuple[str, ...] = ()
+    #: True: the role may describe every group of the prefix (their lag, their members).
+    describes_groups: bool = False
 
     @property
     def user(self) -> str:
@@ -63,12 +89,27 @@ class Role:
 ROLES: dict[str, Role] = {r.name: r for r in (
     # admin: a router started with its own config (a file, --mode) records it as the next
     # RouterConfigChanged version, which replay reads back; ACLs cannot narrow that to one type.
-    Role("router", ("requests", "snapshots", "deadletter", "admin")),
-    Role("worker", ("kv", "workers", "requests", "deadletter")),
-    Role("planner", ("planner", "snapshots", "deadletter"), owns=("load-view.",)),
-    Role("admin", ("admin", "deadletter")),
-    Role("processor", ("snapshots", "deadletter")),
+    Role("router", ("requests", "snapshots", "deadletter", "admin"), groups=("router-view.", "router.")),
+    Role("worker", ("kv", "workers", "requests", "deadletter"), groups=("worker.",)),
+    Role("planner", ("planner", "snapshots", "deadletter"), owns=("load-view.",), groups=("load-view.", "planner.")),
+    Role("admin", ("admin", "deadletter"), groups=("admin.",)),
+    Role("processor", ("snapshots", "deadletter"), groups=("metrics.", "processor."), describes_groups=True),
 )}
+
+#: Where the super user's (the operator's tools') assign-only consumers put their group ids.
+OPERATOR_GROUPS = "ops."
+
+
+def role_of_user(user: str) -> Role | None:
+    """The role a SCRAM user is (None: the super user or an operator's own user)."""
+    return next((r for r in ROLES.values() if r.user == user), None)
+
+
+def group_id(topic_prefix: str, user: str, name: str) -> str:
+    """A group id under ``user``'s role's own group prefix: ``<prefix>.<role's last group
+    prefix><name>`` (``<prefix>.ops.<name>`` for any other user)."""
+    r = role_of_user(user)
+    return f"{topic_prefix}.{r.groups[-1] if r is not None and r.groups else OPERATOR_GROUPS}{name}"
 
 
 def role(name: str) -> Role:
@@ -86,7 +127,7 @@ class Grant:
     resource: str  # topic | group | cluster
     pattern: str  # literal | prefixed
     name: str
-    operation: str  # read | write | describe | create | all
+    operation: str  # read | write | describe | create | delete | all
 
 
 def role_bindings(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
@@ -99,21 +140,39 @@ def role_bindings(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
             out.append(Grant(r.user, "topic", "literal", catalog.topic(stream), "write"))
         for own in r.owns:
             out.append(Grant(r.user, "topic", "prefixed", f"{prefix}.{own}", "all"))
-        out.append(Grant(r.user, "group", "literal", "*", "all"))
+        for g in r.groups:
+            # READ: join, sync, heartbeat, commit and fetch offsets (it implies DESCRIBE);
+            # DELETE: a view drops the empty groups of its earlier incarnations.
+            out.append(Grant(r.user, "group", "prefixed", f"{prefix}.{g}", "read"))
+            out.append(Grant(r.user, "group", "prefixed", f"{prefix}.{g}", "delete"))
+        if r.describes_groups:
+            out.append(Grant(r.user, "group", "prefixed", f"{prefix}.", "describe"))
         out.append(Grant(r.user, "cluster", "literal", "kafka-cluster", "describe"))
     return out
 
 
-def _acl_binding(g: Grant):
-    from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
+#: What earlier versions granted and a stack upgraded in place must lose: every role ``ALL`` on
+#: every consumer group (``*``), which let any credential join any view's group.
+STALE_GRANTS: tuple[tuple[str, str, str, str], ...] = (("group", "literal", "*", "all"),)
 
-    return AclBinding(
+
+def _acl_binding(g: Grant, as_filter: bool = False):
+    from confluent_kafka.admin import (
+        AclBinding,
+        AclBindingFilter,
+        AclOperation,
+        AclPermissionType,
+        ResourcePatternType,
+        ResourceType,
+    )
+
+    return (AclBindingFilter if as_filter else AclBinding)(
         {"topic": ResourceType.TOPIC, "group": ResourceType.GROUP, "cluster": ResourceType.BROKER}[g.resource],
         g.name,
         {"literal": ResourcePatternType.LITERAL, "prefixed": ResourcePatternType.PREFIXED}[g.pattern],
         f"User:{g.user}", "*",
         {"read": AclOperation.READ, "write": AclOperation.WRITE, "describe": AclOperation.DESCRIBE,
-         "create": AclOperation.CREATE, "all": AclOperation.ALL}[g.operation],
+         "create": AclOperation.CREATE, "delete": AclOperation.DELETE, "all": AclOperation.ALL}[g.operation],
         AclPermissionType.ALLOW,
     )
 
@@ -131,9 +190,13 @@ def apply_principals(admin, prefix: str, secrets_dir: Path, bootstrap: str, time
     from kernel.settings import stack_secret
 
     bindings = [_acl_binding(g) for g in role_bindings(prefix)]
+    stale = [_acl_binding(Grant(r.user, *g), as_filter=True) for r in ROLES.values() for g in STALE_GRANTS]
     try:
         for fut in admin.create_acls(bindings, request_timeout=timeout).values():
             fut.result()
+        for fut in admin.delete_acls(stale, request_timeout=timeout).values():
+            for gone in fut.result():
+                log.warning("removed a stale ACL: %s", gone)
     except KafkaException as e:
         if "SECURITY_DISABLED" in str(e) or "No Authorizer" in str(e):
             log.warning("the cluster has no authorizer: components are not confined to their topics (%s)", e)

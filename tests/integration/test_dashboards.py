@@ -277,7 +277,8 @@ def _synthetic_events(syn: _Synthetic, wave: int) -> None:
     env = router.publish(ev.RequestAdmitted(request_id=f"dup-{wave}", model="m", prompt_tokens=BS, max_tokens=4,
                                          block_size=BS, hash_algo=ALGO))
     cat = Catalog(bus.topic_prefix)
-    router.produce_raw(cat.topic("requests"), router.codec.encode(env), env.key.encode())
+    router.produce_raw(cat.topic("requests"), router.signer.sign(env.type, env.key, router.codec.encode(env)),
+                       env.key.encode())
     router.produce_raw(cat.topic("kv"), b"\x00not an envelope", b"p1")
     router.produce_raw(cat.topic("requests"), b"\x00not an envelope either", b"x")
     for prod in (p1, d1, x1, router, ops, planner):

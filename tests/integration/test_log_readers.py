@@ -52,6 +52,7 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
+from schemas.signing import about_of
 
 pytestmark = pytest.mark.kafka
 
@@ -113,7 +114,7 @@ def _write(bus: BusSettings) -> Written:
             errors.append(ack.error)
             return
         env = ack.envelope
-        value = producer.signer.sign(env.type, env.key, producer.codec.encode(env))  # the bytes publish wrote
+        value = producer.signer.sign(env.type, env.key, producer.codec.encode(env), about_of(env.data))  # as publish
         out.records.append(LogRecord(ack.topic, ack.partition, ack.offset, env.occurred_at_ns // 1_000_000,
                                      env.key.encode(), value))
         out.envelopes[(ack.topic, ack.partition, ack.offset)] = env

@@ -394,8 +394,8 @@ def test_planner_admin_follower_dead_letters_poison_and_goes_on(bus: BusSettings
 
 def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
     """Garbage claiming to be a WorkerRegistered and a registration with junk transfer info are
-    skipped (counted, not dead-lettered: see ``PeerDirectory.skipped``); the registration after
-    them is known."""
+    skipped (counted, not dead-lettered: see ``PeerDirectory.skipped``); the registration of the
+    worker's next start is known."""
     from data_plane.transfer.metadata import BlockRegion, EndpointMetadata
     from data_plane.workers.peers import PeerDirectory
 
@@ -405,15 +405,18 @@ def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
     p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://127.0.0.1/p1", block_size=16,
                                   hash_algo="sha256_cbor",
                                   transfer=ev.TransferInfo(agent_name="p1:0", agent_metadata=b"junk")))
-    good = EndpointMetadata(agent_name="p1:1", agent_metadata=b"nixl", region=BlockRegion(base_addr=4096, block_len=64,
+    good = EndpointMetadata(agent_name="p1:2", agent_metadata=b"nixl", region=BlockRegion(base_addr=4096, block_len=64,
                                                                                           n_blocks=4))
+    assert p.flush(10) == 0
+    # The worker's next start (a registration is admitted once per epoch: kernel/lifecycle.py).
+    p = EventProducer(bus, "p1", epoch=2)
     p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://127.0.0.1/p1", block_size=16,
                                   hash_algo="sha256_cbor", transfer=good.to_transfer_info()))
     assert p.flush(10) == 0
     directory = PeerDirectory()
     directory.follow(bus)
     try:
-        assert wait_for(lambda: directory.known("p1:1"), timeout=30, what="the good registration") == good
+        assert wait_for(lambda: directory.known("p1:2"), timeout=30, what="the good registration") == good
         assert directory.skipped == 2
     finally:
         directory.stop()

@@ -121,7 +121,10 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
     scores = [msgspec.structs.replace(s, overlap_blocks=s.overlap_blocks + 1) if s.worker_id == other else s
               for s in env.data.scores]
     forged = msgspec.structs.replace(env, data=msgspec.structs.replace(env.data, worker_id=other, scores=scores))
-    mem.replace(victim.topic, victim.partition, victim.offset, codec.encode(forged))
+    # Re-signed with the master (requests is a guarded stream: schemas/signing.py), as only the
+    # stack's own tools can; an unsigned tamper would be refused as forged before any replay.
+    master = bus.signer("security-test")
+    mem.replace(victim.topic, victim.partition, victim.offset, master.sign(forged.type, forged.key, codec.encode(forged)))
 
     report = _engine(bus, mem).verify("start", "end")
     assert report.identical == report.decisions - 1

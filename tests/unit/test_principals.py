@@ -50,3 +50,33 @@ def test_a_role_is_its_own_principal_with_its_own_secret(tmp_path) -> None:
     assert BusSettings.from_env({"SWITCHYARD_KAFKA_USERNAME": "ops"}, role="worker").username == "ops"
     with pytest.raises(ValueError, match="unknown Kafka role 'root'"):
         role("root")
+
+
+def test_consumer_groups_are_owned_like_topics() -> None:
+    """Issue 36: every role had ``ALL`` on every group, so the processor's credential could join
+    the router view's group. Now each role reads (joins, commits) and deletes only its own
+    prefixes; the processor alone describes the others (their lag)."""
+    groups = [g for g in role_bindings("p1") if g.resource == "group"]
+    assert not any(g.name == "*" or g.operation == "all" for g in groups)
+    joins: dict[str, set[str]] = {}
+    for g in groups:
+        assert g.pattern == "prefixed" and g.name.startswith("p1."), g
+        if g.operation == "read":
+            joins.setdefault(g.user, set()).add(g.name)
+    assert joins["sy-router"] == {"p1.router-view.", "p1.router."}
+    assert joins["sy-processor"] == {"p1.metrics.", "p1.processor."}
+    assert joins["sy-planner"] == {"p1.load-view.", "p1.planner."}
+    owned = [(u, n) for u, names in joins.items() for n in names]
+    for user, name in owned:  # no role's group prefix reaches into another's
+        assert not any(n.startswith(name) or name.startswith(n) for u, n in owned if u != user), (user, name)
+    describers = {g.user for g in groups if g.operation == "describe"}
+    assert describers == {"sy-processor"}
+
+
+def test_a_consumer_group_id_is_under_its_principals_prefix() -> None:
+    from kernel.log.principals import group_id
+
+    for r in ROLES.values():
+        gid = group_id("p1", r.user, "assign.x")
+        assert any(gid.startswith(f"p1.{g}") for g in r.groups), gid
+    assert group_id("p1", SUPER_USER, "assign.x") == "p1.ops.assign.x"

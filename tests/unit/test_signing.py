@@ -11,14 +11,18 @@ from schemas import EventCodec
 from schemas.envelope import EnvelopeFactory
 from schemas.events import (
     BlockStored,
+    KvTransferCompleted,
     PoolPinned,
+    PrefillCompleted,
     RequestAdmitted,
+    RequestCompleted,
     RouterConfigChanged,
     RouterKeyRevoked,
+    ScalingDecision,
     WorkerDraining,
     WorkerRegistered,
 )
-from schemas.signing import ADMIN, ROUTER, ForgedEvent, Signer, Verifier, owner_key, worker_owner
+from schemas.signing import ADMIN, ROUTER, ForgedEvent, Signer, Verifier, about_of, owner_key, worker_owner
 from schemas.types import WorkerRole
 
 MASTER = b"m" * 32
@@ -121,11 +125,54 @@ def test_admin_events_need_the_admin_key_and_a_router_signs_only_its_config():
 
 
 def test_streams_that_are_not_guarded_pass_unsigned():
-    req = RequestAdmitted(request_id="r1", model="m", prompt_tokens=3, max_tokens=4, block_size=16,
-                          hash_algo="sha256")
-    v = encoded(req, producer="r0")
-    assert worker_signer("w0").sign("RequestAdmitted", "r1", v) == v
+    dec = ScalingDecision(decision_id="d1", pool="default", role=WorkerRole.DECODE, from_replicas=1, to_replicas=2,
+                          reason="x", config_version=1)
+    v = encoded(dec, producer="planner")
+    assert worker_signer("w0").sign("ScalingDecision", dec.key(), v) == v
     Verifier(MASTER).check(v)
+
+
+def admitted(rid: str = "r1") -> RequestAdmitted:
+    return RequestAdmitted(request_id=rid, model="m", prompt_tokens=3, max_tokens=4, block_size=16, hash_algo="sha256")
+
+
+ROUTER_SIGNER = Signer.identity(ROUTER, owner_key(MASTER, ROUTER))
+
+
+def test_request_events_need_a_routers_signature():
+    """The forged traffic of issue 36: RequestAdmitted / RequestCompleted written with a worker's
+    credential as producer ``demo-router``. Unsigned, or under the worker's own key: forged."""
+    v = encoded(admitted(), producer="demo-router")
+    with pytest.raises(ForgedEvent) as e:
+        Verifier(MASTER).check(v)
+    assert e.value.reason == "forged:unsigned"
+    with pytest.raises(PermissionError, match="role:router"):
+        worker_signer("w0").sign("RequestAdmitted", "r1", v)
+    with pytest.raises(ForgedEvent) as e:
+        Verifier(MASTER).check(worker_signer("w0").seal(v))
+    assert e.value.reason == "forged:bad_signature"
+    done = RequestCompleted(request_id="r1", worker_id="w0", prompt_tokens=3, output_tokens=4, ttft_ms=1.0,
+                            e2e_ms=2.0)
+    with pytest.raises(ForgedEvent):
+        Verifier(MASTER).check(worker_signer("w0").seal(encoded(done, producer="demo-router")))
+    Verifier(MASTER).check(ROUTER_SIGNER.sign("RequestAdmitted", "r1", v))
+    Verifier(MASTER).check(ROUTER_SIGNER.sign("RequestCompleted", "r1", encoded(done, producer="r0")))
+
+
+def test_a_worker_signs_only_its_own_handoff_facts():
+    mine = PrefillCompleted(request_id="r1", worker_id="w0", prompt_tokens=3, duration_ms=1.0)
+    Verifier(MASTER).check(worker_signer("w0").sign("PrefillCompleted", "r1", encoded(mine), about_of(mine)))
+    # aggregated serving: the router records the prefill it saw
+    Verifier(MASTER).check(ROUTER_SIGNER.sign("PrefillCompleted", "r1", encoded(mine, producer="r0"), about_of(mine)))
+    pulled = KvTransferCompleted(request_id="r1", transfer_id="t", src_worker="p0", dst_worker="w0", blocks=1,
+                                 bytes=1, backend="x", duration_ms=1.0)
+    Verifier(MASTER).check(worker_signer("w0").sign("KvTransferCompleted", "r1", encoded(pulled), about_of(pulled)))
+    theirs = PrefillCompleted(request_id="r1", worker_id="w1", prompt_tokens=3, duration_ms=1.0)
+    with pytest.raises(PermissionError, match="worker:w1"):
+        worker_signer("w0").sign("PrefillCompleted", "r1", encoded(theirs), about_of(theirs))
+    with pytest.raises(ForgedEvent) as e:
+        Verifier(MASTER).check(worker_signer("w0").seal(encoded(theirs)))
+    assert e.value.reason == "forged:bad_signature"
 
 
 def test_bytes_that_are_not_an_envelope_are_left_to_the_codec():

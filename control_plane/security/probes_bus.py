@@ -1,0 +1,314 @@
+"""``switchyard security-check``'s probes of the log (issue 36, items 1-3), each the real attack
+with at most one component's Kafka credential, read from the stack's secrets as a compromised
+process could:
+
+* **consumer groups**: each role's credential joins the consumer groups of the running views it
+  does not own (the router's view, the planner's load view, the metrics processor), under the
+  assignor name Faust uses. Refused: the broker answers GROUP_AUTHORIZATION_FAILED
+  (kernel/log/principals.py). A group the probe finds none of is probed by its prefix, with a
+  group id of its own under that prefix.
+* **a foreign member of the same role**: with the router's own credential (the only one the
+  broker lets into a router view's group), the attack of issue 36 on the live router view's
+  group: join under Faust's assignor name with metadata that is not Faust's, and take every
+  partition once leader. Refused: the router's watch sees it (a crashed fetcher or a short
+  assignment), ``/health`` says DEGRADED, the view moves to a fresh group of its own and is
+  EXACT again (``control_plane/streaming.py``).
+* **replayed registration**: with the worker credential, a signed ``WorkerRegistered`` of a
+  worker the log says is gone is copied, byte for byte, to another partition of ``workers``.
+  Refused: the router's ``/health`` never counts that worker again (kernel/lifecycle.py). The
+  probe registers, and deregisters, a worker of its own first (its endpoint is a closed port),
+  so no real worker is touched.
+* **forged requests**: with the worker credential, request events as producer ``demo-router``
+  (unsigned, and signed with the worker's own key). Refused: a consumer of the running system
+  dead-letters each as ``forged:*`` (schemas/signing.py), so the planner and the metrics never
+  count them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from control_plane.security.check import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, _quiet
+
+#: Group prefixes (after ``<prefix>.``) of the running views, and the role owning each.
+VIEW_GROUPS = {"router-view.": "router", "load-view.": "planner", "metrics.": "processor"}
+
+
+def _bus(role: str | None, t: Targets):
+    from kernel.settings import BusSettings
+
+    return BusSettings.from_env(role=role, bootstrap=t.kafka_bootstrap, topic_prefix=t.topic_prefix)
+
+
+def _join(bus, group: str, topic: str, timeout_s: float = 15.0) -> tuple[str, str]:
+    """Join ``group`` as a Faust member would (assignor ``faust``, then the range one):
+    (verdict, detail)."""
+    from confluent_kafka import Consumer, KafkaException
+
+    errors: list[str] = []
+    assigned: list = []
+    c = Consumer({**bus.client_conf(), "group.id": group, "enable.auto.commit": False, "logger": _quiet(),
+                  "partition.assignment.strategy": "range", "error_cb": lambda e: errors.append(str(e))})
+    try:
+        c.subscribe([topic], on_assign=lambda _c, ps: assigned.extend(ps))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not assigned and not errors:
+            try:
+                m = c.poll(0.2)
+            except KafkaException as e:
+                errors.append(str(e))
+                break
+            if m is not None and m.error():
+                errors.append(str(m.error()))
+    finally:
+        c.close()
+    if errors and "GROUP_AUTHORIZATION_FAILED" in errors[0]:
+        return REFUSED, errors[0][:100]
+    if assigned:
+        return ACCEPTED, f"joined {group} and was handed {len(assigned)} partitions"
+    return SERVER_ERROR, (errors[0] if errors else f"neither refused nor assigned within {timeout_s:g} s")[:100]
+
+
+def probe_groups(t: Targets) -> list[Probe]:
+    """Every other role's credential joins each running view's consumer group."""
+    from confluent_kafka.admin import AdminClient
+
+    from kernel.log.catalog import Catalog
+
+    admin = AdminClient({**_bus(None, t).client_conf(), "logger": _quiet()})
+    listed = admin.list_consumer_groups(request_timeout=10).result()
+    groups = sorted(g.group_id for g in listed.valid)
+    topic = Catalog(t.topic_prefix).topic("workers")
+    out = []
+    for prefix, owner in VIEW_GROUPS.items():
+        full = f"{t.topic_prefix}.{prefix}"
+        live = [g for g in groups if g.startswith(full)]
+        group = live[-1] if live else f"{full}security-check-{uuid.uuid4().hex[:8]}"
+        for role in ("processor", "worker", "router", "admin", "planner"):
+            if role == owner:
+                continue
+            verdict, detail = _join(_bus(role, t), group, topic)
+            out.append(Probe("kafka", f"the {role}'s credential joins the {owner}'s view group "
+                                      f"({'live' if live else 'by prefix'})", verdict, detail))
+    return out
+
+
+def probe_replayed_registration(t: Targets, timeout_s: float = 20.0) -> list[Probe]:
+    """A worker of the probe's own registers and deregisters; its registration's bytes are then
+    copied to another partition with the worker credential. The router must not count it."""
+    from confluent_kafka import Producer
+
+    from kernel.log.catalog import Catalog
+    from kernel.log.kafka import EventProducer
+    from schemas.events import WorkerDeregistered, WorkerRegistered
+
+    attack = "a worker's signed registration, replayed to another partition after it stopped"
+    if not t.router_url:
+        return [Probe("kafka", attack, SKIPPED, "no router to watch")]
+    wid = f"security-check-replay-{uuid.uuid4().hex[:8]}"
+    bus = _bus("worker", t)
+    records: list = []
+    prod = EventProducer(bus, wid, on_ack=records.append)
+    try:
+        prod.publish(WorkerRegistered(worker_id=wid, role="decode", pool="security-check",
+                                      endpoint="http://127.0.0.1:9", block_size=16, hash_algo="sha256"))
+        prod.publish(WorkerDeregistered(worker_id=wid, reason="security-check"))
+        if prod.flush(20) != 0 or len(records) != 2 or any(a.error for a in records):
+            return [Probe("kafka", attack, SERVER_ERROR, f"could not write the probe's own worker: {records}")]
+    finally:
+        prod.close(10)
+    reg = records[0]
+    # The bytes as they are on the log, read back with the same credential.
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kernel.log.principals import group_id
+
+    c = Consumer({**bus.client_conf(), "group.id": group_id(t.topic_prefix, bus.username, "security-check"),
+                  "enable.auto.commit": False, "logger": _quiet()})
+    try:
+        c.assign([TopicPartition(reg.topic, reg.partition, reg.offset)])
+        m = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (m is None or m.error()):
+            m = c.poll(0.5)
+        n_parts = len(c.list_topics(reg.topic, timeout=10).topics[reg.topic].partitions)
+    finally:
+        c.close()
+    if m is None or m.error():
+        return [Probe("kafka", attack, SERVER_ERROR, "could not read the registration back")]
+    other = (reg.partition + 1) % n_parts
+    try:
+        before = _get(t.router_url, "/health")["workers"]
+    except Exception as e:  # noqa: BLE001 - a router that does not answer is a server error
+        return [Probe("kafka", attack, SERVER_ERROR, f"router /health: {e}")]
+    acks: list = []
+    p = Producer({**bus.client_conf(), "logger": _quiet()})
+    p.produce(reg.topic, value=m.value(), key=m.key(), partition=other, headers=m.headers(),
+              on_delivery=lambda err, msg: acks.append((err, msg.offset())))
+    p.flush(20)
+    if not acks or acks[0][0] is not None:
+        err = acks[0][0] if acks else "no delivery report"
+        return [Probe("kafka", attack, REFUSED if "AUTHORIZATION" in str(err) else SERVER_ERROR,
+                      f"copy not written: {err}")]
+    offset = acks[0][1]
+    # The router's view must fold the copy and still count the same routable workers.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            pos = _get(t.router_url, "/router/view")["positions"].get(f"{reg.topic}:{other}", 0)
+            now = _get(t.router_url, "/health")["workers"]
+        except Exception as e:  # noqa: BLE001
+            return [Probe("kafka", attack, SERVER_ERROR, f"router: {e}")]
+        if now > before:
+            return [Probe("kafka", attack, ACCEPTED, f"the router routes to {now} workers, {before} before the copy")]
+        if pos > offset:
+            return [Probe("kafka", attack, REFUSED, f"copied to {reg.topic}:{other}:{offset}; the router folded it "
+                                                     f"and still routes to {now} workers")]
+        time.sleep(0.2)
+    return [Probe("kafka", attack, SERVER_ERROR, f"the router did not fold the copy within {timeout_s:g} s")]
+
+
+def _get(router_url: str, path: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{router_url.rstrip('/')}{path}", timeout=5).json()
+
+
+def probe_forged_requests(t: Targets) -> list[Probe]:
+    """Request events as producer ``demo-router`` with the worker credential: dead-lettered
+    ``forged:*`` by the running system (the check of :func:`check.probe_forged_events`)."""
+    from control_plane.security.check import probe_forged_events
+    from kernel.settings import BusSettings
+    from schemas import EventCodec
+    from schemas.envelope import EnvelopeFactory
+    from schemas.events import RequestAdmitted, RequestCompleted
+
+    if not t.router_url:
+        return [Probe("kafka", "forged request events", SKIPPED, "no running consumer to refuse them")]
+    tag = uuid.uuid4().hex[:8]
+    codec = EventCodec()
+
+    def raw(payload) -> bytes:
+        return codec.encode(EnvelopeFactory("demo-router", 1, lambda: time.time_ns()).wrap(payload, key=payload.key()))
+
+    adm = raw(RequestAdmitted(request_id=f"security-check-{tag}", model="m", prompt_tokens=16, max_tokens=1,
+                              block_size=16, hash_algo="sha256"))
+    done = raw(RequestCompleted(request_id=f"security-check-{tag}", worker_id=f"security-check-{tag}",
+                                prompt_tokens=16, output_tokens=1, ttft_ms=1.0, e2e_ms=1.0))
+    sealed = BusSettings.from_env(role="worker").signer(f"security-check-{tag}").seal(done)
+    return probe_forged_events(t.kafka_bootstrap, t.topic_prefix, forgeries=[
+        ("worker", "requests", adm, "a worker's credential publishes RequestAdmitted as demo-router (unsigned)"),
+        ("worker", "requests", sealed,
+         "a worker's credential publishes RequestCompleted as demo-router (signed with its own key)"),
+    ])
+
+
+async def steal_group(bus, group: str, topics: list[str], got: list, stop) -> None:
+    """The attack of issue 36 on a Faust group: join ``group`` under the assignor name Faust uses
+    (``faust``), with member metadata that is not Faust's (its leader fails to decode it), and,
+    once leader, hand every partition to itself. ``got`` receives the partitions it was handed;
+    it leaves when ``stop`` (an ``asyncio.Event``) is set."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.coordinator.assignors.abstract import AbstractPartitionAssignor
+    from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment, ConsumerProtocolMemberMetadata
+
+    class Greedy(AbstractPartitionAssignor):
+        name = "faust"
+        version = 0
+
+        @classmethod
+        def assign(cls, cluster, members):
+            out = {m: ConsumerProtocolMemberAssignment(0, [], b"") for m in members}
+            out[min(members)] = ConsumerProtocolMemberAssignment(
+                0, [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics], b"")
+            return out
+
+        @classmethod
+        def metadata(cls, topics_):
+            return ConsumerProtocolMemberMetadata(0, list(topics_), b"not faust's metadata")
+
+        @classmethod
+        def on_assignment(cls, assignment):
+            got.extend(assignment.partitions())
+
+    c = AIOKafkaConsumer(*topics, bootstrap_servers=bus.bootstrap, group_id=group, enable_auto_commit=False,
+                         security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256",
+                         sasl_plain_username=bus.username, sasl_plain_password=bus.secret(),
+                         ssl_context=bus.ssl_context(), partition_assignment_strategy=(Greedy,))
+    await c.start()
+    try:
+        while not stop.is_set():
+            await c.getmany(timeout_ms=200)
+    finally:
+        await c.stop()
+
+
+def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
+    """With the router's own credential (the one principal the broker lets into a router view's
+    group), the attack of issue 36 on the live router view's group. Refused: the router says so
+    (``/health`` DEGRADED) and moves to a fresh group of its own, then answers EXACT again."""
+    import asyncio
+
+    from confluent_kafka.admin import AdminClient
+
+    from kernel.log.catalog import Catalog
+
+    attack = "the router's credential joins the live router view's group under Faust's assignor name"
+    if not t.router_url:
+        return [Probe("kafka", attack, SKIPPED, "no router running")]
+    admin = AdminClient({**_bus(None, t).client_conf(), "logger": _quiet()})
+
+    def view_groups() -> list[str]:
+        listed = admin.list_consumer_groups(request_timeout=10).result()
+        prefix = f"{t.topic_prefix}.router-view."
+        return sorted((g.group_id for g in listed.valid if g.group_id.startswith(prefix)
+                       and g.group_id.rsplit(".", 1)[-1].isdigit()), key=lambda g: int(g.rsplit(".", 1)[-1]))
+
+    live = view_groups()
+    if not live:
+        return [Probe("kafka", attack, SKIPPED, "no router view group found")]
+    victim = live[-1]
+    owner = victim.rsplit(".", 1)[0]
+    cat = Catalog(t.topic_prefix)
+    got: list = []
+    states: list[str] = []
+
+    async def attack_and_watch() -> tuple[str, str]:
+        stop = asyncio.Event()
+        thief = asyncio.create_task(steal_group(_bus("router", t), victim, [cat.topic(s) for s in ("kv", "workers")],
+                                                got, stop))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        moved = None
+        try:
+            while loop.time() < deadline:
+                await asyncio.sleep(0.25)
+                if thief.done():
+                    thief.result()  # raises what stopped it
+                h = await asyncio.to_thread(_get, t.router_url, "/health")
+                states.append(h.get("state", "?"))
+                if moved is None:
+                    newer = [g for g in await asyncio.to_thread(view_groups) if g.startswith(owner) and g > victim]
+                    moved = newer[-1] if newer else None
+                elif h.get("state") == "EXACT":
+                    return REFUSED, (f"the router said {'DEGRADED' if 'DEGRADED' in states else 'nothing'}, moved "
+                                     f"to {moved} and is EXACT again (the foreign member was handed "
+                                     f"{len(got)} partitions of the old group)")
+            if moved is None:
+                return ACCEPTED, f"the router stayed in {victim} for {timeout_s:g} s; states {sorted(set(states))}"
+            return SERVER_ERROR, f"the router moved to {moved} but is not EXACT again: {states[-3:]}"
+        finally:
+            stop.set()
+            await asyncio.wait_for(thief, 30)
+
+    try:
+        verdict, detail = asyncio.run(attack_and_watch())
+    except Exception as e:  # noqa: BLE001 - the probe's own failure is reported, never hidden
+        return [Probe("kafka", attack, SERVER_ERROR, f"{type(e).__name__}: {e}"[:100])]
+    return [Probe("kafka", attack, verdict, detail)]
+
+
+def run(t: Targets) -> list[Probe]:
+    """Every probe of the log (``check.run`` calls it)."""
+    return [*probe_groups(t), *probe_replayed_registration(t), *probe_forged_requests(t), *probe_foreign_member(t)]
