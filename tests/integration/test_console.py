@@ -6,7 +6,10 @@ refused where an operator is needed, and screenshots saved in ``.test-artifacts/
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -314,6 +317,20 @@ def test_planner_and_dashboards_pages(deployment: Deployment, browser: Browser) 
     assert browser.new_errors() == []
 
 
+def _cli(d: Deployment, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SWITCHYARD_ADMIN_TOKEN": d.tokens["viewer"], "SWITCHYARD_ADMIN_URL": d.base}
+    return subprocess.run([sys.executable, "-m", "switchyard.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_console_check_cli(deployment: Deployment) -> None:
+    r = _cli(deployment, "console-check", "--repeat", "2", "--requests", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"RESULT pages=\d+ loads=\d+ p95_ms=\d+ console_errors=0 doctor_mismatches=0 "
+                        r"requests_in_log=\d+ non_200=0", last), last
+
+
 def test_doctor_zero_on_the_deployment_then_flags_another_block_size(deployment: Deployment, browser: Browser) -> None:
     _as(browser, deployment, "viewer")
     h = {"Authorization": f"Bearer {deployment.tokens['viewer']}"}
@@ -322,6 +339,8 @@ def test_doctor_zero_on_the_deployment_then_flags_another_block_size(deployment:
     assert {a["worker_id"] for a in report["agreement"]} == {"w1", "w2"}
     browser.get(f"{deployment.base}/console/doctor")
     assert browser.driver.find_element(By.ID, "doctor-summary").text.startswith("0 mismatches")
+    r = _cli(deployment, "doctor")
+    assert r.returncode == 0 and "doctor: 0 mismatches, 2 workers compared" in r.stdout, r.stdout + r.stderr
     odd = WorkerProc(deployment.bus, "w-odd", deployment.log_dir / "w-odd", deployment.log_dir,
                      args=("--block-size", "32")).start(60)
     try:
@@ -330,6 +349,8 @@ def test_doctor_zero_on_the_deployment_then_flags_another_block_size(deployment:
             return [m for m in r["mismatches"] if m["worker_id"] == "w-odd" and m["check"] == "block_size"]
 
         m = wait_for(flagged, timeout=60, what="the doctor flags w-odd")
+        r = _cli(deployment, "doctor")
+        assert r.returncode == 1 and "MISMATCH w-odd block_size: found 32, expected 64" in r.stdout, r.stdout + r.stderr
         assert m[0]["found"] == "32" and m[0]["expected"] == str(BS) and "--block-size 64" in m[0]["fix"]
         browser.get(f"{deployment.base}/console/doctor")
         row = browser.driver.find_element(By.CSS_SELECTOR, "#mismatches tr[data-worker='w-odd'][data-check='block_size']")

@@ -11,7 +11,10 @@ server-sent events). No Node toolchain, no vendored library.
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports this package's cli module: typer only
+    from fastapi import FastAPI
 
 
 def mount(app: FastAPI) -> None:
