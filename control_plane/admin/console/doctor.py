@@ -109,14 +109,15 @@ def diagnose(expected: Expected, workers: list[RegisteredWorker], index: dict[st
             continue
         if w.block_size and w.block_size != expected.block_size:
             out.append(Mismatch(w.worker_id, "block_size", str(w.block_size), str(expected.block_size),
-                                f"restart {w.worker_id} with --block-size {expected.block_size} (or run the router and "
-                                f"admin with block size {w.block_size}, SWITCHYARD_BLOCK_SIZE): the index drops every "
-                                "KV event of another block size"))
+                                f"restart {w.worker_id} with --block-size {expected.block_size} (or run every router with "
+                                f"--block-size {w.block_size} and the admin API with SWITCHYARD_ADMIN_BLOCK_SIZE="
+                                f"{w.block_size}): the index drops every KV event of another block size"))
         if w.hash_algo and w.hash_algo != expected.hash_algo:
             out.append(Mismatch(w.worker_id, "hash_algo", w.hash_algo, expected.hash_algo,
                                 f"run {w.worker_id}'s engine with --prefix-caching-hash-algo "
                                 f"{expected.hash_algo.split('@')[0]} and the same PYTHONHASHSEED as the router "
-                                "(a '@' suffix is the fingerprint of a non-default seed): its hashes never match"))
+                                "(a '@' suffix is the fingerprint of a non-default seed), or run the routers with --hash-algo and the "
+                                "admin API with SWITCHYARD_ADMIN_HASH_ALGO set to the worker's: its hashes never match"))
         unknown = sorted(set(w.capacity) - set(expected.tiers))
         if unknown:
             out.append(Mismatch(w.worker_id, "tier_names", ", ".join(unknown), ", ".join(expected.tiers),
