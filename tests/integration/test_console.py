@@ -268,6 +268,13 @@ def test_pages_carry_a_csp_that_blocks_inline_scripts(deployment: Deployment, br
         assert "'unsafe-inline'" not in CSP and "script-src 'self'" in CSP
         assert "<script>" not in r.text and " on" not in re.sub(r"<[^>]*>", "", "")  # no inline handlers
         assert not re.search(r"<[^>]+\son[a-z]+=", r.text), path
+    # A time range lists the requests admitted in it, with their client ids.
+    r = httpx.get(f"{deployment.base}/console/requests", params={"since": "2000-01-01T00:00:00Z",
+                                                                 "until": str(int(time.time() * 1000) + 60_000)},
+                  cookies=cookies, timeout=30)
+    assert r.status_code == 200 and "console-3" in r.text and "my-synthetic" in r.text
+    r = httpx.get(f"{deployment.base}/console/requests", params={"since": "yesterday"}, cookies=cookies, timeout=30)
+    assert r.status_code == 422 and "not a time" in r.text
     _as(browser, deployment, "viewer")
     browser.driver.execute_script(
         "var s = document.createElement('script'); s.textContent = 'window.inlineRan = 1';"

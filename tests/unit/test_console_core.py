@@ -82,3 +82,20 @@ def test_an_edited_config_is_checked_like_the_router_checks_it() -> None:
         except ValueError:
             continue
         raise AssertionError(bad)
+
+
+def test_planner_lines_step_through_each_decision() -> None:
+    from control_plane.admin.console.routes import pool_load, replica_lines
+    from control_plane.admin.shapes import PlannerDecisionPublic
+
+    ds = [PlannerDecisionPublic(decision_id=str(t), pool="p", occurred_at_ns=t, role="decode", from_replicas=1,
+                                to_replicas=r, reason="", config_version=1, inputs={}, applied=None)
+          for t, r in ((0, 1), (10, 3), (20, 2))]
+    line = replica_lines(ds, width=100, height=42)["p"]
+    assert line["last"] == 2 and line["top"] == 3
+    assert line["points"].split() == ["0.0,27.3", "50.0,27.3", "50.0,2.0", "100.0,2.0", "100.0,14.7", "100.0,14.7"]
+    w = dict(state="ready", pool="p", running=2, waiting=1, queued_prefill_tokens=10, active_decode_blocks=5,
+             capacity={"device": 100}, tier_usage={"device": 0.5})
+    load = pool_load([w, {**w, "tier_usage": {"device": 0.25}}, {**w, "state": "gone"}])
+    assert load == {"p": {"ready": 2, "running": 4, "waiting": 2, "queued_prefill_tokens": 20,
+                          "active_decode_blocks": 10, "device_blocks": 200, "device_usage": 0.375}}

@@ -178,7 +178,13 @@ def gather(workers: list[RegisteredWorker], live, fetch: Callable[[RegisteredWor
     with live.read() as view:
         index = index_residency(view)
         expected_algo, expected_bs = view.hash_algo, view.block_size
-    actual = {w.worker_id: fetch(w) for w in workers if w.state == "ready"}
+    ready = [w for w in workers if w.state == "ready"]
+    if not ready:
+        return index, {}, expected_algo, expected_bs
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(len(ready), 16)) as pool:  # one slow worker must not add up
+        actual = dict(zip((w.worker_id for w in ready), pool.map(fetch, ready)))
     return index, actual, expected_algo, expected_bs
 
 

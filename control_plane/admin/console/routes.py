@@ -29,6 +29,7 @@ from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import AuditEvent, RouterConfigVersion, Worker
 from control_plane.admin.deps import Ctx, Viewer, current_principal
 from control_plane.admin.errors import ApiError, NotFound
+from control_plane.admin.routes.common import AUTH, errors
 from control_plane.admin.shapes import PinUpdate
 from control_plane.router import RouterConfig
 from schemas.types import RoutingMode
@@ -52,7 +53,7 @@ templates.env.filters["ns_time"] = lambda ns: (datetime.fromtimestamp(ns / 1e9, 
 templates.env.filters["num"] = lambda x, d=2: "-" if x is None else (f"{x:,.{d}f}" if isinstance(x, float) else f"{x:,}")
 
 router = APIRouter(prefix="/console", include_in_schema=False)
-api = APIRouter(tags=["doctor"])
+api = APIRouter(tags=["doctor"], responses={**AUTH, **errors(503)})
 
 
 class LoginRequired(Exception):
@@ -341,6 +342,33 @@ def pool_load(workers: list[dict]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def replica_lines(decisions: list, width: int = 600, height: int = 80) -> dict[str, dict[str, Any]]:
+    """Per pool, the replicas each decision asked for over time, as SVG polyline points (steps:
+    a decision holds until the next). Pure."""
+    out: dict[str, dict[str, Any]] = {}
+    if not decisions:
+        return out
+    t0 = min(d.occurred_at_ns for d in decisions)
+    t1 = max(d.occurred_at_ns for d in decisions)
+    span = max(t1 - t0, 1)
+    top = max(max(d.to_replicas, d.from_replicas) for d in decisions) or 1
+    by_pool: dict[str, list] = defaultdict(list)
+    for d in sorted(decisions, key=lambda d: d.occurred_at_ns):
+        by_pool[d.pool].append(d)
+    for pool, ds in sorted(by_pool.items()):
+        pts, y_prev = [], None
+        for d in ds:
+            x = (d.occurred_at_ns - t0) / span * width
+            y = height - d.to_replicas / top * (height - 4) - 2
+            if y_prev is not None:
+                pts.append(f"{x:.1f},{y_prev:.1f}")
+            pts.append(f"{x:.1f},{y:.1f}")
+            y_prev = y
+        pts.append(f"{width:.1f},{y_prev:.1f}")
+        out[pool] = {"points": " ".join(pts), "last": ds[-1].to_replicas, "n": len(ds), "top": top}
+    return out
+
+
 @router.get("/planner")
 def planner(request: Request, msg: str = "") -> HTMLResponse:
     who = user(request)
@@ -350,7 +378,8 @@ def planner(request: Request, msg: str = "") -> HTMLResponse:
         pools, _ = queries.pools(s, 200, 0)
         workers, _ = queries.workers(s, state="ready", pool=None, role=None, limit=500, offset=0)
     load = pool_load([w.model_dump() for w in workers])
-    return page(request, "planner.html", who, decisions=decisions, total=total, pools=pools, load=load, msg=msg)
+    return page(request, "planner.html", who, decisions=decisions, total=total, pools=pools, load=load, msg=msg,
+                lines=replica_lines(decisions))
 
 
 @router.post("/planner/pin")
