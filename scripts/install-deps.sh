@@ -16,6 +16,10 @@ command -v prometheus >/dev/null || need_apt+=(prometheus)
 command -v runuser >/dev/null || need_apt+=(util-linux)
 # nginx: the plain reverse proxy `switchyard bench router` measures the router against.
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx)
+# Headless Chromium and its WebDriver: the operator console's browser tests and
+# `switchyard console-check` (tests/integration/test_console.py; no browser is downloaded).
+command -v chromium >/dev/null || need_apt+=(chromium)
+command -v chromedriver >/dev/null || need_apt+=(chromium-driver)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

@@ -497,6 +497,16 @@ def security_check_cmd(
         raise typer.Exit(1)
 
 
+def _console_commands() -> None:
+    from control_plane.admin.console.cli import console_check_cmd, doctor_cmd
+
+    app.command("doctor")(doctor_cmd)
+    app.command("console-check")(console_check_cmd)
+
+
+_console_commands()
+
+
 # -- load -------------------------------------------------------------------------------------
 
 

@@ -66,6 +66,9 @@ def create_app(ctx: AdminContext) -> FastAPI:
     for router in (health.router, tokens.caller, workers.router, pools.router, *configs.routers(), planner.router,
                    index.router, audit.router, replay.router, tokens.router, router_keys.router):
         app.include_router(router)
+    from control_plane.admin.console import mount
+
+    mount(app)  # the operator console at /console, and GET /doctor
     return app
 
 

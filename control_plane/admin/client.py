@@ -95,6 +95,10 @@ class AdminClient:
     def whoami(self) -> dict[str, Any]:
         return self._call("GET", "/whoami")
 
+    def doctor(self) -> dict[str, Any]:
+        """The doctor's report (``GET /doctor``, viewer)."""
+        return self._call("GET", "/doctor")
+
     def pin(self, pool: str, replicas: int, reason: str) -> dict[str, Any]:
         return self._call("PUT", f"/pools/{quote(pool, safe='')}/pin", json={"replicas": replicas, "reason": reason})
 
