@@ -15,7 +15,9 @@ Sides (``SIDES``):
   on two of its own mocker workers (it cannot front external HTTP workers). Our workers' engine
   profile is the mocker's (``data_plane/engines/profiles.py``), but the processes differ: its
   overhead against ``direct`` includes the mocker's own cost against our worker's;
-* ``nginx``: Debian's nginx, round robin, keep-alive: the floor.
+* ``nginx``: Debian's nginx, round robin, keep-alive: the floor;
+* ``pyfloor``: the floor of any Python router here (``benchmarks.bare_proxy``: the router's HTTP
+  server and worker port forwarding the body to one worker, nothing else); HTTP phase only.
 
 The peers come from their own pinned environment (``scripts/peers-env.sh`` -> ``.venv-peers``),
 never from the project's. Each runs in the mode its docs describe and the bench asserts that mode
@@ -44,7 +46,7 @@ beside the figures: on a shared box they move with it.
 Last line: ``RESULT ours_overhead_p50_ms=... ours_overhead_p99_ms=... ours_cpu_ms_per_req=...
 ours_rps_c128=... ours_hit_rate=... ours_ttft_p99_ms=...`` and the same keys for ``smg_``,
 ``sglang_``, ``vllmrouter_``, ``dynamo_``, ``nginx_`` (medians over the rounds; hit rate and
-TTFT at the demo's rate), then ``vllmrouter_rr_`` and ``health_p50_ms``.
+TTFT at the demo's rate), then ``vllmrouter_rr_``, ``pyfloor_`` and ``health_p50_ms``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ from kernel.log.admin import apply_topics
 from kernel.net import free_port
 from kernel.settings import BusSettings, repo_root
 
-SIDES = ("direct", "ours", "smg", "sglang", "vllmrouter", "vllmrouter_rr", "dynamo", "nginx")
+SIDES = ("direct", "ours", "smg", "sglang", "vllmrouter", "vllmrouter_rr", "dynamo", "nginx", "pyfloor")
+#: Sides in front of one worker only: no routing-quality runs.
+ONE_WORKER = ("direct", "pyfloor")
 #: Sides in the RESULT line, in this order (the issue's keys).
 RESULT_SIDES = ("ours", "smg", "sglang", "vllmrouter", "dynamo", "nginx")
 MODEL = "switchyard-sim"
@@ -341,6 +345,15 @@ def _launch_dynamo(tmp: Path, log: Path, speedup: float) -> Side:
     return side
 
 
+def _launch_pyfloor(w: Workers, log: Path) -> Side:
+    port = free_port()
+    p = _spawn([sys.executable, "-m", "benchmarks.bare_proxy", "--port", str(port), "--worker", w.urls[0]], log, w.env)
+    side = Side("pyfloor", f"http://127.0.0.1:{port}", [p], 1, log)
+    _wait(f"{side.url}/health", lambda r: r.status_code == 200, timeout=60)
+    side.check = lambda n: "forwarding to one worker"
+    return side
+
+
 def launch(name: str, w: Workers | None, tmp: Path, speedup: float) -> Side:
     log = tmp / f"{name}-{uuid.uuid4().hex[:6]}.log"
     log.touch()
@@ -351,7 +364,7 @@ def launch(name: str, w: Workers | None, tmp: Path, speedup: float) -> Side:
         return Side("direct", w.urls[0])
     return {"ours": _launch_ours, "smg": _launch_smg, "sglang": _launch_sglang, "vllmrouter": _launch_vllmrouter,
             "vllmrouter_rr": lambda w_, l_: _launch_vllmrouter(w_, l_, "round_robin"),
-            "nginx": _launch_nginx}[name](w, log)
+            "nginx": _launch_nginx, "pyfloor": _launch_pyfloor}[name](w, log)
 
 
 def broker_pids() -> list[int]:
@@ -506,7 +519,7 @@ def run(sides: Sequence[str] = SIDES, rounds: int = 3, n: int = 200, warmup: int
         finally:
             w.stop()
         if quality:
-            qsides = [s for s in sides if s != "direct"]
+            qsides = [s for s in sides if s not in ONE_WORKER]
             for r in range(rounds):
                 order = qsides[r % len(qsides):] + qsides[:r % len(qsides)]
                 for name in order:
@@ -576,7 +589,7 @@ def report(sides: list[str], http: dict, qual: dict, rates: list[float], health:
                       f"{_spread(row[f'ttft_p99_ms_{rate}'], '{:.0f}'):>24}{failed:>8}")
     demo_rate = rates[0]
     keys = []
-    for s in [x for x in RESULT_SIDES if x in summary] + [x for x in ("vllmrouter_rr",) if x in summary]:
+    for s in [x for x in RESULT_SIDES if x in summary] + [x for x in ("vllmrouter_rr", "pyfloor") if x in summary]:
         row = summary[s]
         keys += [f"{s}_overhead_p50_ms={_med(row['overhead_p50_ms']):.2f}",
                  f"{s}_overhead_p99_ms={_med(row['overhead_p99_ms']):.2f}",
