@@ -485,26 +485,42 @@ def _spread(xs: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(_med(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
 
 
+def trace_slice(trace: Path, offset: int, limit: int, out: Path) -> Path:
+    """Lines ``offset .. offset+limit`` of ``trace`` as a trace of their own (timestamps as
+    they are: the replay starts at the first one)."""
+    with open(trace) as f:
+        lines = [line for line in f if line.strip()][offset:offset + limit]
+    if len(lines) < limit:
+        raise ValueError(f"{trace} has fewer than {offset + limit} requests")
+    out.write_text("".join(lines))
+    return out
+
+
 def run(sides: Sequence[str] = SIDES, rounds: int = 3, n: int = 200, warmup: int = 30, concurrent: int = 600,
         trace: Path = DEMO_TRACE, limit: int = 100, rates: Sequence[float] | None = None,
-        max_output: int = DEMO_DEFAULTS.max_output, quality: bool = True) -> dict:
+        max_output: int = DEMO_DEFAULTS.max_output, quality: bool = True, http: bool = True,
+        offset: int = 0) -> dict:
+    """``http=False``: only the routing-quality runs (``offset``: the slice starts at that request
+    of ``trace``)."""
     sides = list(sides)
     if "direct" not in sides:
         sides.insert(0, "direct")
     rates = list(rates or (DEMO_DEFAULTS.rate, 2 * DEMO_DEFAULTS.rate))
     brokers = broker_pids()
-    http: dict[str, list[dict]] = {s: [] for s in sides}
+    http_runs: dict[str, list[dict]] = {s: [] for s in sides}
     qual: dict[tuple[str, float], list[dict]] = {}
     bodies = prompts(warmup + max(n, concurrent))
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sy-peers-") as t:
         tmp = Path(t)
+        if offset:
+            trace = trace_slice(trace, offset, limit, tmp / "slice.jsonl")
         w = start_workers(tmp, FAST)
         try:
             health = health_p50(w.urls[0])
             print(f"worker GET /health p50 {health:.2f} ms (idle, {os.cpu_count()} cores, load "
                   f"{load0[0]:.2f})", flush=True)
-            for r in range(rounds):
+            for r in range(rounds if http else 0):
                 order = sides[r % len(sides):] + sides[:r % len(sides)]
                 for name in order:
                     side = launch(name, w, tmp, FAST)
@@ -512,7 +528,7 @@ def run(sides: Sequence[str] = SIDES, rounds: int = 3, n: int = 200, warmup: int
                         res = http_run(side, bodies, warmup, n, concurrent, brokers)
                     finally:
                         side.stop()
-                    http[name].append(res)
+                    http_runs[name].append(res)
                     print(f"  round {r + 1} {name:<14} p50 {res['p50_ms']:.2f} p99 {res['p99_ms']:.2f} ms, "
                           f"cpu {res['cpu_ms']:.2f} ms/req, c128 {res['rps_c128']:.0f} req/s, "
                           f"errors {res['errors']}, mode {res['mode']}", flush=True)
@@ -541,19 +557,22 @@ def run(sides: Sequence[str] = SIDES, rounds: int = 3, n: int = 200, warmup: int
                         if q["errors"]:
                             print(f"    {name} errors: {q['errors'][:2]}", flush=True)
     load1 = os.getloadavg()
-    return report(sides, http, qual, rates, health, (load0, load1), n=n, concurrent=concurrent, limit=limit)
+    return report(sides, http_runs, qual, rates, health, (load0, load1), n=n, concurrent=concurrent, limit=limit,
+                  trace=f"{trace.name}" + (f" (requests {offset}-{offset + limit - 1})" if offset else ""))
 
 
 def report(sides: list[str], http: dict, qual: dict, rates: list[float], health: float, load, *, n: int,
-           concurrent: int, limit: int) -> dict:
+           concurrent: int, limit: int, trace: str = DEMO_TRACE.name) -> dict:
     direct = http["direct"]
     summary: dict[str, dict] = {}
+    if not direct:  # routing quality only
+        sides = [s for s in sides if s not in ONE_WORKER]
     print(f"\nHTTP: {PROMPT_WORDS}-word string prompts, 1 output token, {n} sequential requests and {concurrent} at "
           f"32 and 128 clients per run; {len(direct)} runs per side, median [min-max]; load average "
           f"{load[0][0]:.2f} at start, {load[1][0]:.2f} at end")
     print(f"{'side':<14}{'overhead p50':>22}{'overhead p99':>22}{'CPU ms/req':>22}{'broker ms/req':>22}"
           f"{'req/s c32':>18}{'req/s c128':>18}{'p99 c128 ms':>22}")
-    for s in sides:
+    for s in sides if direct else []:
         runs = http[s]
         # Each run's overhead against the direct run of the same round.
         ov50 = [r["p50_ms"] - d["p50_ms"] for r, d in zip(runs, direct)]
@@ -571,8 +590,9 @@ def report(sides: list[str], http: dict, qual: dict, rates: list[float], health:
               f"{_spread(row['rps_c32'], '{:.0f}'):>18}{_spread(row['rps_c128'], '{:.0f}'):>18}"
               f"{_spread(row['p99_c128_ms'], '{:.0f}'):>22}")
     if qual:
-        print(f"\nrouting quality: the first {limit} requests of {DEMO_TRACE.name} as string prompts, streaming, fresh "
-              f"workers each run; hit rate from the workers' cached_tokens; median [min-max]")
+        ideal = next(iter(qual.values()))[0]["ideal_hit_rate"]
+        print(f"\nrouting quality: {limit} requests of {trace} as string prompts, streaming, fresh workers each run; "
+              f"hit rate from the workers' cached_tokens (ideal, one infinite cache: {ideal:.3f}); median [min-max]")
         print(f"{'side':<14}{'rate':>6}{'hit rate':>24}{'TTFT p50 ms':>22}{'TTFT p99 ms':>24}{'failed':>8}")
         for s in sides:
             for rate in rates:
@@ -591,10 +611,10 @@ def report(sides: list[str], http: dict, qual: dict, rates: list[float], health:
     keys = []
     for s in [x for x in RESULT_SIDES if x in summary] + [x for x in ("vllmrouter_rr", "pyfloor") if x in summary]:
         row = summary[s]
-        keys += [f"{s}_overhead_p50_ms={_med(row['overhead_p50_ms']):.2f}",
-                 f"{s}_overhead_p99_ms={_med(row['overhead_p99_ms']):.2f}",
-                 f"{s}_cpu_ms_per_req={_med(row['cpu_ms_per_req']):.2f}",
-                 f"{s}_rps_c128={_med(row['rps_c128']):.0f}",
+        keys += [f"{s}_overhead_p50_ms={_med(row.get('overhead_p50_ms', [])):.2f}",
+                 f"{s}_overhead_p99_ms={_med(row.get('overhead_p99_ms', [])):.2f}",
+                 f"{s}_cpu_ms_per_req={_med(row.get('cpu_ms_per_req', [])):.2f}",
+                 f"{s}_rps_c128={_med(row.get('rps_c128', [])):.0f}",
                  f"{s}_hit_rate={_med(row.get(f'hit_rate_{demo_rate}', [])):.3f}",
                  f"{s}_ttft_p99_ms={_med(row.get(f'ttft_p99_ms_{demo_rate}', [])):.0f}"]
     print("RESULT " + " ".join(keys) + f" health_p50_ms={health:.2f}")
@@ -602,9 +622,10 @@ def report(sides: list[str], http: dict, qual: dict, rates: list[float], health:
 
 
 def main(sides: Sequence[str] = SIDES, rounds: int = 3, n: int = 200, concurrent: int = 600, limit: int = 100,
-         quality: bool = True) -> dict:
+         quality: bool = True, http: bool = True, offset: int = 0) -> dict:
     if any(s not in SIDES for s in sides):
         raise ValueError(f"sides must be among {SIDES}")
     if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx") and "nginx" in sides:
         raise RuntimeError("nginx not found: scripts/install-deps.sh installs it")
-    return run(sides, rounds=rounds, n=n, concurrent=concurrent, limit=limit, quality=quality)
+    return run(sides, rounds=rounds, n=n, concurrent=concurrent, limit=limit, quality=quality, http=http,
+               offset=offset)
