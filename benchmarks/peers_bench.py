@@ -622,10 +622,10 @@ def report(sides: list[str], http: dict, qual: dict, rates: list[float], health:
 
 
 def main(sides: Sequence[str] = SIDES, rounds: int = 3, n: int = 200, concurrent: int = 600, limit: int = 100,
-         quality: bool = True, http: bool = True, offset: int = 0) -> dict:
+         quality: bool = True, http: bool = True, offset: int = 0, rates: Sequence[float] | None = None) -> dict:
     if any(s not in SIDES for s in sides):
         raise ValueError(f"sides must be among {SIDES}")
     if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx") and "nginx" in sides:
         raise RuntimeError("nginx not found: scripts/install-deps.sh installs it")
     return run(sides, rounds=rounds, n=n, concurrent=concurrent, limit=limit, quality=quality, http=http,
-               offset=offset)
+               offset=offset, rates=rates)

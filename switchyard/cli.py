@@ -628,6 +628,7 @@ def bench_peers(sides: Annotated[Optional[list[str]], typer.Option("--side", hel
                 quality: Annotated[bool, typer.Option(help="Also the routing-quality runs (trace slice at 1x and 2x the demo's rate).")] = True,
                 http: Annotated[bool, typer.Option(help="The HTTP runs (overhead, CPU, req/s); --no-http: routing quality only.")] = True,
                 offset: Annotated[int, typer.Option(help="Routing quality on the demo trace's requests offset .. offset+limit (0: its head).")] = 0,
+                rate: Annotated[Optional[list[float]], typer.Option("--rate", help="Arrival rate of the routing-quality runs (repeatable; default the demo's and 2x).")] = None,
                 profile: Annotated[bool, typer.Option("--profile", help="Instead: where one request's CPU goes in our router, by stage (py-spy), with the broker's share and the floors.")] = False,
                 ) -> None:
     """Ours beside smg, sglang-router, vllm-router, Dynamo's frontend and nginx, in front of the
@@ -642,7 +643,7 @@ def bench_peers(sides: Annotated[Optional[list[str]], typer.Option("--side", hel
     from benchmarks.peers_bench import SIDES, main as run
 
     run(sides or SIDES, rounds=rounds, n=n, concurrent=concurrent, limit=limit, quality=quality, http=http,
-        offset=offset)
+        offset=offset, rates=rate)
 
 
 @bench_app.command("transfer")
