@@ -107,6 +107,8 @@ class Side:
     #: Raises unless the side's own status/logs show the mode it is meant to run in; gets the
     #: number of routed requests since start.
     check: Callable[[int], str] = lambda n: "baseline"
+    #: Removed when the side stops (nginx's config and temp dirs).
+    scratch: Path | None = None
 
     def cpu_s(self) -> float:
         return sum(_cpu_s(p.pid) for p in self.procs[:self.cpu_procs])
@@ -121,6 +123,8 @@ class Side:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def _spawn(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -267,9 +271,14 @@ def _launch_nginx(w: Workers, log: Path) -> Side:
     port = free_port()
     ports = [int(u.rsplit(":", 1)[1]) for u in w.urls]
     p = _nginx(ports, port, name=f"peers-nginx-{port}")
-    side = Side("nginx", f"http://127.0.0.1:{port}", [p], 1, log)
-    _wait(f"{side.url}/health", lambda r: r.status_code == 200, timeout=30)
-    conf = repo_root() / ".stack" / f"peers-nginx-{port}" / "nginx.conf"
+    scratch = repo_root() / ".stack" / f"peers-nginx-{port}"
+    side = Side("nginx", f"http://127.0.0.1:{port}", [p], 1, log, scratch=scratch)
+    try:
+        _wait(f"{side.url}/health", lambda r: r.status_code == 200, timeout=30)
+    except BaseException:
+        side.stop()
+        raise
+    conf = scratch / "nginx.conf"
 
     def check(n: int) -> str:
         text = conf.read_text()
