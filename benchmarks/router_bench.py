@@ -132,7 +132,7 @@ http {{
     scgi_temp_path {dir}/scgi;
     client_max_body_size 8m;
     client_body_buffer_size 8m;
-    upstream worker {{ server 127.0.0.1:{worker_port}; keepalive 16; }}
+    upstream worker {{ {servers} keepalive 16; }}
     server {{
         listen 127.0.0.1:{port};
         location / {{
@@ -146,16 +146,19 @@ http {{
 """
 
 
-def _nginx(worker_port: int, port: int) -> subprocess.Popen:
-    """Debian's nginx (``scripts/install-deps.sh`` installs it) in front of the worker, with a
-    project-local config and temp dirs, on 127.0.0.1 only, in the foreground."""
+def _nginx(worker_port: int | list[int], port: int, name: str = "bench-nginx") -> subprocess.Popen:
+    """Debian's nginx (``scripts/install-deps.sh`` installs it) in front of the worker (or,
+    round robin, the workers), with a project-local config and temp dirs under
+    ``.stack/<name>``, on 127.0.0.1 only, in the foreground."""
     binary = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
     if binary is None:
         raise RuntimeError("nginx not found: install it (apt-get install nginx; scripts/install-deps.sh does)")
-    d = repo_root() / ".stack" / "bench-nginx"
+    d = repo_root() / ".stack" / name
     d.mkdir(parents=True, exist_ok=True)
     conf = d / "nginx.conf"
-    conf.write_text(_NGINX_CONF.format(dir=d, worker_port=worker_port, port=port))
+    ports = worker_port if isinstance(worker_port, list) else [worker_port]
+    servers = " ".join(f"server 127.0.0.1:{p};" for p in ports)
+    conf.write_text(_NGINX_CONF.format(dir=d, servers=servers, port=port))
     return subprocess.Popen([binary, "-p", str(d), "-c", str(conf), "-e", str(d / "error.log")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -7,21 +7,6 @@
 #   bash scripts/dynamo-planner-env.sh    # install/update (SWITCHYARD_DYNAMO_VENV=.venv-dynamo)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-UV="bash scripts/uv.sh"
-VENV=${SWITCHYARD_DYNAMO_VENV:-.venv-dynamo}
-REQ=requirements/dynamo-planner.txt
-OVR=requirements/dynamo-planner-overrides.txt
-
-want=$(cat "$REQ" "$OVR" | sha256sum | cut -d' ' -f1)
-stamp="$VENV/.switchyard-pins"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-  exit 0
-fi
-start=$(date +%s)
-echo "dynamo-planner-env: installing $REQ into $VENV" >&2
-$UV venv --quiet --allow-existing --python 3.11 "$VENV"
-# ai-dynamo's pins are top-level only; the dev aisimulate needs --prerelease=allow.
-$UV pip install --quiet --python "$VENV/bin/python" --prerelease=allow --override "$OVR" -r "$REQ"
-"$VENV/bin/python" -c "import dynamo.planner.offline.replay_adapter"
-echo "$want" > "$stamp"
-echo "dynamo-planner-env: ready in $(( $(date +%s) - start ))s ($(du -sh "$VENV" | cut -f1))" >&2
+exec bash scripts/pinned-env.sh dynamo-planner-env "${SWITCHYARD_DYNAMO_VENV:-.venv-dynamo}" \
+  requirements/dynamo-planner.txt requirements/dynamo-planner-overrides.txt \
+  '"$VENV/bin/python" -c "import dynamo.planner.offline.replay_adapter"'

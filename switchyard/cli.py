@@ -655,6 +655,33 @@ def bench_router(n: Annotated[int, typer.Option(help="Sequential HTTP requests p
     run(n, restart=restart)
 
 
+@bench_app.command("peers")
+def bench_peers(sides: Annotated[Optional[list[str]], typer.Option("--side", help="Only this side (repeatable; direct always runs): direct, ours, smg, sglang, vllmrouter, vllmrouter_rr, dynamo, nginx, pyfloor.")] = None,
+                rounds: Annotated[int, typer.Option(help="Runs per side; the sides' order rotates between rounds.")] = 3,
+                n: Annotated[int, typer.Option(help="Sequential requests per run.")] = 200,
+                concurrent: Annotated[int, typer.Option(help="Requests per run at 32 and at 128 clients.")] = 600,
+                limit: Annotated[int, typer.Option(help="Trace requests per routing-quality run.")] = 100,
+                quality: Annotated[bool, typer.Option(help="Also the routing-quality runs (trace slice at 1x and 2x the demo's rate).")] = True,
+                http: Annotated[bool, typer.Option(help="The HTTP runs (overhead, CPU, req/s); --no-http: routing quality only.")] = True,
+                offset: Annotated[int, typer.Option(help="Routing quality on the demo trace's requests offset .. offset+limit (0: its head).")] = 0,
+                rate: Annotated[Optional[list[float]], typer.Option("--rate", help="Arrival rate of the routing-quality runs (repeatable; default the demo's and 2x).")] = None,
+                profile: Annotated[bool, typer.Option("--profile", help="Instead: where one request's CPU goes in our router, by stage (py-spy), with the broker's share and the floors.")] = False,
+                ) -> None:
+    """Ours beside smg, sglang-router, vllm-router, Dynamo's frontend and nginx, in front of the
+    same simulated workers with the same string prompts: overhead, CPU per request, req/s at 32
+    and 128 clients, routing quality (needs `switchyard stack up` and `bash scripts/peers-env.sh`)."""
+    logging.basicConfig(level=logging.WARNING)
+    if profile:
+        from benchmarks.peers_profile import main as run_profile
+
+        run_profile(n=n)
+        return
+    from benchmarks.peers_bench import SIDES, main as run
+
+    run(sides or SIDES, rounds=rounds, n=n, concurrent=concurrent, limit=limit, quality=quality, http=http,
+        offset=offset, rates=rate)
+
+
 @bench_app.command("transfer")
 def bench_transfer() -> None:
     """NIXL DRAM->DRAM READ between two processes vs a single-process memcpy."""

@@ -16,6 +16,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,18 +93,33 @@ class Prepared:
     body: bytes
 
 
+def word_prompt(ids: Sequence[int]) -> str:
+    """Token ids as a string prompt, one word per id (``w<id>``): what a router that only takes
+    text (the peer routers of ``switchyard bench peers``) can carry. Every tokenizer that splits
+    on words keeps one token per word, so shared id prefixes stay shared token prefixes: our
+    :class:`~kernel.tokenizer.HashTokenizer` maps each word to one id, and a WordLevel tokenizer
+    whose vocabulary is ``w0 .. w<vocab-1>`` maps it back to the same id."""
+    return " ".join(f"w{i}" for i in ids)
+
+
 def prepare(records: list[TraceRecord], *, block_size: int = 64, speedup: float = 1.0,
-            max_output: int | None = None, model: str = "switchyard-sim", id_prefix: str = "lg") -> list[Prepared]:
+            max_output: int | None = None, model: str = "switchyard-sim", id_prefix: str = "lg",
+            text: bool = False) -> list[Prepared]:
+    """``text``: each prompt as a string (:func:`word_prompt`) instead of token ids, and only
+    OpenAI's fields in the body (no ``request_id``: Dynamo's frontend refuses unknown fields)."""
     mt = MooncakeTrace(HashConfig(HashAlgo.SHA256, block_size))
     t_first = records[0].timestamp_ms if records else 0
     out = []
     for i, rec in enumerate(records):
-        prompt = mt.prompt(rec)[:]
+        ids = mt.prompt(rec)[:]
+        prompt: list[int] | str = word_prompt(ids) if text else ids
         n_out = rec.output_length if max_output is None else min(rec.output_length, max_output)
         rid = f"{id_prefix}-{i}"
         body = {"model": model, "prompt": prompt, "max_tokens": max(n_out, 1), "stream": True,
-                "stream_options": {"include_usage": True}, "request_id": rid}
-        out.append(Prepared(i, rid, (rec.timestamp_ms - t_first) / 1000 / speedup, len(prompt),
+                "stream_options": {"include_usage": True}}
+        if not text:
+            body["request_id"] = rid
+        out.append(Prepared(i, rid, (rec.timestamp_ms - t_first) / 1000 / speedup, len(ids),
                             json.dumps(body, separators=(",", ":")).encode()))
     return out
 
@@ -181,14 +197,16 @@ async def run_trace(
     progress: bool = True,
     id_prefix: str | None = None,
     api_key: str | None = None,
+    text: bool = False,
 ) -> dict:
     """Replay the trace; ``id_prefix`` (default: unique per run) names requests ``<prefix>-<i>``,
     so a second run against the same log never reuses a request id. ``api_key``: the router API
-    key every request carries (a router with auth off takes none)."""
+    key every request carries (a router with auth off takes none). ``text``: string prompts
+    (:func:`word_prompt`), for routers that take no token ids."""
     records = read_mooncake(trace, limit)
     prefix = id_prefix or f"lg-{uuid.uuid4().hex[:8]}"
     prepared = await asyncio.to_thread(prepare, records, block_size=block_size, speedup=speedup,
-                                       max_output=max_output, model=model, id_prefix=prefix)
+                                       max_output=max_output, model=model, id_prefix=prefix, text=text)
     sem = asyncio.Semaphore(concurrency)
     bar = None
     if progress:
