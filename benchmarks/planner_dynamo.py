@@ -76,12 +76,13 @@ TARGETS = ("throughput", "latency", "load", "sla")
 #: Configs tuning tries per target, in order (the first is the guide's). ``ttft_scale`` and
 #: ``itl_scale`` set the planner's SLA targets as a fraction of the scored SLOs; every other key
 #: is a ``PlannerConfig`` field. Queue thresholds in tokens (a prefill worker clears about 55k
-#: prompt tokens/s here, so 64k queued is a bit over 1 s of TTFT); KV rates in percent.
+#: prompt tokens/s here, so 64k queued is a bit over 1 s of TTFT); KV rates in percent;
+#: ``min_endpoint`` a floor of replicas per pool (the easy targets scale a quiet pool down to 1).
 CANDIDATES: Mapping[str, Sequence[Mapping[str, object]]] = {
     "throughput": ({}, {"load_adjustment_interval_seconds": 5}, {"load_adjustment_interval_seconds": 30},
-                   {"load_adjustment_interval_seconds": 5, "load_scaling_down_sensitivity": 50}),
+                   {"load_adjustment_interval_seconds": 5, "min_endpoint": 2}),
     "latency": ({}, {"load_adjustment_interval_seconds": 5}, {"load_adjustment_interval_seconds": 30},
-                {"load_adjustment_interval_seconds": 5, "load_scaling_down_sensitivity": 50}),
+                {"load_adjustment_interval_seconds": 5, "min_endpoint": 2}),
     "load": ({"prefill_scale_up_queue_tokens": 65536, "prefill_scale_down_queue_tokens": 16384,
               "decode_scale_up_kv_rate": 70, "decode_scale_down_kv_rate": 30},
              {"prefill_scale_up_queue_tokens": 32768, "prefill_scale_down_queue_tokens": 8192,
