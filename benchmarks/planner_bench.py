@@ -625,13 +625,13 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
          png: str | Path | None = None, shapes: Sequence[str] | None = None, time_scale: float = 1.0,
          seed: int = 15, dynamo: bool = True, dynamo_cases: Sequence[str] | None = None,
          dynamo_tune_shapes: Sequence[str] = ("step", "diurnal"), dynamo_tune_seed: int = 7,
-         dynamo_tune_configs: int | None = None) -> dict:
+         dynamo_tune_configs: int | None = None, dynamo_tuned: dict[str, int] | None = None) -> dict:
     """Every load shape (``shapes``: names from ``load_shapes.SHAPES``, default all; ``time_scale``
     shortens them for a quick run) and the shared trace, ours vs the best static split, one
     planner config for all. With ``dynamo``, Dynamo's planner is first tuned on
     ``dynamo_tune_shapes`` at ``dynamo_tune_seed`` (never a scored seed), ``dynamo_tune_configs``
     configs per target, then compared on the scored loads named in ``dynamo_cases`` (default
-    all)."""
+    all). ``dynamo_tuned`` (target -> candidate index) reuses an earlier tuning's choice."""
     t_start = time.perf_counter()
     cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
     print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
@@ -646,8 +646,12 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
             sys.exit(f"the Dynamo tune seed {dynamo_tune_seed} is the scored seed: tune and score must differ")
         tune_loads = [(n, r) for n, _, r, _ in loads(None, shapes=dynamo_tune_shapes, time_scale=time_scale,
                                                       seed=dynamo_tune_seed)]
-        tuned = planner_dynamo.tune(tune_loads, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                                    startup_s=startup_s, configs=dynamo_tune_configs or planner_dynamo.TUNE_BUDGET)
+        if dynamo_tuned:
+            tuned = planner_dynamo.chosen(dynamo_tuned)
+        else:
+            tuned = planner_dynamo.tune(tune_loads, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms,
+                                        itl_slo_ms=itl_slo_ms, startup_s=startup_s,
+                                        configs=dynamo_tune_configs or planner_dynamo.TUNE_BUDGET)
     cases = []
     for name, desc, reqs, _ in loads(trace, shapes=shapes, time_scale=time_scale, seed=seed, limit=limit,
                                      pattern=pattern):
@@ -745,6 +749,8 @@ if __name__ == "__main__":
             kw["dynamo"] = False
         elif k in ("--dynamo-cases", "--dynamo-tune-shapes"):
             kw[k[2:].replace("-", "_")] = [x for x in args.pop(0).split(",") if x]
+        elif k == "--dynamo-tuned":  # e.g. throughput=3,latency=3,load=2,sla=3 (a tuning's "keeps config")
+            kw["dynamo_tuned"] = {t: int(i) for t, i in (x.split("=") for x in args.pop(0).split(",") if x)}
         elif k in ("--dynamo-tune-seed", "--dynamo-tune-configs"):
             kw[k[2:].replace("-", "_")] = int(args.pop(0))
         else:

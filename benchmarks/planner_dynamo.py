@@ -319,6 +319,15 @@ def tune(tune_loads: Sequence[tuple[str, list[Req]]], cfg: PlannerConfig, *, bud
     return out
 
 
+def chosen(indices: Mapping[str, int]) -> dict[str, Tuned]:
+    """An earlier tuning's choice (target -> candidate index, as ``tune`` printed it), for a rerun
+    of the scoring alone; every target must be named."""
+    missing = set(TARGETS) - set(indices)
+    if missing:
+        raise ValueError(f"no tuned config for {sorted(missing)}")
+    return {t: Tuned(t, CANDIDATES[t][indices[t]], (), ("reused",)) for t in TARGETS}
+
+
 def oracle_replica_seconds(reqs: list[Req], static_att: float, static_res: SimResult, *, budget: int,
                            ttft_slo_ms: float, itl_slo_ms: float, startup_s: float) -> float:
     """The oracle's fewest replica-seconds reaching ``static_att`` on this load (planner_oracle's

@@ -133,3 +133,10 @@ def test_result_keys_mark_a_missing_bootstrap_not_valid() -> None:
     assert "dynamo_best_slo_attainment=0.5000 dynamo_replica_seconds_vs_oracle=1.2000" in keys
     bad = {**good, "sla": (0.6, 100.0, 0.9, 1.0, "not_configured_load_only")}
     assert "dynamo_bootstrap=not_configured_load_only dynamo_valid=0" in pd.result_keys([{"dynamo": bad}])
+
+
+def test_a_reused_tuning_names_every_target() -> None:
+    tuned = pd.chosen({"throughput": 3, "latency": 3, "load": 2, "sla": 3})
+    assert tuned["load"].knobs == pd.CANDIDATES["load"][2]
+    with pytest.raises(ValueError, match="no tuned config for \\['sla'\\]"):
+        pd.chosen({"throughput": 0, "latency": 0, "load": 0})
