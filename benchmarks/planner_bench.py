@@ -553,10 +553,10 @@ def best_static_split(name: str, reqs: list[Req], cfg: PlannerConfig, gpus: int,
 
 def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttft_slo_ms: float, itl_slo_ms: float,
              startup_s: float, splits: Sequence[int] | None = None, equal_cost: bool = False,
-             dynamo: dict | None = None) -> dict:
+             dynamo: object | None = None) -> dict:
     """Ours and the best static split (and, with ``equal_cost``, the best static split of our mean
-    GPU count) on one load; with ``dynamo`` (each target's tuned config, from
-    ``planner_dynamo.tune``), the same-routing comparison with Dynamo's planner."""
+    GPU count) on one load; with ``dynamo`` (a ``planner_dynamo.Setup``: each target's tuned
+    config), the same-routing comparison with Dynamo's planner."""
     span = max(r.arrival_ms for r in reqs) / 1000
     p0, d0 = initial_split(cfg, reqs)
     ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run()
@@ -625,13 +625,15 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
          png: str | Path | None = None, shapes: Sequence[str] | None = None, time_scale: float = 1.0,
          seed: int = 15, dynamo: bool = True, dynamo_cases: Sequence[str] | None = None,
          dynamo_tune_shapes: Sequence[str] = ("step", "diurnal"), dynamo_tune_seed: int = 7,
-         dynamo_tune_configs: int | None = None, dynamo_tuned: dict[str, int] | None = None) -> dict:
+         dynamo_tune_configs: int | None = None, dynamo_tuned: dict[str, int] | None = None,
+         dynamo_oracle_ratio: dict[str, float] | None = None) -> dict:
     """Every load shape (``shapes``: names from ``load_shapes.SHAPES``, default all; ``time_scale``
     shortens them for a quick run) and the shared trace, ours vs the best static split, one
     planner config for all. With ``dynamo``, Dynamo's planner is first tuned on
     ``dynamo_tune_shapes`` at ``dynamo_tune_seed`` (never a scored seed), ``dynamo_tune_configs``
     configs per target, then compared on the scored loads named in ``dynamo_cases`` (default
-    all). ``dynamo_tuned`` (target -> candidate index) reuses an earlier tuning's choice."""
+    all). ``dynamo_tuned`` (target -> candidate index) reuses an earlier tuning's choice;
+    ``dynamo_oracle_ratio`` (load -> ``planner_oracle``'s ratio) an earlier oracle run's."""
     t_start = time.perf_counter()
     cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
     print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
@@ -655,7 +657,8 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
     cases = []
     for name, desc, reqs, _ in loads(trace, shapes=shapes, time_scale=time_scale, seed=seed, limit=limit,
                                      pattern=pattern):
-        with_dynamo = tuned if dynamo_cases is None or name in dynamo_cases else None
+        with_dynamo = (planner_dynamo.Setup(tuned, dynamo_oracle_ratio or {})
+                       if tuned is not None and (dynamo_cases is None or name in dynamo_cases) else None)
         case = run_case(name, reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
                         startup_s=startup_s, splits=splits, equal_cost=name == "trace", dynamo=with_dynamo)
         print_table(case, desc)
@@ -751,6 +754,8 @@ if __name__ == "__main__":
             kw[k[2:].replace("-", "_")] = [x for x in args.pop(0).split(",") if x]
         elif k == "--dynamo-tuned":  # e.g. throughput=3,latency=3,load=2,sla=3 (a tuning's "keeps config")
             kw["dynamo_tuned"] = {t: int(i) for t, i in (x.split("=") for x in args.pop(0).split(",") if x)}
+        elif k == "--dynamo-oracle-ratio":  # e.g. trace=1.0,step=0.868 (planner_oracle's oracle_ratio_<load>)
+            kw["dynamo_oracle_ratio"] = {n: float(r) for n, r in (x.split("=") for x in args.pop(0).split(",") if x)}
         elif k in ("--dynamo-tune-seed", "--dynamo-tune-configs"):
             kw[k[2:].replace("-", "_")] = int(args.pop(0))
         else:
