@@ -51,29 +51,17 @@ over the arrival span ``[0, last arrival]``; ``replica_seconds_ratio`` is ours /
 
 Dynamo
 ------
-Dynamo's planner runs beside ours on every load (``dynamo_planner_replay.py``, in its own
-``.venv-dynamo`` from ``scripts/dynamo-planner-env.sh``, created here when missing): its offline
-replay (``dynamo.replay.api.run_trace_replay(..., planner_config=...)``, which passes
-``ReplayPlannerAdapter`` to the mocker as ``scaling_policy``), ``mode="disagg"`` with its defaults,
-our SLOs, GPU budget, start-up time and first split, in every config of ``DYNAMO_CONFIGS``: its
-defaults (``optimization_target="throughput"``: reactive scaling on queue and KV thresholds, which
-ignores the SLOs) and its SLA target (``"sla"``: throughput-based scaling on its performance model
-toward our TTFT/ITL) at its default adjustment interval and at each of ``DYNAMO_INTERVALS``. The two sides run on different engines: ours on
-:class:`~data_plane.engines.EngineCore` with the ``mocker`` profile (Dynamo's mocker timing,
-reproduced), Dynamo's on Dynamo's own (Rust) mocker given the same profile limits (block size,
-blocks, sequences, batched tokens). Both are scored by the same :class:`SimResult` methods;
-Dynamo's worker timeline comes from its planner's per-tick topology counts (5 s resolution).
+Dynamo's planner runs beside ours, set up the way its guide says, on the same engine model, the
+same routing (round robin on both sides) and the same tuning budget: see
+:mod:`benchmarks.planner_dynamo` (the driver, ``dynamo_planner_replay.py``, runs in its own
+``.venv-dynamo`` from ``scripts/dynamo-planner-env.sh``, created here when missing).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -217,6 +205,9 @@ class Sim(Hooks):
     the driver's, a scale-down the driver's drain. Every event the planner folds is emitted to
     its :class:`LoadView` in the driver's (the one-heap loop's) order.
     """
+
+    #: How arrivals and hand-offs pick a worker (see :meth:`_pick`).
+    ROUTING = "least loaded"
 
     def __init__(self, requests: list[Req], *, profile: str = "mocker", prefill: int, decode: int,
                  planner: PlannerConfig | None = None, startup_s: float = 30.0, label: str = "",
@@ -514,95 +505,6 @@ def max_gpus(res: SimResult) -> int:
     return best
 
 
-DYNAMO_ENV = Path(__file__).resolve().parent.parent / ".venv-dynamo"
-DYNAMO_DRIVER = Path(__file__).resolve().parent / "dynamo_planner_replay.py"
-
-
-def dynamo_job(reqs: Sequence[Req], *, budget: int, ttft_slo_ms: float, itl_slo_ms: float, startup_s: float,
-               prefill: int, decode: int, optimization_target: str, adjustment_interval_s: int | None) -> dict:
-    """One load as the JSON job ``dynamo_planner_replay.py`` reads: the same requests (arrival,
-    lengths, and each block's prefix identity as an integer hash id, equal digests equal ids), our
-    ``mocker`` profile's engine limits, the same SLOs, start-up time, GPU budget and first split."""
-    prof = load_profile("mocker")
-    ids: dict[object, int] = {}
-    rows = []
-    for r in reqs:
-        digests = r.engine.prompt_digests or r.engine.prompt_hashes or ()
-        hash_ids = [ids.setdefault(d, len(ids)) for d in digests]
-        while len(hash_ids) * prof.block_size < len(r.engine.prompt):
-            hash_ids.append(ids.setdefault((r.rid, len(hash_ids)), len(ids)))  # a partial last block: its own id
-        rows.append({"t_ms": r.arrival_ms, "isl": len(r.engine.prompt), "osl": r.osl, "hash_ids": hash_ids})
-    return {"requests": rows,
-            "engine": {"block_size": prof.block_size, "num_gpu_blocks": prof.num_device_blocks,
-                       "max_num_seqs": prof.max_num_seqs, "max_num_batched_tokens": prof.max_num_batched_tokens},
-            "startup_s": startup_s, "ttft_ms": ttft_slo_ms, "itl_ms": itl_slo_ms, "gpu_budget": budget,
-            "prefill": prefill, "decode": decode, "optimization_target": optimization_target,
-            "adjustment_interval_s": adjustment_interval_s}
-
-
-def dynamo_result(reqs: Sequence[Req], out: dict, end_arrival_ms: float) -> SimResult:
-    """Dynamo's replay output as a :class:`SimResult`, so one scorer serves both sides. Dynamo's
-    clock starts at the trace's first (integer ms) timestamp, so its times are shifted by that
-    much back onto ours. Requests pair up by (arrival ms as the job wrote it, prompt length,
-    output length), in order among equals. Workers come from the planner's per-tick topology
-    counts (Dynamo's 5 s load ticks): a pool's count rising starts workers at that tick, falling
-    ends them, so replica-seconds and max GPUs are at that resolution; decisions are changes of a
-    pool's target (active + starting)."""
-    mine = _fresh(list(reqs))
-    base = min((round(r.arrival_ms) for r in mine), default=0)
-    waiting: dict[tuple[int, int, int], list[Req]] = {}
-    for r in sorted(mine, key=lambda r: r.arrival_ms):
-        waiting.setdefault((round(r.arrival_ms) - base, len(r.engine.prompt), r.osl), []).append(r)
-    for d in sorted(out["per_request"], key=lambda x: x["arrival_ms"]):
-        same = waiting.get((round(d["arrival_ms"]), d["isl"], d["osl"]))
-        if not same:
-            raise ValueError(f"Dynamo's replay returned a request the job did not send: {d}")
-        r = same.pop(0)
-        if d["status"] == "completed":
-            r.first_ms, r.last_ms, r.outputs = d["first_ms"] + base, d["last_ms"] + base, d["outputs"]
-    out = {**out, "ticks": [{**t, "at_ms": t["at_ms"] + base} for t in out["ticks"]]}
-    workers: list[Worker] = []
-    alive: dict[str, list[Worker]] = {"prefill": [], "decode": []}
-    target: dict[str, int] = {}
-    decisions: list[tuple[float, str, int, int]] = []
-    ticks = [{"at_ms": 0.0, **{p: {"active": n, "starting": 0, "draining": 0} for p, n in
-                                (("prefill", out["start"][0]), ("decode", out["start"][1]))}}] + out["ticks"]
-    for t in ticks:
-        for pool in ("prefill", "decode"):
-            c = t[pool]
-            n = c["active"] + c["starting"] + c["draining"]
-            while len(alive[pool]) < n:
-                w = Worker(f"{pool}-{len(workers)}", pool, None, t["at_ms"])  # type: ignore[arg-type]
-                alive[pool].append(w)
-                workers.append(w)
-            while len(alive[pool]) > n:
-                alive[pool].pop().gone_ms = t["at_ms"]
-            want = c["active"] + c["starting"]
-            if pool in target and want != target[pool]:
-                decisions.append((t["at_ms"], pool, target[pool], want))
-            target[pool] = want
-    return SimResult("dynamo", mine, workers, end_arrival_ms, decisions)
-
-
-def run_dynamo(reqs: Sequence[Req], **job_args) -> SimResult | str:
-    """Dynamo's planner on this load, in its own venv (created by scripts/dynamo-planner-env.sh
-    when missing). Returns the result, or the exact error text when anything fails."""
-    env = subprocess.run(["bash", str(DYNAMO_ENV.parent / "scripts" / "dynamo-planner-env.sh")],
-                         capture_output=True, text=True)
-    if env.returncode != 0:
-        return f"scripts/dynamo-planner-env.sh failed ({env.returncode}): {env.stderr.strip()[-2000:]}"
-    job = dynamo_job(reqs, **job_args)
-    # Dynamo's runtime writes a logging config to a temporary file per start and leaves it.
-    with tempfile.TemporaryDirectory(prefix="switchyard-dynamo-") as tmp:
-        proc = subprocess.run([str(DYNAMO_ENV / "bin" / "python"), str(DYNAMO_DRIVER)], input=json.dumps(job),
-                              capture_output=True, text=True, env={**os.environ, "TMPDIR": tmp})
-    if proc.returncode != 0:
-        return f"dynamo_planner_replay.py failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}"
-    out = json.loads(proc.stdout)
-    out["start"] = (job["prefill"], job["decode"])
-    return dynamo_result(reqs, out, max(r.arrival_ms for r in reqs))
-
-
 @dataclass
 class Row:
     who: str
@@ -615,19 +517,20 @@ class Row:
 
 
 def best_static_split(name: str, reqs: list[Req], cfg: PlannerConfig, gpus: int, *, ttft_slo_ms: float,
-                      itl_slo_ms: float, fixed: Sequence[int] | None = None) -> tuple[float, SimResult, list[int]]:
+                      itl_slo_ms: float, fixed: Sequence[int] | None = None,
+                      sim: type[Sim] = Sim) -> tuple[float, SimResult, list[int]]:
     """The best static split of ``gpus`` by SLO attainment on ``reqs``: (attainment, its run, the
     prefill counts tried). Attainment is unimodal in P (too few prefill workers break TTFT, too
     few decode ones ITL), so P is hill-climbed from the split the profile suggests for the peak
-    load; ``fixed`` tries those P instead."""
+    load; ``fixed`` tries those P instead. ``sim``: the simulator (its routing)."""
     tried: dict[int, tuple[float, SimResult]] = {}
 
     def static(p: int) -> float:
         if p not in tried:
-            res = Sim(_fresh(reqs), prefill=p, decode=gpus - p, label=f"static {p}P+{gpus - p}D").run()
+            res = sim(_fresh(reqs), prefill=p, decode=gpus - p, label=f"static {p}P+{gpus - p}D").run()
             att = res.attainment(ttft_slo_ms, itl_slo_ms)
             p50, p99 = res.ttft_p50_p99()
-            print(f"  [{name}] static {p}P+{gpus - p}D: attainment {att:.3f}, replica-seconds "
+            print(f"  [{name}] static {p}P+{gpus - p}D ({sim.ROUTING}): attainment {att:.3f}, replica-seconds "
                   f"{res.replica_seconds():.0f}, TTFT p50 {p50:.0f} p99 {p99:.0f} ms ({res.wall_s:.1f} s)", flush=True)
             tried[p] = (att, res)
         return tried[p][0]
@@ -650,9 +553,10 @@ def best_static_split(name: str, reqs: list[Req], cfg: PlannerConfig, gpus: int,
 
 def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttft_slo_ms: float, itl_slo_ms: float,
              startup_s: float, splits: Sequence[int] | None = None, equal_cost: bool = False,
-             dynamo: bool = True) -> dict:
+             dynamo: object | None = None) -> dict:
     """Ours and the best static split (and, with ``equal_cost``, the best static split of our mean
-    GPU count) on one load."""
+    GPU count) on one load; with ``dynamo`` (a ``planner_dynamo.Setup``: each target's tuned
+    config), the same-routing comparison with Dynamo's planner."""
     span = max(r.arrival_ms for r in reqs) / 1000
     p0, d0 = initial_split(cfg, reqs)
     ours = Sim(_fresh(reqs), prefill=p0, decode=d0, planner=cfg, startup_s=startup_s, label="planner").run()
@@ -669,39 +573,19 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
     rows = [Row("ours", ours_att, ours.replica_seconds(), reversals(ours.decisions), max_gpus(ours), len(ours.decisions)),
             Row(f"best static {static_res.label.split()[-1]}", static_att, static_res.replica_seconds(), 0,
                 max_gpus(static_res), 0, f"of P in {tried}")]
-    if dynamo:
-        for label, target, interval in DYNAMO_CONFIGS:
-            res = run_dynamo(reqs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, startup_s=startup_s,
-                             prefill=p0, decode=d0, optimization_target=target, adjustment_interval_s=interval)
-            if isinstance(res, str):
-                print(f"  [{name}] {label}: not run: {res}", flush=True)
-                rows.append(Row(label, math.nan, math.nan, 0, 0, 0, "not run (see log)"))
-                continue
-            rows.append(Row(label, res.attainment(ttft_slo_ms, itl_slo_ms), res.replica_seconds(),
-                            reversals(res.decisions), max_gpus(res), len(res.decisions), "Dynamo's mocker"))
-            print(f"  [{name}] {label}: attainment {rows[-1].attainment:.3f}, replica-seconds "
-                  f"{rows[-1].replica_seconds:.0f}", flush=True)
-        # The engines' calibration: Dynamo's mocker, no planner, at the best static split.
-        sp = static_res.label.split()[-1]
-        p_st = sum(1 for w in static_res.workers if w.pool == "prefill")
-        res = run_dynamo(reqs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, startup_s=startup_s,
-                         prefill=p_st, decode=len(static_res.workers) - p_st, optimization_target=None,
-                         adjustment_interval_s=None)
-        label = f"dynamo mocker, static {sp}"
-        if isinstance(res, str):
-            print(f"  [{name}] {label}: not run: {res}", flush=True)
-            rows.append(Row(label, math.nan, math.nan, 0, 0, 0, "not run (see log)"))
-        else:
-            rows.append(Row(label, res.attainment(ttft_slo_ms, itl_slo_ms), res.replica_seconds(), 0,
-                            max_gpus(res), 0, "engine calibration: no planner"))
-            print(f"  [{name}] {label}: attainment {rows[-1].attainment:.3f}", flush=True)
     mean_gpus = round(ours.replica_seconds() / span)
     if equal_cost and 2 <= mean_gpus < budget and not splits:
         eq_att, eq_res, _ = best_static(mean_gpus)
         rows.append(Row(f"static at our mean {eq_res.label.split()[-1]}", eq_att, eq_res.replica_seconds(), 0,
                         max_gpus(eq_res), 0, f"{mean_gpus} GPUs"))
-    return {"name": name, "requests": len(reqs), "span_s": span, "rows": rows, "ours": ours, "static": static_res,
+    case = {"name": name, "requests": len(reqs), "span_s": span, "rows": rows, "ours": ours, "static": static_res,
             "start": (p0, d0)}
+    if dynamo is not None:  # Dynamo's planner, tuned on the tune loads (planner_dynamo.tune)
+        from benchmarks import planner_dynamo
+
+        rows += planner_dynamo.rows(name, reqs, cfg, dynamo, case, budget=budget, ttft_slo_ms=ttft_slo_ms,
+                                    itl_slo_ms=itl_slo_ms, startup_s=startup_s)
+    return case
 
 
 def print_table(case: dict, description: str) -> None:
@@ -739,23 +623,47 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
          itl_slo_ms: float = 25.0, predictor: str = "kalman", startup_s: float = 30.0,
          pattern: BurstPattern = BurstPattern(), splits: Sequence[int] | None = None,
          png: str | Path | None = None, shapes: Sequence[str] | None = None, time_scale: float = 1.0,
-         seed: int = 15, dynamo: bool = True) -> dict:
+         seed: int = 15, dynamo: bool = True, dynamo_cases: Sequence[str] | None = None,
+         dynamo_tune_shapes: Sequence[str] = ("step", "diurnal"), dynamo_tune_seed: int = 7,
+         dynamo_tune_configs: int | None = None, dynamo_tuned: dict[str, int] | None = None,
+         dynamo_oracle_ratio: dict[str, float] | None = None) -> dict:
     """Every load shape (``shapes``: names from ``load_shapes.SHAPES``, default all; ``time_scale``
     shortens them for a quick run) and the shared trace, ours vs the best static split, one
-    planner config for all."""
+    planner config for all. With ``dynamo``, Dynamo's planner is first tuned on
+    ``dynamo_tune_shapes`` at ``dynamo_tune_seed`` (never a scored seed), ``dynamo_tune_configs``
+    configs per target, then compared on the scored loads named in ``dynamo_cases`` (default
+    all). ``dynamo_tuned`` (target -> candidate index) reuses an earlier tuning's choice;
+    ``dynamo_oracle_ratio`` (load -> ``planner_oracle``'s ratio) an earlier oracle run's."""
     t_start = time.perf_counter()
     cfg = planner_config(budget, ttft_slo_ms, itl_slo_ms, predictor, lead_time_s=startup_s)
     print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
           f"{startup_s:g} s; one planner config for every load: {predictor}, {cfg.tick_s:g} s ticks, forecast "
           f"{cfg.horizon_s:g} s ahead, headroom at the {cfg.headroom_quantile:g} expectile of its measured error "
           f"(at most {cfg.max_headroom:.0%})", flush=True)
+    tuned = None
+    if dynamo:
+        from benchmarks import planner_dynamo
+
+        if dynamo_tune_seed == seed:
+            sys.exit(f"the Dynamo tune seed {dynamo_tune_seed} is the scored seed: tune and score must differ")
+        tune_loads = [(n, r) for n, _, r, _ in loads(None, shapes=dynamo_tune_shapes, time_scale=time_scale,
+                                                      seed=dynamo_tune_seed)]
+        if dynamo_tuned:
+            tuned = planner_dynamo.chosen(dynamo_tuned)
+        else:
+            tuned = planner_dynamo.tune(tune_loads, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms,
+                                        itl_slo_ms=itl_slo_ms, startup_s=startup_s,
+                                        configs=dynamo_tune_configs or planner_dynamo.TUNE_BUDGET)
     cases = []
     for name, desc, reqs, _ in loads(trace, shapes=shapes, time_scale=time_scale, seed=seed, limit=limit,
                                      pattern=pattern):
+        with_dynamo = (planner_dynamo.Setup(tuned, dynamo_oracle_ratio or {})
+                       if tuned is not None and (dynamo_cases is None or name in dynamo_cases) else None)
         case = run_case(name, reqs, cfg, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                        startup_s=startup_s, splits=splits, equal_cost=name == "trace", dynamo=dynamo)
+                        startup_s=startup_s, splits=splits, equal_cost=name == "trace", dynamo=with_dynamo)
         print_table(case, desc)
         cases.append(case)
+    all_cases = list(cases)
     main_case = cases.pop()
     ours_row, static_row = main_case["rows"][0], main_case["rows"][1]
     ratio = ours_row.replica_seconds / static_row.replica_seconds
@@ -763,30 +671,21 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
         _plot(Path(png), main_case["ours"], main_case["static"], reqs, main_case["span_s"], main_case["start"])
     const = next((c for c in cases if c["name"] == "constant"), None)
     rev_const = f"{const['rows'][0].reversals}" if const else "nan"
-    dyn = next((r for r in main_case["rows"] if r.who == "dynamo (defaults)"), None)
-    dyn_att = dyn.attainment if dyn else math.nan
-    dyn_ratio = dyn.replica_seconds / static_row.replica_seconds if dyn else math.nan
-    # Dynamo's best planner config on the trace (the calibration row runs no planner).
-    dyn_best = max((r.attainment for r in main_case["rows"] if r.who.startswith("dynamo (")
-                    and not math.isnan(r.attainment)), default=math.nan)
+    # Dynamo's default target (throughput) on the trace, tuned, round robin, its own engine.
+    dyn = main_case.get("dynamo", {}).get("throughput", (math.nan, math.nan))
+    dyn_keys = ""
+    if dynamo:
+        from benchmarks import planner_dynamo
+
+        dyn_keys = " " + planner_dynamo.result_keys(all_cases)
     print(f"wall {time.perf_counter() - t_start:.0f} s")
     print(f"RESULT slo_attainment={ours_row.attainment:.4f} static_slo_attainment={static_row.attainment:.4f} "
-          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment={dyn_att:.4f} dynamo_best_slo_attainment={dyn_best:.4f} "
-          f"dynamo_replica_seconds_ratio={dyn_ratio:.4f} "
-          f"reversals_constant={rev_const}")
+          f"replica_seconds_ratio={ratio:.4f} dynamo_slo_attainment={dyn[0]:.4f} "
+          f"dynamo_replica_seconds_ratio={dyn[1] / static_row.replica_seconds:.4f} "
+          f"reversals_constant={rev_const}{dyn_keys}")
     return {"slo_attainment": ours_row.attainment, "static_slo_attainment": static_row.attainment,
             "replica_seconds_ratio": ratio, "best_static": main_case["static"].label,
             "decisions": main_case["ours"].decisions, "cases": cases, "reversals_constant": rev_const}
-
-
-#: Dynamo's throughput adjustment intervals tried besides its default (180 s), with its SLA target
-#: (its default target, throughput, turns throughput-based scaling off: the interval does nothing).
-DYNAMO_INTERVALS = (10, 30, 60)
-#: Dynamo's planner configs run on every load: (row label, optimization_target, adjustment
-#: interval or None for its default). Ours runs one config.
-DYNAMO_CONFIGS: tuple[tuple[str, str, int | None], ...] = (
-    ("dynamo (defaults)", "throughput", None), ("dynamo (sla)", "sla", None),
-    *((f"dynamo (sla, {i} s interval)", "sla", i) for i in DYNAMO_INTERVALS))
 
 
 def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span: float,
@@ -851,6 +750,14 @@ if __name__ == "__main__":
             kw["splits"] = [int(x) for x in args.pop(0).split(",")]
         elif k == "--no-dynamo":
             kw["dynamo"] = False
+        elif k in ("--dynamo-cases", "--dynamo-tune-shapes"):
+            kw[k[2:].replace("-", "_")] = [x for x in args.pop(0).split(",") if x]
+        elif k == "--dynamo-tuned":  # e.g. throughput=3,latency=3,load=2,sla=3 (a tuning's "keeps config")
+            kw["dynamo_tuned"] = {t: int(i) for t, i in (x.split("=") for x in args.pop(0).split(",") if x)}
+        elif k == "--dynamo-oracle-ratio":  # e.g. trace=1.0,step=0.868 (planner_oracle's oracle_ratio_<load>)
+            kw["dynamo_oracle_ratio"] = {n: float(r) for n, r in (x.split("=") for x in args.pop(0).split(",") if x)}
+        elif k in ("--dynamo-tune-seed", "--dynamo-tune-configs"):
+            kw[k[2:].replace("-", "_")] = int(args.pop(0))
         else:
             sys.exit(f"unknown argument {k}")
     main(trace, **kw)
