@@ -40,11 +40,13 @@ def _register_subapps() -> None:
     from control_plane.metrics.cli import metrics_app
     from control_plane.planner.cli import planner_app
     from control_plane.replay.cli import replay_app
+    from workloads.cli import workload_app
 
     app.add_typer(metrics_app, name="metrics")
     app.add_typer(replay_app, name="replay")
     app.add_typer(admin_app, name="admin")
     app.add_typer(planner_app, name="planner")
+    app.add_typer(workload_app, name="workload")
 
 
 _register_subapps()
