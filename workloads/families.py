@@ -84,7 +84,7 @@ class Chat(Family):
     system_prompts: int = _knob(16, "distinct system prompts (shared across conversations)")
     system_prompt_zipf: float = _knob(1.0, "Zipf exponent of system prompt popularity")
     system_prompt_tokens: int = _knob(1000, "median system prompt length (log-normal, sigma 0.5, per prompt)")
-    turns_mean: float = _knob(3.0, "mean turns per conversation (geometric)")
+    turns_mean: float = _knob(2.0, "mean turns per conversation (geometric)")
     user_tokens_median: float = _knob(70.0, "median user message tokens")
     user_tokens_sigma: float = _knob(1.2, "log-normal sigma of user message tokens")
     output_tokens_median: float = _knob(200.0, "median answer tokens")
