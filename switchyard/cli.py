@@ -417,6 +417,10 @@ def up_cmd(
     decode: Annotated[int, typer.Option(help="Decode workers.")] = DEMO_DEFAULTS.decode_workers,
     stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = DEMO_DEFAULTS.stop_after,
     engine: Annotated[str, typer.Option(help="sim (default) | vllm: real vLLM workers from .venv-vllm (NixlConnector P/D).")] = DEMO_DEFAULTS.engine,
+    workload: Annotated[Optional[str], typer.Option(
+        help="Replay a generated workload instead of the shipped slice: chat | agentic | rag | long-context | mixed "
+             "(docs/workloads.md).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of --workload.")] = 1,
 ) -> None:
     """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus),
     the metrics processor, the router, the admin API, the planner and simulated prefill/decode
@@ -428,6 +432,16 @@ def up_cmd(
     from control_plane.demo.up import run_demo
     from control_plane.settings import StackSettings
 
+    if workload is not None:
+        if trace is not None:
+            fail("give --trace or --workload, not both", 2)
+        from control_plane.demo.up import workload_trace
+
+        try:
+            trace = workload_trace(workload, seed, limit, StackSettings.from_env().state_dir)
+        except (ValueError, RuntimeError) as e:
+            fail(str(e), 2)
+        typer.echo(f"workload {workload}:{seed}: {trace}")
     trace = trace or DEMO_TRACE
     if not trace.exists():
         fail(f"trace {trace} not found (give --trace)")

@@ -18,7 +18,7 @@ from data_plane.engines import simulate
 from data_plane.engines.core import default_hash_config
 from data_plane.engines.trace import MooncakeTrace, read_mooncake
 from workloads import (
-    FAMILY_NAMES, SCORE_SET, TUNE_SET, Case, Spec, check_apart, dumps, generate, ideal_hit_rate, parse_cases,
+    FAMILY_NAMES, SCORE_SET, TUNE_SET, Case, Spec, check_apart, default_rate, dumps, generate, ideal_hit_rate, parse_cases,
     score_summary, trace_stats,
 )
 from workloads.arrivals import arrival_times, fitted
@@ -294,3 +294,23 @@ def test_score_summary_names_the_worst_case():
     assert s.worst == Case("rag", 2)
     assert s.result_fields == "score_cases=2 worst_case=rag:2 worst_gain=0.9000 worst_p99=300.0000"
     assert "<- worst" in s.table.splitlines()[2]
+
+
+# -- the demo's --workload -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_demo_workload_trace_holds_the_limit(family, tmp_path):
+    """``switchyard up --demo --workload F`` replays the first ``--limit`` requests of this file."""
+    from control_plane.demo.up import workload_trace
+
+    path = workload_trace(family, 1, 200, tmp_path)
+    assert path.parent == tmp_path / "demo"
+    recs = read_mooncake(path)
+    assert len(recs) >= 200 and recs == _gen(family, 1, 1.5 * 200 / default_rate(family) + 60.0)
+
+
+def test_up_refuses_trace_and_workload_together():
+    p = subprocess.run([sys.executable, "-m", "switchyard", "up", "--workload", "chat", "--trace", "x.jsonl"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 2 and "not both" in p.stderr
