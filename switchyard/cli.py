@@ -653,28 +653,53 @@ def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
     run(trace, limit)
 
 
+TuneOpt = Annotated[str, typer.Option(
+    help="Tune cases, family:seed,... (all:N = every family with seed N); '' with --score '': no tune/score "
+         "phase (docs/workloads.md).")]
+ScoreOpt = Annotated[str, typer.Option(help="Score cases (seeds disjoint from the tune cases).")]
+
+
+def _cases(tune: str, score: str):
+    """The --tune / --score options as case tuples (None, None when both are empty)."""
+    if not tune and not score:
+        return None, None
+    from workloads.sets import check_apart, parse_cases
+
+    try:
+        t, s = parse_cases(tune), parse_cases(score)
+        check_apart(t, s)
+    except ValueError as e:
+        fail(str(e), 2)
+    return t, s
+
+
 @bench_app.command("routing")
 def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
-                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
+                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
+                  tune: TuneOpt = "all:1", score: ScoreOpt = "all:2") -> None:
     """The whole trace in virtual time through our routing decision and simulated engines, kv vs
-    round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin).
+    round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin); both
+    sides' prefill_load_scale picked on the tune cases and scored on the score cases first.
     Needs the bench group: `uv run --group bench ...`."""
     from benchmarks.routing_bench import main as run
 
-    run(trace, limit)
+    t, s = _cases(tune, score)
+    run(trace, limit, tune=t, score=s)
 
 
 @bench_app.command("tiers")
 def bench_tiers(trace: TraceOpt = Path(TRACE_DEFAULT),
                 limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
                 dynamo: Annotated[bool, typer.Option(help="Also run Dynamo's mocker kv_router (bench group).")] = True,
-                ) -> None:
+                tune: TuneOpt = "all:1", score: ScoreOpt = "all:2") -> None:
     """What KV tiers buy: 8 aggregated workers in virtual time, device only / +host / +host+disk
     with onboarding, our kv routing, beside Dynamo's mocker kv_router at its default and an
-    unbounded device cache. Needs the bench group: `uv run --group bench ...`."""
+    unbounded device cache; both sides' prefill_load_scale picked on the tune cases and scored on
+    the score cases first. Needs the bench group: `uv run --group bench ...`."""
     from benchmarks.tiers_bench import main as run
 
-    run(trace, limit, dynamo=dynamo)
+    t, s = _cases(tune, score)
+    run(trace, limit, dynamo=dynamo, tune=t, score=s)
 
 
 @bench_app.command("e2e")

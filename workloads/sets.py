@@ -96,9 +96,10 @@ def score_summary(scores: Mapping[Case, Mapping[str, float]], key: str, *, highe
 
     worst = max(sorted(scores), key=badness)
     keys = list(scores[worst])
-    rows = [f"{'case':<18}" + "".join(f"{k:>20}" for k in keys)]
+    width = {k: max(12, len(k) + 2) for k in keys}
+    rows = [f"{'case':<18}" + "".join(f"{k:>{width[k]}}" for k in keys)]
     for c in sorted(scores):
-        rows.append(f"{str(c):<18}" + "".join(f"{scores[c][k]:>20{fmt}}" for k in keys)
+        rows.append(f"{str(c):<18}" + "".join(f"{scores[c][k]:>{width[k]}{fmt}}" for k in keys)
                     + ("   <- worst" if c == worst else ""))
     fields = " ".join([f"score_cases={len(scores)}", f"worst_case={worst}"]
                       + [f"worst_{k}={scores[worst][k]:{fmt}}" for k in keys])
