@@ -33,8 +33,13 @@ config and at every point of :data:`GRID` (``prefill_load_scale``); Dynamo's moc
 grid of its own ``prefill_load_scale`` (its analogue of ours), on the same topology and trace in the
 same invocation. Ours is deterministic and runs once per config; Dynamo's offline replay is not
 (its p99 moves by up to ~150 ms run to run), so every Dynamo config runs :data:`DYNAMO_RUNS`
-times and its median is reported with the spread. "Best" on each side is the grid point with the
-lowest TTFT mean (p50 sits on one prefill step for every KV router, see below).
+times and its median is reported with the spread. Each side's grid point is picked on the
+**tune set** (generated workloads, ``workloads.sets.TUNE_SET``: every family, seed 1), not on the
+trace: the lowest mean over the tune cases of TTFT mean relative to the case's best point (p50
+sits on one prefill step for every KV router, see below). The picks are scored on the **score
+set** (every family, seed 2: each case and the worst) and on the trace, whose "best" columns are
+the picks (``--tune '' --score ''``: picked on the trace itself, as before; the in-sample best is
+printed beside the picks either way).
 Metrics, like ``engine_bench.py``: TTFT p50/p99/mean/p90 (first token seen by the client;
 disaggregated: the decode worker's first token, Dynamo's definition), ITL p50/p99 over all
 inter-token intervals, e2e p99, output tokens/s (output tokens / (last token - first arrival)),
@@ -45,13 +50,14 @@ workers (ours: the ``kv`` run)::
     RESULT ttft_p50_gain_ours=<rr/best kv p50> ttft_p50_gain_dynamo=<rr/default kv_router p50>
            ttft_p99_gain_ours=... ttft_p99_gain_dynamo=... reuse_ours=... reuse_dynamo=...
            ttft_p50_gain_ours_default=... ttft_p50_gain_dynamo_best=... dynamo_runs=3
+           score_cases=5 worst_case=<family:seed> worst_<figure>=... (the worst score case's figures)
 
 Reading TTFT p50 here: arrivals come in bursts (~10 requests at one millisecond every 3 s) and a
 full 8,192-token chunked-prefill step lasts exactly 169.137 ms, so the median of every KV router
 (ours, Dynamo's) sits on that step; mean and p90 show the differences p50 cannot.
 
 Run: ``uv run --group bench python benchmarks/routing_bench.py [--limit N] [--jobs N]
-[--prefill-load-scale X] [--load-report-ms MS] [--no-dynamo]``. Our six simulations run in two
+[--load-report-ms MS] [--no-dynamo] [--tune family:seed,...] [--score family:seed,...]``. Our six simulations run in two
 forked processes on a 2-core box (results are identical to ``--jobs 1``: the simulation is
 deterministic); a full run takes about 3 minutes.
 """
