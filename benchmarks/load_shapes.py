@@ -22,81 +22,15 @@ conversation trace saturate a 6P+6D split):
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
 from data_plane.engines.trace import TraceRecord
+# The shapes themselves are arrival processes of the workload generator (one definition).
+from workloads.arrivals import SHAPES, Shape, constant, diurnal, flash_crowd, ramp, step
 
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    duration_s: float
-    rate: Callable[[float], float]
-    #: One line saying what it is (printed above its table).
-    description: str
-    #: When the load jumps in a way its history before cannot announce (a step, a fast ramp, a
-    #: flash crowd), for the oracle's causal bound; None: nothing unannounced.
-    surprise_s: float | None = None
-
-    def peak(self, step_s: float = 0.5) -> float:
-        return max(self.rate(i * step_s) for i in range(int(self.duration_s / step_s) + 1))
-
-    def mean(self, step_s: float = 0.5) -> float:
-        n = int(self.duration_s / step_s)
-        return sum(self.rate((i + 0.5) * step_s) for i in range(n)) / n
-
-
-def _ramp(t: float, t0: float, t1: float, a: float, b: float) -> float:
-    if t <= t0:
-        return a
-    if t >= t1:
-        return b
-    return a + (b - a) * (t - t0) / (t1 - t0)
-
-
-def constant(rate: float = 9.0, duration_s: float = 600.0) -> Shape:
-    return Shape("constant", duration_s, lambda t: rate, f"{rate:g} req/s for {duration_s:g} s")
-
-
-def step(lo: float = 5.0, hi: float = 15.0, at_s: float = 120.0, duration_s: float = 420.0) -> Shape:
-    return Shape("step", duration_s, lambda t: lo if t < at_s else hi,
-                 f"{lo:g} req/s, {hi:g} from t={at_s:g} s, {duration_s:g} s", at_s)
-
-
-def ramp(lo: float = 5.0, hi: float = 17.0, at_s: float = 120.0, ramp_s: float = 20.0, hold_s: float = 180.0,
-         duration_s: float = 480.0) -> Shape:
-    down = at_s + ramp_s + hold_s
-
-    def rate(t: float) -> float:
-        return _ramp(t, at_s, at_s + ramp_s, lo, hi) if t < down else _ramp(t, down, down + ramp_s, hi, lo)
-
-    return Shape("ramp", duration_s, rate, f"{lo:g} -> {hi:g} req/s in {ramp_s:g} s at t={at_s:g} s, held "
-                 f"{hold_s:g} s, back in {ramp_s:g} s; {duration_s:g} s", at_s)
-
-
-def flash_crowd(base: float = 6.0, peak: float = 18.0, at_s: float = 150.0, tau_s: float = 60.0,
-                duration_s: float = 480.0) -> Shape:
-    def rate(t: float) -> float:
-        return base if t < at_s else base + (peak - base) * math.exp(-(t - at_s) / tau_s)
-
-    return Shape("flash_crowd", duration_s, rate, f"{base:g} req/s, {peak:g} at once at t={at_s:g} s decaying "
-                 f"back (tau {tau_s:g} s); {duration_s:g} s", at_s)
-
-
-def diurnal(lo: float = 4.0, hi: float = 16.0, period_s: float = 300.0, duration_s: float = 600.0) -> Shape:
-    def rate(t: float) -> float:
-        return lo + (hi - lo) * (1 - math.cos(2 * math.pi * t / period_s)) / 2
-
-    return Shape("diurnal", duration_s, rate, f"sine {lo:g}..{hi:g} req/s, period {period_s:g} s; {duration_s:g} s")
-
-
-SHAPES: dict[str, Callable[[], Shape]] = {
-    "step": step, "ramp": ramp, "flash_crowd": flash_crowd, "diurnal": diurnal, "constant": constant,
-}
+__all__ = ["SHAPES", "Shape", "arrivals", "assign", "constant", "diurnal", "flash_crowd", "ramp", "scaled", "step"]
 
 
 def scaled(shape: Shape, factor: float) -> Shape:

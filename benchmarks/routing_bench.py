@@ -33,8 +33,13 @@ config and at every point of :data:`GRID` (``prefill_load_scale``); Dynamo's moc
 grid of its own ``prefill_load_scale`` (its analogue of ours), on the same topology and trace in the
 same invocation. Ours is deterministic and runs once per config; Dynamo's offline replay is not
 (its p99 moves by up to ~150 ms run to run), so every Dynamo config runs :data:`DYNAMO_RUNS`
-times and its median is reported with the spread. "Best" on each side is the grid point with the
-lowest TTFT mean (p50 sits on one prefill step for every KV router, see below).
+times and its median is reported with the spread. Each side's grid point is picked on the
+**tune set** (generated workloads, ``workloads.sets.TUNE_SET``: every family, seed 1), not on the
+trace: the lowest mean over the tune cases of TTFT mean relative to the case's best point (p50
+sits on one prefill step for every KV router, see below). The picks are scored on the **score
+set** (every family, seed 2: each case and the worst) and on the trace, whose "best" columns are
+the picks (``--tune '' --score ''``: picked on the trace itself, as before; the in-sample best is
+printed beside the picks either way).
 Metrics, like ``engine_bench.py``: TTFT p50/p99/mean/p90 (first token seen by the client;
 disaggregated: the decode worker's first token, Dynamo's definition), ITL p50/p99 over all
 inter-token intervals, e2e p99, output tokens/s (output tokens / (last token - first arrival)),
@@ -45,13 +50,14 @@ workers (ours: the ``kv`` run)::
     RESULT ttft_p50_gain_ours=<rr/best kv p50> ttft_p50_gain_dynamo=<rr/default kv_router p50>
            ttft_p99_gain_ours=... ttft_p99_gain_dynamo=... reuse_ours=... reuse_dynamo=...
            ttft_p50_gain_ours_default=... ttft_p50_gain_dynamo_best=... dynamo_runs=3
+           score_cases=5 worst_case=<family:seed> worst_<figure>=... (the worst score case's figures)
 
 Reading TTFT p50 here: arrivals come in bursts (~10 requests at one millisecond every 3 s) and a
 full 8,192-token chunked-prefill step lasts exactly 169.137 ms, so the median of every KV router
 (ours, Dynamo's) sits on that step; mean and p90 show the differences p50 cannot.
 
 Run: ``uv run --group bench python benchmarks/routing_bench.py [--limit N] [--jobs N]
-[--prefill-load-scale X] [--load-report-ms MS] [--no-dynamo]``. Our six simulations run in two
+[--load-report-ms MS] [--no-dynamo] [--tune family:seed,...] [--score family:seed,...]``. Our six simulations run in two
 forked processes on a 2-core box (results are identical to ``--jobs 1``: the simulation is
 deterministic); a full run takes about 3 minutes.
 """
@@ -62,6 +68,7 @@ import argparse
 import math
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -69,6 +76,7 @@ from typing import Any
 
 import msgspec
 
+from benchmarks import tune_score
 from benchmarks.engine_bench import metric_rows, replay_dynamo_mocker
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig
@@ -84,6 +92,7 @@ from data_plane.engines import EngineRequest, default_hash_config, load_profile
 from data_plane.engines.profiles import HardwareProfile
 from data_plane.engines.trace import MooncakeTrace, read_mooncake
 from schemas.types import RoutingMode
+from workloads.sets import SCORE_SET, TUNE_SET, Case, parse_cases
 
 DEFAULT_TRACE = WHOLE_TRACE
 TRACE_BLOCK_SIZE = 512
@@ -118,6 +127,7 @@ def run_dynamo(trace: Path, limit: int | None, topology: Topology, mode: str,
     ``{"num_gpu_blocks": ...}``; ``per_request``: keep its per-request records
     (``"per_request"``)."""
     extra: dict[str, Any] = {}
+    os.environ.setdefault("DYN_LOG", "warn")  # before dynamo's first import, or it logs every decision
     if overrides is not None:
         from dynamo._core import KvRouterConfig
 
@@ -196,15 +206,79 @@ def _best(side: dict[str, dict[str, Any]], prefix: str) -> str:
     return min((k for k in side if k.startswith(prefix + "@")), key=lambda k: side[k]["ttft_mean_ms"])
 
 
-def _run_our_job(job: tuple[int, int]) -> tuple[int, int, dict[str, Any]]:
-    ti, vi = job
-    st = _FORK_STATE
-    return ti, vi, run_ours(st["requests"], st["topologies"][ti], st["variants"][vi][1],
-                            **st["kwargs"])
-
-
 #: Set before forking workers (``--jobs``): children inherit the loaded requests copy-on-write.
 _FORK_STATE: dict[str, Any] = {}
+
+
+def _call_forked(i: int) -> Any:
+    return _FORK_STATE["fn"](_FORK_STATE["items"][i])
+
+
+def pool_map(fn: Callable[[Any], Any], items: Sequence[Any], jobs: int) -> list[Any]:
+    """``[fn(x) for x in items]``, in ``jobs`` forked processes when more than one (they inherit
+    ``fn``'s closure, loaded requests included, copy-on-write)."""
+    if jobs <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    import multiprocessing as mp
+
+    _FORK_STATE.update(fn=fn, items=list(items))
+    try:
+        with mp.get_context("fork").Pool(min(jobs, len(items))) as pool:
+            return pool.map(_call_forked, range(len(items)), chunksize=1)
+    finally:
+        _FORK_STATE.clear()
+
+
+def tune_and_score(tune: Sequence[Case], score: Sequence[Case], topology: Topology, default: RouterConfig, *,
+                   dynamo: bool, dynamo_runs: int, jobs: int, cluster: dict[str, Any],
+                   duration_s: float = tune_score.CASE_DURATION_S, rate_scale: float = tune_score.CASE_RATE_SCALE,
+                   echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Both sides' ``prefill_load_scale`` picked over :data:`GRID` on the tune cases (lowest TTFT
+    mean relative to each case's best), then each side's pick and its round robin scored on the
+    score cases. Returns ``{"tuned": {"ours": g, "dynamo": g}, "scores": {case: figures},
+    "summary": ScoreSummary}``."""
+    tune, score = tune_score.checked(tune, score)
+    prof = cluster["profile"]
+    with tempfile.TemporaryDirectory(prefix="switchyard-tune-") as tmp:
+        traces, requests = tune_score.load_cases((*tune, *score), Path(tmp), prof.block_size, duration_s=duration_s,
+                                                 rate_scale=rate_scale)
+        kv_at = {g: msgspec.structs.replace(default, mode=RoutingMode.KV, prefill_load_scale=g) for g in GRID}
+        rr = msgspec.structs.replace(default, mode=RoutingMode.ROUND_ROBIN)
+
+        def ours(job: tuple[Case, RouterConfig]) -> dict[str, Any]:
+            return run_ours(requests[job[0]], topology, job[1], **cluster)
+
+        def dyn(case: Case, mode: str, g: float | None) -> dict[str, Any]:
+            return run_dynamo_median(traces[case].path, None, topology, mode,
+                                     None if g is None else {"prefill_load_scale": g}, dynamo_runs)
+
+        t0 = time.perf_counter()
+        jobs_t = [(c, kv_at[g]) for c in tune for g in GRID]
+        out_t = dict(zip(jobs_t, pool_map(ours, jobs_t, jobs)))
+        tuned = {"ours": tune_score.pick({c: {g: out_t[(c, kv_at[g])] for g in GRID} for c in tune}, "ttft_mean_ms")}
+        if dynamo:
+            tuned["dynamo"] = tune_score.pick({c: {g: dyn(c, "kv_router", g) for g in GRID} for c in tune},
+                                              "ttft_mean_ms")
+        jobs_s = [(c, cfg) for c in score for cfg in (rr, kv_at[tuned["ours"].point])]
+        out_s = dict(zip(jobs_s, pool_map(ours, jobs_s, jobs)))
+        scores: dict[Case, dict[str, float]] = {}
+        for c in score:
+            o_rr, o_kv = out_s[(c, rr)], out_s[(c, kv_at[tuned["ours"].point])]
+            f = {"ttft_p50_gain_ours": o_rr["ttft_p50_ms"] / o_kv["ttft_p50_ms"],
+                 "ttft_p99_gain_ours": o_rr["ttft_p99_ms"] / o_kv["ttft_p99_ms"],
+                 "reuse_ours": o_kv["reuse"], "ttft_p99_ms_ours": o_kv["ttft_p99_ms"]}
+            if dynamo:
+                d_rr, d_kv = dyn(c, "round_robin", None), dyn(c, "kv_router", tuned["dynamo"].point)
+                f.update(ttft_p50_gain_dynamo=d_rr["ttft_p50_ms"] / d_kv["ttft_p50_ms"],
+                         ttft_p99_gain_dynamo=d_rr["ttft_p99_ms"] / d_kv["ttft_p99_ms"],
+                         reuse_dynamo=d_kv["reuse"], ttft_p99_ms_dynamo=d_kv["ttft_p99_ms"],
+                         # > 1: our p99 is below Dynamo's on this case.
+                         ttft_p99_edge=d_kv["ttft_p99_ms"] / o_kv["ttft_p99_ms"])
+            scores[c] = f
+        wall = time.perf_counter() - t0
+    # Gains are round robin / the tuned kv router of the same side; the edge is Dynamo's p99 / ours.
+    return tune_score.report(tune, score, GRID, tuned, scores, "ttft_p99_edge" if dynamo else "ttft_p99_gain_ours",
+                             where=topology.name, wall_s=wall, duration_s=duration_s, rate_scale=rate_scale, echo=echo)
 
 
 def main(
@@ -218,9 +292,19 @@ def main(
     load_report_ms: float | None = DEFAULT_LOAD_REPORT_MS,
     kv_event_lag_ms: float = 0.0,
     dynamo_runs: int = DYNAMO_RUNS,
+    tune: Sequence[Case] | None = TUNE_SET,
+    score: Sequence[Case] | None = SCORE_SET,
+    case_duration_s: float = tune_score.CASE_DURATION_S,
+    case_rate_scale: float = tune_score.CASE_RATE_SCALE,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every topology x config on both sides; print the tables and the RESULT line.
+
+    With ``tune`` and ``score`` (default: ``workloads.sets``' sets) each side's
+    ``prefill_load_scale`` is first picked on the tune cases and scored on the score cases
+    (:func:`tune_and_score`, on the first topology); the trace's "best" columns are then those
+    picks, and the RESULT line adds ``score_cases=N worst_case=family:seed worst_<figure>=...``.
+    Without them (None) the best is picked on the trace itself, as before.
 
     Returns ``{"configs": {topology name: {"ours": {variant: metrics}, "dynamo": {variant:
     metrics}}}, "best": {topology name: {"ours": variant, "dynamo": variant}}, "gains": {...},
@@ -240,6 +324,12 @@ def main(
     if jobs is None:
         jobs = min(2, os.cpu_count() or 1)
 
+    apart = None
+    if tune is not None and score is not None:
+        apart = tune_and_score(tune, score, topologies[0], default, dynamo=dynamo, dynamo_runs=dynamo_runs, jobs=jobs,
+                               cluster=kwargs, duration_s=case_duration_s, rate_scale=case_rate_scale, echo=echo)
+        echo("")
+
     configs: dict[str, dict[str, dict[str, Any]]] = {t.name: {"ours": {}, "dynamo": {}} for t in topologies}
     if dynamo:
         for t in topologies:
@@ -252,17 +342,8 @@ def main(
         key=lambda j: (variants[j[1]][0] == "round_robin", not topologies[j[0]].disaggregated),
     )
     t1 = time.perf_counter()
-    if jobs > 1 and len(job_list) > 1:
-        import multiprocessing as mp
-
-        _FORK_STATE.update(requests=requests, topologies=topologies, variants=variants, kwargs=kwargs)
-        try:
-            with mp.get_context("fork").Pool(min(jobs, len(job_list))) as pool:
-                results = pool.map(_run_our_job, job_list, chunksize=1)
-        finally:
-            _FORK_STATE.clear()
-    else:
-        results = [(ti, vi, run_ours(requests, topologies[ti], variants[vi][1], **kwargs)) for ti, vi in job_list]
+    results = pool_map(lambda j: (j[0], j[1], run_ours(requests, topologies[j[0]], variants[j[1]][1], **kwargs)),
+                       job_list, jobs)
     ours_s = time.perf_counter() - t1
     for ti, vi, out in results:
         configs[topologies[ti].name]["ours"][variants[vi][0]] = out
@@ -290,9 +371,11 @@ def main(
     for t in topologies:
         c = configs[t.name]
         b = {"ours": _best(c["ours"], "kv")}
+        if apart:
+            b["ours"] = f"kv@{apart['tuned']['ours']:g}"
         cols = [(f"ours {name}", c["ours"][name]) for name, _ in variants]
         if dynamo:
-            b["dynamo"] = _best(c["dynamo"], "kv_router")
+            b["dynamo"] = f"kv_router@{apart['tuned']['dynamo']:g}" if apart else _best(c["dynamo"], "kv_router")
             cols += [(f"dyn {name}", m) for name, m in c["dynamo"].items()]
         best[t.name] = b
         echo("")
@@ -305,8 +388,12 @@ def main(
                 echo(f"{'  spread ' + key[:8]:<16}" + "".join(
                     f"{'':>18}" if "spread" not in m else f"{'[%.0f-%.0f]' % m['spread'][key]:>18}" for _, m in cols))
         kv = c["ours"][b["ours"]]
+        if apart:
+            echo(f"picked on the tune set: ours {b['ours']}" + (f", dynamo {b['dynamo']}" if dynamo else "")
+                 + f"; on this trace itself the best would be ours {_best(c['ours'], 'kv')}"
+                 + (f", dynamo {_best(c['dynamo'], 'kv_router')}" if dynamo else ""))
         echo(
-            f"ours {b['ours']} (best): {kv['decisions']:,} decisions at {kv['decide_us']:.0f} us each, "
+            f"ours {b['ours']} ({'tuned' if apart else 'best'}): {kv['decisions']:,} decisions at {kv['decide_us']:.0f} us each, "
             f"{kv['kv_events']:,} KV events folded, guards {kv['guards'] or 'none'}, chose a "
             f"longest-match worker {100 * kv['best_match_share']:.1f}% of the time, {kv['preemptions']} preemptions"
             + (f"; dynamo best: {b['dynamo']}" if dynamo else "")
@@ -335,12 +422,16 @@ def main(
         f"ttft_p50_gain_dynamo_best={g.get('ttft_p50_gain_dynamo_best', nan):.4f} "
         f"dynamo_runs={dynamo_runs if dynamo else 0}"
     )
+    if apart:
+        result += f" {apart['summary'].result_fields}"
+    which = "picked on the tune set" if apart else "best on this trace"
     echo("")
-    echo(f"RESULT is for {head}: _ours = our best grid point ({b['ours']}), _ours_default = our default, "
-         f"_dynamo = Dynamo's default (median of {dynamo_runs}), _dynamo_best = its best grid point"
-         + (f" ({b['dynamo']})" if dynamo else ""))
+    echo(f"RESULT is for {head} on {trace.name}: _ours = our grid point {which} ({b['ours']}), _ours_default = our "
+         f"default, _dynamo = Dynamo's default (median of {dynamo_runs}), _dynamo_best = its grid point {which}"
+         + (f" ({b['dynamo']})" if dynamo else "")
+         + ("; worst_* = the worst score case's figures" if apart else ""))
     echo(result)
-    return {"configs": configs, "best": best, "gains": gains, "result": result, "load_s": load_s}
+    return {"configs": configs, "best": best, "gains": gains, "result": result, "load_s": load_s, "apart": apart}
 
 
 def _gains(rr: dict[str, Any], kv: dict[str, Any]) -> dict[str, float]:
@@ -361,10 +452,13 @@ if __name__ == "__main__":
     p.add_argument("--load-report-ms", type=float, default=DEFAULT_LOAD_REPORT_MS,
                    help="load report interval per worker; <= 0: no reports (ledger only)")
     p.add_argument("--kv-event-lag-ms", type=float, default=0.0)
+    p.add_argument("--tune", default=",".join(map(str, TUNE_SET)), help="tune cases, family:seed,... ('' : none)")
+    p.add_argument("--score", default=",".join(map(str, SCORE_SET)), help="score cases, family:seed,... ('' : none)")
     a = p.parse_args()
     tops = TOPOLOGIES if a.only is None else (
         (AGGREGATED_8,) if a.only == "aggregated" else (DISAGGREGATED_4P4D,)
     )
     main(a.trace, a.limit, topologies=tops, dynamo=not a.no_dynamo, jobs=a.jobs,
          load_report_ms=a.load_report_ms if a.load_report_ms > 0 else None,
-         kv_event_lag_ms=a.kv_event_lag_ms)
+         kv_event_lag_ms=a.kv_event_lag_ms, tune=parse_cases(a.tune) if a.tune else None,
+         score=parse_cases(a.score) if a.score else None)

@@ -24,20 +24,30 @@ by source tier in proportion to the blocks each tier loaded), bytes moved per di
 where TTFT goes around the median and the 99th percentile, on both sides (:func:`breakdown`), and
 a lower bound no router or cache can beat on this trace and engine model (every request alone on
 an idle worker, with one infinite cache shared by all: :func:`ideal_uncached`); and the RESULT
-line. Run: ``uv run --group bench switchyard bench tiers [--limit N]``.
+line. Run: ``uv run --group bench switchyard bench tiers [--limit N] [--tune ...] [--score ...]``.
+
+Tune and score apart (``docs/workloads.md``): before the trace, both sides' ``prefill_load_scale``
+(ours with host and disk tiers, Dynamo's kv_router at its default cache) is picked over the
+routing bench's grid on the tune cases (generated workloads, lowest TTFT mean relative to each
+case's best), and each pick is scored on the score cases against the other side's pick; the
+trace then runs with the picks, and the RESULT line adds ``score_cases=N worst_case=... worst_*``
+(the score case where our p99 gain over Dynamo is lowest).
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import msgspec
 import numpy as np
 
-from benchmarks.routing_bench import DYNAMO_RUNS, load_requests, run_dynamo_median
+from benchmarks import tune_score
+from benchmarks.routing_bench import DYNAMO_RUNS, GRID, load_requests, pool_map, run_dynamo_median
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig, TierWeights
 from control_plane.simulation import AGGREGATED_8, block_hashes, run_cluster
@@ -45,6 +55,7 @@ from data_plane.engines import EngineRequest, default_hash_config, load_profile
 from data_plane.engines.blockhash import block_digests
 from data_plane.engines.tiers import OnboardCosts, costs_for, peer_weight, prefill_ms, tier_weights
 from schemas.types import RoutingMode, Tier
+from workloads.sets import SCORE_SET, TUNE_SET, Case
 
 DEFAULT_TRACE = WHOLE_TRACE
 #: Per worker, in blocks: host 2x the mocker device, disk 8x.
@@ -52,13 +63,15 @@ HOST_BLOCKS = 2 * 16_384
 DISK_BLOCKS = 8 * 16_384
 #: Dynamo's "unbounded" device cache per worker.
 DYNAMO_BIG_BLOCKS = 1 << 22
+#: Host and disk tiers per worker.
+TIERED = {Tier.HOST: HOST_BLOCKS, Tier.DISK: DISK_BLOCKS}
 
 #: (name, tiers per worker, peer fetch on)
 CONFIGS: tuple[tuple[str, dict[Tier, int] | None, bool], ...] = (
     ("device only", None, False),
     ("+host", {Tier.HOST: HOST_BLOCKS}, False),
-    ("+host+disk", {Tier.HOST: HOST_BLOCKS, Tier.DISK: DISK_BLOCKS}, False),
-    ("+host+disk+peer", {Tier.HOST: HOST_BLOCKS, Tier.DISK: DISK_BLOCKS}, True),
+    ("+host+disk", TIERED, False),
+    ("+host+disk+peer", TIERED, True),
 )
 
 
@@ -204,16 +217,84 @@ def _spread(r: dict[str, Any], key: str) -> str:
     return f" ({lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else ""
 
 
+def tune_and_score(tune: Sequence[Case], score: Sequence[Case], config: RouterConfig, costs: OnboardCosts, *,
+                   dynamo: bool, dynamo_runs: int, jobs: int = 2, duration_s: float = tune_score.CASE_DURATION_S,
+                   rate_scale: float = tune_score.CASE_RATE_SCALE) -> dict[str, Any]:
+    """``prefill_load_scale`` over the routing bench's grid, picked per side on the tune cases
+    (ours: kv with host and disk tiers; Dynamo: kv_router at its default cache), then scored on
+    the score cases: ours tiered and device-only at its pick, Dynamo at its pick."""
+    tune, score = tune_score.checked(tune, score)
+    prof = load_profile("mocker")
+    with tempfile.TemporaryDirectory(prefix="switchyard-tune-") as tmp:
+        traces, requests = tune_score.load_cases((*tune, *score), Path(tmp), prof.block_size, duration_s=duration_s,
+                                                 rate_scale=rate_scale)
+
+        def ours(job: tuple[Case, float, bool]) -> dict[str, Any]:
+            case, g, tiered = job
+            cfg = msgspec.structs.replace(config, prefill_load_scale=g)
+            out = run_tiered(requests[case], TIERED if tiered else None, cfg, costs, prof.block_size)
+            out.pop("served")
+            return out
+
+        def dyn(case: Case, g: float) -> dict[str, Any]:
+            return run_dynamo_median(traces[case].path, None, AGGREGATED_8, "kv_router", {"prefill_load_scale": g},
+                                     dynamo_runs)
+
+        t0 = time.perf_counter()
+        jobs_t = [(c, g, True) for c in tune for g in GRID]
+        out_t = dict(zip(jobs_t, pool_map(ours, jobs_t, jobs)))
+        tuned = {"ours": tune_score.pick({c: {g: out_t[(c, g, True)] for g in GRID} for c in tune}, "ttft_mean_ms")}
+        if dynamo:
+            tuned["dynamo"] = tune_score.pick({c: {g: dyn(c, g) for g in GRID} for c in tune}, "ttft_mean_ms")
+        g_ours = tuned["ours"].point
+        jobs_s = [(c, g_ours, tiered) for c in score for tiered in (True, False)]
+        out_s = dict(zip(jobs_s, pool_map(ours, jobs_s, jobs)))
+        scores: dict[Case, dict[str, float]] = {}
+        for c in score:
+            t, dev = out_s[(c, g_ours, True)], out_s[(c, g_ours, False)]
+            f = {"reuse_tiered": t["reuse"], "reuse_device_only": dev["reuse"],
+                 "ttft_p99_gain_vs_device_only": dev["ttft_p99_ms"] / t["ttft_p99_ms"], "ttft_p99_ms": t["ttft_p99_ms"]}
+            if dynamo:
+                d = dyn(c, tuned["dynamo"].point)
+                f.update(reuse_dynamo=d["reuse"], ttft_p99_gain_vs_dynamo=d["ttft_p99_ms"] / t["ttft_p99_ms"],
+                         ttft_p50_gain_vs_dynamo=d["ttft_p50_ms"] / t["ttft_p50_ms"], ttft_p99_ms_dynamo=d["ttft_p99_ms"])
+            scores[c] = f
+        wall = time.perf_counter() - t0
+    return tune_score.report(tune, score, GRID, tuned, scores,
+                             "ttft_p99_gain_vs_dynamo" if dynamo else "ttft_p99_gain_vs_device_only",
+                             where="8 aggregated, ours with host and disk tiers", wall_s=wall, duration_s=duration_s,
+                             rate_scale=rate_scale)
+
+
 def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool = True,
-         dynamo_runs: int = DYNAMO_RUNS) -> dict[str, Any]:
+         dynamo_runs: int = DYNAMO_RUNS, tune: Sequence[Case] | None = TUNE_SET,
+         score: Sequence[Case] | None = SCORE_SET, case_duration_s: float = tune_score.CASE_DURATION_S,
+         case_rate_scale: float = tune_score.CASE_RATE_SCALE) -> dict[str, Any]:
+    """The tables and the RESULT line. With ``tune`` and ``score`` (default: ``workloads.sets``'
+    sets), both sides' ``prefill_load_scale`` is picked on the tune cases and scored on the score
+    cases first (:func:`tune_and_score`), and the trace runs with the picks; without them (None)
+    both sides run at their defaults, as before."""
     prof = load_profile("mocker")
     chunk = prof.max_num_batched_tokens
     requests = load_requests(trace, limit, prof)
     costs = costs_for(prof.timing)
     config = derived_router_config(costs)
     peer_config = derived_router_config(costs, peer=True)
+    apart = None
+    dyn_overrides = None
+    if tune is not None and score is not None:
+        apart = tune_and_score(tune, score, config, costs, dynamo=dynamo, dynamo_runs=dynamo_runs,
+                               duration_s=case_duration_s, rate_scale=case_rate_scale)
+        config = msgspec.structs.replace(config, prefill_load_scale=apart["tuned"]["ours"])
+        peer_config = msgspec.structs.replace(peer_config, prefill_load_scale=apart["tuned"]["ours"])
+        if dynamo:
+            dyn_overrides = {"prefill_load_scale": apart["tuned"]["dynamo"]}
+        print("")
     w = config.tier_weights
-    print(f"tiers bench: {len(requests)} requests of {trace.name}, 8 aggregated mocker workers, virtual time")
+    print(f"tiers bench: {len(requests)} requests of {trace.name}, 8 aggregated mocker workers, virtual time; "
+          f"prefill_load_scale ours {config.prefill_load_scale:g}"
+          + (f", dynamo {dyn_overrides['prefill_load_scale']:g}" if dyn_overrides else ", dynamo its default")
+          + (" (picked on the tune set)" if apart else " (defaults)"))
     print(f"costs: {costs.kv_bytes_per_token / 1024:.0f} KiB/token; "
           + ", ".join(f"{t.value} {l.bandwidth_bytes_s / 1e9:g} GB/s + {l.latency_ms:g} ms"
                       for t, l in costs.links.items()))
@@ -227,7 +308,7 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
     if dynamo:
         for name, engine_args in (("dynamo kv_router", None),
                                   ("dynamo kv_router, unbounded device", {"num_gpu_blocks": DYNAMO_BIG_BLOCKS})):
-            r = run_dynamo_median(trace, limit, AGGREGATED_8, "kv_router", None, dynamo_runs,
+            r = run_dynamo_median(trace, limit, AGGREGATED_8, "kv_router", dyn_overrides, dynamo_runs,
                                   engine_args=engine_args, per_request=True)
             r["served"] = served_dynamo(r.pop("per_request"))
             rows[name] = r
@@ -290,5 +371,8 @@ def main(trace: Path = DEFAULT_TRACE, limit: int | None = None, *, dynamo: bool 
                       ttft_p99_gain_bound=d["ttft_p99_ms"] / bound[99],
                       ttft_p50_gain_bound=d["ttft_p50_ms"] / bound[50])
     result.update(ttft_p99_bound_ms=bound[99], ttft_p50_bound_ms=bound[50])
-    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in result.items()))
-    return {"rows": rows, "result": result}
+    line = "RESULT " + " ".join(f"{k}={v:.4f}" for k, v in result.items())
+    if apart:
+        line += f" {apart['summary'].result_fields}"
+    print(line)
+    return {"rows": rows, "result": result, "apart": apart, "line": line}

@@ -41,11 +41,13 @@ def _register_subapps() -> None:
     from control_plane.metrics.cli import metrics_app
     from control_plane.planner.cli import planner_app
     from control_plane.replay.cli import replay_app
+    from workloads.cli import workload_app
 
     app.add_typer(metrics_app, name="metrics")
     app.add_typer(replay_app, name="replay")
     app.add_typer(admin_app, name="admin")
     app.add_typer(planner_app, name="planner")
+    app.add_typer(workload_app, name="workload")
 
 
 _register_subapps()
@@ -441,6 +443,10 @@ def up_cmd(
     decode: Annotated[int, typer.Option(help="Decode workers.")] = DEMO_DEFAULTS.decode_workers,
     stop: Annotated[bool, typer.Option("--stop", help="Stop everything after the report.")] = DEMO_DEFAULTS.stop_after,
     engine: Annotated[str, typer.Option(help="sim (default) | vllm: real vLLM workers from .venv-vllm (NixlConnector P/D).")] = DEMO_DEFAULTS.engine,
+    workload: Annotated[Optional[str], typer.Option(
+        help="Replay a generated workload instead of the shipped slice: chat | agentic | rag | long-context | mixed "
+             "(docs/workloads.md).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of --workload.")] = 1,
 ) -> None:
     """Bring the whole system up on this box: the stack (Kafka, PostgreSQL, Redis, Prometheus, SeaweedFS),
     the metrics processor, the router, the admin API, the planner and simulated prefill/decode
@@ -452,6 +458,16 @@ def up_cmd(
     from control_plane.demo.up import run_demo
     from control_plane.settings import StackSettings
 
+    if workload is not None:
+        if trace is not None:
+            fail("give --trace or --workload, not both", 2)
+        from control_plane.demo.up import workload_trace
+
+        try:
+            trace = workload_trace(workload, seed, limit, StackSettings.from_env().state_dir)
+        except (ValueError, RuntimeError) as e:
+            fail(str(e), 2)
+        typer.echo(f"workload {workload}:{seed}: {trace}")
     trace = trace or DEMO_TRACE
     if not trace.exists():
         fail(f"trace {trace} not found (give --trace)")
@@ -700,28 +716,53 @@ def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
     run(trace, limit)
 
 
+TuneOpt = Annotated[str, typer.Option(
+    help="Tune cases, family:seed,... (all:N = every family with seed N); '' with --score '': no tune/score "
+         "phase (docs/workloads.md).")]
+ScoreOpt = Annotated[str, typer.Option(help="Score cases (seeds disjoint from the tune cases).")]
+
+
+def _cases(tune: str, score: str):
+    """The --tune / --score options as case tuples (None, None when both are empty)."""
+    if not tune and not score:
+        return None, None
+    from workloads.sets import check_apart, parse_cases
+
+    try:
+        t, s = parse_cases(tune), parse_cases(score)
+        check_apart(t, s)
+    except ValueError as e:
+        fail(str(e), 2)
+    return t, s
+
+
 @bench_app.command("routing")
 def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
-                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
+                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
+                  tune: TuneOpt = "all:1", score: ScoreOpt = "all:2") -> None:
     """The whole trace in virtual time through our routing decision and simulated engines, kv vs
-    round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin).
+    round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin); both
+    sides' prefill_load_scale picked on the tune cases and scored on the score cases first.
     Needs the bench group: `uv run --group bench ...`."""
     from benchmarks.routing_bench import main as run
 
-    run(trace, limit)
+    t, s = _cases(tune, score)
+    run(trace, limit, tune=t, score=s)
 
 
 @bench_app.command("tiers")
 def bench_tiers(trace: TraceOpt = Path(TRACE_DEFAULT),
                 limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
                 dynamo: Annotated[bool, typer.Option(help="Also run Dynamo's mocker kv_router (bench group).")] = True,
-                ) -> None:
+                tune: TuneOpt = "all:1", score: ScoreOpt = "all:2") -> None:
     """What KV tiers buy: 8 aggregated workers in virtual time, device only / +host / +host+disk
     with onboarding, our kv routing, beside Dynamo's mocker kv_router at its default and an
-    unbounded device cache. Needs the bench group: `uv run --group bench ...`."""
+    unbounded device cache; both sides' prefill_load_scale picked on the tune cases and scored on
+    the score cases first. Needs the bench group: `uv run --group bench ...`."""
     from benchmarks.tiers_bench import main as run
 
-    run(trace, limit, dynamo=dynamo)
+    t, s = _cases(tune, score)
+    run(trace, limit, dynamo=dynamo, tune=t, score=s)
 
 
 @bench_app.command("e2e")

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from data_plane.engines.trace import MOONCAKE_BLOCK_SIZE, MooncakeTrace, TraceRecord, read_mooncake
+from data_plane.engines.trace import MooncakeTrace, TraceRecord, read_mooncake
 from kernel.hashing import HashAlgo, HashConfig
+from workloads.stats import ideal_hit_rate
 
 
 @dataclass
@@ -48,26 +49,6 @@ class Result:
     rejected: bool = False
     #: The router's id of the request (its ``X-Request-Id`` header; empty: no answer came).
     router_request_id: str = ""
-
-
-def ideal_hit_rate(records: list[TraceRecord]) -> float:
-    """Prompt tokens served from cache by one infinite cache that saw every earlier request."""
-    seen: set[tuple[int, ...]] = set()
-    hit = total = 0
-    for r in records:
-        prefix: tuple[int, ...] = ()
-        matched = 0
-        for h in r.hash_ids:
-            prefix = prefix + (h,)
-            if prefix in seen:
-                matched += 1
-            else:
-                break
-        for i in range(1, len(r.hash_ids) + 1):
-            seen.add(tuple(r.hash_ids[:i]))
-        total += r.input_length
-        hit += min(matched * MOONCAKE_BLOCK_SIZE, r.input_length)
-    return hit / total if total else 0.0
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -128,6 +128,23 @@ def write_prometheus_targets(targets_dir: Path, groups: dict[str, list[str]]) ->
 # -- the demo ------------------------------------------------------------------------------------
 
 
+def workload_trace(family: str, seed: int, limit: int, state_dir: Path) -> Path:
+    """A generated workload for ``up --demo --workload``: ``family`` with ``seed`` at its default
+    rate, long enough to hold ``limit`` requests, written to ``<state dir>/demo/``."""
+    from workloads.generator import Spec, default_rate, generate, write
+
+    rate = default_rate(family)
+    duration = 1.5 * max(limit, 1) / rate + 60.0  # Poisson counts and session warm-up leave room
+    records = generate(Spec(family, seed, duration_s=duration))
+    if len(records) < limit:
+        raise RuntimeError(f"workload {family}:{seed} gave {len(records)} requests in {duration:.0f} s, "
+                           f"fewer than --limit {limit}")
+    path = state_dir / "demo" / f"workload-{family}-{seed}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(records, path)
+    return path
+
+
 
 def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict:
     from control_plane.stack import Stack

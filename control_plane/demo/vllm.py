@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from control_plane.demo.loadgen import _one, _pct, ideal_hit_rate
+from control_plane.demo.loadgen import _one, _pct
+from workloads.stats import ideal_hit_rate
 from control_plane.demo.trace_tokens import prompt_of
 from data_plane.engines.trace import read_mooncake
 from kernel.settings import repo_root

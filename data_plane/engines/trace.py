@@ -64,6 +64,13 @@ class TraceRecord:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    #: Optional fields of generated traces (``workloads``; Mooncake's own traces have none):
+    #: the conversation or agent task the request belongs to, its turn in it (0 first), a
+    #: scheduling priority (0 most urgent) and the tenant that sent it.
+    session_id: str | None = None
+    turn: int | None = None
+    priority: int | None = None
+    tenant: str | None = None
 
 
 def read_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRecord]:
@@ -77,15 +84,20 @@ def read_mooncake(path: str | Path, limit: int | None = None) -> list[TraceRecor
                 continue
             try:
                 raw = json.loads(line)
+                session, turn, priority, tenant = (raw.get(k) for k in ("session_id", "turn", "priority", "tenant"))
                 out.append(
                     TraceRecord(
                         timestamp_ms=float(raw.get("timestamp", 0.0)),
                         input_length=int(raw["input_length"]),
                         output_length=int(raw["output_length"]),
                         hash_ids=tuple(int(h) for h in raw["hash_ids"]),
+                        session_id=None if session is None else str(session),
+                        turn=None if turn is None else int(turn),
+                        priority=None if priority is None else int(priority),
+                        tenant=None if tenant is None else str(tenant),
                     )
                 )
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise TraceFormatError(f"{path}:{lineno}: {e}") from e
     return out
 

@@ -76,7 +76,7 @@ def test_disaggregated_round_robin_rotates_each_pool_on_its_own(requests):
 
 
 def test_main_reports_every_topology_and_the_result_line(capsys):
-    out = main(DEFAULT_TRACE, 60, dynamo=False)
+    out = main(DEFAULT_TRACE, 60, dynamo=False, tune=None, score=None)
     assert set(out["configs"]) == {AGGREGATED_8.name, DISAGGREGATED_4P4D.name}
     for name, c in out["configs"].items():
         # The default and every grid point, and the best is a grid point.
@@ -84,3 +84,31 @@ def test_main_reports_every_topology_and_the_result_line(capsys):
         assert out["best"][name]["ours"] in c["ours"]
     assert out["result"].startswith("RESULT ttft_p50_gain_ours=")
     assert capsys.readouterr().out.rstrip().endswith(out["result"])
+
+
+def test_tune_and_score_apart():
+    """Our prefill_load_scale is picked on the tune cases only (the grid point with the lowest
+    objective), its pick is scored on the score cases and used as the trace's "best", and the
+    RESULT line keeps its keys and adds the worst score case's figures."""
+    from workloads.sets import Case, parse_cases
+
+    out = main(DEFAULT_TRACE, 60, topologies=(AGGREGATED_8,), dynamo=False, tune=parse_cases("chat:1,agentic:1"),
+               score=parse_cases("agentic:2,rag:2"), case_duration_s=20)
+    apart = out["apart"]
+    tuned = apart["tuning"]["ours"]
+    assert set(tuned.runs) == {Case("chat", 1), Case("agentic", 1)}
+    assert set(tuned.objective) == set(GRID) and tuned.point == min(GRID, key=lambda g: tuned.objective[g])
+    assert set(apart["scores"]) == {Case("agentic", 2), Case("rag", 2)}
+    assert out["best"][AGGREGATED_8.name]["ours"] == f"kv@{tuned.point:g}"
+    worst = apart["summary"].worst
+    assert apart["scores"][worst]["ttft_p99_gain_ours"] == min(s["ttft_p99_gain_ours"] for s in apart["scores"].values())
+    assert out["result"].startswith("RESULT ttft_p50_gain_ours=")
+    assert f" score_cases=2 worst_case={worst} worst_ttft_p50_gain_ours=" in out["result"]
+
+
+def test_tune_and_score_sets_must_not_overlap():
+    from workloads.sets import Case
+
+    with pytest.raises(ValueError, match="share chat:1"):
+        main(DEFAULT_TRACE, 20, topologies=(AGGREGATED_8,), dynamo=False, tune=(Case("chat", 1),),
+             score=(Case("chat", 1), Case("rag", 2)))

@@ -17,7 +17,7 @@ def test_router_weights_are_derived_from_the_onboarding_cost():
 
 
 def test_main_reports_reuse_by_tier_and_the_result_line(capsys):
-    out = main(DEFAULT_TRACE, 300, dynamo=False)
+    out = main(DEFAULT_TRACE, 300, dynamo=False, tune=None, score=None)
     rows = out["rows"]
     device, host = rows["ours kv, device only"], rows["ours kv, +host"]
     assert host["reuse"] >= device["reuse"]
@@ -50,7 +50,7 @@ def test_the_ideal_cache_hits_every_prefix_an_earlier_arrival_had():
 
 
 def test_peer_fetch_row_pulls_from_peers_and_keeps_reuse(capsys):
-    out = main(DEFAULT_TRACE, 300, dynamo=False)
+    out = main(DEFAULT_TRACE, 300, dynamo=False, tune=None, score=None)
     rows = out["rows"]
     tiered, peered = rows["ours kv, +host+disk"], rows["ours kv, +host+disk+peer"]
     assert peered["peer_fetches"] > 0
@@ -69,3 +69,22 @@ def test_the_peer_weight_comes_from_the_same_cost():
     assert 0.0 < fast < 1.0 and slow < fast
     assert derived_router_config(OnboardCosts(), peer=True).tier_weights.peer == fast
     assert derived_router_config(OnboardCosts()).tier_weights.peer == 0.0
+
+
+def test_tune_and_score_apart(capsys):
+    """The scale is picked on the tune cases, the trace runs with the pick, and the RESULT line
+    keeps its keys and adds the worst score case (lowest p99 gain over device only, without
+    Dynamo)."""
+    from workloads.sets import Case, parse_cases
+
+    out = main(DEFAULT_TRACE, 60, dynamo=False, tune=parse_cases("agentic:1,long-context:1"),
+               score=parse_cases("agentic:2,mixed:2"), case_duration_s=20)
+    apart = out["apart"]
+    assert set(apart["tuning"]["ours"].runs) == {Case("agentic", 1), Case("long-context", 1)}
+    assert set(apart["scores"]) == {Case("agentic", 2), Case("mixed", 2)}
+    worst = apart["summary"].worst
+    assert apart["scores"][worst]["ttft_p99_gain_vs_device_only"] == min(
+        s["ttft_p99_gain_vs_device_only"] for s in apart["scores"].values())
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == out["line"] and last.startswith("RESULT reuse_tiered=")
+    assert f" score_cases=2 worst_case={worst} " in last
