@@ -26,9 +26,10 @@ One tick, per pool:
    the others of budget.
 3. **Predict** the rate over ``forecast_horizon_s`` (default ``2 * lead_time_s + tick_s``:
    replicas ordered now are ready after the lead time, the next decision waits for them, and its
-   replicas take another lead time; a trend predictor answers the largest forecast within it,
-   extrapolating only the slope beyond ``trend_z`` of its sd, whose uncertainty widens the noise
-   band), then add the **headroom**: every horizon forecast is scored against the mean rate that
+   replicas take another lead time; a trend predictor answers the largest forecast within it
+   once rising windows confirm the trend (``_rising``: a CUSUM of the windows' excess over a
+   lagged reference), otherwise the next window's, extrapolating only the slope beyond
+   ``trend_z`` of its sd), then add the **headroom**: every horizon forecast is scored against the mean rate that
    came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
    the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
    ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
@@ -72,6 +73,12 @@ One tick, per pool:
    where it was. A holder may thus drain down to its need so that a starving pool grows, never
    below it and never for nothing. Only a lowered budget that even that cannot meet cuts every
    pool back from its minimum.
+   **Overload loop** (issue 35): a window's SLO attainment below ``overload_attainment``, or
+   queued work longer than the latency target, puts the pool in overload mode: sized for the
+   measured arrivals plus the backlog drained in ``overload_drain_s`` at the measured service
+   rate (``_overload``, ``_overload_need``), orders stacking on replicas still starting, no
+   scale-down, first call on the budget while the breach lasts; left after
+   ``overload_exit_windows`` clean windows.
 7. **Effects.** Each pool whose target changes gets a :class:`ScaleEffect` carrying a
    ``ScalingDecision`` payload: from, to, a reason with the arithmetic, every input (predictions,
    profile lookups, corrections, replica counts), the predictor, the config version and the
