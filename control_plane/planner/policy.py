@@ -659,7 +659,9 @@ def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig,
             if wait_s * 1000.0 > (pc.ttft_slo_ms or 0.0):
                 breaches.append(f"{queued:,} prefill tokens queued, {wait_s:.1f} s of work > TTFT "
                                 f"{(pc.ttft_slo_ms or 0.0) / 1000:g} s")
-        saturated = saturated and all(w.queued_prefill_tokens > 0 for w in ready)
+        # busy for the whole window only with at least a second of the profile's work queued each
+        # (a queue that is merely non-empty at the tick leaves idle gaps: measured low)
+        saturated = saturated and all(w.queued_prefill_tokens >= prof.prefill_tokens_per_s for w in ready)
     if role is not WorkerRole.PREFILL:
         waiting = sum(w.waiting for w in ready)
         if ready and waiting > len(ready):

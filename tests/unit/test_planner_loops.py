@@ -109,15 +109,16 @@ def test_a_pool_with_a_wide_margin_yields_below_its_need_to_a_failing_one():
 
 
 def test_service_rate_is_measured_in_saturated_windows():
-    """Two ready workers, each with work queued at every tick (saturated since the tick at 21
-    s). The window 30-40 s lies wholly inside that: 120,000 new prompt tokens / (2 workers x 10
-    s) = 6,000 tokens/s per replica, learned as is (the first measurement)."""
+    """Two ready workers, each with at least a second of the profile's work (10,000 tokens)
+    queued at every tick (saturated since the tick at 21 s). The window 30-40 s lies wholly
+    inside that: 120,000 new prompt tokens / (2 workers x 10 s) = 6,000 tokens/s per replica,
+    learned as is (the first measurement)."""
     cfg = make_config()
     state = PlannerState(pools=(PoolState(pool="p", target=2),))
     measured = []
     for end in (20, 30, 40):
         w = make_window(end, arrivals=30, prompt_tokens=120_000, cached_tokens=0)
-        load = _pool("p", "prefill", [w], ready=2, queued_prefill_tokens=5_000)
+        load = _pool("p", "prefill", [w], ready=2, queued_prefill_tokens=10_000)
         d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
         measured.append(d.report("p").input("measured_tok_s_per_replica"))
     assert measured == [None, None, 6000.0]
