@@ -32,7 +32,7 @@ def pair(bus: BusSettings, tmp_path):
 
 
 def _client(w: WorkerProc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{w.url}/v1", api_key="x", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=f"{w.url}/v1", api_key=w.token(), max_retries=0, timeout=30)
 
 
 def test_a_prefix_is_pulled_from_a_peer_not_recomputed(pair, bus: BusSettings):
