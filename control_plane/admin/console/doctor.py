@@ -188,13 +188,17 @@ def gather(workers: list[RegisteredWorker], live, fetch: Callable[[RegisteredWor
     return index, actual, expected_algo, expected_bs
 
 
-def http_fetcher(credential: str, timeout_s: float = 3.0) -> Callable[[RegisteredWorker], Actual]:
+def http_fetcher(secret: str, timeout_s: float = 3.0) -> Callable[[RegisteredWorker], Actual]:
+    """Reads each worker's ``/debug/state`` with that worker's own bearer, derived from the
+    cluster's worker ``secret`` (:func:`kernel.settings.worker_token`)."""
     import httpx
+
+    from kernel.settings import worker_token
 
     def fetch(w: RegisteredWorker) -> Actual:
         try:
             r = httpx.get(f"{w.endpoint.rstrip('/')}/debug/state", timeout=timeout_s,
-                          headers={"Authorization": f"Bearer {credential}"})
+                          headers={"Authorization": f"Bearer {worker_token(secret, w.worker_id)}"})
         except httpx.HTTPError as e:
             return Actual(error=f"{type(e).__name__}: {e}"[:200])
         if r.status_code != 200:
