@@ -195,7 +195,9 @@ def start_workers(tmp: Path, speedup: float, n: int = 2) -> Workers:
     d = tmp / prefix
     d.mkdir(parents=True)
     procs = [_spawn([sys.executable, "-m", "switchyard.cli", "worker", "--worker-id", f"peers-{i}", "--port",
-                     str(port), "--speedup", str(speedup), "--data-dir", str(d / f"w{i}")], d / f"w{i}.log", env)
+                     str(port), "--speedup", str(speedup), "--data-dir", str(d / f"w{i}"),
+                     # the peers cannot send a per-worker bearer (ours does, and still must)
+                     "--open-generation"], d / f"w{i}.log", env)
              for i, port in enumerate(ports)]
     w = Workers([f"http://127.0.0.1:{p}" for p in ports], procs, env, prefix)
     try:

@@ -365,6 +365,9 @@ def worker(
     vllm_gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="vLLM on GPU hosts.")] = None,
     vllm_ucx_net_devices: Annotated[str, typer.Option(help="UCX_NET_DEVICES for NIXL ('' leaves UCX's default).")] = "lo",
     vllm_args: Annotated[Optional[str], typer.Option(help="Extra AsyncEngineArgs as a JSON object.")] = None,
+    open_generation: Annotated[bool, typer.Option(
+        "--open-generation", help="Benchmarks only: /v1/completions and /v1/models need no bearer, so a third-party "
+                                  "router that cannot send this worker's bearer can front it (bench peers).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run one worker: an engine (simulated by default, or a real vLLM with --engine vllm) +
@@ -397,6 +400,7 @@ def worker(
             engine=engine, vllm=vllm_settings,
             worker_id=worker_id, role=role, pool=pool, host=host, port=port, profile=profile,
             speedup=speedup, block_size=block_size, device_blocks=device_blocks, model=model,
+            open_generation=open_generation,
             data_dir=data_dir, host_blocks=host_blocks, disk_blocks=disk_blocks,
             disk_admission_min_uses=disk_admission_min_uses, object_blocks=object_blocks, s3_endpoint=s3_endpoint, s3_bucket=s3_bucket,
             s3_access_key_id=s3_key_id, s3_secret_access_key=s3_secret,

@@ -23,6 +23,8 @@ Contract (what the router relies on):
   requires this worker's bearer (``Authorization: Bearer <token>``, :func:`kernel.settings.worker_token`:
   an HMAC of the cluster's worker secret with this worker's id); without it they answer 401.
   The routers send it on every call, and a peer worker sends it on its lookups and fetches.
+  ``--open-generation`` (benchmarks only) opens ``/v1/completions`` and ``/v1/models`` to a
+  third-party router that cannot send it.
 * ``/v1/completions`` enforces the router's bounds on one request
   (:class:`kernel.request_limits.RequestLimits`: body bytes, 413; ``max_tokens``, token ids,
   context, 400), so a caller that reaches the worker directly gets no more than through the
@@ -100,6 +102,8 @@ class CredentialRequired(Exception):
 
 def require_credential(request: Request,
                        creds: Annotated[HTTPAuthorizationCredentials | None, Security(_credential_scheme)]) -> None:
+    if request.app.state.open_generation and request.url.path in ("/v1/completions", "/v1/models"):
+        return  # --open-generation: a benchmark's third-party router fronts this worker
     expected: str = request.app.state.credential
     given = creds.credentials if creds is not None else ""
     if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -194,7 +198,7 @@ async def _sse(run: Run, model: str, include_usage: bool, tokenizer: Tokenizer) 
 
 
 def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential: str,
-               limits: RequestLimits = RequestLimits()) -> FastAPI:
+               limits: RequestLimits = RequestLimits(), open_generation: bool = False) -> FastAPI:
     """``credential``: the bearer the routes require, this worker's token (never empty: an empty
     one would let every caller in); ``limits``: the bounds on one request (the router's)."""
     if not credential:
@@ -204,6 +208,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
     app.state.tokenizer = tokenizer or HashTokenizer()
     app.state.credential = credential
     app.state.limits = limits
+    app.state.open_generation = open_generation
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

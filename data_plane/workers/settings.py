@@ -87,6 +87,11 @@ class WorkerSettings:
     #: model's context and vocabulary), so a caller that reaches the worker directly gets no
     #: more than the router would give it.
     limits: RequestLimits = RequestLimits()
+    #: ``--open-generation``: ``/v1/completions`` and ``/v1/models`` answer without this worker's
+    #: bearer. Only for a benchmark where a third-party router (nginx, smg, vllm-router), which
+    #: cannot send a per-worker bearer, fronts the worker (``bench peers``); every other route
+    #: still needs it, and nothing of ours starts a worker this way.
+    open_generation: bool = False
     #: How long a response waits for the broker to acknowledge the event it reveals
     #: (PrefillCompleted, KvTransferCompleted/Failed) before answering 503.
     ack_timeout_s: float = 10.0

@@ -221,7 +221,8 @@ async def _main(s: WorkerSettings, bus: BusSettings) -> int:
     endpoint_url = f"http://{s.host}:{sock.getsockname()[1]}"
     secret = worker_credential(bus.secrets_dir)
     worker = await build_worker(s, bus, endpoint_url, secret)
-    app = create_app(worker, HashTokenizer(), credential=worker_token(secret, s.worker_id), limits=s.limits)
+    app = create_app(worker, HashTokenizer(), credential=worker_token(secret, s.worker_id), limits=s.limits,
+                     open_generation=s.open_generation)
     server = _Server(server_config(app, s.host, sock.getsockname()[1], lifespan="off"))
     loop = asyncio.get_running_loop()
     drain_task: asyncio.Task | None = None

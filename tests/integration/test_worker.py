@@ -202,3 +202,21 @@ def test_worker_enforces_the_router_s_bounds_and_stops_for_a_client_that_left(wo
                     raise AssertionError("4,000 tokens answered within 1 s: the test needs a longer run")
         wait_for(lambda: _running(worker) == 0, timeout=10,
                  what=lambda: f"no running request after the client left (stream={stream}): {_running(worker)}")
+
+
+def test_open_generation_opens_only_the_generation_routes(bus: BusSettings, tmp_path):
+    """``--open-generation`` (bench peers: a third-party router that cannot send a per-worker
+    bearer fronts the worker) opens /v1/completions and /v1/models; every other private route
+    still answers 401 without the worker's bearer."""
+    w = WorkerProc(bus, "w-open", tmp_path / "d", tmp_path, args=["--open-generation"]).start()
+    try:
+        models = httpx.get(f"{w.url}/v1/models", timeout=10)
+        assert models.status_code == 200, models.text
+        done = httpx.post(f"{w.url}/v1/completions", json={"model": "switchyard-sim", "prompt": [1, 2, 3],
+                                                           "max_tokens": 2}, timeout=30)
+        assert done.status_code == 200 and done.json()["choices"], done.text
+        for method, path in (("GET", "/kv/metadata"), ("GET", "/debug/state"), ("POST", "/admin/reset_prefix_cache")):
+            r = httpx.request(method, f"{w.url}{path}", timeout=10)
+            assert r.status_code == 401, (method, path, r.status_code, r.text)
+    finally:
+        w.kill()
