@@ -28,8 +28,8 @@ def _role(bus: BusSettings, role: str) -> BusSettings:
                                 secrets_dir=bus.secrets_dir)
 
 
-def _register(p: EventProducer, wid: str) -> None:
-    p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint=f"http://127.0.0.1/{wid}",
+def _register(p: EventProducer, wid: str, port: int) -> None:
+    p.publish(WorkerRegistered(worker_id=wid, role="aggregated", pool="default", endpoint=f"http://127.0.0.1:{port}",
                                block_size=BS, hash_algo=ALGO))
     assert p.flush(30) == 0
 
@@ -43,7 +43,7 @@ async def _until(cond, timeout_s: float, what: str) -> None:
 
 
 async def test_a_foreign_member_is_detected_and_the_view_recovers(bus: BusSettings) -> None:
-    _register(EventProducer(bus, "w-a"), "w-a")
+    _register(EventProducer(bus, "w-a"), "w-a", 18001)
     router = _role(bus, "router")
     view = RouterView(ALGO, BS)
     proc = RouterViewProcessor(router, "r1", view, snapshot_every_s=3600)
@@ -65,7 +65,7 @@ async def test_a_foreign_member_is_detected_and_the_view_recovers(bus: BusSettin
         said = proc.health()  # until the next round sees the fresh group follow the whole log
         assert said.state == "DEGRADED" and any("group" in r or "crashed" in r or "stopped" in r
                                                 for r in said.reasons), said
-        _register(EventProducer(bus, "w-b"), "w-b")
+        _register(EventProducer(bus, "w-b"), "w-b", 18002)
         await proc.sync(60)
         assert "w-b" in view.workers
         await _until(lambda: proc.stopped_reason() is None, 30, "the view still says it is stopped")
