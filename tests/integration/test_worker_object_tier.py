@@ -48,7 +48,7 @@ def test_blocks_below_host_land_in_seaweedfs_and_are_served_back(seaweedfs: Seaw
     w = WorkerProc(bus, "w-g4", tmp_path / "data", tmp_path,
                    args=_args(seaweedfs, bucket, str(seaweedfs.s.s3_credentials_file))).start()
     try:
-        client = openai.OpenAI(base_url=f"{w.url}/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=f"{w.url}/v1", api_key=w.token(), max_retries=0)
         prompt_a = list(range(500, 564))  # 4 full blocks
         for prompt in (prompt_a, list(range(1000, 1144)), list(range(2000, 2144))):  # then 9 and 9
             client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=2)

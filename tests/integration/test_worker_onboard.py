@@ -38,7 +38,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def test_an_offloaded_prefix_is_onboarded_not_recomputed(worker: WorkerProc, bus: BusSettings):
-    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(base_url=f"{worker.url}/v1", api_key=worker.token(), max_retries=0)
     prompt_a = list(range(500, 564))  # 4 full blocks
     prompt_b = list(range(1000, 1144))  # 9 full blocks
     first = client.completions.create(model="switchyard-sim", prompt=prompt_a, max_tokens=2)
