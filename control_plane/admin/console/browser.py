@@ -6,7 +6,9 @@ Console messages are read through the driver's browser log; ``errors`` are the S
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,9 @@ def _which(names: tuple[str, ...], what: str) -> str:
 @dataclass
 class Browser:
     driver: object
+    #: The browser's own temporary directory (its TMPDIR and profile), removed at :meth:`close`:
+    #: Chromium leaves an ``org.chromium.Chromium.*`` directory in TMPDIR at every start.
+    tmp: Path | None = None
     #: Every SEVERE console message seen so far, with the page it came from.
     errors: list[str] = field(default_factory=list)
 
@@ -33,15 +38,22 @@ class Browser:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
 
+        tmp = Path(tempfile.mkdtemp(prefix="switchyard-chromium-"))
         opts = webdriver.ChromeOptions()
         opts.binary_location = _which(CHROMIUM, "chromium")
         for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  f"--window-size={width},{height}", "--no-first-run", "--disable-extensions"):
+                  f"--window-size={width},{height}", "--no-first-run", "--disable-extensions",
+                  f"--user-data-dir={tmp / 'profile'}"):
             opts.add_argument(a)
         opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-        drv = webdriver.Chrome(service=Service(_which(DRIVER, "chromedriver")), options=opts)
+        service = Service(_which(DRIVER, "chromedriver"), env={**os.environ, "TMPDIR": str(tmp)})
+        try:
+            drv = webdriver.Chrome(service=service, options=opts)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         drv.set_page_load_timeout(30)
-        return cls(drv)
+        return cls(drv, tmp)
 
     def get(self, url: str) -> None:
         self.driver.get(url)
@@ -72,4 +84,8 @@ class Browser:
         return path
 
     def close(self) -> None:
-        self.driver.quit()
+        try:
+            self.driver.quit()
+        finally:
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
