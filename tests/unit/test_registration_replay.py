@@ -20,7 +20,7 @@ T = "t.workers"
 
 
 def _reg(wid: str = "w1") -> WorkerRegistered:
-    return WorkerRegistered(worker_id=wid, role=WorkerRole.AGGREGATED, pool="p", endpoint="http://127.0.0.1:9/w",
+    return WorkerRegistered(worker_id=wid, role=WorkerRole.AGGREGATED, pool="p", endpoint="http://127.0.0.1:9",
                             block_size=BS, hash_algo="sha256")
 
 
