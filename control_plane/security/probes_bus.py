@@ -41,7 +41,7 @@ def _bus(role: str | None, t: Targets):
     return BusSettings.from_env(role=role, bootstrap=t.kafka_bootstrap, topic_prefix=t.topic_prefix)
 
 
-def _join(bus, group: str, topic: str, timeout_s: float = 15.0) -> tuple[str, str]:
+def join_group(bus, group: str, topic: str, timeout_s: float = 15.0) -> tuple[str, str]:
     """Join ``group`` as a Faust member would (assignor ``faust``, then the range one):
     (verdict, detail)."""
     from confluent_kafka import Consumer, KafkaException
@@ -88,7 +88,7 @@ def probe_groups(t: Targets) -> list[Probe]:
         for role in ("processor", "worker", "router", "admin", "planner"):
             if role == owner:
                 continue
-            verdict, detail = _join(_bus(role, t), group, topic)
+            verdict, detail = join_group(_bus(role, t), group, topic)
             out.append(Probe("kafka", f"the {role}'s credential joins the {owner}'s view group "
                                       f"({'live' if live else 'by prefix'})", verdict, detail))
     return out

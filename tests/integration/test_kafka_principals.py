@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from control_plane.security.check import ACCEPTED, REFUSED
+from control_plane.security.probes_bus import join_group
 from kernel.log.catalog import Catalog
 from kernel.log.principals import ROLES
 from kernel.settings import BusSettings
@@ -61,44 +63,19 @@ def test_every_role_reads_the_log(bus: BusSettings) -> None:
             c.close()
 
 
-def _join(bus: BusSettings, group: str, timeout_s: float = 20.0) -> str | None:
-    """Subscribe to ``workers`` as a member of ``group``: the first error the broker answers, or
-    None once partitions were assigned."""
-    from confluent_kafka import KafkaException
-
-    errors: list[str] = []
-    assigned: list = []
-    c = Consumer({**bus.client_conf(), "group.id": group, "enable.auto.commit": False, "logger": None,
-                  "error_cb": lambda e: errors.append(str(e))})
-    try:
-        c.subscribe([Catalog(bus.topic_prefix).topic("workers")], on_assign=lambda _c, ps: assigned.extend(ps))
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not assigned and not errors:
-            try:
-                m = c.poll(0.2)
-            except KafkaException as e:
-                errors.append(str(e))
-                break
-            if m is not None and m.error():
-                errors.append(str(m.error()))
-        return errors[0] if errors else (None if assigned else "neither assigned nor refused")
-    finally:
-        c.close()
-
-
 def test_a_role_joins_only_its_own_consumer_groups(bus: BusSettings) -> None:
     """Issue 36, item 1: the processor's credential joined the router view's group and was handed
     its partitions. Now the broker refuses a group outside the role's own prefixes."""
     p = bus.topic_prefix
     victims = {"router": f"{p}.router-view.demo-router.1", "planner": f"{p}.load-view.planner.1",
                "processor": f"{p}.metrics.demo.1"}
+    workers = Catalog(p).topic("workers")
     for attacker in ("processor", "worker", "admin"):
         for owner, group in victims.items():
             if owner == attacker:
                 continue
-            err = _join(_as(bus, attacker), group)
-            assert err is not None and "GROUP_AUTHORIZATION_FAILED" in err, (attacker, group, err)
+            verdict, detail = join_group(_as(bus, attacker), group, workers, timeout_s=20)
+            assert verdict == REFUSED, (attacker, group, detail)  # REFUSED: GROUP_AUTHORIZATION_FAILED
     for owner, group in victims.items():
-        assert _join(_as(bus, owner), group) is None, owner
+        verdict, detail = join_group(_as(bus, owner), group, workers, timeout_s=20)
+        assert verdict == ACCEPTED, (owner, detail)
