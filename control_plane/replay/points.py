@@ -83,7 +83,7 @@ def parse_point(text: str) -> Point:
         except json.JSONDecodeError as e:
             raise BadPoint(f"positions JSON does not parse: {e}") from None
         return Point("positions", positions=parse_positions(raw), text=s)
-    if s.isdigit():
+    if _digits(s):
         ms = int(s)
         if ms < _MIN_EPOCH_MS:
             raise BadPoint(f"{s} is too small for epoch milliseconds (did you mean seconds, or "
@@ -95,7 +95,7 @@ def parse_point(text: str) -> Point:
         dt = datetime.fromisoformat(s[:-1] + "+00:00" if s.endswith("Z") else s)
     except ValueError:
         parts = s.rsplit(":", 2)
-        if len(parts) == 3 and parts[0] and parts[1].isdigit() and parts[2].isdigit():
+        if len(parts) == 3 and parts[0] and _digits(parts[1]) and _digits(parts[2]):
             _check_position(parts[0], int(parts[1]), int(parts[2]))
             return Point("record", topic=parts[0], partition=int(parts[1]), offset=int(parts[2]), text=s)
         raise BadPoint(f"{s[:80]!r} is not a point of the log; " + _FORMS) from None
@@ -110,6 +110,11 @@ def parse_point(text: str) -> Point:
     return Point("time", ts_ms=ms, text=s)
 
 
+def _digits(s: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes superscripts (``'²'``) that ``int`` refuses."""
+    return s.isascii() and s.isdigit()
+
+
 def _check_position(topic: str, partition: int, offset: int) -> None:
     if partition > _MAX_PARTITION or offset > _MAX_OFFSET:
         raise BadPoint(f"{topic[:80]}:{partition}:{offset} is beyond Kafka's partition (< 2**31) or offset "
@@ -119,17 +124,29 @@ def _check_position(topic: str, partition: int, offset: int) -> None:
 def check_range(frm: Point, to: Point) -> None:
     """Raise :class:`BadPoint` when ``frm`` comes after ``to`` on its face (before reading the
     log: the end before the start, a later time before an earlier one, a later offset of a
-    partition before an earlier one); a range that only resolves reversed is checked by the
-    replay engine."""
-    rank = {"start": 0, "end": 2}
-    if frm.kind in rank and to.kind in rank and rank[frm.kind] > rank[to.kind] \
-            or frm.kind == "end" and to.kind != "end" or to.kind == "start" and frm.kind != "start":
-        raise BadPoint(f"the range starts at {frm.text or frm.kind!r} after it ends at {to.text or to.kind!r}")
-    if frm.kind == to.kind == "time" and frm.ts_ms > to.ts_ms:  # type: ignore[operator]
-        raise BadPoint(f"the range starts at {frm.text!r}, after it ends at {to.text!r}")
-    if frm.kind == to.kind == "record" and (frm.topic, frm.partition) == (to.topic, to.partition) \
-            and frm.offset > to.offset:  # type: ignore[operator]
-        raise BadPoint(f"the range starts at {frm.text!r}, after it ends at {to.text!r}")
+    partition before an earlier one, two position maps over a shared partition); a range that
+    only resolves reversed (points of different kinds) is checked by the replay engine."""
+    why = _backwards(frm, to)
+    if why:
+        raise BadPoint(f"from ({frm.describe()}) is after to ({to.describe()}): {why}")
+
+
+def _backwards(a: Point, b: Point) -> str:
+    if a.kind == "end" and b.kind != "end":
+        return "nothing comes after the end of the log"
+    if b.kind == "start" and a.kind != "start":
+        return "nothing comes before the start of the log"
+    if a.kind == b.kind == "time" and a.ts_ms > b.ts_ms:  # type: ignore[operator]
+        return "swap them"
+    if a.kind == b.kind == "record" and (a.topic, a.partition) == (b.topic, b.partition) \
+            and a.offset > b.offset:  # type: ignore[operator]
+        return "swap them"
+    if a.kind == b.kind == "positions":
+        later = sorted(f"{t}:{p}" for (t, p), off in a.positions.items()
+                       if (t, p) in b.positions and off > b.positions[(t, p)])
+        if later:
+            return f"partitions {', '.join(later[:5])} start past their end"
+    return ""
 
 
 def parse_positions(raw: object) -> dict[tuple[str, int], int]:
@@ -139,7 +156,7 @@ def parse_positions(raw: object) -> dict[tuple[str, int], int]:
     out: dict[tuple[str, int], int] = {}
     for k, v in raw.items():
         t, _, p = str(k).rpartition(":")
-        if not t or not p.isdigit() or not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        if not t or not _digits(p) or not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise BadPoint(f"bad position {str(k)[:80]!r}: {str(v)[:40]} (want \"topic:partition\": non-negative offset)")
         _check_position(t, int(p), v)
         out[(t, int(p))] = v
