@@ -11,14 +11,19 @@ server-sent events). No Node toolchain, no vendored library.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 if TYPE_CHECKING:  # the CLI imports this package's cli module: typer only
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Request, Response
+
+    from control_plane.admin.errors import ApiError
 
 
-def mount(app: FastAPI) -> None:
-    """Add the console's routes, static files and error pages to the admin app."""
+def mount(app: FastAPI, api_error: Callable[[Request, ApiError], Awaitable[Response]]) -> None:
+    """Add the console's routes, static files and error pages to the admin app. ``api_error`` is
+    the app's JSON response to an :class:`ApiError`, which the console's handler gives every path
+    outside ``/console`` (passed in: the app imports the console, never the other way)."""
+    # Function-local: the admin CLI imports this package for its cli module, without FastAPI's pages.
     from control_plane.admin.console.routes import install
 
-    install(app)
+    install(app, api_error)
