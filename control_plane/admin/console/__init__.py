@@ -11,19 +11,14 @@ server-sent events). No Node toolchain, no vendored library.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the CLI imports this package's cli module: typer only
-    from fastapi import FastAPI, Request, Response
-
-    from control_plane.admin.errors import ApiError
+    from fastapi import FastAPI
 
 
-def mount(app: FastAPI, api_error: Callable[[Request, ApiError], Awaitable[Response]]) -> None:
-    """Add the console's routes, static files and error pages to the admin app. ``api_error`` is
-    the app's JSON response to an :class:`ApiError`, which the console's handler gives every path
-    outside ``/console`` (passed in: the app imports the console, never the other way)."""
-    # Function-local: the admin CLI imports this package for its cli module, without FastAPI's pages.
+def mount(app: FastAPI) -> None:
+    """Add the console's routes, static files and error pages to the admin app."""
     from control_plane.admin.console.routes import install
 
-    install(app, api_error)
+    install(app)

@@ -9,7 +9,7 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 from urllib.parse import parse_qs, quote
 
 import msgspec
@@ -481,19 +481,18 @@ async def _page_error(request: Request, exc: PageError) -> HTMLResponse:
     return page(request, "error.html", who, status=exc.status, message=exc.message)
 
 
-def _api_error_page(api_error: Callable[[Request, ApiError], Awaitable[Response]]):
-    async def handle(request: Request, exc: ApiError) -> Response:
-        if request.url.path.startswith("/console"):
-            return await _page_error(request, PageError(exc.status, exc.message))
-        return await api_error(request, exc)
+async def _api_error_page(request: Request, exc: ApiError) -> Response:
+    if request.url.path.startswith("/console"):
+        return await _page_error(request, PageError(exc.status, exc.message))
+    from control_plane.admin.app import _api_error
 
-    return handle
+    return await _api_error(request, exc)
 
 
-def install(app: FastAPI, api_error: Callable[[Request, ApiError], Awaitable[Response]]) -> None:
+def install(app: FastAPI) -> None:
     app.include_router(router)
     app.include_router(api)
     app.mount("/console/static", StaticFiles(directory=str(HERE / "static")), name="console-static")
     app.add_exception_handler(LoginRequired, _login_required)
     app.add_exception_handler(PageError, _page_error)
-    app.add_exception_handler(ApiError, _api_error_page(api_error))
+    app.add_exception_handler(ApiError, _api_error_page)
