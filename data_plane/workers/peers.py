@@ -19,7 +19,7 @@ from collections.abc import Callable
 import httpx
 
 from data_plane.transfer import EndpointMetadata, InvalidTransfer, PeerLost
-from kernel.fleet import GONE, Fleet
+from kernel.fleet import GONE, Change, Fleet
 from kernel.settings import worker_token
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,16 @@ class PeerDirectory:
         if old is not None:
             self._forgotten(old)
 
+    def apply(self, ch: Change) -> None:
+        """Follow one lifecycle change of the fleet (kernel/fleet.py): an admitted registration's
+        agent is remembered unless the log already says it is gone; a gone incarnation's agent is
+        forgotten. Raises :class:`InvalidTransfer` for a registration's bad transfer info."""
+        reg = ch.registration
+        if ch.state == GONE:
+            self._forget_worker(ch.worker_id, ch.after.registered)
+        elif reg is not None and reg.transfer is not None:
+            self._remember(EndpointMetadata.from_transfer_info(reg.transfer), reg.worker_id)
+
     def _forget_worker(self, worker_id: str, epoch: int) -> None:
         with self._lock:
             agent = self._agent_of.get(worker_id)
@@ -158,13 +168,8 @@ class PeerDirectory:
                         # kernel/fleet.py: a copy of a registration, or one of an
                         # incarnation the log says is gone, never brings its agent back.
                         ch = fleet.fold(codec.decode(m.value()))
-                        if ch is None:
-                            continue
-                        reg = ch.registration
-                        if ch.state == GONE:
-                            self._forget_worker(ch.worker_id, ch.after.registered)
-                        elif reg is not None and reg.transfer is not None:
-                            self._remember(EndpointMetadata.from_transfer_info(reg.transfer), reg.worker_id)
+                        if ch is not None:
+                            self.apply(ch)
                     except Exception as e:  # one bad record never stops the directory
                         self.skipped += 1
                         level = logging.WARNING if isinstance(e, (SchemaError, InvalidTransfer)) else logging.ERROR

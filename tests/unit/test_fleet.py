@@ -17,6 +17,8 @@ from control_plane.admin.audit.projection import fold_worker
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
 from control_plane.planner.load_view import LoadView
 from control_plane.router.view import RouterView
+from data_plane.transfer import BlockRegion, EndpointMetadata
+from data_plane.workers.peers import PeerDirectory
 from kernel.fleet import DRAINING, GONE, NEW, READY, Fleet, Lifecycle, step
 from schemas import EnvelopeFactory
 from schemas.events import (
@@ -286,3 +288,23 @@ def test_any_interleaving_and_any_copies_end_in_the_same_fleet_and_the_views_agr
             assert {"starting": READY}.get(view.workers[wid].state, view.workers[wid].state) == state
         assert router.workers[wid].epoch == mp._workers[wid].epoch == life.registered
         assert router.workers[wid].state == mp._workers[wid].state == state
+
+
+def test_the_peer_directory_follows_the_fleet() -> None:
+    """A registration's agent is remembered; a copy of it after the deregistration, or a
+    registration the log already says is gone, never brings the agent back."""
+    def transfer(epoch: int) -> TransferInfo:
+        return EndpointMetadata(agent_name=f"w1:{epoch}", agent_metadata=b"md",
+                                region=BlockRegion(base_addr=0x1000, block_len=64, n_blocks=4)).to_transfer_info()
+
+    forgotten: list[str] = []
+    peers, fleet = PeerDirectory(on_forget=forgotten.append), Fleet()
+    reg1 = _env(_reg(transfer=transfer(1)), epoch=1)
+    for env in (reg1, _env(WorkerDeregistered(worker_id="w1"), epoch=1), reg1):
+        peers.apply(fleet.fold(env))
+    assert peers.known("w1:1") is None and forgotten == ["w1:1"]
+    peers.apply(fleet.fold(_env(WorkerDeregistered(worker_id="w1"), epoch=3)))
+    peers.apply(fleet.fold(_env(_reg(transfer=transfer(3)), epoch=3)))  # its own end folded first
+    assert peers.known("w1:3") is None
+    peers.apply(fleet.fold(_env(_reg(transfer=transfer(4)), epoch=4)))
+    assert peers.known("w1:4").agent_name == "w1:4"
