@@ -36,7 +36,7 @@ from control_plane.index.prefix_index import IndexStats
 from control_plane.index.select import new_index, restore_index
 from control_plane.metrics.catalog import BY_NAME, EVENT_STREAMS, SPECS, TIERS, Kind, MetricSpec
 from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
-from kernel.lifecycle import admits_registration
+from kernel.fleet import NEW, Fleet, Lifecycle
 from kernel.log.sequencing import SequenceTracker, Verdict
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -250,6 +250,8 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     unjudged: dict[str, list[tuple[float, float | None]]] = {}
     #: router id -> (event time, event id) of the decision ``routers`` holds the state of.
     router_at: dict[str, tuple[int, str]] = {}
+    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
+    lifecycles: dict[str, Lifecycle] = {}
 
 
 #: Request metrics whose ``pool`` label is the pool of the worker the event names. Folded per
@@ -287,6 +289,8 @@ class MetricsProjection:
         self._counters: dict[str, dict[Labels, float]] = {}
         self._hists: dict[str, dict[Labels, _Hist]] = {}
         self._workers: dict[str, _Worker] = {}
+        #: Each worker's lifecycle (kernel/fleet.py, the one fold every view shares).
+        self.fleet = Fleet()
         self._pools: dict[str, _Pool] = {}
         #: WORKER_JOINED series, labels with the worker id in the pool's place.
         self._wcounters: dict[str, dict[Labels, float]] = {}
@@ -316,10 +320,10 @@ class MetricsProjection:
             RequestCompleted: self._completed,
             RequestFailed: self._failed,
             RequestRejected: self._rejected,
-            WorkerRegistered: self._registered,
+            WorkerRegistered: self._lifecycle_event,
             WorkerLoadReported: self._load_reported,
-            WorkerDraining: self._draining,
-            WorkerDeregistered: self._deregistered,
+            WorkerDraining: self._lifecycle_event,
+            WorkerDeregistered: self._lifecycle_event,
             ScalingDecision: self._scaling_decision,
             ScalingApplied: self._scaling_applied,
             RouterConfigChanged: self._config_changed,
@@ -581,42 +585,39 @@ class MetricsProjection:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def _registered(self, env, ev: WorkerRegistered, partition: int = -1) -> None:
-        cur = self._workers.get(ev.worker_id)
-        if not admits_registration(cur.epoch if cur is not None else None, env.epoch):
-            return  # a copy of a registration folded already, or an older incarnation's
-        self._workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=env.epoch, pool=ev.pool,
-                                              role=_v(ev.role))
-        self._pool(ev.pool)
-        for ttft_ms, itl_ms in self._unjudged.pop(ev.worker_id, ()):
-            self._nunjudged -= 1
-            self._judge(ev.worker_id, ttft_ms, itl_ms)
-        self._inc("switchyard_worker_lifecycle_total", (ev.pool, "registered"))
-
-    def _current(self, env, worker_id: str) -> _Worker | None:
-        """The worker's state if this event is from its current incarnation."""
-        cur = self._workers.get(worker_id)
-        return cur if cur is not None and cur.epoch == env.epoch else None
+    def _lifecycle_event(self, env, ev, partition: int = -1) -> None:
+        """The registered incarnation's state is the fleet's; each of its lifecycle events is
+        counted once, whenever it is folded (before or after its registration)."""
+        ch = self.fleet.fold(env)
+        reg = ch.registration
+        if reg is not None:
+            w = self._workers[reg.worker_id] = _Worker(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
+                                                       role=reg.role)
+            self._pool(reg.pool)
+            for ttft_ms, itl_ms in self._unjudged.pop(reg.worker_id, ()):
+                self._nunjudged -= 1
+                self._judge(reg.worker_id, ttft_ms, itl_ms)
+            self._inc("switchyard_worker_lifecycle_total", (reg.pool, "registered"))
+            was = NEW  # nothing of a new incarnation counted yet
+        else:
+            w = self._workers.get(ch.worker_id)
+            if w is None:
+                return  # counted when its registration is folded
+            was = ch.before
+        now = ch.after
+        w.state = now.state(w.epoch)
+        if now.draining == w.epoch > was.draining:
+            self._inc("switchyard_worker_lifecycle_total", (w.pool, "draining"))
+        if now.ended == w.epoch > was.ended:
+            self._inc("switchyard_worker_lifecycle_total", (w.pool, "deregistered"))
 
     def _load_reported(self, env, ev: WorkerLoadReported, partition: int = -1) -> None:
-        cur = self._current(env, ev.worker_id)
-        if cur is None:
-            return
+        cur = self._workers.get(ev.worker_id)
+        if cur is None or cur.epoch != env.epoch:
+            return  # an older incarnation's, or one whose registration is not folded yet
         cur.running, cur.waiting = ev.running, ev.waiting
         cur.queued_prefill_tokens = ev.queued_prefill_tokens
         cur.tier_usage = dict(ev.tier_usage)
-
-    def _draining(self, env, ev: WorkerDraining, partition: int = -1) -> None:
-        cur = self._current(env, ev.worker_id)
-        if cur is not None and cur.state == "ready":
-            cur.state = "draining"
-            self._inc("switchyard_worker_lifecycle_total", (cur.pool, "draining"))
-
-    def _deregistered(self, env, ev: WorkerDeregistered, partition: int = -1) -> None:
-        cur = self._current(env, ev.worker_id)
-        if cur is not None and cur.state != "gone":
-            cur.state = "gone"
-            self._inc("switchyard_worker_lifecycle_total", (cur.pool, "deregistered"))
 
     # -- planner and admin --------------------------------------------------------------------
 
@@ -782,7 +783,7 @@ class MetricsProjection:
             applied=self.applied,
             wcounters=[(n, list(k), v) for n, s in self._wcounters.items() for k, v in s.items()],
             whists=[(n, list(k), h) for n, s in self._whists.items() for k, h in s.items()],
-            unjudged=self._unjudged, router_at=self._router_at)
+            unjudged=self._unjudged, router_at=self._router_at, lifecycles=self.fleet.by_worker)
         return msgspec.msgpack.encode(snap)
 
     @classmethod
@@ -799,6 +800,7 @@ class MetricsProjection:
         for name, labels, h in snap.hists:
             p._hists.setdefault(name, {})[tuple(labels)] = h
         p._workers = {w.worker_id: w for w in snap.workers}
+        p.fleet = Fleet(snap.lifecycles or {w.worker_id: Fleet.of_state(w.epoch, w.state) for w in snap.workers})
         p._pools = dict(snap.pools)
         p._routers = dict(snap.routers)
         p._config_versions = dict(snap.config_versions)

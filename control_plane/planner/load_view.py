@@ -5,13 +5,15 @@ answers what the planner core reads (:class:`LoadSnapshot`). The same fold runs 
 agent (``control_plane/planner/stream.py``), in ``switchyard planner backtest``, in the
 benchmark and in tests, so a view rebuilt from the log equals the live one at the same offsets.
 
-Workers (per incarnation, the envelope's epoch):
+Workers (per incarnation, the envelope's epoch; which registration is admitted and when an
+incarnation is draining or gone is the fleet's rule, ``kernel/fleet.py``):
 
 * ``starting``: registered, no load report yet (the process is up but has not served);
 * ``ready``: has reported load; ``ready_at`` is its first report's event time;
 * ``draining``: ``WorkerDraining`` seen (takes no new work, finishes in-flight requests);
-* ``gone``: ``WorkerDeregistered`` seen. A ready worker with no report for ``stale_after_s`` at
-  snapshot time counts as ``stale``, not ready (killed with -9: nobody deregistered it).
+* ``gone``: ``WorkerDeregistered`` of it or of a newer incarnation seen. A ready worker with no
+  report for ``stale_after_s`` at snapshot time counts as ``stale``, not ready (killed with -9:
+  nobody deregistered it).
 
 Pools are attributed per request: ``RequestRouted`` names the worker, the worker's registration
 names the pool. The registration is on another topic and may be folded after the request's
@@ -48,7 +50,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from kernel.lifecycle import admits_registration
+from kernel.fleet import GONE, READY, Change, Fleet, Lifecycle
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -451,6 +453,8 @@ class _State(msgspec.Struct, kw_only=True):
     start_fixed: bool
     applied: int
     late_dropped: int
+    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
+    lifecycles: dict[str, Lifecycle] = {}
 
 
 #: Bound on parked steps (requests whose worker's registration has not been folded yet); beyond
@@ -481,6 +485,9 @@ class LoadView:
     def __init__(self, config: LoadViewConfig | None = None, *, start_ns: int | None = None) -> None:
         self.config = config or LoadViewConfig()
         self.workers: dict[str, _Worker] = {}
+        #: Each worker's lifecycle (kernel/fleet.py): which registration is new, which incarnation
+        #: is draining or gone. Kept after a gone worker is evicted, so a copy never brings it back.
+        self.fleet = Fleet()
         self._requests: dict[str, _Req] = {}
         self._buckets: dict[str, dict[int, _Acc]] = {}
         self._parked: dict[str, list[_Step]] = {}
@@ -519,10 +526,10 @@ class LoadView:
         if at > self.watermark_ns:
             self.watermark_ns = at
         ev = env.data
-        if isinstance(ev, WorkerRegistered):
-            counted = self._registered(ev, env.epoch, at)
-        elif isinstance(ev, (WorkerLoadReported, WorkerDraining, WorkerDeregistered)):
-            self._worker_event(ev, env.epoch, at)
+        if isinstance(ev, (WorkerRegistered, WorkerDraining, WorkerDeregistered)):
+            counted = self._lifecycle_event(self.fleet.fold(env))
+        elif isinstance(ev, WorkerLoadReported):
+            self._load_reported(ev, env.epoch, at)
         elif isinstance(ev, RequestAdmitted):
             self._req(ev.request_id, at).prompt_tokens = ev.prompt_tokens
         else:
@@ -573,40 +580,48 @@ class LoadView:
 
     # workers
 
-    def _registered(self, ev: WorkerRegistered, epoch: int, at: int) -> Counted:
-        cur = self.workers.get(ev.worker_id)
-        if not admits_registration(cur.epoch if cur is not None else None, epoch):
-            return ()  # a copy of a registration folded already, or an older incarnation's
-        role = ev.role.value if hasattr(ev.role, "value") else str(ev.role)
+    def _lifecycle_event(self, ch: Change) -> Counted:
+        reg = ch.registration
+        if reg is None:
+            cur = self.workers.get(ch.worker_id)
+            if cur is not None:
+                self._set_state(cur, ch.after)
+            return ()
+        cur = self.workers.get(reg.worker_id)
         earlier = []
         if cur is not None:
-            earlier = cur.earlier if cur.epoch == epoch else [
-                *cur.earlier, _Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
-        self.workers[ev.worker_id] = _Worker(worker_id=ev.worker_id, epoch=epoch, pool=ev.pool, role=role,
-                                             registered_at_ns=at, earlier=earlier)
+            earlier = [*cur.earlier, _Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
+        w = self.workers[reg.worker_id] = _Worker(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
+                                                  role=reg.role, registered_at_ns=reg.registered_at_ns,
+                                                  earlier=earlier)
+        self._set_state(w, ch.after)
         self._warm_version += 1
-        return self._unpark(ev.worker_id)
+        return self._unpark(reg.worker_id)
 
-    def _worker_event(self, ev, epoch: int, at: int) -> None:
+    @staticmethod
+    def _set_state(w: _Worker, life: Lifecycle) -> None:
+        """The incarnation's state: the fleet's draining or gone; while ready, ``starting``
+        until its first load report."""
+        state = life.state(w.epoch)
+        if state == READY:
+            w.state = "ready" if w.ready_at_ns is not None else "starting"
+        else:
+            w.state = state
+        w.gone_at_ns = life.ended_at_ns if state == GONE else None
+
+    def _load_reported(self, ev: WorkerLoadReported, epoch: int, at: int) -> None:
         cur = self.workers.get(ev.worker_id)
         if cur is None or epoch != cur.epoch:
             return  # an older incarnation, or one whose registration we have not folded
-        if isinstance(ev, WorkerLoadReported):
-            if cur.state == "starting":
-                cur.state = "ready"
-                cur.ready_at_ns = at
-                self._warm_version += 1
-            cur.reported_at_ns = max(cur.reported_at_ns, at)
-            cur.running, cur.waiting = ev.running, ev.waiting
-            cur.queued_prefill_tokens = ev.queued_prefill_tokens
-            cur.active_decode_blocks = ev.active_decode_blocks
-            cur.kv_usage = float(ev.tier_usage.get("device", 0.0))
-        elif isinstance(ev, WorkerDraining):
-            if cur.state != "gone":
-                cur.state = "draining"
-        else:
-            cur.state = "gone"
-            cur.gone_at_ns = at
+        if cur.state == "starting":
+            cur.state = "ready"
+            cur.ready_at_ns = at
+            self._warm_version += 1
+        cur.reported_at_ns = max(cur.reported_at_ns, at)
+        cur.running, cur.waiting = ev.running, ev.waiting
+        cur.queued_prefill_tokens = ev.queued_prefill_tokens
+        cur.active_decode_blocks = ev.active_decode_blocks
+        cur.kv_usage = float(ev.tier_usage.get("device", 0.0))
 
     # requests: the join
 
@@ -834,7 +849,7 @@ class LoadView:
         return _State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
                       buckets=self._buckets, parked=self._parked, positions=positions,
                       watermark_ns=self.watermark_ns, start_ns=self.start_ns, start_fixed=self._start_fixed,
-                      applied=applied, late_dropped=self.late_dropped)
+                      applied=applied, late_dropped=self.late_dropped, lifecycles=self.fleet.by_worker)
 
     def to_bytes(self) -> bytes:
         return msgspec.msgpack.encode(self._state([(t, p, o) for (t, p), o in sorted(self.positions.items())],
@@ -847,6 +862,8 @@ class LoadView:
             raise ValueError(f"load view snapshot format {st.format} not supported (want {SNAPSHOT_FORMAT})")
         v = cls(config, start_ns=st.start_ns)
         v.workers, v._requests, v._buckets, v._parked = st.workers, st.requests, st.buckets, st.parked
+        v.fleet = Fleet(st.lifecycles or {
+            w.worker_id: Fleet.of_state(w.epoch, w.state, w.gone_at_ns or 0) for w in st.workers.values()})
         v._nparked = sum(len(steps) for steps in st.parked.values())
         v._start_fixed = st.start_fixed
         v.positions = {(t, p): o for t, p, o in st.positions}

@@ -27,7 +27,7 @@ from control_plane.index.errors import IndexRejected
 from control_plane.index.prefix_index import ApplyOutcome, Match, WorkerRank
 from control_plane.index.select import new_index, restore_index
 from control_plane.router.decision import WorkerLoad, WorkerOverlap
-from kernel.lifecycle import Lifecycle, Lifecycles
+from kernel.fleet import Fleet, Lifecycle
 from kernel.log.fold import Poisoned
 from schemas.envelope import Envelope, EventCodec
 from schemas.events import (
@@ -86,7 +86,7 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     #: [topic, partition, timestamp ms of the last applied record]
     last_ts_ms: list[tuple[str, int, int]]
     applied: int
-    #: Each worker's lifecycle (kernel/lifecycle.py); absent in snapshots written before it.
+    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
     lifecycles: dict[str, Lifecycle] = {}
 
 
@@ -152,8 +152,8 @@ class RouterView:
         self.allowlist = allowlist or EndpointAllowlist()
         self.workers: dict[str, WorkerState] = {}
         #: What the log said of each worker's incarnations: which registration is new, which
-        #: incarnation is gone (kernel/lifecycle.py, the rule every view shares).
-        self.lifecycles = Lifecycles()
+        #: incarnation is gone (kernel/fleet.py, the one fold every view shares).
+        self.fleet = Fleet()
         self.positions: dict[tuple[str, int], int] = {}
         self.last_ts_ms: dict[tuple[str, int], int] = {}
         self.applied = 0
@@ -258,17 +258,17 @@ class RouterView:
         return cur if cur is not None and env.epoch == cur.epoch else None
 
     def _registered(self, env: Envelope[Event]) -> None:
-        ev: WorkerRegistered = env.data  # type: ignore[assignment]
-        if not self.lifecycles.get(ev.worker_id).admits(env.epoch):
+        if not self.fleet.admits(env):
             return  # a copy of a registration already folded, or an older incarnation's
-        why = self.allowlist.refusal(ev.endpoint)
+        why = self.allowlist.refusal(env.data.endpoint)  # type: ignore[attr-defined]
         if why is not None:  # the position has advanced: dead-lettered, never re-read
-            raise IndexRejected("endpoint_not_allowed", f"worker {ev.worker_id!r}: {why}")
-        _, life = self.lifecycles.fold(ev.TYPE, ev.worker_id, env.epoch)
-        self.workers[ev.worker_id] = WorkerState(
-            worker_id=ev.worker_id, epoch=env.epoch, role=ev.role.value if hasattr(ev.role, "value") else str(ev.role),
-            pool=ev.pool, endpoint=ev.endpoint, model=ev.model, block_size=ev.block_size,
-            capacity=dict(ev.capacity), registered_at_ns=env.occurred_at_ns, state=life.state(env.epoch))
+            raise IndexRejected("endpoint_not_allowed", f"worker {env.data.worker_id!r}: {why}")  # type: ignore[attr-defined]
+        ch = self.fleet.fold(env)
+        reg = ch.registration
+        self.workers[reg.worker_id] = WorkerState(
+            worker_id=reg.worker_id, epoch=reg.epoch, role=reg.role, pool=reg.pool, endpoint=reg.endpoint,
+            model=reg.model, block_size=reg.block_size, capacity=reg.capacity, registered_at_ns=reg.registered_at_ns,
+            state=ch.state)
 
     def _load_reported(self, env: Envelope[Event]) -> None:
         cur = self._current(env)
@@ -283,12 +283,11 @@ class RouterView:
 
     def _lifecycle_event(self, env: Envelope[Event]) -> None:
         """``WorkerDraining`` / ``WorkerDeregistered``: the registered incarnation's state is what
-        its lifecycle says (a deregistration of it or of a newer one: gone for good)."""
-        wid = env.data.worker_id  # type: ignore[attr-defined]
-        _, life = self.lifecycles.fold(env.type, wid, env.epoch)
-        cur = self.workers.get(wid)
+        the fleet says (a deregistration of it or of a newer one: gone for good)."""
+        ch = self.fleet.fold(env)
+        cur = self.workers.get(ch.worker_id)
         if cur is not None:
-            cur.state = life.state(cur.epoch)
+            cur.state = ch.after.state(cur.epoch)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -336,7 +335,7 @@ class RouterView:
             index=self.index.snapshot(), workers=list(self.workers.values()),
             positions=[(t, p, o) for (t, p), o in sorted(self.positions.items())],
             last_ts_ms=[(t, p, o) for (t, p), o in sorted(self.last_ts_ms.items())],
-            applied=self.applied, lifecycles=dict(self.lifecycles.by_worker))
+            applied=self.applied, lifecycles=dict(self.fleet.by_worker))
         return msgspec.msgpack.encode(snap)
 
     @classmethod
@@ -350,9 +349,7 @@ class RouterView:
         view.positions = {(t, p): o for t, p, o in snap.positions}
         view.last_ts_ms = {(t, p): o for t, p, o in snap.last_ts_ms}
         view.applied = snap.applied
-        view.lifecycles = Lifecycles(snap.lifecycles or {
-            w.worker_id: Lifecycle(registered=w.epoch, draining=w.epoch if w.state == "draining" else -1,
-                                   ended=w.epoch if w.state == "gone" else -1) for w in snap.workers})
+        view.fleet = Fleet(snap.lifecycles or {w.worker_id: Fleet.of_state(w.epoch, w.state) for w in snap.workers})
         return view
 
     def digest(self) -> str:

@@ -15,7 +15,7 @@ process could:
   EXACT again (``control_plane/streaming.py``).
 * **replayed registration**: with the worker credential, a signed ``WorkerRegistered`` of a
   worker the log says is gone is copied, byte for byte, to another partition of ``workers``.
-  Refused: the router's ``/health`` never counts that worker again (kernel/lifecycle.py). The
+  Refused: the router's ``/health`` never counts that worker again (kernel/fleet.py). The
   probe registers, and deregisters, a worker of its own first (its endpoint is a closed port),
   so no real worker is touched.
 * **forged requests**: with the worker credential, request events as producer ``demo-router``

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import httpx
 
 from data_plane.transfer import EndpointMetadata, InvalidTransfer, PeerLost
+from kernel.fleet import GONE, Change, Fleet
 from kernel.settings import worker_token
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,16 @@ class PeerDirectory:
         if old is not None:
             self._forgotten(old)
 
+    def apply(self, ch: Change) -> None:
+        """Follow one lifecycle change of the fleet (kernel/fleet.py): an admitted registration's
+        agent is remembered unless the log already says it is gone; a gone incarnation's agent is
+        forgotten. Raises :class:`InvalidTransfer` for a registration's bad transfer info."""
+        reg = ch.registration
+        if ch.state == GONE:
+            self._forget_worker(ch.worker_id, ch.after.registered)
+        elif reg is not None and reg.transfer is not None:
+            self._remember(EndpointMetadata.from_transfer_info(reg.transfer), reg.worker_id)
+
     def _forget_worker(self, worker_id: str, epoch: int) -> None:
         with self._lock:
             agent = self._agent_of.get(worker_id)
@@ -130,13 +141,10 @@ class PeerDirectory:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
         from kernel.log.catalog import Catalog
-        from schemas import EventCodec, SchemaError
-        from schemas.events import WorkerDeregistered, WorkerRegistered
-
-        from kernel.lifecycle import GONE, Lifecycles
         from kernel.log.principals import group_id
+        from schemas import EventCodec, SchemaError
 
-        lifecycles = Lifecycles()
+        fleet = Fleet()
         topic = Catalog(bus.topic_prefix).topic("workers")
         codec = EventCodec(verifier=bus.verifier())  # a forged registration is skipped
         # Under the worker role's own group prefix (kernel/log/principals.py).
@@ -157,16 +165,11 @@ class PeerDirectory:
                     if kind not in _WANTED:
                         continue
                     try:
-                        env = codec.decode(m.value())
-                        ev = env.data
-                        # kernel/lifecycle.py: a copy of a registration, or one of an
+                        # kernel/fleet.py: a copy of a registration, or one of an
                         # incarnation the log says is gone, never brings its agent back.
-                        before, after = lifecycles.fold(ev.TYPE, ev.worker_id, env.epoch)
-                        if isinstance(ev, WorkerRegistered) and ev.transfer is not None:
-                            if before.admits(env.epoch) and after.state(env.epoch) != GONE:
-                                self._remember(EndpointMetadata.from_transfer_info(ev.transfer), ev.worker_id)
-                        elif isinstance(ev, WorkerDeregistered):
-                            self._forget_worker(ev.worker_id, env.epoch)
+                        ch = fleet.fold(codec.decode(m.value()))
+                        if ch is not None:
+                            self.apply(ch)
                     except Exception as e:  # one bad record never stops the directory
                         self.skipped += 1
                         level = logging.WARNING if isinstance(e, (SchemaError, InvalidTransfer)) else logging.ERROR

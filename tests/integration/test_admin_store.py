@@ -87,6 +87,34 @@ def test_tokens_from_before_expiry_get_a_grace_period_not_a_lockout(db_url: str)
     eng.dispose()
 
 
+def test_worker_rows_from_before_0004_fold_by_the_fleet_rule(db_url: str) -> None:
+    """0004 adds each row's lifecycle (kernel/fleet.py), read from its one incarnation and state:
+    a copy of the registration of a worker stored as gone leaves it gone."""
+    migrate(db_url, "0003")
+    eng = make_engine(db_url)
+    with eng.begin() as conn:
+        for wid, state in (("w-gone", "gone"), ("w-drain", "draining"), ("w-unreg", "unregistered")):
+            conn.execute(sa.text("INSERT INTO workers (worker_id, epoch, role, pool, endpoint, model, state, capacity, "
+                                 "block_size, hash_algo, running, waiting, queued_prefill_tokens, active_decode_blocks, "
+                                 "tier_usage, registered_at_ns, reported_at_ns, routed, completed, failed) VALUES "
+                                 "(:w, 100, 'aggregated', 'p', 'http://w', '', :s, '{}', 16, 'sha256', 0, 0, 0, 0, '{}', "
+                                 "1, 0, 0, 0, 0)"), {"w": wid, "s": state})
+    migrate(db_url)
+    with session_factory(eng)() as s:
+        got = {w.worker_id: (w.registered_epoch, w.draining_epoch, w.ended_epoch) for w in s.scalars(select(Worker))}
+    assert got == {"w-gone": (100, -1, 100), "w-drain": (100, 100, -1), "w-unreg": (-1, -1, -1)}
+    copy = EnvelopeFactory("w-gone", 100, time.time_ns).wrap(ev.WorkerRegistered(
+        worker_id="w-gone", role="aggregated", pool="p", endpoint="http://w", block_size=16, hash_algo="sha256"))
+    with session_factory(eng)() as s:
+        AuditStore().ingest(s, [LocatedEvent(copy, "t.workers", 1, 0)])
+        s.commit()
+        assert s.get(Worker, "w-gone").state == "gone"
+    eng.dispose()
+    migrate(db_url, "0003", down=True)  # and 0004 comes off again
+    assert "ended_epoch" not in {c["name"] for c in sa.inspect(eng).get_columns("workers")}
+    eng.dispose()
+
+
 # -- idempotence -------------------------------------------------------------------------------
 
 

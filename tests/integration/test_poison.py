@@ -408,7 +408,7 @@ def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
     good = EndpointMetadata(agent_name="p1:2", agent_metadata=b"nixl", region=BlockRegion(base_addr=4096, block_len=64,
                                                                                           n_blocks=4))
     assert p.flush(10) == 0
-    # The worker's next start (a registration is admitted once per epoch: kernel/lifecycle.py).
+    # The worker's next start (a registration is admitted once per epoch: kernel/fleet.py).
     p = EventProducer(bus, "p1", epoch=2)
     p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://127.0.0.1/p1", block_size=16,
                                   hash_algo="sha256_cbor", transfer=good.to_transfer_info()))

@@ -5,9 +5,11 @@ return plain dicts. :mod:`control_plane.admin.audit.store` turns them into batch
 
 * :func:`audit_row` -- the ``audit_events`` row of any event: indexed by event id, type,
   request (correlation), worker, pool, decision, time and log position; payload as JSON.
-* :func:`fold_worker` / :func:`fold_incarnation` -- the worker registry and load view (same
-  epoch rules as :class:`control_plane.router.view.RouterView`: an older incarnation's events
-  never overwrite a newer one's state).
+* :func:`fold_worker` / :func:`fold_incarnation` -- the worker registry and load view. Which
+  registration is admitted and whether an incarnation is draining or gone is the fleet's rule
+  (``kernel/fleet.py``, the one every view applies), on the lifecycle each row keeps
+  (``registered_epoch``, ``draining_epoch``, ``ended_epoch``); an older incarnation's events
+  never overwrite a newer one's state.
 * :func:`counter_of` -- which per-worker counter a request event increments.
 * :func:`fold_pool`, :func:`config_row`, :func:`fold_router_key` -- pools, config versions and
   router API keys from the ``admin`` stream.
@@ -33,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from kernel.fleet import READY, Lifecycle, step
 from schemas import Envelope
 from schemas.events import (
     Event,
@@ -129,7 +132,7 @@ def new_worker(worker_id: str, epoch: int) -> Row:
             "state": "unregistered", "capacity": {}, "block_size": 0, "hash_algo": "", "running": 0, "waiting": 0,
             "queued_prefill_tokens": 0, "active_decode_blocks": 0, "tier_usage": {}, "registered_at_ns": 0,
             "reported_at_ns": 0, "drain_requested_at_ns": None, "drain_requested_by": None, "routed": 0,
-            "completed": 0, "failed": 0}
+            "completed": 0, "failed": 0, "registered_epoch": -1, "draining_epoch": -1, "ended_epoch": -1}
 
 
 def fold_worker(row: Row | None, env: Envelope[Event]) -> Row | None:
@@ -150,68 +153,64 @@ def _drain_requested(row: Row | None, env: Envelope[Event], ev: WorkerDrainReque
     return out
 
 
-def _own_copy(row: Row | None, env: Envelope[Event], worker_id: str) -> Row | None:
-    """A copy of the row to fold one of the worker's own events into; None when the event is
-    an older incarnation's (it never overwrites a newer one's state)."""
-    if row is not None and env.epoch < row["epoch"]:
-        return None
-    return dict(row) if row is not None else new_worker(worker_id, env.epoch)
+def _life(row: Row | None) -> Lifecycle:
+    if row is None:
+        return Lifecycle()
+    return Lifecycle(registered=row["registered_epoch"], draining=row["draining_epoch"], ended=row["ended_epoch"])
 
 
-def _registered(row: Row | None, env: Envelope[Event], ev: WorkerRegistered) -> Row | None:
-    out = _own_copy(row, env, ev.worker_id)
-    if out is None:
-        return None
+def _state(life: Lifecycle, epoch: int) -> str:
+    """The row's state: the fleet's for incarnation ``epoch``, ``unregistered`` while it is
+    ready but its registration is not folded yet (the topics have no order between partitions)."""
+    state = life.state(epoch)
+    return "unregistered" if state == READY and life.registered < epoch else state
+
+
+def _lifecycle_event(row: Row | None, env: Envelope[Event], ev: Any) -> Row | None:
+    """``WorkerRegistered`` / ``WorkerDraining`` / ``WorkerDeregistered``: the fleet's step on
+    the row's lifecycle; the row is about the newest incarnation any of them named."""
+    ch = step(_life(row), env)
+    out = dict(row) if row is not None else new_worker(ev.worker_id, env.epoch)
+    life = ch.after
+    out.update(registered_epoch=life.registered, draining_epoch=life.draining, ended_epoch=life.ended)
     newer = env.epoch > out["epoch"]
-    out.update(epoch=env.epoch, role=_enum(ev.role), pool=_clip(ev.pool, 128), endpoint=_clip(ev.endpoint, 512),
-               model=_clip(ev.model, 256), state="ready", capacity=dict(ev.capacity), block_size=ev.block_size,
-               hash_algo=ev.hash_algo[:64], registered_at_ns=env.occurred_at_ns)
     if newer:
-        # A new incarnation starts with nothing reported and no drain asked of it, unless the
-        # request is from after its registration (folded first: the admin topic ran ahead).
-        out.update(running=0, waiting=0, queued_prefill_tokens=0, active_decode_blocks=0, tier_usage={})
-        if (out["drain_requested_at_ns"] or 0) < env.occurred_at_ns:
-            out.update(drain_requested_at_ns=None, drain_requested_by=None)
-    return out
+        out["epoch"] = env.epoch
+    reg = ch.registration
+    if reg is not None and reg.epoch == out["epoch"]:
+        out.update(role=reg.role, pool=_clip(reg.pool, 128), endpoint=_clip(reg.endpoint, 512),
+                   model=_clip(reg.model, 256), capacity=dict(reg.capacity), block_size=reg.block_size,
+                   hash_algo=reg.hash_algo[:64], registered_at_ns=reg.registered_at_ns)
+        if newer:
+            # A new incarnation starts with nothing reported and no drain asked of it, unless the
+            # request is from after its registration (folded first: the admin topic ran ahead).
+            out.update(running=0, waiting=0, queued_prefill_tokens=0, active_decode_blocks=0, tier_usage={})
+            if (out["drain_requested_at_ns"] or 0) < reg.registered_at_ns:
+                out.update(drain_requested_at_ns=None, drain_requested_by=None)
+    out["state"] = _state(life, out["epoch"])
+    return None if out == row else out
 
 
-def _after_registration(apply: Apply) -> Fold:
-    """The fold of a worker's own event other than its registration."""
-
-    def fold(row: Row | None, env: Envelope[Event], ev: Any) -> Row | None:
-        out = _own_copy(row, env, ev.worker_id)
-        if out is None:
-            return None
-        if env.epoch > out["epoch"]:
-            # An incarnation whose registration is not folded yet (the topics have no order
-            # between partitions): take it, marked unregistered until the registration arrives.
-            out.update(epoch=env.epoch, state="unregistered")
-        apply(out, env, ev)
-        return out
-
-    return fold
-
-
-def _load_reported(out: Row, env: Envelope[Event], ev: WorkerLoadReported) -> None:
+def _load_reported(row: Row | None, env: Envelope[Event], ev: WorkerLoadReported) -> Row | None:
+    if row is not None and env.epoch < row["epoch"]:
+        return None  # an older incarnation's: never overwrites a newer one's state
+    out = dict(row) if row is not None else new_worker(ev.worker_id, env.epoch)
+    if env.epoch > out["epoch"]:
+        # An incarnation whose registration is not folded yet: taken, marked unregistered.
+        out["epoch"] = env.epoch
+        out["state"] = _state(_life(out), env.epoch)
     out.update(running=ev.running, waiting=ev.waiting, queued_prefill_tokens=ev.queued_prefill_tokens,
                active_decode_blocks=ev.active_decode_blocks, tier_usage=dict(ev.tier_usage),
                reported_at_ns=env.occurred_at_ns)
-
-
-def _worker_draining(out: Row, env: Envelope[Event], ev: WorkerDraining) -> None:
-    out["state"] = "draining"
-
-
-def _worker_gone(out: Row, env: Envelope[Event], ev: WorkerDeregistered) -> None:
-    out["state"] = "gone"
+    return out
 
 
 _WORKER_FOLDS: dict[type[Event], Fold] = {
     WorkerDrainRequested: _drain_requested,
-    WorkerRegistered: _registered,
-    WorkerLoadReported: _after_registration(_load_reported),
-    WorkerDraining: _after_registration(_worker_draining),
-    WorkerDeregistered: _after_registration(_worker_gone),
+    WorkerRegistered: _lifecycle_event,
+    WorkerLoadReported: _load_reported,
+    WorkerDraining: _lifecycle_event,
+    WorkerDeregistered: _lifecycle_event,
 }
 
 
