@@ -9,6 +9,11 @@ broker's (``/proc``, minus its rate over a quiet window right after, since other
 it). The settings alternate round by round, so the box's load drifts over all of them alike.
 
     uv run --group bench python -m benchmarks.router_events_cost [--rounds 3] [--n 1000]
+    uv run --group bench python -m benchmarks.router_events_cost --read-prefix peers1234abcd
+
+``--read-prefix``: instead, the bytes per event type (value + key + headers, as stored) of every
+topic under that prefix, e.g. a ``bench peers`` run's (its workers' prefix, ``peers<8 hex>``;
+the bench leaves its topics). Last line ``RESULT <stream>_<type>_bytes=...``.
 
 Last line: ``RESULT <setting>_router_ms=... <setting>_broker_ms=...`` (medians over rounds).
 """
@@ -16,6 +21,7 @@ Last line: ``RESULT <setting>_router_ms=... <setting>_broker_ms=...`` (medians o
 from __future__ import annotations
 
 import argparse
+import collections
 import resource
 import statistics
 import time
@@ -80,6 +86,46 @@ def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: lis
     return router * 1000 / n, max(broker - idle * wall, 0.0) * 1000 / n
 
 
+def bytes_by_type(prefix: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """(stream, event type) -> (records, bytes as stored: value + key + headers) of every
+    topic under ``prefix``, read from the beginning to the end offsets of now."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    bus = BusSettings.from_env(topic_prefix=prefix)
+    c = Consumer({**bus.client_conf(), "group.id": f"sizes-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False})
+    n: collections.Counter = collections.Counter()
+    size: collections.Counter = collections.Counter()
+    try:
+        topics = c.list_topics(timeout=10).topics
+        for t in sorted(x for x in topics if x.startswith(prefix + ".")):
+            parts = [TopicPartition(t, p, 0) for p in topics[t].partitions]
+            left = sum(c.get_watermark_offsets(p, timeout=10)[1] for p in parts)
+            c.assign(parts)
+            while left > 0:
+                msgs = c.consume(1000, 5)
+                if not msgs:
+                    raise RuntimeError(f"{t}: {left} records not read in 5 s")
+                for m in msgs:
+                    if m.error():
+                        continue
+                    left -= 1
+                    headers = m.headers() or []
+                    k = (t.split(".", 1)[1], dict(headers).get("sy-type", b"?").decode())
+                    n[k] += 1
+                    size[k] += len(m.value() or b"") + len(m.key() or b"") + sum(len(a) + len(b) for a, b in headers)
+            c.unassign()
+    finally:
+        c.close()
+    return {k: (n[k], size[k]) for k in n}
+
+
+def print_bytes(prefix: str) -> None:
+    got = bytes_by_type(prefix)
+    for (stream, ty), (n, b) in sorted(got.items(), key=lambda kv: -kv[1][1]):
+        print(f"{stream:<10} {ty:<22} records {n:>7}  bytes/record {b / n:>8.0f}  total {b}")
+    print("RESULT " + " ".join(f"{s}_{t}_bytes={b / n:.0f}" for (s, t), (n, b) in sorted(got.items())))
+
+
 def main(rounds: int = 3, n: int = 1000) -> dict[str, tuple[float, float]]:
     prefix = f"revcost{uuid.uuid4().hex[:6]}"
     apply_topics(BusSettings.from_env(topic_prefix=prefix))
@@ -105,5 +151,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--read-prefix", help="Instead: bytes per event type on this topic prefix's topics.")
     a = ap.parse_args()
-    main(a.rounds, a.n)
+    if a.read_prefix:
+        print_bytes(a.read_prefix)
+    else:
+        main(a.rounds, a.n)
