@@ -277,6 +277,10 @@ def router_cmd(
     request_timeout: Annotated[float, typer.Option(
         help="Seconds a connection has to send a request's headers (closed beyond).")] = 10.0,
     body_timeout: Annotated[float, typer.Option(help="Seconds a request has to send its body (408 beyond).")] = 30.0,
+    events_linger_ms: Annotated[int, typer.Option(
+        envvar="SWITCHYARD_ROUTER_EVENTS_LINGER_MS",
+        help="linger.ms of the router's event producer (its request events batch; the bus default is for the "
+             "workers' KV events).")] = 20,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,
@@ -306,7 +310,8 @@ def router_cmd(
                               admission=admission, auth=auth, key_limits=key_limits,
                               redis_url=redis_url or _stack_redis_url(key_limits),
                               connections=ConnectionLimits(max_connections=max_connections,
-                                                           request_timeout_s=request_timeout), **kw),
+                                                           request_timeout_s=request_timeout),
+                              events_linger_ms=events_linger_ms, **kw),
                BusSettings.from_env(role="router"))
 
 

@@ -56,7 +56,7 @@ from starlette.types import Receive, Scope, Send
 from control_plane.router.errors import InvalidRequest
 from control_plane.router.keys import Denied, KeyTable, RouterKey
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
-from control_plane.router.prompt import read_prompt_ids
+from control_plane.router.prompt import read_prompt_ids, tokenize_prompt
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.shared_gate import Gate, LocalGate
 from kernel.tokenizer import Tokenizer, chat_tokens
@@ -609,10 +609,10 @@ def _invalid_body(e: msgspec.ValidationError, model: type[_Base]) -> InvalidRequ
     return InvalidRequest(f"{where or 'body'}: {why}", param=where or None, code="invalid_body")
 
 
-async def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
+async def _encode(c: RouterApp, text: str) -> Sequence[int]:
     if len(text) <= _TOKENIZE_INLINE_CHARS:
-        return tokenizer.encode(text)
-    return await asyncio.to_thread(tokenizer.encode, text)
+        return tokenize_prompt(c.tokenizer, text, c.router.hash_config)
+    return await asyncio.to_thread(tokenize_prompt, c.tokenizer, text, c.router.hash_config)
 
 
 async def _prompt_tokens(c: RouterApp, body: CompletionRequest) -> Sequence[int]:
@@ -628,7 +628,7 @@ async def _prompt_tokens(c: RouterApp, body: CompletionRequest) -> Sequence[int]
                                  code="unsupported_parameter")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return await _encode(c.tokenizer, prompt)
+        return await _encode(c, prompt)
     return prompt  # ids read natively, or a list of ints fresh from the decoder: nothing else holds it
 
 

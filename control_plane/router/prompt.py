@@ -24,6 +24,7 @@ from typing import Any, overload
 import msgspec
 
 from kernel.hashing import HashConfig, hash_blocks, hash_json_ids
+from kernel.tokenizer import Tokenizer
 from schemas.types import BlockHash
 
 
@@ -83,6 +84,19 @@ def read_prompt_ids(raw: bytes | msgspec.Raw, vocab_size: int, config: HashConfi
         return None
     n, hashes = got
     return PromptIds(data, n, vocab_size, config, hashes)
+
+
+def tokenize_prompt(tokenizer: Tokenizer, text: str, config: HashConfig) -> Sequence[int]:
+    """A string prompt's ids. With the hash tokenizer and a native chain for ``config``, one
+    native call tokenizes and hashes it into a :class:`PromptIds` (the ids as the JSON array
+    the worker's body carries, and the block hashes: no Python int per id); otherwise
+    ``tokenizer.encode(text)``, hashed later by :func:`block_hashes`. The same ids either way."""
+    encode_hashed = getattr(tokenizer, "encode_hashed", None)
+    got = encode_hashed(text, config) if encode_hashed is not None else None
+    if got is None:
+        return tokenizer.encode(text)
+    raw, n, hashes = got
+    return PromptIds(raw, n, tokenizer.vocab_size, config, hashes)  # type: ignore[attr-defined]
 
 
 def block_hashes(tokens: Sequence[int], config: HashConfig) -> list[BlockHash]:

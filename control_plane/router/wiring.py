@@ -94,6 +94,13 @@ class RouterSettings:
     #: Connections served at once, and how long one may take to send a request's headers
     #: (kernel/http_server.py); a body's own bound is ``limits.body_timeout_s``.
     connections: ConnectionLimits = ConnectionLimits()
+    #: ``linger.ms`` of this replica's event producer: how long a request's events wait to share
+    #: a produce request with its next events and other requests'. No routing decision waits
+    #: for them (its own ledger folds them as it publishes them; the planner, metrics, audit,
+    #: console and replay read them on a scale of seconds), so they batch longer than the bus
+    #: default, which the workers' KV events keep (the index's freshness). Measured in
+    #: docs/benchmarks-peers.md.
+    events_linger_ms: int = 20
 
 
 def key_limits_mode(s: RouterSettings) -> str:
@@ -179,7 +186,7 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
 
     t0 = time.monotonic()
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
-    producer = EventProducer(bus, s.router_id)
+    producer = EventProducer(bus, s.router_id, **{"linger.ms": s.events_linger_ms})
     keys: KeyTable | None = None
     follower: StreamFollower | None = None
     with ThreadPoolExecutor(3, thread_name_prefix="router-start") as pool:

@@ -8,7 +8,8 @@
 //!   `control_plane/router/decision.py`;
 //! * [`inflight`]: the router's in-flight accounts per worker, as `control_plane/router/ledger.py`;
 //! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
-//! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay.
+//! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
+//! * [`tokenize`]: the hash tokenizer of string prompts, as `kernel/tokenizer.py`.
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
 //! the PyO3 bindings maturin builds into the `switchyard_native` extension module.
@@ -22,6 +23,7 @@ pub mod index;
 pub mod inflight;
 pub mod mp;
 pub mod signing;
+pub mod tokenize;
 
 #[cfg(feature = "python")]
 mod py;

@@ -21,7 +21,7 @@ from control_plane.router.http import (
     _decoded,
 )
 from control_plane.router.limits import RequestLimits, check_generation
-from control_plane.router.prompt import PromptIds, block_hashes, encode_json, read_prompt_ids
+from control_plane.router.prompt import PromptIds, block_hashes, encode_json, read_prompt_ids, tokenize_prompt
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView
 from control_plane.router.worker_calls import MemoryReply, MemoryWorkerCalls
@@ -106,3 +106,32 @@ def test_without_a_native_hash_the_general_decode_reads_every_prompt() -> None:
     app = _app(HashConfig(HashAlgo.SHA256_CBOR, 4))
     req = _completion_body(app, b'{"prompt": [1, 2, 3]}')
     assert type(req.prompt) is list and req.prompt == [1, 2, 3]
+
+
+@given(st.text(max_size=200).filter(lambda t: not any(0xD800 <= ord(c) <= 0xDFFF for c in t)))
+@settings(max_examples=200, deadline=None)
+def test_a_string_prompt_tokenized_natively_is_the_tokenizers_ids(text: str) -> None:
+    """Property: ``tokenize_prompt`` (tokenize and hash in one native call) gives the ids of
+    ``HashTokenizer.encode_reference``, ``hash_blocks`` of them, and the worker body the
+    general encoder writes for that list."""
+    tok = HashTokenizer()
+    ids = tok.encode_reference(text)
+    got = tokenize_prompt(tok, text, CONFIG)
+    assert isinstance(got, PromptIds) and len(got) == len(ids) and got == ids
+    assert block_hashes(got, CONFIG) == hash_blocks(ids, CONFIG)
+    assert encode_json({"prompt": got, "max_tokens": 2}) == msgspec.json.encode({"prompt": ids, "max_tokens": 2})
+    limits = RequestLimits(vocab_size=tok.vocab_size)
+
+    def checked(tokens):
+        try:
+            return check_generation(tokens, 2, limits)
+        except InvalidRequest as e:
+            return str(e)
+
+    assert checked(got) == checked(ids)
+
+
+def test_without_a_native_hash_a_string_prompt_is_a_list() -> None:
+    tok = HashTokenizer()
+    got = tokenize_prompt(tok, "a b, c", HashConfig(HashAlgo.SHA256_CBOR, 4))
+    assert type(got) is list and got == tok.encode_reference("a b, c")
