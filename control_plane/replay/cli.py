@@ -311,6 +311,9 @@ def reconcile_cmd(
     typer.echo(f"exact {s['exact']}; " + ", ".join(f"{b} {s[b]}" for b in BLAMES)
                + f"; routed past a longer cached prefix (load) {s['routed_past_cache']} "
                f"({s['blocks_left_elsewhere']} blocks left elsewhere)")
+    if s["ttft_predictions"]:
+        typer.echo(f"TTFT: {s['ttft_predictions']} predictions, |predicted - observed| / observed p50 "
+                   f"{s['prediction_err_p50']:.3f}, p90 {s['prediction_err_p90']:.3f}")
     for c in [c for c in report.checks if c.blame][:show]:
         typer.echo(f"- {c.request_id} on {c.worker_id}: saw {c.seen_blocks} (+{c.speculative_blocks} in flight), "
                    f"engine cached {c.cached_blocks}, unfolded {c.unfolded_blocks}: {c.blame}")

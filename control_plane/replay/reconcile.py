@@ -1,6 +1,7 @@
 """Routing predictions against outcomes: the overlap a decision saw on the worker it chose, against
-the cached tokens that worker reported, with a blame for each shortfall (issue 39, item 3; the
-overlap part only: predicted TTFT is not recorded yet).
+the cached tokens that worker reported, with a blame for each shortfall and the TTFT it predicted there
+(``RequestRouted.predicted_ttft_ms``, ``control_plane/router/ttft.py``) against the one observed
+(issue 39, item 3; no Prometheus metrics yet).
 
 Pure: :func:`reconcile` folds the request events and the KV records (with their positions) of a
 log; the caller reads them (``switchyard replay reconcile``). For each routed phase that did a
@@ -25,6 +26,7 @@ the chosen one: a choice made on load, not a prediction that failed.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -71,6 +73,20 @@ class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
     #: so a whole-prompt hit reports one block less, as vLLM does).
     predicted_blocks: int
     blame: str = ""
+    #: The TTFT the router predicted on the chosen worker (None before it recorded one, or for
+    #: a decode phase) and the one observed: ``RequestCompleted.ttft_ms`` less the time the
+    #: request queued in the router before its first decision. In disaggregated serving the
+    #: observed time includes the transfer and the decode worker's first step, which the
+    #: prediction does not model yet.
+    predicted_ttft_ms: float | None = None
+    observed_ttft_ms: float | None = None
+
+    @property
+    def ttft_error(self) -> float | None:
+        """|predicted - observed| / observed, when both are known."""
+        if self.predicted_ttft_ms is None or not self.observed_ttft_ms:
+            return None
+        return abs(self.predicted_ttft_ms - self.observed_ttft_ms) / self.observed_ttft_ms
 
 
 class Reconciliation(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,9 +111,18 @@ class Reconciliation(msgspec.Struct, frozen=True, kw_only=True):
             "blocks_left_elsewhere": sum(max(x.best_other_blocks - x.predicted_blocks, 0) for x in c),
         }
         out.update({b: blames.get(b, 0) for b in BLAMES})
+        errs = sorted(e for x in c if (e := x.ttft_error) is not None)
+        out["ttft_predictions"] = len(errs)
+        out["prediction_err_p50"] = _quantile(errs, 0.5)
+        out["prediction_err_p90"] = _quantile(errs, 0.9)
         out["missed_blocks"] = {b: sum(x.cached_blocks - x.predicted_blocks for x in c if x.blame == b)
                                 for b in ("stale_index", "stored_after_routing")}
         return out
+
+
+def _quantile(xs: Sequence[float], q: float) -> float | None:
+    """The nearest-rank quantile of sorted ``xs``; None when empty."""
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else None
 
 
 def _blame(seen: int, spec: int, predicted: int, cached: int, unfolded: int) -> str:
@@ -114,11 +139,14 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
     routed: dict[str, tuple[Envelope, RequestRouted]] = {}
     outcome: dict[tuple[str, str], int] = {}
     completed: dict[tuple[str, str], int] = {}
+    ttft: dict[str, float] = {}
+    queued: dict[str, float] = {}
     for env in requests:
         ev = env.data
         if isinstance(ev, RequestAdmitted):
             admitted[ev.request_id] = ev
         elif isinstance(ev, RequestRouted) and ev.phase is not RequestPhase.DECODE:
+            queued[ev.request_id] = max(queued.get(ev.request_id, 0.0), ev.queued_ms)
             prev = routed.get(ev.request_id)
             if prev is None or ev.attempt >= prev[1].attempt:
                 routed[ev.request_id] = (env, ev)
@@ -126,6 +154,7 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
             outcome[(ev.request_id, ev.worker_id)] = ev.cached_tokens
         elif isinstance(ev, RequestCompleted):
             completed[(ev.request_id, ev.worker_id)] = ev.cached_tokens
+            ttft[ev.request_id] = ev.ttft_ms
     # Per worker, the KV stores in log order with the time they were produced.
     stores: dict[str, list[tuple[str, int, int, int, tuple]]] = {}
     for r in kv:
@@ -162,7 +191,9 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
             request_id=rid, worker_id=ev.worker_id, phase=ev.phase.value, prompt_tokens=adm.prompt_tokens,
             block_size=adm.block_size, seen_blocks=seen, speculative_blocks=spec, cached_tokens=cached,
             cached_blocks=cached_blocks, best_other_blocks=min(max(others, default=0), reachable), unfolded_blocks=unfolded,
-            predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded)))
+            predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
+            predicted_ttft_ms=ev.predicted_ttft_ms,
+            observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None))
     return Reconciliation(checks=tuple(checks), unmatched=unmatched)
 
 

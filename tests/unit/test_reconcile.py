@@ -3,12 +3,15 @@ and who is to blame for each shortfall. Pure folds over hand-built logs."""
 
 from __future__ import annotations
 
+import pytest
+
 from schemas import EnvelopeFactory
 from schemas.events import (
     BlockStored,
     CandidateScore,
     PrefillCompleted,
     RequestAdmitted,
+    RequestCompleted,
     RequestRouted,
 )
 from schemas.types import RequestPhase, RoutingMode, Tier
@@ -104,3 +107,22 @@ def test_a_whole_prompt_hit_is_one_block_short() -> None:
     = 3 blocks: 3 cached is the prediction met."""
     c = _one(seen=4, cached_blocks=3, stored_blocks=4)
     assert (c.predicted_blocks, c.blame) == (3, "")
+
+
+def test_ttft_error_is_against_the_time_after_the_router_queue() -> None:
+    """Predicted 120 ms; the request queued 20 ms in the router and saw its first token 170 ms
+    after arrival, so 150 ms after the decision: |120 - 150| / 150 = 0.2."""
+    import msgspec
+
+    reqs, kv = _log(seen=1, cached_blocks=1, stored_blocks=1)
+    routed = reqs[1]
+    reqs[1] = msgspec.structs.replace(routed, data=msgspec.structs.replace(routed.data, predicted_ttft_ms=120.0,
+                                                                            queued_ms=20.0))
+    reqs.append(EnvelopeFactory("router", 1, lambda: 60).wrap(RequestCompleted(
+        request_id="r1", worker_id="w0", prompt_tokens=BS * len(CHAIN), output_tokens=4, cached_tokens=BS,
+        ttft_ms=170.0, e2e_ms=200.0)))
+    r = reconcile(reqs, kv)
+    assert r.checks[0].ttft_error == pytest.approx(0.2)
+    s = r.summary()
+    assert (s["ttft_predictions"], s["prediction_err_p50"], s["prediction_err_p90"]) == (1, r.checks[0].ttft_error,
+                                                                                         r.checks[0].ttft_error)
