@@ -21,8 +21,13 @@ or last on a warm machine.
 
 Last line: ``RESULT ttft_p50_gain=<rr/kv> ttft_p99_gain=... hit_rate=<kv> ideal_hit_rate=...
 completed=... failed=... rejected=... ttft_p50_ms=<kv> ttft_p50_predicted_ms=<kv>
-handoff_ratio=<kv> within_2x_of_prediction=0|1 gain_from_placement=... gain_from_prefix_hits=...``
-(the two shares of the observed TTFT p50 difference rr - kv; they sum to 1).
+handoff_ratio=<kv> within_2x_of_prediction=0|1 gain_from_placement=... gain_from_prefix_hits=...
+prefill_hit_rate=... prefill_hit_rate_rr=... overlap_exact=... prediction_err_p50=... prediction_err_p90=...``
+(the two shares of the observed TTFT p50 difference rr - kv; they sum to 1). ``hit_rate`` is the
+client's usage, which in disaggregated serving is the decode worker's engine; ``prefill_hit_rate``
+is the prefill workers' own, from ``switchyard replay reconcile`` over the run's log, with the share
+of decisions whose overlap equals the cached blocks and the error of the recorded TTFT prediction
+(``RequestRouted.predicted_ttft_ms``; a fixed prior, no transfer in it).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ def one_run(mode: str, trace: Path, limit: int, rate: float, max_output: int, sp
             s.update(cpu.stop())
             s["run_s"] = time.monotonic() - t0
             s["breakdown"] = breakdown(bus, s["id_prefix"], since)
+            s["reconciled"] = reconciled(bus)
             s["predicted"] = predict(trace, limit=limit, rate=rate, speedup=speedup, max_output=max_output,
                                      prefill=2, decode=2, config=config)
             return s
@@ -119,6 +125,11 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: fl
             print(f"  {m} failures by reason: {s['failures_by_reason']}")
         if s["rejections_by_reason"]:
             print(f"  {m} rejections by reason: {s['rejections_by_reason']}")
+        rc = s["reconciled"]
+        print(f"  {m}: prefill workers' hit rate {rc['prefill_hit_rate']:.3f} (the client's usage, the decode "
+              f"workers': {s['hit_rate']:.3f}); the decision's overlap equals the cached blocks in {rc['exact']} of "
+              f"{rc['requests']}; TTFT prediction error p50 {_f(rc['prediction_err_p50'])} p90 "
+              f"{_f(rc['prediction_err_p90'])}")
         for line in explain(s["ttft_p50_ms"], s["predicted"]["ttft_p50_ms"], s["breakdown"]):
             print(f"  {m}: {line}")
     rr, kv, pl = runs["round_robin"], runs["kv"], runs["placement"]
@@ -138,8 +149,35 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: fl
           f"rejected={sum(s['rejected'] for s in runs.values())} ttft_p50_ms={kv['ttft_p50_ms']:.0f} "
           f"ttft_p50_predicted_ms={kv['predicted']['ttft_p50_ms']:.0f} "
           f"handoff_ratio={kv['breakdown']['handoff_ratio']:.3f} within_2x_of_prediction={int(within)} "
-          f"gain_from_placement={split[0]:.3f} gain_from_prefix_hits={split[1]:.3f}")
+          f"gain_from_placement={split[0]:.3f} gain_from_prefix_hits={split[1]:.3f} "
+          f"prefill_hit_rate={kv['reconciled']['prefill_hit_rate']:.3f} "
+          f"prefill_hit_rate_rr={rr['reconciled']['prefill_hit_rate']:.3f} "
+          f"overlap_exact={kv['reconciled']['exact'] / max(kv['reconciled']['requests'], 1):.3f} "
+          f"prediction_err_p50={_f(kv['reconciled']['prediction_err_p50'])} "
+          f"prediction_err_p90={_f(kv['reconciled']['prediction_err_p90'])}")
     return {m: {k: v for k, v in s.items() if k != "results"} for m, s in runs.items()}
+
+
+def reconciled(bus: BusSettings) -> dict:
+    """``switchyard replay reconcile``'s summary of the run's log. Its hit rate is the prefill
+    workers' (the cached tokens each reported for the prefill it was routed): the client's usage,
+    ``hit_rate``, is the decode worker's engine in disaggregated serving (docs/router.md)."""
+    from control_plane.replay.reconcile import KvRecord, reconcile
+    from kernel.log.catalog import Catalog
+    from kernel.log.reader import KafkaLogReader, scan_events
+    from schemas import EventCodec
+
+    cat, codec = Catalog(bus.topic_prefix), EventCodec(verifier=bus.verifier())
+    with KafkaLogReader(bus.bootstrap) as reader:
+        requests = [env for _, env in scan_events(reader, cat.topic("requests"), codec=codec)]
+        kv = [KvRecord(r.topic, r.partition, r.offset, env) for r, env in scan_events(reader, cat.topic("kv"), codec=codec)]
+    out = reconcile(requests, kv).summary()
+    out["prefill_hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else float("nan")
+    return out
+
+
+def _f(x: float | None) -> str:
+    return "nan" if x is None else f"{x:.3f}"
 
 
 def _split(rr: float, placement: float, kv: float) -> tuple[float, float]:

@@ -231,6 +231,10 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     inflight_prefill_tokens: int | None = None
     inflight_blocks: int | None = None
     inflight_ttl_s: float | None = None
+    #: The TTFT (ms) the router predicted on the chosen worker (``control_plane/router/ttft.py``,
+    #: from the chosen row); None in logs written before the field existed, and for a decode
+    #: phase (not modelled yet).
+    predicted_ttft_ms: float | None = None
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

@@ -281,6 +281,44 @@ def whatif_cmd(
         typer.echo(f"note: {n}")
 
 
+@replay_app.command("reconcile")
+def reconcile_cmd(
+    show: Annotated[int, typer.Option(help="Shortfalls to print, one line each.")] = 10,
+    source: SourceOpt = "kafka", prefix: PrefixOpt = None, as_json: JsonOpt = False, quiet: QuietOpt = False,
+) -> None:
+    """Per routed prefill: the overlap the decision saw on the chosen worker against the cached
+    tokens the engine reported, with a blame for each shortfall (stale index, stored after
+    routing, speculative not hit, evicted after routing)."""
+    _check_args(source=source)
+    from control_plane.replay.reconcile import BLAMES, KvRecord, reconcile
+    from kernel.log.reader import scan_events
+
+    def run(engine: ReplayEngine):
+        requests = [env for _, env in scan_events(engine.reader, engine.catalog.topic("requests"), codec=engine.codec)]
+        kv = [KvRecord(r.topic, r.partition, r.offset, env)
+              for r, env in scan_events(engine.reader, engine.catalog.topic("kv"), codec=engine.codec)]
+        return reconcile(requests, kv)
+
+    report = _replay(source, prefix, quiet, run)
+    s = report.summary()
+    if as_json:
+        s["checks"] = msgspec.to_builtins(report.checks)
+        typer.echo(json.dumps(s))
+        return
+    typer.echo(f"reconciled {s['requests']} routed prefills ({s['unmatched']} without an outcome): predicted "
+               f"{s['predicted_blocks']} cached blocks, engines reported {s['cached_blocks']}; "
+               f"{s['cached_tokens']} of {s['prompt_tokens']} prompt tokens cached")
+    typer.echo(f"exact {s['exact']}; " + ", ".join(f"{b} {s[b]}" for b in BLAMES)
+               + f"; routed past a longer cached prefix (load) {s['routed_past_cache']} "
+               f"({s['blocks_left_elsewhere']} blocks left elsewhere)")
+    if s["ttft_predictions"]:
+        typer.echo(f"TTFT: {s['ttft_predictions']} predictions, |predicted - observed| / observed p50 "
+                   f"{s['prediction_err_p50']:.3f}, p90 {s['prediction_err_p90']:.3f}")
+    for c in [c for c in report.checks if c.blame][:show]:
+        typer.echo(f"- {c.request_id} on {c.worker_id}: saw {c.seen_blocks} (+{c.speculative_blocks} in flight), "
+                   f"engine cached {c.cached_blocks}, unfolded {c.unfolded_blocks}: {c.blame}")
+
+
 @replay_app.command("export")
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="Output .sylog file.")],

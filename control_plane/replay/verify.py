@@ -167,6 +167,8 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
                       queued_ms=r.queued_ms)
     if r.inflight_blocks is None:  # written before the router recorded its ledger entry
         ev = msgspec.structs.replace(ev, inflight_prefill_tokens=None, inflight_blocks=None, inflight_ttl_s=None)
+    if r.predicted_ttft_ms is None:  # written before the router recorded its prediction
+        ev = msgspec.structs.replace(ev, predicted_ttft_ms=None)
     return ev
 
 

@@ -31,6 +31,7 @@ from control_plane.router.config import RouterConfig
 from control_plane.router.decision import NO_OVERLAP, Decision, RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, RouterLedger, role_of_phase
+from control_plane.router.ttft import predict_ttft_ms
 from schemas.events import RequestRouted
 from schemas.types import BlockHash, RequestPhase, WorkerId
 
@@ -181,4 +182,15 @@ def routed_event(
         expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
         excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
         inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
-        inflight_ttl_s=config.inflight_ttl_s)
+        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=_predicted_ttft(decision, inputs))
+
+
+def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> float | None:
+    """The chosen row's predicted TTFT (``control_plane/router/ttft.py``); None for a decode phase."""
+    req = inputs.request
+    if req.phase is RequestPhase.DECODE:
+        return None
+    for row in decision.scores:
+        if row.worker_id == decision.worker_id:
+            return predict_ttft_ms(row, req.prompt_tokens, req.block_size, req.phase)
+    return None

@@ -207,3 +207,21 @@ def test_cli_commands(recorded, tmp_path) -> None:
     assert r.exit_code == 0 and "re-scored" in r.output, r.output
     r = run.invoke(replay_app, ["state", *common, "--at", "yesterday"], env=env)
     assert r.exit_code == 2 and "not a point of the log" in r.output
+
+
+def test_reconcile_sets_each_prediction_beside_the_engine_outcome(recorded) -> None:
+    """The sequential requests reuse a prefix the view had folded before each was sent
+    (``seq-0``'s 12 blocks), so each of ``seq-1..5`` saw what its worker then reported cached."""
+    from typer.testing import CliRunner
+
+    from control_plane.replay.cli import replay_app
+
+    bus, _ = recorded
+    r = CliRunner().invoke(replay_app, ["reconcile", "--prefix", bus.topic_prefix, "--no-progress", "--json"],
+                           env={"SWITCHYARD_KAFKA_BOOTSTRAP": bus.bootstrap})
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    checks = {c["request_id"]: c for c in out["checks"]}
+    assert out["requests"] == len(checks) > 0 and out["unmatched"] == 0
+    seq = [c for rid, c in checks.items() if rid and c["seen_blocks"] >= 12]
+    assert seq and all(c["cached_blocks"] == c["predicted_blocks"] == 12 and not c["blame"] for c in seq)

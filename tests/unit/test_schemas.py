@@ -160,6 +160,7 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "inflight_prefill_tokens": 0,
         "inflight_blocks": 40,
         "inflight_ttl_s": 600.0,
+        "predicted_ttft_ms": 412.5,
     },
     ev.PrefillCompleted: {
         "request_id": R,

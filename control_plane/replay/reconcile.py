@@ -1,0 +1,219 @@
+"""Routing predictions against outcomes: the overlap a decision saw on the worker it chose, against
+the cached tokens that worker reported, with a blame for each shortfall and the TTFT it predicted there
+(``RequestRouted.predicted_ttft_ms``, ``control_plane/router/ttft.py``) against the one observed
+(issue 39, item 3; no Prometheus metrics yet).
+
+Pure: :func:`reconcile` folds the request events and the KV records (with their positions) of a
+log; the caller reads them (``switchyard replay reconcile``). For each routed phase that did a
+prefill (aggregated or prefill), the last attempt's ``RequestRouted`` row of the chosen worker
+gives what the router saw (the index's matched blocks and the speculative overlap of its own
+in-flight requests) and the cached tokens that worker reported what the engine found: the prefill
+worker's ``PrefillCompleted`` in disaggregated serving, the ``RequestCompleted`` (which carries the
+worker's usage) in aggregated serving. The blame:
+
+* ``stale_index``: the engine had more blocks than the router saw, and the KV events storing them
+  were on the log before the decision but beyond the position the router had folded
+  (``RequestRouted.index_position``): the router decided on an index that lagged the log;
+* ``stored_after_routing``: the engine had more, stored by events produced after the decision (a
+  request that finished in between, or one another router sent);
+* ``speculative_not_hit``: the router counted blocks its in-flight requests were writing, the
+  engine did not hit them (the request was scheduled before those blocks were computed);
+* ``evicted_after_routing``: the index said the worker held blocks the engine no longer had.
+
+``routed_past_cache`` counts decisions where another eligible candidate showed more overlap than
+the chosen one: a choice made on load, not a prediction that failed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+import msgspec
+
+from schemas.envelope import Envelope
+from schemas.events import BlockStored, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
+from schemas.types import RequestPhase
+
+BLAMES = ("stale_index", "stored_after_routing", "speculative_not_hit", "evicted_after_routing")
+
+
+class KvRecord(msgspec.Struct, frozen=True):
+    """A ``kv`` record as the reconciliation needs it: where it sits and what it says."""
+
+    topic: str
+    partition: int
+    offset: int
+    env: Envelope
+
+
+class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
+    """One routed prefill: what the router saw on the chosen worker and what the engine found."""
+
+    request_id: str
+    worker_id: str
+    phase: str
+    prompt_tokens: int
+    block_size: int
+    #: The index's matched blocks (every tier) and the ledger's speculative overlap, chosen row.
+    seen_blocks: int
+    speculative_blocks: int
+    #: Cached tokens the engine reported for this phase, and in whole blocks.
+    cached_tokens: int
+    cached_blocks: int
+    #: The largest overlap (index or speculative) among the other eligible candidates (with
+    #: the same cap as ``predicted_blocks``).
+    best_other_blocks: int
+    #: Prompt blocks stored on the chosen worker by KV records produced before the decision that
+    #: the router had not folded when it decided.
+    unfolded_blocks: int
+    #: What the engine can hit of what the router saw: max(seen, speculative), at most
+    #: ``(prompt_tokens - 1) // block_size`` (an engine computes at least the prompt's last token,
+    #: so a whole-prompt hit reports one block less, as vLLM does).
+    predicted_blocks: int
+    blame: str = ""
+    #: The TTFT the router predicted on the chosen worker (None before it recorded one, or for
+    #: a decode phase) and the one observed: ``RequestCompleted.ttft_ms`` less the time the
+    #: request queued in the router before its first decision. In disaggregated serving the
+    #: observed time includes the transfer and the decode worker's first step, which the
+    #: prediction does not model yet.
+    predicted_ttft_ms: float | None = None
+    observed_ttft_ms: float | None = None
+
+    @property
+    def ttft_error(self) -> float | None:
+        """|predicted - observed| / observed, when both are known."""
+        if self.predicted_ttft_ms is None or not self.observed_ttft_ms:
+            return None
+        return abs(self.predicted_ttft_ms - self.observed_ttft_ms) / self.observed_ttft_ms
+
+
+class Reconciliation(msgspec.Struct, frozen=True, kw_only=True):
+    checks: tuple[OverlapCheck, ...]
+    #: Routed prefills without a reported outcome (failed, or the log ends before it).
+    unmatched: int
+
+    def summary(self) -> dict:
+        c = self.checks
+        blames = Counter(x.blame for x in c if x.blame)
+        bs = {x.block_size for x in c} or {1}
+        out = {
+            "requests": len(c),
+            "unmatched": self.unmatched,
+            "block_size": min(bs),
+            "predicted_blocks": sum(x.predicted_blocks for x in c),
+            "cached_blocks": sum(x.cached_blocks for x in c),
+            "prompt_tokens": sum(x.prompt_tokens for x in c),
+            "cached_tokens": sum(x.cached_tokens for x in c),
+            "exact": sum(not x.blame for x in c),
+            "routed_past_cache": sum(x.best_other_blocks > x.predicted_blocks for x in c),
+            "blocks_left_elsewhere": sum(max(x.best_other_blocks - x.predicted_blocks, 0) for x in c),
+        }
+        out.update({b: blames.get(b, 0) for b in BLAMES})
+        errs = sorted(e for x in c if (e := x.ttft_error) is not None)
+        out["ttft_predictions"] = len(errs)
+        out["prediction_err_p50"] = _quantile(errs, 0.5)
+        out["prediction_err_p90"] = _quantile(errs, 0.9)
+        out["missed_blocks"] = {b: sum(x.cached_blocks - x.predicted_blocks for x in c if x.blame == b)
+                                for b in ("stale_index", "stored_after_routing")}
+        return out
+
+
+def _quantile(xs: Sequence[float], q: float) -> float | None:
+    """The nearest-rank quantile of sorted ``xs``; None when empty."""
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else None
+
+
+def _blame(seen: int, spec: int, predicted: int, cached: int, unfolded: int) -> str:
+    if cached > predicted:
+        return "stale_index" if unfolded > predicted else "stored_after_routing"
+    if cached < predicted:
+        return "speculative_not_hit" if spec > seen else "evicted_after_routing"
+    return ""
+
+
+def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconciliation:
+    """Fold the ``requests`` stream's envelopes and the ``kv`` records (any order within each)."""
+    admitted: dict[str, RequestAdmitted] = {}
+    routed: dict[str, tuple[Envelope, RequestRouted]] = {}
+    outcome: dict[tuple[str, str], int] = {}
+    completed: dict[tuple[str, str], int] = {}
+    ttft: dict[str, float] = {}
+    queued: dict[str, float] = {}
+    for env in requests:
+        ev = env.data
+        if isinstance(ev, RequestAdmitted):
+            admitted[ev.request_id] = ev
+        elif isinstance(ev, RequestRouted) and ev.phase is not RequestPhase.DECODE:
+            queued[ev.request_id] = max(queued.get(ev.request_id, 0.0), ev.queued_ms)
+            prev = routed.get(ev.request_id)
+            if prev is None or ev.attempt >= prev[1].attempt:
+                routed[ev.request_id] = (env, ev)
+        elif isinstance(ev, PrefillCompleted):
+            outcome[(ev.request_id, ev.worker_id)] = ev.cached_tokens
+        elif isinstance(ev, RequestCompleted):
+            completed[(ev.request_id, ev.worker_id)] = ev.cached_tokens
+            ttft[ev.request_id] = ev.ttft_ms
+    # Per worker, the KV stores in log order with the time they were produced.
+    stores: dict[str, list[tuple[str, int, int, int, tuple]]] = {}
+    for r in kv:
+        ev = r.env.data
+        if isinstance(ev, BlockStored):
+            stores.setdefault(ev.worker_id, []).append(
+                (r.topic, r.partition, r.offset, r.env.occurred_at_ns, tuple(ev.block_hashes)))
+    checks: list[OverlapCheck] = []
+    unmatched = 0
+    for rid, (env, ev) in sorted(routed.items()):
+        adm = admitted.get(rid)
+        key = (rid, ev.worker_id)
+        # A prefill worker publishes its own PrefillCompleted with the cached tokens; in
+        # aggregated serving the router records PrefillCompleted at the first token, before the
+        # worker's usage (and its cached tokens) arrives with the RequestCompleted.
+        if ev.phase is RequestPhase.PREFILL:
+            cached = outcome.get(key, completed.get(key))
+        else:
+            cached = completed.get(key, outcome.get(key))
+        if adm is None or cached is None:
+            unmatched += 1
+            continue
+        rows = {s.worker_id: s for s in ev.scores}
+        mine = rows.get(ev.worker_id)
+        seen = mine.overlap_blocks if mine else 0
+        spec = mine.speculative_overlap if mine else 0
+        others = [max(s.overlap_blocks, s.speculative_overlap) for s in ev.scores
+                  if s.worker_id != ev.worker_id and s.eligible]
+        unfolded = _unfolded(stores.get(ev.worker_id, ()), ev.index_position, env.occurred_at_ns, adm.block_hashes)
+        cached_blocks = cached // adm.block_size
+        reachable = max(adm.prompt_tokens - 1, 0) // adm.block_size
+        predicted = min(max(seen, spec), reachable)
+        checks.append(OverlapCheck(
+            request_id=rid, worker_id=ev.worker_id, phase=ev.phase.value, prompt_tokens=adm.prompt_tokens,
+            block_size=adm.block_size, seen_blocks=seen, speculative_blocks=spec, cached_tokens=cached,
+            cached_blocks=cached_blocks, best_other_blocks=min(max(others, default=0), reachable), unfolded_blocks=unfolded,
+            predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
+            predicted_ttft_ms=ev.predicted_ttft_ms,
+            observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None))
+    return Reconciliation(checks=tuple(checks), unmatched=unmatched)
+
+
+def _unfolded(stores: Iterable[tuple[str, int, int, int, tuple]], position: Mapping[str, int], at_ns: int,
+              chain: Sequence) -> int:
+    """The leading blocks of ``chain`` stored by records produced before ``at_ns`` (folded or
+    not), if any of them lay beyond ``position``; else 0 (the router had read every one)."""
+    want = {h: i for i, h in enumerate(chain)}
+    held: set[int] = set()
+    late = False
+    for topic, partition, offset, produced, hashes in stores:
+        if produced > at_ns:
+            continue
+        hit = [want[h] for h in hashes if h in want]
+        if hit:
+            held.update(hit)
+            late |= offset >= position.get(f"{topic}:{partition}", 0)
+    if not late:
+        return 0
+    depth = 0
+    while depth in held:
+        depth += 1
+    return depth

@@ -1,0 +1,128 @@
+"""``control_plane.replay.reconcile``: the overlap a decision saw against what the engine cached,
+and who is to blame for each shortfall. Pure folds over hand-built logs."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas import EnvelopeFactory
+from schemas.events import (
+    BlockStored,
+    CandidateScore,
+    PrefillCompleted,
+    RequestAdmitted,
+    RequestCompleted,
+    RequestRouted,
+)
+from schemas.types import RequestPhase, RoutingMode, Tier
+from control_plane.replay.reconcile import KvRecord, reconcile
+
+BS = 16
+CHAIN = [1001, 1002, 1003, 1004]
+KV_TOPIC = "t.kv"
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def _log(*, seen: int = 0, spec: int = 0, cached_blocks: int = 0, stored_blocks: int = 0, folded: bool = True,
+         stored_before: bool = True, other_seen: int = 0):
+    """One request routed to w0 (w1 the other candidate); optionally w0's KV store of the first
+    ``stored_blocks`` blocks at offset 0 of partition 0, produced before or after the decision
+    and folded or not at the decision's ``index_position``."""
+    clock = _Clock()
+    f = EnvelopeFactory("router", 1, clock)
+    wf = EnvelopeFactory("w0", 1, clock)
+    kv = []
+    if stored_blocks and stored_before:
+        clock.ns = 10
+        kv.append(KvRecord(KV_TOPIC, 0, 0, wf.wrap(BlockStored(
+            worker_id="w0", tier=Tier.DEVICE, block_hashes=CHAIN[:stored_blocks], block_size=BS, hash_algo="a"))))
+    clock.ns = 20
+    reqs = [f.wrap(RequestAdmitted(request_id="r1", model="m", prompt_tokens=BS * len(CHAIN), max_tokens=4,
+                                   block_hashes=CHAIN, block_size=BS, hash_algo="a"))]
+    clock.ns = 30
+    reqs.append(f.wrap(RequestRouted(
+        request_id="r1", worker_id="w0", phase=RequestPhase.AGGREGATED, mode=RoutingMode.KV, config_version=1,
+        rng_seed=1, index_position={f"{KV_TOPIC}:0": 1 if folded else 0},
+        scores=[CandidateScore(worker_id="w0", overlap_blocks=seen, speculative_overlap=spec),
+                CandidateScore(worker_id="w1", overlap_blocks=other_seen)])))
+    if stored_blocks and not stored_before:
+        clock.ns = 40
+        kv.append(KvRecord(KV_TOPIC, 0, 0, wf.wrap(BlockStored(
+            worker_id="w0", tier=Tier.DEVICE, block_hashes=CHAIN[:stored_blocks], block_size=BS, hash_algo="a"))))
+    clock.ns = 50
+    reqs.append(f.wrap(PrefillCompleted(request_id="r1", worker_id="w0", prompt_tokens=BS * len(CHAIN),
+                                        cached_tokens=BS * cached_blocks, duration_ms=1.0)))
+    return reqs, kv
+
+
+def _one(**kw):
+    r = reconcile(*_log(**kw))
+    assert r.unmatched == 0 and len(r.checks) == 1
+    return r.checks[0]
+
+
+def test_prediction_met_has_no_blame() -> None:
+    c = _one(seen=3, cached_blocks=3, stored_blocks=3)
+    assert (c.blame, c.predicted_blocks, c.cached_blocks, c.unfolded_blocks) == ("", 3, 3, 0)
+
+
+def test_blocks_on_the_log_but_not_folded_blame_the_index() -> None:
+    """The store (offset 0) was produced at t=10, the decision at t=30 had folded up to offset 0
+    exclusive: the router decided on an index that lagged the log by that record."""
+    c = _one(seen=0, cached_blocks=3, stored_blocks=3, folded=False)
+    assert (c.blame, c.unfolded_blocks) == ("stale_index", 3)
+
+
+def test_blocks_stored_after_the_decision_are_not_the_index_fault() -> None:
+    c = _one(seen=0, cached_blocks=2, stored_blocks=2, stored_before=False, folded=False)
+    assert (c.blame, c.unfolded_blocks) == ("stored_after_routing", 0)
+
+
+def test_more_seen_than_cached() -> None:
+    assert _one(seen=3, cached_blocks=1, stored_blocks=3).blame == "evicted_after_routing"
+    assert _one(spec=4, cached_blocks=0).blame == "speculative_not_hit"
+
+
+def test_summary_counts_a_choice_past_a_longer_cache() -> None:
+    r = reconcile(*_log(seen=1, cached_blocks=1, stored_blocks=1, other_seen=4))
+    s = r.summary()
+    assert (s["requests"], s["exact"], s["routed_past_cache"], s["cached_tokens"]) == (1, 1, 1, BS)
+
+
+def test_a_routed_request_without_outcome_is_unmatched() -> None:
+    reqs, kv = _log(seen=1, cached_blocks=1)
+    r = reconcile(reqs[:-1], kv)
+    assert (len(r.checks), r.unmatched) == (0, 1)
+
+
+def test_a_whole_prompt_hit_is_one_block_short() -> None:
+    """4 of 4 blocks seen; the engine computes at least the last token, so it can hit (64 - 1) // 16
+    = 3 blocks: 3 cached is the prediction met."""
+    c = _one(seen=4, cached_blocks=3, stored_blocks=4)
+    assert (c.predicted_blocks, c.blame) == (3, "")
+
+
+def test_ttft_error_is_against_the_time_after_the_router_queue() -> None:
+    """Predicted 120 ms; the request queued 20 ms in the router and saw its first token 170 ms
+    after arrival, so 150 ms after the decision: |120 - 150| / 150 = 0.2."""
+    import msgspec
+
+    reqs, kv = _log(seen=1, cached_blocks=1, stored_blocks=1)
+    routed = reqs[1]
+    reqs[1] = msgspec.structs.replace(routed, data=msgspec.structs.replace(routed.data, predicted_ttft_ms=120.0,
+                                                                            queued_ms=20.0))
+    reqs.append(EnvelopeFactory("router", 1, lambda: 60).wrap(RequestCompleted(
+        request_id="r1", worker_id="w0", prompt_tokens=BS * len(CHAIN), output_tokens=4, cached_tokens=BS,
+        ttft_ms=170.0, e2e_ms=200.0)))
+    r = reconcile(reqs, kv)
+    assert r.checks[0].ttft_error == pytest.approx(0.2)
+    s = r.summary()
+    assert (s["ttft_predictions"], s["prediction_err_p50"], s["prediction_err_p90"]) == (1, r.checks[0].ttft_error,
+                                                                                         r.checks[0].ttft_error)
