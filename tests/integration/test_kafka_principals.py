@@ -79,3 +79,36 @@ def test_a_role_joins_only_its_own_consumer_groups(bus: BusSettings) -> None:
     for owner, group in victims.items():
         verdict, detail = join_group(_as(bus, owner), group, workers, timeout_s=20)
         assert verdict == ACCEPTED, (owner, detail)
+
+
+def test_a_forged_snapshot_is_dead_lettered_and_the_restore_takes_the_owners(bus: BusSettings) -> None:
+    """Issue 36: ``snapshots`` was unsigned, so the processor's credential (which writes it, for
+    its own projection) could write a router view the routers restore at their next start. The
+    security probe writes a router's snapshot and two newer forgeries under its key with the
+    processor's credential; the routers' restore (``SnapshotStore.load_latest``) refuses both,
+    dead-letters them ``forged:*`` and restores the router's own."""
+    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+
+    from control_plane.security.check import Targets
+    from control_plane.security.probes_bus import probe_forged_snapshots
+
+    t = Targets(router_url=None, admin_url=None, kafka_bootstrap=bus.bootstrap, postgres_url="", redis_url="",
+                pids=[], topic_prefix=bus.topic_prefix)
+    probes = probe_forged_snapshots(t)
+    assert [p.verdict for p in probes] == [REFUSED, REFUSED], probes
+    dlq = Catalog(bus.topic_prefix).deadletter
+    c = Consumer({**bus.client_conf(), "group.id": f"{bus.topic_prefix}.ops.dlq", "enable.auto.commit": False,
+                  "logger": None})
+    reasons: dict[str, str] = {}
+    try:
+        c.assign([TopicPartition(dlq, 0, 0)])
+        for _ in range(40):
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                h = {k: v.decode() for k, v in m.headers() or ()}
+                reasons[h[H_DLQ_SOURCE]] = h[H_DLQ_REASON]
+            if len(reasons) == 2:
+                break
+    finally:
+        c.close()
+    assert sorted(reasons.values()) == ["forged:bad_signature", "forged:unsigned"], reasons
