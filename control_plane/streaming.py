@@ -284,7 +284,7 @@ class FoldProcessor:
 
         pos = self.positions()
         ends: dict[tuple[str, int], int] = {}
-        with KafkaLogReader(self.bus.bootstrap) as reader:
+        with KafkaLogReader(self.bus) as reader:
             for topic in self.topics:
                 for p in reader.partitions(topic):
                     ends[(topic, p)] = reader.bounds(topic, p)[1]

@@ -357,6 +357,9 @@ class KafkaLogReader:
         if got is None:
             md = self._c.list_topics(topic, timeout=self._timeout)
             t = md.topics.get(topic)
+            if t is not None and t.error is not None and "AUTHORIZATION" in t.error.name():
+                raise LogReadError(f"topic {topic}: {t.error.name()} (this principal may not read it: "
+                                   "kernel/log/principals.py)")
             if t is None or t.error is not None or not t.partitions:
                 raise LogReadError(f"topic {topic} does not exist (run `switchyard topics apply`?)")
             got = self._parts[topic] = sorted(t.partitions)
