@@ -8,8 +8,9 @@ may use any replica's snapshot of the same view: both are folds of the same log.
 Snapshots move decisions (a router restores its view from one), so they are signed like
 events: by the role that owns the key (``router-view:*`` the routers, ``load-view:*`` the
 planner, ``metrics:*`` the processor; ``schemas/signing.py``). A record that does not verify is
-dead-lettered ``forged:*`` and the search goes on to the key's older records; with none left,
-the process folds the log from the start. The store reads with the process's own principal.
+dead-lettered ``forged:*`` and the search goes on to the key's older records; with none left
+(or after :data:`MAX_REFUSED` refusals), the process folds the log from the start. The store
+reads with the process's own principal.
 """
 
 from __future__ import annotations
@@ -67,18 +68,28 @@ class SnapshotStore:
         by timestamp wins."""
         from kernel.log.reader import KafkaLogReader
 
+        refused = 0
+
         def opened(rec) -> bytes | None:
+            nonlocal refused
             if self._verifier is None:
                 return snapshot_data(rec.value)
             try:
                 return self._verifier.open_snapshot(key, rec.value)
             except ForgedEvent as e:
                 self._dead_letter(rec, e)
+                refused += 1
+                if refused >= MAX_REFUSED:
+                    raise _GiveUp from None
                 return None
 
+        found = []
         with KafkaLogReader(self.bus, fetch_bytes=MAX_SNAPSHOT_BYTES * 2, timeout_s=timeout) as reader:
-            found = [hit for p in reader.partitions(self.topic)
-                     if (hit := newest_of_key(reader, self.topic, p, key.encode(), opened)) is not None]
+            try:
+                found = [hit for p in reader.partitions(self.topic)
+                         if (hit := newest_of_key(reader, self.topic, p, key.encode(), opened)) is not None]
+            except _GiveUp:
+                log.warning("snapshot %s: %d records refused in a row; folding the log instead", key, refused)
         if self._dlq is not None and self._dlq.confirm(timeout):
             log.error("snapshot %s: refused records not dead-lettered within %g s", key, timeout)
         return max(found, key=lambda hit: hit[0])[1] if found else None
@@ -94,6 +105,16 @@ class SnapshotStore:
         # The dead-letter topic takes records of 1 MB: a bigger forged snapshot goes without its bytes.
         value = rec.value if len(rec.value) <= DEAD_LETTER_VALUE_BYTES else None
         self._dlq.send(value, rec.key, e.reason, f"{e} ({len(rec.value)} bytes)", where)
+
+
+#: Refused records after which a restore stops looking (and folds the log): a flood of forged
+#: snapshots costs a restart at most this many reads, not the whole uncompacted topic (the first
+#: start after snapshots were signed refused every older unsigned one: 25 s of the demo router's).
+MAX_REFUSED = 4
+
+
+class _GiveUp(Exception):
+    pass
 
 
 #: The largest forged snapshot dead-lettered with its bytes.

@@ -115,3 +115,22 @@ def test_a_forged_snapshot_is_dead_lettered_and_the_restore_takes_the_owners(bus
     finally:
         c.close()
     assert sorted(reasons.values()) == ["forged:bad_signature", "forged:unsigned"], reasons
+
+
+def test_a_flood_of_forged_snapshots_costs_a_restore_a_bounded_search(bus: BusSettings) -> None:
+    """Past ``MAX_REFUSED`` forgeries in a row the restore stops looking and folds the log
+    (returns None), rather than reading every forged record the topic holds."""
+    from kernel.log.snapshots import MAX_REFUSED, SnapshotStore
+
+    key = "router-view:sha256:16"
+    router = _as(bus, "router")
+    SnapshotStore(router).save(key, b"the router's own")
+    p = Producer({**_as(bus, "planner").client_conf(), "logger": None})
+    for i in range(MAX_REFUSED + 2):
+        p.produce(Catalog(bus.topic_prefix).topic("snapshots"), value=b"forged %d" % i, key=key.encode())
+    assert p.flush(20) == 0
+    store = SnapshotStore(router)
+    assert store.load_latest(key) is None
+    assert [r for _, r in store.refused] == ["forged:unsigned"] * MAX_REFUSED
+    SnapshotStore(router).save(key, b"newer")  # a signed newest record is found first again
+    assert SnapshotStore(router).load_latest(key) == b"newer"
