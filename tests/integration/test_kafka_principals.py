@@ -134,3 +134,16 @@ def test_a_flood_of_forged_snapshots_costs_a_restore_a_bounded_search(bus: BusSe
     assert [r for _, r in store.refused] == ["forged:unsigned"] * MAX_REFUSED
     SnapshotStore(router).save(key, b"newer")  # a signed newest record is found first again
     assert SnapshotStore(router).load_latest(key) == b"newer"
+
+
+def test_the_security_probe_of_foreign_reads_is_refused(bus: BusSettings) -> None:
+    """``security-check``'s reads beyond a role's streams, against records that are there."""
+    from control_plane.security.check import Targets
+    from control_plane.security.probes_bus import FOREIGN_READS, probe_reads
+
+    for stream in {s for _, s in FOREIGN_READS}:
+        assert _write(bus, stream) is None
+    t = Targets(router_url=None, admin_url=None, kafka_bootstrap=bus.bootstrap, postgres_url="", redis_url="",
+                pids=[], topic_prefix=bus.topic_prefix)
+    probes = probe_reads(t)
+    assert len(probes) == len(FOREIGN_READS) and all(p.verdict == REFUSED for p in probes), probes
