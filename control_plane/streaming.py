@@ -176,7 +176,7 @@ class FoldProcessor:
         self.group_prefix = f"{bus.topic_prefix}.{self.KIND}.{owner_id}."
         self.group = f"{self.group_prefix}{time.time_ns() // 1_000_000}"
         self.codec = EventCodec(verifier=bus.verifier())
-        self.snapshots = SnapshotStore(bus, self.catalog)
+        self.snapshots = SnapshotStore(bus, self.catalog, owner_id=owner_id)
         self.snapshot_every_s = snapshot_every_s
         self.commit_every_s = commit_every_s
         # Faust's own default is ``<app id>-data`` in the working directory, one per start.
@@ -284,7 +284,7 @@ class FoldProcessor:
 
         pos = self.positions()
         ends: dict[tuple[str, int], int] = {}
-        with KafkaLogReader(self.bus.bootstrap) as reader:
+        with KafkaLogReader(self.bus) as reader:
             for topic in self.topics:
                 for p in reader.partitions(topic):
                     ends[(topic, p)] = reader.bounds(topic, p)[1]

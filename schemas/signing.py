@@ -41,6 +41,13 @@ fold dead-letters it with its reason and goes on) for an event of a guarded stre
 unsigned, signed by a key that is not its owner's, or whose key is not its worker. What it
 does not stop: a holder of a worker's own key may re-send a copy of a record that worker
 signed (the bytes verify); sequence numbers make such a copy a duplicate on its partition.
+
+Snapshots (``kernel/log/snapshots.py``) are not envelopes but the same owner keys sign them:
+the owner is named by the snapshot key's prefix (:data:`SNAPSHOT_OWNERS`: a router view is the
+routers', a load view the planner's, a metrics projection the processor's), and the record is
+``SYSNAP1\\0`` + HMAC-SHA256(owner key, ``"switchyard-snapshot\\0" + key + "\\0" + bytes``) +
+the view's bytes (:meth:`Signer.sign_snapshot`, :meth:`Verifier.open_snapshot`). So a planner
+or processor credential can no longer write a router snapshot the routers restore.
 """
 
 from __future__ import annotations
@@ -69,6 +76,13 @@ ABOUT_FIELD: dict[str, str] = {"PrefillCompleted": "worker_id", "KvTransferStart
                                "KvTransferCompleted": "dst_worker", "KvTransferFailed": "dst_worker"}
 #: Of those, the ones a router writes too (aggregated serving records the prefill it saw).
 _ROUTER_TOO = frozenset({"PrefillCompleted"})
+
+
+#: A snapshot key's prefix (before its first ``:``) and the one identity that signs it.
+SNAPSHOT_OWNERS: dict[str, str] = {"router-view": ROUTER, "load-view": "role:planner", "metrics": "role:processor"}
+_SNAP_MAGIC = b"SYSNAP1\x00"
+_SNAP_CONTEXT = b"switchyard-snapshot\x00"
+_SNAP_HEAD = len(_SNAP_MAGIC) + 32
 
 
 class ForgedEvent(SchemaError):
@@ -113,6 +127,23 @@ def signers_of(type_name: str, key: str, about: str | None = None) -> tuple[str,
 
 def _mac(key: bytes, unsigned: bytes) -> bytes:
     return hmac.new(key, unsigned, hashlib.sha256).digest()
+
+
+def snapshot_owner(key: str) -> str | None:
+    """The identity whose key signs the snapshot stored under ``key`` (None: no one's)."""
+    return SNAPSHOT_OWNERS.get(key.split(":", 1)[0])
+
+
+def _snapshot_mac(owner_key_: bytes, key: str, data) -> bytes:
+    h = hmac.new(owner_key_, _SNAP_CONTEXT + key.encode() + b"\x00", hashlib.sha256)
+    h.update(data)  # no copy of a view's tens of MB
+    return h.digest()
+
+
+def snapshot_data(value: bytes) -> bytes:
+    """A stored snapshot's view bytes, its signature dropped unchecked: only for a process that
+    cannot verify (:meth:`kernel.settings.BusSettings.verifier` is None)."""
+    return value[_SNAP_HEAD:] if value[:len(_SNAP_MAGIC)] == _SNAP_MAGIC else value
 
 
 class Signer:
@@ -163,6 +194,25 @@ class Signer:
         if k is None:
             raise ValueError("seal needs a signer of one identity")
         return _signed(value, _mac(k, value))
+
+    def sign_snapshot(self, key: str, data: bytes) -> bytes:
+        """The record to store a view's snapshot ``data`` under ``key`` (module docstring).
+        Raises ``PermissionError`` when this signer is not the key's owner."""
+        owner = snapshot_owner(key)
+        k = None if owner is None else self._key_of(owner)
+        if k is None:
+            raise PermissionError(f"snapshot {key!r} must be signed by {owner or 'a known owner'} "
+                                  f"(keys: {', '.join(f'{p}:*' for p in SNAPSHOT_OWNERS)}); this process "
+                                  f"signs as {self.who}")
+        return _SNAP_MAGIC + _snapshot_mac(k, key, data) + data
+
+    def seal_snapshot(self, key: str, data: bytes) -> bytes:
+        """A snapshot record signed with this signer's one identity's key whoever owns ``key``
+        (what :meth:`seal` is for events: the forgery the probes and tests send)."""
+        k = self._key_of(self.who)
+        if k is None:
+            raise ValueError("seal_snapshot needs a signer of one identity")
+        return _SNAP_MAGIC + _snapshot_mac(k, key, data) + data
 
     def sign(self, type_name: str, key: str, value: bytes, about: str | None = None) -> bytes:
         """``value`` (an encoded envelope) with its signature, or as it is when its stream is
@@ -252,3 +302,17 @@ class Verifier:
                 return
         raise ForgedEvent("bad_signature", f"{p.type} for {p.key[:100]!r} is not signed by "
                           f"{' or '.join(owners)}")
+
+    def open_snapshot(self, key: str, value: bytes) -> bytes:
+        """The view bytes of a snapshot record stored under ``key``, once its owner's signature
+        checks; else raises :class:`ForgedEvent` (``forged:unsigned``, ``forged:bad_signature``,
+        ``forged:no_owner``)."""
+        owner = snapshot_owner(key)
+        if owner is None:
+            raise ForgedEvent("no_owner", f"snapshot {key[:100]!r}: no role owns such a key")
+        if value[:len(_SNAP_MAGIC)] != _SNAP_MAGIC or len(value) < _SNAP_HEAD:
+            raise ForgedEvent("unsigned", f"snapshot {key[:100]!r} is not signed (needs {owner})")
+        data = memoryview(value)[_SNAP_HEAD:]
+        if not hmac.compare_digest(_snapshot_mac(self._key(owner), key, data), value[len(_SNAP_MAGIC):_SNAP_HEAD]):
+            raise ForgedEvent("bad_signature", f"snapshot {key[:100]!r} is not signed by {owner}")
+        return bytes(data)

@@ -30,14 +30,14 @@ def build_admin(settings: AdminSettings, bus: BusSettings | None = None) -> Admi
     catalog = Catalog(bus.topic_prefix)
     producer = EventProducer(bus, settings.producer_id, catalog=catalog)
     events = KafkaEventLog(producer)
-    live_reader = KafkaLogReader(bus.bootstrap)
+    live_reader = KafkaLogReader(bus)
     live = LiveView(ReplayEngine(live_reader, catalog), settings.hash_algo, settings.block_size,
                     settings.view_max_age_s)
     jobs = ThreadJobRunner(settings.job_workers)
     audit = AuditConsumer(bus, sessions, streams=settings.audit_streams, batch=settings.audit_batch) \
         if settings.audit else None
     ctx = AdminContext(settings=settings, sessions=sessions, events=events, catalog=catalog,
-                       reader_factory=lambda: KafkaLogReader(bus.bootstrap), jobs=jobs, live=live, audit=audit)
+                       reader_factory=lambda: KafkaLogReader(bus), jobs=jobs, live=live, audit=audit)
     ctx.on_close.extend([jobs.shutdown, events.close, live_reader.close, engine.dispose])
     return ctx
 

@@ -446,7 +446,7 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
         crashes = system.crashes()
         system.close_procs()  # every producer flushed and gone: the ledgers are final
         events = read_events(system.bus, "requests")
-        with KafkaLogReader(system.bus.bootstrap) as reader:
+        with KafkaLogReader(system.bus) as reader:
             ledger = check_acks(reader, _ledger_entries(system.s.ledger_dir))
         report = build_report(runner.plan, runner.faults, runner.load.snapshot(), events, ledger, views,
                               lag=sampler.samples if sampler else [], crashes=crashes)

@@ -327,7 +327,7 @@ def _count_scaling(bus) -> int:
     from kernel.log.reader import KafkaLogReader
 
     topic = Catalog(bus.topic_prefix).topic("planner")
-    with KafkaLogReader(bus.bootstrap) as reader:
+    with KafkaLogReader(bus) as reader:
         return sum(hi - lo for lo, hi in (reader.bounds(topic, p) for p in reader.partitions(topic)))
 
 

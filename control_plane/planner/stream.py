@@ -99,7 +99,7 @@ class LoadViewProcessor(FoldProcessor):
         if not self.use_counters:
             return
         cfg = self.view.config
-        with KafkaLogReader(self.bus.bootstrap) as reader:
+        with KafkaLogReader(self.bus) as reader:
             parts = len(reader.partitions(self.requests_topic))
         self.counters = (
             app.Table("pool-counters", default=int, partitions=parts)

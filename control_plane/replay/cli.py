@@ -83,7 +83,7 @@ def _engine(source: str, prefix: str | None, quiet: bool):
 
     bus = BusSettings.from_env()
     catalog = Catalog(prefix or bus.topic_prefix)
-    reader = KafkaLogReader(bus.bootstrap) if source == "kafka" else FileLogReader(source)
+    reader = KafkaLogReader(bus) if source == "kafka" else FileLogReader(source)
     return ReplayEngine(reader, catalog, progress=_tqdm_factory(quiet)), reader
 
 
@@ -333,7 +333,7 @@ def export_cmd(
 
     bus = BusSettings.from_env()
     cat = Catalog(prefix or bus.topic_prefix)
-    with KafkaLogReader(bus.bootstrap) as reader:
+    with KafkaLogReader(bus) as reader:
         topics = [cat.topic(s.strip()) for s in streams.split(",") if s.strip()]
         bar = _tqdm_factory(quiet)("exporting", None)
         n = export_log(reader, topics, out, progress=bar.update)

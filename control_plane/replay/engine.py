@@ -318,14 +318,32 @@ class ReplayEngine:
         for rec in scan(self.reader, topic, partitions=parts):
             if rec.value is None or rec.key is None or not rec.key.startswith(b"router-view:"):
                 continue
+            data = self._opened(rec)
+            if data is None:
+                continue
             try:
-                h = head.decode(rec.value)
+                h = head.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             out.append(SnapshotInfo(rec.offset, rec.key.decode(),
                                     {(t, pp): o for t, pp, o in h.positions}, h.applied))
         self._snapshots = out
         return out
+
+    def _opened(self, rec: LogRecord) -> bytes | None:
+        """A snapshot record's view bytes once its owner's signature checks (schemas/signing.py),
+        else None (logged): replay, like a restarting router, never starts from a forgery."""
+        from schemas.signing import ForgedEvent, snapshot_data
+
+        verifier = self.codec.verifier
+        if verifier is None:
+            return snapshot_data(rec.value)
+        try:
+            return verifier.open_snapshot(rec.key.decode(errors="replace"), rec.value)
+        except ForgedEvent as e:
+            log.warning("replay skips the snapshot at %s:%d:%d (%s): %s", rec.topic, rec.partition, rec.offset,
+                        e.reason, e)
+            return None
 
     def _best_snapshot(self, key: str, targets: dict[TP, int]) -> SnapshotInfo | None:
         best = None
@@ -340,8 +358,8 @@ class ReplayEngine:
         topic = self.catalog.topic("snapshots")
         for p in self.reader.partitions(topic):
             for rec in self.reader.read(topic, p, s.offset, s.offset + 1):
-                if rec.offset == s.offset and rec.value is not None:
-                    return RouterView.restore(rec.value)
+                if rec.offset == s.offset and (data := self._opened(rec)) is not None:
+                    return RouterView.restore(data)
         raise LogReadError(f"snapshot at {topic}:{s.offset} disappeared (compacted?)")
 
     # -- views ------------------------------------------------------------------------------

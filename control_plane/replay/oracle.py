@@ -20,7 +20,7 @@ def oracle_view(bus: BusSettings, algo: str, block_size: int,
     view = RouterView(algo, block_size)
     codec = EventCodec(verifier=bus.verifier())
     cat = Catalog(bus.topic_prefix)
-    with KafkaLogReader(bus.bootstrap) as reader:
+    with KafkaLogReader(bus) as reader:
         for stream in ("workers", "kv"):
             topic = cat.topic(stream)
             limit = None if upto is None else {p: o for (t, p), o in upto.items() if t == topic}

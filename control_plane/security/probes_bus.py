@@ -22,6 +22,16 @@ process could:
   (unsigned, and signed with the worker's own key). Refused: a consumer of the running system
   dead-letters each as ``forged:*`` (schemas/signing.py), so the planner and the metrics never
   count them.
+* **reads beyond a role's streams**: a worker's credential reading the admin stream (router
+  keys' ids, pins), the planner's decisions and every request; a router's the dead letters and
+  the planner's decisions; the planner's the KV index. Refused: TOPIC_AUTHORIZATION_FAILED
+  (``Role.reads``, kernel/log/principals.py), through the reader the components' restores use.
+* **forged snapshots**: with the processor's credential (which may write ``snapshots``, for its
+  own projection), a router view's snapshot: unsigned, and signed with the processor's own
+  key. Refused: the restore every router runs at start (``SnapshotStore.load_latest``)
+  dead-letters both ``forged:*`` and restores the router's own snapshot before them. The probe
+  writes under a key of its own (``router-view:security-check-<tag>:16``, owned by the routers
+  like every ``router-view:*``) and leaves a tombstone, so the demo's router is not touched.
 """
 
 from __future__ import annotations
@@ -309,6 +319,82 @@ def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
     return [Probe("kafka", attack, verdict, detail)]
 
 
+#: (role, stream) reads outside the role's :attr:`~kernel.log.principals.Role.reads`.
+FOREIGN_READS = (("worker", "admin"), ("worker", "planner"), ("worker", "requests"), ("router", "deadletter"),
+                 ("router", "planner"), ("planner", "kv"))
+
+
+def probe_reads(t: Targets) -> list[Probe]:
+    """Each role's credential reads the newest record of a stream it does not fold."""
+    from kernel.errors import LogReadError
+    from kernel.log.catalog import Catalog
+    from kernel.log.reader import KafkaLogReader
+
+    out = []
+    for role, stream in FOREIGN_READS:
+        attack = f"the {role}'s credential reads {stream}"
+        topic = Catalog(t.topic_prefix).topic(stream)
+        try:
+            with KafkaLogReader(_bus(role, t), timeout_s=10) as reader:
+                got = 0
+                for p in reader.partitions(topic):
+                    lo, hi = reader.bounds(topic, p)
+                    got += sum(1 for _ in reader.read(topic, p, max(lo, hi - 1), hi))
+            out.append(Probe("kafka", attack, ACCEPTED, f"read {got} records"))
+        except LogReadError as e:
+            refused = "TOPIC_AUTHORIZATION_FAILED" in str(e)
+            out.append(Probe("kafka", attack, REFUSED if refused else SERVER_ERROR, str(e)[:100]))
+    return out
+
+
+def probe_forged_snapshots(t: Targets) -> list[Probe]:
+    """A router's snapshot, then two forged newer ones under its key with the processor's
+    credential; the routers' restore must refuse both and return the router's own."""
+    from confluent_kafka import Producer
+
+    from kernel.log.catalog import Catalog
+    from kernel.log.snapshots import SnapshotStore
+
+    key = f"router-view:security-check-{uuid.uuid4().hex[:8]}:16"
+    topic = Catalog(t.topic_prefix).topic("snapshots")
+    real = f"the router's own snapshot {key}".encode()
+    router = _bus("router", t)
+    SnapshotStore(router, owner_id="security-check").save(key, real)
+    thief = _bus("processor", t)
+    forged = {"unsigned": b"a forged router view",
+              "signed with its own key": thief.signer("security-check").seal_snapshot(key, b"a forged router view")}
+    written: dict[str, str] = {}
+    p = Producer({**thief.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
+    for how, value in forged.items():
+        got: list = []
+        p.produce(topic, value=value, key=key.encode(), on_delivery=lambda err, m: got.append((err, m)))
+        p.flush(20)
+        err, m = got[0] if got else ("no delivery report", None)
+        written[how] = f"not written: {err}" if err is not None else f"{topic}:{m.partition()}:{m.offset()}"
+    store = SnapshotStore(router, owner_id="security-check")
+    try:
+        restored = store.load_latest(key)
+    finally:
+        tomb = Producer({**router.client_conf(), "logger": _quiet()})
+        tomb.produce(topic, value=None, key=key.encode())
+        tomb.flush(10)
+    refused = dict(store.refused)
+    out = []
+    for how, where in written.items():
+        attack = f"the processor's credential writes a router view's snapshot ({how})"
+        if where.startswith("not written"):
+            out.append(Probe("kafka", attack, REFUSED if "AUTHORIZATION" in where else SERVER_ERROR, where[:100]))
+        elif refused.get(where, "").startswith("forged:") and restored == real:
+            out.append(Probe("kafka", attack, REFUSED, f"dead-lettered {refused[where]} ({where}); the "
+                                                       "restore took the router's own"))
+        else:
+            out.append(Probe("kafka", attack, ACCEPTED, f"written to {where}; restored "
+                                                        f"{'the forgery' if restored != real else 'the real one'}"
+                                                        f", refused: {refused.get(where, 'no')}"))
+    return out
+
+
 def run(t: Targets) -> list[Probe]:
     """Every probe of the log (``check.run`` calls it)."""
-    return [*probe_groups(t), *probe_replayed_registration(t), *probe_forged_requests(t), *probe_foreign_member(t)]
+    return [*probe_groups(t), *probe_reads(t), *probe_replayed_registration(t), *probe_forged_requests(t),
+            *probe_forged_snapshots(t), *probe_foreign_member(t)]

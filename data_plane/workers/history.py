@@ -64,7 +64,7 @@ def read_own_history(bus, worker_id: str, *, streams: tuple[str, ...] = ("kv", "
 
     catalog = Catalog(bus.topic_prefix)
     out = OwnHistory()
-    with KafkaLogReader(bus.bootstrap, timeout_s=timeout_s) as reader:
+    with KafkaLogReader(bus, timeout_s=timeout_s) as reader:
         for stream in streams:
             topic = catalog.topic(stream)
             p = partition_for(worker_id, len(reader.partitions(topic)))

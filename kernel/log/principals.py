@@ -18,8 +18,23 @@ admin       admin, deadletter                                    ``switchyard ad
 processor   snapshots, deadletter                                ``switchyard metrics run``
 =========== =================================================== ===============================
 
-Every role reads every topic of its prefix (a view is a fold of the whole log) and describes
-the cluster. Consumer groups are owned like topics: a role joins, commits and deletes only the
+Each role reads only the streams it folds (:attr:`Role.reads`) and describes the cluster; its
+bulk readers (``KafkaLogReader``: restores, start-up scans) authenticate as it too:
+
+=========== =================================================== ===============================
+role        reads                                                for
+=========== =================================================== ===============================
+router      kv, workers, requests, admin, snapshots             its view, the orphan scan, its
+                                                                config and keys, its restore
+worker      kv, workers                                         its own history, its peers
+planner     requests, workers, admin, snapshots; ``load-view.*`` its load view, pins, its restore
+admin       every topic of the prefix                           the audit, traces, replay jobs,
+                                                                the live view: the operator's
+                                                                read surface (docs/security.md)
+processor   every topic of the prefix                           a metric of every stream, dead
+                                                                letters and lag included
+=========== =================================================== ===============================
+ Consumer groups are owned like topics: a role joins, commits and deletes only the
 groups under its own prefixes (:attr:`Role.groups`, after ``<prefix>.``):
 
 =========== ======================================== ==========================================
@@ -76,6 +91,8 @@ class Role:
     groups: tuple[str, ...] = ()
     #: True: the role may describe every group of the prefix (their lag, their members).
     describes_groups: bool = False
+    #: Streams (catalog names) the role may read; None: every topic of the prefix.
+    reads: tuple[str, ...] | None = None
 
     @property
     def user(self) -> str:
@@ -89,9 +106,13 @@ class Role:
 ROLES: dict[str, Role] = {r.name: r for r in (
     # admin: a router started with its own config (a file, --mode) records it as the next
     # RouterConfigChanged version, which replay reads back; ACLs cannot narrow that to one type.
-    Role("router", ("requests", "snapshots", "deadletter", "admin"), groups=("router-view.", "router.")),
-    Role("worker", ("kv", "workers", "requests", "deadletter"), groups=("worker.",)),
-    Role("planner", ("planner", "snapshots", "deadletter"), owns=("load-view.",), groups=("load-view.", "planner.")),
+    Role("router", ("requests", "snapshots", "deadletter", "admin"), groups=("router-view.", "router."),
+         reads=("kv", "workers", "requests", "admin", "snapshots")),
+    Role("worker", ("kv", "workers", "requests", "deadletter"), groups=("worker.",), reads=("kv", "workers")),
+    Role("planner", ("planner", "snapshots", "deadletter"), owns=("load-view.",), groups=("load-view.", "planner."),
+         reads=("requests", "workers", "admin", "snapshots")),
+    # The admin API and the processor read every stream: the audit, traces and replay jobs are
+    # the operator's read surface; the metrics count every stream, dead letters included.
     Role("admin", ("admin", "deadletter"), groups=("admin.",)),
     Role("processor", ("snapshots", "deadletter"), groups=("metrics.", "processor."), describes_groups=True),
 )}
@@ -135,7 +156,10 @@ def role_bindings(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
     catalog = Catalog(prefix)
     out: list[Grant] = []
     for r in roles.values():
-        out.append(Grant(r.user, "topic", "prefixed", f"{prefix}.", "read"))
+        if r.reads is None:
+            out.append(Grant(r.user, "topic", "prefixed", f"{prefix}.", "read"))
+        for stream in r.reads or ():
+            out.append(Grant(r.user, "topic", "literal", catalog.topic(stream), "read"))
         for stream in r.writes:
             out.append(Grant(r.user, "topic", "literal", catalog.topic(stream), "write"))
         for own in r.owns:
@@ -154,6 +178,14 @@ def role_bindings(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
 #: What earlier versions granted and a stack upgraded in place must lose: every role ``ALL`` on
 #: every consumer group (``*``), which let any credential join any view's group.
 STALE_GRANTS: tuple[tuple[str, str, str, str], ...] = (("group", "literal", "*", "all"),)
+
+
+def stale_grants(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
+    """Grants of earlier versions a stack upgraded in place must lose (pure): :data:`STALE_GRANTS`,
+    and the read of every topic of the prefix a role that reads only its streams once had."""
+    out = [Grant(r.user, *g) for r in roles.values() for g in STALE_GRANTS]
+    out += [Grant(r.user, "topic", "prefixed", f"{prefix}.", "read") for r in roles.values() if r.reads is not None]
+    return out
 
 
 def _acl_binding(g: Grant, as_filter: bool = False):
@@ -190,7 +222,7 @@ def apply_principals(admin, prefix: str, secrets_dir: Path, bootstrap: str, time
     from kernel.settings import stack_secret
 
     bindings = [_acl_binding(g) for g in role_bindings(prefix)]
-    stale = [_acl_binding(Grant(r.user, *g), as_filter=True) for r in ROLES.values() for g in STALE_GRANTS]
+    stale = [_acl_binding(g, as_filter=True) for g in stale_grants(prefix)]
     try:
         for fut in admin.create_acls(bindings, request_timeout=timeout).values():
             fut.result()

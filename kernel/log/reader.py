@@ -34,7 +34,7 @@ from typing import Protocol
 import msgspec
 
 from kernel.errors import LogReadError
-from kernel.settings import kafka_conf
+from kernel.settings import BusSettings
 from schemas.envelope import Envelope
 from schemas.events import Event
 
@@ -191,7 +191,7 @@ def read_events(bus, stream: str, **bounds) -> list:
     from schemas import EventCodec
 
     codec = EventCodec(verifier=bus.verifier())  # a forged event is skipped, as the folds refuse it
-    with KafkaLogReader(bus.bootstrap) as reader:
+    with KafkaLogReader(bus) as reader:
         return [env for _, env in scan_events(reader, Catalog(bus.topic_prefix).topic(stream), codec=codec,
                                               **bounds)]
 
@@ -304,13 +304,23 @@ class KafkaLogReader:
     #: ``message.max.bytes``, 1 MB; a record batch larger than this still comes whole.
     FETCH_BYTES = 2 * 1024 * 1024
 
-    def __init__(self, bootstrap: str, *, fetch_bytes: int = FETCH_BYTES, timeout_s: float = 10.0) -> None:
+    def __init__(self, bus: BusSettings | str, *, fetch_bytes: int = FETCH_BYTES, timeout_s: float = 10.0) -> None:
+        """``bus``: the process's settings, whose principal the reader authenticates as (a
+        component reads with its own role's credential, confined by its ACLs to what it reads:
+        kernel/log/principals.py); a bootstrap string alone: the credential of the environment
+        (the operator's tools: the stack's super user)."""
         from confluent_kafka import Consumer
 
+        from kernel.log.principals import group_id
+
+        if isinstance(bus, str):
+            bus = BusSettings.from_env(bootstrap=bus)
         self._timeout = timeout_s
         self._c = Consumer({
-            **kafka_conf(bootstrap),
-            "group.id": f"sy-replay-{time.time_ns()}",
+            **bus.client_conf(),
+            # Never joined (assign + seek), but librdkafka looks its coordinator up: a group
+            # under the principal's own prefix, which its ACLs let it describe.
+            "group.id": group_id(bus.topic_prefix, bus.username, f"reader-{time.time_ns()}"),
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "auto.offset.reset": "earliest",
@@ -347,6 +357,9 @@ class KafkaLogReader:
         if got is None:
             md = self._c.list_topics(topic, timeout=self._timeout)
             t = md.topics.get(topic)
+            if t is not None and t.error is not None and "AUTHORIZATION" in t.error.name():
+                raise LogReadError(f"topic {topic}: {t.error.name()} (this principal may not read it: "
+                                   "kernel/log/principals.py)")
             if t is None or t.error is not None or not t.partitions:
                 raise LogReadError(f"topic {topic} does not exist (run `switchyard topics apply`?)")
             got = self._parts[topic] = sorted(t.partitions)

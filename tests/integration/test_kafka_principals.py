@@ -44,23 +44,26 @@ def test_a_role_writes_its_topics_and_nothing_else(bus: BusSettings, name: str) 
             assert err is not None and "TOPIC_AUTHORIZATION_FAILED" in err, f"{name} wrote {stream}: {err}"
 
 
-def test_every_role_reads_the_log(bus: BusSettings) -> None:
-    assert _write(bus, "workers") is None  # the super user (the operator's tools)
-    topic = Catalog(bus.topic_prefix).topic("workers")
-    for name in ROLES:
-        c = Consumer({**_as(bus, name).client_conf(), "group.id": f"{bus.topic_prefix}.{name}.probe",
-                      "enable.auto.commit": False, "logger": None})
-        try:
-            c.assign([TopicPartition(topic, p, 0) for p in range(3)])
-            got = None
-            for _ in range(40):
-                m = c.poll(0.5)
-                if m is not None and not m.error():
-                    got = m
-                    break
-            assert got is not None and got.value() == b"\x80", f"{name} read nothing"
-        finally:
-            c.close()
+def test_every_role_reads_the_streams_it_folds_and_no_other(bus: BusSettings) -> None:
+    """Issue 36: components read the log as the super user. Now each reads, with its own
+    principal, through the same reader its restores use, only its role's streams."""
+    from kernel.errors import LogReadError
+    from kernel.log.reader import KafkaLogReader
+
+    cat = Catalog(bus.topic_prefix)
+    for stream in ("kv", "workers", "requests", "planner", "admin", "snapshots", "deadletter"):
+        assert _write(bus, stream) is None  # the super user (the operator's tools)
+    for name, r in ROLES.items():
+        with KafkaLogReader(_as(bus, name), timeout_s=10) as reader:
+            for stream in (s.stream for s in cat.specs):
+                topic = cat.topic(stream)
+                if r.reads is None or stream in r.reads:
+                    got = [rec.value for p in reader.partitions(topic) for rec in reader.read(topic, p, 0, 1 << 62)]
+                    assert b"\x80" in got, f"{name} read nothing of {stream}"
+                else:
+                    with pytest.raises(LogReadError, match="TOPIC_AUTHORIZATION_FAILED"):
+                        for p in reader.partitions(topic):  # refused here, or at the fetch of a topic it writes
+                            list(reader.read(topic, p, 0, 1 << 62))
 
 
 def test_a_role_joins_only_its_own_consumer_groups(bus: BusSettings) -> None:
@@ -79,3 +82,68 @@ def test_a_role_joins_only_its_own_consumer_groups(bus: BusSettings) -> None:
     for owner, group in victims.items():
         verdict, detail = join_group(_as(bus, owner), group, workers, timeout_s=20)
         assert verdict == ACCEPTED, (owner, detail)
+
+
+def test_a_forged_snapshot_is_dead_lettered_and_the_restore_takes_the_owners(bus: BusSettings) -> None:
+    """Issue 36: ``snapshots`` was unsigned, so the processor's credential (which writes it, for
+    its own projection) could write a router view the routers restore at their next start. The
+    security probe writes a router's snapshot and two newer forgeries under its key with the
+    processor's credential; the routers' restore (``SnapshotStore.load_latest``) refuses both,
+    dead-letters them ``forged:*`` and restores the router's own."""
+    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+
+    from control_plane.security.check import Targets
+    from control_plane.security.probes_bus import probe_forged_snapshots
+
+    t = Targets(router_url=None, admin_url=None, kafka_bootstrap=bus.bootstrap, postgres_url="", redis_url="",
+                pids=[], topic_prefix=bus.topic_prefix)
+    probes = probe_forged_snapshots(t)
+    assert [p.verdict for p in probes] == [REFUSED, REFUSED], probes
+    dlq = Catalog(bus.topic_prefix).deadletter
+    c = Consumer({**bus.client_conf(), "group.id": f"{bus.topic_prefix}.ops.dlq", "enable.auto.commit": False,
+                  "logger": None})
+    reasons: dict[str, str] = {}
+    try:
+        c.assign([TopicPartition(dlq, 0, 0)])
+        for _ in range(40):
+            m = c.poll(0.5)
+            if m is not None and not m.error():
+                h = {k: v.decode() for k, v in m.headers() or ()}
+                reasons[h[H_DLQ_SOURCE]] = h[H_DLQ_REASON]
+            if len(reasons) == 2:
+                break
+    finally:
+        c.close()
+    assert sorted(reasons.values()) == ["forged:bad_signature", "forged:unsigned"], reasons
+
+
+def test_a_flood_of_forged_snapshots_costs_a_restore_a_bounded_search(bus: BusSettings) -> None:
+    """Past ``MAX_REFUSED`` forgeries in a row the restore stops looking and folds the log
+    (returns None), rather than reading every forged record the topic holds."""
+    from kernel.log.snapshots import MAX_REFUSED, SnapshotStore
+
+    key = "router-view:sha256:16"
+    router = _as(bus, "router")
+    SnapshotStore(router).save(key, b"the router's own")
+    p = Producer({**_as(bus, "planner").client_conf(), "logger": None})
+    for i in range(MAX_REFUSED + 2):
+        p.produce(Catalog(bus.topic_prefix).topic("snapshots"), value=b"forged %d" % i, key=key.encode())
+    assert p.flush(20) == 0
+    store = SnapshotStore(router)
+    assert store.load_latest(key) is None
+    assert [r for _, r in store.refused] == ["forged:unsigned"] * MAX_REFUSED
+    SnapshotStore(router).save(key, b"newer")  # a signed newest record is found first again
+    assert SnapshotStore(router).load_latest(key) == b"newer"
+
+
+def test_the_security_probe_of_foreign_reads_is_refused(bus: BusSettings) -> None:
+    """``security-check``'s reads beyond a role's streams, against records that are there."""
+    from control_plane.security.check import Targets
+    from control_plane.security.probes_bus import FOREIGN_READS, probe_reads
+
+    for stream in {s for _, s in FOREIGN_READS}:
+        assert _write(bus, stream) is None
+    t = Targets(router_url=None, admin_url=None, kafka_bootstrap=bus.bootstrap, postgres_url="", redis_url="",
+                pids=[], topic_prefix=bus.topic_prefix)
+    probes = probe_reads(t)
+    assert len(probes) == len(FOREIGN_READS) and all(p.verdict == REFUSED for p in probes), probes

@@ -80,3 +80,22 @@ def test_a_consumer_group_id_is_under_its_principals_prefix() -> None:
         gid = group_id("p1", r.user, "assign.x")
         assert any(gid.startswith(f"p1.{g}") for g in r.groups), gid
     assert group_id("p1", SUPER_USER, "assign.x") == "p1.ops.assign.x"
+
+
+def test_a_role_reads_the_streams_it_folds_and_the_operator_surfaces_read_all() -> None:
+    """Components read with their own principal (issue 36): a router, a worker and the planner
+    read only the streams they fold; the admin API and the processor every topic (the operator's
+    read surface, every stream's metrics); an upgraded stack loses the old read-everything."""
+    from kernel.log.principals import stale_grants
+
+    c = Catalog("p1")
+    reads: dict[str, set[str]] = {}
+    for g in role_bindings("p1"):
+        if g.resource == "topic" and g.operation == "read":
+            reads.setdefault(g.user, set()).add(g.name if g.pattern == "literal" else f"{g.name}*")
+    assert reads["sy-router"] == {c.topic(s) for s in ("kv", "workers", "requests", "admin", "snapshots")}
+    assert reads["sy-worker"] == {c.topic("kv"), c.topic("workers")}
+    assert reads["sy-planner"] == {c.topic(s) for s in ("requests", "workers", "admin", "snapshots")}
+    assert reads["sy-admin"] == reads["sy-processor"] == {"p1.*"}
+    stale = {(g.user, g.name) for g in stale_grants("p1") if g.resource == "topic"}
+    assert stale == {("sy-router", "p1."), ("sy-worker", "p1."), ("sy-planner", "p1.")}

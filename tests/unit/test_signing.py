@@ -238,3 +238,43 @@ def test_a_sig_field_that_is_not_bytes_is_a_bad_signature(sig):
         Verifier(MASTER).check(forged)
     assert e.value.reason == "forged:bad_signature"
     assert not Verifier(MASTER).native().verified(forged)
+
+
+# -- snapshots ---------------------------------------------------------------------------------
+
+def _role(owner: str) -> Signer:
+    return Signer.identity(owner, owner_key(MASTER, owner))
+
+
+@pytest.mark.parametrize("key, owner", [("router-view:sha256:16", ROUTER), ("load-view:v2:1:1:10", "role:planner"),
+                                        ("metrics:demo:sha256:16", "role:processor")])
+def test_a_snapshot_is_signed_by_the_role_owning_its_key(key, owner):
+    data = b"\x00view bytes" * 100
+    stored = _role(owner).sign_snapshot(key, data)
+    assert Verifier(MASTER).open_snapshot(key, stored) == data
+    assert Verifier(MASTER).open_snapshot(key, Signer.master(MASTER).sign_snapshot(key, data)) == data
+    for other in {ROUTER, "role:planner", "role:processor", ADMIN, worker_owner("w0")} - {owner}:
+        with pytest.raises(PermissionError):
+            _role(other).sign_snapshot(key, data)
+
+
+@pytest.mark.parametrize("forge, reason", [
+    (lambda key, data: data, "forged:unsigned"),                                           # as stored before
+    (lambda key, data: _role("role:processor").seal_snapshot(key, data), "forged:bad_signature"),  # its own key
+    (lambda key, data: _role(ROUTER).sign_snapshot("router-view:sha256:32", data), "forged:bad_signature"),  # other key
+    (lambda key, data: _role(ROUTER).sign_snapshot(key, data)[:-1] + b"X", "forged:bad_signature"),  # a changed byte
+    (lambda key, data: b"SYSNAP1\x00" + b"short", "forged:unsigned"),
+])
+def test_a_forged_snapshot_is_refused(forge, reason):
+    key = "router-view:sha256:16"
+    with pytest.raises(ForgedEvent) as e:
+        Verifier(MASTER).open_snapshot(key, forge(key, b"a forged view"))
+    assert e.value.reason == reason
+
+
+def test_a_snapshot_key_no_role_owns_is_refused():
+    with pytest.raises(ForgedEvent) as e:
+        Verifier(MASTER).open_snapshot("mine:1", b"x")
+    assert e.value.reason == "forged:no_owner"
+    with pytest.raises(PermissionError):
+        Signer.master(MASTER).sign_snapshot("mine:1", b"x")

@@ -38,3 +38,20 @@ def test_tombstones_are_skipped_and_compacted_offsets_are_gaps():
     reader = MemoryLogReader([LogRecord(T, 0, 3, 1, b"a", b"old"), LogRecord(T, 0, 9, 2, b"b", b"x"),
                               LogRecord(T, 0, 40, 3, b"a", None), LogRecord(T, 0, 41, 4, b"c", b"y")])
     assert newest_of_key(reader, T, 0, b"a") == (1, b"old")
+
+
+def test_a_refused_record_is_passed_over_for_the_one_before_it():
+    """What the snapshot store does with a forged newest snapshot: ``opened`` refuses it (and
+    dead-letters it), the search goes on to the key's older records."""
+    reader = _log([b"a", b"b", b"a", b"a", b"b"], [b"ok-old", b"x", b"ok", b"forged", b"y"])
+    refused = []
+
+    def opened(rec):
+        if rec.value.startswith(b"forged"):
+            refused.append(rec.offset)
+            return None
+        return rec.value
+
+    assert newest_of_key(reader, T, 0, b"a", opened) == (1002, b"ok")
+    assert refused == [3]
+    assert newest_of_key(reader, T, 0, b"a", lambda rec: None) is None
