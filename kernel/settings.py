@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel.roles import role as find_role
+
 
 def repo_root() -> Path:
     """The checkout this package runs from (where pyproject.toml lives)."""
@@ -113,7 +115,7 @@ class BusSettings:
     #: ``PLAINTEXT`` (a development cluster without either: logged loudly).
     security_protocol: str = "SASL_SSL"
     #: The SCRAM user this process authenticates as: the stack's super user, or a component's
-    #: own (``sy-<role>``, see kernel/log/principals.py and :meth:`from_env`'s ``role``).
+    #: own (``sy-<role>``, see kernel/roles.py and :meth:`from_env`'s ``role``).
     username: str = "switchyard"
     #: Its password; None: the checkout's stack secret ``secrets_dir/<secret_name>``, read when a
     #: client is made, so it is never in the environment or on a command line.
@@ -199,8 +201,6 @@ class BusSettings:
         env = dict(os.environ if env is None else env)
         kwargs: dict = {}
         if role is not None and not env.get("SWITCHYARD_KAFKA_USERNAME"):
-            from kernel.log.principals import role as find_role
-
             r = find_role(role)
             kwargs.update(username=r.user, secret_name=r.secret_name)
         if "SWITCHYARD_KAFKA_BOOTSTRAP" in env:
