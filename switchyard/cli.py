@@ -37,7 +37,7 @@ app.add_typer(bench_app, name="bench")
 
 def _register_subapps() -> None:
     """Sub-apps that live beside their components (imports stay light: typer only)."""
-    from control_plane.admin.cli import admin_app
+    from control_plane.admin.cli import add_pin_commands, admin_app
     from control_plane.metrics.cli import metrics_app
     from control_plane.planner.cli import planner_app
     from control_plane.replay.cli import replay_app
@@ -46,6 +46,7 @@ def _register_subapps() -> None:
     app.add_typer(metrics_app, name="metrics")
     app.add_typer(replay_app, name="replay")
     app.add_typer(admin_app, name="admin")
+    add_pin_commands(planner_app)
     app.add_typer(planner_app, name="planner")
     app.add_typer(workload_app, name="workload")
 
