@@ -29,7 +29,7 @@ from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import AuditEvent, RouterConfigVersion, Worker
 from control_plane.admin.deps import Ctx, Viewer, current_principal
 from control_plane.admin.errors import ApiError, NotFound
-from control_plane.admin.routes.common import AUTH, errors
+from control_plane.admin.routes.common import AUTH, api_error_response, errors
 from control_plane.admin.shapes import PinUpdate
 from control_plane.router import RouterConfig
 from schemas.types import RoutingMode
@@ -484,9 +484,7 @@ async def _page_error(request: Request, exc: PageError) -> HTMLResponse:
 async def _api_error_page(request: Request, exc: ApiError) -> Response:
     if request.url.path.startswith("/console"):
         return await _page_error(request, PageError(exc.status, exc.message))
-    from control_plane.admin.app import _api_error
-
-    return await _api_error(request, exc)
+    return await api_error_response(request, exc)
 
 
 def install(app: FastAPI) -> None:
