@@ -519,7 +519,7 @@ def security_check_cmd(
 
 
 def _console_commands() -> None:
-    from control_plane.admin.console.cli import console_check_cmd, doctor_cmd
+    from control_plane.demo.console_cli import console_check_cmd, doctor_cmd
 
     app.command("doctor")(doctor_cmd)
     app.command("console-check")(console_check_cmd)

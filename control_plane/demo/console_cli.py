@@ -1,6 +1,7 @@
 """``switchyard doctor`` and ``switchyard console-check``: the doctor's report and a check of
 the console's pages, both against a running admin API (by default the one ``switchyard up``
-started, with the admin token it made)."""
+started, with the admin token it made: tooling beside the demo, so the admin context itself
+never reads the demo's files)."""
 
 from __future__ import annotations
 
