@@ -18,6 +18,10 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
 
+from kernel.log.admin import replication_factor
+from kernel.log.catalog import Catalog
+from kernel.log.progress import ProgressWatch
+from kernel.log.snapshots import SnapshotStore
 from kernel.processes import remove_dead_owned
 from kernel.settings import BusSettings
 
@@ -162,11 +166,9 @@ class FoldProcessor:
                  watch_every_s: float = 5.0, stall_after_s: float = 15.0) -> None:
         import time
 
-        from kernel.log.progress import ProgressWatch
-
-        from kernel.log.catalog import Catalog
+        # lazy: start-up time: loads msgspec, xxhash only when called
         from kernel.log.kafka import DeadLetters, EventProducer
-        from kernel.log.snapshots import SnapshotStore
+        # lazy: start-up time: loads msgspec only when called
         from schemas import EventCodec
 
         self.bus = bus
@@ -280,6 +282,7 @@ class FoldProcessor:
     def _fold_to_end(self, deadline: float | None) -> dict[tuple[str, int], int]:
         import time
 
+        # lazy: start-up time: loads msgspec only when called
         from kernel.log.reader import KafkaLogReader
 
         pos = self.positions()
@@ -326,8 +329,6 @@ class FoldProcessor:
                    **self.app_options}
         if options["topic_allow_declare"] and "topic_replication_factor" not in options:
             # Topics the app declares (a table's changelog) as replicated as the catalog's.
-            from kernel.log.admin import replication_factor
-
             options["topic_replication_factor"] = await asyncio.to_thread(replication_factor, self.bus)
         for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
             shutil.rmtree(old, ignore_errors=True)
@@ -445,8 +446,6 @@ class FoldProcessor:
         import asyncio
         import shutil
         import time
-
-        from kernel.log.progress import ProgressWatch
 
         if self.app is not None:
             await self.app.stop()
@@ -599,6 +598,7 @@ class StreamFollower:
 
     def __init__(self, bus: BusSettings, streams: list[str], name: str,
                  fold: Callable[[Envelope], bool]) -> None:
+        # lazy: start-up time: loads msgspec, xxhash only when called
         from kernel.log.kafka import EventConsumer
 
         self.bus = bus
@@ -634,6 +634,7 @@ class StreamFollower:
                 self._applied = read
 
     def _apply(self, d) -> None:
+        # lazy: start-up time: loads msgspec only when called
         from kernel.log.fold import apply_failed_reason
 
         try:

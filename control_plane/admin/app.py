@@ -22,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.admin import services
+from control_plane.admin.console import mount
 from control_plane.admin.context import AdminContext
 from control_plane.admin.errors import ApiError
 from control_plane.admin.routes import (
@@ -67,7 +68,6 @@ def create_app(ctx: AdminContext) -> FastAPI:
     for router in (health.router, tokens.caller, workers.router, pools.router, *configs.routers(), planner.router,
                    index.router, audit.router, replay.router, tokens.router, router_keys.router):
         app.include_router(router)
-    from control_plane.admin.console import mount
 
     mount(app)  # the operator console at /console, and GET /doctor
     return app

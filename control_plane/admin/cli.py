@@ -17,6 +17,7 @@ DbOpt = Annotated[Optional[str], typer.Option("--db-url", help="SQLAlchemy URL (
 
 
 def _settings(db_url: str | None, **kw):
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.settings import AdminSettings
 
     if db_url:
@@ -34,6 +35,7 @@ def serve(
 ) -> None:
     """Run the admin API (migrating the database first) with the audit consumer in-process."""
     setup_logging()
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.wiring import run_admin
 
     kw = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
@@ -49,6 +51,7 @@ def migrate_cmd(
     db_url: DbOpt = None,
 ) -> None:
     """Apply the Alembic migrations (``alembic upgrade head``; ``--down base`` removes everything)."""
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.wiring import migrate
 
     s = _settings(db_url)
@@ -68,15 +71,25 @@ def create_token_cmd(
     database is the credential here). Recorded in the log as AdminAction(token_created) by
     actor "cli". Every other change goes through the API with a token."""
     logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.auth import Principal, Role
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.context import AdminContext
+    # lazy: start-up time: loads sqlalchemy only when called
     from control_plane.admin.db.session import make_engine, session_factory
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.errors import ApiError
+    # lazy: start-up time: loads msgspec only when called
     from control_plane.admin.ports import InlineJobRunner, KafkaEventLog
+    # lazy: start-up time: loads confluent_kafka, msgspec, pydantic ... only when called
     from control_plane.admin.services import create_token
+    # lazy: start-up time: loads msgspec, pydantic, switchyard_native ... only when called
     from control_plane.admin.shapes import TokenCreate
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.catalog import Catalog
+    # lazy: start-up time: loads confluent_kafka, msgspec, xxhash only when called
     from kernel.log.kafka import EventProducer
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     s = _settings(db_url)
@@ -112,6 +125,7 @@ AdminUrlOpt = Annotated[Optional[str], typer.Option(
 def api_call(token_file: Path | None, url: str | None, call):
     """``call(client)`` through the admin API with the caller's token; a refusal exits 1 (2: no
     credential)."""
+    # lazy: start-up time: loads httpx only when called
     from control_plane.admin.client import AdminClient, ClientError, admin_url, load_token
 
     try:
@@ -168,8 +182,11 @@ def audit_cmd(
     logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
     import time
 
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.audit.consumer import AuditConsumer
+    # lazy: start-up time: loads sqlalchemy only when called
     from control_plane.admin.db.session import make_engine, session_factory
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     s = _settings(db_url)

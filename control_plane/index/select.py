@@ -49,9 +49,11 @@ def native_core() -> bool:
 
 def index_class() -> type:
     if index_impl() == "reference":
+        # lazy: start-up time: loads msgspec, switchyard_native, xxhash only when called
         from control_plane.index.prefix_index import PrefixIndex
 
         return PrefixIndex
+    # lazy: start-up time: loads msgspec, switchyard_native, xxhash only when called
     from control_plane.index.native import NativePrefixIndex
 
     return NativePrefixIndex

@@ -43,8 +43,11 @@ def run(
     """Run a planner replica: fold the load view, elect a leader, and (as leader) decide every
     tick and apply the decisions through the scaler."""
     setup_logging(verbose, libraries=("faust", "aiokafka", "mode"))
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.errors import PlannerConfigError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.runner import PlannerSettings, run_planner
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     kw = {}
@@ -79,10 +82,15 @@ def backtest(
     planner core with another config or predictor; report its decisions, predicted vs actual
     load, estimated SLO attainment and replica-seconds against what was recorded."""
     logging.basicConfig(level=logging.WARNING)
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.backtest import parse_time, read_log, run_backtest
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.config import load_config
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.errors import PlannerConfigError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.runner import default_config
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     try:

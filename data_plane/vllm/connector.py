@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from data_plane.vllm import tier_protocol as proto
+from data_plane.vllm.engine import require_vllm
 from data_plane.vllm.kv_events import wire_hash
 
 # Under vLLM's logger hierarchy: in the engine-core and worker processes vLLM configures "vllm.*"
@@ -442,6 +443,7 @@ def build_connector_class(base: type, metadata_base: type, roles: Any, hit_sourc
                 self.sched = SchedulerSide(client, self.block_size, self._block_ids,
                                            timeout_s=float(extra.get("timeout_s", 10.0)))
             else:
+                # lazy: start-up time: loads xxhash only when called
                 from data_plane.vllm.tier_server import map_region
 
                 region = map_region(extra["host_region"], int(extra["host_region_bytes"]))
@@ -546,8 +548,6 @@ def build_connector_class(base: type, metadata_base: type, roles: Any, hit_sourc
 
 @functools.cache
 def _vllm_connector_class() -> type:
-    from data_plane.vllm.engine import require_vllm
-
     base = require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
     try:
         hit_source = require_vllm("vllm.v1.metrics.cache_hit_source").CacheHitSource

@@ -34,7 +34,9 @@ from typing import Protocol
 import msgspec
 
 from kernel.errors import LogReadError
+from kernel.log.catalog import Catalog
 from kernel.settings import kafka_conf
+from schemas import EventCodec, SchemaError
 from schemas.envelope import Envelope
 from schemas.events import Event
 
@@ -164,8 +166,6 @@ def scan_events(reader: LogReader, topic: str, *, codec=None, stats: ScanStats |
     """``scan`` decoded: (record, envelope) pairs. A record that does not decode is skipped and
     counted in ``stats`` (tools read around poison; the live consumers dead-letter it).
     ``key``: only records with that key."""
-    from schemas import EventCodec, SchemaError
-
     codec = codec or EventCodec()
     stats = stats if stats is not None else ScanStats()
     for rec in scan(reader, topic, **bounds):
@@ -187,9 +187,6 @@ def read_events(bus, stream: str, **bounds) -> list:
     """Every decodable envelope of ``stream`` (a catalog stream name) on the broker ``bus`` names,
     within ``scan``'s bounds: the start-up scans and tools (config lookup, orphan scan, test
     oracles) read the log this way."""
-    from kernel.log.catalog import Catalog
-    from schemas import EventCodec
-
     codec = EventCodec(verifier=bus.verifier())  # a forged event is skipped, as the folds refuse it
     with KafkaLogReader(bus.bootstrap) as reader:
         return [env for _, env in scan_events(reader, Catalog(bus.topic_prefix).topic(stream), codec=codec,
