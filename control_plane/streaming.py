@@ -20,10 +20,14 @@ from confluent_kafka import Consumer, TopicPartition
 
 from kernel.log.admin import replication_factor
 from kernel.log.catalog import Catalog
+from kernel.log.fold import apply_failed_reason
+from kernel.log.kafka import DeadLetters, EventConsumer, EventProducer
 from kernel.log.progress import ProgressWatch
+from kernel.log.reader import KafkaLogReader
 from kernel.log.snapshots import SnapshotStore
 from kernel.processes import remove_dead_owned
 from kernel.settings import BusSettings
+from schemas import EventCodec
 
 if TYPE_CHECKING:
     from kernel.log.fold import Poisoned
@@ -166,11 +170,6 @@ class FoldProcessor:
                  watch_every_s: float = 5.0, stall_after_s: float = 15.0) -> None:
         import time
 
-        # lazy: start-up time: loads msgspec, xxhash only when called
-        from kernel.log.kafka import DeadLetters, EventProducer
-        # lazy: start-up time: loads msgspec only when called
-        from schemas import EventCodec
-
         self.bus = bus
         self.owner_id = owner_id
         self.catalog = Catalog(bus.topic_prefix)
@@ -281,9 +280,6 @@ class FoldProcessor:
 
     def _fold_to_end(self, deadline: float | None) -> dict[tuple[str, int], int]:
         import time
-
-        # lazy: start-up time: loads msgspec only when called
-        from kernel.log.reader import KafkaLogReader
 
         pos = self.positions()
         ends: dict[tuple[str, int], int] = {}
@@ -598,9 +594,6 @@ class StreamFollower:
 
     def __init__(self, bus: BusSettings, streams: list[str], name: str,
                  fold: Callable[[Envelope], bool]) -> None:
-        # lazy: start-up time: loads msgspec, xxhash only when called
-        from kernel.log.kafka import EventConsumer
-
         self.bus = bus
         self.name = name
         self.fold = fold
@@ -634,9 +627,6 @@ class StreamFollower:
                 self._applied = read
 
     def _apply(self, d) -> None:
-        # lazy: start-up time: loads msgspec only when called
-        from kernel.log.fold import apply_failed_reason
-
         try:
             changed = self.fold(d.envelope)
         except Exception as e:

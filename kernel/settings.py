@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernel.roles import role as find_role
+from schemas.signing import ADMIN, MASTER_SECRET, ROUTER, Signer, Verifier, owner_key, worker_owner
 
 
 def repo_root() -> Path:
@@ -67,9 +68,6 @@ def worker_token(secret: str, worker_id: str) -> str:
 
 def signing_master(secrets_dir: Path) -> bytes:
     """The secret every event owner's signing key derives from (schemas/signing.py)."""
-    # lazy: start-up time: loads msgspec only when called
-    from schemas.signing import MASTER_SECRET
-
     return stack_secret(secrets_dir, MASTER_SECRET).encode()
 
 
@@ -134,9 +132,6 @@ class BusSettings:
         by the principal it authenticates as, a worker only its own events (``producer_id`` is
         its worker id), the admin API the admin stream, a router its config record; the stack's
         super user (the operator's tools) any owner."""
-        # lazy: start-up time: loads msgspec only when called
-        from schemas.signing import ADMIN, ROUTER, Signer, owner_key, worker_owner
-
         if self.signing_key_file is not None:
             owner, key = self.signing_key_file.read_text().split()
             return Signer.identity(owner, bytes.fromhex(key))
@@ -151,9 +146,6 @@ class BusSettings:
         """Checks every guarded event's owner signed it, from the stack's master secret; None
         (logged) for a process given only its own key (``signing_key_file``) on a host without
         that secret: it cannot tell a forged event from a signed one."""
-        # lazy: start-up time: loads msgspec only when called
-        from schemas.signing import MASTER_SECRET, Verifier
-
         if self.signing_key_file is not None and not (self.secrets_dir / MASTER_SECRET).exists():
             import logging
 

@@ -39,11 +39,11 @@ def _register_subapps() -> None:
     """Sub-apps that live beside their components (imports stay light: typer only)."""
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.cli import add_pin_commands, admin_app
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.metrics.cli import metrics_app
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.cli import planner_app
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.cli import replay_app
     # lazy: CLI start-up: the command's modules load only when it runs
     from workloads.cli import workload_app
@@ -138,7 +138,7 @@ def stack_signing_key(
     then sign only that owner's events."""
     # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings, signing_master, write_private
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.signing import ADMIN, ROUTER, owner_key
 
     if not (owner.startswith("worker:") and len(owner) > 7) and owner not in (ADMIN, ROUTER):
@@ -200,9 +200,9 @@ def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack le
     """Check the log against producers' ack ledgers (SWITCHYARD_ACK_LEDGER_DIR): every
     acknowledged event on the log once, no sequence gap a failed delivery does not explain.
     Exits 1 when a promise is broken."""
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.ledger import check_acks, load_ledger
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.reader import KafkaLogReader
     # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
@@ -241,7 +241,7 @@ def topics_list() -> None:
 @schemas_app.command("export")
 def schemas_export() -> None:
     """Write schemas/json/*.json from the payload types (after a deliberate schema change)."""
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.jsonschema import write_all
 
     written = write_all()
@@ -251,7 +251,7 @@ def schemas_export() -> None:
 @schemas_app.command("check")
 def schemas_check() -> None:
     """Fail if schemas/json/ and the Python payload types disagree (run in CI)."""
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.jsonschema import check
 
     problems = check()

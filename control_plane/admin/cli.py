@@ -79,7 +79,7 @@ def create_token_cmd(
     from control_plane.admin.db.session import make_engine, session_factory
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.errors import ApiError
-    # lazy: start-up time: loads msgspec only when called
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.ports import InlineJobRunner, KafkaEventLog
     # lazy: start-up time: loads confluent_kafka, msgspec, pydantic ... only when called
     from control_plane.admin.services import create_token

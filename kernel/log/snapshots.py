@@ -13,6 +13,7 @@ import logging
 from confluent_kafka import Producer
 
 from kernel.log.catalog import Catalog
+from kernel.log.reader import KafkaLogReader
 from kernel.settings import BusSettings
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,6 @@ class SnapshotStore:
         version of every view's snapshot (a 1M-block router view: 1.6 s -> 0.5 s, measured). A
         key maps to one partition; should the topic have been repartitioned, the newest record
         by timestamp wins."""
-        # lazy: start-up time: loads msgspec only when called
-        from kernel.log.reader import KafkaLogReader
-
         with KafkaLogReader(self.bus.bootstrap, fetch_bytes=MAX_SNAPSHOT_BYTES * 2, timeout_s=timeout) as reader:
             found = [hit for p in reader.partitions(self.topic)
                      if (hit := newest_of_key(reader, self.topic, p, key.encode())) is not None]
