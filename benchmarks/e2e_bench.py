@@ -44,11 +44,15 @@ import msgspec
 from control_plane.demo.loadgen import run_trace
 from control_plane.demo.runcheck import EXPLAIN_ABOVE, CpuSampler, breakdown, explain, now_ms, predict
 from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, Supervisor, wait_http
+from control_plane.replay.reconcile import KvRecord, reconcile
 from control_plane.router import RouterConfig, TierWeights
 from control_plane.settings import StackSettings
 from kernel.log.admin import apply_topics
+from kernel.log.catalog import Catalog
+from kernel.log.reader import KafkaLogReader, scan_events
 from kernel.net import free_port
 from kernel.settings import BusSettings
+from schemas import EventCodec
 from schemas.types import RoutingMode
 
 #: The demo's workload and load by default, so the bench meets the same bounds as the demo.
@@ -162,11 +166,6 @@ def reconciled(bus: BusSettings) -> dict:
     """``switchyard replay reconcile``'s summary of the run's log. Its hit rate is the prefill
     workers' (the cached tokens each reported for the prefill it was routed): the client's usage,
     ``hit_rate``, is the decode worker's engine in disaggregated serving (docs/router.md)."""
-    from control_plane.replay.reconcile import KvRecord, reconcile
-    from kernel.log.catalog import Catalog
-    from kernel.log.reader import KafkaLogReader, scan_events
-    from schemas import EventCodec
-
     cat, codec = Catalog(bus.topic_prefix), EventCodec(verifier=bus.verifier())
     with KafkaLogReader(bus.bootstrap) as reader:
         requests = [env for _, env in scan_events(reader, cat.topic("requests"), codec=codec)]

@@ -52,6 +52,7 @@ from data_plane.vllm.kv_events import KvEventTranslator, VllmDecodeError, VllmSo
 from kernel.settings import repo_root
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.errors import SchemaError
+from schemas.signing import ForgedEvent, Signer, Verifier, about_of
 
 #: A target runs one input. It returns an outcome label (``ok:<type>`` or ``err:<class>:<msg>``)
 #: for expected results and raises for a crash.
@@ -102,8 +103,6 @@ def signed_target() -> Target:
     """The owner check every live consumer runs first (schemas/signing.py): on any bytes it
     passes or raises ``ForgedEvent``; and an envelope that decodes, once signed by its owner,
     verifies and decodes to the same envelope (unless its key is not its worker's)."""
-    from schemas.signing import ForgedEvent, Signer, Verifier, about_of
-
     master = b"fuzz-master-secret"
     codec, verifying = EventCodec(), EventCodec(verifier=Verifier(master))
     signer = Signer.master(master)

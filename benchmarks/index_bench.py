@@ -44,10 +44,10 @@ from pathlib import Path
 
 import xxhash
 
+from benchmarks.lru_blocks import LruBlocks
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
-from benchmarks.lru_blocks import LruBlocks
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import BlockRemoved, BlockStored
 from schemas.types import Tier
@@ -474,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --scale: WORKERSxENTRIES,... (default 64/1024/8192 x 1M/10M)")
     a = p.parse_args(argv)
     if a.scale:
+        # lazy: start-up time: loads numpy only when called
         from benchmarks import index_scale
 
         points = None

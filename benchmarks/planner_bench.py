@@ -71,7 +71,7 @@ from benchmarks.load_shapes import SHAPES, Shape, arrivals, assign, scaled
 from control_plane.demo.up import WHOLE_TRACE
 from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_profiles
 from control_plane.planner.load_view import LoadView, stamp
-from control_plane.planner.policy import PlannerState, decide
+from control_plane.planner.policy import PlannerState, decide, needed_replicas
 from data_plane.engines import EngineCore, EngineRequest, default_hash_config, load_profile, read_mooncake
 from data_plane.engines.simulate import Cluster, HandOff, Hooks, Placement
 from data_plane.engines.trace import MooncakeTrace, TraceRecord
@@ -437,8 +437,6 @@ def planner_config(budget: int, ttft_slo_ms: float, itl_slo_ms: float, predictor
 def initial_split(cfg: PlannerConfig, reqs: list[Req], first_s: float = 60.0) -> tuple[int, int]:
     """The replicas the planner's own sizing gives for the first ``first_s`` of traffic (what an
     operator would deploy before the planner has seen any window)."""
-    from control_plane.planner.policy import needed_replicas
-
     head = [r for r in reqs if r.arrival_ms < first_s * 1000]
     rate = len(head) / first_s
     lens = [len(r.engine.prompt) for r in head] or [1]
@@ -453,8 +451,6 @@ def initial_split(cfg: PlannerConfig, reqs: list[Req], first_s: float = 60.0) ->
 def peak_split(cfg: PlannerConfig, reqs: list[Req], budget: int) -> int:
     """Prefill replicas out of ``budget`` in proportion to the two pools' needs at the busiest
     minute of the workload (the planner's own sizing)."""
-    from control_plane.planner.policy import needed_replicas
-
     minutes: dict[int, list[Req]] = {}
     for r in reqs:
         minutes.setdefault(int(r.arrival_ms // 60000), []).append(r)
@@ -581,6 +577,7 @@ def run_case(name: str, reqs: list[Req], cfg: PlannerConfig, *, budget: int, ttf
     case = {"name": name, "requests": len(reqs), "span_s": span, "rows": rows, "ours": ours, "static": static_res,
             "start": (p0, d0)}
     if dynamo is not None:  # Dynamo's planner, tuned on the tune loads (planner_dynamo.tune)
+        # lazy: the module imports this one back (a cycle listed in tests/unit/test_import_graph.py)
         from benchmarks import planner_dynamo
 
         rows += planner_dynamo.rows(name, reqs, cfg, dynamo, case, budget=budget, ttft_slo_ms=ttft_slo_ms,
@@ -642,6 +639,7 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
           f"(at most {cfg.max_headroom:.0%})", flush=True)
     tuned = None
     if dynamo:
+        # lazy: the module imports this one back (a cycle listed in tests/unit/test_import_graph.py)
         from benchmarks import planner_dynamo
 
         if dynamo_tune_seed == seed:
@@ -675,6 +673,7 @@ def main(trace: str | Path = TRACE, *, limit: int = 7500, budget: int = 12, ttft
     dyn = main_case.get("dynamo", {}).get("throughput", (math.nan, math.nan))
     dyn_keys = ""
     if dynamo:
+        # lazy: the module imports this one back (a cycle listed in tests/unit/test_import_graph.py)
         from benchmarks import planner_dynamo
 
         dyn_keys = " " + planner_dynamo.result_keys(all_cases)

@@ -18,8 +18,16 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
 
+from kernel.log.admin import replication_factor
+from kernel.log.catalog import Catalog
+from kernel.log.fold import apply_failed_reason
+from kernel.log.kafka import DeadLetters, EventConsumer, EventProducer
+from kernel.log.progress import ProgressWatch
+from kernel.log.reader import KafkaLogReader
+from kernel.log.snapshots import SnapshotStore
 from kernel.processes import remove_dead_owned
 from kernel.settings import BusSettings
+from schemas import EventCodec
 
 if TYPE_CHECKING:
     from kernel.log.fold import Poisoned
@@ -162,13 +170,6 @@ class FoldProcessor:
                  watch_every_s: float = 5.0, stall_after_s: float = 15.0) -> None:
         import time
 
-        from kernel.log.progress import ProgressWatch
-
-        from kernel.log.catalog import Catalog
-        from kernel.log.kafka import DeadLetters, EventProducer
-        from kernel.log.snapshots import SnapshotStore
-        from schemas import EventCodec
-
         self.bus = bus
         self.owner_id = owner_id
         self.catalog = Catalog(bus.topic_prefix)
@@ -280,8 +281,6 @@ class FoldProcessor:
     def _fold_to_end(self, deadline: float | None) -> dict[tuple[str, int], int]:
         import time
 
-        from kernel.log.reader import KafkaLogReader
-
         pos = self.positions()
         ends: dict[tuple[str, int], int] = {}
         with KafkaLogReader(self.bus) as reader:
@@ -326,8 +325,6 @@ class FoldProcessor:
                    **self.app_options}
         if options["topic_allow_declare"] and "topic_replication_factor" not in options:
             # Topics the app declares (a table's changelog) as replicated as the catalog's.
-            from kernel.log.admin import replication_factor
-
             options["topic_replication_factor"] = await asyncio.to_thread(replication_factor, self.bus)
         for old in self.datadir.parent.glob(f"{self.group_prefix}*"):  # left by a kill -9
             shutil.rmtree(old, ignore_errors=True)
@@ -445,8 +442,6 @@ class FoldProcessor:
         import asyncio
         import shutil
         import time
-
-        from kernel.log.progress import ProgressWatch
 
         if self.app is not None:
             await self.app.stop()
@@ -599,8 +594,6 @@ class StreamFollower:
 
     def __init__(self, bus: BusSettings, streams: list[str], name: str,
                  fold: Callable[[Envelope], bool]) -> None:
-        from kernel.log.kafka import EventConsumer
-
         self.bus = bus
         self.name = name
         self.fold = fold
@@ -634,8 +627,6 @@ class StreamFollower:
                 self._applied = read
 
     def _apply(self, d) -> None:
-        from kernel.log.fold import apply_failed_reason
-
         try:
             changed = self.fold(d.envelope)
         except Exception as e:

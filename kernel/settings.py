@@ -12,6 +12,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernel.roles import role as find_role
+from schemas.signing import ADMIN, MASTER_SECRET, ROUTER, Signer, Verifier, owner_key, worker_owner
+
 
 def repo_root() -> Path:
     """The checkout this package runs from (where pyproject.toml lives)."""
@@ -65,8 +68,6 @@ def worker_token(secret: str, worker_id: str) -> str:
 
 def signing_master(secrets_dir: Path) -> bytes:
     """The secret every event owner's signing key derives from (schemas/signing.py)."""
-    from schemas.signing import MASTER_SECRET
-
     return stack_secret(secrets_dir, MASTER_SECRET).encode()
 
 
@@ -113,7 +114,7 @@ class BusSettings:
     #: ``PLAINTEXT`` (a development cluster without either: logged loudly).
     security_protocol: str = "SASL_SSL"
     #: The SCRAM user this process authenticates as: the stack's super user, or a component's
-    #: own (``sy-<role>``, see kernel/log/principals.py and :meth:`from_env`'s ``role``).
+    #: own (``sy-<role>``, see kernel/roles.py and :meth:`from_env`'s ``role``).
     username: str = "switchyard"
     #: Its password; None: the checkout's stack secret ``secrets_dir/<secret_name>``, read when a
     #: client is made, so it is never in the environment or on a command line.
@@ -131,8 +132,6 @@ class BusSettings:
         by the principal it authenticates as, a worker only its own events (``producer_id`` is
         its worker id), the admin API the admin stream, a router its config record; the stack's
         super user (the operator's tools) any owner."""
-        from schemas.signing import ADMIN, ROUTER, Signer, owner_key, worker_owner
-
         if self.signing_key_file is not None:
             owner, key = self.signing_key_file.read_text().split()
             return Signer.identity(owner, bytes.fromhex(key))
@@ -147,8 +146,6 @@ class BusSettings:
         """Checks every guarded event's owner signed it, from the stack's master secret; None
         (logged) for a process given only its own key (``signing_key_file``) on a host without
         that secret: it cannot tell a forged event from a signed one."""
-        from schemas.signing import MASTER_SECRET, Verifier
-
         if self.signing_key_file is not None and not (self.secrets_dir / MASTER_SECRET).exists():
             import logging
 
@@ -199,8 +196,6 @@ class BusSettings:
         env = dict(os.environ if env is None else env)
         kwargs: dict = {}
         if role is not None and not env.get("SWITCHYARD_KAFKA_USERNAME"):
-            from kernel.log.principals import role as find_role
-
             r = find_role(role)
             kwargs.update(username=r.user, secret_name=r.secret_name)
         if "SWITCHYARD_KAFKA_BOOTSTRAP" in env:

@@ -37,15 +37,21 @@ app.add_typer(bench_app, name="bench")
 
 def _register_subapps() -> None:
     """Sub-apps that live beside their components (imports stay light: typer only)."""
-    from control_plane.admin.cli import admin_app
+    # lazy: CLI start-up: the command's modules load only when it runs
+    from control_plane.admin.cli import add_pin_commands, admin_app
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.metrics.cli import metrics_app
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.cli import planner_app
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.cli import replay_app
+    # lazy: CLI start-up: the command's modules load only when it runs
     from workloads.cli import workload_app
 
     app.add_typer(metrics_app, name="metrics")
     app.add_typer(replay_app, name="replay")
     app.add_typer(admin_app, name="admin")
+    add_pin_commands(planner_app)
     app.add_typer(planner_app, name="planner")
     app.add_typer(workload_app, name="workload")
 
@@ -66,6 +72,7 @@ BrokersOpt = Annotated[Optional[int], typer.Option(
 
 
 def _stack_settings(brokers: int | None = None):
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
     return StackSettings.from_env(**({"kafka_brokers": brokers} if brokers else {}))
@@ -78,8 +85,11 @@ def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
     setup_logging()
     import os
 
+    # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
     from control_plane.stack import Stack, StackError
+    # lazy: start-up time: loads confluent_kafka only when called
     from kernel.log.admin import apply_topics
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     settings = _stack_settings(brokers)
@@ -109,6 +119,7 @@ def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
 def stack_down(service: ServiceOpt = None) -> None:
     """Stop the services (data dirs are kept) and check that no process is left behind."""
     setup_logging()
+    # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
     from control_plane.stack import Stack
 
     left = Stack(_stack_settings()).down(service)
@@ -125,7 +136,9 @@ def stack_signing_key(
     """Write one owner's event-signing key (schemas/signing.py) for a process on a host that
     must not hold the stack's secrets: it sets SWITCHYARD_SIGNING_KEY_FILE to the file and can
     then sign only that owner's events."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings, signing_master, write_private
+    # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.signing import ADMIN, ROUTER, owner_key
 
     if not (owner.startswith("worker:") and len(owner) > 7) and owner not in (ADMIN, ROUTER):
@@ -139,6 +152,7 @@ def stack_signing_key(
 @stack_app.command("status")
 def stack_status(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """Show which services run, their pids, addresses and data dirs (every Kafka broker)."""
+    # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
     from control_plane.stack import Stack
 
     stack = Stack(_stack_settings())
@@ -172,7 +186,9 @@ def _print_status(stack) -> None:
 def topics_apply() -> None:
     """Create missing topics and update configs of existing ones (never deletes, never shrinks)."""
     setup_logging()
+    # lazy: start-up time: loads confluent_kafka only when called
     from kernel.log.admin import apply_topics
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     for c in apply_topics(BusSettings.from_env()):
@@ -184,8 +200,11 @@ def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack le
     """Check the log against producers' ack ledgers (SWITCHYARD_ACK_LEDGER_DIR): every
     acknowledged event on the log once, no sequence gap a failed delivery does not explain.
     Exits 1 when a promise is broken."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.ledger import check_acks, load_ledger
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.reader import KafkaLogReader
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     entries = [e for path in ledgers for e in load_ledger(path)]
@@ -205,7 +224,9 @@ def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack le
 @topics_app.command("list")
 def topics_list() -> None:
     """Print the catalog: topic, partitions, key, retention, cleanup policy."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.catalog import Catalog
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     for topic, spec in Catalog(BusSettings.from_env().topic_prefix).all_topics().items():
@@ -220,6 +241,7 @@ def topics_list() -> None:
 @schemas_app.command("export")
 def schemas_export() -> None:
     """Write schemas/json/*.json from the payload types (after a deliberate schema change)."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.jsonschema import write_all
 
     written = write_all()
@@ -229,6 +251,7 @@ def schemas_export() -> None:
 @schemas_app.command("check")
 def schemas_check() -> None:
     """Fail if schemas/json/ and the Python payload types disagree (run in CI)."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.jsonschema import check
 
     problems = check()
@@ -287,9 +310,13 @@ def router_cmd(
     decides KV-aware routes, records every decision, and proxies OpenAI requests (each with a
     valid key, within its limits) to the chosen workers."""
     setup_logging()
+    # lazy: start-up time: loads msgspec, switchyard_native, xxhash only when called
     from control_plane.router.admission import AdmissionConfig
+    # lazy: start-up time: loads confluent_kafka, msgspec, switchyard_native ... only when called
     from control_plane.router.wiring import RouterSettings, run_router
+    # lazy: start-up time: loads uvicorn only when called
     from kernel.http_server import ConnectionLimits
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     kw: dict = {"router_id": router_id} if router_id else {}
@@ -300,6 +327,7 @@ def router_cmd(
     if body_timeout != 30.0:
         bounds["body_timeout_s"] = body_timeout
     if bounds:
+        # lazy: start-up time: loads msgspec, switchyard_native, xxhash only when called
         from control_plane.router.limits import RequestLimits
 
         kw["limits"] = RequestLimits(**bounds)
@@ -319,6 +347,7 @@ def _stack_redis_url(key_limits: str | None) -> str | None:
     """The local stack's Redis URL, unless the key limits are local (no Redis needed)."""
     if key_limits == "local":
         return None
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
     return StackSettings.from_env().redis_url
@@ -387,9 +416,13 @@ def worker(
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     import json as _json
 
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from data_plane.vllm.serving import TINY_MODEL_DIR, VllmEngineSettings
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from data_plane.workers.settings import WorkerConfigError, WorkerSettings
+    # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
     from data_plane.workers.wiring import run_worker
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
@@ -414,6 +447,7 @@ def worker(
             drain_timeout_s=drain_timeout_s)
     except (WorkerConfigError, ValueError) as e:
         fail(str(e), 2)
+    # lazy: start-up time: loads msgspec, numpy, xxhash only when called
     from data_plane.kvbm.errors import StorageError
 
     try:
@@ -463,13 +497,17 @@ def up_cmd(
     and print a summary plus a PNG report. `switchyard down` stops everything."""
     setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.demo.settings import DemoSettings
+    # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
     from control_plane.demo.up import run_demo
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
     if workload is not None:
         if trace is not None:
             fail("give --trace or --workload, not both", 2)
+        # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
         from control_plane.demo.up import workload_trace
 
         try:
@@ -494,7 +532,9 @@ def up_cmd(
 def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's processes but keep the stack.")] = False) -> None:
     """Stop everything `switchyard up` started (workers drain first), then the stack."""
     setup_logging()
+    # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
     from control_plane.demo.up import stop_demo
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
     stop_demo(StackSettings.from_env(), echo=typer.echo, stack=not keep_stack)
@@ -510,7 +550,9 @@ def security_check_cmd(
     without a credential, unauthenticated Kafka/PostgreSQL/Redis/S3, listeners off loopback."""
     import dataclasses
 
+    # lazy: start-up time: loads httpx only when called
     from control_plane.security.check import demo_targets, report, run, summary
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
     t = demo_targets(StackSettings.from_env())
@@ -523,7 +565,8 @@ def security_check_cmd(
 
 
 def _console_commands() -> None:
-    from control_plane.admin.console.cli import console_check_cmd, doctor_cmd
+    # lazy: CLI start-up: the command's modules load only when it runs
+    from control_plane.demo.console_cli import console_check_cmd, doctor_cmd
 
     app.command("doctor")(doctor_cmd)
     app.command("console-check")(console_check_cmd)
@@ -553,6 +596,7 @@ def loadgen_cmd(
     prefix hit rate against the trace's ideal."""
     import asyncio
 
+    # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
     from control_plane.demo.loadgen import format_summary, plot, run_trace
 
     s = asyncio.run(run_trace(url, trace, limit=limit, speedup=rate, max_output=max_output, block_size=block_size,
@@ -601,8 +645,11 @@ def chaos_cmd(
         logging.getLogger(probe).setLevel(logging.CRITICAL)
     import signal
 
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.chaos.errors import ChaosError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.chaos.plan import parse_faults
+    # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
     from control_plane.chaos.run import ChaosSettings, run_chaos
 
     def _terminated(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
@@ -642,6 +689,7 @@ def bench_events(
     """Encode/decode throughput per event type, and produce->consume throughput and latency
     through the local broker (run `switchyard stack up` first)."""
     logging.basicConfig(level=logging.WARNING)
+    # lazy: start-up time: loads confluent_kafka, msgspec, xxhash only when called
     from benchmarks.events_bench import main
 
     main(codec_n=n, e2e_n=e2e)
@@ -659,6 +707,7 @@ def bench_index(trace: TraceOpt = Path(TRACE_DEFAULT),
     """Our (native) prefix index vs Dynamo's RadixTree (ai-dynamo-runtime, bench group) on the
     same store/remove events and queries derived from the trace, both from wire bytes; with
     --scale, the native index's growth curve on a generated stream."""
+    # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
     from benchmarks.index_bench import main as run
 
     if scale:
@@ -675,6 +724,7 @@ def bench_router(n: Annotated[int, typer.Option(help="Sequential HTTP requests p
     (bench group), the HTTP overhead of the router and of nginx in front of an instant worker,
     and a router restart with 1M blocks (needs `switchyard stack up`)."""
     logging.basicConfig(level=logging.WARNING)
+    # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
     from benchmarks.router_bench import main as run
 
     run(n, restart=restart)
@@ -697,10 +747,12 @@ def bench_peers(sides: Annotated[Optional[list[str]], typer.Option("--side", hel
     and 128 clients, routing quality (needs `switchyard stack up` and `bash scripts/peers-env.sh`)."""
     logging.basicConfig(level=logging.WARNING)
     if profile:
+        # lazy: start-up time: loads aiohttp, confluent_kafka, httpx ... only when called
         from benchmarks.peers_profile import main as run_profile
 
         run_profile(n=n)
         return
+    # lazy: start-up time: loads aiohttp, confluent_kafka, httpx ... only when called
     from benchmarks.peers_bench import SIDES, main as run
 
     run(sides or SIDES, rounds=rounds, n=n, concurrent=concurrent, limit=limit, quality=quality, http=http,
@@ -710,6 +762,7 @@ def bench_peers(sides: Annotated[Optional[list[str]], typer.Option("--side", hel
 @bench_app.command("transfer")
 def bench_transfer() -> None:
     """NIXL DRAM->DRAM READ between two processes vs a single-process memcpy."""
+    # lazy: start-up time: loads msgspec, numpy only when called
     from benchmarks.transfer_bench import main as run
 
     run([])
@@ -720,6 +773,7 @@ def bench_engine(trace: TraceOpt = Path(TRACE_DEFAULT),
                  limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None) -> None:
     """Our simulated engine (mocker profile) vs Dynamo's mocker on the trace: 4 aggregated
     workers, round robin, 1x arrivals. Needs the bench group: `uv run --group bench ...`."""
+    # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
     from benchmarks.engine_bench import main as run
 
     run(trace, limit)
@@ -735,6 +789,7 @@ def _cases(tune: str, score: str):
     """The --tune / --score options as case tuples (None, None when both are empty)."""
     if not tune and not score:
         return None, None
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from workloads.sets import check_apart, parse_cases
 
     try:
@@ -753,6 +808,7 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
     round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin); both
     sides' prefill_load_scale picked on the tune cases and scored on the score cases first.
     Needs the bench group: `uv run --group bench ...`."""
+    # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
     from benchmarks.routing_bench import main as run
 
     t, s = _cases(tune, score)
@@ -768,6 +824,7 @@ def bench_tiers(trace: TraceOpt = Path(TRACE_DEFAULT),
     with onboarding, our kv routing, beside Dynamo's mocker kv_router at its default and an
     unbounded device cache; both sides' prefill_load_scale picked on the tune cases and scored on
     the score cases first. Needs the bench group: `uv run --group bench ...`."""
+    # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
     from benchmarks.tiers_bench import main as run
 
     t, s = _cases(tune, score)
@@ -782,6 +839,7 @@ def bench_e2e(trace: Annotated[Path, typer.Option(help="Mooncake-format trace (d
     """The full stack (broker, router, disaggregated simulated workers) with kv vs round_robin
     routing on the same trace slice: TTFT, ITL, throughput, hit rate vs the ideal (needs the stack)."""
     logging.basicConfig(level=logging.WARNING)
+    # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
     from benchmarks.e2e_bench import main as run
 
     run(trace, limit, rate, repeats=repeats)
@@ -796,6 +854,7 @@ def bench_vllm(trace: TraceOpt = Path(TRACE_DEFAULT),
     prefix-hit rate and TTFT with kv vs round_robin routing, predicted vs vLLM-reported cached
     tokens, then one disaggregated pass over vLLM's NixlConnector (needs the stack)."""
     logging.basicConfig(level=logging.WARNING)
+    # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
     from benchmarks.vllm_bench import main as run
 
     run(trace, limit, max_output, disagg_limit=disagg_limit)
@@ -805,6 +864,7 @@ def bench_vllm(trace: TraceOpt = Path(TRACE_DEFAULT),
 def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT)) -> None:
     """The trace, time-compressed with bursts, through simulated workers with the planner on,
     vs the best static split of the same GPU budget."""
+    # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
     from benchmarks.planner_bench import main as run
 
     run(trace)
@@ -814,6 +874,7 @@ def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT)) -> None:
 def bench_replay() -> None:
     """Events replayed per second from the broker (and a file export) into the index and load
     view, and time to reconstruct state 1M events deep (generates the log once)."""
+    # lazy: start-up time: loads confluent_kafka, msgspec, switchyard_native ... only when called
     from benchmarks.replay_bench import main as run
 
     run([])

@@ -31,7 +31,9 @@ def generate_cmd(
 ) -> None:
     """Write a generated Mooncake-format trace (jsonl: timestamp ms, input_length, output_length,
     hash_ids of 512-token blocks, session_id, turn; priority and tenant for mixed)."""
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from workloads.generator import Spec, dumps, generate
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from workloads.stats import trace_stats
 
     pairs = []
@@ -66,8 +68,11 @@ def stats_cmd(
 ) -> None:
     """ISL/OSL percentiles, rate, shared-block fraction and the ideal prefix hit rate with one
     infinite cache and round robin over N, then a RESULT line."""
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from data_plane.engines.errors import TraceFormatError
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from data_plane.engines.trace import read_mooncake
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from workloads.stats import trace_stats
 
     if not trace.exists():
@@ -87,6 +92,7 @@ def stats_cmd(
 @workload_app.command("knobs")
 def knobs_cmd(family: Annotated[Optional[str], typer.Argument(help="One family (default: all).")] = None) -> None:
     """Each family's knobs with their defaults."""
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from workloads.families import FAMILIES, MIXED_TENANTS
 
     names = [family] if family else [*FAMILIES, "mixed"]

@@ -22,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from control_plane.admin import services
+from control_plane.admin.console import mount
 from control_plane.admin.context import AdminContext
 from control_plane.admin.errors import ApiError
 from control_plane.admin.routes import (
@@ -36,6 +37,7 @@ from control_plane.admin.routes import (
     tokens,
     workers,
 )
+from control_plane.admin.routes.common import api_error_response, error_response
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,6 @@ def create_app(ctx: AdminContext) -> FastAPI:
     for router in (health.router, tokens.caller, workers.router, pools.router, *configs.routers(), planner.router,
                    index.router, audit.router, replay.router, tokens.router, router_keys.router):
         app.include_router(router)
-    from control_plane.admin.console import mount
 
     mount(app)  # the operator console at /console, and GET /doctor
     return app
@@ -75,39 +76,31 @@ def create_app(ctx: AdminContext) -> FastAPI:
 # -- errors: every one is JSON {"error": {"message", "code"}} -------------------------------------
 
 
-def _err(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "code": code}}, headers=headers)
-
-
-async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return _err(exc.status, exc.message, exc.code, exc.headers)
-
-
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     parts = []
     for e in exc.errors():
         loc = ".".join(str(x) for x in e.get("loc", ()))
         parts.append(f"{loc}: {e.get('msg')}")
-    return _err(422, "; ".join(parts)[:4000] or "invalid request", "invalid_request")
+    return error_response(422, "; ".join(parts)[:4000] or "invalid request", "invalid_request")
 
 
 async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return _err(exc.status_code, str(exc.detail), code)
+    return error_response(exc.status_code, str(exc.detail), code)
 
 
 async def _db_down(request: Request, exc: OperationalError) -> JSONResponse:
     log.warning("database unavailable: %s", exc)
-    return _err(503, "the admin database is unavailable", "unavailable")
+    return error_response(503, "the admin database is unavailable", "unavailable")
 
 
 async def _bug(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return _err(500, f"internal error: {type(exc).__name__}", "internal")
+    return error_response(500, f"internal error: {type(exc).__name__}", "internal")
 
 
 _EXCEPTION_HANDLERS = (
-    (ApiError, _api_error),
+    (ApiError, api_error_response),
     (RequestValidationError, _invalid),
     (StarletteHTTPException, _http),
     (OperationalError, _db_down),

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from control_plane.clikit import setup_logging
+from control_plane.clikit import fail, setup_logging
 
 admin_app = typer.Typer(help="Admin API, its database (migrations) and the audit projection.", no_args_is_help=True)
 
@@ -17,6 +17,7 @@ DbOpt = Annotated[Optional[str], typer.Option("--db-url", help="SQLAlchemy URL (
 
 
 def _settings(db_url: str | None, **kw):
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.settings import AdminSettings
 
     if db_url:
@@ -34,6 +35,7 @@ def serve(
 ) -> None:
     """Run the admin API (migrating the database first) with the audit consumer in-process."""
     setup_logging()
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.wiring import run_admin
 
     kw = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
@@ -49,6 +51,7 @@ def migrate_cmd(
     db_url: DbOpt = None,
 ) -> None:
     """Apply the Alembic migrations (``alembic upgrade head``; ``--down base`` removes everything)."""
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.wiring import migrate
 
     s = _settings(db_url)
@@ -68,15 +71,25 @@ def create_token_cmd(
     database is the credential here). Recorded in the log as AdminAction(token_created) by
     actor "cli". Every other change goes through the API with a token."""
     logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.auth import Principal, Role
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.context import AdminContext
+    # lazy: start-up time: loads sqlalchemy only when called
     from control_plane.admin.db.session import make_engine, session_factory
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.errors import ApiError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.admin.ports import InlineJobRunner, KafkaEventLog
+    # lazy: start-up time: loads confluent_kafka, msgspec, pydantic ... only when called
     from control_plane.admin.services import create_token
+    # lazy: start-up time: loads msgspec, pydantic, switchyard_native ... only when called
     from control_plane.admin.shapes import TokenCreate
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.catalog import Catalog
+    # lazy: start-up time: loads confluent_kafka, msgspec, xxhash only when called
     from kernel.log.kafka import EventProducer
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     s = _settings(db_url)
@@ -111,8 +124,8 @@ AdminUrlOpt = Annotated[Optional[str], typer.Option(
 
 def api_call(token_file: Path | None, url: str | None, call):
     """``call(client)`` through the admin API with the caller's token; a refusal exits 1 (2: no
-    credential). The commands of other contexts that act through the admin API (``planner pin``)
-    call it too, with these same two options."""
+    credential)."""
+    # lazy: start-up time: loads httpx only when called
     from control_plane.admin.client import AdminClient, ClientError, admin_url, load_token
 
     try:
@@ -169,8 +182,11 @@ def audit_cmd(
     logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
     import time
 
+    # lazy: start-up time: loads confluent_kafka, msgspec, sqlalchemy ... only when called
     from control_plane.admin.audit.consumer import AuditConsumer
+    # lazy: start-up time: loads sqlalchemy only when called
     from control_plane.admin.db.session import make_engine, session_factory
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     s = _settings(db_url)
@@ -194,3 +210,61 @@ def _safe(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+# -- `switchyard planner pin|unpin`: a planner override, recorded through the admin API -----------
+
+ActorOpt = Annotated[Optional[str], typer.Option(
+    hidden=True, help="Deprecated: the actor is the token's name; refused when it names anyone else.")]
+
+
+def pin(
+    pool: Annotated[str, typer.Argument(help="Pool to pin.")],
+    replicas: Annotated[int, typer.Argument(help="Replicas to hold it at (within the pool's bounds).")],
+    reason: Annotated[str, typer.Option(help="Why (recorded in the event and in the planner's decision).")] = "",
+    token_file: TokenFileOpt = None,
+    admin_url: AdminUrlOpt = None,
+    actor: ActorOpt = None,
+) -> None:
+    """Pin a pool (manual override) through the admin API (operator token): it records PoolPinned
+    on the admin stream naming the token as the actor; the leading planner holds the pool at
+    REPLICAS until unpinned."""
+    if replicas < 0:
+        fail("replicas must be >= 0", 2)
+    who = _pin_call(token_file, admin_url, actor, lambda c: c.pin(pool, replicas, reason))
+    typer.echo(f"pinned {pool} to {replicas} (as {who})")
+
+
+def unpin(pool: Annotated[str, typer.Argument(help="Pool to release.")],
+          reason: Annotated[str, typer.Option(help="Why.")] = "",
+          token_file: TokenFileOpt = None,
+          admin_url: AdminUrlOpt = None,
+          actor: ActorOpt = None) -> None:
+    """Release a pin through the admin API (PoolPinned with no replicas): the planner sizes the
+    pool from the load again."""
+    who = _pin_call(token_file, admin_url, actor, lambda c: c.unpin(pool, reason))
+    typer.echo(f"unpinned {pool} (as {who})")
+
+
+def _pin_call(token_file: Path | None, url: str | None, actor: str | None, call) -> str:
+    """Run ``call`` through the admin API with the caller's token (:func:`api_call`); the actor
+    the API records."""
+
+    def checked(client):
+        if actor is not None:
+            name = client.whoami()["name"]
+            if actor != name:
+                fail(f"--actor {actor!r} is not this token's name ({name!r}): the log records the token's name "
+                      "as the actor; --actor is deprecated, drop it", 2)
+            typer.secho("warning: --actor is deprecated (the actor is the token's name)", err=True,
+                        fg=typer.colors.YELLOW)
+        return call(client)
+
+    return api_call(token_file, url, checked).get("updated_by", "?")
+
+
+def add_pin_commands(app: typer.Typer) -> None:
+    """Add ``pin`` and ``unpin`` to ``app`` (the ``switchyard planner`` group): they are admin API
+    calls, so they live here and the planner's package does not import the admin's."""
+    app.command("pin")(pin)
+    app.command("unpin")(unpin)

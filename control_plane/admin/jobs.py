@@ -17,7 +17,9 @@ import msgspec
 from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import ReplayJob, ReplayResult, utcnow
 from control_plane.admin.queries import jsonable
+from control_plane.replay import plot
 from control_plane.replay.engine import ReplayEngine
+from control_plane.replay.errors import ReplayError
 from control_plane.router import RouterConfig
 
 log = logging.getLogger(__name__)
@@ -99,8 +101,6 @@ def public_error(e: BaseException, job_id: str) -> str:
     """One line a viewer may read. The replay package's own errors say what was wrong with the
     job (a point not in the log, a request never routed); their first line is kept, with paths
     cut out. Anything else is a bug or a driver failure, named only by its type."""
-    from control_plane.replay.errors import ReplayError
-
     where = f"(details in the admin server's log, job {job_id})"
     if isinstance(e, ReplayError):
         first = (str(e).strip().splitlines() or [""])[0]
@@ -109,8 +109,6 @@ def public_error(e: BaseException, job_id: str) -> str:
 
 
 def _execute(engine: ReplayEngine, ctx: AdminContext, kind: str, params: dict):
-    from control_plane.replay import plot
-
     s = ctx.settings
     if kind == "state":
         state, _ = engine.state(params["at"], hash_algo=params.get("hash_algo", s.hash_algo),

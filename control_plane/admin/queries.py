@@ -37,6 +37,8 @@ from control_plane.admin.shapes import (
     WorkerOverlapPublic,
     WorkerPublic,
 )
+from kernel.hashing import HashAlgo, HashConfig, hash_blocks
+from kernel.tokenizer import HashTokenizer
 
 if TYPE_CHECKING:
     from control_plane.admin.audit.consumer import AuditConsumer
@@ -389,9 +391,6 @@ def overlap(live: LiveView | None, hash_algo: str, block_size: int, body: Overla
     """Which workers hold how much of a prompt's prefix, per tier, longest first. Text is
     tokenized like the router's default ``hash`` tokenizer, then hashed with this process's
     ``hash_algo`` and ``block_size``."""
-    from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-    from kernel.tokenizer import HashTokenizer
-
     live = _live(live)
     tokens = body.tokens if body.tokens is not None else HashTokenizer().encode(body.prompt or "")
     cfg = HashConfig(HashAlgo(hash_algo), block_size)

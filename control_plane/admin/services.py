@@ -21,6 +21,7 @@ import msgspec
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from control_plane.admin import jobargs
 from control_plane.admin.auth import Principal, Role, expiry, issue_token
 from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import (
@@ -35,6 +36,7 @@ from control_plane.admin.db.models import (
     utcnow,
 )
 from control_plane.admin.errors import Conflict, Invalid, NotFound
+from control_plane.admin.jobs import run_job
 from control_plane.admin.shapes import (
     PinUpdate,
     PlannerConfigUpdate,
@@ -45,7 +47,13 @@ from control_plane.admin.shapes import (
     TokenCreate,
     TokenRotate,
 )
+from control_plane.planner.config import PlannerConfig
+from control_plane.replay.errors import BadPoint
 from control_plane.router import RouterConfig
+from control_plane.router.keys import KEY_PREFIX, KeyLimits
+from kernel import bearer
+from kernel.errors import HashConfigError
+from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.reader import LocatedEvent
 from schemas.events import (
     AdminAction,
@@ -154,8 +162,6 @@ def _planner_config(config: dict[str, Any], version: int) -> dict[str, Any]:
     # fields and runs its cross-field rules), so a config no planner would apply is refused now
     # with the reason (e.g. "Object contains unknown field `interval_s`"), never recorded. What
     # is recorded is what was sent: omitted fields keep meaning "the planner's default".
-    from control_plane.planner.config import PlannerConfig
-
     body = {**config, "version": version}
     try:
         msgspec.convert(body, PlannerConfig)
@@ -261,9 +267,6 @@ def issue_router_key(session: Session, ctx: AdminContext, who: Principal,
     """Issue a router API key (``RouterKeyIssued``: its id, salt, hash, expiry and limits, never
     the secret). Every router folds the event into its key table; the plain key is returned
     once, here."""
-    from control_plane.router.keys import KEY_PREFIX, KeyLimits
-    from kernel import bearer
-
     try:
         KeyLimits(rate_per_s=body.rate_per_s, burst=body.burst, max_concurrent=body.max_concurrent)
     except ValueError as e:
@@ -303,12 +306,6 @@ def revoke_router_key(session: Session, ctx: AdminContext, who: Principal, key_i
 def start_replay_job(session: Session, ctx: AdminContext, who: Principal, body: ReplayJobCreate) -> ReplayJob:
     """Queue a replay job after checking its arguments (:mod:`control_plane.admin.jobargs`): a
     job that could not mean anything is a 422 now, not a failed job later."""
-    from control_plane.admin import jobargs
-    from control_plane.admin.jobs import run_job
-    from control_plane.replay.errors import BadPoint
-    from kernel.errors import HashConfigError
-    from kernel.hashing import HashAlgo, HashConfig
-
     now_ms = int(ctx.clock() * 1000)
     params: dict[str, Any] = {"kind": body.kind}
     try:

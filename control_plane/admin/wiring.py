@@ -11,17 +11,16 @@ from control_plane.admin.liveview import LiveView
 from control_plane.admin.ports import KafkaEventLog, ThreadJobRunner
 from control_plane.admin.settings import AdminSettings
 from control_plane.replay.engine import ReplayEngine
+from kernel.hashing import HashAlgo, HashConfig
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer
 from kernel.log.reader import KafkaLogReader
-from kernel.settings import BusSettings
+from kernel.settings import BusSettings, repo_root
 
 log = logging.getLogger(__name__)
 
 
 def build_admin(settings: AdminSettings, bus: BusSettings | None = None) -> AdminContext:
-    from kernel.hashing import HashAlgo, HashConfig
-
     bus = bus or BusSettings.from_env(role="admin")
     # Fail at start-up, not on the first overlap query, when the hashing cannot be reproduced.
     HashConfig(HashAlgo(settings.hash_algo), settings.block_size)
@@ -56,8 +55,6 @@ def migrate(db_url: str, revision: str = "head", *, down: bool = False) -> None:
 def alembic_config(db_url: str):
     from alembic.config import Config
 
-    from kernel.settings import repo_root
-
     cfg = Config(str(repo_root() / "alembic.ini"))
     cfg.attributes["db_url"] = db_url
     cfg.attributes["no_logging_config"] = True
@@ -65,7 +62,9 @@ def alembic_config(db_url: str):
 
 
 def run_admin(settings: AdminSettings, bus: BusSettings | None = None, *, migrate_first: bool = True) -> None:
+    # lazy: start-up time: loads fastapi, pydantic, starlette only when called
     from control_plane.admin.app import create_app
+    # lazy: start-up time: loads uvicorn only when called
     from kernel.http_server import serve
 
     if migrate_first:

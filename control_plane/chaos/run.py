@@ -32,17 +32,13 @@ import httpx
 from control_plane.chaos.errors import ChaosError
 from control_plane.chaos.load import OpenLoopLoad
 from control_plane.chaos.plan import BROKER_FAULTS, FaultAt, Plan, PlanConfig, make_plan
-from control_plane.chaos.report import (
-    ChaosReport,
-    FaultRecord,
-    ViewCheck,
-    build_report,
-    plot_timeline,
-    request_ends,
-)
+from control_plane.chaos.report import ChaosReport, FaultRecord, ViewCheck, build_report, plot_timeline, request_ends
 from control_plane.chaos.system import ChaosSystem, Proc, SystemSettings, Topology, wait
+from control_plane.replay.oracle import oracle_view, parse_positions
 from control_plane.stack.process import StackError
 from kernel.log.kafka import Ack, EventProducer
+from kernel.log.ledger import check_acks, load_ledger
+from kernel.log.reader import KafkaLogReader, read_events
 from schemas.events import AdminAction
 
 log = logging.getLogger(__name__)
@@ -372,8 +368,6 @@ _HANDLERS: dict[str, Callable[[Runner, FaultAt, FaultRecord], None]] = {
 
 def _views(system: ChaosSystem) -> list[ViewCheck]:
     """Each live router's view digest vs the oracle fold at the positions it reports."""
-    from control_plane.replay.oracle import oracle_view, parse_positions
-
     out = []
     for r in system.routers:
         try:
@@ -387,17 +381,12 @@ def _views(system: ChaosSystem) -> list[ViewCheck]:
 
 
 def _ledger_entries(ledger_dir: Path):
-    from kernel.log.ledger import load_ledger
-
     return [e for p in sorted(ledger_dir.glob("*.acks.jsonl")) for e in load_ledger(p)]
 
 
 def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> ChaosReport:
     """Build the plan, start the system, run it, check, write ``report.json`` and the timeline
     into ``settings.report_dir``; stops every process it started whatever happens."""
-    from kernel.log.ledger import check_acks
-    from kernel.log.reader import KafkaLogReader, read_events
-
     plan = make_plan(settings.plan)
     report_dir = settings.report_dir
     report_dir.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from control_plane.router import RouterConfig
-from kernel.settings import BusSettings
 from control_plane.simulation import Topology, run_cluster
 from data_plane.engines import default_hash_config, load_profile
 from data_plane.engines.trace import MooncakeTrace, read_mooncake
+from kernel.log.reader import read_events
+from kernel.settings import BusSettings
 
 #: When observed TTFT p50 exceeds the prediction by this factor, the summary says where the
 #: time went instead of printing a gain.
@@ -63,8 +64,6 @@ def _median(xs: list[float]) -> float:
 
 def breakdown(bus: BusSettings, request_prefix: str, since_ms: int) -> dict[str, Any]:
     """Per-phase medians (ms) and handoff counts of the run's requests, from the log alone."""
-    from kernel.log.reader import read_events
-
     by_rid: dict[str, list] = defaultdict(list)
     client: dict[str, str] = {}  # the router's request id -> the load generator's own id
     for env in read_events(bus, "requests", since_ms=since_ms):

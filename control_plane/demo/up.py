@@ -27,11 +27,16 @@ from pathlib import Path
 
 import httpx
 
+from control_plane.admin.client import AdminClient
 from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE, DemoSettings  # noqa: F401 (re-exported)
 from control_plane.settings import StackSettings
-from control_plane.stack.process import terminate
+from control_plane.stack import Stack
+from control_plane.stack.process import descendants, port_in_use, processes_mentioning, read_pid, terminate
+from kernel.log.catalog import Catalog
+from kernel.log.reader import KafkaLogReader
 from kernel.net import free_port
 from kernel.processes import alive
+from kernel.settings import BusSettings, write_private
 
 
 #: The object tier of the demo's simulated workers: the bucket in the stack's SeaweedFS (made by
@@ -131,6 +136,7 @@ def write_prometheus_targets(targets_dir: Path, groups: dict[str, list[str]]) ->
 def workload_trace(family: str, seed: int, limit: int, state_dir: Path) -> Path:
     """A generated workload for ``up --demo --workload``: ``family`` with ``seed`` at its default
     rate, long enough to hold ``limit`` requests, written to ``<state dir>/demo/``."""
+    # lazy: start-up time: loads numpy only when called
     from workloads.generator import Spec, default_rate, generate, write
 
     rate = default_rate(family)
@@ -147,10 +153,8 @@ def workload_trace(family: str, seed: int, limit: int, state_dir: Path) -> Path:
 
 
 def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict:
-    from control_plane.stack import Stack
-    from control_plane.stack.process import port_in_use
+    # lazy: start-up time: loads confluent_kafka only when called
     from kernel.log.admin import apply_topics
-    from kernel.settings import BusSettings
 
     t0 = time.monotonic()
     stack = Stack(stack_settings)
@@ -176,6 +180,7 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     object_tier = ["--object-blocks", str(DEMO_OBJECT_BLOCKS), "--s3-endpoint", stack_settings.s3_endpoint,
                    "--s3-bucket", DEMO_BUCKET, "--s3-credentials-file", str(stack_settings.s3_credentials_file)]
     if vllm:
+        # lazy: start-up time: loads numpy only when called
         from control_plane.demo import vllm as vllm_demo
     for role, n in (("prefill", d.prefill_workers), ("decode", d.decode_workers)):
         for i in range(n):
@@ -223,11 +228,13 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
 
     import asyncio
 
+    # lazy: start-up time: loads numpy only when called
     from control_plane.demo.loadgen import format_summary, plot, run_trace
 
     if d.limit <= 0:
         echo(f"up in {startup_s:.0f} s: router {router_url}/v1, admin {admin_url or '-'}; `switchyard down` stops it")
         return {"router": router_url, "admin": admin_url, "startup_s": startup_s}
+    # lazy: start-up time: loads numpy only when called
     from control_plane.demo.runcheck import CpuSampler, breakdown, explain, now_ms, predict
 
     echo(f"replaying {d.limit} requests of {d.trace.name} at {d.rate}x arrivals"
@@ -283,9 +290,6 @@ def issue_demo_key(sup: Supervisor, stack_settings: StackSettings, admin_url: st
     """An admin token (straight into the database, as an operator bootstraps the first one), then
     a router key through the admin API with it; both kept in 0600 files of the demo's directory.
     Returns the key once the router has folded it."""
-    from control_plane.admin.client import AdminClient
-    from kernel.settings import write_private
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     made = subprocess.run([sys.executable, "-m", "switchyard.cli", "admin", "create-token", "--name",
                            f"demo-{stamp}", "--role", "admin", "--db-url", stack_settings.postgres_url],
@@ -323,9 +327,6 @@ def result_line(out: dict) -> str:
 
 
 def _count_scaling(bus) -> int:
-    from kernel.log.catalog import Catalog
-    from kernel.log.reader import KafkaLogReader
-
     topic = Catalog(bus.topic_prefix).topic("planner")
     with KafkaLogReader(bus) as reader:
         return sum(hi - lo for lo, hi in (reader.bounds(topic, p) for p in reader.partitions(topic)))
@@ -334,8 +335,6 @@ def _count_scaling(bus) -> int:
 def system_pids(stack_settings: StackSettings) -> list[int]:
     """Every process of the system ``switchyard up`` started: the demo's (its ``procs.json``),
     the stack's (their data directories and pid files), and all their children."""
-    from control_plane.stack.process import descendants, processes_mentioning, read_pid
-
     state = stack_settings.state_dir
     pids = [p.pid for p in Supervisor(stack_settings).procs] + processes_mentioning(str(state))
     pids += [pid for f in state.glob("*/*.pid") if (pid := read_pid(f))]
@@ -343,8 +342,6 @@ def system_pids(stack_settings: StackSettings) -> list[int]:
 
 
 def stop_demo(stack_settings: StackSettings, echo=print, stack: bool = True) -> None:
-    from control_plane.stack import Stack
-
     sup = Supervisor(stack_settings)
     killed = sup.stop_all()
     if killed:

@@ -350,6 +350,23 @@ class PrefixIndex:
     def apply_envelope(self, env: Envelope[Event]) -> ApplyOutcome:
         return self.apply(env.producer, env.epoch, env.seq, env.data)
 
+    # The byte paths of the router's ``KvIndex`` port (control_plane/router/ports.py): the
+    # native index folds records from their bytes; the specification takes none, so every
+    # record is decoded and goes through :meth:`apply` (the same fold).
+
+    def apply_bytes(self, value: bytes, suffix: str = "") -> ApplyOutcome | None:
+        """None: decode ``value`` and :meth:`apply` it (nothing changed)."""
+        return None
+
+    def apply_run(self, values: list, start: int, suffix: str = "", verifier=None
+                  ) -> tuple[int, IndexRejected | None]:
+        """``(start, None)``: no record taken; each goes through :meth:`apply`."""
+        return start, None
+
+    def last_worker(self) -> str:
+        """Never asked: :meth:`apply_bytes` folds nothing."""
+        raise LookupError("the reference index folds no record from its bytes")
+
     def apply(self, producer: str, epoch: int, seq: int, payload: Event) -> ApplyOutcome:
         """Fold one decoded event given its envelope's ``producer``, ``epoch`` and ``seq``.
 

@@ -13,7 +13,10 @@ two decision paths give bit-identical score rows and choices, and the two ledger
 views (``tests/unit/test_native_index.py``, ``tests/unit/test_native_decide.py``,
 ``tests/unit/test_native_ledger.py``), so the switch can be flipped across a restart and a
 replay verifies decisions made under either. It is read when an index or a ledger is created
-or a decision made (never at import).
+or a decision made (never at import). Whoever holds an index or accounts uses them through the
+router's ports (``control_plane/router/ports.py``: ``KvIndex``, ``InflightAccounts``), never
+asking which implementation it has; the switch stays while the decision reads it for its
+scoring path.
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ def native_core() -> bool:
 
 def index_class() -> type:
     if index_impl() == "reference":
+        # lazy: start-up time: loads msgspec, switchyard_native, xxhash only when called
         from control_plane.index.prefix_index import PrefixIndex
 
         return PrefixIndex
+    # lazy: start-up time: loads msgspec, switchyard_native, xxhash only when called
     from control_plane.index.native import NativePrefixIndex
 
     return NativePrefixIndex

@@ -39,9 +39,13 @@ def run(
     scaling decisions, consumer lag per group and dead letters. Resumes from its newest
     checkpoint; SIGTERM checkpoints and exits."""
     setup_logging(verbose, libraries=("faust", "aiokafka", "mode"))
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from control_plane.metrics.projection import ProjectionConfig
+    # lazy: start-up time: loads confluent_kafka, prometheus_client, switchyard_native ... only when called
     from control_plane.metrics.stream import MetricsSettings, run_metrics
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from kernel.hashing import HashAlgo, HashConfig
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     kw = {"processor_id": processor_id} if processor_id else {}
@@ -62,6 +66,7 @@ def run(
 @metrics_app.command("list")
 def list_metrics() -> None:
     """Print every metric the processor exposes: name, type, labels."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.metrics.catalog import SPECS
 
     for s in SPECS:

@@ -6,8 +6,11 @@ consistent state of the fold (the processor calls it on the event loop that fold
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -56,3 +59,18 @@ def build_registry(source: Callable[[], Iterable[Family]]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FamiliesCollector(source))
     return registry
+
+
+def write_targets(targets_dir: Path, name: str, targets: list[str], labels: dict[str, str] | None = None) -> Path:
+    """Write one file_sd file ``<targets_dir>/<name>.json`` atomically (Prometheus watches the
+    directory: a half-written file would drop the targets until the next write).
+
+    ``name`` must start with the job's glob: ``metrics``, ``router`` or ``worker``."""
+    if not name.startswith(("metrics", "router", "worker")):
+        raise ValueError(f"target file {name!r} matches no scrape job (metrics*, router*, worker*)")
+    targets_dir.mkdir(parents=True, exist_ok=True)
+    path = targets_dir / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps([{"targets": list(targets), "labels": dict(labels or {})}], indent=2) + "\n")
+    os.replace(tmp, path)
+    return path

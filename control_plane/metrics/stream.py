@@ -41,7 +41,7 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane.metrics.catalog import CONSUMED_STREAMS
-from control_plane.metrics.exposition import build_registry
+from control_plane.metrics.exposition import build_registry, write_targets
 from control_plane.metrics.projection import (
     BrokerState,
     Family,
@@ -89,7 +89,7 @@ class MetricsSettings:
     #: Faust's data directory (per incarnation, removed at stop).
     data_dir: Path = field(default_factory=lambda: StackSettings.from_env().state_dir / "metrics")
     #: When set, a Prometheus file_sd target for this processor is written here at start and
-    #: removed at stop (see control_plane.stack.prometheus.write_targets).
+    #: removed at stop (see control_plane.metrics.exposition.write_targets).
     targets_dir: Path | None = None
 
     def __post_init__(self) -> None:
@@ -302,8 +302,6 @@ class MetricsProcessor(FoldProcessor):
         await super().start()
         await self._serve_http()
         if self.settings.targets_dir is not None:
-            from control_plane.stack.prometheus import write_targets
-
             self._target_file = write_targets(
                 self.settings.targets_dir, f"metrics-{self.settings.processor_id}",
                 [f"{self.settings.host}:{self.port}"], {"processor_id": self.settings.processor_id})

@@ -1,5 +1,5 @@
-"""``python -m control_plane.planner ...``: the planner commands without the top-level CLI
-(``switchyard planner ...`` once registered there)."""
+"""``python -m control_plane.planner ...``: the planner's own commands without the top-level CLI
+(``switchyard planner ...`` adds ``pin``/``unpin``, which are admin API calls)."""
 
 from control_plane.planner.cli import planner_app
 

@@ -40,6 +40,7 @@ from control_plane.planner.load_view import NS, LoadSnapshot, LoadView, PoolLoad
 from control_plane.planner.policy import PlannerState, PlannerTick, decide, needed_replicas
 from control_plane.planner.predictors import PredictorKind
 from control_plane.planner.scalers import VirtualScaler
+from kernel.log.reader import read_events
 from schemas.envelope import Envelope
 from schemas.events import Event
 from schemas.types import WorkerRole
@@ -75,8 +76,6 @@ def parse_time(s: str, now_ns: int | None = None) -> int:
 def read_log(bus, start_ns: int, end_ns: int, *, lookback_s: float = 600.0) -> list[Envelope[Event]]:
     """Events of the ``workers`` (from the start) and ``requests`` (from ``start - lookback``)
     topics up to ``end_ns``, ordered by event time (stable)."""
-    from kernel.log.reader import read_events
-
     out = [env for env in read_events(bus, "workers") if env.occurred_at_ns <= end_ns]
     since_ms = (start_ns - int(lookback_s * NS)) // 1_000_000
     out += [env for env in read_events(bus, "requests", since_ms=since_ms) if env.occurred_at_ns <= end_ns]

@@ -1,5 +1,6 @@
-"""``switchyard planner ...``: run a planner replica, backtest a config on recorded load, pin a
-pool. Imports stay lazy so ``--help`` is instant."""
+"""``switchyard planner ...``: run a planner replica, backtest a config on recorded load. (``pin``
+and ``unpin`` act through the admin API: control_plane/admin/cli.py adds them to this group in
+``switchyard``.) Imports stay lazy so ``--help`` is instant."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from control_plane.admin.cli import AdminUrlOpt, TokenFileOpt, api_call
 from control_plane.clikit import fail, setup_logging
 
 planner_app = typer.Typer(
@@ -43,8 +43,11 @@ def run(
     """Run a planner replica: fold the load view, elect a leader, and (as leader) decide every
     tick and apply the decisions through the scaler."""
     setup_logging(verbose, libraries=("faust", "aiokafka", "mode"))
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.errors import PlannerConfigError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.runner import PlannerSettings, run_planner
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     kw = {}
@@ -79,10 +82,15 @@ def backtest(
     planner core with another config or predictor; report its decisions, predicted vs actual
     load, estimated SLO attainment and replica-seconds against what was recorded."""
     logging.basicConfig(level=logging.WARNING)
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.backtest import parse_time, read_log, run_backtest
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.config import load_config
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.errors import PlannerConfigError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.runner import default_config
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     try:
@@ -103,54 +111,3 @@ def backtest(
         typer.echo(report.text())
     if png is not None:
         typer.echo(f"chart: {png}")
-
-
-ActorOpt = Annotated[Optional[str], typer.Option(
-    hidden=True, help="Deprecated: the actor is the token's name; refused when it names anyone else.")]
-
-
-@planner_app.command("pin")
-def pin(
-    pool: Annotated[str, typer.Argument(help="Pool to pin.")],
-    replicas: Annotated[int, typer.Argument(help="Replicas to hold it at (within the pool's bounds).")],
-    reason: Annotated[str, typer.Option(help="Why (recorded in the event and in the planner's decision).")] = "",
-    token_file: TokenFileOpt = None,
-    admin_url: AdminUrlOpt = None,
-    actor: ActorOpt = None,
-) -> None:
-    """Pin a pool (manual override) through the admin API (operator token): it records PoolPinned
-    on the admin stream naming the token as the actor; the leading planner holds the pool at
-    REPLICAS until unpinned."""
-    if replicas < 0:
-        fail("replicas must be >= 0", 2)
-    who = _pin_call(token_file, admin_url, actor, lambda c: c.pin(pool, replicas, reason))
-    typer.echo(f"pinned {pool} to {replicas} (as {who})")
-
-
-@planner_app.command("unpin")
-def unpin(pool: Annotated[str, typer.Argument(help="Pool to release.")],
-          reason: Annotated[str, typer.Option(help="Why.")] = "",
-          token_file: TokenFileOpt = None,
-          admin_url: AdminUrlOpt = None,
-          actor: ActorOpt = None) -> None:
-    """Release a pin through the admin API (PoolPinned with no replicas): the planner sizes the
-    pool from the load again."""
-    who = _pin_call(token_file, admin_url, actor, lambda c: c.unpin(pool, reason))
-    typer.echo(f"unpinned {pool} (as {who})")
-
-
-def _pin_call(token_file: Path | None, url: str | None, actor: str | None, call) -> str:
-    """Run ``call`` through the admin API with the caller's token (:func:`api_call`); the actor
-    the API records."""
-
-    def checked(client):
-        if actor is not None:
-            name = client.whoami()["name"]
-            if actor != name:
-                fail(f"--actor {actor!r} is not this token's name ({name!r}): the log records the token's name "
-                      "as the actor; --actor is deprecated, drop it", 2)
-            typer.secho("warning: --actor is deprecated (the actor is the token's name)", err=True,
-                        fg=typer.colors.YELLOW)
-        return call(client)
-
-    return api_call(token_file, url, checked).get("updated_by", "?")

@@ -269,6 +269,7 @@ def derive_from_hardware(hw, *, speedup: float = 1.0, isl_points: Sequence[int] 
     """Fill a table from an engine :class:`~data_plane.engines.profiles.HardwareProfile` by
     evaluating its timing model on the step shapes that matter (every time divided by
     ``speedup``, the factor a worker started with ``--speedup`` runs faster)."""
+    # lazy: start-up time: loads numpy, switchyard_native, xxhash only when called
     from data_plane.engines.timing import StepShape  # pure: the timing formulas only
 
     cap = hw.kv_capacity_tokens
@@ -307,6 +308,7 @@ def derive_from_hardware(hw, *, speedup: float = 1.0, isl_points: Sequence[int] 
 def derive_profile(name_or_path: str, speedup: float = 1.0) -> PerformanceProfile:
     """The table for a shipped engine profile name (``mocker``, ``h100_llama3_8b``) or a TOML
     path. Reads the profile file (config-load time, never inside the decision core)."""
+    # lazy: start-up time: loads numpy, switchyard_native, xxhash only when called
     from data_plane.engines.profiles import load_profile
 
     return derive_from_hardware(load_profile(name_or_path if not Path(name_or_path).suffix else Path(name_or_path)),

@@ -43,9 +43,10 @@ from control_plane.planner.config import (
     resolve_profiles,
 )
 from control_plane.planner.errors import PlannerConfigError
+from control_plane.planner.k8s import KubernetesScaler
 from control_plane.planner.load_view import NS
 from control_plane.planner.policy import Pin, PlannerState, decide
-from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
+from control_plane.planner.scalers import FileFence, LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
 from control_plane.settings import StackSettings
 from kernel.settings import BusSettings
 from schemas.types import WorkerRole
@@ -98,13 +99,9 @@ class PlannerSettings:
 
 def build_scaler(s: PlannerSettings, config: PlannerConfig, bus: BusSettings, emit) -> Scaler:
     if s.scaler == "virtual":
-        from control_plane.planner.scalers import FileFence
-
         return VirtualScaler(startup_s=s.virtual_startup_s, fence=FileFence(s.state_dir / "virtual" / "fence"),
                              emit=emit)
     if s.scaler == "kubernetes":
-        from control_plane.planner.k8s import KubernetesScaler
-
         return KubernetesScaler.connect(s.namespace, {p.name: p.deployment_name for p in config.pools},
                                         host=s.kube_host, kubeconfig=s.kubeconfig, in_cluster=s.in_cluster,
                                         dry_run=s.dry_run, emit=emit)
@@ -122,6 +119,7 @@ class AdminFollower:
     consistent copy."""
 
     def __init__(self, bus: BusSettings, planner_id: str) -> None:
+        # lazy: start-up time: loads confluent_kafka only when called
         from control_plane.streaming import StreamFollower
 
         self.inputs = AdminInputs()
@@ -159,8 +157,11 @@ def run_planner(s: PlannerSettings, bus: BusSettings) -> int:
 async def _main(s: PlannerSettings, bus: BusSettings) -> int:
     import redis
 
+    # lazy: start-up time: loads redis only when called
     from control_plane.planner.leader import LeaderElector, LeaderLease
+    # lazy: start-up time: loads confluent_kafka only when called
     from control_plane.planner.stream import LoadViewProcessor
+    # lazy: start-up time: loads confluent_kafka, xxhash only when called
     from kernel.log.kafka import EventProducer
 
     base_config = load_config(s.config_path) if s.config_path else default_config()

@@ -50,8 +50,11 @@ def _check_args(*, source: str | None = None, points: dict[str, str] | None = No
                 block_size: int | None = None, hash_algo: str | None = None,
                 outputs: dict[str, Path | None] | None = None) -> None:
     """Refuse nonsense before reading anything: one line naming the option, exit 2."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.errors import BadPoint
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.points import check_range, parse_point
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from kernel.hashing import HashAlgo
 
     if source is not None and source != "kafka":
@@ -76,9 +79,13 @@ def _check_args(*, source: str | None = None, points: dict[str, str] | None = No
 
 
 def _engine(source: str, prefix: str | None, quiet: bool):
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from control_plane.replay.engine import ReplayEngine
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.catalog import Catalog
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.reader import FileLogReader, KafkaLogReader
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     bus = BusSettings.from_env()
@@ -88,6 +95,7 @@ def _engine(source: str, prefix: str | None, quiet: bool):
 
 
 def _tqdm_factory(quiet: bool):
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from control_plane.replay.engine import no_progress
 
     if quiet:
@@ -103,7 +111,9 @@ def _tqdm_factory(quiet: bool):
 
 
 def _book(paths: list[Path] | None):
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from control_plane.replay.engine import ConfigBook
+    # lazy: start-up time: loads switchyard_native, xxhash only when called
     from control_plane.router.config import load_router_config
 
     configs = {}
@@ -122,7 +132,9 @@ def _close(reader) -> None:
 def _replay(source: str, prefix: str | None, quiet: bool, call: Callable[[ReplayEngine], T]) -> T:
     """``call`` on a replay engine over ``source``, whose reader is closed after; a replay or
     log-read error ends the command with its message."""
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.errors import ReplayError
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.errors import LogReadError
 
     try:
@@ -163,6 +175,7 @@ def state_cmd(
     if export:
         _write("--export", export, lambda p: p.write_text(json.dumps(state, indent=1, default=str)))
     if plot:
+        # lazy: CLI start-up: the command's modules load only when it runs
         from control_plane.replay.plot import plot_state
 
         _write("--plot", plot, lambda p: plot_state(state, p))
@@ -205,6 +218,7 @@ def verify_cmd(
     report = _replay(source, prefix, quiet,
                      lambda engine: engine.verify(frm, to, configs=book, keep_checks=plot is not None))
     if plot:
+        # lazy: CLI start-up: the command's modules load only when it runs
         from control_plane.replay.plot import plot_verify
 
         _write("--plot", plot, lambda p: plot_verify(report, p))
@@ -248,6 +262,7 @@ def whatif_cmd(
     _check_args(source=source, points={"--from": frm, "--to": to}, range_=("--from", "--to"),
                 outputs={"--plot": plot})
     try:
+        # lazy: start-up time: loads switchyard_native, xxhash only when called
         from control_plane.router.config import load_router_config
 
         alt = load_router_config(router_config)
@@ -257,6 +272,7 @@ def whatif_cmd(
     report = _replay(source, prefix, quiet, lambda engine: engine.whatif(
         frm, to, alt, configs=book, profile=profile, simulate=not no_sim))
     if plot:
+        # lazy: CLI start-up: the command's modules load only when it runs
         from control_plane.replay.plot import plot_whatif
 
         _write("--plot", plot, lambda p: plot_whatif(report, p))
@@ -290,7 +306,9 @@ def reconcile_cmd(
     tokens the engine reported, with a blame for each shortfall (stale index, stored after
     routing, speculative not hit, evicted after routing)."""
     _check_args(source=source)
+    # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.reconcile import BLAMES, KvRecord, reconcile
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.reader import scan_events
 
     def run(engine: ReplayEngine):
@@ -327,8 +345,11 @@ def export_cmd(
 ) -> None:
     """Copy topics of the broker into a file that every replay command can read (--source)."""
     _check_args(outputs={"OUT": out})
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.catalog import Catalog
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.log.reader import KafkaLogReader, export_log
+    # lazy: CLI start-up: the command's modules load only when it runs
     from kernel.settings import BusSettings
 
     bus = BusSettings.from_env()

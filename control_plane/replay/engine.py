@@ -30,13 +30,7 @@ import xxhash
 from control_plane.replay.errors import BadPoint, ReplayError
 from control_plane.replay.points import Point, check_range, format_positions, parse_point, parse_positions
 from control_plane.replay.state import RequestTraffic, ViewFolder, view_summary
-from control_plane.replay.verify import (
-    DecisionCheck,
-    DecisionRecord,
-    VerifyReport,
-    check_state,
-    check_table,
-)
+from control_plane.replay.verify import DecisionCheck, DecisionRecord, VerifyReport, check_state, check_table
 from control_plane.router import Decision, NoEligibleWorker, RouterConfig
 from control_plane.router.inputs import DecisionInputs, decision_inputs, router_seed
 from control_plane.router.ledger import RouterLedger
@@ -47,7 +41,8 @@ from kernel.log.fold import FoldStats
 from kernel.log.reader import TP, LocatedEvent, LogReader, LogRecord, RecordBatch, scan, scan_events
 from kernel.settings import BusSettings
 from schemas import EventCodec, SchemaError
-from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted
+from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted, RouterConfigChanged
+from schemas.signing import ForgedEvent, snapshot_data
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +278,6 @@ class ReplayEngine:
 
     def router_configs(self) -> dict[int, RouterConfig]:
         """Every router config version the ``admin`` stream records (``RouterConfigChanged``)."""
-        from schemas.events import RouterConfigChanged
-
         topic = self.catalog.topic("admin")
         out: dict[int, RouterConfig] = {}
         try:
@@ -333,8 +326,6 @@ class ReplayEngine:
     def _opened(self, rec: LogRecord) -> bytes | None:
         """A snapshot record's view bytes once its owner's signature checks (schemas/signing.py),
         else None (logged): replay, like a restarting router, never starts from a forgery."""
-        from schemas.signing import ForgedEvent, snapshot_data
-
         verifier = self.codec.verifier
         if verifier is None:
             return snapshot_data(rec.value)
@@ -367,6 +358,7 @@ class ReplayEngine:
     def new_view(self, hash_algo: str, block_size: int, targets: dict[TP, int] | None,
                  use_snapshots: bool = True) -> tuple[RouterView, SnapshotInfo | None]:
         """An empty view, or the newest snapshot whose positions are all at or before ``targets``."""
+        # lazy: start-up time: loads confluent_kafka only when called
         from control_plane.router.stream import snapshot_key
 
         view = RouterView(hash_algo, block_size)
@@ -607,6 +599,7 @@ class ReplayEngine:
 
     def whatif(self, frm: str, to: str, alternative: RouterConfig, *, configs: ConfigBook | None = None,
                profile: str = "mocker", simulate: bool = True):
+        # lazy: start-up time: loads numpy only when called
         from control_plane.replay.whatif import WhatIf
 
         configs = configs or ConfigBook()

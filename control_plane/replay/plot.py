@@ -78,6 +78,7 @@ def plot_verify(report, path: str | Path | None = None) -> bytes:
 
 def plot_whatif(report, path: str | Path | None = None) -> bytes:
     """Choices per worker (recorded vs alternative) and, when simulated, the TTFT CDFs."""
+    # lazy: start-up time: loads msgspec, numpy, switchyard_native ... only when called
     from control_plane.replay.whatif import ttft_cdf
 
     plt = _plt()

@@ -33,6 +33,8 @@ import numpy as np
 from control_plane.router import Decision, NoEligibleWorker, RouterConfig, RoutingError
 from control_plane.router.inputs import execute
 from control_plane.simulation import Topology, run_cluster
+from data_plane.engines.profiles import load_profile
+from data_plane.engines.request import EngineRequest
 from schemas.events import CandidateScore, RequestAdmitted
 from schemas.types import RequestPhase
 
@@ -205,9 +207,6 @@ def sim_requests(walk) -> tuple[list[_SimRequest], int]:
 def simulate_both(walk, base: RouterConfig, alt: RouterConfig, *, profile: str = "mocker", progress=None,
                   notes: list[str] | None = None) -> dict:
     """Run the recorded requests on simulated workers under ``base`` and ``alt``."""
-    from data_plane.engines.profiles import load_profile
-    from data_plane.engines.request import EngineRequest
-
     notes = notes if notes is not None else []
     reqs, block_size = sim_requests(walk)
     workers = sorted(w for w, st in walk.workers.items() if st.role in ("aggregated", "prefill") and st.state != "gone")

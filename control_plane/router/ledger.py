@@ -41,12 +41,10 @@ import heapq
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import msgspec
 
 from control_plane.index.select import native_core
 from control_plane.router.errors import InvalidRoutingInput
+from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -58,33 +56,6 @@ from schemas.events import (
     RequestRouted,
 )
 from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
-
-
-class InflightLoad(msgspec.Struct, frozen=True, gc=False):
-    """Load the router itself has added to one worker and not yet seen finish."""
-
-    #: Prompt tokens still to be prefilled (requests not yet ``prefill_done``).
-    prefill_tokens: int = 0
-    #: KV blocks held by in-flight requests; shared prompt blocks counted once.
-    decode_blocks: int = 0
-    #: Requests in flight.
-    requests: int = 0
-    #: Leading blocks of the prompt being routed that those requests hold (the speculative
-    #: overlap); 0 from ``load_for``, which has no prompt to compare with.
-    shared_blocks: int = 0
-
-
-NO_INFLIGHT = InflightLoad()
-
-
-class InflightView(Protocol):
-    """What a decision reads from the in-flight account: the ledger, or a recorded snapshot
-    (any object whose ``view`` returns the same mapping)."""
-
-    def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
-        """Load and speculative overlap for ``hashes`` of every worker with requests in
-        flight; workers absent from the mapping have none."""
-        ...
 
 
 @dataclass(slots=True)
@@ -122,7 +93,7 @@ class InflightLedger:
         self._entries: dict[tuple[RequestId, WorkerId], _Entry] = {}
         #: Workers each request has entries on, in the order they were added.
         self._by_request: dict[RequestId, list[WorkerId]] = {}
-        self._accounts: _Accounts | Any = _new_accounts(native_core() if native is None else native)
+        self._accounts: InflightAccounts = _new_accounts(native_core() if native is None else native)
         self._expiry: list[tuple[float, int, RequestId, WorkerId]] = []
         self._seq = 0
 
@@ -362,7 +333,7 @@ class _Accounts:
         return len(self._workers)
 
 
-def _new_accounts(native: bool) -> _Accounts | Any:
+def _new_accounts(native: bool) -> InflightAccounts:
     if not native:
         return _Accounts()
     import switchyard_native  # only when selected: the specification runs without the build

@@ -9,9 +9,10 @@ Sequencing: producers number events per topic partition (see ``schemas.envelope`
 index is told the producer as ``"<producer>@<topic>:<partition>"``; its dedupe, gap and epoch
 logic then works per ordered substream.
 
-The index is the native one unless ``SWITCHYARD_INDEX=reference`` (see
-:mod:`control_plane.index.select`). ``apply_record`` folds a record from its bytes: the native
-index decodes KV envelopes itself, everything else goes through the codec and ``apply``.
+The index is a :class:`~control_plane.router.ports.KvIndex`: the native one unless
+``SWITCHYARD_INDEX=reference`` (see :mod:`control_plane.index.select`). ``apply_record`` offers
+a record's bytes to the index first: the native index decodes KV envelopes itself, the
+reference takes none; what it does not take goes through the codec and ``apply``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import msgspec
 from control_plane.index.errors import IndexRejected
 from control_plane.index.prefix_index import ApplyOutcome, Match, WorkerRank
 from control_plane.index.select import new_index, restore_index
+from control_plane.router.ports import KvIndex
 from control_plane.router.decision import WorkerLoad, WorkerOverlap
 from kernel.fleet import Fleet, Lifecycle
 from kernel.log.fold import Poisoned
@@ -148,7 +150,7 @@ class EndpointAllowlist:
 
 class RouterView:
     def __init__(self, hash_algo: str, block_size: int, allowlist: EndpointAllowlist | None = None) -> None:
-        self.index = new_index(hash_algo, block_size)
+        self.index: KvIndex = new_index(hash_algo, block_size)
         self.allowlist = allowlist or EndpointAllowlist()
         self.workers: dict[str, WorkerState] = {}
         #: What the log said of each worker's incarnations: which registration is new, which
@@ -194,20 +196,18 @@ class RouterView:
         the codec cannot decode or that is forged (nothing changed: the caller advances and dead-letters) and
         ``IndexRejected`` like ``apply`` (the position has advanced).
         """
-        fast = getattr(self.index, "apply_bytes", None)
-        if fast is not None:
-            codec.check_owner(value)  # the native decoder does not verify signatures
-            tp = (topic, partition)
-            try:
-                outcome = fast(value, self._suffix(tp))
-            except IndexRejected:
-                self._advance(tp, offset, ts_ms)
-                raise
-            if outcome is not None:
-                self._advance(tp, offset, ts_ms)
-                if outcome is ApplyOutcome.DUPLICATE or outcome is ApplyOutcome.FENCED:
-                    return Applied(outcome.value)
-                return Applied(outcome.value, self.index.last_worker())
+        codec.check_owner(value)  # the index's byte path does not verify signatures
+        tp = (topic, partition)
+        try:
+            outcome = self.index.apply_bytes(value, self._suffix(tp))
+        except IndexRejected:
+            self._advance(tp, offset, ts_ms)
+            raise
+        if outcome is not None:
+            self._advance(tp, offset, ts_ms)
+            if outcome is ApplyOutcome.DUPLICATE or outcome is ApplyOutcome.FENCED:
+                return Applied(outcome.value)
+            return Applied(outcome.value, self.index.last_worker())
         return self.apply(codec.decode(value), topic, partition, offset, ts_ms)
 
     def apply_run(self, batch: RecordBatch, start: int, codec: EventCodec) -> tuple[int, IndexRejected | None]:
@@ -216,13 +216,10 @@ class RouterView:
         ``codec`` verifies); the same fold as ``apply_record`` of each. Returns ``(end,
         rejected)`` as :meth:`NativePrefixIndex.apply_run`: record ``end`` is left to
         ``apply_record`` unless ``rejected`` says it was folded and refused (the position has
-        advanced past it). The reference index has no run: it takes none."""
-        run = getattr(self.index, "apply_run", None)
-        if run is None:
-            return start, None
+        advanced past it). The reference index takes none."""
         tp = (batch.topic, batch.partition)
         native_verifier = codec.verifier.native() if codec.verifier is not None else None
-        end, rejected = run(batch.values, start, self._suffix(tp), native_verifier)
+        end, rejected = self.index.apply_run(batch.values, start, self._suffix(tp), native_verifier)
         last = end if rejected is not None else end - 1
         if last >= start:
             self.positions[tp] = batch.offsets[last] + 1

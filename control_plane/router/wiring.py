@@ -24,14 +24,18 @@ from control_plane.router.config import load_router_config
 from control_plane.router.health import HealthThresholds
 from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits
+from control_plane.router.orphans import close_orphans
+from control_plane.router.shared_gate import SharedKeyGate
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
-from control_plane.streaming import StreamFollower
+from control_plane.streaming import StreamFollower, import_faust
 from kernel.hashing import HashAlgo, HashConfig
-from kernel.http_server import ConnectionLimits
+from kernel.http_server import ConnectionLimits, serve
 from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from kernel.log.reader import read_events
+from kernel.settings import BusSettings, worker_credential
 from kernel.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
+from schemas.events import RouterConfigChanged
 
 if TYPE_CHECKING:
     from control_plane.router.http import RouterApp
@@ -131,8 +135,6 @@ def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventPr
       that version; else record it as the next version (``RouterConfigChanged`` by this router).
     Every decision then names a version whose full config is in the log.
     """
-    from schemas.events import RouterConfigChanged
-
     latest = _latest_config(bus)
     local = load_router_config(s.config_file, version=1, mode=s.mode)
     explicit = s.config_file is not None or s.mode != "kv"
@@ -150,9 +152,6 @@ def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventPr
 
 
 def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
-    from kernel.log.reader import read_events
-    from schemas.events import RouterConfigChanged
-
     best: tuple[int, dict] | None = None
     for env in read_events(bus, "admin"):
         if isinstance(env.data, RouterConfigChanged) and (best is None or env.data.config_version >= best[0]):
@@ -181,8 +180,6 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
     closed) and the API keys in threads, while this one restores the newest snapshot and folds
     the log tail in batches (:meth:`~control_plane.streaming.FoldProcessor.restore`)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from control_plane.router.orphans import close_orphans
 
     t0 = time.monotonic()
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
@@ -217,9 +214,10 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
 
 def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> RouterApp:
     """The HTTP side on the restored log side."""
+    # lazy: start-up time: loads aiohttp, fastapi, prometheus_client ... only when called
     from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics
+    # lazy: start-up time: loads aiohttp only when called
     from control_plane.router.proxy import Router
-    from kernel.settings import worker_credential
 
     producer, config, processor, follower = restored.producer, restored.config, restored.processor, restored.follower
     view = processor.view
@@ -232,8 +230,6 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     if restored.keys is not None:
         auth = RouterAuth(restored.keys)
         if key_limits_mode(s) == "shared":
-            from control_plane.router.shared_gate import SharedKeyGate
-
             auth.gate = SharedKeyGate.from_url(s.redis_url, lease_s=s.key_slot_lease_s,
                                                on_fallback=lambda op: metrics.key_gate_fallbacks.labels(op).inc())
     else:
@@ -275,12 +271,10 @@ def run_router(s: RouterSettings, bus: BusSettings) -> None:
     from a 1M-block snapshot spends most of its time in these two, so they overlap."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from control_plane.streaming import import_faust
-
     with ThreadPoolExecutor(1, thread_name_prefix="router-restore") as pool:
         restoring = pool.submit(restore_router, s, bus)
+        # lazy: start-up time: loads aiohttp, fastapi, prometheus_client ... only when called
         from control_plane.router.http import create_app
-        from kernel.http_server import serve
 
         import_faust()
         restored = restoring.result()

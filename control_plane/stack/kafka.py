@@ -52,6 +52,7 @@ from control_plane.stack.process import (
     terminate,
     wait_until,
 )
+from control_plane.stack.tls import ensure_kafka_tls
 from kernel.log.catalog import replication_for
 from kernel.settings import BusSettings, repo_root
 
@@ -246,7 +247,6 @@ class KafkaNode:
         certificate). The controller listener stays SASL_PLAINTEXT on loopback."""
         if not self.s.kafka_tls:
             return []
-        from control_plane.stack.tls import ensure_kafka_tls
 
         tls = ensure_kafka_tls(self.s.secrets_dir, self.s.host)
         return [

@@ -2,18 +2,18 @@
 
 The scrape config is ``dashboards/prometheus.yml`` rendered with this instance's targets
 directory and scrape interval. Targets are file_sd JSON files in that directory, one per process
-(:func:`write_targets`); Prometheus re-reads them when they change, so processes come and go
+(``control_plane.metrics.exposition.write_targets``, which the processes call); Prometheus re-reads them when they change, so processes come and go
 without a restart. On first start the defaults in ``dashboards/targets/`` are copied there.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import urllib.request
 from pathlib import Path
 
+from control_plane.metrics.exposition import write_targets
 from control_plane.settings import StackSettings
 from control_plane.stack.process import (
     StackError,
@@ -23,6 +23,8 @@ from control_plane.stack.process import (
     terminate,
 )
 from kernel.settings import repo_root
+
+__all__ = ["PrometheusService", "render_config", "write_targets"]
 
 TEMPLATE = Path("dashboards") / "prometheus.yml"
 DEFAULT_TARGETS = Path("dashboards") / "targets"
@@ -38,21 +40,6 @@ def render_config(template: str, *, targets_dir: Path, scrape_interval: str, sel
         line = next(x for x in out.splitlines() if "{{" in x)
         raise StackError(f"prometheus template has an unknown placeholder: {line.strip()}")
     return out
-
-
-def write_targets(targets_dir: Path, name: str, targets: list[str], labels: dict[str, str] | None = None) -> Path:
-    """Write one file_sd file ``<targets_dir>/<name>.json`` atomically (Prometheus watches the
-    directory: a half-written file would drop the targets until the next write).
-
-    ``name`` must start with the job's glob: ``metrics``, ``router`` or ``worker``."""
-    if not name.startswith(("metrics", "router", "worker")):
-        raise ValueError(f"target file {name!r} matches no scrape job (metrics*, router*, worker*)")
-    targets_dir.mkdir(parents=True, exist_ok=True)
-    path = targets_dir / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps([{"targets": list(targets), "labels": dict(labels or {})}], indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 class PrometheusService:

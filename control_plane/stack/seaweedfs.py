@@ -42,13 +42,7 @@ import sys
 from pathlib import Path
 
 from control_plane.settings import S3_ACCESS_KEY, StackSettings
-from control_plane.stack.process import (
-    StackError,
-    live_pid,
-    require_free_port,
-    start_daemon,
-    terminate,
-)
+from control_plane.stack.process import StackError, live_pid, require_free_port, start_daemon, terminate
 from control_plane.stack.tls import GrpcTls, ensure_seaweedfs_tls
 from kernel.processes import alive
 
@@ -141,6 +135,7 @@ class SeaweedService:
 
     def ready(self) -> bool:
         """The S3 endpoint answers a request signed with the stack's key."""
+        # lazy: start-up time: loads boto3, botocore, numpy only when called
         from data_plane.kvbm.stores.s3 import make_client
 
         client = make_client(self.s3_settings(bucket="readiness-probe", max_attempts=1))
@@ -152,6 +147,7 @@ class SeaweedService:
 
     def s3_settings(self, bucket: str, **overrides):
         """:class:`data_plane.kvbm.S3Settings` for ``bucket`` on this store, with the stack's key."""
+        # lazy: start-up time: loads numpy only when called
         from data_plane.kvbm.settings import S3Settings
 
         fields = dict(bucket=bucket, endpoint_url=self.s.s3_endpoint, access_key_id=S3_ACCESS_KEY,

@@ -32,6 +32,7 @@ def build_kvbm(settings: KvbmSettings, sink: EventSink, *,
         stores[Tier.DISK] = DiskStore(settings.disk_root, settings.bytes_per_block,
                                       fsync=settings.fsync)
     if settings.object_capacity:
+        # lazy: start-up time: loads boto3, botocore only when called
         from data_plane.kvbm.stores.s3 import S3Store  # boto3 only when G4 is configured
 
         assert settings.s3 is not None and settings.object_prefix is not None

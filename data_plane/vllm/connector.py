@@ -33,7 +33,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from data_plane.vllm import tier_protocol as proto
+from data_plane.vllm.engine import require_vllm
 from data_plane.vllm.kv_events import wire_hash
+from data_plane.vllm.tier_server import map_region
 
 # Under vLLM's logger hierarchy: in the engine-core and worker processes vLLM configures "vllm.*"
 # (format, level), not the root logger.
@@ -442,8 +444,6 @@ def build_connector_class(base: type, metadata_base: type, roles: Any, hit_sourc
                 self.sched = SchedulerSide(client, self.block_size, self._block_ids,
                                            timeout_s=float(extra.get("timeout_s", 10.0)))
             else:
-                from data_plane.vllm.tier_server import map_region
-
                 region = map_region(extra["host_region"], int(extra["host_region_bytes"]))
                 self.worker = WorkerSide(client, region, int(extra["bytes_per_block"]),
                                          int(extra["host_slots"]))
@@ -546,8 +546,6 @@ def build_connector_class(base: type, metadata_base: type, roles: Any, hit_sourc
 
 @functools.cache
 def _vllm_connector_class() -> type:
-    from data_plane.vllm.engine import require_vllm
-
     base = require_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
     try:
         hit_source = require_vllm("vllm.v1.metrics.cache_hit_source").CacheHitSource

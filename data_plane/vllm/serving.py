@@ -57,7 +57,8 @@ from data_plane.engines.request import EngineRequest
 from data_plane.vllm.bridge import BridgeSettings, KvEventBridge
 from data_plane.vllm.engine import require_vllm
 from data_plane.vllm.kv_events import VllmSource
-from kernel.hashing import HashConfig
+from data_plane.vllm.tier_server import SharedRegion, TierServer, TierService
+from kernel.hashing import HashConfig, hash_blocks
 from kernel.log.sink import EventSink
 from kernel.net import free_port
 from kernel.processes import remove_dead_owned
@@ -445,7 +446,6 @@ class VllmServingEngine:
 
         if not self.uses_tiers:
             return np.zeros(nbytes, dtype=np.uint8)
-        from data_plane.vllm.tier_server import SharedRegion
 
         self._region = SharedRegion(nbytes, tag=f"kvbm-{self.worker_id}")
         return self._region.array
@@ -460,7 +460,6 @@ class VllmServingEngine:
         if manager.settings.bytes_per_block != self.kv_bytes_per_block:
             raise RuntimeError(f"KVBM blocks are {manager.settings.bytes_per_block} bytes, vLLM's "
                                f"{self.kv_bytes_per_block}")
-        from data_plane.vllm.tier_server import TierServer, TierService
 
         self._tier_server = TierServer(TierService(manager, self._sink))
         self._tier_server.start()
@@ -689,7 +688,6 @@ class VllmServingEngine:
         n = len(prompt) // self.block_size
         if n == 0:
             return True
-        from kernel.hashing import hash_blocks
 
         want = {int(h) for h in hash_blocks(prompt[: n * self.block_size], self.hash_config)}
         deadline = time.monotonic() + timeout_s

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kernel.log.catalog import Catalog
+from kernel.log.reader import KafkaLogReader, ScanStats, scan_events
 from schemas.events import Event
 
 log = logging.getLogger(__name__)
@@ -59,9 +61,6 @@ def read_own_history(bus, worker_id: str, *, streams: tuple[str, ...] = ("kv", "
                      timeout_s: float = 30.0) -> OwnHistory:
     """Read every record keyed ``worker_id`` from its partition of each stream, up to the end
     offsets as of the call."""
-    from kernel.log.catalog import Catalog
-    from kernel.log.reader import KafkaLogReader, ScanStats, scan_events
-
     catalog = Catalog(bus.topic_prefix)
     out = OwnHistory()
     with KafkaLogReader(bus, timeout_s=timeout_s) as reader:

@@ -34,19 +34,29 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 
-from data_plane.transfer import Handoff, InvalidTransfer, TransferError, TransferTimeout, encode_done
+from data_plane.engines import AsyncEngine
+from data_plane.kvbm import AsyncKvbm
+from data_plane.transfer import (
+    Handoff,
+    Hold,
+    InvalidTransfer,
+    TransferError,
+    TransferResult,
+    TransferTimeout,
+    encode_done,
+)
 from data_plane.workers.handoff import DecodeHandoff, mismatch, parse_decode_params
-from kernel.hashing import hash_blocks
-from schemas.events import KvTransferCompleted, KvTransferFailed, KvTransferStarted
+from data_plane.workers.metrics import WorkerMetrics
+from data_plane.workers.peers import PeerDirectory
+from data_plane.workers.transfer import TransferPlane
+from kernel.hashing import HashConfig, hash_blocks
+from schemas.events import Event, KvTransferCompleted, KvTransferFailed, KvTransferStarted
 from schemas.types import Tier
-
-if TYPE_CHECKING:
-    from data_plane.workers.service import Worker
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +99,43 @@ class PeerHoldRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     max_blocks: int = 4096
 
 
+class PeerFetchHost(Protocol):
+    """What peer fetch uses of the worker it runs in (``service.Worker`` is the one
+    implementation): its identity and parts, its staging slots and holds, its publisher, and the
+    decode pull's blocking steps. Nothing else of the worker is reachable from here."""
+
+    worker_id: str
+    state: str
+    block_size: int
+    hash_config: HashConfig
+    engine: AsyncEngine
+    kvbm: AsyncKvbm
+    plane: TransferPlane
+    peers: PeerDirectory
+    metrics: WorkerMetrics
+    #: The worker's transfer counters (``quarantined_slots`` is shared with the decode pull).
+    stats: dict[str, int]
+
+    def publish(self, payload: Event, correlation_id: str | None = None) -> None: ...
+
+    async def publish_acked(self, payload: Event, correlation_id: str | None = None) -> None: ...
+
+    async def staging(self, n: int) -> tuple[list[int] | None, float]: ...
+
+    def free_slots(self, slots: list[int]) -> None: ...
+
+    def hold_slots(self, request_id: str, slots: list[int]) -> Hold: ...
+
+    def transfer_params(self, handoff: Handoff, hashes: list[int], first_tokens: list[int]) -> dict[str, Any]: ...
+
+    def pull_blocking(self, h: DecodeHandoff, local: list[int]) -> TransferResult: ...
+
+
 class PeerFetch:
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: PeerFetchHost, *, timeout_s: float) -> None:
         self.w = worker
+        #: Bound on the holder's answer to ``POST /kv/peer-hold``.
+        self.timeout_s = timeout_s
         self.stats = {"peer_holds": 0, "peer_blocks_served": 0, "peer_fetches_ok": 0,
                       "peer_fetches_failed": 0, "peer_blocks_fetched": 0, "peer_bytes_fetched": 0}
         self.last_error = ""
@@ -120,20 +164,19 @@ class PeerFetch:
             found = await w.kvbm.copy_for_peer(hashes, w.plane.slot_rows(slots),
                                                frozenset(cached()) if cached is not None else ())
         except BaseException:
-            w._free_slots(slots)  # noqa: SLF001 - same package
+            w.free_slots(slots)
             raise
         if len(found) < len(slots):
-            w._free_slots(slots[len(found):])  # noqa: SLF001
+            w.free_slots(slots[len(found):])
             slots = slots[: len(found)]
         if not slots:
             return {"blocks": 0, "reason": "none of the blocks is held here"}
-        hold = w.holds.hold(rid, slots, w._clock(), w.s.lease_s)  # noqa: SLF001
-        w._held.add(rid)  # noqa: SLF001
+        hold = w.hold_slots(rid, slots)
         self.stats["peer_holds"] += 1
         self.stats["peer_blocks_served"] += len(slots)
         handoff = Handoff(request_id=rid, agent_name=w.plane.agent_name, block_ids=slots,
                           expires_at=hold.expires_at)
-        params = w._params(handoff, hashes[: len(slots)], [])  # noqa: SLF001
+        params = w.transfer_params(handoff, hashes[: len(slots)], [])
         params["source_tiers"] = [t.value for t in found]
         return params
 
@@ -206,7 +249,7 @@ class PeerFetch:
         body = msgspec.json.encode(PeerHoldRequest(request_id=request_id, block_hashes=[int(h) for h in ask]))
         headers = {"Content-Type": "application/json", **w.peers.headers(src.worker_id)}
         try:
-            async with httpx.AsyncClient(timeout=w.s.transfer_timeout_s) as c:
+            async with httpx.AsyncClient(timeout=self.timeout_s) as c:
                 r = await c.post(f"http://{src.host}:{src.port}/kv/peer-hold", content=body, headers=headers)
         except httpx.HTTPError as e:
             return 0, f"peer {src.worker_id} unreachable: {type(e).__name__}: {e}"
@@ -223,14 +266,14 @@ class PeerFetch:
         if why is not None:
             self._done(h)
             return 0, f"peer {src.worker_id}: {why}"
-        local, waited = await w._staging(h.blocks)  # noqa: SLF001
+        local, waited = await w.staging(h.blocks)
         if local is None:
             self._done(h)
             return 0, f"no free staging slots ({h.blocks} needed, waited {waited * 1e3:.0f} ms)"
         quarantine = False
         try:
             try:
-                await asyncio.to_thread(w._pull_blocking, h, local)  # noqa: SLF001 - the decode pull's steps
+                await asyncio.to_thread(w.pull_blocking, h, local)  # the decode pull's steps
             except TransferTimeout as e:
                 quarantine = True  # NIXL may still write into these slots: never reuse them
                 w.stats["quarantined_slots"] += len(local)
@@ -249,7 +292,7 @@ class PeerFetch:
             return stored, None
         finally:
             if not quarantine:
-                w._free_slots(local)  # noqa: SLF001
+                w.free_slots(local)
 
     def _done(self, h: DecodeHandoff) -> None:
         try:

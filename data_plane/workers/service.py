@@ -36,6 +36,7 @@ from data_plane.engines import AsyncEngine, EngineRequest, RequestRejected
 from data_plane.kvbm import AsyncKvbm
 from data_plane.transfer import (
     Handoff,
+    Hold,
     HoldTable,
     InvalidTransfer,
     Released,
@@ -232,7 +233,7 @@ class Worker:
         self._slots_freed = asyncio.Event()
         self.last_pull_error = ""
         #: Peers as a KV tier: holding blocks for a peer, fetching a prefix from one.
-        self.peer_fetch = PeerFetch(self)
+        self.peer_fetch = PeerFetch(self, timeout_s=settings.transfer_timeout_s)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -609,9 +610,9 @@ class Worker:
         if not hashes:
             # Nothing hashable to move (shorter than a block): the decode side recomputes it.
             self.engine.release(rid)
-            return self._params(Handoff(request_id=rid, agent_name=self.plane.agent_name,
+            return self.transfer_params(Handoff(request_id=rid, agent_name=self.plane.agent_name,
                                         block_ids=[], expires_at=now), [], first_tokens)
-        slots, waited = await self._staging(len(hashes))
+        slots, waited = await self.staging(len(hashes))
         if slots is None:
             self.engine.release(rid)
             reason = (f"{len(hashes)} staging slots needed, {self.plane.slots.free_count} of "
@@ -623,17 +624,24 @@ class Worker:
         try:
             await asyncio.to_thread(self.plane.fill, slots, hashes)
         except BaseException:
-            self._free_slots(slots)
+            self.free_slots(slots)
             self.engine.release(rid)
             raise
-        hold = self.holds.hold(rid, slots, self._clock(), self.s.lease_s)
-        self._held.add(rid)
+        hold = self.hold_slots(rid, slots)
         self.metrics.labels(self.metrics.holds).set(len(self.holds))
         handoff = Handoff(request_id=rid, agent_name=self.plane.agent_name, block_ids=slots,
                           expires_at=hold.expires_at)
-        return self._params(handoff, hashes, first_tokens)
+        return self.transfer_params(handoff, hashes, first_tokens)
 
-    def _params(self, handoff: Handoff, hashes, first_tokens: list[int]) -> dict[str, Any]:  # noqa: ANN001
+    def hold_slots(self, request_id: str, slots: list[int]) -> Hold:
+        """Hold ``slots`` for ``request_id`` under a lease, until its reader's done notification
+        or the lease's end frees them."""
+        hold = self.holds.hold(request_id, slots, self._clock(), self.s.lease_s)
+        self._held.add(request_id)
+        return hold
+
+    def transfer_params(self, handoff: Handoff, hashes, first_tokens: list[int]) -> dict[str, Any]:  # noqa: ANN001
+        """The ``kv_transfer_params`` a reader pulls ``handoff``'s blocks with."""
         host, _, port = self.endpoint_url.removeprefix("http://").rpartition(":")
         return prefill_params(handoff, engine_id=self.worker_id, block_hashes=hashes,
                               remote_host=host, remote_port=int(port), block_size=self.block_size,
@@ -658,7 +666,7 @@ class Worker:
         if rel is not None:
             self._released(rel)
 
-    async def _staging(self, n: int) -> tuple[list[int] | None, float]:
+    async def staging(self, n: int) -> tuple[list[int] | None, float]:
         """``n`` staging slots, waiting (bounded by ``staging_wait_s``) while other handoffs hold
         them; returns the slots (None when none came in time) and the seconds waited. A burst
         of handoffs queues here instead of falling back to recompute."""
@@ -682,13 +690,13 @@ class Worker:
             if slots is not None:
                 return slots, time.monotonic() - t0
 
-    def _free_slots(self, slots: list[int]) -> None:
+    def free_slots(self, slots: list[int]) -> None:
         self.plane.slots.free(slots)
         self._slots_freed.set()
 
     def _released(self, rel: Released) -> None:
         self.engine.release(rel.request_id)
-        self._free_slots(rel.block_ids)
+        self.free_slots(rel.block_ids)
         self._held.discard(rel.request_id)
         self.stats[f"holds_{rel.reason.value}"] += 1
         m = self.metrics
@@ -745,20 +753,20 @@ class Worker:
         self._pulling += 1
         try:
             if reason is None:
-                local, waited = await self._staging(n)
+                local, waited = await self.staging(n)
                 if local is None:
                     reason = (f"no free staging slots ({n} needed, {self.plane.slots.free_count} free "
                               f"after waiting {waited * 1e3:.0f} ms)")
             if reason is None:
                 assert local is not None
-                job = asyncio.ensure_future(asyncio.to_thread(self._pull_blocking, h, local))
+                job = asyncio.ensure_future(asyncio.to_thread(self.pull_blocking, h, local))
                 try:
                     result = await asyncio.shield(job)
                 except asyncio.CancelledError:
                     # The client left; the READ may still be landing in our slots: free them
                     # only once it is over.
                     slots, local = local, None
-                    job.add_done_callback(lambda _f: self._free_slots(slots))
+                    job.add_done_callback(lambda _f: self.free_slots(slots))
                     self.publish(KvTransferFailed(**common, duration_ms=(time.monotonic() - t0) * 1e3,
                                                   reason="request cancelled", fallback="failed"),
                                  correlation_id=request_id)
@@ -776,7 +784,7 @@ class Worker:
         finally:
             self._pulling -= 1
             if local is not None:
-                self._free_slots(local)
+                self.free_slots(local)
         duration_ms = (time.monotonic() - t0) * 1e3
         m = self.metrics
         if reason is None:
@@ -798,7 +806,7 @@ class Worker:
         log.warning("pull of %s from %s failed (%s): recomputing the prompt", request_id, h.engine_id, reason)
         return False
 
-    def _pull_blocking(self, h: DecodeHandoff, local: list[int]) -> TransferResult:
+    def pull_blocking(self, h: DecodeHandoff, local: list[int]) -> TransferResult:
         """Metadata, READ, verify, notify. Runs in a thread."""
         ho = h.handoff
         if not ho.readable(self._clock(), self.s.lease_margin_s):

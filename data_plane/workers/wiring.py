@@ -35,6 +35,7 @@ import numpy as np
 
 from data_plane.engines import AsyncEngine, EngineCore, default_hash_config, load_profile
 from data_plane.kvbm import AsyncKvbm, build_kvbm, claimed_persistent
+from data_plane.vllm.serving import VllmServingEngine
 from data_plane.workers.history import OwnHistory, next_epoch, read_own_history
 from data_plane.workers.metrics import WorkerMetrics
 from data_plane.workers.onboard import KvbmTiers
@@ -79,8 +80,6 @@ async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str, c
     producer = EventProducer(bus, wid, epoch)
 
     if s.engine == "vllm":
-        from data_plane.vllm.serving import VllmServingEngine
-
         real = VllmServingEngine(s.vllm, worker_id=wid, sink=producer)
         block_size, hash_config = real.block_size, real.hash_config
     else:
@@ -203,7 +202,9 @@ def run_worker(s: WorkerSettings, bus: BusSettings) -> int:
 async def _main(s: WorkerSettings, bus: BusSettings) -> int:
     import uvicorn
 
+    # lazy: start-up time: loads fastapi, pydantic only when called
     from data_plane.workers.app import create_app
+    # lazy: start-up time: loads uvicorn only when called
     from kernel.http_server import server_config
 
     class _Server(uvicorn.Server):

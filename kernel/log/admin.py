@@ -18,6 +18,7 @@ from confluent_kafka.admin import (
 )
 
 from kernel.log.catalog import Catalog, replication_for
+from kernel.log.principals import apply_principals
 from kernel.settings import BusSettings
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,6 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
             for _res, fut in admin.incremental_alter_configs(to_alter).items():
                 fut.result(timeout)
     if settings.security_protocol.upper().startswith("SASL"):
-        from kernel.log.principals import apply_principals
-
         apply_principals(admin, catalog.prefix, settings.secrets_dir, settings.bootstrap, timeout)
     return changes
 

@@ -23,6 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Pro
 from kernel.log.catalog import Catalog
 from kernel.log.ledger import AckEntry, AckLedger
 from kernel.log.metadata import topic_partitions
+from kernel.log.principals import group_id as owned_group
 from kernel.log.sequencing import Observation, SequenceTracker, Verdict
 from kernel.settings import BusSettings
 from schemas import Envelope, EnvelopeFactory, EventCodec, SchemaError
@@ -319,7 +320,6 @@ class EventConsumer:
         if dead_letters is None:
             dead_letters = EventProducer(settings, f"dlq:{self.name}", catalog=self.catalog, codec=self.codec)
         self._dlq = DeadLetters(dead_letters, self.catalog, self.name)
-        from kernel.log.principals import group_id as owned_group
 
         #: An assign-only consumer never joins its group, but librdkafka still looks its
         #: coordinator up: the id is under this principal's own group prefix (principals.py).

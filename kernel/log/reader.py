@@ -34,7 +34,10 @@ from typing import Protocol
 import msgspec
 
 from kernel.errors import LogReadError
+from kernel.log.catalog import Catalog
+from kernel.roles import group_id
 from kernel.settings import BusSettings
+from schemas import EventCodec, SchemaError
 from schemas.envelope import Envelope
 from schemas.events import Event
 
@@ -164,8 +167,6 @@ def scan_events(reader: LogReader, topic: str, *, codec=None, stats: ScanStats |
     """``scan`` decoded: (record, envelope) pairs. A record that does not decode is skipped and
     counted in ``stats`` (tools read around poison; the live consumers dead-letter it).
     ``key``: only records with that key."""
-    from schemas import EventCodec, SchemaError
-
     codec = codec or EventCodec()
     stats = stats if stats is not None else ScanStats()
     for rec in scan(reader, topic, **bounds):
@@ -187,9 +188,6 @@ def read_events(bus, stream: str, **bounds) -> list:
     """Every decodable envelope of ``stream`` (a catalog stream name) on the broker ``bus`` names,
     within ``scan``'s bounds: the start-up scans and tools (config lookup, orphan scan, test
     oracles) read the log this way."""
-    from kernel.log.catalog import Catalog
-    from schemas import EventCodec
-
     codec = EventCodec(verifier=bus.verifier())  # a forged event is skipped, as the folds refuse it
     with KafkaLogReader(bus) as reader:
         return [env for _, env in scan_events(reader, Catalog(bus.topic_prefix).topic(stream), codec=codec,
@@ -310,8 +308,6 @@ class KafkaLogReader:
         kernel/log/principals.py); a bootstrap string alone: the credential of the environment
         (the operator's tools: the stack's super user)."""
         from confluent_kafka import Consumer
-
-        from kernel.log.principals import group_id
 
         if isinstance(bus, str):
             bus = BusSettings.from_env(bootstrap=bus)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from confluent_kafka import Producer
 
 from kernel.log.catalog import Catalog
-from kernel.log.reader import LogRecord
+from kernel.log.kafka import DeadLetters, EventProducer
+from kernel.log.reader import KafkaLogReader, LogRecord
 from kernel.settings import BusSettings
 from schemas.signing import ForgedEvent, snapshot_data
 
@@ -66,8 +67,6 @@ class SnapshotStore:
         version of every view's snapshot (a 1M-block router view: 1.6 s -> 0.5 s, measured). A
         key maps to one partition; should the topic have been repartitioned, the newest record
         by timestamp wins."""
-        from kernel.log.reader import KafkaLogReader
-
         refused = 0
 
         def opened(rec) -> bytes | None:
@@ -95,8 +94,6 @@ class SnapshotStore:
         return max(found, key=lambda hit: hit[0])[1] if found else None
 
     def _dead_letter(self, rec, e: ForgedEvent) -> None:
-        from kernel.log.kafka import DeadLetters, EventProducer
-
         where = f"{rec.topic}:{rec.partition}:{rec.offset}"
         self.refused = [*self.refused[-99:], (where, e.reason)]
         if self._dlq is None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the CLI imports this package's cli module: typer only
 
 def mount(app: FastAPI) -> None:
     """Add the console's routes, static files and error pages to the admin app."""
+    # lazy: start-up time: loads confluent_kafka, fastapi, msgspec ... only when called
     from control_plane.admin.console.routes import install
 
     install(app)

@@ -23,15 +23,18 @@ from starlette.concurrency import run_in_threadpool
 
 from control_plane.admin import queries, services
 from control_plane.admin.auth import Principal, Role
-from control_plane.admin.console import dashboards as dash
 from control_plane.admin.console import doctor, views
+from control_plane.admin.console import dashboards as dash
 from control_plane.admin.context import AdminContext
 from control_plane.admin.db.models import AuditEvent, RouterConfigVersion, Worker
 from control_plane.admin.deps import Ctx, Viewer, current_principal
 from control_plane.admin.errors import ApiError, NotFound
-from control_plane.admin.routes.common import AUTH, errors
+from control_plane.admin.routes.common import AUTH, api_error_response, errors
 from control_plane.admin.shapes import PinUpdate
+from control_plane.replay.engine import ConfigBook
 from control_plane.router import RouterConfig
+from control_plane.settings import StackSettings
+from kernel.settings import worker_credential
 from schemas.types import RoutingMode
 
 log = logging.getLogger(__name__)
@@ -251,8 +254,6 @@ def _configs(ctx: AdminContext) -> dict[int, RouterConfig]:
 def config_of(configs: dict[int, RouterConfig], version: int | None, mode: str | None) -> tuple[RouterConfig, bool]:
     """The config a decision was made under, or the router's default for its mode (assumed), as
     ``switchyard replay`` does (:class:`control_plane.replay.engine.ConfigBook`)."""
-    from control_plane.replay.engine import ConfigBook
-
     return ConfigBook(configs).get(version or 0, RoutingMode(mode or "kv"))
 
 
@@ -411,8 +412,6 @@ async def planner_pin(request: Request) -> Response:
 
 
 def run_doctor(ctx: AdminContext) -> doctor.DoctorReport:
-    from kernel.settings import worker_credential
-
     if ctx.live is None:
         raise PageError(503, "this admin process has no view of the log (started without a broker)")
     with ctx.sessions() as s:
@@ -445,8 +444,6 @@ def doctor_json(c: Ctx, who: Viewer) -> JSONResponse:
 
 
 def prometheus_url() -> str:
-    from control_plane.settings import StackSettings
-
     st = StackSettings.from_env()
     return f"http://{st.host}:{st.prometheus_port}"
 
@@ -484,9 +481,7 @@ async def _page_error(request: Request, exc: PageError) -> HTMLResponse:
 async def _api_error_page(request: Request, exc: ApiError) -> Response:
     if request.url.path.startswith("/console"):
         return await _page_error(request, PageError(exc.status, exc.message))
-    from control_plane.admin.app import _api_error
-
-    return await _api_error(request, exc)
+    return await api_error_response(request, exc)
 
 
 def install(app: FastAPI) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from control_plane.settings import StackSettings
 
 
 def make_engine(url: str, **kw) -> Engine:
@@ -34,8 +35,6 @@ def _passfile(url: str) -> dict[str, str]:
     """For a PostgreSQL URL without a password: the local stack's password file (libpq picks the
     entry for the URL's host and port; a server it has no entry for is asked as usual)."""
     from sqlalchemy.engine import make_url
-
-    from control_plane.settings import StackSettings
 
     if make_url(url).password is not None:
         return {}

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from control_plane.admin.errors import ApiError
 from control_plane.admin.shapes import ErrorBody, Page
 
 M = TypeVar("M", bound=BaseModel)
@@ -20,6 +23,16 @@ _WHY = {400: "The body is not parseable (not JSON, or not UTF-8)", 401: "Missing
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """The ``responses=`` of a route or router: each status with the error body it carries."""
     return {c: {"model": ErrorBody, "description": _WHY[c]} for c in codes}
+
+
+def error_response(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
+    """The one error body of the API: ``{"error": {"message", "code"}}``."""
+    return JSONResponse(status_code=status, content={"error": {"message": message, "code": code}}, headers=headers)
+
+
+async def api_error_response(request: Request, exc: ApiError) -> JSONResponse:
+    """The API's answer to an :class:`ApiError` (the app's and the console's handler)."""
+    return error_response(exc.status, exc.message, exc.code, exc.headers)
 
 
 #: What any route behind a token can answer besides its own errors.

@@ -1,6 +1,7 @@
 """``switchyard doctor`` and ``switchyard console-check``: the doctor's report and a check of
 the console's pages, both against a running admin API (by default the one ``switchyard up``
-started, with the admin token it made)."""
+started, with the admin token it made: tooling beside the demo, so the admin context itself
+never reads the demo's files)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 from control_plane.admin.cli import AdminUrlOpt, TokenFileOpt, api_call
+from control_plane.admin.console.browser import Browser
+from control_plane.admin.console.dashboards import dashboards
+from control_plane.settings import StackSettings
 
 
 def _defaults(token_file: Path | None, url: str | None) -> tuple[Path | None, str | None]:
@@ -19,14 +23,15 @@ def _defaults(token_file: Path | None, url: str | None) -> tuple[Path | None, st
     URL from ``procs.json``)."""
     import os
 
+    # lazy: start-up time: loads httpx only when called
     from control_plane.admin.client import TOKEN_ENV, URL_ENV
-    from control_plane.settings import StackSettings
 
     st = StackSettings.from_env()
     demo = st.state_dir / "demo"
     if token_file is None and not os.environ.get(TOKEN_ENV) and (demo / "admin-token").exists():
         token_file = demo / "admin-token"
     if url is None and not os.environ.get(URL_ENV):
+        # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
         from control_plane.demo.up import Supervisor
 
         url = next((p.url for p in Supervisor(st).procs if p.name == "admin" and p.url), None)
@@ -82,7 +87,9 @@ def console_check_cmd(
     import httpx
 
     token_file, admin_url = _defaults(token_file, admin_url)
+    # lazy: start-up time: loads httpx only when called
     from control_plane.admin.client import admin_url as resolve_url
+    # lazy: start-up time: loads httpx only when called
     from control_plane.admin.client import load_token
 
     base = resolve_url(admin_url)
@@ -93,8 +100,6 @@ def console_check_cmd(
         done = api.get("/events", params={"type": "RequestCompleted", "limit": requests}).json()["items"]
         rep = api.get("/doctor").json()
     from urllib.parse import quote
-
-    from control_plane.admin.console.dashboards import dashboards
 
     pages = ["/console/fleet", "/console/requests", "/console/planner", "/console/doctor"]
     pages += [f"/console/requests/{quote(e['request_id'], safe='')}" for e in done]
@@ -111,8 +116,6 @@ def console_check_cmd(
                     bad.append(f"{p}: {r.status_code}")
     errors: list[str] = []
     if browser:
-        from control_plane.admin.console.browser import Browser
-
         b = Browser.start()
         try:
             b.login(base, token)
