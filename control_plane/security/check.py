@@ -50,44 +50,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-REFUSED, ACCEPTED, SERVER_ERROR = "refused", "accepted", "server_error"
-#: A probe that could not run here (what it needs is missing); not counted as an attack.
-SKIPPED = "skipped"
-#: Listener verdicts.
-LOOPBACK, EXPOSED = "loopback", "exposed"
-
-
-@dataclass(frozen=True)
-class Probe:
-    area: str
-    attack: str
-    verdict: str
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class Targets:
-    router_url: str | None
-    admin_url: str | None
-    kafka_bootstrap: str
-    postgres_url: str
-    redis_url: str
-    #: Every process of the system, children included (whose listeners are checked).
-    pids: list[int]
-    topic_prefix: str = "sy"
-    #: A valid router API key (the input probes carry it) and an admin token (the key probes
-    #: issue and revoke keys with it).
-    router_key: str | None = None
-    admin_token: str | None = None
-    worker_urls: tuple[str, ...] = ()
-    #: The stack's S3 endpoint (SeaweedFS, the object tier's store).
-    s3_url: str | None = None
-
+from control_plane.security import probes_bus, probes_http
+from control_plane.security.probe import (ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets,
+                                         quiet)
 
 # -- the router's OpenAI API -------------------------------------------------------------------
 
@@ -349,7 +318,7 @@ def probe_kafka(bootstrap: str) -> list[Probe]:
 
     real = kafka_conf(bootstrap)
     try:
-        AdminClient({**real, "logger": _quiet()}).list_topics(timeout=10)
+        AdminClient({**real, "logger": quiet()}).list_topics(timeout=10)
     except Exception as e:
         return [Probe("kafka", "the stack's own credential is served", SERVER_ERROR,
                       f"broker not answering: {type(e).__name__}: {str(e)[:100]}")]
@@ -360,7 +329,7 @@ def probe_kafka(bootstrap: str) -> list[Probe]:
     out = []
     for attack, conf in attempts:
         try:
-            md = AdminClient({**conf, "logger": _quiet()}).list_topics(timeout=10)
+            md = AdminClient({**conf, "logger": quiet()}).list_topics(timeout=10)
         except Exception as e:
             out.append(Probe("kafka", attack, REFUSED, f"{type(e).__name__}: {str(e)[:100]}"))
         else:
@@ -450,146 +419,9 @@ def probe_listeners(pids: list[int]) -> list[Probe]:
     return out
 
 
-#: (role whose credential is used, topic stream it must not write, what it would be)
-ROLE_ATTACKS = [
-    ("worker", "admin", "a worker's credential pins a pool (writes the admin topic)"),
-    ("worker", "planner", "a worker's credential scales a pool (writes the planner topic)"),
-    ("router", "workers", "a router's credential registers a worker (writes the workers topic)"),
-    ("processor", "kv", "the metrics processor's credential writes KV events"),
-]
-
-
-def probe_kafka_roles(bootstrap: str, topic_prefix: str = "sy") -> list[Probe]:
-    """Each component's own credential writing a topic its role does not own: the broker must
-    refuse it (TOPIC_AUTHORIZATION_FAILED). The record is one byte no consumer could fold, so
-    a hole shows up as a dead-lettered record, not as a changed view."""
-    from confluent_kafka import Producer
-
-    from kernel.log.catalog import Catalog
-    from kernel.settings import BusSettings
-
-    out = []
-    for role, stream, attack in ROLE_ATTACKS:
-        bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
-        errors: list[str] = []
-        p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
-        p.produce(Catalog(topic_prefix).topic(stream), value=b"\xc1", key=b"security-check",
-                  on_delivery=lambda err, _m: errors.append(str(err)) if err else None)
-        left = p.flush(20)
-        if left:
-            out.append(Probe("kafka", attack, SERVER_ERROR, "no delivery report within 20 s"))
-        elif errors and "AUTHORIZATION" in errors[0]:
-            out.append(Probe("kafka", attack, REFUSED, errors[0][:100]))
-        elif errors:
-            out.append(Probe("kafka", attack, SERVER_ERROR, errors[0][:100]))
-        else:
-            out.append(Probe("kafka", attack, ACCEPTED, f"written to {Catalog(topic_prefix).topic(stream)}"))
-    return out
-
-
-def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
-    """(role, stream, value, attack): writes the brokers' ACLs let through (each role's own
-    topics) that are not their owner's to make (schemas/signing.py). The worker ids and key
-    id are the probe's own, so an accepted forgery harms no real worker or key."""
-    import uuid
-
-    from kernel.settings import BusSettings
-    from schemas import EventCodec
-    from schemas.envelope import EnvelopeFactory
-    from schemas.events import RouterKeyIssued, WorkerRegistered
-
-    tag = uuid.uuid4().hex[:8]
-    victim, evil = f"security-check-victim-{tag}", f"security-check-{tag}"
-    codec = EventCodec()
-
-    def raw(payload, producer: str) -> bytes:
-        return codec.encode(EnvelopeFactory(producer, 1, lambda: 1).wrap(payload, key=payload.key()))
-
-    def own_key(role: str, producer: str, value: bytes) -> bytes:
-        return BusSettings.from_env(role=role).signer(producer).seal(value)
-
-    reg = WorkerRegistered(worker_id=victim, role="decode", pool="security-check", endpoint="http://127.0.0.1:9",
-                           block_size=16, hash_algo="sha256")
-    key = RouterKeyIssued(actor="security-check", actor_role="admin", key_id=f"sc{tag}", name=f"security-check-{tag}",
-                          salt="00", key_hash="00")
-    return [
-        ("worker", "workers", raw(reg, victim), "a worker's credential registers another worker (unsigned)"),
-        ("worker", "workers", own_key("worker", evil, raw(reg, victim)),
-         "a worker's credential registers another worker (signed with its own key)"),
-        ("router", "admin", own_key("router", "security-check", raw(key, "admin")),
-         "a router's credential issues an API key (writes the admin topic it may write)"),
-    ]
-
-
-def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0,
-                        forgeries: list[tuple[str, str, bytes, str]] | None = None,
-                        refused_reason: str = "forged:", area: str = "kafka") -> list[Probe]:
-    """Each forgery written with the credential of a role that may write its topic: refused
-    means a consumer of the running system dead-letters it as ``forged:*`` (the router's view
-    and key table fold it only through that check), or ``refused_reason`` for other ``forgeries``."""
-    from confluent_kafka import Consumer, Producer, TopicPartition
-
-    from kernel.log.catalog import Catalog
-    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
-    from kernel.settings import BusSettings
-
-    cat = Catalog(topic_prefix)
-    su = BusSettings.from_env(bootstrap=bootstrap, topic_prefix=topic_prefix)
-    dlq = Consumer({**su.client_conf(), "group.id": "security-check-dlq", "enable.auto.commit": False,
-                    "logger": _quiet()})
-    try:
-        parts = dlq.list_topics(cat.deadletter, timeout=10).topics[cat.deadletter].partitions
-        start = [TopicPartition(cat.deadletter, p, dlq.get_watermark_offsets(TopicPartition(cat.deadletter, p),
-                                                                             timeout=10)[1]) for p in parts]
-        sent: dict[str, tuple[str, str]] = {}  # "topic:partition:offset" -> (attack, error)
-        for role, stream, value, attack in forgeries or _forgeries(topic_prefix):
-            bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
-            got: list = []
-            p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
-            p.produce(cat.topic(stream), value=value, on_delivery=lambda err, m: got.append((err, m)))
-            p.flush(20)
-            if not got or got[0][0] is not None:
-                sent[f"-{attack}"] = (attack, f"not written: {got[0][0] if got else 'no delivery report'}")
-                continue
-            m = got[0][1]
-            sent[f"{m.topic()}:{m.partition()}:{m.offset()}"] = (attack, "")
-        dlq.assign(start)
-        reasons: dict[str, str] = {}
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not all(k in reasons for k in sent if not k.startswith("-")):
-            m = dlq.poll(0.5)
-            if m is None or m.error():
-                continue
-            h = {k: v.decode(errors="replace") for k, v in (m.headers() or ())}
-            if h.get(H_DLQ_SOURCE) in sent:
-                reasons.setdefault(h[H_DLQ_SOURCE], h.get(H_DLQ_REASON, ""))
-    finally:
-        dlq.close()
-    out = []
-    for where, (attack, error) in sent.items():
-        if where.startswith("-"):
-            out.append(Probe(area, attack, REFUSED if "AUTHORIZATION" in error else SERVER_ERROR, error[:100]))
-        elif reasons.get(where, "").startswith(refused_reason):
-            out.append(Probe(area, attack, REFUSED, f"dead-lettered {reasons[where]} ({where})"))
-        else:
-            out.append(Probe(area, attack, ACCEPTED, f"written to {where}, " + (
-                f"dead-lettered {reasons[where]}" if where in reasons else f"not refused by any consumer within {timeout_s:g} s")))
-    return out
-
-
-def _quiet():
-    import logging
-
-    return logging.getLogger("switchyard.rdkafka")
-
-
 # -- the whole check ---------------------------------------------------------------------------
 
 def run(t: Targets) -> list[Probe]:
-    from control_plane.security import probes_bus
-
     probes: list[Probe] = []
     steps: list[Callable[[], list[Probe] | Probe]] = []
     if t.router_url:
@@ -601,12 +433,11 @@ def run(t: Targets) -> list[Probe]:
     if t.admin_url:
         steps.append(lambda: probe_admin(t.admin_url))
     steps += [lambda: probe_cli_pin(t.admin_url), lambda: probe_kafka(t.kafka_bootstrap),
-              lambda: probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
-              *([lambda: probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
+              lambda: probes_bus.probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
+              *([lambda: probes_bus.probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
               lambda: probes_bus.run(t), lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
               *([lambda: probe_s3(t.s3_url)] if t.s3_url else []),
               lambda: probe_listeners(t.pids)]
-    from control_plane.security import probes_http  # it imports this module's Probe
 
     steps.insert(-1, lambda: probes_http.run(t))
     for step in steps:

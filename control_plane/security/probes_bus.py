@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from control_plane.security.check import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, _quiet
+from control_plane.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
 
 #: Group prefixes (after ``<prefix>.``) of the running views, and the role owning each.
 VIEW_GROUPS = {"router-view.": "router", "load-view.": "planner", "metrics.": "processor"}
@@ -58,7 +58,7 @@ def join_group(bus, group: str, topic: str, timeout_s: float = 15.0) -> tuple[st
 
     errors: list[str] = []
     assigned: list = []
-    c = Consumer({**bus.client_conf(), "group.id": group, "enable.auto.commit": False, "logger": _quiet(),
+    c = Consumer({**bus.client_conf(), "group.id": group, "enable.auto.commit": False, "logger": quiet(),
                   "partition.assignment.strategy": "range", "error_cb": lambda e: errors.append(str(e))})
     try:
         c.subscribe([topic], on_assign=lambda _c, ps: assigned.extend(ps))
@@ -86,7 +86,7 @@ def probe_groups(t: Targets) -> list[Probe]:
 
     from kernel.log.catalog import Catalog
 
-    admin = AdminClient({**_bus(None, t).client_conf(), "logger": _quiet()})
+    admin = AdminClient({**_bus(None, t).client_conf(), "logger": quiet()})
     listed = admin.list_consumer_groups(request_timeout=10).result()
     groups = sorted(g.group_id for g in listed.valid)
     topic = Catalog(t.topic_prefix).topic("workers")
@@ -135,7 +135,7 @@ def probe_replayed_registration(t: Targets, timeout_s: float = 20.0) -> list[Pro
     from kernel.log.principals import group_id
 
     c = Consumer({**bus.client_conf(), "group.id": group_id(t.topic_prefix, bus.username, "security-check"),
-                  "enable.auto.commit": False, "logger": _quiet()})
+                  "enable.auto.commit": False, "logger": quiet()})
     try:
         c.assign([TopicPartition(reg.topic, reg.partition, reg.offset)])
         m = None
@@ -153,7 +153,7 @@ def probe_replayed_registration(t: Targets, timeout_s: float = 20.0) -> list[Pro
     except Exception as e:  # noqa: BLE001 - a router that does not answer is a server error
         return [Probe("kafka", attack, SERVER_ERROR, f"router /health: {e}")]
     acks: list = []
-    p = Producer({**bus.client_conf(), "logger": _quiet()})
+    p = Producer({**bus.client_conf(), "logger": quiet()})
     p.produce(reg.topic, value=m.value(), key=m.key(), partition=other, headers=m.headers(),
               on_delivery=lambda err, msg: acks.append((err, msg.offset())))
     p.flush(20)
@@ -187,8 +187,7 @@ def _get(router_url: str, path: str) -> dict:
 
 def probe_forged_requests(t: Targets) -> list[Probe]:
     """Request events as producer ``demo-router`` with the worker credential: dead-lettered
-    ``forged:*`` by the running system (the check of :func:`check.probe_forged_events`)."""
-    from control_plane.security.check import probe_forged_events
+    ``forged:*`` by the running system (the check of :func:`probe_forged_events`)."""
     from kernel.settings import BusSettings
     from schemas import EventCodec
     from schemas.envelope import EnvelopeFactory
@@ -267,7 +266,7 @@ def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
     attack = "the router's credential joins the live router view's group under Faust's assignor name"
     if not t.router_url:
         return [Probe("kafka", attack, SKIPPED, "no router running")]
-    admin = AdminClient({**_bus(None, t).client_conf(), "logger": _quiet()})
+    admin = AdminClient({**_bus(None, t).client_conf(), "logger": quiet()})
 
     def view_groups() -> list[str]:
         listed = admin.list_consumer_groups(request_timeout=10).result()
@@ -364,7 +363,7 @@ def probe_forged_snapshots(t: Targets) -> list[Probe]:
     forged = {"unsigned": b"a forged router view",
               "signed with its own key": thief.signer("security-check").seal_snapshot(key, b"a forged router view")}
     written: dict[str, str] = {}
-    p = Producer({**thief.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
+    p = Producer({**thief.client_conf(), "message.timeout.ms": 10000, "logger": quiet()})
     for how, value in forged.items():
         got: list = []
         p.produce(topic, value=value, key=key.encode(), on_delivery=lambda err, m: got.append((err, m)))
@@ -375,7 +374,7 @@ def probe_forged_snapshots(t: Targets) -> list[Probe]:
     try:
         restored = store.load_latest(key)
     finally:
-        tomb = Producer({**router.client_conf(), "logger": _quiet()})
+        tomb = Producer({**router.client_conf(), "logger": quiet()})
         tomb.produce(topic, value=None, key=key.encode())
         tomb.flush(10)
     refused = dict(store.refused)
@@ -398,3 +397,134 @@ def run(t: Targets) -> list[Probe]:
     """Every probe of the log (``check.run`` calls it)."""
     return [*probe_groups(t), *probe_reads(t), *probe_replayed_registration(t), *probe_forged_requests(t),
             *probe_forged_snapshots(t), *probe_foreign_member(t)]
+
+
+# -- each role's credential against the topics it does not own, and forged events ----------------
+
+#: (role whose credential is used, topic stream it must not write, what it would be)
+ROLE_ATTACKS = [
+    ("worker", "admin", "a worker's credential pins a pool (writes the admin topic)"),
+    ("worker", "planner", "a worker's credential scales a pool (writes the planner topic)"),
+    ("router", "workers", "a router's credential registers a worker (writes the workers topic)"),
+    ("processor", "kv", "the metrics processor's credential writes KV events"),
+]
+
+
+def probe_kafka_roles(bootstrap: str, topic_prefix: str = "sy") -> list[Probe]:
+    """Each component's own credential writing a topic its role does not own: the broker must
+    refuse it (TOPIC_AUTHORIZATION_FAILED). The record is one byte no consumer could fold, so
+    a hole shows up as a dead-lettered record, not as a changed view."""
+    from confluent_kafka import Producer
+
+    from kernel.log.catalog import Catalog
+    from kernel.settings import BusSettings
+
+    out = []
+    for role, stream, attack in ROLE_ATTACKS:
+        bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
+        errors: list[str] = []
+        p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": quiet()})
+        p.produce(Catalog(topic_prefix).topic(stream), value=b"\xc1", key=b"security-check",
+                  on_delivery=lambda err, _m: errors.append(str(err)) if err else None)
+        left = p.flush(20)
+        if left:
+            out.append(Probe("kafka", attack, SERVER_ERROR, "no delivery report within 20 s"))
+        elif errors and "AUTHORIZATION" in errors[0]:
+            out.append(Probe("kafka", attack, REFUSED, errors[0][:100]))
+        elif errors:
+            out.append(Probe("kafka", attack, SERVER_ERROR, errors[0][:100]))
+        else:
+            out.append(Probe("kafka", attack, ACCEPTED, f"written to {Catalog(topic_prefix).topic(stream)}"))
+    return out
+
+
+def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
+    """(role, stream, value, attack): writes the brokers' ACLs let through (each role's own
+    topics) that are not their owner's to make (schemas/signing.py). The worker ids and key
+    id are the probe's own, so an accepted forgery harms no real worker or key."""
+    import uuid
+
+    from kernel.settings import BusSettings
+    from schemas import EventCodec
+    from schemas.envelope import EnvelopeFactory
+    from schemas.events import RouterKeyIssued, WorkerRegistered
+
+    tag = uuid.uuid4().hex[:8]
+    victim, evil = f"security-check-victim-{tag}", f"security-check-{tag}"
+    codec = EventCodec()
+
+    def raw(payload, producer: str) -> bytes:
+        return codec.encode(EnvelopeFactory(producer, 1, lambda: 1).wrap(payload, key=payload.key()))
+
+    def own_key(role: str, producer: str, value: bytes) -> bytes:
+        return BusSettings.from_env(role=role).signer(producer).seal(value)
+
+    reg = WorkerRegistered(worker_id=victim, role="decode", pool="security-check", endpoint="http://127.0.0.1:9",
+                           block_size=16, hash_algo="sha256")
+    key = RouterKeyIssued(actor="security-check", actor_role="admin", key_id=f"sc{tag}", name=f"security-check-{tag}",
+                          salt="00", key_hash="00")
+    return [
+        ("worker", "workers", raw(reg, victim), "a worker's credential registers another worker (unsigned)"),
+        ("worker", "workers", own_key("worker", evil, raw(reg, victim)),
+         "a worker's credential registers another worker (signed with its own key)"),
+        ("router", "admin", own_key("router", "security-check", raw(key, "admin")),
+         "a router's credential issues an API key (writes the admin topic it may write)"),
+    ]
+
+
+def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: float = 20.0,
+                        forgeries: list[tuple[str, str, bytes, str]] | None = None,
+                        refused_reason: str = "forged:", area: str = "kafka") -> list[Probe]:
+    """Each forgery written with the credential of a role that may write its topic: refused
+    means a consumer of the running system dead-letters it as ``forged:*`` (the router's view
+    and key table fold it only through that check), or ``refused_reason`` for other ``forgeries``."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    from kernel.log.catalog import Catalog
+    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+    from kernel.settings import BusSettings
+
+    cat = Catalog(topic_prefix)
+    su = BusSettings.from_env(bootstrap=bootstrap, topic_prefix=topic_prefix)
+    dlq = Consumer({**su.client_conf(), "group.id": "security-check-dlq", "enable.auto.commit": False,
+                    "logger": quiet()})
+    try:
+        parts = dlq.list_topics(cat.deadletter, timeout=10).topics[cat.deadletter].partitions
+        start = [TopicPartition(cat.deadletter, p, dlq.get_watermark_offsets(TopicPartition(cat.deadletter, p),
+                                                                             timeout=10)[1]) for p in parts]
+        sent: dict[str, tuple[str, str]] = {}  # "topic:partition:offset" -> (attack, error)
+        for role, stream, value, attack in forgeries or _forgeries(topic_prefix):
+            bus = BusSettings.from_env(role=role, bootstrap=bootstrap, topic_prefix=topic_prefix)
+            got: list = []
+            p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": quiet()})
+            p.produce(cat.topic(stream), value=value, on_delivery=lambda err, m: got.append((err, m)))
+            p.flush(20)
+            if not got or got[0][0] is not None:
+                sent[f"-{attack}"] = (attack, f"not written: {got[0][0] if got else 'no delivery report'}")
+                continue
+            m = got[0][1]
+            sent[f"{m.topic()}:{m.partition()}:{m.offset()}"] = (attack, "")
+        dlq.assign(start)
+        reasons: dict[str, str] = {}
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(k in reasons for k in sent if not k.startswith("-")):
+            m = dlq.poll(0.5)
+            if m is None or m.error():
+                continue
+            h = {k: v.decode(errors="replace") for k, v in (m.headers() or ())}
+            if h.get(H_DLQ_SOURCE) in sent:
+                reasons.setdefault(h[H_DLQ_SOURCE], h.get(H_DLQ_REASON, ""))
+    finally:
+        dlq.close()
+    out = []
+    for where, (attack, error) in sent.items():
+        if where.startswith("-"):
+            out.append(Probe(area, attack, REFUSED if "AUTHORIZATION" in error else SERVER_ERROR, error[:100]))
+        elif reasons.get(where, "").startswith(refused_reason):
+            out.append(Probe(area, attack, REFUSED, f"dead-lettered {reasons[where]} ({where})"))
+        else:
+            out.append(Probe(area, attack, ACCEPTED, f"written to {where}, " + (
+                f"dead-lettered {reasons[where]}" if where in reasons else f"not refused by any consumer within {timeout_s:g} s")))
+    return out

@@ -39,7 +39,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from control_plane.security.check import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets
+from control_plane.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
+from control_plane.security.probes_bus import probe_forged_events
 
 #: The flood of the issue: past the servers' old 1,024-connection limit.
 FLOOD_CONNECTIONS = 1030
@@ -391,7 +392,7 @@ def probe_metric_labels(bootstrap: str, topic_prefix: str, metrics_url: str | No
     except httpx.HTTPError as e:
         return Probe("metrics", attack, SERVER_ERROR, f"{type(e).__name__}: {e}")
     bus = BusSettings.from_env(role="worker", bootstrap=bootstrap, topic_prefix=topic_prefix)
-    p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
+    p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": quiet()})
     errors: list[str] = []
     for i in range(n):
         p.produce(Catalog(topic_prefix).deadletter, value=b"\xc1", key=b"security-check",
@@ -413,23 +414,16 @@ def probe_metric_labels(bootstrap: str, topic_prefix: str, metrics_url: str | No
                  f"folded; {n_series} dead-letter series, {'some' if tag in text else 'none'} with an invented value")
 
 
-def _quiet():
-    import logging
-
-    return logging.getLogger("switchyard.rdkafka")
-
-
 # -- the endpoint allowlist ------------------------------------------------------------------------
 
 def probe_allowlist(bootstrap: str, topic_prefix: str, block_size: int = 64, hash_algo: str = "sha256") -> list[Probe]:
     """A worker's own signed registration (a probe-owned id) whose endpoint has a path: the
-    router must dead-letter it ``endpoint_not_allowed`` (check.probe_forged_events watches the
+    router must dead-letter it ``endpoint_not_allowed`` (probes_bus.probe_forged_events watches the
     dead-letter topic). A deregistration of that id follows, so no view keeps it. ``block_size``
     and ``hash_algo``: the router's (its defaults, the demo's), so that its index takes the
     registration and only the endpoint is left to refuse it."""
     from confluent_kafka import Producer
 
-    from control_plane.security.check import probe_forged_events
     from kernel.log.catalog import Catalog
     from kernel.settings import BusSettings
     from schemas import EventCodec
@@ -451,7 +445,7 @@ def probe_allowlist(bootstrap: str, topic_prefix: str, block_size: int = 64, has
             ("worker", "workers", signed(reg, 1), "a registration whose endpoint has a path and a fragment")],
             refused_reason="index_rejected:endpoint_not_allowed", area="router")
     finally:
-        p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": _quiet()})
+        p = Producer({**bus.client_conf(), "message.timeout.ms": 10000, "logger": quiet()})
         gone = WorkerDeregistered(worker_id=wid, reason="security-check")
         p.produce(Catalog(topic_prefix).topic("workers"), value=signed(gone, 2), key=wid.encode())
         p.flush(20)

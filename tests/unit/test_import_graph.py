@@ -40,9 +40,6 @@ TOOLING = ("control_plane.stack", "control_plane.demo", "control_plane.chaos", "
 
 #: Cycles that remain, each with why (sorted module names of the cycle -> reason).
 KNOWN_FILE_CYCLES: dict[tuple[str, ...], str] = {
-    ("control_plane.security.check", "control_plane.security.probes_bus", "control_plane.security.probes_http"):
-        "tooling: the probes take check's result types and check runs the probes; control_plane/security "
-        "is being reworked on another branch this round (split the types into their own module there)",
     ("benchmarks.planner_bench", "benchmarks.planner_dynamo", "benchmarks.planner_oracle"):
         "bench-only: the Dynamo and oracle comparisons reuse the planner bench's simulator, which "
         "prints their rows; not product code",
