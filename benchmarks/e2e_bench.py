@@ -4,10 +4,10 @@ workers (fresh caches for each run).
 Each run starts, on a fresh topic prefix: 2 prefill + 2 decode simulated workers (mocker
 profile, real NIXL handoffs) and a router in the given mode, all real processes on the local
 broker; then replays the first ``limit`` requests of the trace at ``rate``x through the
-router's OpenAI API (``control_plane.demo.loadgen``). Needs ``switchyard stack up``.
+router's OpenAI API (``ops.demo.loadgen``). Needs ``switchyard stack up``.
 
 Defaults are the demo's (trace slice, limit, rates, output cap). Each run also prints what the
-cluster simulator predicts for the same requests (``control_plane.demo.runcheck``), failures and
+cluster simulator predicts for the same requests (``ops.demo.runcheck``), failures and
 rejections by reason, the handoff ratio and the CPU load; when the observed TTFT is more than
 2x the prediction it says where the time went instead of trusting the gain.
 
@@ -41,9 +41,9 @@ from pathlib import Path
 
 import msgspec
 
-from control_plane.demo.loadgen import run_trace
-from control_plane.demo.runcheck import EXPLAIN_ABOVE, CpuSampler, breakdown, explain, now_ms, predict
-from control_plane.demo.up import DEMO_DEFAULTS, DEMO_TRACE, Supervisor, wait_http
+from ops.demo.loadgen import run_trace
+from ops.demo.runcheck import EXPLAIN_ABOVE, CpuSampler, breakdown, explain, now_ms, predict
+from ops.demo.up import DEMO_DEFAULTS, DEMO_TRACE, Supervisor, wait_http
 from control_plane.replay.reconcile import KvRecord, reconcile
 from control_plane.router import RouterConfig, TierWeights
 from control_plane.settings import StackSettings

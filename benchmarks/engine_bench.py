@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from control_plane.demo.up import WHOLE_TRACE
+from ops.demo.up import WHOLE_TRACE
 from data_plane.engines import default_hash_config, load_profile, simulate
 from data_plane.engines.trace import MooncakeTrace, read_mooncake
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import xxhash
 
 from benchmarks.lru_blocks import LruBlocks
-from control_plane.demo.up import WHOLE_TRACE
+from ops.demo.up import WHOLE_TRACE
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
 from schemas import EnvelopeFactory, EventCodec

@@ -37,7 +37,7 @@ Phases, each side at least ``rounds`` times, the order of the sides rotating bet
    and 128 clients.
 2. Routing quality (fresh workers at engine speed 1 for every run): the first ``limit`` requests
    of the demo's trace slice, as string prompts, streaming, at the demo's arrival rate and 2x
-   (``control_plane.demo.loadgen``): prefix hit rate from the ``cached_tokens`` the workers
+   (``ops.demo.loadgen``): prefix hit rate from the ``cached_tokens`` the workers
    report, TTFT p50/p99.
 
 A worker's idle ``GET /health`` p50 is measured first (goal < 2 ms). The load average is printed
@@ -72,8 +72,8 @@ import aiohttp
 import httpx
 
 from benchmarks.router_bench import _cpu_s, _nginx, _pct, _wait
-from control_plane.demo.loadgen import run_trace, word_prompt
-from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE
+from ops.demo.loadgen import run_trace, word_prompt
+from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE
 from data_plane.engines.trace import DEFAULT_VOCAB_SIZE
 from kernel.log.admin import apply_topics
 from kernel.net import free_port

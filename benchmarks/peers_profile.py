@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.peers_bench import (FAST, PEERS_VENV, PROMPT_WORDS, _broker_cpu_s, _fire, broker_pids,
                                     dynamo_model_dir, launch, prompts, start_workers)
-from control_plane.demo.loadgen import word_prompt
+from ops.demo.loadgen import word_prompt
 from control_plane.router.prompt import tokenize_prompt
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
 from kernel.tokenizer import HashTokenizer

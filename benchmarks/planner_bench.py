@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.load_shapes import SHAPES, Shape, arrivals, assign, scaled
-from control_plane.demo.up import WHOLE_TRACE
+from ops.demo.up import WHOLE_TRACE
 from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_profiles
 from control_plane.planner.load_view import LoadView, stamp
 from control_plane.planner.policy import PlannerState, decide, needed_replicas

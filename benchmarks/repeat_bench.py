@@ -27,7 +27,7 @@ import aiohttp
 import httpx
 
 from benchmarks.peers_bench import MODEL, _launch_ours, start_workers
-from control_plane.demo.loadgen import word_prompt
+from ops.demo.loadgen import word_prompt
 from data_plane.engines.trace import DEFAULT_VOCAB_SIZE
 from kernel.log.reader import read_events
 from kernel.settings import BusSettings

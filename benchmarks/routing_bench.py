@@ -78,7 +78,7 @@ import msgspec
 
 from benchmarks import tune_score
 from benchmarks.engine_bench import metric_rows, replay_dynamo_mocker
-from control_plane.demo.up import WHOLE_TRACE
+from ops.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig
 from control_plane.simulation import (  # noqa: F401 - re-exported for the tests and callers
     AGGREGATED_8,

@@ -48,7 +48,7 @@ import numpy as np
 
 from benchmarks import tune_score
 from benchmarks.routing_bench import DYNAMO_RUNS, GRID, load_requests, pool_map, run_dynamo_median
-from control_plane.demo.up import WHOLE_TRACE
+from ops.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig, TierWeights
 from control_plane.simulation import AGGREGATED_8, block_hashes, run_cluster
 from data_plane.engines import EngineRequest, default_hash_config, load_profile

@@ -43,8 +43,8 @@ from pathlib import Path
 
 import httpx
 
-from control_plane.demo.trace_tokens import TRACE_BLOCK, prompt_of
-from control_plane.demo.up import WHOLE_TRACE, wait_http
+from ops.demo.trace_tokens import TRACE_BLOCK, prompt_of
+from ops.demo.up import WHOLE_TRACE, wait_http
 from benchmarks.vllm_overlap import expected_cached_tokens
 from data_plane.engines.trace import read_mooncake
 from kernel.log.admin import apply_topics

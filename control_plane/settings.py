@@ -69,7 +69,7 @@ class StackSettings:
     #: C2 back: set ``SWITCHYARD_KAFKA_JVM_OPTS=""``.
     kafka_jvm_opts: str = "-XX:TieredStopAtLevel=1"
     #: TLS on the client and inter-broker listener (``SASL_SSL``, certificates made by
-    #: ``control_plane/stack/tls.py``); off: ``SASL_PLAINTEXT``. Clients must agree
+    #: ``ops/stack/tls.py``); off: ``SASL_PLAINTEXT``. Clients must agree
     #: (``BusSettings.security_protocol``, ``SWITCHYARD_KAFKA_SECURITY_PROTOCOL``).
     kafka_tls: bool = True
 

@@ -3,7 +3,7 @@ virtual clock of :class:`data_plane.engines.simulate.Cluster` (the one virtual-t
 
 One implementation, used by the routing benchmark (``benchmarks/routing_bench.py``), replay's
 what-if (``control_plane/replay/whatif.py``) and the demo's prediction of what a run should show
-(``control_plane/demo/runcheck.py``). :class:`SimRouter` is the driver's
+(``ops/demo/runcheck.py``). :class:`SimRouter` is the driver's
 :class:`~data_plane.engines.simulate.ClusterHooks`; its rules:
 
 * **overlaps** from a :class:`~control_plane.index.prefix_index.PrefixIndex` folded from the

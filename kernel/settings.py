@@ -85,7 +85,7 @@ def write_private(path: Path, text: str) -> bool:
 
 def kafka_ca_file(secrets_dir: Path) -> Path:
     """The stack CA's certificate, which every Kafka client verifies the brokers with (made by
-    ``control_plane.stack.tls`` when the stack starts)."""
+    ``ops.stack.tls`` when the stack starts)."""
     return secrets_dir / "kafka-ca.pem"
 
 

@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from control_plane.chaos.plan import FAULT_KINDS, PlanConfig, Topology
+from ops.chaos.plan import FAULT_KINDS, PlanConfig, Topology
 from control_plane.clikit import fail, setup_logging
-from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
+from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
 
 app = typer.Typer(
     help="Switchyard: an event-sourced control plane for disaggregated LLM inference.\n\n"
@@ -86,7 +86,7 @@ def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
     import os
 
     # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
-    from control_plane.stack import Stack, StackError
+    from ops.stack import Stack, StackError
     # lazy: start-up time: loads confluent_kafka only when called
     from kernel.log.admin import apply_topics
     # lazy: CLI start-up: the command's modules load only when it runs
@@ -120,7 +120,7 @@ def stack_down(service: ServiceOpt = None) -> None:
     """Stop the services (data dirs are kept) and check that no process is left behind."""
     setup_logging()
     # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
-    from control_plane.stack import Stack
+    from ops.stack import Stack
 
     left = Stack(_stack_settings()).down(service)
     if left:
@@ -153,7 +153,7 @@ def stack_signing_key(
 def stack_status(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """Show which services run, their pids, addresses and data dirs (every Kafka broker)."""
     # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
-    from control_plane.stack import Stack
+    from ops.stack import Stack
 
     stack = Stack(_stack_settings())
     if as_json:
@@ -498,9 +498,9 @@ def up_cmd(
     setup_logging()
     logging.getLogger().setLevel(logging.WARNING)
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.demo.settings import DemoSettings
+    from ops.demo.settings import DemoSettings
     # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
-    from control_plane.demo.up import run_demo
+    from ops.demo.up import run_demo
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
@@ -508,7 +508,7 @@ def up_cmd(
         if trace is not None:
             fail("give --trace or --workload, not both", 2)
         # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
-        from control_plane.demo.up import workload_trace
+        from ops.demo.up import workload_trace
 
         try:
             trace = workload_trace(workload, seed, limit, StackSettings.from_env().state_dir)
@@ -533,7 +533,7 @@ def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's pr
     """Stop everything `switchyard up` started (workers drain first), then the stack."""
     setup_logging()
     # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
-    from control_plane.demo.up import stop_demo
+    from ops.demo.up import stop_demo
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
@@ -551,7 +551,7 @@ def security_check_cmd(
     import dataclasses
 
     # lazy: start-up time: loads httpx only when called
-    from control_plane.security.check import demo_targets, report, run, summary
+    from ops.security.check import demo_targets, report, run, summary
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.settings import StackSettings
 
@@ -566,7 +566,7 @@ def security_check_cmd(
 
 def _console_commands() -> None:
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.demo.console_cli import console_check_cmd, doctor_cmd
+    from ops.demo.console_cli import console_check_cmd, doctor_cmd
 
     app.command("doctor")(doctor_cmd)
     app.command("console-check")(console_check_cmd)
@@ -597,7 +597,7 @@ def loadgen_cmd(
     import asyncio
 
     # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
-    from control_plane.demo.loadgen import format_summary, plot, run_trace
+    from ops.demo.loadgen import format_summary, plot, run_trace
 
     s = asyncio.run(run_trace(url, trace, limit=limit, speedup=rate, max_output=max_output, block_size=block_size,
                               progress=not as_json, api_key=api_key))
@@ -646,11 +646,11 @@ def chaos_cmd(
     import signal
 
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.chaos.errors import ChaosError
+    from ops.chaos.errors import ChaosError
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.chaos.plan import parse_faults
+    from ops.chaos.plan import parse_faults
     # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
-    from control_plane.chaos.run import ChaosSettings, run_chaos
+    from ops.chaos.run import ChaosSettings, run_chaos
 
     def _terminated(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         raise SystemExit(128 + signum)  # unwinds through run_chaos: everything it started is stopped

@@ -53,7 +53,7 @@ def kafka_bootstrap(stack_settings: StackSettings) -> str:
 @pytest.fixture(scope="session")
 def seaweedfs(stack_settings: StackSettings):
     """The stack's SeaweedFS (its S3 endpoint); tests share it, each with buckets of its own."""
-    from control_plane.stack.seaweedfs import SeaweedService
+    from ops.stack.seaweedfs import SeaweedService
 
     if not _reachable(stack_settings.host, stack_settings.seaweedfs_port):
         pytest.fail(f"SeaweedFS is not running on {stack_settings.s3_endpoint}: run `uv run switchyard stack up`")

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
-from control_plane.stack.process import processes_mentioning
+from ops.chaos.diskfill import DiskFaultUnavailable, SmallDisk
+from ops.stack.process import processes_mentioning
 from kernel.settings import repo_root
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(480)]

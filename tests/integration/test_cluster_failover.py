@@ -18,8 +18,8 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from control_plane.settings import StackSettings
-from control_plane.stack.kafka import KafkaService
-from control_plane.stack.process import processes_mentioning
+from ops.stack.kafka import KafkaService
+from ops.stack.process import processes_mentioning
 from kernel.log.admin import apply_topics
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import Ack, EventConsumer, EventProducer

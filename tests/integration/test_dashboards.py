@@ -28,7 +28,7 @@ from control_plane.metrics.exposition import build_registry
 from control_plane.metrics.projection import BrokerState, MetricsProjection, processor_families
 from control_plane.router.http import RouterMetrics
 from control_plane.settings import StackSettings
-from control_plane.stack.prometheus import PrometheusService, render_config, write_targets
+from ops.stack.prometheus import PrometheusService, render_config, write_targets
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer
 from kernel.net import free_port

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from control_plane.demo.up import system_pids
+from ops.demo.up import system_pids
 from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
-from control_plane.stack.process import listening_sockets, processes_mentioning
+from ops.stack.process import listening_sockets, processes_mentioning
 from kernel.net import free_port
 from kernel.settings import repo_root
 
@@ -74,7 +74,7 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
                    and flood not in rest), check.stdout
         assert "skipped" not in check.stdout and "revoked API key" in check.stdout, check.stdout
         assert sum(area == "worker" and "without the worker credential" in rest for area, rest in rows) == 4, check.stdout
-        # The HTTP side of issue 36 (control_plane/security/probes_http.py): floods of the router
+        # The HTTP side of issue 36 (ops/security/probes_http.py): floods of the router
         # and of the workers, the workers' bearers and bounds, the admin lockout, labels, the CLI.
         assert "200/200 served" in next(rest for _, rest in rows if flood in rest), check.stdout
         assert all("refused" in rest for area, rest in rows if area in ("metrics", "cli")), check.stdout

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from control_plane.router.stream import RouterViewProcessor
-from control_plane.security.probes_bus import steal_group
+from ops.security.probes_bus import steal_group
 from control_plane.router.view import RouterView
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer

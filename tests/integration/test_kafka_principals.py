@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from control_plane.security.check import ACCEPTED, REFUSED
-from control_plane.security.probes_bus import join_group
+from ops.security.check import ACCEPTED, REFUSED
+from ops.security.probes_bus import join_group
 from kernel.log.catalog import Catalog
 from kernel.log.principals import ROLES
 from kernel.settings import BusSettings
@@ -92,8 +92,8 @@ def test_a_forged_snapshot_is_dead_lettered_and_the_restore_takes_the_owners(bus
     dead-letters them ``forged:*`` and restores the router's own."""
     from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
 
-    from control_plane.security.check import Targets
-    from control_plane.security.probes_bus import probe_forged_snapshots
+    from ops.security.check import Targets
+    from ops.security.probes_bus import probe_forged_snapshots
 
     t = Targets(router_url=None, admin_url=None, kafka_bootstrap=bus.bootstrap, postgres_url="", redis_url="",
                 pids=[], topic_prefix=bus.topic_prefix)
@@ -138,8 +138,8 @@ def test_a_flood_of_forged_snapshots_costs_a_restore_a_bounded_search(bus: BusSe
 
 def test_the_security_probe_of_foreign_reads_is_refused(bus: BusSettings) -> None:
     """``security-check``'s reads beyond a role's streams, against records that are there."""
-    from control_plane.security.check import Targets
-    from control_plane.security.probes_bus import FOREIGN_READS, probe_reads
+    from ops.security.check import Targets
+    from ops.security.probes_bus import FOREIGN_READS, probe_reads
 
     for stream in {s for _, s in FOREIGN_READS}:
         assert _write(bus, stream) is None

@@ -29,9 +29,9 @@ from data_plane.kvbm import (
     fold_residency,
     verify,
 )
-from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
+from ops.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
-from control_plane.stack.seaweedfs import SeaweedService
+from ops.stack.seaweedfs import SeaweedService
 from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import StorageError
 from data_plane.kvbm.stores import DiskStore, HostStore

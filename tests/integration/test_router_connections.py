@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from control_plane.router.limits import RequestLimits
-from control_plane.security.check import ACCEPTED, REFUSED, probe_router_connections
+from ops.security.check import ACCEPTED, REFUSED, probe_router_connections
 from kernel.http_server import ConnectionLimits
 from tests.integration.test_router_input import GOOD, Stack, router_stack
 from tests.support.waits import wait_for

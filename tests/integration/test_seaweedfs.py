@@ -1,4 +1,4 @@
-"""The stack's SeaweedFS (control_plane/stack/seaweedfs.py), as a client on this box sees it: the
+"""The stack's SeaweedFS (ops/stack/seaweedfs.py), as a client on this box sees it: the
 S3 API answers the stack's key only, the other HTTP APIs are off or want a JWT, every gRPC port
 wants a client certificate from the stack's SeaweedFS CA, and every port it listens on is one of
 the stack's, on loopback."""
@@ -18,9 +18,9 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from control_plane.settings import S3_ACCESS_KEY
-from control_plane.stack.process import descendants, listening_sockets
-from control_plane.stack.seaweedfs import SeaweedService
-from control_plane.stack.tls import GrpcTls, ensure_seaweedfs_tls
+from ops.stack.process import descendants, listening_sockets
+from ops.stack.seaweedfs import SeaweedService
+from ops.stack.tls import GrpcTls, ensure_seaweedfs_tls
 from data_plane.kvbm.stores.s3 import make_client
 
 

@@ -19,8 +19,8 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
-from control_plane.stack import Stack
-from control_plane.stack.process import port_in_use, processes_mentioning
+from ops.stack import Stack
+from ops.stack.process import port_in_use, processes_mentioning
 from kernel.log.admin import apply_topics
 from kernel.log.catalog import Catalog
 from kernel.log.kafka import EventProducer

@@ -71,7 +71,7 @@ def test_redis_refuses_commands_without_its_acl_user(stack_settings: StackSettin
 
 def test_kafka_refuses_a_client_without_tls_or_one_that_does_not_trust_the_stack_ca(bus: BusSettings,
                                                                                      tmp_path) -> None:
-    from control_plane.stack.tls import ensure_kafka_tls
+    from ops.stack.tls import ensure_kafka_tls
 
     assert bus.client_conf()["security.protocol"] == "SASL_SSL"
     no_tls = BusSettings(bootstrap=bus.bootstrap, security_protocol="SASL_PLAINTEXT").client_conf()

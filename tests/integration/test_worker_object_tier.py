@@ -10,7 +10,7 @@ import uuid
 import openai
 import pytest
 
-from control_plane.stack.seaweedfs import SeaweedService
+from ops.stack.seaweedfs import SeaweedService
 from data_plane.kvbm.stores.s3 import make_client
 from kernel.settings import BusSettings, write_private
 from tests.integration.workerproc import WorkerProc

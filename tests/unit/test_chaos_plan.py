@@ -1,10 +1,10 @@
-"""The chaos plan (control_plane/chaos/plan.py): pure, seeded, every fault once, spaced."""
+"""The chaos plan (ops/chaos/plan.py): pure, seeded, every fault once, spaced."""
 
 from __future__ import annotations
 
 import pytest
 
-from control_plane.chaos.plan import FAULT_KINDS, PlanConfig, PlanError, make_plan, parse_faults
+from ops.chaos.plan import FAULT_KINDS, PlanConfig, PlanError, make_plan, parse_faults
 
 
 def _config(**overrides) -> PlanConfig:
@@ -78,7 +78,7 @@ def test_too_short_a_run_and_a_hang_below_the_session_timeout_are_refused() -> N
 
 
 def test_the_plan_knows_the_brokers_session_timeout() -> None:
-    from control_plane.stack.kafka import BROKER_SESSION_TIMEOUT_MS
+    from ops.stack.kafka import BROKER_SESSION_TIMEOUT_MS
 
     assert PlanConfig().session_timeout_s * 1000 == BROKER_SESSION_TIMEOUT_MS
 
@@ -86,7 +86,7 @@ def test_the_plan_knows_the_brokers_session_timeout() -> None:
 def test_a_process_records_an_exit_nobody_asked_for_once(tmp_path) -> None:
     import sys
 
-    from control_plane.chaos.system import Proc
+    from ops.chaos.system import Proc
 
     p = Proc("x", [], {}, tmp_path)
     p.popen = __import__("subprocess").Popen([sys.executable, "-c", "import os; os.abort()"],

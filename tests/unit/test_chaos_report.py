@@ -1,12 +1,12 @@
-"""The chaos verdict (control_plane/chaos/report.py): a pure fold of client records, the
+"""The chaos verdict (ops/chaos/report.py): a pure fold of client records, the
 requests log, the ledger check and the view checks. Core only, no mocks."""
 
 from __future__ import annotations
 
-from control_plane.chaos.load import Sent
-from control_plane.chaos.plan import PlanConfig, make_plan
-from control_plane.chaos.report import FaultRecord, ViewCheck, build_report
-from control_plane.demo.loadgen import Result
+from ops.chaos.load import Sent
+from ops.chaos.plan import PlanConfig, make_plan
+from ops.chaos.report import FaultRecord, ViewCheck, build_report
+from ops.demo.loadgen import Result
 from kernel.log.ledger import AckEntry, LedgerCheck
 from schemas import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected

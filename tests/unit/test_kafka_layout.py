@@ -1,5 +1,5 @@
 """The stack's Kafka layouts as configs: one combined node, or brokers beside dedicated
-controllers (control_plane/stack/kafka.py). No JVM is started here; the cluster itself is
+controllers (ops/stack/kafka.py). No JVM is started here; the cluster itself is
 exercised by tests/integration/test_cluster_failover.py and the chaos test."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from control_plane.settings import StackSettings
-from control_plane.stack.kafka import CONTROLLER_ID_BASE, BROKER_SESSION_TIMEOUT_MS, KafkaService
+from ops.stack.kafka import CONTROLLER_ID_BASE, BROKER_SESSION_TIMEOUT_MS, KafkaService
 
 
 def _props(node) -> dict[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.security.check import REFUSED
-from control_plane.security.probes_http import Flood, p99, probe_replay_cli
+from ops.security.check import REFUSED
+from ops.security.probes_http import Flood, p99, probe_replay_cli
 
 
 def test_every_replay_cli_nonsense_is_refused() -> None:

@@ -7,7 +7,7 @@ import ipaddress
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import pkcs12
 
-from control_plane.stack.tls import BROKER_STORE, CA_KEY, ensure_kafka_tls
+from ops.stack.tls import BROKER_STORE, CA_KEY, ensure_kafka_tls
 
 
 def _cert(tls):

@@ -302,7 +302,7 @@ def test_score_summary_names_the_worst_case():
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_demo_workload_trace_holds_the_limit(family, tmp_path):
     """``switchyard up --demo --workload F`` replays the first ``--limit`` requests of this file."""
-    from control_plane.demo.up import workload_trace
+    from ops.demo.up import workload_trace
 
     path = workload_trace(family, 1, 200, tmp_path)
     assert path.parent == tmp_path / "demo"

@@ -13,7 +13,7 @@ import socket
 import subprocess
 
 from control_plane.settings import StackSettings
-from control_plane.stack.process import (
+from ops.stack.process import (
     StackError,
     live_pid,
     require_free_port,

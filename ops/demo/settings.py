@@ -41,7 +41,7 @@ class DemoSettings:
     with_admin: bool = True
     with_planner: bool = True
     #: ``sim`` (simulated workers) or ``vllm`` (real vLLM workers from .venv-vllm, prefill and
-    #: decode over vLLM's NixlConnector; see control_plane/demo/vllm.py).
+    #: decode over vLLM's NixlConnector; see ops/demo/vllm.py).
     engine: str = "sim"
 
 

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from control_plane.settings import StackSettings
-from control_plane.stack.process import (
+from ops.stack.process import (
     StackError,
     live_pid,
     log_tail,

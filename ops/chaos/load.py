@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from control_plane.demo.loadgen import Prepared, Result, send_one
+from ops.demo.loadgen import Prepared, Result, send_one
 
 #: Client exceptions that mean "this replica took no request": try the next one.
 _NOT_CONNECTED = frozenset({"ConnectError", "ConnectTimeout"})

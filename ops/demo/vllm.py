@@ -3,8 +3,8 @@
 Workers run in the vLLM environment (``.venv-vllm``) with vLLM's NixlConnector (prefill and
 decode move real KV over NIXL/UCX on loopback); the router hashes 32-token blocks as vLLM does;
 the trace slice is replayed with prompts scaled to the tiny model's context
-(:mod:`control_plane.demo.trace_tokens`), and the summary has the shape of
-:func:`control_plane.demo.loadgen.run_trace`'s so the same report and plot apply.
+(:mod:`ops.demo.trace_tokens`), and the summary has the shape of
+:func:`ops.demo.loadgen.run_trace`'s so the same report and plot apply.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 
-from control_plane.demo.loadgen import _one, _pct
+from ops.demo.loadgen import _one, _pct
 from workloads.stats import ideal_hit_rate
-from control_plane.demo.trace_tokens import prompt_of
+from ops.demo.trace_tokens import prompt_of
 from data_plane.engines.trace import read_mooncake
 from kernel.settings import repo_root
 

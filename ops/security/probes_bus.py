@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from control_plane.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
+from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
 
 #: Group prefixes (after ``<prefix>.``) of the running views, and the role owning each.
 VIEW_GROUPS = {"router-view.": "router", "load-view.": "planner", "metrics.": "processor"}

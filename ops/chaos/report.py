@@ -31,8 +31,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from control_plane.chaos.load import Sent
-from control_plane.chaos.plan import BROKER_FAULTS, Plan
+from ops.chaos.load import Sent
+from ops.chaos.plan import BROKER_FAULTS, Plan
 from kernel.log.ledger import LedgerCheck
 from schemas import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
@@ -46,7 +46,7 @@ class FaultRecord:
     planned_s: float
     at_s: float
     target: str = ""
-    #: The component healthy again (see control_plane/chaos/run.py for each kind's condition).
+    #: The component healthy again (see ops/chaos/run.py for each kind's condition).
     healthy_s: float | None = None
     #: The end of the first request sent after the fault that was served in full.
     traffic_s: float | None = None

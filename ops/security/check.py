@@ -36,7 +36,7 @@ Probes:
   without a password, the S3 object store (SeaweedFS) listing buckets unsigned and with a wrong
   secret key.
 * **HTTP surfaces** (issue 36: floods, lockout, labels, workers, allowlist, replay CLI):
-  :mod:`control_plane.security.probes_http`.
+  :mod:`ops.security.probes_http`.
 * **listeners**: every listening socket of the system's processes (and their children) must be
   on loopback (verdict ``loopback``, else ``exposed``).
 
@@ -54,8 +54,8 @@ from pathlib import Path
 
 import httpx
 
-from control_plane.security import probes_bus, probes_http
-from control_plane.security.probe import (ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets,
+from ops.security import probes_bus, probes_http
+from ops.security.probe import (ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets,
                                          quiet)
 
 # -- the router's OpenAI API -------------------------------------------------------------------
@@ -406,7 +406,7 @@ def probe_s3(endpoint: str) -> list[Probe]:
 
 
 def probe_listeners(pids: list[int]) -> list[Probe]:
-    from control_plane.stack.process import listening_sockets
+    from ops.stack.process import listening_sockets
 
     out = []
     for x in listening_sockets(pids):
@@ -464,7 +464,7 @@ def report(probes: list[Probe]) -> str:
 
 def demo_targets(stack_settings) -> Targets:
     """The system ``switchyard up`` started: URLs from its ``procs.json``, every process of it."""
-    from control_plane.demo.up import Supervisor, demo_secret, system_pids
+    from ops.demo.up import Supervisor, demo_secret, system_pids
 
     procs = Supervisor(stack_settings).procs
     urls = {p.name: p.url or None for p in procs}

@@ -8,12 +8,12 @@ service and verifies that no process holding the stack's data dir survives.
 from __future__ import annotations
 
 from control_plane.settings import StackSettings
-from control_plane.stack.kafka import KafkaService
-from control_plane.stack.postgres import PostgresService
-from control_plane.stack.process import StackError, processes_mentioning
-from control_plane.stack.prometheus import PrometheusService
-from control_plane.stack.redis import RedisService
-from control_plane.stack.seaweedfs import SeaweedService
+from ops.stack.kafka import KafkaService
+from ops.stack.postgres import PostgresService
+from ops.stack.process import StackError, processes_mentioning
+from ops.stack.prometheus import PrometheusService
+from ops.stack.redis import RedisService
+from ops.stack.seaweedfs import SeaweedService
 
 SERVICE_NAMES = ("kafka", "postgres", "redis", "prometheus", "seaweedfs")
 

@@ -32,7 +32,7 @@ def _defaults(token_file: Path | None, url: str | None) -> tuple[Path | None, st
         token_file = demo / "admin-token"
     if url is None and not os.environ.get(URL_ENV):
         # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
-        from control_plane.demo.up import Supervisor
+        from ops.demo.up import Supervisor
 
         url = next((p.url for p in Supervisor(st).procs if p.name == "admin" and p.url), None)
     return token_file, url

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from control_plane.chaos.errors import PlanError
+from ops.chaos.errors import PlanError
 
 #: Every fault kind, in the default order of ``--in-order``.
 FAULT_KINDS: tuple[str, ...] = (
@@ -73,7 +73,7 @@ class PlanConfig:
     hang_s: float = 6.0
     #: How long a worker's KV disk tier stays full.
     disk_full_s: float = 8.0
-    #: The brokers' session timeout (control_plane/stack/kafka.py:
+    #: The brokers' session timeout (ops/stack/kafka.py:
     #: BROKER_SESSION_TIMEOUT_MS; tests/unit/test_chaos_plan.py holds the two equal).
     session_timeout_s: float = 1.5
 

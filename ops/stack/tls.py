@@ -10,7 +10,7 @@ certificate; for SeaweedFS's gRPC, another CA and one certificate its components
 
 * ``seaweedfs-ca.pem``/``.key``, ``seaweedfs-node.pem``/``.key``: SeaweedFS's gRPC CA and the
   certificate (server and client auth) each of its components presents to the others
-  (``[grpc.*]`` of its ``security.toml``, control_plane/stack/seaweedfs.py).
+  (``[grpc.*]`` of its ``security.toml``, ops/stack/seaweedfs.py).
 
 Everything is in the stack's secrets directory (0700, each file 0600). EC P-256 keys: a TLS
 handshake costs a fraction of an RSA one on this box. A certificate is made again when it is

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import httpx
 
-from control_plane.chaos.errors import ChaosError
-from control_plane.chaos.load import OpenLoopLoad
-from control_plane.chaos.plan import BROKER_FAULTS, FaultAt, Plan, PlanConfig, make_plan
-from control_plane.chaos.report import ChaosReport, FaultRecord, ViewCheck, build_report, plot_timeline, request_ends
-from control_plane.chaos.system import ChaosSystem, Proc, SystemSettings, Topology, wait
+from ops.chaos.errors import ChaosError
+from ops.chaos.load import OpenLoopLoad
+from ops.chaos.plan import BROKER_FAULTS, FaultAt, Plan, PlanConfig, make_plan
+from ops.chaos.report import ChaosReport, FaultRecord, ViewCheck, build_report, plot_timeline, request_ends
+from ops.chaos.system import ChaosSystem, Proc, SystemSettings, Topology, wait
 from control_plane.replay.oracle import oracle_view, parse_positions
-from control_plane.stack.process import StackError
+from ops.stack.process import StackError
 from kernel.log.kafka import Ack, EventProducer
 from kernel.log.ledger import check_acks, load_ledger
 from kernel.log.reader import KafkaLogReader, read_events

@@ -1,6 +1,6 @@
 """``switchyard security-check``'s probes of the HTTP surfaces (issue 36): what an attacker on
 the box does with no credential, or with one it captured, against the router, the workers and
-the admin API. Each probe is one attack with a verdict, as in :mod:`control_plane.security.check`.
+the admin API. Each probe is one attack with a verdict, as in :mod:`ops.security.check`.
 
 * **connection flood** (router): 1,030 idle connections, reopened as the router closes them,
   while a legitimate client sends requests on new connections. Refused means every request was
@@ -39,8 +39,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from control_plane.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
-from control_plane.security.probes_bus import probe_forged_events
+from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
+from ops.security.probes_bus import probe_forged_events
 
 #: The flood of the issue: past the servers' old 1,024-connection limit.
 FLOOD_CONNECTIONS = 1030
@@ -110,7 +110,7 @@ def flood(addrs: list[tuple[str, int]], per_addr: int, max_s: float, max_connect
 
 
 class Flood:
-    """The flood in a child process (``python -m control_plane.security.probes_http``): its own
+    """The flood in a child process (``python -m ops.security.probes_http``): its own
     interpreter, bounded in time and count, killed if it does not stop when told."""
 
     def __init__(self, urls: list[str], per_addr: int = FLOOD_CONNECTIONS, max_s: float = FLOOD_MAX_S,
@@ -135,7 +135,7 @@ class Flood:
 
         self.proc = subprocess.Popen(
             [*(["nice", "-n", str(self.nice)] if self.nice else []), sys.executable, "-m",
-             "control_plane.security.probes_http", str(self.per_addr), str(self.max_s), str(self.max_connects),
+             "ops.security.probes_http", str(self.per_addr), str(self.max_s), str(self.max_connects),
              *self.addrs], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
@@ -487,7 +487,7 @@ def probe_replay_cli() -> list[Probe]:
 
 def _metrics_url() -> str | None:
     """The metrics processor ``switchyard up`` started, if any."""
-    from control_plane.demo.up import Supervisor
+    from ops.demo.up import Supervisor
     from control_plane.settings import StackSettings
 
     url = next((p.url for p in Supervisor(StackSettings.from_env()).procs if p.name == "metrics" and p.url), None)

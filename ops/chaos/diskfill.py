@@ -14,7 +14,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from control_plane.chaos.errors import ChaosError
+from ops.chaos.errors import ChaosError
 
 #: The ballast's name: not a block file (``<16 hex>.kvb``) nor a temporary (``*.tmp``), so the
 #: disk store neither scans it as a block nor deletes it as a crashed write's leftover.

@@ -10,6 +10,6 @@ fold, and every admitted request for an end with a reason.
   :mod:`.report` folds what was recorded and what the log holds into the verdict.
 """
 
-from control_plane.chaos.errors import ChaosError, PlanError
+from ops.chaos.errors import ChaosError, PlanError
 
 __all__ = ["ChaosError", "PlanError"]

@@ -1,6 +1,6 @@
 """The whole system on private ports under one state dir, for a chaos run (adapter).
 
-* a KRaft cluster of ``brokers`` nodes (control_plane/stack/kafka.py), topics from the catalog
+* a KRaft cluster of ``brokers`` nodes (ops/stack/kafka.py), topics from the catalog
   with 3 replicas and ``min.insync.replicas`` 2 (``apply_topics``);
 * a private Redis for the planner's leader lease;
 * ``routers`` router replicas, each with a stable id and port (a restart closes the requests its
@@ -28,13 +28,13 @@ from pathlib import Path
 
 import httpx
 
-from control_plane.chaos.diskfill import DiskFaultUnavailable, SmallDisk
-from control_plane.chaos.errors import ChaosError
-from control_plane.chaos.plan import Topology
+from ops.chaos.diskfill import DiskFaultUnavailable, SmallDisk
+from ops.chaos.errors import ChaosError
+from ops.chaos.plan import Topology
 from control_plane.router.admission import AdmissionConfig
 from control_plane.settings import StackSettings
-from control_plane.stack.kafka import KafkaNode, KafkaService
-from control_plane.stack.redis import RedisService
+from ops.stack.kafka import KafkaNode, KafkaService
+from ops.stack.redis import RedisService
 from kernel.log.admin import apply_topics
 from kernel.log.catalog import Catalog
 from kernel.net import free_port
@@ -71,7 +71,7 @@ class SystemSettings:
     kafka_heap: str = "384m"
     secrets_dir: Path | None = None
     #: Mount a small filesystem under every worker's KV disk tier, so that the disk_full fault
-    #: can fill it (root only; see control_plane/chaos/diskfill.py).
+    #: can fill it (root only; see ops/chaos/diskfill.py).
     small_disks: bool = False
     #: Size of each. The tier's capacity is then ``small_disk_blocks`` (half of it): a run never
     #: fills it, so no write has to evict a block first, and every write the ballast's ENOSPC

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from control_plane.metrics.exposition import write_targets
 from control_plane.settings import StackSettings
-from control_plane.stack.process import (
+from ops.stack.process import (
     StackError,
     live_pid,
     require_free_port,

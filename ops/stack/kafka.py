@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 from control_plane.settings import StackSettings
-from control_plane.stack.process import (
+from ops.stack.process import (
     StackError,
     alive,
     live_pid,
@@ -52,7 +52,7 @@ from control_plane.stack.process import (
     terminate,
     wait_until,
 )
-from control_plane.stack.tls import ensure_kafka_tls
+from ops.stack.tls import ensure_kafka_tls
 from kernel.log.catalog import replication_for
 from kernel.settings import BusSettings, repo_root
 

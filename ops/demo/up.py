@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 
 from control_plane.admin.client import AdminClient
-from control_plane.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE, DemoSettings  # noqa: F401 (re-exported)
+from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE, DemoSettings  # noqa: F401 (re-exported)
 from control_plane.settings import StackSettings
-from control_plane.stack import Stack
-from control_plane.stack.process import descendants, port_in_use, processes_mentioning, read_pid, terminate
+from ops.stack import Stack
+from ops.stack.process import descendants, port_in_use, processes_mentioning, read_pid, terminate
 from kernel.log.catalog import Catalog
 from kernel.log.reader import KafkaLogReader
 from kernel.net import free_port
@@ -181,7 +181,7 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
                    "--s3-bucket", DEMO_BUCKET, "--s3-credentials-file", str(stack_settings.s3_credentials_file)]
     if vllm:
         # lazy: start-up time: loads numpy only when called
-        from control_plane.demo import vllm as vllm_demo
+        from ops.demo import vllm as vllm_demo
     for role, n in (("prefill", d.prefill_workers), ("decode", d.decode_workers)):
         for i in range(n):
             wid, wport = f"{role}-{i}", free_port()
@@ -229,13 +229,13 @@ def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict
     import asyncio
 
     # lazy: start-up time: loads numpy only when called
-    from control_plane.demo.loadgen import format_summary, plot, run_trace
+    from ops.demo.loadgen import format_summary, plot, run_trace
 
     if d.limit <= 0:
         echo(f"up in {startup_s:.0f} s: router {router_url}/v1, admin {admin_url or '-'}; `switchyard down` stops it")
         return {"router": router_url, "admin": admin_url, "startup_s": startup_s}
     # lazy: start-up time: loads numpy only when called
-    from control_plane.demo.runcheck import CpuSampler, breakdown, explain, now_ms, predict
+    from ops.demo.runcheck import CpuSampler, breakdown, explain, now_ms, predict
 
     echo(f"replaying {d.limit} requests of {d.trace.name} at {d.rate}x arrivals"
          + ("" if vllm else f", engines at {d.speedup}x the mocker profile") + f", through {router_url} ...")

@@ -1,5 +1,5 @@
 """What a security probe is and says: its verdicts, its result and the system it targets. Below
-the check (:mod:`control_plane.security.check`) and its probe modules, which all use them."""
+the check (:mod:`ops.security.check`) and its probe modules, which all use them."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ What it is started with, and why:
   gRPC among themselves. Reads and writes of the volume server's HTTP API need a JWT signed
   with keys made at each start (``security.toml`` in its working directory, 0600).
 * gRPC with mutual TLS (``[grpc.*]`` of ``security.toml``): a client without a certificate from
-  the stack's SeaweedFS CA (control_plane/stack/tls.py, in the secrets directory) is refused,
+  the stack's SeaweedFS CA (ops/stack/tls.py, in the secrets directory) is refused,
   ``weed shell`` included.
 * its logs go to ``seaweedfs.log`` (``-logtostderr``; glog would write files into /tmp), its
   filer and S3 local sockets into its directory. Its gRPC local sockets are
@@ -42,8 +42,8 @@ import sys
 from pathlib import Path
 
 from control_plane.settings import S3_ACCESS_KEY, StackSettings
-from control_plane.stack.process import StackError, live_pid, require_free_port, start_daemon, terminate
-from control_plane.stack.tls import GrpcTls, ensure_seaweedfs_tls
+from ops.stack.process import StackError, live_pid, require_free_port, start_daemon, terminate
+from ops.stack.tls import GrpcTls, ensure_seaweedfs_tls
 from kernel.processes import alive
 
 #: The release whose flags this module uses (pinned in pyproject.toml).
