@@ -4,8 +4,8 @@ below the engine's G1 device pool, in the spirit of NVIDIA Dynamo's KVBM.
 * :mod:`.residency` and :mod:`.policy` decide (pure); :mod:`.manager` executes against the
   :mod:`.stores` and reports every residency change as an event (merged per call by
   :mod:`.event_batch`; its answers are :mod:`.results`); :mod:`.projection` folds past
-  events back into claimed residency for a restart; :mod:`.content` and :mod:`.frame` make every
-  block verifiable.
+  events back into claimed residency for a restart and :mod:`.rebuild` sorts those claims
+  against the stores (pure); :mod:`.content` and :mod:`.frame` make every block verifiable.
 * Blocking API (thread-safe); :class:`AsyncKvbm` for asyncio callers.
 """
 

@@ -46,6 +46,7 @@ from data_plane.kvbm.errors import (
 )
 from data_plane.kvbm.event_batch import EventBatch
 from data_plane.kvbm.policy import EvictionPolicy
+from data_plane.kvbm.rebuild import TierPlan, plan_tier
 from data_plane.kvbm.residency import Admission, Op, OpKind, Refusal, Residency
 from data_plane.kvbm.results import OnboardedBlock, OnboardResult, RebuildReport
 from data_plane.kvbm.settings import KvbmSettings
@@ -523,67 +524,41 @@ class KvBlockManager:
                     raise KvbmError(f"rebuild on a non-empty {tier.value} tier")
             # Check everything first, change nothing: a storage error raised here leaves the
             # manager empty, so the worker can simply retry.
-            checked: list[tuple[Tier, list[BlockHash], list[BlockHash], list[BlockHash],
-                                list[BlockHash], list[BlockHash]]] = []
+            plans: list[TierPlan] = []
             for tier in TIER_ORDER:
                 if tier not in PERSISTENT_TIERS:
                     continue
                 claims = list(dict.fromkeys(claimed.get(tier, ())))
-                if tier not in self._res.tiers:
-                    checked.append((tier, [], claims, [], [], []))
-                    continue
-                present = self._stores[tier].scan()
-                ok: list[BlockHash] = []
-                missing: list[BlockHash] = []
-                corrupt: list[BlockHash] = []
-                for h in claims:
-                    if h not in present:
-                        missing.append(h)
-                    elif present[h] != size:
-                        corrupt.append(h)
-                    else:
-                        state = self._check(h, tier, deep)
-                        {"ok": ok, "missing": missing, "corrupt": corrupt}[state].append(h)
-                claimed_set = set(claims)
-                cap = self._res.capacity(tier)
-                room = max(cap - len(ok), 0)
-                adopt: list[BlockHash] = []
-                orphans: list[BlockHash] = []
-                for h in sorted(present):
-                    if h in claimed_set:
-                        continue
-                    if (adopt_orphans and len(adopt) < room and present[h] == size
-                            and self._check(h, tier, deep) == "ok"):
-                        adopt.append(h)
-                    else:
-                        orphans.append(h)
-                checked.append((tier, ok, missing, corrupt, adopt, orphans))
+                managed = tier in self._res.tiers
+                plans.append(plan_tier(
+                    tier, claims, self._stores[tier].scan() if managed else None, size,
+                    self._res.capacity(tier) if managed else 0,
+                    lambda h, tier=tier: self._check(h, tier, deep), adopt_orphans))
 
-            for tier, ok, missing, corrupt, adopt, orphans in checked:
-                cut = max(len(ok) - self._res.capacity(tier), 0)
-                excess, ok = ok[:cut], ok[cut:]
+            for p in plans:
+                tier = p.tier
                 if tier in self._res.tiers:
-                    for h in corrupt + excess + orphans:
+                    for h in p.corrupt + p.excess + p.orphans:
                         self._delete(h, tier)
-                for h in missing + corrupt + excess:
+                for h in p.missing + p.corrupt + p.excess:
                     batch.removed(tier, h)
-                for h in ok:
+                for h in p.ok:
                     self._res.add(h, tier)
-                for h in adopt:
+                for h in p.adopt:
                     self._res.add(h, tier)
                     batch.stored(tier, h, None)
-                self._stats["rebuild_corrupt"] += len(corrupt)
-                self._stats["rebuild_missing"] += len(missing)
+                self._stats["rebuild_corrupt"] += len(p.corrupt)
+                self._stats["rebuild_missing"] += len(p.missing)
                 if tier in self._res.tiers:
-                    report.verified[tier] = ok + adopt
-                for name, vals in (("missing", missing), ("corrupt", corrupt),
-                                   ("over_capacity", excess), ("orphans_deleted", orphans),
-                                   ("orphans_adopted", adopt)):
+                    report.verified[tier] = p.ok + p.adopt
+                for name, vals in (("missing", p.missing), ("corrupt", p.corrupt),
+                                   ("over_capacity", p.excess), ("orphans_deleted", p.orphans),
+                                   ("orphans_adopted", p.adopt)):
                     if vals:
                         getattr(report, name)[tier] = vals
                 logger.info("rebuilt %s: %d verified, %d missing, %d corrupt, %d over capacity, "
-                            "%d orphans deleted, %d adopted", tier.value, len(ok), len(missing),
-                            len(corrupt), len(excess), len(orphans), len(adopt))
+                            "%d orphans deleted, %d adopted", tier.value, len(p.ok), len(p.missing),
+                            len(p.corrupt), len(p.excess), len(p.orphans), len(p.adopt))
         return report
 
     def _check(self, h: BlockHash, tier: Tier, deep: bool) -> str:
