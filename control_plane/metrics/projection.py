@@ -18,8 +18,9 @@ Idempotent under redelivery, twice over:
 
 What the numbers mean (goodput, prefix hits, avoidable prefill, index series) and why every
 family is the same for any interleaving of the partitions: ``docs/metrics.md``. Beside it: the
-state a snapshot keeps (:mod:`.state`), the read shapes and the processor's own families
-(:mod:`.families`), bounded label values (:mod:`.labels`).
+state a snapshot keeps (:mod:`.state`), the gauges read from it (:mod:`.gauges`), the read
+shapes and the processor's own families (:mod:`.families`), bounded label values
+(:mod:`.labels`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from enum import Enum
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.prefix_index import IndexStats
 from control_plane.index.select import new_index, restore_index
 from control_plane.metrics.catalog import BY_NAME, SPECS, TIERS, Kind
 from control_plane.metrics.families import PROCESSOR_METRICS, Family, HistogramValue, Labels
+from control_plane.metrics.gauges import gauge_samples
 from control_plane.metrics.labels import UNKNOWN, deadletter_labels, reason_class
 from control_plane.metrics.state import (
     SNAPSHOT_FORMAT,
@@ -80,10 +81,6 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
-
-#: Same encoding as the router's ``switchyard_router_view_state``.
-VIEW_STATES = {"LOADING": 0, "EXACT": 1, "DEGRADED": 2}
-
 
 @dataclass(frozen=True)
 class ProjectionConfig:
@@ -522,7 +519,8 @@ class MetricsProjection:
         """Every event-derived metric with its current samples (the processor's own come from
         :func:`processor_families`)."""
         stats = self.index.stats()
-        gauges = self._gauges(stats)
+        gauges = gauge_samples(stats, self._workers, self._pools, self.slo_ms, len(self._pending),
+                               self._config_versions, self._routers, self.last_ts_ms)
         counters, hists = self._joined()
         # The index keeps its own counters (they survive in its snapshot); exposed as is.
         counters["switchyard_index_events_total"] = {(k,): float(v) for k, v in stats.counters.items()}
@@ -563,65 +561,6 @@ class MetricsProjection:
                 cur = out.get(key)
                 out[key] = h if cur is None else cur.merged(h)
         return counters, hists
-
-    def _gauges(self, stats: IndexStats) -> dict[str, dict[Labels, float]]:
-        g: dict[str, dict[Labels, float]] = {}
-        g["switchyard_index_hashes"] = {(): float(stats.distinct_hashes)}
-        stale_ids = {r.worker_id for r in stats.stale}
-        # As the router counts them (RouterView.stale_workers): registered workers not gone.
-        known = {w for w, st in self._workers.items() if st.state != "gone"}
-        g["switchyard_index_stale_workers"] = {(): float(len(stale_ids & known))}
-        # Per-worker series for the workers registered and not gone, holding blocks, or stale;
-        # not for every slot the index happens to keep (whether a slot exists, empty, depends
-        # on which topic was read first).
-        holding = {rank.worker_id for rank, tiers in stats.blocks.items() if any(tiers.values())}
-        shown = known | holding | stale_ids
-        g["switchyard_index_worker_stale"] = {(w,): float(w in stale_ids) for w in sorted(shown)}
-        per_tier: dict[Labels, float] = {}
-        per_worker: dict[Labels, float] = {}
-        for rank, tiers in stats.blocks.items():
-            for tier, n in tiers.items():
-                per_tier[(tier.value,)] = per_tier.get((tier.value,), 0.0) + n
-                if rank.worker_id in shown:
-                    key = (rank.worker_id, tier.value)
-                    per_worker[key] = per_worker.get(key, 0.0) + n
-        g["switchyard_kv_blocks"] = per_tier
-        g["switchyard_kv_worker_blocks"] = per_worker
-        workers: dict[Labels, float] = {}
-        for w in self._workers.values():
-            for state in ("ready", "draining", "gone"):
-                workers.setdefault((w.pool, w.role, state), 0.0)
-            workers[(w.pool, w.role, w.state)] += 1
-        g["switchyard_workers"] = workers
-        live = [w for w in self._workers.values() if w.state != "gone"]
-        g["switchyard_worker_running_requests"] = {(w.worker_id, w.pool): float(w.running) for w in live}
-        g["switchyard_worker_waiting_requests"] = {(w.worker_id, w.pool): float(w.waiting) for w in live}
-        g["switchyard_worker_queued_prefill_tokens"] = {(w.worker_id, w.pool): float(w.queued_prefill_tokens)
-                                                        for w in live}
-        g["switchyard_worker_tier_usage_ratio"] = {(w.worker_id, w.pool, t): float(u)
-                                                   for w in live for t, u in w.tier_usage.items()}
-        g["switchyard_requests_in_flight"] = {(): float(len(self._pending))}
-        ttft, itl, tgt, applied, lo, hi, pinned = {}, {}, {}, {}, {}, {}, {}
-        for name, p in self._pools.items():
-            t_ms, i_ms = self.slo_ms(name)
-            ttft[(name,)], itl[(name,)] = t_ms / 1000, i_ms / 1000
-            for role, n in p.target.items():
-                tgt[(name, role)] = float(n)
-            for dst, val in ((applied, p.applied), (lo, p.min_replicas), (hi, p.max_replicas), (pinned, p.pinned)):
-                if val is not None:
-                    dst[(name,)] = float(val)
-        g["switchyard_pool_slo_ttft_seconds"] = ttft
-        g["switchyard_pool_slo_itl_seconds"] = itl
-        g["switchyard_pool_target_replicas"] = tgt
-        g["switchyard_pool_applied_replicas"] = applied
-        g["switchyard_pool_min_replicas"] = lo
-        g["switchyard_pool_max_replicas"] = hi
-        g["switchyard_pool_pinned_replicas"] = pinned
-        g["switchyard_config_version"] = {(c,): float(v) for c, v in self._config_versions.items()}
-        g["switchyard_router_last_view_state"] = {(r,): float(VIEW_STATES[s]) for r, s in self._routers.items()
-                                                  if s in VIEW_STATES}
-        g["switchyard_metrics_last_record_timestamp_seconds"] = {(s,): ts / 1000 for s, ts in self.last_ts_ms.items()}
-        return g
 
     def as_dict(self) -> dict[str, dict[Labels, float | tuple]]:
         """Comparable plain form of every family (tests compare two folds with it)."""
@@ -685,4 +624,4 @@ class MetricsProjection:
         return p
 
 
-__all__ = ["MetricsProjection", "ProjectionConfig", "VIEW_STATES"]
+__all__ = ["MetricsProjection", "ProjectionConfig"]
