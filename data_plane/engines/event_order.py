@@ -57,6 +57,7 @@ class EventOrder:
         return self.before(("R", w, rel[1], rel[2]), lnode)
 
     def entry_before(self, node: tuple, lc: int, lnode: tuple | None) -> bool:
+        """Whether a buffered notification (its event node) comes before the limit."""
         _, c = self._pos(node)
         if c != lc:
             return c < lc
@@ -149,14 +150,14 @@ class EventOrder:
 class OrderKey:
     """Sort key of one buffered notification in the cluster's delivery of notifications."""
 
-    __slots__ = ("t", "w", "i", "entry", "sim")
+    __slots__ = ("t", "w", "i", "entry", "order")
 
-    def __init__(self, t: float, w: int, i: int, entry: tuple, sim: EventOrder) -> None:
-        self.t, self.w, self.i, self.entry, self.sim = t, w, i, entry, sim
+    def __init__(self, t: float, w: int, i: int, entry: tuple, order: EventOrder) -> None:
+        self.t, self.w, self.i, self.entry, self.order = t, w, i, entry, order
 
     def __lt__(self, other: OrderKey) -> bool:
         if self.t != other.t:
             return self.t < other.t
         if self.w == other.w:
             return self.i < other.i
-        return self.sim.before(self.entry[1], other.entry[1])
+        return self.order.before(self.entry[1], other.entry[1])
