@@ -5,7 +5,7 @@ Dynamo's side is ``dynamo._core.run_mocker_trace_replay`` from PyPI ``ai-dynamo-
 Mooncake trace on 4 aggregated workers, round robin, arrival speed 1x, trace block size 512
 (each hash id = 8 engine blocks of 64), with the mocker's defaults (16,384 blocks, 256
 sequences, 8,192 batched tokens, chunked prefill, prefix caching). Ours runs
-:func:`data_plane.engines.simulate` with the ``mocker`` profile and requests from
+:func:`data_plane.engines.simulate` (``engine_only.py``) with the ``mocker`` profile and requests from
 :class:`data_plane.engines.trace.MooncakeTrace`.
 
 Printed side by side: TTFT p50/p99, ITL p50 (over all inter-token intervals), output tokens/s

@@ -18,7 +18,7 @@ mocker timing, reproduced exactly): prefill workers run the prompt and hold its 
 first token, then the KV moves to a decode worker at no cost (the mocker's default) and the
 decode worker generates the rest. Routing: prefill to the ready worker with the fewest queued
 prompt tokens, decode to the one with the fewest running sequences. The cores run on the one
-virtual-time driver, :class:`data_plane.engines.simulate.Cluster` (a step of ``d`` ms started at
+virtual-time driver, :class:`data_plane.engines.cluster.Cluster` (a step of ``d`` ms started at
 ``t`` delivers at ``t + d``); :class:`Sim` is its hooks: this routing, the planner's ticks, and
 the events the planner folds. A prefill worker frees a prompt's blocks at its first token,
 before its next step (the KV has moved to the decode side).
@@ -73,7 +73,8 @@ from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_prof
 from control_plane.planner.load_view import LoadView, stamp
 from control_plane.planner.policy import PlannerState, decide, needed_replicas
 from data_plane.engines import EngineCore, EngineRequest, default_hash_config, load_profile, read_mooncake
-from data_plane.engines.simulate import Cluster, HandOff, Hooks, Placement
+from data_plane.engines.cluster import Cluster
+from data_plane.engines.hooks import HandOff, Hooks, Placement
 from data_plane.engines.trace import MooncakeTrace, TraceRecord
 from schemas.events import (
     PrefillCompleted,

@@ -1,10 +1,10 @@
 """The cluster simulator's router side: the router's decision and its in-flight ledger on the
-virtual clock of :class:`data_plane.engines.simulate.Cluster` (the one virtual-time driver).
+virtual clock of :class:`data_plane.engines.cluster.Cluster` (the one virtual-time driver).
 
 One implementation, used by the routing benchmark (``benchmarks/routing_bench.py``), replay's
 what-if (``control_plane/replay/whatif.py``) and the demo's prediction of what a run should show
 (``ops/demo/runcheck.py``). :class:`SimRouter` is the driver's
-:class:`~data_plane.engines.simulate.ClusterHooks`; its rules:
+:class:`~data_plane.engines.hooks.ClusterHooks`; its rules:
 
 * **overlaps** from a :class:`~control_plane.index.prefix_index.PrefixIndex` folded from the
   simulated engines' own KV events, published when the step that produced them ends (plus
@@ -37,7 +37,8 @@ from control_plane.router.ledger import RouterLedger
 from data_plane.engines import EngineRequest, default_hash_config, load_profile
 from data_plane.engines.core import EngineStats
 from data_plane.engines.profiles import HardwareProfile
-from data_plane.engines.simulate import Cluster, Hooks, Placement
+from data_plane.engines.cluster import Cluster
+from data_plane.engines.hooks import Hooks, Placement
 from data_plane.engines.tiers import OnboardCosts
 from schemas.envelope import Envelope, EnvelopeFactory
 from schemas.events import Event, PrefillCompleted, RequestAdmitted, RequestCompleted
@@ -107,7 +108,7 @@ class SimRouter(Hooks):
     its :class:`~control_plane.router.ledger.RouterLedger` as an envelope stamped on the virtual
     clock. ``recorded`` keeps them when asked (``record=True``), as a log a replay could read.
 
-    It is the cluster driver's hooks (:class:`~data_plane.engines.simulate.ClusterHooks`): the
+    It is the cluster driver's hooks (:class:`~data_plane.engines.hooks.ClusterHooks`): the
     driver asks it to place arrivals and hand-offs and tells it, in the one-heap loop's order,
     the engines' KV events, load reports, first tokens and completions.
     """
@@ -333,7 +334,7 @@ class RoutedRequest:
     finished: bool = False
     #: Of ``cached_tokens``, those loaded from a tier below the device (``run_cluster(tiers=)``).
     onboarded_tokens: int = 0
-    #: The driver's account of its prefill (:class:`~data_plane.engines.simulate.RequestRecord`):
+    #: The driver's account of its prefill (:class:`~data_plane.engines.records.RequestRecord`):
     #: start of its admitting step, steps through its first token, its prefix's load time.
     admitted_ms: float | None = None
     prefill_steps: int = 0

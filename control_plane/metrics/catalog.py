@@ -7,7 +7,7 @@ Prometheus itself (``up``); ``tests/integration/test_dashboards.py`` enforces it
 
 Label values are bounded: pools, roles, tiers, backends, streams and machine-readable codes.
 Per-worker gauges carry ``worker_id`` (one series per worker, the fleet size); free-text
-reasons are reduced to a short class (see :func:`control_plane.metrics.projection.reason_class`).
+reasons are reduced to a short class (see :func:`control_plane.metrics.labels.reason_class`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from control_plane.metrics.catalog import Kind
-from control_plane.metrics.projection import Family, HistogramValue
+from control_plane.metrics.families import Family, HistogramValue
 
 
 def _le(bound: float) -> str:

@@ -17,26 +17,40 @@ Idempotent under redelivery, twice over:
   older incarnations.
 
 What the numbers mean (goodput, prefix hits, avoidable prefill, index series) and why every
-family is the same for any interleaving of the partitions: ``docs/metrics.md``.
+family is the same for any interleaving of the partitions: ``docs/metrics.md``. Beside it: the
+state a snapshot keeps (:mod:`.state`), the gauges read from it (:mod:`.gauges`), the read
+shapes and the processor's own families (:mod:`.families`), bounded label values
+(:mod:`.labels`).
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.prefix_index import IndexStats
 from control_plane.index.select import new_index, restore_index
-from control_plane.metrics.catalog import BY_NAME, EVENT_STREAMS, SPECS, TIERS, Kind, MetricSpec
+from control_plane.metrics.catalog import BY_NAME, SPECS, TIERS, Kind
+from control_plane.metrics.families import PROCESSOR_METRICS, Family, HistogramValue, Labels
+from control_plane.metrics.gauges import gauge_samples
+from control_plane.metrics.labels import UNKNOWN, deadletter_labels, reason_class
+from control_plane.metrics.state import (
+    SNAPSHOT_FORMAT,
+    SUM_SCALE,
+    Hist,
+    Pending,
+    PoolState,
+    Snapshot,
+    WorkerState,
+    hist_value,
+)
 from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
-from kernel.fleet import NEW, Fleet, Lifecycle
+from kernel.fleet import NEW, Fleet
 from kernel.log.sequencing import SequenceTracker, Verdict
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -68,35 +82,6 @@ from schemas.events import (
     WorkerRegistered,
 )
 
-SNAPSHOT_FORMAT = 1
-#: Label value for a pool the projection cannot name (a worker it never saw register).
-UNKNOWN = "unknown"
-#: What a dead-letter ``reason`` label may say: the kind before the first ":" of the header
-#: (schemas/errors.py, schemas/signing.py, kernel/log/fold.py, the index), else ``other``. Any
-#: role may write the dead-letter topic and its headers, so a label never carries them as they
-#: are: 3,000 invented reasons would be 3,000 series. The header itself stays on the record.
-DEADLETTER_REASONS = frozenset({"schema_error", "malformed", "unknown_type", "unsupported_version", "no_value",
-                                "apply_failed", "index_rejected", "forged"})
-OTHER = "other"
-
-
-def deadletter_labels(reason: str, source: str) -> tuple[str, str]:
-    """The (reason, source) labels of a dead-lettered record: each from a fixed set, ``other``
-    for anything else (``unknown`` when the header is missing)."""
-    kind = reason.split(":", 1)[0]
-    return ((kind if kind in DEADLETTER_REASONS else OTHER) if reason else UNKNOWN,
-            (source if source in EVENT_STREAMS else OTHER) if source else UNKNOWN)
-#: Same encoding as the router's ``switchyard_router_view_state``.
-VIEW_STATES = {"LOADING": 0, "EXACT": 1, "DEGRADED": 2}
-#: Metrics the processor knows beyond the fold: broker probes and its own errors
-#: (see :func:`processor_families`).
-PROCESSOR_METRICS = frozenset({"switchyard_metrics_lag_records", "switchyard_log_end_offset",
-                               "switchyard_consumer_group_lag_records", "switchyard_consumer_group_members",
-                               "switchyard_metrics_fold_errors_total"})
-
-Labels = tuple[str, ...]
-
-
 @dataclass(frozen=True)
 class ProjectionConfig:
     """How the fold interprets events. Part of what a snapshot means: a processor restoring a
@@ -123,135 +108,9 @@ class ProjectionConfig:
             raise ValueError("pending_ttl_s and max_pending must be positive")
 
 
-@dataclass(frozen=True)
-class HistogramValue:
-    """One histogram series: cumulative counts per bucket (the last one is ``+Inf``) and sum."""
-
-    bounds: tuple[float, ...]
-    cumulative: tuple[int, ...]
-    sum: float
-
-    @property
-    def count(self) -> int:
-        return self.cumulative[-1]
-
-
-@dataclass(frozen=True)
-class Family:
-    """A metric and its samples: ``{labels: value}`` (a HistogramValue for histograms)."""
-
-    spec: MetricSpec
-    samples: dict[Labels, float | HistogramValue] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BrokerState:
-    """What a broker probe saw (the processor's adapter fills it; tests build it by hand)."""
-
-    #: (stream, partition) -> high watermark (the offset the next record will get).
-    end_offsets: dict[tuple[str, int], int] = field(default_factory=dict)
-    #: group id -> member count.
-    group_members: dict[str, int] = field(default_factory=dict)
-    #: group id -> {(stream, partition): committed offset}; partitions never committed absent.
-    group_offsets: dict[str, dict[tuple[str, int], int]] = field(default_factory=dict)
-
-
-def reason_class(reason: str) -> str:
-    """A free-text failure reason reduced to a bounded label value: the text before the first
-    ``:`` or ``(``, snake_cased, when it is a short phrase of letters (``"TransferTimeout: ..."``
-    -> ``transfer_timeout``, ``"no free staging slots (3 needed)"`` -> ``no_free_staging_slots``);
-    otherwise ``other`` (numbers and ids would make one series per failure)."""
-    head = re.split(r"[:(\[]", reason, maxsplit=1)[0].strip()
-    head = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", head).lower()
-    if not re.fullmatch(r"[a-z][a-z _-]{0,39}", head):
-        return "other"
-    return re.sub(r"[ -]+", "_", head)
-
 
 def _v(x) -> str:
     return x.value if isinstance(x, Enum) else str(x)
-
-
-# -- state that survives a snapshot -----------------------------------------------------------
-
-
-class _Worker(msgspec.Struct, kw_only=True):
-    worker_id: str
-    epoch: int
-    pool: str
-    role: str
-    state: str = "ready"  # ready | draining | gone
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    tier_usage: dict[str, float] = {}
-
-
-class _Pool(msgspec.Struct, kw_only=True):
-    ttft_slo_ms: float | None = None
-    itl_slo_ms: float | None = None
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    pinned: int | None = None
-    applied: int | None = None
-    #: role -> replicas the latest ScalingDecision asked for.
-    target: dict[str, int] = {}
-
-
-class _Pending(msgspec.Struct, array_like=True):
-    endpoint: str
-    prompt_tokens: int
-    prompt_blocks: int
-    block_size: int
-    admitted_ns: int
-    #: The requests partition it was admitted on (-1: restored from a snapshot without it).
-    partition: int = -1
-
-
-#: Histogram sums are integers in units of 2^-30 (about a nanosecond for seconds): integer
-#: addition is associative, so a sum does not depend on the order values were folded in.
-_SUM_SCALE = 2**30
-
-
-class _Hist(msgspec.Struct, array_like=True):
-    counts: list[int]  # per bucket, not cumulative; the last is +Inf
-    #: Sum of a snapshot written before ``qsum`` existed; new values go to ``qsum``.
-    sum: float = 0.0
-    qsum: int = 0
-
-    @property
-    def total(self) -> float:
-        return self.sum + self.qsum / _SUM_SCALE
-
-    def merged(self, other: _Hist) -> _Hist:
-        return _Hist([a + b for a, b in zip(self.counts, other.counts)], self.sum + other.sum, self.qsum + other.qsum)
-
-
-class _Snapshot(msgspec.Struct, kw_only=True):
-    format: int
-    hash_algo: str
-    block_size: int
-    counters: list[tuple[str, list[str], float]]
-    hists: list[tuple[str, list[str], _Hist]]
-    workers: list[_Worker]
-    pools: dict[str, _Pool]
-    routers: dict[str, str]
-    config_versions: dict[str, int]
-    pending: list[tuple[str, _Pending]]
-    positions: list[tuple[str, int, int]]
-    last_ts_ms: dict[str, int]
-    tracker: bytes
-    index: bytes
-    applied: int
-    #: Series keyed by worker id where the metric's pool label goes (see ``WORKER_JOINED``).
-    wcounters: list[tuple[str, list[str], float]] = []
-    whists: list[tuple[str, list[str], _Hist]] = []
-    #: worker id -> (TTFT ms, ITL ms or None) of completions not yet judged against an SLO.
-    unjudged: dict[str, list[tuple[float, float | None]]] = {}
-    #: router id -> (event time, event id) of the decision ``routers`` holds the state of.
-    router_at: dict[str, tuple[int, str]] = {}
-    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
-    lifecycles: dict[str, Lifecycle] = {}
 
 
 #: Request metrics whose ``pool`` label is the pool of the worker the event names. Folded per
@@ -287,14 +146,14 @@ class MetricsProjection:
         self.last_ts_ms: dict[str, int] = {}
         self.applied = 0
         self._counters: dict[str, dict[Labels, float]] = {}
-        self._hists: dict[str, dict[Labels, _Hist]] = {}
-        self._workers: dict[str, _Worker] = {}
+        self._hists: dict[str, dict[Labels, Hist]] = {}
+        self._workers: dict[str, WorkerState] = {}
         #: Each worker's lifecycle (kernel/fleet.py, the one fold every view shares).
         self.fleet = Fleet()
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, PoolState] = {}
         #: WORKER_JOINED series, labels with the worker id in the pool's place.
         self._wcounters: dict[str, dict[Labels, float]] = {}
-        self._whists: dict[str, dict[Labels, _Hist]] = {}
+        self._whists: dict[str, dict[Labels, Hist]] = {}
         self._unjudged: dict[str, list[tuple[float, float | None]]] = {}
         self._nunjudged = 0
         #: router id -> view state of its latest decision (by event time, then event id).
@@ -302,7 +161,7 @@ class MetricsProjection:
         self._router_at: dict[str, tuple[int, str]] = {}
         self._config_versions: dict[str, int] = {}
         #: request id -> admission facts.
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         #: requests partition -> its pending request ids, oldest admission first.
         self._admission_order: dict[int, OrderedDict[str, None]] = {}
         #: (envelope, payload, partition); only the requests handlers use the partition.
@@ -410,15 +269,15 @@ class MetricsProjection:
         key = (worker_id or "", *labels)
         series[key] = series.get(key, 0.0) + by
 
-    def _observe(self, name: str, labels: Labels, value: float, hists: dict[str, dict[Labels, _Hist]] | None = None) -> None:
+    def _observe(self, name: str, labels: Labels, value: float, hists: dict[str, dict[Labels, Hist]] | None = None) -> None:
         spec = BY_NAME[name]
         series = (self._hists if hists is None else hists).setdefault(name, {})
         h = series.get(labels)
         if h is None:
-            h = series[labels] = _Hist([0] * (len(spec.buckets) + 1))
+            h = series[labels] = Hist([0] * (len(spec.buckets) + 1))
         # Prometheus buckets are inclusive upper bounds: value <= le.
         h.counts[bisect.bisect_left(spec.buckets, value)] += 1
-        h.qsum += round(value * _SUM_SCALE)
+        h.qsum += round(value * SUM_SCALE)
 
     def _wobserve(self, name: str, worker_id: str | None, value: float) -> None:
         """``_observe`` of a WORKER_JOINED histogram (its only label is the pool)."""
@@ -437,10 +296,10 @@ class MetricsProjection:
         itl = p.itl_slo_ms if p is not None and p.itl_slo_ms is not None else self.config.default_itl_slo_ms
         return ttft, itl
 
-    def _pool(self, name: str) -> _Pool:
+    def _pool(self, name: str) -> PoolState:
         p = self._pools.get(name)
         if p is None:
-            p = self._pools[name] = _Pool()
+            p = self._pools[name] = PoolState()
         return p
 
     # -- kv -----------------------------------------------------------------------------------
@@ -468,7 +327,7 @@ class MetricsProjection:
         # partition only: a request's own end is on its partition, so whether it ended before
         # the TTL ran out does not depend on how partitions interleave.
         self._end(ev.request_id)
-        self._pending[ev.request_id] = _Pending(ev.endpoint, ev.prompt_tokens, len(ev.block_hashes),
+        self._pending[ev.request_id] = Pending(ev.endpoint, ev.prompt_tokens, len(ev.block_hashes),
                                                 ev.block_size, env.occurred_at_ns, partition)
         order = self._admission_order.setdefault(partition, OrderedDict())
         order[ev.request_id] = None
@@ -481,7 +340,7 @@ class MetricsProjection:
             self._end(rid)
             self._inc("switchyard_requests_total", ("none", oldest.endpoint, "abandoned"))
 
-    def _end(self, request_id: str) -> _Pending | None:
+    def _end(self, request_id: str) -> Pending | None:
         """Forget a pending admission (the request ended); its facts, or None."""
         adm = self._pending.pop(request_id, None)
         if adm is not None:
@@ -591,7 +450,7 @@ class MetricsProjection:
         ch = self.fleet.fold(env)
         reg = ch.registration
         if reg is not None:
-            w = self._workers[reg.worker_id] = _Worker(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
+            w = self._workers[reg.worker_id] = WorkerState(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
                                                        role=reg.role)
             self._pool(reg.pool)
             for ttft_ms, itl_ms in self._unjudged.pop(reg.worker_id, ()):
@@ -660,7 +519,8 @@ class MetricsProjection:
         """Every event-derived metric with its current samples (the processor's own come from
         :func:`processor_families`)."""
         stats = self.index.stats()
-        gauges = self._gauges(stats)
+        gauges = gauge_samples(stats, self._workers, self._pools, self.slo_ms, len(self._pending),
+                               self._config_versions, self._routers, self.last_ts_ms)
         counters, hists = self._joined()
         # The index keeps its own counters (they survive in its snapshot); exposed as is.
         counters["switchyard_index_events_total"] = {(k,): float(v) for k, v in stats.counters.items()}
@@ -672,14 +532,14 @@ class MetricsProjection:
                 samples: dict = {labels: 0.0 for labels in spec.init}
                 samples.update(counters.get(spec.name, {}))
             elif spec.kind is Kind.HISTOGRAM:
-                samples = {labels: _hist_value(spec, h) for labels, h in hists.get(spec.name, {}).items()}
+                samples = {labels: hist_value(spec, h) for labels, h in hists.get(spec.name, {}).items()}
             else:
                 samples = {labels: 0.0 for labels in spec.init}
                 samples.update(gauges.get(spec.name, {}))
             out.append(Family(spec, samples))
         return out
 
-    def _joined(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, _Hist]]]:
+    def _joined(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, Hist]]]:
         """Counters and histograms with the WORKER_JOINED series resolved to their worker's pool
         as the registry stands now (``unknown`` for a worker not registered yet), and the
         completions still waiting for that registration judged against the ``unknown`` pool's SLO.
@@ -702,65 +562,6 @@ class MetricsProjection:
                 out[key] = h if cur is None else cur.merged(h)
         return counters, hists
 
-    def _gauges(self, stats: IndexStats) -> dict[str, dict[Labels, float]]:
-        g: dict[str, dict[Labels, float]] = {}
-        g["switchyard_index_hashes"] = {(): float(stats.distinct_hashes)}
-        stale_ids = {r.worker_id for r in stats.stale}
-        # As the router counts them (RouterView.stale_workers): registered workers not gone.
-        known = {w for w, st in self._workers.items() if st.state != "gone"}
-        g["switchyard_index_stale_workers"] = {(): float(len(stale_ids & known))}
-        # Per-worker series for the workers registered and not gone, holding blocks, or stale;
-        # not for every slot the index happens to keep (whether a slot exists, empty, depends
-        # on which topic was read first).
-        holding = {rank.worker_id for rank, tiers in stats.blocks.items() if any(tiers.values())}
-        shown = known | holding | stale_ids
-        g["switchyard_index_worker_stale"] = {(w,): float(w in stale_ids) for w in sorted(shown)}
-        per_tier: dict[Labels, float] = {}
-        per_worker: dict[Labels, float] = {}
-        for rank, tiers in stats.blocks.items():
-            for tier, n in tiers.items():
-                per_tier[(tier.value,)] = per_tier.get((tier.value,), 0.0) + n
-                if rank.worker_id in shown:
-                    key = (rank.worker_id, tier.value)
-                    per_worker[key] = per_worker.get(key, 0.0) + n
-        g["switchyard_kv_blocks"] = per_tier
-        g["switchyard_kv_worker_blocks"] = per_worker
-        workers: dict[Labels, float] = {}
-        for w in self._workers.values():
-            for state in ("ready", "draining", "gone"):
-                workers.setdefault((w.pool, w.role, state), 0.0)
-            workers[(w.pool, w.role, w.state)] += 1
-        g["switchyard_workers"] = workers
-        live = [w for w in self._workers.values() if w.state != "gone"]
-        g["switchyard_worker_running_requests"] = {(w.worker_id, w.pool): float(w.running) for w in live}
-        g["switchyard_worker_waiting_requests"] = {(w.worker_id, w.pool): float(w.waiting) for w in live}
-        g["switchyard_worker_queued_prefill_tokens"] = {(w.worker_id, w.pool): float(w.queued_prefill_tokens)
-                                                        for w in live}
-        g["switchyard_worker_tier_usage_ratio"] = {(w.worker_id, w.pool, t): float(u)
-                                                   for w in live for t, u in w.tier_usage.items()}
-        g["switchyard_requests_in_flight"] = {(): float(len(self._pending))}
-        ttft, itl, tgt, applied, lo, hi, pinned = {}, {}, {}, {}, {}, {}, {}
-        for name, p in self._pools.items():
-            t_ms, i_ms = self.slo_ms(name)
-            ttft[(name,)], itl[(name,)] = t_ms / 1000, i_ms / 1000
-            for role, n in p.target.items():
-                tgt[(name, role)] = float(n)
-            for dst, val in ((applied, p.applied), (lo, p.min_replicas), (hi, p.max_replicas), (pinned, p.pinned)):
-                if val is not None:
-                    dst[(name,)] = float(val)
-        g["switchyard_pool_slo_ttft_seconds"] = ttft
-        g["switchyard_pool_slo_itl_seconds"] = itl
-        g["switchyard_pool_target_replicas"] = tgt
-        g["switchyard_pool_applied_replicas"] = applied
-        g["switchyard_pool_min_replicas"] = lo
-        g["switchyard_pool_max_replicas"] = hi
-        g["switchyard_pool_pinned_replicas"] = pinned
-        g["switchyard_config_version"] = {(c,): float(v) for c, v in self._config_versions.items()}
-        g["switchyard_router_last_view_state"] = {(r,): float(VIEW_STATES[s]) for r, s in self._routers.items()
-                                                  if s in VIEW_STATES}
-        g["switchyard_metrics_last_record_timestamp_seconds"] = {(s,): ts / 1000 for s, ts in self.last_ts_ms.items()}
-        return g
-
     def as_dict(self) -> dict[str, dict[Labels, float | tuple]]:
         """Comparable plain form of every family (tests compare two folds with it)."""
         out: dict[str, dict[Labels, float | tuple]] = {}
@@ -772,7 +573,7 @@ class MetricsProjection:
     # -- checkpoints --------------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
-        snap = _Snapshot(
+        snap = Snapshot(
             format=SNAPSHOT_FORMAT, hash_algo=self.index.hash_algo, block_size=self.index.block_size,
             counters=[(n, list(k), v) for n, s in self._counters.items() for k, v in s.items()],
             hists=[(n, list(k), h) for n, s in self._hists.items() for k, h in s.items()],
@@ -788,7 +589,7 @@ class MetricsProjection:
 
     @classmethod
     def restore(cls, data: bytes, config: ProjectionConfig = ProjectionConfig()) -> MetricsProjection:
-        snap = msgspec.msgpack.decode(data, type=_Snapshot)
+        snap = msgspec.msgpack.decode(data, type=Snapshot)
         if snap.format != SNAPSHOT_FORMAT:
             raise ValueError(f"metrics snapshot format {snap.format} not supported (want {SNAPSHOT_FORMAT})")
         if (snap.hash_algo, snap.block_size) != (config.hash_algo, config.block_size):
@@ -823,41 +624,4 @@ class MetricsProjection:
         return p
 
 
-def _hist_value(spec: MetricSpec, h: _Hist) -> HistogramValue:
-    running, cumulative = 0, []
-    for c in h.counts:
-        running += c
-        cumulative.append(running)
-    return HistogramValue(spec.buckets, tuple(cumulative), h.total)
-
-
-def lag(positions: dict[tuple[str, int], int], end_offsets: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
-    """Records behind the log end per partition (never negative: a probe may be older than the
-    position)."""
-    return {tp: max(end - positions.get(tp, 0), 0) for tp, end in end_offsets.items()}
-
-
-def processor_families(broker: BrokerState, positions: dict[tuple[str, int], int],
-                       fold_errors: int = 0) -> list[Family]:
-    """What the processor knows beyond the fold: its own lag (its positions against the high
-    watermarks), the log end offsets, every consumer group's committed lag and members, and how
-    many records its fold failed on."""
-    own = {tp: end for tp, end in broker.end_offsets.items() if tp[0] in (*EVENT_STREAMS, "deadletter")}
-    lag_s = {(s, str(p)): float(n) for (s, p), n in lag(positions, own).items()}
-    ends = {(s, str(p)): float(end) for (s, p), end in broker.end_offsets.items()}
-    group_lag: dict[Labels, float] = {}
-    for group, committed in broker.group_offsets.items():
-        for (s, p), off in committed.items():
-            end = broker.end_offsets.get((s, p))
-            if end is not None and off >= 0:
-                group_lag[(group, s, str(p))] = float(max(end - off, 0))
-    members = {(g,): float(n) for g, n in broker.group_members.items()}
-    return [Family(BY_NAME["switchyard_metrics_lag_records"], lag_s),
-            Family(BY_NAME["switchyard_log_end_offset"], ends),
-            Family(BY_NAME["switchyard_consumer_group_lag_records"], group_lag),
-            Family(BY_NAME["switchyard_consumer_group_members"], members),
-            Family(BY_NAME["switchyard_metrics_fold_errors_total"], {(): float(fold_errors)})]
-
-
-__all__ = ["MetricsProjection", "ProjectionConfig", "Family", "HistogramValue", "BrokerState",
-           "processor_families", "lag", "reason_class", "PROCESSOR_METRICS", "VIEW_STATES"]
+__all__ = ["MetricsProjection", "ProjectionConfig"]

@@ -42,14 +42,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from control_plane.metrics.catalog import CONSUMED_STREAMS
 from control_plane.metrics.exposition import build_registry, write_targets
-from control_plane.metrics.projection import (
-    BrokerState,
-    Family,
-    MetricsProjection,
-    ProjectionConfig,
-    lag,
-    processor_families,
-)
+from control_plane.metrics.families import BrokerState, Family, lag, processor_families
+from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
 from control_plane.settings import StackSettings
 from control_plane.streaming import FoldProcessor
 from kernel.log.catalog import Catalog

@@ -2,7 +2,7 @@
 with chunked prefill and preemption, timing from hardware profiles, and two drivers over the same
 pure core (a discrete-event simulation and a real-time asyncio engine).
 
-Layers (dependencies point down): drivers (:mod:`.simulate`, :mod:`.async_engine`) ->
+Layers (dependencies point down): drivers (:mod:`.cluster` and its engine-only entry :mod:`.engine_only`, :mod:`.async_engine`) ->
 :class:`~.core.EngineCore` -> :mod:`.scheduler` -> :mod:`.kv_manager` -> :mod:`.block_pool`;
 :mod:`.timing` and :mod:`.profiles` describe the hardware; :mod:`.trace` turns Mooncake traces
 into requests.
@@ -18,10 +18,11 @@ from data_plane.engines.errors import (
     TraceFormatError,
     UnknownRequest,
 )
+from data_plane.engines.records import RequestRecord, SimulationResult
 from data_plane.engines.profiles import Admission, HardwareProfile, available_profiles, load_profile
 from data_plane.engines.request import EngineRequest, pseudo_token, request_seed
 from data_plane.engines.scheduler import TokenOutput
-from data_plane.engines.simulate import RequestRecord, SimulationResult, round_robin, simulate
+from data_plane.engines.engine_only import round_robin, simulate
 from data_plane.engines.timing import PolynomialTiming, RooflineTiming, StepShape, TimingModel
 from data_plane.engines.trace import (
     MooncakeTrace,

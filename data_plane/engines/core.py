@@ -3,7 +3,7 @@
 The core never reads a clock. ``step()`` plans and applies one engine step and says how long it
 *would* take on the profiled hardware; a driver decides what time it is:
 
-* :func:`data_plane.engines.simulate.simulate` advances a virtual clock by that duration
+* :class:`data_plane.engines.cluster.Cluster` advances a virtual clock by that duration
   (discrete-event simulation, as fast as Python runs);
 * :class:`data_plane.engines.async_engine.AsyncEngine` sleeps that long (divided by a speed-up)
   and streams the tokens.

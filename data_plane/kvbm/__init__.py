@@ -2,9 +2,10 @@
 below the engine's G1 device pool, in the spirit of NVIDIA Dynamo's KVBM.
 
 * :mod:`.residency` and :mod:`.policy` decide (pure); :mod:`.manager` executes against the
-  :mod:`.stores` and reports every residency change as an event; :mod:`.projection` folds past
-  events back into claimed residency for a restart; :mod:`.content` and :mod:`.frame` make every
-  block verifiable.
+  :mod:`.stores` and reports every residency change as an event (merged per call by
+  :mod:`.event_batch`; its answers are :mod:`.results`); :mod:`.projection` folds past
+  events back into claimed residency for a restart and :mod:`.rebuild` sorts those claims
+  against the stores (pure); :mod:`.content` and :mod:`.frame` make every block verifiable.
 * Blocking API (thread-safe); :class:`AsyncKvbm` for asyncio callers.
 """
 
@@ -20,10 +21,11 @@ from data_plane.kvbm.errors import (
     KvbmError,
     StorageError,
 )
-from data_plane.kvbm.manager import KvBlockManager, OnboardedBlock, OnboardResult, RebuildReport
+from data_plane.kvbm.manager import KvBlockManager
 from data_plane.kvbm.policy import EvictionPolicy, LfuPolicy, LruPolicy
 from data_plane.kvbm.projection import claimed_persistent, fold_residency
 from data_plane.kvbm.residency import Admission, Op, OpKind, Residency
+from data_plane.kvbm.results import OnboardedBlock, OnboardResult, RebuildReport
 from data_plane.kvbm.settings import KvbmSettings, S3Settings
 
 __all__ = [

@@ -13,7 +13,8 @@ import concurrent.futures
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from data_plane.kvbm.manager import KvBlockManager, OnboardResult, RebuildReport
+from data_plane.kvbm.manager import KvBlockManager
+from data_plane.kvbm.results import OnboardResult, RebuildReport
 from data_plane.kvbm.stores.base import Buffer
 from schemas.types import BlockHash, Tier
 

@@ -6,7 +6,8 @@ its bytes are durably there, and reported gone from a tier only once it is no lo
 it. Concretely, every change is recorded in :class:`Residency` and queued as an event *after* the
 store call that makes it true returned; the queued events are published, in order, before the
 public call returns. Adjacent events of the same kind are merged into one (a batch of hashes), so
-one onboard of 100 blocks is one ``BlockStored``, not 100.
+one onboard of 100 blocks is one ``BlockStored``, not 100 (:mod:`.event_batch`). What the public
+calls return: :mod:`.results`.
 
 Failure handling: a block that cannot be read (missing, corrupt, I/O error) or written while it is
 being demoted is dropped from its tier with ``BlockRemoved`` (so the space the decision counted
@@ -31,7 +32,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from data_plane.kvbm import content, frame
@@ -44,193 +44,20 @@ from data_plane.kvbm.errors import (
     StorageError,
     TierUnavailable,
 )
+from data_plane.kvbm.event_batch import EventBatch
 from data_plane.kvbm.policy import EvictionPolicy
+from data_plane.kvbm.rebuild import TierPlan, plan_tier
 from data_plane.kvbm.residency import Admission, Op, OpKind, Refusal, Residency
+from data_plane.kvbm.results import OnboardedBlock, OnboardResult, RebuildReport
 from data_plane.kvbm.settings import KvbmSettings
 from data_plane.kvbm.stores.base import BlockStore, Buffer
 from data_plane.kvbm.stores.host import HostStore
 from kernel.log.sink import EventSink
-from schemas.events import AllBlocksCleared, BlockMoved, BlockRemoved, BlockStored, Event
 from schemas.types import PERSISTENT_TIERS, TIER_ORDER, BlockHash, Tier
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-# -- results --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OnboardedBlock:
-    block_hash: BlockHash
-    #: Fastest tier the block was in when the call started (where the hit was served from).
-    found_in: Tier
-    #: Host slot holding the block now (offset = slot * bytes_per_block from the host pool's
-    #: base address); None when the block is only on the device.
-    host_slot: int | None
-
-
-@dataclass(frozen=True)
-class OnboardResult:
-    """The matched prefix of an onboard call, block by block, and why it stopped."""
-
-    blocks: tuple[OnboardedBlock, ...]
-    requested: int
-    #: "complete" (whole prefix), "miss" (no tier had the next block), "corrupt" (every copy of
-    #: the next block failed verification and was removed), "host_full" (no host slot could be
-    #: freed: all pinned), "error" (I/O error reading the next block), "no_host_tier".
-    stop_reason: str
-    #: Hashes pinned in host by this call; pass them to ``release`` when done.
-    pinned: tuple[BlockHash, ...] = ()
-
-    @property
-    def hashes(self) -> list[BlockHash]:
-        return [b.block_hash for b in self.blocks]
-
-    def found_by_tier(self) -> dict[Tier, int]:
-        counts = Counter(b.found_in for b in self.blocks)
-        return {t: counts[t] for t in TIER_ORDER if counts[t]}
-
-
-@dataclass(frozen=True)
-class RebuildReport:
-    """Outcome of :meth:`KvBlockManager.rebuild`, per persistent tier."""
-
-    #: Blocks now served, least recent first.
-    verified: dict[Tier, list[BlockHash]] = field(default_factory=dict)
-    #: Claimed by the log, not in the store: reported removed.
-    missing: dict[Tier, list[BlockHash]] = field(default_factory=dict)
-    #: Claimed, present, failed verification: deleted and reported removed.
-    corrupt: dict[Tier, list[BlockHash]] = field(default_factory=dict)
-    #: Verified but over the tier's (smaller) capacity: deleted and reported removed.
-    over_capacity: dict[Tier, list[BlockHash]] = field(default_factory=dict)
-    #: In the store, never reported (written just before a crash): deleted, or adopted with
-    #: ``BlockStored`` when ``adopt_orphans``.
-    orphans_deleted: dict[Tier, list[BlockHash]] = field(default_factory=dict)
-    orphans_adopted: dict[Tier, list[BlockHash]] = field(default_factory=dict)
-
-    def removed(self, tier: Tier) -> list[BlockHash]:
-        return [*self.missing.get(tier, []), *self.corrupt.get(tier, []),
-                *self.over_capacity.get(tier, [])]
-
-
-# -- event batching -------------------------------------------------------------------------
-
-
-class _EventBatch:
-    """The events of one public call, same-kind ones merged.
-
-    A block's own events keep their order; events of different blocks may be reordered, which
-    no fold can tell apart (residency is per block). So an event joins the nearest earlier event
-    of its kind unless an event in between names the same block. An offload burst (host->disk,
-    device->host, host->disk, ...) is then a few events, not one per block.
-
-    Stores join whatever their chains: a ``BlockStored`` states a chain (each block's parent is
-    the one before it), so a merged store is cut into its chains when the events are built, one
-    event per chain, parents first. Evictions run tail first, so a request's blocks arrive
-    reversed and come out as one chain.
-    """
-
-    #: How many trailing events a new one looks back over for a partner.
-    _LOOKBACK = 8
-
-    def __init__(self, s: KvbmSettings) -> None:
-        self._s = s
-        # [kind, tier_a, tier_b, hashes, {hash: parent} (stores only), set(hashes)]
-        self._items: list[list] = []
-
-    def _append(self, kind: str, a: Tier, b: Tier | None, h: BlockHash,
-                parent: BlockHash | None = None) -> None:
-        items = self._items
-        for i in range(len(items) - 1, max(-1, len(items) - 1 - self._LOOKBACK), -1):
-            it = items[i]
-            if it[0] == "cleared":
-                break  # nothing moves across a clear
-            if it[0] == kind and it[1] is a and it[2] is b:
-                if any(h in later[5] for later in items[i + 1:]):
-                    break
-                if h in it[5]:
-                    if kind == "stored":
-                        it[4][h] = parent  # a store is an upsert: the newest parent stands
-                    return
-                it[3].append(h)
-                it[5].add(h)
-                if kind == "stored":
-                    it[4][h] = parent
-                return
-        items.append([kind, a, b, [h], {h: parent} if kind == "stored" else None, {h}])
-
-    def removed(self, tier: Tier, h: BlockHash) -> None:
-        self._append("removed", tier, None, h)
-
-    def moved(self, src: Tier, dst: Tier, h: BlockHash) -> None:
-        self._append("moved", src, dst, h)
-
-    def stored(self, tier: Tier, h: BlockHash, parent: BlockHash | None) -> None:
-        self._append("stored", tier, None, h, parent)
-
-    def cleared(self, tier: Tier) -> None:
-        self._items.append(["cleared", tier, None, [], None, set()])
-
-    def events(self) -> list[Event]:
-        s = self._s
-        out: list[Event] = []
-        for kind, a, b, hashes, parents, _ in self._items:
-            if kind == "removed":
-                out.append(BlockRemoved(worker_id=s.worker_id, tier=a, block_hashes=hashes,
-                                        dp_rank=s.dp_rank))
-            elif kind == "moved":
-                out.append(BlockMoved(worker_id=s.worker_id, from_tier=a, to_tier=b,
-                                      block_hashes=hashes, dp_rank=s.dp_rank))
-            elif kind == "stored":
-                for parent, chain in chains(hashes, parents):
-                    out.append(BlockStored(worker_id=s.worker_id, tier=a, block_hashes=chain,
-                                           parent_hash=parent, block_size=s.block_size,
-                                           hash_algo=s.hash_algo, dp_rank=s.dp_rank))
-            else:
-                out.append(AllBlocksCleared(worker_id=s.worker_id, tier=a, dp_rank=s.dp_rank))
-        return out
-
-
-def chains(hashes: Sequence[BlockHash], parents: Mapping[BlockHash, BlockHash | None]
-           ) -> list[tuple[BlockHash | None, list[BlockHash]]]:
-    """Cut distinct blocks into chains: ``[(parent of the first, [blocks])]``, every block once,
-    a chain after the one holding its parent. Roots (a parent outside the set) go in the order
-    they were given; a block with several children continues with the first, the others start
-    chains of their own."""
-    members = set(hashes)
-    children: dict[BlockHash, list[BlockHash]] = {}
-    roots: list[BlockHash] = []
-    for h in hashes:
-        p = parents.get(h)
-        if p is not None and p in members and p != h:
-            children.setdefault(p, []).append(h)
-        else:
-            roots.append(h)
-    out: list[tuple[BlockHash | None, list[BlockHash]]] = []
-    seen: set[BlockHash] = set()
-    pending = [(parents.get(r), r) for r in roots]
-    pending.reverse()
-    while pending:
-        parent, h = pending.pop()
-        chain: list[BlockHash] = []
-        branches: list[tuple[BlockHash, BlockHash]] = []
-        while h is not None and h not in seen:
-            seen.add(h)
-            chain.append(h)
-            kids = [k for k in children.get(h, ()) if k not in seen]
-            branches.extend((h, k) for k in kids[1:])
-            h = kids[0] if kids else None
-        if chain:
-            out.append((parent, chain))
-        pending.extend(reversed(branches))
-    # A cycle (impossible for real hashes) leaves blocks unvisited: each is a chain of one.
-    out.extend((parents.get(h), [h]) for h in hashes if h not in seen)
-    return out
-
-
-# -- the manager ----------------------------------------------------------------------------
 
 
 class KvBlockManager:
@@ -262,7 +89,7 @@ class KvBlockManager:
             raise KvbmConfigError(f"host pool has {host.capacity} slots, settings say "
                                   f"{settings.host_capacity}")
         self._lock = threading.RLock()
-        self._batch: _EventBatch | None = None
+        self._batch: EventBatch | None = None
         self._stats: Counter[str] = Counter()
         #: Tiers that stopped answering: skipped until their backoff is over, then probed.
         self._breaker = TierBreaker(settings.outage_breaker)
@@ -271,14 +98,14 @@ class KvBlockManager:
     # -- plumbing -------------------------------------------------------------------------
 
     @contextmanager
-    def _call(self, correlation_id: str | None = None) -> Iterator[_EventBatch]:
+    def _call(self, correlation_id: str | None = None) -> Iterator[EventBatch]:
         """Hold the lock for one public call; publish its events on the way out, also when it
         failed half-way (the changes made so far are real and must be reported)."""
         with self._lock:
             if self._batch is not None:  # re-entrant call: join the outer batch
                 yield self._batch
                 return
-            batch = self._batch = _EventBatch(self.settings)
+            batch = self._batch = EventBatch(self.settings)
             try:
                 yield batch
             finally:
@@ -303,14 +130,14 @@ class KvBlockManager:
             if not isinstance(e, TierUnavailable):  # an outage is logged once, when it starts
                 logger.warning("could not delete block %016x from %s: %s", h, tier.value, e)
 
-    def _drop(self, batch: _EventBatch, h: BlockHash, tier: Tier, why: str) -> None:
+    def _drop(self, batch: EventBatch, h: BlockHash, tier: Tier, why: str) -> None:
         self._delete(h, tier)
         self._res.discard(h, tier)
         batch.removed(tier, h)
         self._stats[f"dropped_{tier.value}"] += 1
         logger.debug("dropped block %016x from %s: %s", h, tier.value, why)
 
-    def _run_eviction(self, batch: _EventBatch, op: Op) -> None:
+    def _run_eviction(self, batch: EventBatch, op: Op) -> None:
         """Carry out one eviction of an admission. Whatever fails, the source tier ends up
         without the block, which is what the admission counted on."""
         h, src = op.block_hash, op.src
@@ -388,7 +215,7 @@ class KvBlockManager:
             logger.info("KV tier %s answers again", tier.value)
         return out
 
-    def _admit(self, batch: _EventBatch, adm: Admission, data: Buffer) -> bool:
+    def _admit(self, batch: EventBatch, adm: Admission, data: Buffer) -> bool:
         """Evictions, then the write of ``adm``. True once the block is in ``adm.tier``."""
         for op in adm.evictions:
             self._run_eviction(batch, op)
@@ -546,7 +373,7 @@ class KvBlockManager:
             return OnboardResult(tuple(blocks), len(block_hashes), stop,
                                  tuple(pinned) if pin else ())
 
-    def _onboard_one(self, batch: _EventBatch, h: BlockHash, keep: bool,
+    def _onboard_one(self, batch: EventBatch, h: BlockHash, keep: bool,
                      protect: frozenset[BlockHash]) -> str:
         """Copy (or move) ``h`` from its fastest readable lower tier into host."""
         outcome = "miss"
@@ -697,67 +524,41 @@ class KvBlockManager:
                     raise KvbmError(f"rebuild on a non-empty {tier.value} tier")
             # Check everything first, change nothing: a storage error raised here leaves the
             # manager empty, so the worker can simply retry.
-            checked: list[tuple[Tier, list[BlockHash], list[BlockHash], list[BlockHash],
-                                list[BlockHash], list[BlockHash]]] = []
+            plans: list[TierPlan] = []
             for tier in TIER_ORDER:
                 if tier not in PERSISTENT_TIERS:
                     continue
                 claims = list(dict.fromkeys(claimed.get(tier, ())))
-                if tier not in self._res.tiers:
-                    checked.append((tier, [], claims, [], [], []))
-                    continue
-                present = self._stores[tier].scan()
-                ok: list[BlockHash] = []
-                missing: list[BlockHash] = []
-                corrupt: list[BlockHash] = []
-                for h in claims:
-                    if h not in present:
-                        missing.append(h)
-                    elif present[h] != size:
-                        corrupt.append(h)
-                    else:
-                        state = self._check(h, tier, deep)
-                        {"ok": ok, "missing": missing, "corrupt": corrupt}[state].append(h)
-                claimed_set = set(claims)
-                cap = self._res.capacity(tier)
-                room = max(cap - len(ok), 0)
-                adopt: list[BlockHash] = []
-                orphans: list[BlockHash] = []
-                for h in sorted(present):
-                    if h in claimed_set:
-                        continue
-                    if (adopt_orphans and len(adopt) < room and present[h] == size
-                            and self._check(h, tier, deep) == "ok"):
-                        adopt.append(h)
-                    else:
-                        orphans.append(h)
-                checked.append((tier, ok, missing, corrupt, adopt, orphans))
+                managed = tier in self._res.tiers
+                plans.append(plan_tier(
+                    tier, claims, self._stores[tier].scan() if managed else None, size,
+                    self._res.capacity(tier) if managed else 0,
+                    lambda h, tier=tier: self._check(h, tier, deep), adopt_orphans))
 
-            for tier, ok, missing, corrupt, adopt, orphans in checked:
-                cut = max(len(ok) - self._res.capacity(tier), 0)
-                excess, ok = ok[:cut], ok[cut:]
+            for p in plans:
+                tier = p.tier
                 if tier in self._res.tiers:
-                    for h in corrupt + excess + orphans:
+                    for h in p.corrupt + p.excess + p.orphans:
                         self._delete(h, tier)
-                for h in missing + corrupt + excess:
+                for h in p.missing + p.corrupt + p.excess:
                     batch.removed(tier, h)
-                for h in ok:
+                for h in p.ok:
                     self._res.add(h, tier)
-                for h in adopt:
+                for h in p.adopt:
                     self._res.add(h, tier)
                     batch.stored(tier, h, None)
-                self._stats["rebuild_corrupt"] += len(corrupt)
-                self._stats["rebuild_missing"] += len(missing)
+                self._stats["rebuild_corrupt"] += len(p.corrupt)
+                self._stats["rebuild_missing"] += len(p.missing)
                 if tier in self._res.tiers:
-                    report.verified[tier] = ok + adopt
-                for name, vals in (("missing", missing), ("corrupt", corrupt),
-                                   ("over_capacity", excess), ("orphans_deleted", orphans),
-                                   ("orphans_adopted", adopt)):
+                    report.verified[tier] = p.ok + p.adopt
+                for name, vals in (("missing", p.missing), ("corrupt", p.corrupt),
+                                   ("over_capacity", p.excess), ("orphans_deleted", p.orphans),
+                                   ("orphans_adopted", p.adopt)):
                     if vals:
                         getattr(report, name)[tier] = vals
                 logger.info("rebuilt %s: %d verified, %d missing, %d corrupt, %d over capacity, "
-                            "%d orphans deleted, %d adopted", tier.value, len(ok), len(missing),
-                            len(corrupt), len(excess), len(orphans), len(adopt))
+                            "%d orphans deleted, %d adopted", tier.value, len(p.ok), len(p.missing),
+                            len(p.corrupt), len(p.excess), len(p.orphans), len(p.adopt))
         return report
 
     def _check(self, h: BlockHash, tier: Tier, deep: bool) -> str:

@@ -1,4 +1,4 @@
-"""The one virtual-time cluster driver (``data_plane.engines.simulate.Cluster``): pure, no mocks.
+"""The one virtual-time cluster driver (``data_plane.engines.cluster.Cluster``): pure, no mocks.
 
 The oracle is :class:`_OneHeap`: the cluster the driver's docstring describes, written the slow
 way, one event heap popped by (time, kind, push order) and one ``EngineCore.step()`` per step.
@@ -17,7 +17,9 @@ import random
 import pytest
 
 from data_plane.engines import Admission, EngineCore, EngineRequest, default_hash_config, load_profile
-from data_plane.engines.simulate import Cluster, HandOff, Hooks, Placement, RequestRecord
+from data_plane.engines.cluster import Cluster
+from data_plane.engines.hooks import HandOff, Hooks, Placement
+from data_plane.engines.records import RequestRecord
 from schemas.types import RequestPhase, WorkerRole
 
 # ----------------------------------------------------------------------------------------------

@@ -513,7 +513,7 @@ def _reference_simulate(requests, prof, *, num_workers=1, role=WorkerRole.AGGREG
     heap, one ``EngineCore.step()`` per step. The oracle of the equivalence tests."""
     import heapq
 
-    from data_plane.engines.simulate import RequestRecord, SimulationResult, round_robin
+    from data_plane.engines import RequestRecord, SimulationResult, round_robin
 
     ids = [f"worker-{i}" for i in range(num_workers)]
     cores = [EngineCore(prof, worker_id=w, role=role, hash_config=default_hash_config(prof.block_size),

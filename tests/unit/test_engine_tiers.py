@@ -370,7 +370,7 @@ def test_coalesced_decode_runs_keep_their_results_with_tiers(seed):
     """The driver's speed-up (decode runs applied at once) changes nothing with tiers either:
     coalesced and step-by-step runs agree on every token time, cached and onboarded count, step
     count, hook call and tier move."""
-    from data_plane.engines.simulate import Cluster
+    from data_plane.engines.cluster import Cluster
     from tests.unit.test_cluster_driver import _run, _same
 
     prof, workers, reqs, opts, hooks_kw = _tiered_case(seed)
@@ -387,7 +387,7 @@ def test_coalesced_decode_runs_keep_their_results_with_tiers(seed):
 def test_coalesced_decode_runs_keep_their_results_with_the_admission_filter(seed):
     """The same with the KVBM's disk admission filter in the tiers: it counts uses, not time,
     so the coalesced and step-by-step runs still make every decision alike."""
-    from data_plane.engines.simulate import Cluster
+    from data_plane.engines.cluster import Cluster
     from data_plane.kvbm import AdmissionConfig
     from tests.unit.test_cluster_driver import _run, _same
 
@@ -403,7 +403,7 @@ def test_coalesced_decode_runs_keep_their_results_with_the_admission_filter(seed
 
 def test_the_tiered_property_cases_do_onboard():
     """Not vacuous: several of those random clusters really load prefixes from their tiers."""
-    from data_plane.engines.simulate import Cluster
+    from data_plane.engines.cluster import Cluster
     from tests.unit.test_cluster_driver import _run
 
     onboarding = 0

@@ -380,7 +380,7 @@ def test_simulation_with_the_filter_writes_less_to_disk():
     """The simulation's tiers take ``tier_admission`` (off by default: the tiers bench's
     published numbers are without it). On, over the driver property test's random clusters:
     fewer host -> disk writes, refusals counted; the same cluster run twice decides the same."""
-    from data_plane.engines.simulate import Cluster
+    from data_plane.engines.cluster import Cluster
     from tests.unit.test_cluster_driver import _run
     from tests.unit.test_engine_tiers import _tiered_case
 

@@ -102,7 +102,7 @@ def test_one_steps_offloads_are_one_store_per_chain_whatever_the_eviction_order(
 
 
 def test_chains_cut_branches_after_their_parent():
-    from data_plane.kvbm.manager import chains
+    from data_plane.kvbm.event_batch import chains
 
     # 1 -> 2 -> 3, 2 -> 4 (a branch), 7 (parent 6 outside), given in any order.
     parents = {3: 2, 4: 2, 2: 1, 1: None, 7: 6}

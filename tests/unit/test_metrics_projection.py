@@ -17,14 +17,9 @@ from prometheus_client import generate_latest
 
 from control_plane.metrics.catalog import SPECS, Kind, MetricSpec
 from control_plane.metrics.exposition import build_registry
-from control_plane.metrics.projection import (
-    BrokerState,
-    HistogramValue,
-    MetricsProjection,
-    ProjectionConfig,
-    processor_families,
-    reason_class,
-)
+from control_plane.metrics.families import BrokerState, HistogramValue, processor_families
+from control_plane.metrics.labels import reason_class
+from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
 from schemas import events as ev
 from schemas.envelope import Envelope, EnvelopeFactory
 

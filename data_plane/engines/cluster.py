@@ -1,16 +1,19 @@
 """Engine workers on a virtual clock: the one discrete-event driver of every simulation.
 
-``simulate(requests, "mocker", num_workers=4)`` replays requests (each with ``arrival_ms``)
-through ``EngineCore`` s and returns per-request TTFT, inter-token latencies, end-to-end
-latency, token counts and prefix-cache hits, plus the usual aggregates. It is the engine-only
-entry point of :class:`Cluster`, which also runs the cluster with a router side: the routing
-benchmark, replay's what-if and the demo's predictions (``control_plane.simulation``), and the
-planner benchmark (``benchmarks/planner_bench.py``). The router side plugs in through
-:class:`ClusterHooks`; this package imports nothing from the control plane.
+:class:`Cluster` runs ``EngineCore`` s with a router side: the engine-only ``simulate``
+(:mod:`.engine_only`), the routing benchmark, replay's what-if and the demo's predictions
+(``control_plane.simulation``), and the planner benchmark (``benchmarks/planner_bench.py``). The
+router side plugs in through :class:`~.hooks.ClusterHooks`; this package imports nothing from
+the control plane. What it records per request is in :mod:`.records`; the order in which the
+one-heap loop would pop two events, which every merge of the workers' timelines keeps, is
+:mod:`.event_order`. What stays here is the loop and each worker's timeline (placement,
+hand-offs, releases, decode runs, load reports, delivery of notifications): they share the hot
+loop's state, so they are one module.
 
 Its clock rules, the order every speed-up keeps, and how it goes fast: ``docs/engine.md``,
 "The virtual clock".
 """
+
 
 from __future__ import annotations
 
@@ -18,264 +21,40 @@ import heapq
 import math
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-import numpy as np
-
-from kernel.hashing import HashConfig
-from data_plane.engines.core import DecodeRun, EngineCore, EngineStats, StepResult
+from data_plane.engines.core import DecodeRun, EngineCore, StepResult
+from data_plane.engines.event_order import (
+    C_AFTER,
+    C_ARRIVAL,
+    C_BEFORE,
+    C_END,
+    C_KV,
+    C_NONE,
+    C_REPORT,
+    C_STEP,
+    EventOrder,
+    OrderKey,
+)
 from data_plane.engines.gcpause import paused_gc
+from data_plane.engines.hooks import ClusterHooks, HandOff, Placement, listens
 from data_plane.engines.profiles import HardwareProfile, load_profile
+from data_plane.engines.records import RequestRecord
 from data_plane.engines.request import EngineRequest
 from data_plane.engines.tiers import OnboardCosts, VirtualTiers
 from data_plane.kvbm.admission import AdmissionConfig
-from kernel.log.sink import EventSink
+from kernel.hashing import HashConfig
 from schemas.events import KvEvent
 from schemas.types import RequestId, Tier, WorkerId, WorkerRole
 
-Router = Callable[[EngineRequest, Sequence[EngineCore]], int]
-
 _INF = math.inf
 
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What happened to one request (times in virtual ms from the clock origin)."""
-
-    request_id: RequestId
-    #: The worker of its last placed phase (None until placed).
-    worker_id: WorkerId | None
-    arrival_ms: float
-    prompt_tokens: int
-    max_tokens: int
-    #: Prompt tokens served from the prefix cache at its first admission (0 until admitted);
-    #: disaggregated: on the prefill worker.
-    cached_tokens: int = 0
-    #: Delivery time of every output token, in order (disaggregated: the prefill worker's first
-    #: token, then the decode worker's).
-    token_times: array = field(default_factory=lambda: array("d"))
-    #: Through its last phase (its last token came from an aggregated or decode worker, or the
-    #: hooks said it has no decode phase).
-    finished: bool = False
-    #: Disaggregated: the prefill worker and the instant it handed the request off.
-    prefill_worker_id: WorkerId | None = None
-    handoff_ms: float | None = None
-    #: Of ``cached_tokens``, those loaded from a tier below the device (``Cluster(tiers=...)``).
-    onboarded_tokens: int = 0
-    #: Start of the step that first admitted it (its wait in the queue ends there; None until
-    #: admitted). Disaggregated: on the prefill worker.
-    admitted_ms: float | None = None
-    #: Steps its worker ran from that admission through its first token (stalls included).
-    prefill_steps: int = 0
-    #: From its admission, ms until its onboarded prefix was in (0: nothing loaded).
-    onboard_ms: float = 0.0
-
-    @property
-    def output_tokens(self) -> int:
-        return len(self.token_times)
-
-    @property
-    def first_token_ms(self) -> float | None:
-        return self.token_times[0] if self.token_times else None
-
-    @property
-    def ttft_ms(self) -> float | None:
-        return self.token_times[0] - self.arrival_ms if self.token_times else None
-
-    @property
-    def e2e_ms(self) -> float | None:
-        return self.token_times[-1] - self.arrival_ms if self.token_times else None
-
-    @property
-    def itl_ms(self) -> list[float]:
-        t = self.token_times
-        return [t[i + 1] - t[i] for i in range(len(t) - 1)]
-
-
-@dataclass(slots=True)
-class SimulationResult:
-    requests: list[RequestRecord]
-    #: Last token delivery minus first arrival.
-    duration_ms: float
-    steps: int
-    preemptions: int
-    profile: str
-    num_workers: int
-
-    def summary(self) -> dict[str, Any]:
-        """Aggregates comparable with Dynamo's replay report.
-
-        ``itl_p50_ms`` is over all inter-token intervals of all requests (Dynamo's
-        ``median_itl_ms``); ``tpot_p50_ms`` over requests of (e2e - ttft) / (tokens - 1).
-        ``prefix_reuse_ratio`` = cached prompt tokens / prompt tokens (Dynamo's
-        ``prefix_cache_reused_ratio``).
-        """
-        done = [r for r in self.requests if r.token_times]
-        ttft = np.array([r.ttft_ms for r in done])
-        e2e = np.array([r.e2e_ms for r in done])
-        itl = (
-            np.concatenate([np.diff(np.frombuffer(r.token_times, dtype=np.float64)) for r in done])
-            if done
-            else np.array([])
-        )
-        tpot = np.array(
-            [(r.e2e_ms - r.ttft_ms) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-        )
-        out_tokens = sum(r.output_tokens for r in done)
-        prompt = sum(r.prompt_tokens for r in self.requests)
-        cached = sum(r.cached_tokens for r in self.requests)
-
-        def pct(a: np.ndarray, q: float) -> float:
-            return float(np.percentile(a, q)) if a.size else math.nan
-
-        return {
-            "profile": self.profile,
-            "num_workers": self.num_workers,
-            "requests": len(self.requests),
-            "completed": sum(1 for r in self.requests if r.finished),
-            "duration_ms": self.duration_ms,
-            "steps": self.steps,
-            "preemptions": self.preemptions,
-            "output_tokens": out_tokens,
-            "output_tok_s": out_tokens / (self.duration_ms / 1e3) if self.duration_ms > 0 else math.nan,
-            "ttft_mean_ms": float(ttft.mean()) if ttft.size else math.nan,
-            "ttft_p50_ms": pct(ttft, 50),
-            "ttft_p90_ms": pct(ttft, 90),
-            "ttft_p99_ms": pct(ttft, 99),
-            "itl_mean_ms": float(itl.mean()) if itl.size else math.nan,
-            "itl_p50_ms": pct(itl, 50),
-            "itl_p99_ms": pct(itl, 99),
-            "tpot_p50_ms": pct(tpot, 50),
-            "e2e_p50_ms": pct(e2e, 50),
-            "e2e_p99_ms": pct(e2e, 99),
-            "prefix_reuse_ratio": cached / prompt if prompt else 0.0,
-        }
-
-
-# ----------------------------------------------------------------------------------------------
-# The router side's port
-# ----------------------------------------------------------------------------------------------
-
-
-class Placement(NamedTuple):
-    """Where a request's phase runs, and the engine request the worker gets for it."""
-
-    worker: WorkerId
-    request: EngineRequest
-
-
-class HandOff(Enum):
-    #: ``hand_off``'s answer for a request with no decode phase (its prefill token was its last
-    #: one): it is finished there.
-    FINISHED = "finished"
-
-
-class ClusterHooks(Protocol):
-    """What the driver asks and tells the router side, in the one-heap loop's order.
-
-    The two deciding hooks, :meth:`arrive` and :meth:`hand_off`, and timer callbacks see every
-    notification that precedes them. A timer callback and ``arrive`` may read any engine (every
-    worker is at that instant); ``hand_off`` may read the engines of workers that are not
-    prefill workers (those run ahead, see :class:`Cluster`). The notifications (``on_*``) get
-    values, never live engines: they may be delivered after the engine has moved on.
-    """
-
-    def arrive(self, request: EngineRequest, now: float) -> Placement | None:
-        """A request arrives: place its first phase (None: the hooks keep it and place it later
-        with :meth:`Cluster.place`, e.g. when a worker becomes ready)."""
-        ...
-
-    def hand_off(self, request: EngineRequest, worker: WorkerId, token: int,
-                 now: float) -> Placement | HandOff | None:
-        """Prefill ``worker`` delivered ``request``'s first token (``token``): place its decode
-        phase (None: the hooks place it later with :meth:`Cluster.place`; ``HandOff.FINISHED``:
-        it has none)."""
-        ...
-
-    def on_first_token(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
-        """A worker that is not a prefill worker delivered the token of index 0 of its request."""
-        ...
-
-    def on_complete(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
-        """A worker that is not a prefill worker delivered its request's last token."""
-        ...
-
-    def on_kv(self, worker: WorkerId, events: list[KvEvent], t: float) -> None:
-        """``worker``'s KV events of the step that ended ``kv_event_lag_ms`` before ``t``."""
-        ...
-
-    def on_load_report(self, worker: WorkerId, stats: EngineStats, t: float) -> None:
-        """``worker``'s periodic load report (``Cluster(load_report_ms=...)``)."""
-        ...
-
-    def on_ready(self, worker: WorkerId, t: float) -> None:
-        """A worker added with a start-up delay can take requests from now on."""
-        ...
-
-    def on_gone(self, worker: WorkerId, t: float) -> None:
-        """A drained worker has nothing left (no work, no held blocks), or was cancelled before
-        it became ready."""
-        ...
-
-
-class Hooks:
-    """Silent hooks to subclass: a notification a subclass does not override is never even
-    buffered (the driver checks), so a router side pays only for what it listens to."""
-
-    def arrive(self, request: EngineRequest, now: float) -> Placement | None:
-        raise NotImplementedError("a cluster's hooks must place arrivals")
-
-    def hand_off(self, request: EngineRequest, worker: WorkerId, token: int,
-                 now: float) -> Placement | HandOff | None:
-        return HandOff.FINISHED
-
-    def on_first_token(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
-        pass
-
-    def on_complete(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
-        pass
-
-    def on_kv(self, worker: WorkerId, events: list[KvEvent], t: float) -> None:
-        pass
-
-    def on_load_report(self, worker: WorkerId, stats: EngineStats, t: float) -> None:
-        pass
-
-    def on_ready(self, worker: WorkerId, t: float) -> None:
-        pass
-
-    def on_gone(self, worker: WorkerId, t: float) -> None:
-        pass
-
-
-def _listens(hooks: Any, name: str) -> bool:
-    return getattr(type(hooks), name, None) is not getattr(Hooks, name)
-
-
-# ----------------------------------------------------------------------------------------------
-# The driver
-# ----------------------------------------------------------------------------------------------
-
-# Kinds of events at one instant, in the order the one-heap loop pops them. A limit of kind
-# _C_NONE at ``t`` stops before everything at ``t``.
-_C_NONE, _C_KV, _C_REPORT, _C_ARRIVAL, _C_BEFORE, _C_STEP, _C_AFTER, _C_END = -1, 0, 1, 2, 3, 4, 5, 6
-# A step boundary's group: the boundary, then what it pushed for its own instant, in kind order
-# (KV delivery if the lag rounds to nothing, hand-offs, releases), then its worker going away.
-_G_SELF, _G_KV, _G_HANDOFF, _G_RELEASE, _G_GONE = -3, -2, 0, 1, 9
 # Buffered notifications.
 _N_KV, _N_FIRST, _N_DONE, _N_REPORT, _N_GONE = range(5)
 
 #: Arrivals between two flushes of the merged notifications (routing fixed in advance).
 _FLUSH_EVERY = 256
-
-# Event nodes (what the order comparator walks): ("B", w, b) boundary b of worker w; ("A", i)
-# arrival i; ("H", w, b, k) hand-off k of boundary (w, b); ("R", w, b, k) its release k;
-# ("K", w, b) the lagged delivery of its KV events; ("G", w, b) worker w gone at it;
-# ("P", w, k) load report k of worker w; ("I", w) the start, which scheduled w's first report;
-# ("T", j) timer j.
 
 
 class _RunEnd:
@@ -403,11 +182,11 @@ class Cluster:
         if kv_event_lag_ms < 0:
             raise ValueError(f"kv_event_lag_ms must be >= 0, got {kv_event_lag_ms}")
         self.lag = kv_event_lag_ms
-        self._n_kv = _listens(hooks, "on_kv")
-        self._n_first = _listens(hooks, "on_first_token")
-        self._n_done = _listens(hooks, "on_complete")
-        self._n_report = load_report_ms is not None and _listens(hooks, "on_load_report")
-        self._n_gone = _listens(hooks, "on_gone")
+        self._n_kv = listens(hooks, "on_kv")
+        self._n_first = listens(hooks, "on_first_token")
+        self._n_done = listens(hooks, "on_complete")
+        self._n_report = load_report_ms is not None and listens(hooks, "on_load_report")
+        self._n_gone = listens(hooks, "on_gone")
         #: None when nobody listens: then no worker reports at all.
         self.load_report_ms = load_report_ms if self._n_report else None
         # Boundary times and wake-ups are kept only when something needs the order.
@@ -431,6 +210,8 @@ class Cluster:
         self._cur: tuple = ("I", -1)
         self._cur_k = 0
         self._handing_off = False
+        #: The one-heap loop's order of events, read from the workers' timelines.
+        self._order = EventOrder(self.workers, self._timer_at, self.release_after_ms, self.lag)
 
     # ------------------------------------------------------------------------------ the API
 
@@ -475,7 +256,7 @@ class Cluster:
         if t < self.now:
             raise ValueError(f"timer at {t} is in the past (now {self.now})")
         j = len(self._timer_at)
-        kind = _C_BEFORE if before_steps else _C_AFTER
+        kind = C_BEFORE if before_steps else C_AFTER
         self._timer_at.append((t, kind))
         heapq.heappush(self._timers, (t, kind, j, fn))
 
@@ -523,6 +304,7 @@ class Cluster:
         self._started = True
         reqs = sorted(requests, key=lambda r: r.arrival_ms or 0.0)  # stable: ties keep input order
         self._arrival_t = [r.arrival_ms or 0.0 for r in reqs]
+        self._order.arrival_t = self._arrival_t
         self._total = len(reqs)
         if self.load_report_ms is not None and self.workers:
             first = self._arrival_t[0] if reqs else 0.0
@@ -542,9 +324,9 @@ class Cluster:
         i = 0
         while True:
             if i < n:
-                gt, gc, gnode = self._arrival_t[i], _C_ARRIVAL, ("A", i)
+                gt, gc, gnode = self._arrival_t[i], C_ARRIVAL, ("A", i)
             else:
-                gt, gc, gnode = _INF, _C_END, None
+                gt, gc, gnode = _INF, C_END, None
             if self._timers:
                 tt, tc, j, _ = self._timers[0]
                 if tt < gt or (tt == gt and tc < gc):
@@ -555,15 +337,15 @@ class Cluster:
             for wk in workers:
                 if wk.producer:
                     self._advance(wk, gt, gc, gnode, gt, final)
-                    if wk.handoffs is not None and (h is None or self._before(("B", wk.index, wk.handoff_b),
+                    if wk.handoffs is not None and (h is None or self._order.before(("B", wk.index, wk.handoff_b),
                                                                                ("B", h.index, h.handoff_b))):
                         h = wk
             if h is not None:
                 lt = h.times[h.handoff_b]
                 lnode = ("H", h.index, h.handoff_b, 0)
                 for wk in workers:
-                    self._advance(wk, lt, _C_STEP, lnode, lt, False)
-                self._flush(lt, _C_STEP, lnode)
+                    self._advance(wk, lt, C_STEP, lnode, lt, False)
+                self._flush(lt, C_STEP, lnode)
                 self._hand_off(h, lt)
                 continue
             for wk in workers:
@@ -571,19 +353,19 @@ class Cluster:
                     self._advance(wk, gt, gc, gnode, gt, final)
             if final:
                 break
-            if gc != _C_ARRIVAL and self.completed == self._total:
+            if gc != C_ARRIVAL and self.completed == self._total:
                 self._end_reports()  # a timer after the last request: no report waits for it
             self._flush(gt, gc, gnode)
             self.now = gt
             self._cur, self._cur_k = gnode, 0
-            if gc == _C_ARRIVAL:
+            if gc == C_ARRIVAL:
                 self._arrive(i, reqs[i])
                 i += 1
             else:
                 _, _, j, fn = heapq.heappop(self._timers)
                 fn(gt)
         self._end_reports()
-        self._flush(_INF, _C_END, None)
+        self._flush(_INF, C_END, None)
 
     def _run_fixed(self, reqs: list[EngineRequest]) -> None:
         """Routing fixed in advance: every worker runs apart from its share of the arrivals."""
@@ -604,12 +386,12 @@ class Cluster:
             for k in range(_FLUSH_EVERY, len(reqs), _FLUSH_EVERY):
                 h = self._arrival_t[k]
                 for wk in workers:
-                    self._advance(wk, h, _C_NONE, None, _INF, False)
-                self._flush(h, _C_NONE, None)
+                    self._advance(wk, h, C_NONE, None, _INF, False)
+                self._flush(h, C_NONE, None)
         for wk in workers:
-            self._advance(wk, _INF, _C_END, None, _INF, True)
+            self._advance(wk, _INF, C_END, None, _INF, True)
         self._end_reports()
-        self._flush(_INF, _C_END, None)
+        self._flush(_INF, C_END, None)
 
     # --------------------------------------------------------------------- global events
 
@@ -720,7 +502,7 @@ class Cluster:
                 tk = kvq[0][0] if kvq else _INF
                 tp = wk.report_t
                 if tk <= tp and tk <= ta and tk <= tr and tk <= t:
-                    if tk > lt or (tk == lt and lc <= _C_KV):
+                    if tk > lt or (tk == lt and lc <= C_KV):
                         return
                     _, b, events = kvq.popleft()
                     buf.append((tk, ("K", w, b), _N_KV, events))
@@ -728,19 +510,19 @@ class Cluster:
                 if tp <= ta and tp <= tr and tp <= t:
                     if final and ta == _INF and tr == _INF and t == _INF and not kvq:
                         return  # only reports left: the run's end decides how many remain
-                    if tp > lt or (tp == lt and lc <= _C_REPORT):
+                    if tp > lt or (tp == lt and lc <= C_REPORT):
                         return
                     self._report(wk, tp)
                     continue
             if ta <= tr and ta <= t:
-                if ta >= lt and (ta > lt or ta == _INF or lc <= _C_ARRIVAL):  # INF: nothing left
+                if ta >= lt and (ta > lt or ta == _INF or lc <= C_ARRIVAL):  # INF: nothing left
                     return
                 _, seq, req = arrivals[wk.next_arrival]
                 wk.next_arrival += 1
                 self._add(wk, ta, req, ("A", seq), 0)
                 continue
             if tr <= t:
-                if tr >= lt and (tr > lt or tr == _INF or not self._release_before(releases[0], w, lc, lnode)):
+                if tr >= lt and (tr > lt or tr == _INF or not self._order.release_before(releases[0], w, lc, lnode)):
                     return
                 _, pusher, k, rid, _ = heapq.heappop(releases)
                 core.release(rid)
@@ -750,8 +532,8 @@ class Cluster:
                     elif wk.draining:
                         self._check_gone(wk, tr, ("R", w, pusher, k))
                 continue
-            if t >= lt and (t > lt or t == _INF or lc < _C_STEP
-                            or (lc == _C_STEP and not self._before(("B", w, wk.cur), lnode))):
+            if t >= lt and (t > lt or t == _INF or lc < C_STEP
+                            or (lc == C_STEP and not self._order.before(("B", w, wk.cur), lnode))):
                 return
             # A step boundary: deliver the step that just ended, then start the next one.
             payload = wk.payload
@@ -796,7 +578,7 @@ class Cluster:
                                 core.release(rid)
                         elif release_after is not None:
                             tr = t + release_after
-                            kind = _C_STEP if tr == t else _C_BEFORE
+                            kind = C_STEP if tr == t else C_BEFORE
                             for k, rid in enumerate(payload.finished):
                                 heapq.heappush(releases, (tr, b, k, rid, kind))
                     events = core.take_kv_events()
@@ -855,15 +637,6 @@ class Cluster:
             rec.prefill_steps += 1
         for tok in res.tokens:
             prefilling.pop(tok.request_id, None)
-
-    def _release_before(self, rel: tuple, w: int, lc: int, lnode: tuple | None) -> bool:
-        """Whether a release at the limit's instant comes before the limit."""
-        kind = rel[4]
-        if kind != lc:
-            return kind < lc
-        if kind == _C_BEFORE:
-            return True  # releases before timers
-        return self._before(("R", w, rel[1], rel[2]), lnode)
 
     def _report(self, wk: _Worker, tp: float) -> None:
         k = len(wk.report_times)
@@ -949,23 +722,24 @@ class Cluster:
                         break
             wk.report_t = _INF
 
-    # ------------------------------------------------------------------- the order of events
+    # ----------------------------------------------------------- delivering the notifications
 
     def _flush(self, lt: float, lc: int, lnode: tuple | None) -> None:
         """Deliver the buffered notifications before the limit, in the one-heap loop's order."""
         if not self.track:
             return
-        batch: list[_Order] = []
+        order = self._order
+        batch: list[OrderKey] = []
         for wk in self.workers:
             buf = wk.buffer
             w = wk.index
             while buf:
                 e = buf[0]
                 t = e[0]
-                if t > lt or (t == lt and not self._entry_before(e[1], lc, lnode)):
+                if t > lt or (t == lt and not order.entry_before(e[1], lc, lnode)):
                     break
                 buf.popleft()
-                batch.append(_Order(t, w, len(batch), e, self))
+                batch.append(OrderKey(t, w, len(batch), e, order))
         if len(batch) > 1:
             batch.sort()
         hooks = self.hooks
@@ -983,213 +757,3 @@ class Cluster:
                 hooks.on_load_report(wid, arg, t)
             else:
                 hooks.on_gone(wid, t)
-
-    def _entry_before(self, node: tuple, lc: int, lnode: tuple | None) -> bool:
-        _, c = self._pos(node)
-        if c != lc:
-            return c < lc
-        return c == _C_BEFORE or self._before(node, lnode)
-
-    def _pos(self, x: tuple) -> tuple[float, int]:
-        """(time, kind) of an event node."""
-        tag = x[0]
-        if tag == "B" or tag == "H" or tag == "G":
-            return self.workers[x[1]].times[x[2]], _C_STEP
-        if tag == "A":
-            return self._arrival_t[x[1]], _C_ARRIVAL
-        if tag == "R":
-            tb = self.workers[x[1]].times[x[2]]
-            t = tb + self.release_after_ms
-            return t, (_C_STEP if t == tb else _C_BEFORE)
-        if tag == "K":
-            tb = self.workers[x[1]].times[x[2]]
-            t = tb + self.lag
-            return t, (_C_STEP if t == tb else _C_KV)
-        if tag == "P":
-            return self.workers[x[1]].report_times[x[2]], _C_REPORT
-        if tag == "T":
-            return self._timer_at[x[1]]
-        return -_INF, _C_NONE  # "I": the start
-
-    @staticmethod
-    def _group(x: tuple) -> tuple[tuple, tuple[int, int]]:
-        """A node at its boundary's instant: (the boundary, its place in the group)."""
-        tag = x[0]
-        if tag == "B":
-            return x, (_G_SELF, 0)
-        b = ("B", x[1], x[2])
-        if tag == "H":
-            return b, (_G_HANDOFF, x[3])
-        if tag == "R":
-            return b, (_G_RELEASE, x[3])
-        if tag == "K":
-            return b, (_G_KV, 0)
-        return b, (_G_GONE, 0)
-
-    def _pusher(self, x: tuple) -> tuple[tuple, int]:
-        """(the event that pushed ``x``, the order of ``x`` among its pushes)."""
-        tag = x[0]
-        if tag == "B":
-            w, b = x[1], x[2]
-            return self.workers[w].wake.get(b) or (("B", w, b - 1), 0)
-        if tag == "P":
-            return (("P", x[1], x[2] - 1), 0) if x[2] > 0 else (("I", x[1]), 0)
-        if tag == "R":
-            return ("B", x[1], x[2]), x[3]
-        return ("B", x[1], x[2]), 0  # "K"
-
-    def _before(self, x: tuple, y: tuple) -> bool:
-        """Whether event ``x`` came off the one heap before event ``y`` (distinct events).
-
-        The heap orders by (time, kind, push order). An event is pushed while the heap
-        processes the one that scheduled it, so at equal time and kind, compare what pushed
-        them, back until they differ. Step boundaries at one instant pop in push order, each
-        followed by what it pushed for that instant (a group, :meth:`_group`). Arrivals were all
-        pushed first, in arrival order; timers are compared by the order they were scheduled
-        (they are scheduled by events the loop processes in order).
-        """
-        pos, pusher = self._pos, self._pusher
-        while True:
-            tx, cx = pos(x)
-            ty, cy = pos(y)
-            if tx != ty:
-                return tx < ty
-            if cx != cy:
-                return cx < cy
-            if cx == _C_STEP:
-                gx, sx = self._group(x)
-                gy, sy = self._group(y)
-                if gx == gy:
-                    return sx < sy
-                x, kx = pusher(gx)
-                y, ky = pusher(gy)
-            elif cx == _C_ARRIVAL or cx == _C_AFTER or cx == _C_NONE:
-                return x[1] < y[1]
-            elif cx == _C_BEFORE and (x[0] == "T" or y[0] == "T"):
-                return y[0] == "T" and (x[0] != "T" or x[1] < y[1])  # releases before timers
-            else:
-                x, kx = pusher(x)
-                y, ky = pusher(y)
-            if x == y:
-                return kx < ky
-
-
-class _Order:
-    """Sort key of one buffered notification in :meth:`Cluster._flush`."""
-
-    __slots__ = ("t", "w", "i", "entry", "sim")
-
-    def __init__(self, t: float, w: int, i: int, entry: tuple, sim: Cluster) -> None:
-        self.t, self.w, self.i, self.entry, self.sim = t, w, i, entry, sim
-
-    def __lt__(self, other: _Order) -> bool:
-        if self.t != other.t:
-            return self.t < other.t
-        if self.w == other.w:
-            return self.i < other.i
-        return self.sim._before(self.entry[1], other.entry[1])
-
-
-# ----------------------------------------------------------------------------------------------
-# The engine-only entry point
-# ----------------------------------------------------------------------------------------------
-
-
-def round_robin() -> Router:
-    """Request ``i`` (in arrival order) goes to worker ``i mod n``."""
-    counter = 0
-
-    def route(request: EngineRequest, cores: Sequence[EngineCore]) -> int:
-        nonlocal counter
-        i = counter % len(cores)
-        counter += 1
-        return i
-
-    return route
-
-
-class _EngineOnly(Hooks):
-    """``simulate``'s router side: a router over the engines (no sink: nothing is buffered)."""
-
-    def __init__(self, route: Router, cores: Callable[[], list[EngineCore]], ids: list[WorkerId]) -> None:
-        self.route = route
-        self.cores = cores
-        self.ids = ids
-
-    def arrive(self, request: EngineRequest, now: float) -> Placement:
-        return Placement(self.ids[self.route(request, self.cores())], request)
-
-
-class _EngineOnlyToSink(_EngineOnly):
-    """... and every KV event to the sink, in the one-heap loop's order."""
-
-    def __init__(self, route: Router, cores: Callable[[], list[EngineCore]], ids: list[WorkerId],
-                 sink: EventSink) -> None:
-        super().__init__(route, cores, ids)
-        self.publish = sink.publish
-
-    def on_kv(self, worker: WorkerId, events: list[KvEvent], t: float) -> None:
-        publish = self.publish
-        for ev in events:
-            publish(ev)
-
-
-def simulate(
-    requests: Iterable[EngineRequest],
-    profile: HardwareProfile | str = "mocker",
-    *,
-    num_workers: int = 1,
-    role: WorkerRole = WorkerRole.AGGREGATED,
-    router: Router | str = "round_robin",
-    sink: EventSink | None = None,
-    hash_config: HashConfig | None = None,
-    worker_ids: Sequence[WorkerId] | None = None,
-    release_after_ms: float | None = 0.0,
-    emit_token_ids: bool = False,
-    coalesce: bool = True,
-    tiers: Mapping[Tier, int] | None = None,
-    onboard_costs: OnboardCosts | None = None,
-    tier_admission: AdmissionConfig | None = None,
-) -> SimulationResult:
-    """Run ``requests`` to completion on ``num_workers`` simulated workers.
-
-    ``sink`` receives every KV event (per worker in step order, at step end). In the prefill
-    role, a held request is released ``release_after_ms`` after its first token (None: never,
-    e.g. to inspect held blocks). Requests without ``arrival_ms`` arrive at 0.
-
-    ``coalesce`` (default) lets a worker apply runs of identical decode steps at once
-    (:meth:`EngineCore.run_decode`); False runs every step through ``EngineCore.step``. The
-    results, the KV events and their order are the same either way.
-
-    ``tiers`` / ``onboard_costs`` / ``tier_admission``: tiers below each worker's device, see
-    :class:`Cluster`.
-    """
-    prof = load_profile(profile) if isinstance(profile, str) else profile
-    if worker_ids is None:
-        worker_ids = [WorkerId(f"worker-{i}") for i in range(num_workers)]
-    ids = list(worker_ids)
-    if len(ids) != num_workers:
-        raise ValueError(f"{len(ids)} worker ids for {num_workers} workers")
-    route = round_robin() if router == "round_robin" else router
-    if isinstance(route, str):
-        raise ValueError(f"unknown router {router!r} (known: round_robin, or a callable)")
-
-    def cores() -> list[EngineCore]:
-        return engines
-
-    hooks = _EngineOnly(route, cores, ids) if sink is None else _EngineOnlyToSink(route, cores, ids, sink)
-    cluster = Cluster(prof, hooks, hash_config=hash_config, emit_token_ids=emit_token_ids, coalesce=coalesce,
-                      release_after_ms=release_after_ms, tiers=tiers, onboard_costs=onboard_costs,
-                      tier_admission=tier_admission)
-    engines = [cluster.add_worker(w, role) for w in ids]
-    # Round robin reads no engine: every worker runs on its own from its share of the arrivals.
-    records = cluster.run(requests, fixed_routing=router == "round_robin")
-    first_arrival = records[0].arrival_ms if records else 0.0
-    return SimulationResult(
-        requests=records,
-        duration_ms=cluster.last_time - first_arrival,
-        steps=cluster.steps,
-        preemptions=sum(c.scheduler.num_preemptions for c in engines),
-        profile=prof.name,
-        num_workers=num_workers,
-    )
