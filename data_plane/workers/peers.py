@@ -20,7 +20,10 @@ import httpx
 
 from data_plane.transfer import EndpointMetadata, InvalidTransfer, PeerLost
 from kernel.fleet import GONE, Change, Fleet
+from kernel.log.catalog import Catalog
+from kernel.log.principals import group_id
 from kernel.settings import worker_token
+from schemas import EventCodec, SchemaError
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +143,6 @@ class PeerDirectory:
     def _run(self, bus) -> None:
         from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-        from kernel.log.catalog import Catalog
-        from kernel.log.principals import group_id
-        from schemas import EventCodec, SchemaError
 
         fleet = Fleet()
         topic = Catalog(bus.topic_prefix).topic("workers")

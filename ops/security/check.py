@@ -54,9 +54,13 @@ from pathlib import Path
 
 import httpx
 
+from control_plane.admin.client import AdminClient, ClientError
+from control_plane.settings import S3_ACCESS_KEY
+from kernel.settings import kafka_conf
+from ops.demo.up import Supervisor, demo_secret, system_pids
 from ops.security import probes_bus, probes_http
-from ops.security.probe import (ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets,
-                                         quiet)
+from ops.security.probe import ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
+from ops.stack.process import listening_sockets
 
 # -- the router's OpenAI API -------------------------------------------------------------------
 
@@ -200,7 +204,6 @@ def probe_router_keys(url: str, admin_url: str | None, admin_token: str | None, 
     """Generation calls the keys must stop: none, a wrong one, a revoked one, one over its rate."""
     import time
 
-    from control_plane.admin.client import AdminClient, ClientError
 
     out: list[Probe] = []
     with httpx.Client(base_url=url, timeout=60) as c:
@@ -314,7 +317,6 @@ def probe_kafka(bootstrap: str) -> list[Probe]:
     the credential's, not a broker that is down."""
     from confluent_kafka.admin import AdminClient
 
-    from kernel.settings import kafka_conf
 
     real = kafka_conf(bootstrap)
     try:
@@ -380,7 +382,6 @@ def probe_s3(endpoint: str) -> list[Probe]:
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from control_plane.settings import S3_ACCESS_KEY
 
     out = []
     for attack, creds in (("list buckets unsigned", None),
@@ -406,8 +407,6 @@ def probe_s3(endpoint: str) -> list[Probe]:
 
 
 def probe_listeners(pids: list[int]) -> list[Probe]:
-    from ops.stack.process import listening_sockets
-
     out = []
     for x in listening_sockets(pids):
         words = x.command.split()
@@ -464,8 +463,6 @@ def report(probes: list[Probe]) -> str:
 
 def demo_targets(stack_settings) -> Targets:
     """The system ``switchyard up`` started: URLs from its ``procs.json``, every process of it."""
-    from ops.demo.up import Supervisor, demo_secret, system_pids
-
     procs = Supervisor(stack_settings).procs
     urls = {p.name: p.url or None for p in procs}
     return Targets(router_url=urls.get("router"), admin_url=urls.get("admin"),

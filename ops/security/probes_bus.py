@@ -39,15 +39,23 @@ from __future__ import annotations
 import time
 import uuid
 
+from kernel.errors import LogReadError
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
+from kernel.log.principals import group_id
+from kernel.log.reader import KafkaLogReader
+from kernel.log.snapshots import SnapshotStore
+from kernel.settings import BusSettings
 from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
+from schemas import EventCodec
+from schemas.envelope import EnvelopeFactory
+from schemas.events import RequestAdmitted, RequestCompleted, RouterKeyIssued, WorkerDeregistered, WorkerRegistered
 
 #: Group prefixes (after ``<prefix>.``) of the running views, and the role owning each.
 VIEW_GROUPS = {"router-view.": "router", "load-view.": "planner", "metrics.": "processor"}
 
 
 def _bus(role: str | None, t: Targets):
-    from kernel.settings import BusSettings
-
     return BusSettings.from_env(role=role, bootstrap=t.kafka_bootstrap, topic_prefix=t.topic_prefix)
 
 
@@ -84,7 +92,6 @@ def probe_groups(t: Targets) -> list[Probe]:
     """Every other role's credential joins each running view's consumer group."""
     from confluent_kafka.admin import AdminClient
 
-    from kernel.log.catalog import Catalog
 
     admin = AdminClient({**_bus(None, t).client_conf(), "logger": quiet()})
     listed = admin.list_consumer_groups(request_timeout=10).result()
@@ -109,9 +116,6 @@ def probe_replayed_registration(t: Targets, timeout_s: float = 20.0) -> list[Pro
     copied to another partition with the worker credential. The router must not count it."""
     from confluent_kafka import Producer
 
-    from kernel.log.catalog import Catalog
-    from kernel.log.kafka import EventProducer
-    from schemas.events import WorkerDeregistered, WorkerRegistered
 
     attack = "a worker's signed registration, replayed to another partition after it stopped"
     if not t.router_url:
@@ -132,7 +136,6 @@ def probe_replayed_registration(t: Targets, timeout_s: float = 20.0) -> list[Pro
     # The bytes as they are on the log, read back with the same credential.
     from confluent_kafka import Consumer, TopicPartition
 
-    from kernel.log.principals import group_id
 
     c = Consumer({**bus.client_conf(), "group.id": group_id(t.topic_prefix, bus.username, "security-check"),
                   "enable.auto.commit": False, "logger": quiet()})
@@ -188,11 +191,6 @@ def _get(router_url: str, path: str) -> dict:
 def probe_forged_requests(t: Targets) -> list[Probe]:
     """Request events as producer ``demo-router`` with the worker credential: dead-lettered
     ``forged:*`` by the running system (the check of :func:`probe_forged_events`)."""
-    from kernel.settings import BusSettings
-    from schemas import EventCodec
-    from schemas.envelope import EnvelopeFactory
-    from schemas.events import RequestAdmitted, RequestCompleted
-
     if not t.router_url:
         return [Probe("kafka", "forged request events", SKIPPED, "no running consumer to refuse them")]
     tag = uuid.uuid4().hex[:8]
@@ -261,7 +259,6 @@ def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
 
     from confluent_kafka.admin import AdminClient
 
-    from kernel.log.catalog import Catalog
 
     attack = "the router's credential joins the live router view's group under Faust's assignor name"
     if not t.router_url:
@@ -325,10 +322,6 @@ FOREIGN_READS = (("worker", "admin"), ("worker", "planner"), ("worker", "request
 
 def probe_reads(t: Targets) -> list[Probe]:
     """Each role's credential reads the newest record of a stream it does not fold."""
-    from kernel.errors import LogReadError
-    from kernel.log.catalog import Catalog
-    from kernel.log.reader import KafkaLogReader
-
     out = []
     for role, stream in FOREIGN_READS:
         attack = f"the {role}'s credential reads {stream}"
@@ -351,8 +344,6 @@ def probe_forged_snapshots(t: Targets) -> list[Probe]:
     credential; the routers' restore must refuse both and return the router's own."""
     from confluent_kafka import Producer
 
-    from kernel.log.catalog import Catalog
-    from kernel.log.snapshots import SnapshotStore
 
     key = f"router-view:security-check-{uuid.uuid4().hex[:8]}:16"
     topic = Catalog(t.topic_prefix).topic("snapshots")
@@ -416,8 +407,6 @@ def probe_kafka_roles(bootstrap: str, topic_prefix: str = "sy") -> list[Probe]:
     a hole shows up as a dead-lettered record, not as a changed view."""
     from confluent_kafka import Producer
 
-    from kernel.log.catalog import Catalog
-    from kernel.settings import BusSettings
 
     out = []
     for role, stream, attack in ROLE_ATTACKS:
@@ -444,10 +433,6 @@ def _forgeries(topic_prefix: str) -> list[tuple[str, str, bytes, str]]:
     id are the probe's own, so an accepted forgery harms no real worker or key."""
     import uuid
 
-    from kernel.settings import BusSettings
-    from schemas import EventCodec
-    from schemas.envelope import EnvelopeFactory
-    from schemas.events import RouterKeyIssued, WorkerRegistered
 
     tag = uuid.uuid4().hex[:8]
     victim, evil = f"security-check-victim-{tag}", f"security-check-{tag}"
@@ -480,9 +465,6 @@ def probe_forged_events(bootstrap: str, topic_prefix: str = "sy", timeout_s: flo
     and key table fold it only through that check), or ``refused_reason`` for other ``forgeries``."""
     from confluent_kafka import Consumer, Producer, TopicPartition
 
-    from kernel.log.catalog import Catalog
-    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
-    from kernel.settings import BusSettings
 
     cat = Catalog(topic_prefix)
     su = BusSettings.from_env(bootstrap=bootstrap, topic_prefix=topic_prefix)

@@ -39,8 +39,17 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from control_plane.replay.cli import replay_app
+from control_plane.settings import StackSettings
+from kernel.log.catalog import Catalog
+from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+from kernel.settings import BusSettings, worker_credential, worker_token
+from ops.demo.up import Supervisor
 from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
 from ops.security.probes_bus import probe_forged_events
+from schemas import EventCodec
+from schemas.envelope import EnvelopeFactory
+from schemas.events import WorkerDeregistered, WorkerRegistered
 
 #: The flood of the issue: past the servers' old 1,024-connection limit.
 FLOOD_CONNECTIONS = 1030
@@ -253,8 +262,6 @@ def _verdict(r: httpx.Response, want: tuple[int, ...]) -> str:
 
 
 def probe_worker_routes(worker_urls: tuple[str, ...], secret: str | None) -> list[Probe]:
-    from kernel.settings import worker_token
-
     out: list[Probe] = []
     ids = {}
     for u in worker_urls:
@@ -376,9 +383,6 @@ def probe_metric_labels(bootstrap: str, topic_prefix: str, metrics_url: str | No
         return Probe("metrics", attack, SKIPPED, "no metrics processor")
     from confluent_kafka import Producer
 
-    from kernel.log.catalog import Catalog
-    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
-    from kernel.settings import BusSettings
 
     tag = f"sc{uuid.uuid4().hex[:8]}"
 
@@ -424,11 +428,6 @@ def probe_allowlist(bootstrap: str, topic_prefix: str, block_size: int = 64, has
     registration and only the endpoint is left to refuse it."""
     from confluent_kafka import Producer
 
-    from kernel.log.catalog import Catalog
-    from kernel.settings import BusSettings
-    from schemas import EventCodec
-    from schemas.envelope import EnvelopeFactory
-    from schemas.events import WorkerDeregistered, WorkerRegistered
 
     wid = f"security-check-{uuid.uuid4().hex[:8]}"
     bus = BusSettings.from_env(role="worker", bootstrap=bootstrap, topic_prefix=topic_prefix)
@@ -466,7 +465,6 @@ def probe_replay_cli() -> list[Probe]:
     anything, with one ``error:`` line and exit 2."""
     from typer.testing import CliRunner
 
-    from control_plane.replay.cli import replay_app
 
     out = []
     for args in REPLAY_NONSENSE:
@@ -487,16 +485,11 @@ def probe_replay_cli() -> list[Probe]:
 
 def _metrics_url() -> str | None:
     """The metrics processor ``switchyard up`` started, if any."""
-    from ops.demo.up import Supervisor
-    from control_plane.settings import StackSettings
-
     url = next((p.url for p in Supervisor(StackSettings.from_env()).procs if p.name == "metrics" and p.url), None)
     return f"{url}/metrics" if url else None
 
 
 def run(t: Targets) -> list[Probe]:
-    from kernel.settings import BusSettings, worker_credential
-
     secrets_dir = BusSettings.from_env().secrets_dir
     secret = worker_credential(secrets_dir) if (secrets_dir / "worker-endpoint").exists() else None
     probes: list[Probe] = []

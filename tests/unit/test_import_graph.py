@@ -203,12 +203,6 @@ def test_no_arrow_runs_up_a_layer() -> None:
     assert not stale, f"known upward arrows that are gone (remove them from KNOWN_UPWARD): {stale}"
 
 
-#: Modules whose function-local imports are not yet annotated: edited on other branches this
-#: round (the worker lifecycle fold, the security check); annotate or hoist them after the merge.
-UNANNOTATED = frozenset({"ops.security.check", "ops.security.probes_bus",
-                         "ops.security.probes_http", "data_plane.workers.peers"})
-
-
 def test_every_function_local_import_of_project_code_says_why() -> None:
     """An import of project code inside a function is a cycle hidden from the module graph
     unless it has a reason to be there: a one-line ``# lazy: <why>`` comment right above it
@@ -219,7 +213,7 @@ def test_every_function_local_import_of_project_code_says_why() -> None:
             continue
         lines = MODS[a.src].read_text().splitlines()
         said = lines[a.line - 2].strip().startswith("# lazy:") if a.line >= 2 else False
-        if not said and a.src not in UNANNOTATED:
+        if not said:
             missing.append(f"{MODS[a.src].relative_to(ROOT)}:{a.line} imports {a.dst}")
     assert not missing, "function-local imports without a '# lazy: <why>' line above:\n  " + "\n  ".join(
         sorted(set(missing)))
