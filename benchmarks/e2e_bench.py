@@ -22,12 +22,14 @@ or last on a warm machine.
 Last line: ``RESULT ttft_p50_gain=<rr/kv> ttft_p99_gain=... hit_rate=<kv> ideal_hit_rate=...
 completed=... failed=... rejected=... ttft_p50_ms=<kv> ttft_p50_predicted_ms=<kv>
 handoff_ratio=<kv> within_2x_of_prediction=0|1 gain_from_placement=... gain_from_prefix_hits=...
-prefill_hit_rate=... prefill_hit_rate_rr=... overlap_exact=... prediction_err_p50=... prediction_err_p90=...``
+prefill_hit_rate=... prefill_hit_rate_rr=... overlap_exact=... prediction_err_p50=... prediction_err_p90=...
+prediction_err_top=...``
 (the two shares of the observed TTFT p50 difference rr - kv; they sum to 1). ``hit_rate`` is the
 client's usage, which in disaggregated serving is the decode worker's engine; ``prefill_hit_rate``
 is the prefill workers' own, from ``switchyard replay reconcile`` over the run's log, with the share
 of decisions whose overlap equals the cached blocks and the error of the recorded TTFT prediction
-(``RequestRouted.predicted_ttft_ms``; a fixed prior, no transfer in it).
+(``RequestRouted.predicted_ttft_ms``, under the model the router fitted from the run's own log;
+``prediction_err_top`` is reconcile's TTFT blame with the largest share of the error).
 """
 
 from __future__ import annotations
@@ -134,6 +136,9 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: fl
               f"workers': {s['hit_rate']:.3f}); the decision's overlap equals the cached blocks in {rc['exact']} of "
               f"{rc['requests']}; TTFT prediction error p50 {_f(rc['prediction_err_p50'])} p90 "
               f"{_f(rc['prediction_err_p90'])}")
+        for src, g in rc.get("ttft_error_by", {}).items():
+            print(f"  {m}: TTFT error on {src}: {g['n']} predictions, error p50 {_f(g['err_p50'])}, signed p50 "
+                  f"{_f(g['bias_p50'])}, {100 * g['share']:.0f}% of the summed error")
         for line in explain(s["ttft_p50_ms"], s["predicted"]["ttft_p50_ms"], s["breakdown"]):
             print(f"  {m}: {line}")
     rr, kv, pl = runs["round_robin"], runs["kv"], runs["placement"]
@@ -158,8 +163,14 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: fl
           f"prefill_hit_rate_rr={rr['reconciled']['prefill_hit_rate']:.3f} "
           f"overlap_exact={kv['reconciled']['exact'] / max(kv['reconciled']['requests'], 1):.3f} "
           f"prediction_err_p50={_f(kv['reconciled']['prediction_err_p50'])} "
-          f"prediction_err_p90={_f(kv['reconciled']['prediction_err_p90'])}")
+          f"prediction_err_p90={_f(kv['reconciled']['prediction_err_p90'])} "
+          f"prediction_err_top={_top(kv['reconciled'].get('ttft_error_by', {}))}")
     return {m: {k: v for k, v in s.items() if k != "results"} for m, s in runs.items()}
+
+
+def _top(by: dict) -> str:
+    """The source with the largest share of the summed TTFT prediction error ("-" when none)."""
+    return max(by, key=lambda k: by[k]["share"]) if by else "-"
 
 
 def reconciled(bus: BusSettings) -> dict:

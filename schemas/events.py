@@ -191,6 +191,43 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     peer_from: WorkerId = ""
 
 
+class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Parameters of the router's TTFT prediction (``control_plane/router/ttft.py``), in
+    milliseconds or tokens, with the evidence behind them: the prior, or a fit from the log
+    (``control_plane/router/ttft_fit.py``). Recorded with each decision so replay's table check
+    re-derives the prediction; the state check re-derives the model itself from the log."""
+
+    #: Fixed cost of one request, whatever its length (HTTP, scheduling, the P/D handoff and
+    #: the decode worker's first step).
+    base_ms: float = 0.0
+    #: Fixed cost of one engine step.
+    step_ms: float = 2.0
+    #: Cost of one prompt token, context aside (the weights' share).
+    ms_per_token: float = 0.05
+    #: Extra cost of one prompt token per token of context it attends to.
+    ms_per_token_ctx: float = 2e-6
+    #: Prompt tokens one step computes at most (vLLM's ``max_num_batched_tokens``).
+    chunk_tokens: int = 2048
+    #: Confidence: the observations behind the fit, the worker's own and its pool's (all
+    #: workers of the router's log in the fit window); 0 and 0 is the prior.
+    samples: int = 0
+    pool_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx) < 0:
+            raise ValueError(f"TtftModel: chunk_tokens must be >= 1 and the costs >= 0, got {self}")
+
+    def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Time to compute ``new_tokens`` after ``context_tokens`` already in the KV: the sum of
+        the steps' costs, in closed form (the chunks tile the ``N`` new tokens, so their
+        attention terms add up to ``N * context + N^2 / 2`` whatever the chunk size)."""
+        if new_tokens <= 0:
+            return 0.0
+        steps = -(-new_tokens // self.chunk_tokens)
+        return (steps * self.step_ms + new_tokens * self.ms_per_token
+                + self.ms_per_token_ctx * new_tokens * (context_tokens + new_tokens / 2))
+
+
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     """The router chose ``worker_id`` for one phase of a request, and why."""
 
@@ -235,6 +272,9 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: from the chosen row); None in logs written before the field existed, and for a decode
     #: phase (not modelled yet).
     predicted_ttft_ms: float | None = None
+    #: The model behind ``predicted_ttft_ms`` (the chosen worker's fit, or the prior); None in
+    #: logs written before the field existed (the prior then) and for a decode phase.
+    ttft_model: TtftModel | None = None
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

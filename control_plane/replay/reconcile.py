@@ -80,6 +80,22 @@ class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
     #: prediction does not model yet.
     predicted_ttft_ms: float | None = None
     observed_ttft_ms: float | None = None
+    #: Prefill tokens the chosen row saw queued ahead, and the observations behind the model that
+    #: predicted (``RequestRouted.ttft_model``; -1 for the prior recorded before models were).
+    queued_tokens: int = 0
+    model_samples: int = -1
+
+    @property
+    def ttft_blame(self) -> str:
+        """Where a TTFT prediction's error is put, first that applies: ``prior`` (no
+        observation behind the model yet), ``overlap`` (the cached tokens were not what the
+        router saw: the overlap blame), ``queue`` (work was queued ahead, whose time and size
+        the router estimates), else ``own_prefill`` (the request's own prefill and handoff)."""
+        if self.model_samples <= 0:
+            return "prior"
+        if self.blame:
+            return "overlap"
+        return "queue" if self.queued_tokens > 0 else "own_prefill"
 
     @property
     def ttft_error(self) -> float | None:
@@ -115,9 +131,27 @@ class Reconciliation(msgspec.Struct, frozen=True, kw_only=True):
         out["ttft_predictions"] = len(errs)
         out["prediction_err_p50"] = _quantile(errs, 0.5)
         out["prediction_err_p90"] = _quantile(errs, 0.9)
+        out["ttft_error_by"] = _error_by(c)
         out["missed_blocks"] = {b: sum(x.cached_blocks - x.predicted_blocks for x in c if x.blame == b)
                                 for b in ("stale_index", "stored_after_routing")}
         return out
+
+
+def _error_by(checks: Sequence[OverlapCheck]) -> dict:
+    """Per :attr:`OverlapCheck.ttft_blame`: predictions, error p50, signed error p50 (> 0: the
+    prediction was slower than observed) and the share of the summed absolute error."""
+    groups: dict[str, list[OverlapCheck]] = {}
+    for x in checks:
+        if x.ttft_error is not None:
+            groups.setdefault(x.ttft_blame, []).append(x)
+    total = sum(x.ttft_error for g in groups.values() for x in g) or 1.0
+    out = {}
+    for name, g in sorted(groups.items()):
+        errs = sorted(x.ttft_error for x in g)
+        signed = sorted((x.predicted_ttft_ms - x.observed_ttft_ms) / x.observed_ttft_ms for x in g)
+        out[name] = {"n": len(g), "err_p50": _quantile(errs, 0.5), "bias_p50": _quantile(signed, 0.5),
+                     "share": sum(errs) / total}
+    return out
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
@@ -193,7 +227,9 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
             cached_blocks=cached_blocks, best_other_blocks=min(max(others, default=0), reachable), unfolded_blocks=unfolded,
             predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
             predicted_ttft_ms=ev.predicted_ttft_ms,
-            observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None))
+            observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None,
+            queued_tokens=mine.queued_prefill_tokens if mine else 0,
+            model_samples=-1 if ev.ttft_model is None else ev.ttft_model.samples + ev.ttft_model.pool_samples))
     return Reconciliation(checks=tuple(checks), unmatched=unmatched)
 
 

@@ -149,8 +149,10 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
         if row.overlap_blocks or row.stale or row.overlap_by_tier:
             overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale,
                                                                peer_from=row.peer_from)
+    # The prediction's model as recorded (the state check re-derives it from the log).
+    models = {r.worker_id: r.ttft_model} if r.ttft_model is not None else {}
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
-                          rr_cursor=r.rr_cursor, rng_seed=r.rng_seed)
+                          rr_cursor=r.rr_cursor, rng_seed=r.rng_seed, ttft_models=models)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +164,8 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
     """The event the router would have recorded for decision ``d`` over ``inputs`` (what only the
     live moment knows, position, view state, ``now``, queueing, is copied from ``rec``)."""
     r = rec.routed
+    if r.ttft_model is None:  # written before the router fitted its model: the prior predicted
+        inputs = msgspec.structs.replace(inputs, ttft_models={})
     ev = routed_event(d, inputs, config, router_id=r.router_id, attempt=r.attempt, index_position=r.index_position,
                       view_state=r.view_state, excluded=r.excluded_workers, decided_at_s=r.decided_at_s,
                       queued_ms=r.queued_ms)
@@ -169,6 +173,8 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         ev = msgspec.structs.replace(ev, inflight_prefill_tokens=None, inflight_blocks=None, inflight_ttl_s=None)
     if r.predicted_ttft_ms is None:  # written before the router recorded its prediction
         ev = msgspec.structs.replace(ev, predicted_ttft_ms=None)
+    if r.ttft_model is None:  # written before the router fitted and recorded its model
+        ev = msgspec.structs.replace(ev, ttft_model=None)
     return ev
 
 

@@ -31,8 +31,8 @@ from control_plane.router.config import RouterConfig
 from control_plane.router.decision import NO_OVERLAP, Decision, RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, RouterLedger, role_of_phase
-from control_plane.router.ttft import predict_ttft_ms
-from schemas.events import RequestRouted
+from control_plane.router.ttft import PRIOR, predict_ttft_ms
+from schemas.events import RequestRouted, TtftModel
 from schemas.types import BlockHash, RequestPhase, WorkerId
 
 
@@ -59,6 +59,9 @@ class DecisionInputs(msgspec.Struct, kw_only=True):
     inflight: Mapping[str, InflightLoad]
     rr_cursor: str | None = None
     rng_seed: int = 0
+    #: The TTFT model of each candidate (the ledger's fit, ``ttft_fit.py``); a worker missing
+    #: here is predicted under the prior.
+    ttft_models: dict[str, TtftModel] = {}
 
 
 def router_seed(request_id: str, phase: RequestPhase | str, attempt: int) -> int:
@@ -105,8 +108,11 @@ def decision_inputs(
         overlaps = with_peer_reach(overlaps, workers)
     request = RoutingRequest(request_id=request_id, prompt_tokens=prompt_tokens, block_size=block_size,
                              block_hashes=hashes, expected_output_tokens=expected_output_tokens, phase=phase)
+    models = ({} if phase is RequestPhase.DECODE
+              else {w.worker_id: ledger.ttft_fit.model(w.worker_id) for w in workers})
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
-                          rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt))
+                          rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt),
+                          ttft_models=models)
 
 
 def with_peer_reach(overlaps: Mapping[WorkerId, WorkerOverlap], workers: Sequence[WorkerLoad]
@@ -176,21 +182,24 @@ def routed_event(
     """The ``RequestRouted`` that records ``decision``: its score table and reason, what it was
     decided on (position, config version, seed, cursor, exclusions, ``now``) and what the
     ledger holds for it."""
+    predicted, model = _predicted_ttft(decision, inputs)
     return msgspec.structs.replace(
         decision.to_event(index_position=index_position, router_id=router_id, attempt=attempt),
         rr_cursor=inputs.rr_cursor, guards=list(decision.guards),
         expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
         excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
         inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
-        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=_predicted_ttft(decision, inputs))
+        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model)
 
 
-def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> float | None:
-    """The chosen row's predicted TTFT (``control_plane/router/ttft.py``); None for a decode phase."""
+def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> tuple[float | None, TtftModel | None]:
+    """The chosen row's predicted TTFT (``control_plane/router/ttft.py``) and the model it used
+    (the chosen worker's fit); None, None for a decode phase."""
     req = inputs.request
     if req.phase is RequestPhase.DECODE:
-        return None
+        return None, None
     for row in decision.scores:
         if row.worker_id == decision.worker_id:
-            return predict_ttft_ms(row, req.prompt_tokens, req.block_size, req.phase)
-    return None
+            model = inputs.ttft_models.get(row.worker_id, PRIOR)
+            return predict_ttft_ms(row, req.prompt_tokens, req.block_size, req.phase, model), model
+    return None, None

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from control_plane.index.select import native_core
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
+from control_plane.router.ttft_fit import TtftFit
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -387,8 +388,8 @@ class RouterLedger:
     it with its recorded ``decided_at_s``, so folding the log needs no extra input.
     """
 
-    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "_block_size", "_handlers", "_hashes",
-                 "_prefill_worker")
+    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "_block_size", "_handlers", "_hashes",
+                 "_prefill_worker", "_queued_ms", "_prompt_tokens")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
         #: Lifetime of an entry whose ``RequestRouted`` predates ``inflight_ttl_s``.
@@ -399,11 +400,15 @@ class RouterLedger:
         self._hashes: dict[RequestId, tuple[BlockHash, ...]] = {}
         self._block_size: dict[RequestId, int] = {}
         self._prefill_worker: dict[RequestId, WorkerId] = {}
+        #: The TTFT model fitted from this router's decisions and completions (``ttft_fit.py``).
+        self.ttft_fit = TtftFit()
+        self._queued_ms: dict[RequestId, float] = {}
+        self._prompt_tokens: dict[RequestId, int] = {}
         self._handlers = {
             RequestAdmitted: self._admitted,
             RequestRouted: self._routed,
             PrefillCompleted: self._prefill_completed,
-            RequestCompleted: self._ended,
+            RequestCompleted: self._completed,
             RequestFailed: self._failed,
             RequestRejected: self._ended,
         }
@@ -418,6 +423,7 @@ class RouterLedger:
 
     def prepare(self, request_id: RequestId, phase: RequestPhase, now: float) -> None:
         """What a decision does before it reads the ledger (idempotent)."""
+        self.ttft_fit.expire(now)
         for rid, _worker in self.inflight.expire(now):
             if rid not in self.inflight:  # its last entry lapsed: its end was never recorded
                 self._forget(rid)
@@ -430,6 +436,7 @@ class RouterLedger:
         ev: RequestAdmitted = env.data  # type: ignore[assignment]
         self._hashes[ev.request_id] = tuple(ev.block_hashes)
         self._block_size[ev.request_id] = ev.block_size
+        self._prompt_tokens[ev.request_id] = ev.prompt_tokens
 
     def _routed(self, env: Envelope[Event]) -> None:
         ev: RequestRouted = env.data  # type: ignore[assignment]
@@ -438,6 +445,11 @@ class RouterLedger:
         self.prepare(rid, ev.phase, now)
         if ev.mode is RoutingMode.ROUND_ROBIN:
             self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
+        self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
+        if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
+            row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
+            self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
+                                 self._block_size.get(rid, 0), now)
         hashes = self._hashes.get(rid)
         if hashes is None:
             return  # admitted before the folded range: its entry cannot be rebuilt
@@ -461,6 +473,12 @@ class RouterLedger:
         if not ev.retried:
             self._forget(ev.request_id)
 
+    def _completed(self, env: Envelope[Event]) -> None:
+        ev: RequestCompleted = env.data  # type: ignore[assignment]
+        # The TTFT after the router's own queueing, as reconcile reads it.
+        self.ttft_fit.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
+        self._ended(env)
+
     def _ended(self, env: Envelope[Event]) -> None:
         rid = env.data.request_id  # type: ignore[attr-defined]
         self.inflight.complete(rid)
@@ -470,6 +488,9 @@ class RouterLedger:
         self._hashes.pop(rid, None)
         self._block_size.pop(rid, None)
         self._prefill_worker.pop(rid, None)
+        self._queued_ms.pop(rid, None)
+        self._prompt_tokens.pop(rid, None)
+        self.ttft_fit.forget(rid)
 
     # -- reads -------------------------------------------------------------------------------
 

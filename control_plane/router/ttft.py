@@ -2,11 +2,12 @@
 item 1: the first part only).
 
 What is built: the prediction the router records for the worker it chose
-(``RequestRouted.predicted_ttft_ms``), from that worker's row alone, under a fixed prior
-(:data:`PRIOR`), so that ``switchyard replay reconcile`` can set it beside the TTFT observed and
-replay re-executes it bit for bit. What is not built yet: the cost is still the block count of
-``docs/router.md`` ("The kv cost"), not this prediction; the parameters are not fitted from the
-log (item 2); onboarding from slower tiers and the P/D transfer are not in it.
+(``RequestRouted.predicted_ttft_ms``), from that worker's row and its fitted model, so that ``switchyard replay reconcile`` can set it beside the TTFT observed and
+replay re-executes it bit for bit. The parameters are fitted from the log
+(:mod:`.ttft_fit`, item 2), per worker around its pool's fit around :data:`PRIOR`. What is not
+built yet: the cost is still the block count of ``docs/router.md`` ("The kv cost"), not this
+prediction; onboarding from slower tiers and the P/D transfer are not modelled apart (the
+fitted ``base_ms`` absorbs the handoff's mean).
 
 The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill tokens queued ahead
 of the request (the row's ``queued_prefill_tokens``, already net of their own cache hits) and then
@@ -19,52 +20,41 @@ makes a prompt's own prefill superlinear in its length.
 
 from __future__ import annotations
 
-import msgspec
-
-from schemas.events import CandidateScore
+from schemas.events import CandidateScore, TtftModel
 from schemas.types import RequestPhase
 
 
-class TtftModel(msgspec.Struct, frozen=True, kw_only=True):
-    """Parameters of the prediction; every field in milliseconds or tokens."""
-
-    #: Fixed cost of one engine step.
-    step_ms: float = 2.0
-    #: Cost of one prompt token, context aside (the weights' share).
-    ms_per_token: float = 0.05
-    #: Extra cost of one prompt token per token of context it attends to.
-    ms_per_token_ctx: float = 2e-6
-    #: Prompt tokens one step computes at most (vLLM's ``max_num_batched_tokens``).
-    chunk_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.chunk_tokens < 1 or min(self.step_ms, self.ms_per_token, self.ms_per_token_ctx) < 0:
-            raise ValueError(f"TtftModel: chunk_tokens must be >= 1 and the costs >= 0, got {self}")
-
-    def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
-        """Time to compute ``new_tokens`` after ``context_tokens`` already in the KV: the sum of
-        the steps' costs, in closed form (the chunks tile the ``N`` new tokens, so their
-        attention terms add up to ``N * context + N^2 / 2`` whatever the chunk size)."""
-        if new_tokens <= 0:
-            return 0.0
-        steps = -(-new_tokens // self.chunk_tokens)
-        return (steps * self.step_ms + new_tokens * self.ms_per_token
-                + self.ms_per_token_ctx * new_tokens * (context_tokens + new_tokens / 2))
-
+__all__ = ["PRIOR", "TtftModel", "features", "predict_ttft_ms"]
 
 #: The prior every router starts from (conservative: a mid-range GPU's prefill rate for an 8B
-#: model, ~20k tokens/s). Not fitted yet.
+#: model, ~20k tokens/s), and what a worker's fit starts from (``ttft_fit.py``).
 PRIOR = TtftModel()
+
+
+def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int) -> tuple[int, int, int, int]:
+    """What the prediction multiplies by the model's four costs, as integers (so the fit's sums
+    are exact): (1 request, engine steps, prompt tokens computed, twice their attention term).
+    The queue ahead (the row's ``queued_prefill_tokens``, already net of their own cache hits)
+    is computed first, then the request's uncached tokens (the row's index or in-flight
+    overlap, whichever is longer, at most ``prompt_tokens - 1``: an engine computes at least
+    the last token) over its cached context. The queue's own context is not known; it counts
+    as one prompt with none."""
+    q = max(row.queued_prefill_tokens, 0)
+    cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
+    n = max(prompt_tokens - cached, 0)
+    steps = -(-q // chunk_tokens) + -(-n // chunk_tokens)
+    return 1, steps, q + n, q * q + n * (2 * cached + n)
 
 
 def predict_ttft_ms(row: CandidateScore, prompt_tokens: int, block_size: int, phase: RequestPhase,
                     model: TtftModel = PRIOR) -> float:
-    """The TTFT the ``row``'s worker gives a request of ``prompt_tokens``: the queue ahead, then
-    its own uncached tokens (the row's index or in-flight overlap, whichever is longer, at most
-    ``prompt_tokens - 1``: an engine computes at least the last token). 0 for a decode phase (its
-    first token follows a transfer, not modelled yet)."""
+    """The TTFT the ``row``'s worker gives a request of ``prompt_tokens`` under ``model``: the
+    model's costs times :func:`features` (the queue ahead, then its own uncached tokens). 0 for
+    a decode phase (its first token follows a transfer, not modelled separately)."""
     if phase is RequestPhase.DECODE:
         return 0.0
+    # The same sum as model . features(...), laid out as before the fit existed, so a decision
+    # recorded then (under the prior, base 0) re-executes bit for bit.
     cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
-    wait = model.prefill_ms(row.queued_prefill_tokens)
-    return wait + model.prefill_ms(prompt_tokens - cached, cached)
+    wait = model.prefill_ms(max(row.queued_prefill_tokens, 0))
+    return model.base_ms + wait + model.prefill_ms(prompt_tokens - cached, cached)

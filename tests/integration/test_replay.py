@@ -127,8 +127,14 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
     mem.replace(victim.topic, victim.partition, victim.offset, master.sign(forged.type, forged.key, codec.encode(forged)))
 
     report = _engine(bus, mem).verify("start", "end")
-    assert report.identical == report.decisions - 1
-    [bad] = report.mismatches
+    [bad] = [m for m in report.mismatches if m.request_id == seq3]
+    # The forged record also taught the router ledger's TTFT fit (control_plane/router/ttft_fit.py)
+    # that seq-3's time was the other worker's: every later decision's recorded model (fitted
+    # from the true log) then differs from the state rebuilt through the forgery, and only there.
+    for later in (m for m in report.mismatches if m.request_id != seq3):
+        assert later.table == "match" and later.state == "mismatch", later
+        assert {d.split(":")[0] for d in later.state_diffs} <= {"ttft_model", "predicted_ttft_ms"}, later.state_diffs
+    assert report.table_matches == report.decisions - 1
     assert bad.request_id == seq3 and bad.recorded_worker == other
     assert bad.table == "mismatch" and bad.state == "mismatch"
     assert bad.state_worker == env.data.worker_id  # the rebuilt state chooses what the router chose

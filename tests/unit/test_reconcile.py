@@ -126,3 +126,31 @@ def test_ttft_error_is_against_the_time_after_the_router_queue() -> None:
     s = r.summary()
     assert (s["ttft_predictions"], s["prediction_err_p50"], s["prediction_err_p90"]) == (1, r.checks[0].ttft_error,
                                                                                          r.checks[0].ttft_error)
+
+
+@pytest.mark.parametrize(("samples", "seen", "cached_blocks", "queued", "blame"), [
+    (None, 1, 1, 0, "prior"),      # recorded before the router fitted its model
+    (0, 1, 1, 0, "prior"),         # the prior: no observation yet
+    (5, 2, 1, 0, "overlap"),       # the router saw 2 blocks, the engine hit 1
+    (5, 1, 1, 900, "queue"),       # work queued ahead
+    (5, 1, 1, 0, "own_prefill"),   # nothing else to blame
+])
+def test_a_ttft_error_is_put_on_one_source(samples, seen, cached_blocks, queued, blame) -> None:
+    """Predicted 180 ms, observed 150 ms: +0.2, all of the error on the one source."""
+    import msgspec
+
+    from schemas.events import TtftModel
+
+    reqs, kv = _log(seen=seen, cached_blocks=cached_blocks, stored_blocks=cached_blocks)
+    routed = reqs[1]
+    rows = [msgspec.structs.replace(s, queued_prefill_tokens=queued) for s in routed.data.scores]
+    model = None if samples is None else TtftModel(samples=samples, pool_samples=samples)
+    reqs[1] = msgspec.structs.replace(routed, data=msgspec.structs.replace(
+        routed.data, predicted_ttft_ms=180.0, ttft_model=model, scores=rows))
+    reqs.append(EnvelopeFactory("router", 1, lambda: 60).wrap(RequestCompleted(
+        request_id="r1", worker_id="w0", prompt_tokens=BS * len(CHAIN), output_tokens=4, cached_tokens=BS,
+        ttft_ms=150.0, e2e_ms=200.0)))
+    r = reconcile(reqs, kv)
+    assert r.checks[0].ttft_blame == blame
+    assert r.summary()["ttft_error_by"] == {blame: {"n": 1, "err_p50": pytest.approx(0.2),
+                                                    "bias_p50": pytest.approx(0.2), "share": 1.0}}

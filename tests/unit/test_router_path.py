@@ -23,6 +23,7 @@ from control_plane.router import RouterConfig
 from control_plane.router.http import RouterApp, RouterMetrics, create_app
 from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
+from control_plane.router.ttft import PRIOR, predict_ttft_ms
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import CallFailed, MemoryReply, MemoryWorkerCalls, WorkerCall
 from kernel.hashing import HashAlgo, HashConfig, hash_blocks
@@ -168,7 +169,8 @@ def ledger_state(ledger: RouterLedger, workers, hashes) -> dict:
     """Everything a decision or the admission test reads from the ledger."""
     return {"load_for": {w: ledger.load_for(w) for w in workers}, "view": ledger.view(hashes),
             "view of no prompt": ledger.view(()), "rr_cursor": dict(ledger.rr_cursor),
-            "open_requests": ledger.open_requests(), "len": len(ledger)}
+            "open_requests": ledger.open_requests(), "len": len(ledger),
+            "ttft_models": {w: ledger.ttft_fit.model(w) for w in workers}}
 
 
 def folded(router: Router, sink: MemorySink) -> RouterLedger:
@@ -251,6 +253,24 @@ async def test_an_aggregated_stream_is_recorded_in_order_and_its_tokens_relayed(
     check.verify()
     assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
     assert router.ledger.rr_cursor == ({"aggregated": "w-a"} if mode is RoutingMode.ROUND_ROBIN else {})
+    await router.close()
+
+
+async def test_a_completed_request_teaches_the_next_decisions_ttft_model() -> None:
+    """The first decision predicts under the prior; its completion (the TTFT the client got)
+    is an observation of the ledger's fit, so the second decision records the worker's fitted
+    model (1 sample) and predicts under it; the fold of the log holds the same model."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [tokens("a", "b"), tokens("c", "d")])
+    await _collect(router, await _admit(router, "fit-1"), check)
+    await _collect(router, await _admit(router, "fit-2"), check)
+    first, second = sink.of_type(RequestRouted)
+    assert first.ttft_model == PRIOR and first.ttft_model.samples == 0
+    assert second.ttft_model.samples == 1 and second.ttft_model.pool_samples == 1
+    assert second.ttft_model != PRIOR
+    [row] = [r for r in second.scores if r.worker_id == "w-a"]
+    assert second.predicted_ttft_ms == predict_ttft_ms(row, 40, router.view.block_size, RequestPhase.AGGREGATED,
+                                                       second.ttft_model)
+    check.verify()
     await router.close()
 
 

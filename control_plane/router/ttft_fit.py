@@ -1,0 +1,220 @@
+"""The TTFT model learned from the log (issue 39, item 2). Pure.
+
+What is observed: for every request this router routed to a prefilling worker (aggregated or
+prefill phase) and saw complete, the :func:`~.ttft.features` of the chosen row at the decision
+(queue ahead, steps, tokens computed, attention term) and the TTFT the client got
+(``RequestCompleted.ttft_ms`` less the time the request queued in the router before its first
+decision, as ``switchyard replay reconcile`` reads it). So the fit maps what the router *saw* to
+what happened: a queue the router misjudges or a handoff it does not model is absorbed into the
+costs (``base_ms`` takes the handoff's mean).
+
+The fit: ridge regression of the TTFT on the four features, each observation weighted by 1/TTFT
+(the error judged is relative), per worker around its pool's fit
+(every worker of this router), the pool's around :data:`~.ttft.PRIOR`. Each prior cost counts as
+``PRIOR_WEIGHT`` mean observations of its feature, so a few observations leave the prior nearly
+untouched (conservative) and a few hundred override it.
+Costs come out >= 0 (a negative one is pinned at 0 and the rest re-solved). The model reports
+its confidence as the observations behind it (``samples``, ``pool_samples``).
+
+Why the fit is a fold that replay re-derives bit for bit:
+
+* Sums are exact. Features are integers and the TTFT is taken in whole microseconds, so the
+  normal equations' sums are Python integers: adding and removing an observation is exact and
+  the sums do not depend on the order of the observations (order-independent by construction,
+  not by the order of one router's events).
+* A window, not a decay. An observation counts while its decision is at most
+  :data:`FIT_WINDOW_S` older than ``now``; the window is shorter than the look-back replay folds
+  before a range (``inflight_ttl_s`` + 60 s, at least 600 s), so a replay that starts mid-log
+  holds the same observations as the live router did.
+* Solving is a deterministic function of the sums (a 4x4 Gaussian elimination in floats).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from schemas.events import CandidateScore, TtftModel
+from schemas.types import RequestId, RequestPhase, WorkerId
+
+from control_plane.router.ttft import PRIOR, features
+
+#: How far back (s, by decision time) an observation counts. At most replay's look-back.
+FIT_WINDOW_S = 300.0
+#: What each prior weighs, in mean observations.
+PRIOR_WEIGHT = 4
+#: Feature scales (a 2,048-token prompt in one step with no context: 1 request, 1 step, 2,048
+#: tokens, 2,048^2 attention), for the conditioning of the solve.
+_SCALE = (1.0, 1.0, 2048.0, 2048.0 * 2048.0)
+_N = 4
+#: Numerator of an observation's integer weight 1/y (y in us, at least 1 ms): 2^62 keeps 13
+#: significant digits at 10 s.
+_REL_WEIGHT = 1 << 62
+
+
+def _params(m: TtftModel) -> tuple[float, float, float, float]:
+    # The attention feature is doubled (integers), so its cost is halved.
+    return (m.base_ms, m.step_ms, m.ms_per_token, m.ms_per_token_ctx / 2)
+
+
+class _Sums:
+    """Exact sums of one set of observations: n, X^T W X (upper triangle), X^T W y (y in us,
+    W the integer weights 2^62 // y)."""
+
+    __slots__ = ("n", "xx", "xy")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.xx = [0] * (_N * _N)
+        self.xy = [0] * _N
+
+    def add(self, x: tuple[int, ...], y_us: int, sign: int) -> None:
+        self.n += sign
+        # Relative error is what is judged (a 70 ms TTFT predicted at 250 is as wrong as a 7 s one
+        # at 25 s), but 1/y^2 lets noisy short requests set the costs of long ones: each
+        # observation weighs 1/y (on the bench e2e logs, p90 error 0.94-0.98 against 1.16-1.24
+        # unweighted and 0.68-0.87 at 1/y^2, p50 0.20-0.24 against 0.17-0.25 and 0.31-0.33),
+        # as an integer so the sums stay exact.
+        w = _REL_WEIGHT // max(y_us, 1000) * sign
+        for i in range(_N):
+            xi = x[i] * w
+            self.xy[i] += xi * y_us
+            for j in range(i, _N):
+                self.xx[i * _N + j] += xi * x[j]
+
+
+def _solve(s: _Sums, prior: tuple[float, ...]) -> tuple[float, ...]:
+    """Ridge around ``prior``: minimise sum (y - x.theta)^2 + sum w_i ((theta_i - prior_i) s_i)^2,
+    in the scaled space (theta_i s_i), with costs >= 0 (negative ones pinned at 0, re-solved)."""
+    free = list(range(_N))
+    # Each cost's prior weighs PRIOR_WEIGHT mean observations of that feature (a diagonal
+    # g-prior): n observations pull a cost n / (n + PRIOR_WEIGHT) of the way from the prior,
+    # however large the requests were. A feature never seen keeps the reference scale.
+    ws = [PRIOR_WEIGHT * (s.xx[i * _N + i] / s.n / (_SCALE[i] * _SCALE[i]) if s.xx[i * _N + i] > 0 and s.n > 0
+                          else 1.0) for i in range(_N)]
+    while True:
+        k = len(free)
+        a = [[0.0] * (k + 1) for _ in range(k)]
+        for r, i in enumerate(free):
+            for c, j in enumerate(free):
+                lo, hi = min(i, j), max(i, j)
+                a[r][c] = s.xx[lo * _N + hi] / (_SCALE[i] * _SCALE[j]) + (ws[i] if i == j else 0.0)
+            a[r][k] = s.xy[i] / 1000 / _SCALE[i] + ws[i] * prior[i] * _SCALE[i]  # y in ms
+        z = _gauss(a)
+        theta = [0.0] * _N
+        for r, i in enumerate(free):
+            theta[i] = z[r] / _SCALE[i]
+        neg = [i for i in free if theta[i] < 0]
+        if not neg:
+            return tuple(theta)
+        free = [i for i in free if i not in neg]
+        if not free:
+            return tuple(0.0 for _ in range(_N))
+
+
+def _gauss(a: list[list[float]]) -> list[float]:
+    """Solve the augmented symmetric positive definite system ``a`` (partial pivoting)."""
+    k = len(a)
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(col + 1, k):
+            f = a[r][col] / a[col][col]
+            if f:
+                for c in range(col, k + 1):
+                    a[r][c] -= f * a[col][c]
+    z = [0.0] * k
+    for r in range(k - 1, -1, -1):
+        z[r] = (a[r][k] - sum(a[r][c] * z[c] for c in range(r + 1, k))) / a[r][r]
+    return z
+
+
+class TtftFit:
+    """The fit as a fold: :meth:`routed` and :meth:`completed` take the router's own events'
+    facts, :meth:`expire` the decision time; :meth:`model` reads a worker's model."""
+
+    __slots__ = ("prior", "_pending", "_obs", "_expiry", "_by_worker", "_pool", "_cache", "_seq")
+
+    def __init__(self, prior: TtftModel = PRIOR) -> None:
+        self.prior = prior
+        #: Request -> (worker, decided at, features) of its prefilling decision, until it ends.
+        self._pending: dict[RequestId, tuple[WorkerId, float, tuple[int, int, int, int]]] = {}
+        #: Observation id -> (worker, features, ttft us); a heap of (decided at, id) to expire.
+        self._obs: dict[int, tuple[WorkerId, tuple[int, int, int, int], int]] = {}
+        self._expiry: list[tuple[float, int]] = []
+        self._by_worker: dict[WorkerId, _Sums] = {}
+        self._pool = _Sums()
+        self._cache: dict[WorkerId | None, TtftModel] = {}
+        self._seq = 0
+
+    def routed(self, request_id: RequestId, worker: WorkerId, phase: RequestPhase, row: CandidateScore | None,
+               prompt_tokens: int, block_size: int, decided_at_s: float) -> None:
+        """A decision: a prefilling phase's row becomes the request's pending observation."""
+        if phase is RequestPhase.DECODE or row is None or prompt_tokens <= 0 or block_size <= 0:
+            return
+        self._pending[request_id] = (worker, decided_at_s,
+                                     features(row, prompt_tokens, block_size, self.prior.chunk_tokens))
+
+    def completed(self, request_id: RequestId, ttft_ms: float) -> None:
+        """The request's first token came ``ttft_ms`` after its first decision (router queueing
+        already taken off); a request without a pending decision, or with no TTFT (the
+        simulator's virtual router records 0), is no observation."""
+        p = self._pending.pop(request_id, None)
+        if p is None or not ttft_ms > 0:
+            return
+        worker, at, x = p
+        y = round(ttft_ms * 1000)
+        self._seq += 1
+        self._obs[self._seq] = (worker, x, y)
+        heapq.heappush(self._expiry, (at, self._seq))
+        self._by_worker.setdefault(worker, _Sums()).add(x, y, 1)
+        self._pool.add(x, y, 1)
+        self._cache.clear()
+
+    def forget(self, request_id: RequestId) -> None:
+        """The request ended without a TTFT (failed, rejected)."""
+        self._pending.pop(request_id, None)
+
+    def expire(self, now: float) -> None:
+        """Drop the observations decided more than :data:`FIT_WINDOW_S` before ``now``."""
+        horizon = now - FIT_WINDOW_S
+        while self._expiry and self._expiry[0][0] < horizon:
+            _, oid = heapq.heappop(self._expiry)
+            worker, x, y = self._obs.pop(oid)
+            sums = self._by_worker[worker]
+            sums.add(x, y, -1)
+            if not sums.n:
+                del self._by_worker[worker]
+            self._pool.add(x, y, -1)
+            self._cache.clear()
+
+    def model(self, worker: WorkerId) -> TtftModel:
+        """The worker's model: its own observations around the pool's fit; the pool's fit when
+        it has none yet; the prior when the pool has none."""
+        m = self._cache.get(worker)
+        if m is not None:
+            return m
+        pool = self._pool_model()
+        sums = self._by_worker.get(worker)
+        if sums is None:
+            m = pool
+        else:
+            b, st, t, c = _solve(sums, _params(pool))
+            m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c,
+                          chunk_tokens=self.prior.chunk_tokens, samples=sums.n, pool_samples=self._pool.n)
+        self._cache[worker] = m
+        return m
+
+    def _pool_model(self) -> TtftModel:
+        m = self._cache.get(None)
+        if m is None:
+            if not self._pool.n:
+                m = self.prior
+            else:
+                b, st, t, c = _solve(self._pool, _params(self.prior))
+                m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c,
+                              chunk_tokens=self.prior.chunk_tokens, samples=0, pool_samples=self._pool.n)
+            self._cache[None] = m
+        return m
+
+    def observations(self) -> int:
+        return self._pool.n

@@ -1,0 +1,107 @@
+"""``control_plane.router.ttft_fit``: the TTFT model fitted from the router's own events."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from control_plane.router.ttft import PRIOR, TtftModel, predict_ttft_ms
+from control_plane.router.ttft_fit import FIT_WINDOW_S, TtftFit
+from schemas.events import CandidateScore
+from schemas.types import RequestPhase
+
+AGG = RequestPhase.AGGREGATED
+#: A worker 3x faster than the prior, with a 40 ms handoff per request.
+TRUE = TtftModel(base_ms=40.0, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6)
+
+
+def _requests(n: int, seed: int = 7) -> list[tuple[str, CandidateScore, int]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.randrange(64, 8192)
+        row = CandidateScore(worker_id="w-1", overlap_blocks=rng.randrange(0, prompt // 64 + 1),
+                             queued_prefill_tokens=rng.choice([0, 0, rng.randrange(0, 16384)]))
+        out.append((f"r-{i}", row, prompt))
+    return out
+
+
+def _fold(fit: TtftFit, reqs, truth: TtftModel = TRUE, t0: float = 0.0) -> None:
+    for k, (rid, row, prompt) in enumerate(reqs):
+        fit.routed(rid, row.worker_id, AGG, row, prompt, 64, t0 + k * 0.01)
+        fit.completed(rid, predict_ttft_ms(row, prompt, 64, AGG, truth))
+
+
+def test_no_observation_is_the_prior() -> None:
+    fit = TtftFit()
+    assert fit.model("w-1") == PRIOR and fit.model("w-1").samples == 0
+    fit.routed("r", "w-1", AGG, CandidateScore(worker_id="w-1"), 100, 64, 0.0)
+    fit.completed("r", 0.0)  # the simulator's virtual router records no TTFT: no observation
+    fit.completed("unknown", 50.0)  # never routed here: no observation
+    assert fit.model("w-1") == PRIOR and fit.observations() == 0
+
+
+def test_converges_to_a_synthetic_profile() -> None:
+    """2,000 requests timed exactly by TRUE: the fitted model predicts others within 3%
+    (the prior's pull fades as observations add up)."""
+    fit = TtftFit()
+    _fold(fit, _requests(2000))
+    m = fit.model("w-1")
+    assert m.samples == 2000 and m.pool_samples == 2000
+    for _, row, prompt in _requests(50, seed=99):
+        want = predict_ttft_ms(row, prompt, 64, AGG, TRUE)
+        assert predict_ttft_ms(row, prompt, 64, AGG, m) == pytest.approx(want, rel=0.03)
+
+
+def test_few_observations_stay_near_the_prior() -> None:
+    """Conservative: two observations move the prediction toward the profile, not all the way
+    (each cost's prior weighs 4 mean observations; correlated features pull further than 2/6)."""
+    fit = TtftFit()
+    _fold(fit, _requests(2))
+    _, row, prompt = _requests(1, seed=3)[0]
+    prior, true = (predict_ttft_ms(row, prompt, 64, AGG, m) for m in (PRIOR, TRUE))
+    got = predict_ttft_ms(row, prompt, 64, AGG, fit.model("w-1"))
+    assert true < got < prior and abs(got - prior) < 0.8 * abs(true - prior)
+
+
+def test_a_worker_without_observations_gets_the_pool_fit() -> None:
+    fit = TtftFit()
+    _fold(fit, _requests(100))
+    other = fit.model("w-2")
+    assert other.samples == 0 and other.pool_samples == 100 and other != PRIOR
+
+
+def test_the_fold_is_order_independent_and_exact() -> None:
+    """Integer sums: any order of the same observations gives the same model, bit for bit,
+    and adding then expiring observations leaves exactly the state without them."""
+    reqs = _requests(200)
+    a, b = TtftFit(), TtftFit()
+    _fold(a, reqs)
+    shuffled = list(reqs)
+    random.Random(1).shuffle(shuffled)
+    _fold(b, shuffled)
+    assert a.model("w-1") == b.model("w-1")
+    c = TtftFit()
+    _fold(c, _requests(50, seed=5), t0=-10 * FIT_WINDOW_S)  # old, then expired
+    _fold(c, reqs)
+    c.expire(FIT_WINDOW_S / 2)
+    assert c.model("w-1") == a.model("w-1")
+
+
+def test_costs_stay_non_negative() -> None:
+    """A profile with a TTFT that does not grow with the prompt: no cost turns negative."""
+    fit = TtftFit()
+    for k, (rid, row, prompt) in enumerate(_requests(200)):
+        fit.routed(rid, "w-1", AGG, row, prompt, 64, k * 0.01)
+        fit.completed(rid, 50.0)
+    m = fit.model("w-1")
+    assert min(m.base_ms, m.step_ms, m.ms_per_token, m.ms_per_token_ctx) >= 0
+    assert predict_ttft_ms(CandidateScore(worker_id="w-1"), 2048, 64, AGG, m) == pytest.approx(50, rel=0.2)
+
+
+def test_decode_phase_is_no_observation() -> None:
+    fit = TtftFit()
+    fit.routed("r", "w-1", RequestPhase.DECODE, CandidateScore(worker_id="w-1"), 100, 64, 0.0)
+    fit.completed("r", 50.0)
+    assert fit.observations() == 0
