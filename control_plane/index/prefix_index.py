@@ -15,16 +15,23 @@ state, and what it rejects: ``docs/prefix-index.md``.
 from __future__ import annotations
 
 import logging
-import sys
-from array import array
-from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
-from enum import Enum
-from typing import NamedTuple
+from collections.abc import Sequence
 
 import msgspec
 
 from control_plane.index.errors import IndexRejected
+from control_plane.index.residency import ALL_IDX, N_TIERS, PackedResidency, WorkerState, bits_of
+from control_plane.index.shapes import ApplyOutcome, IndexStats, Match, WorkerRank
+from control_plane.index.snapshot import (
+    SNAPSHOT_FORMAT,
+    ProducerSnap,
+    SeqSnap,
+    SlotSnap,
+    Snapshot,
+    WorkerSnap,
+    u64_bytes,
+    u64_list,
+)
 from kernel.hashing import HashConfig
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -40,154 +47,10 @@ from schemas.types import PERSISTENT_TIERS, TIER_INDEX, TIER_ORDER, BlockHash, C
 
 logger = logging.getLogger(__name__)
 
-_N_TIERS = len(TIER_ORDER)
 _VOLATILE_IDX = tuple(i for i, t in enumerate(TIER_ORDER) if t not in PERSISTENT_TIERS)
-_ALL_IDX = tuple(range(_N_TIERS))
-_MIN_WIDTH = 8
-_SNAPSHOT_FORMAT = 2
-#: Most distinct map values the intern table keeps (beyond it values are simply not shared).
-_INTERN_CAP = 1 << 16
 
 
-class ApplyOutcome(str, Enum):
-    """What :meth:`PrefixIndex.apply` did with an event."""
-
-    APPLIED = "applied"
-    #: Already applied (redelivery): nothing changed.
-    DUPLICATE = "duplicate"
-    #: From an older epoch than the worker's (or producer's) current one: dropped.
-    FENCED = "fenced"
-    #: Sequenced, but not something the index folds (other event types, other cache groups).
-    IGNORED = "ignored"
-
-
-class WorkerRank(NamedTuple):
-    """One KV cache: a worker process and its data-parallel rank (each rank has its own)."""
-
-    worker_id: WorkerId
-    dp_rank: int = 0
-
-
-class Match(msgspec.Struct, frozen=True, gc=False):
-    """How much of a query's prefix one worker holds.
-
-    ``by_tier`` counts the matched blocks by the *fastest* tier holding each one, in
-    :data:`schemas.types.TIER_ORDER` (device, host, disk, object); it sums to ``depth``.
-    ``stale`` means the worker's entries may be out of date (docs/prefix-index.md).
-    (A msgspec struct, not a NamedTuple: five times cheaper to build on the lookup path.)
-    """
-
-    depth: int
-    by_tier: tuple[int, int, int, int]
-    stale: bool = False
-
-    def tier_counts(self) -> dict[Tier, int]:
-        return dict(zip(TIER_ORDER, self.by_tier))
-
-
-@dataclass(frozen=True)
-class IndexStats:
-    """A summary for metrics and debugging (computed on demand, O(workers))."""
-
-    distinct_hashes: int
-    #: Blocks held per cache and tier (only non-zero entries).
-    blocks: dict[WorkerRank, dict[Tier, int]]
-    stale: tuple[WorkerRank, ...]
-    deregistered: tuple[WorkerId, ...]
-    #: applied, duplicate, fenced, ignored, rejected, gaps, new_epochs, resyncs.
-    counters: dict[str, int]
-
-
-class _Worker:
-    __slots__ = ("epoch", "life_epoch", "registered_epoch", "deregistered", "slots")
-
-    def __init__(self, epoch: int = -1, life_epoch: int = -1, registered_epoch: int = -1) -> None:
-        #: Newest epoch seen on the ``kv`` stream (-1: none yet): residency's incarnation.
-        self.epoch = epoch
-        #: Newest epoch seen on the ``workers`` stream (-1: none yet): the lifecycle's.
-        self.life_epoch = life_epoch
-        #: Newest epoch a ``WorkerRegistered`` was folded for (-1: none).
-        self.registered_epoch = registered_epoch
-        #: A ``WorkerDeregistered`` of ``life_epoch`` was folded.
-        self.deregistered = False
-        #: Low-plane mask of this worker's slots.
-        self.slots = 0
-
-
-# -- snapshot wire format ----------------------------------------------------------------------
-
-
-class _SlotSnap(msgspec.Struct, array_like=True, frozen=True):
-    slot: int
-    worker_id: str
-    dp_rank: int
-    stale: bool
-    lost: bool
-    #: Per tier in TIER_ORDER: sorted hashes as little-endian u64s.
-    tiers: list[bytes]
-
-
-class _WorkerSnap(msgspec.Struct, array_like=True, frozen=True):
-    worker_id: str
-    epoch: int
-    deregistered: bool
-    life_epoch: int
-    registered_epoch: int
-
-
-class _SeqSnap(msgspec.Struct, array_like=True, frozen=True):
-    producer: str
-    stream: str
-    epoch: int
-    last: int
-
-
-class _ProducerSnap(msgspec.Struct, array_like=True, frozen=True):
-    producer: str
-    slots: list[int]
-
-
-class _Snapshot(msgspec.Struct, frozen=True, kw_only=True):
-    format: int
-    hash_algo: str
-    block_size: int
-    width: int
-    #: Slot table length and free list, so a restored index numbers new slots identically.
-    n_slots: int
-    free: list[int]
-    slots: list[_SlotSnap]
-    workers: list[_WorkerSnap]
-    seq: list[_SeqSnap]
-    producers: list[_ProducerSnap]
-    counters: dict[str, int]
-
-
-def _u64_bytes(hashes: Collection[int]) -> bytes:
-    """Sorted little-endian u64s. Sorted in numpy, not Python: a router checkpoints on its event
-    loop, and ``sorted`` over a few hundred thousand ints held the loop for over a second."""
-    import numpy as np  # the reference's snapshots only (a router imports this module at start-up)
-
-    a = np.fromiter(hashes, dtype="<u8", count=len(hashes))
-    a.sort()
-    return a.tobytes()
-
-
-def _u64_list(data: bytes) -> array:
-    a = array("Q")
-    a.frombytes(data)
-    if sys.byteorder == "big":
-        a.byteswap()
-    return a
-
-
-def _bits(mask: int) -> Iterable[int]:
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
-class PrefixIndex:
+class PrefixIndex(PackedResidency):
     """Per worker (and DP rank), which chained block hashes it holds and in which tiers.
 
     ``hash_algo`` and ``block_size`` are the index's configuration (use
@@ -197,34 +60,14 @@ class PrefixIndex:
     """
 
     def __init__(self, hash_algo: str, block_size: int) -> None:
+        super().__init__()
         self.hash_algo = hash_algo
         self.block_size = block_size
-        self._w = _MIN_WIDTH
-        self._map: dict[int, int] = {}
-        #: Intern table for map values: most hashes share a handful of holder patterns, so one
-        #: int object per pattern instead of one per hash (saves ~32 bytes per hash).
-        self._values: dict[int, int] = {}
-        self._slots: list[WorkerRank | None] = []
-        self._slot_of: dict[WorkerRank, int] = {}
-        self._free: list[int] = []
-        #: Per slot, per tier index: the hashes held.
-        self._sets: list[list[set[int]]] = []
-        self._active = 0
-        #: ``_lost | _unsynced``, kept up to date: what ``find_matches`` reports as stale.
-        self._stale = 0
-        #: Slots whose producer's KV sequence had a gap: entries may be missing or wrong.
-        self._lost = 0
-        #: Slots whose worker began a KV epoch not yet registered: persistent entries unconfirmed.
-        self._unsynced = 0
-        #: Low-plane mask of slots holding anything outside the device tier.
-        self._nondev = 0
         #: Per depth: the shared device-only (fresh, stale) Match objects.
         self._device_matches: list[tuple[Match, Match]] = []
-        self._workers: dict[WorkerId, _Worker] = {}
+        self._workers: dict[WorkerId, WorkerState] = {}
         #: (producer, stream) -> [epoch, last applied seq]
         self._seq: dict[tuple[str, str], list[int]] = {}
-        #: producer -> low-plane mask of the slots it has written to
-        self._producer_slots: dict[str, int] = {}
         self._counters = dict.fromkeys(
             ("applied", "duplicate", "fenced", "ignored", "rejected", "gaps", "new_epochs",
              "resyncs"),
@@ -310,11 +153,11 @@ class PrefixIndex:
     def _tier_counts(self, hashes: Sequence[int], depth: int, s: int) -> tuple[int, int, int, int]:
         w = self._w
         m = self._map
-        counts = [0] * _N_TIERS
-        shifts = [w * (1 + t) + s for t in _ALL_IDX]
+        counts = [0] * N_TIERS
+        shifts = [w * (1 + t) + s for t in ALL_IDX]
         for i in range(depth):
             v = m[hashes[i]]
-            for t in _ALL_IDX:
+            for t in ALL_IDX:
                 if (v >> shifts[t]) & 1:
                     counts[t] += 1
                     break
@@ -325,7 +168,7 @@ class PrefixIndex:
         return s is not None and bool(self._stale >> s & 1)
 
     def stale_workers(self) -> list[WorkerRank]:
-        return [self._slots[s] for s in _bits(self._stale)]  # type: ignore[misc]
+        return [self._slots[s] for s in bits_of(self._stale)]  # type: ignore[misc]
 
     def workers(self) -> list[WorkerRank]:
         """Every cache the index has a slot for (including deregistered ones)."""
@@ -380,7 +223,7 @@ class PrefixIndex:
             return ApplyOutcome.IGNORED
         wk = self._workers.get(worker_id)
         if wk is None:
-            wk = self._workers[worker_id] = _Worker()
+            wk = self._workers[worker_id] = WorkerState()
         kv = payload.STREAM == "kv"
         current = wk.epoch if kv else wk.life_epoch
         if epoch < current:
@@ -416,8 +259,8 @@ class PrefixIndex:
             # A new incarnation has empty memory: the old one's device/host entries are gone for
             # certain. Persistent tiers (disk, object) stay, unconfirmed until this epoch's
             # registration is folded (at once if it already was), unless events were lost.
-            for s in _bits(wk.slots):
-                self._clear(s, _ALL_IDX if self._lost >> s & 1 else _VOLATILE_IDX)
+            for s in bits_of(wk.slots):
+                self._clear(s, ALL_IDX if self._lost >> s & 1 else _VOLATILE_IDX)
             self._lost &= ~wk.slots
             if wk.registered_epoch < epoch:
                 self._unsynced |= wk.slots
@@ -471,7 +314,7 @@ class PrefixIndex:
         elif tp is AllBlocksCleared:
             tier = payload.tier  # type: ignore[attr-defined]
             if tier is None:
-                self._clear(slot, _ALL_IDX)
+                self._clear(slot, ALL_IDX)
                 self._resync(1 << slot)
             else:
                 self._clear(slot, (TIER_INDEX[tier],))
@@ -510,159 +353,7 @@ class PrefixIndex:
         if payload.hash_algo != self.hash_algo or payload.block_size != self.block_size:
             self._check_config(payload, "BlockStored")
 
-    # -- slots ---------------------------------------------------------------------------------
-
-    def _slot_for(self, worker_id: WorkerId, dp_rank: int, wk: _Worker) -> int:
-        key = WorkerRank(worker_id, dp_rank)
-        s = self._slot_of.get(key)
-        if s is not None:
-            return s
-        if self._free:
-            s = self._free.pop()
-            self._slots[s] = key
-        else:
-            s = len(self._slots)
-            if s >= self._w:
-                self._relayout(self._w * 2)
-            self._slots.append(key)
-            self._sets.append([set() for _ in _ALL_IDX])
-        self._slot_of[key] = s
-        bit = 1 << s
-        wk.slots |= bit
-        if not wk.deregistered:
-            self._active |= bit
-        return s
-
-    def _free_slot(self, s: int, wk: _Worker) -> None:
-        key = self._slots[s]
-        assert key is not None
-        del self._slot_of[key]
-        self._slots[s] = None
-        bit = 1 << s
-        wk.slots &= ~bit
-        self._active &= ~bit
-        self._stale &= ~bit
-        self._lost &= ~bit
-        self._unsynced &= ~bit
-        self._nondev &= ~bit
-        for p, m in self._producer_slots.items():
-            if m & bit:
-                self._producer_slots[p] = m & ~bit
-        self._free.append(s)
-
-    def _relayout(self, new_w: int) -> None:
-        """Re-pack every value for plane width ``new_w`` (once per doubling of slots)."""
-        w = self._w
-        low = (1 << w) - 1
-        planes = range(1 + _N_TIERS)
-        m = self._map
-        self._values = {}
-        moved: dict[int, int] = {}
-        for h, v in m.items():
-            nv = moved.get(v)
-            if nv is None:
-                nv = 0
-                for p in planes:
-                    nv |= ((v >> (p * w)) & low) << (p * new_w)
-                nv = moved[v] = self._interned(nv)
-            m[h] = nv
-        self._w = new_w
-
-    # -- folds ---------------------------------------------------------------------------------
-
-    def _interned(self, v: int) -> int:
-        """The shared int object equal to ``v`` (added to the table while it has room)."""
-        got = self._values.get(v)
-        if got is not None:
-            return got
-        if len(self._values) < _INTERN_CAP:
-            self._values[v] = v
-        return v
-
-    def _store(self, s: int, t: int, hashes: Iterable[int]) -> None:
-        held = self._sets[s][t]
-        # Engines re-send prefix hits as stores: only the blocks new to this (slot, tier) need
-        # the Python-level loop; the set difference runs in C.
-        new = set(hashes)
-        new -= held
-        if not new:
-            return
-        held |= new
-        if t:
-            self._nondev |= 1 << s
-        bits = self._interned((1 << s) | (1 << (self._w * (1 + t) + s)))
-        m = self._map
-        get = m.get
-        iget = self._values.get
-        for h in new:
-            v = get(h)
-            if v is None:
-                m[h] = bits
-            else:
-                v |= bits
-                m[h] = iget(v) or self._interned(v)
-
-    def _remove(self, s: int, t: int, hashes: list[int]) -> None:
-        held = self._sets[s][t]
-        present = held.intersection(hashes)
-        if not present:
-            return
-        held.difference_update(present)
-        self._unset(s, t, present)
-        if t:
-            self._refresh_nondev(s)
-
-    def _refresh_nondev(self, s: int) -> None:
-        sets = self._sets[s]
-        if any(sets[t] for t in range(1, _N_TIERS)):
-            self._nondev |= 1 << s
-        else:
-            self._nondev &= ~(1 << s)
-
-    def _unset(self, s: int, t: int, hashes: Iterable[int]) -> None:
-        w = self._w
-        tb = 1 << (w * (1 + t) + s)
-        anyb = 1 << s
-        tiers_of_s = 0
-        for k in _ALL_IDX:
-            tiers_of_s |= 1 << (w * (1 + k) + s)
-        m = self._map
-        iget = self._values.get
-        for h in hashes:
-            v = m[h] ^ tb
-            if not v & tiers_of_s:
-                v ^= anyb
-            if v:
-                m[h] = iget(v) or self._interned(v)
-            else:
-                del m[h]
-
-    def _move(self, s: int, f: int, t: int, hashes: list[int]) -> None:
-        if f == t:
-            self._store(s, t, hashes)
-            return
-        w = self._w
-        keep = ~(1 << (w * (1 + f) + s))
-        bits = (1 << s) | (1 << (w * (1 + t) + s))
-        m = self._map
-        get = m.get
-        iget = self._values.get
-        for h in hashes:
-            v = (get(h, 0) & keep) | bits
-            m[h] = iget(v) or self._interned(v)
-        sets = self._sets[s]
-        sets[f].difference_update(hashes)
-        sets[t].update(hashes)
-        self._refresh_nondev(s)
-
-    def _clear(self, s: int, tiers: Iterable[int]) -> None:
-        sets = self._sets[s]
-        for t in tiers:
-            held = sets[t]
-            if held:
-                sets[t] = set()
-                self._unset(s, t, held)
-        self._refresh_nondev(s)
+    # -- registrations -------------------------------------------------------------------------
 
     def _resync(self, mask: int) -> None:
         if self._stale & mask:
@@ -671,7 +362,7 @@ class PrefixIndex:
         self._unsynced &= ~mask
         self._stale = self._lost | self._unsynced
 
-    def _registered(self, wk: _Worker, epoch: int) -> None:
+    def _registered(self, wk: WorkerState, epoch: int) -> None:
         # Touches no residency: ``workers`` and ``kv`` are separate topics, read in any
         # interleaving, so what a registration may do must commute with every KV event. It
         # confirms the persistent entries of its own (or an older) KV epoch, whichever of the
@@ -684,17 +375,17 @@ class PrefixIndex:
         wk.deregistered = False
         self._active |= wk.slots
 
-    def _deregistered(self, wk: _Worker) -> None:
+    def _deregistered(self, wk: WorkerState) -> None:
         # Takes the worker out of ``find_matches``; its residency is the KV stream's business
         # (a draining worker clears its memory tiers there; docs/prefix-index.md).
         wk.deregistered = True
         self._active &= ~wk.slots
 
-    def _free_settled(self, wk: _Worker) -> None:
+    def _free_settled(self, wk: WorkerState) -> None:
         """Free the slots of a deregistered worker that hold nothing and carry no flag: such a
         slot and no slot at all are the same state, so freeing it commutes with every event."""
         flagged = self._lost | self._unsynced
-        for s in list(_bits(wk.slots & ~flagged)):
+        for s in list(bits_of(wk.slots & ~flagged)):
             if not any(self._sets[s]):
                 self._free_slot(s, wk)
 
@@ -753,14 +444,14 @@ class PrefixIndex:
         assert expect == self._map, "packed map disagrees with per-slot sets"
         active = 0
         for wid, wk in self._workers.items():
-            for s in _bits(wk.slots):
+            for s in bits_of(wk.slots):
                 assert self._slots[s] is not None and self._slots[s].worker_id == wid
             if not wk.deregistered:
                 active |= wk.slots
         assert active == self._active, "active mask disagrees with worker registrations"
         nondev = 0
         for s, sets in enumerate(self._sets):
-            if any(sets[t] for t in range(1, _N_TIERS)):
+            if any(sets[t] for t in range(1, N_TIERS)):
                 nondev |= 1 << s
         assert nondev == self._nondev, "non-device mask disagrees with per-slot sets"
         assert self._stale == self._lost | self._unsynced, "stale mask is not lost | unsynced"
@@ -776,23 +467,23 @@ class PrefixIndex:
         for s, key in enumerate(self._slots):
             if key is None:
                 continue
-            slots.append(_SlotSnap(
+            slots.append(SlotSnap(
                 slot=s, worker_id=key.worker_id, dp_rank=key.dp_rank,
                 stale=bool(self._stale >> s & 1), lost=bool(self._lost >> s & 1),
-                tiers=[_u64_bytes(st) for st in self._sets[s]],
+                tiers=[u64_bytes(st) for st in self._sets[s]],
             ))
-        snap = _Snapshot(
-            format=_SNAPSHOT_FORMAT,
+        snap = Snapshot(
+            format=SNAPSHOT_FORMAT,
             hash_algo=self.hash_algo,
             block_size=self.block_size,
             width=self._w,
             n_slots=len(self._slots),
             free=list(self._free),
             slots=slots,
-            workers=[_WorkerSnap(w, st.epoch, st.deregistered, st.life_epoch, st.registered_epoch)
+            workers=[WorkerSnap(w, st.epoch, st.deregistered, st.life_epoch, st.registered_epoch)
                      for w, st in sorted(self._workers.items())],
-            seq=[_SeqSnap(p, stream, v[0], v[1]) for (p, stream), v in sorted(self._seq.items())],
-            producers=[_ProducerSnap(p, list(_bits(m)))
+            seq=[SeqSnap(p, stream, v[0], v[1]) for (p, stream), v in sorted(self._seq.items())],
+            producers=[ProducerSnap(p, list(bits_of(m)))
                        for p, m in sorted(self._producer_slots.items())],
             counters=dict(self._counters),
         )
@@ -801,16 +492,16 @@ class PrefixIndex:
     @classmethod
     def restore(cls, data: bytes) -> PrefixIndex:
         """Rebuild an index from :meth:`snapshot` bytes."""
-        snap = msgspec.msgpack.decode(data, type=_Snapshot)
-        if snap.format != _SNAPSHOT_FORMAT:
+        snap = msgspec.msgpack.decode(data, type=Snapshot)
+        if snap.format != SNAPSHOT_FORMAT:
             raise ValueError(f"unknown prefix index snapshot format {snap.format}")
         idx = cls(snap.hash_algo, snap.block_size)
         idx._w = snap.width
         n_slots = snap.n_slots
         idx._slots = [None] * n_slots
-        idx._sets = [[set() for _ in _ALL_IDX] for _ in range(n_slots)]
+        idx._sets = [[set() for _ in ALL_IDX] for _ in range(n_slots)]
         for ws in snap.workers:
-            wk = idx._workers[WorkerId(ws.worker_id)] = _Worker(ws.epoch, ws.life_epoch, ws.registered_epoch)
+            wk = idx._workers[WorkerId(ws.worker_id)] = WorkerState(ws.epoch, ws.life_epoch, ws.registered_epoch)
             wk.deregistered = ws.deregistered
         for ss in snap.slots:
             s = ss.slot
@@ -828,7 +519,7 @@ class PrefixIndex:
             elif ss.stale:
                 idx._unsynced |= 1 << s
             for t, raw in enumerate(ss.tiers):
-                hashes = _u64_list(raw)
+                hashes = u64_list(raw)
                 if hashes:
                     idx._store(s, t, hashes)  # type: ignore[arg-type]
         idx._stale = idx._lost | idx._unsynced

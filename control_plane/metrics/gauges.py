@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from control_plane.index.prefix_index import IndexStats
+from control_plane.index.shapes import IndexStats
 from control_plane.metrics.families import Labels
 from control_plane.metrics.state import PoolState, WorkerState
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.prefix_index import ApplyOutcome, IndexStats, Match, WorkerRank
+from control_plane.index.shapes import ApplyOutcome, IndexStats, Match, WorkerRank
 from schemas.events import Event
 from schemas.types import BlockHash, WorkerId
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.prefix_index import ApplyOutcome, Match, WorkerRank
+from control_plane.index.shapes import ApplyOutcome, Match, WorkerRank
 from control_plane.index.select import new_index, restore_index
 from control_plane.router.ports import KvIndex
 from control_plane.router.decision import WorkerLoad, WorkerOverlap

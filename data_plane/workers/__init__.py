@@ -7,6 +7,9 @@ behind an OpenAI-compatible HTTP API, with every fact it produces on the log.
 * :mod:`.transfer` - the NIXL region (host pool + staging) and its notification poller.
 * :mod:`.peers` - where a decode worker finds a prefill peer's NIXL metadata (log, side channel).
 * :mod:`.service` - request handling (aggregated, prefill+hold, pull+decode), load, drain.
+  Its parts: :mod:`.run` (a request in flight, its errors), :mod:`.publisher` (acked
+  publishing), :mod:`.staging` (staging slots, holds), :mod:`.pull` (the decode side's READ),
+  :mod:`.real_kv` (vLLM's connector moves the KV), :mod:`.peer_fetch` (peers as a KV tier).
 * :mod:`.app` - FastAPI routes; :mod:`.wiring` - start-up sequence and main loop.
 
 Imports stay lazy here: ``switchyard --help`` must not load NIXL or FastAPI.

@@ -51,7 +51,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from data_plane.workers.peer_fetch import PeerHoldRequest
-from data_plane.workers.service import CompletionInput, Run, Worker, WorkerError
+from data_plane.workers.run import CompletionInput, Run, WorkerError
+from data_plane.workers.service import Worker
 from kernel.request_limits import OutOfBounds, RequestLimits, check_generation
 from kernel.tokenizer import HashTokenizer, Tokenizer
 
@@ -299,7 +300,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
         m = worker.metrics
         st = worker.engine.stats()
         m.labels(m.running).set(st.running)
-        m.labels(m.waiting).set(st.waiting + worker._pulling)  # noqa: SLF001 - same package
+        m.labels(m.waiting).set(st.waiting + worker.pulling)
         m.labels(m.kv_usage).set(st.kv_usage)
         m.labels(m.staging_free).set(worker.plane.slots.free_count)
         m.labels(m.holds).set(len(worker.holds))

@@ -256,7 +256,7 @@ def test_find_matches_reads_any_sequence_of_u64_hashes():
 def test_find_matches_answers_a_read_only_mapping_equal_to_the_references_dict():
     from collections.abc import Mapping
 
-    from control_plane.index.prefix_index import Match, WorkerRank
+    from control_plane.index.shapes import Match, WorkerRank
 
     ref, nat = PrefixIndex(ALGO, BS), NativePrefixIndex(ALGO, BS)
     for i, (w, hs) in enumerate((("a", [1, 2, 3]), ("b", [1, 2]))):

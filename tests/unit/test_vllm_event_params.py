@@ -1,6 +1,6 @@
 import msgspec
 
-from data_plane.workers.service import _event_params
+from data_plane.workers.real_kv import event_params
 from schemas.events import PrefillCompleted
 
 
@@ -12,7 +12,7 @@ def test_vllm_params_fit_prefill_completed_and_round_trip():
               "remote_engine_id": "e1", "remote_request_id": "r1", "remote_host": "127.0.0.1",
               "remote_port": 5600, "tp_size": 1, "extra": {"a": 1}, "switchyard_worker_id": "vp-0"}
     ev = PrefillCompleted(request_id="r1", worker_id="vp-0", prompt_tokens=100, duration_ms=1.0,
-                          kv_transfer_params=_event_params(params))
+                          kv_transfer_params=event_params(params))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(ev), type=PrefillCompleted)
     assert back.kv_transfer_params["remote_block_ids"] == [3, 4, 5]
     assert back.kv_transfer_params["extra"] == '{"a": 1}'

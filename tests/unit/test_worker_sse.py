@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from data_plane.workers.service import Token
+from data_plane.workers.run import Token
 from data_plane.workers.app import _sse
 from kernel.tokenizer import HashTokenizer
 
