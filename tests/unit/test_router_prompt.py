@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from control_plane.router import RouterConfig
 from control_plane.router.errors import InvalidRequest
-from control_plane.router.http import (
+from control_plane.router.protocol import (
     CompletionRequest,
     RouterApp,
     RouterMetrics,
