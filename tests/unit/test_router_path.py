@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from control_plane.router import RouterConfig
-from control_plane.router.protocol import RouterApp, RouterMetrics, create_app
+from control_plane.router.server import create_app
+from control_plane.router.serving import RouterApp, RouterMetrics
 from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
