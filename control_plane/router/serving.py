@@ -2,8 +2,12 @@
 then admit, queue, route and proxy (:class:`~control_plane.router.proxy.Router`), and the
 answer, JSON or SSE; and what the routes need (:class:`RouterApp`, its metrics and keys).
 
-Nothing a client sends raises out of here: a refusal or a failure is an OpenAI-style error
-with a real status code, never a 500.
+The end of a request is recorded once, by :meth:`Router.end <control_plane.router.proxy.Router.end>`:
+completed or failed for good by the router's attempts, a client gone mid-stream, or here: a
+refusal before the first token (``RequestRejected``, unless the last attempt's
+``RequestFailed`` ended it already) and an error inside the router (``RequestFailed``,
+``router_error``). Nothing a client sends raises out of here: a refusal or a failure is an
+OpenAI-style error with a real status code, never a 500.
 """
 
 from __future__ import annotations
@@ -205,16 +209,16 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
         first = await gen.__anext__()
     except RouterRejected as e:
         await gen.aclose()
-        if not e.recorded:
-            router.reject(rid, str(e), e.code, e.status)
-        c.metrics.requests.labels(endpoint=endpoint, outcome="failed" if e.recorded else "rejected").inc()
+        # Rejected, unless its last attempt failed for good (then that RequestFailed is its end).
+        outcome = "rejected" if router.reject(adm, str(e), e.code, e.status) else "failed"
+        c.metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
         return error_response(e.status, str(e), e.code, error_type(e.status), e.retry_after_s, headers=headers)
     except StopAsyncIteration:
         first = Chunk(error="worker returned nothing")
     except Exception as e:  # a bug must not become a bare 500: record it, answer 503
         log.exception("request %s failed inside the router", rid)
         await gen.aclose()
-        router.fail(rid, f"router error: {type(e).__name__}: {e}", "router_error")
+        router.fail(adm, f"router error: {type(e).__name__}: {e}", "router_error")
         c.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
         return error_response(503, f"router error: {type(e).__name__}", "router_error", "service_unavailable",
                               1, headers=headers)
@@ -283,7 +287,7 @@ async def _sse(c: RouterApp, gen, first: Chunk, adm: Admission, model: str, crea
                 chunk = None
             except Exception as e:  # after the first token: end the stream with an error event
                 log.exception("request %s failed inside the router mid-stream", adm.request_id)
-                c.router.fail(adm.request_id, f"router error: {type(e).__name__}: {e}", "router_error")
+                c.router.fail(adm, f"router error: {type(e).__name__}: {e}", "router_error")
                 chunk = Chunk(error=f"router error: {type(e).__name__}")
         if include_usage and usage and outcome == "completed":
             yield _data({"id": adm.request_id, "object": obj, "created": created, "model": model, "choices": [],
