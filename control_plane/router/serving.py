@@ -112,6 +112,9 @@ class RouterApp:
         return sorted({self.served_model} | {w.model for w in self.router.view.routable() if w.model})
 
 
+# -- a request's lifecycle -------------------------------------------------------------------
+
+
 #: A text prompt longer than this is tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 64 * 1024
 
