@@ -57,8 +57,8 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("decision", ("router/decision.py", "router/inputs.py")),
     ("proxy hop (to the worker and back)", ("aiohttp/", "router/worker_calls.py")),
     ("response", ("RequestResponseCycle.send", "starlette/responses.py")),
-    ("HTTP parsing and app", ("uvicorn/", "starlette/", "fastapi/", "kernel/http_server.py", "router/http.py",
-                              "router/proxy.py", "httptools")),
+    ("HTTP parsing and app", ("uvicorn/", "starlette/", "fastapi/", "kernel/http_server.py", "router/server.py",
+                              "router/serving.py", "router/protocol.py", "router/proxy.py", "httptools")),
     ("metrics", ("prometheus_client",)),
 ]
 OTHER = "event loop and other"

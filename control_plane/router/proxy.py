@@ -60,16 +60,15 @@ log = logging.getLogger(__name__)
 
 class RouterRejected(Exception):
     """The request cannot be served (no eligible worker, bad input, admission). ``status`` is
-    HTTP; ``retry_after_s`` becomes a Retry-After header; ``recorded`` means the request's end
-    is already on the log (``RequestFailed``), so no ``RequestRejected`` follows."""
+    HTTP; ``retry_after_s`` becomes a Retry-After header. Whether its end is already on the log
+    is the request's state (:attr:`Admission.end`), not the exception's."""
 
     def __init__(self, message: str, status: int = 503, code: str = "no_workers",
-                 retry_after_s: int | None = None, recorded: bool = False) -> None:
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.retry_after_s = retry_after_s if retry_after_s is not None else (1 if status in (429, 503) else None)
-        self.recorded = recorded
 
 
 @dataclass
@@ -87,6 +86,9 @@ class Admission:
     queued_s: float = 0.0
     #: Released by the admission queue and not routed yet (its tokens are counted there).
     granted: bool = False
+    #: The event that ended the request (``RequestCompleted``, ``RequestFailed``,
+    #: ``RequestRejected``), once :meth:`Router.end` recorded it; None while it is open.
+    end: Event | None = None
 
 
 @dataclass
@@ -243,14 +245,25 @@ class Router:
             adm.granted = False
             self.admission.routed(len(adm.tokens))
 
-    def fail(self, request_id: str, reason: str, code: str) -> None:
-        """End a request that failed inside the router itself (recorded, ledger cleared)."""
-        self._record(RequestFailed(request_id=request_id, reason=reason, code=code), request_id)
+    def end(self, adm: Admission, payload: RequestCompleted | RequestFailed | RequestRejected) -> bool:
+        """Record the request's end, once: the only way a request ends on the log (completed,
+        failed for good, rejected, or its client gone). False, and nothing recorded, when it
+        has ended already (a rejection after the last attempt's ``RequestFailed``)."""
+        if adm.end is not None:
+            return False
+        adm.end = payload
+        self._record(payload, adm.request_id)
         self.admission.poke()
+        return True
 
-    def reject(self, request_id: str, reason: str, code: str, status: int) -> None:
-        self._record(RequestRejected(request_id=request_id, reason=reason, code=code, http_status=status),
-                     request_id)
+    def fail(self, adm: Admission, reason: str, code: str) -> bool:
+        """End a request that failed inside the router itself (recorded, ledger cleared)."""
+        return self.end(adm, RequestFailed(request_id=adm.request_id, reason=reason, code=code))
+
+    def reject(self, adm: Admission, reason: str, code: str, status: int) -> bool:
+        """End a request refused before its first token (unless it already ended)."""
+        return self.end(adm, RequestRejected(request_id=adm.request_id, reason=reason, code=code,
+                                             http_status=status))
 
     # -- decision ---------------------------------------------------------------------------
 
@@ -299,16 +312,18 @@ class Router:
                     finished = True
                 yield chunk
             finished = True
-        except RouterRejected:
-            finished = True  # the HTTP layer answers it (and records it unless recorded)
+        except Exception:
+            # A refusal or an error inside the router: whoever drives the request ends it
+            # (:mod:`control_plane.router.serving`: rejected, or failed).
+            finished = True
             raise
         finally:
             self._routed(adm)
             self.admission.poke()
             if not finished:
                 # The client went away mid-stream: the request ends here, and says so.
-                self._record(RequestFailed(request_id=adm.request_id, reason="client disconnected",
-                                           code="client_cancelled"), adm.request_id)
+                self.end(adm, RequestFailed(request_id=adm.request_id, reason="client disconnected",
+                                            code="client_cancelled"))
 
     async def _attempts(self, adm: Admission, excluded: set[str]) -> AsyncIterator[Chunk]:
         sent = 0
@@ -340,9 +355,13 @@ class Router:
             except WorkerFailed as e:
                 wid = e.worker_id or (worker.worker_id if worker else None)
                 retry = sent == 0 and attempt + 1 < self.max_attempts
-                self._record(RequestFailed(request_id=adm.request_id, worker_id=wid, reason=str(e), code=e.code,
-                                           tokens_sent=sent, retried=retry), adm.request_id)
-                self.admission.poke()
+                failed = RequestFailed(request_id=adm.request_id, worker_id=wid, reason=str(e), code=e.code,
+                                       tokens_sent=sent, retried=retry)
+                if retry:  # not the request's end: it is routed again
+                    self._record(failed, adm.request_id)
+                    self.admission.poke()
+                else:
+                    self.end(adm, failed)
                 if self.metrics:
                     self.metrics.failures.labels(code=e.code, retried=str(retry).lower()).inc()
                 last_error = f"{wid}: {e}"
@@ -355,17 +374,17 @@ class Router:
                         yield Chunk(error=f"worker failed after {sent} tokens: {e}")
                         return
                     raise RouterRejected(f"all {attempt + 1} attempts failed before the first token; last error: "
-                                         f"{last_error}", 503, "all_attempts_failed", recorded=True) from None
+                                         f"{last_error}", 503, "all_attempts_failed") from None
                 log.warning("request %s: %s failed before any token (%s); retrying elsewhere", adm.request_id, wid, e)
             except RouterRejected as e:
                 if attempt == 0 or e.status < 500:
-                    raise  # the HTTP layer records it (RequestRejected), which ends its ledger entries
-                self._record(RequestFailed(request_id=adm.request_id, reason=f"{e}; last error: {last_error}",
-                                           code="no_workers_left", tokens_sent=sent), adm.request_id)
+                    raise  # serving records it (RequestRejected), which ends its ledger entries
+                self.end(adm, RequestFailed(request_id=adm.request_id, reason=f"{e}; last error: {last_error}",
+                                            code="no_workers_left", tokens_sent=sent))
                 if sent:
                     yield Chunk(error=f"{e}; last error: {last_error}")
                     return
-                raise RouterRejected(f"{e}; last error: {last_error}", 503, "no_workers_left", recorded=True) from None
+                raise RouterRejected(f"{e}; last error: {last_error}", 503, "no_workers_left") from None
 
     async def _disaggregated(self, adm: Admission, excluded: set[str], attempt: int,
                              handoff: list[tuple[str, dict | None]]):
@@ -463,15 +482,13 @@ class Router:
     def _completed(self, adm: Admission, t: "_Tracker") -> None:
         itls = t.itls_ms
         itls_sorted = sorted(itls)
-        self._record(RequestCompleted(
+        self.end(adm, RequestCompleted(
             request_id=adm.request_id, worker_id=t.worker_id, prompt_tokens=len(adm.tokens),
             output_tokens=t.tokens, cached_tokens=t.cached_tokens, ttft_ms=t.ttft_ms,
             itl_mean_ms=statistics.fmean(itls) if itls else 0.0,
             itl_p50_ms=itls_sorted[len(itls_sorted) // 2] if itls else 0.0,
             itl_p99_ms=itls_sorted[min(len(itls_sorted) - 1, int(0.99 * len(itls_sorted)))] if itls else 0.0,
-            e2e_ms=(time.monotonic() - adm.received_at) * 1000, finish_reason=t.finish_reason or "length"),
-            adm.request_id)
-        self.admission.poke()
+            e2e_ms=(time.monotonic() - adm.received_at) * 1000, finish_reason=t.finish_reason or "length"))
         if self.metrics:
             self.metrics.ttft_seconds.observe(t.ttft_ms / 1000)
             for x in itls:

@@ -38,7 +38,7 @@ from kernel.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 from schemas.events import RouterConfigChanged
 
 if TYPE_CHECKING:
-    from control_plane.router.http import RouterApp
+    from control_plane.router.serving import RouterApp
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
 def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> RouterApp:
     """The HTTP side on the restored log side."""
     # lazy: start-up time: loads aiohttp, fastapi, prometheus_client ... only when called
-    from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics
+    from control_plane.router.serving import RouterApp, RouterAuth, RouterMetrics
     # lazy: start-up time: loads aiohttp only when called
     from control_plane.router.proxy import Router
 
@@ -274,7 +274,7 @@ def run_router(s: RouterSettings, bus: BusSettings) -> None:
     with ThreadPoolExecutor(1, thread_name_prefix="router-restore") as pool:
         restoring = pool.submit(restore_router, s, bus)
         # lazy: start-up time: loads aiohttp, fastapi, prometheus_client ... only when called
-        from control_plane.router.http import create_app
+        from control_plane.router.server import create_app
 
         import_faust()
         restored = restoring.result()

@@ -179,7 +179,7 @@ pub(crate) mod py {
     use pyo3::types::PyBytes;
 
     /// Text longer than this (UTF-8 bytes) is tokenized with the GIL released: the router
-    /// sends such prompts to a thread (`_TOKENIZE_INLINE_CHARS` in `router/http.py`), whose
+    /// sends such prompts to a thread (`_TOKENIZE_INLINE_CHARS` in `router/serving.py`), whose
     /// release lets the event loop run meanwhile. Shorter ones keep it: a release would let
     /// another thread take the loop's GIL for a whole switch interval for a few microseconds
     /// of work.

@@ -27,7 +27,7 @@ import pytest
 from control_plane.metrics.exposition import build_registry
 from control_plane.metrics.families import BrokerState, processor_families
 from control_plane.metrics.projection import MetricsProjection
-from control_plane.router.http import RouterMetrics
+from control_plane.router.serving import RouterMetrics
 from control_plane.settings import StackSettings
 from ops.stack.prometheus import PrometheusService, render_config, write_targets
 from kernel.log.catalog import Catalog

@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from control_plane.router import RouterConfig
 from control_plane.router.health import assess
-from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics, create_app
+from control_plane.router.server import create_app
+from control_plane.router.serving import RouterApp, RouterAuth, RouterMetrics
 from control_plane.router.keys import KEY_PREFIX, KeyTable
 from control_plane.router.limits import RequestLimits
 from control_plane.router.proxy import Router

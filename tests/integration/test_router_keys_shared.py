@@ -137,7 +137,7 @@ async def test_redis_unreachable_falls_back_to_the_local_gate_and_counts_it() ->
 
 async def test_the_router_metric_counts_fallbacks(stack_settings: StackSettings) -> None:
     """The wiring's callback: ``switchyard_router_key_gate_fallbacks_total{op}``."""
-    from control_plane.router.http import RouterMetrics
+    from control_plane.router.serving import RouterMetrics
 
     metrics = RouterMetrics()
     g = SharedKeyGate.from_url(f"redis://127.0.0.1:{free_port()}/0",

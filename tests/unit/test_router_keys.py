@@ -13,7 +13,8 @@ import pytest
 
 from control_plane.router import RouterConfig
 from control_plane.router.health import assess
-from control_plane.router.http import RouterApp, RouterAuth, RouterMetrics, create_app
+from control_plane.router.server import create_app
+from control_plane.router.serving import RouterApp, RouterAuth, RouterMetrics
 from control_plane.router.keys import KEY_PREFIX, Denied, KeyGate, KeyLimits, KeyTable, Refusal, RouterKey
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState

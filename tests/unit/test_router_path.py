@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from control_plane.router import RouterConfig
-from control_plane.router.http import RouterApp, RouterMetrics, create_app
+from control_plane.router.server import create_app
+from control_plane.router.serving import RouterApp, RouterMetrics
 from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.ttft import PRIOR, predict_ttft_ms
@@ -32,6 +33,7 @@ from schemas.events import (
     RequestAdmitted,
     RequestCompleted,
     RequestFailed,
+    RequestRejected,
     RequestRouted,
 )
 from schemas.types import RequestPhase, RoutingMode
@@ -417,6 +419,54 @@ async def test_a_failure_after_the_first_token_is_an_sse_error_event_then_done()
     await router.close()
 
 
+def token_then_raise(text: str) -> Answer:
+    """One token, then an exception no worker failure explains (a bug inside the router)."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield _sse(_token(text, 100), done=False)
+        raise RuntimeError("a bug")
+
+    return lambda body: MemoryReply(200, stream())
+
+
+def _ends(sink: MemorySink) -> list[str]:
+    """The events that end a request (a retried failure does not)."""
+    return [type(e).__name__ for e in sink.events if isinstance(e, (RequestCompleted, RequestRejected))
+            or (isinstance(e, RequestFailed) and not e.retried)]
+
+
+async def _post(router: Router, stream: bool) -> tuple[httpx.Response, RouterMetrics]:
+    metrics = RouterMetrics()
+    app = create_app(RouterApp(router=router, tokenizer=None, metrics=metrics, served_model="m", health=lambda: None))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        return await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": stream}), metrics
+
+
+async def test_a_request_whose_last_attempt_failed_ends_once_as_failed_not_also_rejected() -> None:
+    """Its only worker fails before the first token and no other is left: the client gets 503,
+    and the request's one end is ``RequestFailed(no_workers_left)``, never a ``RequestRejected`` too."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [status(500)])
+    r, metrics = await _post(router, stream=False)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers_left"
+    assert _ends(sink) == ["RequestFailed"] and sink.of_type(RequestFailed)[-1].code == "no_workers_left"
+    assert metrics.registry.get_sample_value(
+        "switchyard_router_requests_total", {"endpoint": "completions", "outcome": "failed"}) == 1
+    check.verify()
+    await router.close()
+
+
+async def test_a_bug_mid_stream_ends_the_request_once_as_a_router_error() -> None:
+    """An exception inside the router after the first token: an SSE error event, and one end,
+    ``RequestFailed(router_error)`` (not also ``client_cancelled``)."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [token_then_raise("Hel")])
+    r, _ = await _post(router, stream=True)
+    events = [line[len("data: "):] for line in r.text.split("\n\n") if line]
+    assert json.loads(events[1])["error"]["message"] == "router error: RuntimeError" and events[2:] == ["[DONE]"]
+    assert _ends(sink) == ["RequestFailed"] and sink.of_type(RequestFailed)[-1].code == "router_error"
+    check.verify()
+    await router.close()
+
+
 async def _close_between_tokens(stream: AsyncIterator[Chunk], first: list[Chunk], check: FoldCheck) -> None:
     first.append(await stream.__anext__())
     check()
@@ -509,7 +559,9 @@ async def test_a_decision_that_finds_no_worker_leaves_the_ledger_the_fold_of_the
         adm_b = await _admit(router, "ttl-b")
         with pytest.raises(RouterRejected) as refused:
             [c async for c in router.serve(adm_b)]
-        router.reject("ttl-b", str(refused.value), refused.value.code, refused.value.status)  # as the HTTP front does
+        # As serving does: the rejection is the request's end, recorded once.
+        assert router.reject(adm_b, str(refused.value), refused.value.code, refused.value.status)
+        assert not router.reject(adm_b, str(refused.value), refused.value.code, refused.value.status)
         assert _types(sink)[-2:] == ["RequestAdmitted", "RequestRejected"]
         check.verify()
     finally:

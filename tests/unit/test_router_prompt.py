@@ -13,13 +13,8 @@ from hypothesis import strategies as st
 
 from control_plane.router import RouterConfig
 from control_plane.router.errors import InvalidRequest
-from control_plane.router.http import (
-    CompletionRequest,
-    RouterApp,
-    RouterMetrics,
-    _completion_body,
-    _decoded,
-)
+from control_plane.router.protocol import CompletionRequest, completion_body, decode_body
+from control_plane.router.serving import RouterApp, RouterMetrics
 from control_plane.router.limits import RequestLimits, check_generation
 from control_plane.router.prompt import PromptIds, block_hashes, encode_json, read_prompt_ids, tokenize_prompt
 from control_plane.router.proxy import Router
@@ -74,19 +69,19 @@ def _bodies(draw) -> bytes:
 @given(_bodies())
 @settings(max_examples=400, deadline=None)
 def test_the_native_read_is_the_general_decode(body: bytes) -> None:
-    """Property: for any body, ``_completion_body`` (native prompt read when it can) and
-    ``_decoded`` (the general path) give the same request (fields, prompt ids) or the same
+    """Property: for any body, ``completion_body`` (native prompt read when it can) and
+    ``decode_body`` (the general path) give the same request (fields, prompt ids) or the same
     refusal (message, param, code, status), and the vocabulary check agrees."""
     app = _app()
-    assert _outcome(lambda b: _completion_body(app, b), body) == _outcome(
-        lambda b: _decoded(CompletionRequest, b), body)
+    assert _outcome(lambda b: completion_body(b, app.limits.vocab_size, app.router.hash_config), body) == _outcome(
+        lambda b: decode_body(CompletionRequest, b), body)
 
 
 def test_a_prompt_read_natively_keeps_the_clients_bytes_and_its_hashes() -> None:
     """The worker's body carries the ids as the client wrote them; the hashes are hash_blocks'."""
     app = _app()
     body = b'{"prompt": [5, 6,\n 7, 8, 9], "max_tokens": 2}'
-    req = _completion_body(app, body)
+    req = completion_body(body, app.limits.vocab_size, app.router.hash_config)
     assert isinstance(req.prompt, PromptIds) and len(req.prompt) == 5 and req.prompt == [5, 6, 7, 8, 9]
     assert block_hashes(req.prompt, CONFIG) == hash_blocks([5, 6, 7, 8, 9], CONFIG) == req.prompt.hashes
     out = encode_json({"prompt": req.prompt, "max_tokens": 2})
@@ -104,7 +99,7 @@ def test_other_prompts_are_left_to_the_general_decode(raw: bytes) -> None:
 
 def test_without_a_native_hash_the_general_decode_reads_every_prompt() -> None:
     app = _app(HashConfig(HashAlgo.SHA256_CBOR, 4))
-    req = _completion_body(app, b'{"prompt": [1, 2, 3]}')
+    req = completion_body(b'{"prompt": [1, 2, 3]}', app.limits.vocab_size, app.router.hash_config)
     assert type(req.prompt) is list and req.prompt == [1, 2, 3]
 
 
