@@ -1,5 +1,5 @@
 """The floor of a Python router on this machine: a bare ASGI app on the router's HTTP server
-(:mod:`kernel.http_server`: uvicorn, httptools, the same connection limits) that only forwards
+(:mod:`common.http_server`: uvicorn, httptools, the same connection limits) that only forwards
 each request's body to one worker with the router's worker port
 (:class:`~control_plane.router.worker_calls.HttpWorkerCalls`: aiohttp, keep-alive pool) and
 sends the answer back. No parsing, no decision, no events, no ledger. ``switchyard bench
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from control_plane.router.worker_calls import HttpWorkerCalls
-from kernel.http_server import serve
+from common.http_server import serve
 from starlette.types import Receive, Scope, Send
 
 

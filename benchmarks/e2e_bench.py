@@ -49,11 +49,11 @@ from ops.demo.up import DEMO_DEFAULTS, DEMO_TRACE, Supervisor, wait_http
 from control_plane.replay.reconcile import KvRecord, reconcile
 from control_plane.router import RouterConfig, TierWeights
 from control_plane.settings import StackSettings
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader, scan_events
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader, scan_events
+from common.net import free_port
+from common.settings import BusSettings
 from schemas import EventCodec
 from schemas.types import RoutingMode
 

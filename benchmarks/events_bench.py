@@ -15,9 +15,9 @@ import time
 import uuid
 
 from benchmarks import events_codec
-from kernel.log.admin import apply_topics
-from kernel.log.kafka import EventConsumer, EventProducer
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.kafka import EventConsumer, EventProducer
+from common.settings import BusSettings
 from schemas.events import BlockStored
 
 

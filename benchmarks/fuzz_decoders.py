@@ -49,7 +49,7 @@ from pathlib import Path
 import msgspec
 
 from data_plane.vllm.kv_events import KvEventTranslator, VllmDecodeError, VllmSource, decode_batch
-from kernel.settings import repo_root
+from common.settings import repo_root
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.errors import SchemaError
 from schemas.signing import ForgedEvent, Signer, Verifier, about_of

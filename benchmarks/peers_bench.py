@@ -75,9 +75,9 @@ from benchmarks.router_bench import _cpu_s, _nginx, _pct, _wait
 from ops.demo.loadgen import run_trace, word_prompt
 from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE
 from data_plane.engines.trace import DEFAULT_VOCAB_SIZE
-from kernel.log.admin import apply_topics
-from kernel.net import free_port
-from kernel.settings import BusSettings, repo_root
+from common.log.admin import apply_topics
+from common.net import free_port
+from common.settings import BusSettings, repo_root
 
 SIDES = ("direct", "ours", "smg", "sglang", "vllmrouter", "vllmrouter_rr", "dynamo", "nginx", "pyfloor")
 #: Sides in front of one worker only: no routing-quality runs.

@@ -41,23 +41,23 @@ from benchmarks.peers_bench import (FAST, PEERS_VENV, PROMPT_WORDS, _broker_cpu_
                                     dynamo_model_dir, launch, prompts, start_workers)
 from ops.demo.loadgen import word_prompt
 from control_plane.router.prompt import tokenize_prompt
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.tokenizer import HashTokenizer
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.tokenizer import HashTokenizer
 
 #: (stage, substrings of a py-spy stack, any of which puts a sample there), first match wins.
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("event production", ("EventProducer", "aiokafka/producer", "EnvelopeFactory")),
     ("event consumption (view fold)", ("aiokafka/consumer", "faust/", "router/view.py", "router/stream.py",
-                                       "kernel/log/fold.py", "mode/threads.py", "control_plane/streaming.py")),
-    ("tokenization", ("kernel/tokenizer.py",)),
-    ("hashing", ("kernel/hashing.py", "router/prompt.py")),
+                                       "common/log/fold.py", "mode/threads.py", "control_plane/streaming.py")),
+    ("tokenization", ("common/tokenizer.py",)),
+    ("hashing", ("common/hashing.py", "router/prompt.py")),
     ("auth and limits", ("router/limits.py", "router/keys.py", "router/admission.py", "router/shared_gate.py",
                          "_client_id")),
     ("ledger", ("router/ledger.py",)),
     ("decision", ("router/decision.py", "router/inputs.py")),
     ("proxy hop (to the worker and back)", ("aiohttp/", "router/worker_calls.py")),
     ("response", ("RequestResponseCycle.send", "starlette/responses.py")),
-    ("HTTP parsing and app", ("uvicorn/", "starlette/", "fastapi/", "kernel/http_server.py", "router/server.py",
+    ("HTTP parsing and app", ("uvicorn/", "starlette/", "fastapi/", "common/http_server.py", "router/server.py",
                               "router/serving.py", "router/protocol.py", "router/proxy.py", "httptools")),
     ("metrics", ("prometheus_client",)),
 ]

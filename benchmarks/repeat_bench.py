@@ -29,8 +29,8 @@ import httpx
 from benchmarks.peers_bench import MODEL, _launch_ours, start_workers
 from ops.demo.loadgen import word_prompt
 from data_plane.engines.trace import DEFAULT_VOCAB_SIZE
-from kernel.log.reader import read_events
-from kernel.settings import BusSettings
+from common.log.reader import read_events
+from common.settings import BusSettings
 from schemas.events import RequestRouted
 
 

@@ -31,12 +31,12 @@ from control_plane.replay.engine import VIEW_STREAMS, ReplayEngine
 from control_plane.replay.state import RequestTraffic
 from control_plane.router.stream import snapshot_key
 from benchmarks.lru_blocks import LruBlocks
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.log.reader import FileLogReader, KafkaLogReader, export_log
-from kernel.log.snapshots import SnapshotStore
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.log.reader import FileLogReader, KafkaLogReader, export_log
+from common.log.snapshots import SnapshotStore
+from common.settings import BusSettings
 from schemas.events import (
     BlockRemoved,
     BlockStored,

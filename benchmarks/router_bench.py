@@ -40,9 +40,9 @@ import httpx
 
 from benchmarks import router_decide, router_restart
 from benchmarks.index_bench import dynamo_stored, load_dynamo
-from kernel.log.admin import apply_topics
-from kernel.net import free_port
-from kernel.settings import BusSettings, repo_root
+from common.log.admin import apply_topics
+from common.net import free_port
+from common.settings import BusSettings, repo_root
 
 #: The decision point the Dynamo anchor is measured on (issue 12's goal: decide p99 there at most
 #: one find_matches p99).

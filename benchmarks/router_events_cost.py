@@ -28,9 +28,9 @@ import time
 import uuid
 
 from benchmarks.peers_bench import _broker_cpu_s, broker_pids
-from kernel.log.admin import apply_topics
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
 
 #: Seconds between two requests' events (about one sequential request of ``bench peers``).

@@ -21,10 +21,10 @@ import uuid
 
 import httpx
 
-from kernel.log.admin import apply_topics
-from kernel.log.kafka import EventProducer
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.kafka import EventProducer
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import BlockStored, WorkerRegistered
 from schemas.types import Tier, WorkerRole
 

@@ -47,10 +47,10 @@ from ops.demo.trace_tokens import TRACE_BLOCK, prompt_of
 from ops.demo.up import WHOLE_TRACE, wait_http
 from benchmarks.vllm_overlap import expected_cached_tokens
 from data_plane.engines.trace import read_mooncake
-from kernel.log.admin import apply_topics
-from kernel.log.reader import read_events
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.reader import read_events
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import KvTransferCompleted, KvTransferFailed, RequestAdmitted, RequestRouted
 
 ROOT = Path(__file__).resolve().parents[1]

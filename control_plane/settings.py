@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kernel.settings import broker_addresses, default_secrets_dir, repo_root, stack_secret, write_private
+from common.settings import broker_addresses, default_secrets_dir, repo_root, stack_secret, write_private
 
 
 #: The flags of ``weed mini``'s listeners, in the order of their ports from
@@ -140,7 +140,7 @@ class StackSettings:
         return path
 
     def secret(self, name: str) -> str:
-        """The stack's password for ``name`` (kafka, postgres, redis, seaweedfs): :func:`kernel.settings.stack_secret`."""
+        """The stack's password for ``name`` (kafka, postgres, redis, seaweedfs): :func:`common.settings.stack_secret`."""
         return stack_secret(self.secrets_dir, name)
 
     @classmethod

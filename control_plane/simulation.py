@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from control_plane.index.select import new_index
+from control_plane.index.implementation import new_index
 from control_plane.router import RouterConfig, WorkerLoad, WorkerOverlap
 from control_plane.router.inputs import decision_inputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger

@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
 
-from kernel.log.admin import replication_factor
-from kernel.log.catalog import Catalog
-from kernel.log.fold import apply_failed_reason
-from kernel.log.kafka import DeadLetters, EventConsumer, EventProducer
-from kernel.log.progress import ProgressWatch
-from kernel.log.reader import KafkaLogReader
-from kernel.log.snapshots import SnapshotStore
-from kernel.processes import remove_dead_owned
-from kernel.settings import BusSettings
+from common.log.admin import replication_factor
+from common.log.catalog import Catalog
+from common.log.fold import apply_failed_reason
+from common.log.kafka import DeadLetters, EventConsumer, EventProducer
+from common.log.progress import ProgressWatch
+from common.log.reader import KafkaLogReader
+from common.log.snapshots import SnapshotStore
+from common.processes import remove_dead_owned
+from common.settings import BusSettings
 from schemas import EventCodec
 
 if TYPE_CHECKING:
-    from kernel.log.fold import Poisoned
-    from kernel.log.reader import LogRecord
+    from common.log.fold import Poisoned
+    from common.log.reader import LogRecord
     from schemas import Envelope
 
 log = logging.getLogger(__name__)
@@ -153,9 +153,9 @@ class FoldProcessor:
       the dead letters its positions pass are acknowledged;
     * a watch, outside Faust, reads the log end every ``watch_every_s`` (a watermark query of
       its own, not what the view's consumer last saw) and says when the fold stopped while the
-      log moved (:attr:`stalled`, :mod:`kernel.log.progress`), or when the group handed this
+      log moved (:attr:`stalled`, :mod:`common.log.progress`), or when the group handed this
       incarnation fewer than all its partitions: another member is in its group
-      (:attr:`foreign`; only a principal of the same role can join it, kernel/log/principals.py).
+      (:attr:`foreign`; only a principal of the same role can join it, common/log/principals.py).
       Either way the view's ``/health`` says so, and the processor moves to a fresh group,
       seeded with its own positions (:meth:`recover`): the foreign member keeps the old one.
     """
@@ -238,7 +238,7 @@ class FoldProcessor:
     def extend(self, app, topic) -> None:
         """Add agents, tables or timers to the app before it starts (default: none)."""
 
-    #: True when the projection folds a :class:`~kernel.log.reader.RecordBatch` without Faust
+    #: True when the projection folds a :class:`~common.log.reader.RecordBatch` without Faust
     #: (:meth:`fold_batch`: no tables, no headers), so :meth:`restore` may fold the tail.
     FOLDS_BATCHES = False
 
@@ -491,7 +491,7 @@ class FoldProcessor:
         self._dlq.send(value, key, reason, error, source)
 
     def dead_letter_poison(self, rec: LogRecord, e: Poisoned) -> None:
-        """The ``on_poison`` of a subclass's :class:`~kernel.log.fold.RecordFold`: the record
+        """The ``on_poison`` of a subclass's :class:`~common.log.fold.RecordFold`: the record
         goes to the dead-letter topic under the key the fold named (else none), its position as
         the source."""
         self.dead_letter(rec.value, e.key, e.reason, e.detail, f"{rec.topic}:{rec.partition}:{rec.offset}")

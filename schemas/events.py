@@ -36,7 +36,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     TYPE: ClassVar[str]
     VERSION: ClassVar[int]
-    #: Kafka topic family the event belongs to (see kernel.log.catalog).
+    #: Kafka topic family the event belongs to (see common.log.catalog).
     STREAM: ClassVar[str]
 
     def key(self) -> str:
@@ -605,7 +605,7 @@ class RouterKeyEvent(AdminEvent, frozen=True, kw_only=True, omit_defaults=True):
 class RouterKeyIssued(RouterKeyEvent, frozen=True, kw_only=True, omit_defaults=True):
     """A router API key was issued (the admin API, an admin's call). Routers fold it into their
     key table: a bearer ``sk-sy_<key_id>_<secret>`` whose secret hashes to ``key_hash`` with
-    ``salt`` (sha256(salt || secret), :mod:`kernel.bearer`) may call the generation routes. The
+    ``salt`` (sha256(salt || secret), :mod:`common.bearer`) may call the generation routes. The
     secret itself is never on the log: it is shown once, to the caller who issued the key."""
 
     TYPE: ClassVar[str] = "RouterKeyIssued"

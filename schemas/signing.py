@@ -42,7 +42,7 @@ unsigned, signed by a key that is not its owner's, or whose key is not its worke
 does not stop: a holder of a worker's own key may re-send a copy of a record that worker
 signed (the bytes verify); sequence numbers make such a copy a duplicate on its partition.
 
-Snapshots (``kernel/log/snapshots.py``) are not envelopes but the same owner keys sign them:
+Snapshots (``common/log/snapshots.py``) are not envelopes but the same owner keys sign them:
 the owner is named by the snapshot key's prefix (:data:`SNAPSHOT_OWNERS`: a router view is the
 routers', a load view the planner's, a metrics projection the processor's), and the record is
 ``SYSNAP1\\0`` + HMAC-SHA256(owner key, ``"switchyard-snapshot\\0" + key + "\\0" + bytes``) +
@@ -142,7 +142,7 @@ def _snapshot_mac(owner_key_: bytes, key: str, data) -> bytes:
 
 def snapshot_data(value: bytes) -> bytes:
     """A stored snapshot's view bytes, its signature dropped unchecked: only for a process that
-    cannot verify (:meth:`kernel.settings.BusSettings.verifier` is None)."""
+    cannot verify (:meth:`common.settings.BusSettings.verifier` is None)."""
     return value[_SNAP_HEAD:] if value[:len(_SNAP_MAGIC)] == _SNAP_MAGIC else value
 
 

@@ -7,4 +7,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/uv.sh sync --frozen --quiet --compile-bytecode
-.venv/bin/python -m compileall -q -j 0 control_plane data_plane kernel ops schemas switchyard benchmarks tests >/dev/null
+.venv/bin/python -m compileall -q -j 0 control_plane data_plane common ops schemas switchyard benchmarks tests >/dev/null

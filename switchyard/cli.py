@@ -25,7 +25,7 @@ app = typer.Typer(
 stack_app = typer.Typer(help="Run the local stack: Kafka (KRaft), PostgreSQL, Redis, Prometheus, SeaweedFS (S3) as "
                              "project-local processes.",
                         no_args_is_help=True)
-topics_app = typer.Typer(help="Kafka topics from the catalog (kernel/log/catalog.py).", no_args_is_help=True)
+topics_app = typer.Typer(help="Kafka topics from the catalog (common/log/catalog.py).", no_args_is_help=True)
 schemas_app = typer.Typer(help="Event schemas: export the JSON Schema files, check code and files agree.",
                           no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (figures, not tests). Each ends with one RESULT line.", no_args_is_help=True)
@@ -88,9 +88,9 @@ def stack_up(service: ServiceOpt = None, brokers: BrokersOpt = None) -> None:
     # lazy: start-up time: loads msgspec, prometheus_client, switchyard_native ... only when called
     from ops.stack import Stack, StackError
     # lazy: start-up time: loads confluent_kafka only when called
-    from kernel.log.admin import apply_topics
+    from common.log.admin import apply_topics
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     settings = _stack_settings(brokers)
     stack = Stack(settings)
@@ -137,7 +137,7 @@ def stack_signing_key(
     must not hold the stack's secrets: it sets SWITCHYARD_SIGNING_KEY_FILE to the file and can
     then sign only that owner's events."""
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings, signing_master, write_private
+    from common.settings import BusSettings, signing_master, write_private
     # lazy: CLI start-up: the command's modules load only when it runs
     from schemas.signing import ADMIN, ROUTER, owner_key
 
@@ -187,9 +187,9 @@ def topics_apply() -> None:
     """Create missing topics and update configs of existing ones (never deletes, never shrinks)."""
     setup_logging()
     # lazy: start-up time: loads confluent_kafka only when called
-    from kernel.log.admin import apply_topics
+    from common.log.admin import apply_topics
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     for c in apply_topics(BusSettings.from_env()):
         typer.echo(f"{c.topic:28s} {c.action:20s} {c.detail}")
@@ -201,11 +201,11 @@ def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack le
     acknowledged event on the log once, no sequence gap a failed delivery does not explain.
     Exits 1 when a promise is broken."""
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.ledger import check_acks, load_ledger
+    from common.log.acks import check_acks, load_ledger
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.reader import KafkaLogReader
+    from common.log.reader import KafkaLogReader
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     entries = [e for path in ledgers for e in load_ledger(path)]
     with KafkaLogReader(BusSettings.from_env().bootstrap) as reader:
@@ -225,9 +225,9 @@ def topics_check_acks(ledgers: Annotated[list[Path], typer.Argument(help="Ack le
 def topics_list() -> None:
     """Print the catalog: topic, partitions, key, retention, cleanup policy."""
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.catalog import Catalog
+    from common.log.catalog import Catalog
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     for topic, spec in Catalog(BusSettings.from_env().topic_prefix).all_topics().items():
         ret = "forever" if spec.retention_ms < 0 else f"{spec.retention_ms // 86_400_000}d"
@@ -315,9 +315,9 @@ def router_cmd(
     # lazy: start-up time: loads confluent_kafka, msgspec, switchyard_native ... only when called
     from control_plane.router.wiring import RouterSettings, run_router
     # lazy: start-up time: loads uvicorn only when called
-    from kernel.http_server import ConnectionLimits
+    from common.http_server import ConnectionLimits
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     kw: dict = {"router_id": router_id} if router_id else {}
     if worker_networks:
@@ -423,7 +423,7 @@ def worker(
     # lazy: start-up time: loads confluent_kafka, httpx, msgspec ... only when called
     from data_plane.workers.wiring import run_worker
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role, "kv_both")
     try:

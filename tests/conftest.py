@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from control_plane.settings import StackSettings
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 
 logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)
 
@@ -63,7 +63,7 @@ def seaweedfs(stack_settings: StackSettings):
 @pytest.fixture
 def bus(kafka_bootstrap: str) -> BusSettings:
     """Bus settings with a topic prefix unique to this test, topics created from the catalog."""
-    from kernel.log.admin import apply_topics
+    from common.log.admin import apply_topics
 
     settings = BusSettings(bootstrap=kafka_bootstrap, topic_prefix=f"t{uuid.uuid4().hex[:10]}")
     apply_topics(settings)

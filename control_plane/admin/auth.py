@@ -1,6 +1,6 @@
 """API tokens and roles. Pure.
 
-A token is ``sy_<id>_<secret>``, in the one credential scheme of :mod:`kernel.bearer` (the
+A token is ``sy_<id>_<secret>``, in the one credential scheme of :mod:`common.bearer` (the
 router's API keys use it too): ``id`` finds the row, the secret is checked against
 ``sha256(salt || secret)`` in constant time. The plain token is shown once, at creation, and
 never stored or logged.
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
 
-from kernel import bearer
-from kernel.bearer import hash_secret, verify_secret  # noqa: F401 - re-exported under their old names
+from common import bearer
+from common.bearer import hash_secret, verify_secret  # noqa: F401 - re-exported under their old names
 
 TOKEN_PREFIX = "sy"
 

@@ -86,11 +86,11 @@ def create_token_cmd(
     # lazy: start-up time: loads msgspec, pydantic, switchyard_native ... only when called
     from control_plane.admin.shapes import TokenCreate
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.catalog import Catalog
+    from common.log.catalog import Catalog
     # lazy: start-up time: loads confluent_kafka, msgspec, xxhash only when called
-    from kernel.log.kafka import EventProducer
+    from common.log.kafka import EventProducer
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     s = _settings(db_url)
     bus = BusSettings.from_env(role="admin")
@@ -187,7 +187,7 @@ def audit_cmd(
     # lazy: start-up time: loads sqlalchemy only when called
     from control_plane.admin.db.session import make_engine, session_factory
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     s = _settings(db_url)
     c = AuditConsumer(BusSettings.from_env(role="admin"), session_factory(make_engine(s.db_url)), streams=s.audit_streams,

@@ -16,8 +16,8 @@ from control_plane.admin.liveview import LiveView
 from control_plane.admin.ports import EventLog, JobRunner
 from control_plane.admin.ratelimit import FailureLimiter
 from control_plane.admin.settings import AdminSettings
-from kernel.log.catalog import Catalog
-from kernel.log.reader import LogReader
+from common.log.catalog import Catalog
+from common.log.reader import LogReader
 
 
 @dataclass

@@ -67,7 +67,7 @@ def current_principal(request: Request, ctx: Ctx,
     * The right secret always authenticates, even while its (id, source) bucket is empty: a
       valid credential is never locked out by someone else's wrong guesses from the same
       address (on one box, every client is 127.0.0.1). The limit then bounds the work and noise
-      of guessing, not its odds, which 256-bit secrets (kernel/bearer.py) already make nil.
+      of guessing, not its odds, which 256-bit secrets (common/bearer.py) already make nil.
     """
     if creds is None or not creds.credentials:
         raise Unauthorized("missing bearer token (Authorization: Bearer sy_<id>_<secret>)")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from control_plane.admin.errors import Unavailable
-from kernel.log.reader import LocatedEvent
+from common.log.reader import LocatedEvent
 from schemas import EnvelopeFactory
 from schemas.events import Event
 
@@ -25,7 +25,7 @@ class EventLog(Protocol):
 
 
 class KafkaEventLog:
-    """Publishes through an :class:`~kernel.log.kafka.EventProducer` and waits for the
+    """Publishes through an :class:`~common.log.kafka.EventProducer` and waits for the
     broker's acknowledgement (acks=all), so an action the API reports as done is in the log."""
 
     def __init__(self, producer, timeout_s: float = 15.0) -> None:

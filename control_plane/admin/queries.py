@@ -37,8 +37,8 @@ from control_plane.admin.shapes import (
     WorkerOverlapPublic,
     WorkerPublic,
 )
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.tokenizer import HashTokenizer
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.tokenizer import HashTokenizer
 
 if TYPE_CHECKING:
     from control_plane.admin.audit.consumer import AuditConsumer

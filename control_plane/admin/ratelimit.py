@@ -26,7 +26,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kernel.bucket import Bucket, level_at
+from common.bucket import Bucket, level_at
 
 
 class FailureLimiter:

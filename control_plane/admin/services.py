@@ -51,10 +51,10 @@ from control_plane.planner.config import PlannerConfig
 from control_plane.replay.errors import BadPoint
 from control_plane.router import RouterConfig
 from control_plane.router.keys import KEY_PREFIX, KeyLimits
-from kernel import bearer
-from kernel.errors import HashConfigError
-from kernel.hashing import HashAlgo, HashConfig
-from kernel.log.reader import LocatedEvent
+from common import bearer
+from common.errors import HashConfigError
+from common.hashing import HashAlgo, HashConfig
+from common.log.reader import LocatedEvent
 from schemas.events import (
     AdminAction,
     Event,

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from control_plane.settings import StackSettings
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 
 
 def default_db_url() -> str:

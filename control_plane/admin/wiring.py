@@ -11,11 +11,11 @@ from control_plane.admin.liveview import LiveView
 from control_plane.admin.ports import KafkaEventLog, ThreadJobRunner
 from control_plane.admin.settings import AdminSettings
 from control_plane.replay.engine import ReplayEngine
-from kernel.hashing import HashAlgo, HashConfig
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.log.reader import KafkaLogReader
-from kernel.settings import BusSettings, repo_root
+from common.hashing import HashAlgo, HashConfig
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.log.reader import KafkaLogReader
+from common.settings import BusSettings, repo_root
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def run_admin(settings: AdminSettings, bus: BusSettings | None = None, *, migrat
     # lazy: start-up time: loads fastapi, pydantic, starlette only when called
     from control_plane.admin.app import create_app
     # lazy: start-up time: loads uvicorn only when called
-    from kernel.http_server import serve
+    from common.http_server import serve
 
     if migrate_first:
         migrate(settings.db_url)

@@ -2,5 +2,5 @@
 
 Pure core only (no I/O): :mod:`.prefix_index` folds KV and worker lifecycle events into a
 queryable projection (the reference), :mod:`.native` is the production index over the Rust core,
-:mod:`.select` picks one. The block hashes come from :mod:`kernel.hashing`.
+:mod:`.implementation` picks one. The block hashes come from :mod:`common.hashing`.
 """

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 import switchyard_native
 from control_plane.index.errors import IndexRejected
 from control_plane.index.shapes import ApplyOutcome, IndexStats, Match, WorkerRank
-from kernel.hashing import HashConfig
+from common.hashing import HashConfig
 from schemas.envelope import Envelope, EventCodec
 from schemas.events import (
     AllBlocksCleared,

@@ -6,7 +6,7 @@ prefix does each worker already hold, and in which tiers?*
 This pure-Python class is the *reference*: the executable specification of the index's rules.
 Production processes use :class:`control_plane.index.native.NativePrefixIndex` (the Rust core in
 ``native/``), which follows it line by line and writes the same snapshot bytes; the switch is
-``SWITCHYARD_INDEX`` (:mod:`control_plane.index.select`).
+``SWITCHYARD_INDEX`` (:mod:`control_plane.index.implementation`).
 
 Its data layout, the sequencing, fencing and staleness rules, why every interleaving gives the same
 state, and what it rejects: ``docs/prefix-index.md``.
@@ -32,7 +32,7 @@ from control_plane.index.snapshot import (
     u64_bytes,
     u64_list,
 )
-from kernel.hashing import HashConfig
+from common.hashing import HashConfig
 from schemas.envelope import Envelope
 from schemas.events import (
     AllBlocksCleared,
@@ -54,7 +54,7 @@ class PrefixIndex(PackedResidency):
     """Per worker (and DP rank), which chained block hashes it holds and in which tiers.
 
     ``hash_algo`` and ``block_size`` are the index's configuration (use
-    :attr:`kernel.hashing.HashConfig.hash_algo`); events that disagree are rejected.
+    :attr:`common.hashing.HashConfig.hash_algo`); events that disagree are rejected.
 
     Not thread-safe: apply events and query from one thread (or hold one lock around both).
     """
@@ -83,7 +83,7 @@ class PrefixIndex(PackedResidency):
 
     def find_matches(self, hashes: Sequence[BlockHash]) -> dict[WorkerRank, Match]:
         """Matched prefix per worker for a query's chained block hashes (block 0 first; a list
-        or tuple, e.g. from :func:`kernel.hashing.hash_blocks`).
+        or tuple, e.g. from :func:`common.hashing.hash_blocks`).
 
         A worker's match is contiguous from block 0 and stops at its first miss; workers with
         no matched block, and deregistered workers, are absent from the result. The returned

@@ -44,9 +44,9 @@ def run(
     # lazy: start-up time: loads confluent_kafka, prometheus_client, switchyard_native ... only when called
     from control_plane.metrics.stream import MetricsSettings, run_metrics
     # lazy: start-up time: loads switchyard_native, xxhash only when called
-    from kernel.hashing import HashAlgo, HashConfig
+    from common.hashing import HashAlgo, HashConfig
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     kw = {"processor_id": processor_id} if processor_id else {}
     try:

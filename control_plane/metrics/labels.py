@@ -13,7 +13,7 @@ from control_plane.metrics.catalog import EVENT_STREAMS
 #: Label value for a pool the projection cannot name (a worker it never saw register).
 UNKNOWN = "unknown"
 #: What a dead-letter ``reason`` label may say: the kind before the first ":" of the header
-#: (schemas/errors.py, schemas/signing.py, kernel/log/fold.py, the index), else ``other``. Any
+#: (schemas/errors.py, schemas/signing.py, common/log/fold.py, the index), else ``other``. Any
 #: role may write the dead-letter topic and its headers, so a label never carries them as they
 #: are: 3,000 invented reasons would be 3,000 series. The header itself stays on the record.
 DEADLETTER_REASONS = frozenset({"schema_error", "malformed", "unknown_type", "unsupported_version", "no_value",

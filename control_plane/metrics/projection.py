@@ -34,7 +34,7 @@ from enum import Enum
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.select import new_index, restore_index
+from control_plane.index.implementation import new_index, restore_index
 from control_plane.metrics.catalog import BY_NAME, SPECS, TIERS, Kind
 from control_plane.metrics.families import PROCESSOR_METRICS, Family, HistogramValue, Labels
 from control_plane.metrics.gauges import gauge_samples
@@ -50,8 +50,8 @@ from control_plane.metrics.state import (
     hist_value,
 )
 from control_plane.planner.config import DEFAULT_ITL_SLO_MS, DEFAULT_TTFT_SLO_MS
-from kernel.fleet import NEW, Fleet
-from kernel.log.sequencing import SequenceTracker, Verdict
+from common.fleet import NEW, Fleet
+from common.log.sequencing import SequenceTracker, Verdict
 from schemas.envelope import Envelope
 from schemas.events import (
     AdminAction,
@@ -148,7 +148,7 @@ class MetricsProjection:
         self._counters: dict[str, dict[Labels, float]] = {}
         self._hists: dict[str, dict[Labels, Hist]] = {}
         self._workers: dict[str, WorkerState] = {}
-        #: Each worker's lifecycle (kernel/fleet.py, the one fold every view shares).
+        #: Each worker's lifecycle (common/fleet.py, the one fold every view shares).
         self.fleet = Fleet()
         self._pools: dict[str, PoolState] = {}
         #: WORKER_JOINED series, labels with the worker id in the pool's place.

@@ -8,7 +8,7 @@ import msgspec
 
 from control_plane.metrics.catalog import MetricSpec
 from control_plane.metrics.families import HistogramValue
-from kernel.fleet import Lifecycle
+from common.fleet import Lifecycle
 
 SNAPSHOT_FORMAT = 1
 
@@ -89,7 +89,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     unjudged: dict[str, list[tuple[float, float | None]]] = {}
     #: router id -> (event time, event id) of the decision ``routers`` holds the state of.
     router_at: dict[str, tuple[int, str]] = {}
-    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
+    #: Each worker's lifecycle (common/fleet.py); absent in snapshots written before it.
     lifecycles: dict[str, Lifecycle] = {}
 
 

@@ -46,11 +46,11 @@ from control_plane.metrics.families import BrokerState, Family, lag, processor_f
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
 from control_plane.settings import StackSettings
 from control_plane.streaming import FoldProcessor
-from kernel.log.catalog import Catalog
-from kernel.log.fold import apply_failed_reason
-from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
-from kernel.log.snapshots import SnapshotStore
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.fold import apply_failed_reason
+from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+from common.log.snapshots import SnapshotStore
+from common.settings import BusSettings
 from schemas import SchemaError
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from control_plane.planner.load_view import NS, LoadSnapshot, LoadView, PoolLoad
 from control_plane.planner.policy import PlannerState, PlannerTick, decide, needed_replicas
 from control_plane.planner.predictors import PredictorKind
 from control_plane.planner.scalers import VirtualScaler
-from kernel.log.reader import read_events
+from common.log.reader import read_events
 from schemas.envelope import Envelope
 from schemas.events import Event
 from schemas.types import WorkerRole

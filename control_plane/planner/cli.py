@@ -48,7 +48,7 @@ def run(
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.runner import PlannerSettings, run_planner
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     kw = {}
     if planner_id:
@@ -91,7 +91,7 @@ def backtest(
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.planner.runner import default_config
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     try:
         cfg = load_config(config) if config else default_config()

@@ -6,7 +6,7 @@ agent (``control_plane/planner/stream.py``), in ``switchyard planner backtest``,
 benchmark and in tests, so a view rebuilt from the log equals the live one at the same offsets.
 
 Workers (per incarnation, the envelope's epoch; which registration is admitted and when an
-incarnation is draining or gone is the fleet's rule, ``kernel/fleet.py``):
+incarnation is draining or gone is the fleet's rule, ``common/fleet.py``):
 
 * ``starting``: registered, no load report yet (the process is up but has not served);
 * ``ready``: has reported load; ``ready_at`` is its first report's event time;
@@ -50,7 +50,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from kernel.fleet import GONE, READY, Change, Fleet, Lifecycle
+from common.fleet import GONE, READY, Change, Fleet, Lifecycle
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -453,7 +453,7 @@ class _State(msgspec.Struct, kw_only=True):
     start_fixed: bool
     applied: int
     late_dropped: int
-    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
+    #: Each worker's lifecycle (common/fleet.py); absent in snapshots written before it.
     lifecycles: dict[str, Lifecycle] = {}
 
 
@@ -485,7 +485,7 @@ class LoadView:
     def __init__(self, config: LoadViewConfig | None = None, *, start_ns: int | None = None) -> None:
         self.config = config or LoadViewConfig()
         self.workers: dict[str, _Worker] = {}
-        #: Each worker's lifecycle (kernel/fleet.py): which registration is new, which incarnation
+        #: Each worker's lifecycle (common/fleet.py): which registration is new, which incarnation
         #: is draining or gone. Kept after a gone worker is evicted, so a copy never brings it back.
         self.fleet = Fleet()
         self._requests: dict[str, _Req] = {}

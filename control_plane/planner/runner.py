@@ -48,7 +48,7 @@ from control_plane.planner.load_view import NS
 from control_plane.planner.policy import Pin, PlannerState, decide
 from control_plane.planner.scalers import FileFence, LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
 from control_plane.settings import StackSettings
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 from schemas.types import WorkerRole
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ async def _main(s: PlannerSettings, bus: BusSettings) -> int:
     # lazy: start-up time: loads confluent_kafka only when called
     from control_plane.planner.stream import LoadViewProcessor
     # lazy: start-up time: loads confluent_kafka, xxhash only when called
-    from kernel.log.kafka import EventProducer
+    from common.log.kafka import EventProducer
 
     base_config = load_config(s.config_path) if s.config_path else default_config()
     config = base_config

@@ -40,7 +40,7 @@ from typing import Protocol, runtime_checkable
 
 from control_plane.planner.errors import ScalerError, StaleFencingToken
 from control_plane.planner.load_view import NS, PoolWorker, ReplicaCounts
-from kernel.processes import alive
+from common.processes import alive
 from schemas.events import ScalingApplied, ScalingDecision
 from schemas.types import WorkerRole
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 from control_plane.planner.load_view import LoadView, LoadViewConfig
 from control_plane.streaming import FoldProcessor
-from kernel.log.fold import RecordFold
-from kernel.log.reader import KafkaLogReader, LogRecord
-from kernel.log.snapshots import SnapshotStore
-from kernel.settings import BusSettings
+from common.log.fold import RecordFold
+from common.log.reader import KafkaLogReader, LogRecord
+from common.log.snapshots import SnapshotStore
+from common.settings import BusSettings
 
 log = logging.getLogger(__name__)
 

@@ -2,6 +2,6 @@
 
 Pure cores (``points``, ``state``, ``verify``, ``whatif``, the ``oracle`` fold; the routers'
 ledgers are :mod:`control_plane.router.ledger`) read through one port,
-:class:`kernel.log.reader.LogReader`, with three adapters (Kafka, a file export, memory);
+:class:`common.log.reader.LogReader`, with three adapters (Kafka, a file export, memory);
 ``engine`` wires them for the CLI (``cli.replay_app``) and the admin API.
 """

@@ -55,7 +55,7 @@ def _check_args(*, source: str | None = None, points: dict[str, str] | None = No
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.points import check_range, parse_point
     # lazy: start-up time: loads switchyard_native, xxhash only when called
-    from kernel.hashing import HashAlgo
+    from common.hashing import HashAlgo
 
     if source is not None and source != "kafka":
         path = Path(source)
@@ -82,11 +82,11 @@ def _engine(source: str, prefix: str | None, quiet: bool):
     # lazy: start-up time: loads switchyard_native, xxhash only when called
     from control_plane.replay.engine import ReplayEngine
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.catalog import Catalog
+    from common.log.catalog import Catalog
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.reader import FileLogReader, KafkaLogReader
+    from common.log.reader import FileLogReader, KafkaLogReader
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     bus = BusSettings.from_env()
     catalog = Catalog(prefix or bus.topic_prefix)
@@ -135,7 +135,7 @@ def _replay(source: str, prefix: str | None, quiet: bool, call: Callable[[Replay
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.errors import ReplayError
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.errors import LogReadError
+    from common.errors import LogReadError
 
     try:
         engine, reader = _engine(source, prefix, quiet)
@@ -309,7 +309,7 @@ def reconcile_cmd(
     # lazy: CLI start-up: the command's modules load only when it runs
     from control_plane.replay.reconcile import BLAMES, KvRecord, reconcile
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.reader import scan_events
+    from common.log.reader import scan_events
 
     def run(engine: ReplayEngine):
         requests = [env for _, env in scan_events(engine.reader, engine.catalog.topic("requests"), codec=engine.codec)]
@@ -346,11 +346,11 @@ def export_cmd(
     """Copy topics of the broker into a file that every replay command can read (--source)."""
     _check_args(outputs={"OUT": out})
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.catalog import Catalog
+    from common.log.catalog import Catalog
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.log.reader import KafkaLogReader, export_log
+    from common.log.reader import KafkaLogReader, export_log
     # lazy: CLI start-up: the command's modules load only when it runs
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     bus = BusSettings.from_env()
     cat = Catalog(prefix or bus.topic_prefix)

@@ -35,11 +35,11 @@ from control_plane.router import Decision, NoEligibleWorker, RouterConfig
 from control_plane.router.inputs import DecisionInputs, decision_inputs, router_seed
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.view import RouterView
-from kernel.errors import LogReadError
-from kernel.log.catalog import Catalog
-from kernel.log.fold import FoldStats
-from kernel.log.reader import TP, LocatedEvent, LogReader, LogRecord, RecordBatch, scan, scan_events
-from kernel.settings import BusSettings
+from common.errors import LogReadError
+from common.log.catalog import Catalog
+from common.log.fold import FoldStats
+from common.log.reader import TP, LocatedEvent, LogReader, LogRecord, RecordBatch, scan, scan_events
+from common.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted, RouterConfigChanged
 from schemas.signing import ForgedEvent, snapshot_data

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from control_plane.index.errors import IndexRejected
 from control_plane.router.view import RouterView
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader, scan
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader, scan
+from common.settings import BusSettings
 from schemas import EventCodec, SchemaError
 
 

@@ -21,8 +21,8 @@ import msgspec
 
 from control_plane.index.errors import IndexRejected
 from control_plane.router.view import RouterView, rejected_poison
-from kernel.log.fold import Poisoned, RecordFold
-from kernel.log.reader import LogRecord, RecordBatch
+from common.log.fold import Poisoned, RecordFold
+from common.log.reader import LogRecord, RecordBatch
 from schemas import Envelope, EventCodec
 from schemas.events import (
     Event,
@@ -36,7 +36,7 @@ from schemas.events import (
 
 class ViewFolder:
     """Applies raw records of ``kv`` and ``workers`` to one :class:`RouterView`, through the
-    fold glue every view uses (:class:`~kernel.log.fold.RecordFold`: skip what the view
+    fold glue every view uses (:class:`~common.log.fold.RecordFold`: skip what the view
     covers, count poison, go on) and the view's own record fold (the live agent's)."""
 
     def __init__(self, view: RouterView, codec: EventCodec | None = None,

@@ -24,7 +24,7 @@ from operator import add, attrgetter, mul
 import msgspec
 from msgspec.structs import astuple
 
-from control_plane.index.select import native_core
+from control_plane.index.implementation import native_core
 from control_plane.router.config import RouterConfig
 from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, InflightView
@@ -281,7 +281,7 @@ def decide(
     * ``rr_cursor``: the previous decision's ``Decision.rr_cursor`` (round_robin mode).
     * ``native``: score with the Rust core (``switchyard_native.score_kv``, the same terms bit
       for bit) or with :func:`_score`, the specification; None = the process's switch
-      (:func:`control_plane.index.select.native_core`, ``SWITCHYARD_INDEX``). Inputs the core
+      (:func:`control_plane.index.implementation.native_core`, ``SWITCHYARD_INDEX``). Inputs the core
       cannot reproduce exactly (integers beyond 2^53, a worker listed twice) go to the
       specification either way, so the choice never changes a decision.
 

@@ -1,7 +1,7 @@
 """Router API keys: the key table (a fold of the ``admin`` stream), verification of a presented
 bearer, and the per-key limits. Pure: the time is an input, nothing here does I/O.
 
-A key is ``sk-sy_<key_id>_<secret>`` (:mod:`kernel.bearer`, the admin tokens' scheme). The admin
+A key is ``sk-sy_<key_id>_<secret>`` (:mod:`common.bearer`, the admin tokens' scheme). The admin
 API issues it (``RouterKeyIssued``: id, name, salt, hash, expiry, limits; never the secret) and
 revokes it (``RouterKeyRevoked``); every router replica folds those events from the start of
 the ``admin`` stream, so a new replica knows every key, and a revocation takes effect on a
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kernel import bearer
-from kernel.bucket import Bucket, level_at
+from common import bearer
+from common.bucket import Bucket, level_at
 from schemas.envelope import Envelope
 from schemas.events import Event, RouterKeyIssued, RouterKeyRevoked
 

@@ -25,7 +25,7 @@ How the two interact in a decision: ``docs/router.md``, "The kv cost" (a worked 
 The per-worker accounts (the load sums and the refcounted hashes) are :class:`_Accounts`, the
 executable specification, or ``switchyard_native.InflightAccounts`` (``native/src/inflight.rs``),
 the same rules in Rust, selected when the ledger is created by the native-core switch
-(:func:`control_plane.index.select.native_core`). The native accounts hold ``u64`` hashes and
+(:func:`control_plane.index.implementation.native_core`). The native accounts hold ``u64`` hashes and
 ``i64`` counters; handed anything else they decline, change nothing, and the ledger moves its
 accounts to the specification for good (``tests/unit/test_native_ledger.py`` folds random
 operation sequences through both and requires the same views).
@@ -42,7 +42,7 @@ from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from control_plane.index.select import native_core
+from control_plane.index.implementation import native_core
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
 from control_plane.router.ttft_fit import TtftFit
@@ -90,7 +90,7 @@ class InflightLedger:
 
     def __init__(self, *, native: bool | None = None) -> None:
         """``native``: keep the accounts in the Rust core (None = the process's switch,
-        :func:`~control_plane.index.select.native_core`)."""
+        :func:`~control_plane.index.implementation.native_core`)."""
         self._entries: dict[tuple[RequestId, WorkerId], _Entry] = {}
         #: Workers each request has entries on, in the order they were added.
         self._by_request: dict[RequestId, list[WorkerId]] = {}

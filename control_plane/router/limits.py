@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from control_plane.router.errors import InvalidRequest
 from control_plane.router.prompt import PromptIds
-from kernel.request_limits import SIM_CONTEXT_TOKENS, SIM_VOCAB_SIZE, OutOfBounds, RequestLimits, ids_in_vocabulary
-from kernel.request_limits import check_generation as _check_generation
+from common.request_limits import SIM_CONTEXT_TOKENS, SIM_VOCAB_SIZE, OutOfBounds, RequestLimits, ids_in_vocabulary
+from common.request_limits import check_generation as _check_generation
 from schemas.types import RequestId
 
 __all__ = ["SIM_CONTEXT_TOKENS", "SIM_VOCAB_SIZE", "RequestLimits", "check_client_id", "check_generation",
@@ -31,7 +31,7 @@ __all__ = ["SIM_CONTEXT_TOKENS", "SIM_VOCAB_SIZE", "RequestLimits", "check_clien
 def check_generation(tokens: Sequence[int], max_tokens: int | None, limits: RequestLimits,
                      max_tokens_param: str = "max_tokens") -> int:
     """The ``max_tokens`` to run with, or :class:`InvalidRequest` when the prompt's ids or its
-    length, or the output asked for, break ``limits`` (:func:`kernel.request_limits.check_generation`,
+    length, or the output asked for, break ``limits`` (:func:`common.request_limits.check_generation`,
     with the fast vocabulary test of a prompt read natively)."""
     try:
         return _check_generation(tokens, max_tokens, limits, max_tokens_param, _in_vocabulary)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from kernel.log.reader import read_events
-from kernel.settings import BusSettings
+from common.log.reader import read_events
+from common.settings import BusSettings
 from schemas import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
 

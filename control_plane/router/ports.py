@@ -4,7 +4,7 @@ the Rust core (``native/``, production) and the pure-Python executable specifica
 the differential tests compare it with (``tests/unit/test_native_index.py``,
 ``tests/unit/test_native_ledger.py``, ``tests/unit/test_router_ports.py``).
 
-Which one a process builds is ``SWITCHYARD_INDEX`` (:mod:`control_plane.index.select`), read
+Which one a process builds is ``SWITCHYARD_INDEX`` (:mod:`control_plane.index.implementation`), read
 when an index or a ledger is made; code that holds one calls it through these ports and never
 asks which it is. The switch stays while the routing decision (``router/decision.py``) still
 reads it for its own scoring path.

@@ -5,7 +5,7 @@ Decoding them into 4K Python ints, checking each against the vocabulary, hashing
 block in Python and encoding them again into the worker's body took more of the router's CPU
 than anything else it does in process for such a request (profiled). A :class:`PromptIds`
 keeps the JSON array's bytes as they came and reads them in one native call
-(:func:`kernel.hashing.hash_json_ids`): how many ids, that each is below the vocabulary, and
+(:func:`common.hashing.hash_json_ids`): how many ids, that each is below the vocabulary, and
 the wire hashes of the full blocks. The worker's body carries the same bytes
 (:data:`encode_json`). It reads as the list of ints it stands for (made on first read), so code
 that iterates a prompt's tokens works unchanged.
@@ -23,8 +23,8 @@ from typing import Any, overload
 
 import msgspec
 
-from kernel.hashing import HashConfig, hash_blocks, hash_json_ids
-from kernel.tokenizer import Tokenizer
+from common.hashing import HashConfig, hash_blocks, hash_json_ids
+from common.tokenizer import Tokenizer
 from schemas.types import BlockHash
 
 
@@ -100,7 +100,7 @@ def tokenize_prompt(tokenizer: Tokenizer, text: str, config: HashConfig) -> Sequ
 
 
 def block_hashes(tokens: Sequence[int], config: HashConfig) -> list[BlockHash]:
-    """:func:`kernel.hashing.hash_blocks` of ``tokens``: the ones reading found, for a
+    """:func:`common.hashing.hash_blocks` of ``tokens``: the ones reading found, for a
     :class:`PromptIds` read under ``config``."""
     if isinstance(tokens, PromptIds) and tokens.hash_config == config:
         return tokens.hashes

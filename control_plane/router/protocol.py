@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from control_plane.router.errors import InvalidRequest
 from control_plane.router.prompt import read_prompt_ids
-from kernel.hashing import HashConfig
+from common.hashing import HashConfig
 
 
 # -- request shapes ---------------------------------------------------------------------------

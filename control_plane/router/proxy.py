@@ -41,8 +41,8 @@ from control_plane.router.limits import new_request_id
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import CallFailed, HttpWorkerCalls, Unsendable, WorkerCalls, lines
 from control_plane.router.prompt import block_hashes, encode_json
-from kernel.hashing import HashConfig
-from kernel.log.sink import EventSink
+from common.hashing import HashConfig
+from common.log.sink import EventSink
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,

@@ -39,7 +39,7 @@ from control_plane.router.protocol import (
 )
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.shared_gate import Gate, LocalGate
-from kernel.tokenizer import Tokenizer, chat_tokens
+from common.tokenizer import Tokenizer, chat_tokens
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from control_plane.router.keys import Denied, KeyGate, RouterKey, concurrency_denied, rate_denied
-from kernel.tasks import cancel_and_wait
+from common.tasks import cancel_and_wait
 
 if TYPE_CHECKING:  # redis is imported where a gate is made: every router imports this module
     import redis.asyncio as aioredis

@@ -29,10 +29,10 @@ from control_plane.index.errors import IndexRejected
 from control_plane.router.health import HealthThresholds, RouterHealth, assess
 from control_plane.router.view import EndpointAllowlist, RouterView, rejected_poison
 from control_plane.streaming import FoldProcessor
-from kernel.log.fold import Poisoned, RecordFold
-from kernel.log.reader import LogRecord, RecordBatch
-from kernel.log.snapshots import SnapshotStore
-from kernel.settings import BusSettings
+from common.log.fold import Poisoned, RecordFold
+from common.log.reader import LogRecord, RecordBatch
+from common.log.snapshots import SnapshotStore
+from common.settings import BusSettings
 
 log = logging.getLogger(__name__)
 

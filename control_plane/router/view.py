@@ -10,7 +10,7 @@ index is told the producer as ``"<producer>@<topic>:<partition>"``; its dedupe, 
 logic then works per ordered substream.
 
 The index is a :class:`~control_plane.router.ports.KvIndex`: the native one unless
-``SWITCHYARD_INDEX=reference`` (see :mod:`control_plane.index.select`). ``apply_record`` offers
+``SWITCHYARD_INDEX=reference`` (see :mod:`control_plane.index.implementation`). ``apply_record`` offers
 a record's bytes to the index first: the native index decodes KV envelopes itself, the
 reference takes none; what it does not take goes through the codec and ``apply``.
 """
@@ -26,11 +26,11 @@ import msgspec
 
 from control_plane.index.errors import IndexRejected
 from control_plane.index.shapes import ApplyOutcome, Match, WorkerRank
-from control_plane.index.select import new_index, restore_index
+from control_plane.index.implementation import new_index, restore_index
 from control_plane.router.ports import KvIndex
 from control_plane.router.decision import WorkerLoad, WorkerOverlap
-from kernel.fleet import Fleet, Lifecycle
-from kernel.log.fold import Poisoned
+from common.fleet import Fleet, Lifecycle
+from common.log.fold import Poisoned
 from schemas.envelope import Envelope, EventCodec
 from schemas.events import (
     Event,
@@ -42,7 +42,7 @@ from schemas.events import (
 from schemas.types import WorkerId
 
 if TYPE_CHECKING:
-    from kernel.log.reader import RecordBatch
+    from common.log.reader import RecordBatch
 
 SNAPSHOT_FORMAT = 1
 
@@ -88,7 +88,7 @@ class _Snapshot(msgspec.Struct, kw_only=True):
     #: [topic, partition, timestamp ms of the last applied record]
     last_ts_ms: list[tuple[str, int, int]]
     applied: int
-    #: Each worker's lifecycle (kernel/fleet.py); absent in snapshots written before it.
+    #: Each worker's lifecycle (common/fleet.py); absent in snapshots written before it.
     lifecycles: dict[str, Lifecycle] = {}
 
 
@@ -154,7 +154,7 @@ class RouterView:
         self.allowlist = allowlist or EndpointAllowlist()
         self.workers: dict[str, WorkerState] = {}
         #: What the log said of each worker's incarnations: which registration is new, which
-        #: incarnation is gone (kernel/fleet.py, the one fold every view shares).
+        #: incarnation is gone (common/fleet.py, the one fold every view shares).
         self.fleet = Fleet()
         self.positions: dict[tuple[str, int], int] = {}
         self.last_ts_ms: dict[tuple[str, int], int] = {}

@@ -29,12 +29,12 @@ from control_plane.router.shared_gate import SharedKeyGate
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from control_plane.streaming import StreamFollower, import_faust
-from kernel.hashing import HashAlgo, HashConfig
-from kernel.http_server import ConnectionLimits, serve
-from kernel.log.kafka import EventProducer
-from kernel.log.reader import read_events
-from kernel.settings import BusSettings, worker_credential
-from kernel.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
+from common.hashing import HashAlgo, HashConfig
+from common.http_server import ConnectionLimits, serve
+from common.log.kafka import EventProducer
+from common.log.reader import read_events
+from common.settings import BusSettings, worker_credential
+from common.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 from schemas.events import RouterConfigChanged
 
 if TYPE_CHECKING:
@@ -93,10 +93,10 @@ class RouterSettings:
     #: longest a replica killed with -9 keeps its slots.
     key_slot_lease_s: float = 10.0
     #: The bearer every call to a worker carries (the cluster's worker credential, a stack
-    #: secret: ``kernel.settings.worker_credential``); None: read it from the secrets dir.
+    #: secret: ``common.settings.worker_credential``); None: read it from the secrets dir.
     worker_credential: str | None = field(default=None, repr=False)
     #: Connections served at once, and how long one may take to send a request's headers
-    #: (kernel/http_server.py); a body's own bound is ``limits.body_timeout_s``.
+    #: (common/http_server.py); a body's own bound is ``limits.body_timeout_s``.
     connections: ConnectionLimits = ConnectionLimits()
     #: ``linger.ms`` of this replica's event producer: how long a request's events wait to share
     #: a produce request with its next events and other requests'. No routing decision waits

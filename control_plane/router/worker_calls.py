@@ -9,7 +9,7 @@ the router's failure code (``connect_timeout``, ``worker_unreachable``, ``timeou
 driver's errors into these, so the router classifies failures once, whatever the transport.
 
 :class:`HttpWorkerCalls` is the real adapter: aiohttp (its C HTTP parser, keep-alive pool), the
-each worker's own bearer on every call (:func:`kernel.settings.worker_token`: derived from the
+each worker's own bearer on every call (:func:`common.settings.worker_token`: derived from the
 cluster's worker secret, which never leaves the router), aiohttp rather than httpx: about 5x
 less time per call (docs/benchmarks.md, "Measurements behind defaults").
 A connection returns to the pool only once its answer was read to the end, so an answer the
@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from kernel.settings import worker_token
+from common.settings import worker_token
 
 #: Seconds a worker has to end an answer the router stopped reading (after ``[DONE]``) before
 #: its connection is closed instead of reused.
@@ -75,7 +75,7 @@ class Reply(Protocol):
 class WorkerCalls(Protocol):
     def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AbstractAsyncContextManager[Reply]:
         """POST ``body`` (JSON) to worker ``worker_id`` at ``url`` with ``X-Request-Id`` (and the
-        worker's bearer, :func:`kernel.settings.worker_token`); the answer, until the block
+        worker's bearer, :func:`common.settings.worker_token`); the answer, until the block
         ends. Raises :class:`CallFailed` or :class:`Unsendable`."""
         ...
 

@@ -34,8 +34,8 @@ from data_plane.engines.core import EngineCore, EngineStats
 from data_plane.engines.errors import EngineError, RequestRejected
 from data_plane.engines.request import EngineRequest
 from data_plane.engines.scheduler import OnboardStats
-from kernel.log.sink import EventSink
-from kernel.tasks import cancel_and_wait
+from common.log.sink import EventSink
+from common.tasks import cancel_and_wait
 from schemas.types import RequestId
 
 logger = logging.getLogger(__name__)

@@ -119,7 +119,7 @@ class BlockPool:
     """The device tier of one worker: ``num_blocks`` blocks of ``block_size`` tokens.
 
     ``hash_algo`` is stamped on every ``BlockStored`` so the prefix index can refuse a producer
-    whose hashes would never match its own (see :class:`kernel.hashing.HashConfig`).
+    whose hashes would never match its own (see :class:`common.hashing.HashConfig`).
     """
 
     def __init__(

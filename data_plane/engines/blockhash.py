@@ -1,4 +1,4 @@
-"""The engine's block hashing: :func:`kernel.hashing.hash_block_digests`, with a
+"""The engine's block hashing: :func:`common.hashing.hash_block_digests`, with a
 native fast path for vLLM's default algorithm. Same digests, bit for bit.
 
 For ``HashAlgo.SHA256`` without extra keys a block's digest is
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from kernel.hashing import HashAlgo, HashConfig, hash_block_digests
+from common.hashing import HashAlgo, HashConfig, hash_block_digests
 
 try:  # the native crate is a project dependency; a stale build without it still works
     from switchyard_native import MooncakeHasher as _NativeMooncakeHasher
@@ -101,7 +101,7 @@ class DigestChain(Sequence[bytes]):
 
 
 def wire_hashes(digests: Sequence[bytes]) -> list[int]:
-    """:func:`kernel.hashing.to_wire` of each digest."""
+    """:func:`common.hashing.to_wire` of each digest."""
     from_bytes = int.from_bytes
     return [from_bytes(d[-8:], "big") for d in digests]
 

@@ -43,8 +43,8 @@ from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.records import RequestRecord
 from data_plane.engines.request import EngineRequest
 from data_plane.engines.tiers import OnboardCosts, VirtualTiers
-from data_plane.kvbm.admission import AdmissionConfig
-from kernel.hashing import HashConfig
+from data_plane.kvbm.offload_filter import AdmissionConfig
+from common.hashing import HashConfig
 from schemas.events import KvEvent
 from schemas.types import RequestId, Tier, WorkerId, WorkerRole
 

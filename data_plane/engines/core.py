@@ -25,7 +25,7 @@ from data_plane.engines.request import EngineRequest, Status
 from data_plane.engines.scheduler import OnboardStats, ScheduledStep, Scheduler, TokenOutput
 from data_plane.engines.tiers import LowerTiers, OnboardCosts, costs_for
 from data_plane.engines.timing import StepShape, decode_run_starts
-from kernel.hashing import HashAlgo, HashConfig
+from common.hashing import HashAlgo, HashConfig
 from schemas.events import KvEvent
 from schemas.types import RequestId, WorkerId, WorkerRole
 

@@ -17,9 +17,9 @@ from data_plane.engines.profiles import HardwareProfile, load_profile
 from data_plane.engines.records import SimulationResult
 from data_plane.engines.request import EngineRequest
 from data_plane.engines.tiers import OnboardCosts
-from data_plane.kvbm.admission import AdmissionConfig
-from kernel.hashing import HashConfig
-from kernel.log.sink import EventSink
+from data_plane.kvbm.offload_filter import AdmissionConfig
+from common.hashing import HashConfig
+from common.log.sink import EventSink
 from schemas.events import KvEvent
 from schemas.types import Tier, WorkerId, WorkerRole
 

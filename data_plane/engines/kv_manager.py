@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from data_plane.engines.block_pool import BlockPool, KVCacheBlock
 from data_plane.engines.blockhash import block_digests, generated_digests
 from data_plane.engines.request import RequestState
-from kernel.hashing import HashConfig
+from common.hashing import HashConfig
 from schemas.types import Tier
 
 

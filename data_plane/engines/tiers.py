@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from data_plane.engines.timing import StepShape, TimingModel
-from data_plane.kvbm.admission import AdmissionConfig, AdmissionFilter
+from data_plane.kvbm.offload_filter import AdmissionConfig, AdmissionFilter
 from data_plane.kvbm.residency import MANAGED_TIERS, Admission, OpKind, Refusal, Residency
 from schemas.events import BlockMoved, BlockRemoved, BlockStored, KvEvent
 from schemas.types import TIER_ORDER, BlockHash, Tier, WorkerId
@@ -273,7 +273,7 @@ class VirtualTiers:
     * a full tier's least recently used block cascades one tier down, unless a lower tier already
       holds it (then the copy is dropped), there is no lower tier (gone), or the lower tier's
       admission filter refuses it (gone, counted in ``admission_refused``): the KVBM's own
-      :class:`~data_plane.kvbm.admission.AdmissionFilter`, fed the same uses (every device
+      :class:`~data_plane.kvbm.offload_filter.AdmissionFilter`, fed the same uses (every device
       eviction, every block loaded), when ``admission`` is given;
     * making room never evicts the block being placed (not even its copy in a lower tier), nor,
       during a load, any other block of the prefix being loaded: a load that cannot make room in

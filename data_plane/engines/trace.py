@@ -44,7 +44,7 @@ from data_plane.engines.blockhash import (
 from data_plane.engines.errors import TraceFormatError
 from data_plane.engines.gcpause import paused_gc
 from data_plane.engines.request import DEFAULT_VOCAB_SIZE, EngineRequest, mix64, mix64_array
-from kernel.hashing import HashConfig, hash_block_digests
+from common.hashing import HashConfig, hash_block_digests
 from schemas.types import RequestId
 
 try:  # the native crate is a project dependency; a stale build without it still works

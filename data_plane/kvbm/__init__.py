@@ -9,7 +9,7 @@ below the engine's G1 device pool, in the spirit of NVIDIA Dynamo's KVBM.
 * Blocking API (thread-safe); :class:`AsyncKvbm` for asyncio callers.
 """
 
-from data_plane.kvbm.admission import ADMIT_ALL, AdmissionConfig, AdmissionFilter
+from data_plane.kvbm.offload_filter import ADMIT_ALL, AdmissionConfig, AdmissionFilter
 from data_plane.kvbm.aio import AsyncKvbm
 from data_plane.kvbm.bootstrap import build_kvbm
 from data_plane.kvbm.content import expected_bytes, verify

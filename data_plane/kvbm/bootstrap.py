@@ -9,7 +9,7 @@ from data_plane.kvbm.settings import KvbmSettings
 from data_plane.kvbm.stores.base import BlockStore
 from data_plane.kvbm.stores.disk import DiskStore
 from data_plane.kvbm.stores.host import HostStore
-from kernel.log.sink import EventSink
+from common.log.sink import EventSink
 from schemas.types import Tier
 
 

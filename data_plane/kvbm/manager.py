@@ -52,7 +52,7 @@ from data_plane.kvbm.results import OnboardedBlock, OnboardResult, RebuildReport
 from data_plane.kvbm.settings import KvbmSettings
 from data_plane.kvbm.stores.base import BlockStore, Buffer
 from data_plane.kvbm.stores.host import HostStore
-from kernel.log.sink import EventSink
+from common.log.sink import EventSink
 from schemas.types import PERSISTENT_TIERS, TIER_ORDER, BlockHash, Tier
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from data_plane.kvbm.admission import AdmissionConfig, AdmissionFilter
+from data_plane.kvbm.offload_filter import AdmissionConfig, AdmissionFilter
 from data_plane.kvbm.errors import CapacityExceeded, KvbmConfigError
 from data_plane.kvbm.policy import EvictionPolicy, make_policy
 from schemas.types import TIER_ORDER, BlockHash, Tier

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_plane.kvbm.admission import AdmissionConfig
+from data_plane.kvbm.offload_filter import AdmissionConfig
 from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import KvbmConfigError
 from data_plane.kvbm.policy import POLICIES

@@ -52,7 +52,7 @@ from data_plane.vllm.kv_events import (
     VllmSource,
     decode_batch,
 )
-from kernel.log.sink import EventSink
+from common.log.sink import EventSink
 
 logger = logging.getLogger(__name__)
 

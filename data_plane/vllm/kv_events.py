@@ -343,7 +343,7 @@ class VllmSource:
     #: Our id of the worker running this engine; the key of every event.
     worker_id: WorkerId
     #: The engine's prefix-hash algorithm in our wire form
-    #: (``kernel.hashing.HashConfig.hash_algo``, e.g. ``"sha256"``). vLLM's events
+    #: (``common.hashing.HashConfig.hash_algo``, e.g. ``"sha256"``). vLLM's events
     #: do not say it, so it must come from how the engine was started.
     hash_algo: str
     #: The engine's ``--block-size``. vLLM's stores carry their own block size; this is used

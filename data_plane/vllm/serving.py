@@ -58,10 +58,10 @@ from data_plane.vllm.bridge import BridgeSettings, KvEventBridge
 from data_plane.vllm.engine import require_vllm
 from data_plane.vllm.kv_events import VllmSource
 from data_plane.vllm.tier_server import SharedRegion, TierServer, TierService
-from kernel.hashing import HashConfig, hash_blocks
-from kernel.log.sink import EventSink
-from kernel.net import free_port
-from kernel.processes import remove_dead_owned
+from common.hashing import HashConfig, hash_blocks
+from common.log.sink import EventSink
+from common.net import free_port
+from common.processes import remove_dead_owned
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from schemas.types import Tier, WorkerId
 

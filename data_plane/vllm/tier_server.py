@@ -43,7 +43,7 @@ import numpy as np
 
 from data_plane.kvbm.manager import KvBlockManager
 from data_plane.vllm import tier_protocol as proto
-from kernel.log.sink import EventSink
+from common.log.sink import EventSink
 from schemas.events import KvTransferFailed
 from schemas.types import BlockHash, Tier
 

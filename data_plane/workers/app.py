@@ -20,13 +20,13 @@ Contract (what the router relies on):
   (Prometheus, vLLM names), ``GET /kv/metadata`` (this worker's NIXL ``EndpointMetadata``
   bytes), ``GET /debug/state`` (what the worker holds; for tests and operators).
 * Every route but ``/health`` and ``/metrics`` (liveness and Prometheus's scrape, read-only)
-  requires this worker's bearer (``Authorization: Bearer <token>``, :func:`kernel.settings.worker_token`:
+  requires this worker's bearer (``Authorization: Bearer <token>``, :func:`common.settings.worker_token`:
   an HMAC of the cluster's worker secret with this worker's id); without it they answer 401.
   The routers send it on every call, and a peer worker sends it on its lookups and fetches.
   ``--open-generation`` (benchmarks only) opens ``/v1/completions`` and ``/v1/models`` to a
   third-party router that cannot send it.
 * ``/v1/completions`` enforces the router's bounds on one request
-  (:class:`kernel.request_limits.RequestLimits`: body bytes, 413; ``max_tokens``, token ids,
+  (:class:`common.request_limits.RequestLimits`: body bytes, 413; ``max_tokens``, token ids,
   context, 400), so a caller that reaches the worker directly gets no more than through the
   router; a client that disconnects stops its generation, streamed or not.
 """
@@ -53,8 +53,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from data_plane.workers.peer_fetch import PeerHoldRequest
 from data_plane.workers.run import CompletionInput, Run, WorkerError
 from data_plane.workers.service import Worker
-from kernel.request_limits import OutOfBounds, RequestLimits, check_generation
-from kernel.tokenizer import HashTokenizer, Tokenizer
+from common.request_limits import OutOfBounds, RequestLimits, check_generation
+from common.tokenizer import HashTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ WorkerDep = Annotated[Worker, Depends(get_worker)]
 TokenizerDep = Annotated[Tokenizer, Depends(get_tokenizer)]
 
 _credential_scheme = HTTPBearer(auto_error=False, scheme_name="WorkerCredential",
-                                description="This worker's bearer (kernel.settings.worker_token).")
+                                description="This worker's bearer (common.settings.worker_token).")
 
 
 class CredentialRequired(Exception):
@@ -203,7 +203,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
     """``credential``: the bearer the routes require, this worker's token (never empty: an empty
     one would let every caller in); ``limits``: the bounds on one request (the router's)."""
     if not credential:
-        raise ValueError("the worker's routes need a credential (kernel.settings.worker_token)")
+        raise ValueError("the worker's routes need a credential (common.settings.worker_token)")
     app = FastAPI(title=f"Switchyard worker {worker.worker_id}", docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.state.tokenizer = tokenizer or HashTokenizer()
@@ -230,7 +230,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
     @app.exception_handler(CredentialRequired)
     async def _no_credential(_request: Request, exc: CredentialRequired) -> JSONResponse:
         return JSONResponse(error_body("this endpoint needs this worker's bearer "
-                                       "(Authorization: Bearer <kernel.settings.worker_token(secret, worker id)>)",
+                                       "(Authorization: Bearer <common.settings.worker_token(secret, worker id)>)",
                                        "authentication_error", 401), 401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(WorkerError)

@@ -1,7 +1,7 @@
 """A worker's own past, read back from the log at start-up.
 
 The ``kv`` and ``workers`` topics are keyed by worker id, and producers place a key on partition
-``xxh64(key) % partitions`` (:class:`kernel.log.kafka.EventProducer`), so one worker's
+``xxh64(key) % partitions`` (:class:`common.log.kafka.EventProducer`), so one worker's
 whole history sits in one partition of each topic. Reading those two partitions, keeping only
 records with this worker's key, gives:
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader, ScanStats, scan_events
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader, ScanStats, scan_events
 from schemas.events import Event
 
 log = logging.getLogger(__name__)

@@ -19,10 +19,10 @@ from collections.abc import Callable
 import httpx
 
 from data_plane.transfer import EndpointMetadata, InvalidTransfer, PeerLost
-from kernel.fleet import GONE, Change, Fleet
-from kernel.log.catalog import Catalog
-from kernel.log.principals import group_id
-from kernel.settings import worker_token
+from common.fleet import GONE, Change, Fleet
+from common.log.catalog import Catalog
+from common.log.principals import group_id
+from common.settings import worker_token
 from schemas import EventCodec, SchemaError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class PeerDirectory:
         self.skipped = 0
 
     def headers(self, worker_id: str) -> dict[str, str]:
-        """What a call to peer ``worker_id`` carries: its bearer (kernel.settings.worker_token)."""
+        """What a call to peer ``worker_id`` carries: its bearer (common.settings.worker_token)."""
         return {"Authorization": f"Bearer {worker_token(self._secret, worker_id)}"} if self._secret else {}
 
     # -- queries (any thread) ------------------------------------------------------------------
@@ -104,7 +104,7 @@ class PeerDirectory:
             self._forgotten(old)
 
     def apply(self, ch: Change) -> None:
-        """Follow one lifecycle change of the fleet (kernel/fleet.py): an admitted registration's
+        """Follow one lifecycle change of the fleet (common/fleet.py): an admitted registration's
         agent is remembered unless the log already says it is gone; a gone incarnation's agent is
         forgotten. Raises :class:`InvalidTransfer` for a registration's bad transfer info."""
         reg = ch.registration
@@ -147,7 +147,7 @@ class PeerDirectory:
         fleet = Fleet()
         topic = Catalog(bus.topic_prefix).topic("workers")
         codec = EventCodec(verifier=bus.verifier())  # a forged registration is skipped
-        # Under the worker role's own group prefix (kernel/log/principals.py).
+        # Under the worker role's own group prefix (common/log/principals.py).
         c = Consumer({**bus.client_conf(), "group.id": group_id(bus.topic_prefix, bus.username, f"peers.{uuid.uuid4().hex}"),
                       "enable.auto.commit": False, "fetch.wait.max.ms": 500,
                       "logger": logging.getLogger("switchyard.rdkafka")})
@@ -165,7 +165,7 @@ class PeerDirectory:
                     if kind not in _WANTED:
                         continue
                     try:
-                        # kernel/fleet.py: a copy of a registration, or one of an
+                        # common/fleet.py: a copy of a registration, or one of an
                         # incarnation the log says is gone, never brings its agent back.
                         ch = fleet.fold(codec.decode(m.value()))
                         if ch is not None:

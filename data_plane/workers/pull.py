@@ -20,7 +20,7 @@ from data_plane.workers.metrics import WorkerMetrics
 from data_plane.workers.peers import PeerDirectory
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import TransferPlane
-from kernel.hashing import HashConfig, hash_blocks
+from common.hashing import HashConfig, hash_blocks
 from schemas.events import Event, KvTransferCompleted, KvTransferFailed, KvTransferStarted
 
 log = logging.getLogger(__name__)

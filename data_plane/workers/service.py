@@ -51,7 +51,7 @@ from data_plane.workers.run import Aborted, BadRequest, CompletionInput, Run, To
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.staging import StagingHolds
 from data_plane.workers.transfer import NotificationPoller, TransferPlane
-from kernel.hashing import HashConfig, hash_blocks
+from common.hashing import HashConfig, hash_blocks
 from schemas.events import (
     AllBlocksCleared,
     Event,

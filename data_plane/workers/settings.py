@@ -1,7 +1,7 @@
 """Typed settings of one worker process, built once at start-up from the command line.
 
 Nothing here reads the environment or touches I/O; the bus settings (Kafka, topic prefix) come
-from :class:`kernel.settings.BusSettings` as for every other process. Validators explain
+from :class:`common.settings.BusSettings` as for every other process. Validators explain
 the design when a combination cannot work.
 """
 
@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data_plane.kvbm import AdmissionConfig, KvbmSettings, S3Settings
-from data_plane.kvbm.admission import MAX_MIN_USES
+from data_plane.kvbm.offload_filter import MAX_MIN_USES
 from data_plane.vllm.serving import VllmEngineSettings
-from kernel.request_limits import RequestLimits
+from common.request_limits import RequestLimits
 from schemas.types import MAX_WORKER_ID_LEN, PoolName, Tier, WorkerId, WorkerRole
 
 #: Object-tier quota when a bucket is given without one.

@@ -43,9 +43,9 @@ from data_plane.workers.peers import PeerDirectory
 from data_plane.workers.service import Worker
 from data_plane.workers.settings import WorkerSettings
 from data_plane.workers.transfer import TransferPlane
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings, worker_credential, worker_token
-from kernel.tokenizer import HashTokenizer
+from common.log.kafka import EventProducer
+from common.settings import BusSettings, worker_credential, worker_token
+from common.tokenizer import HashTokenizer
 from schemas.events import AllBlocksCleared, BlockStored, WorkerRegistered
 from schemas.types import Tier, WorkerRole
 
@@ -205,7 +205,7 @@ async def _main(s: WorkerSettings, bus: BusSettings) -> int:
     # lazy: start-up time: loads fastapi, pydantic only when called
     from data_plane.workers.app import create_app
     # lazy: start-up time: loads uvicorn only when called
-    from kernel.http_server import server_config
+    from common.http_server import server_config
 
     class _Server(uvicorn.Server):
         # The worker owns SIGTERM/SIGINT: it drains first (503 on /health while in-flight

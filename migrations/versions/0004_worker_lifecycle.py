@@ -1,4 +1,4 @@
-"""workers: the lifecycle each row folds by (kernel/fleet.py): registered, draining, ended epochs
+"""workers: the lifecycle each row folds by (common/fleet.py): registered, draining, ended epochs
 
 Rows written before it are read as their one incarnation in its state (as the router view
 reads a snapshot written before lifecycles were kept).

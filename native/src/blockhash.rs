@@ -1,7 +1,7 @@
 //! vLLM's default prefix-caching block hash (`sha256(pickle.dumps((parent, tokens, None), 5))`),
 //! natively, for the simulated engine's hot paths (trace replay hashes ~1.4M blocks).
 //!
-//! Bit-compatible with `kernel/hashing.py` for `HashAlgo.SHA256` without extra
+//! Bit-compatible with `common/hashing.py` for `HashAlgo.SHA256` without extra
 //! keys: [`pickle_block`] writes exactly the bytes CPython's pickler writes for that tuple
 //! (protocol 5, one frame), and [`sha256`] is FIPS 180-4 (SHA-NI when the CPU has it, portable
 //! otherwise). The Python tests compare both against `pickle` + `hashlib` on random blocks.
@@ -323,7 +323,7 @@ pub fn chain_digests(parent: &[u8; 32], tokens: &[i64], block_size: usize) -> Op
     Some(out)
 }
 
-/// A digest's wire form (`kernel/hashing.py::to_wire`): its last 8 bytes, big-endian.
+/// A digest's wire form (`common/hashing.py::to_wire`): its last 8 bytes, big-endian.
 #[inline]
 pub fn wire(d: &[u8; 32]) -> u64 {
     u64::from_be_bytes(d[24..].try_into().unwrap())

@@ -9,7 +9,7 @@
 //! * [`inflight`]: the router's in-flight accounts per worker, as `control_plane/router/ledger.py`;
 //! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
-//! * [`tokenize`]: the hash tokenizer of string prompts, as `kernel/tokenizer.py`.
+//! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`.
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
 //! the PyO3 bindings maturin builds into the `switchyard_native` extension module.

@@ -1,5 +1,5 @@
 //! The hash tokenizer of string prompts, natively: `HashTokenizer.encode` of
-//! `kernel/tokenizer.py`, id for id.
+//! `common/tokenizer.py`, id for id.
 //!
 //! The Python specification splits text with `re.findall(r"\w+|[^\w\s]", text)` (a run of word
 //! characters, or one character that is neither a word character nor a space; spaces separate)
@@ -172,7 +172,7 @@ pub fn hash_tokenize_json(
 
 #[cfg(feature = "python")]
 pub(crate) mod py {
-    //! `hash_tokenize` and `hash_tokenize_json` for `kernel/tokenizer.py`.
+    //! `hash_tokenize` and `hash_tokenize_json` for `common/tokenizer.py`.
 
     use pyo3::exceptions::PyValueError;
     use pyo3::prelude::*;

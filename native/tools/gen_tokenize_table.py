@@ -1,5 +1,5 @@
 """Writes ``native/src/tokenize_table.rs``: the character classes of the hash tokenizer's
-pattern (``kernel/tokenizer.py``: ``\\w+|[^\\w\\s]``) for every code point, as CPython's ``re``
+pattern (``common/tokenizer.py``: ``\\w+|[^\\w\\s]``) for every code point, as CPython's ``re``
 decides them, so the native tokenizer splits text exactly as the Python one does.
 
 CPython's ``re`` on ``str``: ``\\w`` is ``ch.isalnum() or ch == "_"``, ``\\s`` is

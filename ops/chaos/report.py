@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ops.chaos.load import Sent
 from ops.chaos.plan import BROKER_FAULTS, Plan
-from kernel.log.ledger import LedgerCheck
+from common.log.acks import LedgerCheck
 from schemas import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
 

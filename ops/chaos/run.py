@@ -36,9 +36,9 @@ from ops.chaos.report import ChaosReport, FaultRecord, ViewCheck, build_report, 
 from ops.chaos.system import ChaosSystem, Proc, SystemSettings, Topology, wait
 from control_plane.replay.oracle import oracle_view, parse_positions
 from ops.stack.process import StackError
-from kernel.log.kafka import Ack, EventProducer
-from kernel.log.ledger import check_acks, load_ledger
-from kernel.log.reader import KafkaLogReader, read_events
+from common.log.kafka import Ack, EventProducer
+from common.log.acks import check_acks, load_ledger
+from common.log.reader import KafkaLogReader, read_events
 from schemas.events import AdminAction
 
 log = logging.getLogger(__name__)

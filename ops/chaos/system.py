@@ -35,10 +35,10 @@ from control_plane.router.admission import AdmissionConfig
 from control_plane.settings import StackSettings
 from ops.stack.kafka import KafkaNode, KafkaService
 from ops.stack.redis import RedisService
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.net import free_port
-from kernel.settings import BusSettings, repo_root
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.net import free_port
+from common.settings import BusSettings, repo_root
 
 log = logging.getLogger(__name__)
 

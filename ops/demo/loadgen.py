@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from data_plane.engines.trace import MooncakeTrace, TraceRecord, read_mooncake
-from kernel.hashing import HashAlgo, HashConfig
+from common.hashing import HashAlgo, HashConfig
 from workloads.stats import ideal_hit_rate
 
 
@@ -78,7 +78,7 @@ def word_prompt(ids: Sequence[int]) -> str:
     """Token ids as a string prompt, one word per id (``w<id>``): what a router that only takes
     text (the peer routers of ``switchyard bench peers``) can carry. Every tokenizer that splits
     on words keeps one token per word, so shared id prefixes stay shared token prefixes: our
-    :class:`~kernel.tokenizer.HashTokenizer` maps each word to one id, and a WordLevel tokenizer
+    :class:`~common.tokenizer.HashTokenizer` maps each word to one id, and a WordLevel tokenizer
     whose vocabulary is ``w0 .. w<vocab-1>`` maps it back to the same id."""
     return " ".join(f"w{i}" for i in ids)
 

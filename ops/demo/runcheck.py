@@ -28,8 +28,8 @@ from control_plane.router import RouterConfig
 from control_plane.simulation import Topology, run_cluster
 from data_plane.engines import default_hash_config, load_profile
 from data_plane.engines.trace import MooncakeTrace, read_mooncake
-from kernel.log.reader import read_events
-from kernel.settings import BusSettings
+from common.log.reader import read_events
+from common.settings import BusSettings
 
 #: When observed TTFT p50 exceeds the prediction by this factor, the summary says where the
 #: time went instead of printing a gain.

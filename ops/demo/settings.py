@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel.settings import repo_root
+from common.settings import repo_root
 
 #: The workload shipped in the repository: the first 1,000 lines of the Mooncake conversation
 #: trace (Apache-2.0; see traces/README.md), so a plain clone runs the demo.

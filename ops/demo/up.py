@@ -32,11 +32,11 @@ from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE, DemoSettin
 from control_plane.settings import StackSettings
 from ops.stack import Stack
 from ops.stack.process import descendants, port_in_use, processes_mentioning, read_pid, terminate
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader
-from kernel.net import free_port
-from kernel.processes import alive
-from kernel.settings import BusSettings, write_private
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader
+from common.net import free_port
+from common.processes import alive
+from common.settings import BusSettings, write_private
 
 
 #: The object tier of the demo's simulated workers: the bucket in the stack's SeaweedFS (made by
@@ -154,7 +154,7 @@ def workload_trace(family: str, seed: int, limit: int, state_dir: Path) -> Path:
 
 def run_demo(d: DemoSettings, stack_settings: StackSettings, echo=print) -> dict:
     # lazy: start-up time: loads confluent_kafka only when called
-    from kernel.log.admin import apply_topics
+    from common.log.admin import apply_topics
 
     t0 = time.monotonic()
     stack = Stack(stack_settings)

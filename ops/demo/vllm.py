@@ -21,7 +21,7 @@ from ops.demo.loadgen import _one, _pct
 from workloads.stats import ideal_hit_rate
 from ops.demo.trace_tokens import prompt_of
 from data_plane.engines.trace import read_mooncake
-from kernel.settings import repo_root
+from common.settings import repo_root
 
 ROOT = repo_root()
 BLOCK = 32

@@ -56,7 +56,7 @@ import httpx
 
 from control_plane.admin.client import AdminClient, ClientError
 from control_plane.settings import S3_ACCESS_KEY
-from kernel.settings import kafka_conf
+from common.settings import kafka_conf
 from ops.demo.up import Supervisor, demo_secret, system_pids
 from ops.security import probes_bus, probes_http
 from ops.security.probe import ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
@@ -129,7 +129,7 @@ def probe_router(url: str, key: str | None = None) -> list[Probe]:
 
 def probe_router_connections(url: str, timeout_s: float = 20.0) -> list[Probe]:
     """Two connections that would hold a socket forever without the server's header deadline
-    (kernel/http_server.py), run side by side: one that sends nothing, and one that sends its
+    (common/http_server.py), run side by side: one that sends nothing, and one that sends its
     request headers a byte every 100 ms (slowloris). Refused means the router closed each within
     ``timeout_s`` (its deadline is 10 s by default); afterwards it must still serve ``/health``."""
     import socket

@@ -5,7 +5,7 @@ process could:
 * **consumer groups**: each role's credential joins the consumer groups of the running views it
   does not own (the router's view, the planner's load view, the metrics processor), under the
   assignor name Faust uses. Refused: the broker answers GROUP_AUTHORIZATION_FAILED
-  (kernel/log/principals.py). A group the probe finds none of is probed by its prefix, with a
+  (common/log/principals.py). A group the probe finds none of is probed by its prefix, with a
   group id of its own under that prefix.
 * **a foreign member of the same role**: with the router's own credential (the only one the
   broker lets into a router view's group), the attack of issue 36 on the live router view's
@@ -15,7 +15,7 @@ process could:
   EXACT again (``control_plane/streaming.py``).
 * **replayed registration**: with the worker credential, a signed ``WorkerRegistered`` of a
   worker the log says is gone is copied, byte for byte, to another partition of ``workers``.
-  Refused: the router's ``/health`` never counts that worker again (kernel/fleet.py). The
+  Refused: the router's ``/health`` never counts that worker again (common/fleet.py). The
   probe registers, and deregisters, a worker of its own first (its endpoint is a closed port),
   so no real worker is touched.
 * **forged requests**: with the worker credential, request events as producer ``demo-router``
@@ -25,7 +25,7 @@ process could:
 * **reads beyond a role's streams**: a worker's credential reading the admin stream (router
   keys' ids, pins), the planner's decisions and every request; a router's the dead letters and
   the planner's decisions; the planner's the KV index. Refused: TOPIC_AUTHORIZATION_FAILED
-  (``Role.reads``, kernel/log/principals.py), through the reader the components' restores use.
+  (``Role.reads``, common/log/principals.py), through the reader the components' restores use.
 * **forged snapshots**: with the processor's credential (which may write ``snapshots``, for its
   own projection), a router view's snapshot: unsigned, and signed with the processor's own
   key. Refused: the restore every router runs at start (``SnapshotStore.load_latest``)
@@ -39,13 +39,13 @@ from __future__ import annotations
 import time
 import uuid
 
-from kernel.errors import LogReadError
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
-from kernel.log.principals import group_id
-from kernel.log.reader import KafkaLogReader
-from kernel.log.snapshots import SnapshotStore
-from kernel.settings import BusSettings
+from common.errors import LogReadError
+from common.log.catalog import Catalog
+from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
+from common.log.principals import group_id
+from common.log.reader import KafkaLogReader
+from common.log.snapshots import SnapshotStore
+from common.settings import BusSettings
 from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
 from schemas import EventCodec
 from schemas.envelope import EnvelopeFactory
@@ -315,7 +315,7 @@ def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
     return [Probe("kafka", attack, verdict, detail)]
 
 
-#: (role, stream) reads outside the role's :attr:`~kernel.log.principals.Role.reads`.
+#: (role, stream) reads outside the role's :attr:`~common.log.principals.Role.reads`.
 FOREIGN_READS = (("worker", "admin"), ("worker", "planner"), ("worker", "requests"), ("router", "deadletter"),
                  ("router", "planner"), ("planner", "kv"))
 

@@ -41,9 +41,9 @@ import httpx
 
 from control_plane.replay.cli import replay_app
 from control_plane.settings import StackSettings
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
-from kernel.settings import BusSettings, worker_credential, worker_token
+from common.log.catalog import Catalog
+from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+from common.settings import BusSettings, worker_credential, worker_token
 from ops.demo.up import Supervisor
 from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
 from ops.security.probes_bus import probe_forged_events

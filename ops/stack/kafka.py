@@ -13,7 +13,7 @@
   session after its own election (measured under a CPU hog, 6 kills of the leader: 3.6-4.4 s
   to the first acknowledged produce when it was also the active controller, 2.7-3.0 s when it
   was not). Every topic, the internal ones included, gets min(3, N) replicas and
-  ``min.insync.replicas`` 2 when that is 3 (:func:`kernel.log.catalog.replication_for`): an
+  ``min.insync.replicas`` 2 when that is 3 (:func:`common.log.catalog.replication_for`): an
   ``acks=all`` write is on two brokers before it is acknowledged, so losing any one broker
   loses no acknowledged write. A dead broker is fenced, and its partitions led elsewhere,
   within ``broker.session.timeout.ms`` (:data:`BROKER_SESSION_TIMEOUT_MS`, 1.5 s here rather
@@ -53,13 +53,13 @@ from ops.stack.process import (
     wait_until,
 )
 from ops.stack.tls import ensure_kafka_tls
-from kernel.log.catalog import replication_for
-from kernel.settings import BusSettings, repo_root
+from common.log.catalog import replication_for
+from common.settings import BusSettings, repo_root
 
 log = logging.getLogger(__name__)
 
 KAFKA_MAIN = "kafka.Kafka"
-#: The SCRAM user every client of the stack authenticates as (kernel.settings.BusSettings).
+#: The SCRAM user every client of the stack authenticates as (common.settings.BusSettings).
 KAFKA_USER = "switchyard"
 #: Written into a node's data dir once it is formatted with that user's credential.
 AUTH_MARKER = "switchyard-auth"
@@ -198,7 +198,7 @@ class KafkaNode:
                 # timeout, then the election timeout) but fences nobody. Defaults 9 s + 2 s + 1 s;
                 # here 1.5 s + 0.75 s + 0.5 s, with heartbeats every 250 ms (six chances for a
                 # busy JVM before a false fence, which only moves leaders: clients ride it out).
-                # Measured with a producer's socket timeout of 2 s (kernel/log/kafka.py) on
+                # Measured with a producer's socket timeout of 2 s (common/log/kafka.py) on
                 # combined nodes: the first acknowledged produce after a leader's kill -9 came
                 # 2.4-3.3 s later, after a SIGSTOP 3.1-4.8 s later (4 runs each; 2 s + 1 s:
                 # 2.3-3.8 and 3.2-5.4 s).
@@ -224,7 +224,7 @@ class KafkaNode:
             f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{pw}";',
         ]
         return [
-            # Each component is its own principal, confined by ACLs (kernel/log/principals.py);
+            # Each component is its own principal, confined by ACLs (common/log/principals.py);
             # the stack's user is the super user: brokers, controllers, operator tools.
             "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             f"super.users=User:{user}",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel.processes import alive
+from common.processes import alive
 
 
 class StackError(RuntimeError):

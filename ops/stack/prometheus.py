@@ -22,7 +22,7 @@ from ops.stack.process import (
     start_daemon,
     terminate,
 )
-from kernel.settings import repo_root
+from common.settings import repo_root
 
 __all__ = ["PrometheusService", "render_config", "write_targets"]
 

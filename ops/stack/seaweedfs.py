@@ -44,7 +44,7 @@ from pathlib import Path
 from control_plane.settings import S3_ACCESS_KEY, StackSettings
 from ops.stack.process import StackError, live_pid, require_free_port, start_daemon, terminate
 from ops.stack.tls import GrpcTls, ensure_seaweedfs_tls
-from kernel.processes import alive
+from common.processes import alive
 
 #: The release whose flags this module uses (pinned in pyproject.toml).
 SEAWEEDFS_VERSION = "4.48"

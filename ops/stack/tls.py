@@ -2,7 +2,7 @@
 certificate; for SeaweedFS's gRPC, another CA and one certificate its components share.
 
 * ``kafka-ca.pem``: the CA's certificate, the one file a client needs (``ssl.ca.location``,
-  :meth:`kernel.settings.BusSettings.client_conf`); the brokers trust it for their own
+  :meth:`common.settings.BusSettings.client_conf`); the brokers trust it for their own
   inter-broker connections (a PEM truststore).
 * ``kafka-ca.key``: the CA's private key, kept only to sign a new broker certificate.
 * ``kafka-broker.p12``: the brokers' key and certificate (PKCS#12, encrypted with the stack
@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel.settings import kafka_ca_file, stack_secret
+from common.settings import kafka_ca_file, stack_secret
 
 CA_KEY = "kafka-ca.key"
 BROKER_STORE = "kafka-broker.p12"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 from tests.integration.test_router import Procs
 
 

@@ -20,12 +20,12 @@ from control_plane.admin.settings import AdminSettings
 from control_plane.admin.shapes import TokenCreate
 from control_plane.admin.wiring import build_admin, migrate
 from control_plane.replay.engine import ReplayEngine
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.log.reader import KafkaLogReader
-from kernel.settings import BusSettings
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.log.reader import KafkaLogReader
+from common.settings import BusSettings
 from schemas.events import (
     BlockStored,
     CandidateScore,

@@ -28,8 +28,8 @@ from control_plane.admin.services import SYSTEM, create_token, update_pool
 from control_plane.admin.settings import AdminSettings
 from control_plane.admin.shapes import PoolUpdate, TokenCreate
 from control_plane.admin.wiring import migrate
-from kernel.log.catalog import Catalog
-from kernel.net import free_port
+from common.log.catalog import Catalog
+from common.net import free_port
 from tests.support.db import postgres_database, sqlite_database
 
 pytestmark = pytest.mark.postgres

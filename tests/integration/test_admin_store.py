@@ -27,9 +27,9 @@ from control_plane.admin.db.models import (
 )
 from control_plane.admin.db.session import make_engine, session_factory
 from control_plane.admin.wiring import migrate
-from kernel.log.kafka import EventProducer
-from kernel.log.reader import LocatedEvent
-from kernel.settings import BusSettings
+from common.log.kafka import EventProducer
+from common.log.reader import LocatedEvent
+from common.settings import BusSettings
 from schemas import EnvelopeFactory
 from schemas import events as ev
 from schemas.types import RoutingMode
@@ -88,7 +88,7 @@ def test_tokens_from_before_expiry_get_a_grace_period_not_a_lockout(db_url: str)
 
 
 def test_worker_rows_from_before_0004_fold_by_the_fleet_rule(db_url: str) -> None:
-    """0004 adds each row's lifecycle (kernel/fleet.py), read from its one incarnation and state:
+    """0004 adds each row's lifecycle (common/fleet.py), read from its one incarnation and state:
     a copy of the registration of a worker stored as gone leaves it gone."""
     migrate(db_url, "0003")
     eng = make_engine(db_url)
@@ -236,7 +236,7 @@ def test_operator_actions_record_then_fold_with_the_in_memory_log(tmp_path) -> N
     from control_plane.admin.services import SYSTEM, put_config
     from control_plane.admin.settings import AdminSettings
     from control_plane.admin.shapes import RouterConfigIn, RouterConfigUpdate
-    from kernel.log.catalog import Catalog
+    from common.log.catalog import Catalog
 
     with sqlite_database(tmp_path) as url:
         migrate(url)

@@ -23,7 +23,7 @@ from control_plane.admin.audit.store import AuditStore
 from control_plane.admin.db.models import AuditEvent, AuditPosition, Pool, Worker, WorkerIncarnation
 from control_plane.admin.db.session import make_engine, session_factory
 from control_plane.admin.wiring import migrate
-from kernel.log.reader import LocatedEvent
+from common.log.reader import LocatedEvent
 from tests.support.interleave import cluster_log, interleavings
 
 AUDIT_STREAMS = ("requests", "workers", "planner", "admin")

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventConsumer, EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventConsumer, EventProducer
+from common.settings import BusSettings
 from schemas import EventCodec
 from schemas.events import BlockStored, RequestAdmitted
 
@@ -132,7 +132,7 @@ def test_poison_records_go_to_dead_letter_and_consumer_continues(bus: BusSetting
 
 
 def test_topic_metadata_lists_partitions_and_names_a_missing_topic(bus: BusSettings) -> None:
-    from kernel.log.metadata import topic_partitions
+    from common.log.metadata import topic_partitions
 
     producer = EventProducer(bus, "meta")
     topic = Catalog(bus.topic_prefix).topic("kv")

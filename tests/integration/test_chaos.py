@@ -19,7 +19,7 @@ import pytest
 
 from ops.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from ops.stack.process import processes_mentioning
-from kernel.settings import repo_root
+from common.settings import repo_root
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(480)]
 

@@ -20,13 +20,13 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from control_plane.settings import StackSettings
 from ops.stack.kafka import KafkaService
 from ops.stack.process import processes_mentioning
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import Ack, EventConsumer, EventProducer
-from kernel.log.ledger import check_acks
-from kernel.log.reader import KafkaLogReader
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.kafka import Ack, EventConsumer, EventProducer
+from common.log.acks import check_acks
+from common.log.reader import KafkaLogReader
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import BlockStored
 from tests.support.waits import wait_for
 

@@ -32,11 +32,11 @@ from control_plane.admin.wiring import build_admin, migrate
 from control_plane.router import RouterConfig
 from control_plane.router.decision import RoutingRequest, WorkerLoad, WorkerOverlap
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.log.admin import apply_topics
-from kernel.log.kafka import EventProducer
-from kernel.net import free_port
-from kernel.settings import BusSettings, repo_root
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.log.admin import apply_topics
+from common.log.kafka import EventProducer
+from common.net import free_port
+from common.settings import BusSettings, repo_root
 from schemas.events import RequestAdmitted, RequestCompleted
 from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc, start_all

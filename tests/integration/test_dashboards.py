@@ -30,10 +30,10 @@ from control_plane.metrics.projection import MetricsProjection
 from control_plane.router.serving import RouterMetrics
 from control_plane.settings import StackSettings
 from ops.stack.prometheus import PrometheusService, render_config, write_targets
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.net import free_port
-from kernel.settings import BusSettings, repo_root
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.net import free_port
+from common.settings import BusSettings, repo_root
 from schemas import events as ev
 from tests.integration.test_router import Procs, _wait_http
 

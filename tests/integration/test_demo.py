@@ -14,8 +14,8 @@ import pytest
 from ops.demo.up import system_pids
 from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
 from ops.stack.process import listening_sockets, processes_mentioning
-from kernel.net import free_port
-from kernel.settings import repo_root
+from common.net import free_port
+from common.settings import repo_root
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -20,8 +20,8 @@ import pytest
 
 from data_plane.engines import default_hash_config
 from data_plane.engines.request import pseudo_token, request_seed
-from kernel.hashing import hash_blocks
-from kernel.settings import BusSettings
+from common.hashing import hash_blocks
+from common.settings import BusSettings
 from tests.integration.workerproc import WorkerProc, of, read_log, start_all
 from tests.support.waits import wait_for
 

@@ -11,9 +11,9 @@ from control_plane.router.keys import KeyTable
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
 from control_plane.streaming import StreamFollower
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
 from schemas import EventCodec
 from schemas.envelope import EnvelopeFactory
 from schemas.events import BlockStored, RouterKeyIssued, WorkerDraining, WorkerRegistered

@@ -1,5 +1,5 @@
 """A view survives a foreign member in its consumer group (issue 36, item 1). Another principal of
-the same role (the only kind the broker lets into a router view's group: kernel/log/principals.py)
+the same role (the only kind the broker lets into a router view's group: common/log/principals.py)
 joins the router view's group and holds partitions. The view's watch sees the short assignment,
 says so in its health, and moves to a fresh group seeded with its own positions; a registration
 written afterwards is folded."""
@@ -13,9 +13,9 @@ import pytest
 from control_plane.router.stream import RouterViewProcessor
 from ops.security.probes_bus import steal_group
 from control_plane.router.view import RouterView
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
 from schemas.events import WorkerRegistered
 
 pytestmark = pytest.mark.kafka

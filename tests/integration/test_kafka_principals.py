@@ -11,9 +11,9 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from ops.security.check import ACCEPTED, REFUSED
 from ops.security.probes_bus import join_group
-from kernel.log.catalog import Catalog
-from kernel.log.principals import ROLES
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.principals import ROLES
+from common.settings import BusSettings
 
 pytestmark = [pytest.mark.kafka]
 
@@ -47,8 +47,8 @@ def test_a_role_writes_its_topics_and_nothing_else(bus: BusSettings, name: str) 
 def test_every_role_reads_the_streams_it_folds_and_no_other(bus: BusSettings) -> None:
     """Issue 36: components read the log as the super user. Now each reads, with its own
     principal, through the same reader its restores use, only its role's streams."""
-    from kernel.errors import LogReadError
-    from kernel.log.reader import KafkaLogReader
+    from common.errors import LogReadError
+    from common.log.reader import KafkaLogReader
 
     cat = Catalog(bus.topic_prefix)
     for stream in ("kv", "workers", "requests", "planner", "admin", "snapshots", "deadletter"):
@@ -90,7 +90,7 @@ def test_a_forged_snapshot_is_dead_lettered_and_the_restore_takes_the_owners(bus
     security probe writes a router's snapshot and two newer forgeries under its key with the
     processor's credential; the routers' restore (``SnapshotStore.load_latest``) refuses both,
     dead-letters them ``forged:*`` and restores the router's own."""
-    from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
+    from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
 
     from ops.security.check import Targets
     from ops.security.probes_bus import probe_forged_snapshots
@@ -120,7 +120,7 @@ def test_a_forged_snapshot_is_dead_lettered_and_the_restore_takes_the_owners(bus
 def test_a_flood_of_forged_snapshots_costs_a_restore_a_bounded_search(bus: BusSettings) -> None:
     """Past ``MAX_REFUSED`` forgeries in a row the restore stops looking and folds the log
     (returns None), rather than reading every forged record the topic holds."""
-    from kernel.log.snapshots import MAX_REFUSED, SnapshotStore
+    from common.log.snapshots import MAX_REFUSED, SnapshotStore
 
     key = "router-view:sha256:16"
     router = _as(bus, "router")

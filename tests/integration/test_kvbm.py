@@ -36,9 +36,9 @@ from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import StorageError
 from data_plane.kvbm.stores import DiskStore, HostStore
 from data_plane.kvbm.stores.s3 import S3Store, make_client
-from kernel.log.sink import MemorySink
-from kernel.net import free_port
-from kernel.settings import default_secrets_dir
+from common.log.sink import MemorySink
+from common.net import free_port
+from common.settings import default_secrets_dir
 from schemas.events import BlockMoved, BlockRemoved, BlockStored
 from schemas.types import Tier
 from tests.support.waits import wait_for

@@ -13,9 +13,9 @@ import pytest
 from control_plane.planner.backtest import read_log
 from control_plane.planner.load_view import NS, LoadView, LoadViewConfig, PoolSlo
 from control_plane.planner.stream import LoadViewProcessor
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
 from schemas.events import WorkerLoadReported
 from tests.support.traffic import Clock, register_worker, serve_request
 from tests.support.waits import until

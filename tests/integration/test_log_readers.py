@@ -1,4 +1,4 @@
-"""One contract for every :class:`kernel.log.reader.LogReader`: memory, file export, Kafka.
+"""One contract for every :class:`common.log.reader.LogReader`: memory, file export, Kafka.
 
 The same records are written once to the real broker (``EventProducer.publish`` for events,
 ``produce_raw`` for poison), under a unique topic prefix, with a fake clock so every record's
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from kernel.errors import LogReadError
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import Ack, EventProducer
-from kernel.log.reader import (
+from common.errors import LogReadError
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.kafka import Ack, EventProducer
+from common.log.reader import (
     FileLogReader,
     KafkaLogReader,
     LogReader,
@@ -41,7 +41,7 @@ from kernel.log.reader import (
     scan,
     scan_events,
 )
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 from schemas import Envelope
 from schemas.events import (
     BlockStored,

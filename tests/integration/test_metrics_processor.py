@@ -13,9 +13,9 @@ from confluent_kafka import Consumer, TopicPartition
 from control_plane.metrics.catalog import CONSUMED_STREAMS
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
 from control_plane.metrics.stream import MetricsProcessor, MetricsSettings
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
+from common.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas import events as ev
 from tests.support.waits import until

@@ -10,8 +10,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.types import Tier
 from tests.integration.workerproc import WorkerProc, of, read_log, start_all
 from tests.support.waits import wait_for

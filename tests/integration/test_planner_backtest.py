@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from control_plane.planner.cli import planner_app
 from control_plane.planner.load_view import NS
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
 from schemas.events import WorkerLoadReported
 from tests.support.traffic import Clock, register_worker, serve_request
 

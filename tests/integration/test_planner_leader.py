@@ -21,9 +21,9 @@ import redis
 from control_plane.planner.leader import LeaderElector, LeaderLease
 from control_plane.planner.scalers import FileFence, VirtualScaler
 from control_plane.settings import StackSettings
-from kernel.log.kafka import EventProducer
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.kafka import EventProducer
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import PoolPinned, ScalingApplied, ScalingDecision
 from schemas.types import WorkerRole
 from tests.support.events import read_stream

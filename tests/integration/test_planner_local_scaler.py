@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch
-from kernel.settings import BusSettings, worker_credential, worker_token
+from common.settings import BusSettings, worker_credential, worker_token
 from schemas.events import ScalingDecision, WorkerDeregistered, WorkerDraining, WorkerRegistered
 from schemas.types import WorkerRole
 from tests.support.events import read_stream

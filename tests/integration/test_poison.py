@@ -25,9 +25,9 @@ from control_plane.admin.audit.store import AuditStore
 from control_plane.admin.db.models import Worker
 from control_plane.admin.db.session import make_engine, session_factory
 from control_plane.admin.wiring import migrate
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import Ack, EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import Ack, EventProducer
+from common.settings import BusSettings
 from schemas import events as ev
 from schemas.types import MAX_WORKER_ID_LEN, RoutingMode
 from tests.support.db import postgres_database
@@ -408,7 +408,7 @@ def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
     good = EndpointMetadata(agent_name="p1:2", agent_metadata=b"nixl", region=BlockRegion(base_addr=4096, block_len=64,
                                                                                           n_blocks=4))
     assert p.flush(10) == 0
-    # The worker's next start (a registration is admitted once per epoch: kernel/fleet.py).
+    # The worker's next start (a registration is admitted once per epoch: common/fleet.py).
     p = EventProducer(bus, "p1", epoch=2)
     p.publish(ev.WorkerRegistered(worker_id="p1", role="prefill", pool="pre", endpoint="http://127.0.0.1/p1", block_size=16,
                                   hash_algo="sha256_cbor", transfer=good.to_transfer_info()))
@@ -422,13 +422,13 @@ def test_peer_directory_skips_poison_and_goes_on(bus: BusSettings) -> None:
         directory.stop()
 
 
-# -- the kernel's EventConsumer as a group member -------------------------------------------------
+# -- common's EventConsumer as a group member -------------------------------------------------
 
 
 def test_event_consumer_commits_past_what_it_dead_lettered(bus: BusSettings) -> None:
     """Garbage, then an event its handler cannot apply (handed to ``dead_letter``), then a good
     one: the group's committed offset passes both, and both dead letters name this consumer."""
-    from kernel.log.kafka import EventConsumer
+    from common.log.kafka import EventConsumer
 
     where = _poison_stream(bus, "requests", "r-1", [], ev.RequestFailed(request_id="r-1", reason="bug", code="x"),
                            [ev.RequestFailed(request_id="r-1", reason="ok", code="x")])

@@ -19,11 +19,11 @@ import pytest
 
 from control_plane.replay.engine import ReplayEngine
 from control_plane.router import RouterConfig
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.reader import FileLogReader, KafkaLogReader, MemoryLogReader, export_log
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.reader import FileLogReader, KafkaLogReader, MemoryLogReader, export_log
+from common.net import free_port
+from common.settings import BusSettings
 from schemas import EventCodec
 from schemas.events import RequestRouted
 from schemas.types import RoutingMode

@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from control_plane.replay.engine import ReplayEngine
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import RequestCompleted, RequestFailed, RequestRouted
 from tests.integration.test_router_view import oracle
 from tests.support.events import read_stream, router_ids

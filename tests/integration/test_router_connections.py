@@ -3,7 +3,7 @@ nothing, sends its headers a byte at a time (slowloris), or stalls in its body, 
 for a bounded time only; past ``max_connections`` a new client closes the oldest idle
 connection instead of being refused; and once the bad connections are gone, clients are served as before.
 
-The router's app is served by the router's own server (``kernel.http_server``: uvicorn with the
+The router's app is served by the router's own server (``common.http_server``: uvicorn with the
 guarded httptools protocol) with short limits, in front of the fake worker of test_router_input. The
 attacks are raw sockets on loopback; the good client is ``httpx``.
 """
@@ -18,7 +18,7 @@ import pytest
 
 from control_plane.router.limits import RequestLimits
 from ops.security.check import ACCEPTED, REFUSED, probe_router_connections
-from kernel.http_server import ConnectionLimits
+from common.http_server import ConnectionLimits
 from tests.integration.test_router_input import GOOD, Stack, router_stack
 from tests.support.waits import wait_for
 

@@ -35,12 +35,12 @@ from control_plane.router.keys import KEY_PREFIX, KeyTable
 from control_plane.router.limits import RequestLimits
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState
-from kernel import bearer
-from kernel.hashing import HashAlgo, HashConfig
-from kernel.http_server import ConnectionLimits, server_config
-from kernel.log.sink import MemorySink
-from kernel.net import free_port
-from kernel.tokenizer import HashTokenizer
+from common import bearer
+from common.hashing import HashAlgo, HashConfig
+from common.http_server import ConnectionLimits, server_config
+from common.log.sink import MemorySink
+from common.net import free_port
+from common.tokenizer import HashTokenizer
 from schemas import EnvelopeFactory
 from schemas.events import RequestAdmitted, RequestFailed, RequestRejected, RequestRouted, RouterKeyIssued
 from tests.support.waits import wait_for
@@ -57,7 +57,7 @@ GOOD = {"model": MODEL, "prompt": [300, 301, 302, 303], "max_tokens": 2}
 
 class Served:
     """An ASGI app on a local port, served by uvicorn in a thread; with ``connections``, through
-    the router's own server (kernel/http_server.py) and those limits."""
+    the router's own server (common/http_server.py) and those limits."""
 
     def __init__(self, app: FastAPI, connections: ConnectionLimits | None = None) -> None:
         self.port = free_port()

@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from control_plane.admin.client import AdminClient
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.net import free_port
+from common.settings import BusSettings
 from tests.integration.test_router import Procs, _wait_http
 from tests.support.waits import wait_for
 

@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from control_plane.replay.engine import ReplayEngine
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import KvTransferCompleted, RequestRouted
 from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import WorkerProc, start_all

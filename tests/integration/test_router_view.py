@@ -8,9 +8,9 @@ import pytest
 from control_plane.replay.oracle import oracle_view
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
 
 pytestmark = pytest.mark.kafka

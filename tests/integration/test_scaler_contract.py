@@ -15,7 +15,7 @@ import pytest
 
 from control_plane.planner.k8s import KubernetesScaler
 from control_plane.planner.scalers import LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 from schemas.events import ScalingApplied, ScalingDecision
 from schemas.types import WorkerRole
 from tests.support.fake_k8s import FakeCluster, serve

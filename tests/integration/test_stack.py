@@ -21,11 +21,11 @@ from confluent_kafka import Consumer, TopicPartition
 from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
 from ops.stack import Stack
 from ops.stack.process import port_in_use, processes_mentioning
-from kernel.log.admin import apply_topics
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import EventProducer
-from kernel.net import free_port
-from kernel.settings import BusSettings, repo_root
+from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.kafka import EventProducer
+from common.net import free_port
+from common.settings import BusSettings, repo_root
 from schemas import EventCodec
 from schemas.events import BlockStored
 

@@ -18,8 +18,8 @@ from confluent_kafka.admin import AdminClient
 
 from control_plane.admin.db.session import make_engine
 from control_plane.settings import StackSettings
-from kernel.log.catalog import Catalog
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.settings import BusSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.postgres, pytest.mark.redis]
 

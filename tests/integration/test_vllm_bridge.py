@@ -28,7 +28,7 @@ import zmq
 
 from data_plane.vllm.bridge import BridgeSettings, KvEventBridge
 from data_plane.vllm.kv_events import VllmSource
-from kernel.log.sink import MemorySink
+from common.log.sink import MemorySink
 from schemas.events import AllBlocksCleared, BlockStored
 from schemas.types import WorkerId
 from tests.fixtures.vllm.generate import V033BlockStored, V033EventBatch

@@ -14,8 +14,8 @@ import pytest
 from data_plane.engines import default_hash_config
 from data_plane.engines.request import pseudo_token, request_seed
 from data_plane.transfer import EndpointMetadata
-from kernel.hashing import hash_blocks
-from kernel.settings import BusSettings, worker_credential, worker_token
+from common.hashing import hash_blocks
+from common.settings import BusSettings, worker_credential, worker_token
 from schemas.events import TransferInfo
 from tests.integration.workerproc import WorkerProc, of, read_log
 from tests.support.waits import wait_for
@@ -174,7 +174,7 @@ def _running(w: WorkerProc) -> float:
 
 def test_worker_enforces_the_router_s_bounds_and_stops_for_a_client_that_left(worker: WorkerProc) -> None:
     """A direct call gets no more than through the router (issue 36): max_tokens, vocabulary,
-    context and body size are the router's (kernel.request_limits); and a client that
+    context and body size are the router's (common.request_limits); and a client that
     disconnects, streamed or not, stops its generation."""
     auth = worker.credential()
     url = f"{worker.url}/v1/completions"

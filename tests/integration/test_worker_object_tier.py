@@ -12,7 +12,7 @@ import pytest
 
 from ops.stack.seaweedfs import SeaweedService
 from data_plane.kvbm.stores.s3 import make_client
-from kernel.settings import BusSettings, write_private
+from common.settings import BusSettings, write_private
 from tests.integration.workerproc import WorkerProc
 from tests.support.waits import wait_for
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from kernel.settings import BusSettings
+from common.settings import BusSettings
 from schemas.types import Tier
 from tests.integration.workerproc import WorkerProc, of, read_log
 from tests.support.waits import wait_for

@@ -22,8 +22,8 @@ import pytest
 from control_plane.index.errors import IndexRejected
 from control_plane.router.view import RouterView
 from data_plane.kvbm import claimed_persistent
-from kernel.log.sequencing import SequenceTracker
-from kernel.settings import BusSettings
+from common.log.sequencing import SequenceTracker
+from common.settings import BusSettings
 from schemas.types import Tier
 from tests.integration.workerproc import Record, WorkerProc, of, read_log
 from tests.support.waits import wait_for

@@ -14,10 +14,10 @@ from typing import ClassVar
 
 import httpx
 
-from kernel.log.catalog import Catalog
-from kernel.log.reader import KafkaLogReader, scan_events
-from kernel.net import free_port
-from kernel.settings import BusSettings, worker_credential, worker_token
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader, scan_events
+from common.net import free_port
+from common.settings import BusSettings, worker_credential, worker_token
 from schemas import Envelope
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ class WorkerProc:
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def credential(self) -> dict[str, str]:
-        """The header the worker's routes require: its own bearer (kernel.settings.worker_token)."""
+        """The header the worker's routes require: its own bearer (common.settings.worker_token)."""
         return {"Authorization": f"Bearer {self.token()}"}
 
     def token(self) -> str:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, TopicPartition
 
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import H_DLQ_CONSUMER, H_DLQ_ERROR, H_DLQ_REASON, H_DLQ_SOURCE
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import H_DLQ_CONSUMER, H_DLQ_ERROR, H_DLQ_REASON, H_DLQ_SOURCE
+from common.settings import BusSettings
 
 
 @dataclass(frozen=True)

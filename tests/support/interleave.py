@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kernel.log.catalog import SPECS
+from common.log.catalog import SPECS
 from schemas.envelope import Envelope, EnvelopeFactory
 from schemas.events import (
     AllBlocksCleared,

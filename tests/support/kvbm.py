@@ -7,7 +7,7 @@ from typing import Any
 
 from data_plane.kvbm import KvBlockManager, KvbmSettings
 from data_plane.kvbm.stores import HostStore, MemoryStore
-from kernel.log.sink import MemorySink
+from common.log.sink import MemorySink
 from schemas.events import BlockMoved, BlockRemoved, BlockStored
 from schemas.types import Tier
 

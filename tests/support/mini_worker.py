@@ -19,10 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from benchmarks.lru_blocks import LruBlocks
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.log.kafka import EventProducer
-from kernel.settings import BusSettings
-from kernel.tokenizer import HashTokenizer
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.log.kafka import EventProducer
+from common.settings import BusSettings
+from common.tokenizer import HashTokenizer
 from schemas.events import BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
 
 

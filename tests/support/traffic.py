@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from control_plane.planner.load_view import NS
-from kernel.log.kafka import EventProducer
+from common.log.kafka import EventProducer
 from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted, WorkerRegistered
 
 

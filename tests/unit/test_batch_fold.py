@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from control_plane.replay.state import ViewFolder
 from control_plane.router.view import RouterView
-from kernel.log.reader import FileLogReader, LogRecord, MemoryLogReader, RecordBatch, export_log
+from common.log.reader import FileLogReader, LogRecord, MemoryLogReader, RecordBatch, export_log
 from schemas import EnvelopeFactory, EventCodec
 from schemas.signing import Signer, Verifier, owner_key, worker_owner
 from tests.unit import test_native_index as native_props

@@ -1,9 +1,9 @@
-"""The token bucket's refill rule (kernel.bucket), shared by the admin API's failed-auth limit
+"""The token bucket's refill rule (common.bucket), shared by the admin API's failed-auth limit
 and the router's per-key rate."""
 
 from __future__ import annotations
 
-from kernel.bucket import Bucket, level_at
+from common.bucket import Bucket, level_at
 
 
 def test_no_bucket_is_full():

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernel.log.catalog import Catalog
+from common.log.catalog import Catalog
 from schemas.events import ALL_EVENT_TYPES
 
 
@@ -28,7 +28,7 @@ def test_snapshot_topic_is_compacted_and_event_topics_are_not() -> None:
 @pytest.mark.parametrize("brokers, rf, min_isr", [(1, 1, 1), (2, 2, 1), (3, 3, 2), (5, 3, 2)])
 def test_replication_follows_the_cluster_size(brokers: int, rf: int, min_isr: int) -> None:
     """min(3, brokers) replicas; 2 in sync only with 3, so that one loss keeps writes going."""
-    from kernel.log.catalog import replication_for
+    from common.log.catalog import replication_for
 
     assert replication_for(brokers) == (rf, min_isr)
     assert Catalog().spec("kv").configs(rf)["min.insync.replicas"] == str(min_isr)
@@ -37,7 +37,7 @@ def test_replication_follows_the_cluster_size(brokers: int, rf: int, min_isr: in
 def test_the_bootstrap_lists_every_broker_of_a_local_cluster() -> None:
     """Broker i on kafka_port + 2i: 28092, 28094, 28096; one broker is the old single address."""
     from control_plane.settings import StackSettings
-    from kernel.settings import BusSettings
+    from common.settings import BusSettings
 
     env = {"SWITCHYARD_KAFKA_PORT": "28092", "SWITCHYARD_KAFKA_BROKERS": "3"}
     want = "127.0.0.1:28092,127.0.0.1:28094,127.0.0.1:28096"

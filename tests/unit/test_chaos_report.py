@@ -7,7 +7,7 @@ from ops.chaos.load import Sent
 from ops.chaos.plan import PlanConfig, make_plan
 from ops.chaos.report import FaultRecord, ViewCheck, build_report
 from ops.demo.loadgen import Result
-from kernel.log.ledger import AckEntry, LedgerCheck
+from common.log.acks import AckEntry, LedgerCheck
 from schemas import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
 

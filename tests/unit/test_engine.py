@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from kernel.hashing import hash_block_digests, hash_blocks
+from common.hashing import hash_block_digests, hash_blocks
 from data_plane.engines import (
     Admission,
     AsyncEngine,
@@ -29,7 +29,7 @@ from data_plane.engines import (
     request_seed,
     simulate,
 )
-from kernel.log.sink import MemorySink
+from common.log.sink import MemorySink
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 from schemas.types import RequestPhase, Tier, WorkerRole
 

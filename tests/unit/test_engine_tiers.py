@@ -21,7 +21,7 @@ from data_plane.engines.tiers import (
 )
 from data_plane.kvbm import ADMIT_ALL, KvbmSettings, build_kvbm
 from data_plane.workers.onboard import KvbmTiers
-from kernel.log.sink import MemorySink
+from common.log.sink import MemorySink
 from schemas.events import BlockRemoved, BlockStored
 from schemas.types import Tier
 

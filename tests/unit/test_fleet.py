@@ -1,4 +1,4 @@
-"""The fleet (kernel/fleet.py): every worker's lifecycle folded once, the rule every view that
+"""The fleet (common/fleet.py): every worker's lifecycle folded once, the rule every view that
 folds the ``workers`` stream applies (router view, planner load view, admin audit, metrics,
 a worker's peer directory).
 
@@ -19,7 +19,7 @@ from control_plane.planner.load_view import LoadView
 from control_plane.router.view import RouterView
 from data_plane.transfer import BlockRegion, EndpointMetadata
 from data_plane.workers.peers import PeerDirectory
-from kernel.fleet import DRAINING, GONE, NEW, READY, Fleet, Lifecycle, step
+from common.fleet import DRAINING, GONE, NEW, READY, Fleet, Lifecycle, step
 from schemas import EnvelopeFactory
 from schemas.events import (
     TransferInfo,

@@ -14,8 +14,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel.errors import HashConfigError, KernelError
-from kernel.hashing import (
+from common.errors import HashConfigError, KernelError
+from common.hashing import (
     DEFAULT_NONE_HASH_SEED,
     HashAlgo,
     HashConfig,

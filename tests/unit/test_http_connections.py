@@ -1,4 +1,4 @@
-"""Connection limits that idle sockets cannot fill (issue 36, item 4; kernel/http_server.py).
+"""Connection limits that idle sockets cannot fill (issue 36, item 4; common/http_server.py).
 
 A real uvicorn server with the guarded protocol, in a thread, on loopback; the clients are raw
 sockets. ``/hold`` keeps its connection serving until the test releases it, so a test can make
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from kernel.http_server import ConnectionLimits, server_config
+from common.http_server import ConnectionLimits, server_config
 from tests.support.waits import wait_for
 
 

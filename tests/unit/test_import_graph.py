@@ -7,7 +7,7 @@ The layers, bottom up, as docs/architecture.md ("Layers") states them:
 rank  modules                                                     what
 ====  ==========================================================  ===================================
 0     ``schemas``                                                 the event contract
-1     ``kernel``                                                  the shared kernel
+1     ``common``                                                  code both planes share
 2     ``data_plane``                                              engines, KVBM, transfers, workers
 3     ``control_plane``                                           router, index, planner, metrics,
                                                                   admin, replay: the runtime
@@ -20,7 +20,7 @@ rank  modules                                                     what
 
 A folder is a unit of the folder graph with everything under it (``control_plane/admin`` holds
 ``admin/routes`` and ``admin/console``); a module directly in a top-level package
-(``control_plane/streaming.py``, ``kernel/settings.py``) is a unit of its own.
+(``control_plane/streaming.py``, ``common/settings.py``) is a unit of its own.
 
 ``from package import name`` is an arrow to ``package.name`` when that is a module, else to the
 package (its ``__init__``); importing a module runs its parents' ``__init__`` too, which is
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("schemas", "kernel", "data_plane", "control_plane", "workloads", "ops", "benchmarks", "switchyard")
+PACKAGES = ("schemas", "common", "data_plane", "control_plane", "workloads", "ops", "benchmarks", "switchyard")
 
 #: Cycles that remain, each with why (sorted module names of the cycle -> reason).
 KNOWN_FILE_CYCLES: dict[tuple[str, ...], str] = {
@@ -48,7 +48,7 @@ KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def layer(module: str) -> int:
-    return {"schemas": 0, "kernel": 1, "data_plane": 2, "control_plane": 3, "workloads": 4, "ops": 5, "benchmarks": 6,
+    return {"schemas": 0, "common": 1, "data_plane": 2, "control_plane": 3, "workloads": 4, "ops": 5, "benchmarks": 6,
             "switchyard": 7}[module.split(".")[0]]
 
 

@@ -1,4 +1,4 @@
-"""kernel.processes: liveness, and the sweep of scratch directories of processes that are gone."""
+"""common.processes: liveness, and the sweep of scratch directories of processes that are gone."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernel.processes import alive, remove_dead_owned
+from common.processes import alive, remove_dead_owned
 
 
 def _dead_pid() -> int:

@@ -1,4 +1,4 @@
-"""kernel.tasks.cancel_and_wait: the task's own cancellation ends there, nothing else does."""
+"""common.tasks.cancel_and_wait: the task's own cancellation ends there, nothing else does."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kernel.tasks import cancel_and_wait
+from common.tasks import cancel_and_wait
 
 
 async def test_cancels_and_waits_for_the_end():

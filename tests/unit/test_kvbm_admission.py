@@ -20,10 +20,10 @@ from data_plane.kvbm import (
     KvbmSettings,
     fold_residency,
 )
-from data_plane.kvbm.admission import MAX_MIN_USES
+from data_plane.kvbm.offload_filter import MAX_MIN_USES
 from data_plane.kvbm.stores import HostStore, MemoryStore
 from data_plane.workers.metrics import WorkerMetrics
-from kernel.log.sink import MemorySink
+from common.log.sink import MemorySink
 from schemas.events import BlockRemoved
 from tests.support.kvbm import BPB, DEVICE, DISK, HOST, OBJECT, WORKER, KvbmKit, compact, kvbm_settings
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kernel.log.ledger import AckEntry, AckLedger, Gap, check_acks, check_log, load_ledger
-from kernel.log.reader import LogRecord, MemoryLogReader
+from common.log.acks import AckEntry, AckLedger, Gap, check_acks, check_log, load_ledger
+from common.log.reader import LogRecord, MemoryLogReader
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import BlockStored
 
@@ -148,8 +148,8 @@ def test_the_ledger_keeps_entries_in_memory_or_in_a_file(tmp_path, on_file: bool
 def test_a_ledger_dir_gives_every_producer_incarnation_its_own_file(tmp_path) -> None:
     """``SWITCHYARD_ACK_LEDGER_DIR``: one file per producer id and epoch, the id made a safe name.
     (The client is built but never connects: nothing is produced.)"""
-    from kernel.log.kafka import EventProducer
-    from kernel.settings import BusSettings
+    from common.log.kafka import EventProducer
+    from common.settings import BusSettings
 
     bus = BusSettings.from_env({"SWITCHYARD_KAFKA_PORT": "1", "SWITCHYARD_ACK_LEDGER_DIR": str(tmp_path)})
     p = EventProducer(bus, "dlq:router/1", epoch=7)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.index import select
+from control_plane.index import implementation
 from control_plane.router import decision
 from control_plane.router.config import RouterConfig, TierWeights
 from control_plane.router.decision import RoutingRequest, WorkerLoad, WorkerOverlap, decide
@@ -227,11 +227,11 @@ def test_the_index_switch_selects_the_scoring(monkeypatch):
     decision never calls the Rust scorer, by default it does."""
     request = RoutingRequest(request_id=RequestId("s"), prompt_tokens=16, block_size=16)
     workers = [WorkerLoad(worker_id=WorkerId("a"))]
-    monkeypatch.setenv(select.INDEX_ENV, "reference")
-    assert not select.native_core()
+    monkeypatch.setenv(implementation.INDEX_ENV, "reference")
+    assert not implementation.native_core()
     with mock.patch.object(decision, "_score_native", side_effect=AssertionError("native used")):
         decide(request, workers, RouterConfig(), rng_seed=1)
-    monkeypatch.delenv(select.INDEX_ENV)
-    assert select.native_core()
+    monkeypatch.delenv(implementation.INDEX_ENV)
+    assert implementation.native_core()
     with mock.patch.object(decision, "_score", side_effect=AssertionError("reference used")):
         decide(request, workers, RouterConfig(), rng_seed=1)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.index import select
+from control_plane.index import implementation
 from control_plane.index.errors import IndexRejected
 from control_plane.index.native import NativePrefixIndex
 from control_plane.index.prefix_index import PrefixIndex
@@ -206,15 +206,15 @@ def test_bytes_path_leaves_records_it_does_not_take_to_the_codec():
 
 
 def test_the_switch_selects_the_implementation(monkeypatch):
-    monkeypatch.delenv(select.INDEX_ENV, raising=False)
-    assert isinstance(select.new_index(ALGO, BS), NativePrefixIndex)
-    monkeypatch.setenv(select.INDEX_ENV, "reference")
-    idx = select.new_index(ALGO, BS)
+    monkeypatch.delenv(implementation.INDEX_ENV, raising=False)
+    assert isinstance(implementation.new_index(ALGO, BS), NativePrefixIndex)
+    monkeypatch.setenv(implementation.INDEX_ENV, "reference")
+    idx = implementation.new_index(ALGO, BS)
     assert type(idx) is PrefixIndex
-    assert type(select.restore_index(NativePrefixIndex(ALGO, BS).snapshot())) is PrefixIndex
-    monkeypatch.setenv(select.INDEX_ENV, "fast")
-    with pytest.raises(select.UnknownIndexImplementation, match="reference"):
-        select.new_index(ALGO, BS)
+    assert type(implementation.restore_index(NativePrefixIndex(ALGO, BS).snapshot())) is PrefixIndex
+    monkeypatch.setenv(implementation.INDEX_ENV, "fast")
+    with pytest.raises(implementation.UnknownIndexImplementation, match="reference"):
+        implementation.new_index(ALGO, BS)
 
 
 def test_an_index_built_on_one_thread_folds_on_another():

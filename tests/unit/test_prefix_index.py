@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from control_plane.index.errors import IndexPackageError, IndexRejected
 from control_plane.index.prefix_index import PrefixIndex
 from control_plane.index.shapes import ApplyOutcome, Match, WorkerRank
-from kernel.hashing import HashConfig, hash_blocks
+from common.hashing import HashConfig, hash_blocks
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import (
     AllBlocksCleared,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kernel.log.catalog import Catalog
-from kernel.log.principals import ROLES, SUPER_USER, role, role_bindings
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.principals import ROLES, SUPER_USER, role, role_bindings
+from common.settings import BusSettings
 
 
 def _writers(prefix: str) -> dict[str, set[str]]:
@@ -74,7 +74,7 @@ def test_consumer_groups_are_owned_like_topics() -> None:
 
 
 def test_a_consumer_group_id_is_under_its_principals_prefix() -> None:
-    from kernel.log.principals import group_id
+    from common.log.principals import group_id
 
     for r in ROLES.values():
         gid = group_id("p1", r.user, "assign.x")
@@ -86,7 +86,7 @@ def test_a_role_reads_the_streams_it_folds_and_the_operator_surfaces_read_all() 
     """Components read with their own principal (issue 36): a router, a worker and the planner
     read only the streams they fold; the admin API and the processor every topic (the operator's
     read surface, every stream's metrics); an upgraded stack loses the old read-everything."""
-    from kernel.log.principals import stale_grants
+    from common.log.principals import stale_grants
 
     c = Catalog("p1")
     reads: dict[str, set[str]] = {}

@@ -1,9 +1,9 @@
-"""A view whose fold stopped while the log moved says so (issue 36, item 1): kernel/log/progress.py."""
+"""A view whose fold stopped while the log moved says so (issue 36, item 1): common/log/progress.py."""
 
 from __future__ import annotations
 
 from control_plane.router.health import assess
-from kernel.log.progress import ProgressWatch, behind
+from common.log.progress import ProgressWatch, behind
 
 TP = ("t.kv", 0)
 

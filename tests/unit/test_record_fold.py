@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kernel.log.fold import Poisoned, RecordFold
-from kernel.log.reader import LogRecord
+from common.log.fold import Poisoned, RecordFold
+from common.log.reader import LogRecord
 from schemas import MalformedEvent
 
 

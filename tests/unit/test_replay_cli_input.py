@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from control_plane.replay.cli import replay_app
-from kernel.log.catalog import Catalog
-from kernel.log.reader import MemoryLogReader, export_log
+from common.log.catalog import Catalog
+from common.log.reader import MemoryLogReader, export_log
 
 PREFIX = "sy-replay-cli"
 

@@ -29,7 +29,7 @@ from control_plane.router import (
 )
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger, _entry_from_row
-from kernel.log.reader import LocatedEvent
+from common.log.reader import LocatedEvent
 from schemas import EnvelopeFactory
 from schemas.events import (
     PrefillCompleted,

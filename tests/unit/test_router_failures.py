@@ -14,9 +14,9 @@ from control_plane.router.admission import AdmissionConfig
 from control_plane.router.proxy import Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import DRAIN_S
-from kernel.hashing import HashAlgo, HashConfig
-from kernel.log.sink import MemorySink
-from kernel.net import free_port
+from common.hashing import HashAlgo, HashConfig
+from common.log.sink import MemorySink
+from common.net import free_port
 from schemas.events import RequestFailed, RequestRouted
 
 

@@ -19,9 +19,9 @@ from control_plane.router.keys import KEY_PREFIX, Denied, KeyGate, KeyLimits, Ke
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import MemoryReply, MemoryWorkerCalls, WorkerCall
-from kernel import bearer
-from kernel.hashing import HashAlgo, HashConfig
-from kernel.log.sink import MemorySink
+from common import bearer
+from common.hashing import HashAlgo, HashConfig
+from common.log.sink import MemorySink
 from schemas import EnvelopeFactory
 from schemas import events as ev
 

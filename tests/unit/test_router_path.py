@@ -27,8 +27,8 @@ from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.ttft import PRIOR, predict_ttft_ms
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import CallFailed, MemoryReply, MemoryWorkerCalls, WorkerCall
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.log.sink import MemorySink
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.log.sink import MemorySink
 from schemas.events import (
     RequestAdmitted,
     RequestCompleted,

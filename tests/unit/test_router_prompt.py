@@ -20,9 +20,9 @@ from control_plane.router.prompt import PromptIds, block_hashes, encode_json, re
 from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView
 from control_plane.router.worker_calls import MemoryReply, MemoryWorkerCalls
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.log.sink import MemorySink
-from kernel.tokenizer import HashTokenizer
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.log.sink import MemorySink
+from common.tokenizer import HashTokenizer
 
 VOCAB = 1000
 CONFIG = HashConfig(HashAlgo.SHA256, 4)

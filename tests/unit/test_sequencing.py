@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernel.log.sequencing import SequenceTracker, Verdict
+from common.log.sequencing import SequenceTracker, Verdict
 
 S = "sy.kv:0"
 

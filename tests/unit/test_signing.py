@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kernel.log.fold import RecordFold
-from kernel.log.reader import LogRecord
+from common.log.fold import RecordFold
+from common.log.reader import LogRecord
 from schemas import EventCodec
 from schemas.envelope import EnvelopeFactory
 from schemas.events import (
@@ -206,7 +206,7 @@ def test_the_signature_is_the_last_field_of_the_map():
 
 
 def test_each_principal_signs_as_its_own_owner(tmp_path):
-    from kernel.settings import BusSettings, signing_master
+    from common.settings import BusSettings, signing_master
 
     def settings(role=None, **kw):
         return BusSettings.from_env({}, role=role, secrets_dir=tmp_path, **kw)

@@ -1,11 +1,11 @@
-"""The newest snapshot of a key, found by reading a partition backwards (kernel.log.snapshots)."""
+"""The newest snapshot of a key, found by reading a partition backwards (common.log.snapshots)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernel.log.reader import LogRecord, MemoryLogReader
-from kernel.log.snapshots import newest_of_key
+from common.log.reader import LogRecord, MemoryLogReader
+from common.log.snapshots import newest_of_key
 
 T = "p.snapshots"
 

@@ -1,5 +1,5 @@
 """The native hash tokenizer (native/src/tokenize.rs) gives the ids of its Python specification
-(``HashTokenizer.encode_reference``, kernel/tokenizer.py) byte for byte: on every code point, on
+(``HashTokenizer.encode_reference``, common/tokenizer.py) byte for byte: on every code point, on
 random text (unicode included), and through the one call that tokenizes and hashes a prompt."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import switchyard_native as native
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.tokenizer import HashTokenizer
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.tokenizer import HashTokenizer
 
 TOK = HashTokenizer()
 CONFIG = HashConfig(HashAlgo.SHA256, 16)

@@ -17,7 +17,7 @@ from data_plane.kvbm.stores import HostStore, MemoryStore
 from data_plane.vllm import tier_protocol as proto
 from data_plane.vllm.connector import LoadSpec, SaveSpec, SchedulerSide, request_key
 from data_plane.vllm.tier_server import SharedRegion, TierService, map_region
-from kernel.log.sink import MemorySink
+from common.log.sink import MemorySink
 from schemas.events import BlockMoved, BlockRemoved, BlockStored, KvTransferFailed
 from schemas.types import Tier
 

@@ -12,7 +12,7 @@ import socket
 import uvicorn
 
 from data_plane.workers.wiring import bind_socket
-from kernel.http_server import server_config
+from common.http_server import server_config
 
 
 async def _app(scope, receive, send):  # noqa: ANN001 - a bare ASGI app

@@ -8,7 +8,7 @@ import json
 
 from data_plane.workers.run import Token
 from data_plane.workers.app import _sse
-from kernel.tokenizer import HashTokenizer
+from common.tokenizer import HashTokenizer
 
 
 class _FailingRun:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.net import free_port
+from common.settings import BusSettings
 from tests.integration.test_router import Procs, _wait_http
 from tests.integration.workerproc import ROOT, WorkerProc, start_all
 
@@ -57,7 +57,7 @@ WORKER_ENV = {"UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KV
 
 @pytest.fixture(scope="module")
 def vbus(kafka_bootstrap: str) -> BusSettings:
-    from kernel.log.admin import apply_topics
+    from common.log.admin import apply_topics
 
     settings = BusSettings(bootstrap=kafka_bootstrap, topic_prefix=f"v{uuid.uuid4().hex[:10]}")
     apply_topics(settings)
@@ -124,7 +124,7 @@ def wait_router_caught_up(base: str, bus: BusSettings, stream: str = "kv", timeo
     import httpx
     from confluent_kafka import Consumer, TopicPartition
 
-    from kernel.log.catalog import Catalog
+    from common.log.catalog import Catalog
 
     topic = Catalog(bus.topic_prefix).topic(stream)
     c = Consumer({**bus.client_conf(), "group.id": "vllm-tier-hw"})

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from benchmarks.vllm_overlap import expected_cached_tokens
-from kernel.hashing import HashAlgo, HashConfig, hash_blocks
-from kernel.settings import BusSettings, worker_credential, worker_token
+from common.hashing import HashAlgo, HashConfig, hash_blocks
+from common.settings import BusSettings, worker_credential, worker_token
 from schemas.events import (
     BlockMoved,
     BlockRemoved,

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from kernel.net import free_port
-from kernel.settings import BusSettings
+from common.net import free_port
+from common.settings import BusSettings
 from schemas.events import (
     KvTransferCompleted,
     KvTransferFailed,

@@ -36,10 +36,10 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.admin.audit.store import AuditStore, IngestResult
-from kernel.log.fold import apply_failed_reason
-from kernel.log.kafka import Delivered, EventConsumer
-from kernel.log.reader import LocatedEvent
-from kernel.settings import BusSettings
+from common.log.fold import apply_failed_reason
+from common.log.kafka import Delivered, EventConsumer
+from common.log.reader import LocatedEvent
+from common.settings import BusSettings
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ return plain dicts. :mod:`control_plane.admin.audit.store` turns them into batch
   request (correlation), worker, pool, decision, time and log position; payload as JSON.
 * :func:`fold_worker` / :func:`fold_incarnation` -- the worker registry and load view. Which
   registration is admitted and whether an incarnation is draining or gone is the fleet's rule
-  (``kernel/fleet.py``, the one every view applies), on the lifecycle each row keeps
+  (``common/fleet.py``, the one every view applies), on the lifecycle each row keeps
   (``registered_epoch``, ``draining_epoch``, ``ended_epoch``); an older incarnation's events
   never overwrite a newer one's state.
 * :func:`counter_of` -- which per-worker counter a request event increments.
@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from kernel.fleet import READY, Lifecycle, step
+from common.fleet import READY, Lifecycle, step
 from schemas import Envelope
 from schemas.events import (
     Event,

@@ -46,7 +46,7 @@ from control_plane.admin.db.models import (
     WorkerIncarnation,
     utcnow,
 )
-from kernel.log.reader import LocatedEvent
+from common.log.reader import LocatedEvent
 from schemas import Envelope
 from schemas.events import Event, RouterKeyIssued, RouterKeyRevoked
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernel.settings import repo_root
+from common.settings import repo_root
 
 DASHBOARDS = repo_root() / "dashboards"
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kernel.settings import worker_token
+from common.settings import worker_token
 from schemas.types import TIER_ORDER
 
 #: Below this share of blocks in common a worker's index entry counts as drifted. Events in
@@ -191,7 +191,7 @@ def gather(workers: list[RegisteredWorker], live, fetch: Callable[[RegisteredWor
 
 def http_fetcher(secret: str, timeout_s: float = 3.0) -> Callable[[RegisteredWorker], Actual]:
     """Reads each worker's ``/debug/state`` with that worker's own bearer, derived from the
-    cluster's worker ``secret`` (:func:`kernel.settings.worker_token`)."""
+    cluster's worker ``secret`` (:func:`common.settings.worker_token`)."""
     import httpx
 
     def fetch(w: RegisteredWorker) -> Actual:

@@ -34,7 +34,7 @@ from control_plane.admin.shapes import PinUpdate
 from control_plane.replay.engine import ConfigBook
 from control_plane.router import RouterConfig
 from control_plane.settings import StackSettings
-from kernel.settings import worker_credential
+from common.settings import worker_credential
 from schemas.types import RoutingMode
 
 log = logging.getLogger(__name__)

@@ -145,7 +145,7 @@ class Worker(Base):
     routed: Mapped[int] = mapped_column(BigInteger, default=0)
     completed: Mapped[int] = mapped_column(BigInteger, default=0)
     failed: Mapped[int] = mapped_column(BigInteger, default=0)
-    #: The worker's lifecycle (kernel/fleet.py): the newest epoch registered, draining and
+    #: The worker's lifecycle (common/fleet.py): the newest epoch registered, draining and
     #: deregistered (-1: none), which ``state`` is derived from.
     registered_epoch: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")
     draining_epoch: Mapped[int] = mapped_column(BigInteger, default=-1, server_default="-1")

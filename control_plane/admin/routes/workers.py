@@ -10,7 +10,7 @@ from control_plane.admin import queries, services
 from control_plane.admin.deps import Ctx, FilterStr, Limit, Offset, Operator, SessionDep, Viewer, WorkerIdPath
 from control_plane.admin.routes.common import AUTH, errors, page
 from control_plane.admin.shapes import ActionAccepted, DrainRequest, Page, WorkerDetail, WorkerPublic
-from kernel.log.reader import LocatedEvent
+from common.log.reader import LocatedEvent
 
 router = APIRouter(prefix="/workers", tags=["workers"], responses=AUTH)
 

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import xxhash
 
-from kernel.hashing import HashAlgo, HashConfig
+from common.hashing import HashAlgo, HashConfig
 from schemas.types import BlockHash
 
 try:  # the native crate is a project dependency; a build without it tokenizes in Python

@@ -43,7 +43,7 @@ from typing import Any
 
 import xxhash
 
-from kernel.errors import HashConfigError
+from common.errors import HashConfigError
 from schemas.types import BlockHash
 
 try:  # the native crate is a project dependency; a build without it hashes in Python

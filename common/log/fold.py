@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 
 import msgspec
 
-from kernel.log.reader import TP, LogRecord, RecordBatch
+from common.log.reader import TP, LogRecord, RecordBatch
 from schemas import SchemaError
 
 R = TypeVar("R")

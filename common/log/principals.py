@@ -71,9 +71,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel.log.catalog import Catalog
-from kernel.roles import OPERATOR_GROUPS, ROLES, SUPER_USER, Role, group_id, role, role_of_user
-from kernel.settings import stack_secret
+from common.log.catalog import Catalog
+from common.roles import OPERATOR_GROUPS, ROLES, SUPER_USER, Role, group_id, role, role_of_user
+from common.settings import stack_secret
 
 __all__ = ["OPERATOR_GROUPS", "ROLES", "SUPER_USER", "Grant", "Role", "apply_principals", "group_id", "role",
            "role_bindings", "role_of_user"]

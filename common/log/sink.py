@@ -1,6 +1,6 @@
 """The port every component records its facts through, and its in-memory adapter.
 
-``kernel.log.kafka.EventProducer`` implements :class:`EventSink` against Kafka. The in-memory
+``common.log.kafka.EventProducer`` implements :class:`EventSink` against Kafka. The in-memory
 :class:`MemorySink` serves the pure simulation and unit tests (never as a stand-in for the real
 adapter in an integration test): it stamps envelopes exactly as the producer does (one
 incarnation, per-scope sequence numbers, strictly increasing times), so a fold that reads

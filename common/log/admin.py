@@ -17,9 +17,9 @@ from confluent_kafka.admin import (
     OffsetSpec,
 )
 
-from kernel.log.catalog import Catalog, replication_for
-from kernel.log.principals import apply_principals
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog, replication_for
+from common.log.principals import apply_principals
+from common.settings import BusSettings
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def apply_topics(settings: BusSettings, catalog: Catalog | None = None, timeout:
 
     Returns only once every partition it created is led, i.e. answers a ListOffsets (see
     :func:`wait_led`). It also gives every component role its credential and its ACLs on these
-    topics (:func:`kernel.log.principals.apply_principals`): run it as the stack's super user.
+    topics (:func:`common.log.principals.apply_principals`): run it as the stack's super user.
     """
     catalog = catalog or Catalog(settings.topic_prefix)
     admin = AdminClient({**settings.client_conf(),

@@ -33,10 +33,10 @@ from typing import Protocol
 
 import msgspec
 
-from kernel.errors import LogReadError
-from kernel.log.catalog import Catalog
-from kernel.roles import group_id
-from kernel.settings import BusSettings
+from common.errors import LogReadError
+from common.log.catalog import Catalog
+from common.roles import group_id
+from common.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas.envelope import Envelope
 from schemas.events import Event
@@ -59,7 +59,7 @@ class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class RecordBatch(msgspec.Struct, frozen=True):
     """Records of one partition in offset order, by column: what the batch folds take
-    (:meth:`kernel.log.fold.RecordFold.fold_batch`), without a Python object per record."""
+    (:meth:`common.log.fold.RecordFold.fold_batch`), without a Python object per record."""
 
     topic: str
     partition: int
@@ -305,7 +305,7 @@ class KafkaLogReader:
     def __init__(self, bus: BusSettings | str, *, fetch_bytes: int = FETCH_BYTES, timeout_s: float = 10.0) -> None:
         """``bus``: the process's settings, whose principal the reader authenticates as (a
         component reads with its own role's credential, confined by its ACLs to what it reads:
-        kernel/log/principals.py); a bootstrap string alone: the credential of the environment
+        common/log/principals.py); a bootstrap string alone: the credential of the environment
         (the operator's tools: the stack's super user)."""
         from confluent_kafka import Consumer
 
@@ -355,7 +355,7 @@ class KafkaLogReader:
             t = md.topics.get(topic)
             if t is not None and t.error is not None and "AUTHORIZATION" in t.error.name():
                 raise LogReadError(f"topic {topic}: {t.error.name()} (this principal may not read it: "
-                                   "kernel/log/principals.py)")
+                                   "common/log/principals.py)")
             if t is None or t.error is not None or not t.partitions:
                 raise LogReadError(f"topic {topic} does not exist (run `switchyard topics apply`?)")
             got = self._parts[topic] = sorted(t.partitions)

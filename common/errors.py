@@ -1,11 +1,11 @@
-"""Errors of the shared kernel. One base, so an adapter can catch (and dead-letter or report)
+"""Errors of the shared code (common/). One base, so an adapter can catch (and dead-letter or report)
 any of them; contexts that catch their own base catch these by name where they can occur."""
 
 from __future__ import annotations
 
 
 class KernelError(Exception):
-    """Base of every error raised by ``kernel``."""
+    """Base of every error raised by ``common``."""
 
     reason = "kernel_error"
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kernel.roles import role as find_role
+from common.roles import role as find_role
 from schemas.signing import ADMIN, MASTER_SECRET, ROUTER, Signer, Verifier, owner_key, worker_owner
 
 
@@ -106,7 +106,7 @@ class BusSettings:
     topic_prefix: str = "sy"
     #: Producer batching delay. Small: control-plane events are latency-sensitive.
     linger_ms: int = 2
-    #: When set, every EventProducer of the process keeps an ack ledger (kernel/log/ledger.py)
+    #: When set, every EventProducer of the process keeps an ack ledger (common/log/acks.py)
     #: in this directory, one JSON-lines file per producer incarnation, for ``check_acks``.
     ack_ledger_dir: str | None = None
     #: ``SASL_SSL`` (the local stack: TLS to the brokers, verified against the stack's CA, and
@@ -114,7 +114,7 @@ class BusSettings:
     #: ``PLAINTEXT`` (a development cluster without either: logged loudly).
     security_protocol: str = "SASL_SSL"
     #: The SCRAM user this process authenticates as: the stack's super user, or a component's
-    #: own (``sy-<role>``, see kernel/roles.py and :meth:`from_env`'s ``role``).
+    #: own (``sy-<role>``, see common/roles.py and :meth:`from_env`'s ``role``).
     username: str = "switchyard"
     #: Its password; None: the checkout's stack secret ``secrets_dir/<secret_name>``, read when a
     #: client is made, so it is never in the environment or on a command line.

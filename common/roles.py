@@ -2,7 +2,7 @@
 secret ``kafka-<role>``), the streams each may write and the consumer groups it owns.
 
 Pure data, below both the bus settings (which authenticate as a role) and the ACLs built from
-it (kernel/log/principals.py, where the table is explained).
+it (common/log/principals.py, where the table is explained).
 """
 
 from __future__ import annotations

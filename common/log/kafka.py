@@ -3,7 +3,7 @@
 The producer is idempotent with ``acks=all``: a retried batch after a broker failure (or a
 partition leader moving to another broker of a replicated cluster) is written once. With an ack
 ledger (``ack_ledger=True`` or ``BusSettings.ack_ledger_dir``) it records every delivery report,
-so :func:`kernel.log.ledger.check_acks` can prove afterwards that what was acknowledged was kept. The consumer decodes through :class:`schemas.EventCodec`, drops redeliveries with a
+so :func:`common.log.acks.check_acks` can prove afterwards that what was acknowledged was kept. The consumer decodes through :class:`schemas.EventCodec`, drops redeliveries with a
 :class:`SequenceTracker`, reports gaps, and sends anything it cannot decode to the dead-letter
 topic with the reason, then goes on: one poison record never stops a stream.
 """
@@ -20,12 +20,12 @@ from pathlib import Path
 import xxhash
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 
-from kernel.log.catalog import Catalog
-from kernel.log.ledger import AckEntry, AckLedger
-from kernel.log.metadata import topic_partitions
-from kernel.log.principals import group_id as owned_group
-from kernel.log.sequencing import Observation, SequenceTracker, Verdict
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.acks import AckEntry, AckLedger
+from common.log.metadata import topic_partitions
+from common.log.principals import group_id as owned_group
+from common.log.sequencing import Observation, SequenceTracker, Verdict
+from common.settings import BusSettings
 from schemas import Envelope, EnvelopeFactory, EventCodec, SchemaError
 from schemas.events import Event
 from schemas.signing import about_of
@@ -176,7 +176,7 @@ class EventProducer:
                 if ack.offset < 0:
                     # "Implicitly acked": a later batch of this partition was acked, not this one.
                     # That is proof of delivery only if the broker checked sequence numbers (see
-                    # kernel.log.admin.wait_led for the case where it does not).
+                    # common.log.admin.wait_led for the case where it does not).
                     self.unconfirmed += 1
                     log.warning("event %s %s seq %d acked without an offset (implicitly, by a later batch)",
                                 env.type, env.key, env.seq)

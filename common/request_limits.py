@@ -52,7 +52,7 @@ class RequestLimits:
     #: Longest client request id kept as metadata.
     max_client_id_chars: int = 200
     #: Seconds a request's body may take to arrive once its headers have; beyond: 408 and the
-    #: connection closed (the headers' own bound is the server's, kernel/http_server.py).
+    #: connection closed (the headers' own bound is the server's, common/http_server.py).
     body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:

@@ -9,14 +9,14 @@ ledger holds the failed delivery report of exactly those seqs: the producer knew
 (and the consumers see the gap and repair it). Any other hole, an acknowledged id that is absent,
 or an id written twice is a broken promise.
 
-* :class:`AckLedger` is what an :class:`~kernel.log.kafka.EventProducer` records its delivery
+* :class:`AckLedger` is what an :class:`~common.log.kafka.EventProducer` records its delivery
   reports into (``ack_ledger=True``, or ``BusSettings.ack_ledger_dir``): one :class:`AckEntry`
   per report, success or failure, in memory or appended to a JSON-lines file that is flushed per
   entry, so the ledger of a process killed with -9 holds every report it had been served.
 * :func:`check_log` is pure: ledger entries and decoded log records in, a :class:`LedgerCheck`
   out. Gaps and redeliveries are found by the consumers' own :class:`SequenceTracker`, so the
   check sees the log exactly as the consumers' dedupe does.
-* :func:`check_acks` reads the ledger's topics through a :class:`~kernel.log.reader.LogReader`
+* :func:`check_acks` reads the ledger's topics through a :class:`~common.log.reader.LogReader`
   (the broker, a file export, memory) and calls :func:`check_log`.
 """
 
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import msgspec
 
-from kernel.log.reader import LogReader, LogRecord, ScanStats, scan_events
-from kernel.log.sequencing import SequenceTracker, Verdict
+from common.log.reader import LogReader, LogRecord, ScanStats, scan_events
+from common.log.sequencing import SequenceTracker, Verdict
 
 #: (topic, partition, offset)
 Position = tuple[str, int, int]
@@ -175,7 +175,7 @@ class LedgerCheck:
 
 def check_log(entries: Iterable[AckEntry], records: Iterable[tuple[LogRecord, object]]) -> LedgerCheck:
     """Check decoded log records (``(record, envelope)`` pairs in offset order per partition, as
-    :func:`~kernel.log.reader.scan_events` yields them) against ledger entries. Pure.
+    :func:`~common.log.reader.scan_events` yields them) against ledger entries. Pure.
 
     Every producer seen in the records is checked for gaps, not only the ledger's: a hole in
     anyone's sequence is a loss the consumers will see."""

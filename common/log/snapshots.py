@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 from confluent_kafka import Producer
 
-from kernel.log.catalog import Catalog
-from kernel.log.kafka import DeadLetters, EventProducer
-from kernel.log.reader import KafkaLogReader, LogRecord
-from kernel.settings import BusSettings
+from common.log.catalog import Catalog
+from common.log.kafka import DeadLetters, EventProducer
+from common.log.reader import KafkaLogReader, LogRecord
+from common.settings import BusSettings
 from schemas.signing import ForgedEvent, snapshot_data
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The shared kernel: what both planes import, and which imports neither.
+"""Code both planes share: what both planes import, and which imports neither.
 
 :mod:`schemas` (the event contract) is its other half. Here: vLLM-compatible block hashing
 (:mod:`.hashing`), the tokenizer the router and the workers share (:mod:`.tokenizer`), the
