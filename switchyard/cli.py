@@ -302,8 +302,8 @@ def router_cmd(
     body_timeout: Annotated[float, typer.Option(help="Seconds a request has to send its body (408 beyond).")] = 30.0,
     events_linger_ms: Annotated[int, typer.Option(
         envvar="SWITCHYARD_ROUTER_EVENTS_LINGER_MS",
-        help="linger.ms of the router's event producer (its request events batch; the bus default is for the "
-             "workers' KV events).")] = 20,
+        help="linger.ms of the router's event producer (longer batches more of its request events; beyond "
+             "the workers' prefill time a request's events land after theirs).")] = 2,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,

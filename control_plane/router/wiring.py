@@ -99,12 +99,11 @@ class RouterSettings:
     #: (common/http_server.py); a body's own bound is ``limits.body_timeout_s``.
     connections: ConnectionLimits = ConnectionLimits()
     #: ``linger.ms`` of this replica's event producer: how long a request's events wait to share
-    #: a produce request with its next events and other requests'. No routing decision waits
-    #: for them (its own ledger folds them as it publishes them; the planner, metrics, audit,
-    #: console and replay read them on a scale of seconds), so they batch longer than the bus
-    #: default, which the workers' KV events keep (the index's freshness). Measured in
-    #: docs/benchmarks-peers.md.
-    events_linger_ms: int = 20
+    #: a produce request with its next events and other requests'. The bus default (2 ms): at
+    #: 20 ms a request's ``RequestAdmitted`` landed on the log after its prefill worker's
+    #: ``PrefillCompleted`` (test_router_workers caught it), and the saving (0.06 ms of router
+    #: CPU per request) was inside the whole bench's noise (docs/benchmarks-peers.md).
+    events_linger_ms: int = 2
 
 
 def key_limits_mode(s: RouterSettings) -> str:
