@@ -844,7 +844,7 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
     rev_const = f"{const['rows'][0].reversals}" if const else "nan"
     # Dynamo's default target (throughput) on the trace: its attainment and replica-seconds over
     # our static's (its own static's row is in the table).
-    dyn = (main_case or {}).get("dynamo", {}).get("throughput", (math.nan, math.nan))
+    dyn = ((main_case or {}).get("dynamo") or {}).get("throughput", (math.nan, math.nan))
     dyn_keys = ""
     if dynamo:
         from benchmarks import planner_dynamo
