@@ -686,7 +686,7 @@ def burst_shape(peak: float = 3.0) -> Shape:
         return lo
 
     return Shape("burst", 360.0, rate, f"{lo:.2f} req/s for 120 s, a 60 s ramp to {peak:.2f}, held 60 s, "
-                 "60 s back, 60 s calm")
+                 "60 s back, 60 s calm", 120.0)  # the surprise: the ramp's start
 
 
 def family_peak_rate(records: Sequence[TraceRecord], cfg: PlannerConfig, fill: float = PEAK_FILL) -> float:
@@ -736,6 +736,33 @@ def workload_load(family: str, seed: int, shape_name: str, cfg: PlannerConfig,
     return shape.name, shape.description, shape_requests(records, shape, seed, block)
 
 
+def causal_row(name: str, reqs: list[Req], cfg: PlannerConfig, static_att: float, static_res: SimResult,
+               oracle_rs: float, surprise_s: float, *, startup_s: float, ttft_slo_ms: float, itl_slo_ms: float,
+               detect_s: float = 10.0, window_s: float = 10.0, hold_s: float = 30.0, factor: float = 2.0) -> float:
+    """The causal bound of one load (``planner_oracle.causal_bound``): no planner can tell the
+    load before ``surprise_s`` (the burst's ramp start) from a steady one, so the fleet it holds
+    when the surprise is seen (``detect_s`` later: a window closed) it held all along; after that
+    it follows the oracle. The least replica-seconds such a planner needs to reach the best
+    static split's attainment, as a ratio to the oracle's (NaN: not even the whole budget held
+    reaches it). Above 1.10, the goals "attainment >= static - 0.02" and "<= 1.10x the oracle"
+    cannot both be met on this load by any planner that cannot see the future (2 points below
+    static's attainment are ignored: the bound is for static's own)."""
+    from benchmarks.planner_oracle import causal_bound, window_needs
+
+    ocfg = planner_config(cfg.gpu_budget, ttft_slo_ms, itl_slo_ms, "kalman", lead_time_s=startup_s,
+                          slo_quantile=0.8, max_utilization=0.85)  # the oracle's own sizing, as oracle_row
+    needs = window_needs(reqs, static_res, ocfg, window_s)
+    static_rs = static_res.replica_seconds()
+    ratio = causal_bound(reqs, needs, ocfg, surprise_s + detect_s, static_att - 0.02, static_rs, factor=factor,
+                         hold_s=hold_s, startup_s=startup_s, window_s=window_s, ttft_slo_ms=ttft_slo_ms,
+                         itl_slo_ms=itl_slo_ms)
+    vs_oracle = ratio * static_rs / oracle_rs if oracle_rs and not math.isnan(oracle_rs) else math.nan
+    print(f"  [{name}] causal bound: {ratio:.3f}x static's replica-seconds = {vs_oracle:.3f}x the oracle's to reach "
+          f"{static_att - 0.02:.4f} (surprise at {surprise_s:g} s, seen at {surprise_s + detect_s:g} s)"
+          + ("; the goals cannot both be met here" if not vs_oracle <= 1.10 else ""), flush=True)
+    return vs_oracle
+
+
 def _case_job(job: dict) -> dict:
     """One case, built and run in this process (cases run in parallel, ``--jobs``): the load,
     ours, the best static split, the oracle (and Dynamo); returns what the tables need."""
@@ -751,12 +778,21 @@ def _case_job(job: dict) -> dict:
     case = run_case(name, reqs, cfg, budget=job["budget"], ttft_slo_ms=job["ttft_slo_ms"],
                     itl_slo_ms=job["itl_slo_ms"], startup_s=job["startup_s"], splits=job["splits"],
                     equal_cost=name == "trace", dynamo=job["dynamo"], oracle=job["oracle"])
+    if job.get("bounds") and job["kind"] != "trace":
+        base = burst_shape(1.0) if job["shape"] == "burst" else SHAPES[job["shape"]]()
+        orc = next((r for r in case["rows"] if r.who.startswith("oracle")), None)
+        if base.surprise_s is not None and orc is not None:
+            case["causal_vs_oracle"] = causal_row(
+                name, reqs, cfg, case["rows"][1].attainment, case["static"], orc.replica_seconds,
+                base.surprise_s * job["time_scale"], startup_s=job["startup_s"], ttft_slo_ms=job["ttft_slo_ms"],
+                itl_slo_ms=job["itl_slo_ms"])
     if job.get("png") and name == "trace":
         _plot(Path(job["png"]), case["ours"], case["static"], reqs, case["span_s"], case["start"])
     return {"name": name, "desc": desc, "requests": case["requests"], "span_s": case["span_s"], "rows": case["rows"],
             "start": case["start"], "static_label": case["static"].label, "decisions": case["ours"].decisions,
             "workload": job["kind"] == "workload", "dynamo": case.get("dynamo"),
-            "oracle_replica_seconds": case.get("oracle_replica_seconds", math.nan)}
+            "oracle_replica_seconds": case.get("oracle_replica_seconds", math.nan),
+            "causal_vs_oracle": case.get("causal_vs_oracle", math.nan)}
 
 
 def _run_jobs(jobs: list[dict], n: int) -> list[dict]:
@@ -776,7 +812,7 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
          score_shapes: Sequence[str] = SCORE_SHAPES, oracle: bool = True, jobs: int = 2,
          tuned: dict[str, float] | None = None, grid: dict[str, Sequence[float]] | None = None,
          dynamo_cases: Sequence[str] | None = None, dynamo_tune_configs: int | None = None,
-         dynamo_tuned: dict[str, int] | None = None) -> dict:
+         dynamo_tuned: dict[str, int] | None = None, bounds: bool = False) -> dict:
     """Tune both sides on ``tune_set`` (``workloads.sets`` cases, default its ``TUNE_SET``) on each
     of ``score_shapes``, with the same budget: ours, :data:`TUNE_GRID`'s points (``grid``;
     ``tuned`` reuses an earlier choice); Dynamo's, ``dynamo_tune_configs`` configs per target
@@ -785,7 +821,8 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
     ``time_scale`` shortens them and the workload cases), every case of ``score`` (default
     ``SCORE_SET``) on each of ``score_shapes``, and the shared trace in bursts: ours vs the best
     static split and the oracle, and (``dynamo``, on ``dynamo_cases``, default all) both planners
-    round robin, each against a static split under its own routing."""
+    round robin, each against a static split under its own routing. ``bounds``: each case with a
+    surprise also runs :func:`causal_row` (several simulations more)."""
     from benchmarks.planner_dynamo import TUNE_BUDGET
     from workloads.sets import SCORE_SET, TUNE_SET, check_apart
 
@@ -821,7 +858,7 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
           f"{', '.join(score_shapes)}; {jobs} jobs", flush=True)
     common = dict(budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, predictor=predictor,
                   startup_s=startup_s, splits=splits, oracle=oracle, time_scale=time_scale, seed=seed,
-                  limit=limit, pattern=pattern, trace=trace, png=png, overrides=tuned)
+                  limit=limit, pattern=pattern, trace=trace, png=png, overrides=tuned, bounds=bounds)
 
     def with_dynamo(job: dict) -> dict:
         name = job.get("shape") if job["kind"] == "shape" else (
@@ -864,6 +901,8 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
         ok = {t: v for t, v in d.items() if not math.isnan(v[0])}
         bt = max(ok, key=lambda t: ok[t][0], default=None)
         dtxt = (f"{bt} {ok[bt][0]:.4f} {ok[bt][2] - ok[bt][0]:+.4f} {ok[bt][3]:.3f}x" if bt else "")
+        if not math.isnan(c.get("causal_vs_oracle", math.nan)):
+            dtxt += f" (causal bound {c['causal_vs_oracle']:.3f}x the oracle)"
         print(f"{n:<32} {c['rows'][0].attainment:>7.4f} {c['rows'][1].attainment:>7.4f} {gaps[n]:>+8.4f} "
               f"{vs_oracle.get(n, math.nan):>9.3f} {c['rows'][0].reversals:>9d}   {dtxt}"
               + ("   <- worst" if n == worst else ""))
@@ -873,7 +912,9 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
           f"dynamo_replica_seconds_ratio={dyn[1] / static_row.replica_seconds:.4f} "
           f"reversals_constant={rev_const} score_cases={sum(1 for c in cases if c['workload'])} "
           f"worst_case={worst} worst_attainment_gap={gaps.get(worst, math.nan):.4f} "
-          f"replica_seconds_vs_oracle={max(vs_oracle.values(), default=math.nan):.4f}{dyn_keys}")
+          f"replica_seconds_vs_oracle={max(vs_oracle.values(), default=math.nan):.4f}{dyn_keys}"
+          + (" causal_vs_oracle=" + ",".join(f"{c['name']}:{c['causal_vs_oracle']:.3f}" for c in cases
+                                            if not math.isnan(c.get("causal_vs_oracle", math.nan))) if bounds else ""))
     return {"slo_attainment": ours_row.attainment, "static_slo_attainment": static_row.attainment,
             "replica_seconds_ratio": ratio, "best_static": main_case["static_label"] if main_case else "",
             "decisions": main_case["decisions"] if main_case else [], "cases": cases,
@@ -1025,6 +1066,8 @@ if __name__ == "__main__":
             kw["dynamo_tune_configs"] = int(args.pop(0))
         elif k == "--tuned":  # e.g. standing_headroom=0.2 (a tuning's RESULT tuned_<knob>)
             kw["tuned"] = {n: float(v) for n, v in (x.split("=") for x in args.pop(0).split(",") if x)}
+        elif k == "--bounds":
+            kw["bounds"] = True
         elif k == "--no-oracle":
             kw["oracle"] = False
         elif k == "--no-trace":

@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planner_bench import PEAK_FILL, burst_shape, family_peak_rate, main, planner_config, tune
+from benchmarks.planner_bench import (
+    PEAK_FILL,
+    TUNE_GRID,
+    burst_shape,
+    family_peak_rate,
+    fast_kwargs,
+    main,
+    planner_config,
+    tune,
+)
+from benchmarks.planner_dynamo import TUNE_BUDGET
 from control_plane.planner.policy import needed_replicas
 from workloads.sets import Case, case_records
 
@@ -15,6 +25,8 @@ def test_burst_shape_is_issue_35s_trace_shape():
     s = burst_shape(3.0)
     assert s.duration_s == 360.0
     assert [s.rate(t) for t in (0, 119, 150, 180, 239, 270, 300, 359)] == [1.0, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 1.0]
+    # the causal bound's surprise: nothing before the ramp's start tells the load from a steady one
+    assert s.surprise_s == 120.0 and s.rate(119.9) == s.rate(0.0)
 
 
 def test_family_peak_rate_needs_the_stated_share_of_the_budget():
@@ -40,3 +52,19 @@ def test_scoring_on_a_tune_case_and_tuning_on_a_score_case_are_refused():
         main(None, shapes=[], score=(Case("chat", 1),), dynamo=False)
     with pytest.raises(ValueError, match="share chat:2"):
         tune((Case("chat", 2),))
+
+
+def test_both_sides_get_the_same_tuning_budget():
+    """Ours tries as many points as Dynamo tries configs per target (4)."""
+    assert len(TUNE_GRID["standing_headroom"]) == TUNE_BUDGET == 4
+
+
+def test_the_fast_run_tunes_and_scores_apart():
+    """The smoke run: one family, the tune seed for tuning, the score seed for scoring, one
+    config a side."""
+    from workloads.sets import check_apart
+
+    kw = fast_kwargs()
+    check_apart(kw["tune_set"], kw["score"])
+    assert [c.family for c in kw["tune_set"]] == [c.family for c in kw["score"]] == ["chat"]
+    assert kw["dynamo_tune_configs"] == 1 and all(len(v) == 1 for v in kw["grid"].values())
