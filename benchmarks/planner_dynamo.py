@@ -9,7 +9,7 @@ engine's start-up time. Here, against ours:
 
 * **The same engine and its profile.** Dynamo runs on its own mocker with its polynomial timing,
   the model our simulator reproduces (``data_plane/engines/profiles/mocker.toml``), with the
-  same limits and ``max_model_len`` (:data:`MAX_MODEL_LEN`). Its SLA target gets that engine's
+  same limits and ``max_model_len`` (:func:`model_len`). Its SLA target gets that engine's
   profile: :func:`profile_fpms` evaluates our profile's timing model (the one the simulator
   steps with) at a grid of prefill and decode forward passes, and the driver installs them as
   its benchmark FPMs. Its bootstrap status must read ``installed``; anything else marks the
@@ -69,8 +69,23 @@ GUIDE: Mapping[str, object] = {"enable_throughput_scaling": True, "enable_load_s
                                "load_adjustment_interval_seconds": 10}
 #: The served model's context length, given to the mocker as ``max_model_len`` (Dynamo's planner
 #: reads it as ``context_length``): a 128k-context model. The shipped trace's longest request is
-#: 126,527 tokens; :func:`dynamo_job` refuses a load with a longer one.
+#: 126,527 tokens; a load with longer requests (the long-context and mixed workload families reach
+#: about 200k) is served by a 256k-context model (:data:`LONG_MODEL_LEN`); :func:`dynamo_job`
+#: refuses a load longer than that.
 MAX_MODEL_LEN = 131072
+LONG_MODEL_LEN = 262144
+
+
+def model_len(reqs: Sequence[Req]) -> int:
+    """The context length of the model serving ``reqs``: :data:`MAX_MODEL_LEN` when every request
+    fits, else :data:`LONG_MODEL_LEN` (a ``ValueError`` when one does not fit that either)."""
+    longest = max((len(r.engine.prompt) + r.osl for r in reqs), default=0)
+    for n in (MAX_MODEL_LEN, LONG_MODEL_LEN):
+        if longest <= n:
+            return n
+    worst = max(reqs, key=lambda r: len(r.engine.prompt) + r.osl)
+    raise ValueError(f"request {worst.rid}: {len(worst.engine.prompt)} + {worst.osl} tokens exceed max_model_len "
+                     f"{LONG_MODEL_LEN}")
 #: Dynamo's optimization targets (``PlannerConfig.optimization_target``).
 TARGETS = ("throughput", "latency", "load", "sla")
 #: Configs tuning tries per target, in order (the first is the guide's). ``ttft_scale`` and
@@ -148,15 +163,13 @@ def dynamo_job(reqs: Sequence[Req], runs: Sequence[Run], *, budget: int, ttft_sl
                startup_s: float, router_mode: str = "round_robin") -> dict:
     """One load as the JSON job ``dynamo_planner_replay.py`` reads: the same requests (arrival,
     lengths, and each block's prefix identity as an integer hash id, equal digests equal ids), our
-    ``mocker`` profile's engine limits and :data:`MAX_MODEL_LEN`, its profile FPMs, the same
+    ``mocker`` profile's engine limits and :func:`model_len`, its profile FPMs, the same
     SLOs, start-up time and GPU budget, and the runs."""
     prof = load_profile("mocker")
     ids: dict[object, int] = {}
     rows = []
+    max_model_len = model_len(reqs)
     for r in reqs:
-        if len(r.engine.prompt) + r.osl > MAX_MODEL_LEN:
-            raise ValueError(f"request {r.rid}: {len(r.engine.prompt)} + {r.osl} tokens exceed max_model_len "
-                             f"{MAX_MODEL_LEN}")
         digests = r.engine.prompt_digests or r.engine.prompt_hashes or ()
         hash_ids = [ids.setdefault(d, len(ids)) for d in digests]
         while len(hash_ids) * prof.block_size < len(r.engine.prompt):
@@ -165,7 +178,7 @@ def dynamo_job(reqs: Sequence[Req], runs: Sequence[Run], *, budget: int, ttft_sl
     return {"requests": rows,
             "engine": {"block_size": prof.block_size, "num_gpu_blocks": prof.num_device_blocks,
                        "max_num_seqs": prof.max_num_seqs, "max_num_batched_tokens": prof.max_num_batched_tokens,
-                       "max_model_len": MAX_MODEL_LEN},
+                       "max_model_len": max_model_len},
             "startup_s": startup_s, "ttft_ms": ttft_slo_ms, "itl_ms": itl_slo_ms, "gpu_budget": budget,
             "router_mode": router_mode, "profile_fpms": profile_fpms(),
             "runs": [{"prefill": r.prefill, "decode": r.decode, "planner": r.planner} for r in runs]}
@@ -239,7 +252,10 @@ def run_dynamo(reqs: Sequence[Req], runs: Sequence[Run], **job_args) -> list[Out
     if env.returncode != 0:
         err = f"scripts/dynamo-planner-env.sh failed ({env.returncode}): {env.stderr.strip()[-2000:]}"
         return [Outcome(r, None, error=err) for r in runs]
-    job = dynamo_job(reqs, runs, **job_args)
+    try:
+        job = dynamo_job(reqs, runs, **job_args)
+    except ValueError as e:  # a load Dynamo's engine refuses (a request over max_model_len): said, never scored
+        return [Outcome(r, None, error=str(e)) for r in runs]
     # Dynamo's runtime writes a logging config to a temporary file per start and leaves it.
     with tempfile.TemporaryDirectory(prefix="switchyard-dynamo-") as tmp:
         proc = subprocess.run([str(DYNAMO_ENV / "bin" / "python"), str(DYNAMO_DRIVER)], input=json.dumps(job),
@@ -283,18 +299,27 @@ class Tuned:
 
 
 def tune(tune_loads: Sequence[tuple[str, list[Req]]], cfg: PlannerConfig, *, budget: int, ttft_slo_ms: float,
-         itl_slo_ms: float, startup_s: float, configs: int = TUNE_BUDGET) -> dict[str, Tuned]:
+         itl_slo_ms: float, startup_s: float, configs: int = TUNE_BUDGET, jobs: int = 1) -> dict[str, Tuned]:
     """Each target's best of its first ``configs`` candidates on the tune loads: the highest
     worst-case attainment, then the fewest mean replica-seconds. A candidate that fails on any
-    tune load is out."""
+    tune load is out. ``jobs`` loads replay at once (each its own child process)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     scores: dict[tuple[str, int], list[tuple[float, float]]] = {}
     statuses: dict[str, list[str]] = {t: [] for t in TARGETS}
-    for name, reqs in tune_loads:
+
+    def replay(load: tuple[str, list[Req]]) -> list[Outcome]:
+        reqs = load[1]
         p0, d0 = initial_split(cfg, reqs)
         runs = [Run(f"{t}#{i}", p0, d0, planner(t, k, ttft_slo_ms, itl_slo_ms))
                 for t in TARGETS for i, k in enumerate(CANDIDATES[t][:configs])]
-        for o in run_dynamo(reqs, runs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
-                            startup_s=startup_s):
+        return run_dynamo(reqs, runs, budget=budget, ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms,
+                          startup_s=startup_s)
+
+    with ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+        replays = list(pool.map(replay, tune_loads))
+    for (name, _reqs), outcomes in zip(tune_loads, replays):
+        for o in outcomes:
             t, i = o.run.label.split("#")
             statuses[t].append(o.status)
             if o.result is None:

@@ -476,7 +476,8 @@ class ScalingDecision(PlannerEvent, frozen=True, kw_only=True, omit_defaults=Tru
     #: the pool was sized for, how far ahead it was forecast (s), the headroom added on top
     #: from the forecast's measured error (fraction), the start-up time allowed for new
     #: replicas (s), and the term that bound the target: "ttft" or "itl" (that SLO's sizing),
-    #: "gpu_budget", "max_replicas", "min_replicas" or "pin".
+    #: "gpu_budget", "max_replicas", "min_replicas", "pin", or "overload" (the closed loop on
+    #: observed attainment and queues sized it; see docs/planner.md).
     forecast_rate: float | None = None
     forecast_horizon_s: float | None = None
     headroom: float | None = None

@@ -861,13 +861,18 @@ def bench_vllm(trace: TraceOpt = Path(TRACE_DEFAULT),
 
 
 @bench_app.command("planner")
-def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT)) -> None:
-    """The trace, time-compressed with bursts, through simulated workers with the planner on,
-    vs the best static split of the same GPU budget."""
+def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT),
+                  fast: Annotated[bool, typer.Option(help="The smoke run: one short tune and score case.")] = False) -> None:
+    """Ours and Dynamo's planner, each tuned on the workloads' tune set, scored on the score set,
+    the constant load and the trace in bursts (simulated workers, virtual time), against the best
+    static split under each side's routing and the perfect-foresight oracle."""
     # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
-    from benchmarks.planner_bench import main as run
+    from benchmarks.planner_bench import fast_kwargs, main as run
 
-    run(trace)
+    if fast:
+        run(None, **fast_kwargs())
+    else:
+        run(trace)
 
 
 @bench_app.command("replay")

@@ -177,13 +177,46 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: Bounds of the prefill utilisation the TTFT headroom may pick (see profile.py).
     min_utilization: float = 0.3
     max_utilization: float = 0.85
-    #: Online correction observed/expected latency: clamp, EWMA weight, samples needed. The
-    #: default floor 1.0 never assumes hardware faster than its profile: a correction learned
-    #: below 1 at light load (short queues, short contexts) under-provisions at the peak.
-    correction_min: float = 1.0
+    #: Online correction observed/expected latency: clamp, EWMA weight, samples needed. It
+    #: learns in both directions: a profile too pessimistic (decode at 10 ms where it predicts 20,
+    #: e.g. prompts sharing their KV blocks) is corrected as well as one too optimistic; the floor
+    #: 0.5 bounds how much faster than its profile the hardware may be assumed.
+    correction_min: float = 0.5
     correction_max: float = 3.0
     correction_alpha: float = 0.3
     correction_min_samples: int = 5
+    #: **Overload loop** (the closed loop on what users feel). A pool enters overload mode when a
+    #: closed window's SLO attainment (with at least ``correction_min_samples`` judged) falls
+    #: below ``overload_attainment``, or when what its ready workers report queued would wait
+    #: longer than its latency target (prefill: queued tokens / measured throughput > TTFT SLO;
+    #: decode: more requests waiting than ready workers). In that mode it is sized for the
+    #: arrivals plus draining the backlog (projected to when new replicas are ready) within
+    #: ``overload_drain_s``, at the *measured* throughput per replica, whatever the model says;
+    #: its orders stack on replicas still starting; it has the budget first. It leaves only after
+    #: ``overload_exit_windows`` windows in a row without a breach and with the queue drained.
+    overload_attainment: float = 0.9
+    overload_drain_s: float = 20.0
+    overload_exit_windows: int = 3
+    #: Trends are extrapolated over the horizon only once rising windows confirm them: a
+    #: one-sided CUSUM of each window's excess over the mean of the ``2 * confirm_windows``
+    #: windows ``trend_confirm_windows`` before it, in Poisson sd, less ``trend_confirm_k`` per window,
+    #: above ``trend_confirm_z`` (see policy._rising: about 0.12 false confirmations per 10
+    #: minutes of 5 s windows, a ramp of one sd per window confirmed in about 4). Unconfirmed,
+    #: only the next window's slope (beyond ``trend_z`` sd) is extrapolated; confirmed, the whole
+    #: slope over the horizon, with no band widening (the windows are the evidence).
+    trend_confirm_windows: int = 3
+    trend_confirm_k: float = 1.0
+    trend_confirm_z: float = 4.0
+    #: A standing headroom (fraction of the forecast) once the fleet's need (every pool's, in
+    #: GPUs) reaches ``standing_headroom_from`` of the GPU budget: near the budget a ramp caught
+    #: late cannot be caught up with (start-up takes longer than the budget lasts), so capacity
+    #: stands ready for it while rising windows confirm the trend.
+    standing_headroom: float = 0.0
+    standing_headroom_from: float = 0.5
+    #: While another pool is in overload, a pool whose observed latency is at most this
+    #: fraction of its SLO (and that meets it) yields replicas to it even below its model need:
+    #: it keeps ``max(ratio / yield_margin, 0.75)`` of its need.
+    yield_margin: float = 0.5
     #: Predictor of ISL, OSL and prefix hit rate (they move slowly; the rate has its own).
     length_predictor: PredictorKind = PredictorKind.MOVING_AVERAGE
     #: Observations kept per pool (predictor history).
@@ -251,6 +284,15 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                                      "planned at 100% utilisation has an unbounded queue")
         if not 0 < self.correction_min <= 1 <= self.correction_max:
             raise PlannerConfigError("need 0 < correction_min <= 1 <= correction_max (1 = the profile is right)")
+        if not 0 < self.overload_attainment <= 1 or self.overload_drain_s <= 0 or self.overload_exit_windows < 1:
+            raise PlannerConfigError("need 0 < overload_attainment <= 1, overload_drain_s > 0 and "
+                                     "overload_exit_windows >= 1 (the overload loop leaves only on evidence)")
+        if self.trend_confirm_windows < 1 or self.trend_confirm_z < 0 or self.trend_confirm_k < 0:
+            raise PlannerConfigError("need trend_confirm_windows >= 1, trend_confirm_k >= 0 and trend_confirm_z >= 0")
+        if not 0 <= self.standing_headroom <= 1 or not 0 < self.standing_headroom_from <= 1:
+            raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 < standing_headroom_from <= 1")
+        if not 0 < self.yield_margin < 1:
+            raise PlannerConfigError("yield_margin must be in (0, 1): a pool at its SLO has no margin to yield")
         if not 0 < self.correction_alpha <= 1:
             raise PlannerConfigError("correction_alpha must be in (0, 1]")
         if self.history_limit < 2:

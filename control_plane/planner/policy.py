@@ -26,9 +26,10 @@ One tick, per pool:
    the others of budget.
 3. **Predict** the rate over ``forecast_horizon_s`` (default ``2 * lead_time_s + tick_s``:
    replicas ordered now are ready after the lead time, the next decision waits for them, and its
-   replicas take another lead time; a trend predictor answers the largest forecast within it,
-   extrapolating only the slope beyond ``trend_z`` of its sd, whose uncertainty widens the noise
-   band), then add the **headroom**: every horizon forecast is scored against the mean rate that
+   replicas take another lead time; a trend predictor answers the largest forecast within it
+   once rising windows confirm the trend (``_rising``: a CUSUM of the windows' excess over a
+   lagged reference), otherwise the next window's, extrapolating only the slope beyond
+   ``trend_z`` of its sd), then add the **headroom**: every horizon forecast is scored against the mean rate that
    came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
    the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
    ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
@@ -72,6 +73,12 @@ One tick, per pool:
    where it was. A holder may thus drain down to its need so that a starving pool grows, never
    below it and never for nothing. Only a lowered budget that even that cannot meet cuts every
    pool back from its minimum.
+   **Overload loop** (issue 35): a window's SLO attainment below ``overload_attainment``, or
+   queued work longer than the latency target, puts the pool in overload mode: sized for the
+   measured arrivals plus the backlog drained in ``overload_drain_s`` at the measured service
+   rate (``_overload``, ``_overload_need``), orders stacking on replicas still starting, no
+   scale-down, first call on the budget while the breach lasts; left after
+   ``overload_exit_windows`` clean windows.
 7. **Effects.** Each pool whose target changes gets a :class:`ScaleEffect` carrying a
    ``ScalingDecision`` payload: from, to, a reason with the arithmetic, every input (predictions,
    profile lookups, corrections, replica counts), the predictor, the config version and the
@@ -180,6 +187,19 @@ class PoolState:
     #: actual / forecast - 1``, tracked online; the headroom is this, clamped.
     horizon_error: float = 0.0
     horizon_scored: int = 0
+    #: Overload mode (the closed loop on what users feel): since when (None: not in it), and
+    #: closed windows in a row without a breach since the last one.
+    overload_since_ns: int | None = None
+    clean_windows: int = 0
+    #: Measured throughput of one ready replica while saturated (prefill: new prompt tokens/s;
+    #: decode: output tokens/s), an EWMA over saturated windows; None until one was seen.
+    service_tok_s: float | None = None
+    #: Since when the pool has been saturated (work queued on every ready worker).
+    saturated_since_ns: int | None = None
+    #: Observed mean latency / SLO in the last window with enough completions (its margin).
+    latency_ratio: float | None = None
+    #: The replicas its last sizing needed (the fleet's total decides the standing headroom).
+    last_needed: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +316,11 @@ class _Plan:
     #: noise band, or nothing at all while its last decision is pending or it changed within
     #: ``cooldown_down_s`` (a scale-down forced by the budget is still a scale-down: slow).
     yield_to: int | None = None
+    #: In overload mode: it has the budget before every other growing pool but pins.
+    overload: bool = False
+    #: How far it may yield to a pool in overload when its own SLO has a wide margin (below its
+    #: need; None: no such margin).
+    margin_yield_to: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,7 +332,12 @@ def decide(now_ns: int, snapshot: LoadSnapshot, config: PlannerConfig,
            state: PlannerState) -> tuple[PlannerTick, PlannerState]:
     """One planner tick. Pure: same inputs, same outputs (see the module docstring)."""
     pins = dict(state.pins)
-    plans = [_plan_pool(now_ns, _with_upstream(snapshot, pc), pc, config, state.pool(pc.name), pins.get(pc.name))
+    # the fleet's need besides each pool's own (GPUs, from the last tick): near the budget, a
+    # standing headroom
+    fleet = {pc.name: sum(state.pool(q.name).last_needed * q.gpus_per_replica for q in config.pools if q.name != pc.name)
+             for pc in config.pools}
+    plans = [_plan_pool(now_ns, _with_upstream(snapshot, pc), pc, config, state.pool(pc.name), pins.get(pc.name),
+                        fleet[pc.name])
              for pc in config.pools]
     final = _apply_budget(plans, config.gpu_budget)
 
@@ -322,7 +352,8 @@ def decide(now_ns: int, snapshot: LoadSnapshot, config: PlannerConfig,
         inputs = dict(plan.inputs)
         inputs["proposed_replicas"] = plan.proposed
         action = "up" if to > plan.current else "down" if to < plan.current else "hold"
-        binding = ("pin" if plan.pinned else "gpu_budget" if budget_note
+        binding = ("pin" if plan.pinned else "overload" if plan.overload and to > plan.current
+                   else "gpu_budget" if budget_note
                    else "max_replicas" if to == pc.max_replicas and plan.needed is not None and plan.needed > to
                    else "min_replicas" if to == pc.min_replicas and (plan.needed or 0.0) < to else plan.binding)
         if binding:
@@ -378,7 +409,7 @@ def _with_upstream(snapshot: LoadSnapshot, pc: PoolConfig) -> PoolLoad:
 
 
 def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps: PoolState,
-               pin: Pin | None) -> _Plan:
+               pin: Pin | None, others_gpus: float = 0.0) -> _Plan:
     prof = pc.performance
     if prof is None:
         raise PlannerConfigError(f"pool {pc.name}: performance profile not resolved "
@@ -401,7 +432,16 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         ps = replace(ps, settled_since_ns=None)
     elif ps.settled_since_ns is None:
         ps = replace(ps, settled_since_ns=now)
+    new_windows = [w for w in load.windows if w.end_ns > ps.last_window_end_ns]
     ps = _observe(ps, load, pc, cfg, prof, pending)
+    ps, breach = _overload(ps, load, pc, cfg, prof, now, new_windows)
+    overload = ps.overload_since_ns is not None
+    if overload:
+        inputs["overload"] = breach or f"no breach for {ps.clean_windows} windows, queue not yet drained"
+    if ps.service_tok_s is not None:
+        inputs["measured_tok_s_per_replica"] = round(ps.service_tok_s, 1)
+    if ps.latency_ratio is not None:
+        inputs["latency_over_slo"] = round(ps.latency_ratio, 4)
     timed_out = pending and now - (ps.pending_since_ns or now) > cfg.startup_timeout_s * NS
     if timed_out:
         pending = False
@@ -415,7 +455,8 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
     up = down = None
     low = high = None
     if ps.history:
-        sz, ps = _size(ps, pc, cfg, prof, role, inputs, load)
+        sz, ps = _size(ps, pc, cfg, prof, role, inputs, load, overload, others_gpus)
+        ps = replace(ps, last_needed=sz.needed)
         needed, sizing, low, high = sz.needed, sz.text, sz.low, sz.high
         up = max(math.ceil(needed - _EPS), math.ceil(low - _EPS), 0)
         down = max(math.ceil(high / cfg.scale_down_threshold - _EPS), 0)
@@ -439,6 +480,19 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
                   + (f" ({pin.reason})" if pin.reason else "")
                   + (f" (clamped to [{lo}, {hi}])" if proposed != pin.replicas else ""))
         below = 0
+    elif overload and up is not None and up > current:
+        # the closed loop: orders stack on replicas still starting (the pending gate is for the
+        # model's forecasts; a breach users feel now is evidence enough)
+        below = 0
+        proposed, action, reason = _gated(current, sizing, (
+            (_cooling(now, ps.last_up_ns, cfg.cooldown_up_s),
+             f"overload loop wants {up} but in scale-up cooldown ({cfg.cooldown_up_s:g}s)"),
+        ), (min(up, hi), "up", f"overload loop ({inputs['overload']}): {sizing}"
+            + (f"; stacked on {reps.starting} starting" if reps.starting else "")
+            + (f"; capped at max_replicas {hi}" if up > hi else "")))
+    elif overload:
+        below = 0
+        reason = f"overload loop ({inputs['overload']}): {sizing}; holding {current} (no scale-down in overload)"
     elif low is not None and up is not None and low > current + _EPS:
         below = 0
         since = (now - (ps.pending_since_ns or now)) / NS
@@ -482,8 +536,14 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         yield_to = proposed
     else:
         yield_to = min(proposed, max(math.ceil(high - _EPS), lo))
+    margin_yield_to = None
+    r = ps.latency_ratio
+    failing = overload and bool(breach)
+    if not failing and pin is None and not frozen and needed is not None and r is not None and r <= cfg.yield_margin:
+        margin_yield_to = min(proposed, max(lo, math.ceil(needed * max(r / cfg.yield_margin, 0.75) - _EPS)))
     return _Plan(pc, ps, current, proposed, action, reason, inputs, needed, pin is not None, load,
-                 frozen=frozen, binding=binding, yield_to=yield_to)
+                 frozen=frozen, binding=binding, yield_to=yield_to, overload=failing and pin is None,
+                 margin_yield_to=margin_yield_to)
 
 
 def _num(x: InputValue | None) -> float | None:
@@ -568,6 +628,148 @@ def _score_horizon(ps: PoolState, history: list[Observation], cfg: PlannerConfig
         e += a / windows * (tau if u > e else 1 - tau) * (u - e)
         n += 1
     return replace(ps, horizon_forecasts=tuple(keep), horizon_error=e, horizon_scored=n)
+
+
+def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile,
+              now: int, new: list[WindowStats]) -> tuple[PoolState, str]:
+    """The closed loop's observations: (state, the breach that holds now or "").
+
+    A **breach** is what users feel: a window just closed whose SLO attainment is below
+    ``overload_attainment`` (at least ``correction_min_samples`` judged), or a queue on the ready
+    workers that would wait longer than the latency target (prefill: queued tokens / (ready x
+    measured throughput) > TTFT SLO; decode: more requests waiting than ready workers). A breach
+    enters overload mode; it is left after ``overload_exit_windows`` windows in a row without
+    one, with the prefill queue under a quarter of the TTFT target.
+
+    While every ready worker has work queued (*saturated*), a window that lay wholly inside that
+    time, with no worker joining or leaving, measures what a replica serves per second (prefill:
+    new prompt tokens; decode: output tokens): the service rate, an EWMA. It is learned in
+    overload too, where latency ratios say nothing about the hardware (item 4 of issue 35).
+    """
+    role = WorkerRole(pc.role)
+    ready = [w for w in load.workers if w.state == "ready"]
+    breaches: list[str] = []
+    saturated = bool(ready)
+    wait_s = 0.0
+    if role is not WorkerRole.DECODE:
+        mu = ps.service_tok_s or prof.prefill_tokens_per_s
+        queued = sum(w.queued_prefill_tokens for w in ready)
+        if ready and mu > 0:
+            wait_s = queued / (len(ready) * mu)
+            if wait_s * 1000.0 > (pc.ttft_slo_ms or 0.0):
+                breaches.append(f"{queued:,} prefill tokens queued, {wait_s:.1f} s of work > TTFT "
+                                f"{(pc.ttft_slo_ms or 0.0) / 1000:g} s")
+        # busy for the whole window only with at least a second of the profile's work queued each
+        # (a queue that is merely non-empty at the tick leaves idle gaps: measured low)
+        saturated = saturated and all(w.queued_prefill_tokens >= prof.prefill_tokens_per_s for w in ready)
+    if role is not WorkerRole.PREFILL:
+        waiting = sum(w.waiting for w in ready)
+        if ready and waiting > len(ready):
+            breaches.append(f"{waiting} decode requests waiting on {len(ready)} ready workers")
+        saturated = saturated and bool(ready) and all(w.waiting > 0 for w in ready)
+
+    mu_m, ratio = ps.service_tok_s, ps.latency_ratio
+    clean = ps.clean_windows
+    for w in new:
+        att = w.slo_attainment
+        judged = w.completions + w.failures
+        window_breach = att is not None and judged >= cfg.correction_min_samples and att < cfg.overload_attainment
+        if window_breach:
+            breaches.append(f"SLO attainment {att:.2f} < {cfg.overload_attainment:g} in the window ending "
+                            f"{w.end_ns / NS:.0f} s")
+        clean = 0 if window_breach or breaches else clean + 1
+        if judged >= cfg.correction_min_samples:
+            terms = []
+            if role is not WorkerRole.DECODE and w.ttft_mean is not None and pc.ttft_slo_ms:
+                terms.append(w.ttft_mean / pc.ttft_slo_ms)
+            if role is not WorkerRole.PREFILL and w.itl_mean is not None and pc.itl_slo_ms:
+                terms.append(w.itl_mean / pc.itl_slo_ms)
+            if terms:
+                ratio = max(terms) if att is None or att >= cfg.overload_attainment else max(max(terms), 1.0)
+        steady = (saturated and ps.saturated_since_ns is not None and w.start_ns >= ps.saturated_since_ns
+                  and load.replicas.draining == 0
+                  and all(x.ready_at_ns is not None and x.ready_at_ns <= w.start_ns for x in ready))
+        if steady and w.duration_s > 0:
+            done = (w.prompt_tokens - w.cached_tokens if role is WorkerRole.PREFILL
+                    else w.completions * (w.osl_mean or 0.0) if role is WorkerRole.DECODE else 0.0)
+            if done > 0:
+                x = done / (len(ready) * w.duration_s)
+                mu_m = x if mu_m is None else (1 - cfg.correction_alpha) * mu_m + cfg.correction_alpha * x
+    if breaches:
+        clean = 0
+    since = ps.overload_since_ns
+    if breaches and since is None:
+        since = now
+    elif (since is not None and not breaches and clean >= cfg.overload_exit_windows
+          and wait_s * 1000.0 <= 0.25 * (pc.ttft_slo_ms or 0.0)):
+        since = None
+    ps = replace(ps, overload_since_ns=since, clean_windows=clean, service_tok_s=mu_m, latency_ratio=ratio,
+                 saturated_since_ns=(ps.saturated_since_ns or now) if saturated else None)
+    return ps, "; ".join(breaches)
+
+
+def _overload_need(rate: float, isl: float, osl: float, hit: float, load: PoolLoad, pc: PoolConfig,
+                   cfg: PlannerConfig, prof: PerformanceProfile, ps: PoolState, role: WorkerRole,
+                   inputs: dict[str, InputValue]) -> tuple[float, str]:
+    """Replicas the overload loop sizes for: the arrivals plus the backlog, projected to when
+    replicas ordered now are ready (it grows by what arrives beyond what the ready workers
+    serve), drained within ``overload_drain_s``, at the *measured* throughput per replica (the
+    profile's until one is measured); arrivals at ``max_utilization`` of it, so the queue does
+    not build again. Prefill and decode needs add up (aggregated pools pay both)."""
+    ready = [w for w in load.workers if w.state == "ready"]
+    lead, drain = cfg.lead_time_s, cfg.overload_drain_s
+    need, parts = 0.0, []
+    if role is not WorkerRole.DECODE:
+        mu = ps.service_tok_s or prof.prefill_tokens_per_s
+        arr = rate * isl * (1 - hit)
+        backlog = float(sum(w.queued_prefill_tokens for w in ready))
+        projected = backlog + max(arr - len(ready) * mu, 0.0) * lead
+        n = (arr / cfg.max_utilization + projected / drain) / mu if mu > 0 else 0.0
+        need += n
+        inputs.update(overload_prefill_backlog=round(backlog), overload_prefill_projected=round(projected),
+                      overload_prefill_needed=round(n, 4))
+        parts.append(f"prefill {arr:,.0f} tok/s arriving / {cfg.max_utilization:.0%} + backlog {backlog:,.0f} tokens "
+                     f"({projected:,.0f} in {lead:g} s) / {drain:g} s, at {mu:,.0f} tok/s per replica "
+                     f"({'measured' if ps.service_tok_s else 'profile'}) = {n:.2f}")
+    if role is not WorkerRole.PREFILL:
+        context = isl + osl / 2
+        mu = ps.service_tok_s or prof.best_decode((pc.itl_slo_ms or 0.0) / ps.itl_correction, context).tokens_per_s
+        arr = rate * osl
+        waiting = sum(w.waiting for w in ready)
+        backlog = waiting * osl
+        projected = backlog + max(arr - len(ready) * mu, 0.0) * lead
+        n = (arr + projected / drain) / mu if mu > 0 else 0.0
+        need += n
+        inputs.update(overload_decode_waiting=waiting, overload_decode_needed=round(n, 4))
+        parts.append(f"decode {arr:,.0f} tok/s arriving + {waiting} waiting x OSL {osl:,.0f} ({projected:,.0f} tokens "
+                     f"in {lead:g} s) / {drain:g} s, at {mu:,.0f} tok/s per replica "
+                     f"({'measured' if ps.service_tok_s else 'profile'}) = {n:.2f}")
+    return need, " + ".join(parts)
+
+
+def _rising(hist: tuple[Observation, ...], cfg: PlannerConfig) -> bool:
+    """A rise the windows themselves confirm: a one-sided CUSUM of the window rates against a
+    lagged reference. Each window's excess over the mean of the ``2 * confirm_windows`` windows
+    that ended ``trend_confirm_windows`` windows before it, in sd of Poisson noise (``sqrt(reference
+    arrivals)``), less ``trend_confirm_k``, accumulates (floored at 0); the trend is confirmed
+    while the sum exceeds ``trend_confirm_z``. Recomputed from the history each tick (no state).
+    With k = 1 and h = 4, a constant load confirms by chance about 0.12 times in 10 minutes of
+    5 s windows; a ramp of one sd per window is confirmed in about 4 windows, a ramp of 3 sd per
+    window in 2 (seeded Monte Carlo; docs/planner.md)."""
+    lag, ref_n = cfg.trend_confirm_windows, 2 * cfg.confirm_windows
+    s = 0.0
+    for i in range(max(0, len(hist) - 4 * (lag + ref_n)), len(hist)):
+        ref = hist[max(0, i - lag - ref_n + 1):i - lag + 1]
+        if len(ref) < min(3, ref_n):
+            continue
+        n = sum(o.arrivals for o in ref)
+        dur = sum(o.duration_s for o in ref)
+        if dur <= 0:
+            continue
+        o = hist[i]
+        expected = n / dur * o.duration_s
+        s = max(0.0, s + (o.arrivals - expected) / math.sqrt(max(expected, 1.0)) - cfg.trend_confirm_k)
+    return s > cfg.trend_confirm_z
 
 
 def headroom(ps: PoolState, cfg: PlannerConfig) -> float:
@@ -675,6 +877,8 @@ def _need(rate: float, isl: float, osl: float, hit: float, n_eff: float, isl_cv:
     if role is not WorkerRole.PREFILL:
         context = isl + osl / 2
         target = (pc.itl_slo_ms or 0.0) / ps.itl_correction
+        # the ITL SLO is on each request's mean ITL: the mean step time over its life, so the
+        # step time at the slo_quantile of the concurrency keeps that fraction inside it
         dc = prof.best_decode(target, context, quantile=cfg.slo_quantile)
         demand = rate * osl
         need_d = (demand + backlog[1]) / dc.tokens_per_s if dc.tokens_per_s > 0 else 0.0
@@ -733,16 +937,21 @@ def _backlog(load: PoolLoad, cfg: PlannerConfig, osl: float) -> tuple[float, flo
 
 
 def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile, role: WorkerRole,
-          inputs: dict[str, InputValue], load: PoolLoad) -> tuple[_Sizing, PoolState]:
+          inputs: dict[str, InputValue], load: PoolLoad, overload: bool = False,
+          others_gpus: float = 0.0) -> tuple[_Sizing, PoolState]:
     """Forecast, then size twice: on the forecast (short horizon: reacts fast, noisy) and on the
     average of the last ``confirm_windows`` windows (long horizon: slow, quiet). The low end
     (``needed * (1 - margin)``, margin = ``noise_z`` x relative noise, capped) of either proves a
     scale-up; a scale-down needs the high end of both to fit."""
     hist = ps.history
     horizon = max(1, math.ceil(cfg.horizon_s / cfg.tumbling_s - _EPS))
+    # a trend is extrapolated over the horizon only once rising windows confirm it (then in
+    # full); unconfirmed, only the next window's (its slope beyond trend_z sd)
+    rising = _rising(hist, cfg)
     rate_f = forecast(pc.predictor, [o.rate for o in hist], window=pc.predictor_window,
-                      history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods, horizon=horizon,
-                      trend_z=cfg.trend_z)
+                      history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods,
+                      horizon=horizon if rising else 1, trend_z=0.0 if rising else cfg.trend_z)
+    inputs["trend_confirmed"] = int(rising)
 
     def length(values: list[float]) -> float | None:
         if not values:
@@ -779,15 +988,19 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
         inputs.update(backlog_prefill_tok_s=round(backlog[0], 1), backlog_decode_tok_s=round(backlog[1], 1))
     need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
                                  backlog)
-    # the band also covers the model's own uncertainty about an extrapolated trend: a slope
-    # read from noise must not prove a scale-up by itself
-    spread = trend_rel = 0.0
-    if rate_f.spread > 0 and rate_f.value > 0:
-        spread = rate_f.spread
-        trend_rel = cfg.trend_z * spread / rate_f.value
-    m_f = min(cfg.noise_z * rel_f + trend_rel, cfg.max_noise_margin)
-    if spread:
-        inputs["forecast_spread"] = round(spread, 4)
+    standing = cfg.standing_headroom
+    if standing > room and need_f * pc.gpus_per_replica + others_gpus >= cfg.standing_headroom_from * cfg.gpu_budget:
+        # near the budget: a standing headroom (a ramp caught late cannot be caught up with)
+        room = standing
+        rate = rate_f.value * (1 + room)
+        inputs.update(headroom=round(room, 4), predicted_rate=round(rate, 4), standing_headroom=1)
+        need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
+                                     backlog)
+    # the band is the sampling noise only: a trend is not taken from a band its own
+    # extrapolation widens but from rising windows (_rising)
+    m_f = min(cfg.noise_z * rel_f, cfg.max_noise_margin)
+    if rate_f.spread > 0:
+        inputs["forecast_spread"] = round(rate_f.spread, 4)
     p_need, d_need = float(inputs.get("prefill_needed", 0.0)), float(inputs.get("decode_needed", 0.0))
     inputs["binding_slo"] = ("ttft" if role is WorkerRole.PREFILL else "itl" if role is WorkerRole.DECODE
                              else "ttft" if p_need >= d_need else "itl")
@@ -819,6 +1032,14 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     text = (" + ".join(parts) + f" -> needed {need_f:.2f} replicas ({pc.predictor.value}, +-{m_f:.0%} noise over "
             f"{n_short:.0f} arrivals; {len(tail)}-window average {need_l:.2f} +-{m_l:.0%}) "
             f"-> low {low:.2f}, high {high:.2f}")
+    if overload:
+        # measured, not forecast: no noise band; the larger of the two sizings stands
+        # measured arrivals (the larger of the last two windows), not the forecast: the loop
+        # acts on what came
+        seen = max(o.rate for o in hist[-2:])
+        need_o, text_o = _overload_need(seen, isl, osl, hit, load, pc, cfg, prof, ps, role, inputs)
+        text += f"; overload sizing: {text_o} -> {need_o:.2f}"
+        need_f, low, high = max(need_f, need_o), max(low, need_o), max(high, need_o)
     return _Sizing(need_f, low, high, text), ps
 
 
@@ -842,6 +1063,13 @@ def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]
     pool whose last decision is still pending (``frozen``) offers nothing: no new decision for it
     until that one is applied.
     """
+    if any(p.overload and p.proposed > p.current for p in plans):
+        # a pool in overload is failing its SLO: one with a wide margin yields to it, even below
+        # its model need (to margin_yield_to), cooldown or not
+        # (and does not grow meanwhile)
+        plans = [replace(p, proposed=min(p.proposed, p.current),
+                         yield_to=min(p.yield_to if p.yield_to is not None else p.proposed, p.margin_yield_to))
+                 if p.margin_yield_to is not None and not p.overload else p for p in plans]
     names = sorted(p.config.name for p in plans)
     by = {p.config.name: p for p in plans}
     g = {n: by[n].config.gpus_per_replica for n in names}
@@ -873,6 +1101,7 @@ def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]
 
     want = {n: proposed[n] if n in growing else need[n] for n in names}
     fill([n for n in names if n in growing and by[n].pinned], want)
+    fill([n for n in names if n in growing and by[n].overload], want)  # the SLO is failing there
     fill([n for n in names if n in growing], want)
     fill([n for n in names if n not in growing], proposed)  # give back the surplus nobody took
     used = budget - left

@@ -47,10 +47,13 @@ def test_job_carries_our_mocker_profile_max_model_len_and_round_robin() -> None:
                                                    "hash_ids": [0]}]
 
 
-def test_a_request_longer_than_max_model_len_is_refused() -> None:
-    r = _req(0, 0.0, [b"a"], osl=pd.MAX_MODEL_LEN)
-    with pytest.raises(ValueError, match="exceed max_model_len 131072"):
-        _job([r])
+def test_a_load_longer_than_128k_gets_a_256k_model_and_longer_is_refused() -> None:
+    """64 prompt tokens + 131,072 output > 128k: the load is served by a 262,144-token model;
+    64 + 262,144 fits neither."""
+    job = _job([_req(0, 0.0, [b"a"], osl=pd.MAX_MODEL_LEN)])
+    assert job["engine"]["max_model_len"] == pd.LONG_MODEL_LEN == 262144
+    with pytest.raises(ValueError, match="exceed max_model_len 262144"):
+        _job([_req(0, 0.0, [b"a"], osl=pd.LONG_MODEL_LEN)])
 
 
 def test_the_guide_settings_and_every_target() -> None:

@@ -1,0 +1,124 @@
+"""Issue 35's loops in the planner core: the overload loop on what users feel, trends confirmed
+by rising windows, the budget going where the SLO fails, the service rate learned while
+saturated.
+
+Core-only, no mocks: plain inputs built with ``tests/support/planner.py`` and ``decide``. The
+profile is ``flat_profile``: prefill saturates at 10,000 tokens/s per replica; decode runs up to
+100 sequences at a flat 10 ms ITL (10,000 tokens/s per replica). No cooldowns, 10 s windows.
+"""
+
+from __future__ import annotations
+
+from control_plane.planner import PlannerState, decide
+from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, PoolWorker, ReplicaCounts
+from control_plane.planner.policy import PoolState
+from tests.support.planner import WINDOW_S, make_config, make_pool, make_window
+
+
+def _workers(pool: str, role: str, ready: int, starting: int = 0, **fields) -> tuple[PoolWorker, ...]:
+    return tuple(PoolWorker(worker_id=f"{pool}-{i}", pool=pool, role=role, state="ready", registered_at_ns=i,
+                            ready_at_ns=0, **fields) for i in range(ready)) + tuple(
+        PoolWorker(worker_id=f"{pool}-s{i}", pool=pool, role=role, state="starting", registered_at_ns=100 + i)
+        for i in range(starting))
+
+
+def _pool(name: str, role: str, windows, ready: int, starting: int = 0, **worker_fields) -> PoolLoad:
+    return PoolLoad(pool=name, role=role, replicas=ReplicaCounts(ready=ready, starting=starting),
+                    workers=_workers(name, role, ready, starting, **worker_fields), windows=tuple(windows))
+
+
+def _snap(now_s: float, *pools: PoolLoad) -> LoadSnapshot:
+    return LoadSnapshot(now_ns=int(now_s * NS), pools=pools)
+
+
+def test_overload_sizes_for_the_backlog_and_stacks_on_starting_replicas():
+    """Target 4: 2 ready, 2 still starting (the decision is pending). Each ready worker reports
+    300,000 prefill tokens queued: 600,000 / (2 x 10,000 tok/s) = 30 s of work > the 1 s TTFT,
+    a breach. Overload sizing: arrivals 10 req/s x 2,000 = 20,000 tok/s at 85% plus the backlog
+    (no lead time here) drained in 20 s: (20,000 / 0.85 + 600,000 / 20) / 10,000 = 5.35 -> 6.
+    The pending gate would hold the model's order; the loop orders on top of the 2 starting."""
+    cfg = make_config(overload_drain_s=20.0)
+    state = PlannerState(pools=(PoolState(pool="p", target=4, pending_since_ns=1 * NS, last_window_end_ns=10 * NS),))
+    load = _pool("p", "prefill", [make_window(20)], ready=2, starting=2, queued_prefill_tokens=300_000)
+    d, state = decide(21 * NS, _snap(21, load), cfg, state)
+    (eff,) = d.effects
+    assert (eff.from_replicas, eff.to_replicas) == (4, 6)
+    assert eff.event.binding == "overload"
+    assert eff.reason.startswith("scale up 4 -> 6: overload loop (600,000 prefill tokens queued, 30.0 s of work > TTFT 1 s)")
+    assert "stacked on 2 starting" in eff.reason
+    assert eff.event.inputs["overload_prefill_backlog"] == 600_000
+    assert eff.event.inputs["overload_prefill_needed"] == round((20_000 / 0.85 + 600_000 / 20) / 10_000, 4)
+    assert state.pool("p").overload_since_ns == 21 * NS
+
+
+def test_overload_is_left_only_after_clean_windows_and_never_scales_down_meanwhile():
+    """In overload since 21 s, target 6, all ready, the queue gone and the load light (the model
+    needs 2.35, +20% noise, at 80%: 4): the pool holds 6 while fewer than
+    ``overload_exit_windows`` (3) windows have passed without a breach, then leaves the mode;
+    only then does the usual scale-down run."""
+    cfg = make_config(overload_exit_windows=3, scale_down_ticks=1)
+    state = PlannerState(pools=(PoolState(pool="p", target=6, overload_since_ns=21 * NS, last_window_end_ns=20 * NS),))
+    seen = []
+    for k in range(4):
+        end = 30 + WINDOW_S * k
+        load = _pool("p", "prefill", [make_window(end, completions=100, good=100, ttft_mean=300.0)], ready=6)
+        d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
+        seen.append((state.pool("p").overload_since_ns is not None, [(e.from_replicas, e.to_replicas) for e in d.effects]))
+    assert seen == [(True, []), (True, []), (False, [(6, 4)]), (False, [])]
+
+
+def test_trend_is_extrapolated_only_when_rising_windows_confirm_it():
+    """Kalman pool. 30 windows of 100 arrivals: never confirmed (a CUSUM of excesses of 0 less
+    k = 1 sd stays at 0). Then +30 arrivals a window (3 sd of 100): the excesses over the lagged
+    reference, less 1 sd, pass h = 4 sd by the third rising window."""
+    cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0)
+    state = PlannerState(pools=(PoolState(pool="p", target=10),))
+    windows = []
+    confirmed = []
+    for k in range(36):
+        end = WINDOW_S * (k + 1)
+        windows.append(make_window(end, arrivals=100 + 30 * max(0, k - 29)))
+        load = _pool("p", "prefill", windows[-12:], ready=10)
+        d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
+        confirmed.append(d.report("p").input("trend_confirmed"))
+    assert confirmed[:31] == [0] * 31
+    assert confirmed[33] == 1
+
+
+def test_a_pool_with_a_wide_margin_yields_below_its_need_to_a_failing_one():
+    """Budget 8. Prefill (4 ready) is failing: 600,000 tokens queued (30 s of work > 1 s TTFT),
+    it wants 6. Decode (4 ready) needs 800 x 500 / 10 s / 10,000 tok/s = 4.0, but its requests'
+    mean ITL is 4 ms against a 20 ms SLO (ratio 0.2 <= yield_margin 0.5): it keeps max(0.2 / 0.5,
+    0.75) = 75% of its need, 3 replicas. Prefill takes that GPU once the drained replica is gone
+    (a drained replica holds its GPU until then): this tick it waits for it."""
+    pre = make_pool(name="pre", max_replicas=8)
+    dec = make_pool(name="dec", role="decode", ttft_slo_ms=None, itl_slo_ms=20.0, max_replicas=8)
+    cfg = make_config(pre, dec, gpu_budget=8, overload_drain_s=20.0)
+    state = PlannerState(pools=(PoolState(pool="dec", target=4), PoolState(pool="pre", target=4)))
+    loads = (_pool("pre", "prefill", [make_window(20)], ready=4, queued_prefill_tokens=150_000),
+             _pool("dec", "decode", [make_window(20, arrivals=800, completions=800, good=800, itl_mean=4.0)], ready=4))
+    d, state = decide(21 * NS, _snap(21, *loads), cfg, state)
+    moves = {e.pool: (e.from_replicas, e.to_replicas) for e in d.effects}
+    assert moves == {"dec": (4, 3)}
+    assert d.report("dec").input("latency_over_slo") == 0.2
+    assert "waits for 1 GPUs that replicas drained now still hold" in d.report("pre").reason
+    loads = (_pool("pre", "prefill", [make_window(30)], ready=4, queued_prefill_tokens=150_000),
+             _pool("dec", "decode", [make_window(30, arrivals=800, completions=800, good=800, itl_mean=4.0)], ready=3))
+    d, state = decide(31 * NS, _snap(31, *loads), cfg, state)
+    assert {e.pool: (e.from_replicas, e.to_replicas) for e in d.effects} == {"pre": (4, 5)}
+
+
+def test_service_rate_is_measured_in_saturated_windows():
+    """Two ready workers, each with at least a second of the profile's work (10,000 tokens)
+    queued at every tick (saturated since the tick at 21 s). The window 30-40 s lies wholly
+    inside that: 120,000 new prompt tokens / (2 workers x 10 s) = 6,000 tokens/s per replica,
+    learned as is (the first measurement)."""
+    cfg = make_config()
+    state = PlannerState(pools=(PoolState(pool="p", target=2),))
+    measured = []
+    for end in (20, 30, 40):
+        w = make_window(end, arrivals=30, prompt_tokens=120_000, cached_tokens=0)
+        load = _pool("p", "prefill", [w], ready=2, queued_prefill_tokens=10_000)
+        d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
+        measured.append(d.report("p").input("measured_tok_s_per_replica"))
+    assert measured == [None, None, 6000.0]
