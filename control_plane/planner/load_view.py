@@ -45,7 +45,21 @@ from collections.abc import Iterable
 import msgspec
 
 from common.fleet import GONE, READY, Change, Fleet, Lifecycle
-from control_plane.planner.load_snapshot import LoadSnapshot, PoolLoad, PoolWorker, ReplicaCounts, pool_entry
+from control_plane.planner.load_snapshot import (
+    LoadSnapshot,
+    PoolLoad,
+    PoolWorker,
+    ReplicaCounts,
+    pool_entry,
+)
+from control_plane.planner.load_state import (
+    SNAPSHOT_FORMAT,
+    Incarnation,
+    RequestRecord,
+    Step,
+    ViewState,
+    WorkerRecord,
+)
 from control_plane.planner.windows import (
     _SUM_SCALE,
     NS,
@@ -79,7 +93,6 @@ __all__ = [
     "PoolSlo", "PoolWorker", "ReplicaCounts", "WindowStats", "pool_entry", "stamp",
 ]
 
-SNAPSHOT_FORMAT = 2
 
 
 def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", seq: int = 0) -> Envelope[Event]:
@@ -93,76 +106,6 @@ def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", 
 # ----------------------------------------------------------------------------------------------
 # The fold
 # ----------------------------------------------------------------------------------------------
-
-
-class _Incarnation(msgspec.Struct, array_like=True):
-    """An earlier incarnation of a worker, kept so a completion is judged warm or not by the
-    incarnation that was serving at its event time."""
-
-    epoch: int
-    registered_at_ns: int
-    ready_at_ns: int | None
-
-
-class _Worker(msgspec.Struct, kw_only=True):
-    worker_id: str
-    epoch: int
-    pool: str
-    role: str
-    state: str = "starting"
-    registered_at_ns: int = 0
-    ready_at_ns: int | None = None
-    reported_at_ns: int = 0
-    gone_at_ns: int | None = None
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    active_decode_blocks: int = 0
-    kv_usage: float = 0.0
-    #: Earlier incarnations, newest last (at most ``MAX_INCARNATIONS``).
-    earlier: list[_Incarnation] = []
-
-
-class _Req(msgspec.Struct, kw_only=True):
-    seen_ns: int
-    prompt_tokens: int = -1
-    #: Pools the request was counted in as an arrival.
-    pools: list[str] = []
-    prefill_worker: str | None = None
-
-
-class _Step(msgspec.Struct, array_like=True):
-    """What one request event contributes once its worker's pool is known: the fold's unit of
-    work, and what waits in ``_parked`` while it is not."""
-
-    kind: str  # "routed" | "prefill" | "completed" | "failed"
-    request_id: str
-    worker_id: str
-    at_ns: int
-    phase: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttft_ms: float = 0.0
-    itl_ms: float | None = None
-
-
-class _State(msgspec.Struct, kw_only=True):
-    format: int
-    workers: dict[str, _Worker]
-    requests: dict[str, _Req]
-    #: pool -> bucket index -> accumulator
-    buckets: dict[str, dict[int, Accumulator]]
-    #: request id -> its steps waiting for a worker's registration, in the request's log order.
-    parked: dict[str, list[_Step]]
-    positions: list[tuple[str, int, int]]
-    watermark_ns: int
-    start_ns: int | None
-    start_fixed: bool
-    applied: int
-    late_dropped: int
-    #: Each worker's lifecycle (common/fleet.py); absent in snapshots written before it.
-    lifecycles: dict[str, Lifecycle] = {}
 
 
 #: Bound on parked steps (requests whose worker's registration has not been folded yet); beyond
@@ -192,13 +135,13 @@ class LoadView:
 
     def __init__(self, config: LoadViewConfig | None = None, *, start_ns: int | None = None) -> None:
         self.config = config or LoadViewConfig()
-        self.workers: dict[str, _Worker] = {}
+        self.workers: dict[str, WorkerRecord] = {}
         #: Each worker's lifecycle (common/fleet.py): which registration is new, which incarnation
         #: is draining or gone. Kept after a gone worker is evicted, so a copy never brings it back.
         self.fleet = Fleet()
-        self._requests: dict[str, _Req] = {}
+        self._requests: dict[str, RequestRecord] = {}
         self._buckets: dict[str, dict[int, Accumulator]] = {}
-        self._parked: dict[str, list[_Step]] = {}
+        self._parked: dict[str, list[Step]] = {}
         self._nparked = 0
         self.positions: dict[tuple[str, int], int] = {}
         self.watermark_ns = 0
@@ -253,10 +196,10 @@ class LoadView:
         for env in envs:
             self.apply(env)
 
-    def _req(self, rid: str, at: int) -> _Req:
+    def _req(self, rid: str, at: int) -> RequestRecord:
         r = self._requests.get(rid)
         if r is None:
-            r = self._requests[rid] = _Req(seen_ns=at)
+            r = self._requests[rid] = RequestRecord(seen_ns=at)
         return r
 
     def _acc(self, pool: str, at: int) -> Accumulator | None:
@@ -298,8 +241,8 @@ class LoadView:
         cur = self.workers.get(reg.worker_id)
         earlier = []
         if cur is not None:
-            earlier = [*cur.earlier, _Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
-        w = self.workers[reg.worker_id] = _Worker(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
+            earlier = [*cur.earlier, Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
+        w = self.workers[reg.worker_id] = WorkerRecord(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
                                                   role=reg.role, registered_at_ns=reg.registered_at_ns,
                                                   earlier=earlier)
         self._set_state(w, ch.after)
@@ -307,7 +250,7 @@ class LoadView:
         return self._unpark(reg.worker_id)
 
     @staticmethod
-    def _set_state(w: _Worker, life: Lifecycle) -> None:
+    def _set_state(w: WorkerRecord, life: Lifecycle) -> None:
         """The incarnation's state: the fleet's draining or gone; while ready, ``starting``
         until its first load report."""
         state = life.state(w.epoch)
@@ -333,7 +276,7 @@ class LoadView:
 
     # requests: the join
 
-    def _step(self, step: _Step) -> Counted:
+    def _step(self, step: Step) -> Counted:
         """Fold a request's step now if its worker's pool is known and nothing of the request is
         parked before it; else park it behind the request's earlier steps."""
         parked = self._parked.get(step.request_id)
@@ -356,7 +299,7 @@ class LoadView:
                 del self._parked[rid]
         return tuple(out)
 
-    def _fold_step(self, s: _Step) -> Counted:
+    def _fold_step(self, s: Step) -> Counted:
         if s.kind == "routed":
             return self._routed(s)
         if s.kind == "prefill":
@@ -366,7 +309,7 @@ class LoadView:
             return self._completed(s)
         return self._failed(s)
 
-    def _routed(self, s: _Step) -> Counted:
+    def _routed(self, s: Step) -> Counted:
         pool = self._pool_of(s.worker_id)
         r = self._req(s.request_id, s.at_ns)
         if s.phase == RequestPhase.PREFILL.value:
@@ -382,13 +325,13 @@ class LoadView:
             acc.isl.add(r.prompt_tokens)
         return ((pool, "arrivals", s.at_ns),)
 
-    def _prefill_completed(self, s: _Step) -> None:
+    def _prefill_completed(self, s: Step) -> None:
         acc = self._acc(self._pool_of(s.worker_id), s.at_ns)
         if acc is not None:
             acc.prompt_tokens += s.prompt_tokens
             acc.cached_tokens += s.cached_tokens
 
-    def _completed(self, s: _Step) -> Counted:
+    def _completed(self, s: Step) -> Counted:
         out: list[tuple[str, str, int]] = []
         at = s.at_ns
         r = self._requests.pop(s.request_id, None)
@@ -426,7 +369,7 @@ class LoadView:
             bisect.insort(acc.steady, (at, s.worker_id, -1.0 if ttft is None else ttft, -1.0 if itl is None else itl))
         return tuple(out)
 
-    def _failed(self, s: _Step) -> Counted:
+    def _failed(self, s: Step) -> Counted:
         self._requests.pop(s.request_id, None)
         pool = self._pool_of(s.worker_id)
         acc = self._acc(pool, s.at_ns)
@@ -553,8 +496,8 @@ class LoadView:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _state(self, positions: list[tuple[str, int, int]], applied: int) -> _State:
-        return _State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
+    def _state(self, positions: list[tuple[str, int, int]], applied: int) -> ViewState:
+        return ViewState(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
                       buckets=self._buckets, parked=self._parked, positions=positions,
                       watermark_ns=self.watermark_ns, start_ns=self.start_ns, start_fixed=self._start_fixed,
                       applied=applied, late_dropped=self.late_dropped, lifecycles=self.fleet.by_worker)
@@ -565,7 +508,7 @@ class LoadView:
 
     @classmethod
     def from_bytes(cls, data: bytes, config: LoadViewConfig | None = None) -> LoadView:
-        st = msgspec.msgpack.decode(data, type=_State)
+        st = msgspec.msgpack.decode(data, type=ViewState)
         if st.format != SNAPSHOT_FORMAT:
             raise ValueError(f"load view snapshot format {st.format} not supported (want {SNAPSHOT_FORMAT})")
         v = cls(config, start_ns=st.start_ns)
@@ -587,20 +530,20 @@ class LoadView:
         return hashlib.sha256(msgspec.json.encode(st, order="sorted")).hexdigest()
 
 
-def _step_of(ev: Event, at: int) -> _Step | None:
+def _step_of(ev: Event, at: int) -> Step | None:
     """The step a request event names a worker for (None: it counts nothing)."""
     if isinstance(ev, RequestRouted):
-        return _Step("routed", ev.request_id, ev.worker_id, at,
+        return Step("routed", ev.request_id, ev.worker_id, at,
                      phase=ev.phase.value if hasattr(ev.phase, "value") else str(ev.phase))
     if isinstance(ev, PrefillCompleted) and ev.worker_id:
-        return _Step("prefill", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
+        return Step("prefill", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
                      cached_tokens=ev.cached_tokens)
     if isinstance(ev, RequestCompleted) and ev.worker_id:
-        return _Step("completed", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
+        return Step("completed", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
                      cached_tokens=ev.cached_tokens, output_tokens=ev.output_tokens, ttft_ms=ev.ttft_ms,
                      itl_ms=ev.itl_mean_ms)
     if isinstance(ev, RequestFailed) and ev.worker_id and not ev.retried:
         # A retried attempt counts nothing: the router tries another worker, the request goes on.
-        return _Step("failed", ev.request_id, ev.worker_id, at)
+        return Step("failed", ev.request_id, ev.worker_id, at)
     return None
 
