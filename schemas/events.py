@@ -158,7 +158,7 @@ class RequestAdmitted(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tru
 
 
 # Not kw_only: the native decision core builds a row per candidate per decision by position
-# (``control_plane.router.decision._ROW_AT``), several times cheaper than matching 15 keyword
+# (``control_plane.router.scoring._ROW_AT``), several times cheaper than matching 15 keyword
 # names. Build it with keywords anywhere else; new fields go at the end, with defaults.
 class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     """One row of a routing decision's score table."""

@@ -1,6 +1,6 @@
-"""Planner bounded context: load view (pure projection), decision core (pure), scalers and
-leader election (adapters). See ``core.py`` for the decision rules and ``profile.py`` for the
-sizing arithmetic."""
+"""Planner bounded context: load view (pure projection, ``load_view.py``), decision core (pure),
+scalers and leader election (adapters). See ``policy.py`` for the decision rules and
+``profile.py`` for the sizing arithmetic."""
 
 from control_plane.planner.config import PlannerConfig, PoolConfig, load_config, resolve_profiles
 from control_plane.planner.errors import (

@@ -27,12 +27,9 @@ SLO (TTFT for prefill pools, ITL for decode pools, both for aggregated ones). Th
 rate is cached_tokens / prompt_tokens of the pool's completions (``PrefillCompleted`` for a
 prefill pool).
 
-Windows are keyed by *event time* (the envelope's ``at``): every pool keeps one accumulator per
-``bucket_s`` (the hopping step). A tumbling window is ``tumbling_s / bucket_s`` consecutive
-buckets, a hopping window ``hopping_s / bucket_s``; a window is *closed* once ``now`` passes its
-end plus ``grace_s`` (events may arrive that late across partitions). Percentiles come from
-mergeable log-bucket histograms (2% relative resolution) with exact integer sums, so windows
-merge exactly and the fold is order-independent within a window.
+Windows are keyed by event time, one accumulator per pool and hopping step, with exact
+integer sums so that windows merge exactly: ``windows.py``. What the planner reads:
+``load_snapshot.py``.
 
 "Steady" latency sums only count completions on workers that have been ready for ``warmup_s``
 at the completion's event time (decided when a window is read: the first load report may be
@@ -43,14 +40,37 @@ pool got slower (Dynamo #12430).
 from __future__ import annotations
 
 import bisect
-import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from collections.abc import Iterable
 
 import msgspec
 
 from common.fleet import GONE, READY, Change, Fleet, Lifecycle
+from control_plane.planner.load_snapshot import (
+    LoadSnapshot,
+    PoolLoad,
+    PoolWorker,
+    ReplicaCounts,
+    pool_entry,
+)
+from control_plane.planner.load_state import (
+    SNAPSHOT_FORMAT,
+    Incarnation,
+    RequestRecord,
+    Step,
+    ViewState,
+    WorkerRecord,
+)
+from control_plane.planner.windows import (
+    _SUM_SCALE,
+    NS,
+    Accumulator,
+    Histogram,
+    LoadViewConfig,
+    Percentiles,
+    PoolSlo,
+    WindowStats,
+    window_stats,
+)
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -66,312 +86,13 @@ from schemas.events import (
 )
 from schemas.types import RequestPhase
 
+#: Re-exported: the planner, its tests and tools import the view's configuration and shapes from
+#: here (``windows.py`` and ``load_snapshot.py`` define them).
+__all__ = [
+    "NS", "SNAPSHOT_FORMAT", "Histogram", "LoadSnapshot", "LoadView", "LoadViewConfig", "Percentiles", "PoolLoad",
+    "PoolSlo", "PoolWorker", "ReplicaCounts", "WindowStats", "pool_entry", "stamp",
+]
 
-class _PerPool(Protocol):
-    @property
-    def pool(self) -> str: ...
-
-
-#: A per-pool record (PoolLoad here, the planner's PoolState).
-P = TypeVar("P", bound=_PerPool)
-
-NS = 1_000_000_000
-SNAPSHOT_FORMAT = 2
-
-# ----------------------------------------------------------------------------------------------
-# Configuration
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSlo:
-    """Latency targets a pool's completions are judged against (None: not judged)."""
-
-    ttft_ms: float | None = None
-    itl_ms: float | None = None
-
-    def met(self, ttft_ms: float | None, itl_ms: float | None) -> bool:
-        if self.ttft_ms is not None and ttft_ms is not None and ttft_ms > self.ttft_ms:
-            return False
-        if self.itl_ms is not None and itl_ms is not None and itl_ms > self.itl_ms:
-            return False
-        return True
-
-
-@dataclass(frozen=True, slots=True)
-class LoadViewConfig:
-    """Window geometry and judgement rules of a :class:`LoadView`."""
-
-    #: Tumbling window length (the planner's observation interval).
-    tumbling_s: float = 10.0
-    #: Hopping window length and step; the step is the accumulator bucket.
-    hopping_s: float = 60.0
-    hop_step_s: float = 10.0
-    #: A window closes this long after its end (late events across partitions).
-    grace_s: float = 1.0
-    #: Buckets older than this behind the newest event are dropped.
-    retention_s: float = 900.0
-    #: Completions on a worker ready for less than this are left out of the steady latency.
-    warmup_s: float = 0.0
-    #: A ready worker silent this long counts as stale, not ready.
-    stale_after_s: float = 15.0
-    #: Requests whose join state is older than this (no completion seen) are forgotten.
-    request_ttl_s: float = 600.0
-    #: SLO per pool; pools not listed use ``default_slo``.
-    slos: Mapping[str, PoolSlo] = field(default_factory=dict)
-    default_slo: PoolSlo = PoolSlo()
-
-    def __post_init__(self) -> None:
-        step = self.hop_step_s
-        for name in ("tumbling_s", "hopping_s"):
-            v = getattr(self, name)
-            if step <= 0 or v <= 0 or abs(v / step - round(v / step)) > 1e-9:
-                raise ValueError(f"{name}={v} must be a positive multiple of hop_step_s={step}: windows are "
-                                 "unions of step-sized buckets, so that every window merges exactly")
-        if self.retention_s < max(self.tumbling_s, self.hopping_s) + self.grace_s:
-            raise ValueError("retention_s must cover the longest window plus the grace period, else a "
-                             "window could close with some of its buckets already dropped")
-
-    @property
-    def bucket_ns(self) -> int:
-        return int(round(self.hop_step_s * NS))
-
-    def slo(self, pool: str) -> PoolSlo:
-        return self.slos.get(pool, self.default_slo)
-
-
-# ----------------------------------------------------------------------------------------------
-# Histogram (mergeable, deterministic)
-# ----------------------------------------------------------------------------------------------
-
-_LOG_STEP = math.log1p(0.02)
-_ZERO = -(10**6)
-
-
-#: Sums are kept as integers in these fixed-point units (value * 2^30, square * 2^8): integer
-#: addition is associative, so a sum does not depend on the order the values were folded in
-#: (float addition is not: two interleavings would differ in the last bits).
-_SUM_SCALE = 2**30
-_SQ_SCALE = 2**8
-
-
-class Histogram(msgspec.Struct, kw_only=True):
-    """Log-bucket histogram: bucket ``b`` holds values in ``[(1.02)^b, (1.02)^(b+1))``; values
-    <= 0 share one bucket. Quantiles answer the bucket's geometric middle (<= 1% off). The sum
-    and the sum of squares are exact fixed-point integers (see ``_SUM_SCALE``)."""
-
-    counts: dict[int, int] = {}
-    n: int = 0
-    total_q: int = 0
-    total_sq_q: int = 0
-
-    def add(self, x: float) -> None:
-        b = _ZERO if x <= 0 else math.floor(math.log(x) / _LOG_STEP)
-        self.counts[b] = self.counts.get(b, 0) + 1
-        self.n += 1
-        self.total_q += round(x * _SUM_SCALE)
-        self.total_sq_q += round(x * x * _SQ_SCALE)
-
-    def merge(self, other: Histogram) -> None:
-        for b, c in other.counts.items():
-            self.counts[b] = self.counts.get(b, 0) + c
-        self.n += other.n
-        self.total_q += other.total_q
-        self.total_sq_q += other.total_sq_q
-
-    @property
-    def total(self) -> float:
-        return self.total_q / _SUM_SCALE
-
-    @property
-    def mean(self) -> float | None:
-        return self.total_q / _SUM_SCALE / self.n if self.n else None
-
-    @property
-    def sd(self) -> float | None:
-        """Population standard deviation (from the sums, not the buckets)."""
-        if not self.n:
-            return None
-        m = self.total_q / _SUM_SCALE / self.n
-        return math.sqrt(max(self.total_sq_q / _SQ_SCALE / self.n - m * m, 0.0))
-
-    def quantile(self, q: float) -> float | None:
-        """Nearest-rank quantile (rank ``ceil(q*n)``)."""
-        if not self.n:
-            return None
-        rank = max(1, math.ceil(q * self.n))
-        seen = 0
-        for b in sorted(self.counts):
-            seen += self.counts[b]
-            if seen >= rank:
-                return 0.0 if b == _ZERO else math.exp((b + 0.5) * _LOG_STEP)
-        return None  # unreachable: counts sum to n
-
-
-class _Acc(msgspec.Struct, kw_only=True):
-    """One pool's accumulator for one bucket."""
-
-    arrivals: int = 0
-    isl: Histogram = msgspec.field(default_factory=Histogram)
-    completions: int = 0
-    good: int = 0
-    failures: int = 0
-    osl: Histogram = msgspec.field(default_factory=Histogram)
-    ttft: Histogram = msgspec.field(default_factory=Histogram)
-    itl: Histogram = msgspec.field(default_factory=Histogram)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    #: Completions that may count as steady, sorted: (event time, worker, TTFT, ITL), -1.0 for
-    #: a latency not attributed here. Whether the worker was warmed up at that time is decided
-    #: when a window is read (its first load report may be folded after the completion).
-    steady: list[tuple[int, str, float, float]] = []
-
-    def merge(self, o: _Acc) -> None:
-        self.arrivals += o.arrivals
-        self.isl.merge(o.isl)
-        self.completions += o.completions
-        self.good += o.good
-        self.failures += o.failures
-        self.osl.merge(o.osl)
-        self.ttft.merge(o.ttft)
-        self.itl.merge(o.itl)
-        self.prompt_tokens += o.prompt_tokens
-        self.cached_tokens += o.cached_tokens
-        # ``steady`` is not merged: LoadView.window sums it per bucket (``_steady_sums``).
-
-
-# ----------------------------------------------------------------------------------------------
-# What the planner reads (immutable)
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Percentiles:
-    p50: float | None = None
-    p95: float | None = None
-    p99: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class WindowStats:
-    """Aggregates of one pool over one event-time window ``[start_ns, end_ns)``."""
-
-    start_ns: int
-    end_ns: int
-    arrivals: int = 0
-    isl_mean: float | None = None
-    isl_sd: float | None = None
-    isl: Percentiles = Percentiles()
-    completions: int = 0
-    osl_mean: float | None = None
-    osl_sd: float | None = None
-    osl: Percentiles = Percentiles()
-    ttft_mean: float | None = None
-    ttft: Percentiles = Percentiles()
-    itl_mean: float | None = None
-    itl: Percentiles = Percentiles()
-    #: Completions that met the pool's SLO, and failures (never good).
-    good: int = 0
-    failures: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    #: Mean latencies over completions on warmed-up workers only (None: no such completion).
-    steady_ttft_mean: float | None = None
-    steady_itl_mean: float | None = None
-    steady_samples: int = 0
-
-    @property
-    def duration_s(self) -> float:
-        return (self.end_ns - self.start_ns) / NS
-
-    @property
-    def arrival_rate(self) -> float:
-        return self.arrivals / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def goodput(self) -> float:
-        """Good completions per second."""
-        return self.good / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def slo_attainment(self) -> float | None:
-        judged = self.completions + self.failures
-        return self.good / judged if judged else None
-
-    @property
-    def prefix_hit_rate(self) -> float | None:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
-
-
-@dataclass(frozen=True, slots=True)
-class PoolWorker:
-    """One worker incarnation as the view knows it."""
-
-    worker_id: str
-    pool: str
-    role: str
-    epoch: int = 0
-    #: "starting" | "ready" | "draining" | "gone" | "stale"
-    state: str = "ready"
-    registered_at_ns: int = 0
-    ready_at_ns: int | None = None
-    reported_at_ns: int = 0
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    active_decode_blocks: int = 0
-    kv_usage: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaCounts:
-    starting: int = 0
-    ready: int = 0
-    draining: int = 0
-    stale: int = 0
-
-    @property
-    def active(self) -> int:
-        """Replicas that are or will be serving (not draining, not lost)."""
-        return self.starting + self.ready
-
-
-@dataclass(frozen=True, slots=True)
-class PoolLoad:
-    pool: str
-    role: str = ""
-    replicas: ReplicaCounts = ReplicaCounts()
-    workers: tuple[PoolWorker, ...] = ()
-    #: Closed tumbling windows, oldest first (empty windows included: zero load is a fact).
-    windows: tuple[WindowStats, ...] = ()
-    #: The hopping window ending at the last closed step.
-    hopping: WindowStats | None = None
-
-    @property
-    def last_window(self) -> WindowStats | None:
-        return self.windows[-1] if self.windows else None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    """What the planner core reads at ``now_ns``."""
-
-    now_ns: int
-    pools: tuple[PoolLoad, ...] = ()
-    #: Newest event time folded so far.
-    watermark_ns: int = 0
-
-    def pool(self, name: str) -> PoolLoad:
-        return pool_entry(self.pools, name, PoolLoad)
-
-
-def pool_entry(entries: Iterable[P], name: str, empty: Callable[..., P]) -> P:
-    """The entry of pool ``name`` among per-pool ``entries``, else ``empty(pool=name)`` (a pool
-    nothing is known of yet)."""
-    for e in entries:
-        if e.pool == name:
-            return e
-    return empty(pool=name)
 
 
 def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", seq: int = 0) -> Envelope[Event]:
@@ -385,76 +106,6 @@ def stamp(payload: Event, at_ns: int, *, epoch: int = 1, producer: str = "sim", 
 # ----------------------------------------------------------------------------------------------
 # The fold
 # ----------------------------------------------------------------------------------------------
-
-
-class _Incarnation(msgspec.Struct, array_like=True):
-    """An earlier incarnation of a worker, kept so a completion is judged warm or not by the
-    incarnation that was serving at its event time."""
-
-    epoch: int
-    registered_at_ns: int
-    ready_at_ns: int | None
-
-
-class _Worker(msgspec.Struct, kw_only=True):
-    worker_id: str
-    epoch: int
-    pool: str
-    role: str
-    state: str = "starting"
-    registered_at_ns: int = 0
-    ready_at_ns: int | None = None
-    reported_at_ns: int = 0
-    gone_at_ns: int | None = None
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    active_decode_blocks: int = 0
-    kv_usage: float = 0.0
-    #: Earlier incarnations, newest last (at most ``MAX_INCARNATIONS``).
-    earlier: list[_Incarnation] = []
-
-
-class _Req(msgspec.Struct, kw_only=True):
-    seen_ns: int
-    prompt_tokens: int = -1
-    #: Pools the request was counted in as an arrival.
-    pools: list[str] = []
-    prefill_worker: str | None = None
-
-
-class _Step(msgspec.Struct, array_like=True):
-    """What one request event contributes once its worker's pool is known: the fold's unit of
-    work, and what waits in ``_parked`` while it is not."""
-
-    kind: str  # "routed" | "prefill" | "completed" | "failed"
-    request_id: str
-    worker_id: str
-    at_ns: int
-    phase: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttft_ms: float = 0.0
-    itl_ms: float | None = None
-
-
-class _State(msgspec.Struct, kw_only=True):
-    format: int
-    workers: dict[str, _Worker]
-    requests: dict[str, _Req]
-    #: pool -> bucket index -> accumulator
-    buckets: dict[str, dict[int, _Acc]]
-    #: request id -> its steps waiting for a worker's registration, in the request's log order.
-    parked: dict[str, list[_Step]]
-    positions: list[tuple[str, int, int]]
-    watermark_ns: int
-    start_ns: int | None
-    start_fixed: bool
-    applied: int
-    late_dropped: int
-    #: Each worker's lifecycle (common/fleet.py); absent in snapshots written before it.
-    lifecycles: dict[str, Lifecycle] = {}
 
 
 #: Bound on parked steps (requests whose worker's registration has not been folded yet); beyond
@@ -484,13 +135,13 @@ class LoadView:
 
     def __init__(self, config: LoadViewConfig | None = None, *, start_ns: int | None = None) -> None:
         self.config = config or LoadViewConfig()
-        self.workers: dict[str, _Worker] = {}
+        self.workers: dict[str, WorkerRecord] = {}
         #: Each worker's lifecycle (common/fleet.py): which registration is new, which incarnation
         #: is draining or gone. Kept after a gone worker is evicted, so a copy never brings it back.
         self.fleet = Fleet()
-        self._requests: dict[str, _Req] = {}
-        self._buckets: dict[str, dict[int, _Acc]] = {}
-        self._parked: dict[str, list[_Step]] = {}
+        self._requests: dict[str, RequestRecord] = {}
+        self._buckets: dict[str, dict[int, Accumulator]] = {}
+        self._parked: dict[str, list[Step]] = {}
         self._nparked = 0
         self.positions: dict[tuple[str, int], int] = {}
         self.watermark_ns = 0
@@ -545,13 +196,13 @@ class LoadView:
         for env in envs:
             self.apply(env)
 
-    def _req(self, rid: str, at: int) -> _Req:
+    def _req(self, rid: str, at: int) -> RequestRecord:
         r = self._requests.get(rid)
         if r is None:
-            r = self._requests[rid] = _Req(seen_ns=at)
+            r = self._requests[rid] = RequestRecord(seen_ns=at)
         return r
 
-    def _acc(self, pool: str, at: int) -> _Acc | None:
+    def _acc(self, pool: str, at: int) -> Accumulator | None:
         b = at // self.config.bucket_ns
         horizon = self.watermark_ns - int(self.config.retention_s * NS)
         if (b + 1) * self.config.bucket_ns <= horizon:
@@ -560,7 +211,7 @@ class LoadView:
         per_pool = self._buckets.setdefault(pool, {})
         acc = per_pool.get(b)
         if acc is None:
-            acc = per_pool[b] = _Acc()
+            acc = per_pool[b] = Accumulator()
         return acc
 
     def _pool_of(self, worker_id: str | None) -> str | None:
@@ -590,8 +241,8 @@ class LoadView:
         cur = self.workers.get(reg.worker_id)
         earlier = []
         if cur is not None:
-            earlier = [*cur.earlier, _Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
-        w = self.workers[reg.worker_id] = _Worker(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
+            earlier = [*cur.earlier, Incarnation(cur.epoch, cur.registered_at_ns, cur.ready_at_ns)][-MAX_INCARNATIONS:]
+        w = self.workers[reg.worker_id] = WorkerRecord(worker_id=reg.worker_id, epoch=reg.epoch, pool=reg.pool,
                                                   role=reg.role, registered_at_ns=reg.registered_at_ns,
                                                   earlier=earlier)
         self._set_state(w, ch.after)
@@ -599,7 +250,7 @@ class LoadView:
         return self._unpark(reg.worker_id)
 
     @staticmethod
-    def _set_state(w: _Worker, life: Lifecycle) -> None:
+    def _set_state(w: WorkerRecord, life: Lifecycle) -> None:
         """The incarnation's state: the fleet's draining or gone; while ready, ``starting``
         until its first load report."""
         state = life.state(w.epoch)
@@ -625,7 +276,7 @@ class LoadView:
 
     # requests: the join
 
-    def _step(self, step: _Step) -> Counted:
+    def _step(self, step: Step) -> Counted:
         """Fold a request's step now if its worker's pool is known and nothing of the request is
         parked before it; else park it behind the request's earlier steps."""
         parked = self._parked.get(step.request_id)
@@ -648,7 +299,7 @@ class LoadView:
                 del self._parked[rid]
         return tuple(out)
 
-    def _fold_step(self, s: _Step) -> Counted:
+    def _fold_step(self, s: Step) -> Counted:
         if s.kind == "routed":
             return self._routed(s)
         if s.kind == "prefill":
@@ -658,7 +309,7 @@ class LoadView:
             return self._completed(s)
         return self._failed(s)
 
-    def _routed(self, s: _Step) -> Counted:
+    def _routed(self, s: Step) -> Counted:
         pool = self._pool_of(s.worker_id)
         r = self._req(s.request_id, s.at_ns)
         if s.phase == RequestPhase.PREFILL.value:
@@ -674,13 +325,13 @@ class LoadView:
             acc.isl.add(r.prompt_tokens)
         return ((pool, "arrivals", s.at_ns),)
 
-    def _prefill_completed(self, s: _Step) -> None:
+    def _prefill_completed(self, s: Step) -> None:
         acc = self._acc(self._pool_of(s.worker_id), s.at_ns)
         if acc is not None:
             acc.prompt_tokens += s.prompt_tokens
             acc.cached_tokens += s.cached_tokens
 
-    def _completed(self, s: _Step) -> Counted:
+    def _completed(self, s: Step) -> Counted:
         out: list[tuple[str, str, int]] = []
         at = s.at_ns
         r = self._requests.pop(s.request_id, None)
@@ -718,7 +369,7 @@ class LoadView:
             bisect.insort(acc.steady, (at, s.worker_id, -1.0 if ttft is None else ttft, -1.0 if itl is None else itl))
         return tuple(out)
 
-    def _failed(self, s: _Step) -> Counted:
+    def _failed(self, s: Step) -> Counted:
         self._requests.pop(s.request_id, None)
         pool = self._pool_of(s.worker_id)
         acc = self._acc(pool, s.at_ns)
@@ -756,7 +407,7 @@ class LoadView:
     def window(self, pool: str, start_ns: int, end_ns: int) -> WindowStats:
         """Aggregates of ``pool`` over ``[start_ns, end_ns)`` (bucket-aligned)."""
         bn = self.config.bucket_ns
-        acc = _Acc()
+        acc = Accumulator()
         steady = [0, 0, 0, 0]
         per_pool = self._buckets.get(pool, {})
         for b in range(start_ns // bn, end_ns // bn):
@@ -765,9 +416,9 @@ class LoadView:
                 acc.merge(a)
                 for i, x in enumerate(self._steady_sums(pool, b, a)):
                     steady[i] += x
-        return _stats(acc, start_ns, end_ns, *steady)
+        return window_stats(acc, start_ns, end_ns, *steady)
 
-    def _steady_sums(self, pool: str, b: int, a: _Acc) -> tuple[int, int, int, int]:
+    def _steady_sums(self, pool: str, b: int, a: Accumulator) -> tuple[int, int, int, int]:
         """(TTFT count, TTFT sum, ITL count, ITL sum) of one bucket's completions on warmed-up
         workers, sums in ``_SUM_SCALE`` units. One pass over the bucket's completions, cached
         until a completion lands in it or a registration or first report is folded: a planner
@@ -845,8 +496,8 @@ class LoadView:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def _state(self, positions: list[tuple[str, int, int]], applied: int) -> _State:
-        return _State(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
+    def _state(self, positions: list[tuple[str, int, int]], applied: int) -> ViewState:
+        return ViewState(format=SNAPSHOT_FORMAT, workers=self.workers, requests=self._requests,
                       buckets=self._buckets, parked=self._parked, positions=positions,
                       watermark_ns=self.watermark_ns, start_ns=self.start_ns, start_fixed=self._start_fixed,
                       applied=applied, late_dropped=self.late_dropped, lifecycles=self.fleet.by_worker)
@@ -857,7 +508,7 @@ class LoadView:
 
     @classmethod
     def from_bytes(cls, data: bytes, config: LoadViewConfig | None = None) -> LoadView:
-        st = msgspec.msgpack.decode(data, type=_State)
+        st = msgspec.msgpack.decode(data, type=ViewState)
         if st.format != SNAPSHOT_FORMAT:
             raise ValueError(f"load view snapshot format {st.format} not supported (want {SNAPSHOT_FORMAT})")
         v = cls(config, start_ns=st.start_ns)
@@ -879,34 +530,20 @@ class LoadView:
         return hashlib.sha256(msgspec.json.encode(st, order="sorted")).hexdigest()
 
 
-def _step_of(ev: Event, at: int) -> _Step | None:
+def _step_of(ev: Event, at: int) -> Step | None:
     """The step a request event names a worker for (None: it counts nothing)."""
     if isinstance(ev, RequestRouted):
-        return _Step("routed", ev.request_id, ev.worker_id, at,
+        return Step("routed", ev.request_id, ev.worker_id, at,
                      phase=ev.phase.value if hasattr(ev.phase, "value") else str(ev.phase))
     if isinstance(ev, PrefillCompleted) and ev.worker_id:
-        return _Step("prefill", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
+        return Step("prefill", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
                      cached_tokens=ev.cached_tokens)
     if isinstance(ev, RequestCompleted) and ev.worker_id:
-        return _Step("completed", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
+        return Step("completed", ev.request_id, ev.worker_id, at, prompt_tokens=ev.prompt_tokens,
                      cached_tokens=ev.cached_tokens, output_tokens=ev.output_tokens, ttft_ms=ev.ttft_ms,
                      itl_ms=ev.itl_mean_ms)
     if isinstance(ev, RequestFailed) and ev.worker_id and not ev.retried:
         # A retried attempt counts nothing: the router tries another worker, the request goes on.
-        return _Step("failed", ev.request_id, ev.worker_id, at)
+        return Step("failed", ev.request_id, ev.worker_id, at)
     return None
 
-
-def _pct(h: Histogram) -> Percentiles:
-    return Percentiles(h.quantile(0.50), h.quantile(0.95), h.quantile(0.99))
-
-
-def _stats(a: _Acc, start_ns: int, end_ns: int, nttft: int, sttft: int, nitl: int, sitl: int) -> WindowStats:
-    return WindowStats(
-        start_ns=start_ns, end_ns=end_ns, arrivals=a.arrivals, isl_mean=a.isl.mean, isl_sd=a.isl.sd,
-        isl=_pct(a.isl), completions=a.completions, osl_mean=a.osl.mean, osl_sd=a.osl.sd, osl=_pct(a.osl), ttft_mean=a.ttft.mean,
-        ttft=_pct(a.ttft), itl_mean=a.itl.mean, itl=_pct(a.itl), good=a.good, failures=a.failures,
-        prompt_tokens=a.prompt_tokens, cached_tokens=a.cached_tokens,
-        steady_ttft_mean=sttft / _SUM_SCALE / nttft if nttft else None,
-        steady_itl_mean=sitl / _SUM_SCALE / nitl if nitl else None,
-        steady_samples=max(nttft, nitl))

@@ -20,7 +20,7 @@ lookup cheap: every entry holds a whole hash chain from the root, so a worker's 
 prefix-closed, membership along a query chain is monotone, and the matched depth is found by a
 binary search (O(log n) set lookups) instead of a walk.
 
-How the two interact in a decision: ``docs/router.md``, "The kv cost" (a worked example).
+How the two interact in a decision: ``docs/routing-cost.md`` (a worked example).
 
 The per-worker accounts (the load sums and the refcounted hashes) are :class:`_Accounts`, the
 executable specification, or ``switchyard_native.InflightAccounts`` (``native/src/inflight.rs``),

@@ -5,7 +5,7 @@ What is built: the prediction the router records for the worker it chose
 (``RequestRouted.predicted_ttft_ms``), from that worker's row and its fitted model, so that ``switchyard replay reconcile`` can set it beside the TTFT observed and
 replay re-executes it bit for bit. The parameters are fitted from the log
 (:mod:`.ttft_fit`, item 2), per worker around its pool's fit around :data:`PRIOR`. What is not
-built yet: the cost is still the block count of ``docs/router.md`` ("The kv cost"), not this
+built yet: the cost is still the block count of ``docs/routing-cost.md``, not this
 prediction; onboarding from slower tiers and the P/D transfer are not modelled apart (the
 fitted ``base_ms`` absorbs the handoff's mean).
 

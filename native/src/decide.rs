@@ -1,5 +1,5 @@
 //! The kv cost of one routing candidate, natively: the hot loop of
-//! `control_plane/router/decision.py::_score` (the executable specification), term for term.
+//! `control_plane/router/scoring.py::score` (the executable specification), term for term.
 //!
 //! Bit-identical by construction: every float is an `f64` computed from the same operands in
 //! the same order as the Python loop (Python's `int * float` is `float(int) * float`, exact
@@ -58,7 +58,7 @@ pub struct Overlap<'a> {
     pub stale: bool,
 }
 
-/// One candidate's terms, as `_Scored` holds them.
+/// One candidate's terms, as `scoring.Scored` holds them.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Terms {
     pub queued: i64,

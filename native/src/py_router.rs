@@ -42,7 +42,7 @@ fn declined<T>(py: Python<'_>, r: PyResult<Option<T>>) -> PyResult<Option<T>> {
     }
 }
 
-/// The kv decision's numbers for every candidate (`decision.py`'s `_score` loop, then the
+/// The kv decision's numbers for every candidate (`scoring.py`'s `score` loop, then the
 /// capacity guard, the imbalance guard and the argmin of `decide` / `_choose_kv`).
 ///
 /// `loads`: the `WorkerLoad`s in id order as `msgspec.structs.astuple` gives them, and
@@ -62,7 +62,7 @@ fn declined<T>(py: Python<'_>, r: PyResult<Option<T>>) -> PyResult<Option<T>> {
 /// words them.
 ///
 /// Returns `((queued, active, in_flight, shared, overlap_w, prefill, decode, cost),
-/// shared_by_worker, matched, ineligible, pick, rows, row_columns)`: the `_Scored` lists, the
+/// shared_by_worker, matched, ineligible, pick, rows, row_columns)`: the `scoring.Scored` lists, the
 /// non-zero speculative overlaps by worker id (`Decision.speculative_overlap`), the overlap
 /// object per candidate (None when unmatched), the positions whose role, drain or registration
 /// excludes them (the caller words why), `pick` = `(over, capacity, eligible, imbalance,

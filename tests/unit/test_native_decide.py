@@ -189,7 +189,7 @@ def test_native_decision_over_a_native_ledger(input_seed, n, phase, config, rng_
 
 
 def test_burst_example_natively():
-    """The module docstring's burst: 4 empty workers, 128-block prompt, 16 output blocks, scale 1;
+    """docs/routing-cost.md's burst: 4 empty workers, 128-block prompt, 16 output blocks, scale 1;
     A holds r1 in flight (2,048 queued tokens, 144 blocks, the 128 hashes): A costs
     (2,048 + 2,048)/16 - 128 + (144 + 144 - 128) = 288, the others 128 + 144 = 272."""
     hashes = tuple(BlockHash(h) for h in range(1, 129))
