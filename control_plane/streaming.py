@@ -167,7 +167,8 @@ class FoldProcessor:
 
     def __init__(self, bus: BusSettings, owner_id: str, *, snapshot_every_s: float = 10.0,
                  datadir=None, commit_every_s: float = 5.0, app_options: dict | None = None,
-                 watch_every_s: float = 5.0, stall_after_s: float = 15.0) -> None:
+                 watch_every_s: float = 5.0, stall_after_s: float = 15.0,
+                 fetch_min_bytes: int | None = None, fetch_wait_ms: int | None = None) -> None:
         import time
 
         self.bus = bus
@@ -189,6 +190,14 @@ class FoldProcessor:
         root = Path(datadir) if datadir else self._tmp_root / f"pid-{os.getpid()}"
         self.datadir = root / self.group
         self.app_options = dict(app_options or {})
+        #: The view consumer's ``fetch.min.bytes`` and ``fetch.max.wait.ms`` (None: aiokafka's 1
+        #: byte and Faust's 1,500 ms): how long the broker may hold a fetch to fill it. At 1 byte
+        #: every record the workers publish ends a fetch and the consumer sends the next one, so
+        #: the broker serves a fetch or more per routed request; waiting a few ms serves several
+        #: requests' records in one, for that much freshness (benchmarks/router_broker_sources.py).
+        self.fetch_min_bytes = fetch_min_bytes
+        self.fetch_wait_ms = fetch_wait_ms
+        self._fetch_tuned = fetch_min_bytes is None and fetch_wait_ms is None
         self._root = root
         self.watch_every_s = watch_every_s
         self.progress = ProgressWatch(stall_after_s)
@@ -343,6 +352,8 @@ class FoldProcessor:
         @app.agent(topic, name=f"{self.group}.fold")
         async def fold(stream):
             async for event in stream.events():
+                if not self._fetch_tuned:
+                    self._tune_fetch()
                 self.fold_message(event.message)
                 if not self.caught_up:
                     self.check_caught_up()
@@ -352,7 +363,26 @@ class FoldProcessor:
             await self.checkpoint()
 
         self.app = app
+        self._fetch_tuned = self.fetch_min_bytes is None and self.fetch_wait_ms is None
         await app.start()
+        if not self._fetch_tuned:
+            self._tune_fetch()
+
+    def _tune_fetch(self) -> None:
+        """Set the fetch settings on the app's aiokafka consumer (Faust passes neither through:
+        aiokafka's fetcher reads them at every fetch it builds). Once its consumer exists."""
+        try:
+            fetcher = self.app.consumer._thread._ensure_consumer()._fetcher
+        except Exception:  # not started yet: the first folded record tries again
+            return
+        if not (hasattr(fetcher, "_fetch_min_bytes") and hasattr(fetcher, "_fetch_max_wait_ms")):
+            raise RuntimeError("aiokafka's fetcher no longer holds _fetch_min_bytes/_fetch_max_wait_ms: "
+                               "the view's fetch settings cannot be applied")
+        if self.fetch_min_bytes is not None:
+            fetcher._fetch_min_bytes = self.fetch_min_bytes
+        if self.fetch_wait_ms is not None:
+            fetcher._fetch_max_wait_ms = self.fetch_wait_ms
+        self._fetch_tuned = True
 
     # -- the watch -----------------------------------------------------------------------------
 

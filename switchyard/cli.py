@@ -304,6 +304,10 @@ def router_cmd(
         envvar="SWITCHYARD_ROUTER_EVENTS_LINGER_MS",
         help="linger.ms of the router's event producer (longer batches more of its request events; beyond "
              "the workers' prefill time a request's events land after theirs).")] = 2,
+    view_fetch_wait_ms: Annotated[int, typer.Option(
+        envvar="SWITCHYARD_ROUTER_VIEW_FETCH_WAIT_MS",
+        help="Longest the broker holds the view's fetch to fill it (fewer fetches per routed request, for "
+             "up to that much staler index; 0: a fetch per record batch).")] = 10,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,
@@ -339,7 +343,7 @@ def router_cmd(
                               redis_url=redis_url or _stack_redis_url(key_limits),
                               connections=ConnectionLimits(max_connections=max_connections,
                                                            request_timeout_s=request_timeout),
-                              events_linger_ms=events_linger_ms, **kw),
+                              events_linger_ms=events_linger_ms, view_fetch_wait_ms=view_fetch_wait_ms, **kw),
                BusSettings.from_env(role="router"))
 
 

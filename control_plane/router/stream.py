@@ -59,8 +59,11 @@ class RouterViewProcessor(FoldProcessor):
         snapshot_every_s: float = 5.0,
         thresholds: HealthThresholds = HealthThresholds(),
         on_applied: Callable[[object], None] | None = None,
+        fetch_min_bytes: int | None = None,
+        fetch_wait_ms: int | None = None,
     ) -> None:
-        super().__init__(bus, router_id, snapshot_every_s=snapshot_every_s)
+        super().__init__(bus, router_id, snapshot_every_s=snapshot_every_s, fetch_min_bytes=fetch_min_bytes,
+                         fetch_wait_ms=fetch_wait_ms)
         self.router_id = router_id
         self.view = view
         self.thresholds = thresholds

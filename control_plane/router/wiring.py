@@ -104,6 +104,20 @@ class RouterSettings:
     #: ``PrefillCompleted`` (test_router_workers caught it), and the saving (0.06 ms of router
     #: CPU per request) was inside the whole bench's noise (docs/benchmarks-peers.md).
     events_linger_ms: int = 2
+    #: Longest the broker holds the view's fetch (``fetch.max.wait.ms``, with ``fetch.min.bytes``
+    #: 64 KB) before answering with what it has: the workers' KV events of several requests come
+    #: in one fetch instead of a fetch per record batch (the broker's CPU for the view per routed
+    #: request 0.66 -> 0.45 ms), for up to that much staler index (docs/benchmarks-peers.md,
+    #: benchmarks/router_broker_sources.py). 0: answer at once (fetch.min.bytes 1).
+    view_fetch_wait_ms: int = 10
+
+
+def view_fetch(wait_ms: int) -> dict[str, int]:
+    """The view consumer's fetch settings for a longest wait of ``wait_ms``: the broker answers
+    once 64 KB are there (never, at a router's rates) or the wait is over; 0: at once."""
+    if wait_ms < 0:
+        raise ValueError(f"view_fetch_wait_ms={wait_ms}: 0 (answer at once) or more")
+    return {"fetch_min_bytes": 65536 if wait_ms else 1, "fetch_wait_ms": wait_ms or 1500}
 
 
 def key_limits_mode(s: RouterSettings) -> str:
@@ -198,7 +212,7 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
                                              EndpointAllowlist(s.worker_networks))
         t_view = time.monotonic()
         processor = RouterViewProcessor(bus, s.router_id, view, snapshot_every_s=s.snapshot_every_s,
-                                        thresholds=s.thresholds)
+                                        thresholds=s.thresholds, **view_fetch(s.view_fetch_wait_ms))
         processor.restore(s.restore_budget_s)
         t_tail = time.monotonic()
         orphans.result()

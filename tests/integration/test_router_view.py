@@ -8,6 +8,7 @@ import pytest
 from control_plane.replay.oracle import oracle_view
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
+from control_plane.router.wiring import view_fetch
 from common.log.catalog import Catalog
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
@@ -121,3 +122,31 @@ async def test_restore_folds_the_tail_before_faust_and_faust_folds_what_its_budg
         assert part.health().state == "EXACT"
     finally:
         await part.stop()
+
+
+async def test_view_with_the_routers_fetch_settings_follows_live_traffic(bus: BusSettings) -> None:
+    """The router's view fetches with ``fetch.min.bytes`` 64 KB and a 10 ms wait (fewer fetches
+    per routed request: control_plane/router/wiring.py ``view_fetch``): traffic produced after
+    it started, a few records at a time, still all reaches the view, equal to the oracle."""
+    producers = {w: EventProducer(bus, w) for w in ("w-a", "w-b")}
+    for w, p in producers.items():
+        _register(p, w)
+    assert all(p.flush(10) == 0 for p in producers.values())
+    proc = RouterViewProcessor(bus, "r-fetch", RouterView(ALGO, BS), snapshot_every_s=3600, **view_fetch(10))
+    await proc.start()
+    try:
+        await proc.wait_caught_up(60)
+        for r in range(5):  # a round at a time, each far below 64 KB: the wait ends each fetch
+            _traffic(producers, rounds=1, base=1000 * r)
+            await proc.sync(30)
+        assert proc.view.as_dict() == oracle(bus).as_dict()
+        assert proc.health().state == "EXACT"
+    finally:
+        await proc.stop()
+
+
+def test_view_fetch_settings() -> None:
+    assert view_fetch(10) == {"fetch_min_bytes": 65536, "fetch_wait_ms": 10}
+    assert view_fetch(0) == {"fetch_min_bytes": 1, "fetch_wait_ms": 1500}  # as Faust's consumer had them
+    with pytest.raises(ValueError, match="0 \\(answer at once\\) or more"):
+        view_fetch(-1)
