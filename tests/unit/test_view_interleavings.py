@@ -25,7 +25,7 @@ import random
 from contextlib import contextmanager
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
@@ -131,6 +131,8 @@ def test_the_metrics_projection_is_the_same_for_every_interleaving(seed: int) ->
     log = cluster_log(seed, steps=REQUEST_LOG_STEPS)
     states = [_metrics_state(order) for order in interleavings(log, random.Random(seed), N_ORDERS)]
     goodput = states[0]["switchyard_goodput_requests_total"]
-    assert len(goodput) >= 2 and states[0]["switchyard_kv_worker_blocks"]  # something to disagree on
+    # Something to disagree on: goodput in two pools and KV residency (a log whose requests all
+    # ended in one pool, as seed 3280's, proves less; hypothesis draws another).
+    assume(len(goodput) >= 2 and states[0]["switchyard_kv_worker_blocks"])
     for s in states[1:]:
         assert s == states[0]
