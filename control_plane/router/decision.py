@@ -28,7 +28,8 @@ from control_plane.index.implementation import native_core
 from control_plane.router.config import RouterConfig
 from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, InflightView
-from schemas.events import CandidateScore, RequestRouted
+from control_plane.router.ttft import PRIOR, predict
+from schemas.events import CandidateScore, RequestRouted, TtftModel
 from schemas.types import (
     TIER_INDEX,
     TIER_ORDER,
@@ -269,6 +270,7 @@ def decide(
     inflight: InflightView | None = None,
     rr_cursor: WorkerId | None = None,
     native: bool | None = None,
+    ttft_models: Mapping[WorkerId, TtftModel] | None = None,
 ) -> Decision:
     """Choose a worker for ``request`` among ``workers``.
 
@@ -284,6 +286,9 @@ def decide(
       (:func:`control_plane.index.implementation.native_core`, ``SWITCHYARD_INDEX``). Inputs the core
       cannot reproduce exactly (integers beyond 2^53, a worker listed twice) go to the
       specification either way, so the choice never changes a decision.
+    * ``ttft_models``: each candidate's TTFT model (a missing one is the prior); given, every
+      row of a prefill phase carries its predicted TTFT (:func:`_predictions`), and with
+      ``config.cost == "ttft"`` that prediction is the kv cost. None = no predictions.
 
     Eligible = registered, not draining, role equal to the request's phase (an aggregated
     worker serves aggregated requests only). Raises :class:`NoEligibleWorker` when no candidate
@@ -298,10 +303,17 @@ def decide(
     ordered = sorted(workers, key=_by_worker_id)
     mine = inflight.view(request.block_hashes) if inflight is not None else {}
     t = None
+    predicts = ttft_models is not None and request.phase is not RequestPhase.DECODE
+    ttft_cost = predicts and config.cost == "ttft"  # else a decode phase's kv cost stays blocks
     if native_core() if native is None else native:
-        t = _score_native(request, ordered, config, overlaps or {}, mine)
+        t = _score_native(request, ordered, config, overlaps or {}, mine, ttft_cost)
     if t is None:
         t = _score(request, ordered, config, overlaps or {}, mine)
+    predicted = _predictions(t, ttft_models) if predicts else None
+    if ttft_cost:
+        # The cost is the prediction: the guards and the argmin run on it here (the native core
+        # gave the terms only, see _score_native).
+        t.cost, t.pick, t.rows, t.ttft_cost = predicted, None, None, True
     pick = t.pick or _pick(t, config)
     if pick is None:
         raise NoEligibleWorker(
@@ -325,6 +337,9 @@ def decide(
             f" and {more} more" if more > 0 else ""
         )
     chosen = choice.chosen
+    rows = _rows(t, choice.row_cost, choice.probability)
+    if predicted is not None:
+        rows = tuple(msgspec.structs.replace(r, predicted_ttft_ms=p) for r, p in zip(rows, predicted))
     own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
                    if t.does_prefill else 0)
     return Decision(
@@ -332,7 +347,7 @@ def decide(
         phase=request.phase,
         worker_id=t.ordered[chosen].worker_id,
         mode=config.mode,
-        scores=_rows(t, choice.row_cost, choice.probability),
+        scores=rows,
         reason=reason,
         config_version=config.version,
         rng_seed=rng_seed,
@@ -355,7 +370,7 @@ class _Scored:
 
     __slots__ = ("active", "by_tier", "config", "cost", "decode", "decode_f", "does_prefill", "excluded",
                  "in_flight", "matched", "n", "n_hash", "ordered", "overlap_blocks", "overlap_w", "pick", "prefill",
-                 "queued", "request", "request_blocks", "rows", "shared", "shared_by_worker", "stale", "weights")
+                 "queued", "request", "request_blocks", "rows", "shared", "shared_by_worker", "stale", "ttft_cost", "weights")
 
     def __init__(self, request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig) -> None:
         n = len(ordered)
@@ -390,6 +405,8 @@ class _Scored:
         self.rows: tuple[CandidateScore, ...] | None = None
         #: The non-zero speculative overlaps by worker id, when the native core made them.
         self.shared_by_worker: dict[WorkerId, int] | None = None
+        #: The cost is each candidate's predicted TTFT (``RouterConfig.cost``), set by decide.
+        self.ttft_cost = False
 
 
 def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
@@ -492,7 +509,7 @@ def _score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterCon
 
 def _score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
                   overlaps: Mapping[WorkerId, WorkerOverlap],
-                  mine_by_worker: Mapping[WorkerId, InflightLoad]) -> _Scored | None:
+                  mine_by_worker: Mapping[WorkerId, InflightLoad], ttft_cost: bool = False) -> _Scored | None:
     """:func:`_score`'s terms, :func:`_pick`'s numbers and the rows' overlap columns from the Rust
     core (``native/src/decide.rs``); None when the core declines the inputs (a peer reach among
     them included: the core weighs the four tiers only), and the caller then runs
@@ -501,7 +518,7 @@ def _score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Ro
 
     t = _Scored(request, ordered, config)
     kv = config.mode is RoutingMode.KV
-    argmin = kv and config.temperature == 0.0
+    argmin = kv and config.temperature == 0.0 and not ttft_cost  # a ttft cost's argmin: decide's
     out = switchyard_native.decide_kv(
         list(map(astuple, ordered)), _LOAD_AT, overlaps if type(overlaps) is dict else dict(overlaps), mine_by_worker,
         request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
@@ -543,6 +560,16 @@ class _Pick(msgspec.Struct):
 
 
 _CAPACITY_UNCHANGED, _CAPACITY_EXCLUDED, _CAPACITY_IGNORED = 0, 1, 2
+
+
+def _predictions(t: _Scored, models: Mapping[WorkerId, TtftModel]) -> list[float]:
+    """Every candidate's predicted TTFT (ms), by position: ``ttft.predict`` (the one rule) on the
+    columns its row shows (combined queue, matched blocks, speculative overlap)."""
+    req = t.request
+    get = models.get
+    return [predict(q, 0 if ov is None else sum(ov.tiers), s, req.prompt_tokens, req.block_size,
+                    get(w.worker_id, PRIOR))
+            for w, q, ov, s in zip(t.ordered, t.queued, t.matched, t.shared)]
 
 
 def _pick(t: _Scored, config: RouterConfig) -> _Pick | None:
@@ -644,6 +671,12 @@ def _choose_kv(t: _Scored, pick: _Pick, config: RouterConfig, rng_seed: int, rr_
     ov = t.matched[chosen] or NO_OVERLAP
     factor = config.stale_overlap_factor if ov.stale else 1.0
     req = t.request
+    if t.ttft_cost:
+        head = head.replace("kv ", "kv (predicted TTFT) ", 1)
+        arithmetic = (f"{ordered[chosen].worker_id} at {_fmt(cost[chosen])} ms predicted: "
+                      f"{t.queued[chosen]} prefill tokens queued ahead, {max(ov.depth, t.shared[chosen])} "
+                      f"of {t.request_blocks} blocks cached")
+        return _Choice(chosen, f"{head} {arithmetic}{tail}", list(cost), probability)
     arithmetic = _explain_kv(
         ordered[chosen].worker_id, cost[chosen], config.prefill_load_scale, t.queued[chosen], req.prompt_tokens,
         req.block_size, _overlap_parts(ov, t.shared[chosen], t.n_hash, t.weights, factor), t.overlap_w[chosen],
