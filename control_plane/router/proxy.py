@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
+from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room, over_ttft_budget
 from control_plane.router.config import RouterConfig
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.inputs import decision_inputs, execute, routed_event
@@ -290,6 +290,9 @@ class Router:
             raise RouterRejected(str(e)) from None
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        if attempt == 0 and (over := over_ttft_budget(d.scores, self.config.ttft_slo_ms)) is not None:
+            # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
+            raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0
         self._routed(adm)
         health = self._health() if self._health else None
