@@ -216,4 +216,4 @@ def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float) -> tupl
         return None
     ms, wid = best
     return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}) exceeds the budget of "
-            f"{budget_ms:.0f} ms", max(1, ceil((ms - budget_ms) / 1000)))
+            f"{budget_ms:g} ms", max(1, ceil((ms - budget_ms) / 1000)))

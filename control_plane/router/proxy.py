@@ -89,6 +89,8 @@ class Admission:
     #: The event that ended the request (``RequestCompleted``, ``RequestFailed``,
     #: ``RequestRejected``), once :meth:`Router.end` recorded it; None while it is open.
     end: Event | None = None
+    #: The client's own TTFT budget (ms, the ``x-ttft-budget-ms`` header), or None.
+    ttft_budget_ms: float | None = None
 
 
 @dataclass
@@ -290,7 +292,10 @@ class Router:
             raise RouterRejected(str(e)) from None
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
-        if attempt == 0 and (over := over_ttft_budget(d.scores, self.config.ttft_slo_ms)) is not None:
+        budget = self.config.ttft_slo_ms
+        if adm.ttft_budget_ms is not None:  # a client can tighten the router's budget, not loosen it
+            budget = min(budget, adm.ttft_budget_ms) if budget > 0 else adm.ttft_budget_ms
+        if attempt == 0 and (over := over_ttft_budget(d.scores, budget)) is not None:
             # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
             raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0

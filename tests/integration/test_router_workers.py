@@ -126,3 +126,30 @@ def test_a_request_whose_predicted_ttft_exceeds_the_budget_is_refused_at_once(bu
         assert "predicted TTFT" in rejected.reason and "(a-0)" in rejected.reason
     finally:
         a.stop()
+
+
+def test_a_requests_own_ttft_budget_header_tightens_admission(bus: BusSettings, procs: Procs, tmp_path) -> None:
+    """The ``x-ttft-budget-ms`` header: without it (the router's budget off) the request is
+    served; with a budget below the prediction it is refused with 429; a malformed one is 400."""
+    a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=WORKER_ARGS).start()
+    try:
+        port = free_port()
+        procs.router(port, "r-slo-header")
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = list(range(3000, 3000 + 640))
+        ok = client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="switchyard-sim", prompt=prompt + [7] * 640, max_tokens=2,
+                                      extra_headers={"x-ttft-budget-ms": "0.5"},
+                                      extra_body={"request_id": "slo-h"})
+        assert "exceeds the budget of 0.5 ms" in refused.value.message
+        rejected = [e.data for e in read_stream(bus, "requests") if e.correlation_id == router_ids(bus)["slo-h"]][-1]
+        assert isinstance(rejected, RequestRejected) and rejected.code == "ttft_budget"
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=2,
+                                      extra_headers={"x-ttft-budget-ms": "soon"})
+    finally:
+        a.stop()
