@@ -189,6 +189,10 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     #: Peer fetch: the worker holding the ``overlap_by_tier["peer"]`` blocks this one would pull
     #: (empty when there is no peer reach). Added in place (a default, omitted when unset).
     peer_from: WorkerId = ""
+    #: The TTFT (ms) this worker would give the request (``control_plane/router/ttft.py``, under
+    #: its fitted model): the cost itself when ``RouterConfig.cost`` is ``ttft``. None for a
+    #: decode phase and in logs written before rows carried it. Added in place.
+    predicted_ttft_ms: float | None = None
 
 
 class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -275,6 +279,10 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: The model behind ``predicted_ttft_ms`` (the chosen worker's fit, or the prior); None in
     #: logs written before the field existed (the prior then) and for a decode phase.
     ttft_model: TtftModel | None = None
+    #: The models behind the other rows' ``predicted_ttft_ms``, by worker, those that are not
+    #: the prior (a missing worker was predicted under the prior), so that replay's table check
+    #: re-derives every row. Empty in logs written before rows carried predictions.
+    ttft_models: dict[WorkerId, TtftModel] = {}
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

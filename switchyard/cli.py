@@ -807,16 +807,24 @@ def _cases(tune: str, score: str):
 @bench_app.command("routing")
 def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
                   limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
-                  tune: TuneOpt = "all:1", score: ScoreOpt = "all:2") -> None:
+                  tune: TuneOpt = "all:1", score: ScoreOpt = "all:2",
+                  cost: Annotated[str, typer.Option(help="Our kv cost: blocks or ttft (RouterConfig.cost).")] = "blocks",
+                  ) -> None:
     """The whole trace in virtual time through our routing decision and simulated engines, kv vs
     round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin); both
     sides' prefill_load_scale picked on the tune cases and scored on the score cases first.
     Needs the bench group: `uv run --group bench ...`."""
     # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
     from benchmarks.routing_bench import main as run
+    # lazy: start-up time (the router package loads the decision and its native core)
+    from control_plane.router import RouterConfig, RouterConfigError
 
     t, s = _cases(tune, score)
-    run(trace, limit, tune=t, score=s)
+    try:
+        config = RouterConfig(cost=cost)  # type: ignore[arg-type]
+    except RouterConfigError as e:
+        fail(str(e), 2)
+    run(trace, limit, tune=t, score=s, config=config)
 
 
 @bench_app.command("tiers")

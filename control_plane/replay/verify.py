@@ -44,7 +44,8 @@ from schemas.types import RequestPhase, WorkerRole
 INPUT_COLUMNS = ("queued_prefill_tokens", "active_decode_blocks", "inflight_requests", "overlap_blocks",
                  "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from")
 #: Columns that are outputs (computed from the inputs and the config).
-OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded")
+OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded",
+                  "predicted_ttft_ms")
 
 
 class DecisionRecord(msgspec.Struct, kw_only=True):
@@ -149,8 +150,10 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
         if row.overlap_blocks or row.stale or row.overlap_by_tier:
             overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale,
                                                                peer_from=row.peer_from)
-    # The prediction's model as recorded (the state check re-derives it from the log).
-    models = {r.worker_id: r.ttft_model} if r.ttft_model is not None else {}
+    # The predictions' models as recorded (the state check re-derives them from the log).
+    models = dict(r.ttft_models)
+    if r.ttft_model is not None:
+        models[r.worker_id] = r.ttft_model
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
                           rr_cursor=r.rr_cursor, rng_seed=r.rng_seed, ttft_models=models)
 
@@ -175,6 +178,10 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         ev = msgspec.structs.replace(ev, predicted_ttft_ms=None)
     if r.ttft_model is None:  # written before the router fitted and recorded its model
         ev = msgspec.structs.replace(ev, ttft_model=None)
+    if r.scores and all(row.predicted_ttft_ms is None for row in r.scores):
+        # written before every row carried its prediction (or a decode phase, which has none)
+        ev = msgspec.structs.replace(ev, ttft_models={}, scores=[
+            msgspec.structs.replace(row, predicted_ttft_ms=None) for row in ev.scores])
     return ev
 
 

@@ -21,6 +21,12 @@ Policy (stated, configurable through :class:`AdmissionConfig`):
 
 The room test (:func:`has_room`) is a pure function of the view and the ledger, so a replay can
 tell why a request waited.
+
+After the decision, the promise (issue 39 step 5, :func:`over_ttft_budget`): when even the best
+eligible candidate's predicted TTFT (its score row's ``predicted_ttft_ms``) exceeds the budget
+(``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at once with 429
+(``ttft_budget``), Retry-After and the prediction in ``RequestRejected.reason``, instead of being
+accepted and served late.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from math import ceil
+
+from schemas.events import CandidateScore
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,3 +201,19 @@ class AdmissionQueue:
             if not self._waiting:
                 break
             await asyncio.sleep(self.cfg.poll_interval_s)
+
+
+def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float) -> tuple[str, int] | None:
+    """(reason, Retry-After seconds) when the best eligible row's predicted TTFT exceeds
+    ``budget_ms``; None when it does not, when the budget is off (0) or when no row carries a
+    prediction (a decode phase). Retry-After: the excess, in whole seconds, at least 1 (the
+    queue ahead drains at about the rate it was predicted)."""
+    if budget_ms <= 0:
+        return None
+    best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
+                if r.eligible and r.predicted_ttft_ms is not None), default=None)
+    if best is None or best[0] <= budget_ms:
+        return None
+    ms, wid = best
+    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}) exceeds the budget of "
+            f"{budget_ms:g} ms", max(1, ceil((ms - budget_ms) / 1000)))

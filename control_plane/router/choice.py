@@ -93,6 +93,12 @@ def _choose_kv(t: Scored, pick: Pick, config: RouterConfig, rng_seed: int, rr_cu
     ov = t.matched[chosen] or NO_OVERLAP
     factor = config.stale_overlap_factor if ov.stale else 1.0
     req = t.request
+    if t.ttft_cost:
+        head = head.replace("kv ", "kv (predicted TTFT) ", 1)
+        arithmetic = (f"{ordered[chosen].worker_id} at {_fmt(cost[chosen])} ms predicted: "
+                      f"{t.queued[chosen]} prefill tokens queued ahead, {max(ov.depth, t.shared[chosen])} "
+                      f"of {t.request_blocks} blocks cached")
+        return _Choice(chosen, f"{head} {arithmetic}{tail}", list(cost), probability)
     arithmetic = _explain_kv(
         ordered[chosen].worker_id, cost[chosen], config.prefill_load_scale, t.queued[chosen], req.prompt_tokens,
         req.block_size, _overlap_parts(ov, t.shared[chosen], t.n_hash, t.weights, factor), t.overlap_w[chosen],

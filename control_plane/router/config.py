@@ -20,6 +20,7 @@ from schemas.types import TIER_ORDER, RoutingMode, Tier
 
 LoadCombine = Literal["max", "sum"]
 LeastLoadedMetric = Literal["blocks", "requests"]
+KvCost = Literal["blocks", "ttft"]
 
 
 class TierWeights(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -118,6 +119,15 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: ``switchyard bench routing``) scale 3..10 is a plateau (mean TTFT 262..248 ms vs 285 at
     #: 1, reuse 0.226..0.242 vs 0.196); above ~10 ITL and e2e p99 start to pay.
     prefill_load_scale: float = 5.0
+    #: The kv mode's cost: ``blocks`` (the block count above, ``prefill_load_scale`` x prefill
+    #: blocks + decode blocks) or ``ttft`` (each candidate's predicted TTFT in ms under its fitted
+    #: model, ``control_plane/router/ttft.py``: the queue ahead, its own uncached prefill and the
+    #: fitted base; issue 39 step 2). Every prefill row carries its prediction either way.
+    cost: KvCost = "blocks"
+    #: Admission on the promise (issue 39 step 5): when the best eligible candidate's predicted
+    #: TTFT exceeds this budget (ms), the request is rejected at once (429, Retry-After, a
+    #: reason in ``RequestRejected``) instead of being served late. 0 = off (the default).
+    ttft_slo_ms: float = 0.0
     #: 0: argmin of the cost, ties broken by the seeded RNG. > 0: sample from a softmax over the
     #: costs normalised to [0, 1] (logit = -normalised / temperature), like Dynamo.
     temperature: float = 0.0
@@ -157,6 +167,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             )
         _finite_at_least("prefill_load_scale", self.prefill_load_scale, 0.0,
                          "a negative scale would reward long prefill queues")
+        if self.cost not in ("blocks", "ttft"):
+            raise RouterConfigError(f"cost={self.cost!r} must be 'blocks' or 'ttft'")
+        _finite_at_least("ttft_slo_ms", self.ttft_slo_ms, 0.0, "0 turns the TTFT budget off")
         _finite_at_least("temperature", self.temperature, 0.0,
                          "0 means argmin; a negative temperature would prefer the worst worker")
         if not (_is_finite(self.stale_overlap_factor) and 0.0 <= self.stale_overlap_factor <= 1.0):

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
+import msgspec
+
 from control_plane.index.implementation import native_core
 from control_plane.router.choice import CHOOSERS, KEEP, word_capacity
 from control_plane.router.choice import score_rows as _rows
@@ -38,8 +40,10 @@ from control_plane.router.ledger import InflightView
 # property tests make the Python steps fail to prove the core did not fall back to them).
 from control_plane.router.scoring import pick as _pick
 from control_plane.router.scoring import score as _score
+from control_plane.router.scoring import predictions
 from control_plane.router.scoring import score_native as _score_native
-from schemas.types import WorkerId
+from schemas.events import TtftModel
+from schemas.types import RequestPhase, WorkerId
 
 __all__ = ["NO_OVERLAP", "PEER", "Decision", "RoutingRequest", "WorkerLoad", "WorkerOverlap", "decide"]
 
@@ -58,6 +62,7 @@ def decide(
     inflight: InflightView | None = None,
     rr_cursor: WorkerId | None = None,
     native: bool | None = None,
+    ttft_models: Mapping[WorkerId, TtftModel] | None = None,
 ) -> Decision:
     """Choose a worker for ``request`` among ``workers``.
 
@@ -73,6 +78,9 @@ def decide(
       (:func:`control_plane.index.implementation.native_core`, ``SWITCHYARD_INDEX``). Inputs the core
       cannot reproduce exactly (integers beyond 2^53, a worker listed twice) go to the
       specification either way, so the choice never changes a decision.
+    * ``ttft_models``: each candidate's TTFT model (a missing one is the prior); given, every
+      row of a prefill phase carries its predicted TTFT (``scoring.predictions``), and with
+      ``config.cost == "ttft"`` that prediction is the kv cost. None = no predictions.
 
     Eligible = registered, not draining, role equal to the request's phase (an aggregated
     worker serves aggregated requests only). Raises :class:`NoEligibleWorker` when no candidate
@@ -87,10 +95,17 @@ def decide(
     ordered = sorted(workers, key=_by_worker_id)
     mine = inflight.view(request.block_hashes) if inflight is not None else {}
     t = None
+    predicts = ttft_models is not None and request.phase is not RequestPhase.DECODE
+    ttft_cost = predicts and config.cost == "ttft"  # else a decode phase's kv cost stays blocks
     if native_core() if native is None else native:
-        t = _score_native(request, ordered, config, overlaps or {}, mine)
+        t = _score_native(request, ordered, config, overlaps or {}, mine, ttft_cost)
     if t is None:
         t = _score(request, ordered, config, overlaps or {}, mine)
+    predicted = predictions(t, ttft_models) if predicts else None
+    if ttft_cost:
+        # The cost is the prediction: the guards and the argmin run on it here (the native core
+        # gave the terms only, see scoring.score_native).
+        t.cost, t.pick, t.rows, t.ttft_cost = predicted, None, None, True
     pick = t.pick or _pick(t, config)
     if pick is None:
         raise NoEligibleWorker(
@@ -114,6 +129,9 @@ def decide(
             f" and {more} more" if more > 0 else ""
         )
     chosen = choice.chosen
+    rows = _rows(t, choice.row_cost, choice.probability)
+    if predicted is not None:
+        rows = tuple(msgspec.structs.replace(r, predicted_ttft_ms=p) for r, p in zip(rows, predicted))
     own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
                    if t.does_prefill else 0)
     return Decision(
@@ -121,7 +139,7 @@ def decide(
         phase=request.phase,
         worker_id=t.ordered[chosen].worker_id,
         mode=config.mode,
-        scores=_rows(t, choice.row_cost, choice.probability),
+        scores=rows,
         reason=reason,
         config_version=config.version,
         rng_seed=rng_seed,

@@ -163,7 +163,7 @@ def execute(inputs: DecisionInputs, config: RouterConfig, rng_seed: int | None =
     """``decide`` over ``inputs`` (with their own seed unless one is given)."""
     return decide(inputs.request, inputs.workers, config,
                   rng_seed=inputs.rng_seed if rng_seed is None else rng_seed, overlaps=inputs.overlaps,
-                  inflight=_Recorded(inputs.inflight), rr_cursor=inputs.rr_cursor)
+                  inflight=_Recorded(inputs.inflight), rr_cursor=inputs.rr_cursor, ttft_models=inputs.ttft_models)
 
 
 def routed_event(
@@ -183,13 +183,16 @@ def routed_event(
     decided on (position, config version, seed, cursor, exclusions, ``now``) and what the
     ledger holds for it."""
     predicted, model = _predicted_ttft(decision, inputs)
+    others = ({} if model is None else
+              {w: m for w, m in sorted(inputs.ttft_models.items()) if w != decision.worker_id and m != PRIOR})
     return msgspec.structs.replace(
         decision.to_event(index_position=index_position, router_id=router_id, attempt=attempt),
         rr_cursor=inputs.rr_cursor, guards=list(decision.guards),
         expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
         excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
         inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
-        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model)
+        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model,
+        ttft_models=others)
 
 
 def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> tuple[float | None, TtftModel | None]:
@@ -201,5 +204,7 @@ def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> tuple[float |
     for row in decision.scores:
         if row.worker_id == decision.worker_id:
             model = inputs.ttft_models.get(row.worker_id, PRIOR)
+            if row.predicted_ttft_ms is not None:  # every row carries it (decide computed it)
+                return row.predicted_ttft_ms, model
             return predict_ttft_ms(row, req.prompt_tokens, req.block_size, req.phase, model), model
     return None, None

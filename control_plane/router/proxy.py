@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
+from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room, over_ttft_budget
 from control_plane.router.config import RouterConfig
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.inputs import decision_inputs, execute, routed_event
@@ -89,6 +89,8 @@ class Admission:
     #: The event that ended the request (``RequestCompleted``, ``RequestFailed``,
     #: ``RequestRejected``), once :meth:`Router.end` recorded it; None while it is open.
     end: Event | None = None
+    #: The client's own TTFT budget (ms, the ``x-ttft-budget-ms`` header), or None.
+    ttft_budget_ms: float | None = None
 
 
 @dataclass
@@ -290,6 +292,12 @@ class Router:
             raise RouterRejected(str(e)) from None
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        budget = self.config.ttft_slo_ms
+        if adm.ttft_budget_ms is not None:  # a client can tighten the router's budget, not loosen it
+            budget = min(budget, adm.ttft_budget_ms) if budget > 0 else adm.ttft_budget_ms
+        if attempt == 0 and (over := over_ttft_budget(d.scores, budget)) is not None:
+            # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
+            raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0
         self._routed(adm)
         health = self._health() if self._health else None

@@ -24,7 +24,8 @@ from control_plane.router.decision_types import (
 )
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ledger import InflightLoad
-from schemas.events import CandidateScore
+from control_plane.router.ttft import PRIOR, predict
+from schemas.events import CandidateScore, TtftModel
 from schemas.types import TIER_ORDER, RequestPhase, RoutingMode, WorkerId, WorkerRole
 
 #: Costs within this relative distance of the best count as a tie (float sums of the same
@@ -50,7 +51,8 @@ class Scored:
 
     __slots__ = ("active", "by_tier", "config", "cost", "decode", "decode_f", "does_prefill", "excluded",
                  "in_flight", "matched", "n", "n_hash", "ordered", "overlap_blocks", "overlap_w", "pick", "prefill",
-                 "queued", "request", "request_blocks", "rows", "shared", "shared_by_worker", "stale", "weights")
+                 "queued", "request", "request_blocks", "rows", "shared", "shared_by_worker", "stale", "ttft_cost",
+                 "weights")
 
     def __init__(self, request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig) -> None:
         n = len(ordered)
@@ -85,6 +87,8 @@ class Scored:
         self.rows: tuple[CandidateScore, ...] | None = None
         #: The non-zero speculative overlaps by worker id, when the native core made them.
         self.shared_by_worker: dict[WorkerId, int] | None = None
+        #: The cost is each candidate's predicted TTFT (``RouterConfig.cost``), set by decide.
+        self.ttft_cost = False
 
 
 def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
@@ -187,7 +191,7 @@ def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConf
 
 def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
                   overlaps: Mapping[WorkerId, WorkerOverlap],
-                  mine_by_worker: Mapping[WorkerId, InflightLoad]) -> Scored | None:
+                  mine_by_worker: Mapping[WorkerId, InflightLoad], ttft_cost: bool = False) -> Scored | None:
     """:func:`score`'s terms, :func:`pick`'s numbers and the rows' overlap columns from the Rust
     core (``native/src/decide.rs``); None when the core declines the inputs (a peer reach among
     them included: the core weighs the four tiers only), and the caller then runs
@@ -196,7 +200,7 @@ def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Rou
 
     t = Scored(request, ordered, config)
     kv = config.mode is RoutingMode.KV
-    argmin = kv and config.temperature == 0.0
+    argmin = kv and config.temperature == 0.0 and not ttft_cost  # a ttft cost's argmin: decide's
     out = switchyard_native.decide_kv(
         list(map(astuple, ordered)), _LOAD_AT, overlaps if type(overlaps) is dict else dict(overlaps), mine_by_worker,
         request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
@@ -216,6 +220,16 @@ def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Rou
     if native_pick is not None:
         t.pick = Pick(*native_pick)
     return t
+
+
+def predictions(t: Scored, models: Mapping[WorkerId, TtftModel]) -> list[float]:
+    """Every candidate's predicted TTFT (ms), by position: ``ttft.predict`` (the one rule) on the
+    columns its row shows (combined queue, matched blocks, speculative overlap)."""
+    req = t.request
+    get = models.get
+    return [predict(q, 0 if ov is None else sum(ov.tiers), s, req.prompt_tokens, req.block_size,
+                    get(w.worker_id, PRIOR))
+            for w, q, ov, s in zip(t.ordered, t.queued, t.matched, t.shared)]
 
 
 class Pick(msgspec.Struct):

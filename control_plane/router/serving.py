@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -178,6 +179,20 @@ def _accepted_model(c: RouterApp, body: GenerationRequest) -> str:
     return model
 
 
+#: A request's own TTFT budget in ms (issue 39 step 5): it can only tighten the router's
+#: ``RouterConfig.ttft_slo_ms``; a request predicted over it is refused at once (429).
+TTFT_BUDGET_HEADER = "x-ttft-budget-ms"
+
+
+def _ttft_budget(raw: str) -> float | None:
+    """The header's budget, or None when it is not a finite number > 0."""
+    try:
+        v = float(raw)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) and v > 0 else None
+
+
 async def completions(c: RouterApp, body: CompletionRequest, request: Request) -> Response:
     model = _accepted_model(c, body)
     tokens = await _prompt_tokens(c, body)
@@ -200,10 +215,16 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
     first chunk is in (so that refusals, "no worker" and failures before the first token get
     a real status code)."""
     router = c.router
+    raw_budget = request.headers.get(TTFT_BUDGET_HEADER)
+    budget = _ttft_budget(raw_budget) if raw_budget is not None else None
+    if budget is None and raw_budget is not None:
+        return error_response(400, f"{TTFT_BUDGET_HEADER} must be a number of milliseconds > 0, got {raw_budget!r}",
+                              "invalid_ttft_budget", param=TTFT_BUDGET_HEADER)
     rid = new_request_id(endpoint)
     headers = {"X-Request-Id": rid, **({"X-Client-Request-Id": client_id} if client_id else {})}
     adm = router.admit(request_id=rid, model=model, tokens=tokens, max_tokens=max_tokens, stream=body.stream,
                        endpoint=endpoint, client_request_id=client_id)
+    adm.ttft_budget_ms = budget
     gen = router.serve(adm)
     # Queue, then pull the first chunk before answering, so refusals, "no worker" and failures
     # before the first token get a real status code (and never a 500).

@@ -4,10 +4,11 @@ item 1: the first part only).
 What is built: the prediction the router records for the worker it chose
 (``RequestRouted.predicted_ttft_ms``), from that worker's row and its fitted model, so that ``switchyard replay reconcile`` can set it beside the TTFT observed and
 replay re-executes it bit for bit. The parameters are fitted from the log
-(:mod:`.ttft_fit`, item 2), per worker around its pool's fit around :data:`PRIOR`. What is not
-built yet: the cost is still the block count of ``docs/routing-cost.md``, not this
-prediction; onboarding from slower tiers and the P/D transfer are not modelled apart (the
-fitted ``base_ms`` absorbs the handoff's mean).
+(:mod:`.ttft_fit`, item 2), per worker around its pool's fit around :data:`PRIOR`. Every
+candidate row carries its prediction (``decide(ttft_models=...)`` calls :func:`predict`), and
+``RouterConfig.cost = "ttft"`` makes it the kv cost (step 2). What is not built yet: onboarding
+from slower tiers and the P/D transfer are not modelled apart (the fitted ``base_ms`` absorbs
+the handoff's mean).
 
 The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill tokens queued ahead
 of the request (the row's ``queued_prefill_tokens``, already net of their own cache hits) and then
@@ -24,7 +25,7 @@ from schemas.events import CandidateScore, TtftModel
 from schemas.types import RequestPhase
 
 
-__all__ = ["PRIOR", "TtftModel", "features", "predict_ttft_ms"]
+__all__ = ["PRIOR", "TtftModel", "features", "predict", "predict_ttft_ms"]
 
 #: The prior every router starts from (conservative: a mid-range GPU's prefill rate for an 8B
 #: model, ~20k tokens/s), and what a worker's fit starts from (``ttft_fit.py``).
@@ -53,8 +54,17 @@ def predict_ttft_ms(row: CandidateScore, prompt_tokens: int, block_size: int, ph
     a decode phase (its first token follows a transfer, not modelled separately)."""
     if phase is RequestPhase.DECODE:
         return 0.0
+    return predict(row.queued_prefill_tokens, row.overlap_blocks, row.speculative_overlap, prompt_tokens,
+                   block_size, model)
+
+
+def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap: int, prompt_tokens: int,
+            block_size: int, model: TtftModel = PRIOR) -> float:
+    """The rule itself, on a row's three columns (what ``decide`` computes for every candidate
+    before its rows exist, and :func:`predict_ttft_ms` from a row): the model's base, the queue
+    ahead, then the request's own uncached tokens over its cached context."""
     # The same sum as model . features(...), laid out as before the fit existed, so a decision
     # recorded then (under the prior, base 0) re-executes bit for bit.
-    cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
-    wait = model.prefill_ms(max(row.queued_prefill_tokens, 0))
+    cached = min(max(overlap_blocks, speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
+    wait = model.prefill_ms(max(queued_prefill_tokens, 0))
     return model.base_ms + wait + model.prefill_ms(prompt_tokens - cached, cached)

@@ -133,7 +133,8 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
     # from the true log) then differs from the state rebuilt through the forgery, and only there.
     for later in (m for m in report.mismatches if m.request_id != seq3):
         assert later.table == "match" and later.state == "mismatch", later
-        assert {d.split(":")[0] for d in later.state_diffs} <= {"ttft_model", "predicted_ttft_ms"}, later.state_diffs
+        assert ({d.split(":")[0].rsplit(".", 1)[-1] for d in later.state_diffs}
+                <= {"ttft_model", "ttft_models", "predicted_ttft_ms"}), later.state_diffs
     assert report.table_matches == report.decisions - 1
     assert bad.request_id == seq3 and bad.recorded_worker == other
     assert bad.table == "mismatch" and bad.state == "mismatch"

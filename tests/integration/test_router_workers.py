@@ -15,6 +15,7 @@ from schemas.events import (
     PrefillCompleted,
     RequestCompleted,
     RequestFailed,
+    RequestRejected,
     RequestRouted,
 )
 from tests.integration.test_router import Procs, _wait_http
@@ -97,3 +98,58 @@ def test_aggregated_workers_prefix_reuse_and_a_killed_worker_is_retried(bus: Bus
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_request_whose_predicted_ttft_exceeds_the_budget_is_refused_at_once(bus: BusSettings, procs: Procs,
+                                                                               tmp_path) -> None:
+    """Issue 39 step 5: with ``ttft_slo_ms`` set below what even the best worker is predicted to
+    give (the prior predicts ~34 ms for 640 uncached tokens), the official client gets 429 with
+    Retry-After, and ``RequestRejected`` says why; nothing is routed."""
+    a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=WORKER_ARGS).start()
+    try:
+        cfg = tmp_path / "router.json"
+        cfg.write_text('{"ttft_slo_ms": 1.0}')
+        port = free_port()
+        procs.router(port, "r-slo", "--no-auth", "--config", str(cfg))
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="switchyard-sim", prompt=list(range(2000, 2000 + 640)), max_tokens=2,
+                                      extra_body={"request_id": "slo-0"})
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert "exceeds the budget of 1 ms" in refused.value.message
+        events = [e.data for e in read_stream(bus, "requests") if e.correlation_id == router_ids(bus)["slo-0"]]
+        assert [type(e).__name__ for e in events] == ["RequestAdmitted", "RequestRejected"]
+        rejected = events[-1]
+        assert isinstance(rejected, RequestRejected) and rejected.code == "ttft_budget" and rejected.http_status == 429
+        assert "predicted TTFT" in rejected.reason and "(a-0)" in rejected.reason
+    finally:
+        a.stop()
+
+
+def test_a_requests_own_ttft_budget_header_tightens_admission(bus: BusSettings, procs: Procs, tmp_path) -> None:
+    """The ``x-ttft-budget-ms`` header: without it (the router's budget off) the request is
+    served; with a budget below the prediction it is refused with 429; a malformed one is 400."""
+    a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=WORKER_ARGS).start()
+    try:
+        port = free_port()
+        procs.router(port, "r-slo-header")
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 1)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = list(range(3000, 3000 + 640))
+        ok = client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=2)
+        assert ok.usage.completion_tokens == 2
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="switchyard-sim", prompt=prompt + [7] * 640, max_tokens=2,
+                                      extra_headers={"x-ttft-budget-ms": "0.5"},
+                                      extra_body={"request_id": "slo-h"})
+        assert "exceeds the budget of 0.5 ms" in refused.value.message
+        rejected = [e.data for e in read_stream(bus, "requests") if e.correlation_id == router_ids(bus)["slo-h"]][-1]
+        assert isinstance(rejected, RequestRejected) and rejected.code == "ttft_budget"
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="switchyard-sim", prompt=prompt, max_tokens=2,
+                                      extra_headers={"x-ttft-budget-ms": "soon"})
+    finally:
+        a.stop()

@@ -26,6 +26,7 @@ from control_plane.router.config import RouterConfig, TierWeights
 from control_plane.router.decision import RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
 from control_plane.router.ledger import InflightLedger, InflightLoad
+from schemas.events import TtftModel
 from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
 
 
@@ -59,7 +60,19 @@ def _configs(draw) -> RouterConfig:
         imbalance_rel_threshold=draw(st.floats(1.0, 3.0)),
         capacity_guard=draw(st.booleans()),
         least_loaded_metric=draw(st.sampled_from(["blocks", "requests"])),
+        cost=draw(st.sampled_from(["blocks", "ttft"])),
     )
+
+
+def _models(seed: int, workers: list[WorkerLoad]) -> dict[WorkerId, TtftModel] | None:
+    """Fitted TTFT models for some candidates (the rest under the prior), or none at all."""
+    rng = random.Random(seed)
+    if rng.random() < 0.2:
+        return None
+    return {w.worker_id: TtftModel(base_ms=rng.uniform(0, 80), step_ms=rng.uniform(0, 5),
+                                   ms_per_token=rng.uniform(0, 0.2), ms_per_token_ctx=rng.uniform(0, 1e-5),
+                                   chunk_tokens=rng.choice([256, 2048, 8192]), samples=rng.randrange(0, 50))
+            for w in workers if rng.random() < 0.7}
 
 
 def _inputs(seed: int, n: int, phase: RequestPhase):
@@ -130,7 +143,7 @@ def _ledgers(seed: int, request: RoutingRequest, workers: list[WorkerLoad]) -> t
     return native, reference
 
 
-def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inflight=None):
+def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inflight=None, models=None):
     """``decide`` by the specification over ``inflight`` (a recorded view, or a ledger) and by
     the native core over ``native_inflight`` (the same view by default)."""
     def run(native: bool):
@@ -138,13 +151,16 @@ def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inf
         try:
             return decide(request, workers, config, rng_seed=seed, overlaps=overlaps,
                           inflight=source if hasattr(source, "view") else _Recorded(source),
-                          rr_cursor=cursor, native=native)
+                          rr_cursor=cursor, native=native, ttft_models=models)
         except (NoEligibleWorker, InvalidRoutingInput) as e:
             return type(e), str(e)
 
     def pick_only_when_none_eligible(t, config):
         # The native core computes the pick whenever a candidate is eligible; the specification's
-        # _pick runs on the native path only to find that none is.
+        # _pick runs on the native path only to find that none is, or on the predicted TTFT
+        # (computed in Python from the core's terms, the one rule) when that is the cost.
+        if config.cost == "ttft" and models is not None and request.phase is not RequestPhase.DECODE:
+            return spec_pick(t, config)
         assert all(x is not None for x in t.excluded), "native pick fell back"
         return spec_pick(t, config)
 
@@ -163,7 +179,8 @@ def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inf
 )
 def test_native_scoring_gives_the_reference_decision(input_seed, n, phase, config, rng_seed):
     request, workers, overlaps, inflight, cursor = _inputs(input_seed, n, phase)
-    reference, native = _both(request, workers, config, rng_seed, overlaps, inflight, cursor)
+    reference, native = _both(request, workers, config, rng_seed, overlaps, inflight, cursor,
+                              models=_models(input_seed, workers))
     assert native == reference
     if isinstance(reference, decision.Decision):
         assert msgspec.msgpack.encode(native) == msgspec.msgpack.encode(reference)
@@ -182,7 +199,7 @@ def test_native_decision_over_a_native_ledger(input_seed, n, phase, config, rng_
     view = native_ledger.view(request.block_hashes)
     assert type(view) is not dict and view == reference_ledger.view(request.block_hashes)
     reference, native = _both(request, workers, config, rng_seed, overlaps, reference_ledger, cursor,
-                              native_inflight=native_ledger)
+                              native_inflight=native_ledger, models=_models(ledger_seed, workers))
     assert native == reference
     if isinstance(reference, decision.Decision):
         assert msgspec.msgpack.encode(native) == msgspec.msgpack.encode(reference)

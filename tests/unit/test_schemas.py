@@ -88,6 +88,7 @@ SCORE_FIELDS: dict[str, Any] = {
     "excluded": "draining",
     "kv_capacity_blocks": 16384,
     "peer_from": "w-9",
+    "predicted_ttft_ms": 88.5,
 }
 
 #: Per struct, one instance's fields: every optional one set to a non-default value.
@@ -163,6 +164,7 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "predicted_ttft_ms": 412.5,
         "ttft_model": ev.TtftModel(base_ms=30.0, step_ms=1.5, ms_per_token=0.02, ms_per_token_ctx=1e-6,
                                    chunk_tokens=1024, samples=12, pool_samples=40),
+        "ttft_models": {"w-2": ev.TtftModel(base_ms=12.0, samples=3, pool_samples=40)},
     },
     ev.PrefillCompleted: {
         "request_id": R,
