@@ -60,8 +60,12 @@ One tick, per pool:
    the last decision is still pending (a scale-up until all its replicas are ready, a
    scale-down until nothing drains, at most ``startup_timeout_s``: never decide again while the
    last decision is being applied, AIBrix #2670, Dynamo #9774) or ``cooldown_up_s`` has not
-   passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
-   a row, nothing is pending and ``cooldown_down_s`` passed since the last change. Between the two nothing
+   passed. The exception: a scale-up still starting while rising windows confirm the trend
+   (``_rising``, ``stack_on_rise``): its replicas were sized before the ramp was proven, so the
+   next order stacks on them. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
+   a row, nothing is pending and ``cooldown_down_s`` passed since the last change, never below
+   ``ceil(needed * (1 + startup_reserve))`` (the growth one start-up can bring stays absorbable;
+   it bounds scale-downs, never orders). Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
    cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
    replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
