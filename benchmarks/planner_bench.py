@@ -925,8 +925,9 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
 
 
 #: What tuning sweeps by default: our knobs (planner config field -> values). Four points, the
-#: number of configs Dynamo's side tries per target (``planner_dynamo.TUNE_BUDGET``).
-TUNE_GRID: dict[str, tuple[float, ...]] = {"standing_headroom": (0.0, 0.1, 0.2, 0.35)}
+#: number of configs Dynamo's side tries per target (``planner_dynamo.TUNE_BUDGET``): the
+#: standing headroom near the budget, and the start-up reserve a scale-down keeps.
+TUNE_GRID: dict[str, tuple[float, ...]] = {"standing_headroom": (0.0, 0.2), "startup_reserve": (0.0, 0.5)}
 
 
 def fast_kwargs() -> dict:

@@ -213,6 +213,16 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: stands ready for it while rising windows confirm the trend.
     standing_headroom: float = 0.0
     standing_headroom_from: float = 0.5
+    #: **Start-up reserve.** A scale-down keeps ``ceil(needed * (1 + startup_reserve))``: the
+    #: relative growth of the load within one start-up (``lead_time_s``) a pool absorbs with the
+    #: replicas it has, while the order that growth triggers is still starting. It only bounds
+    #: scale-downs (it never orders replicas), so it cannot make a constant load oscillate.
+    #: 0: a scale-down goes to ``high / scale_down_threshold`` (the band's own 25% at 0.8).
+    startup_reserve: float = 0.0
+    #: **Stacking on a confirmed rise.** While a scale-up is still starting, the model's next
+    #: order is held (the pending gate) unless rising windows confirm the trend (``_rising``):
+    #: then it stacks on the replicas still starting. False: every model order waits.
+    stack_on_rise: bool = True
     #: While another pool is in overload, a pool whose observed latency is at most this
     #: fraction of its SLO (and that meets it) yields replicas to it even below its model need:
     #: it keeps ``max(ratio / yield_margin, 0.75)`` of its need.
@@ -291,6 +301,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise PlannerConfigError("need trend_confirm_windows >= 1, trend_confirm_k >= 0 and trend_confirm_z >= 0")
         if not 0 <= self.standing_headroom <= 1 or not 0 < self.standing_headroom_from <= 1:
             raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 < standing_headroom_from <= 1")
+        if not 0 <= self.startup_reserve <= 2:
+            raise PlannerConfigError(f"startup_reserve={self.startup_reserve} must be in [0, 2]: it is the load's "
+                                     "relative growth within one start-up (2 already keeps triple the need)")
         if not 0 < self.yield_margin < 1:
             raise PlannerConfigError("yield_margin must be in (0, 1): a pool at its SLO has no margin to yield")
         if not 0 < self.correction_alpha <= 1:

@@ -60,8 +60,12 @@ One tick, per pool:
    the last decision is still pending (a scale-up until all its replicas are ready, a
    scale-down until nothing drains, at most ``startup_timeout_s``: never decide again while the
    last decision is being applied, AIBrix #2670, Dynamo #9774) or ``cooldown_up_s`` has not
-   passed. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
-   a row, nothing is pending and ``cooldown_down_s`` passed since the last change. Between the two nothing
+   passed. The exception: a scale-up still starting while rising windows confirm the trend
+   (``_rising``, ``stack_on_rise``): its replicas were sized before the ramp was proven, so the
+   next order stacks on them. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
+   a row, nothing is pending and ``cooldown_down_s`` passed since the last change, never below
+   ``ceil(needed * (1 + startup_reserve))`` (the growth one start-up can bring stays absorbable;
+   it bounds scale-downs, never orders). Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
    cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
    replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
@@ -460,6 +464,12 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         needed, sizing, low, high = sz.needed, sz.text, sz.low, sz.high
         up = max(math.ceil(needed - _EPS), math.ceil(low - _EPS), 0)
         down = max(math.ceil(high / cfg.scale_down_threshold - _EPS), 0)
+        if cfg.startup_reserve > 0:
+            # a start-up's growth stays absorbable: never down below the need plus that reserve
+            keep = math.ceil(needed * (1 + cfg.startup_reserve) - _EPS)
+            if keep > down:
+                inputs["startup_reserve_keeps"] = keep
+                down = keep
         inputs.update(needed_replicas=round(needed, 4), needed_low=round(low, 4), needed_high=round(high, 4),
                       desired_up=up, desired_down=down)
         binding = str(inputs.get("binding_slo", ""))
@@ -496,11 +506,16 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
     elif low is not None and up is not None and low > current + _EPS:
         below = 0
         since = (now - (ps.pending_since_ns or now)) / NS
+        # a scale-up still starting does not hold the next order when rising windows confirm the
+        # trend: the replicas starting were sized before the windows proved the ramp
+        stack = (pending and cfg.stack_on_rise and reps.draining == 0 and reps.ready < current
+                 and inputs.get("trend_confirmed") == 1)
         go = (sizing + (f"; capped at max_replicas {hi}" if up > hi else "")
+              + (f"; stacked on {reps.starting} starting (a rise confirmed by rising windows)" if stack else "")
               + (f"; the previous decision was not applied within {cfg.startup_timeout_s:g}s"
                  if timed_out else ""))
         proposed, action, reason = _gated(current, sizing, (
-            (pending, f"wants {up} but the decision {since:.0f}s ago is still pending "
+            (pending and not stack, f"wants {up} but the decision {since:.0f}s ago is still pending "
                       f"({reps.ready} of {current} ready, {reps.draining} draining): never decide again "
                       "while the last decision is being applied"),
             (_cooling(now, ps.last_up_ns, cfg.cooldown_up_s),

@@ -122,3 +122,82 @@ def test_service_rate_is_measured_in_saturated_windows():
         d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
         measured.append(d.report("p").input("measured_tok_s_per_replica"))
     assert measured == [None, None, 6000.0]
+
+
+def _ramp_state(cfg, ticks: int):
+    """The trend test's load (30 windows of 100 arrivals, then +30 a window), ``ticks`` ticks of
+    it decided with every target ready at once; the state and the windows so far."""
+    state = PlannerState(pools=(PoolState(pool="p", target=3),))
+    windows = []
+    for k in range(ticks):
+        end = WINDOW_S * (k + 1)
+        windows.append(make_window(end, arrivals=100 + 30 * max(0, k - 29)))
+        target = state.pool("p").target
+        load = _pool("p", "prefill", windows[-12:], ready=target)
+        _, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
+    return state, windows
+
+
+def _pending_tick(cfg, k: int, target: int = 4):
+    """Tick ``k`` of the ramp with a scale-up to ``target`` ordered 4 s before it still starting
+    (one replica of it)."""
+    from dataclasses import replace
+
+    state, windows = _ramp_state(cfg, k)
+    end = WINDOW_S * (k + 1)
+    windows.append(make_window(end, arrivals=100 + 30 * max(0, k - 29)))
+    state = PlannerState(pools=(replace(state.pool("p"), target=target, pending_since_ns=int((end - 4) * NS),
+                                        last_up_ns=int((end - 4) * NS)),))
+    load = _pool("p", "prefill", windows[-12:], ready=target - 1, starting=1)
+    return decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)[0]
+
+
+def test_a_confirmed_rise_stacks_the_models_order_on_a_pending_scale_up():
+    """The trend test's ramp, confirmed from tick 33 (220 arrivals: 22 req/s x 2,000 = 44,000
+    tok/s, about 5 replicas before the trend). A scale-up 3 -> 4 is still starting there: the
+    model's next order stacks on it (``stack_on_rise``), where the pending gate would hold it;
+    with ``stack_on_rise`` off it waits as before."""
+    cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0)
+    d = _pending_tick(cfg, 33)
+    assert d.report("p").input("trend_confirmed") == 1
+    (eff,) = d.effects
+    assert eff.from_replicas == 4 and eff.to_replicas > 5
+    assert "stacked on 1 starting (a rise confirmed by rising windows)" in eff.reason
+    held = _pending_tick(cfg.replace(stack_on_rise=False), 33)
+    assert not held.effects and "still pending" in held.report("p").reason
+
+
+def test_an_unconfirmed_rise_still_waits_for_a_pending_scale_up():
+    """Tick 30 of the same ramp, a scale-up 1 -> 2 still starting: the first rising window (130
+    arrivals, 3 sd above the reference, less k = 1: a CUSUM of 2 < 4) is not yet confirmed,
+    though even its low end needs more than 2: the pending gate holds the order (one noisy window
+    must not stack orders)."""
+    cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0)
+    d = _pending_tick(cfg, 30, target=2)
+    r = d.report("p")
+    assert r.input("trend_confirmed") == 0 and r.input("needed_low") > 2
+    assert not d.effects and "still pending" in r.reason
+
+
+def test_startup_reserve_bounds_a_scale_down():
+    """6 ready, 10 req/s x 2,000 tokens: needed 2.35 (the overload test's), the band's high end
+    at 80% asks for 4. With ``startup_reserve`` 1.0 (the load may double within one start-up) the
+    scale-down keeps ceil(2.35 x 2) = 5; without it, 4."""
+    def down(**over) -> tuple[tuple[int, int], ...]:
+        cfg = make_config(scale_down_ticks=1, **over)
+        state = PlannerState(pools=(PoolState(pool="p", target=6),))
+        load = _pool("p", "prefill", [make_window(20)], ready=6)
+        d, _ = decide(21 * NS, _snap(21, load), cfg, state)
+        return tuple((e.from_replicas, e.to_replicas, e.event.inputs.get("startup_reserve_keeps")) for e in d.effects)
+
+    assert down() == ((6, 4, None),)
+    assert down(startup_reserve=1.0) == ((6, 5, 5),)
+
+
+def test_startup_reserve_never_orders_replicas():
+    """The same load on 4 replicas: the reserve would keep 5, but it only bounds scale-downs, so
+    the pool holds 4 (the need, 2.35 +- its noise, is well inside 4)."""
+    cfg = make_config(scale_down_ticks=1, startup_reserve=1.0)
+    state = PlannerState(pools=(PoolState(pool="p", target=4),))
+    d, _ = decide(21 * NS, _snap(21, _pool("p", "prefill", [make_window(20)], ready=4)), cfg, state)
+    assert not d.effects and d.report("p").action == "hold"
