@@ -127,7 +127,7 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: A ready worker silent this long is counted as lost.
     stale_after_s: float = 15.0
     #: Noise-aware hysteresis: demand is known to within ``noise_z`` standard deviations of its
-    #: compound-Poisson noise (see core.py); scale up only when even the low end needs more,
+    #: compound-Poisson noise (see policy.py); scale up only when even the low end needs more,
     #: scale down only when even the high end fits. The margin is capped at ``max_noise_margin``
     #: so a nearly idle pool still reacts to a big burst.
     noise_z: float = 2.0
