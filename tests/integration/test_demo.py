@@ -84,9 +84,11 @@ def test_up_demo_runs_end_to_end_and_down_leaves_nothing() -> None:
         assert int(got["attacks_tried"]) >= 41, check.stdout
         assert "closed after" in check.stdout and "(slowloris)" in check.stdout, check.stdout
         # Writes a role's ACLs let through but not its to make (another worker's registration,
-        # an API key by the router's credential, request events as the router by a worker's):
-        # dead-lettered as forged by the running system.
-        assert sum("forged:" in rest for area, rest in rows if area == "kafka") == 5, check.stdout
+        # an API key by the router's credential, request events as the router by a worker's, a
+        # router view's snapshot by the processor's): dead-lettered as forged by the running system.
+        assert sum("forged:" in rest for area, rest in rows if area == "kafka") == 7, check.stdout
+        assert sum("sy.snapshots" in rest and "the restore took the router" in rest
+                   for area, rest in rows if area == "kafka") == 2, check.stdout
         # Issue 36: every other role's credential is refused the running views' groups, and a
         # replayed registration does not bring its worker back.
         assert sum("GROUP_AUTHORIZATION_FAILED" in rest for area, rest in rows if area == "kafka") == 12, check.stdout
