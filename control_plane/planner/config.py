@@ -200,7 +200,7 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: Trends are extrapolated over the horizon only once rising windows confirm them: a
     #: one-sided CUSUM of each window's excess over the mean of the ``2 * confirm_windows``
     #: windows ``trend_confirm_windows`` before it, in Poisson sd, less ``trend_confirm_k`` per window,
-    #: above ``trend_confirm_z`` (see policy._rising: about 0.12 false confirmations per 10
+    #: above ``trend_confirm_z`` (see trends._rising: about 0.12 false confirmations per 10
     #: minutes of 5 s windows, a ramp of one sd per window confirmed in about 4). Unconfirmed,
     #: only the next window's slope (beyond ``trend_z`` sd) is extrapolated; confirmed, the whole
     #: slope over the horizon, with no band widening (the windows are the evidence).

@@ -1,0 +1,82 @@
+"""Trends and headroom (step 3 of ``policy.py``): the CUSUM that confirms a rise from the
+windows themselves (``_rising``), and the headroom learned by scoring horizon forecasts
+(``_score_horizon``, ``headroom``). Pure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from control_plane.planner.config import PlannerConfig
+from control_plane.planner.load_view import NS
+from control_plane.planner.policy_types import _RATE_FLOOR, _SCORE_Z, Observation, PoolState
+
+
+def _score_horizon(ps: PoolState, history: list[Observation], cfg: PlannerConfig) -> PoolState:
+    """Score every horizon forecast whose horizon has closed against the mean rate observed in
+    it after the lead time (what the replicas ordered then had to carry): ``u = actual /
+    forecast - 1``, less ``_SCORE_Z`` sd of Poisson noise (``sqrt(1/arrivals in
+    the span + 1/arrivals the forecast averaged)``: the noise band covers that), clamped to [-1, 1]. The tracked error ``e`` moves toward ``u`` by ``alpha *
+    tau * (u - e)`` when the forecast fell short of ``u``'s estimate (``u > e``), by ``alpha *
+    (1 - tau) * (u - e)`` otherwise: an asymmetric EWMA, converging to the ``tau`` expectile of
+    ``u``. A miss raises it at once, hits lower it slowly, and one outlier cannot inflate a
+    variance for long. Each forecast weighs ``alpha / windows in its horizon``: overlapping
+    horizons all see the same surprise, which must count about once."""
+    if not ps.horizon_forecasts:
+        return ps
+    lead_ns = int(cfg.lead_time_s * NS)
+    keep: list[tuple[int, int, float, float]] = []
+    e, n = ps.horizon_error, ps.horizon_scored
+    a, tau = cfg.headroom_alpha, cfg.headroom_quantile
+    for made, due, f, n_f in ps.horizon_forecasts:
+        if due > ps.last_window_end_ns:
+            keep.append((made, due, f, n_f))
+            continue
+        span = [o for o in history if made + lead_ns < o.window_end_ns <= due] or [
+            o for o in history if made < o.window_end_ns <= due]
+        if not span:
+            continue  # the windows are gone (history limit): nothing to score against
+        actual = sum(o.rate for o in span) / len(span)
+        u = actual / max(f, _RATE_FLOOR) - 1.0
+        # what Poisson sampling noise explains (the span's and the forecast's own) is the noise
+        # band's business, not the forecast's: only the excess beyond _SCORE_Z sd counts
+        noise = _SCORE_Z * math.sqrt(1 / max(sum(o.arrivals for o in span), 1) + 1 / max(n_f, 1))
+        u = min(max(math.copysign(max(abs(u) - noise, 0.0), u), -1.0), 1.0)
+        # horizons overlap: one surprise is scored by every forecast whose horizon it falls in,
+        # so each forecast moves the estimate by 1/windows of the weight
+        windows = max(1.0, (due - made) / (cfg.tumbling_s * NS))
+        e += a / windows * (tau if u > e else 1 - tau) * (u - e)
+        n += 1
+    return replace(ps, horizon_forecasts=tuple(keep), horizon_error=e, horizon_scored=n)
+
+
+def _rising(hist: tuple[Observation, ...], cfg: PlannerConfig) -> bool:
+    """A rise the windows themselves confirm: a one-sided CUSUM of the window rates against a
+    lagged reference. Each window's excess over the mean of the ``2 * confirm_windows`` windows
+    that ended ``trend_confirm_windows`` windows before it, in sd of Poisson noise (``sqrt(reference
+    arrivals)``), less ``trend_confirm_k``, accumulates (floored at 0); the trend is confirmed
+    while the sum exceeds ``trend_confirm_z``. Recomputed from the history each tick (no state).
+    With k = 1 and h = 4, a constant load confirms by chance about 0.12 times in 10 minutes of
+    5 s windows; a ramp of one sd per window is confirmed in about 4 windows, a ramp of 3 sd per
+    window in 2 (seeded Monte Carlo; docs/planner.md)."""
+    lag, ref_n = cfg.trend_confirm_windows, 2 * cfg.confirm_windows
+    s = 0.0
+    for i in range(max(0, len(hist) - 4 * (lag + ref_n)), len(hist)):
+        ref = hist[max(0, i - lag - ref_n + 1):i - lag + 1]
+        if len(ref) < min(3, ref_n):
+            continue
+        n = sum(o.arrivals for o in ref)
+        dur = sum(o.duration_s for o in ref)
+        if dur <= 0:
+            continue
+        o = hist[i]
+        expected = n / dur * o.duration_s
+        s = max(0.0, s + (o.arrivals - expected) / math.sqrt(max(expected, 1.0)) - cfg.trend_confirm_k)
+    return s > cfg.trend_confirm_z
+
+
+def headroom(ps: PoolState, cfg: PlannerConfig) -> float:
+    """The fraction added to the rate forecast: the tracked expectile of the horizon forecast's
+    measured relative under-forecast, in [0, max_headroom] (0 until a horizon has been scored:
+    until then the noise band alone guards the forecast)."""
+    return min(max(ps.horizon_error, 0.0), cfg.max_headroom)
