@@ -393,8 +393,16 @@ def broker_pids() -> list[int]:
     return pids
 
 
-def _broker_cpu_s(pids: Sequence[int]) -> float:
+def broker_cpu_s(pids: Sequence[int]) -> float:
     return sum(_cpu_s(p) for p in pids)
+
+
+def broker_idle_rate(pids: Sequence[int], quiet_s: float = 3.0) -> float:
+    """The brokers' background CPU seconds per second (other topics, other clients, their own
+    housekeeping) over a quiet window: what a phase's broker CPU is net of."""
+    q0, qt = broker_cpu_s(pids), time.monotonic()
+    time.sleep(quiet_s)
+    return (broker_cpu_s(pids) - q0) / (time.monotonic() - qt)
 
 
 # -- load -------------------------------------------------------------------------------------
@@ -444,7 +452,7 @@ def http_run(side: Side, bodies: list[bytes], warmup: int, n: int, concurrent: i
     seq = bodies[warmup:warmup + n]
     # CPU over the whole run (sequential and concurrent requests): /proc counts in clock ticks
     # (10 ms), so a few hundred requests of nginx's 0.1 ms would read as 0 or 1 tick.
-    cpu0, b0 = side.cpu_s(), _broker_cpu_s(brokers)
+    cpu0, b0 = side.cpu_s(), broker_cpu_s(brokers)
     lat, _, errors = asyncio.run(_fire(side.url, seq, 1))
     out["p50_ms"], out["p99_ms"], out["errors"] = _pct(lat, 0.5), _pct(lat, 0.99), errors
     sent = warmup + len(seq)
@@ -457,7 +465,7 @@ def http_run(side: Side, bodies: list[bytes], warmup: int, n: int, concurrent: i
         sent += concurrent
     measured = len(seq) + 2 * concurrent
     out["cpu_ms"] = (side.cpu_s() - cpu0) * 1000 / measured
-    out["broker_cpu_ms"] = (_broker_cpu_s(brokers) - b0) * 1000 / measured
+    out["broker_cpu_ms"] = (broker_cpu_s(brokers) - b0) * 1000 / measured
     out["mode"] = side.check(sent - out["errors"])
     return out
 

@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.peers_bench import (FAST, PEERS_VENV, PROMPT_WORDS, _broker_cpu_s, _fire, broker_pids,
+from benchmarks.peers_bench import (FAST, PEERS_VENV, PROMPT_WORDS, _fire, broker_cpu_s, broker_idle_rate, broker_pids,
                                     dynamo_model_dir, launch, prompts, start_workers)
 from ops.demo.loadgen import word_prompt
 from control_plane.router.prompt import tokenize_prompt
@@ -131,19 +131,17 @@ def main(n: int = 300, warmup: int = 30) -> dict:
             try:
                 asyncio.run(_fire(side.url, bodies[:warmup], 1))
                 # The broker's background rate (other topics, other clients) over a quiet window.
-                q0, qt = _broker_cpu_s(brokers), time.monotonic()
-                time.sleep(3)
-                idle_rate = (_broker_cpu_s(brokers) - q0) / (time.monotonic() - qt)
+                idle_rate = broker_idle_rate(brokers)
                 raw = tmp / "raw.txt"
                 spy = subprocess.Popen([str(spy_bin), "record", "--pid", str(side.procs[0].pid), "--rate", str(RATE),
                                         "--format", "raw", "--output", str(raw), "--gil", "--nonblocking"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 time.sleep(1.0)  # py-spy attached
-                c0, b0, t0 = side.cpu_s(), _broker_cpu_s(brokers), time.monotonic()
+                c0, b0, t0 = side.cpu_s(), broker_cpu_s(brokers), time.monotonic()
                 lat, _, errors = asyncio.run(_fire(side.url, bodies[warmup:], 1))
                 wall = time.monotonic() - t0
                 cpu = (side.cpu_s() - c0) * 1000 / n
-                broker = ((_broker_cpu_s(brokers) - b0) - idle_rate * wall) * 1000 / n
+                broker = ((broker_cpu_s(brokers) - b0) - idle_rate * wall) * 1000 / n
                 spy.send_signal(signal.SIGINT)
                 _, err = spy.communicate(timeout=60)
                 if not raw.exists():

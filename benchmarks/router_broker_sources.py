@@ -36,7 +36,7 @@ import statistics
 import time
 import uuid
 
-from benchmarks.peers_bench import _broker_cpu_s, broker_pids
+from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from benchmarks.router_events_cost import _request
 from common.log.admin import apply_topics
 from common.log.kafka import EventProducer
@@ -117,12 +117,12 @@ async def _phase(phase: str, bus: BusSettings, rbus: BusSettings, workers: dict[
             await asyncio.sleep(0.001)
 
     watcher = asyncio.create_task(watch()) if phase in ("view", "view_tuned") else None
-    b0, t0 = _broker_cpu_s(brokers), time.monotonic()
+    b0, t0 = broker_cpu_s(brokers), time.monotonic()
     await asyncio.to_thread(_drive, workers, None if phase == "workers" else router, n, bus.topic_prefix,
                             produced, start)
     if proc is not None:
         await proc.sync(60)
-    wall, broker = time.monotonic() - t0, _broker_cpu_s(brokers) - b0
+    wall, broker = time.monotonic() - t0, broker_cpu_s(brokers) - b0
     if watcher:
         await asyncio.sleep(0.01)
         watcher.cancel()
@@ -131,9 +131,7 @@ async def _phase(phase: str, bus: BusSettings, rbus: BusSettings, workers: dict[
         if phase == "snapshots":
             snaps.append(proc.snapshots_written - snaps0)
         await proc.stop()
-    q0, qt = _broker_cpu_s(brokers), time.monotonic()
-    await asyncio.sleep(3)
-    idle = (_broker_cpu_s(brokers) - q0) / (time.monotonic() - qt)
+    idle = await asyncio.to_thread(broker_idle_rate, brokers)
     return max(broker - idle * wall, 0.0) * 1000 / n, fresh
 
 

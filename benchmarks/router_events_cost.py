@@ -27,7 +27,7 @@ import statistics
 import time
 import uuid
 
-from benchmarks.peers_bench import _broker_cpu_s, broker_pids
+from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from common.log.admin import apply_topics
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
@@ -72,15 +72,13 @@ def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: lis
     for i in range(50):  # warm: connections, topic metadata
         _request(p, i, bus.topic_prefix)
     p.flush()
-    c0, b0, t0 = _cpu_s(), _broker_cpu_s(brokers), time.monotonic()
+    c0, b0, t0 = _cpu_s(), broker_cpu_s(brokers), time.monotonic()
     for i in range(n):
         _request(p, i, bus.topic_prefix)
         time.sleep(GAP_S)
     p.flush()
-    wall, router, broker = time.monotonic() - t0, _cpu_s() - c0, _broker_cpu_s(brokers) - b0
-    q0, qt = _broker_cpu_s(brokers), time.monotonic()
-    time.sleep(3)
-    idle = (_broker_cpu_s(brokers) - q0) / (time.monotonic() - qt)
+    wall, router, broker = time.monotonic() - t0, _cpu_s() - c0, broker_cpu_s(brokers) - b0
+    idle = broker_idle_rate(brokers)
     if p.acked < 4 * (n + 50):
         raise RuntimeError(f"only {p.acked} of {4 * (n + 50)} events acknowledged")
     return router * 1000 / n, max(broker - idle * wall, 0.0) * 1000 / n
