@@ -25,6 +25,7 @@ posting or polling), a peer that is alive but stuck (e.g. SIGSTOP) as :class:`Tr
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -123,6 +124,10 @@ class NixlEndpoint:
         # their memory is not reused under a live transfer, retried on close.
         self._stuck: list[object] = []
         self._closed = False
+        # UCX listens on every interface unless told otherwise (it found eth0 when a test built
+        # an endpoint in-process). Loopback by default; a process that serves other hosts sets
+        # UCX_NET_DEVICES itself (the worker wiring sets "all" when it binds off loopback).
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         with self._nixl_errors("create agent"):
             config = api.nixl_agent_config(
                 enable_prog_thread=False, enable_listen_thread=False, backends=list(backends)

@@ -106,11 +106,11 @@ async def build_worker(s: WorkerSettings, bus: BusSettings, endpoint_url: str, c
                                          bytes_per_block=bpb),
                          producer, host_buffer=region[: s.host_blocks * bpb] if s.host_blocks else None)
     kvbm = AsyncKvbm(manager)
-    # UCX (under NIXL) listens on every interface unless told otherwise: a worker bound to
-    # loopback keeps its KV transfers there too. An explicit UCX_NET_DEVICES (or vLLM's
-    # --vllm-ucx-net-devices, set before this) wins.
-    if _is_loopback(s.host):
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    # UCX (under NIXL) keeps to loopback unless told otherwise (data_plane/transfer/endpoint.py):
+    # a worker bound off loopback serves other hosts, so its transfers may use every interface.
+    # An explicit UCX_NET_DEVICES (or vLLM's --vllm-ucx-net-devices, set before this) wins.
+    if not _is_loopback(s.host):
+        os.environ.setdefault("UCX_NET_DEVICES", "all")
     plane = TransferPlane(f"{wid}:{epoch}", region, bpb, staging_first=s.host_blocks,
                           staging_count=staging)
 

@@ -29,6 +29,7 @@ from data_plane.transfer import (
     encode_done,
     parse_done,
 )
+from ops.stack.process import listening_sockets
 from tests.support.waits import wait_for
 
 BLOCK_LEN = 64 * 1024
@@ -286,3 +287,14 @@ def test_unread_hold_expires_on_the_source(holder):
     """A decode worker that never comes does not pin prefill memory beyond the lease."""
     source = holder(lease_s=0.3)
     assert source.next_message(timeout=5) == ("expired", REQUEST)
+
+
+def test_an_endpoint_made_in_process_listens_on_loopback_only(monkeypatch):
+    """UCX listens on every interface unless told otherwise; an endpoint made without
+    ``UCX_NET_DEVICES`` (a test, a bench, anything but a worker bound off loopback) keeps to
+    ``lo``: none of this process's sockets listens beyond loopback."""
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    memory = np.zeros(N_BLOCKS * BLOCK_LEN, dtype=np.uint8)
+    with NixlEndpoint.from_array(f"lo-{uuid.uuid4().hex[:8]}", memory, BLOCK_LEN):
+        outside = [s for s in listening_sockets([os.getpid()]) if not s.loopback]
+    assert outside == []
