@@ -108,6 +108,8 @@ class InflightLedger:
         ``prefill_tokens`` what the worker must compute for it (``Decision.prefill_tokens``);
         ``decode_blocks`` every block it will hold, prompt and output (``Decision.decode_blocks``).
         Re-adding the same (request, worker) replaces the old entry (a retried attempt).
+        Raises :class:`InvalidRoutingInput`, recording no entry for the pair, for a hash that is
+        not a ``u64`` or a count beyond ``i64`` (what the accounts cannot hold exactly).
         """
         if prefill_tokens < 0 or decode_blocks < 0:
             raise InvalidRoutingInput(
