@@ -1,6 +1,7 @@
 """Prefix index benchmark: Switchyard's native prefix index (``NativePrefixIndex``, the Rust core
 the router uses) against Dynamo's RadixTree (Rust, via PyPI ``ai-dynamo-runtime``; install with
-``uv sync --group bench``), with the pure-Python reference ``PrefixIndex`` for context.
+``uv sync --group bench``). (The pure-Python ``PrefixIndex`` no longer runs here: it is the
+differential oracle in ``tests/oracles/prefix_index.py``, and benchmarks do not import the tests.)
 
 Workload, derived from a Mooncake-format trace (one JSON object per line with ``hash_ids``: ids of
 512-token blocks, equal ids = equal prefix block):
@@ -14,8 +15,7 @@ Workload, derived from a Mooncake-format trace (one JSON object per line with ``
 * each request is also a query (the prompt's blocks) made just before its store.
 
 Both sides start from wire bytes. Ours: the msgpack envelope bytes into
-``NativePrefixIndex.apply_bytes`` (decoded in Rust; the reference row: ``schemas.EventCodec`` then
-``PrefixIndex.apply_envelope``). Dynamo's: the UTF-8 JSON ``apply_event`` takes. Queries: ours get
+``NativePrefixIndex.apply_bytes`` (decoded in Rust). Dynamo's: the UTF-8 JSON ``apply_event`` takes. Queries: ours get
 the chained hashes, Dynamo's the local hashes (its tree matches on ``tokens_hash``). The "raw"
 row is our core replaying the same bytes and queries inside Rust (no Python crossing per call),
 to set beside Dynamo's native claim (> 10M events+requests/s, p99 < 10 us).
@@ -38,7 +38,6 @@ import struct
 import subprocess
 import sys
 import time
-import tracemalloc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +46,6 @@ import xxhash
 from benchmarks.lru_blocks import LruBlocks
 from ops.demo.up import WHOLE_TRACE
 from control_plane.index.native import NativePrefixIndex
-from control_plane.index.prefix_index import PrefixIndex
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import BlockRemoved, BlockStored
 from schemas.types import Tier
@@ -156,7 +154,6 @@ class SideResult:
     match_p50_us: float = 0.0
     match_p99_us: float = 0.0
     rss_delta_mb: float = 0.0
-    traced_mb: float | None = None
 
 
 def _time_applies(res: SideResult, apply, calls: list[tuple], barrier=None) -> None:
@@ -189,17 +186,6 @@ def _ours_apply_pass(wl: Workload) -> tuple[SideResult, NativePrefixIndex]:
     return res, idx
 
 
-def _ref_apply_pass(wl: Workload) -> SideResult:
-    """The pure-Python reference, from the same bytes (codec decode + apply)."""
-    res = SideResult("reference")
-    codec = EventCodec()
-    idx = PrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
-    decode, apply = codec.decode, idx.apply_envelope
-    _time_applies(res, lambda buf: apply(decode(buf)), [(buf,) for _, buf, _ in wl.events])
-    res.traced_mb = _ours_traced_memory(wl)
-    return res
-
-
 def _raw_pass(wl: Workload) -> SideResult:
     """Our core replaying the same bytes and queries inside Rust: no Python crossing per call."""
     res = SideResult("raw (Rust)")
@@ -215,21 +201,6 @@ def _raw_pass(wl: Workload) -> SideResult:
     return res
 
 
-def _ours_traced_memory(wl: Workload) -> float:
-    codec = EventCodec()
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    idx = PrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
-    for _, buf, _ in wl.events:
-        idx.apply_envelope(codec.decode(buf))
-    gc.collect()
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del idx
-    return (after - before) / 1e6
-
-
 def _dynamo_apply_pass(wl: Workload, radix_tree_cls) -> tuple[SideResult, object]:
     res = SideResult("dynamo")
     calls = [(w, jbuf) for w, _, jbuf in wl.events]
@@ -242,15 +213,9 @@ def _dynamo_apply_pass(wl: Workload, radix_tree_cls) -> tuple[SideResult, object
     return res, tree
 
 
-def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tree_cls,
-                ref: SideResult | None = None) -> dict:
-    """Replay; before each request's events, both sides answer its query. With ``ref``, the
-    reference answers too (timed into ``ref``) and every answer is compared with the native one."""
-    codec = EventCodec()
+def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tree_cls) -> dict:
+    """Replay; before each request's events, both sides answer its query."""
     idx = NativePrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE)
-    ref_idx = PrefixIndex(HASH_ALGO, TRACE_BLOCK_SIZE) if ref is not None else None
-    lat_ref: list[int] = []
-    ref_agree = ref_disagree = 0
     tree = radix_tree_cls() if radix_tree_cls is not None else None
     lat_ours, lat_dyn = [], []
     t_ours = t_dyn = 0.0
@@ -262,8 +227,6 @@ def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tr
         while next_event < first_event:  # untimed: this pass measures lookups
             ww, buf, jbuf = wl.events[next_event]
             idx.apply_bytes(buf)
-            if ref_idx is not None:
-                ref_idx.apply_envelope(codec.decode(buf))
             if tree is not None:
                 tree.apply_event(ww, jbuf)
             next_event += 1
@@ -274,14 +237,6 @@ def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tr
         e = clock()
         lat_ours.append(e - s)
         t_ours += (e - s) / 1e9
-        if ref_idx is not None:
-            s = clock()
-            want = ref_idx.find_matches(chained)
-            lat_ref.append(clock() - s)
-            if list(want.items()) == list(got.items()):
-                ref_agree += 1
-            else:
-                ref_disagree += 1
         if tree is not None:
             s = clock()
             scores = tree.find_matches(local).scores
@@ -302,12 +257,7 @@ def _match_pass(wl: Workload, ours: SideResult, dyn: SideResult | None, radix_tr
         lat_dyn.sort()
         dyn.match_per_s = len(lat_dyn) / t_dyn
         dyn.match_p50_us, dyn.match_p99_us = _pct(lat_dyn, 50), _pct(lat_dyn, 99)
-    if ref is not None:
-        lat_ref.sort()
-        ref.match_per_s = len(lat_ref) / (sum(lat_ref) / 1e9)
-        ref.match_p50_us, ref.match_p99_us = _pct(lat_ref, 50), _pct(lat_ref, 99)
-    return {"agree": agree, "disagree": disagree, "queries_with_a_match": matched,
-            "ref_agree": ref_agree, "ref_disagree": ref_disagree}
+    return {"agree": agree, "disagree": disagree, "queries_with_a_match": matched}
 
 
 def dump(wl: Workload, path: Path | str) -> None:
@@ -391,16 +341,12 @@ def run(
     ours.rss_delta_mb = ours_runs[0].rss_delta_mb
     if dyn is not None:
         dyn.rss_delta_mb = dyn_runs[0].rss_delta_mb
-    ref = _ref_apply_pass(wl)
     match_ours, match_dyn = [], []
     check: dict = {}
-    ref_check: dict = {}
     for i in range(repeat):
         mo = SideResult("switchyard")
         md = SideResult("dynamo") if radix_tree_cls is not None else None
-        check = _match_pass(wl, mo, md, radix_tree_cls, ref if i == 0 else None)
-        if i == 0:
-            ref_check = check
+        check = _match_pass(wl, mo, md, radix_tree_cls)
         match_ours.append(mo)
         if md is not None:
             match_dyn.append(md)
@@ -414,7 +360,7 @@ def run(
     say(f"final index: {distinct} distinct hashes, {residencies} (worker, block) residencies")
     say(f"{'':12}{'events/s':>12}{'p50 us':>9}{'p99 us':>9}{'lookups/s':>12}{'p50 us':>9}"
         f"{'p99 us':>9}{'RSS dMB':>9}  (RSS: first run, approximate)")
-    for r in (ours, dyn, ref, raw):
+    for r in (ours, dyn, raw):
         if r is None:
             continue
         say(f"{r.name:12}{r.apply_per_s:12,.0f}{r.apply_p50_us:9.1f}{r.apply_p99_us:9.1f}"
@@ -429,15 +375,11 @@ def run(
         f"{bytes_per_entry:.1f} bytes per (block, worker) entry ({bytes_per_entry:.1f} MB per "
         f"million), {structure_bytes / max(distinct, 1):.1f} bytes per distinct hash; "
         f"first-run RSS delta {ours.rss_delta_mb:.1f} MB")
-    say(f"reference memory (tracemalloc): {ref.traced_mb:.1f} MB = "
-        f"{ref.traced_mb / max(residencies, 1) * 1e6:.0f} bytes per entry")
-    say("ours apply = envelope bytes into the native index (msgpack decoded in Rust); reference "
-        "= codec decode + apply; dynamo apply = apply_event(JSON) + final barrier")
+    say("ours apply = envelope bytes into the native index (msgpack decoded in Rust); "
+        "dynamo apply = apply_event(JSON) + final barrier")
     say(f"raw (Rust): {raw.apply_per_s:,.0f} events/s and {raw.match_per_s:,.0f} lookups/s "
         f"in-process, lookup p50 {raw.match_p50_us:.2f} us / p99 {raw.match_p99_us:.2f} us "
         "(Dynamo's native claim: > 10M events+requests/s, p99 < 10 us, on bigger machines)")
-    say(f"native vs reference matches: {ref_check['ref_agree']} identical, "
-        f"{ref_check['ref_disagree']} different")
     if radix_tree_cls is not None:
         say(f"match agreement (same depth for every worker): {check['agree']} agree, "
             f"{check['disagree']} disagree; {check['queries_with_a_match']} queries matched")
@@ -450,7 +392,7 @@ def run(
         apply_ratio = match_ratio = None
         say(f"{label} apply_ratio=n/a match_ratio=n/a (dynamo unavailable)")
     say(f"total {time.perf_counter() - t0:.1f}s")
-    return {"ours": ours, "dynamo": dyn, "reference": ref, "raw": raw, "check": check,
+    return {"ours": ours, "dynamo": dyn, "raw": raw, "check": check,
             "bytes_per_entry": bytes_per_entry, "apply_ratio": apply_ratio,
             "match_ratio": match_ratio, "distinct": distinct, "residencies": residencies}
 

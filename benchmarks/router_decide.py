@@ -39,8 +39,8 @@ def _chain(rng: random.Random, n: int, shared: tuple[BlockHash, ...] = ()) -> tu
     return shared + tuple(BlockHash(rng.getrandbits(64)) for _ in range(n - len(shared)))
 
 
-def _scenario(rng: random.Random, n_workers: int, prompt_tokens: int, *, native: bool | None = None):
-    """A decision's inputs; ``native`` picks the ledger's accounts (None: the process's switch)."""
+def _scenario(rng: random.Random, n_workers: int, prompt_tokens: int):
+    """A decision's inputs, with a ledger holding ~``INFLIGHT_PER_WORKER`` requests per worker."""
     n_blocks = prompt_tokens // BLOCK_SIZE
     hashes = _chain(rng, n_blocks)
     request = RoutingRequest(
@@ -65,7 +65,7 @@ def _scenario(rng: random.Random, n_workers: int, prompt_tokens: int, *, native:
             device=cuts[0], host=cuts[1] - cuts[0], disk=cuts[2] - cuts[1], object=depth - cuts[2],
             stale=rng.random() < 0.05,
         )
-    ledger = InflightLedger(native=native)
+    ledger = InflightLedger()
     for w in workers:
         for k in range(INFLIGHT_PER_WORKER):
             shared = hashes[: rng.randrange(0, n_blocks + 1)]

@@ -6,7 +6,7 @@ mocker step for step: see ``benchmarks/engine_bench.py``). Every request is plac
 :func:`control_plane.router.decide`, fed the way the live router (``control_plane/router/
 core.py``) feeds it:
 
-* **overlaps** from a :class:`~control_plane.index.prefix_index.PrefixIndex` folded from the
+* **overlaps** from a :class:`~control_plane.index.native.NativePrefixIndex` folded from the
   simulated engines' own KV events (``BlockStored`` / ``BlockRemoved``, sequenced per worker).
   An engine queues a step's events while it plans the step and they are published when the step
   *ends* (``t + duration``), so the index lags the engines by up to one step (10-200 ms here),

@@ -235,7 +235,7 @@ def hash_blocks(
 ) -> list[BlockHash]:
     """Wire-form (u64) hashes of every full block of ``token_ids``; see
     :func:`hash_block_digests` for the arguments. This is what KV events and the prefix index
-    carry, and what :meth:`PrefixIndex.find_matches` takes. Natively for sha256 without extra
+    carry, and what :meth:`NativePrefixIndex.find_matches` takes. Natively for sha256 without extra
     keys when ``token_ids`` is a list or tuple of plain ints (module docstring)."""
     if (_native_ids is not None and extra_keys is None and config.algo is HashAlgo.SHA256
             and (parent is None or len(parent) == 32)):

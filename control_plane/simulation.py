@@ -6,7 +6,7 @@ what-if (``control_plane/replay/whatif.py``) and the demo's prediction of what a
 (``ops/demo/runcheck.py``). :class:`SimRouter` is the driver's
 :class:`~data_plane.engines.hooks.ClusterHooks`; its rules:
 
-* **overlaps** from a :class:`~control_plane.index.prefix_index.PrefixIndex` folded from the
+* **overlaps** from a :class:`~control_plane.index.native.NativePrefixIndex` folded from the
   simulated engines' own KV events, published when the step that produced them ends (plus
   ``kv_event_lag_ms`` of transport if asked for);
 * **loads** from ``WorkerLoadReported``-style snapshots of ``EngineCore.stats()`` every
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from control_plane.index.implementation import new_index
+from control_plane.index.native import NativePrefixIndex
 from control_plane.router import RouterConfig, WorkerLoad, WorkerOverlap
 from control_plane.router.inputs import decision_inputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger
@@ -127,7 +127,7 @@ class SimRouter(Hooks):
         self.config = config
         self.block_size = block_size
         self.hash_algo = hash_algo
-        self.index = new_index(hash_algo, block_size)
+        self.index = NativePrefixIndex(hash_algo, block_size)
         self.ledger = RouterLedger(config.inflight_ttl_s)
         self.uses_index = config.mode is RoutingMode.KV
         self._seq: dict[WorkerId, int] = {}

@@ -2,7 +2,7 @@
 
 Why fold the log rather than read the audit tables: residency is the fold of every
 BlockStored/Removed/Moved/Cleared with the index's epoch and gap rules; re-deriving that in SQL
-would be a second implementation of :class:`~control_plane.index.prefix_index.PrefixIndex`.
+would be a second implementation of :class:`~control_plane.index.native.NativePrefixIndex`.
 This keeps exactly one: the view starts from the newest router snapshot (plus the tail) and
 catches up with the log end when a query finds it older than ``max_age_s``. It is the same fold
 ``switchyard replay state --at end`` runs.

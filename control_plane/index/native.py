@@ -1,20 +1,20 @@
-"""The production prefix index: the Rust core in ``native/`` behind the reference's API.
+"""The prefix index: the Rust core in ``native/``, a :class:`~control_plane.router.ports.KvIndex`.
 
-:class:`NativePrefixIndex` is a drop-in for :class:`~control_plane.index.prefix_index.PrefixIndex`
-(the pure-Python executable specification): the same ``apply`` / ``find_matches`` / ``stats`` /
-``as_dict`` / ``snapshot`` / ``restore``, the same sequencing, fencing, gap, staleness and resync
-rules, the same slot numbering, and a byte-identical snapshot, so either implementation restores
-the other's checkpoints. Property tests (``tests/unit/test_native_index.py``) fold random event
-sequences through both and require identical state, matches and snapshots.
+Its rules (sequencing, fencing, gap, staleness and resync, slot numbering, the snapshot bytes)
+are written out in pure Python in the differential oracle ``tests/oracles/prefix_index.py``
+(the executable specification): ``apply`` / ``find_matches`` / ``stats`` / ``as_dict`` /
+``snapshot`` / ``restore`` behave alike and each restores the other's snapshots. Property tests
+(``tests/unit/test_native_index.py``) fold random event sequences through both and require
+identical state, matches and snapshots.
 
-What the native core adds:
+Beyond the specification:
 
 * :meth:`NativePrefixIndex.apply_bytes` folds a ``kv`` record straight from its envelope bytes
   (MessagePack decoded in Rust). It takes only the four KV payload types at version 1 and is at
   least as strict as :class:`schemas.EventCodec`; anything else returns ``None`` and the caller
   decodes the record with the Python codec (which raises the schema error a malformed record
   deserves). The rare events that need words (a gap, a new epoch, a rejection) are decoded in
-  Python too, so the log lines and :class:`IndexRejected` messages are the reference's.
+  Python too, so the log lines and :class:`IndexRejected` messages are the specification's.
 * :meth:`NativePrefixIndex.apply_run` does the same for a run of one partition's records in one
   call, checking each worker's signature natively on the way (``switchyard_native.NativeVerifier``,
   :meth:`schemas.signing.Verifier.native`): replay and a restarting router fold the log this way.
@@ -22,11 +22,11 @@ What the native core adds:
   inline when one cache holds it, a sorted holder list in a pooled chunk otherwise; measured
   per (block, worker) entry by ``switchyard bench index``.
 * Speed: the class extends the Rust one, so ``apply_bytes`` and ``find_matches`` are called
-  with no Python frame in between, and ``find_matches`` answers with the reference's objects
+  with no Python frame in between, and ``find_matches`` answers with the shapes' objects
   (``WorkerRank`` keys, ``Match`` values, the immutable ones made before reused) in a
   read-only ``Mapping`` made in Rust rather than a dict, which would hash every key again.
 
-Not thread-safe, like the reference: apply and query from one thread.
+Not thread-safe: apply and query from one thread.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from schemas.types import TIER_INDEX, TIER_ORDER, CacheGroup
 
 logger = logging.getLogger(__name__)
 
-#: ``find_matches``'s answer type (read-only, made in Rust) is a Mapping like the reference's dict.
+#: ``find_matches``'s answer type (read-only, made in Rust) is a Mapping like the oracle's dict.
 Mapping.register(switchyard_native.Matches)
 
 _OUTCOMES = (ApplyOutcome.APPLIED, ApplyOutcome.DUPLICATE, ApplyOutcome.FENCED,
@@ -67,10 +67,10 @@ _KIND = {BlockStored: 0, BlockRemoved: 1, BlockMoved: 2, AllBlocksCleared: 3,
 class NativePrefixIndex(switchyard_native.NativeIndex):
     """Per worker (and DP rank), which chained block hashes it holds and in which tiers.
 
-    See the reference :class:`~control_plane.index.prefix_index.PrefixIndex` for the rules.
-    A subclass of the Rust class, so the hot paths, :meth:`apply_bytes` and
+    The rules: docs/prefix-index.md and the oracle ``tests/oracles/prefix_index.py``. A
+    subclass of the Rust class, so the hot paths, :meth:`apply_bytes` and
     :meth:`find_matches`, are its methods, called with no Python frame in between; they answer
-    with the reference's objects (``WorkerRank``, ``Match``, ``ApplyOutcome``) made in Rust from
+    with :mod:`.shapes`' objects (``WorkerRank``, ``Match``, ``ApplyOutcome``) made in Rust from
     the types bound here, immutable instances reused across calls.
     """
 
@@ -87,7 +87,7 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
     # -- queries -------------------------------------------------------------------------------
 
     # find_matches(hashes) -> Mapping[WorkerRank, Match]: the Rust method (see the class
-    # docstring). The reference's items in its order; not a dict (a dict would hash every
+    # docstring). The oracle's items in its order; not a dict (a dict would hash every
     # WorkerRank on insert), but equal to one, with keys/values/items/get/in/len/iteration.
 
     def is_stale(self, worker: WorkerRank) -> bool:
@@ -108,7 +108,7 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
         return self.apply(env.producer, env.epoch, env.seq, env.data)
 
     def apply(self, producer: str, epoch: int, seq: int, payload: Event) -> ApplyOutcome:
-        """Fold one decoded event (see the reference's ``PrefixIndex.apply``)."""
+        """Fold one decoded event (the oracle's ``PrefixIndex.apply``, rule for rule)."""
         worker_id = getattr(payload, "worker_id", None)
         if worker_id is None:
             self._count_ignored()
@@ -185,7 +185,7 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
         return self._codec.decode(value)
 
     def _explain(self, code: int, producer: str, epoch: int, seq: int, payload) -> None:
-        """The reference's log lines and rejection, for an event the core flagged."""
+        """The specification's log lines and rejection, for an event the core flagged."""
         if code & _NEW_EPOCH:
             logger.info("worker %s is in epoch %d: volatile entries dropped, persistent ones "
                         "stale until it resyncs", payload.worker_id, epoch)
@@ -227,7 +227,7 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
         )
 
     def as_dict(self) -> dict:
-        """The reference's plain-data view (equal dicts = equal states)."""
+        """The specification's plain-data view (equal dicts = equal states)."""
         ranks = self._ranks()
         residency = {}
         for s, t, hashes in self._residency():
@@ -243,7 +243,7 @@ class NativePrefixIndex(switchyard_native.NativeIndex):
         }
 
     # verify_invariants() (AssertionError if the core's derived counts and masks disagree with
-    # its map), snapshot() -> bytes (the reference's bytes for the same state): Rust methods.
+    # its map), snapshot() -> bytes (the oracle's bytes for the same state): Rust methods.
 
     # -- checkpoints ---------------------------------------------------------------------------
 

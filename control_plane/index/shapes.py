@@ -1,6 +1,6 @@
-"""What the prefix index answers with, whichever implementation answers: the reference
-(:mod:`.prefix_index`) and the native one (:mod:`.native`) return these, and the router's
-``KvIndex`` port (``control_plane/router/ports.py``) is typed with them.
+"""What the prefix index answers with: the native index (:mod:`.native`) and its differential
+oracle (``tests/oracles/prefix_index.py``) both return these, and the router's ``KvIndex`` port
+(``control_plane/router/ports.py``) is typed with them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from schemas.types import TIER_ORDER, Tier, WorkerId
 
 
 class ApplyOutcome(str, Enum):
-    """What :meth:`~control_plane.index.prefix_index.PrefixIndex.apply` did with an event."""
+    """What :meth:`~control_plane.index.native.NativePrefixIndex.apply` did with an event."""
 
     APPLIED = "applied"
     #: Already applied (redelivery): nothing changed.

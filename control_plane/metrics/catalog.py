@@ -118,7 +118,7 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("switchyard_routing_suboptimal_decisions_total", C,
                "Decisions whose chosen worker held less of the prompt than the best eligible candidate.",
                ("pool",)),
-    # -- prefix index (PrefixIndex folded from kv + workers) ----------------------------------
+    # -- prefix index (NativePrefixIndex folded from kv + workers) ----------------------------
     MetricSpec("switchyard_index_hashes", G, "Distinct block hashes in the prefix index folded from the log."),
     MetricSpec("switchyard_index_stale_workers", G,
                "Registered workers (not gone) whose index entries are stale (a sequence gap, or a new "

@@ -34,7 +34,7 @@ from enum import Enum
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.implementation import new_index, restore_index
+from control_plane.index.native import NativePrefixIndex
 from control_plane.metrics.catalog import BY_NAME, SPECS, TIERS, Kind
 from control_plane.metrics.families import PROCESSOR_METRICS, Family, HistogramValue, Labels
 from control_plane.metrics.gauges import gauge_samples
@@ -138,7 +138,7 @@ class MetricsProjection:
 
     def __init__(self, config: ProjectionConfig = ProjectionConfig()) -> None:
         self.config = config
-        self.index = new_index(config.hash_algo, config.block_size)
+        self.index = NativePrefixIndex(config.hash_algo, config.block_size)
         self.tracker = SequenceTracker()
         #: (stream, partition) -> next offset to read.
         self.positions: dict[tuple[str, int], int] = {}
@@ -619,7 +619,7 @@ class MetricsProjection:
         p.positions = {(s, part): o for s, part, o in snap.positions}
         p.last_ts_ms = dict(snap.last_ts_ms)
         p.tracker = SequenceTracker.restore(snap.tracker)
-        p.index = restore_index(snap.index)
+        p.index = NativePrefixIndex.restore(snap.index)
         p.applied = snap.applied
         return p
 

@@ -162,8 +162,8 @@ CHOOSERS = {
 def score_rows(t: Scored, row_cost: list[float | None], probability: list[float | None] | None) -> tuple[CandidateScore, ...]:
     """One score row per candidate, in id order: its combined loads, overlap and terms.
 
-    The native core builds them for the kv argmin (positionally: a keyword call matches 15
-    names per row); this builds them otherwise, in one comprehension with at most 15 keywords
+    The native core builds them for the kv argmin without a peer reach (positionally: a keyword
+    call matches 15 names per row); this builds them otherwise, in one comprehension with at most 15 keywords
     per row: CPython passes 16 or more arguments through a heap-allocated array, which made
     every row twice as slow (measured, 64 rows: 21 us with 15 keywords, 48 us with 16).
     ``peer_from`` (set with a peer reach only) is added to the few rows that have one.
@@ -173,7 +173,7 @@ def score_rows(t: Scored, row_cost: list[float | None], probability: list[float 
             return t.rows
         return tuple(r if x is None else msgspec.structs.replace(r, excluded=x) for r, x in zip(t.rows, t.excluded))
     peers: list[tuple[int, WorkerId]] = []
-    if t.by_tier is None:  # scored by the specification (the native core declines a peer reach)
+    if t.by_tier is None:  # a peer reach (its row names the source) or the oracle's scoring
         t.overlap_blocks = [0 if ov is None else sum(ov.tiers) for ov in t.matched]
         t.by_tier = [{} if ov is None else ov.by_tier() for ov in t.matched]
         t.stale = [ov is not None and ov.stale for ov in t.matched]

@@ -10,8 +10,9 @@ cursor). No I/O, no clock, no global RNG: the same inputs and seed give a bit-id
 The rule is Dynamo's kv cost with tier weights and the in-flight ledger's speculative overlap;
 the formula, a worked example of why a burst of identical prompts spreads, and the tie-break
 rules: ``docs/routing-cost.md``. The parts: ``decision_types.py`` (the shapes),
-``scoring.py`` (the reference scoring and the native core's entry), ``choice.py`` (the modes'
-choices, the reasons, the score rows).
+``scoring.py`` (the kv terms, guards and argmin, from the Rust core), ``choice.py`` (the
+modes' choices, the reasons, the score rows). The pure-Python specification of the scoring is
+the differential oracle ``tests/oracles/scoring.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from operator import attrgetter
 
 import msgspec
 
-from control_plane.index.implementation import native_core
 from control_plane.router.choice import CHOOSERS, KEEP, word_capacity
 from control_plane.router.choice import score_rows as _rows
 from control_plane.router.config import RouterConfig
@@ -36,12 +36,11 @@ from control_plane.router.decision_types import (
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightView
 
-# The steps ``decide`` runs, looked up in this module so that a test can swap one (the native
-# property tests make the Python steps fail to prove the core did not fall back to them).
+# The steps ``decide`` runs, looked up in this module by name so that the differential tests
+# can run the same decision with the oracle's steps (``tests/oracles/scoring.py``).
 from control_plane.router.scoring import pick as _pick
-from control_plane.router.scoring import score as _score
 from control_plane.router.scoring import predictions
-from control_plane.router.scoring import score_native as _score_native
+from control_plane.router.scoring import score as _score
 from schemas.events import TtftModel
 from schemas.types import RequestPhase, WorkerId
 
@@ -61,7 +60,6 @@ def decide(
     overlaps: Mapping[WorkerId, WorkerOverlap] | None = None,
     inflight: InflightView | None = None,
     rr_cursor: WorkerId | None = None,
-    native: bool | None = None,
     ttft_models: Mapping[WorkerId, TtftModel] | None = None,
 ) -> Decision:
     """Choose a worker for ``request`` among ``workers``.
@@ -73,40 +71,33 @@ def decide(
       flight. Call ``ledger.expire(now)`` before deciding.
     * ``rng_seed``: the only source of randomness (tie-breaks, sampling, random mode); record it.
     * ``rr_cursor``: the previous decision's ``Decision.rr_cursor`` (round_robin mode).
-    * ``native``: score with the Rust core (``switchyard_native.score_kv``, the same terms bit
-      for bit) or with :func:`~control_plane.router.scoring.score`, the specification; None = the process's switch
-      (:func:`control_plane.index.implementation.native_core`, ``SWITCHYARD_INDEX``). Inputs the core
-      cannot reproduce exactly (integers beyond 2^53, a worker listed twice) go to the
-      specification either way, so the choice never changes a decision.
     * ``ttft_models``: each candidate's TTFT model (a missing one is the prior); given, every
       row of a prefill phase carries its predicted TTFT (``scoring.predictions``), and with
       ``config.cost == "ttft"`` that prediction is the kv cost. None = no predictions.
 
     Eligible = registered, not draining, role equal to the request's phase (an aggregated
     worker serves aggregated requests only). Raises :class:`NoEligibleWorker` when no candidate
-    is eligible, :class:`InvalidRoutingInput` when a worker id appears twice.
+    is eligible, :class:`InvalidRoutingInput` when a worker id appears twice or an integer
+    input is beyond 2^53 (the core computes the cost exactly in ``f64`` or not at all).
 
     Four steps: score every candidate (``scoring.score``), take the guards' and the mode's
     numbers (``scoring.pick``), choose and word the reason (``choice.CHOOSERS``), and write the
-    score table (``choice.score_rows``). The native core does the first two in one call.
+    score table (``choice.score_rows``). The native core does the first two in one call; with a
+    TTFT cost, ``scoring.pick`` runs the guards again on the predictions.
     """
     if not workers:
         raise NoEligibleWorker(f"request {request.request_id}: no candidate workers")
     ordered = sorted(workers, key=_by_worker_id)
     mine = inflight.view(request.block_hashes) if inflight is not None else {}
-    t = None
     predicts = ttft_models is not None and request.phase is not RequestPhase.DECODE
     ttft_cost = predicts and config.cost == "ttft"  # else a decode phase's kv cost stays blocks
-    if native_core() if native is None else native:
-        t = _score_native(request, ordered, config, overlaps or {}, mine, ttft_cost)
-    if t is None:
-        t = _score(request, ordered, config, overlaps or {}, mine)
+    t = _score(request, ordered, config, overlaps or {}, mine, ttft_cost)
     predicted = predictions(t, ttft_models) if predicts else None
     if ttft_cost:
         # The cost is the prediction: the guards and the argmin run on it here (the native core
-        # gave the terms only, see scoring.score_native).
+        # gave the terms only, see scoring.score).
         t.cost, t.pick, t.rows, t.ttft_cost = predicted, None, None, True
-    pick = t.pick or _pick(t, config)
+    pick = t.pick if t.pick is not None else _pick(t, config)
     if pick is None:
         raise NoEligibleWorker(
             f"request {request.request_id}: no eligible worker among {t.n}: "

@@ -22,13 +22,13 @@ binary search (O(log n) set lookups) instead of a walk.
 
 How the two interact in a decision: ``docs/routing-cost.md`` (a worked example).
 
-The per-worker accounts (the load sums and the refcounted hashes) are :class:`_Accounts`, the
-executable specification, or ``switchyard_native.InflightAccounts`` (``native/src/inflight.rs``),
-the same rules in Rust, selected when the ledger is created by the native-core switch
-(:func:`control_plane.index.implementation.native_core`). The native accounts hold ``u64`` hashes and
-``i64`` counters; handed anything else they decline, change nothing, and the ledger moves its
-accounts to the specification for good (``tests/unit/test_native_ledger.py`` folds random
-operation sequences through both and requires the same views).
+The per-worker accounts (the load sums and the refcounted hashes) are an
+:class:`~control_plane.router.ports.InflightAccounts`: ``switchyard_native.InflightAccounts``
+(``native/src/inflight.rs``). They hold ``u64`` hashes and ``i64`` counters; handed anything
+else they decline and change nothing, and the ledger raises :class:`InvalidRoutingInput`. The
+pure-Python executable specification of the accounts is the differential oracle
+``tests/oracles/ledger.py`` (``tests/unit/test_native_ledger.py`` folds random operation
+sequences through both and requires the same views).
 
 The ledger is plain mutable state owned by one router and passed explicitly; it never reads a
 clock (``now`` is an argument). ``decide`` only reads it, through :class:`InflightView`, so a
@@ -38,11 +38,11 @@ replay can rebuild it by folding the recorded events and re-run any decision.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from control_plane.index.implementation import native_core
+import switchyard_native
+
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
 from control_plane.router.ttft_fit import TtftFit
@@ -70,14 +70,6 @@ class _Entry:
     seq: int
 
 
-@dataclass(slots=True)
-class _WorkerAccount:
-    refs: dict[BlockHash, int] = field(default_factory=dict)
-    prefill_tokens: int = 0
-    extra_blocks: int = 0
-    requests: int = 0
-
-
 class InflightLedger:
     """Speculative overlap and added load per worker, keyed by (request, worker).
 
@@ -88,13 +80,13 @@ class InflightLedger:
 
     __slots__ = ("_accounts", "_by_request", "_entries", "_expiry", "_seq")
 
-    def __init__(self, *, native: bool | None = None) -> None:
-        """``native``: keep the accounts in the Rust core (None = the process's switch,
-        :func:`~control_plane.index.implementation.native_core`)."""
+    def __init__(self, *, accounts: InflightAccounts | None = None) -> None:
+        """``accounts``: empty per-worker accounts to keep (None: the native ones; the
+        differential tests pass the oracle's)."""
         self._entries: dict[tuple[RequestId, WorkerId], _Entry] = {}
         #: Workers each request has entries on, in the order they were added.
         self._by_request: dict[RequestId, list[WorkerId]] = {}
-        self._accounts: InflightAccounts = _new_accounts(native_core() if native is None else native)
+        self._accounts: InflightAccounts = _new_accounts() if accounts is None else accounts
         self._expiry: list[tuple[float, int, RequestId, WorkerId]] = []
         self._seq = 0
 
@@ -116,6 +108,8 @@ class InflightLedger:
         ``prefill_tokens`` what the worker must compute for it (``Decision.prefill_tokens``);
         ``decode_blocks`` every block it will hold, prompt and output (``Decision.decode_blocks``).
         Re-adding the same (request, worker) replaces the old entry (a retried attempt).
+        Raises :class:`InvalidRoutingInput`, recording no entry for the pair, for a hash that is
+        not a ``u64`` or a count beyond ``i64`` (what the accounts cannot hold exactly).
         """
         if prefill_tokens < 0 or decode_blocks < 0:
             raise InvalidRoutingInput(
@@ -132,12 +126,13 @@ class InflightLedger:
         key = (request_id, worker)
         if key in self._entries:
             self._remove(key)
+        extra_blocks = decode_blocks - len(hashes)
+        if not self._accounts.add(worker, hashes, prefill_tokens, extra_blocks):
+            raise _declined(f"request {request_id} on {worker}", hashes)
         self._seq += 1
-        entry = _Entry(hashes, prefill_tokens, decode_blocks - len(hashes), now + ttl, self._seq)
+        entry = _Entry(hashes, prefill_tokens, extra_blocks, now + ttl, self._seq)
         self._entries[key] = entry
         self._by_request.setdefault(request_id, []).append(worker)
-        if not self._accounts.add(worker, hashes, prefill_tokens, entry.extra_blocks):
-            self._specification().add(worker, hashes, prefill_tokens, entry.extra_blocks)
         heapq.heappush(self._expiry, (entry.expires_at, entry.seq, request_id, worker))
         if len(self._expiry) > 2 * len(self._entries) + 1024:
             # Completed entries leave their heap items behind until they would have expired;
@@ -156,7 +151,7 @@ class InflightLedger:
         for key in self._keys(request_id, worker):
             entry = self._entries[key]
             if not self._accounts.prefill_done(key[1], entry.prefill_tokens):
-                self._specification().prefill_done(key[1], entry.prefill_tokens)
+                raise _declined(f"prefill of request {request_id} on {key[1]}", ())
             entry.prefill_tokens = 0
 
     def complete(self, request_id: RequestId, worker: WorkerId | None = None) -> None:
@@ -197,17 +192,20 @@ class InflightLedger:
         ``worker`` hold."""
         hashes = hashes if type(hashes) is tuple else tuple(hashes)
         depth = self._accounts.overlap(worker, hashes)
-        return self._specification().overlap(worker, hashes) if depth is None else depth
+        if depth is None:
+            raise _declined(f"overlap query on {worker}", hashes)
+        return depth
 
     def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         """``load_for`` plus ``speculative_overlap(hashes)`` of every worker with requests in
-        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads): a dict
-        from the specification's accounts, a read-only ``switchyard_native.InflightView`` from
-        the native ones (the native decision reads its numbers without an object per worker).
-        Either iterates in the order the workers' accounts opened."""
+        flight, in one pass (what :func:`~control_plane.router.decision.decide` reads): a
+        read-only ``switchyard_native.InflightView`` (the native decision reads its numbers
+        without an object per worker), iterating in the order the workers' accounts opened."""
         hashes = hashes if type(hashes) is tuple else tuple(hashes)
         out = self._accounts.view(hashes)
-        return self._specification().view(hashes) if out is None else out
+        if out is None:
+            raise _declined("view query", hashes)
+        return out
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -232,136 +230,21 @@ class InflightLedger:
         if not workers:
             del self._by_request[key[0]]
         if not self._accounts.remove(key[1], entry.hashes, entry.prefill_tokens, entry.extra_blocks):
-            self._specification().remove(key[1], entry.hashes, entry.prefill_tokens, entry.extra_blocks)
-
-    def _specification(self) -> _Accounts:
-        """The accounts as the specification keeps them, moved there if they were native (for
-        good: what the native accounts declined once, they would decline again)."""
-        if type(self._accounts) is not _Accounts:
-            self._accounts = _Accounts.restore(self._accounts.export())
-        return self._accounts
+            raise _declined(f"release of request {key[0]} on {key[1]}", ())
 
 
-class _Accounts:
-    """Per worker: the load its in-flight entries add and a refcount per prompt block hash they
-    hold (the executable specification of ``switchyard_native.InflightAccounts``).
-
-    An account opens with its worker's first entry and closes with its last; every method
-    returns what the native accounts return when they take the input (mutations True).
-    """
-
-    __slots__ = ("_workers",)
-
-    def __init__(self) -> None:
-        self._workers: dict[WorkerId, _WorkerAccount] = {}
-
-    @classmethod
-    def restore(cls, exported: list[tuple[WorkerId, list[tuple[BlockHash, int]], int, int, int]]) -> _Accounts:
-        """From ``export()``'s rows (either implementation's)."""
-        out = cls()
-        for worker, refs, prefill_tokens, extra_blocks, requests in exported:
-            out._workers[worker] = _WorkerAccount(dict(refs), prefill_tokens, extra_blocks, requests)
-        return out
-
-    def export(self) -> list[tuple[WorkerId, list[tuple[BlockHash, int]], int, int, int]]:
-        return [(w, list(a.refs.items()), a.prefill_tokens, a.extra_blocks, a.requests)
-                for w, a in self._workers.items()]
-
-    def add(self, worker: WorkerId, hashes: Sequence[BlockHash], prefill_tokens: int, extra_blocks: int) -> bool:
-        account = self._workers.get(worker)
-        if account is None:
-            account = self._workers[worker] = _WorkerAccount()
-        refs = account.refs
-        get = refs.get
-        for h in hashes:
-            refs[h] = get(h, 0) + 1
-        account.prefill_tokens += prefill_tokens
-        account.extra_blocks += extra_blocks
-        account.requests += 1
-        return True
-
-    def remove(self, worker: WorkerId, hashes: Sequence[BlockHash], prefill_tokens: int, extra_blocks: int) -> bool:
-        account = self._workers[worker]
-        refs = account.refs
-        for h in hashes:
-            left = refs[h] - 1
-            if left:
-                refs[h] = left
-            else:
-                del refs[h]
-        account.prefill_tokens -= prefill_tokens
-        account.extra_blocks -= extra_blocks
-        account.requests -= 1
-        if account.requests == 0:
-            del self._workers[worker]
-        return True
-
-    def prefill_done(self, worker: WorkerId, tokens: int) -> bool:
-        self._workers[worker].prefill_tokens -= tokens
-        return True
-
-    def load(self, worker: WorkerId) -> InflightLoad | None:
-        a = self._workers.get(worker)
-        return None if a is None else InflightLoad(a.prefill_tokens, len(a.refs) + a.extra_blocks, a.requests)
-
-    def overlap(self, worker: WorkerId, hashes: tuple[BlockHash, ...]) -> int:
-        account = self._workers.get(worker)
-        return 0 if account is None else _matched_depth(account.refs, hashes, hashes[::-1])
-
-    def view(self, hashes: tuple[BlockHash, ...]) -> dict[WorkerId, InflightLoad]:
-        out: dict[WorkerId, InflightLoad] = {}
-        n = len(hashes)
-        if n == 0:
-            for worker, a in self._workers.items():
-                out[worker] = InflightLoad(
-                    a.prefill_tokens, len(a.refs) + a.extra_blocks, a.requests
-                )
-            return out
-        # _matched_depth inlined: this loop runs over every busy worker on every decision.
-        first = hashes[0]
-        backwards = hashes[::-1]
-        for worker, a in self._workers.items():
-            refs = a.refs
-            depth = (
-                n - bisect_left(backwards, True, key=refs.__contains__) if first in refs else 0
-            )
-            out[worker] = InflightLoad(
-                a.prefill_tokens, len(refs) + a.extra_blocks, a.requests, depth
-            )
-        return out
-
-    def __len__(self) -> int:
-        return len(self._workers)
+def _declined(what: str, hashes: Sequence[BlockHash]) -> InvalidRoutingInput:
+    """The accounts refused an input they cannot hold exactly (they changed nothing)."""
+    bad = next((h for h in hashes if type(h) is not int or not 0 <= h < 1 << 64), None)
+    if bad is not None:
+        return InvalidRoutingInput(f"{what}: block hash {bad!r} is not a u64")
+    return InvalidRoutingInput(f"{what}: a token or block count beyond i64")
 
 
-def _new_accounts(native: bool) -> InflightAccounts:
-    if not native:
-        return _Accounts()
-    import switchyard_native  # only when selected: the specification runs without the build
-
-    # Its views are read-only mappings like the specification's dicts (idempotent).
+def _new_accounts() -> InflightAccounts:
+    # Its views are read-only mappings like dicts (idempotent).
     Mapping.register(switchyard_native.InflightView)
     return switchyard_native.InflightAccounts(InflightLoad)
-
-
-def _matched_depth(
-    refs: Mapping[BlockHash, int],
-    hashes: Sequence[BlockHash],
-    reversed_hashes: Sequence[BlockHash],
-) -> int:
-    """Length of the longest prefix of ``hashes`` whose blocks are all in ``refs``.
-
-    Binary search, O(log n) lookups: valid because ``refs`` is prefix-closed (every entry added
-    a whole chain from the root, and a chained hash at position i implies the i blocks before
-    it), so membership along ``hashes`` is true up to some depth and false after it. Along
-    ``reversed_hashes`` it is false then true, which is the ascending order ``bisect`` needs;
-    with ``refs.__contains__`` as the key the whole search runs in C (about twice as fast as a
-    Python loop, and this runs for every worker with requests in flight on every decision).
-    """
-    n = len(hashes)
-    if n == 0 or hashes[0] not in refs:
-        return 0
-    return n - bisect_left(reversed_hashes, True, key=refs.__contains__)
 
 
 # ----------------------------------------------------------------------------------------------

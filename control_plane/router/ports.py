@@ -1,13 +1,10 @@
 """The router's ports: what it needs of the prefix index and of the in-flight accounts, as
-``typing.Protocol`` s. Each has two implementations that fold the same events to the same state:
-the Rust core (``native/``, production) and the pure-Python executable specification, which
-the differential tests compare it with (``tests/unit/test_native_index.py``,
-``tests/unit/test_native_ledger.py``, ``tests/unit/test_router_ports.py``).
-
-Which one a process builds is ``SWITCHYARD_INDEX`` (:mod:`control_plane.index.implementation`), read
-when an index or a ledger is made; code that holds one calls it through these ports and never
-asks which it is. The switch stays while the routing decision (``router/decision.py``) still
-reads it for its own scoring path.
+``typing.Protocol`` s. The product has one implementation of each, the Rust core (``native/``:
+``control_plane.index.native.NativePrefixIndex``, ``switchyard_native.InflightAccounts``); the
+pure-Python executable specifications in ``tests/oracles/`` implement the same ports, and the
+differential tests fold the same inputs through both (``tests/unit/test_native_index.py``,
+``tests/unit/test_native_ledger.py``, ``tests/unit/test_router_ports.py``). Code that holds one
+calls it through these ports and never asks which it is.
 """
 
 from __future__ import annotations
@@ -87,7 +84,7 @@ class KvIndex(Protocol):
     def stats(self) -> IndexStats: ...
 
     def snapshot(self) -> bytes:
-        """Deterministic bytes either implementation restores from."""
+        """Deterministic bytes (the format: docs/prefix-index.md) :meth:`restore` reads back."""
         ...
 
     def as_dict(self) -> dict: ...
@@ -97,8 +94,8 @@ class KvIndex(Protocol):
 class InflightAccounts(Protocol):
     """The in-flight ledger's per-worker accounts (control_plane/router/ledger.py): prompt
     blocks and tokens of the requests each worker has been sent and not finished. A mutation
-    returns False when the accounts decline the input (the ledger then moves them to the
-    specification for good)."""
+    returns False, changing nothing, when the accounts decline the input (a hash that is not a
+    ``u64``, a counter beyond ``i64``); the ledger then raises ``InvalidRoutingInput``."""
 
     def add(self, worker: WorkerId, hashes: Sequence[BlockHash], prefill_tokens: int, extra_blocks: int) -> bool: ...
 

@@ -1,19 +1,19 @@
-"""The kv cost's reference scoring: the Python specification the Rust core
-(``native/src/decide.rs``) is held bit-identical to.
+"""The kv cost's numbers, from the Rust core (``native/src/decide.rs``).
 
-:func:`score` computes every candidate's terms (the formula: ``docs/routing-cost.md``),
-:func:`pick` applies the capacity and imbalance guards and finds the kv argmin, in numbers;
-:func:`score_native` gets the same from the core through ``switchyard_native.decide_kv``. The
-words (reasons, score rows) are ``choice.py``'s.
+:func:`score` computes every candidate's terms (the formula: ``docs/routing-cost.md``) and, in
+the same call, the capacity and imbalance guards and the kv argmin (:class:`Pick`);
+:func:`pick` runs those guards alone over a cost computed afterwards (the predicted TTFT). The
+words (reasons, score rows) are ``choice.py``'s. The pure-Python executable specification of
+both steps is the differential oracle ``tests/oracles/scoring.py``; ``tests/unit/test_native_decide.py``
+holds the two bit-identical on random decisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from functools import reduce
-from operator import add, mul
 
 import msgspec
+import switchyard_native
 from msgspec.structs import astuple
 
 from control_plane.router.config import RouterConfig
@@ -26,7 +26,7 @@ from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ledger import InflightLoad
 from control_plane.router.ttft import PRIOR, predict
 from schemas.events import CandidateScore, TtftModel
-from schemas.types import TIER_ORDER, RequestPhase, RoutingMode, WorkerId, WorkerRole
+from schemas.types import RequestPhase, RoutingMode, WorkerId, WorkerRole
 
 #: Costs within this relative distance of the best count as a tie (float sums of the same
 #: quantities in a different order may differ in the last bits).
@@ -92,124 +92,28 @@ class Scored:
 
 
 def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
-           overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad]) -> Scored:
-    """The kv cost's terms for every candidate (the formula: docs/routing-cost.md)."""
-    t = Scored(request, ordered, config)
-    n = t.n
-    t.queued, t.active, t.in_flight, t.shared, t.decode = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
-    t.overlap_w, t.prefill, t.cost = [0.0] * n, [0.0] * n, [0.0] * n
-    t.matched = [None] * n
-    n_hash = t.n_hash
-    block_size = request.block_size
-    prompt_tokens = request.prompt_tokens
-    request_blocks = t.request_blocks
-    does_prefill = t.does_prefill
-    phase_value = request.phase.value
-    serving_role = WorkerRole(phase_value)
-    weights = t.weights
-    wd = weights[0]  # the in-flight (speculative) blocks are being written to the device
-    stale_factor = config.stale_overlap_factor
-    use_max = config.load_combine == "max"
-    scale = config.prefill_load_scale
-    get_mine = mine_by_worker.get
-    get_overlap = overlaps.get
-    queued, active, in_flight, shared = t.queued, t.active, t.in_flight, t.shared
-    overlap_w, prefill, decode, cost, excluded, matched = t.overlap_w, t.prefill, t.decode, t.cost, t.excluded, t.matched
+          overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad],
+          ttft_cost: bool = False) -> Scored:
+    """Every candidate's kv terms (the formula: docs/routing-cost.md), the guards' and the kv
+    argmin's numbers (:class:`Pick`, none when nothing is eligible) and, for the kv argmin, the
+    score rows, from the Rust core (``native/src/decide.rs``, ``switchyard_native.decide_kv``).
 
-    # The hot loop (every request, every worker): straight-line arithmetic, no helper calls on
-    # the common path. The overlap is the formula in docs/routing-cost.md; choice._real_segments
-    # states the same layout for the reason, and the unit tests check decide against an
-    # independent block-by-block implementation.
-    previous_id = None
-    for i, w in enumerate(ordered):
-        wid = w.worker_id
-        if wid == previous_id:
-            raise InvalidRoutingInput(f"worker {wid!r} is listed twice")
-        previous_id = wid
-        q = w.queued_prefill_tokens
-        d = w.active_decode_blocks
-        r = w.inflight_requests
-        s = 0
-        mine = get_mine(wid)
-        if mine is not None and mine.requests:
-            if use_max:
-                if mine.prefill_tokens > q:
-                    q = mine.prefill_tokens
-                if mine.decode_blocks > d:
-                    d = mine.decode_blocks
-                if mine.requests > r:
-                    r = mine.requests
-            else:
-                q += mine.prefill_tokens
-                d += mine.decode_blocks
-                r += mine.requests
-            s = mine.shared_blocks
-        ov = get_overlap(wid)
-        if ov is None:
-            ow = wd * s
-        else:
-            matched[i] = ov
-            # The index's blocks at positions [s, n_hash), weighted by tier, the tiers laid
-            # along the prefix fastest first (see choice._real_segments, which states the same for
-            # the reason).
-            counts = ov.tiers if not ov.peer else ov.slots()
-            if s == 0 and sum(counts) <= n_hash:
-                # Every matched block counts: the dot product, summed left to right in C
-                # (reduce, not sum: sum() compensates float rounding on newer Pythons, and the
-                # result must be the same double everywhere).
-                real = reduce(add, map(mul, counts, weights), 0.0)
-            else:
-                real = 0.0
-                pos = 0
-                for c, wt in zip(counts, weights):
-                    if c:  # an empty tier adds nothing
-                        lo = pos if pos > s else s
-                        pos += c
-                        x = (pos if pos < n_hash else n_hash) - lo
-                        if x > 0:
-                            real += wt * x
-            ow = wd * s + (stale_factor if ov.stale else 1.0) * real
-        if does_prefill:
-            p = (q + prompt_tokens) / block_size - ow
-            if p < 0.0:
-                p = 0.0
-        else:
-            p = 0.0
-        dec = d + request_blocks - s
-        queued[i] = q
-        active[i] = d
-        in_flight[i] = r
-        shared[i] = s
-        overlap_w[i] = ow
-        prefill[i] = p
-        decode[i] = dec
-        cost[i] = scale * p + dec
-        if w.role != serving_role or w.draining or not w.registered:
-            excluded[i] = _exclusion(w, phase_value)
-    return t
-
-
-def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
-                  overlaps: Mapping[WorkerId, WorkerOverlap],
-                  mine_by_worker: Mapping[WorkerId, InflightLoad], ttft_cost: bool = False) -> Scored | None:
-    """:func:`score`'s terms, :func:`pick`'s numbers and the rows' overlap columns from the Rust
-    core (``native/src/decide.rs``); None when the core declines the inputs (a peer reach among
-    them included: the core weighs the four tiers only), and the caller then runs
-    :func:`score`, which also raises its errors."""
-    import switchyard_native  # only when selected: the specification runs without the build
-
+    ``ordered``: the candidates in worker id order. With ``ttft_cost`` the core gives the terms
+    and :func:`pick` runs later on the predicted costs. Raises :class:`InvalidRoutingInput` for
+    what the core refuses: a worker listed twice, or an integer beyond the range where ``f64``
+    is exact (2^53; the core never rounds where exact arithmetic would not).
+    """
     t = Scored(request, ordered, config)
     kv = config.mode is RoutingMode.KV
     argmin = kv and config.temperature == 0.0 and not ttft_cost  # a ttft cost's argmin: decide's
     out = switchyard_native.decide_kv(
         list(map(astuple, ordered)), _LOAD_AT, overlaps if type(overlaps) is dict else dict(overlaps), mine_by_worker,
         request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
-        t.does_prefill, t.weights[:len(TIER_ORDER)], config.stale_overlap_factor, config.load_combine == "max",
-        config.prefill_load_scale, config.capacity_guard,
-        (config.imbalance_abs_threshold, config.imbalance_rel_threshold) if kv and config.imbalance_guard else None,
+        t.does_prefill, t.weights, config.stale_overlap_factor, config.load_combine == "max",
+        config.prefill_load_scale, config.capacity_guard, _imbalance(config),
         argmin, (CandidateScore, _ROW_AT) if argmin else None)
     if out is None:
-        return None
+        raise _refused(ordered)
     ((t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost), t.shared_by_worker,
      t.matched, ineligible, native_pick, t.rows, row_columns) = out
     if row_columns is not None:
@@ -220,6 +124,22 @@ def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Rou
     if native_pick is not None:
         t.pick = Pick(*native_pick)
     return t
+
+
+def _imbalance(config: RouterConfig) -> tuple[int, float] | None:
+    if config.mode is RoutingMode.KV and config.imbalance_guard:
+        return config.imbalance_abs_threshold, config.imbalance_rel_threshold
+    return None
+
+
+def _refused(ordered: Sequence[WorkerLoad]) -> InvalidRoutingInput:
+    """Why the core refused a decision's inputs, in words."""
+    for a, b in zip(ordered, ordered[1:]):
+        if a.worker_id == b.worker_id:
+            return InvalidRoutingInput(f"worker {a.worker_id!r} is listed twice")
+    return InvalidRoutingInput(
+        "a load, overlap or request size beyond 2^53 (or not an integer): the kv cost is computed "
+        "exactly in f64 and refuses what it cannot reproduce")
 
 
 def predictions(t: Scored, models: Mapping[WorkerId, TtftModel]) -> list[float]:
@@ -255,39 +175,20 @@ CAPACITY_UNCHANGED, CAPACITY_EXCLUDED, CAPACITY_IGNORED = 0, 1, 2
 
 
 def pick(t: Scored, config: RouterConfig) -> Pick | None:
-    """The capacity guard, and in kv mode the imbalance guard and the argmin, in numbers; None
-    when no candidate is eligible."""
+    """The capacity guard, and in kv mode the imbalance guard and (at temperature 0) the argmin,
+    over ``t.cost`` as it stands: the Rust core's ``pick_kv``, the same step ``decide_kv``
+    takes, for a cost computed after scoring (the predicted TTFT). None when no candidate is
+    eligible; raises :class:`InvalidRoutingInput` for an integer beyond the exact range."""
     eligible = [i for i in range(t.n) if t.excluded[i] is None]
     if not eligible:
         return None
-    over: list[int] = []
-    capacity = CAPACITY_UNCHANGED
-    if config.capacity_guard:
-        # Exclude workers whose KV capacity cannot hold their blocks plus this request's,
-        # unless that would exclude every eligible one.
-        over = [i for i in eligible if 0 < t.ordered[i].kv_capacity_blocks < t.decode[i]]
-        if over and len(over) < len(eligible):
-            capacity = CAPACITY_EXCLUDED
-            eligible = [i for i in eligible if i not in over]
-        elif over:
-            capacity = CAPACITY_IGNORED
-    competing = eligible
-    imbalance = None
-    tied: list[int] = []
-    runner_up = None
-    if config.mode is RoutingMode.KV:
-        if config.imbalance_guard and len(eligible) > 1:
-            loads = [t.in_flight[i] for i in eligible]
-            hi, lo = max(loads), min(loads)
-            if hi - lo > config.imbalance_abs_threshold and hi > config.imbalance_rel_threshold * lo:
-                imbalance = (hi, lo)
-                competing = [i for i in eligible if t.in_flight[i] == lo]
-        if config.temperature == 0.0:
-            tied = tied_lowest(competing, t.cost)
-            if len(tied) == 1:
-                runner_up = _runner_up(competing, t.cost, tied[0])
-    return Pick(over, capacity, eligible, imbalance, competing, tied, runner_up)
-
+    out = switchyard_native.pick_kv(
+        t.cost, t.in_flight, t.decode, [w.kv_capacity_blocks for w in t.ordered] if config.capacity_guard else [0] * t.n,
+        eligible, config.capacity_guard, _imbalance(config),
+        config.mode is RoutingMode.KV and config.temperature == 0.0)
+    if out is None:
+        raise _refused(t.ordered)
+    return Pick(*out)
 
 
 def _exclusion(w: WorkerLoad, phase_value: str) -> str:
@@ -305,10 +206,3 @@ def tied_lowest(candidates: list[int], cost: Sequence[float]) -> list[int]:
     best = min(cost[i] for i in candidates)
     limit = best + _TIE_RTOL * max(1.0, abs(best))
     return [i for i in candidates if cost[i] <= limit]
-
-
-
-def _runner_up(candidates: list[int], cost: Sequence[float], chosen: int) -> int | None:
-    others = [i for i in candidates if i != chosen]
-    return min(others, key=cost.__getitem__) if others else None
-

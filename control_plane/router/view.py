@@ -9,10 +9,11 @@ Sequencing: producers number events per topic partition (see ``schemas.envelope`
 index is told the producer as ``"<producer>@<topic>:<partition>"``; its dedupe, gap and epoch
 logic then works per ordered substream.
 
-The index is a :class:`~control_plane.router.ports.KvIndex`: the native one unless
-``SWITCHYARD_INDEX=reference`` (see :mod:`control_plane.index.implementation`). ``apply_record`` offers
-a record's bytes to the index first: the native index decodes KV envelopes itself, the
-reference takes none; what it does not take goes through the codec and ``apply``.
+The index is a :class:`~control_plane.router.ports.KvIndex`: the native
+:class:`~control_plane.index.native.NativePrefixIndex` (the differential tests pass the oracle's,
+``tests/oracles/prefix_index.py``). ``apply_record`` offers a record's bytes to the index first:
+the native index decodes KV envelopes itself; what it does not take goes through the codec and
+``apply``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import msgspec
 
 from control_plane.index.errors import IndexRejected
 from control_plane.index.shapes import ApplyOutcome, Match, WorkerRank
-from control_plane.index.implementation import new_index, restore_index
+from control_plane.index.native import NativePrefixIndex
 from control_plane.router.ports import KvIndex
 from control_plane.router.decision import WorkerLoad, WorkerOverlap
 from common.fleet import Fleet, Lifecycle
@@ -149,8 +150,11 @@ class EndpointAllowlist:
 
 
 class RouterView:
-    def __init__(self, hash_algo: str, block_size: int, allowlist: EndpointAllowlist | None = None) -> None:
-        self.index: KvIndex = new_index(hash_algo, block_size)
+    def __init__(self, hash_algo: str, block_size: int, allowlist: EndpointAllowlist | None = None, *,
+                 index: KvIndex | None = None) -> None:
+        """``index``: an empty index of ``hash_algo`` and ``block_size`` to fold into (None: the
+        native one; the differential tests pass the oracle's)."""
+        self.index: KvIndex = NativePrefixIndex(hash_algo, block_size) if index is None else index
         self.allowlist = allowlist or EndpointAllowlist()
         self.workers: dict[str, WorkerState] = {}
         #: What the log said of each worker's incarnations: which registration is new, which
@@ -216,7 +220,7 @@ class RouterView:
         ``codec`` verifies); the same fold as ``apply_record`` of each. Returns ``(end,
         rejected)`` as :meth:`NativePrefixIndex.apply_run`: record ``end`` is left to
         ``apply_record`` unless ``rejected`` says it was folded and refused (the position has
-        advanced past it). The reference index takes none."""
+        advanced past it). The oracle index (tests) takes none."""
         tp = (batch.topic, batch.partition)
         native_verifier = codec.verifier.native() if codec.verifier is not None else None
         end, rejected = self.index.apply_run(batch.values, start, self._suffix(tp), native_verifier)
@@ -341,7 +345,7 @@ class RouterView:
         if snap.format != SNAPSHOT_FORMAT:
             raise ValueError(f"router snapshot format {snap.format} not supported (want {SNAPSHOT_FORMAT})")
         view = cls(snap.hash_algo, snap.block_size, allowlist)
-        view.index = restore_index(snap.index)
+        view.index = NativePrefixIndex.restore(snap.index)
         view.workers = {w.worker_id: w for w in snap.workers}
         view.positions = {(t, p): o for t, p, o in snap.positions}
         view.last_ts_ms = {(t, p): o for t, p, o in snap.last_ts_ms}

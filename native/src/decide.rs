@@ -1,15 +1,21 @@
 //! The kv cost of one routing candidate, natively: the hot loop of
-//! `control_plane/router/scoring.py::score` (the executable specification), term for term.
+//! `tests/oracles/scoring.py::score` (the executable specification, kept as the differential
+//! oracle), term for term.
 //!
 //! Bit-identical by construction: every float is an `f64` computed from the same operands in
 //! the same order as the Python loop (Python's `int * float` is `float(int) * float`, exact
 //! below 2^53; Rust never contracts `a * b + c` into a fused multiply-add). Integers stay
 //! integers. What the Python loop would compute with arbitrary-precision integers the core
 //! refuses instead ([`score`] returns `None`: an overflow, or a prompt-plus-queue beyond 2^53
-//! tokens whose true division Python rounds once and `f64` would round twice); the caller then
-//! scores with the reference, so the two never disagree, they only differ in who computes.
+//! tokens whose true division Python rounds once and `f64` would round twice); the router then
+//! refuses the input. The Python copy of the loop is the differential oracle in
+//! `tests/oracles/scoring.py`.
 
 pub use crate::index::N_TIERS;
+
+/// Weighted slots of an overlap: the four tiers, then a peer reach (blocks another worker holds
+/// that this one can pull instead of recomputing; `WorkerOverlap.slots`).
+pub const N_SLOTS: usize = N_TIERS + 1;
 
 /// Integers at most this large convert to `f64` exactly.
 const EXACT: i64 = 1 << 53;
@@ -25,8 +31,8 @@ pub struct Params {
     pub request_blocks: i64,
     /// False for a decode-phase request: no prefill term.
     pub does_prefill: bool,
-    /// Tier weights in TIER_ORDER (device first).
-    pub weights: [f64; N_TIERS],
+    /// Tier weights in TIER_ORDER (device first), then the peer weight (`TierWeights.as_tuple`).
+    pub weights: [f64; N_SLOTS],
     pub stale_factor: f64,
     /// `load_combine == "max"` (else "sum").
     pub use_max: bool,
@@ -50,8 +56,9 @@ pub struct Mine {
     pub shared_blocks: i64,
 }
 
-/// The prefix index's match (`WorkerOverlap`): blocks per tier, fastest first (at most
-/// [`N_TIERS`]; missing trailing tiers count 0), and whether the view is stale.
+/// The prefix index's match (`WorkerOverlap.slots()`): blocks per tier, fastest first, then the
+/// peer reach (at most [`N_SLOTS`]; missing trailing slots count 0), and whether the view is
+/// stale.
 #[derive(Clone, Copy, Debug)]
 pub struct Overlap<'a> {
     pub tiers: &'a [i64],
@@ -117,7 +124,7 @@ fn real_overlap(p: &Params, tiers: &[i64], s: i64) -> Option<f64> {
 }
 
 /// One candidate's kv terms; `None` when the integers leave the range where `f64` reproduces
-/// Python's arithmetic exactly (the caller then uses the reference).
+/// Python's arithmetic exactly (the router then refuses the input).
 pub fn score(p: &Params, load: Load, mine: Option<Mine>, overlap: Option<Overlap<'_>>) -> Option<Terms> {
     let mut q = load.queued_prefill_tokens;
     let mut d = load.active_decode_blocks;
@@ -217,7 +224,7 @@ fn first_min(xs: impl Iterator<Item = usize>, cost: impl Fn(usize) -> f64) -> Op
 /// The guards and the kv choice over scored candidates; `eligible` (id order, not empty) are
 /// the positions role, drain and registration leave. `capacity[i]` is candidate i's
 /// `kv_capacity_blocks`. None when an integer leaves the range where the comparisons are exact
-/// (the caller then runs the specification).
+/// (the router then refuses the input).
 pub fn pick(terms: &[Terms], capacity: &[i64], eligible: Vec<usize>, p: &PickParams) -> Option<Pick> {
     let mut out = Pick {
         over: Vec::new(),
@@ -278,7 +285,7 @@ mod tests {
             prompt_tokens: prompt_blocks * 16,
             request_blocks: prompt_blocks + output_blocks,
             does_prefill: true,
-            weights: [1.0, 0.75, 0.25, 0.1],
+            weights: [1.0, 0.75, 0.25, 0.1, 0.5],
             stale_factor: 0.0,
             use_max: true,
             prefill_load_scale: 1.0,
@@ -351,6 +358,19 @@ mod tests {
         assert!(score(&p, big, None, None).is_none());
         let overflow = Load { active_decode_blocks: i64::MAX, ..Load::default() };
         assert!(score(&p, overflow, None, None).is_none());
+    }
+
+    /// A peer reach is laid after the worker's own tiers and weighed by the peer weight.
+    #[test]
+    fn peer_reach_weighs_after_the_tiers() {
+        let p = params(8, 0);
+        let slots = [2, 0, 0, 0, 4];
+        let t = score(&p, Load::default(), None, Some(Overlap { tiers: &slots, stale: false })).unwrap();
+        assert_eq!(t.overlap_w, 2.0 * 1.0 + 4.0 * 0.5);
+        // Beyond the prompt's blocks nothing counts: 6 of the 8 matched positions fit in 6.
+        let p6 = params(6, 0);
+        let t = score(&p6, Load::default(), None, Some(Overlap { tiers: &[2, 0, 0, 0, 6], stale: false })).unwrap();
+        assert_eq!(t.overlap_w, 2.0 + 4.0 * 0.5);
     }
 
     fn scored(costs: &[f64], in_flight: &[i64], decode: &[i64]) -> Vec<Terms> {

@@ -1,5 +1,5 @@
-//! The prefix index, natively: the same projection as `control_plane/index/prefix_index.py`
-//! (the executable specification), with the same sequencing, fencing, staleness and resync
+//! The prefix index, natively: the same projection as `tests/oracles/prefix_index.py` (the
+//! executable specification, "the reference" below, kept as the differential oracle), with the same sequencing, fencing, staleness and resync
 //! rules, the same slot numbering and a byte-identical snapshot format.
 //!
 //! Layout (why it is small)

@@ -1,5 +1,6 @@
-//! The router's in-flight accounts per worker, natively: the `_Accounts` of
-//! `control_plane/router/ledger.py` (the executable specification), rule for rule.
+//! The router's in-flight accounts per worker, natively: the `Accounts` of
+//! `tests/oracles/ledger.py` (the executable specification, kept as the differential oracle),
+//! rule for rule.
 //!
 //! A worker's account holds the load the router has sent it and not yet seen finish (prefill
 //! tokens, blocks beyond the prompt's hashed ones, requests) and a refcount per prompt block

@@ -1,12 +1,12 @@
 //! Switchyard's native router core.
 //!
 //! * [`index`]: the prefix index (the projection of the `kv` and `workers` streams), with the
-//!   exact rules of the Python reference in `control_plane/index/prefix_index.py`;
+//!   exact rules of the Python specification in `tests/oracles/prefix_index.py`;
 //! * [`envelope`]: KV events decoded straight from the envelope's MessagePack bytes;
 //! * [`mp`]: the MessagePack reader/writer both use;
 //! * [`decide`]: the kv cost of a routing candidate, the guards and the kv argmin, term for term as
-//!   `control_plane/router/decision.py`;
-//! * [`inflight`]: the router's in-flight accounts per worker, as `control_plane/router/ledger.py`;
+//!   `tests/oracles/scoring.py` (the router's only scoring: `control_plane/router/scoring.py`);
+//! * [`inflight`]: the router's in-flight accounts per worker, as `tests/oracles/ledger.py`;
 //! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
 //! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`.

@@ -4,8 +4,9 @@
 //!
 //! Both decline, never guess: whatever the core cannot reproduce exactly (an integer beyond
 //! `i64` or the range where `f64` is exact, a block hash that is not a `u64`, a worker listed
-//! twice) comes back as `None` / `False` with nothing changed, and the caller runs the Python
-//! specification instead.
+//! twice) comes back as `None` / `False` with nothing changed, and the caller refuses the input
+//! (`InvalidRoutingInput`). The pure-Python specifications they are tested against are the
+//! differential oracles in `tests/oracles/`.
 
 use pyo3::exceptions::{PyKeyError, PyOverflowError, PyTypeError, PyUnicodeEncodeError, PyValueError};
 use pyo3::intern;
@@ -28,7 +29,7 @@ fn attr<'py>(o: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> PyResult<Bou
 }
 
 /// `ok(None)` for the errors that mean "not a plain integer" (or a worker id that is not valid
-/// UTF-8): the specification copes or raises.
+/// UTF-8): the caller refuses the input.
 fn declined<T>(py: Python<'_>, r: PyResult<Option<T>>) -> PyResult<Option<T>> {
     match r {
         Err(e)
@@ -42,8 +43,8 @@ fn declined<T>(py: Python<'_>, r: PyResult<Option<T>>) -> PyResult<Option<T>> {
     }
 }
 
-/// The kv decision's numbers for every candidate (`scoring.py`'s `score` loop, then the
-/// capacity guard, the imbalance guard and the argmin of `decide` / `_choose_kv`).
+/// The kv decision's numbers for every candidate (the oracle `tests/oracles/scoring.py`'s `score`
+/// loop, then its `pick`: the capacity guard, the imbalance guard and the kv argmin).
 ///
 /// `loads`: the `WorkerLoad`s in id order as `msgspec.structs.astuple` gives them, and
 /// `load_at` the positions of `(worker_id, role, registered, draining, queued_prefill_tokens,
@@ -69,8 +70,10 @@ fn declined<T>(py: Python<'_>, r: PyResult<Option<T>>) -> PyResult<Option<T>> {
 /// competing, tied, runner_up)` (see [`decide::Pick`]; `capacity` 0 unchanged, 1 excluded, 2
 /// ignored; None when nothing is eligible), and either the score rows (a tuple, when asked for
 /// and something is eligible) or the rows' columns `(overlap_blocks, overlap_by_tier, stale,
-/// decode_blocks as floats)` for the caller to build them. None when the specification must decide instead (a
-/// peer reach among the overlaps included: the core weighs the four tiers only).
+/// decode_blocks as floats)` for the caller to build them; neither when an overlap has a peer reach
+/// (its row also names the source: the caller builds those rows). A peer reach is weighed after
+/// the four tiers with the fifth weight (`WorkerOverlap.slots`). None when the inputs leave the
+/// exact range or a worker is listed twice.
 #[pyfunction]
 #[pyo3(signature = (loads, load_at, overlaps, mine, serving_role, n_hash, block_size, prompt_tokens, request_blocks, does_prefill, weights, stale_factor, use_max, prefill_load_scale, capacity_guard, imbalance, argmin, rows))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
@@ -95,9 +98,9 @@ fn decide_kv<'py>(
     argmin: bool,
     rows: Option<(Bound<'py, PyAny>, [usize; ROW_FIELDS])>,
 ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-    let mut w = [0.0f64; decide::N_TIERS];
-    if weights.len() != decide::N_TIERS {
-        return Err(PyValueError::new_err(format!("{} tier weights, expected {}", weights.len(), decide::N_TIERS)));
+    let mut w = [0.0f64; decide::N_SLOTS];
+    if weights.len() != decide::N_SLOTS {
+        return Err(PyValueError::new_err(format!("{} tier weights, expected {} (the tiers, then peer)", weights.len(), decide::N_SLOTS)));
     }
     w.copy_from_slice(&weights);
     let p = decide::Params {
@@ -220,7 +223,9 @@ fn decide_all<'py>(
     let matched = PyList::empty(py);
     let mut ineligible: Vec<usize> = Vec::new();
     let mut eligible: Vec<usize> = Vec::with_capacity(n);
-    let mut tiers = [0i64; decide::N_TIERS];
+    let mut tiers = [0i64; decide::N_SLOTS];
+    // A peer reach's row also names its source (`peer_from`): the caller builds those rows.
+    let mut has_peer = false;
     let none = py.None().into_bound(py);
     for (i, worker) in loads.iter().enumerate() {
         let worker = worker.cast_into::<PyTuple>().map_err(PyErr::from)?;
@@ -230,7 +235,7 @@ fn decide_all<'py>(
         if let Some(prev) = rows.last() {
             let prev = prev.wid.to_str()?;
             if prev == id {
-                return Ok(None); // listed twice: the specification raises the error
+                return Ok(None); // listed twice: the caller words the error
             }
             if prev > id {
                 return Err(PyValueError::new_err("candidates must be in worker id order"));
@@ -248,9 +253,6 @@ fn decide_all<'py>(
         let scored = match &ov {
             None => decide::score(p, load, m, None),
             Some(o) => {
-                if attr(o, intern!(py, "peer"))?.is_truthy()? {
-                    return Ok(None);
-                }
                 let t = attr(o, intern!(py, "tiers"))?.cast_into::<PyTuple>().map_err(PyErr::from)?;
                 if t.len() > decide::N_TIERS {
                     return Ok(None);
@@ -263,8 +265,18 @@ fn decide_all<'py>(
                         depth = d;
                     }
                 }
+                let peer: i64 = attr(o, intern!(py, "peer"))?.extract()?;
+                let used = if peer != 0 {
+                    // `WorkerOverlap.slots()`: the tiers padded to N_TIERS, then the peer reach.
+                    has_peer = true;
+                    tiers[t.len()..decide::N_TIERS].fill(0);
+                    tiers[decide::N_TIERS] = peer;
+                    decide::N_SLOTS
+                } else {
+                    t.len()
+                };
                 stale = attr(o, intern!(py, "stale"))?.is_truthy()?;
-                decide::score(p, load, m, Some(decide::Overlap { tiers: &tiers[..t.len()], stale }))
+                decide::score(p, load, m, Some(decide::Overlap { tiers: &tiers[..used], stale }))
             }
         };
         let Some(scored) = scored else { return Ok(None) };
@@ -314,6 +326,7 @@ fn decide_all<'py>(
         cols[7].push(float(t.cost)?);
     }
     let (score_rows, row_columns) = match (row_type, &pick) {
+        _ if has_peer => (None, None),
         (Some((row_type, at)), Some(_)) => {
             let empty = PyString::intern(py, "");
             let mut out = Vec::with_capacity(n);
@@ -354,15 +367,7 @@ fn decide_all<'py>(
     };
     let pick = match pick {
         None => None,
-        Some(pk) => Some((
-            PyList::new(py, pk.over)?,
-            pk.capacity as u8,
-            PyList::new(py, pk.eligible)?,
-            pk.imbalance,
-            PyList::new(py, pk.competing)?,
-            PyList::new(py, pk.tied)?,
-            pk.runner_up,
-        )),
+        Some(pk) => Some(pick_tuple(py, pk)?),
     };
     let shared_by_worker = PyDict::new(py);
     for ((r, t), s) in rows.iter().zip(&terms).zip(&cols[3]) {
@@ -383,11 +388,79 @@ fn decide_all<'py>(
     Ok(Some(out.into_pyobject(py)?))
 }
 
-/// `ledger._Accounts` natively (see [`crate::inflight`]): per worker, the in-flight load and a
+/// A [`decide::Pick`] as `scoring.Pick`'s positional fields.
+#[allow(clippy::type_complexity)]
+fn pick_tuple(
+    py: Python<'_>,
+    pk: decide::Pick,
+) -> PyResult<(Bound<'_, PyList>, u8, Bound<'_, PyList>, Option<(i64, i64)>, Bound<'_, PyList>, Bound<'_, PyList>, Option<usize>)> {
+    Ok((
+        PyList::new(py, pk.over)?,
+        pk.capacity as u8,
+        PyList::new(py, pk.eligible)?,
+        pk.imbalance,
+        PyList::new(py, pk.competing)?,
+        PyList::new(py, pk.tied)?,
+        pk.runner_up,
+    ))
+}
+
+/// The guards and the kv argmin ([`decide::pick`]) over costs the caller computed: the routing
+/// decision's TTFT cost (`RouterConfig.cost == "ttft"`), whose costs are predictions made after
+/// `decide_kv` scored the terms. `cost`, `in_flight`, `decode` and `capacity` are per candidate
+/// (id order), `eligible` the positions role, drain and registration leave (not empty).
+/// Returns `pick` as `decide_kv` does; None when an integer leaves the exact range.
+#[pyfunction]
+#[pyo3(signature = (cost, in_flight, decode, capacity, eligible, capacity_guard, imbalance, argmin))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn pick_kv<'py>(
+    py: Python<'py>,
+    cost: Vec<f64>,
+    in_flight: Bound<'py, PyAny>,
+    decode: Bound<'py, PyAny>,
+    capacity: Bound<'py, PyAny>,
+    eligible: Vec<usize>,
+    capacity_guard: bool,
+    imbalance: Option<(Bound<'py, PyAny>, f64)>,
+    argmin: bool,
+) -> PyResult<Option<Bound<'py, PyTuple>>> {
+    let n = cost.len();
+    let r = (|| {
+        let in_flight: Vec<i64> = in_flight.extract()?;
+        let decode: Vec<i64> = decode.extract()?;
+        let capacity: Vec<i64> = capacity.extract()?;
+        if in_flight.len() != n || decode.len() != n || capacity.len() != n || eligible.iter().any(|&i| i >= n) {
+            return Err(PyValueError::new_err("pick_kv: one cost, in-flight, decode and capacity per candidate"));
+        }
+        if eligible.is_empty() {
+            return Err(PyValueError::new_err("pick_kv: no eligible candidate"));
+        }
+        let (abs, rel) = match imbalance {
+            Some((abs, rel)) => (Some(abs.extract::<i64>()?), rel),
+            None => (None, 0.0),
+        };
+        let guards = decide::PickParams {
+            capacity_guard,
+            imbalance_guard: abs.is_some(),
+            imbalance_abs: abs.unwrap_or(0),
+            imbalance_rel: rel,
+            argmin,
+        };
+        let terms: Vec<decide::Terms> = (0..n)
+            .map(|i| decide::Terms { cost: cost[i], in_flight: in_flight[i], decode: decode[i], ..decide::Terms::default() })
+            .collect();
+        match decide::pick(&terms, &capacity, eligible, &guards) {
+            None => Ok(None),
+            Some(pk) => Ok(Some(pick_tuple(py, pk)?.into_pyobject(py)?)),
+        }
+    })();
+    declined(py, r)
+}
+
+/// The in-flight ledger's accounts (see [`crate::inflight`]): per worker, the in-flight load and a
 /// refcount per held prompt block hash. Mutations return False, changing nothing, for what
 /// they cannot hold exactly (a hash that is not a `u64`, a counter beyond `i64`); queries
-/// return None for a query hash that is not a `u64`. The ledger then moves to the Python
-/// accounts (`export` gives their state) and carries on there.
+/// return None for a query hash that is not a `u64`. The ledger then refuses the input.
 #[pyclass(module = "switchyard_native", name = "InflightAccounts")]
 struct PyAccounts {
     inner: Accounts,
@@ -646,6 +719,7 @@ fn probed(hashes: &Bound<'_, PyTuple>, i: usize, bad: &mut Option<PyErr>) -> u64
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decide_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(pick_kv, m)?)?;
     m.add_class::<PyAccounts>()?;
     m.add_class::<PyInflightView>()?;
     Ok(())

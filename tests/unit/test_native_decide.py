@@ -1,26 +1,24 @@
-"""The native kv decision (``native/src/decide.rs``) against the specification (``decision._score``
-and ``decision._pick``).
+"""The native kv decision (``native/src/decide.rs``) against its differential oracle
+(``tests/oracles/scoring.py``: ``score`` and ``pick``, the executable specification).
 
-``decide(..., native=True)`` scores every candidate, applies the guards and finds the kv argmin
-in Rust; ``native=False`` runs the pure-Python steps. For random decision inputs (1..300
-candidates with random loads, roles, drains and capacities; overlaps per tier, some stale;
-in-flight loads with speculative overlap; configs with every mode, tier weights, load combine,
-guards, temperature; seeds and cursors) the two must give the same ``Decision``: equal as
-values and byte-identical when encoded (so every float is the same double). The native run is
-made with the Python steps disabled, so an agreement cannot come from a silent fallback.
+``decide`` scores every candidate, applies the guards and finds the kv argmin in Rust; within
+``oracle_steps()`` the same ``decide`` runs the oracle's pure-Python steps instead. For random
+decision inputs (1..300 candidates with random loads, roles, drains and capacities; overlaps per
+tier, some stale, some with a peer reach; in-flight loads with speculative overlap; configs with
+every mode, tier and peer weights, load combine, guards, temperature, cost; seeds and cursors)
+the two must give the same ``Decision``: equal as values and byte-identical when encoded (so
+every float is the same double).
 """
 
 from __future__ import annotations
 
 import random
-from unittest import mock
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.index import implementation
 from control_plane.router import decision
 from control_plane.router.config import RouterConfig, TierWeights
 from control_plane.router.decision import RoutingRequest, WorkerLoad, WorkerOverlap, decide
@@ -28,6 +26,8 @@ from control_plane.router.errors import InvalidRoutingInput, NoEligibleWorker
 from control_plane.router.ledger import InflightLedger, InflightLoad
 from schemas.events import TtftModel
 from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
+from tests.oracles.ledger import Accounts
+from tests.oracles.scoring import oracle_steps
 
 
 class _Recorded:
@@ -40,9 +40,9 @@ class _Recorded:
 
 def _weights(draw) -> TierWeights:
     # Non-increasing in [0, 1], from a small palette (exact ties) or any float.
-    values = sorted((draw(st.one_of(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 1.0]),
-                                    st.floats(0.0, 1.0))) for _ in range(4)), reverse=True)
-    return TierWeights(device=values[0], host=values[1], disk=values[2], object=values[3])
+    palette = st.one_of(st.sampled_from([0.0, 0.1, 0.25, 0.5, 0.75, 1.0]), st.floats(0.0, 1.0))
+    values = sorted((draw(palette) for _ in range(4)), reverse=True)
+    return TierWeights(device=values[0], host=values[1], disk=values[2], object=values[3], peer=draw(palette))
 
 
 @st.composite
@@ -105,8 +105,10 @@ def _inputs(seed: int, n: int, phase: RequestPhase):
     for w in workers:
         if rng.random() < 0.6:
             k = rng.randrange(0, 5)
+            peer = rng.randrange(1, n_hash + 2) if rng.random() < 0.2 else 0
             overlaps[w.worker_id] = WorkerOverlap(
-                tiers=tuple(rng.randrange(0, n_hash // 2 + 2) for _ in range(k)), stale=rng.random() < 0.2)
+                tiers=tuple(rng.randrange(0, n_hash // 2 + 2) for _ in range(k)), stale=rng.random() < 0.2,
+                peer=peer, peer_from=WorkerId("w999") if peer else "")
         if rng.random() < 0.4:
             inflight[w.worker_id] = InflightLoad(
                 prefill_tokens=load(40_000), decode_blocks=load(10_000), requests=rng.choice([0, 1, 2, 7]),
@@ -117,11 +119,11 @@ def _inputs(seed: int, n: int, phase: RequestPhase):
 
 
 def _ledgers(seed: int, request: RoutingRequest, workers: list[WorkerLoad]) -> tuple[InflightLedger, InflightLedger]:
-    """The same random in-flight history in a ledger with native accounts and one with the
-    specification's: entries on candidates and on other workers, their prompts sharing a random
+    """The same random in-flight history in the product's ledger and one over the oracle's
+    accounts: entries on candidates and on other workers, their prompts sharing a random
     prefix of the request's, some prefilled, some completed."""
     rng = random.Random(seed)
-    native, reference = InflightLedger(native=True), InflightLedger(native=False)
+    native, reference = InflightLedger(), InflightLedger(accounts=Accounts())
     hashes = request.block_hashes
     names = [w.worker_id for w in workers] + [WorkerId(f"gone{i}") for i in range(3)]
     k = 0
@@ -144,31 +146,20 @@ def _ledgers(seed: int, request: RoutingRequest, workers: list[WorkerLoad]) -> t
 
 
 def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inflight=None, models=None):
-    """``decide`` by the specification over ``inflight`` (a recorded view, or a ledger) and by
-    the native core over ``native_inflight`` (the same view by default)."""
+    """``decide`` with the oracle's steps over ``inflight`` (a recorded view, or a ledger) and
+    with the native core over ``native_inflight`` (the same view by default)."""
     def run(native: bool):
         source = native_inflight if native and native_inflight is not None else inflight
         try:
             return decide(request, workers, config, rng_seed=seed, overlaps=overlaps,
                           inflight=source if hasattr(source, "view") else _Recorded(source),
-                          rr_cursor=cursor, native=native, ttft_models=models)
+                          rr_cursor=cursor, ttft_models=models)
         except (NoEligibleWorker, InvalidRoutingInput) as e:
             return type(e), str(e)
 
-    def pick_only_when_none_eligible(t, config):
-        # The native core computes the pick whenever a candidate is eligible; the specification's
-        # _pick runs on the native path only to find that none is, or on the predicted TTFT
-        # (computed in Python from the core's terms, the one rule) when that is the cost.
-        if config.cost == "ttft" and models is not None and request.phase is not RequestPhase.DECODE:
-            return spec_pick(t, config)
-        assert all(x is not None for x in t.excluded), "native pick fell back"
-        return spec_pick(t, config)
-
-    spec_pick = decision._pick
-    reference = run(False)
-    with mock.patch.object(decision, "_score", side_effect=AssertionError("native scoring fell back")), \
-            mock.patch.object(decision, "_pick", side_effect=pick_only_when_none_eligible):
-        native = run(True)
+    with oracle_steps():
+        reference = run(False)
+    native = run(True)
     return reference, native
 
 
@@ -177,7 +168,7 @@ def _both(request, workers, config, seed, overlaps, inflight, cursor, native_inf
     input_seed=st.integers(0, 2**32), n=st.integers(1, 300), phase=st.sampled_from(list(RequestPhase)),
     config=_configs(), rng_seed=st.integers(0, 2**63 - 1),
 )
-def test_native_scoring_gives_the_reference_decision(input_seed, n, phase, config, rng_seed):
+def test_native_scoring_gives_the_oracle_decision(input_seed, n, phase, config, rng_seed):
     request, workers, overlaps, inflight, cursor = _inputs(input_seed, n, phase)
     reference, native = _both(request, workers, config, rng_seed, overlaps, inflight, cursor,
                               models=_models(input_seed, workers))
@@ -193,7 +184,7 @@ def test_native_scoring_gives_the_reference_decision(input_seed, n, phase, confi
 )
 def test_native_decision_over_a_native_ledger(input_seed, n, phase, config, rng_seed, ledger_seed):
     """The live router's path: the ledger's own view (native accounts: an ``InflightView`` the
-    core reads directly) against the specification's ledger (a dict), over random histories."""
+    core reads directly) against the oracle's ledger (a dict), over random histories."""
     request, workers, overlaps, _, cursor = _inputs(input_seed, n, phase)
     native_ledger, reference_ledger = _ledgers(ledger_seed, request, workers)
     view = native_ledger.view(request.block_hashes)
@@ -221,34 +212,22 @@ def test_burst_example_natively():
     assert native.worker_id != "A"
 
 
-def test_out_of_range_inputs_fall_back_to_the_reference():
-    """Beyond 2^53 a Python int divides with one rounding and an f64 with two: the core declines
-    and the specification decides, so both paths still agree."""
+def test_out_of_range_inputs_are_refused():
+    """Beyond 2^53 a Python int divides with one rounding and an f64 with two: the core refuses
+    rather than round where exact arithmetic would not (the oracle, in Python ints, decides)."""
     request = RoutingRequest(request_id=RequestId("big"), prompt_tokens=17, block_size=16)
     workers = [WorkerLoad(worker_id=WorkerId("a"), queued_prefill_tokens=2**60 + 1),
                WorkerLoad(worker_id=WorkerId("b"), queued_prefill_tokens=2**70)]
-    config = RouterConfig()
-    native = decide(request, workers, config, rng_seed=1, native=True)
-    assert native == decide(request, workers, config, rng_seed=1, native=False)
+    with pytest.raises(InvalidRoutingInput, match="beyond 2\\^53"):
+        decide(request, workers, RouterConfig(), rng_seed=1)
+    with oracle_steps():
+        assert decide(request, workers, RouterConfig(), rng_seed=1).worker_id == "a"
 
 
-def test_duplicate_worker_is_the_reference_error():
+def test_duplicate_worker_is_refused():
     request = RoutingRequest(request_id=RequestId("dup"), prompt_tokens=16, block_size=16)
     workers = [WorkerLoad(worker_id=WorkerId("a")), WorkerLoad(worker_id=WorkerId("a"))]
-    with pytest.raises(InvalidRoutingInput, match="listed twice"):
-        decide(request, workers, RouterConfig(), rng_seed=1, native=True)
-
-
-def test_the_index_switch_selects_the_scoring(monkeypatch):
-    """``SWITCHYARD_INDEX`` selects the native core for scoring too: with ``reference`` a
-    decision never calls the Rust scorer, by default it does."""
-    request = RoutingRequest(request_id=RequestId("s"), prompt_tokens=16, block_size=16)
-    workers = [WorkerLoad(worker_id=WorkerId("a"))]
-    monkeypatch.setenv(implementation.INDEX_ENV, "reference")
-    assert not implementation.native_core()
-    with mock.patch.object(decision, "_score_native", side_effect=AssertionError("native used")):
+    with pytest.raises(InvalidRoutingInput, match="'a' is listed twice"):
         decide(request, workers, RouterConfig(), rng_seed=1)
-    monkeypatch.delenv(implementation.INDEX_ENV)
-    assert implementation.native_core()
-    with mock.patch.object(decision, "_score", side_effect=AssertionError("reference used")):
+    with oracle_steps(), pytest.raises(InvalidRoutingInput, match="'a' is listed twice"):
         decide(request, workers, RouterConfig(), rng_seed=1)

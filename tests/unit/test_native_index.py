@@ -1,6 +1,7 @@
-"""The native prefix index against the reference (the executable specification).
+"""The native prefix index against its differential oracle (``tests/oracles/prefix_index.py``,
+the executable specification).
 
-1. The reference's whole contract suite (``test_prefix_index.py``: worked examples, sequencing,
+1. The oracle's whole contract suite (``test_prefix_index.py``: worked examples, sequencing,
    rejections, checkpoints, the brute-force oracle property) runs again with the native class.
 2. Equivalence properties: random event sequences (duplicates, gaps, epochs, removals, moves,
    clears, registrations, DP ranks, rejected events) fold through both, as decoded payloads and
@@ -17,10 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.index import implementation
 from control_plane.index.errors import IndexRejected
 from control_plane.index.native import NativePrefixIndex
-from control_plane.index.prefix_index import PrefixIndex
+from tests.oracles.prefix_index import PrefixIndex
 from schemas import EnvelopeFactory, EventCodec
 from schemas.events import WorkerDeregistered, WorkerLoadReported
 from schemas.types import TIER_ORDER, CacheGroup
@@ -30,15 +30,15 @@ ALGO, BS = contract.ALGO, contract.BS
 CODEC = EventCodec()
 
 
-# -- 1. the reference's contract suite, on the native class -------------------------------------
+# -- 1. the oracle's contract suite, on the native class -------------------------------------
 
 _CONTRACT = sorted(name for name, f in vars(contract).items()
                    if name.startswith("test_") and inspect.isfunction(f))
 
 
 @pytest.mark.parametrize("name", _CONTRACT)
-def test_native_passes_the_reference_contract(name, monkeypatch):
-    """Every reference test, with the module's ``PrefixIndex`` bound to the native class."""
+def test_native_passes_the_oracle_contract(name, monkeypatch):
+    """Every oracle test, with the module's ``PrefixIndex`` bound to the native class."""
     monkeypatch.setattr(contract, "PrefixIndex", NativePrefixIndex)
     assert type(contract._index()) is NativePrefixIndex
     fn = getattr(contract, name)
@@ -169,7 +169,7 @@ def _assert_same(ref: PrefixIndex, nat: NativePrefixIndex) -> None:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=_sequence())
-def test_native_and_reference_fold_identically(events):
+def test_native_and_oracle_fold_identically(events):
     ref, nat = PrefixIndex(ALGO, BS), NativePrefixIndex(ALGO, BS)
     for producer, epoch, seq, payload in events:
         assert _apply(nat, producer, epoch, seq, payload) == _apply(ref, producer, epoch, seq, payload)
@@ -205,16 +205,17 @@ def test_bytes_path_leaves_records_it_does_not_take_to_the_codec():
     assert nat.position("a", "workers") is None  # nothing was folded
 
 
-def test_the_switch_selects_the_implementation(monkeypatch):
-    monkeypatch.delenv(implementation.INDEX_ENV, raising=False)
-    assert isinstance(implementation.new_index(ALGO, BS), NativePrefixIndex)
-    monkeypatch.setenv(implementation.INDEX_ENV, "reference")
-    idx = implementation.new_index(ALGO, BS)
-    assert type(idx) is PrefixIndex
-    assert type(implementation.restore_index(NativePrefixIndex(ALGO, BS).snapshot())) is PrefixIndex
-    monkeypatch.setenv(implementation.INDEX_ENV, "fast")
-    with pytest.raises(implementation.UnknownIndexImplementation, match="reference"):
-        implementation.new_index(ALGO, BS)
+def test_the_views_fold_into_the_native_index_unless_given_one():
+    """One production index; the router view takes another only when a test hands it one."""
+    from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
+    from control_plane.router.view import RouterView
+
+    assert type(RouterView(ALGO, BS).index) is NativePrefixIndex
+    assert type(RouterView.restore(RouterView(ALGO, BS).snapshot()).index) is NativePrefixIndex
+    proj = MetricsProjection(ProjectionConfig(hash_algo=ALGO, block_size=BS))
+    assert type(proj.index) is NativePrefixIndex
+    assert type(MetricsProjection.restore(proj.snapshot(), proj.config).index) is NativePrefixIndex
+    assert type(RouterView(ALGO, BS, index=PrefixIndex(ALGO, BS)).index) is PrefixIndex
 
 
 def test_an_index_built_on_one_thread_folds_on_another():
@@ -253,7 +254,7 @@ def test_find_matches_reads_any_sequence_of_u64_hashes():
         nat.find_matches([5, "6"])
 
 
-def test_find_matches_answers_a_read_only_mapping_equal_to_the_references_dict():
+def test_find_matches_answers_a_read_only_mapping_equal_to_the_oracles_dict():
     from collections.abc import Mapping
 
     from control_plane.index.shapes import Match, WorkerRank

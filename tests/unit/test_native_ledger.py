@@ -1,12 +1,13 @@
-"""The native in-flight accounts (``native/src/inflight.rs``) against the specification
-(``ledger._Accounts``), through the whole :class:`InflightLedger`.
+"""The native in-flight accounts (``native/src/inflight.rs``) against their differential oracle
+(``tests/oracles/ledger.py``), through the whole :class:`InflightLedger`.
 
 Random operation sequences (routing to workers with chains that share prefixes, re-adds of a
-retried attempt, prefill done, completions of one worker or all, expiry, dropped workers,
-hashes that are not ``u64`` and counters beyond ``i64``) run through a ledger with native
-accounts and one with the specification's; after every operation both must give the same view
-of random queries (load and speculative overlap per worker, in the same order), the same loads,
-the same expiries and the same entries.
+retried attempt, prefill done, completions of one worker or all, expiry, dropped workers) run
+through the product's ledger and one over the oracle's accounts; after every operation both must
+give the same view of random queries (load and speculative overlap per worker, in the same
+order), the same loads, the same expiries and the same entries. Inputs the native accounts cannot
+hold exactly (hashes that are not ``u64``, counters beyond ``i64``) are refused with
+:class:`InvalidRoutingInput`, and nothing changes.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_plane.router.ledger import NO_INFLIGHT, InflightLedger, InflightLoad, _Accounts
+from control_plane.router.errors import InvalidRoutingInput
+from control_plane.router.ledger import NO_INFLIGHT, InflightLedger, InflightLoad
 from schemas.types import BlockHash, RequestId, WorkerId
+from tests.oracles.ledger import Accounts
 
 WORKERS = [WorkerId(f"w{i}") for i in range(5)]
 #: Roots of the chains: a chain is its root's blocks cut at some depth, so chains of one root
@@ -59,14 +62,15 @@ def _apply(ledger: InflightLedger, op: tuple):
         _, r, w, (root, depth), prefill, extra, now, ttl = op
         chain = _chain(root, depth)
         return ledger.add(RequestId(f"r{r}"), w, chain, prefill, len(chain) + extra, now, ttl)
+    # Refused inputs use ids no accepted add uses: a refused re-add has no earlier entry to drop.
     if kind == "odd_add":
         _, r, w, (root, depth), which = op
         chain = _odd(_chain(root, depth), which)
-        return ledger.add(RequestId(f"r{r}"), w, chain, 16, len(chain), 0.0, 60.0)
+        return ledger.add(RequestId(f"odd{r}"), w, chain, 16, len(chain), 0.0, 60.0)
     if kind == "huge_add":
         _, r, w, (root, depth) = op
         chain = _chain(root, depth)
-        return ledger.add(RequestId(f"r{r}"), w, chain, 2**63 - 1, len(chain) + 2**63, 0.0, 60.0)
+        return ledger.add(RequestId(f"odd{r}"), w, chain, 2**63 - 1, len(chain) + 2**63, 0.0, 60.0)
     if kind == "prefill_done":
         return ledger.prefill_done(RequestId(f"r{op[1]}"), op[2])
     if kind == "complete":
@@ -89,44 +93,46 @@ def _state(ledger: InflightLedger) -> list:
     return [views, loads, overlaps, len(ledger), [RequestId(f"r{i}") in ledger for i in range(8)]]
 
 
+def _oracle_ledger() -> InflightLedger:
+    return InflightLedger(accounts=Accounts())
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(_ops, max_size=40), odd_ok=st.booleans())
-def test_native_accounts_fold_like_the_specification(ops, odd_ok):
-    """The two ledgers fold every operation alike; ``odd_ok=False`` keeps every hash a u64 and
-    every counter in i64, so the native accounts must keep the whole sequence themselves."""
-    if not odd_ok:
-        ops = [op for op in ops if op[0] not in ("odd_add", "huge_add")]
-    native, reference = InflightLedger(native=True), InflightLedger(native=False)
+@given(ops=st.lists(_ops, max_size=40))
+def test_native_accounts_fold_like_the_oracle(ops):
+    """The two ledgers fold every accepted operation alike; the product refuses what its accounts
+    cannot hold exactly (the oracle, in unbounded Python ints, would take it) and is unchanged."""
+    native, oracle = InflightLedger(), _oracle_ledger()
     for op in ops:
-        outcomes = []
-        for ledger in (native, reference):
-            try:
-                outcomes.append(("ok", _apply(ledger, op)))
-            except Exception as e:  # noqa: BLE001 - both must raise the same
-                outcomes.append((type(e).__name__, str(e)))
-        assert outcomes[0] == outcomes[1], op
-        assert _state(native) == _state(reference), op
-    if not odd_ok:
-        assert type(native._accounts) is not _Accounts
+        if op[0] in ("odd_add", "huge_add"):
+            with pytest.raises(InvalidRoutingInput, match="not a u64|beyond i64"):
+                _apply(native, op)
+        else:
+            outcomes = []
+            for ledger in (native, oracle):
+                try:
+                    outcomes.append(("ok", _apply(ledger, op)))
+                except Exception as e:  # noqa: BLE001 - both must raise the same
+                    outcomes.append((type(e).__name__, str(e)))
+            assert outcomes[0] == outcomes[1], op
+        assert _state(native) == _state(oracle), op
 
 
-def test_a_hash_beyond_u64_moves_the_accounts_to_the_specification():
-    """The native accounts decline it and change nothing; the ledger carries on with the
-    specification's accounts, holding everything it held before."""
-    ledger = InflightLedger(native=True)
+def test_a_hash_beyond_u64_is_refused_and_changes_nothing():
+    """The native accounts decline it and change nothing; the ledger says which hash."""
+    ledger = InflightLedger()
     ledger.add(RequestId("a"), WorkerId("w"), _chain(0, 4), 64, 6, 0.0, 60.0)
-    assert type(ledger._accounts) is not _Accounts
-    ledger.add(RequestId("b"), WorkerId("w"), (*_chain(0, 2), 2**64), 48, 3, 0.0, 60.0)
-    assert type(ledger._accounts) is _Accounts
-    assert ledger.view(_chain(0, 4)) == {WorkerId("w"): InflightLoad(112, 5 + 2 + 0, 2, 4)}
+    with pytest.raises(InvalidRoutingInput, match=f"block hash {2**64} is not a u64"):
+        ledger.add(RequestId("b"), WorkerId("w"), (*_chain(0, 2), 2**64), 48, 3, 0.0, 60.0)
+    assert "b" not in ledger and len(ledger) == 1
+    assert ledger.view(_chain(0, 4)) == {WorkerId("w"): InflightLoad(64, 6, 1, 4)}
     ledger.complete(RequestId("a"))
-    ledger.complete(RequestId("b"))
     assert ledger.load_for(WorkerId("w")) is NO_INFLIGHT and len(ledger) == 0
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_view_reports_workers_in_the_order_their_accounts_opened(native):
-    ledger = InflightLedger(native=native)
+@pytest.mark.parametrize("oracle", [False, True])
+def test_view_reports_workers_in_the_order_their_accounts_opened(oracle):
+    ledger = _oracle_ledger() if oracle else InflightLedger()
     for rid, w in (("a", "w2"), ("b", "w0"), ("c", "w1")):
         ledger.add(RequestId(rid), WorkerId(w), _chain(0, 3), 0, 3, 0.0, 60.0)
     ledger.complete(RequestId("b"))
@@ -135,9 +141,9 @@ def test_view_reports_workers_in_the_order_their_accounts_opened(native):
     assert [x.shared_blocks for x in ledger.view(_chain(0, 3)).values()] == [3, 3, 0]
 
 
-def test_the_native_view_reads_like_the_specifications_dict():
+def test_the_native_view_reads_like_the_oracles_dict():
     """``InflightView`` is a read-only ``Mapping`` with a dict's reads and equality."""
-    native, reference = InflightLedger(native=True), InflightLedger(native=False)
+    native, reference = InflightLedger(), _oracle_ledger()
     for ledger in (native, reference):
         ledger.add(RequestId("a"), WorkerId("w1"), _chain(0, 5), 80, 7, 0.0, 60.0)
         ledger.add(RequestId("b"), WorkerId("w0"), _chain(0, 2), 32, 2, 0.0, 60.0)

@@ -9,6 +9,7 @@ import pytest
 from control_plane.router.config import RouterConfig, RouterConfigError, TierWeights
 from control_plane.router.decision import RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.inputs import with_peer_reach
+from tests.oracles.scoring import oracle_steps
 
 BS = 16
 HASHES = tuple(range(1, 11))  # 10 full blocks
@@ -41,7 +42,7 @@ def test_draining_or_unregistered_workers_lend_nothing():
 def test_a_loaded_holder_sends_the_request_to_a_peer_that_fetches():
     overlaps = with_peer_reach({"a": WorkerOverlap.of(device=10)}, _workers(a=4000, b=0))
     cfg = RouterConfig(tier_weights=TierWeights(peer=0.5))
-    d = decide(REQ, _workers(a=4000, b=0), cfg, rng_seed=1, overlaps=overlaps, native=False)
+    d = decide(REQ, _workers(a=4000, b=0), cfg, rng_seed=1, overlaps=overlaps)
     assert d.worker_id == "b"
     row = {r.worker_id: r for r in d.scores}["b"]
     assert row.peer_from == "a" and row.overlap_by_tier == {"peer": 10} and row.overlap_blocks == 0
@@ -50,16 +51,17 @@ def test_a_loaded_holder_sends_the_request_to_a_peer_that_fetches():
     assert "peer 10x0.5" in d.reason
     # Without the peer weight b recomputes everything: prefill 10.
     plain = decide(REQ, _workers(a=4000, b=0), RouterConfig(), rng_seed=1,
-                   overlaps={"a": WorkerOverlap.of(device=10)}, native=False)
+                   overlaps={"a": WorkerOverlap.of(device=10)})
     assert {r.worker_id: r for r in plain.scores}["b"].prefill_blocks == pytest.approx(10.0)
 
 
-def test_native_scoring_gives_the_same_decision_with_peers():
+def test_native_scoring_gives_the_oracle_decision_with_peers():
     overlaps = with_peer_reach({"a": WorkerOverlap.of(device=7, host=1), "b": WorkerOverlap.of(device=2)},
                                _workers(a=900, b=100, c=0))
     cfg = RouterConfig(tier_weights=TierWeights(peer=0.6))
-    spec = decide(REQ, _workers(a=900, b=100, c=0), cfg, rng_seed=7, overlaps=overlaps, native=False)
-    core = decide(REQ, _workers(a=900, b=100, c=0), cfg, rng_seed=7, overlaps=overlaps, native=True)
+    with oracle_steps():
+        spec = decide(REQ, _workers(a=900, b=100, c=0), cfg, rng_seed=7, overlaps=overlaps)
+    core = decide(REQ, _workers(a=900, b=100, c=0), cfg, rng_seed=7, overlaps=overlaps)
     assert core == spec
 
 

@@ -1,5 +1,6 @@
-"""The prefix index as a pure projection: worked examples, sequencing, rejection, checkpoints,
-and a property test against a brute-force oracle."""
+"""The prefix index's contract, on its executable specification (``tests/oracles/prefix_index.py``):
+worked examples, sequencing, rejection, checkpoints, and a property test against a brute-force
+oracle. ``test_native_index.py`` runs every test here again on the product's native index."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from control_plane.index.errors import IndexPackageError, IndexRejected
-from control_plane.index.prefix_index import PrefixIndex
+from tests.oracles.prefix_index import PrefixIndex
 from control_plane.index.shapes import ApplyOutcome, Match, WorkerRank
 from common.hashing import HashConfig, hash_blocks
 from schemas import EnvelopeFactory, EventCodec

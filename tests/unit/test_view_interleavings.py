@@ -8,7 +8,8 @@ lost KV events, KV and lifecycle events of one worker in two topics, aggregated,
 and retried requests on ``requests``, operator drains on ``admin``) is folded in its produce
 order and in random interleavings, and every state must equal the first one:
 
-* the router view (``kv``, ``workers``), for both index implementations: its whole ``as_dict``;
+* the router view (``kv``, ``workers``), over the native index and over its oracle
+  (``tests/oracles/prefix_index.py``): its whole ``as_dict``;
 * the planner's load view (``requests``, ``workers``): its ``digest`` (workers, requests, parked
   steps, every bucket) and the snapshot the planner reads once every window has closed;
 * the metrics projection (every stream): every family with every sample.
@@ -20,9 +21,7 @@ The audit store's tables are checked the same way in ``tests/integration/test_au
 
 from __future__ import annotations
 
-import os
 import random
-from contextlib import contextmanager
 
 import pytest
 from hypothesis import assume, given, settings
@@ -31,6 +30,7 @@ from hypothesis import strategies as st
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
 from control_plane.planner.load_view import LoadView, LoadViewConfig
 from control_plane.router.view import RouterView
+from tests.oracles.prefix_index import PrefixIndex
 from tests.support.interleave import BLOCK_SIZE, HASH_ALGO, cluster_log, interleavings
 
 ROUTER_STREAMS = ("kv", "workers")
@@ -40,21 +40,8 @@ N_ORDERS = 6
 REQUEST_LOG_STEPS = 240
 
 
-@contextmanager
-def _index_impl(impl: str):
-    old = os.environ.get("SWITCHYARD_INDEX")
-    os.environ["SWITCHYARD_INDEX"] = impl
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("SWITCHYARD_INDEX", None)
-        else:
-            os.environ["SWITCHYARD_INDEX"] = old
-
-
-def _router_state(records) -> dict:
-    view = RouterView(HASH_ALGO, BLOCK_SIZE)
+def _router_state(records, impl: str = "native") -> dict:
+    view = RouterView(HASH_ALGO, BLOCK_SIZE, index=PrefixIndex(HASH_ALGO, BLOCK_SIZE) if impl == "oracle" else None)
     for r in records:
         view.apply(r.env, r.topic, r.partition, r.offset)
     # The whole comparable state: the registry, and the index's residency, staleness, epochs,
@@ -62,14 +49,13 @@ def _router_state(records) -> dict:
     return view.as_dict()
 
 
-@pytest.mark.parametrize("impl", ["native", "reference"])
+@pytest.mark.parametrize("impl", ["native", "oracle"])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_the_router_view_is_the_same_for_every_interleaving(impl: str, seed: int) -> None:
     log = cluster_log(seed)
     rng = random.Random(seed)
-    with _index_impl(impl):
-        states = [_router_state(order) for order in interleavings(log, rng, N_ORDERS, ROUTER_STREAMS)]
+    states = [_router_state(order, impl) for order in interleavings(log, rng, N_ORDERS, ROUTER_STREAMS)]
     assert states[0]["index"]["residency"] and states[0]["workers"]  # the logs hold something to disagree on
     for s in states[1:]:
         assert s == states[0]
@@ -77,14 +63,10 @@ def test_the_router_view_is_the_same_for_every_interleaving(impl: str, seed: int
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_the_native_and_reference_router_views_agree_on_any_interleaving(seed: int) -> None:
+def test_the_native_and_oracle_router_views_agree_on_any_interleaving(seed: int) -> None:
     log = cluster_log(seed)
     order = list(interleavings(log, random.Random(seed), 1, ROUTER_STREAMS))[-1]
-    got = {}
-    for impl in ("native", "reference"):
-        with _index_impl(impl):
-            got[impl] = _router_state(order)
-    assert got["native"] == got["reference"]
+    assert _router_state(order, "native") == _router_state(order, "oracle")
 
 
 # The cluster log runs 1 ms per event: windows of 20 ms, a 10 ms warm-up and a tight TTFT SLO

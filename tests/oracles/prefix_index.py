@@ -3,10 +3,11 @@
 It answers one question for the router, fast: *for this prompt's chained block hashes, how long a
 prefix does each worker already hold, and in which tiers?*
 
-This pure-Python class is the *reference*: the executable specification of the index's rules.
-Production processes use :class:`control_plane.index.native.NativePrefixIndex` (the Rust core in
-``native/``), which follows it line by line and writes the same snapshot bytes; the switch is
-``SWITCHYARD_INDEX`` (:mod:`control_plane.index.implementation`).
+This pure-Python class is the *oracle*: the executable specification of the index's rules, kept
+in the tests. The product's one index is :class:`control_plane.index.native.NativePrefixIndex`
+(the Rust core in ``native/``), which follows it line by line and writes the same snapshot
+bytes; the differential tests (``tests/unit/test_native_index.py``,
+``tests/unit/test_view_interleavings.py``) fold the same events through both and compare.
 
 Its data layout, the sequencing, fencing and staleness rules, why every interleaving gives the same
 state, and what it rejects: ``docs/prefix-index.md``.
@@ -20,9 +21,9 @@ from collections.abc import Sequence
 import msgspec
 
 from control_plane.index.errors import IndexRejected
-from control_plane.index.residency import ALL_IDX, N_TIERS, PackedResidency, WorkerState, bits_of
+from tests.oracles.index_residency import ALL_IDX, N_TIERS, PackedResidency, WorkerState, bits_of
 from control_plane.index.shapes import ApplyOutcome, IndexStats, Match, WorkerRank
-from control_plane.index.snapshot import (
+from tests.oracles.index_snapshot import (
     SNAPSHOT_FORMAT,
     ProducerSnap,
     SeqSnap,

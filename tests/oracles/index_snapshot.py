@@ -1,5 +1,6 @@
-"""The reference index's snapshot wire format (msgpack): everything needed to continue folding
-exactly where an index stands. The native index writes the same bytes (``native/src/index.rs``).
+"""The oracle index's snapshot wire format (msgpack): everything needed to continue folding
+exactly where an index stands. The product's native index writes the same bytes
+(``native/src/index.rs``, ``docs/prefix-index.md``); the tests restore each side from the other's.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def u64_bytes(hashes: Collection[int]) -> bytes:
-    """Sorted little-endian u64s. Sorted in numpy, not Python: a router checkpoints on its event
-    loop, and ``sorted`` over a few hundred thousand ints held the loop for over a second."""
-    import numpy as np  # the reference's snapshots only (a router imports this module at start-up)
+    """Sorted little-endian u64s (sorted in numpy: ``sorted`` over a few hundred thousand ints
+    takes over a second)."""
+    import numpy as np
 
     a = np.fromiter(hashes, dtype="<u8", count=len(hashes))
     a.sort()

@@ -1,9 +1,9 @@
-"""The reference index's storage: which slot (worker, DP rank) holds which block hash in which
+"""The oracle index's storage (:mod:`tests.oracles.prefix_index`): which slot (worker, DP rank) holds which block hash in which
 tier, as one packed int per hash, plus the per-slot sets and masks the folds keep beside it.
 
 Layout (docs/prefix-index.md, "Data layout"): a slot is one bit in each of ``1 + N_TIERS``
 planes of width ``_w``; plane 0 says "held in any tier", plane ``1 + t`` "held in tier ``t``".
-The event application (sequencing, fencing, staleness) is :mod:`.prefix_index`'s; this module
+The event application (sequencing, fencing, staleness) is :mod:`tests.oracles.prefix_index`'s; this module
 only changes residency, slots and their masks.
 """
 
