@@ -48,7 +48,7 @@ from ops.demo.runcheck import EXPLAIN_ABOVE, CpuSampler, breakdown, explain, now
 from ops.demo.up import DEMO_DEFAULTS, DEMO_TRACE, Supervisor, wait_http
 from control_plane.replay.reconcile import KvRecord, reconcile
 from control_plane.router import RouterConfig, TierWeights
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.log.admin import apply_topics
 from common.log.catalog import Catalog
 from common.log.reader import KafkaLogReader, scan_events

@@ -73,7 +73,7 @@ BrokersOpt = Annotated[Optional[int], typer.Option(
 
 def _stack_settings(brokers: int | None = None):
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.settings import StackSettings
+    from common.stack_settings import StackSettings
 
     return StackSettings.from_env(**({"kafka_brokers": brokers} if brokers else {}))
 
@@ -352,7 +352,7 @@ def _stack_redis_url(key_limits: str | None) -> str | None:
     if key_limits == "local":
         return None
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.settings import StackSettings
+    from common.stack_settings import StackSettings
 
     return StackSettings.from_env().redis_url
 
@@ -506,7 +506,7 @@ def up_cmd(
     # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
     from ops.demo.up import run_demo
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.settings import StackSettings
+    from common.stack_settings import StackSettings
 
     if workload is not None:
         if trace is not None:
@@ -539,7 +539,7 @@ def down_cmd(keep_stack: Annotated[bool, typer.Option(help="Stop Switchyard's pr
     # lazy: start-up time: loads httpx, msgspec, prometheus_client ... only when called
     from ops.demo.up import stop_demo
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.settings import StackSettings
+    from common.stack_settings import StackSettings
 
     stop_demo(StackSettings.from_env(), echo=typer.echo, stack=not keep_stack)
 
@@ -557,7 +557,7 @@ def security_check_cmd(
     # lazy: start-up time: loads httpx only when called
     from ops.security.check import demo_targets, report, run, summary
     # lazy: CLI start-up: the command's modules load only when it runs
-    from control_plane.settings import StackSettings
+    from common.stack_settings import StackSettings
 
     t = demo_targets(StackSettings.from_env())
     t = dataclasses.replace(t, router_url=router_url or t.router_url, admin_url=admin_url or t.admin_url)

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.settings import BusSettings
 
 logging.getLogger("switchyard.rdkafka").setLevel(logging.CRITICAL)

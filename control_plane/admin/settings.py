@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.settings import BusSettings
 
 

@@ -44,7 +44,7 @@ from control_plane.metrics.catalog import CONSUMED_STREAMS
 from control_plane.metrics.exposition import build_registry, write_targets
 from control_plane.metrics.families import BrokerState, Family, lag, processor_families
 from control_plane.metrics.projection import MetricsProjection, ProjectionConfig
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from control_plane.streaming import FoldProcessor
 from common.log.catalog import Catalog
 from common.log.fold import apply_failed_reason

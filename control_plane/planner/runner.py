@@ -47,7 +47,7 @@ from control_plane.planner.k8s import KubernetesScaler
 from control_plane.planner.load_view import NS
 from control_plane.planner.policy import Pin, PlannerState, decide
 from control_plane.planner.scalers import FileFence, LocalProcessScaler, PoolLaunch, Scaler, VirtualScaler
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.settings import BusSettings
 from schemas.types import WorkerRole
 

@@ -32,7 +32,7 @@ from ops.chaos.diskfill import DiskFaultUnavailable, SmallDisk
 from ops.chaos.errors import ChaosError
 from ops.chaos.plan import Topology
 from control_plane.router.admission import AdmissionConfig
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.kafka import KafkaNode, KafkaService
 from ops.stack.redis import RedisService
 from common.log.admin import apply_topics

@@ -15,7 +15,7 @@ import typer
 from control_plane.admin.cli import AdminUrlOpt, TokenFileOpt, api_call
 from control_plane.admin.console.browser import Browser
 from control_plane.admin.console.dashboards import dashboards
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 
 
 def _defaults(token_file: Path | None, url: str | None) -> tuple[Path | None, str | None]:

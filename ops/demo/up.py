@@ -29,7 +29,7 @@ import httpx
 
 from control_plane.admin.client import AdminClient
 from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE, DemoSettings  # noqa: F401 (re-exported)
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack import Stack
 from ops.stack.process import descendants, port_in_use, processes_mentioning, read_pid, terminate
 from common.log.catalog import Catalog

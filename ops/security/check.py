@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 
 from control_plane.admin.client import AdminClient, ClientError
-from control_plane.settings import S3_ACCESS_KEY
+from common.stack_settings import S3_ACCESS_KEY
 from common.settings import kafka_conf
 from ops.demo.up import Supervisor, demo_secret, system_pids
 from ops.security import probes_bus, probes_http

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from control_plane.replay.cli import replay_app
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.log.catalog import Catalog
 from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE
 from common.settings import BusSettings, worker_credential, worker_token

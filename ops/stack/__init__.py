@@ -7,7 +7,7 @@ service and verifies that no process holding the stack's data dir survives.
 
 from __future__ import annotations
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.kafka import KafkaService
 from ops.stack.postgres import PostgresService
 from ops.stack.process import StackError, processes_mentioning

@@ -40,7 +40,7 @@ import time
 import uuid
 from pathlib import Path
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.process import (
     StackError,
     alive,

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.process import (
     StackError,
     live_pid,

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from control_plane.metrics.exposition import write_targets
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.process import (
     StackError,
     live_pid,

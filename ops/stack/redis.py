@@ -12,7 +12,7 @@ import shutil
 import socket
 import subprocess
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.process import (
     StackError,
     live_pid,

@@ -41,7 +41,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from control_plane.settings import S3_ACCESS_KEY, StackSettings
+from common.stack_settings import S3_ACCESS_KEY, StackSettings
 from ops.stack.process import StackError, live_pid, require_free_port, start_daemon, terminate
 from ops.stack.tls import GrpcTls, ensure_seaweedfs_tls
 from common.processes import alive

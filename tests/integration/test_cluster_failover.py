@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.kafka import KafkaService
 from ops.stack.process import processes_mentioning
 from common.log.admin import apply_topics

@@ -28,7 +28,7 @@ from control_plane.metrics.exposition import build_registry
 from control_plane.metrics.families import BrokerState, processor_families
 from control_plane.metrics.projection import MetricsProjection
 from control_plane.router.serving import RouterMetrics
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.prometheus import PrometheusService, render_config, write_targets
 from common.log.catalog import Catalog
 from common.log.kafka import EventProducer

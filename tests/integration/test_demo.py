@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from ops.demo.up import system_pids
-from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
+from common.stack_settings import SEAWEEDFS_PORTS, StackSettings
 from ops.stack.process import listening_sockets, processes_mentioning
 from common.net import free_port
 from common.settings import repo_root

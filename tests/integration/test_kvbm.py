@@ -30,7 +30,7 @@ from data_plane.kvbm import (
     verify,
 )
 from ops.chaos.diskfill import DiskFaultUnavailable, SmallDisk
-from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
+from common.stack_settings import SEAWEEDFS_PORTS, StackSettings
 from ops.stack.seaweedfs import SeaweedService
 from data_plane.kvbm.breaker import BreakerConfig
 from data_plane.kvbm.errors import StorageError

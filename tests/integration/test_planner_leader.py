@@ -20,7 +20,7 @@ import redis
 
 from control_plane.planner.leader import LeaderElector, LeaderLease
 from control_plane.planner.scalers import FileFence, VirtualScaler
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.log.kafka import EventProducer
 from common.net import free_port
 from common.settings import BusSettings

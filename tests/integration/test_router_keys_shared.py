@@ -14,7 +14,7 @@ import pytest
 
 from control_plane.router.keys import KeyGate, KeyLimits, Refusal, RouterKey
 from control_plane.router.shared_gate import SharedKeyGate
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.net import free_port
 
 pytestmark = [pytest.mark.redis]

@@ -17,7 +17,7 @@ from botocore import UNSIGNED
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from control_plane.settings import S3_ACCESS_KEY
+from common.stack_settings import S3_ACCESS_KEY
 from ops.stack.process import descendants, listening_sockets
 from ops.stack.seaweedfs import SeaweedService
 from ops.stack.tls import GrpcTls, ensure_seaweedfs_tls

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from control_plane.settings import SEAWEEDFS_PORTS, StackSettings
+from common.stack_settings import SEAWEEDFS_PORTS, StackSettings
 from ops.stack import Stack
 from ops.stack.process import port_in_use, processes_mentioning
 from common.log.admin import apply_topics

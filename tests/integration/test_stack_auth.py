@@ -17,7 +17,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from control_plane.admin.db.session import make_engine
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.log.catalog import Catalog
 from common.settings import BusSettings
 

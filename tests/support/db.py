@@ -10,7 +10,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from control_plane.admin.db.session import make_engine
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 
 
 def pg_admin_url() -> str:

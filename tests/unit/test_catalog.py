@@ -36,7 +36,7 @@ def test_replication_follows_the_cluster_size(brokers: int, rf: int, min_isr: in
 
 def test_the_bootstrap_lists_every_broker_of_a_local_cluster() -> None:
     """Broker i on kafka_port + 2i: 28092, 28094, 28096; one broker is the old single address."""
-    from control_plane.settings import StackSettings
+    from common.stack_settings import StackSettings
     from common.settings import BusSettings
 
     env = {"SWITCHYARD_KAFKA_PORT": "28092", "SWITCHYARD_KAFKA_BROKERS": "3"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from ops.stack.kafka import CONTROLLER_ID_BASE, BROKER_SESSION_TIMEOUT_MS, KafkaService
 
 

@@ -33,7 +33,7 @@ from control_plane.admin.routes.common import AUTH, api_error_response, errors
 from control_plane.admin.shapes import PinUpdate
 from control_plane.replay.engine import ConfigBook
 from control_plane.router import RouterConfig
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 from common.settings import worker_credential
 from schemas.types import RoutingMode
 

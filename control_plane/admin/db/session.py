@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
-from control_plane.settings import StackSettings
+from common.stack_settings import StackSettings
 
 
 def make_engine(url: str, **kw) -> Engine:

@@ -1,4 +1,5 @@
-"""Typed settings, built once per process from the environment.
+"""Where the local stack runs (`StackSettings`): the one description of its services that
+`ops/stack` starts and the runtime connects to, built once per process from the environment.
 
 Every field is described; ``from_env`` is the only place that reads ``os.environ``. Nothing here
 is built at import time.
