@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-import msgspec
-
 from control_plane.index.implementation import native_core
 from control_plane.router.choice import CHOOSERS, KEEP, word_capacity
 from control_plane.router.choice import score_rows as _rows
@@ -98,7 +96,9 @@ def decide(
     predicts = ttft_models is not None and request.phase is not RequestPhase.DECODE
     ttft_cost = predicts and config.cost == "ttft"  # else a decode phase's kv cost stays blocks
     if native_core() if native is None else native:
-        t = _score_native(request, ordered, config, overlaps or {}, mine, ttft_cost)
+        # With predictions the rows are built here, each with its prediction (choice.score_rows),
+        # not by the core and then copied.
+        t = _score_native(request, ordered, config, overlaps or {}, mine, ttft_cost, rows=not predicts)
     if t is None:
         t = _score(request, ordered, config, overlaps or {}, mine)
     predicted = predictions(t, ttft_models) if predicts else None
@@ -129,9 +129,7 @@ def decide(
             f" and {more} more" if more > 0 else ""
         )
     chosen = choice.chosen
-    rows = _rows(t, choice.row_cost, choice.probability)
-    if predicted is not None:
-        rows = tuple(msgspec.structs.replace(r, predicted_ttft_ms=p) for r, p in zip(rows, predicted))
+    rows = _rows(t, choice.row_cost, choice.probability, predicted)
     own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
                    if t.does_prefill else 0)
     return Decision(

@@ -191,11 +191,14 @@ def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConf
 
 def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
                   overlaps: Mapping[WorkerId, WorkerOverlap],
-                  mine_by_worker: Mapping[WorkerId, InflightLoad], ttft_cost: bool = False) -> Scored | None:
+                  mine_by_worker: Mapping[WorkerId, InflightLoad], ttft_cost: bool = False,
+                  rows: bool = True) -> Scored | None:
     """:func:`score`'s terms, :func:`pick`'s numbers and the rows' overlap columns from the Rust
     core (``native/src/decide.rs``); None when the core declines the inputs (a peer reach among
     them included: the core weighs the four tiers only), and the caller then runs
-    :func:`score`, which also raises its errors."""
+    :func:`score`, which also raises its errors. ``rows``: let the core build the kv argmin's
+    score rows (False: only their columns, for ``choice.score_rows`` to build them with the
+    predictions)."""
     import switchyard_native  # only when selected: the specification runs without the build
 
     t = Scored(request, ordered, config)
@@ -207,7 +210,7 @@ def score_native(request: RoutingRequest, ordered: list[WorkerLoad], config: Rou
         t.does_prefill, t.weights[:len(TIER_ORDER)], config.stale_overlap_factor, config.load_combine == "max",
         config.prefill_load_scale, config.capacity_guard,
         (config.imbalance_abs_threshold, config.imbalance_rel_threshold) if kv and config.imbalance_guard else None,
-        argmin, (CandidateScore, _ROW_AT) if argmin else None)
+        argmin, (CandidateScore, _ROW_AT) if argmin and rows else None)
     if out is None:
         return None
     ((t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost), t.shared_by_worker,
