@@ -42,7 +42,8 @@ from schemas.types import RequestPhase, WorkerRole
 
 #: Score-row columns that are *inputs* of the decision (as the router combined them).
 INPUT_COLUMNS = ("queued_prefill_tokens", "active_decode_blocks", "inflight_requests", "overlap_blocks",
-                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from")
+                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from",
+                 "inflight_prefill_tokens")
 #: Columns that are outputs (computed from the inputs and the config).
 OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded",
                   "predicted_ttft_ms")
@@ -126,12 +127,16 @@ def _row_load(row: CandidateScore, phase: RequestPhase, config: RouterConfig) ->
         role = WorkerRole(ex.split()[1])
     r = row.inflight_requests
     mine = None
-    if row.speculative_overlap:
-        mine = InflightLoad(0, 0, 1, row.speculative_overlap)
+    # The ledger's prefill tokens (the queue the TTFT prediction waits behind) are fed as its
+    # own: at most the combined figure under max; taken off the report under sum.
+    q, own = row.queued_prefill_tokens, row.inflight_prefill_tokens or 0
+    if row.speculative_overlap or own:
+        mine = InflightLoad(own, 0, 1, row.speculative_overlap)
         if config.load_combine == "sum":
             r -= 1
+            q -= own
     load = WorkerLoad(worker_id=row.worker_id, role=role, registered=registered, draining=draining,
-                      queued_prefill_tokens=row.queued_prefill_tokens,
+                      queued_prefill_tokens=q,
                       active_decode_blocks=row.active_decode_blocks, inflight_requests=r,
                       kv_capacity_blocks=row.kv_capacity_blocks)
     return load, mine

@@ -101,11 +101,11 @@ def decide(
         t = _score_native(request, ordered, config, overlaps or {}, mine, ttft_cost, rows=not predicts)
     if t is None:
         t = _score(request, ordered, config, overlaps or {}, mine)
-    predicted = predictions(t, ttft_models) if predicts else None
+    predicted = predictions(t, ttft_models, mine) if predicts else None
     if ttft_cost:
         # The cost is the prediction: the guards and the argmin run on it here (the native core
         # gave the terms only, see scoring.score_native).
-        t.cost, t.pick, t.rows, t.ttft_cost = predicted, None, None, True
+        t.cost, t.pick, t.rows, t.ttft_cost = predicted[0], None, None, True
     pick = t.pick or _pick(t, config)
     if pick is None:
         raise NoEligibleWorker(
