@@ -193,14 +193,14 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     #: its fitted model): the cost itself when ``RouterConfig.cost`` is ``ttft``. None for a
     #: decode phase and in logs written before rows carried it. Added in place.
     predicted_ttft_ms: float | None = None
-    #: Of ``queued_prefill_tokens``, the prompt tokens this router's own in-flight requests
-    #: still have to prefill on this worker (its ledger): the queue ``predicted_ttft_ms`` waits
-    #: behind. The worker's report is left out of the prediction: it lags by its interval and
-    #: keeps work already done in the queue (on the bench e2e logs, prediction error p50/p90
-    #: 0.203/0.982 with it, 0.170/0.641 without). None in rows without a prediction and in
-    #: logs written before the field existed (their prediction waited behind
-    #: ``queued_prefill_tokens``). Added in place.
-    inflight_prefill_tokens: int | None = None
+    #: Of ``queued_prefill_tokens``, what the worker's load report adds beyond this router's own
+    #: in-flight prefill tokens there (its ledger). ``predicted_ttft_ms`` waits behind the rest
+    #: (``ttft.queue_ahead``): the report lags by its interval and keeps work already done in
+    #: the queue (on the bench e2e logs, prediction error p50/p90 0.203/0.982 with it,
+    #: 0.170/0.641 without). 0 (omitted) when the ledger covers the queue, in rows without a
+    #: prediction, and in logs written before the field existed (whose predictions waited
+    #: behind ``queued_prefill_tokens``). Added in place.
+    report_only_prefill_tokens: int = 0
 
 
 class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

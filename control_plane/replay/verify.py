@@ -43,7 +43,7 @@ from schemas.types import RequestPhase, WorkerRole
 #: Score-row columns that are *inputs* of the decision (as the router combined them).
 INPUT_COLUMNS = ("queued_prefill_tokens", "active_decode_blocks", "inflight_requests", "overlap_blocks",
                  "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from",
-                 "inflight_prefill_tokens")
+                 "report_only_prefill_tokens")
 #: Columns that are outputs (computed from the inputs and the config).
 OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded",
                   "predicted_ttft_ms")
@@ -127,9 +127,12 @@ def _row_load(row: CandidateScore, phase: RequestPhase, config: RouterConfig) ->
         role = WorkerRole(ex.split()[1])
     r = row.inflight_requests
     mine = None
-    # The ledger's prefill tokens (the queue the TTFT prediction waits behind) are fed as its
-    # own: at most the combined figure under max; taken off the report under sum.
-    q, own = row.queued_prefill_tokens, row.inflight_prefill_tokens or 0
+    # The ledger's prefill tokens (the queue the TTFT prediction waits behind: the combined figure
+    # less what only the report adds) are fed as its own, under max as under sum. A row without
+    # requests in flight has no ledger (its queue is the report's: a row written before
+    # report_only_prefill_tokens existed).
+    q = row.queued_prefill_tokens
+    own = q - row.report_only_prefill_tokens if r > 0 else 0
     if row.speculative_overlap or own:
         mine = InflightLoad(own, 0, 1, row.speculative_overlap)
         if config.load_combine == "sum":

@@ -164,15 +164,15 @@ CHOOSERS = {
 _ROW_FIELDS = ("worker_id", "overlap_blocks", "overlap_by_tier", "queued_prefill_tokens", "active_decode_blocks",
                "inflight_requests", "stale", "prefill_blocks", "decode_blocks", "cost", "probability", "eligible",
                "speculative_overlap", "excluded", "kv_capacity_blocks", "peer_from", "predicted_ttft_ms",
-               "inflight_prefill_tokens")
+               "report_only_prefill_tokens")
 assert CandidateScore.__struct_fields__ == _ROW_FIELDS, "score_rows passes CandidateScore's fields by position"
 
 
 def score_rows(t: Scored, row_cost: list[float | None], probability: list[float | None] | None,
                predicted: tuple[list[float], list[int]] | None = None) -> tuple[CandidateScore, ...]:
     """One score row per candidate, in id order: its combined loads, overlap and terms, and
-    with ``predicted`` (``scoring.predictions``) its predicted TTFT and the in-flight queue it
-    waits behind (set as the row is built, not copied in after).
+    with ``predicted`` (``scoring.predictions``) its predicted TTFT and the part of its queue the
+    prediction leaves out (set as the row is built, not copied in after).
 
     The native core builds them for the kv argmin without predictions (positionally, its 15
     leading fields); this builds them otherwise, in one comprehension calling ``CandidateScore``
@@ -198,7 +198,7 @@ def score_rows(t: Scored, row_cost: list[float | None], probability: list[float 
         for w, ob, bt, q, a, r, st, p, d, c, pr, x, s, pf, pt, pq in zip(
             t.ordered, t.overlap_blocks, t.by_tier, t.queued, t.active, t.in_flight, t.stale, t.prefill, t.decode_f,
             row_cost, repeat(None) if probability is None else probability, t.excluded, t.shared, peer_from,
-            *((repeat(None), repeat(None)) if predicted is None else predicted))
+            *((repeat(None), repeat(0)) if predicted is None else predicted))
     )
 
 

@@ -11,7 +11,7 @@ from slower tiers and the P/D transfer are not modelled apart (the fitted ``base
 the handoff's mean).
 
 The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill tokens queued ahead
-of the request (the row's ``inflight_prefill_tokens``: this router's own requests not yet
+of the request (:func:`queue_ahead`: this router's own requests not yet
 prefilled there, already net of their own cache hits; not the worker's report, which lags) and then
 the request's uncached tokens, in chunked-prefill steps of at most ``chunk_tokens`` tokens. A
 step of ``n`` new tokens over a context of ``c`` tokens already in the KV costs
@@ -34,11 +34,11 @@ PRIOR = TtftModel()
 
 
 def queue_ahead(row: CandidateScore) -> int:
-    """The prefill tokens the row's prediction waits behind: the router's own in-flight ones
-    (``inflight_prefill_tokens``); in rows written before that column, the combined
-    ``queued_prefill_tokens`` they were predicted with."""
-    q = row.inflight_prefill_tokens
-    return max(row.queued_prefill_tokens if q is None else q, 0)
+    """The prefill tokens the row's prediction waits behind: the router's own in-flight ones,
+    the combined ``queued_prefill_tokens`` less what only the report adds
+    (``report_only_prefill_tokens``; 0 in rows written before it, predicted behind the combined
+    figure)."""
+    return max(row.queued_prefill_tokens - row.report_only_prefill_tokens, 0)
 
 
 def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int) -> tuple[int, int, int, int]:
