@@ -193,13 +193,22 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     #: its fitted model): the cost itself when ``RouterConfig.cost`` is ``ttft``. None for a
     #: decode phase and in logs written before rows carried it. Added in place.
     predicted_ttft_ms: float | None = None
+    #: Of ``queued_prefill_tokens``, what the worker's load report adds beyond this router's own
+    #: in-flight prefill tokens there (its ledger). ``predicted_ttft_ms`` waits behind the rest
+    #: (``ttft.queue_ahead``): the report lags by its interval and keeps work already done in
+    #: the queue (on the bench e2e logs, prediction error p50/p90 0.203/0.982 with it,
+    #: 0.170/0.641 without). 0 (omitted) when the ledger covers the queue, in rows without a
+    #: prediction, and in logs written before the field existed (whose predictions waited
+    #: behind ``queued_prefill_tokens``). Added in place.
+    report_only_prefill_tokens: int = 0
 
 
 class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Parameters of the router's TTFT prediction (``control_plane/router/ttft.py``), in
     milliseconds or tokens, with the evidence behind them: the prior, or a fit from the log
-    (``control_plane/router/ttft_fit.py``). Recorded with each decision so replay's table check
-    re-derives the prediction; the state check re-derives the model itself from the log."""
+    (``control_plane/router/ttft_fit.py``). The chosen worker's is recorded with each decision
+    (``RequestRouted.ttft_model``) so replay's table check re-derives its prediction; the state
+    check re-derives every model from the log."""
 
     #: Fixed cost of one request, whatever its length (HTTP, scheduling, the P/D handoff and
     #: the decode worker's first step).
@@ -279,9 +288,12 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: The model behind ``predicted_ttft_ms`` (the chosen worker's fit, or the prior); None in
     #: logs written before the field existed (the prior then) and for a decode phase.
     ttft_model: TtftModel | None = None
-    #: The models behind the other rows' ``predicted_ttft_ms``, by worker, those that are not
-    #: the prior (a missing worker was predicted under the prior), so that replay's table check
-    #: re-derives every row. Empty in logs written before rows carried predictions.
+    #: Deprecated (no longer written; kept so that logs which have it still decode): the models
+    #: behind the other rows' ``predicted_ttft_ms``, by worker, those that were not the prior.
+    #: Up to N-1 models' bytes on every routed event for facts the log already holds: every
+    #: model is a fold of the router's own events (``ttft_fit.py``), which replay's state check
+    #: re-derives, and each row records its prediction, which the table check takes as recorded
+    #: for a worker whose model the event does not carry (``replay/verify.py``).
     ttft_models: dict[WorkerId, TtftModel] = {}
 
 

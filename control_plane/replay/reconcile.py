@@ -36,6 +36,8 @@ from schemas.envelope import Envelope
 from schemas.events import BlockStored, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
 from schemas.types import RequestPhase
 
+from control_plane.router.ttft import queue_ahead
+
 BLAMES = ("stale_index", "stored_after_routing", "speculative_not_hit", "evicted_after_routing")
 
 
@@ -80,7 +82,7 @@ class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
     #: prediction does not model yet.
     predicted_ttft_ms: float | None = None
     observed_ttft_ms: float | None = None
-    #: Prefill tokens the chosen row saw queued ahead, and the observations behind the model that
+    #: Prefill tokens the chosen row's prediction waited behind (``ttft.queue_ahead``), and the observations behind the model that
     #: predicted (``RequestRouted.ttft_model``; -1 for the prior recorded before models were).
     queued_tokens: int = 0
     model_samples: int = -1
@@ -228,7 +230,7 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
             predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
             predicted_ttft_ms=ev.predicted_ttft_ms,
             observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None,
-            queued_tokens=mine.queued_prefill_tokens if mine else 0,
+            queued_tokens=queue_ahead(mine) if mine else 0,
             model_samples=-1 if ev.ttft_model is None else ev.ttft_model.samples + ev.ttft_model.pool_samples))
     return Reconciliation(checks=tuple(checks), unmatched=unmatched)
 

@@ -37,12 +37,13 @@ from control_plane.router import (
 )
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
 from control_plane.router.ledger import role_of_phase
-from schemas.events import CandidateScore, RequestAdmitted, RequestRouted
+from schemas.events import CandidateScore, RequestAdmitted, RequestRouted, TtftModel
 from schemas.types import RequestPhase, WorkerRole
 
 #: Score-row columns that are *inputs* of the decision (as the router combined them).
 INPUT_COLUMNS = ("queued_prefill_tokens", "active_decode_blocks", "inflight_requests", "overlap_blocks",
-                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from")
+                 "overlap_by_tier", "stale", "speculative_overlap", "kv_capacity_blocks", "peer_from",
+                 "report_only_prefill_tokens")
 #: Columns that are outputs (computed from the inputs and the config).
 OUTPUT_COLUMNS = ("prefill_blocks", "decode_blocks", "cost", "probability", "eligible", "excluded",
                   "predicted_ttft_ms")
@@ -126,12 +127,19 @@ def _row_load(row: CandidateScore, phase: RequestPhase, config: RouterConfig) ->
         role = WorkerRole(ex.split()[1])
     r = row.inflight_requests
     mine = None
-    if row.speculative_overlap:
-        mine = InflightLoad(0, 0, 1, row.speculative_overlap)
+    # The ledger's prefill tokens (the queue the TTFT prediction waits behind: the combined figure
+    # less what only the report adds) are fed as its own, under max as under sum. A row without
+    # requests in flight has no ledger (its queue is the report's: a row written before
+    # report_only_prefill_tokens existed).
+    q = row.queued_prefill_tokens
+    own = q - row.report_only_prefill_tokens if r > 0 else 0
+    if row.speculative_overlap or own:
+        mine = InflightLoad(own, 0, 1, row.speculative_overlap)
         if config.load_combine == "sum":
             r -= 1
+            q -= own
     load = WorkerLoad(worker_id=row.worker_id, role=role, registered=registered, draining=draining,
-                      queued_prefill_tokens=row.queued_prefill_tokens,
+                      queued_prefill_tokens=q,
                       active_decode_blocks=row.active_decode_blocks, inflight_requests=r,
                       kv_capacity_blocks=row.kv_capacity_blocks)
     return load, mine
@@ -150,12 +158,25 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
         if row.overlap_blocks or row.stale or row.overlap_by_tier:
             overlaps[row.worker_id] = WorkerOverlap.from_tiers(row.overlap_by_tier, stale=row.stale,
                                                                peer_from=row.peer_from)
-    # The predictions' models as recorded (the state check re-derives them from the log).
+    # The predictions' models: the chosen worker's as recorded, and for every other row with a
+    # prediction the model that predicts exactly what the row recorded (``_pinned``): like the
+    # row's loads, the prediction is taken as the router saw it, and the state check re-derives
+    # the models themselves from the log. Logs that carried the other models
+    # (``RequestRouted.ttft_models``, deprecated) use them.
     models = dict(r.ttft_models)
+    for row in (r.scores if rows is None else rows):
+        if row.predicted_ttft_ms is not None and row.worker_id not in models:
+            models[row.worker_id] = _pinned(row.predicted_ttft_ms)
     if r.ttft_model is not None:
         models[r.worker_id] = r.ttft_model
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
                           rr_cursor=r.rr_cursor, rng_seed=r.rng_seed, ttft_models=models)
+
+
+def _pinned(predicted_ttft_ms: float) -> TtftModel:
+    """The model whose prediction is ``predicted_ttft_ms`` whatever the row: all of it in the
+    base, every other cost 0 (``ttft.predict`` adds ``0.0`` twice to the base: exact)."""
+    return TtftModel(base_ms=predicted_ttft_ms, step_ms=0.0, ms_per_token=0.0, ms_per_token_ctx=0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,6 +199,8 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         ev = msgspec.structs.replace(ev, predicted_ttft_ms=None)
     if r.ttft_model is None:  # written before the router fitted and recorded its model
         ev = msgspec.structs.replace(ev, ttft_model=None)
+    if r.ttft_models:  # written when the event carried the other rows' models (deprecated)
+        ev = msgspec.structs.replace(ev, ttft_models=r.ttft_models)
     if r.scores and all(row.predicted_ttft_ms is None for row in r.scores):
         # written before every row carried its prediction (or a decode phase, which has none)
         ev = msgspec.structs.replace(ev, ttft_models={}, scores=[

@@ -159,41 +159,47 @@ CHOOSERS = {
 }
 
 
-def score_rows(t: Scored, row_cost: list[float | None], probability: list[float | None] | None) -> tuple[CandidateScore, ...]:
-    """One score row per candidate, in id order: its combined loads, overlap and terms.
+#: ``CandidateScore``'s fields in the order :func:`score_rows` passes them (positionally: a
+#: keyword call matches 17 names per row, a positional one none).
+_ROW_FIELDS = ("worker_id", "overlap_blocks", "overlap_by_tier", "queued_prefill_tokens", "active_decode_blocks",
+               "inflight_requests", "stale", "prefill_blocks", "decode_blocks", "cost", "probability", "eligible",
+               "speculative_overlap", "excluded", "kv_capacity_blocks", "peer_from", "predicted_ttft_ms",
+               "report_only_prefill_tokens")
+assert CandidateScore.__struct_fields__ == _ROW_FIELDS, "score_rows passes CandidateScore's fields by position"
 
-    The native core builds them for the kv argmin without a peer reach (positionally: a keyword
-    call matches 15 names per row); this builds them otherwise, in one comprehension with at most 15 keywords
-    per row: CPython passes 16 or more arguments through a heap-allocated array, which made
-    every row twice as slow (measured, 64 rows: 21 us with 15 keywords, 48 us with 16).
-    ``peer_from`` (set with a peer reach only) is added to the few rows that have one.
+
+def score_rows(t: Scored, row_cost: list[float | None], probability: list[float | None] | None,
+               predicted: tuple[list[float], list[int]] | None = None) -> tuple[CandidateScore, ...]:
+    """One score row per candidate, in id order: its combined loads, overlap and terms, and
+    with ``predicted`` (``scoring.predictions``) its predicted TTFT and the part of its queue the
+    prediction leaves out (set as the row is built, not copied in after).
+
+    The native core builds them for the kv argmin without predictions (positionally, its 15
+    leading fields); this builds them otherwise, in one comprehension calling ``CandidateScore``
+    with every field by position: a keyword call is slower per row, more so from 16 keywords
+    on (CPython passes them through a heap-allocated array; measured, 64 rows: 21 us with 15
+    keywords, 48 us with 16; one row: 1.95 us with 15 keywords, 0.77 us with 17 positions).
     """
     if t.rows is not None:  # the native core's, for the kv argmin: their costs, no probability
         if len(t.pick.eligible) == t.n:  # type: ignore[union-attr]  # nothing excluded to word
             return t.rows
         return tuple(r if x is None else msgspec.structs.replace(r, excluded=x) for r, x in zip(t.rows, t.excluded))
-    peers: list[tuple[int, WorkerId]] = []
     if t.by_tier is None:  # a peer reach (its row names the source) or the oracle's scoring
         t.overlap_blocks = [0 if ov is None else sum(ov.tiers) for ov in t.matched]
         t.by_tier = [{} if ov is None else ov.by_tier() for ov in t.matched]
         t.stale = [ov is not None and ov.stale for ov in t.matched]
         t.decode_f = [float(d) for d in t.decode]
-        peers = [(i, ov.peer_from) for i, ov in enumerate(t.matched) if ov is not None and ov.peer_from]
-    rows = [
-        CandidateScore(
-            worker_id=w.worker_id, overlap_blocks=ob, overlap_by_tier=bt, queued_prefill_tokens=q,
-            active_decode_blocks=a, inflight_requests=r, stale=st, prefill_blocks=p, decode_blocks=d, cost=c,
-            probability=pr, eligible=x is None, speculative_overlap=s, excluded=x or "",
-            kv_capacity_blocks=w.kv_capacity_blocks,
-        )
-        for w, ob, bt, q, a, r, st, p, d, c, pr, x, s in zip(
+        peer_from = [ov.peer_from if ov is not None else "" for ov in t.matched]
+    else:  # the native core's columns: it declines a peer reach, so no row has one
+        peer_from = repeat("")
+    return tuple(
+        CandidateScore(w.worker_id, ob, bt, q, a, r, st, p, d, c, pr, x is None, s, x or "", w.kv_capacity_blocks,
+                       pf, pt, pq)
+        for w, ob, bt, q, a, r, st, p, d, c, pr, x, s, pf, pt, pq in zip(
             t.ordered, t.overlap_blocks, t.by_tier, t.queued, t.active, t.in_flight, t.stale, t.prefill, t.decode_f,
-            row_cost, repeat(None) if probability is None else probability, t.excluded, t.shared)
-    ]
-    for i, peer_from in peers:
-        rows[i] = msgspec.structs.replace(rows[i], peer_from=peer_from)
-    return tuple(rows)
-
+            row_cost, repeat(None) if probability is None else probability, t.excluded, t.shared, peer_from,
+            *((repeat(None), repeat(0)) if predicted is None else predicted))
+    )
 
 
 def _real_segments(

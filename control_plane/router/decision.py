@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
-import msgspec
-
 from control_plane.router.choice import CHOOSERS, KEEP, word_capacity
 from control_plane.router.choice import score_rows as _rows
 from control_plane.router.config import RouterConfig
@@ -91,12 +89,14 @@ def decide(
     mine = inflight.view(request.block_hashes) if inflight is not None else {}
     predicts = ttft_models is not None and request.phase is not RequestPhase.DECODE
     ttft_cost = predicts and config.cost == "ttft"  # else a decode phase's kv cost stays blocks
-    t = _score(request, ordered, config, overlaps or {}, mine, ttft_cost)
-    predicted = predictions(t, ttft_models) if predicts else None
+    # With predictions the rows are built by choice.score_rows, each with its prediction, not by
+    # the core and then copied.
+    t = _score(request, ordered, config, overlaps or {}, mine, ttft_cost, rows=not predicts)
+    predicted = predictions(t, ttft_models, mine) if predicts else None
     if ttft_cost:
         # The cost is the prediction: the guards and the argmin run on it here (the native core
         # gave the terms only, see scoring.score).
-        t.cost, t.pick, t.rows, t.ttft_cost = predicted, None, None, True
+        t.cost, t.pick, t.rows, t.ttft_cost = predicted[0], None, None, True
     pick = t.pick if t.pick is not None else _pick(t, config)
     if pick is None:
         raise NoEligibleWorker(
@@ -120,9 +120,7 @@ def decide(
             f" and {more} more" if more > 0 else ""
         )
     chosen = choice.chosen
-    rows = _rows(t, choice.row_cost, choice.probability)
-    if predicted is not None:
-        rows = tuple(msgspec.structs.replace(r, predicted_ttft_ms=p) for r, p in zip(rows, predicted))
+    rows = _rows(t, choice.row_cost, choice.probability, predicted)
     own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
                    if t.does_prefill else 0)
     return Decision(

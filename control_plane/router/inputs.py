@@ -182,17 +182,16 @@ def routed_event(
     """The ``RequestRouted`` that records ``decision``: its score table and reason, what it was
     decided on (position, config version, seed, cursor, exclusions, ``now``) and what the
     ledger holds for it."""
+    # The other candidates' models are not recorded (RequestRouted.ttft_models is deprecated):
+    # they are the fold's, which replay re-derives, and their rows carry their predictions.
     predicted, model = _predicted_ttft(decision, inputs)
-    others = ({} if model is None else
-              {w: m for w, m in sorted(inputs.ttft_models.items()) if w != decision.worker_id and m != PRIOR})
     return msgspec.structs.replace(
         decision.to_event(index_position=index_position, router_id=router_id, attempt=attempt),
         rr_cursor=inputs.rr_cursor, guards=list(decision.guards),
         expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
         excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
         inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
-        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model,
-        ttft_models=others)
+        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model)
 
 
 def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> tuple[float | None, TtftModel | None]:

@@ -93,13 +93,14 @@ class Scored:
 
 def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
           overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad],
-          ttft_cost: bool = False) -> Scored:
+          ttft_cost: bool = False, rows: bool = True) -> Scored:
     """Every candidate's kv terms (the formula: docs/routing-cost.md), the guards' and the kv
     argmin's numbers (:class:`Pick`, none when nothing is eligible) and, for the kv argmin, the
     score rows, from the Rust core (``native/src/decide.rs``, ``switchyard_native.decide_kv``).
 
     ``ordered``: the candidates in worker id order. With ``ttft_cost`` the core gives the terms
-    and :func:`pick` runs later on the predicted costs. Raises :class:`InvalidRoutingInput` for
+    and :func:`pick` runs later on the predicted costs. ``rows=False``: the core gives the rows'
+    columns only, for ``choice.score_rows`` to build them with their predictions. Raises :class:`InvalidRoutingInput` for
     what the core refuses: a worker listed twice, or an integer beyond the range where ``f64``
     is exact (2^53; the core never rounds where exact arithmetic would not).
     """
@@ -111,7 +112,7 @@ def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConf
         request.phase.value, t.n_hash, request.block_size, request.prompt_tokens, t.request_blocks,
         t.does_prefill, t.weights, config.stale_overlap_factor, config.load_combine == "max",
         config.prefill_load_scale, config.capacity_guard, _imbalance(config),
-        argmin, (CandidateScore, _ROW_AT) if argmin else None)
+        argmin, (CandidateScore, _ROW_AT) if argmin and rows else None)
     if out is None:
         raise _refused(ordered)
     ((t.queued, t.active, t.in_flight, t.shared, t.overlap_w, t.prefill, t.decode, t.cost), t.shared_by_worker,
@@ -126,30 +127,20 @@ def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConf
     return t
 
 
-def _imbalance(config: RouterConfig) -> tuple[int, float] | None:
-    if config.mode is RoutingMode.KV and config.imbalance_guard:
-        return config.imbalance_abs_threshold, config.imbalance_rel_threshold
-    return None
-
-
-def _refused(ordered: Sequence[WorkerLoad]) -> InvalidRoutingInput:
-    """Why the core refused a decision's inputs, in words."""
-    for a, b in zip(ordered, ordered[1:]):
-        if a.worker_id == b.worker_id:
-            return InvalidRoutingInput(f"worker {a.worker_id!r} is listed twice")
-    return InvalidRoutingInput(
-        "a load, overlap or request size beyond 2^53 (or not an integer): the kv cost is computed "
-        "exactly in f64 and refuses what it cannot reproduce")
-
-
-def predictions(t: Scored, models: Mapping[WorkerId, TtftModel]) -> list[float]:
-    """Every candidate's predicted TTFT (ms), by position: ``ttft.predict`` (the one rule) on the
-    columns its row shows (combined queue, matched blocks, speculative overlap)."""
+def predictions(t: Scored, models: Mapping[WorkerId, TtftModel], mine_by_worker: Mapping[WorkerId, InflightLoad]
+                ) -> tuple[list[float], list[int]]:
+    """Every candidate's predicted TTFT (ms) and the part of its combined queue left out of it,
+    by position: ``ttft.predict`` (the one rule) on the columns its row shows (the router's own
+    in-flight prefill tokens, matched blocks, speculative overlap). The queue is the ledger's,
+    not the combined load: a worker's report lags
+    (``CandidateScore.report_only_prefill_tokens``)."""
     req = t.request
     get = models.get
+    get_mine = mine_by_worker.get
+    queue = [m.prefill_tokens if (m := get_mine(w.worker_id)) is not None and m.requests else 0 for w in t.ordered]
     return [predict(q, 0 if ov is None else sum(ov.tiers), s, req.prompt_tokens, req.block_size,
                     get(w.worker_id, PRIOR))
-            for w, q, ov, s in zip(t.ordered, t.queued, t.matched, t.shared)]
+            for w, q, ov, s in zip(t.ordered, queue, t.matched, t.shared)], [c - q for c, q in zip(t.queued, queue)]
 
 
 class Pick(msgspec.Struct):

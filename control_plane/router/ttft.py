@@ -11,7 +11,8 @@ from slower tiers and the P/D transfer are not modelled apart (the fitted ``base
 the handoff's mean).
 
 The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill tokens queued ahead
-of the request (the row's ``queued_prefill_tokens``, already net of their own cache hits) and then
+of the request (:func:`queue_ahead`: this router's own requests not yet
+prefilled there, already net of their own cache hits; not the worker's report, which lags) and then
 the request's uncached tokens, in chunked-prefill steps of at most ``chunk_tokens`` tokens. A
 step of ``n`` new tokens over a context of ``c`` tokens already in the KV costs
 ``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``: a fixed part, a part linear in
@@ -25,22 +26,29 @@ from schemas.events import CandidateScore, TtftModel
 from schemas.types import RequestPhase
 
 
-__all__ = ["PRIOR", "TtftModel", "features", "predict", "predict_ttft_ms"]
+__all__ = ["PRIOR", "TtftModel", "features", "predict", "predict_ttft_ms", "queue_ahead"]
 
 #: The prior every router starts from (conservative: a mid-range GPU's prefill rate for an 8B
 #: model, ~20k tokens/s), and what a worker's fit starts from (``ttft_fit.py``).
 PRIOR = TtftModel()
 
 
+def queue_ahead(row: CandidateScore) -> int:
+    """The prefill tokens the row's prediction waits behind: the router's own in-flight ones,
+    the combined ``queued_prefill_tokens`` less what only the report adds
+    (``report_only_prefill_tokens``; 0 in rows written before it, predicted behind the combined
+    figure)."""
+    return max(row.queued_prefill_tokens - row.report_only_prefill_tokens, 0)
+
+
 def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int) -> tuple[int, int, int, int]:
     """What the prediction multiplies by the model's four costs, as integers (so the fit's sums
     are exact): (1 request, engine steps, prompt tokens computed, twice their attention term).
-    The queue ahead (the row's ``queued_prefill_tokens``, already net of their own cache hits)
-    is computed first, then the request's uncached tokens (the row's index or in-flight
+    The queue ahead (:func:`queue_ahead`, already net of their own cache hits) is computed first, then the request's uncached tokens (the row's index or in-flight
     overlap, whichever is longer, at most ``prompt_tokens - 1``: an engine computes at least
     the last token) over its cached context. The queue's own context is not known; it counts
     as one prompt with none."""
-    q = max(row.queued_prefill_tokens, 0)
+    q = queue_ahead(row)
     cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
     n = max(prompt_tokens - cached, 0)
     steps = -(-q // chunk_tokens) + -(-n // chunk_tokens)
@@ -54,8 +62,7 @@ def predict_ttft_ms(row: CandidateScore, prompt_tokens: int, block_size: int, ph
     a decode phase (its first token follows a transfer, not modelled separately)."""
     if phase is RequestPhase.DECODE:
         return 0.0
-    return predict(row.queued_prefill_tokens, row.overlap_blocks, row.speculative_overlap, prompt_tokens,
-                   block_size, model)
+    return predict(queue_ahead(row), row.overlap_blocks, row.speculative_overlap, prompt_tokens, block_size, model)
 
 
 def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap: int, prompt_tokens: int,

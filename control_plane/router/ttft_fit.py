@@ -82,37 +82,61 @@ class _Sums:
                 self.xx[i * _N + j] += xi * x[j]
 
 
-def _solve(s: _Sums, prior: tuple[float, ...]) -> tuple[float, ...]:
+#: An affine map of the prior (``c``, ``K``) for one set of free costs: see :func:`_affine`.
+Affine = tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]
+
+
+def _solve(s: _Sums, prior: tuple[float, ...], maps: dict[tuple[int, ...], Affine] | None = None
+           ) -> tuple[float, ...]:
     """Ridge around ``prior``: minimise sum (y - x.theta)^2 + sum w_i ((theta_i - prior_i) s_i)^2,
-    in the scaled space (theta_i s_i), with costs >= 0 (negative ones pinned at 0, re-solved)."""
-    free = list(range(_N))
-    # Each cost's prior weighs PRIOR_WEIGHT mean observations of that feature (a diagonal
-    # g-prior): n observations pull a cost n / (n + PRIOR_WEIGHT) of the way from the prior,
-    # however large the requests were. A feature never seen keeps the reference scale.
-    ws = [PRIOR_WEIGHT * (s.xx[i * _N + i] / s.n / (_SCALE[i] * _SCALE[i]) if s.xx[i * _N + i] > 0 and s.n > 0
-                          else 1.0) for i in range(_N)]
+    in the scaled space (theta_i s_i), with costs >= 0 (negative ones pinned at 0, re-solved
+    over the others). ``maps``: the affine maps of ``s`` already computed, by free set (read and
+    filled; the caller drops them when ``s`` changes)."""
+    free = tuple(range(_N))
     while True:
-        k = len(free)
-        a = [[0.0] * (k + 1) for _ in range(k)]
-        for r, i in enumerate(free):
-            for c, j in enumerate(free):
-                lo, hi = min(i, j), max(i, j)
-                a[r][c] = s.xx[lo * _N + hi] / (_SCALE[i] * _SCALE[j]) + (ws[i] if i == j else 0.0)
-            a[r][k] = s.xy[i] / 1000 / _SCALE[i] + ws[i] * prior[i] * _SCALE[i]  # y in ms
-        z = _gauss(a)
+        aff = None if maps is None else maps.get(free)
+        if aff is None:
+            aff = _affine(s, free)
+            if maps is not None:
+                maps[free] = aff
+        c, k = aff
+        p = [prior[i] * _SCALE[i] for i in free]
         theta = [0.0] * _N
         for r, i in enumerate(free):
-            theta[i] = z[r] / _SCALE[i]
+            z, kr = c[r], k[r]
+            for j in range(len(free)):
+                z += kr[j] * p[j]
+            theta[i] = z / _SCALE[i]
         neg = [i for i in free if theta[i] < 0]
         if not neg:
             return tuple(theta)
-        free = [i for i in free if i not in neg]
+        free = tuple(i for i in free if i not in neg)
         if not free:
             return tuple(0.0 for _ in range(_N))
 
 
-def _gauss(a: list[list[float]]) -> list[float]:
-    """Solve the augmented symmetric positive definite system ``a`` (partial pivoting)."""
+def _affine(s: _Sums, free: tuple[int, ...]) -> Affine:
+    """The fit of the ``free`` costs (the others pinned at 0) as an affine function of the prior
+    it is pulled toward, from the sums alone: in the scaled space, ``z = c + K p`` solves
+    ``(A + D) z = b + D p`` (``A``, ``b`` the scaled sums over ``free``, ``D`` the prior weights,
+    ``p`` the scaled prior), so ``c = (A + D)^-1 b`` and ``K = (A + D)^-1 D``. A worker's maps
+    depend on its own observations only: a change of the pool's fit (its prior, at every
+    completion of any worker) then costs each worker a small matrix product, not a solve
+    (``benchmarks/router_ttft_path.py``)."""
+    ws = _prior_weights(s)
+    k = len(free)
+    a = [[s.xx[min(i, j) * _N + max(i, j)] / (_SCALE[i] * _SCALE[j]) + (ws[i] if i == j else 0.0) for j in free]
+         + [s.xy[i] / 1000 / _SCALE[i]]  # y in ms
+         + [ws[i] if r == c else 0.0 for c in range(k)]
+         for r, i in enumerate(free)]
+    z = _gauss_columns(a, 1 + k)
+    return tuple(row[0] for row in z), tuple(tuple(row[1:]) for row in z)
+
+
+def _gauss_columns(a: list[list[float]], m: int) -> list[list[float]]:
+    """Solve the symmetric positive definite system ``a`` (k rows of k coefficients then ``m``
+    right-hand sides) for every right-hand side at once (partial pivoting); the solutions as
+    rows, one value per side."""
     k = len(a)
     for col in range(k):
         piv = max(range(col, k), key=lambda r: abs(a[r][col]))
@@ -120,19 +144,41 @@ def _gauss(a: list[list[float]]) -> list[float]:
         for r in range(col + 1, k):
             f = a[r][col] / a[col][col]
             if f:
-                for c in range(col, k + 1):
+                for c in range(col, k + m):
                     a[r][c] -= f * a[col][c]
-    z = [0.0] * k
+    z = [[0.0] * m for _ in range(k)]
     for r in range(k - 1, -1, -1):
-        z[r] = (a[r][k] - sum(a[r][c] * z[c] for c in range(r + 1, k))) / a[r][r]
+        row, d = a[r], a[r][r]
+        for j in range(m):
+            acc = row[k + j]
+            for c in range(r + 1, k):
+                acc -= row[c] * z[c][j]
+            z[r][j] = acc / d
     return z
+
+
+def _prior_weights(s: _Sums) -> list[float]:
+    # Each cost's prior weighs PRIOR_WEIGHT mean observations of that feature (a diagonal
+    # g-prior): n observations pull a cost n / (n + PRIOR_WEIGHT) of the way from the prior,
+    # however large the requests were. A feature never seen keeps the reference scale.
+    return [PRIOR_WEIGHT * (s.xx[i * _N + i] / s.n / (_SCALE[i] * _SCALE[i]) if s.xx[i * _N + i] > 0 and s.n > 0
+                            else 1.0) for i in range(_N)]
 
 
 class TtftFit:
     """The fit as a fold: :meth:`routed` and :meth:`completed` take the router's own events'
-    facts, :meth:`expire` the decision time; :meth:`model` reads a worker's model."""
+    facts, :meth:`expire` the decision time; :meth:`model` reads a worker's model.
 
-    __slots__ = ("prior", "_pending", "_obs", "_expiry", "_by_worker", "_pool", "_cache", "_seq")
+    What is cached, and what a change invalidates: every decision reads every candidate's
+    model, and every completion changes the pool's fit (every worker's prior) and one worker's
+    own sums. So the pool's model is re-solved once per change, a worker's own sums are reduced
+    to their affine maps (:func:`_affine`) only when that worker's observations change, and a
+    worker's model is those maps applied to the pool's fit (a 4x4 product per step of the
+    non-negativity loop), kept until the next change. Each is a function of the current sums only, so when it is recomputed does not
+    change a bit of the result."""
+
+    __slots__ = ("prior", "_pending", "_obs", "_expiry", "_by_worker", "_pool", "_affine", "_models", "_pool_fit",
+                 "_seq")
 
     def __init__(self, prior: TtftModel = PRIOR) -> None:
         self.prior = prior
@@ -143,7 +189,11 @@ class TtftFit:
         self._expiry: list[tuple[float, int]] = []
         self._by_worker: dict[WorkerId, _Sums] = {}
         self._pool = _Sums()
-        self._cache: dict[WorkerId | None, TtftModel] = {}
+        #: Worker -> its sums' affine maps by free set (dropped when its observations change).
+        self._affine: dict[WorkerId, dict[tuple[int, ...], Affine]] = {}
+        #: Worker -> its model, and the pool's model (both dropped at every change).
+        self._models: dict[WorkerId, TtftModel] = {}
+        self._pool_fit: TtftModel | None = None
         self._seq = 0
 
     def routed(self, request_id: RequestId, worker: WorkerId, phase: RequestPhase, row: CandidateScore | None,
@@ -168,7 +218,7 @@ class TtftFit:
         heapq.heappush(self._expiry, (at, self._seq))
         self._by_worker.setdefault(worker, _Sums()).add(x, y, 1)
         self._pool.add(x, y, 1)
-        self._cache.clear()
+        self._changed(worker)
 
     def forget(self, request_id: RequestId) -> None:
         """The request ended without a TTFT (failed, rejected)."""
@@ -185,27 +235,35 @@ class TtftFit:
             if not sums.n:
                 del self._by_worker[worker]
             self._pool.add(x, y, -1)
-            self._cache.clear()
+            self._changed(worker)
+
+    def _changed(self, worker: WorkerId) -> None:
+        """``worker``'s observations (and so the pool's) changed."""
+        self._affine.pop(worker, None)
+        self._models.clear()
+        self._pool_fit = None
 
     def model(self, worker: WorkerId) -> TtftModel:
         """The worker's model: its own observations around the pool's fit; the pool's fit when
         it has none yet; the prior when the pool has none."""
-        m = self._cache.get(worker)
+        m = self._models.get(worker)
         if m is not None:
             return m
         pool = self._pool_model()
         sums = self._by_worker.get(worker)
         if sums is None:
-            m = pool
-        else:
-            b, st, t, c = _solve(sums, _params(pool))
-            m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c,
-                          chunk_tokens=self.prior.chunk_tokens, samples=sums.n, pool_samples=self._pool.n)
-        self._cache[worker] = m
+            return pool
+        maps = self._affine.get(worker)
+        if maps is None:
+            maps = self._affine[worker] = {}
+        b, st, t, cc = _solve(sums, _params(pool), maps)
+        m = self._models[worker] = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * cc,
+                                             chunk_tokens=self.prior.chunk_tokens, samples=sums.n,
+                                             pool_samples=self._pool.n)
         return m
 
     def _pool_model(self) -> TtftModel:
-        m = self._cache.get(None)
+        m = self._pool_fit
         if m is None:
             if not self._pool.n:
                 m = self.prior
@@ -213,7 +271,7 @@ class TtftFit:
                 b, st, t, c = _solve(self._pool, _params(self.prior))
                 m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c,
                               chunk_tokens=self.prior.chunk_tokens, samples=0, pool_samples=self._pool.n)
-            self._cache[None] = m
+            self._pool_fit = m
         return m
 
     def observations(self) -> int:

@@ -150,6 +150,46 @@ def test_any_decision_reexecutes_from_its_score_table(data) -> None:
         assert status == "mismatch" and any(x.startswith("worker_id:") for x in diffs)
 
 
+@pytest.mark.parametrize("cost", ["blocks", "ttft"])
+def test_the_table_check_takes_the_other_rows_predictions_as_recorded(cost: str) -> None:
+    """``RequestRouted`` records the chosen worker's model only (``ttft_models`` is deprecated):
+    the table check re-derives the chosen row's prediction from it and takes the others' as
+    recorded, so a decision over fitted models re-executes bit for bit; a forged prediction
+    that would have won under the ttft cost is a mismatch; a log that still carries the other
+    models verifies with them."""
+    from schemas.events import TtftModel
+
+    req = RoutingRequest(request_id="q", prompt_tokens=40 * BS, block_size=BS, block_hashes=tuple(range(1, 41)),
+                         expected_output_tokens=16)
+    workers = [WorkerLoad(worker_id=f"w{i}", queued_prefill_tokens=300 * i) for i in range(3)]
+    models = {f"w{i}": TtftModel(base_ms=5.0 * i + 1.3, ms_per_token=0.01 * (3 - i), samples=i + 1, pool_samples=9)
+              for i in range(3)}
+    config = RouterConfig(version=3, cost=cost)
+    inputs = DecisionInputs(request=req, workers=workers, overlaps={"w2": WorkerOverlap.of(device=30)}, inflight={},
+                            rng_seed=5, ttft_models=models)
+    d = execute(inputs, config)
+    ev = routed_event(d, inputs, config, index_position={"t.kv:0": 3}, router_id="r", decided_at_s=100.0)
+    assert ev.ttft_models == {} and ev.ttft_model == models[d.worker_id]
+    assert all(row.predicted_ttft_ms is not None for row in ev.scores)
+    adm = RequestAdmitted(request_id="q", model="m", prompt_tokens=req.prompt_tokens, max_tokens=16,
+                          block_hashes=list(req.block_hashes), block_size=BS, hash_algo="sha256")
+    rec = DecisionRecord(routed=ev, admitted=adm, at_ns=10**11, producer="r", epoch=1, position="t.requests:0:1",
+                         event_id="e")
+    status, _, diffs = check_table(rec, config)
+    assert status == "match", diffs
+    older = msgspec.structs.replace(rec, routed=msgspec.structs.replace(
+        ev, ttft_models={w: m for w, m in models.items() if w != d.worker_id}))
+    status, _, diffs = check_table(older, config)
+    assert status == "match", diffs
+    if cost == "ttft":
+        other = next(s.worker_id for s in ev.scores if s.worker_id != d.worker_id)
+        rows = [msgspec.structs.replace(s, predicted_ttft_ms=0.5, cost=0.5) if s.worker_id == other else s
+                for s in ev.scores]
+        forged = msgspec.structs.replace(rec, routed=msgspec.structs.replace(ev, scores=rows))
+        status, _, diffs = check_table(forged, config)
+        assert status == "mismatch" and any(x.startswith("worker_id:") for x in diffs), diffs
+
+
 def test_a_changed_config_is_a_mismatch_that_names_the_costs() -> None:
     req = RoutingRequest(request_id="q", prompt_tokens=64, block_size=BS, block_hashes=(1, 2, 3, 4),
                          expected_output_tokens=16)

@@ -60,3 +60,26 @@ def test_closed_form_is_the_sum_of_the_steps(new: int, ctx: int, chunk: int) -> 
         total += m.step_ms + n * (m.ms_per_token + m.ms_per_token_ctx * (ctx + done + n / 2))
         done += n
     assert m.prefill_ms(new, ctx) == pytest.approx(total, rel=1e-12)
+
+
+def test_the_prediction_waits_behind_the_routers_own_queue_not_the_report() -> None:
+    """Worker a reports 50,000 queued tokens (a report up to its interval old); the ledger holds
+    one request of this router with 3,000 tokens still to prefill there. The row keeps the
+    combined load for the kv cost and records the 47,000 only the report adds, which the
+    prediction leaves out; b's ledger covers its queue (nothing recorded); a row written before
+    the column is predicted behind the combined figure."""
+    from control_plane.router.ledger import InflightLedger
+    from control_plane.router.ttft import predict, queue_ahead
+
+    req = RoutingRequest(request_id="r1", prompt_tokens=1024, block_hashes=tuple(range(1, 17)), block_size=64,
+                         expected_output_tokens=16)
+    workers = [WorkerLoad(worker_id="a", queued_prefill_tokens=50_000), WorkerLoad(worker_id="b")]
+    ledger = InflightLedger()
+    ledger.add("other", "a", (99,), 3000, 40, now=0.0, ttl=600.0)
+    d = decide(req, workers, RouterConfig(), rng_seed=7, inflight=ledger, ttft_models={})
+    a, b = sorted(d.scores, key=lambda s: s.worker_id)
+    assert (a.queued_prefill_tokens, a.report_only_prefill_tokens, queue_ahead(a)) == (50_000, 47_000, 3000)
+    assert (b.queued_prefill_tokens, b.report_only_prefill_tokens) == (0, 0)
+    assert a.predicted_ttft_ms == predict(3000, 0, 0, 1024, 64) == predict_ttft_ms(a, 1024, 64, RequestPhase.AGGREGATED)
+    old = CandidateScore(worker_id="a", queued_prefill_tokens=50_000)
+    assert queue_ahead(old) == 50_000

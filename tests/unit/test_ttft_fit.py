@@ -105,3 +105,30 @@ def test_decode_phase_is_no_observation() -> None:
     fit.routed("r", "w-1", RequestPhase.DECODE, CandidateScore(worker_id="w-1"), 100, 64, 0.0)
     fit.completed("r", 50.0)
     assert fit.observations() == 0
+
+
+def test_reading_between_changes_gives_the_same_models_bit_for_bit() -> None:
+    """The caches (a worker's affine maps, kept until its own observations change; the models,
+    until any change) hold functions of the current sums only: a fit read after every event
+    and one read only at the end give the same models, the uncached solve's, bit for bit."""
+    from control_plane.router.ttft_fit import _params, _solve
+
+    reqs = [(rid, msgspec_replace(row, worker_id=f"w-{k % 3}"), p) for k, (rid, row, p) in enumerate(_requests(300))]
+    read_often, read_once = TtftFit(), TtftFit()
+    for k, (rid, row, prompt) in enumerate(reqs):
+        for fit in (read_often, read_once):
+            fit.routed(rid, row.worker_id, AGG, row, prompt, 64, k * 0.01)
+            fit.completed(rid, predict_ttft_ms(row, prompt, 64, AGG, TRUE))
+        for w in ("w-0", "w-1", "w-2", "w-3"):
+            read_often.model(w)
+    for w in ("w-0", "w-1", "w-2", "w-3"):
+        assert read_often.model(w) == read_once.model(w)
+    m = read_once.model("w-1")
+    solved = _solve(read_once._by_worker["w-1"], _params(read_once.model("w-3")))
+    assert _params(m) == solved
+
+
+def msgspec_replace(row: CandidateScore, **changes) -> CandidateScore:
+    import msgspec
+
+    return msgspec.structs.replace(row, **changes)
