@@ -190,7 +190,7 @@ def score_rows(t: Scored, row_cost: list[float | None], probability: list[float 
         t.stale = [ov is not None and ov.stale for ov in t.matched]
         t.decode_f = [float(d) for d in t.decode]
         peer_from = [ov.peer_from if ov is not None else "" for ov in t.matched]
-    else:  # the native core's columns: it declines a peer reach, so no row has one
+    else:  # the native core's columns: it gives none with a peer reach, so no row has one
         peer_from = repeat("")
     return tuple(
         CandidateScore(w.worker_id, ob, bt, q, a, r, st, p, d, c, pr, x is None, s, x or "", w.kv_capacity_blocks,

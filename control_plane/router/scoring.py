@@ -127,6 +127,22 @@ def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConf
     return t
 
 
+def _imbalance(config: RouterConfig) -> tuple[int, float] | None:
+    if config.mode is RoutingMode.KV and config.imbalance_guard:
+        return config.imbalance_abs_threshold, config.imbalance_rel_threshold
+    return None
+
+
+def _refused(ordered: Sequence[WorkerLoad]) -> InvalidRoutingInput:
+    """Why the core refused a decision's inputs, in words."""
+    for a, b in zip(ordered, ordered[1:]):
+        if a.worker_id == b.worker_id:
+            return InvalidRoutingInput(f"worker {a.worker_id!r} is listed twice")
+    return InvalidRoutingInput(
+        "a load, overlap or request size beyond 2^53 (or not an integer): the kv cost is computed "
+        "exactly in f64 and refuses what it cannot reproduce")
+
+
 def predictions(t: Scored, models: Mapping[WorkerId, TtftModel], mine_by_worker: Mapping[WorkerId, InflightLoad]
                 ) -> tuple[list[float], list[int]]:
     """Every candidate's predicted TTFT (ms) and the part of its combined queue left out of it,

@@ -44,9 +44,9 @@ def oracle_steps() -> Iterator[None]:
 
 def score(request: RoutingRequest, ordered: list[WorkerLoad], config: RouterConfig,
           overlaps: Mapping[WorkerId, WorkerOverlap], mine_by_worker: Mapping[WorkerId, InflightLoad],
-          ttft_cost: bool = False) -> Scored:
+          ttft_cost: bool = False, rows: bool = True) -> Scored:
     """The kv cost's terms for every candidate (the formula: docs/routing-cost.md); no
-    :class:`Pick` (``decide`` then calls :func:`pick`). ``ttft_cost`` changes nothing here."""
+    :class:`Pick` (``decide`` then calls :func:`pick`). ``ttft_cost`` and ``rows`` change nothing here."""
     t = Scored(request, ordered, config)
     n = t.n
     t.queued, t.active, t.in_flight, t.shared, t.decode = [0] * n, [0] * n, [0] * n, [0] * n, [0] * n
