@@ -18,9 +18,10 @@ Must be zero (or one), else the command exits non-zero:
   segfault in a client library), whenever it happened and whatever came back after it.
 
 Described: recovery and failover times, failures and rejections by reason (client and log),
-what the overload phase shed (rejected, with reasons) and failed, and client errors of requests
-the log never admitted (a connection cut before admission: the fault itself, e.g. a killed
-router).
+what the overload phase shed (rejected, with reasons) and failed, the client-measured TTFT of
+the requests served (p50/p99 before and during the overload phase: whether admission kept
+its promise to those it let in), and client errors of requests the log never admitted (a
+connection cut before admission: the fault itself, e.g. a killed router).
 """
 
 from __future__ import annotations
@@ -158,7 +159,9 @@ class ChaosReport:
         o = self.overload
         why = ", ".join(f"{k} {v}" for k, v in o["rejected_by_reason"].items()) or "none"
         lines.append(f"overload   {o['sent']} sent: {o['ok']} ok, {o['rejected']} rejected ({why}), "
-                     f"{o['failed']} failed")
+                     f"{o['failed']} failed; served TTFT p50 {_fmt(o['ttft_ms_p50'])} / p99 "
+                     f"{_fmt(o['ttft_ms_p99'])} ms (before it: p50 {_fmt(r['ttft_ms_p50'])} / p99 "
+                     f"{_fmt(r['ttft_ms_p99'])} ms)")
         for k, ex in self.examples.items():
             if ex:
                 lines.append(f"{k:10s} e.g. {', '.join(map(str, ex[:5]))}")
@@ -178,6 +181,14 @@ class ChaosReport:
 
 def _fmt(x: float | None) -> str:
     return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+
+def _ttft_pcts(served: list[Sent]) -> dict[str, float | None]:
+    """p50 and p99 (nearest rank) of the client-measured TTFT of served requests; None: none."""
+    xs = sorted(s.result.ttft_ms for s in served)
+    if not xs:
+        return {"ttft_ms_p50": None, "ttft_ms_p99": None}
+    return {f"ttft_ms_p{q}": xs[max(0, math.ceil(q / 100 * len(xs)) - 1)] for q in (50, 99)}
 
 
 def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events: list[Envelope],
@@ -239,14 +250,16 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
                   "rejected": sum(1 for s in done if s.result.rejected),
                   "failed": sum(1 for s in done if not s.result.ok and not s.result.rejected),
                   "unfinished": len(sent) - len(done), "admitted": len(admitted),
-                  "failovers_to_another_replica": sum(1 for s in done if s.attempts > 1)},
+                  "failovers_to_another_replica": sum(1 for s in done if s.attempts > 1),
+                  **_ttft_pcts([s for s in done if s.result.ok and not s.overload])},
         checks=checks,
         ledger=ledger.summary(),
         views=[asdict(v) for v in views],
         overload={"sent": len(ov), "ok": sum(1 for s in ov if s.result.ok), "rejected": len(ov_rejected),
                   "failed": len(ov_failed),
                   "rejected_by_reason": dict(Counter(s.result.code for s in ov_rejected).most_common()),
-                  "failed_by_reason": dict(Counter(s.result.code for s in ov_failed).most_common())},
+                  "failed_by_reason": dict(Counter(s.result.code for s in ov_failed).most_common()),
+                  **_ttft_pcts([s for s in ov if s.result.ok])},
         failures_by_reason=dict(failures.most_common()),
         log_ends_by_reason=dict(Counter(f"{e.kind}:{e.code}" if e.code else e.kind
                                         for e in ended.values()).most_common()),
