@@ -165,7 +165,9 @@ class ChaosReport:
                      f"{o['failed']} failed; served TTFT p50 {_fmt(o['ttft_ms_p50'])} / p99 "
                      f"{_fmt(o['ttft_ms_p99'])} ms (before it: p50 {_fmt(r['ttft_ms_p50'])} / p99 "
                      f"{_fmt(r['ttft_ms_p99'])} ms); by its router from admission: p50 "
-                     f"{_fmt(o['router_ttft_ms_p50'])} / p99 {_fmt(o['router_ttft_ms_p99'])} ms")
+                     f"{_fmt(o['router_ttft_ms_p50'])} / p99 {_fmt(o['router_ttft_ms_p99'])} ms; the client's "
+                     f"own loop lag p50 {_fmt(o['client_loop_lag_ms_p50'])} / p99 "
+                     f"{_fmt(o['client_loop_lag_ms_p99'])} ms")
         for k, ex in self.examples.items():
             if ex:
                 lines.append(f"{k:10s} e.g. {', '.join(map(str, ex[:5]))}")
@@ -195,8 +197,11 @@ def _pcts(xs: list[float], name: str = "ttft_ms") -> dict[str, float | None]:
 
 def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events: list[Envelope],
                  ledger: LedgerCheck, views: list[ViewCheck], lag: list | None = None,
-                 crashes: list[str] | tuple[str, ...] = ()) -> ChaosReport:
-    """Fold the run into the report. Pure."""
+                 crashes: list[str] | tuple[str, ...] = (),
+                 client_loop_lag: list[tuple[float, float]] | None = None) -> ChaosReport:
+    """Fold the run into the report. Pure. ``client_loop_lag``: (seconds of load, lag s) samples
+    of the load generator's own event loop (its percentiles in the overload phase are reported:
+    a client that runs late measures its own lateness as TTFT)."""
     admitted, ended = request_ends(events)
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
     unended = sorted(set(admitted) - set(ended))
@@ -262,6 +267,8 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
                   "rejected_by_reason": dict(Counter(s.result.code for s in ov_rejected).most_common()),
                   "failed_by_reason": dict(Counter(s.result.code for s in ov_failed).most_common()),
                   **_pcts([s.result.ttft_ms for s in ov if s.result.ok]),
+                  **_pcts([lag * 1000 for t, lag in client_loop_lag or () if plan.overload is not None
+                           and plan.overload.covers(t)], "client_loop_lag_ms"),
                   **_pcts([e.ttft_ms for s in ov if s.result.ok and (e := ended.get(
                       s.result.router_request_id or by_client.get(s.client_id, ""))) is not None
                       and e.ttft_ms is not None], "router_ttft_ms")},
