@@ -112,6 +112,8 @@ class QueueRefused(Exception):
 class _Waiter:
     tokens: int
     future: asyncio.Future
+    #: Monotonic time it joined the queue.
+    since: float = 0.0
 
 
 class AdmissionQueue:
@@ -131,6 +133,10 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def oldest_wait_s(self, now: float) -> float:
+        """How long the head of the queue has waited at ``now`` (monotonic); 0 when empty."""
+        return max(0.0, now - self._waiting[0].since) if self._waiting else 0.0
+
     async def acquire(self, tokens: int) -> float:
         """Wait for room; returns the seconds waited. Raises :class:`QueueRefused`."""
         if not self._waiting and self._room(self.granted_tokens):
@@ -142,7 +148,7 @@ class AdmissionQueue:
                                f"{self.cfg.queue_max}): every worker is at its busy threshold",
                                429, "queue_full", retry_after_s=max(1, int(self.cfg.queue_timeout_s / 10)))
         t0 = time.monotonic()
-        w = _Waiter(tokens, asyncio.get_running_loop().create_future())
+        w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0)
         self._waiting.append(w)
         self._ensure_pump()
         try:

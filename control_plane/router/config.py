@@ -128,6 +128,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: TTFT exceeds this budget (ms), the request is rejected at once (429, Retry-After, a
     #: reason in ``RequestRejected``) instead of being served late. 0 = off (the default).
     ttft_slo_ms: float = 0.0
+    #: The router's own load (issue 39 step 4): while its event loop's smoothed lag
+    #: (``control_plane/router/loop_lag.py``: a 50 ms periodic callback's delay, time constant
+    #: 0.5 s) exceeds this (ms), a new request is rejected at once (503 ``router_overloaded``,
+    #: Retry-After, the lag in ``RequestRejected.reason``) instead of queueing behind a loop
+    #: that cannot serve it. 0 = off. Default: see docs/router.md (Admission) for the measurement.
+    max_loop_lag_ms: float = 100.0
     #: 0: argmin of the cost, ties broken by the seeded RNG. > 0: sample from a softmax over the
     #: costs normalised to [0, 1] (logit = -normalised / temperature), like Dynamo.
     temperature: float = 0.0
@@ -170,6 +176,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.cost not in ("blocks", "ttft"):
             raise RouterConfigError(f"cost={self.cost!r} must be 'blocks' or 'ttft'")
         _finite_at_least("ttft_slo_ms", self.ttft_slo_ms, 0.0, "0 turns the TTFT budget off")
+        _finite_at_least("max_loop_lag_ms", self.max_loop_lag_ms, 0.0, "0 turns the router's own load test off")
         _finite_at_least("temperature", self.temperature, 0.0,
                          "0 means argmin; a negative temperature would prefer the worst worker")
         if not (_is_finite(self.stale_overlap_factor) and 0.0 <= self.stale_overlap_factor <= 1.0):

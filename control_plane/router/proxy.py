@@ -9,7 +9,9 @@ through :mod:`control_plane.router.inputs` (inputs, seed, ``RequestRouted``), th
 and the simulator take too; what it was decided on (score table, config version, seed, view
 position and state, ledger entry) is recorded in ``RequestRouted``.
 
-Admission: before its first decision a request passes the bounded FCFS queue of
+Admission: before its first decision a request passes the router's own load
+(:mod:`control_plane.router.loop_lag`: 503 ``router_overloaded`` while its event loop lags over
+``RouterConfig.max_loop_lag_ms``), then the bounded FCFS queue of
 :mod:`control_plane.router.admission` (429 when the queue is full, 503 after its timeout).
 
 Failure handling: any worker failure before the first token reached the client (connection
@@ -27,7 +29,7 @@ import logging
 import statistics
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -38,6 +40,7 @@ from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.inputs import decision_inputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.limits import new_request_id
+from control_plane.router.loop_lag import LoopLag, overloaded
 from control_plane.router.view import RouterView, WorkerState
 from control_plane.router.worker_calls import CallFailed, HttpWorkerCalls, Unsendable, WorkerCalls, lines
 from control_plane.router.prompt import block_hashes, encode_json
@@ -173,6 +176,7 @@ class Router:
         admission: AdmissionConfig | None = None,
         workers: WorkerCalls | None = None,
         worker_credential: str | None = None,
+        loop_lag: Callable[[], LoopLag] | None = None,
     ) -> None:
         self.router_id = router_id
         self.view = view
@@ -190,6 +194,8 @@ class Router:
         self.workers = workers or HttpWorkerCalls(connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
                                                   credential=worker_credential)
         self.admission = AdmissionQueue(admission or AdmissionConfig(), self._has_room)
+        #: This process's event-loop lag (the probe's current state); None: not measured.
+        self.loop_lag = loop_lag
 
     async def close(self) -> None:
         await self.workers.close()
@@ -235,7 +241,10 @@ class Router:
         return has_room(entry, decode, self.admission.cfg, granted_tokens)
 
     async def queue(self, adm: Admission) -> None:
-        """Wait in the admission queue. Raises :class:`RouterRejected` (429/503) when refused."""
+        """Wait in the admission queue. Raises :class:`RouterRejected` (429/503) when refused:
+        at once, without queueing, while this router's own loop lags over its limit."""
+        if self.loop_lag is not None and (over := overloaded(self.loop_lag(), self.config.max_loop_lag_ms)):
+            raise RouterRejected(over[0], 503, "router_overloaded", retry_after_s=over[1])
         try:
             adm.queued_s = await self.admission.acquire(len(adm.tokens))
         except QueueRefused as e:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -287,3 +288,8 @@ def _refresh_gauges(c: RouterApp) -> None:
     m.stale_workers.set(len(h.stale_workers))
     for role in ("aggregated", "prefill", "decode"):
         m.workers.labels(role=role).set(len(view.routable(role)))
+    queue = c.router.admission
+    m.queue_requests.set(len(queue))
+    m.queue_oldest_seconds.set(queue.oldest_wait_s(time.monotonic()))
+    if c.router.loop_lag is not None:
+        m.loop_lag_seconds.set(c.router.loop_lag().smoothed_s)

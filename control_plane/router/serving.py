@@ -72,6 +72,22 @@ class RouterMetrics:
         self.stale_workers = Gauge("switchyard_index_stale_workers",
                                    "Registered workers (not gone) whose index entries are stale", registry=r)
         self.workers = Gauge("switchyard_router_workers", "Routable workers by role", ["role"], registry=r)
+        self.rejections = Counter("switchyard_router_rejections_total",
+                                  "Requests refused before their first token, by the reason code recorded in "
+                                  "RequestRejected (queue_full, queue_timeout, ttft_budget, router_overloaded...)",
+                                  ["code"], registry=r)
+        self.loop_lag_seconds = Gauge("switchyard_router_event_loop_lag_seconds",
+                                      "This router's event-loop lag, smoothed (time constant 0.5 s): what admission "
+                                      "compares with RouterConfig.max_loop_lag_ms", registry=r)
+        self.loop_lag_sample_seconds = Histogram(
+            "switchyard_router_event_loop_sample_lag_seconds",
+            "How late each 50 ms probe callback ran on this router's event loop",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.queue_requests = Gauge("switchyard_router_admission_queue_requests",
+                                    "Requests waiting in this router's admission queue", registry=r)
+        self.queue_oldest_seconds = Gauge("switchyard_router_admission_queue_oldest_seconds",
+                                          "How long the head of the admission queue has waited (0: empty)",
+                                          registry=r)
         self.key_gate_fallbacks = Counter("switchyard_router_key_gate_fallbacks_total",
                                           "API-key limit calls this replica counted alone: Redis (the shared "
                                           "limits) unreachable", ["op"], registry=r)
@@ -236,6 +252,8 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
         # Rejected, unless its last attempt failed for good (then that RequestFailed is its end).
         outcome = "rejected" if router.reject(adm, str(e), e.code, e.status) else "failed"
         c.metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        if outcome == "rejected":
+            c.metrics.rejections.labels(code=e.code).inc()
         return error_response(e.status, str(e), e.code, error_type(e.status), e.retry_after_s, headers=headers)
     except StopAsyncIteration:
         first = Chunk(error="worker returned nothing")

@@ -24,6 +24,7 @@ from control_plane.router.config import load_router_config
 from control_plane.router.health import HealthThresholds
 from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits
+from control_plane.router.loop_lag_probe import LoopLagProbe
 from control_plane.router.orphans import close_orphans
 from control_plane.router.shared_gate import SharedKeyGate
 from control_plane.router.stream import RouterViewProcessor
@@ -235,10 +236,13 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     producer, config, processor, follower = restored.producer, restored.config, restored.processor, restored.follower
     view = processor.view
     metrics = RouterMetrics()
+    # The router's own saturation, counted as load by admission (RouterConfig.max_loop_lag_ms).
+    probe = LoopLagProbe(on_sample=metrics.loop_lag_sample_seconds.observe)
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config,
                     hash_config=restored.hash_config, health=processor.health, max_attempts=s.max_attempts,
                     read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s, admission=s.admission,
-                    metrics=metrics, worker_credential=s.worker_credential or worker_credential(bus.secrets_dir))
+                    metrics=metrics, worker_credential=s.worker_credential or worker_credential(bus.secrets_dir),
+                    loop_lag=lambda: probe.lag)
     auth: RouterAuth | None = None
     if restored.keys is not None:
         auth = RouterAuth(restored.keys)
@@ -255,6 +259,7 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
         if auth is not None:
             await auth.gate.start()
         await processor.start()
+        probe.start()
         log.info("router %s serving on %s:%d (mode %s, view at %d records, %s)", s.router_id, s.host, s.port,
                  config.mode, view.applied,
                  f"API keys on: {len(auth.table.keys)} in the log, limits {key_limits_mode(s)}"
@@ -263,6 +268,7 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     async def stop() -> None:
         import asyncio
 
+        await probe.stop()
         await processor.checkpoint()
         await processor.stop()
         await router.close()

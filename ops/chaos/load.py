@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from control_plane.router.loop_lag_probe import LoopLagProbe
 from ops.demo.loadgen import Prepared, Result, send_one
 
 #: Client exceptions that mean "this replica took no request": try the next one.
@@ -83,6 +84,9 @@ class OpenLoopLoad:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.sent: list[Sent] = []
+        #: (seconds from the start, lag s) of each sample of this client's own event-loop lag: a
+        #: client whose loop runs late sends late and reads late, and would blame the system.
+        self.loop_lag: list[tuple[float, float]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="chaos-load", daemon=True)
@@ -117,6 +121,8 @@ class OpenLoopLoad:
         # A refused connection fails at once (failover); a slow accept on a loaded box is not one.
         timeout = httpx.Timeout(self.timeout_s, connect=10.0)
         tasks: set[asyncio.Task] = set()
+        probe = LoopLagProbe(on_sample=lambda lag: self.loop_lag.append((self.now_s(), lag)))
+        probe.start()
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             i = 0
             next_at = 0.0
@@ -136,6 +142,7 @@ class OpenLoopLoad:
                 next_at += self.rng.expovariate(self.rate * factor)
             if tasks:
                 await asyncio.wait(tasks, timeout=self.timeout_s + 5)
+        await probe.stop()
 
     async def _send(self, client: httpx.AsyncClient, s: Sent) -> None:
         prompt = _prompt(s.index, self.block_size)

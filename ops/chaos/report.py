@@ -18,9 +18,11 @@ Must be zero (or one), else the command exits non-zero:
   segfault in a client library), whenever it happened and whatever came back after it.
 
 Described: recovery and failover times, failures and rejections by reason (client and log),
-what the overload phase shed (rejected, with reasons) and failed, and client errors of requests
-the log never admitted (a connection cut before admission: the fault itself, e.g. a killed
-router).
+what the overload phase shed (rejected, with reasons) and failed, the client-measured TTFT of
+the requests served (p50/p99 before and during the overload phase: whether admission kept
+its promise to those it let in; during it also as the routers measured it from admission, the
+difference being the time before the router took the request), and client errors of requests the log never admitted (a
+connection cut before admission: the fault itself, e.g. a killed router).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class End:
 
     kind: str  # completed | rejected | failed
     code: str = ""
+    #: A completion's TTFT as its router measured it (from its admission), ms.
+    ttft_ms: float | None = None
 
 
 def request_ends(events: list[Envelope]) -> tuple[dict[str, str | None], dict[str, End]]:
@@ -93,7 +97,7 @@ def request_ends(events: list[Envelope]) -> tuple[dict[str, str | None], dict[st
         if isinstance(d, RequestAdmitted):
             admitted[d.request_id] = d.client_request_id
         elif isinstance(d, RequestCompleted):
-            ended.setdefault(d.request_id, End("completed"))
+            ended.setdefault(d.request_id, End("completed", ttft_ms=d.ttft_ms))
         elif isinstance(d, RequestRejected):
             ended.setdefault(d.request_id, End("rejected", d.code))
         elif isinstance(d, RequestFailed) and not d.retried:
@@ -158,7 +162,12 @@ class ChaosReport:
         o = self.overload
         why = ", ".join(f"{k} {v}" for k, v in o["rejected_by_reason"].items()) or "none"
         lines.append(f"overload   {o['sent']} sent: {o['ok']} ok, {o['rejected']} rejected ({why}), "
-                     f"{o['failed']} failed")
+                     f"{o['failed']} failed; served TTFT p50 {_fmt(o['ttft_ms_p50'])} / p99 "
+                     f"{_fmt(o['ttft_ms_p99'])} ms (before it: p50 {_fmt(r['ttft_ms_p50'])} / p99 "
+                     f"{_fmt(r['ttft_ms_p99'])} ms); by its router from admission: p50 "
+                     f"{_fmt(o['router_ttft_ms_p50'])} / p99 {_fmt(o['router_ttft_ms_p99'])} ms; the client's "
+                     f"own loop lag p50 {_fmt(o['client_loop_lag_ms_p50'])} / p99 "
+                     f"{_fmt(o['client_loop_lag_ms_p99'])} ms")
         for k, ex in self.examples.items():
             if ex:
                 lines.append(f"{k:10s} e.g. {', '.join(map(str, ex[:5]))}")
@@ -180,10 +189,19 @@ def _fmt(x: float | None) -> str:
     return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
 
 
+def _pcts(xs: list[float], name: str = "ttft_ms") -> dict[str, float | None]:
+    """p50 and p99 (nearest rank) of ``xs`` as ``<name>_p50`` / ``<name>_p99``; None: no value."""
+    xs = sorted(xs)
+    return {f"{name}_p{q}": xs[max(0, math.ceil(q / 100 * len(xs)) - 1)] if xs else None for q in (50, 99)}
+
+
 def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events: list[Envelope],
                  ledger: LedgerCheck, views: list[ViewCheck], lag: list | None = None,
-                 crashes: list[str] | tuple[str, ...] = ()) -> ChaosReport:
-    """Fold the run into the report. Pure."""
+                 crashes: list[str] | tuple[str, ...] = (),
+                 client_loop_lag: list[tuple[float, float]] | None = None) -> ChaosReport:
+    """Fold the run into the report. Pure. ``client_loop_lag``: (seconds of load, lag s) samples
+    of the load generator's own event loop (its percentiles in the overload phase are reported:
+    a client that runs late measures its own lateness as TTFT)."""
     admitted, ended = request_ends(events)
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
     unended = sorted(set(admitted) - set(ended))
@@ -239,14 +257,21 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
                   "rejected": sum(1 for s in done if s.result.rejected),
                   "failed": sum(1 for s in done if not s.result.ok and not s.result.rejected),
                   "unfinished": len(sent) - len(done), "admitted": len(admitted),
-                  "failovers_to_another_replica": sum(1 for s in done if s.attempts > 1)},
+                  "failovers_to_another_replica": sum(1 for s in done if s.attempts > 1),
+                  **_pcts([s.result.ttft_ms for s in done if s.result.ok and not s.overload])},
         checks=checks,
         ledger=ledger.summary(),
         views=[asdict(v) for v in views],
         overload={"sent": len(ov), "ok": sum(1 for s in ov if s.result.ok), "rejected": len(ov_rejected),
                   "failed": len(ov_failed),
                   "rejected_by_reason": dict(Counter(s.result.code for s in ov_rejected).most_common()),
-                  "failed_by_reason": dict(Counter(s.result.code for s in ov_failed).most_common())},
+                  "failed_by_reason": dict(Counter(s.result.code for s in ov_failed).most_common()),
+                  **_pcts([s.result.ttft_ms for s in ov if s.result.ok]),
+                  **_pcts([lag * 1000 for t, lag in client_loop_lag or () if plan.overload is not None
+                           and plan.overload.covers(t)], "client_loop_lag_ms"),
+                  **_pcts([e.ttft_ms for s in ov if s.result.ok and (e := ended.get(
+                      s.result.router_request_id or by_client.get(s.client_id, ""))) is not None
+                      and e.ttft_ms is not None], "router_ttft_ms")},
         failures_by_reason=dict(failures.most_common()),
         log_ends_by_reason=dict(Counter(f"{e.kind}:{e.code}" if e.code else e.kind
                                         for e in ended.values()).most_common()),

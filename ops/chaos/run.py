@@ -438,7 +438,8 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
         with KafkaLogReader(system.bus) as reader:
             ledger = check_acks(reader, _ledger_entries(system.s.ledger_dir))
         report = build_report(runner.plan, runner.faults, runner.load.snapshot(), events, ledger, views,
-                              lag=sampler.samples if sampler else [], crashes=crashes)
+                              lag=sampler.samples if sampler else [], crashes=crashes,
+                              client_loop_lag=list(runner.load.loop_lag))
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),
             "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate})

@@ -59,7 +59,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 #: Router error codes that mean "refused at admission", not "failed".
-ADMISSION_CODES = frozenset({"queue_full", "queue_timeout"})
+ADMISSION_CODES = frozenset({"queue_full", "queue_timeout", "router_overloaded"})
 
 
 @dataclass(frozen=True)

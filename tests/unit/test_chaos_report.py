@@ -29,11 +29,12 @@ def _sent(i: int, *, ok: bool = True, status: int = 200, code: str = "", rid: st
     return Sent(i, f"c-{i}", at, overload, replica=0, attempts=1, end_s=at + 0.1, result=r)
 
 
-def _report(sent, events, faults=(), ledger=None, views=None, **plan):
+def _report(sent, events, faults=(), ledger=None, views=None, client_loop_lag=None, **plan):
     p = make_plan(PlanConfig(duration_s=60, faults=("router_kill",), overload_s=10, **plan))
     return build_report(p, list(faults) or [_recovered()], sent, events,
                         ledger or LedgerCheck(acked=10, failed=0, records=10),
-                        [ViewCheck("router-0", True, "d", "d", 5)] if views is None else views)
+                        [ViewCheck("router-0", True, "d", "d", 5)] if views is None else views,
+                        client_loop_lag=client_loop_lag)
 
 
 def _recovered() -> FaultRecord:
@@ -75,7 +76,10 @@ def test_failures_the_log_explains_are_not_silent_and_the_others_are() -> None:
     assert rep.checks["unended"] == 1 and rep.examples["unended"] == ["r-3"]
     assert rep.unadmitted_client_errors == {"ReadError": 1}
     assert rep.overload == {"sent": 1, "ok": 0, "rejected": 1, "failed": 0,
-                            "rejected_by_reason": {"queue_full": 1}, "failed_by_reason": {}}
+                            "rejected_by_reason": {"queue_full": 1}, "failed_by_reason": {},
+                            "ttft_ms_p50": None, "ttft_ms_p99": None, "router_ttft_ms_p50": None,
+                            "router_ttft_ms_p99": None, "client_loop_lag_ms_p50": None,
+                            "client_loop_lag_ms_p99": None}
     assert rep.log_ends_by_reason["failed:no_worker"] == 1
     assert not rep.ok
 
@@ -96,3 +100,27 @@ def test_a_process_that_exited_on_its_own_fails_the_run_even_when_everything_rec
     assert rep.checks["crashed"] == 1 and rep.checks["unrecovered"] == 0 and not rep.ok
     assert " crashed=1 " in rep.result_line()
     assert "CRASHED    metrics start 2 exited -11" in rep.summary()
+
+
+def test_served_ttft_is_reported_before_and_during_the_overload_phase() -> None:
+    """Nearest rank: of 100 served before the overload with TTFT 1..100 ms, p50 is the 50th (50)
+    and p99 the 99th (99); the overload phase's two served (200, 400 ms): p50 200, p99 400, and
+    as their router measured them (150, 300 ms); its rejected request's TTFT does not count."""
+    before = []
+    for i in range(100):
+        s = _sent(i, rid=f"r-{i}")
+        s.result.ttft_ms = float(i + 1)
+        before.append(s)
+    during = [_sent(100 + i, rid=f"r-o{i}", at=55.0, overload=True) for i in range(2)]
+    events = [_env(RequestCompleted(request_id=f"r-o{i}", worker_id="w", prompt_tokens=1, output_tokens=1,
+                                    ttft_ms=ms, e2e_ms=ms)) for i, ms in ((0, 150.0), (1, 300.0))]
+    during[0].result.ttft_ms, during[1].result.ttft_ms = 200.0, 400.0
+    shed = _sent(200, ok=False, status=503, code="router_overloaded", rid="r-x", rejected=True, at=56.0,
+                 overload=True)
+    # The client's own loop: 1 s late before the overload phase (not counted), 10 and 30 ms in it.
+    rep = _report(before + during + [shed], events, client_loop_lag=[(20.0, 1.0), (51.0, 0.01), (52.0, 0.03)])
+    assert (rep.requests["ttft_ms_p50"], rep.requests["ttft_ms_p99"]) == (50.0, 99.0)
+    assert (rep.overload["ttft_ms_p50"], rep.overload["ttft_ms_p99"]) == (200.0, 400.0)
+    assert (rep.overload["router_ttft_ms_p50"], rep.overload["router_ttft_ms_p99"]) == (150.0, 300.0)
+    assert (rep.overload["client_loop_lag_ms_p50"], rep.overload["client_loop_lag_ms_p99"]) == (10.0, 30.0)
+    assert "served TTFT p50 200.00 / p99 400.00 ms (before it: p50 50.00 / p99 99.00 ms)" in "\n".join(rep.summary())

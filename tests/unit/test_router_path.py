@@ -22,7 +22,9 @@ import pytest
 from control_plane.router import RouterConfig
 from control_plane.router.server import create_app
 from control_plane.router.serving import RouterApp, RouterMetrics
+from control_plane.router.health import RouterHealth
 from control_plane.router.ledger import NO_INFLIGHT, RouterLedger
+from control_plane.router.loop_lag import LoopLag
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
 from control_plane.router.ttft import PRIOR, predict_ttft_ms
 from control_plane.router.view import RouterView, WorkerState
@@ -451,6 +453,33 @@ async def test_a_request_whose_last_attempt_failed_ends_once_as_failed_not_also_
     assert _ends(sink) == ["RequestFailed"] and sink.of_type(RequestFailed)[-1].code == "no_workers_left"
     assert metrics.registry.get_sample_value(
         "switchyard_router_requests_total", {"endpoint": "completions", "outcome": "failed"}) == 1
+    check.verify()
+    await router.close()
+
+
+async def test_a_router_whose_loop_lags_sheds_at_once_with_its_reason_and_exports_it() -> None:
+    """Smoothed lag 300 ms over the 100 ms limit: 503 ``router_overloaded`` with Retry-After,
+    the worker never called, one end (``RequestRejected``) counted by reason; /metrics shows the
+    lag and the (empty) admission queue. The lag back at 5 ms: the next request is served."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [tokens("Hi")], max_loop_lag_ms=100)
+    lag = {"now": LoopLag(0.3, 0.4, 1.0, 20)}
+    router.loop_lag = lambda: lag["now"]
+    metrics = RouterMetrics()
+    app = create_app(RouterApp(router=router, tokenizer=None, metrics=metrics, served_model="m",
+                               health=lambda: RouterHealth("EXACT", 0, 0.0)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        body = {"prompt": PROMPT, "max_tokens": 3, "stream": False}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "router_overloaded" and "300 ms late" in r.json()["error"]["message"]
+        assert _ends(sink) == ["RequestRejected"] and sink.of_type(RequestRejected)[0].http_status == 503
+        assert fake.calls == [] and metrics.registry.get_sample_value(
+            "switchyard_router_rejections_total", {"code": "router_overloaded"}) == 1
+        exported = (await client.get("/metrics")).text
+        assert "switchyard_router_event_loop_lag_seconds 0.3" in exported
+        assert "switchyard_router_admission_queue_requests 0.0" in exported
+        lag["now"] = LoopLag(0.005, 0.004, 2.0, 40)
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
     check.verify()
     await router.close()
 
