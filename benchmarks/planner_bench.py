@@ -84,8 +84,6 @@ from ops.demo.up import WHOLE_TRACE
 from control_plane.planner.config import PlannerConfig, PoolConfig, resolve_profiles
 from control_plane.planner.load_view import LoadView, stamp
 from control_plane.planner.policy import PlannerState, decide, needed_replicas
-from control_plane.router.admission import AdmissionConfig, decode_busy
-from control_plane.router.admission import PoolLoad as AdmissionLoad
 from data_plane.engines import EngineCore, EngineRequest, default_hash_config, load_profile, read_mooncake
 from data_plane.engines.cluster import Cluster
 from data_plane.engines.hooks import HandOff, Hooks, Placement
@@ -180,8 +178,6 @@ class Worker:
     gone_ms: float | None = None
     #: prefill: prompt tokens routed and not yet through; decode: sequences routed and running
     outstanding: int = 0
-    #: decode: KV blocks of the sequences routed and running (prompt + max tokens each)
-    blocks: int = 0
 
 
 @dataclass
@@ -228,10 +224,6 @@ class Sim(Hooks):
 
     #: How arrivals and hand-offs pick a worker (see :meth:`_pick`).
     ROUTING = "least loaded"
-    #: The router's admission rule (``control_plane.router.admission``): a decode worker whose
-    #: sequence slots or KV are full takes no hand-off; it is held in :attr:`pending`, in order,
-    #: and placed when one has room (re-checked every ``poll_interval_s``, as the router's queue).
-    ADMISSION = AdmissionConfig()
 
     def __init__(self, requests: list[Req], *, profile: str = "mocker", prefill: int, decode: int,
                  planner: PlannerConfig | None = None, startup_s: float = 30.0, label: str = "",
@@ -244,10 +236,7 @@ class Sim(Hooks):
         self.startup_ms = startup_s * 1000.0
         self.label = label
         self.workers: dict[str, Worker] = {}
-        #: Requests waiting for a worker of the pool: none ready (prefill, decode) or, decode, none
-        #: with room (:meth:`_has_room`); placed in order.
         self.pending: dict[str, list[Req]] = {"prefill": [], "decode": []}
-        self._polling = False
         self.view = LoadView(planner.load_view_config(), start_ns=0) if planner else None
         self.state = PlannerState().with_token(1)
         self.decisions: list[tuple[float, str, int, int]] = []
@@ -287,55 +276,25 @@ class Sim(Hooks):
             return
         w.state = "ready"
         self._emit(WorkerLoadReported(worker_id=w.wid, running=0, waiting=0), t, w.wid)
-        self._release(w.pool, t)
-
-    def _has_room(self, w: Worker) -> bool:
-        """A ready worker that may take a request now: every prefill worker; a decode worker not
-        busy by the router's rule (:func:`decode_busy`, with the engine's ``max_num_seqs``)."""
-        if w.pool != "decode":
-            return True
-        prof = self.profile
-        return not decode_busy(AdmissionLoad(w.wid, active_decode_blocks=w.blocks,
-                                             kv_capacity_blocks=prof.num_device_blocks, running=w.outstanding,
-                                             max_running=prof.max_num_seqs), self.ADMISSION)
-
-    def _takers(self, pool: str) -> list[Worker]:
-        """The pool's ready workers with room, in registration order."""
-        return [w for w in self.workers.values() if w.pool == pool and w.state == "ready" and self._has_room(w)]
+        queue = self.pending[w.pool]
+        self.pending[w.pool] = []
+        for r in queue:
+            p = self._route(r, w.pool, t)
+            if p is not None:
+                self.cluster.place(p.worker, p.request, t)
 
     def _pick(self, pool: str) -> Worker | None:
         best = None
-        for w in self._takers(pool):
-            if best is None or w.outstanding < best.outstanding:
+        for w in self.workers.values():
+            if w.pool == pool and w.state == "ready" and (best is None or w.outstanding < best.outstanding):
                 best = w
         return best
 
-    def _release(self, pool: str, t: float) -> None:
-        """Place the pool's waiting requests, oldest first, while a worker takes them; while some
-        still wait for decode room, look again in ``poll_interval_s`` (the router's queue's poll)."""
-        queue = self.pending[pool]
-        while queue:
-            p = self._route(queue[0], pool, t, queued=True)
-            if p is None:
-                break
-            queue.pop(0)
-            self.cluster.place(p.worker, p.request, t)
-        if pool == "decode" and queue and not self._polling and any(
-                w.pool == pool and w.state == "ready" for w in self.workers.values()):
-            self._polling = True
-            self.cluster.schedule(t + self.ADMISSION.poll_interval_s * 1000.0, self._poll)
-
-    def _poll(self, t: float) -> None:
-        self._polling = False
-        self._release("decode", t)
-
-    def _route(self, r: Req, pool: str, t: float, queued: bool = False) -> Placement | None:
-        """The phase's placement (None: no worker of the pool takes it now; it waits, in order,
-        behind any request already waiting; ``queued``: ``r`` is the head of that queue)."""
-        w = None if self.pending[pool] and not queued else self._pick(pool)
+    def _route(self, r: Req, pool: str, t: float) -> Placement | None:
+        """The phase's placement (None: no ready worker in the pool; it waits for one)."""
+        w = self._pick(pool)
         if w is None:
-            if not queued:
-                self.pending[pool].append(r)
+            self.pending[pool].append(r)
             return None
         if pool == "prefill":
             r.prefill_worker = w.wid
@@ -346,7 +305,6 @@ class Sim(Hooks):
         else:
             r.decode_worker = w.wid
             w.outstanding += 1
-            w.blocks += -(-(len(r.engine.prompt) + r.osl) // self.profile.block_size)
             req = dataclasses.replace(r.engine, max_tokens=r.osl, output_prefix=(r.first_token,),
                                       phase=RequestPhase.DECODE)
             self._emit(RequestRouted(request_id=r.rid, worker_id=w.wid, phase=RequestPhase.DECODE, mode="least_loaded",
@@ -369,7 +327,6 @@ class Sim(Hooks):
         r = self.by_id[request.request_id]
         self._emit(RequestAdmitted(request_id=r.rid, model="m", prompt_tokens=len(r.engine.prompt),
                                    max_tokens=r.osl, block_size=self.profile.block_size, hash_algo="sha256"), now)
-        self._release("decode", now)
         return self._route(r, "prefill", now)
 
     def hand_off(self, request: EngineRequest, worker: WorkerId, token: int, now: float) -> Placement | HandOff | None:
@@ -382,19 +339,13 @@ class Sim(Hooks):
                                     cached_tokens=self.cluster.records[r.rid].cached_tokens,
                                     duration_ms=now - r.arrival_ms), now, worker)
         if r.osl > 1:
-            self._release("decode", now)
-            p = self._route(r, "decode", now)
-            if p is None:
-                self._release("decode", now)  # starts the poll
-            return p
+            return self._route(r, "decode", now)
         self._complete(r, worker, now)
         return HandOff.FINISHED
 
     def on_complete(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
-        w, r = self.workers[worker], self.by_id[request_id]
-        w.outstanding -= 1
-        w.blocks -= -(-(len(r.engine.prompt) + r.osl) // self.profile.block_size)
-        self._complete(r, worker, t)
+        self.workers[worker].outstanding -= 1
+        self._complete(self.by_id[request_id], worker, t)
 
     def on_gone(self, worker: WorkerId, t: float) -> None:
         w = self.workers[worker]
@@ -428,7 +379,6 @@ class Sim(Hooks):
                          time.perf_counter() - t0)
 
     def _tick(self, t: float) -> None:
-        self._release("decode", t)
         for w in self.workers.values():
             if w.state in ("ready", "draining"):
                 st = w.core.stats()

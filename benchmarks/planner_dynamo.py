@@ -271,7 +271,7 @@ def run_dynamo(reqs: Sequence[Req], runs: Sequence[Run], **job_args) -> list[Out
 class RoundRobinSim(Sim):
     """The bench's simulator routed round robin in each pool, as Dynamo's replay with
     ``router_mode="round_robin"``: each arrival (prefill) or hand-off (decode) goes to the next
-    ready worker of the pool in turn (of those with room, by the same admission rule)."""
+    ready worker of the pool in turn."""
 
     ROUTING = "round robin"
 
@@ -280,7 +280,7 @@ class RoundRobinSim(Sim):
         super().__init__(*args, **kwargs)
 
     def _pick(self, pool: str) -> Worker | None:
-        ready = self._takers(pool)  # the ready workers with room (a full decode worker is skipped)
+        ready = [w for w in self.workers.values() if w.pool == pool and w.state == "ready"]
         if not ready:
             return None
         w = ready[self._turn[pool] % len(ready)]

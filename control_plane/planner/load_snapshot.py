@@ -62,10 +62,6 @@ class PoolLoad:
     windows: tuple[WindowStats, ...] = ()
     #: The hopping window ending at the last closed step.
     hopping: WindowStats | None = None
-    #: Requests whose prompt this (prefill) pool finished and that no decode worker has taken
-    #: yet: held while every decode worker is busy. On a decode pool fed by it
-    #: (``policy._with_upstream``): its upstream's, the hand-offs waiting for this pool.
-    handoffs_waiting: int = 0
 
     @property
     def last_window(self) -> WindowStats | None:

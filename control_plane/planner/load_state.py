@@ -46,9 +46,6 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     #: Pools the request was counted in as an arrival.
     pools: list[str] = []
     prefill_worker: str | None = None
-    #: The prefill pool that finished its prompt and handed it off, until a decode worker takes
-    #: it (``RequestRouted`` of the decode phase): it waits for one meanwhile.
-    handed_off_by: str | None = None
 
 
 class Step(msgspec.Struct, array_like=True):

@@ -84,7 +84,7 @@ from schemas.events import (
     WorkerLoadReported,
     WorkerRegistered,
 )
-from schemas.types import RequestPhase, WorkerRole
+from schemas.types import RequestPhase
 
 #: Re-exported: the planner, its tests and tools import the view's configuration and shapes from
 #: here (``windows.py`` and ``load_snapshot.py`` define them).
@@ -314,8 +314,6 @@ class LoadView:
         r = self._req(s.request_id, s.at_ns)
         if s.phase == RequestPhase.PREFILL.value:
             r.prefill_worker = s.worker_id
-        elif s.phase == RequestPhase.DECODE.value:
-            r.handed_off_by = None
         if pool in r.pools:
             return ()  # a retry inside the same pool is not a new arrival
         r.pools.append(pool)
@@ -328,10 +326,6 @@ class LoadView:
         return ((pool, "arrivals", s.at_ns),)
 
     def _prefill_completed(self, s: Step) -> None:
-        w = self.workers.get(s.worker_id)
-        r = self._requests.get(s.request_id)
-        if w is not None and r is not None and w.role == WorkerRole.PREFILL.value:
-            r.handed_off_by = w.pool  # until a decode worker takes it (or it completes here)
         acc = self._acc(self._pool_of(s.worker_id), s.at_ns)
         if acc is not None:
             acc.prompt_tokens += s.prompt_tokens
@@ -470,10 +464,6 @@ class LoadView:
         grace = int(cfg.grace_s * NS)
         hop = int(round(cfg.hopping_s * NS))
         pools = []
-        handed: dict[str, int] = {}
-        for r in self._requests.values():
-            if r.handed_off_by is not None:
-                handed[r.handed_off_by] = handed.get(r.handed_off_by, 0) + 1
         for name in self.pools():
             workers = []
             counts = {"starting": 0, "ready": 0, "draining": 0, "stale": 0}
@@ -501,8 +491,7 @@ class LoadView:
             role = max(sorted(roles), key=lambda r: roles[r]) if roles else ""
             pools.append(PoolLoad(
                 pool=name, role=role, replicas=ReplicaCounts(**counts), workers=tuple(workers),
-                windows=tuple(self.closed_windows(name, now_ns, cfg.tumbling_s, history)), hopping=hopping,
-                handoffs_waiting=handed.get(name, 0)))
+                windows=tuple(self.closed_windows(name, now_ns, cfg.tumbling_s, history)), hopping=hopping))
         return LoadSnapshot(now_ns=now_ns, pools=tuple(pools), watermark_ns=self.watermark_ns)
 
     # -- checkpoints ------------------------------------------------------------------------

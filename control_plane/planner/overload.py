@@ -12,12 +12,6 @@ from control_plane.planner.profile import PerformanceProfile
 from schemas.types import WorkerRole
 
 
-def decode_waiting(load: PoolLoad, ready: list) -> int:
-    """Decode requests waiting: in the ready workers' queues, and hand-offs held for a decode
-    worker with room (``PoolLoad.handoffs_waiting``)."""
-    return sum(w.waiting for w in ready) + load.handoffs_waiting
-
-
 def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile,
               now: int, new: list[WindowStats]) -> tuple[PoolState, str]:
     """The closed loop's observations: (state, the breach that holds now or "").
@@ -51,11 +45,10 @@ def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig,
         # (a queue that is merely non-empty at the tick leaves idle gaps: measured low)
         saturated = saturated and all(w.queued_prefill_tokens >= prof.prefill_tokens_per_s for w in ready)
     if role is not WorkerRole.PREFILL:
-        waiting = decode_waiting(load, ready)
+        waiting = sum(w.waiting for w in ready)
         if ready and waiting > len(ready):
             breaches.append(f"{waiting} decode requests waiting on {len(ready)} ready workers")
-        # hand-offs held: every ready worker was busy (the router's rule), so each is saturated
-        saturated = saturated and bool(ready) and (load.handoffs_waiting > 0 or all(w.waiting > 0 for w in ready))
+        saturated = saturated and bool(ready) and all(w.waiting > 0 for w in ready)
 
     mu_m, ratio = ps.service_tok_s, ps.latency_ratio
     clean = ps.clean_windows
@@ -124,7 +117,7 @@ def _overload_need(rate: float, isl: float, osl: float, hit: float, load: PoolLo
         context = isl + osl / 2
         mu = ps.service_tok_s or prof.best_decode((pc.itl_slo_ms or 0.0) / ps.itl_correction, context).tokens_per_s
         arr = rate * osl
-        waiting = decode_waiting(load, ready)
+        waiting = sum(w.waiting for w in ready)
         backlog = waiting * osl
         projected = backlog + max(arr - len(ready) * mu, 0.0) * lead
         n = (arr + projected / drain) / mu if mu > 0 else 0.0

@@ -203,13 +203,11 @@ def decide(now_ns: int, snapshot: LoadSnapshot, config: PlannerConfig,
 
 def _with_upstream(snapshot: LoadSnapshot, pc: PoolConfig) -> PoolLoad:
     """The pool's load; for a decode pool ``fed_by`` a prefill pool, its windows' demand
-    (arrivals, ISL) is the upstream pool's for the same window, and the upstream's hand-offs
-    no decode worker took yet wait for it."""
+    (arrivals, ISL) is the upstream pool's for the same window."""
     load = snapshot.pool(pc.name)
     if pc.fed_by is None:
         return load
-    upstream = snapshot.pool(pc.fed_by)
-    up = {w.end_ns: w for w in upstream.windows}
+    up = {w.end_ns: w for w in snapshot.pool(pc.fed_by).windows}
     windows = []
     for w in load.windows:
         u = up.get(w.end_ns)
@@ -217,7 +215,7 @@ def _with_upstream(snapshot: LoadSnapshot, pc: PoolConfig) -> PoolLoad:
             w = replace(w, arrivals=u.arrivals, isl_mean=u.isl_mean if u.isl_mean is not None else w.isl_mean,
                         isl_sd=u.isl_sd if u.isl_mean is not None else w.isl_sd)
         windows.append(w)
-    return replace(load, windows=tuple(windows), handoffs_waiting=upstream.handoffs_waiting)
+    return replace(load, windows=tuple(windows))
 
 
 def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps: PoolState,

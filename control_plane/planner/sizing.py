@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from control_plane.planner.config import PlannerConfig, PoolConfig
 from control_plane.planner.errors import PlannerConfigError
 from control_plane.planner.load_view import NS, PoolLoad
-from control_plane.planner.overload import _overload_need, decode_waiting
+from control_plane.planner.overload import _overload_need
 from control_plane.planner.policy_types import _EPS, MAX_HIT_RATE, InputValue, PoolState
 from control_plane.planner.predictors import forecast
 from control_plane.planner.profile import PerformanceProfile
@@ -114,13 +114,12 @@ def _cv(mean: float | None, sd: float | None) -> float:
 
 
 def _backlog(load: PoolLoad, cfg: PlannerConfig, osl: float) -> tuple[float, float]:
-    """Drain rates of what the ready workers report queued: prefill tokens, decode requests (with
-    the hand-offs held for a decode worker)."""
+    """Drain rates of what the ready workers report queued: prefill tokens, decode requests."""
     if cfg.backlog_drain_s is None:
         return 0.0, 0.0
     ready = [w for w in load.workers if w.state == "ready"]
     return (sum(w.queued_prefill_tokens for w in ready) / cfg.backlog_drain_s,
-            decode_waiting(load, ready) * osl / cfg.backlog_drain_s)
+            sum(w.waiting for w in ready) * osl / cfg.backlog_drain_s)
 
 
 def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile, role: WorkerRole,

@@ -14,10 +14,7 @@ Policy (stated, configurable through :class:`AdmissionConfig`):
   this: it lags by its interval and would hold a drained worker busy. With several router
   replicas each gates its own share, so a worker may see up to replicas x the threshold.
 * Decode workers are busy while their active decode blocks fill ``busy_kv_fraction`` of their
-  device capacity, or their running sequences reach the engine's ``max_num_seqs`` (when known:
-  more would wait in that worker's queue, where a replica started later cannot take them);
-  a disaggregated request also waits while every decode worker is busy (:func:`decode_busy`).
-  The bench's simulator holds a hand-off by the same rule (``benchmarks/planner_bench.py``).
+  device capacity; a disaggregated request also waits while every decode worker is busy.
 * The queue is FCFS: the head is dispatched first, and nothing overtakes it. At most
   ``queue_max`` requests wait; one more is refused with 429 (``queue_full``). A request that
   waited ``queue_timeout_s`` is refused with 503 (``queue_timeout``). Both carry Retry-After.
@@ -79,18 +76,6 @@ class PoolLoad:
     prefill_tokens: int = 0
     active_decode_blocks: int = 0
     kv_capacity_blocks: int = 0
-    #: Sequences running (routed and not finished) on a decode worker, and the engine's
-    #: ``max_num_seqs`` (0: unknown, no limit).
-    running: int = 0
-    max_running: int = 0
-
-
-def decode_busy(d: PoolLoad, cfg: AdmissionConfig) -> bool:
-    """Whether decode worker ``d`` takes no new sequence now: its KV is ``busy_kv_fraction``
-    full, or every one of its ``max_running`` sequence slots is taken."""
-    if d.max_running and d.running >= d.max_running:
-        return True
-    return bool(d.kv_capacity_blocks) and d.active_decode_blocks >= cfg.busy_kv_fraction * d.kv_capacity_blocks
 
 
 def has_room(entry: Iterable[PoolLoad], decode: Iterable[PoolLoad] | None, cfg: AdmissionConfig,
@@ -107,7 +92,8 @@ def has_room(entry: Iterable[PoolLoad], decode: Iterable[PoolLoad] | None, cfg: 
         return False
     if decode is not None:
         dec = list(decode)
-        if dec and all(decode_busy(d, cfg) for d in dec):
+        if dec and all(d.kv_capacity_blocks and d.active_decode_blocks >= cfg.busy_kv_fraction * d.kv_capacity_blocks
+                       for d in dec):
             return False
     return True
 
