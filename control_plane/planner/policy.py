@@ -82,7 +82,8 @@ One tick, per pool:
    measured arrivals plus the backlog drained in ``overload_drain_s`` at the measured service
    rate (``_overload``, ``_overload_need``), orders stacking on replicas still starting, no
    scale-down, first call on the budget while the breach lasts; left after
-   ``overload_exit_windows`` clean windows.
+   ``overload_exit_windows`` clean windows. Once its queue has drained (only lagging windows
+   breach), it may yield down to its need in a squeeze, cooldown or not.
 7. **Effects.** Each pool whose target changes gets a :class:`ScaleEffect` carrying a
    ``ScalingDecision`` payload: from, to, a reason with the arithmetic, every input (predictions,
    profile lookups, corrections, replica counts), the predictor, the config version and the
