@@ -1081,6 +1081,12 @@ if __name__ == "__main__":
 
             v = args.pop(0)
             kw[k[2:].replace("-", "_")] = parse_cases(v) if v != "none" else ()
+        elif k == "--case":  # one scored case alone, e.g. chat:2:burst: no constant shape, trace or tuning
+            from workloads.sets import parse_cases
+
+            fam_seed, _, shape = args.pop(0).rpartition(":")
+            trace = None
+            kw.update(score=parse_cases(fam_seed), score_shapes=[shape], shapes=[], tune_set=())
         elif k == "--score-shapes":
             kw["score_shapes"] = [x for x in args.pop(0).split(",") if x]
         elif k == "--tune":  # tune ours only, on these cases, and stop

@@ -23,12 +23,15 @@ def _apply_budget(plans: list[_Plan], budget: int) -> dict[str, tuple[int, str]]
     Only if even that base does not fit (the budget was lowered) does every pool start again
     from its minimum. So a holder never drops below its need, and never drains for nothing. A
     pool whose last decision is still pending (``frozen``) offers nothing: no new decision for it
-    until that one is applied.
+    until that one is applied. The exception is a pool in overload whose queue has drained
+    (``policy._plan_pool``): it offers what is above its need even then.
     """
-    if any(p.overload and p.proposed > p.current for p in plans):
-        # a pool in overload is failing its SLO: one with a wide margin yields to it, even below
-        # its model need (to margin_yield_to), cooldown or not
-        # (and does not grow meanwhile)
+    held = sum(p.load.replicas.draining * p.config.gpus_per_replica for p in plans)
+    fits = sum(p.proposed * p.config.gpus_per_replica for p in plans) <= budget - held
+    if not fits and any(p.overload and p.proposed > p.current for p in plans):
+        # a pool in overload is failing its SLO and the proposals do not fit: one with a wide
+        # margin yields to it, even below its model need (to margin_yield_to), cooldown or not
+        # (and does not grow meanwhile); while they fit, nobody is held back
         plans = [replace(p, proposed=min(p.proposed, p.current),
                          yield_to=min(p.yield_to if p.yield_to is not None else p.proposed, p.margin_yield_to))
                  if p.margin_yield_to is not None and not p.overload else p for p in plans]

@@ -13,8 +13,10 @@ from schemas.types import WorkerRole
 
 
 def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile,
-              now: int, new: list[WindowStats]) -> tuple[PoolState, str]:
-    """The closed loop's observations: (state, the breach that holds now or "").
+              now: int, new: list[WindowStats]) -> tuple[PoolState, str, bool]:
+    """The closed loop's observations: (state, the breach that holds now or "", whether a queue
+    breaches now). A window's attainment lags (its completions waited earlier); a queue is what
+    users will feel next: a pool in overload without one has drained its backlog.
 
     A **breach** is what users feel: a window just closed whose SLO attainment is below
     ``overload_attainment`` (at least ``correction_min_samples`` judged), or a queue on the ready
@@ -50,6 +52,7 @@ def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig,
             breaches.append(f"{waiting} decode requests waiting on {len(ready)} ready workers")
         saturated = saturated and bool(ready) and all(w.waiting > 0 for w in ready)
 
+    queued = bool(breaches)
     mu_m, ratio = ps.service_tok_s, ps.latency_ratio
     clean = ps.clean_windows
     for w in new:
@@ -87,7 +90,7 @@ def _overload(ps: PoolState, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig,
         since = None
     ps = replace(ps, overload_since_ns=since, clean_windows=clean, service_tok_s=mu_m, latency_ratio=ratio,
                  saturated_since_ns=(ps.saturated_since_ns or now) if saturated else None)
-    return ps, "; ".join(breaches)
+    return ps, "; ".join(breaches), queued
 
 
 def _overload_need(rate: float, isl: float, osl: float, hit: float, load: PoolLoad, pc: PoolConfig,

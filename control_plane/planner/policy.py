@@ -82,7 +82,8 @@ One tick, per pool:
    measured arrivals plus the backlog drained in ``overload_drain_s`` at the measured service
    rate (``_overload``, ``_overload_need``), orders stacking on replicas still starting, no
    scale-down, first call on the budget while the breach lasts; left after
-   ``overload_exit_windows`` clean windows.
+   ``overload_exit_windows`` clean windows. Once its queue has drained (only lagging windows
+   breach), it may yield down to its need in a squeeze, cooldown or not.
 7. **Effects.** Each pool whose target changes gets a :class:`ScaleEffect` carrying a
    ``ScalingDecision`` payload: from, to, a reason with the arithmetic, every input (predictions,
    profile lookups, corrections, replica counts), the predictor, the config version and the
@@ -244,7 +245,7 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         ps = replace(ps, settled_since_ns=now)
     new_windows = [w for w in load.windows if w.end_ns > ps.last_window_end_ns]
     ps = _observe(ps, load, pc, cfg, prof, pending)
-    ps, breach = _overload(ps, load, pc, cfg, prof, now, new_windows)
+    ps, breach, queued = _overload(ps, load, pc, cfg, prof, now, new_windows)
     overload = ps.overload_since_ns is not None
     if overload:
         inputs["overload"] = breach or f"no breach for {ps.clean_windows} windows, queue not yet drained"
@@ -360,7 +361,13 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
     margin_yield_to = None
     r = ps.latency_ratio
     failing = overload and bool(breach)
-    if not failing and pin is None and not frozen and needed is not None and r is not None and r <= cfg.yield_margin:
+    if overload and not queued and pin is None and needed is not None:
+        # in overload with its queue drained (only lagging windows breach, or none): the
+        # replicas ordered for the backlog are surplus above the need; a squeeze may take them
+        # back, cooldown, pending start-ups or not (a replica still starting is cancelled at once)
+        yield_to = min(yield_to, max(math.ceil(needed - _EPS), lo))
+        inputs["drained_yield_to"] = yield_to
+    elif not failing and pin is None and not frozen and needed is not None and r is not None and r <= cfg.yield_margin:
         margin_yield_to = min(proposed, max(lo, math.ceil(needed * max(r / cfg.yield_margin, 0.75) - _EPS)))
     return _Plan(pc, ps, current, proposed, action, reason, inputs, needed, pin is not None, load,
                  frozen=frozen, binding=binding, yield_to=yield_to, overload=failing and pin is None,

@@ -201,3 +201,44 @@ def test_startup_reserve_never_orders_replicas():
     state = PlannerState(pools=(PoolState(pool="p", target=4),))
     d, _ = decide(21 * NS, _snap(21, _pool("p", "prefill", [make_window(20)], ready=4)), cfg, state)
     assert not d.effects and d.report("p").action == "hold"
+
+
+def test_a_pool_with_a_margin_still_grows_while_the_proposals_fit():
+    """Budget 16. Decode (2 ready) is failing: 1,000 requests wait on 2 workers; it grows. Prefill
+    (2 ready) has a wide TTFT margin (100 ms mean against 1,000 ms: ratio 0.1) but its load, 30
+    req/s x 2,000 tokens = 60,000 tok/s, needs more than 2 replicas of 10,000 tok/s. Both
+    proposals fit 16 GPUs, so the margin rule (which yields to a failing pool in a squeeze)
+    holds nobody back: prefill grows beside decode."""
+    pre = make_pool(name="pre", max_replicas=12)
+    dec = make_pool(name="dec", role="decode", ttft_slo_ms=None, itl_slo_ms=20.0, max_replicas=12)
+    cfg = make_config(pre, dec, overload_drain_s=20.0)
+    state = PlannerState(pools=(PoolState(pool="dec", target=2), PoolState(pool="pre", target=2)))
+    loads = (_pool("pre", "prefill", [make_window(20, arrivals=300, completions=300, good=300, ttft_mean=100.0)],
+                   ready=2),
+             _pool("dec", "decode", [make_window(20, arrivals=300)], ready=2, waiting=500))
+    d, _ = decide(21 * NS, _snap(21, *loads), cfg, state)
+    moves = {e.pool: (e.from_replicas, e.to_replicas) for e in d.effects}
+    assert moves["dec"][1] > 2 and moves["pre"][1] > 2
+    assert sum(to for _f, to in moves.values()) <= 16
+
+
+def test_a_pool_in_overload_with_its_queue_drained_yields_to_a_failing_one():
+    """Budget 8. Decode entered overload at 1 s and holds 6 (its last change 10 s ago, inside a
+    60 s cooldown); its queue is gone, only its last window still breaches (attainment 0.5, the
+    requests that waited earlier). Its need: 10 req/s x 500 tokens = 5,000 tok/s of 10,000 per
+    replica: 1. Prefill (2 ready) fails now: 300,000 tokens queued each, 30 s of work > 1 s. In
+    the squeeze decode may yield down to its need (1) despite the cooldown: prefill's overload
+    sizing wants 6 ((20,000 / 0.85 + 600,000 / 20) / 10,000 = 5.35), decode keeps the other 2 of
+    8, and prefill takes the 4 GPUs once the drained replicas are gone."""
+    pre = make_pool(name="pre", max_replicas=7)
+    dec = make_pool(name="dec", role="decode", ttft_slo_ms=None, itl_slo_ms=20.0, max_replicas=7)
+    cfg = make_config(pre, dec, gpu_budget=8, overload_drain_s=20.0, cooldown_down_s=60.0)
+    state = PlannerState(pools=(PoolState(pool="dec", target=6, overload_since_ns=1 * NS, last_change_ns=11 * NS),
+                                PoolState(pool="pre", target=2)))
+    loads = (_pool("pre", "prefill", [make_window(20)], ready=2, queued_prefill_tokens=300_000),
+             _pool("dec", "decode", [make_window(20, completions=100, good=50, itl_mean=10.0)], ready=6))
+    d, _ = decide(21 * NS, _snap(21, *loads), cfg, state)
+    moves = {e.pool: (e.from_replicas, e.to_replicas) for e in d.effects}
+    assert moves == {"dec": (6, 2)}
+    assert d.report("dec").input("drained_yield_to") == 1
+    assert "waits for 4 GPUs that replicas drained now still hold" in d.report("pre").reason
