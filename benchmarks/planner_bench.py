@@ -100,7 +100,7 @@ from schemas.events import (
 )
 from schemas.types import RequestId, RequestPhase, WorkerId, WorkerRole
 from workloads.generator import default_rate
-from workloads.sets import SCORE_SET, TUNE_SET, Case, case_records, check_apart
+from workloads.sets import SCORE_SET, TUNE_SET, Case, case_records, check_apart, parse_cases
 from workloads.stats import ideal_hit_rate
 
 TRACE = WHOLE_TRACE
@@ -1035,6 +1035,13 @@ def _plot(path: Path, ours: SimResult, static: SimResult, reqs: list[Req], span:
     plt.close(fig)
 
 
+def case_kwargs(case: str) -> dict:
+    """``main``'s arguments that score one case alone (``family:seed:shape``, e.g.
+    ``chat:2:burst``): no constant shape, no tuning (pass no trace either)."""
+    fam_seed, _, shape = case.rpartition(":")
+    return dict(score=parse_cases(fam_seed), score_shapes=[shape], shapes=[], tune_set=())
+
+
 if __name__ == "__main__":
     kw = {}
     args = sys.argv[1:]
@@ -1077,21 +1084,14 @@ if __name__ == "__main__":
         elif k == "--jobs":
             kw["jobs"] = int(args.pop(0))
         elif k in ("--score", "--tune-set"):
-            from workloads.sets import parse_cases
-
             v = args.pop(0)
             kw[k[2:].replace("-", "_")] = parse_cases(v) if v != "none" else ()
         elif k == "--case":  # one scored case alone, e.g. chat:2:burst: no constant shape, trace or tuning
-            from workloads.sets import parse_cases
-
-            fam_seed, _, shape = args.pop(0).rpartition(":")
             trace = None
-            kw.update(score=parse_cases(fam_seed), score_shapes=[shape], shapes=[], tune_set=())
+            kw.update(case_kwargs(args.pop(0)))
         elif k == "--score-shapes":
             kw["score_shapes"] = [x for x in args.pop(0).split(",") if x]
         elif k == "--tune":  # tune ours only, on these cases, and stop
-            from workloads.sets import parse_cases
-
             kw["tune_cases"] = parse_cases(args.pop(0))
         elif k == "--tune-grid":
             knob, _, vals = args.pop(0).partition("=")

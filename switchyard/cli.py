@@ -874,17 +874,22 @@ def bench_vllm(trace: TraceOpt = Path(TRACE_DEFAULT),
 
 @bench_app.command("planner")
 def bench_planner(trace: TraceOpt = Path(TRACE_DEFAULT),
-                  fast: Annotated[bool, typer.Option(help="The smoke run: one short tune and score case.")] = False) -> None:
+                  fast: Annotated[bool, typer.Option(help="The smoke run: one short tune and score case.")] = False,
+                  dynamo: Annotated[bool, typer.Option(help="Run Dynamo's planner beside ours.")] = True,
+                  case: Annotated[str, typer.Option(help="Score one case alone, family:seed:shape "
+                                                         "(e.g. chat:2:burst): no tuning, constant load or trace.")] = "") -> None:
     """Ours and Dynamo's planner, each tuned on the workloads' tune set, scored on the score set,
     the constant load and the trace in bursts (simulated workers, virtual time), against the best
     static split under each side's routing and the perfect-foresight oracle."""
     # lazy: start-up time: loads httpx, msgspec, numpy ... only when called
-    from benchmarks.planner_bench import fast_kwargs, main as run
+    from benchmarks.planner_bench import case_kwargs, fast_kwargs, main as run
 
     if fast:
-        run(None, **fast_kwargs())
+        run(None, **fast_kwargs(), dynamo=dynamo)
+    elif case:
+        run(None, **case_kwargs(case), dynamo=dynamo)
     else:
-        run(trace)
+        run(trace, dynamo=dynamo)
 
 
 @bench_app.command("replay")

@@ -215,7 +215,8 @@ class ChaosSystem:
         # the start-up CPU). The port span covers both (each controller's port follows a broker's).
         self.stack = StackSettings(state_dir=s.state_dir / "stack", kafka_port=free_port(span=2 * s.topology.brokers),
                                    kafka_brokers=s.topology.brokers, kafka_heap=s.kafka_heap,
-                                   kafka_jvm_opts="-XX:TieredStopAtLevel=1", redis_port=free_port(), **kw)
+                                   kafka_jvm_opts="-XX:TieredStopAtLevel=1", redis_port=free_port(),
+                                   cache_dir=StackSettings.from_env().cache_dir, **kw)  # the shared downloads
         self.kafka = KafkaService(self.stack)
         self.bus = BusSettings(bootstrap=self.stack.kafka_bootstrap, topic_prefix=s.topic_prefix,
                                ack_ledger_dir=str(s.ledger_dir), **kw)
