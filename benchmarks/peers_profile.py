@@ -15,9 +15,9 @@ then the request's own stages from the innermost out. On a loaded box a thread p
 holding the GIL still counts, so the shares are better than the absolute sample times: the
 table scales them to the /proc CPU per request.
 
-Floors, measured in the same run on the same prompt: tokenizing 4,096 words natively as the
-router does (tokenize and hash in one call, ``control_plane.router.prompt.tokenize_prompt``; its
-Python specification is a test oracle now, 1.3 ms in the last run that timed it), and with Hugging Face's
+Floors, measured in the same run on the same prompt: tokenizing 4,096 words with our tokenizer's
+Python specification (``HashTokenizer.encode_reference``), natively as the router does (tokenize
+and hash in one call, ``control_plane.router.prompt.tokenize_prompt``), and with Hugging Face's
 Rust ``tokenizers`` (a WordLevel model over the same words);
 hashing the 64 blocks natively (our Rust extension, the path the router takes). The HTTP and
 proxy floors come from ``bench peers``'s sides: ``pyfloor`` (a bare Python proxy on the router's
@@ -98,7 +98,8 @@ def floors(tmp: Path) -> dict[str, float]:
     text = word_prompt(rng.randrange(32_000) for _ in range(PROMPT_WORDS))
     tok = HashTokenizer()
     ids = tok.encode(text)
-    out = {"tokenize_native_ms": _timed(lambda: tokenize_prompt(tok, text, HashConfig(HashAlgo.SHA256, 64)), 200)}
+    out = {"tokenize_python_ms": _timed(lambda: tok.encode_reference(text), 50),
+           "tokenize_native_ms": _timed(lambda: tokenize_prompt(tok, text, HashConfig(HashAlgo.SHA256, 64)), 200)}
     # Hugging Face's Rust tokenizer lives in the peers' environment (Dynamo's), not ours.
     model = dynamo_model_dir(tmp / "floor-model")
     (tmp / "floor.txt").write_text(text)
@@ -165,12 +166,12 @@ def main(n: int = 300, warmup: int = 30) -> dict:
         result[stage] = ms
         print(f"{stage:<36}{share:>8.1%}{ms:>9.2f}")
     print(f"{'broker (per request, same run)':<36}{'':>8}{broker:>9.2f}")
-    print(f"floors, one {PROMPT_WORDS}-word prompt: tokenize ours natively "
+    print(f"floors, one {PROMPT_WORDS}-word prompt: tokenize Python {fl['tokenize_python_ms']:.2f} ms, ours natively "
           f"with its 64 block hashes {fl['tokenize_native_ms']:.2f} ms, Rust "
           f"(HF tokenizers WordLevel) {fl['tokenize_rust_ms']:.2f} ms; hash 64 blocks natively "
           f"{fl['hash_native_ms'] * 1000:.0f} us")
     keys = " ".join(f"{s.split(' (')[0].replace(' ', '_')}_ms={v:.2f}" for s, v in result.items())
     print(f"RESULT profile_cpu_ms_per_req={cpu:.2f} profile_gil_ms_per_req={gil_ms:.2f} {keys} "
-          f"broker_cpu_ms_per_req={broker:.2f} "
+          f"broker_cpu_ms_per_req={broker:.2f} tokenize_python_ms={fl['tokenize_python_ms']:.2f} "
           f"tokenize_native_ms={fl['tokenize_native_ms']:.3f} tokenize_rust_ms={fl['tokenize_rust_ms']:.2f}")
     return {"cpu_ms": cpu, "gil_ms": gil_ms, "stages": result, "broker_ms": broker, "floors": fl}

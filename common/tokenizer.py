@@ -6,8 +6,8 @@ The router tokenizes once and sends workers token ids, so both sides hash the sa
   punctuation map to ids by xxh32 into a fixed vocabulary; decoding renders ids as ``" t<id>"``.
   It is what the simulated engine speaks; it is not a language model tokenizer. It runs
   natively (``native/src/tokenize.rs``; a third of the router's CPU for a 4K-word prompt in
-  Python), its one implementation; its Python specification is the tests' differential oracle
-  (``tests/oracles/tokenizer.py``).
+  Python); :meth:`HashTokenizer.encode_reference` is its specification, the property tests'
+  oracle and the path of a build without the extension.
 * :class:`HFTokenizer`: a real Hugging Face ``tokenizer.json`` from a local file (needs the
   optional ``tokenizers`` package); nothing is downloaded.
 
@@ -18,14 +18,23 @@ multi-turn prefix caching work.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
-from switchyard_native import hash_tokenize as _native_tokenize
-from switchyard_native import hash_tokenize_json as _native_tokenize_json
+import xxhash
 
 from common.hashing import HashAlgo, HashConfig
 from schemas.types import BlockHash
+
+try:  # the native crate is a project dependency; a build without it tokenizes in Python
+    from switchyard_native import hash_tokenize as _native_tokenize
+    from switchyard_native import hash_tokenize_json as _native_tokenize_json
+except ImportError:  # pragma: no cover - exercised only without the native build
+    _native_tokenize = None
+    _native_tokenize_json = None
+
+_PIECES = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
 class Tokenizer(Protocol):
@@ -47,19 +56,27 @@ class HashTokenizer:
             raise ValueError("vocab_size must exceed the reserved range")
         self.vocab_size = vocab_size
         self.name = f"hash-{vocab_size}"
+        self._span = vocab_size - self.RESERVED
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``: each word (``\\w+``) and each other non-space character is one
+        """The ids of ``text``: :meth:`encode_reference`'s, natively when the extension is built."""
+        if _native_tokenize is not None:
+            return _native_tokenize(text, self.vocab_size)
+        return self.encode_reference(text)
+
+    def encode_reference(self, text: str) -> list[int]:
+        """The specification: each word (``\\w+``) and each other non-space character is one
         piece, and a piece's id is ``RESERVED + xxh32(its UTF-8) % (vocab_size - RESERVED)``.
-        A lone surrogate cannot be encoded (UnicodeEncodeError)."""
-        return _native_tokenize(text, self.vocab_size)
+        A lone surrogate cannot be encoded (UnicodeEncodeError), natively too."""
+        span, base = self._span, self.RESERVED
+        return [base + xxhash.xxh32_intdigest(p.encode()) % span for p in _PIECES.findall(text)]
 
     def encode_hashed(self, text: str, config: HashConfig) -> tuple[bytes, int, list[BlockHash]] | None:
         """``text`` tokenized and hashed in one native call, no Python int per id: (the ids as
         the JSON array ``msgspec.json.encode`` writes, how many, ``hash_blocks(ids, config)``).
-        None when ``config`` has no native chain (sha256 only): the caller then runs
-        :meth:`encode` and hashes the ids itself."""
-        if config.algo is not HashAlgo.SHA256:
+        None when ``config`` has no native chain (sha256 only) or the extension is not built:
+        the caller then runs :meth:`encode` and hashes the ids itself."""
+        if _native_tokenize_json is None or config.algo is not HashAlgo.SHA256:
             return None
         return _native_tokenize_json(text, self.vocab_size, config.none_hash, config.block_size)
 

@@ -23,7 +23,6 @@ from control_plane.router.worker_calls import MemoryReply, MemoryWorkerCalls
 from common.hashing import HashAlgo, HashConfig, hash_blocks
 from common.log.sink import MemorySink
 from common.tokenizer import HashTokenizer
-from tests.oracles.tokenizer import hash_tokenize
 
 VOCAB = 1000
 CONFIG = HashConfig(HashAlgo.SHA256, 4)
@@ -108,10 +107,10 @@ def test_without_a_native_hash_the_general_decode_reads_every_prompt() -> None:
 @settings(max_examples=200, deadline=None)
 def test_a_string_prompt_tokenized_natively_is_the_tokenizers_ids(text: str) -> None:
     """Property: ``tokenize_prompt`` (tokenize and hash in one native call) gives the ids of
-    ``tests/oracles/tokenizer.hash_tokenize``, ``hash_blocks`` of them, and the worker body the
+    ``HashTokenizer.encode_reference``, ``hash_blocks`` of them, and the worker body the
     general encoder writes for that list."""
     tok = HashTokenizer()
-    ids = hash_tokenize(text, tok.vocab_size)
+    ids = tok.encode_reference(text)
     got = tokenize_prompt(tok, text, CONFIG)
     assert isinstance(got, PromptIds) and len(got) == len(ids) and got == ids
     assert block_hashes(got, CONFIG) == hash_blocks(ids, CONFIG)
@@ -130,4 +129,4 @@ def test_a_string_prompt_tokenized_natively_is_the_tokenizers_ids(text: str) -> 
 def test_without_a_native_hash_a_string_prompt_is_a_list() -> None:
     tok = HashTokenizer()
     got = tokenize_prompt(tok, "a b, c", HashConfig(HashAlgo.SHA256_CBOR, 4))
-    assert type(got) is list and got == hash_tokenize("a b, c", tok.vocab_size)
+    assert type(got) is list and got == tok.encode_reference("a b, c")

@@ -1,5 +1,5 @@
 """The native hash tokenizer (native/src/tokenize.rs) gives the ids of its Python specification
-(``tests/oracles/tokenizer.py``) byte for byte: on every code point, on
+(``HashTokenizer.encode_reference``, common/tokenizer.py) byte for byte: on every code point, on
 random text (unicode included), and through the one call that tokenizes and hashes a prompt."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 import switchyard_native as native
 from common.hashing import HashAlgo, HashConfig, hash_blocks
 from common.tokenizer import HashTokenizer
-from tests.oracles.tokenizer import hash_tokenize
 
 TOK = HashTokenizer()
 CONFIG = HashConfig(HashAlgo.SHA256, 16)
@@ -24,7 +23,7 @@ def test_every_code_point_splits_as_python_re_does():
     word, anything else (neither word nor space) is a piece of its own, a space splits. So a
     code point whose class differs from CPython's changes the ids."""
     text = "".join(f"a{chr(c)} " for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
-    assert TOK.encode(text) == hash_tokenize(text, TOK.vocab_size)
+    assert TOK.encode(text) == TOK.encode_reference(text)
 
 
 def test_the_table_is_this_interpreters_unicode():
@@ -39,7 +38,7 @@ def test_the_table_is_this_interpreters_unicode():
        st.integers(min_value=257, max_value=2**32 - 1))
 def test_random_text_same_ids(text, vocab):
     tok = HashTokenizer(vocab)
-    assert tok.encode(text) == hash_tokenize(text, tok.vocab_size)
+    assert tok.encode(text) == tok.encode_reference(text)
 
 
 @settings(max_examples=200, deadline=None)
@@ -47,7 +46,7 @@ def test_random_text_same_ids(text, vocab):
                                  "\u3000", "é", "🙂", "ǅ", "²", "\u00a0"]), max_size=200))
 def test_mixed_pieces_same_ids_and_hashes(parts):
     text = "".join(parts)
-    ids = hash_tokenize(text, TOK.vocab_size)
+    ids = TOK.encode_reference(text)
     assert TOK.encode(text) == ids
     raw, n, hashes = TOK.encode_hashed(text, CONFIG)
     assert raw == msgspec.json.encode(ids)
@@ -59,15 +58,15 @@ def test_long_prompt_released_path_same_ids():
     """Above 64 KB the native call releases the GIL; same ids."""
     text = " ".join(f"w{i % 32000}" for i in range(40_000))
     assert len(text.encode()) > 64 * 1024
-    assert TOK.encode(text) == hash_tokenize(text, TOK.vocab_size)
+    assert TOK.encode(text) == TOK.encode_reference(text)
     raw, n, hashes = TOK.encode_hashed(text, CONFIG)
-    assert n == 40_000 and hashes == hash_blocks(hash_tokenize(text, TOK.vocab_size), CONFIG)
+    assert n == 40_000 and hashes == hash_blocks(TOK.encode_reference(text), CONFIG)
 
 
 def test_lone_surrogate_refused_like_the_reference():
     text = "a \ud800 b"
     with pytest.raises(UnicodeEncodeError):
-        hash_tokenize(text, TOK.vocab_size)
+        TOK.encode_reference(text)
     with pytest.raises(UnicodeEncodeError):
         TOK.encode(text)
 
