@@ -7,7 +7,9 @@ The router tokenizes once and sends workers token ids, so both sides hash the sa
   It is what the simulated engine speaks; it is not a language model tokenizer. It runs
   natively (``native/src/tokenize.rs``; a third of the router's CPU for a 4K-word prompt in
   Python); :meth:`HashTokenizer.encode_reference` is its specification, the property tests'
-  oracle and the path of a build without the extension.
+  oracle and the path of the vLLM environment (``scripts/vllm-env.sh`` installs this project
+  into ``.venv-vllm`` without the native crate, where importing it fails with
+  ``ModuleNotFoundError: No module named 'switchyard_native'``).
 * :class:`HFTokenizer`: a real Hugging Face ``tokenizer.json`` from a local file (needs the
   optional ``tokenizers`` package); nothing is downloaded.
 
