@@ -330,15 +330,25 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         ), (min(up, hi), "up", go))
     elif down is not None and down < current:
         below += 1
+        # released on evidence: after a scale-down (not an up: that keeps its cooldown), a pool
+        # whose observed latency is within yield_margin of its SLO steps down again on its own
+        # scale_down_ticks of evidence (a burst's surplus is not held a cooldown per step)
+        released = (cfg.release_on_margin and ps.last_change_ns is not None
+                    and (ps.last_up_ns is None or ps.last_up_ns < ps.last_change_ns)
+                    and not _cooling(now, ps.last_up_ns, cfg.cooldown_down_s)
+                    and ps.latency_ratio is not None and ps.latency_ratio <= cfg.yield_margin)
         go = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
               + (f"; kept at min_replicas {lo}" if down < lo else ""))
         proposed, action, reason = _gated(current, sizing, (
             (pending, "below the scale-down threshold but the last decision is still pending"),
             (below < cfg.scale_down_ticks, f"below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
                                            f"{cfg.scale_down_ticks} ticks"),
-            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s),
+            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s) and not released,
              f"wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"),
-        ), (max(down, lo), "down", go))
+        ), (max(down, lo), "down", go + ("; a step down after a step down, observed latency "
+                                          f"{ps.latency_ratio:.2f} of the SLO (<= {cfg.yield_margin:g}): "
+                                          "no cooldown" if released and _cooling(now, ps.last_change_ns,
+                                                                                  cfg.cooldown_down_s) else "")))
     else:
         below = 0
         if low is None:
