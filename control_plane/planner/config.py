@@ -211,10 +211,10 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: as the larger of the predictor's and a least-squares line through the rising windows
     #: (since the CUSUM's change point, the latest ``trend_fit_windows``), extrapolated over the
     #: horizon with only the part of its slope beyond ``trend_fit_z`` sd of Poisson noise
-    #: (trends.rise_fit): a Kalman slope learns a ramp windows late. None: off. 0.5 and 4 were
+    #: (trends.rise_fit): a Kalman slope learns a ramp windows late. None: off. 0.5 and 6 were
     #: chosen on the tune set (docs/planner-bench.md).
     trend_fit_z: float | None = 0.5
-    trend_fit_windows: int = 4
+    trend_fit_windows: int = 6
     #: A standing headroom (fraction of the forecast) once the fleet's need (every pool's, in
     #: GPUs) reaches ``standing_headroom_from`` of the GPU budget: near the budget a ramp caught
     #: late cannot be caught up with (start-up takes longer than the budget lasts), so capacity

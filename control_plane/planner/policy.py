@@ -29,7 +29,8 @@ One tick, per pool:
    replicas take another lead time; a trend predictor answers the largest forecast within it
    once rising windows confirm the trend (``_rising``: a CUSUM of the windows' excess over a
    lagged reference), otherwise the next window's, extrapolating only the slope beyond
-   ``trend_z`` of its sd), then add the **headroom**: every horizon forecast is scored against the mean rate that
+   ``trend_z`` of its sd; confirmed, the larger of that and the rising windows' own least-squares
+   line beyond ``trend_fit_z`` sd, ``rise_fit``), then add the **headroom**: every horizon forecast is scored against the mean rate that
    came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
    the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
    ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
@@ -63,7 +64,9 @@ One tick, per pool:
    passed. The exception: a scale-up still starting while rising windows confirm the trend
    (``_rising``, ``stack_on_rise``): its replicas were sized before the ramp was proven, so the
    next order stacks on them. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
-   a row, nothing is pending and ``cooldown_down_s`` passed since the last change, never below
+   a row, nothing is pending and ``cooldown_down_s`` passed since the last change (after a
+   scale-down, not a scale-up, a pool within ``yield_margin`` of its SLO is released from that
+   cooldown: ``release_on_margin``), never below
    ``ceil(needed * (1 + startup_reserve))`` (the growth one start-up can bring stays absorbable;
    it bounds scale-downs, never orders). Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
