@@ -207,6 +207,14 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     trend_confirm_windows: int = 3
     trend_confirm_k: float = 1.0
     trend_confirm_z: float = 4.0
+    #: **A confirmed rise's slope from its own windows.** Once confirmed, the rate is forecast
+    #: as the larger of the predictor's and a least-squares line through the rising windows
+    #: (since the CUSUM's change point, the latest ``trend_fit_windows``), extrapolated over the
+    #: horizon with only the part of its slope beyond ``trend_fit_z`` sd of Poisson noise
+    #: (trends.rise_fit): a Kalman slope learns a ramp windows late. None: off. 0.5 and 6 were
+    #: chosen on the tune set (docs/planner-bench.md).
+    trend_fit_z: float | None = 0.5
+    trend_fit_windows: int = 6
     #: A standing headroom (fraction of the forecast) once the fleet's need (every pool's, in
     #: GPUs) reaches ``standing_headroom_from`` of the GPU budget: near the budget a ramp caught
     #: late cannot be caught up with (start-up takes longer than the budget lasts), so capacity
@@ -227,6 +235,11 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: fraction of its SLO (and that meets it) yields replicas to it even below its model need:
     #: it keeps ``max(ratio / yield_margin, 0.75)`` of its need.
     yield_margin: float = 0.5
+    #: **Release on evidence.** After a scale-down, a pool whose observed latency is at most
+    #: ``yield_margin`` of its SLO steps down again after its ``scale_down_ticks`` alone, without
+    #: ``cooldown_down_s`` (after a scale-up the cooldown stands: no up-down flapping). False:
+    #: every scale-down waits ``cooldown_down_s`` after the last change (on, chosen on the tune set).
+    release_on_margin: bool = True
     #: Predictor of ISL, OSL and prefix hit rate (they move slowly; the rate has its own).
     length_predictor: PredictorKind = PredictorKind.MOVING_AVERAGE
     #: Observations kept per pool (predictor history).
@@ -299,6 +312,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                                      "overload_exit_windows >= 1 (the overload loop leaves only on evidence)")
         if self.trend_confirm_windows < 1 or self.trend_confirm_z < 0 or self.trend_confirm_k < 0:
             raise PlannerConfigError("need trend_confirm_windows >= 1, trend_confirm_k >= 0 and trend_confirm_z >= 0")
+        if (self.trend_fit_z is not None and self.trend_fit_z < 0) or self.trend_fit_windows < 2:
+            raise PlannerConfigError(f"trend_fit_z={self.trend_fit_z} must be >= 0 (or None: off) and "
+                                     f"trend_fit_windows={self.trend_fit_windows} >= 2: a slope needs two windows")
         if not 0 <= self.standing_headroom <= 1 or not 0 < self.standing_headroom_from <= 1:
             raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 < standing_headroom_from <= 1")
         if not 0 <= self.startup_reserve <= 2:

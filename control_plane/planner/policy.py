@@ -29,7 +29,8 @@ One tick, per pool:
    replicas take another lead time; a trend predictor answers the largest forecast within it
    once rising windows confirm the trend (``_rising``: a CUSUM of the windows' excess over a
    lagged reference), otherwise the next window's, extrapolating only the slope beyond
-   ``trend_z`` of its sd), then add the **headroom**: every horizon forecast is scored against the mean rate that
+   ``trend_z`` of its sd; confirmed, the larger of that and the rising windows' own least-squares
+   line beyond ``trend_fit_z`` sd, ``rise_fit``), then add the **headroom**: every horizon forecast is scored against the mean rate that
    came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
    the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
    ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
@@ -63,7 +64,9 @@ One tick, per pool:
    passed. The exception: a scale-up still starting while rising windows confirm the trend
    (``_rising``, ``stack_on_rise``): its replicas were sized before the ramp was proven, so the
    next order stacks on them. Scale down to ``down`` only when ``down < target`` held ``scale_down_ticks`` ticks in
-   a row, nothing is pending and ``cooldown_down_s`` passed since the last change, never below
+   a row, nothing is pending and ``cooldown_down_s`` passed since the last change (after a
+   scale-down, not a scale-up, a pool within ``yield_margin`` of its SLO is released from that
+   cooldown: ``release_on_margin``), never below
    ``ceil(needed * (1 + startup_reserve))`` (the growth one start-up can bring stays absorbable;
    it bounds scale-downs, never orders). Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
@@ -330,15 +333,25 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
         ), (min(up, hi), "up", go))
     elif down is not None and down < current:
         below += 1
+        # released on evidence: after a scale-down (not an up: that keeps its cooldown), a pool
+        # whose observed latency is within yield_margin of its SLO steps down again on its own
+        # scale_down_ticks of evidence (a burst's surplus is not held a cooldown per step)
+        released = (cfg.release_on_margin and ps.last_change_ns is not None
+                    and (ps.last_up_ns is None or ps.last_up_ns < ps.last_change_ns)
+                    and not _cooling(now, ps.last_up_ns, cfg.cooldown_down_s)
+                    and ps.latency_ratio is not None and ps.latency_ratio <= cfg.yield_margin)
         go = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
               + (f"; kept at min_replicas {lo}" if down < lo else ""))
         proposed, action, reason = _gated(current, sizing, (
             (pending, "below the scale-down threshold but the last decision is still pending"),
             (below < cfg.scale_down_ticks, f"below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
                                            f"{cfg.scale_down_ticks} ticks"),
-            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s),
+            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s) and not released,
              f"wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"),
-        ), (max(down, lo), "down", go))
+        ), (max(down, lo), "down", go + ("; a step down after a step down, observed latency "
+                                          f"{ps.latency_ratio:.2f} of the SLO (<= {cfg.yield_margin:g}): "
+                                          "no cooldown" if released and _cooling(now, ps.last_change_ns,
+                                                                                  cfg.cooldown_down_s) else "")))
     else:
         below = 0
         if low is None:

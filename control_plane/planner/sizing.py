@@ -14,7 +14,7 @@ from control_plane.planner.overload import _overload_need
 from control_plane.planner.policy_types import _EPS, MAX_HIT_RATE, InputValue, PoolState
 from control_plane.planner.predictors import forecast
 from control_plane.planner.profile import PerformanceProfile
-from control_plane.planner.trends import _rising, headroom
+from control_plane.planner.trends import _rise, headroom, rise_fit
 from schemas.types import WorkerRole
 
 
@@ -133,11 +133,19 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     horizon = max(1, math.ceil(cfg.horizon_s / cfg.tumbling_s - _EPS))
     # a trend is extrapolated over the horizon only once rising windows confirm it (then in
     # full); unconfirmed, only the next window's (its slope beyond trend_z sd)
-    rising = _rising(hist, cfg)
+    rising, run_start = _rise(hist, cfg)
     rate_f = forecast(pc.predictor, [o.rate for o in hist], window=pc.predictor_window,
                       history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods,
                       horizon=horizon if rising else 1, trend_z=0.0 if rising else cfg.trend_z)
     inputs["trend_confirmed"] = int(rising)
+    fit = rise_fit(hist, run_start, cfg, horizon) if rising and cfg.trend_fit_z is not None else None
+    if fit is not None:
+        # the rising windows' own slope (beyond its noise): the predictor's learns a ramp late
+        inputs.update(trend_fit_rate=round(fit[0], 4), trend_fit_slope=round(fit[1], 4),
+                      trend_fit_slope_sd=round(fit[2], 4))
+        if fit[0] > rate_f.value:
+            rate_f = replace(rate_f, value=fit[0], detail=(rate_f.detail + "; " if rate_f.detail else "")
+                             + f"the rising windows' line: {fit[1]:.2f} +- {fit[2]:.2f} req/s per window")
 
     def length(values: list[float]) -> float | None:
         if not values:

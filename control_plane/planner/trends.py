@@ -51,16 +51,23 @@ def _score_horizon(ps: PoolState, history: list[Observation], cfg: PlannerConfig
 
 
 def _rising(hist: tuple[Observation, ...], cfg: PlannerConfig) -> bool:
-    """A rise the windows themselves confirm: a one-sided CUSUM of the window rates against a
+    """A rise the windows themselves confirm (see :func:`_rise`)."""
+    return _rise(hist, cfg)[0]
+
+
+def _rise(hist: tuple[Observation, ...], cfg: PlannerConfig) -> tuple[bool, int]:
+    """(confirmed, first window of the run): a one-sided CUSUM of the window rates against a
     lagged reference. Each window's excess over the mean of the ``2 * confirm_windows`` windows
     that ended ``trend_confirm_windows`` windows before it, in sd of Poisson noise (``sqrt(reference
     arrivals)``), less ``trend_confirm_k``, accumulates (floored at 0); the trend is confirmed
-    while the sum exceeds ``trend_confirm_z``. Recomputed from the history each tick (no state).
+    while the sum exceeds ``trend_confirm_z``. The run is the windows since the sum last stood at
+    0 (the change point: where the rise began). Recomputed from the history each tick (no state).
     With k = 1 and h = 4, a constant load confirms by chance about 0.12 times in 10 minutes of
     5 s windows; a ramp of one sd per window is confirmed in about 4 windows, a ramp of 3 sd per
     window in 2 (seeded Monte Carlo; docs/planner.md)."""
     lag, ref_n = cfg.trend_confirm_windows, 2 * cfg.confirm_windows
     s = 0.0
+    start = len(hist)
     for i in range(max(0, len(hist) - 4 * (lag + ref_n)), len(hist)):
         ref = hist[max(0, i - lag - ref_n + 1):i - lag + 1]
         if len(ref) < min(3, ref_n):
@@ -71,8 +78,44 @@ def _rising(hist: tuple[Observation, ...], cfg: PlannerConfig) -> bool:
             continue
         o = hist[i]
         expected = n / dur * o.duration_s
+        was = s
         s = max(0.0, s + (o.arrivals - expected) / math.sqrt(max(expected, 1.0)) - cfg.trend_confirm_k)
-    return s > cfg.trend_confirm_z
+        if s > 0 and was <= 0:
+            start = i
+        elif s <= 0:
+            start = len(hist)
+    return s > cfg.trend_confirm_z, start
+
+
+def rise_fit(hist: tuple[Observation, ...], start: int, cfg: PlannerConfig,
+             horizon: int) -> tuple[float, float, float] | None:
+    """The largest rate over ``horizon`` windows that a confirmed rise's own windows measure:
+    (forecast req/s, slope req/s per window, its sd), or None when they prove no slope.
+
+    The least-squares line through the rates of the run's windows (since the CUSUM's change
+    point, at most ``trend_fit_windows`` of the latest, at least 2), extrapolated from its value
+    at the last window with only the part of its slope beyond ``trend_fit_z`` sd of Poisson noise
+    (``sqrt(arrivals) / duration`` per window). A step has no slope in its run (only a level:
+    the line is flat, within noise), so only a ramp is extrapolated; a Kalman filter's slope,
+    by contrast, learns a ramp windows late (chat:1's ramp of 10 req/s per window read 2.3 at its
+    second window) and runs on past its end."""
+    run = hist[max(start, len(hist) - cfg.trend_fit_windows):]
+    if len(run) < 2:
+        return None
+    t = [o.window_end_ns / NS / cfg.tumbling_s for o in run]
+    y = [o.rate for o in run]
+    tm, ym = sum(t) / len(t), sum(y) / len(y)
+    sxx = sum((x - tm) ** 2 for x in t)
+    if sxx <= 0:
+        return None
+    b = sum((x - tm) * (v - ym) for x, v in zip(t, y)) / sxx
+    var = sum((x - tm) ** 2 * max(o.arrivals, 1) / max(o.duration_s, 1e-9) ** 2 for x, o in zip(t, run)) / sxx**2
+    sd = math.sqrt(var)
+    trend = b - cfg.trend_fit_z * sd
+    if trend <= 0:
+        return None
+    last = ym + b * (t[-1] - tm)
+    return max(last, 0.0) + trend * horizon, b, sd
 
 
 def headroom(ps: PoolState, cfg: PlannerConfig) -> float:

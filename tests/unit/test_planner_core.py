@@ -377,13 +377,29 @@ def test_load_step_is_followed_within_three_ticks():
     Constant predictor: tick 10 (after window 11) goes to 3; tick 11 waits for that replica
     (20 s start-up: never add while an addition is pending); tick 12 goes to 5: 2 ticks after
     the step, within the documented 3. (Headroom off: the missed step would add up to 18% on
-    top of 12.5 and 20; that has its own test.)"""
+    top of 12.5 and 20; that has its own test.) Without the rising windows' line
+    (``trend_fit_z`` None): a step inside a window reads, in its two windows (12.5, 20), exactly
+    as a ramp of 7.5 req/s a window would; with it (the default) the line is extrapolated and
+    the step costs 7 replicas for a need of 5, held by the scale-down band (the price of
+    catching a ramp within two windows; ``test_a_step_inside_a_window_reads_as_a_ramp``)."""
     rates = [5.0] * 10 + [12.5] + [20.0] * 20
-    cfg = make_config(max_headroom=0.0)
+    cfg = make_config(max_headroom=0.0, trend_fit_z=None)
     effects, targets = _run(cfg, rates, poisson=False, start=2)
     first_full = next(k for k, t in enumerate(targets) if t["p"] >= 5)
     assert first_full - 10 <= 3
     assert targets[9]["p"] == 2 and targets[first_full]["p"] == 5
+
+
+def test_a_step_inside_a_window_reads_as_a_ramp():
+    """The same step with the rising windows' line on (the default): the CUSUM confirms at once
+    (12.5 req/s against 5: 10.6 sd), the line needs two windows: at tick 11 (12.5 and 20 req/s)
+    its 7.5 req/s a window is extrapolated: the step is followed as fast, but to 7 replicas
+    (need 4.71), and 7 are kept (the band's high end, about 4.9, over 80% asks for 7). What the
+    two-window catch costs."""
+    rates = [5.0] * 10 + [12.5] + [20.0] * 20
+    effects, targets = _run(make_config(max_headroom=0.0), rates, poisson=False, start=2)
+    first_full = next(k for k, t in enumerate(targets) if t["p"] >= 5)
+    assert first_full - 10 <= 3 and targets[first_full]["p"] == 7 and targets[-1]["p"] == 7
 
 
 def test_moving_average_follows_a_step_within_its_window_plus_three():

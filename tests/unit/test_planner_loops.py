@@ -242,3 +242,66 @@ def test_a_pool_in_overload_with_its_queue_drained_yields_to_a_failing_one():
     assert moves == {"dec": (6, 2)}
     assert d.report("dec").input("drained_yield_to") == 1
     assert "waits for 4 GPUs that replicas drained now still hold" in d.report("pre").reason
+
+
+def _tick_on(cfg, arrivals: list[int]):
+    """The report of the last tick over windows of ``arrivals`` (one tick per window, every
+    target ready at once), starting at 3 replicas."""
+    state = PlannerState(pools=(PoolState(pool="p", target=3),))
+    windows = []
+    d = None
+    for k, n in enumerate(arrivals):
+        end = WINDOW_S * (k + 1)
+        windows.append(make_window(end, arrivals=n))
+        load = _pool("p", "prefill", windows[-12:], ready=state.pool("p").target)
+        d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
+    return d.report("p")
+
+
+def test_a_confirmed_ramp_is_forecast_from_its_own_windows():
+    """30 windows of 100 arrivals, then 130, 160 (+3 req/s a window): the CUSUM confirms at the
+    second rising window (excesses 3 and 6 sd less k = 1: 2 + 5 = 7 > 4) and its run is those two
+    windows. Their line: slope 3 req/s per window, sd sqrt((0.25 x 1.3 + 0.25 x 1.6) / 0.5^2) =
+    1.703; beyond trend_fit_z = 0.5 sd, 3 - 0.851 = 2.149, over the horizon of 7 windows (2 x 30
+    s + 10 s) from 16 req/s: 16 + 7 x 2.149 = 31.04 req/s (the ramp reaches 37 there). Off, the
+    Kalman slope alone forecasts less."""
+    ramp = [100] * 30 + [130, 160]
+    cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0, trend_fit_z=0.5)
+    r = _tick_on(cfg, ramp)
+    assert r.input("trend_confirmed") == 1
+    assert abs(r.input("trend_fit_slope") - 3.0) < 1e-9 and abs(r.input("trend_fit_slope_sd") - 1.7029) < 1e-3
+    assert abs(r.input("trend_fit_rate") - 31.04) < 0.01
+    assert abs(r.input("forecast_rate") - 31.04) < 0.01
+    off = _tick_on(cfg.replace(trend_fit_z=None), ramp)
+    assert off.input("trend_fit_rate") is None and off.input("forecast_rate") < 25
+
+
+def test_a_confirmed_step_is_not_extrapolated_by_the_fit():
+    """A step from 100 to 160 arrivals a window, held: confirmed as well (6 - 1 = 5 > 4 at once),
+    but its run's windows are level (slope 0 < 0.5 sd): the fit extrapolates nothing, the
+    forecast is the predictor's."""
+    cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0, trend_fit_z=0.5)
+    r = _tick_on(cfg, [100] * 30 + [160, 160])
+    assert r.input("trend_confirmed") == 1 and r.input("trend_fit_rate") is None
+
+
+def _after_down(ratio: float, *, up: bool = False, **over):
+    """6 ready, needing 2.35 (the start-up reserve test's load: a scale-down to 4), the last
+    change 10 s ago (a scale-down, or with ``up`` a scale-up), the observed latency ``ratio`` of
+    the SLO; a 60 s scale-down cooldown."""
+    cfg = make_config(scale_down_ticks=1, cooldown_down_s=60.0, **over)
+    ps = PoolState(pool="p", target=6, last_change_ns=11 * NS, last_up_ns=11 * NS if up else None,
+                   latency_ratio=ratio)
+    d, _ = decide(21 * NS, _snap(21, _pool("p", "prefill", [make_window(20)], ready=6)), cfg,
+                  PlannerState(pools=(ps,)))
+    return tuple((e.from_replicas, e.to_replicas) for e in d.effects)
+
+
+def test_a_step_down_after_a_step_down_is_released_on_a_wide_margin():
+    """``release_on_margin``: after a scale-down, latency at 0.3 of the SLO (<= yield_margin 0.5)
+    is the evidence: the next step down needs its scale_down_ticks only, not the 60 s cooldown.
+    At 0.7 of the SLO, after a scale-up, or with the knob off, the cooldown holds."""
+    assert _after_down(0.3, release_on_margin=True) == ((6, 4),)
+    assert _after_down(0.7, release_on_margin=True) == ()
+    assert _after_down(0.3, up=True, release_on_margin=True) == ()
+    assert _after_down(0.3, release_on_margin=False) == ()
