@@ -123,17 +123,7 @@ fn decide_kv<'py>(
         }
     }
     let r = (|| {
-        let (abs, rel) = match imbalance {
-            Some((abs, rel)) => (Some(abs.extract::<i64>()?), rel),
-            None => (None, 0.0),
-        };
-        let guards = decide::PickParams {
-            capacity_guard,
-            imbalance_guard: abs.is_some(),
-            imbalance_abs: abs.unwrap_or(0),
-            imbalance_rel: rel,
-            argmin,
-        };
+        let guards = pick_params(capacity_guard, imbalance, argmin)?;
         let rows = rows.as_ref().map(|(t, at)| (t, *at));
         decide_all(py, loads, &load_at, overlaps, mine, serving_role, &p, &guards, rows)
     })();
@@ -390,6 +380,16 @@ fn decide_all<'py>(
 
 /// A [`decide::Pick`] as `scoring.Pick`'s positional fields.
 #[allow(clippy::type_complexity)]
+/// The guards' and the argmin's parameters from the bindings' arguments: `imbalance` is the kv
+/// mode's `(abs, rel)` thresholds, None when its guard is off.
+fn pick_params(capacity_guard: bool, imbalance: Option<(Bound<'_, PyAny>, f64)>, argmin: bool) -> PyResult<decide::PickParams> {
+    let (abs, rel) = match imbalance {
+        Some((abs, rel)) => (Some(abs.extract::<i64>()?), rel),
+        None => (None, 0.0),
+    };
+    Ok(decide::PickParams { capacity_guard, imbalance_guard: abs.is_some(), imbalance_abs: abs.unwrap_or(0), imbalance_rel: rel, argmin })
+}
+
 fn pick_tuple(
     py: Python<'_>,
     pk: decide::Pick,
@@ -435,17 +435,7 @@ fn pick_kv<'py>(
         if eligible.is_empty() {
             return Err(PyValueError::new_err("pick_kv: no eligible candidate"));
         }
-        let (abs, rel) = match imbalance {
-            Some((abs, rel)) => (Some(abs.extract::<i64>()?), rel),
-            None => (None, 0.0),
-        };
-        let guards = decide::PickParams {
-            capacity_guard,
-            imbalance_guard: abs.is_some(),
-            imbalance_abs: abs.unwrap_or(0),
-            imbalance_rel: rel,
-            argmin,
-        };
+        let guards = pick_params(capacity_guard, imbalance, argmin)?;
         let terms: Vec<decide::Terms> = (0..n)
             .map(|i| decide::Terms { cost: cost[i], in_flight: in_flight[i], decode: decode[i], ..decide::Terms::default() })
             .collect();
