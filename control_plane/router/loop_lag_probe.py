@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from common.tasks import cancel_and_wait
 from control_plane.router.loop_lag import DEFAULT_TAU_S, LoopLag, observe
 
 #: Between two samples. Short enough to see a saturated loop in a fraction of a second.
@@ -39,13 +40,8 @@ class LoopLagProbe:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="loop-lag-probe")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         while True:
