@@ -14,6 +14,8 @@ These structs and the JSON Schema files under ``schemas/json/`` describe the sam
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, ClassVar
 
 import msgspec
@@ -225,10 +227,24 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: workers of the router's log in the fit window); 0 and 0 is the prior.
     samples: int = 0
     pool_samples: int = 0
+    #: At one decision, the tokens of the queue ahead that the worker has computed since they
+    #: were routed (``ttft.queue_done``: the router's in-flight prefills drained first come,
+    #: first served at this model's rate); the prediction waits behind the rest. 0 for a model
+    #: not bound to a decision, and in events written before it existed (added in place: a
+    #: default, omitted when 0, so every earlier payload decodes to the same model).
+    queue_done_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx) < 0:
             raise ValueError(f"TtftModel: chunk_tokens must be >= 1 and the costs >= 0, got {self}")
+        if self.queue_done_tokens < 0:
+            raise ValueError(f"TtftModel: queue_done_tokens must be >= 0, got {self.queue_done_tokens}")
+
+    def tokens_per_ms(self) -> float:
+        """The rate a busy worker computes prompt tokens at under this model: full steps of
+        ``chunk_tokens``, context aside (infinite when the model gives tokens no cost)."""
+        per_step = self.step_ms + self.chunk_tokens * self.ms_per_token
+        return self.chunk_tokens / per_step if per_step > 0 else math.inf
 
     def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:
         """Time to compute ``new_tokens`` after ``context_tokens`` already in the KV: the sum of

@@ -82,7 +82,8 @@ class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
     #: prediction does not model yet.
     predicted_ttft_ms: float | None = None
     observed_ttft_ms: float | None = None
-    #: Prefill tokens the chosen row's prediction waited behind (``ttft.queue_ahead``), and the observations behind the model that
+    #: Prefill tokens the chosen row's prediction waited behind (``ttft.queue_ahead`` less the
+    #: model's ``queue_done_tokens``), and the observations behind the model that
     #: predicted (``RequestRouted.ttft_model``; -1 for the prior recorded before models were).
     queued_tokens: int = 0
     model_samples: int = -1
@@ -230,7 +231,8 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
             predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
             predicted_ttft_ms=ev.predicted_ttft_ms,
             observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None,
-            queued_tokens=queue_ahead(mine) if mine else 0,
+            queued_tokens=max(queue_ahead(mine) - (ev.ttft_model.queue_done_tokens if ev.ttft_model else 0), 0)
+            if mine else 0,
             model_samples=-1 if ev.ttft_model is None else ev.ttft_model.samples + ev.ttft_model.pool_samples))
     return Reconciliation(checks=tuple(checks), unmatched=unmatched)
 

@@ -109,7 +109,7 @@ def decision_inputs(
     request = RoutingRequest(request_id=request_id, prompt_tokens=prompt_tokens, block_size=block_size,
                              block_hashes=hashes, expected_output_tokens=expected_output_tokens, phase=phase)
     models = ({} if phase is RequestPhase.DECODE
-              else {w.worker_id: ledger.ttft_fit.model(w.worker_id) for w in workers})
+              else {w.worker_id: ledger.ttft_model(w.worker_id, now) for w in workers})
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
                           rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt),
                           ttft_models=models)

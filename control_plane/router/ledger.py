@@ -41,14 +41,17 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import switchyard_native
 
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
+from control_plane.router.ttft import queue_done
 from control_plane.router.ttft_fit import TtftFit
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
+    TtftModel,
     PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
@@ -68,6 +71,8 @@ class _Entry:
     expires_at: float
     #: Distinguishes a re-added entry from the one a stale heap item points to.
     seq: int
+    #: When it was routed (the decision's ``now``): the TTFT prediction drains the queue from it.
+    at: float = 0.0
 
 
 class InflightLedger:
@@ -78,7 +83,7 @@ class InflightLedger:
     idempotent on repeated input (events arrive at least once).
     """
 
-    __slots__ = ("_accounts", "_by_request", "_entries", "_expiry", "_seq")
+    __slots__ = ("_accounts", "_by_request", "_by_worker", "_entries", "_expiry", "_seq")
 
     def __init__(self, *, accounts: InflightAccounts | None = None) -> None:
         """``accounts``: empty per-worker accounts to keep (None: the native ones; the
@@ -86,6 +91,8 @@ class InflightLedger:
         self._entries: dict[tuple[RequestId, WorkerId], _Entry] = {}
         #: Workers each request has entries on, in the order they were added.
         self._by_request: dict[RequestId, list[WorkerId]] = {}
+        #: Each worker's entries, in the order they were added.
+        self._by_worker: dict[WorkerId, dict[RequestId, _Entry]] = {}
         self._accounts: InflightAccounts = _new_accounts() if accounts is None else accounts
         self._expiry: list[tuple[float, int, RequestId, WorkerId]] = []
         self._seq = 0
@@ -130,9 +137,10 @@ class InflightLedger:
         if not self._accounts.add(worker, hashes, prefill_tokens, extra_blocks):
             raise _declined(f"request {request_id} on {worker}", hashes)
         self._seq += 1
-        entry = _Entry(hashes, prefill_tokens, extra_blocks, now + ttl, self._seq)
+        entry = _Entry(hashes, prefill_tokens, extra_blocks, now + ttl, self._seq, now)
         self._entries[key] = entry
         self._by_request.setdefault(request_id, []).append(worker)
+        self._by_worker.setdefault(worker, {})[request_id] = entry
         heapq.heappush(self._expiry, (entry.expires_at, entry.seq, request_id, worker))
         if len(self._expiry) > 2 * len(self._entries) + 1024:
             # Completed entries leave their heap items behind until they would have expired;
@@ -207,6 +215,15 @@ class InflightLedger:
             raise _declined("view query", hashes)
         return out
 
+    def pending_prefills(self, worker: WorkerId) -> list[tuple[float, int]]:
+        """(routed at, prefill tokens) of the requests on ``worker`` whose prefill is not done,
+        in the order they were routed (ties by the order they were added): the queue
+        ``ttft.queue_done`` drains."""
+        entries = self._by_worker.get(worker)
+        if not entries:
+            return []
+        return [(e.at, e.prefill_tokens) for e in sorted(entries.values(), key=_routed_order) if e.prefill_tokens > 0]
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -225,12 +242,20 @@ class InflightLedger:
 
     def _remove(self, key: tuple[RequestId, WorkerId]) -> None:
         entry = self._entries.pop(key)
+        mine = self._by_worker[key[1]]
+        del mine[key[0]]
+        if not mine:
+            del self._by_worker[key[1]]
         workers = self._by_request[key[0]]
         workers.remove(key[1])
         if not workers:
             del self._by_request[key[0]]
         if not self._accounts.remove(key[1], entry.hashes, entry.prefill_tokens, entry.extra_blocks):
             raise _declined(f"release of request {key[0]} on {key[1]}", ())
+
+
+def _routed_order(e: _Entry) -> tuple[float, int]:
+    return e.at, e.seq
 
 
 def _declined(what: str, hashes: Sequence[BlockHash]) -> InvalidRoutingInput:
@@ -331,8 +356,9 @@ class RouterLedger:
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
+            done = ev.ttft_model.queue_done_tokens if ev.ttft_model is not None else 0
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
-                                 self._block_size.get(rid, 0), now)
+                                 self._block_size.get(rid, 0), now, done)
         hashes = self._hashes.get(rid)
         if hashes is None:
             return  # admitted before the folded range: its entry cannot be rebuilt
@@ -376,6 +402,14 @@ class RouterLedger:
         self.ttft_fit.forget(rid)
 
     # -- reads -------------------------------------------------------------------------------
+
+    def ttft_model(self, worker: WorkerId, now: float) -> TtftModel:
+        """``worker``'s TTFT model for a decision at ``now``: the fit's, with the tokens of the
+        queue ahead the worker has computed by then (:func:`~.ttft.queue_done` over this
+        router's in-flight prefills there)."""
+        model = self.ttft_fit.model(worker)
+        done = queue_done(self.inflight.pending_prefills(worker), now, model)
+        return msgspec.structs.replace(model, queue_done_tokens=done) if done else model
 
     def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         return self.inflight.view(hashes)

@@ -12,7 +12,8 @@ the handoff's mean).
 
 The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill tokens queued ahead
 of the request (:func:`queue_ahead`: this router's own requests not yet
-prefilled there, already net of their own cache hits; not the worker's report, which lags) and then
+prefilled there, already net of their own cache hits; not the worker's report, which lags; less
+what the worker has computed of them since they were routed, :func:`queue_done`) and then
 the request's uncached tokens, in chunked-prefill steps of at most ``chunk_tokens`` tokens. A
 step of ``n`` new tokens over a context of ``c`` tokens already in the KV costs
 ``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``: a fixed part, a part linear in
@@ -22,11 +23,14 @@ makes a prompt's own prefill superlinear in its length.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from schemas.events import CandidateScore, TtftModel
 from schemas.types import RequestPhase
 
 
-__all__ = ["PRIOR", "TtftModel", "features", "predict", "predict_ttft_ms", "queue_ahead"]
+__all__ = ["PRIOR", "TtftModel", "features", "predict", "predict_ttft_ms", "queue_ahead", "queue_done"]
 
 #: The prior every router starts from (conservative: a mid-range GPU's prefill rate for an 8B
 #: model, ~20k tokens/s), and what a worker's fit starts from (``ttft_fit.py``).
@@ -41,14 +45,41 @@ def queue_ahead(row: CandidateScore) -> int:
     return max(row.queued_prefill_tokens - row.report_only_prefill_tokens, 0)
 
 
-def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int) -> tuple[int, int, int, int]:
+def queue_done(pending: Iterable[tuple[float, int]], now_s: float, model: TtftModel) -> int:
+    """The tokens of ``pending`` (the router's in-flight prefills on one worker: (routed at, s;
+    tokens), in the order they were routed) that the worker has computed by ``now_s``, at
+    ``model``'s rate (:meth:`~schemas.events.TtftModel.tokens_per_ms`): first come, first
+    served, the worker idle only when all that was routed is done. A fold of the log's decision
+    times (replay re-derives it); without it the queue ahead counts in full a request the worker
+    has nearly finished."""
+    rate = model.tokens_per_ms()
+    left = 0.0
+    total = 0
+    last = None
+    for at, tokens in pending:
+        if last is not None and at > last:
+            left = max(left - rate * (at - last) * 1000.0, 0.0) if math.isfinite(rate) else 0.0
+        if last is None or at > last:
+            last = at
+        left += tokens
+        total += tokens
+    if last is None:
+        return 0
+    if now_s > last:
+        left = max(left - rate * (now_s - last) * 1000.0, 0.0) if math.isfinite(rate) else 0.0
+    return max(total - math.ceil(left), 0)
+
+
+def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int,
+             queue_done_tokens: int = 0) -> tuple[int, int, int, int]:
     """What the prediction multiplies by the model's four costs, as integers (so the fit's sums
     are exact): (1 request, engine steps, prompt tokens computed, twice their attention term).
-    The queue ahead (:func:`queue_ahead`, already net of their own cache hits) is computed first, then the request's uncached tokens (the row's index or in-flight
+    The queue ahead (:func:`queue_ahead`, already net of their own cache hits, less the
+    ``queue_done_tokens`` the worker has computed of it) is computed first, then the request's uncached tokens (the row's index or in-flight
     overlap, whichever is longer, at most ``prompt_tokens - 1``: an engine computes at least
     the last token) over its cached context. The queue's own context is not known; it counts
     as one prompt with none."""
-    q = queue_ahead(row)
+    q = max(queue_ahead(row) - queue_done_tokens, 0)
     cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
     n = max(prompt_tokens - cached, 0)
     steps = -(-q // chunk_tokens) + -(-n // chunk_tokens)
@@ -69,9 +100,10 @@ def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap
             block_size: int, model: TtftModel = PRIOR) -> float:
     """The rule itself, on a row's three columns (what ``decide`` computes for every candidate
     before its rows exist, and :func:`predict_ttft_ms` from a row): the model's base, the queue
-    ahead, then the request's own uncached tokens over its cached context."""
+    ahead less what the worker has computed of it (``model.queue_done_tokens``), then the
+    request's own uncached tokens over its cached context."""
     # The same sum as model . features(...), laid out as before the fit existed, so a decision
     # recorded then (under the prior, base 0) re-executes bit for bit.
     cached = min(max(overlap_blocks, speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
-    wait = model.prefill_ms(max(queued_prefill_tokens, 0))
+    wait = model.prefill_ms(max(queued_prefill_tokens - model.queue_done_tokens, 0))
     return model.base_ms + wait + model.prefill_ms(prompt_tokens - cached, cached)

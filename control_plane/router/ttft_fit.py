@@ -197,12 +197,14 @@ class TtftFit:
         self._seq = 0
 
     def routed(self, request_id: RequestId, worker: WorkerId, phase: RequestPhase, row: CandidateScore | None,
-               prompt_tokens: int, block_size: int, decided_at_s: float) -> None:
-        """A decision: a prefilling phase's row becomes the request's pending observation."""
+               prompt_tokens: int, block_size: int, decided_at_s: float, queue_done_tokens: int = 0) -> None:
+        """A decision: a prefilling phase's row (with the part of its queue the worker had
+        computed, as the decision's model recorded it) becomes the request's pending
+        observation."""
         if phase is RequestPhase.DECODE or row is None or prompt_tokens <= 0 or block_size <= 0:
             return
-        self._pending[request_id] = (worker, decided_at_s,
-                                     features(row, prompt_tokens, block_size, self.prior.chunk_tokens))
+        self._pending[request_id] = (worker, decided_at_s, features(row, prompt_tokens, block_size,
+                                                                    self.prior.chunk_tokens, queue_done_tokens))
 
     def completed(self, request_id: RequestId, ttft_ms: float) -> None:
         """The request's first token came ``ttft_ms`` after its first decision (router queueing

@@ -174,7 +174,8 @@ def ledger_state(ledger: RouterLedger, workers, hashes) -> dict:
     return {"load_for": {w: ledger.load_for(w) for w in workers}, "view": ledger.view(hashes),
             "view of no prompt": ledger.view(()), "rr_cursor": dict(ledger.rr_cursor),
             "open_requests": ledger.open_requests(), "len": len(ledger),
-            "ttft_models": {w: ledger.ttft_fit.model(w) for w in workers}}
+            "ttft_models": {w: ledger.ttft_fit.model(w) for w in workers},
+            "pending_prefills": {w: ledger.inflight.pending_prefills(w) for w in workers}}
 
 
 def folded(router: Router, sink: MemorySink) -> RouterLedger:
