@@ -163,7 +163,7 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "inflight_ttl_s": 600.0,
         "predicted_ttft_ms": 412.5,
         "ttft_model": ev.TtftModel(base_ms=30.0, step_ms=1.5, ms_per_token=0.02, ms_per_token_ctx=1e-6,
-                                   chunk_tokens=1024, samples=12, pool_samples=40),
+                                   chunk_tokens=1024, samples=12, pool_samples=40, queue_done_tokens=512),
         "ttft_models": {"w-2": ev.TtftModel(base_ms=12.0, samples=3, pool_samples=40)},
     },
     ev.PrefillCompleted: {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from control_plane.router.config import RouterConfig
@@ -83,3 +84,59 @@ def test_the_prediction_waits_behind_the_routers_own_queue_not_the_report() -> N
     assert a.predicted_ttft_ms == predict(3000, 0, 0, 1024, 64) == predict_ttft_ms(a, 1024, 64, RequestPhase.AGGREGATED)
     old = CandidateScore(worker_id="a", queued_prefill_tokens=50_000)
     assert queue_ahead(old) == 50_000
+
+
+def test_the_queue_drains_first_come_first_served_at_the_models_rate() -> None:
+    """Under the prior a busy worker computes 2,048 tokens per 2 + 2,048 x 0.05 = 104.4 ms
+    (19.6169 tokens/ms). Routed: 4,096 tokens at t=0, 2,048 at t=0.1 s. By 0.1 s the first has
+    1,961.69 done (2,134.31 left); at 0.15 s 4,182.31 - 980.84 = 3,201.47 are left of 6,144, so
+    2,942 are done (the rest rounded up: never more done than the model allows)."""
+    from control_plane.router.ttft import queue_done
+
+    rate = 2048 / 104.4
+    assert PRIOR.tokens_per_ms() == pytest.approx(rate)
+    pending = [(0.0, 4096), (0.1, 2048)]
+    left = 4096 - rate * 100 + 2048 - rate * 50
+    assert queue_done(pending, 0.15, PRIOR) == 6144 - int(left) - 1 == 2942
+    # nothing routed; nothing elapsed; an idle worker long after: all done
+    assert queue_done([], 5.0, PRIOR) == 0
+    assert queue_done([(1.0, 500)], 1.0, PRIOR) == 0
+    assert queue_done(pending, 60.0, PRIOR) == 6144
+    # a worker idle in between does not bank the idle time: 500 tokens at 0, done by 0.1 s;
+    # 4,096 at 10 s, 0.05 s later 980.84 of them done
+    assert queue_done([(0.0, 500), (10.0, 4096)], 10.05, PRIOR) == 500 + 980
+    # a model that gives tokens no cost: everything routed before now is done
+    free = TtftModel(base_ms=5.0, step_ms=0.0, ms_per_token=0.0)
+    assert queue_done(pending, 0.1000001, free) == 6144
+
+
+def test_the_prediction_waits_behind_what_is_left_of_the_queue() -> None:
+    """The decision's model carries ``queue_done_tokens``: 3,000 queued with 1,000 done waits
+    behind 2,000 (one 2,048-token step: 2 + 2000 x (0.05 + 2e-6 x 1000) = 106 ms); more done
+    than queued waits behind nothing."""
+    from control_plane.router.ttft import predict
+
+    bound = msgspec.structs.replace(PRIOR, queue_done_tokens=1000)
+    assert predict(3000, 0, 0, 1024, 64, bound) - predict(0, 0, 0, 1024, 64, PRIOR) == pytest.approx(106.0)
+    assert predict(3000, 0, 0, 1024, 64, msgspec.structs.replace(PRIOR, queue_done_tokens=5000)) == predict(
+        0, 0, 0, 1024, 64, PRIOR)
+    with pytest.raises(ValueError):
+        TtftModel(queue_done_tokens=-1)
+
+
+def test_the_router_ledger_binds_the_drained_queue_to_the_decisions_model() -> None:
+    """The fold's in-flight prefills on a worker, in routed order, drained at the worker's
+    fitted rate; the prefill done drops out; the fold of the same events gives the same."""
+    from control_plane.router.ledger import RouterLedger
+
+    led = RouterLedger()
+    led.inflight.add("x", "a", (1,), 4096, 2, now=0.0, ttl=600.0)
+    led.inflight.add("y", "a", (2,), 2048, 2, now=0.1, ttl=600.0)
+    led.inflight.add("z", "b", (3,), 1000, 2, now=0.1, ttl=600.0)
+    assert led.inflight.pending_prefills("a") == [(0.0, 4096), (0.1, 2048)]
+    assert led.ttft_model("a", 0.15).queue_done_tokens == 2942
+    assert led.ttft_model("c", 0.15) == led.ttft_fit.model("c")  # nothing in flight: the fit's model
+    led.inflight.prefill_done("x")
+    assert led.inflight.pending_prefills("a") == [(0.1, 2048)]
+    led.inflight.complete("y")
+    assert led.inflight.pending_prefills("a") == [] and led.inflight.pending_prefills("b") == [(0.1, 1000)]

@@ -132,3 +132,21 @@ def msgspec_replace(row: CandidateScore, **changes) -> CandidateScore:
     import msgspec
 
     return msgspec.structs.replace(row, **changes)
+
+
+def test_the_fit_learns_on_the_queue_left_after_what_was_done() -> None:
+    """An observation's queue is the row's less the ``queue_done_tokens`` its decision's model
+    recorded: the same integer sums, so the same model bit for bit, as rows that showed the
+    drained queue themselves."""
+    reqs = _requests(200)
+    done = [min(row.queued_prefill_tokens, 700 * k % 5000) for k, (_, row, _) in enumerate(reqs)]
+    a, b = TtftFit(), TtftFit()
+    for k, ((rid, row, prompt), d) in enumerate(zip(reqs, done)):
+        a.routed(rid, row.worker_id, AGG, row, prompt, 64, k * 0.01, d)
+        left = CandidateScore(worker_id=row.worker_id, overlap_blocks=row.overlap_blocks,
+                              queued_prefill_tokens=row.queued_prefill_tokens - d)
+        b.routed(rid, row.worker_id, AGG, left, prompt, 64, k * 0.01)
+        y = predict_ttft_ms(left, prompt, 64, AGG, TRUE)
+        a.completed(rid, y)
+        b.completed(rid, y)
+    assert a.model("w-1") == b.model("w-1") != TtftFit().model("w-1")
