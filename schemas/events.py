@@ -229,15 +229,16 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     pool_samples: int = 0
     #: At one decision, the tokens of the queue ahead that the worker has computed since they
     #: were routed (``ttft.queue_done``: the router's in-flight prefills drained first come,
-    #: first served at this model's rate); the prediction waits behind the rest. 0 for a model
-    #: not bound to a decision, and in events written before it existed (added in place: a
-    #: default, omitted when 0, so every earlier payload decodes to the same model).
-    queue_done_tokens: int = 0
+    #: first served at this model's rate); the prediction waits behind the rest. None for a
+    #: model not bound to a decision, and in events written before the drain existed (added in
+    #: place, omitted when None: every earlier payload decodes to the same model, and replay
+    #: re-derives those decisions without the drain).
+    queue_done_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx) < 0:
             raise ValueError(f"TtftModel: chunk_tokens must be >= 1 and the costs >= 0, got {self}")
-        if self.queue_done_tokens < 0:
+        if self.queue_done_tokens is not None and self.queue_done_tokens < 0:
             raise ValueError(f"TtftModel: queue_done_tokens must be >= 0, got {self.queue_done_tokens}")
 
     def tokens_per_ms(self) -> float:

@@ -231,7 +231,7 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
             predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
             predicted_ttft_ms=ev.predicted_ttft_ms,
             observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None,
-            queued_tokens=max(queue_ahead(mine) - (ev.ttft_model.queue_done_tokens if ev.ttft_model else 0), 0)
+            queued_tokens=max(queue_ahead(mine) - ((ev.ttft_model.queue_done_tokens or 0) if ev.ttft_model else 0), 0)
             if mine else 0,
             model_samples=-1 if ev.ttft_model is None else ev.ttft_model.samples + ev.ttft_model.pool_samples))
     return Reconciliation(checks=tuple(checks), unmatched=unmatched)

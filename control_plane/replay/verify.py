@@ -261,6 +261,12 @@ def check_table(rec: DecisionRecord, config: RouterConfig) -> tuple[str, Decisio
 
 
 def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfig) -> tuple[str, Decision | None, list[str], list[str]]:
+    m = rec.routed.ttft_model
+    if m is not None and m.queue_done_tokens is None and inputs.ttft_models:
+        # Decided before the queue's drain existed (TtftModel.queue_done_tokens): its models
+        # waited behind the whole queue.
+        inputs = msgspec.structs.replace(inputs, ttft_models={
+            w: msgspec.structs.replace(x, queue_done_tokens=None) for w, x in inputs.ttft_models.items()})
     try:
         d = execute(inputs, config, rec.routed.rng_seed)
     except (RoutingError, NoEligibleWorker, ValueError) as e:

@@ -356,7 +356,7 @@ class RouterLedger:
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
-            done = ev.ttft_model.queue_done_tokens if ev.ttft_model is not None else 0
+            done = (ev.ttft_model.queue_done_tokens or 0) if ev.ttft_model is not None else 0
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
                                  self._block_size.get(rid, 0), now, done)
         hashes = self._hashes.get(rid)
@@ -408,8 +408,9 @@ class RouterLedger:
         queue ahead the worker has computed by then (:func:`~.ttft.queue_done` over this
         router's in-flight prefills there)."""
         model = self.ttft_fit.model(worker)
-        done = queue_done(self.inflight.pending_prefills(worker), now, model)
-        return msgspec.structs.replace(model, queue_done_tokens=done) if done else model
+        # Bound even when 0: a recorded model without it was decided before the drain existed.
+        return msgspec.structs.replace(model, queue_done_tokens=queue_done(self.inflight.pending_prefills(worker), now,
+                                                                           model))
 
     def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         return self.inflight.view(hashes)

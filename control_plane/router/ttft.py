@@ -105,5 +105,5 @@ def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap
     # The same sum as model . features(...), laid out as before the fit existed, so a decision
     # recorded then (under the prior, base 0) re-executes bit for bit.
     cached = min(max(overlap_blocks, speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
-    wait = model.prefill_ms(max(queued_prefill_tokens - model.queue_done_tokens, 0))
+    wait = model.prefill_ms(max(queued_prefill_tokens - (model.queue_done_tokens or 0), 0))
     return model.base_ms + wait + model.prefill_ms(prompt_tokens - cached, cached)

@@ -135,7 +135,7 @@ def test_the_router_ledger_binds_the_drained_queue_to_the_decisions_model() -> N
     led.inflight.add("z", "b", (3,), 1000, 2, now=0.1, ttl=600.0)
     assert led.inflight.pending_prefills("a") == [(0.0, 4096), (0.1, 2048)]
     assert led.ttft_model("a", 0.15).queue_done_tokens == 2942
-    assert led.ttft_model("c", 0.15) == led.ttft_fit.model("c")  # nothing in flight: the fit's model
+    assert led.ttft_model("c", 0.15) == msgspec.structs.replace(led.ttft_fit.model("c"), queue_done_tokens=0)
     led.inflight.prefill_done("x")
     assert led.inflight.pending_prefills("a") == [(0.1, 2048)]
     led.inflight.complete("y")
