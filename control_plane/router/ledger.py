@@ -217,12 +217,12 @@ class InflightLedger:
 
     def pending_prefills(self, worker: WorkerId) -> list[tuple[float, int]]:
         """(routed at, prefill tokens) of the requests on ``worker`` whose prefill is not done,
-        in the order they were routed (ties by the order they were added): the queue
+        in the order they were added (the fold's order, the same live and in replay): the queue
         ``ttft.queue_done`` drains."""
         entries = self._by_worker.get(worker)
         if not entries:
             return []
-        return [(e.at, e.prefill_tokens) for e in sorted(entries.values(), key=_routed_order) if e.prefill_tokens > 0]
+        return [(e.at, e.prefill_tokens) for e in entries.values() if e.prefill_tokens > 0]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -252,10 +252,6 @@ class InflightLedger:
             del self._by_request[key[0]]
         if not self._accounts.remove(key[1], entry.hashes, entry.prefill_tokens, entry.extra_blocks):
             raise _declined(f"release of request {key[0]} on {key[1]}", ())
-
-
-def _routed_order(e: _Entry) -> tuple[float, int]:
-    return e.at, e.seq
 
 
 def _declined(what: str, hashes: Sequence[BlockHash]) -> InvalidRoutingInput:
@@ -296,7 +292,7 @@ class RouterLedger:
     it with its recorded ``decided_at_s``, so folding the log needs no extra input.
     """
 
-    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "_block_size", "_handlers", "_hashes",
+    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "_block_size", "_bound_zero", "_handlers", "_hashes",
                  "_prefill_worker", "_queued_ms", "_prompt_tokens")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
@@ -310,6 +306,8 @@ class RouterLedger:
         self._prefill_worker: dict[RequestId, WorkerId] = {}
         #: The TTFT model fitted from this router's decisions and completions (``ttft_fit.py``).
         self.ttft_fit = TtftFit()
+        #: Worker -> (the fit's model, it bound with nothing of the queue done).
+        self._bound_zero: dict[WorkerId, tuple[TtftModel, TtftModel]] = {}
         self._queued_ms: dict[RequestId, float] = {}
         self._prompt_tokens: dict[RequestId, int] = {}
         self._handlers = {
@@ -408,9 +406,16 @@ class RouterLedger:
         queue ahead the worker has computed by then (:func:`~.ttft.queue_done` over this
         router's in-flight prefills there)."""
         model = self.ttft_fit.model(worker)
-        # Bound even when 0: a recorded model without it was decided before the drain existed.
-        return msgspec.structs.replace(model, queue_done_tokens=queue_done(self.inflight.pending_prefills(worker), now,
-                                                                           model))
+        pending = self.inflight.pending_prefills(worker)
+        done = queue_done(pending, now, model) if pending else 0
+        if not done:
+            # Bound even at 0 (a recorded model without it was decided before the drain
+            # existed); kept while the fit's model is the same object.
+            zero = self._bound_zero.get(worker)
+            if zero is None or zero[0] is not model:
+                zero = self._bound_zero[worker] = (model, msgspec.structs.replace(model, queue_done_tokens=0))
+            return zero[1]
+        return msgspec.structs.replace(model, queue_done_tokens=done)
 
     def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         return self.inflight.view(hashes)

@@ -47,7 +47,8 @@ def queue_ahead(row: CandidateScore) -> int:
 
 def queue_done(pending: Iterable[tuple[float, int]], now_s: float, model: TtftModel) -> int:
     """The tokens of ``pending`` (the router's in-flight prefills on one worker: (routed at, s;
-    tokens), in the order they were routed) that the worker has computed by ``now_s``, at
+    tokens), in the order the ledger added them; one routed before an earlier entry counts from
+    the later time) that the worker has computed by ``now_s``, at
     ``model``'s rate (:meth:`~schemas.events.TtftModel.tokens_per_ms`): first come, first
     served, the worker idle only when all that was routed is done. A fold of the log's decision
     times (replay re-derives it); without it the queue ahead counts in full a request the worker
