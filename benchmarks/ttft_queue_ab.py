@@ -13,12 +13,15 @@ folded, in the order it published them, through two :class:`~control_plane.route
 
 Both are scored against the TTFT observed after the router's queueing (as ``switchyard replay
 reconcile`` reads it): |predicted - observed| / observed. Same log, same decisions, same
-outcomes: only the rule differs. Routing is not replayed: the logged choices stand (the
+outcomes: only the rule differs. Also each rule's hindsight bound: one fit over every
+observation of the log (its outcomes known), every request predicted under it: what the
+features allow, whatever the fit. Routing is not replayed: the logged choices stand (the
 bench's kv cost is blocks, so the prediction did not choose).
 
 Run: ``uv run python -m benchmarks.ttft_queue_ab <prefix> [<prefix> ...]`` (the stack's
 variables exported). Last line: ``RESULT logs=... whole_err_p50_worst=... whole_err_p90_worst=...
-drain_err_p50_worst=... drain_err_p90_worst=... p90_lower_in=<logs where the drain's p90 is lower>``.
+drain_err_p50_worst=... drain_err_p90_worst=... p90_lower_in=<logs where the drain's p90 is lower>
+hindsight_drain_p50_worst=... hindsight_drain_p90_worst=...``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from common.settings import BusSettings
 from control_plane.replay.reconcile import _quantile
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.ttft import predict, queue_ahead
+from control_plane.router.ttft_fit import TtftFit
 from schemas import EventCodec
 from schemas.envelope import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted
@@ -55,6 +59,8 @@ def compare(envs: list[Envelope]) -> dict:
     whole, drain = RouterLedger(), RouterLedger()
     admitted: dict[str, RequestAdmitted] = {}
     preds: dict[str, tuple[float, float, float | None, float]] = {}
+    #: Per prefilling decision: (worker, row, prompt tokens, block size, the drain's done tokens).
+    seen: dict[str, tuple] = {}
     for env in own:
         ev = env.data
         if isinstance(ev, RequestAdmitted):
@@ -71,6 +77,7 @@ def compare(envs: list[Envelope]) -> dict:
             preds[ev.request_id] = (predict(*args, whole.ttft_fit.model(ev.worker_id)), predict(*args, m),
                                     ev.predicted_ttft_ms, ev.queued_ms)
             bound = msgspec.structs.replace(env, data=msgspec.structs.replace(ev, ttft_model=m))
+            seen[ev.request_id] = (ev.worker_id, ev.phase, row, a.prompt_tokens, a.block_size, m.queue_done_tokens or 0)
         drain.apply(bound)
         whole.apply(_without_drain(env))
     errs: dict[str, list[float]] = {"whole": [], "drain": []}
@@ -82,6 +89,17 @@ def compare(envs: list[Envelope]) -> dict:
         errs["whole"].append(abs(pw - y) / y)
         errs["drain"].append(abs(pd - y) / y)
         as_recorded += recorded == pd
+    for k in ("whole", "drain"):
+        fit = TtftFit()
+        obs = [(rid, x, ttft[rid] - preds[rid][3]) for rid, x in seen.items()
+               if rid in ttft and ttft[rid] - preds[rid][3] > 0]
+        for rid, (w, phase, row, prompt, bs, done), y in obs:
+            fit.routed(rid, w, phase, row, prompt, bs, 0.0, done if k == "drain" else 0)
+            fit.completed(rid, y)
+        errs[f"{k}_hindsight"] = [
+            abs(predict(queue_ahead(row), row.overlap_blocks, row.speculative_overlap, prompt, bs,
+                        msgspec.structs.replace(fit.model(w), queue_done_tokens=done if k == "drain" else None)) - y) / y
+            for rid, (w, phase, row, prompt, bs, done), y in obs]
     out = {"n": len(errs["drain"]), "drain_as_recorded": as_recorded}
     for k, v in errs.items():
         v.sort()
@@ -103,12 +121,16 @@ def main() -> None:
         rows.append(r)
         print(f"{prefix}: {r['n']} predictions; whole queue p50 {r['whole_p50']:.3f} p90 {r['whole_p90']:.3f}; "
               f"drained p50 {r['drain_p50']:.3f} p90 {r['drain_p90']:.3f} (the drained prediction is the recorded "
-              f"one in {r['drain_as_recorded']})")
+              f"one in {r['drain_as_recorded']}); hindsight: whole queue p50 {r['whole_hindsight_p50']:.3f} p90 "
+              f"{r['whole_hindsight_p90']:.3f}, drained p50 {r['drain_hindsight_p50']:.3f} p90 "
+              f"{r['drain_hindsight_p90']:.3f}")
     print(f"RESULT logs={len(rows)} whole_err_p50_worst={max(r['whole_p50'] for r in rows):.3f} "
           f"whole_err_p90_worst={max(r['whole_p90'] for r in rows):.3f} "
           f"drain_err_p50_worst={max(r['drain_p50'] for r in rows):.3f} "
           f"drain_err_p90_worst={max(r['drain_p90'] for r in rows):.3f} "
-          f"p90_lower_in={sum(r['drain_p90'] < r['whole_p90'] for r in rows)}")
+          f"p90_lower_in={sum(r['drain_p90'] < r['whole_p90'] for r in rows)} "
+          f"hindsight_drain_p50_worst={max(r['drain_hindsight_p50'] for r in rows):.3f} "
+          f"hindsight_drain_p90_worst={max(r['drain_hindsight_p90'] for r in rows):.3f}")
 
 
 if __name__ == "__main__":
