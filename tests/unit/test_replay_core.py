@@ -305,7 +305,46 @@ def test_the_fold_of_a_routers_log_equals_its_live_state_whatever_the_partition_
         replayed.apply(loc.env)
     for wid in ("w0", "w1", "w2"):
         assert replayed.load_for(wid) == live.load_for(wid)
+        # the queue the TTFT prediction drains, and so the decision's bound model
+        assert replayed.inflight.pending_prefills(wid) == live.inflight.pending_prefills(wid)
+        assert replayed.ttft_model(wid, 30.5) == live.ttft_model(wid, 30.5)
     assert replayed.view((1, 2, 3)) == live.view((1, 2, 3)) and replayed.open_requests() == live.open_requests()
+
+
+def test_the_state_check_re_derives_the_queues_drain_and_not_for_a_decision_recorded_before_it() -> None:
+    """Worker a has 6,000 tokens of this router's prefills in flight, routed 0.2 s before the
+    decision: under the prior the worker has computed 3,923 of them (19.6169 tokens/ms), which
+    the decision's model records. The state check over the ledger's inputs reproduces it; a
+    record written before the drain (no ``queue_done_tokens``, every prediction behind the
+    whole queue) reproduces too, re-derived without it."""
+    from control_plane.replay.verify import check_state
+
+    led = RouterLedger(600.0)
+    led.inflight.add("old", "a", (7,), 6000, 400, now=99.8, ttl=600.0)
+    req = RoutingRequest(request_id="q", prompt_tokens=40 * BS, block_size=BS, block_hashes=tuple(range(1, 41)),
+                         expected_output_tokens=16)
+    workers = [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b", queued_prefill_tokens=500)]
+    inputs = DecisionInputs(request=req, workers=workers, overlaps={}, inflight=led.view(req.block_hashes),
+                            rng_seed=3, ttft_models={w.worker_id: led.ttft_model(w.worker_id, 100.0) for w in workers})
+    assert inputs.ttft_models["a"].queue_done_tokens == 3923 and inputs.ttft_models["b"].queue_done_tokens == 0
+    config = RouterConfig(version=1)
+    adm = RequestAdmitted(request_id="q", model="m", prompt_tokens=req.prompt_tokens, max_tokens=16,
+                          block_hashes=list(req.block_hashes), block_size=BS, hash_algo="sha256")
+
+    def record(inp: DecisionInputs) -> DecisionRecord:
+        ev = routed_event(execute(inp, config), inp, config, router_id="r", decided_at_s=100.0)
+        return DecisionRecord(routed=ev, admitted=adm, at_ns=10**11, producer="r", epoch=1,
+                              position="t.requests:0:1", event_id="e")
+
+    rec = record(inputs)
+    assert check_state(rec, inputs, config)[0] == "match"
+    before = msgspec.structs.replace(inputs, ttft_models={
+        w: msgspec.structs.replace(m, queue_done_tokens=None) for w, m in inputs.ttft_models.items()})
+    old = record(before)
+    row_a = next(r for r in old.routed.scores if r.worker_id == "a")
+    assert row_a.predicted_ttft_ms > next(r for r in rec.routed.scores if r.worker_id == "a").predicted_ttft_ms
+    status, _, diffs, _ = check_state(old, inputs, config)
+    assert status == "match", diffs
 
 
 def test_replayed_event_copies_only_inputs() -> None:
