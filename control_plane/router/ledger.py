@@ -51,13 +51,13 @@ from control_plane.router.ttft_fit import TtftFit
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
-    TtftModel,
     PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
     RequestFailed,
     RequestRejected,
     RequestRouted,
+    TtftModel,
 )
 from schemas.types import BlockHash, RequestId, RequestPhase, RoutingMode, WorkerId, WorkerRole
 
