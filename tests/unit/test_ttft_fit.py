@@ -137,7 +137,7 @@ def msgspec_replace(row: CandidateScore, **changes) -> CandidateScore:
 def test_the_fit_learns_on_the_queue_left_after_what_was_done() -> None:
     """An observation's queue is the row's less the ``queue_done_tokens`` its decision's model
     recorded: the same integer sums, so the same model bit for bit, as rows that showed the
-    drained queue themselves."""
+    drained queue themselves, in any order."""
     reqs = _requests(200)
     done = [min(row.queued_prefill_tokens, 700 * k % 5000) for k, (_, row, _) in enumerate(reqs)]
     a, b = TtftFit(), TtftFit()
@@ -150,3 +150,14 @@ def test_the_fit_learns_on_the_queue_left_after_what_was_done() -> None:
         a.completed(rid, y)
         b.completed(rid, y)
     assert a.model("w-1") == b.model("w-1") != TtftFit().model("w-1")
+    # and in any order, bit for bit
+    c = TtftFit()
+    order = list(range(len(reqs)))
+    random.Random(3).shuffle(order)
+    for k in order:
+        rid, row, prompt = reqs[k]
+        c.routed(rid, row.worker_id, AGG, row, prompt, 64, k * 0.01, done[k])
+        left = CandidateScore(worker_id=row.worker_id, overlap_blocks=row.overlap_blocks,
+                              queued_prefill_tokens=row.queued_prefill_tokens - done[k])
+        c.completed(rid, predict_ttft_ms(left, prompt, 64, AGG, TRUE))
+    assert c.model("w-1") == a.model("w-1")
