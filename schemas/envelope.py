@@ -5,6 +5,9 @@ Wire layout: one MessagePack map per Kafka record value::
     {"id": str, "type": str, "v": int, "key": str, "producer": str, "epoch": int, "seq": int,
      "at": int (unix ns), "corr": str?, "cause": str?, "data": {payload}}
 
+A payload type's ``KEY_FIELD`` (a request event's ``request_id``, from v2) is the key: it is not
+written in ``data``, nor as ``corr``, and decoding fills both in from ``key``.
+
 The payload is decoded lazily (``msgspec.Raw``) so that routing on type and version, and
 dead-lettering an unknown one, never pays for a full decode.
 """
@@ -122,6 +125,17 @@ class EventCodec:
     # -- encode ---------------------------------------------------------------------------
 
     def encode(self, env: Envelope[Event]) -> bytes:
+        """The envelope's bytes. A payload with a ``KEY_FIELD`` (a request event from v2) is
+        written without it, and without ``corr`` when that is the key too: the key says it once.
+        Raises ``ValueError`` when the field is not the key (it could not be read back)."""
+        field = env.data.KEY_FIELD
+        if field is not None:
+            own = getattr(env.data, field)
+            if own != env.key:
+                raise ValueError(f"{env.type} v{env.version}: {field} {own!r} is not the envelope's key {env.key!r}")
+            env = msgspec.structs.replace(
+                env, data=msgspec.structs.replace(env.data, **{field: ""}),
+                correlation_id=None if env.correlation_id == env.key else env.correlation_id)
         return self._encoder.encode(env)
 
     # -- decode ---------------------------------------------------------------------------
@@ -164,6 +178,16 @@ class EventCodec:
             raise MalformedEvent(f"{raw.type} v{raw.version} payload invalid: {e}") from None
         if raw.version < latest:
             payload = self._upcast(payload, raw.version, latest)
+        corr = raw.correlation_id
+        field = payload.KEY_FIELD
+        if field is not None:  # on the wire once, as the key (``encode``)
+            own = getattr(payload, field)
+            if not own:
+                msgspec.structs.force_setattr(payload, field, raw.key)
+            elif own != raw.key:
+                raise MalformedEvent(f"{raw.type} v{raw.version} {field} {own[:200]!r} is not its key {raw.key[:200]!r}")
+            if corr is None:
+                corr = raw.key
         for name in self._worker_fields.get(type(payload), ()):
             wid = getattr(payload, name)
             if wid is not None and len(wid) > MAX_WORKER_ID_LEN:
@@ -182,7 +206,7 @@ class EventCodec:
             epoch=raw.epoch,
             seq=raw.seq,
             occurred_at_ns=raw.occurred_at_ns,
-            correlation_id=raw.correlation_id,
+            correlation_id=corr,
             causation_id=raw.causation_id,
             data=payload,
         )
