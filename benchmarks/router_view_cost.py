@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def main(args) -> None:
             spy = None
             if args.profile and r == 0:
                 spy = subprocess.Popen([_pyspy(), "record", "--pid", str(c.pid), "--rate", "500", "--format", "raw",
-                                        "--threads", "--idle", "-o", args.profile + ".raw"],
+                                        "--threads", "-o", args.profile + ".raw"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
             c0, t0 = _proc_cpu_s(c.pid), time.monotonic()
@@ -118,7 +119,7 @@ def main(args) -> None:
             state = json.loads(c.stdout.readline())
             cpu, wall = _proc_cpu_s(c.pid) - c0, time.monotonic() - t0
             if spy is not None:
-                spy.terminate()
+                spy.send_signal(signal.SIGINT)
                 spy.wait(30)
             ms = max(cpu - idle * wall, 0.0) * 1000 / args.n
             got.append(ms)
