@@ -133,9 +133,15 @@ class EventCodec:
             own = getattr(env.data, field)
             if own != env.key:
                 raise ValueError(f"{env.type} v{env.version}: {field} {own!r} is not the envelope's key {env.key!r}")
-            env = msgspec.structs.replace(
-                env, data=msgspec.structs.replace(env.data, **{field: ""}),
-                correlation_id=None if env.correlation_id == env.key else env.correlation_id)
+            # Copies (the caller's envelope is left as it is) with the field blanked, which
+            # ``omit_defaults`` leaves out: a third of ``msgspec.structs.replace``'s cost.
+            data = env.data.__copy__()
+            _set(data, field, "")
+            same = env.correlation_id == env.key
+            env = env.__copy__()
+            _set(env, "data", data)
+            if same:
+                _set(env, "correlation_id", None)
         return self._encoder.encode(env)
 
     # -- decode ---------------------------------------------------------------------------
@@ -183,7 +189,7 @@ class EventCodec:
         if field is not None:  # on the wire once, as the key (``encode``)
             own = getattr(payload, field)
             if not own:
-                msgspec.structs.force_setattr(payload, field, raw.key)
+                _set(payload, field, raw.key)
             elif own != raw.key:
                 raise MalformedEvent(f"{raw.type} v{raw.version} {field} {own[:200]!r} is not its key {raw.key[:200]!r}")
             if corr is None:
@@ -226,6 +232,7 @@ class EventCodec:
 
 
 _FloatCheck = Callable[[object], str | None]
+_set = msgspec.structs.force_setattr
 
 #: A msgpack float64 (0xcb) or float32 (0xca) with every exponent bit set: a NaN or an infinity
 #: (either sign). Payload bytes without this pattern hold no non-finite float, so ``decode``
