@@ -185,13 +185,8 @@ class EventCodec:
         if raw.version < latest:
             payload = self._upcast(payload, raw.version, latest)
         corr = raw.correlation_id
-        field = payload.KEY_FIELD
-        if field is not None:  # on the wire once, as the key (``encode``)
-            own = getattr(payload, field)
-            if not own:
-                _set(payload, field, raw.key)
-            elif own != raw.key:
-                raise MalformedEvent(f"{raw.type} v{raw.version} {field} {own[:200]!r} is not its key {raw.key[:200]!r}")
+        if payload.KEY_FIELD is not None:  # on the wire once, as the key (``encode``)
+            fill_key_field(payload, raw.key, raw.version)
             if corr is None:
                 corr = raw.key
         for name in self._worker_fields.get(type(payload), ()):
@@ -233,6 +228,20 @@ class EventCodec:
 
 _FloatCheck = Callable[[object], str | None]
 _set = msgspec.structs.force_setattr
+
+
+def fill_key_field(payload: Event, key: str, version: int | None = None) -> None:
+    """Set a decoded payload's ``KEY_FIELD`` from its envelope ``key`` (the bytes leave it out);
+    raises ``MalformedEvent`` when the payload names another value than the key."""
+    field = payload.KEY_FIELD
+    if field is None:
+        return
+    own = getattr(payload, field)
+    if not own:
+        _set(payload, field, key)
+    elif own != key:
+        raise MalformedEvent(f"{payload.TYPE} v{payload.VERSION if version is None else version} {field} "
+                             f"{own[:200]!r} is not its key {key[:200]!r}")
 
 #: A msgpack float64 (0xcb) or float32 (0xca) with every exponent bit set: a NaN or an infinity
 #: (either sign). Payload bytes without this pattern hold no non-finite float, so ``decode``
