@@ -11,6 +11,10 @@ last one (its ``sync``), minus its rate over a quiet second before (the idle loo
     uv run --group bench python -m benchmarks.router_view_cost [--rounds 3] [--n 1000]
     ... --profile out.txt   # py-spy (SWITCHYARD_PYSPY or the uv cache's) on the child, round 1
 
+``--floor``: instead, the same fold (records verified, ``RecordFold.fold_batch`` with the view's
+native run) fed by one librdkafka consumer in batches, without Faust: the floor a view that
+follows the log that way would approach (the router's view runs in Faust today).
+
 Last line: ``RESULT view_ms=<median> view_ms_max=<worst round> ...``.
 """
 
@@ -26,15 +30,24 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections import defaultdict
+
+from confluent_kafka import Consumer, TopicPartition
 
 from benchmarks.router_broker_sources import ALGO, BS, _kv, _register
 from common.log.admin import apply_topics
+from common.log.catalog import Catalog
+from common.log.fold import RecordFold
+from common.log.reader import RecordBatch
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
 from control_plane.router.stream import RouterViewProcessor
-from control_plane.router.view import RouterView
+from control_plane.router.view import RouterView, rejected_poison
+from common.roles import group_id
+from schemas import EventCodec
 from schemas.events import WorkerLoadReported
 
 
@@ -60,6 +73,58 @@ async def child(prefix: str) -> None:
         await proc.sync(120)
         print(json.dumps({"applied": proc.view.applied, "dead_lettered": proc.dead_lettered}), flush=True)
     await proc.stop()
+
+
+def child_floor(prefix: str) -> None:
+    """The floor a view without Faust would approach: the same fold (``RecordFold.fold_batch``
+    with the view's native run, records verified) fed by one librdkafka consumer in batches,
+    assigned every partition from the start; not how the router runs today."""
+    bus = BusSettings.from_env(topic_prefix=prefix, role="router")
+    view, codec = RouterView(ALGO, BS), EventCodec(verifier=bus.verifier())
+    fold = RecordFold(view.positions, lambda r: view.apply_record(r.value, r.topic, r.partition, r.offset, r.ts_ms,
+                                                                    codec))
+
+    def run(batch: RecordBatch, start: int):
+        end, rejected = view.apply_run(batch, start, codec)
+        return end, None if rejected is None else rejected_poison(rejected)
+
+    c = Consumer({**bus.client_conf(), "group.id": group_id(prefix, bus.username, f"vfloor-{time.time_ns()}"),
+                  "enable.auto.commit": False, "fetch.min.bytes": 65536, "fetch.wait.max.ms": 10,
+                  "fetch.queue.backoff.ms": 10})
+    cat = Catalog(prefix)
+    parts = [TopicPartition(t, p, 0) for t in (cat.topic("kv"), cat.topic("workers"))
+             for p in c.list_topics(t, timeout=10).topics[t].partitions]
+    c.assign(parts)
+    want: list[str] = []
+    threading.Thread(target=lambda: want.extend(iter(sys.stdin.readline, "")), daemon=True).start()
+
+    def at_end() -> bool:
+        return all(view.positions.get((tp.topic, tp.partition), 0)
+                   >= c.get_watermark_offsets(tp, timeout=10)[1] for tp in parts)
+
+    while not at_end():
+        _poll(c, fold, run)
+    print("ready", flush=True)
+    while True:
+        _poll(c, fold, run)
+        if want:
+            line = want.pop(0).strip()
+            if line != "sync":
+                break
+            while not at_end():
+                _poll(c, fold, run)
+            print(json.dumps({"applied": view.applied, "dead_lettered": fold.stats.poisoned}), flush=True)
+    c.close()
+
+
+def _poll(c, fold, run) -> None:
+    by: dict = defaultdict(list)
+    for m in c.consume(1000, 0.05):
+        if m.error() is None:
+            by[(m.topic(), m.partition())].append(m)
+    for (t, p), ms in by.items():
+        fold.fold_batch(RecordBatch(t, p, [m.offset() for m in ms], [m.timestamp()[1] for m in ms],
+                                    [m.key() for m in ms], [m.value() for m in ms]), run)
 
 
 def _pyspy() -> str | None:
@@ -96,7 +161,8 @@ def main(args) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     got: list[float] = []
     for r in range(args.rounds):
-        c = subprocess.Popen([sys.executable, "-m", "benchmarks.router_view_cost", "--child", prefix],
+        c = subprocess.Popen([sys.executable, "-m", "benchmarks.router_view_cost",
+                              "--child-floor" if args.floor else "--child", prefix],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             if c.stdout.readline().strip() != "ready":
@@ -123,7 +189,8 @@ def main(args) -> None:
                 spy.wait(30)
             ms = max(cpu - idle * wall, 0.0) * 1000 / args.n
             got.append(ms)
-            print(f"  round {r + 1}: view {ms:.3f} ms/req (idle {idle * 1000:.1f} ms/s, {wall:.1f} s, "
+            print(f"  round {r + 1}: view {ms:.3f} ms/req, {cpu * 1000 / args.n:.3f} before the idle rate is "
+                  f"subtracted (idle {idle * 1000:.1f} ms/s, {wall:.1f} s, "
                   f"applied {state['applied']}, dead-lettered {state['dead_lettered']}, load "
                   f"{os.getloadavg()[0]:.1f})", flush=True)
         finally:
@@ -145,9 +212,14 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--gap-ms", type=float, default=5.0)
     ap.add_argument("--profile", help="py-spy raw output path (round 1).")
+    ap.add_argument("--floor", action="store_true",
+                    help="Instead: the same fold fed by a librdkafka consumer in batches, without Faust.")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-floor", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
+    if a.child_floor:
+        child_floor(a.child_floor)
+    elif a.child:
         asyncio.run(child(a.child))
     else:
         main(a)
