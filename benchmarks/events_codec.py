@@ -25,7 +25,7 @@ from typing import Any, TextIO
 
 import msgspec
 
-from schemas.envelope import Envelope, EventCodec
+from schemas.envelope import Envelope, EventCodec, fill_key_field
 from schemas.events import ALL_EVENT_TYPES, Event
 
 SAMPLES_DIR = Path(__file__).resolve().parents[1] / "tests" / "samples"
@@ -48,6 +48,7 @@ def load_samples(
             raise FileNotFoundError(f"{path} missing; run scripts/make_event_samples.py")
         buf = path.read_bytes()
         env = msgspec.msgpack.decode(buf, type=Envelope[codec.payload_type(cls.TYPE, cls.VERSION)])
+        fill_key_field(env.data, env.key)  # a request event's id is its key (v2 on)
         out[name] = (env, buf)
     return out
 

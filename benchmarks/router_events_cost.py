@@ -31,6 +31,7 @@ from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from common.log.admin import apply_topics
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
+from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
 
 #: Seconds between two requests' events (about one sequential request of ``bench peers``).
@@ -49,21 +50,39 @@ def _cpu_s() -> float:
 
 
 def _request(p: EventProducer, i: int, prefix: str) -> None:
+    for ev in _events(i, prefix):
+        p.publish(ev, correlation_id=ev.request_id)
+
+
+def _events(i: int, prefix: str) -> list:
+    """The four events of one routed request (a fresh request id)."""
     rid = f"cmpl-{uuid.uuid4().hex}"
     hashes = [(k * 0x9E3779B97F4A7C15 + i) & (2**64 - 1) for k in range(64)]
-    p.publish(RequestAdmitted(request_id=rid, model="switchyard-sim", prompt_tokens=4096, max_tokens=1,
-                              block_hashes=hashes, block_size=64, hash_algo="sha256"), correlation_id=rid)
-    p.publish(RequestRouted(
+    return [RequestAdmitted(request_id=rid, model="switchyard-sim", prompt_tokens=4096, max_tokens=1,
+                              block_hashes=hashes, block_size=64, hash_algo="sha256"),
+        RequestRouted(
         request_id=rid, worker_id="w1", mode="kv", config_version=1, rng_seed=i,
         scores=[CandidateScore(worker_id=f"w{k}", prefill_blocks=64.0, decode_blocks=65.0, cost=385.0,
                                kv_capacity_blocks=16384) for k in range(2)],
         reason="kv argmin over 2 candidates chose w1: cost 385 = 5 x 64 + 65", router_id="bench-router",
         index_position={f"{prefix}.kv:0": 2, f"{prefix}.kv:2": 2376}, expected_output_tokens=1,
         view_state="EXACT", decided_at_s=time.time(), inflight_prefill_tokens=4096, inflight_blocks=65,
-        inflight_ttl_s=600.0), correlation_id=rid)
-    p.publish(PrefillCompleted(request_id=rid, worker_id="w1", prompt_tokens=4096, duration_ms=8.9), correlation_id=rid)
-    p.publish(RequestCompleted(request_id=rid, worker_id="w1", prompt_tokens=4096, output_tokens=1, ttft_ms=9.0,
-                               e2e_ms=9.4), correlation_id=rid)
+        inflight_ttl_s=600.0),
+        PrefillCompleted(request_id=rid, worker_id="w1", prompt_tokens=4096, duration_ms=8.9),
+        RequestCompleted(request_id=rid, worker_id="w1", prompt_tokens=4096, output_tokens=1, ttft_ms=9.0,
+                         e2e_ms=9.4)]
+
+
+def shape_bytes(prefix: str, producer: str = "router-host-12345") -> dict[str, int]:
+    """Bytes per event type as stored (value with its 38-byte signature, Kafka key, the three
+    headers) of the four shapes, the request id in ``corr`` as the router passes it."""
+    f, codec = EnvelopeFactory(producer, 3, time.time_ns), EventCodec()
+    out = {}
+    for ev in _events(0, prefix):
+        env = f.wrap(ev, correlation_id=ev.request_id)
+        headers = len("sy-type") + len(env.type) + len("sy-v") + len(str(env.version)) + len("sy-producer") + len(producer)
+        out[env.type] = len(codec.encode(env)) + 38 + len(env.key) + headers
+    return out
 
 
 def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: list[int]) -> tuple[float, float]:
@@ -136,12 +155,16 @@ def main(rounds: int = 3, n: int = 1000) -> dict[str, tuple[float, float]]:
             got[name].append(measure(bus, SETTINGS[name], n, brokers))
             print(f"  round {r + 1} {name:<14} router {got[name][-1][0]:.3f} ms/req, broker {got[name][-1][1]:.3f} ms/req")
     out = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for k, v in got.items()}
+    sizes = shape_bytes(prefix)
+    print("bytes per event as stored: " + ", ".join(f"{k} {v}" for k, v in sizes.items())
+          + f"; per request {sum(sizes.values())}")
     print(f"{n} requests x 4 events per round, {rounds} rounds, median [min-max] ms per request")
     for k, v in got.items():
         rs, bs = [x for x, _ in v], [y for _, y in v]
         print(f"{k:<14} router {out[k][0]:.3f} [{min(rs):.3f}-{max(rs):.3f}]  broker {out[k][1]:.3f} "
               f"[{min(bs):.3f}-{max(bs):.3f}]")
-    print("RESULT " + " ".join(f"{k}_router_ms={v[0]:.3f} {k}_broker_ms={v[1]:.3f}" for k, v in out.items()))
+    print("RESULT " + " ".join(f"{k}_router_ms={v[0]:.3f} {k}_broker_ms={v[1]:.3f}" for k, v in out.items())
+          + f" request_bytes={sum(sizes.values())}")
     return out
 
 

@@ -5,6 +5,9 @@ Wire layout: one MessagePack map per Kafka record value::
     {"id": str, "type": str, "v": int, "key": str, "producer": str, "epoch": int, "seq": int,
      "at": int (unix ns), "corr": str?, "cause": str?, "data": {payload}}
 
+A payload type's ``KEY_FIELD`` (a request event's ``request_id``, from v2) is the key: it is not
+written in ``data``, nor as ``corr``, and decoding fills both in from ``key``.
+
 The payload is decoded lazily (``msgspec.Raw``) so that routing on type and version, and
 dead-lettering an unknown one, never pays for a full decode.
 """
@@ -122,6 +125,23 @@ class EventCodec:
     # -- encode ---------------------------------------------------------------------------
 
     def encode(self, env: Envelope[Event]) -> bytes:
+        """The envelope's bytes. A payload with a ``KEY_FIELD`` (a request event from v2) is
+        written without it, and without ``corr`` when that is the key too: the key says it once.
+        Raises ``ValueError`` when the field is not the key (it could not be read back)."""
+        field = env.data.KEY_FIELD
+        if field is not None:
+            own = getattr(env.data, field)
+            if own != env.key:
+                raise ValueError(f"{env.type} v{env.version}: {field} {own!r} is not the envelope's key {env.key!r}")
+            # Copies (the caller's envelope is left as it is) with the field blanked, which
+            # ``omit_defaults`` leaves out: a third of ``msgspec.structs.replace``'s cost.
+            data = env.data.__copy__()
+            _set(data, field, "")
+            same = env.correlation_id == env.key
+            env = env.__copy__()
+            _set(env, "data", data)
+            if same:
+                _set(env, "correlation_id", None)
         return self._encoder.encode(env)
 
     # -- decode ---------------------------------------------------------------------------
@@ -164,6 +184,11 @@ class EventCodec:
             raise MalformedEvent(f"{raw.type} v{raw.version} payload invalid: {e}") from None
         if raw.version < latest:
             payload = self._upcast(payload, raw.version, latest)
+        corr = raw.correlation_id
+        if payload.KEY_FIELD is not None:  # on the wire once, as the key (``encode``)
+            fill_key_field(payload, raw.key, raw.version)
+            if corr is None:
+                corr = raw.key
         for name in self._worker_fields.get(type(payload), ()):
             wid = getattr(payload, name)
             if wid is not None and len(wid) > MAX_WORKER_ID_LEN:
@@ -182,7 +207,7 @@ class EventCodec:
             epoch=raw.epoch,
             seq=raw.seq,
             occurred_at_ns=raw.occurred_at_ns,
-            correlation_id=raw.correlation_id,
+            correlation_id=corr,
             causation_id=raw.causation_id,
             data=payload,
         )
@@ -202,6 +227,21 @@ class EventCodec:
 
 
 _FloatCheck = Callable[[object], str | None]
+_set = msgspec.structs.force_setattr
+
+
+def fill_key_field(payload: Event, key: str, version: int | None = None) -> None:
+    """Set a decoded payload's ``KEY_FIELD`` from its envelope ``key`` (the bytes leave it out);
+    raises ``MalformedEvent`` when the payload names another value than the key."""
+    field = payload.KEY_FIELD
+    if field is None:
+        return
+    own = getattr(payload, field)
+    if not own:
+        _set(payload, field, key)
+    elif own != key:
+        raise MalformedEvent(f"{payload.TYPE} v{payload.VERSION if version is None else version} {field} "
+                             f"{own[:200]!r} is not its key {key[:200]!r}")
 
 #: A msgpack float64 (0xcb) or float32 (0xca) with every exponent bit set: a NaN or an infinity
 #: (either sign). Payload bytes without this pattern hold no non-finite float, so ``decode``

@@ -40,6 +40,10 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     VERSION: ClassVar[int]
     #: Kafka topic family the event belongs to (see common.log.catalog).
     STREAM: ClassVar[str]
+    #: The payload field that *is* the envelope's key, written once on the wire: as the key.
+    #: The codec leaves it out of the payload's bytes and fills it in from the key on read (so
+    #: every reader still finds it on the payload). None: the payload carries all its fields.
+    KEY_FIELD: ClassVar[str | None] = None
 
     def key(self) -> str:
         """Partition key: the aggregate this fact is about."""
@@ -133,8 +137,16 @@ class AllBlocksCleared(KvEvent, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class RequestEvent(Event, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of the request events. From v2 the request id is on the wire once, as the envelope's
+    key (the Kafka record's key too): ``request_id`` is not in the payload's bytes, and the
+    envelope's ``corr`` (the request the event belongs to) is not either; the codec reads both
+    back from the key. v1 payloads carried it (and ``corr``) besides the key: three copies of one
+    id in every event, about 90 of a ~350-byte ``PrefillCompleted``."""
+
     STREAM: ClassVar[str] = "requests"
-    request_id: RequestId
+    KEY_FIELD: ClassVar[str | None] = "request_id"
+    #: The envelope's key (see the class docstring); "" only while a v2 payload is on the wire.
+    request_id: RequestId = ""
 
     def key(self) -> str:
         return self.request_id
@@ -144,7 +156,7 @@ class RequestAdmitted(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tru
     """The router accepted a request. Carries what any later re-scoring needs."""
 
     TYPE: ClassVar[str] = "RequestAdmitted"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     model: str
     prompt_tokens: int
     max_tokens: int
@@ -262,7 +274,7 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     """The router chose ``worker_id`` for one phase of a request, and why."""
 
     TYPE: ClassVar[str] = "RequestRouted"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: WorkerId
     phase: RequestPhase = RequestPhase.AGGREGATED
     mode: RoutingMode
@@ -316,7 +328,7 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "PrefillCompleted"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: WorkerId
     prompt_tokens: int
     cached_tokens: int = 0
@@ -346,18 +358,18 @@ class KvTransferEvent(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tru
 
 class KvTransferStarted(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "KvTransferStarted"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
 
 class KvTransferCompleted(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "KvTransferCompleted"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     duration_ms: float
 
 
 class KvTransferFailed(KvTransferEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "KvTransferFailed"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     #: A transfer may fail before any byte moved: here the size is optional (the field keeps
     #: its place in the base's order).
     bytes: int = 0
@@ -369,7 +381,7 @@ class KvTransferFailed(KvTransferEvent, frozen=True, kw_only=True, omit_defaults
 
 class RequestCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "RequestCompleted"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: WorkerId
     prompt_tokens: int
     output_tokens: int
@@ -384,7 +396,7 @@ class RequestCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tr
 
 class RequestFailed(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "RequestFailed"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     worker_id: WorkerId | None = None
     reason: str
     #: Machine-readable cause: "worker_error", "worker_lost", "timeout", "transfer_failed"...
@@ -396,7 +408,7 @@ class RequestFailed(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
 
 class RequestRejected(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "RequestRejected"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
     reason: str
     code: str
     http_status: int = 400
@@ -671,20 +683,106 @@ class RouterKeyRevoked(RouterKeyEvent, frozen=True, kw_only=True, omit_defaults=
     reason: str = ""
 
 
+# --------------------------------------------------------------------------------------------
+# Superseded request event versions: v1 carried the request id in the payload besides the key
+# --------------------------------------------------------------------------------------------
+
+
+class RequestAdmittedV1(RequestAdmitted, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class RequestRoutedV1(RequestRouted, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class PrefillCompletedV1(PrefillCompleted, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class KvTransferStartedV1(KvTransferStarted, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class KvTransferCompletedV1(KvTransferCompleted, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class KvTransferFailedV1(KvTransferFailed, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class RequestCompletedV1(RequestCompleted, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class RequestFailedV1(RequestFailed, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
+class RequestRejectedV1(RequestRejected, frozen=True, kw_only=True, omit_defaults=True):
+    """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
+
+    VERSION: ClassVar[int] = 1
+    KEY_FIELD: ClassVar[str | None] = None
+    request_id: RequestId
+
+
 #: Every payload type the codec knows, current and superseded versions alike.
 ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     BlockStored,
     BlockRemoved,
     BlockMoved,
     AllBlocksCleared,
+    RequestAdmittedV1,
     RequestAdmitted,
+    RequestRoutedV1,
     RequestRouted,
+    PrefillCompletedV1,
     PrefillCompleted,
+    KvTransferStartedV1,
     KvTransferStarted,
+    KvTransferCompletedV1,
     KvTransferCompleted,
+    KvTransferFailedV1,
     KvTransferFailed,
+    RequestCompletedV1,
     RequestCompleted,
+    RequestFailedV1,
     RequestFailed,
+    RequestRejectedV1,
     RequestRejected,
     WorkerRegistered,
     WorkerLoadReportedV1,

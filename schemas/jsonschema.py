@@ -71,8 +71,15 @@ def event_schema(cls: type[Event], latest_version: int | None = None) -> Doc:
 
     Struct objects stay open (no ``additionalProperties: false``): fields are added with
     defaults within a version, and readers of that version must accept and ignore them.
+
+    A type's ``KEY_FIELD`` is not a property: it is the envelope's ``key``, which the document
+    names in ``x-switchyard-key-field`` (decoded events carry it, the payload's bytes do not).
     """
     root, defs = _hoist(msgspec.json.schema(cls))
+    if cls.KEY_FIELD is not None:  # not in the payload's bytes: the envelope's key says it
+        root["properties"] = {k: v for k, v in root["properties"].items() if k != cls.KEY_FIELD}
+        if cls.KEY_FIELD in root.get("required", ()):
+            root["required"] = [k for k in root["required"] if k != cls.KEY_FIELD]
     doc: Doc = {
         "$schema": DIALECT,
         "$id": schema_id(cls.TYPE, cls.VERSION),
@@ -83,6 +90,8 @@ def event_schema(cls: type[Event], latest_version: int | None = None) -> Doc:
         "x-switchyard-version": cls.VERSION,
         "x-switchyard-stream": cls.STREAM,
     }
+    if cls.KEY_FIELD is not None:
+        doc["x-switchyard-key-field"] = cls.KEY_FIELD
     if defs:
         doc["$defs"] = defs
     if latest_version is not None and latest_version > cls.VERSION:

@@ -19,6 +19,20 @@ def worker_load_reported_v1_to_v2(doc: Doc) -> Doc:
     return out
 
 
+def request_v1_to_v2(doc: Doc) -> Doc:
+    """v1 request events carried ``request_id`` in the payload besides the envelope key; v2 has
+    it only as the key (the codec fills the payload's field from it). The fields are the same,
+    so the payload is kept as it is: its own ``request_id``, which the codec checks against the
+    key as it does for v2."""
+    return doc
+
+
+#: The request events whose v2 took the request id out of the payload (schemas/events.py).
+REQUEST_ID_FROM_KEY_V2 = ("RequestAdmitted", "RequestRouted", "PrefillCompleted", "KvTransferStarted",
+                          "KvTransferCompleted", "KvTransferFailed", "RequestCompleted", "RequestFailed",
+                          "RequestRejected")
+
 UPCASTERS: dict[tuple[str, int], Callable[[Doc], Doc]] = {
     ("WorkerLoadReported", 1): worker_load_reported_v1_to_v2,
+    **{(name, 1): request_v1_to_v2 for name in REQUEST_ID_FROM_KEY_V2},
 }

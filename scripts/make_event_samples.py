@@ -298,6 +298,15 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
     ev.RouterKeyRevoked: lambda: ev.RouterKeyRevoked(actor="root", actor_role="admin", key_id="5e1f9a2c",
                                                      reason="rotated to a new key"),
 }
+#: The superseded v1 request events (``request_id`` in the payload too): the same scenario.
+BUILDERS.update({
+    v1: (lambda v1=v1, v2=v2: v1(**msgspec.structs.asdict(BUILDERS[v2]())))
+    for v1, v2 in ((ev.RequestAdmittedV1, ev.RequestAdmitted), (ev.RequestRoutedV1, ev.RequestRouted),
+                   (ev.PrefillCompletedV1, ev.PrefillCompleted), (ev.KvTransferStartedV1, ev.KvTransferStarted),
+                   (ev.KvTransferCompletedV1, ev.KvTransferCompleted), (ev.KvTransferFailedV1, ev.KvTransferFailed),
+                   (ev.RequestCompletedV1, ev.RequestCompleted), (ev.RequestFailedV1, ev.RequestFailed),
+                   (ev.RequestRejectedV1, ev.RequestRejected))
+})
 
 #: Which component produces each stream (envelope ``producer``).
 PRODUCERS = {

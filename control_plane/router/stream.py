@@ -99,7 +99,17 @@ class RouterViewProcessor(FoldProcessor):
         return self.view.snapshot()
 
     def fold_message(self, m) -> None:
-        self._apply(m.topic, m.partition, m.offset, m.value, int((m.timestamp or 0) * 1000))
+        """One record from Faust. Unless someone listens to each record's outcome, it goes
+        through the batch fold as a batch of one: a kv record is then verified and folded in the
+        native core in one call (the one-record path checks its signature in Python first, which
+        was half the fold's CPU)."""
+        ts_ms = int((m.timestamp or 0) * 1000)
+        if self._on_applied is not None:
+            self._apply(m.topic, m.partition, m.offset, m.value, ts_ms)
+            return
+        self._fold.fold_batch(RecordBatch(m.topic, m.partition, [m.offset], [ts_ms], [None], [m.value]), self._run)
+        if not self.caught_up:
+            self.check_caught_up()
 
     def fold_batch(self, batch: RecordBatch) -> None:
         """The same fold as ``fold_message`` of each record, whole runs of kv records at a time

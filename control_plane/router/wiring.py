@@ -103,12 +103,12 @@ class RouterSettings:
     #: a produce request with its next events and other requests'. The bus default (2 ms): at
     #: 20 ms a request's ``RequestAdmitted`` landed on the log after its prefill worker's
     #: ``PrefillCompleted`` (test_router_workers caught it), and the saving (0.06 ms of router
-    #: CPU per request) was inside the whole bench's noise (docs/benchmarks-peers.md).
+    #: CPU per request) was inside the whole bench's noise (docs/router-events-cost.md).
     events_linger_ms: int = 2
     #: Longest the broker holds the view's fetch (``fetch.max.wait.ms``, with ``fetch.min.bytes``
     #: 64 KB) before answering with what it has: the workers' KV events of several requests come
     #: in one fetch instead of a fetch per record batch (the broker's CPU for the view per routed
-    #: request 0.66 -> 0.45 ms), for up to that much staler index (docs/benchmarks-peers.md,
+    #: request 0.66 -> 0.45 ms), for up to that much staler index (docs/router-events-cost.md,
     #: benchmarks/router_broker_sources.py). 0: answer at once (fetch.min.bytes 1).
     view_fetch_wait_ms: int = 10
 

@@ -26,6 +26,7 @@ from common.net import free_port
 from common.settings import BusSettings
 from schemas import EventCodec
 from schemas.events import RequestRouted
+from schemas.signing import about_of
 from schemas.types import RoutingMode
 from tests.integration.test_router import Procs, _checkpointed, _view_caught_up, _wait_http
 from tests.support.events import router_ids
@@ -141,6 +142,40 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
     assert bad.state_worker == env.data.worker_id  # the rebuilt state chooses what the router chose
     assert any(d.startswith("worker_id:") for d in bad.state_diffs)
     assert any(f"scores[{other}].overlap_blocks" in d for d in bad.input_diffs), bad.input_diffs
+
+
+def test_a_log_written_before_v2_request_events_replays_identically(recorded) -> None:
+    """Every request event of the run re-encoded as v1 wrote it (the request id in the payload
+    and in ``corr`` besides the key), re-signed: the codec upcasts them and every decision still
+    re-executes identically."""
+    bus, _ = recorded
+    cat = Catalog(bus.topic_prefix)
+    codec = EventCodec()
+    live = KafkaLogReader(bus.bootstrap)
+    records = []
+    for stream in ("kv", "workers", "requests", "snapshots"):
+        t = cat.topic(stream)
+        for p in live.partitions(t):
+            lo, hi = live.bounds(t, p)
+            records.extend(live.read(t, p, lo, hi))
+    mem = MemoryLogReader(records)
+    master = bus.signer("security-test")
+    old = 0
+    for r in records:
+        if r.topic != cat.topic("requests") or not r.value:
+            continue
+        env = codec.decode(r.value)
+        assert env.version == 2 and "request_id" not in msgspec.msgpack.decode(r.value)["data"]
+        v1 = codec.payload_type(env.type, 1)(**msgspec.structs.asdict(env.data))
+        was = msgspec.structs.replace(env, version=1, data=v1, correlation_id=env.key)
+        value = codec.encode(was)
+        assert value.count(env.key.encode()) == 3  # key, corr, payload
+        mem.replace(r.topic, r.partition, r.offset, master.sign(was.type, was.key, value, about_of(v1)))
+        old += 1
+    assert old >= 4 * 30
+    report = _engine(bus, mem).verify("start", "end")
+    assert report.decisions >= 6 + 6 + 18
+    assert report.identical == report.table_matches == report.state_matches == report.decisions, report.summary()
 
 
 def test_state_at_a_snapshot_equals_the_live_view_snapshotted_there(recorded) -> None:

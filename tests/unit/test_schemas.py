@@ -288,6 +288,13 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
     },
     ev.RouterKeyRevoked: {"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "reason": "leaked"},
 }
+#: The superseded request events (v1: ``request_id`` in the payload too) have the same fields.
+SAMPLE_FIELDS.update({v1: SAMPLE_FIELDS[v2] for v1, v2 in (
+    (ev.RequestAdmittedV1, ev.RequestAdmitted), (ev.RequestRoutedV1, ev.RequestRouted),
+    (ev.PrefillCompletedV1, ev.PrefillCompleted), (ev.KvTransferStartedV1, ev.KvTransferStarted),
+    (ev.KvTransferCompletedV1, ev.KvTransferCompleted), (ev.KvTransferFailedV1, ev.KvTransferFailed),
+    (ev.RequestCompletedV1, ev.RequestCompleted), (ev.RequestFailedV1, ev.RequestFailed),
+    (ev.RequestRejectedV1, ev.RequestRejected))})
 
 
 def build(cls: type[S], **overrides: Any) -> S:
@@ -380,6 +387,42 @@ def test_worker_load_reported_v1_upcasts_kv_usage_to_device_tier():
     """v1 kv_usage=0.5 becomes v2 tier_usage={"device": 0.5}; the other fields carry over."""
     decoded = CODEC.decode(CODEC.encode(_wrap(build(ev.WorkerLoadReportedV1, kv_usage=0.5))))
     assert decoded.data == build(ev.WorkerLoadReported, tier_usage={"device": 0.5})
+
+
+@pytest.mark.parametrize("cls", [c for c in ev.ALL_EVENT_TYPES if c.KEY_FIELD is not None], ids=_name)
+def test_request_id_is_on_the_wire_once_as_the_key(cls):
+    """v2 request events: neither the payload's ``request_id`` nor a ``corr`` equal to the key is
+    written; decoding reads both back from the key."""
+    env = _wrap(BUILDERS[cls](), correlation_id=R)
+    buf = CODEC.encode(env)
+    doc = msgspec.msgpack.decode(buf)
+    assert "request_id" not in doc["data"] and "corr" not in doc and doc["key"] == R
+    assert buf.count(R.encode()) == 1
+    assert CODEC.decode(buf) == env
+
+
+@pytest.mark.parametrize("cls", [c for c in ev.ALL_EVENT_TYPES if c.KEY_FIELD is None and c.STREAM == "requests"],
+                         ids=_name)
+def test_v1_request_event_upcasts_keeping_its_request_id_and_corr(cls):
+    v1 = BUILDERS[cls]()
+    doc = msgspec.msgpack.decode(CODEC.encode(_wrap(v1)))
+    assert doc["data"]["request_id"] == R and doc["corr"] == "corr-1"
+    decoded = CODEC.decode(CODEC.encode(_wrap(v1)))
+    assert decoded.version == 2 and decoded.correlation_id == "corr-1"
+    assert decoded.data == CODEC.payload_type(cls.TYPE, 2)(**msgspec.structs.asdict(v1))
+
+
+def test_a_request_event_naming_another_request_than_its_key_is_refused():
+    with pytest.raises(ValueError, match="not the envelope's key"):
+        CODEC.encode(_wrap(build(ev.RequestCompleted), key="other"))
+    doc = msgspec.to_builtins(_wrap(build(ev.RequestCompleted)))
+    doc["data"]["request_id"], doc["key"] = R, "other"  # a writer that put both, differing
+    with pytest.raises(MalformedEvent, match="is not its key"):
+        CODEC.decode(msgspec.msgpack.encode(doc))
+    v1 = msgspec.to_builtins(_wrap(build(ev.RequestCompletedV1)))
+    v1["key"] = "other"
+    with pytest.raises(MalformedEvent, match="is not its key"):
+        CODEC.decode(msgspec.msgpack.encode(v1))
 
 
 # -- stored samples ---------------------------------------------------------------------------
@@ -561,7 +604,7 @@ def test_a_nan_or_infinite_float_is_malformed(bad: float):
     field at the top, in an optional one, or in a nested row, the event is refused."""
     done = ev.RequestCompleted(request_id="r", worker_id="w", prompt_tokens=1, output_tokens=1, ttft_ms=bad,
                                e2e_ms=1.0)
-    with pytest.raises(MalformedEvent, match="RequestCompleted v1 ttft_ms is not a finite number"):
+    with pytest.raises(MalformedEvent, match="RequestCompleted v2 ttft_ms is not a finite number"):
         CODEC.decode(CODEC.encode(_wrap(done)))
     routed = ev.RequestRouted(request_id="r", worker_id="w", mode=RoutingMode.KV, config_version=1, rng_seed=0,
                               scores=[ev.CandidateScore(worker_id="w"), ev.CandidateScore(worker_id="v", cost=bad)])
