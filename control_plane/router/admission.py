@@ -129,6 +129,8 @@ class AdmissionQueue:
         self.admitted = 0
         self.refused_full = 0
         self.timed_out = 0
+        #: Refused because the wait would have spent the request's TTFT budget.
+        self.over_budget = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -137,11 +139,20 @@ class AdmissionQueue:
         """How long the head of the queue has waited at ``now`` (monotonic); 0 when empty."""
         return max(0.0, now - self._waiting[0].since) if self._waiting else 0.0
 
-    async def acquire(self, tokens: int) -> float:
-        """Wait for room; returns the seconds waited. Raises :class:`QueueRefused`."""
+    async def acquire(self, tokens: int, budget_s: float | None = None) -> float:
+        """Wait for room; returns the seconds waited. Raises :class:`QueueRefused`.
+
+        ``budget_s``: how long the request can wait here and still meet its TTFT budget (None:
+        no budget). It waits at most that long, then is refused with 429 ``ttft_budget``: served
+        later, it would be served late."""
         if not self._waiting and self._room(self.granted_tokens):
             self._grant(tokens)
             return 0.0
+        if budget_s is not None and budget_s <= 0:
+            self.over_budget += 1
+            raise QueueRefused(f"every worker is at its busy threshold and the request's TTFT budget is already "
+                               f"spent ({-budget_s * 1000:.0f} ms over): it cannot wait in the router queue",
+                               429, "ttft_budget", retry_after_s=1)
         if len(self._waiting) >= self.cfg.queue_max:
             self.refused_full += 1
             raise QueueRefused(f"router queue full ({len(self._waiting)} requests waiting, limit "
@@ -151,12 +162,18 @@ class AdmissionQueue:
         w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0)
         self._waiting.append(w)
         self._ensure_pump()
+        limit_s = self.cfg.queue_timeout_s if budget_s is None else min(self.cfg.queue_timeout_s, budget_s)
         try:
-            await asyncio.wait_for(asyncio.shield(w.future), self.cfg.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(w.future), limit_s)
         except TimeoutError:
             if w.future.done() and not w.future.cancelled():
                 return time.monotonic() - t0  # granted at the last moment: keep it
             self._remove(w)
+            if limit_s < self.cfg.queue_timeout_s:
+                self.over_budget += 1
+                raise QueueRefused(f"waited {limit_s * 1000:.0f} ms in the router queue, all the request's TTFT "
+                                   f"budget had left: served now, it would be served late", 429, "ttft_budget",
+                                   retry_after_s=max(1, ceil(limit_s))) from None
             self.timed_out += 1
             raise QueueRefused(f"waited {self.cfg.queue_timeout_s:g}s in the router queue without a "
                                f"worker below its busy threshold", 503, "queue_timeout",
@@ -209,17 +226,28 @@ class AdmissionQueue:
             await asyncio.sleep(self.cfg.poll_interval_s)
 
 
-def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float) -> tuple[str, int] | None:
-    """(reason, Retry-After seconds) when the best eligible row's predicted TTFT exceeds
-    ``budget_ms``; None when it does not, when the budget is off (0) or when no row carries a
-    prediction (a decode phase). Retry-After: the excess, in whole seconds, at least 1 (the
-    queue ahead drains at about the rate it was predicted)."""
+def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
+                     loop_lag_ms: float = 0.0) -> tuple[str, int] | None:
+    """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``budget_ms``;
+    None when it does not, when the budget is off (0) or when no row carries a prediction (a
+    decode phase).
+
+    The TTFT the client would see: the best eligible row's predicted TTFT, plus ``spent_ms``
+    (what the request already spent in this router since it arrived: its body, its tokens, the
+    admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the request
+    waited about that long before the router read it, and its first token meets it again on the
+    way back). Retry-After: the excess, in whole seconds, at least 1 (the queue ahead drains at
+    about the rate it was predicted)."""
     if budget_ms <= 0:
         return None
     best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
                 if r.eligible and r.predicted_ttft_ms is not None), default=None)
-    if best is None or best[0] <= budget_ms:
+    if best is None:
         return None
     ms, wid = best
-    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}) exceeds the budget of "
-            f"{budget_ms:g} ms", max(1, ceil((ms - budget_ms) / 1000)))
+    total = ms + max(spent_ms, 0.0) + max(loop_lag_ms, 0.0)
+    if total <= budget_ms:
+        return None
+    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}) + {spent_ms:.0f} ms already spent in the "
+            f"router + {loop_lag_ms:.0f} ms of its event-loop lag = {total:.0f} ms exceeds the budget of "
+            f"{budget_ms:g} ms", max(1, ceil((total - budget_ms) / 1000)))

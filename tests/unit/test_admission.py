@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
+from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room,
+                                            over_ttft_budget)
+from schemas.events import CandidateScore
 
 
 def _cfg(**kw) -> AdmissionConfig:  # noqa: ANN003
@@ -65,3 +67,36 @@ async def test_waiting_longer_than_the_timeout_is_a_503():
     with pytest.raises(QueueRefused) as late:
         await q.acquire(10)
     assert late.value.status == 503 and late.value.code == "queue_timeout" and len(q) == 0
+
+
+def _row(wid: str, predicted: float | None, eligible: bool = True) -> CandidateScore:
+    return CandidateScore(worker_id=wid, overlap_blocks=0, prefill_blocks=1, decode_blocks=0, cost=0.0,
+                          eligible=eligible, predicted_ttft_ms=predicted)
+
+
+def test_the_budget_counts_what_the_request_spent_in_the_router_and_its_loop_lag():
+    """Best eligible row 300 ms (the 100 ms one is not eligible), budget 1000 ms: 300 + 400 spent
+    + 200 of loop lag = 900, kept; + 400 of lag = 1100, refused, Retry-After ceil(0.1) = 1; 300 +
+    2900 spent = 3200: Retry-After 3."""
+    rows = [_row("a", 300.0), _row("b", 100.0, eligible=False), _row("c", 500.0)]
+    assert over_ttft_budget(rows, 1000.0, spent_ms=400.0, loop_lag_ms=200.0) is None
+    reason, retry = over_ttft_budget(rows, 1000.0, spent_ms=400.0, loop_lag_ms=400.0)
+    assert retry == 1 and reason == ("predicted TTFT 300 ms on the best candidate (a) + 400 ms already spent in the "
+                                     "router + 400 ms of its event-loop lag = 1100 ms exceeds the budget of 1000 ms")
+    assert over_ttft_budget(rows, 1000.0, spent_ms=2900.0)[1] == 3
+    assert over_ttft_budget(rows, 0.0, spent_ms=10**6) is None  # off
+    assert over_ttft_budget([_row("d", None)], 1.0, spent_ms=10**6) is None  # no prediction: a decode phase
+
+
+async def test_a_request_waits_in_the_queue_no_longer_than_its_budget_allows():
+    """Queue timeout 5 s, 50 ms of budget left: refused 429 ttft_budget after ~50 ms, not 503
+    after 5 s; none left at all (and no room): refused at once; room: granted whatever is left."""
+    q = AdmissionQueue(_cfg(poll_interval_s=0.01), lambda granted: False)
+    with pytest.raises(QueueRefused) as late:
+        await q.acquire(10, budget_s=0.05)
+    assert (late.value.status, late.value.code, len(q), q.over_budget, q.timed_out) == (429, "ttft_budget", 0, 1, 0)
+    with pytest.raises(QueueRefused) as spent:
+        await q.acquire(10, budget_s=-0.2)
+    assert spent.value.code == "ttft_budget" and "200 ms over" in str(spent.value) and q.over_budget == 2
+    open_q = AdmissionQueue(_cfg(), lambda granted: True)
+    assert await open_q.acquire(10, budget_s=-1.0) == 0.0
