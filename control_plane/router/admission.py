@@ -32,6 +32,7 @@ accepted and served late.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -226,28 +227,92 @@ class AdmissionQueue:
             await asyncio.sleep(self.cfg.poll_interval_s)
 
 
+#: How far back (s, by decision time) an observed/predicted ratio counts toward the margin.
+MARGIN_WINDOW_S = 30.0
+#: Ratios needed before the margin departs from 1 (fewer: the prediction is taken as it is).
+MARGIN_MIN_SAMPLES = 8
+#: The quantile of the window's ratios the margin is (nearest rank), and its ceiling.
+MARGIN_QUANTILE = 0.9
+MARGIN_MAX = 10.0
+
+
+class PromiseMargin:
+    """The observed/predicted TTFT ratio of this router's recent requests, as a fold of its own
+    events (``RouterLedger`` feeds it: the first prefilling decision's ``predicted_ttft_ms``,
+    then ``RequestCompleted.ttft_ms`` less the router queueing), so replay re-derives it.
+
+    Why: under load the prediction runs low (it sees this router's own queue, not another
+    replica's; the handoff and the router's own loop add to what it models), and a promise made
+    on a low prediction is broken. The budget test multiplies the prediction by :meth:`factor`:
+    the :data:`MARGIN_QUANTILE` of the ratios of requests decided in the last
+    :data:`MARGIN_WINDOW_S` (at least 1, at most :data:`MARGIN_MAX`; 1 with fewer than
+    :data:`MARGIN_MIN_SAMPLES`). A window by decision time, not a count, so a replay starting
+    mid-log holds the same ratios as the live router did."""
+
+    __slots__ = ("_pending", "_obs", "_seq")
+
+    def __init__(self) -> None:
+        #: Request -> (decided at, predicted ms) of its first prefilling decision.
+        self._pending: dict[str, tuple[float, float]] = {}
+        #: (decided at, seq, ratio) heap of the window's observations.
+        self._obs: list[tuple[float, int, float]] = []
+        self._seq = 0
+
+    def routed(self, request_id: str, predicted_ms: float | None, decided_at_s: float) -> None:
+        if predicted_ms is not None and predicted_ms > 0 and request_id not in self._pending:
+            self._pending[request_id] = (decided_at_s, predicted_ms)
+
+    def completed(self, request_id: str, observed_ms: float) -> None:
+        p = self._pending.pop(request_id, None)
+        if p is not None and observed_ms > 0:
+            self._seq += 1
+            heapq.heappush(self._obs, (p[0], self._seq, observed_ms / p[1]))
+
+    def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def expire(self, now: float) -> None:
+        while self._obs and self._obs[0][0] < now - MARGIN_WINDOW_S:
+            heapq.heappop(self._obs)
+
+    def factor(self) -> float:
+        if len(self._obs) < MARGIN_MIN_SAMPLES:
+            return 1.0
+        ratios = sorted(r for _, _, r in self._obs)
+        q = ratios[max(0, ceil(MARGIN_QUANTILE * len(ratios)) - 1)]
+        return min(max(q, 1.0), MARGIN_MAX)
+
+
 def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
-                     loop_lag_ms: float = 0.0) -> tuple[str, int] | None:
+                     loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False) -> tuple[str, int] | None:
     """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``budget_ms``;
     None when it does not, when the budget is off (0) or when no row carries a prediction (a
     decode phase).
 
-    The TTFT the client would see: the best eligible row's predicted TTFT, plus ``spent_ms``
+    The TTFT the client would see: the best eligible row's predicted TTFT times ``margin``
+    (:class:`PromiseMargin`: how far recent predictions fell short), plus ``spent_ms``
     (what the request already spent in this router since it arrived: its body, its tokens, the
     admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the request
     waited about that long before the router read it, and its first token meets it again on the
     way back). Retry-After: the excess, in whole seconds, at least 1 (the queue ahead drains at
-    about the rate it was predicted)."""
-    if budget_ms <= 0:
+    about the rate it was predicted).
+
+    ``idle``: this router has nothing in flight. Then the request is never refused: the model
+    and the margin learn only from requests served, so a router that refused everything after
+    a stall would keep its stale, pessimistic prediction for the whole fit window (measured: a
+    chaos run whose first seconds ran slow then shed 62% of the traffic outside the overload
+    phase). One request at a time per router is the evidence that corrects it."""
+    if budget_ms <= 0 or idle:
         return None
     best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
                 if r.eligible and r.predicted_ttft_ms is not None), default=None)
     if best is None:
         return None
     ms, wid = best
-    total = ms + max(spent_ms, 0.0) + max(loop_lag_ms, 0.0)
+    total = ms * max(margin, 1.0) + max(spent_ms, 0.0) + max(loop_lag_ms, 0.0)
     if total <= budget_ms:
         return None
-    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}) + {spent_ms:.0f} ms already spent in the "
+    times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
+    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}){times} + {spent_ms:.0f} ms already spent in the "
             f"router + {loop_lag_ms:.0f} ms of its event-loop lag = {total:.0f} ms exceeds the budget of "
             f"{budget_ms:g} ms", max(1, ceil((total - budget_ms) / 1000)))

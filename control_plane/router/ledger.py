@@ -45,6 +45,7 @@ import switchyard_native
 
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
+from control_plane.router.admission import PromiseMargin
 from control_plane.router.ttft_fit import TtftFit
 from schemas.envelope import Envelope
 from schemas.events import (
@@ -271,7 +272,7 @@ class RouterLedger:
     it with its recorded ``decided_at_s``, so folding the log needs no extra input.
     """
 
-    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "_block_size", "_handlers", "_hashes",
+    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "margin", "_block_size", "_handlers", "_hashes",
                  "_prefill_worker", "_queued_ms", "_prompt_tokens")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
@@ -285,6 +286,8 @@ class RouterLedger:
         self._prefill_worker: dict[RequestId, WorkerId] = {}
         #: The TTFT model fitted from this router's decisions and completions (``ttft_fit.py``).
         self.ttft_fit = TtftFit()
+        #: How far this router's recent predictions fell short (the TTFT budget's margin).
+        self.margin = PromiseMargin()
         self._queued_ms: dict[RequestId, float] = {}
         self._prompt_tokens: dict[RequestId, int] = {}
         self._handlers = {
@@ -307,6 +310,7 @@ class RouterLedger:
     def prepare(self, request_id: RequestId, phase: RequestPhase, now: float) -> None:
         """What a decision does before it reads the ledger (idempotent)."""
         self.ttft_fit.expire(now)
+        self.margin.expire(now)
         for rid, _worker in self.inflight.expire(now):
             if rid not in self.inflight:  # its last entry lapsed: its end was never recorded
                 self._forget(rid)
@@ -333,6 +337,7 @@ class RouterLedger:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
                                  self._block_size.get(rid, 0), now)
+            self.margin.routed(rid, ev.predicted_ttft_ms, now)
         hashes = self._hashes.get(rid)
         if hashes is None:
             return  # admitted before the folded range: its entry cannot be rebuilt
@@ -360,6 +365,7 @@ class RouterLedger:
         ev: RequestCompleted = env.data  # type: ignore[assignment]
         # The TTFT after the router's own queueing, as reconcile reads it.
         self.ttft_fit.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
+        self.margin.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
         self._ended(env)
 
     def _ended(self, env: Envelope[Event]) -> None:
@@ -374,6 +380,7 @@ class RouterLedger:
         self._queued_ms.pop(rid, None)
         self._prompt_tokens.pop(rid, None)
         self.ttft_fit.forget(rid)
+        self.margin.forget(rid)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -325,7 +325,8 @@ class Router:
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         if attempt == 0 and (over := over_ttft_budget(d.scores, self.budget_ms(adm), self.spent_ms(adm),
-                                                      self.loop_lag_ms())) is not None:
+                                                      self.loop_lag_ms(), self.ledger.margin.factor(),
+                                                      idle=not len(self.ledger.inflight))) is not None:
             # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
             raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0

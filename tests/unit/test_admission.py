@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room,
-                                            over_ttft_budget)
+from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin, QueueRefused,
+                                            has_room, over_ttft_budget)
 from schemas.events import CandidateScore
 
 
@@ -100,3 +100,46 @@ async def test_a_request_waits_in_the_queue_no_longer_than_its_budget_allows():
     assert spent.value.code == "ttft_budget" and "200 ms over" in str(spent.value) and q.over_budget == 2
     open_q = AdmissionQueue(_cfg(), lambda granted: True)
     assert await open_q.acquire(10, budget_s=-1.0) == 0.0
+
+
+def test_the_margin_is_the_p90_of_recent_observed_over_predicted_and_forgets_old_decisions():
+    """Ten requests decided at 1000..1009 s, each predicted 100 ms and observed 100..1000 ms:
+    ratios 1..10, nearest-rank p90 = the 9th = 9. Fewer than 8 ratios: 1 (the prediction as it
+    is). At 1036.5 the window (30 s) keeps those decided from 1006.5: 3 left, so 1 again. A ratio
+    below 1 never shrinks a prediction; one far above is capped at 10."""
+    m = PromiseMargin()
+    for i in range(10):
+        m.routed(f"r{i}", 100.0, 1000.0 + i)
+        assert m.factor() == 1.0 or i >= 8
+        m.completed(f"r{i}", 100.0 * (i + 1))
+    assert m.factor() == 9.0
+    m.expire(1036.5)
+    assert m.factor() == 1.0
+    fast, slow = PromiseMargin(), PromiseMargin()
+    for i in range(8):
+        fast.routed(f"f{i}", 100.0, 2000.0)
+        fast.completed(f"f{i}", 50.0)
+        slow.routed(f"s{i}", 10.0, 2000.0)
+        slow.completed(f"s{i}", 10_000.0)
+    assert (fast.factor(), slow.factor()) == (1.0, 10.0)
+    # Rejected or failed before a token: no observation.
+    m.routed("x", 100.0, 1040.0)
+    m.forget("x")
+    m.completed("x", 5000.0)
+    assert m.factor() == 1.0
+
+
+def test_the_margin_multiplies_the_prediction_before_the_budget_test():
+    """300 ms predicted x 2.5 = 750, + 100 spent + 100 lag = 950 <= 1000: kept; x 3 = 1100: refused."""
+    rows = [_row("a", 300.0)]
+    assert over_ttft_budget(rows, 1000.0, 100.0, 100.0, margin=2.5) is None
+    reason, _ = over_ttft_budget(rows, 1000.0, 100.0, 100.0, margin=3.0)
+    assert "300 ms on the best candidate (a) x 3.00 (recent observed/predicted) + 100 ms" in reason
+
+
+def test_a_router_with_nothing_in_flight_admits_whatever_the_prediction():
+    """Predicted 5 s against a 1 s budget: refused while the router has requests in flight;
+    admitted when it has none (the one request whose outcome corrects a stale model)."""
+    rows = [_row("a", 5000.0)]
+    assert over_ttft_budget(rows, 1000.0) is not None
+    assert over_ttft_budget(rows, 1000.0, idle=True) is None
