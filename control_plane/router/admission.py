@@ -22,11 +22,12 @@ Policy (stated, configurable through :class:`AdmissionConfig`):
 The room test (:func:`has_room`) is a pure function of the view and the ledger, so a replay can
 tell why a request waited.
 
-After the decision, the promise (issue 39 step 5, :func:`over_ttft_budget`): when even the best
-eligible candidate's predicted TTFT (its score row's ``predicted_ttft_ms``) exceeds the budget
-(``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at once with 429
-(``ttft_budget``), Retry-After and the prediction in ``RequestRejected.reason``, instead of being
-accepted and served late.
+After the decision, the promise (issue 39 step 4, :func:`over_ttft_budget`): when even the best
+eligible candidate's predicted TTFT, times the margin recent predictions fell short by
+(:class:`PromiseMargin`), plus what the request already spent in the router and the router's own
+loop lag, exceeds the budget (``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at
+once with 429 (``ttft_budget``), Retry-After and the terms in ``RequestRejected.reason``, instead
+of being accepted and served late. A request waits in the queue no longer than its budget allows.
 """
 
 from __future__ import annotations
