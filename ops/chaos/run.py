@@ -456,7 +456,8 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
                 out.write(json.dumps(row) + "\n")
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),
-            "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate})
+            "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate,
+            "client_priority": runner.load.priority})
     finally:
         system.close()
         if not settings.keep:
