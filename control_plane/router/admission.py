@@ -298,11 +298,13 @@ def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_m
     way back). Retry-After: the excess, in whole seconds, at least 1 (the queue ahead drains at
     about the rate it was predicted).
 
-    ``idle``: this router has nothing in flight. Then the request is never refused: the model
-    and the margin learn only from requests served, so a router that refused everything after
-    a stall would keep its stale, pessimistic prediction for the whole fit window (measured: a
-    chaos run whose first seconds ran slow then shed 62% of the traffic outside the overload
-    phase). One request at a time per router is the evidence that corrects it."""
+    ``idle``: this router has nothing in flight and its model was fitted from observations. Then
+    the request is never refused: the fit and the margin learn only from requests served, so a
+    router that refused everything after a stall would keep its stale, pessimistic prediction
+    for the whole fit window (measured: a chaos run whose first seconds ran slow then shed 62%
+    of the traffic outside the overload phase). One request at a time per router is the
+    evidence that corrects it. (The prior, with no observation behind it, is not stale: it is
+    held to the budget.)"""
     if budget_ms <= 0 or idle:
         return None
     best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores

@@ -139,7 +139,8 @@ def test_the_margin_multiplies_the_prediction_before_the_budget_test():
 
 def test_a_router_with_nothing_in_flight_admits_whatever_the_prediction():
     """Predicted 5 s against a 1 s budget: refused while the router has requests in flight;
-    admitted when it has none (the one request whose outcome corrects a stale model)."""
+    admitted when it has none and its model was fitted (the one request whose outcome corrects
+    a stale model; the proxy passes ``idle`` only then)."""
     rows = [_row("a", 5000.0)]
     assert over_ttft_budget(rows, 1000.0) is not None
     assert over_ttft_budget(rows, 1000.0, idle=True) is None
