@@ -230,7 +230,8 @@ class ChaosReport:
                          f"by the router p50 {_fmt(o['unseen_ms_p50'])} / p99 {_fmt(o['unseen_ms_p99'])} ms")
             if "client_loop_lag_ms_p50" in o:
                 line += (f"; the client's own loop lag p50 {_fmt(o['client_loop_lag_ms_p50'])} / p99 "
-                         f"{_fmt(o['client_loop_lag_ms_p99'])} ms, the routers' (smoothed, 1 s samples) p50 "
+                         f"{_fmt(o['client_loop_lag_ms_p99'])} ms (late {_fmt(o['client_loop_late_share'])} "
+                         f"of the time), the routers' (smoothed, 1 s samples) p50 "
                          f"{_fmt(o['router_loop_lag_ms_p50'])} / p99 {_fmt(o['router_loop_lag_ms_p99'])} ms")
             lines.append(line)
         for k, ex in self.examples.items():
@@ -374,6 +375,12 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
         overload={**_phase(ov, ended, routes, rid_of, slo_ms),
                   **_pcts([lag * 1000 for t, lag in client_loop_lag or () if plan.overload is not None
                            and plan.overload.covers(t)], "client_loop_lag_ms"),
+                  # Per sample, a loop blocked 0.5 s counts once among many on-time samples: the
+                  # share of the phase's time the client's loop spent late says it as it was.
+                  "client_loop_late_share": round(sum(
+                      lag for t, lag in client_loop_lag or () if plan.overload is not None
+                      and plan.overload.covers(t)) / (plan.overload.end_s - plan.overload.start_s), 3)
+                  if plan.overload is not None and plan.overload.end_s > plan.overload.start_s else None,
                   **_pcts([x[4] for x in lag or () if len(x) > 4 and plan.overload is not None
                            and plan.overload.covers(x[0])], "router_loop_lag_ms")},
         outside=_phase(outside, ended, routes, rid_of, slo_ms),

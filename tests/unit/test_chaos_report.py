@@ -81,7 +81,8 @@ def test_failures_the_log_explains_are_not_silent_and_the_others_are() -> None:
                             "router_ttft_ms_p99": None, "predicted_ttft_ms_p50": None,
                             "predicted_ttft_ms_p99": None, "unseen_ms_p50": None, "unseen_ms_p99": None,
                             "client_loop_lag_ms_p50": None, "client_loop_lag_ms_p99": None,
-                            "router_loop_lag_ms_p50": None, "router_loop_lag_ms_p99": None}
+                            "client_loop_late_share": 0.0, "router_loop_lag_ms_p50": None,
+                            "router_loop_lag_ms_p99": None}
     assert rep.checks["rejections_without_reason"] == 0
     assert rep.log_ends_by_reason["failed:no_worker"] == 1
     assert not rep.ok
@@ -126,6 +127,7 @@ def test_served_ttft_is_reported_before_and_during_the_overload_phase() -> None:
     assert (rep.overload["ttft_ms_p50"], rep.overload["ttft_ms_p99"]) == (200.0, 400.0)
     assert (rep.overload["router_ttft_ms_p50"], rep.overload["router_ttft_ms_p99"]) == (150.0, 300.0)
     assert (rep.overload["client_loop_lag_ms_p50"], rep.overload["client_loop_lag_ms_p99"]) == (10.0, 30.0)
+    assert rep.overload["client_loop_late_share"] == 0.004  # (0.01 + 0.03) s late in the 10 s phase
     summary = "\n".join(rep.summary())
     assert "overload   3 sent: 2 ok, 1 rejected (router_overloaded 1), 0 failed; served TTFT p50 200.00 / p99 400.00" in summary
     assert "outside    100 sent: 100 ok, 0 rejected (none), 0 failed; served TTFT p50 50.00 / p99 99.00" in summary
