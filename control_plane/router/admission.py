@@ -248,13 +248,21 @@ class PromiseMargin:
     the :data:`MARGIN_QUANTILE` of the ratios of requests decided in the last
     :data:`MARGIN_WINDOW_S` (at least 1, at most :data:`MARGIN_MAX`; 1 with fewer than
     :data:`MARGIN_MIN_SAMPLES`). A window by decision time, not a count, so a replay starting
-    mid-log holds the same ratios as the live router did."""
+    mid-log holds the same ratios as the live router did.
 
-    __slots__ = ("_pending", "_obs", "_seq")
+    A completion comes a TTFT after its decision: in a burst, every request of its first second
+    would be admitted on the old margin. So a request still waiting for its prefill counts too,
+    once it is already late: (now - decided) / predicted is a lower bound of its ratio, taken when
+    it exceeds 1 (measured: in a chaos overload phase the requests admitted in its first 2 s
+    were served 1-4.6 s from admission on predictions of 84-361 ms)."""
+
+    __slots__ = ("_pending", "_prefilled", "_obs", "_seq")
 
     def __init__(self) -> None:
         #: Request -> (decided at, predicted ms) of its first prefilling decision.
         self._pending: dict[str, tuple[float, float]] = {}
+        #: Pending requests whose prefill is done (no longer a lower bound; still awaited).
+        self._prefilled: set[str] = set()
         #: (decided at, seq, ratio) heap of the window's observations.
         self._obs: list[tuple[float, int, float]] = []
         self._seq = 0
@@ -263,7 +271,13 @@ class PromiseMargin:
         if predicted_ms is not None and predicted_ms > 0 and request_id not in self._pending:
             self._pending[request_id] = (decided_at_s, predicted_ms)
 
+    def prefilled(self, request_id: str) -> None:
+        """Its prefill is done (first token, or the handoff to decode): no longer late."""
+        if request_id in self._pending:
+            self._prefilled.add(request_id)
+
     def completed(self, request_id: str, observed_ms: float) -> None:
+        self._prefilled.discard(request_id)
         p = self._pending.pop(request_id, None)
         if p is not None and observed_ms > 0:
             self._seq += 1
@@ -271,15 +285,21 @@ class PromiseMargin:
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._prefilled.discard(request_id)
 
     def expire(self, now: float) -> None:
         while self._obs and self._obs[0][0] < now - MARGIN_WINDOW_S:
             heapq.heappop(self._obs)
 
-    def factor(self) -> float:
-        if len(self._obs) < MARGIN_MIN_SAMPLES:
+    def factor(self, now: float | None = None) -> float:
+        """The margin at ``now`` (decision time, unix s; None: completed requests only)."""
+        ratios = [r for _, _, r in self._obs]
+        if now is not None:
+            ratios += [late for rid, (at, ms) in self._pending.items()
+                       if rid not in self._prefilled and (late := (now - at) * 1000 / ms) > 1.0]
+        if len(ratios) < MARGIN_MIN_SAMPLES:
             return 1.0
-        ratios = sorted(r for _, _, r in self._obs)
+        ratios.sort()
         q = ratios[max(0, ceil(MARGIN_QUANTILE * len(ratios)) - 1)]
         return min(max(q, 1.0), MARGIN_MAX)
 

@@ -333,6 +333,8 @@ class RouterLedger:
         if ev.mode is RoutingMode.ROUND_ROBIN:
             self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
+        if ev.phase is RequestPhase.DECODE:
+            self.margin.prefilled(rid)
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
@@ -351,6 +353,7 @@ class RouterLedger:
 
     def _prefill_completed(self, env: Envelope[Event]) -> None:
         self.inflight.prefill_done(env.data.request_id)  # type: ignore[attr-defined]
+        self.margin.prefilled(env.data.request_id)  # type: ignore[attr-defined]
 
     def _failed(self, env: Envelope[Event]) -> None:
         ev: RequestFailed = env.data  # type: ignore[assignment]

@@ -330,7 +330,7 @@ class Router:
         probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
                  and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
         if attempt == 0 and (over := over_ttft_budget(d.scores, self.budget_ms(adm), self.spent_ms(adm),
-                                                      self.loop_lag_ms(), self.ledger.margin.factor(),
+                                                      self.loop_lag_ms(), self.ledger.margin.factor(now),
                                                       idle=probe)) is not None:
             # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
             raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])

@@ -144,3 +144,21 @@ def test_a_router_with_nothing_in_flight_admits_whatever_the_prediction():
     rows = [_row("a", 5000.0)]
     assert over_ttft_budget(rows, 1000.0) is not None
     assert over_ttft_budget(rows, 1000.0, idle=True) is None
+
+
+def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_complete():
+    """Eight requests decided at t=100 s, each predicted 100 ms, none prefilled yet. At 100.05 s
+    they are not late (0.5 < 1): margin 1. At 100.4 s each is at least 4x late: margin 4. Once
+    prefilled (or handed to decode) they no longer count; completed, their real ratios do."""
+    m = PromiseMargin()
+    for i in range(8):
+        m.routed(f"r{i}", 100.0, 100.0)
+    assert m.factor(100.05) == 1.0
+    assert m.factor(100.4) == pytest.approx(4.0)
+    assert m.factor() == 1.0  # completed requests only
+    for i in range(8):
+        m.prefilled(f"r{i}")
+    assert m.factor(100.4) == 1.0
+    for i in range(8):
+        m.completed(f"r{i}", 300.0)
+    assert m.factor(100.4) == pytest.approx(3.0)
