@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ops.chaos.plan import FAULT_KINDS, PlanConfig, Topology
+from ops.chaos.plan import CHAOS_TTFT_SLO_MS, FAULT_KINDS, PlanConfig, Topology
 from control_plane.clikit import fail, setup_logging
 from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE, WHOLE_TRACE
 
@@ -635,6 +635,8 @@ def chaos_cmd(
     decode: Annotated[int, typer.Option(min=1, help="Decode workers.")] = Topology.decode,
     planners: Annotated[int, typer.Option(min=0, help="Planner replicas sharing one Redis lease (planner_kill needs 2).")] = Topology.planners,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the state dir (Kafka data, worker disks) under --report.")] = False,
+    ttft_slo_ms: Annotated[float, typer.Option(min=0, help="The routers' TTFT budget (RouterConfig.ttft_slo_ms, ms; 0: off).")] = CHAOS_TTFT_SLO_MS,
+    max_loop_lag_ms: Annotated[float, typer.Option(min=0, help="The routers' event-loop lag limit (RouterConfig.max_loop_lag_ms, ms; 0: off).")] = 0.0,
 ) -> None:
     """Fault injection under load on a private system: a KRaft cluster, routers, disaggregated
     simulated workers, the metrics processor and the planner, on free ports. Each fault once
@@ -669,7 +671,8 @@ def chaos_cmd(
     if "planner_kill" in plan.faults and planners < 2:
         fail("planner_kill needs --planners 2 or more (a standby to take the lease)", 2)
     topology = Topology(brokers=brokers, routers=routers, prefill=prefill, decode=decode, planners=planners)
-    settings = ChaosSettings(plan=plan, report_dir=report.resolve(), rate=rate, topology=topology, keep=keep)
+    settings = ChaosSettings(plan=plan, report_dir=report.resolve(), rate=rate, topology=topology, keep=keep,
+                             ttft_slo_ms=ttft_slo_ms, max_loop_lag_ms=max_loop_lag_ms)
     try:
         result = run_chaos(settings, echo=typer.echo)
     except ChaosError as e:

@@ -22,16 +22,18 @@ Policy (stated, configurable through :class:`AdmissionConfig`):
 The room test (:func:`has_room`) is a pure function of the view and the ledger, so a replay can
 tell why a request waited.
 
-After the decision, the promise (issue 39 step 5, :func:`over_ttft_budget`): when even the best
-eligible candidate's predicted TTFT (its score row's ``predicted_ttft_ms``) exceeds the budget
-(``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at once with 429
-(``ttft_budget``), Retry-After and the prediction in ``RequestRejected.reason``, instead of being
-accepted and served late.
+After the decision, the promise (issue 39 step 4, :func:`over_ttft_budget`): when even the best
+eligible candidate's predicted TTFT, times the margin recent predictions fell short by
+(:class:`PromiseMargin`), plus what the request already spent in the router and the router's own
+loop lag, exceeds the budget (``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at
+once with 429 (``ttft_budget``), Retry-After and the terms in ``RequestRejected.reason``, instead
+of being accepted and served late. A request waits in the queue no longer than its budget allows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -129,6 +131,8 @@ class AdmissionQueue:
         self.admitted = 0
         self.refused_full = 0
         self.timed_out = 0
+        #: Refused because the wait would have spent the request's TTFT budget.
+        self.over_budget = 0
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -137,11 +141,20 @@ class AdmissionQueue:
         """How long the head of the queue has waited at ``now`` (monotonic); 0 when empty."""
         return max(0.0, now - self._waiting[0].since) if self._waiting else 0.0
 
-    async def acquire(self, tokens: int) -> float:
-        """Wait for room; returns the seconds waited. Raises :class:`QueueRefused`."""
+    async def acquire(self, tokens: int, budget_s: float | None = None) -> float:
+        """Wait for room; returns the seconds waited. Raises :class:`QueueRefused`.
+
+        ``budget_s``: how long the request can wait here and still meet its TTFT budget (None:
+        no budget). It waits at most that long, then is refused with 429 ``ttft_budget``: served
+        later, it would be served late."""
         if not self._waiting and self._room(self.granted_tokens):
             self._grant(tokens)
             return 0.0
+        if budget_s is not None and budget_s <= 0:
+            self.over_budget += 1
+            raise QueueRefused(f"every worker is at its busy threshold and the request's TTFT budget is already "
+                               f"spent ({-budget_s * 1000:.0f} ms over): it cannot wait in the router queue",
+                               429, "ttft_budget", retry_after_s=1)
         if len(self._waiting) >= self.cfg.queue_max:
             self.refused_full += 1
             raise QueueRefused(f"router queue full ({len(self._waiting)} requests waiting, limit "
@@ -151,12 +164,18 @@ class AdmissionQueue:
         w = _Waiter(tokens, asyncio.get_running_loop().create_future(), t0)
         self._waiting.append(w)
         self._ensure_pump()
+        limit_s = self.cfg.queue_timeout_s if budget_s is None else min(self.cfg.queue_timeout_s, budget_s)
         try:
-            await asyncio.wait_for(asyncio.shield(w.future), self.cfg.queue_timeout_s)
+            await asyncio.wait_for(asyncio.shield(w.future), limit_s)
         except TimeoutError:
             if w.future.done() and not w.future.cancelled():
                 return time.monotonic() - t0  # granted at the last moment: keep it
             self._remove(w)
+            if limit_s < self.cfg.queue_timeout_s:
+                self.over_budget += 1
+                raise QueueRefused(f"waited {limit_s * 1000:.0f} ms in the router queue, all the request's TTFT "
+                                   f"budget had left: served now, it would be served late", 429, "ttft_budget",
+                                   retry_after_s=max(1, ceil(limit_s))) from None
             self.timed_out += 1
             raise QueueRefused(f"waited {self.cfg.queue_timeout_s:g}s in the router queue without a "
                                f"worker below its busy threshold", 503, "queue_timeout",
@@ -209,17 +228,114 @@ class AdmissionQueue:
             await asyncio.sleep(self.cfg.poll_interval_s)
 
 
-def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float) -> tuple[str, int] | None:
-    """(reason, Retry-After seconds) when the best eligible row's predicted TTFT exceeds
-    ``budget_ms``; None when it does not, when the budget is off (0) or when no row carries a
-    prediction (a decode phase). Retry-After: the excess, in whole seconds, at least 1 (the
-    queue ahead drains at about the rate it was predicted)."""
-    if budget_ms <= 0:
+#: How far back (s, by decision time) an observed/predicted ratio counts toward the margin.
+MARGIN_WINDOW_S = 30.0
+#: Ratios needed before the margin departs from 1 (fewer: the prediction is taken as it is).
+MARGIN_MIN_SAMPLES = 8
+#: The quantile of the window's ratios the margin is (nearest rank), and its ceiling.
+MARGIN_QUANTILE = 0.9
+MARGIN_MAX = 10.0
+
+
+class PromiseMargin:
+    """The observed/predicted TTFT ratio of this router's recent requests, as a fold of its own
+    events (``RouterLedger`` feeds it: the first prefilling decision's ``predicted_ttft_ms``,
+    then ``RequestCompleted.ttft_ms`` less the router queueing), so replay re-derives it.
+
+    Why: under load the prediction runs low (it sees this router's own queue, not another
+    replica's; the handoff and the router's own loop add to what it models), and a promise made
+    on a low prediction is broken. The budget test multiplies the prediction by :meth:`factor`:
+    the :data:`MARGIN_QUANTILE` of the ratios of requests decided in the last
+    :data:`MARGIN_WINDOW_S` (at least 1, at most :data:`MARGIN_MAX`; 1 with fewer than
+    :data:`MARGIN_MIN_SAMPLES`). A window by decision time, not a count, so a replay starting
+    mid-log holds the same ratios as the live router did.
+
+    A completion comes a TTFT after its decision: in a burst, every request of its first second
+    would be admitted on the old margin. So a request still waiting for its prefill counts too,
+    once it is already late: (now - decided) / predicted is a lower bound of its ratio, taken when
+    it exceeds 1 (measured: in a chaos overload phase the requests admitted in its first 2 s
+    were served 1-4.6 s from admission on predictions of 84-361 ms)."""
+
+    __slots__ = ("_pending", "_prefilled", "_obs", "_seq")
+
+    def __init__(self) -> None:
+        #: Request -> (decided at, predicted ms) of its first prefilling decision.
+        self._pending: dict[str, tuple[float, float]] = {}
+        #: Pending requests whose prefill is done (no longer a lower bound; still awaited).
+        self._prefilled: set[str] = set()
+        #: (decided at, seq, ratio) heap of the window's observations.
+        self._obs: list[tuple[float, int, float]] = []
+        self._seq = 0
+
+    def routed(self, request_id: str, predicted_ms: float | None, decided_at_s: float) -> None:
+        if predicted_ms is not None and predicted_ms > 0 and request_id not in self._pending:
+            self._pending[request_id] = (decided_at_s, predicted_ms)
+
+    def prefilled(self, request_id: str) -> None:
+        """Its prefill is done (first token, or the handoff to decode): no longer late."""
+        if request_id in self._pending:
+            self._prefilled.add(request_id)
+
+    def completed(self, request_id: str, observed_ms: float) -> None:
+        self._prefilled.discard(request_id)
+        p = self._pending.pop(request_id, None)
+        if p is not None and observed_ms > 0:
+            self._seq += 1
+            heapq.heappush(self._obs, (p[0], self._seq, observed_ms / p[1]))
+
+    def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._prefilled.discard(request_id)
+
+    def expire(self, now: float) -> None:
+        while self._obs and self._obs[0][0] < now - MARGIN_WINDOW_S:
+            heapq.heappop(self._obs)
+
+    def factor(self, now: float | None = None) -> float:
+        """The margin at ``now`` (decision time, unix s; None: completed requests only)."""
+        ratios = [r for _, _, r in self._obs]
+        if now is not None:
+            ratios += [late for rid, (at, ms) in self._pending.items()
+                       if rid not in self._prefilled and (late := (now - at) * 1000 / ms) > 1.0]
+        if len(ratios) < MARGIN_MIN_SAMPLES:
+            return 1.0
+        ratios.sort()
+        q = ratios[max(0, ceil(MARGIN_QUANTILE * len(ratios)) - 1)]
+        return min(max(q, 1.0), MARGIN_MAX)
+
+
+def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
+                     loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False) -> tuple[str, int] | None:
+    """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``budget_ms``;
+    None when it does not, when the budget is off (0) or when no row carries a prediction (a
+    decode phase).
+
+    The TTFT the client would see: the best eligible row's predicted TTFT times ``margin``
+    (:class:`PromiseMargin`: how far recent predictions fell short), plus ``spent_ms``
+    (what the request already spent in this router since it arrived: its body, its tokens, the
+    admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the request
+    waited about that long before the router read it, and its first token meets it again on the
+    way back). Retry-After: the excess, in whole seconds, at least 1 (the queue ahead drains at
+    about the rate it was predicted).
+
+    ``idle``: this router has nothing in flight and its model was fitted from observations. Then
+    the request is never refused: the fit and the margin learn only from requests served, so a
+    router that refused everything after a stall would keep its stale, pessimistic prediction
+    for the whole fit window (measured: a chaos run whose first seconds ran slow then shed 62%
+    of the traffic outside the overload phase). One request at a time per router is the
+    evidence that corrects it. (The prior, with no observation behind it, is not stale: it is
+    held to the budget.)"""
+    if budget_ms <= 0 or idle:
         return None
     best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
                 if r.eligible and r.predicted_ttft_ms is not None), default=None)
-    if best is None or best[0] <= budget_ms:
+    if best is None:
         return None
     ms, wid = best
-    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}) exceeds the budget of "
-            f"{budget_ms:g} ms", max(1, ceil((ms - budget_ms) / 1000)))
+    total = ms * max(margin, 1.0) + max(spent_ms, 0.0) + max(loop_lag_ms, 0.0)
+    if total <= budget_ms:
+        return None
+    times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
+    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}){times} + {spent_ms:.0f} ms already spent in the "
+            f"router + {loop_lag_ms:.0f} ms of its event-loop lag = {total:.0f} ms exceeds the budget of "
+            f"{budget_ms:g} ms", max(1, ceil((total - budget_ms) / 1000)))

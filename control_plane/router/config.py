@@ -124,9 +124,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: model, ``control_plane/router/ttft.py``: the queue ahead, its own uncached prefill and the
     #: fitted base; issue 39 step 2). Every prefill row carries its prediction either way.
     cost: KvCost = "blocks"
-    #: Admission on the promise (issue 39 step 5): when the best eligible candidate's predicted
-    #: TTFT exceeds this budget (ms), the request is rejected at once (429, Retry-After, a
-    #: reason in ``RequestRejected``) instead of being served late. 0 = off (the default).
+    #: Admission on the promise (issue 39 step 4): when the best eligible candidate's predicted
+    #: TTFT (times the learned margin) plus what the request already spent in the router plus
+    #: the router's loop lag exceeds this budget (ms), the request is rejected at once (429,
+    #: Retry-After, a reason in ``RequestRejected``) instead of being served late
+    #: (``admission.over_ttft_budget``). 0 = off (the default: a budget is the workload's, and
+    #: docs/faults.md has the chaos runs with one).
     ttft_slo_ms: float = 0.0
     #: The router's own load (issue 39 step 4): while its event loop's smoothed lag
     #: (``control_plane/router/loop_lag.py``: a 50 ms periodic callback's delay, time constant

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import msgspec
 import switchyard_native
 
+from control_plane.router.admission import PromiseMargin
 from control_plane.router.errors import InvalidRoutingInput
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
 from control_plane.router.ttft import queue_done
@@ -292,7 +293,8 @@ class RouterLedger:
     it with its recorded ``decided_at_s``, so folding the log needs no extra input.
     """
 
-    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "_block_size", "_bound_zero", "_handlers", "_hashes",
+    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "margin", "_block_size", "_bound_zero", "_handlers",
+                 "_hashes",
                  "_prefill_worker", "_queued_ms", "_prompt_tokens")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
@@ -308,6 +310,8 @@ class RouterLedger:
         self.ttft_fit = TtftFit()
         #: Worker -> (the fit's model, it bound with nothing of the queue done).
         self._bound_zero: dict[WorkerId, tuple[TtftModel, TtftModel]] = {}
+        #: How far this router's recent predictions fell short (the TTFT budget's margin).
+        self.margin = PromiseMargin()
         self._queued_ms: dict[RequestId, float] = {}
         self._prompt_tokens: dict[RequestId, int] = {}
         self._handlers = {
@@ -330,6 +334,7 @@ class RouterLedger:
     def prepare(self, request_id: RequestId, phase: RequestPhase, now: float) -> None:
         """What a decision does before it reads the ledger (idempotent)."""
         self.ttft_fit.expire(now)
+        self.margin.expire(now)
         for rid, _worker in self.inflight.expire(now):
             if rid not in self.inflight:  # its last entry lapsed: its end was never recorded
                 self._forget(rid)
@@ -352,11 +357,14 @@ class RouterLedger:
         if ev.mode is RoutingMode.ROUND_ROBIN:
             self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
+        if ev.phase is RequestPhase.DECODE:
+            self.margin.prefilled(rid)
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             done = (ev.ttft_model.queue_done_tokens or 0) if ev.ttft_model is not None else 0
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
                                  self._block_size.get(rid, 0), now, done)
+            self.margin.routed(rid, ev.predicted_ttft_ms, now)
         hashes = self._hashes.get(rid)
         if hashes is None:
             return  # admitted before the folded range: its entry cannot be rebuilt
@@ -370,6 +378,7 @@ class RouterLedger:
 
     def _prefill_completed(self, env: Envelope[Event]) -> None:
         self.inflight.prefill_done(env.data.request_id)  # type: ignore[attr-defined]
+        self.margin.prefilled(env.data.request_id)  # type: ignore[attr-defined]
 
     def _failed(self, env: Envelope[Event]) -> None:
         ev: RequestFailed = env.data  # type: ignore[assignment]
@@ -384,6 +393,7 @@ class RouterLedger:
         ev: RequestCompleted = env.data  # type: ignore[assignment]
         # The TTFT after the router's own queueing, as reconcile reads it.
         self.ttft_fit.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
+        self.margin.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
         self._ended(env)
 
     def _ended(self, env: Envelope[Event]) -> None:
@@ -398,6 +408,7 @@ class RouterLedger:
         self._queued_ms.pop(rid, None)
         self._prompt_tokens.pop(rid, None)
         self.ttft_fit.forget(rid)
+        self.margin.forget(rid)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -85,6 +85,9 @@ class Admission:
     stream: bool
     endpoint: str
     received_at: float = field(default_factory=time.monotonic)
+    #: When the router first held the request (monotonic; before its body was read and its
+    #: prompt tokenized); what its TTFT budget counts as already spent. Defaults to ``received_at``.
+    arrived_at: float | None = None
     #: Seconds spent in the admission queue.
     queued_s: float = 0.0
     #: Released by the admission queue and not routed yet (its tokens are counted there).
@@ -240,13 +243,33 @@ class Router:
         decode = [load(w) for w in self.view.routable("decode")] if disagg else None
         return has_room(entry, decode, self.admission.cfg, granted_tokens)
 
+    def budget_ms(self, adm: Admission) -> float:
+        """The request's TTFT budget (ms; 0: none): the router's ``ttft_slo_ms``, tightened (never
+        loosened) by the client's own."""
+        budget = self.config.ttft_slo_ms
+        if adm.ttft_budget_ms is not None:
+            budget = min(budget, adm.ttft_budget_ms) if budget > 0 else adm.ttft_budget_ms
+        return budget
+
+    def spent_ms(self, adm: Admission) -> float:
+        """What the request has spent in this router so far (ms), since it arrived."""
+        return (time.monotonic() - (adm.arrived_at if adm.arrived_at is not None else adm.received_at)) * 1000
+
+    def loop_lag_ms(self) -> float:
+        """This router's event-loop lag (smoothed, ms; 0 when not measured)."""
+        return self.loop_lag().smoothed_s * 1000 if self.loop_lag is not None else 0.0
+
     async def queue(self, adm: Admission) -> None:
         """Wait in the admission queue. Raises :class:`RouterRejected` (429/503) when refused:
-        at once, without queueing, while this router's own loop lags over its limit."""
+        at once, without queueing, while this router's own loop lags over its limit; and once
+        waiting longer would spend the request's TTFT budget (what it spent already and the
+        router's loop lag counted)."""
         if self.loop_lag is not None and (over := overloaded(self.loop_lag(), self.config.max_loop_lag_ms)):
             raise RouterRejected(over[0], 503, "router_overloaded", retry_after_s=over[1])
+        budget = self.budget_ms(adm)
+        left_s = (budget - self.spent_ms(adm) - self.loop_lag_ms()) / 1000 if budget > 0 else None
         try:
-            adm.queued_s = await self.admission.acquire(len(adm.tokens))
+            adm.queued_s = await self.admission.acquire(len(adm.tokens), left_s)
         except QueueRefused as e:
             raise RouterRejected(str(e), e.status, e.code, e.retry_after_s) from None
         adm.granted = True
@@ -301,10 +324,14 @@ class Router:
             raise RouterRejected(str(e)) from None
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
-        budget = self.config.ttft_slo_ms
-        if adm.ttft_budget_ms is not None:  # a client can tighten the router's budget, not loosen it
-            budget = min(budget, adm.ttft_budget_ms) if budget > 0 else adm.ttft_budget_ms
-        if attempt == 0 and (over := over_ttft_budget(d.scores, budget)) is not None:
+        # The probe that keeps the router's own SLO from locking itself out (``over_ttft_budget``):
+        # nothing in flight, a fitted model, and no tighter deadline of the client's own (a client
+        # that set one asked to be refused rather than served late).
+        probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
+                 and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
+        if attempt == 0 and (over := over_ttft_budget(d.scores, self.budget_ms(adm), self.spent_ms(adm),
+                                                      self.loop_lag_ms(), self.ledger.margin.factor(now),
+                                                      idle=probe)) is not None:
             # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
             raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0

@@ -185,6 +185,8 @@ class _Generation:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         c = self.ctx
         request = Request(scope, receive)
+        # When the router first held the request: its TTFT budget counts from here (serving.py).
+        request.state.arrived_at = time.monotonic()
         key = await api_key(c.auth, request) if c.auth is not None else None
         try:
             body = self.route.decode(c, await _read_body(request, c.limits))
@@ -255,7 +257,7 @@ def create_app(ctx: RouterApp) -> FastAPI:
         h = c.health()
         body = {"status": "ok" if h.state != "LOADING" else "loading", **h.as_dict(),
                 "workers": len(c.router.view.routable()), "router_id": c.router.router_id,
-                "applied": c.router.view.applied}
+                "applied": c.router.view.applied, "loop_lag_ms": round(c.router.loop_lag_ms(), 1)}
         return JSONResponse(status_code=200 if h.state != "LOADING" else 503, content=body)
 
     @app.get("/router/view")

@@ -241,6 +241,7 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
     adm = router.admit(request_id=rid, model=model, tokens=tokens, max_tokens=max_tokens, stream=body.stream,
                        endpoint=endpoint, client_request_id=client_id)
     adm.ttft_budget_ms = budget
+    adm.arrived_at = getattr(request.state, "arrived_at", None)
     gen = router.serve(adm)
     # Queue, then pull the first chunk before answering, so refusals, "no worker" and failures
     # before the first token get a real status code (and never a 500).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import threading
 import time
@@ -22,6 +23,13 @@ import httpx
 
 from control_plane.router.loop_lag_probe import LoopLagProbe
 from ops.demo.loadgen import Prepared, Result, send_one
+
+#: Scheduling priority (nice) of the client's thread. On one box the client shares the CPUs with the
+#: system it measures; at its default priority it ran 0.3 s late at p50 in the overload phase,
+#: and each of a request's ~10 awaits paid that again: seconds of TTFT no router could see
+#: (docs/faults.md, "Admission under overload"). Raised, it measures the system as a client on
+#: another machine would. Needs CAP_SYS_NICE; without it the client runs as it is, and says so.
+CLIENT_NICE = -10
 
 #: Client exceptions that mean "this replica took no request": try the next one.
 _NOT_CONNECTED = frozenset({"ConnectError", "ConnectTimeout"})
@@ -89,8 +97,18 @@ class OpenLoopLoad:
         self.loop_lag: list[tuple[float, float]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="chaos-load", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="chaos-load", daemon=True)
+        #: The client thread's nice value once it runs, or the error that kept it at the default.
+        self.priority: str = ""
         self.t0 = 0.0
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CLIENT_NICE)
+            self.priority = f"nice {CLIENT_NICE}"
+        except OSError as e:
+            self.priority = f"default ({type(e).__name__}: {e})"
+        asyncio.run(self._main())
 
     def now_s(self) -> float:
         return time.monotonic() - self.t0

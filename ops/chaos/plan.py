@@ -37,6 +37,11 @@ FAULT_KINDS: tuple[str, ...] = (
 BROKER_FAULTS = frozenset({"broker_kill", "broker_hang"})
 
 
+#: The routers' TTFT budget in a chaos run unless told otherwise (ms, ``RouterConfig.ttft_slo_ms``;
+#: docs/faults.md, "Admission under overload", has the runs behind it).
+CHAOS_TTFT_SLO_MS = 1000.0
+
+
 @dataclass(frozen=True)
 class Topology:
     """How many of each component the chaos system runs. Sized by default for a 2-core box."""

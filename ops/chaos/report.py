@@ -37,7 +37,8 @@ from ops.chaos.load import Sent
 from ops.chaos.plan import BROKER_FAULTS, Plan
 from common.log.acks import LedgerCheck
 from schemas import Envelope
-from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
+from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected, RequestRouted
+from schemas.types import RequestPhase
 
 
 @dataclass
@@ -86,6 +87,8 @@ class End:
     code: str = ""
     #: A completion's TTFT as its router measured it (from its admission), ms.
     ttft_ms: float | None = None
+    #: A rejection's or failure's reason as recorded.
+    reason: str = ""
 
 
 def request_ends(events: list[Envelope]) -> tuple[dict[str, str | None], dict[str, End]]:
@@ -99,10 +102,51 @@ def request_ends(events: list[Envelope]) -> tuple[dict[str, str | None], dict[st
         elif isinstance(d, RequestCompleted):
             ended.setdefault(d.request_id, End("completed", ttft_ms=d.ttft_ms))
         elif isinstance(d, RequestRejected):
-            ended.setdefault(d.request_id, End("rejected", d.code))
+            ended.setdefault(d.request_id, End("rejected", d.code, reason=d.reason))
         elif isinstance(d, RequestFailed) and not d.retried:
-            ended.setdefault(d.request_id, End("failed", d.code))
+            ended.setdefault(d.request_id, End("failed", d.code, reason=d.reason))
     return admitted, ended
+
+
+@dataclass(frozen=True)
+class FirstRoute:
+    """A request's first prefilling decision as recorded: what the router promised."""
+
+    predicted_ttft_ms: float | None
+    queued_ms: float
+
+
+def first_routes(events: list[Envelope]) -> dict[str, FirstRoute]:
+    """Router id -> its first prefilling decision (aggregated or prefill phase). Pure."""
+    out: dict[str, FirstRoute] = {}
+    for env in events:
+        d = env.data
+        if isinstance(d, RequestRouted) and d.phase is not RequestPhase.DECODE and d.request_id not in out:
+            out[d.request_id] = FirstRoute(d.predicted_ttft_ms, d.queued_ms)
+    return out
+
+
+def request_rows(sent: list[Sent], events: list[Envelope]) -> list[dict]:
+    """One row per request sent, the client's record beside the log's (the router's TTFT from
+    admission, its first prediction, its queueing, its end): what ``requests.jsonl`` holds, to
+    blame a missed TTFT on the client, the router or the prediction. Pure."""
+    admitted, ended = request_ends(events)
+    by_client = {cid: rid for rid, cid in admitted.items() if cid}
+    routes = first_routes(events)
+    rows = []
+    for s in sent:
+        r = s.result
+        rid = (r.router_request_id if r else "") or by_client.get(s.client_id, "")
+        e, fr = ended.get(rid), routes.get(rid)
+        rows.append({"client_id": s.client_id, "sent_s": round(s.sent_s, 4), "overload": s.overload,
+                     "replica": s.replica, "outcome": s.outcome, "request_id": rid,
+                     "ttft_ms": r.ttft_ms if r and r.ok else None,
+                     "router_ttft_ms": e.ttft_ms if e else None,
+                     "predicted_ttft_ms": fr.predicted_ttft_ms if fr else None,
+                     "queued_ms": fr.queued_ms if fr else None,
+                     "end": f"{e.kind}:{e.code}" if e and e.code else (e.kind if e else None),
+                     "reason": e.reason if e else ""})
+    return rows
 
 
 @dataclass(frozen=True)
@@ -121,9 +165,17 @@ class ChaosReport:
     lag: list = field(default_factory=list)
     #: Where it ran: topic prefix (in every process's id), state and report dirs.
     system: dict = field(default_factory=dict)
+    #: The same figures as ``overload`` (but the client's loop lag) outside the overload phase,
+    #: and ``quiet``: outside it and outside every fault's injection-to-recovery window (where
+    #: nothing healthy should be shed).
+    outside: dict = field(default_factory=dict)
+    quiet: dict = field(default_factory=dict)
+    #: The routers' TTFT budget (ms; 0: off).
+    slo_ms: float = 0.0
 
     #: Figures that must be 0, and the one that must be 1.
-    ZERO = ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered", "crashed")
+    ZERO = ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered", "crashed",
+            "rejections_without_reason")
 
     @property
     def ok(self) -> bool:
@@ -135,7 +187,12 @@ class ChaosReport:
                 f"gaps={c['gaps']} views_equal_oracle={c['views_equal_oracle']} unended={c['unended']} "
                 f"silent_failures={c['silent_failures']} unrecovered={c['unrecovered']} crashed={c['crashed']} "
                 f"max_recovery_s={_fmt(c['max_recovery_s'])} broker_failover_s={_fmt(c['broker_failover_s'])} "
-                f"overload_rejected={self.overload['rejected']} overload_failed={self.overload['failed']}")
+                f"overload_rejected={self.overload['rejected']} overload_failed={self.overload['failed']} "
+                f"rejections_without_reason={c['rejections_without_reason']} slo_ms={self.slo_ms:g} "
+                f"overload_ttft_p99_ms={_fmt(self.overload.get('ttft_ms_p99'))} "
+                f"overload_over_slo={self.overload.get('over_slo', 0)} "
+                f"overload_shed={self.overload.get('shed', 0.0):.3f} "
+                f"outside_shed={self.outside.get('shed', 0.0):.3f} quiet_shed={self.quiet.get('shed', 0.0):.3f}")
 
     def summary(self) -> list[str]:
         r = self.requests
@@ -159,15 +216,24 @@ class ChaosReport:
         if self.unadmitted_client_errors:
             lines.append("unadmitted " + ", ".join(f"{k} {v}" for k, v in self.unadmitted_client_errors.items())
                          + " (no answer and never admitted: cut by a fault before the router logged it)")
-        o = self.overload
-        why = ", ".join(f"{k} {v}" for k, v in o["rejected_by_reason"].items()) or "none"
-        lines.append(f"overload   {o['sent']} sent: {o['ok']} ok, {o['rejected']} rejected ({why}), "
-                     f"{o['failed']} failed; served TTFT p50 {_fmt(o['ttft_ms_p50'])} / p99 "
-                     f"{_fmt(o['ttft_ms_p99'])} ms (before it: p50 {_fmt(r['ttft_ms_p50'])} / p99 "
-                     f"{_fmt(r['ttft_ms_p99'])} ms); by its router from admission: p50 "
-                     f"{_fmt(o['router_ttft_ms_p50'])} / p99 {_fmt(o['router_ttft_ms_p99'])} ms; the client's "
-                     f"own loop lag p50 {_fmt(o['client_loop_lag_ms_p50'])} / p99 "
-                     f"{_fmt(o['client_loop_lag_ms_p99'])} ms")
+        for name, o in (("overload", self.overload), ("outside", self.outside), ("quiet", self.quiet)):
+            if not o:
+                continue
+            why = ", ".join(f"{k} {v}" for k, v in o["rejected_by_reason"].items()) or "none"
+            line = (f"{name:10s} {o['sent']} sent: {o['ok']} ok, {o['rejected']} rejected ({why}), "
+                    f"{o['failed']} failed; served TTFT p50 {_fmt(o['ttft_ms_p50'])} / p99 "
+                    f"{_fmt(o['ttft_ms_p99'])} ms")
+            if "over_slo" in o:
+                line += (f" ({o['over_slo']} over the {self.slo_ms:g} ms SLO); by its router from admission: p50 "
+                         f"{_fmt(o['router_ttft_ms_p50'])} / p99 {_fmt(o['router_ttft_ms_p99'])} ms; predicted p50 "
+                         f"{_fmt(o['predicted_ttft_ms_p50'])} / p99 {_fmt(o['predicted_ttft_ms_p99'])} ms; unseen "
+                         f"by the router p50 {_fmt(o['unseen_ms_p50'])} / p99 {_fmt(o['unseen_ms_p99'])} ms")
+            if "client_loop_lag_ms_p50" in o:
+                line += (f"; the client's own loop lag p50 {_fmt(o['client_loop_lag_ms_p50'])} / p99 "
+                         f"{_fmt(o['client_loop_lag_ms_p99'])} ms (late {_fmt(o['client_loop_late_share'])} "
+                         f"of the time), the routers' (smoothed, 1 s samples) p50 "
+                         f"{_fmt(o['router_loop_lag_ms_p50'])} / p99 {_fmt(o['router_loop_lag_ms_p99'])} ms")
+            lines.append(line)
         for k, ex in self.examples.items():
             if ex:
                 lines.append(f"{k:10s} e.g. {', '.join(map(str, ex[:5]))}")
@@ -195,13 +261,39 @@ def _pcts(xs: list[float], name: str = "ttft_ms") -> dict[str, float | None]:
     return {f"{name}_p{q}": xs[max(0, math.ceil(q / 100 * len(xs)) - 1)] if xs else None for q in (50, 99)}
 
 
+def _phase(sent: list[Sent], ended: dict[str, End], routes: dict[str, FirstRoute], rid_of, slo_ms: float) -> dict:
+    """One phase's figures (requests that ended at the client): what was served and how fast
+    (at the client from its send, by the router from admission, as predicted at the first
+    decision, and the part the router never saw: client TTFT less the router's), what was shed
+    and why. ``over_slo``: served requests whose client TTFT exceeds ``slo_ms`` (when > 0)."""
+    ok = [s for s in sent if s.result.ok]
+    rejected = [s for s in sent if s.result.rejected]
+    failed = [s for s in sent if not s.result.ok and not s.result.rejected]
+    router, predicted, unseen = [], [], []
+    for s in ok:
+        rid = rid_of(s)
+        if (e := ended.get(rid)) is not None and e.ttft_ms is not None:
+            router.append(e.ttft_ms)
+            unseen.append(s.result.ttft_ms - e.ttft_ms)
+        if (fr := routes.get(rid)) is not None and fr.predicted_ttft_ms is not None:
+            predicted.append(fr.predicted_ttft_ms)
+    return {"sent": len(sent), "ok": len(ok), "rejected": len(rejected), "failed": len(failed),
+            "shed": round(len(rejected) / len(sent), 4) if sent else 0.0,
+            "rejected_by_reason": dict(Counter(s.result.code for s in rejected).most_common()),
+            "failed_by_reason": dict(Counter(s.result.code for s in failed).most_common()),
+            "over_slo": sum(1 for s in ok if s.result.ttft_ms > slo_ms) if slo_ms > 0 else 0,
+            **_pcts([s.result.ttft_ms for s in ok]), **_pcts(router, "router_ttft_ms"),
+            **_pcts(predicted, "predicted_ttft_ms"), **_pcts(unseen, "unseen_ms")}
+
+
 def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events: list[Envelope],
                  ledger: LedgerCheck, views: list[ViewCheck], lag: list | None = None,
                  crashes: list[str] | tuple[str, ...] = (),
-                 client_loop_lag: list[tuple[float, float]] | None = None) -> ChaosReport:
+                 client_loop_lag: list[tuple[float, float]] | None = None, slo_ms: float = 0.0) -> ChaosReport:
     """Fold the run into the report. Pure. ``client_loop_lag``: (seconds of load, lag s) samples
     of the load generator's own event loop (its percentiles in the overload phase are reported:
-    a client that runs late measures its own lateness as TTFT)."""
+    a client that runs late measures its own lateness as TTFT). ``slo_ms``: the routers' TTFT
+    budget (0: off), which the served requests' client TTFT is held to."""
     admitted, ended = request_ends(events)
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
     unended = sorted(set(admitted) - set(ended))
@@ -229,8 +321,25 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
             silent.append(s.client_id)
 
     ov = [s for s in done if s.overload]
-    ov_rejected = [s for s in ov if s.result.rejected]
-    ov_failed = [s for s in ov if not s.result.ok and not s.result.rejected]
+    routes = first_routes(events)
+
+    def rid_of(s: Sent) -> str:
+        return s.result.router_request_id or by_client.get(s.client_id, "")
+
+    # A rejection without a reason: the client got no error code, or the log holds no
+    # RequestRejected with a code and a reason for it; or any RequestRejected on the log
+    # without one.
+    unreasoned = {rid_of(s) or s.client_id for s in done if s.result.rejected and (
+        not s.result.code or s.result.code.startswith("http_")
+        or (e := ended.get(rid_of(s))) is None or e.kind != "rejected" or not e.code or not e.reason)}
+    unreasoned |= {rid for rid, e in ended.items() if e.kind == "rejected" and not (e.code and e.reason)}
+
+    def during_fault(t: float) -> bool:
+        return any(f.at_s <= t <= f.at_s + (f.recovery_s if f.recovery_s is not None else math.inf)
+                   for f in faults)
+
+    outside = [s for s in done if not s.overload]
+    quiet = [s for s in outside if not during_fault(s.sent_s)]
     recoveries = [f.recovery_s for f in faults if f.recovery_s is not None]
     failovers = [f.failover_s for f in faults if f.kind in BROKER_FAULTS and f.failover_s is not None]
     acked_lost = len(ledger.missing) + len(ledger.undelivered) + len(ledger.moved)
@@ -247,6 +356,7 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
         "crashes": list(crashes),
         "max_recovery_s": max(recoveries) if recoveries else None,
         "broker_failover_s": max(failovers) if failovers else None,
+        "rejections_without_reason": len(unreasoned),
         "raw_duplicates": len(ledger.duplicates),
         "acked": ledger.acked,
     }
@@ -262,16 +372,20 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
         checks=checks,
         ledger=ledger.summary(),
         views=[asdict(v) for v in views],
-        overload={"sent": len(ov), "ok": sum(1 for s in ov if s.result.ok), "rejected": len(ov_rejected),
-                  "failed": len(ov_failed),
-                  "rejected_by_reason": dict(Counter(s.result.code for s in ov_rejected).most_common()),
-                  "failed_by_reason": dict(Counter(s.result.code for s in ov_failed).most_common()),
-                  **_pcts([s.result.ttft_ms for s in ov if s.result.ok]),
+        overload={**_phase(ov, ended, routes, rid_of, slo_ms),
                   **_pcts([lag * 1000 for t, lag in client_loop_lag or () if plan.overload is not None
                            and plan.overload.covers(t)], "client_loop_lag_ms"),
-                  **_pcts([e.ttft_ms for s in ov if s.result.ok and (e := ended.get(
-                      s.result.router_request_id or by_client.get(s.client_id, ""))) is not None
-                      and e.ttft_ms is not None], "router_ttft_ms")},
+                  # Per sample, a loop blocked 0.5 s counts once among many on-time samples: the
+                  # share of the phase's time the client's loop spent late says it as it was.
+                  "client_loop_late_share": round(sum(
+                      lag for t, lag in client_loop_lag or () if plan.overload is not None
+                      and plan.overload.covers(t)) / (plan.overload.end_s - plan.overload.start_s), 3)
+                  if plan.overload is not None and plan.overload.end_s > plan.overload.start_s else None,
+                  **_pcts([x[4] for x in lag or () if len(x) > 4 and plan.overload is not None
+                           and plan.overload.covers(x[0])], "router_loop_lag_ms")},
+        outside=_phase(outside, ended, routes, rid_of, slo_ms),
+        quiet=_phase(quiet, ended, routes, rid_of, slo_ms),
+        slo_ms=slo_ms,
         failures_by_reason=dict(failures.most_common()),
         log_ends_by_reason=dict(Counter(f"{e.kind}:{e.code}" if e.code else e.kind
                                         for e in ended.values()).most_common()),
@@ -303,7 +417,7 @@ def plot_timeline(report: ChaosReport, sent: list[Sent], path: Path) -> Path:
     ax_err.set_yticks(range(len(kinds)), kinds, fontsize=7)
     ax_err.set(ylabel="errors")
     for router in sorted({x[1] for x in report.lag}):
-        pts = [(t, lag) for t, r, lag, _ in report.lag if r == router]
+        pts = [(x[0], x[2]) for x in report.lag if x[1] == router]
         ax_lag.plot([t for t, _ in pts], [v for _, v in pts], label=router)
     ax_lag.set(ylabel="view lag (events)", xlabel="seconds of load")
     if report.lag:

@@ -16,6 +16,7 @@ the log against their ack ledgers (:mod:`.report`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -31,8 +32,9 @@ import httpx
 
 from ops.chaos.errors import ChaosError
 from ops.chaos.load import OpenLoopLoad
-from ops.chaos.plan import BROKER_FAULTS, FaultAt, Plan, PlanConfig, make_plan
-from ops.chaos.report import ChaosReport, FaultRecord, ViewCheck, build_report, plot_timeline, request_ends
+from ops.chaos.plan import BROKER_FAULTS, CHAOS_TTFT_SLO_MS, FaultAt, Plan, PlanConfig, make_plan
+from ops.chaos.report import (ChaosReport, FaultRecord, ViewCheck, build_report, plot_timeline, request_ends,
+                              request_rows)
 from ops.chaos.system import ChaosSystem, Proc, SystemSettings, Topology, wait
 from control_plane.replay.oracle import oracle_view, parse_positions
 from ops.stack.process import StackError
@@ -57,6 +59,10 @@ class ChaosSettings:
     #: Keep the state dir (Kafka's data, workers' disks) after the run.
     keep: bool = False
     state_dir: Path | None = None
+    #: The routers' TTFT budget (``RouterConfig.ttft_slo_ms``, ms; 0: off) and their own
+    #: event-loop lag limit (``RouterConfig.max_loop_lag_ms``, ms; 0: off).
+    ttft_slo_ms: float = CHAOS_TTFT_SLO_MS
+    max_loop_lag_ms: float = 0.0
 
 
 class Probe(threading.Thread):
@@ -114,13 +120,14 @@ class Probe(threading.Thread):
 
 
 class LagSampler(threading.Thread):
-    """Every second: each router's view lag (events) and state, for the timeline."""
+    """Every second: each router's view lag (events), state and event-loop lag (ms, smoothed),
+    for the timeline and the overload phase's figures."""
 
     def __init__(self, system: ChaosSystem, clock: Callable[[], float]) -> None:
         super().__init__(name="chaos-lag", daemon=True)
         self.system = system
         self.clock = clock
-        self.samples: list[tuple[float, str, int, str]] = []
+        self.samples: list[tuple[float, str, int, str, float]] = []
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -128,7 +135,8 @@ class LagSampler(threading.Thread):
             for r in self.system.routers:
                 status, body = r.health()
                 if status:
-                    self.samples.append((self.clock(), r.name, int(body.get("lag_events", 0)), body.get("state", "")))
+                    self.samples.append((self.clock(), r.name, int(body.get("lag_events", 0)), body.get("state", ""),
+                                         float(body.get("loop_lag_ms", 0.0))))
 
 
 @dataclass
@@ -394,7 +402,10 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
     state_dir = settings.state_dir or report_dir / "state"
     topo = settings.topology
     system = ChaosSystem(SystemSettings(state_dir=state_dir, report_dir=report_dir, topology=topo, topic_prefix=prefix,
-                                        small_disks="disk_full" in plan.config.faults))
+                                        small_disks="disk_full" in plan.config.faults,
+                                        router_config=tuple((k, v) for k, v in (
+                                            ("ttft_slo_ms", settings.ttft_slo_ms),
+                                            ("max_loop_lag_ms", settings.max_loop_lag_ms)) if v)))
     echo(f"plan: seed {plan.config.seed}, {len(plan.faults)} faults "
          f"({', '.join(f'{f.kind}@{f.at_s:.0f}s' for f in plan.faults)}), "
          + (f"overload x{plan.overload.factor:g} at {plan.overload.start_s:.0f}-{plan.overload.end_s:.0f} s"
@@ -439,10 +450,14 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
             ledger = check_acks(reader, _ledger_entries(system.s.ledger_dir))
         report = build_report(runner.plan, runner.faults, runner.load.snapshot(), events, ledger, views,
                               lag=sampler.samples if sampler else [], crashes=crashes,
-                              client_loop_lag=list(runner.load.loop_lag))
+                              client_loop_lag=list(runner.load.loop_lag), slo_ms=settings.ttft_slo_ms)
+        with open(report_dir / "requests.jsonl", "w") as out:
+            for row in request_rows(runner.load.snapshot(), events):
+                out.write(json.dumps(row) + "\n")
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),
-            "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate})
+            "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate,
+            "client_priority": runner.load.priority})
     finally:
         system.close()
         if not settings.keep:

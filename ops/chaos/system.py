@@ -16,6 +16,7 @@ ledger for the checks, and writes its log into ``<report>/logs``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -66,6 +67,9 @@ class SystemSettings:
     #: at 2048 pending prefill tokens (the router's default, 65536, is 128 of this load's
     #: 512-token prompts per worker: the overload phase would never queue).
     admission: AdmissionConfig = AdmissionConfig(busy_prefill_tokens=2048, queue_max=32, queue_timeout_s=5.0)
+    #: The routers' config fields besides the defaults (``RouterConfig``: say ``ttft_slo_ms``,
+    #: ``max_loop_lag_ms``), given to every replica as a ``--config`` file; empty: none.
+    router_config: tuple[tuple[str, float], ...] = ()
     #: Planner lease time-to-live: a dead leader is replaced within about this.
     lease_ttl_ms: int = 2000
     kafka_heap: str = "384m"
@@ -296,6 +300,12 @@ class ChaosSystem:
                                        *self._kv_blocks(wid in self.disks)],
                                  env, s.log_dir, port))
         # Every id carries the run's prefix, so ``processes_mentioning(prefix)`` finds them all.
+        config: list[str] = []
+        if s.router_config:
+            path = s.state_dir / "router-config.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(dict(s.router_config)))
+            config = ["--config", str(path)]
         for i in range(s.topology.routers):
             port = free_port()  # below the ephemeral range: restarted on the same port
             self.routers.append(Proc(f"router-{i}", [
@@ -303,7 +313,7 @@ class ChaosSystem:
                 "--block-size", str(s.block_size), "--queue-max", str(s.admission.queue_max),
                 "--queue-timeout", str(s.admission.queue_timeout_s),
                 "--busy-prefill-tokens", str(s.admission.busy_prefill_tokens),
-                "--no-auth"],
+                *config, "--no-auth"],
                 env, s.log_dir, port))
         port = free_port()
         self.metrics = Proc("metrics", ["metrics", "run", "--port", str(port), "--processor-id",

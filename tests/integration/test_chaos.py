@@ -62,9 +62,10 @@ def test_chaos_command_short_run_loses_nothing_and_recovers(tmp_path) -> None:
         n = len(faults.split(","))
         assert lines[-1].startswith(f"RESULT faults={n} ") and lines[-1] == report["result"]
         checks = report["checks"]
-        assert {k: checks[k] for k in ("acked_lost", "duplicates", "gaps", "unended", "silent_failures",
-                                       "unrecovered")} == dict.fromkeys(
-            ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered"), 0)
+        zero = ("acked_lost", "duplicates", "gaps", "unended", "silent_failures", "unrecovered",
+                "rejections_without_reason")
+        assert {k: checks[k] for k in zero} == dict.fromkeys(zero, 0)
+        assert (report_dir / "requests.jsonl").stat().st_size > 0
         assert checks["views_equal_oracle"] == 1 and len(report["views"]) == 2
         assert sorted(f["kind"] for f in report["faults"]) == sorted(faults.split(","))
         assert all(f["recovered"] for f in report["faults"])

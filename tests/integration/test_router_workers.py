@@ -153,3 +153,53 @@ def test_a_requests_own_ttft_budget_header_tightens_admission(bus: BusSettings, 
                                       extra_headers={"x-ttft-budget-ms": "soon"})
     finally:
         a.stop()
+
+
+def test_overload_is_shed_with_reasons_once_the_queue_would_spend_the_budget(bus: BusSettings, procs: Procs,
+                                                                             tmp_path) -> None:
+    """Issue 39 step 4, the overload path: one worker, the router's queue holds all but one
+    request at a time (``--busy-prefill-tokens 1``) and the budget is 300 ms. Bursts of 24
+    concurrent requests, until one is refused: every answer is a token stream or 429
+    ``ttft_budget``, with Retry-After, and each refusal's ``RequestRejected`` on the log holds
+    its code and a reason (the budget spent in the queue, or the prediction with the time spent).
+    Nothing about speed is asserted: the burst is repeated until the queue refuses."""
+    import asyncio
+
+    import httpx
+
+    a = WorkerProc(bus, "a-0", tmp_path / "a0", tmp_path, args=("--speedup", "1", *WORKER_ARGS[2:])).start()
+    try:
+        cfg = tmp_path / "router.json"
+        cfg.write_text('{"ttft_slo_ms": 300.0}')
+        port = free_port()
+        procs.router(port, "r-shed", "--no-auth", "--config", str(cfg), "--busy-prefill-tokens", "1")
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", lambda r: r.status_code == 200 and r.json()["workers"] == 1)
+
+        async def one(client: httpx.AsyncClient, cid: str, i: int) -> tuple[str, int, str, str]:
+            body = {"model": "switchyard-sim", "prompt": list(range(5000 + 640 * i, 5000 + 640 * (i + 1))),
+                    "max_tokens": 2, "request_id": cid}
+            r = await client.post(f"{base}/v1/completions", json=body)
+            code = r.json().get("error", {}).get("code", "") if r.status_code != 200 else ""
+            return cid, r.status_code, code, r.headers.get("retry-after", "")
+
+        async def burst(n: int) -> list[tuple[str, int, str, str]]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*(one(client, f"shed-{n}-{i}", 24 * n + i) for i in range(24)))
+
+        answers: list[tuple[str, int, str, str]] = []
+        for n in range(10):
+            answers += asyncio.run(burst(n))
+            if any(status == 429 for _, status, _, _ in answers):
+                break
+        refused = [(cid, code, retry) for cid, status, code, retry in answers if status != 200]
+        assert refused, "ten bursts of 24 against one worker, one at a time, and nothing was refused"
+        assert all(code == "ttft_budget" and int(retry) >= 1 for _, code, retry in refused), refused
+        ids = router_ids(bus)
+        ends = {e.correlation_id: e.data for e in read_stream(bus, "requests") if isinstance(e.data, RequestRejected)}
+        for cid, _, _ in refused:
+            rejected = ends[ids[cid]]
+            assert rejected.code == "ttft_budget" and rejected.http_status == 429
+            assert "budget" in rejected.reason and "ms" in rejected.reason
+    finally:
+        a.stop()

@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room
+from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin, QueueRefused,
+                                            has_room, over_ttft_budget)
+from schemas.events import CandidateScore
 
 
 def _cfg(**kw) -> AdmissionConfig:  # noqa: ANN003
@@ -65,3 +67,98 @@ async def test_waiting_longer_than_the_timeout_is_a_503():
     with pytest.raises(QueueRefused) as late:
         await q.acquire(10)
     assert late.value.status == 503 and late.value.code == "queue_timeout" and len(q) == 0
+
+
+def _row(wid: str, predicted: float | None, eligible: bool = True) -> CandidateScore:
+    return CandidateScore(worker_id=wid, overlap_blocks=0, prefill_blocks=1, decode_blocks=0, cost=0.0,
+                          eligible=eligible, predicted_ttft_ms=predicted)
+
+
+def test_the_budget_counts_what_the_request_spent_in_the_router_and_its_loop_lag():
+    """Best eligible row 300 ms (the 100 ms one is not eligible), budget 1000 ms: 300 + 400 spent
+    + 200 of loop lag = 900, kept; + 400 of lag = 1100, refused, Retry-After ceil(0.1) = 1; 300 +
+    2900 spent = 3200: Retry-After 3."""
+    rows = [_row("a", 300.0), _row("b", 100.0, eligible=False), _row("c", 500.0)]
+    assert over_ttft_budget(rows, 1000.0, spent_ms=400.0, loop_lag_ms=200.0) is None
+    reason, retry = over_ttft_budget(rows, 1000.0, spent_ms=400.0, loop_lag_ms=400.0)
+    assert retry == 1 and reason == ("predicted TTFT 300 ms on the best candidate (a) + 400 ms already spent in the "
+                                     "router + 400 ms of its event-loop lag = 1100 ms exceeds the budget of 1000 ms")
+    assert over_ttft_budget(rows, 1000.0, spent_ms=2900.0)[1] == 3
+    assert over_ttft_budget(rows, 0.0, spent_ms=10**6) is None  # off
+    assert over_ttft_budget([_row("d", None)], 1.0, spent_ms=10**6) is None  # no prediction: a decode phase
+
+
+async def test_a_request_waits_in_the_queue_no_longer_than_its_budget_allows():
+    """Queue timeout 5 s, 50 ms of budget left: refused 429 ttft_budget after ~50 ms, not 503
+    after 5 s; none left at all (and no room): refused at once; room: granted whatever is left."""
+    q = AdmissionQueue(_cfg(poll_interval_s=0.01), lambda granted: False)
+    with pytest.raises(QueueRefused) as late:
+        await q.acquire(10, budget_s=0.05)
+    assert (late.value.status, late.value.code, len(q), q.over_budget, q.timed_out) == (429, "ttft_budget", 0, 1, 0)
+    with pytest.raises(QueueRefused) as spent:
+        await q.acquire(10, budget_s=-0.2)
+    assert spent.value.code == "ttft_budget" and "200 ms over" in str(spent.value) and q.over_budget == 2
+    open_q = AdmissionQueue(_cfg(), lambda granted: True)
+    assert await open_q.acquire(10, budget_s=-1.0) == 0.0
+
+
+def test_the_margin_is_the_p90_of_recent_observed_over_predicted_and_forgets_old_decisions():
+    """Ten requests decided at 1000..1009 s, each predicted 100 ms and observed 100..1000 ms:
+    ratios 1..10, nearest-rank p90 = the 9th = 9. Fewer than 8 ratios: 1 (the prediction as it
+    is). At 1036.5 the window (30 s) keeps those decided from 1006.5: 3 left, so 1 again. A ratio
+    below 1 never shrinks a prediction; one far above is capped at 10."""
+    m = PromiseMargin()
+    for i in range(10):
+        m.routed(f"r{i}", 100.0, 1000.0 + i)
+        assert m.factor() == 1.0 or i >= 8
+        m.completed(f"r{i}", 100.0 * (i + 1))
+    assert m.factor() == 9.0
+    m.expire(1036.5)
+    assert m.factor() == 1.0
+    fast, slow = PromiseMargin(), PromiseMargin()
+    for i in range(8):
+        fast.routed(f"f{i}", 100.0, 2000.0)
+        fast.completed(f"f{i}", 50.0)
+        slow.routed(f"s{i}", 10.0, 2000.0)
+        slow.completed(f"s{i}", 10_000.0)
+    assert (fast.factor(), slow.factor()) == (1.0, 10.0)
+    # Rejected or failed before a token: no observation.
+    m.routed("x", 100.0, 1040.0)
+    m.forget("x")
+    m.completed("x", 5000.0)
+    assert m.factor() == 1.0
+
+
+def test_the_margin_multiplies_the_prediction_before_the_budget_test():
+    """300 ms predicted x 2.5 = 750, + 100 spent + 100 lag = 950 <= 1000: kept; x 3 = 1100: refused."""
+    rows = [_row("a", 300.0)]
+    assert over_ttft_budget(rows, 1000.0, 100.0, 100.0, margin=2.5) is None
+    reason, _ = over_ttft_budget(rows, 1000.0, 100.0, 100.0, margin=3.0)
+    assert "300 ms on the best candidate (a) x 3.00 (recent observed/predicted) + 100 ms" in reason
+
+
+def test_a_router_with_nothing_in_flight_admits_whatever_the_prediction():
+    """Predicted 5 s against a 1 s budget: refused while the router has requests in flight;
+    admitted when it has none and its model was fitted (the one request whose outcome corrects
+    a stale model; the proxy passes ``idle`` only then)."""
+    rows = [_row("a", 5000.0)]
+    assert over_ttft_budget(rows, 1000.0) is not None
+    assert over_ttft_budget(rows, 1000.0, idle=True) is None
+
+
+def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_complete():
+    """Eight requests decided at t=100 s, each predicted 100 ms, none prefilled yet. At 100.05 s
+    they are not late (0.5 < 1): margin 1. At 100.4 s each is at least 4x late: margin 4. Once
+    prefilled (or handed to decode) they no longer count; completed, their real ratios do."""
+    m = PromiseMargin()
+    for i in range(8):
+        m.routed(f"r{i}", 100.0, 100.0)
+    assert m.factor(100.05) == 1.0
+    assert m.factor(100.4) == pytest.approx(4.0)
+    assert m.factor() == 1.0  # completed requests only
+    for i in range(8):
+        m.prefilled(f"r{i}")
+    assert m.factor(100.4) == 1.0
+    for i in range(8):
+        m.completed(f"r{i}", 300.0)
+    assert m.factor(100.4) == pytest.approx(3.0)

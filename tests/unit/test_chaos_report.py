@@ -9,7 +9,7 @@ from ops.chaos.report import FaultRecord, ViewCheck, build_report
 from ops.demo.loadgen import Result
 from common.log.acks import AckEntry, LedgerCheck
 from schemas import Envelope
-from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected
+from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected, RequestRouted
 
 
 def _env(payload) -> Envelope:
@@ -75,11 +75,15 @@ def test_failures_the_log_explains_are_not_silent_and_the_others_are() -> None:
     assert rep.checks["silent_failures"] == 2 and rep.examples["silent"] == ["c-2", "c-3"]
     assert rep.checks["unended"] == 1 and rep.examples["unended"] == ["r-3"]
     assert rep.unadmitted_client_errors == {"ReadError": 1}
-    assert rep.overload == {"sent": 1, "ok": 0, "rejected": 1, "failed": 0,
+    assert rep.overload == {"sent": 1, "ok": 0, "rejected": 1, "failed": 0, "shed": 1.0, "over_slo": 0,
                             "rejected_by_reason": {"queue_full": 1}, "failed_by_reason": {},
                             "ttft_ms_p50": None, "ttft_ms_p99": None, "router_ttft_ms_p50": None,
-                            "router_ttft_ms_p99": None, "client_loop_lag_ms_p50": None,
-                            "client_loop_lag_ms_p99": None}
+                            "router_ttft_ms_p99": None, "predicted_ttft_ms_p50": None,
+                            "predicted_ttft_ms_p99": None, "unseen_ms_p50": None, "unseen_ms_p99": None,
+                            "client_loop_lag_ms_p50": None, "client_loop_lag_ms_p99": None,
+                            "client_loop_late_share": 0.0, "router_loop_lag_ms_p50": None,
+                            "router_loop_lag_ms_p99": None}
+    assert rep.checks["rejections_without_reason"] == 0
     assert rep.log_ends_by_reason["failed:no_worker"] == 1
     assert not rep.ok
 
@@ -123,4 +127,51 @@ def test_served_ttft_is_reported_before_and_during_the_overload_phase() -> None:
     assert (rep.overload["ttft_ms_p50"], rep.overload["ttft_ms_p99"]) == (200.0, 400.0)
     assert (rep.overload["router_ttft_ms_p50"], rep.overload["router_ttft_ms_p99"]) == (150.0, 300.0)
     assert (rep.overload["client_loop_lag_ms_p50"], rep.overload["client_loop_lag_ms_p99"]) == (10.0, 30.0)
-    assert "served TTFT p50 200.00 / p99 400.00 ms (before it: p50 50.00 / p99 99.00 ms)" in "\n".join(rep.summary())
+    assert rep.overload["client_loop_late_share"] == 0.004  # (0.01 + 0.03) s late in the 10 s phase
+    summary = "\n".join(rep.summary())
+    assert "overload   3 sent: 2 ok, 1 rejected (router_overloaded 1), 0 failed; served TTFT p50 200.00 / p99 400.00" in summary
+    assert "outside    100 sent: 100 ok, 0 rejected (none), 0 failed; served TTFT p50 50.00 / p99 99.00" in summary
+
+
+def test_each_phase_reports_what_it_shed_and_every_rejection_needs_a_reason_on_both_sides() -> None:
+    """Fault (router_kill) at 20 s, recovered at 24 s. Outside the overload phase: c-0 served at
+    10 s in 300 ms (the router saw 100 of it from admission and predicted 80: 200 ms unseen by
+    the router), c-1 rejected at 22 s (in the fault's window: not quiet) with its reason on the
+    log. In it (the SLO 250 ms): c-2 served in 400 ms (over the SLO), c-3 rejected ttft_budget
+    with a reason, c-4 a bare 429 (no code, nothing on the log), c-5 429 ttft_budget whose log
+    entry has no reason: 2 rejections without a reason, and the run fails."""
+    routed = lambda rid, ms: _env(RequestRouted(request_id=rid, worker_id="w", mode="kv", config_version=1,  # noqa: E731
+                                                 rng_seed=0, predicted_ttft_ms=ms, queued_ms=5.0))
+    events = [
+        _adm("r-0", "c-0"), routed("r-0", 80.0),
+        _env(RequestCompleted(request_id="r-0", worker_id="w", prompt_tokens=1, output_tokens=1, ttft_ms=100,
+                              e2e_ms=200)),
+        _adm("r-1", "c-1"), _env(RequestRejected(request_id="r-1", reason="no worker", code="no_workers",
+                                                 http_status=429)),
+        _adm("r-2", "c-2"), routed("r-2", 200.0),
+        _env(RequestCompleted(request_id="r-2", worker_id="w", prompt_tokens=1, output_tokens=1, ttft_ms=390,
+                              e2e_ms=500)),
+        _adm("r-3", "c-3"), _env(RequestRejected(request_id="r-3", reason="predicted 900 ms", code="ttft_budget",
+                                                 http_status=429)),
+        _adm("r-5", "c-5"), _env(RequestRejected(request_id="r-5", reason="", code="ttft_budget", http_status=429)),
+    ]
+    sent = [_sent(0, rid="r-0"), _sent(1, ok=False, status=429, code="no_workers", rid="r-1", rejected=True, at=22.0),
+            _sent(2, rid="r-2", at=55.0, overload=True),
+            _sent(3, ok=False, status=429, code="ttft_budget", rid="r-3", rejected=True, at=55.0, overload=True),
+            _sent(4, ok=False, status=429, code="http_429", rejected=True, at=56.0, overload=True),
+            _sent(5, ok=False, status=429, code="ttft_budget", rid="r-5", rejected=True, at=56.0, overload=True)]
+    sent[0].result.ttft_ms, sent[2].result.ttft_ms = 300.0, 400.0
+    p = make_plan(PlanConfig(duration_s=60, faults=("router_kill",), overload_s=10))
+    rep = build_report(p, [_recovered()], sent, events, LedgerCheck(acked=10, failed=0, records=10),
+                       [ViewCheck("router-0", True, "d", "d", 5)], slo_ms=250.0)
+    o, out, quiet = rep.overload, rep.outside, rep.quiet
+    assert (o["sent"], o["ok"], o["rejected"], o["shed"], o["over_slo"]) == (4, 1, 3, 0.75, 1)
+    assert o["rejected_by_reason"] == {"ttft_budget": 2, "http_429": 1}
+    assert (o["ttft_ms_p99"], o["router_ttft_ms_p99"], o["predicted_ttft_ms_p99"], o["unseen_ms_p99"]) == \
+        (400.0, 390.0, 200.0, 10.0)
+    assert (out["sent"], out["rejected"], out["shed"], out["unseen_ms_p50"]) == (2, 1, 0.5, 200.0)
+    assert (quiet["sent"], quiet["rejected"], quiet["shed"]) == (1, 0, 0.0)
+    assert rep.checks["rejections_without_reason"] == 2 and not rep.ok
+    line = rep.result_line()
+    assert ("rejections_without_reason=2 slo_ms=250 overload_ttft_p99_ms=400.00 overload_over_slo=1 "
+            "overload_shed=0.750 outside_shed=0.500 quiet_shed=0.000") in line
