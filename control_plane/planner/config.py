@@ -218,7 +218,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: A standing headroom (fraction of the forecast) once the fleet's need (every pool's, in
     #: GPUs) reaches ``standing_headroom_from`` of the GPU budget: near the budget a ramp caught
     #: late cannot be caught up with (start-up takes longer than the budget lasts), so capacity
-    #: stands ready for it while rising windows confirm the trend.
+    #: stands ready for it while rising windows confirm the trend. ``standing_headroom_from`` 0:
+    #: always (no threshold to switch on and off at, so a constant load cannot flap on it): the
+    #: load can grow unseen for a window plus a start-up, whatever share of the budget it needs.
     standing_headroom: float = 0.0
     standing_headroom_from: float = 0.5
     #: **Start-up reserve.** A scale-down keeps ``ceil(needed * (1 + startup_reserve))``: the
@@ -315,8 +317,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if (self.trend_fit_z is not None and self.trend_fit_z < 0) or self.trend_fit_windows < 2:
             raise PlannerConfigError(f"trend_fit_z={self.trend_fit_z} must be >= 0 (or None: off) and "
                                      f"trend_fit_windows={self.trend_fit_windows} >= 2: a slope needs two windows")
-        if not 0 <= self.standing_headroom <= 1 or not 0 < self.standing_headroom_from <= 1:
-            raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 < standing_headroom_from <= 1")
+        if not 0 <= self.standing_headroom <= 1 or not 0 <= self.standing_headroom_from <= 1:
+            raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 <= standing_headroom_from <= 1 "
+                                     "(0: the standing headroom always stands)")
         if not 0 <= self.startup_reserve <= 2:
             raise PlannerConfigError(f"startup_reserve={self.startup_reserve} must be in [0, 2]: it is the load's "
                                      "relative growth within one start-up (2 already keeps triple the need)")

@@ -305,3 +305,19 @@ def test_a_step_down_after_a_step_down_is_released_on_a_wide_margin():
     assert _after_down(0.7, release_on_margin=True) == ()
     assert _after_down(0.3, up=True, release_on_margin=True) == ()
     assert _after_down(0.3, release_on_margin=False) == ()
+
+
+def test_a_standing_headroom_from_zero_stands_at_any_load():
+    """100 req/s x 200 tokens needs 2.35 replicas, 2.35 of a 16-GPU budget: far below the
+    default threshold (half the budget), so a standing headroom of 0.5 stands nowhere and 3
+    replicas hold. From 0 it always stands: 150 req/s needs 3.53, beyond 3 even at the low end
+    of its noise (1,000 arrivals), so 3 -> 4."""
+    def tick(**over):
+        cfg = make_config(standing_headroom=0.5, **over)
+        state = PlannerState(pools=(PoolState(pool="p", target=3),))
+        window = make_window(20, arrivals=1000, isl_mean=200.0)
+        d, _ = decide(21 * NS, _snap(21, _pool("p", "prefill", [window], ready=3)), cfg, state)
+        return tuple((e.from_replicas, e.to_replicas, e.event.inputs.get("standing_headroom")) for e in d.effects)
+
+    assert tick() == ()
+    assert tick(standing_headroom_from=0.0) == ((3, 4, 1),)
