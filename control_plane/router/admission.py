@@ -42,6 +42,11 @@ from math import ceil
 
 from schemas.events import CandidateScore
 
+#: The error codes of a refusal before any worker was asked (the router shedding load, not a
+#: failure): the queue full or timed out, the router's own loop lagging, the TTFT budget. A load
+#: generator counts these as rejections (``ops/demo/loadgen.py``).
+ADMISSION_CODES = frozenset({"queue_full", "queue_timeout", "router_overloaded", "ttft_budget"})
+
 
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from control_plane.router.admission import ADMISSION_CODES
 from data_plane.engines.trace import MooncakeTrace, TraceRecord, read_mooncake
 from common.hashing import HashAlgo, HashConfig
 from workloads.stats import ideal_hit_rate
@@ -56,10 +57,6 @@ def _pct(xs: list[float], q: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-#: Router error codes that mean "refused at admission", not "failed".
-ADMISSION_CODES = frozenset({"queue_full", "queue_timeout", "router_overloaded"})
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,18 @@ def _engine(bus: BusSettings, reader=None) -> ReplayEngine:
     return ReplayEngine(reader or KafkaLogReader(bus.bootstrap), Catalog(bus.topic_prefix))
 
 
+def _whole_log(bus: BusSettings, cat: Catalog) -> list:
+    """Every record of the run's four streams, read back from the broker."""
+    live = KafkaLogReader(bus.bootstrap)
+    records = []
+    for stream in ("kv", "workers", "requests", "snapshots"):
+        t = cat.topic(stream)
+        for p in live.partitions(t):
+            lo, hi = live.bounds(t, p)
+            records.extend(live.read(t, p, lo, hi))
+    return records
+
+
 def test_every_recorded_decision_reexecutes_identically(recorded) -> None:
     bus, _ = recorded
     report = _engine(bus).verify("start", "end", keep_checks=True)
@@ -104,13 +116,7 @@ def test_a_tampered_decision_is_reported_with_the_differing_fields(recorded) -> 
     bus, _ = recorded
     cat = Catalog(bus.topic_prefix)
     codec = EventCodec()
-    live = KafkaLogReader(bus.bootstrap)
-    records = []
-    for stream in ("kv", "workers", "requests", "snapshots"):
-        t = cat.topic(stream)
-        for p in live.partitions(t):
-            lo, hi = live.bounds(t, p)
-            records.extend(live.read(t, p, lo, hi))
+    records = _whole_log(bus, cat)
     mem = MemoryLogReader(records)
     seq3 = router_ids(bus)["seq-3"]
     # Alter one recorded decision: send it to the other worker and claim a bigger overlap.
@@ -151,13 +157,7 @@ def test_a_log_written_before_v2_request_events_replays_identically(recorded) ->
     bus, _ = recorded
     cat = Catalog(bus.topic_prefix)
     codec = EventCodec()
-    live = KafkaLogReader(bus.bootstrap)
-    records = []
-    for stream in ("kv", "workers", "requests", "snapshots"):
-        t = cat.topic(stream)
-        for p in live.partitions(t):
-            lo, hi = live.bounds(t, p)
-            records.extend(live.read(t, p, lo, hi))
+    records = _whole_log(bus, cat)
     mem = MemoryLogReader(records)
     master = bus.signer("security-test")
     old = 0
