@@ -324,16 +324,18 @@ class Router:
             raise RouterRejected(str(e)) from None
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
-        # The probe that keeps the router's own SLO from locking itself out (``over_ttft_budget``):
-        # nothing in flight, a fitted model, and no tighter deadline of the client's own (a client
-        # that set one asked to be refused rather than served late).
-        probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
-                 and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
-        if attempt == 0 and (over := over_ttft_budget(d.scores, self.budget_ms(adm), self.spent_ms(adm),
-                                                      self.loop_lag_ms(), self.ledger.margin.factor(now),
-                                                      idle=probe)) is not None:
-            # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
-            raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
+        budget = self.budget_ms(adm) if attempt == 0 else 0.0
+        if budget > 0:  # only then: the margin sorts its window's ratios
+            # The probe that keeps the router's own SLO from locking itself out
+            # (``over_ttft_budget``): nothing in flight, a fitted model, and no tighter deadline of
+            # the client's own (a client that set one asked to be refused rather than served late).
+            probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
+                     and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
+            over = over_ttft_budget(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(),
+                                    self.ledger.margin.factor(now), idle=probe)
+            if over is not None:
+                # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
+                raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0
         self._routed(adm)
         health = self._health() if self._health else None
