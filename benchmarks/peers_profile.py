@@ -48,7 +48,8 @@ from common.tokenizer import HashTokenizer
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("event production", ("EventProducer", "aiokafka/producer", "EnvelopeFactory")),
     ("event consumption (view fold)", ("aiokafka/consumer", "faust/", "router/view.py", "router/stream.py",
-                                       "common/log/fold.py", "mode/threads.py", "control_plane/streaming.py")),
+                                       "common/log/fold.py", "mode/threads.py", "control_plane/streaming.py",
+                                       "common/log/reader.py")),
     ("tokenization", ("common/tokenizer.py",)),
     ("hashing", ("common/hashing.py", "router/prompt.py")),
     ("auth and limits", ("router/limits.py", "router/keys.py", "router/admission.py", "router/shared_gate.py",

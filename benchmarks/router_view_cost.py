@@ -1,19 +1,16 @@
 """What the router view's fold costs its process per routed request (issue 38: the view fold).
 
 A child process runs only a router's view (:class:`RouterViewProcessor` on a topic prefix of its
-own, fetch settings as the router's defaults: 64 KB / 10 ms); this process publishes, as two
+own, fetch settings as the router's defaults: 64 KB / 10 ms: its tail of librdkafka batches
+folded on the loop); this process publishes, as two
 workers, the KV events a routed 4K-token request leaves (``router_broker_sources._kv``: two
 ``BlockStored`` of 32 hashes, two ``BlockRemoved``), ``--gap-ms`` apart, plus a load report per
-worker every 100 requests. Per request: the child's CPU (``/proc``, every thread: Faust's
-consumer thread, librdkafka's, the loop) from the first event published to the view holding the
+worker every 100 requests. Per request: the child's CPU (``/proc``, every thread: the tail's
+thread, librdkafka's, the loop) from the first event published to the view holding the
 last one (its ``sync``), minus its rate over a quiet second before (the idle loop's timers).
 
     uv run --group bench python -m benchmarks.router_view_cost [--rounds 3] [--n 1000]
     ... --profile out.txt   # py-spy (SWITCHYARD_PYSPY or the uv cache's) on the child, round 1
-
-``--floor``: instead, the same fold (records verified, ``RecordFold.fold_batch`` with the view's
-native run) fed by one librdkafka consumer in batches, without Faust: the floor a view that
-follows the log that way would approach (the router's view runs in Faust today).
 
 Last line: ``RESULT view_ms=<median> view_ms_max=<worst round> ...``.
 """
@@ -30,24 +27,15 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections import defaultdict
-
-from confluent_kafka import Consumer, TopicPartition
 
 from benchmarks.router_broker_sources import ALGO, BS, _kv, _register
 from common.log.admin import apply_topics
-from common.log.catalog import Catalog
-from common.log.fold import RecordFold
-from common.log.reader import RecordBatch
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
 from control_plane.router.stream import RouterViewProcessor
-from control_plane.router.view import RouterView, rejected_poison
-from common.roles import group_id
-from schemas import EventCodec
+from control_plane.router.view import RouterView
 from schemas.events import WorkerLoadReported
 
 
@@ -73,58 +61,6 @@ async def child(prefix: str) -> None:
         await proc.sync(120)
         print(json.dumps({"applied": proc.view.applied, "dead_lettered": proc.dead_lettered}), flush=True)
     await proc.stop()
-
-
-def child_floor(prefix: str) -> None:
-    """The floor a view without Faust would approach: the same fold (``RecordFold.fold_batch``
-    with the view's native run, records verified) fed by one librdkafka consumer in batches,
-    assigned every partition from the start; not how the router runs today."""
-    bus = BusSettings.from_env(topic_prefix=prefix, role="router")
-    view, codec = RouterView(ALGO, BS), EventCodec(verifier=bus.verifier())
-    fold = RecordFold(view.positions, lambda r: view.apply_record(r.value, r.topic, r.partition, r.offset, r.ts_ms,
-                                                                    codec))
-
-    def run(batch: RecordBatch, start: int):
-        end, rejected = view.apply_run(batch, start, codec)
-        return end, None if rejected is None else rejected_poison(rejected)
-
-    c = Consumer({**bus.client_conf(), "group.id": group_id(prefix, bus.username, f"vfloor-{time.time_ns()}"),
-                  "enable.auto.commit": False, "fetch.min.bytes": 65536, "fetch.wait.max.ms": 10,
-                  "fetch.queue.backoff.ms": 10})
-    cat = Catalog(prefix)
-    parts = [TopicPartition(t, p, 0) for t in (cat.topic("kv"), cat.topic("workers"))
-             for p in c.list_topics(t, timeout=10).topics[t].partitions]
-    c.assign(parts)
-    want: list[str] = []
-    threading.Thread(target=lambda: want.extend(iter(sys.stdin.readline, "")), daemon=True).start()
-
-    def at_end() -> bool:
-        return all(view.positions.get((tp.topic, tp.partition), 0)
-                   >= c.get_watermark_offsets(tp, timeout=10)[1] for tp in parts)
-
-    while not at_end():
-        _poll(c, fold, run)
-    print("ready", flush=True)
-    while True:
-        _poll(c, fold, run)
-        if want:
-            line = want.pop(0).strip()
-            if line != "sync":
-                break
-            while not at_end():
-                _poll(c, fold, run)
-            print(json.dumps({"applied": view.applied, "dead_lettered": fold.stats.poisoned}), flush=True)
-    c.close()
-
-
-def _poll(c, fold, run) -> None:
-    by: dict = defaultdict(list)
-    for m in c.consume(1000, 0.05):
-        if m.error() is None:
-            by[(m.topic(), m.partition())].append(m)
-    for (t, p), ms in by.items():
-        fold.fold_batch(RecordBatch(t, p, [m.offset() for m in ms], [m.timestamp()[1] for m in ms],
-                                    [m.key() for m in ms], [m.value() for m in ms]), run)
 
 
 def _pyspy() -> str | None:
@@ -162,7 +98,7 @@ def main(args) -> None:
     got: list[float] = []
     for r in range(args.rounds):
         c = subprocess.Popen([sys.executable, "-m", "benchmarks.router_view_cost",
-                              "--child-floor" if args.floor else "--child", prefix],
+                              "--child", prefix],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             if c.stdout.readline().strip() != "ready":
@@ -212,14 +148,9 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--gap-ms", type=float, default=5.0)
     ap.add_argument("--profile", help="py-spy raw output path (round 1).")
-    ap.add_argument("--floor", action="store_true",
-                    help="Instead: the same fold fed by a librdkafka consumer in batches, without Faust.")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--child-floor", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child_floor:
-        child_floor(a.child_floor)
-    elif a.child:
+    if a.child:
         asyncio.run(child(a.child))
     else:
         main(a)

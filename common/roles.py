@@ -40,7 +40,9 @@ class Role:
 ROLES: dict[str, Role] = {r.name: r for r in (
     # admin: a router started with its own config (a file, --mode) records it as the next
     # RouterConfigChanged version, which replay reads back; ACLs cannot narrow that to one type.
-    Role("router", ("requests", "snapshots", "deadletter", "admin"), groups=("router-view.", "router."),
+    # router.: the group ids its assign-only consumers name (its view's tail, its followers,
+    # its readers); it joins no group.
+    Role("router", ("requests", "snapshots", "deadletter", "admin"), groups=("router.",),
          reads=("kv", "workers", "requests", "admin", "snapshots")),
     Role("worker", ("kv", "workers", "requests", "deadletter"), groups=("worker.",), reads=("kv", "workers")),
     Role("planner", ("planner", "snapshots", "deadletter"), owns=("load-view.",), groups=("load-view.", "planner."),

@@ -40,7 +40,7 @@ groups under its own prefixes (:attr:`Role.groups`, after ``<prefix>.``):
 =========== ======================================== ==========================================
 role        its groups                               which are
 =========== ======================================== ==========================================
-router      ``router-view.``, ``router.``            its view's Faust group, its followers
+router      ``router.``                              its view's tail, its followers (assign-only)
 worker      ``worker.``                              the peer directory's reader
 planner     ``load-view.``, ``planner.``             its load view's group, its follower
 admin       ``admin.``                               the audit's reader
@@ -48,12 +48,14 @@ processor   ``metrics.``, ``processor.``;            its own group; the others' 
             describes every group of the prefix      (``switchyard_consumer_group_*``)
 =========== ======================================== ==========================================
 
-So a stolen processor credential can no longer join a router's view group and be handed its
-partitions (issue 36): the broker answers GROUP_AUTHORIZATION_FAILED. A member of the *same*
-role in a group is caught by the view itself (``control_plane/streaming.py``: an assignment
-that is not every partition is a foreign member; the view moves to a fresh group). Consumers
-that only ``assign()`` get a group id under their role's prefix too (:func:`group_id`): with a
-``group.id`` librdkafka looks the group's coordinator up even when it never joins.
+So a stolen processor credential cannot join another role's group (issue 36): the broker
+answers GROUP_AUTHORIZATION_FAILED. The router's view is in no group at all (it assigns every
+partition itself: ``control_plane/streaming.py`` ``TailProcessor``), so no member, of any role,
+can be handed its partitions. A member of the *same* role in the planner's or the metrics'
+group is caught by that view itself (an assignment that is not every partition is a foreign
+member; the view moves to a fresh group). Consumers that only ``assign()`` get a group id under
+their role's prefix too (:func:`group_id`): with a ``group.id`` librdkafka looks the group's
+coordinator up even when it never joins.
 
 Nothing else: a worker cannot write
 ``admin`` or ``planner``, a router cannot register a worker or scale a pool, no component can create, delete or
@@ -121,11 +123,19 @@ def role_bindings(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
 STALE_GRANTS: tuple[tuple[str, str, str, str], ...] = (("group", "literal", "*", "all"),)
 
 
+#: Group prefixes (after ``<prefix>.``) a role was granted and no longer uses, by role: the
+#: router's view left its Faust group (``router-view.``) for a tail it assigns itself.
+RETIRED_GROUPS: dict[str, tuple[str, ...]] = {"router": ("router-view.",)}
+
+
 def stale_grants(prefix: str, roles: dict[str, Role] = ROLES) -> list[Grant]:
     """Grants of earlier versions a stack upgraded in place must lose (pure): :data:`STALE_GRANTS`,
-    and the read of every topic of the prefix a role that reads only its streams once had."""
+    the read of every topic of the prefix a role that reads only its streams once had, and the
+    groups of :data:`RETIRED_GROUPS`."""
     out = [Grant(r.user, *g) for r in roles.values() for g in STALE_GRANTS]
     out += [Grant(r.user, "topic", "prefixed", f"{prefix}.", "read") for r in roles.values() if r.reads is not None]
+    out += [Grant(roles[name].user, "group", "prefixed", f"{prefix}.{g}", op)
+            for name, gs in RETIRED_GROUPS.items() if name in roles for g in gs for op in ("read", "delete")]
     return out
 
 

@@ -477,6 +477,93 @@ class KafkaLogReader:
                 self._c.unassign()
 
 
+def tail_group_id(topic_prefix: str, user: str, name: str) -> str:
+    """The group id a :class:`KafkaLogTail` named ``name`` of ``user`` names (never joined)."""
+    return group_id(topic_prefix, user, f"tail.{name}")
+
+
+class KafkaLogTail:
+    """Follows partitions of the broker from given offsets, as they grow: assign, no consumer
+    group, no commits (the caller's snapshots hold its positions). :meth:`poll` hands out what
+    the last fetches brought, one :class:`RecordBatch` per partition in offset order.
+
+    Every partition of ``topics`` is assigned, from ``start[(topic, partition)]`` or its low
+    watermark; :attr:`assigned` says which. :attr:`highwater` is the log end per partition as
+    the fetches saw it. librdkafka fetches in its own thread; :meth:`poll` waits without the GIL.
+    """
+
+    def __init__(self, bus: BusSettings, topics: Sequence[str], start: dict[TP, int], name: str, **conf) -> None:
+        """``name``: this tail's part of its group id (never joined, but librdkafka looks the
+        coordinator of a ``group.id`` up: it is under the principal's own prefix, which its
+        ACLs let it describe); ``conf``: librdkafka settings over the defaults (fetch sizes)."""
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+        self._tp = TopicPartition
+        #: Errors librdkafka retries by itself (a broker away, a leader moving): logged, not raised.
+        self._transient = {KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._MSG_TIMED_OUT,
+                           KafkaError.NOT_LEADER_FOR_PARTITION}
+        #: The group id the consumer names (never joined: nothing is assigned through it).
+        self.group_id = tail_group_id(bus.topic_prefix, bus.username, name)
+        self._c = Consumer({
+            **bus.client_conf(),
+            "group.id": self.group_id,
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+            "auto.offset.reset": "earliest",
+            # See KafkaLogReader: without it librdkafka idles up to a second before the next
+            # fetch once its prefetch queue filled, however soon the records are taken.
+            "fetch.queue.backoff.ms": 10,
+            "logger": logging.getLogger("switchyard.rdkafka"),
+            **conf,
+        })
+        try:
+            md = self._c.list_topics(timeout=10)
+            tps = []
+            for t in topics:
+                if t not in md.topics or md.topics[t].error is not None:
+                    raise LogReadError(f"topic {t} does not exist (run `switchyard topics apply`?)")
+                for p in sorted(md.topics[t].partitions):
+                    tps.append(TopicPartition(t, p, start.get((t, p), OFFSET_BEGINNING)))
+            self._c.assign(tps)
+        except BaseException:
+            self._c.close()
+            raise
+        self.assigned: frozenset[TP] = frozenset((tp.topic, tp.partition) for tp in tps)
+        #: Log end per partition as the last fetches saw it; replaced whole (readable from any thread).
+        self.highwater: dict[TP, int] = {}
+
+    def poll(self, max_records: int = BATCH_RECORDS, timeout_s: float = 0.5) -> list[RecordBatch]:
+        """What is fetched (up to ``max_records``), waiting up to ``timeout_s`` for a first
+        record; one batch per partition. Raises :class:`LogReadError` on an error the consumer
+        does not recover from by itself (authorization, an unknown topic)."""
+        # poll() returns as soon as one record is there; consume(n, 0) then takes what is
+        # already fetched (consume(n, t) alone would wait for n records or t).
+        first = self._c.poll(timeout_s)
+        if first is None:
+            return []
+        msgs = [first] + self._c.consume(max_records - 1, 0) if max_records > 1 else [first]
+        by: dict[TP, list] = {}
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal() or (not err.retriable() and err.code() not in self._transient):
+                    raise LogReadError(f"following {m.topic()}:{m.partition()}: {err}")
+                log.warning("following %s:%s: %s", m.topic(), m.partition(), err)
+                continue
+            by.setdefault((m.topic(), m.partition()), []).append(m)
+        out = []
+        hw = dict(self.highwater)
+        for (t, p), ms in by.items():
+            out.append(RecordBatch(t, p, [m.offset() for m in ms], [m.timestamp()[1] for m in ms],
+                                   [m.key() for m in ms], [m.value() for m in ms]))
+            hw[(t, p)] = self._c.get_watermark_offsets(self._tp(t, p), cached=True)[1]
+        self.highwater = hw
+        return out
+
+    def close(self) -> None:
+        self._c.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # File export
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ view + ledger + request to ``decide``'s inputs and back to ``RequestRouted``), :
 
 Adapters: :mod:`.proxy` (the request path: admit, decide, record, proxy, retry),
 :mod:`.worker_calls` (its HTTP calls to workers), :mod:`.server` (the OpenAI-compatible FastAPI
-app, over :mod:`.protocol` and :mod:`.serving`), :mod:`.stream` (the Faust agent folding the view),
+app, over :mod:`.protocol` and :mod:`.serving`), :mod:`.stream` (the fold following the log into the view),
 :mod:`.wiring` (one process). This package's ``__init__`` imports only the pure core.
 """
 

@@ -1,7 +1,7 @@
 """The router's request path, independent of HTTP framing: admit, decide, record, proxy, retry.
 
 One :class:`Router` per process. Its state is the :class:`RouterView` (folded from the log by
-the Faust agent on the same event loop) and its :class:`~control_plane.router.ledger.RouterLedger`
+the log's tail on the same event loop) and its :class:`~control_plane.router.ledger.RouterLedger`
 (in-flight ledger and round-robin cursor), which is a fold of the events this router publishes:
 every fact goes through :meth:`Router._record`, which publishes it and applies the stamped
 envelope, so replay rebuilds the same state by folding the same events. Every decision goes

@@ -202,7 +202,7 @@ def create_app(ctx: RouterApp) -> FastAPI:
     async def lifespan(app: FastAPI):
         if ctx.start:
             await ctx.start()
-        # Everything made so far (imports, Faust, the restored view: ~128K objects) lives as
+        # Everything made so far (imports, the restored view: ~128K objects) lives as
         # long as the process: frozen, a later full collection no longer walks it. The full
         # collections during start-up took 80-350 ms here (loaded box); one while serving
         # would be a p99 outlier. (In the HTTP bench's few thousand requests none ran, with or

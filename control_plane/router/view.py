@@ -1,7 +1,7 @@
 """The router's materialized view of the log: prefix index + worker registry + positions. Pure.
 
 ``RouterView.apply`` folds one decoded record (with its topic, partition and offset) from the
-``kv`` and ``workers`` streams. The same fold runs inside the Faust agent of a live router, in
+``kv`` and ``workers`` streams. The same fold runs in a live router (following the log's tail), in
 the replay tool and in tests, so a view rebuilt from the log equals the live one at the same
 offsets.
 

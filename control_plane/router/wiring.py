@@ -3,7 +3,7 @@
 Start-up order, for a restart's sake: the log side (:func:`restore_router`: config, orphans,
 API keys, the newest snapshot and the log tail) is read in a thread while the main thread
 imports the HTTP side; :func:`build_router` then puts the HTTP side on it, and the app's start
-only starts Faust on a view that has already reached the log end.
+only starts following the log (from the loop) on a view that has already reached its end.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from control_plane.router.orphans import close_orphans
 from control_plane.router.shared_gate import SharedKeyGate
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
-from control_plane.streaming import StreamFollower, import_faust
+from control_plane.streaming import StreamFollower
 from common.hashing import HashAlgo, HashConfig
 from common.http_server import ConnectionLimits, serve
 from common.log.kafka import EventProducer
@@ -62,9 +62,9 @@ class RouterSettings:
     served_model: str = "switchyard-sim"
     #: Seconds between index checkpoints to the snapshots topic.
     snapshot_every_s: float = 5.0
-    #: Longest a start folds the log tail after the snapshot itself, before it serves (a tail
-    #: longer than that is left to Faust, at about 2k records/s, while ``/health`` says
-    #: LOADING): the port must open before a liveness probe gives up on the process.
+    #: Longest a start folds the log tail after the snapshot, before it serves (a tail longer
+    #: than that is folded while serving, ``/health`` saying LOADING until it is done): the port
+    #: must open before a liveness probe gives up on the process.
     restore_budget_s: float = 20.0
     max_attempts: int = 3
     read_timeout_s: float = 60.0
@@ -180,7 +180,7 @@ class RouterLog:
     producer: EventProducer
     config: RouterConfig
     hash_config: HashConfig
-    #: The router view, restored from the newest snapshot with the tail folded (Faust not started).
+    #: The router view, restored from the newest snapshot with the tail folded (not following yet).
     processor: RouterViewProcessor
     #: The API keys folded from the ``admin`` stream and the thread that keeps them current
     #: (None without auth).
@@ -286,8 +286,8 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
 
 def run_router(s: RouterSettings, bus: BusSettings) -> None:
     """Restore the log side in a thread while this one imports the HTTP side (FastAPI, the
-    proxy, uvicorn, Faust: about as long as the snapshot takes to read), then serve. A restart
-    from a 1M-block snapshot spends most of its time in these two, so they overlap."""
+    proxy, uvicorn: about as long as the snapshot takes to read), then serve. A restart from a
+    1M-block snapshot spends most of its time in these two, so they overlap."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1, thread_name_prefix="router-restore") as pool:
@@ -295,6 +295,5 @@ def run_router(s: RouterSettings, bus: BusSettings) -> None:
         # lazy: start-up time: loads aiohttp, fastapi, prometheus_client ... only when called
         from control_plane.router.server import create_app
 
-        import_faust()
         restored = restoring.result()
     serve(create_app(build_router(s, bus, restored)), s.host, s.port, s.connections)

@@ -96,7 +96,7 @@ def _check_sendable(url: str, request_id: str) -> None:
 class HttpWorkerCalls:
     """Calls over HTTP/1.1 with aiohttp (module docstring). The session is made on first use, on
     the event loop that serves the router (aiohttp binds it to that loop). aiohttp is imported
-    by the router process anyway (Faust's app imports it)."""
+    by the router process anyway (its HTTP client)."""
 
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, credential: str | None = None,
                  max_connections: int = 2048) -> None:

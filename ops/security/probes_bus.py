@@ -8,11 +8,11 @@ process could:
   (common/log/principals.py). A group the probe finds none of is probed by its prefix, with a
   group id of its own under that prefix.
 * **a foreign member of the same role**: with the router's own credential (the only one the
-  broker lets into a router view's group), the attack of issue 36 on the live router view's
-  group: join under Faust's assignor name with metadata that is not Faust's, and take every
-  partition once leader. Refused: the router's watch sees it (a crashed fetcher or a short
-  assignment), ``/health`` says DEGRADED, the view moves to a fresh group of its own and is
-  EXACT again (``control_plane/streaming.py``).
+  broker lets into the router's groups), the attack of issue 36 on the live router's view: join
+  the group id its view's consumer names, under Faust's assignor name with metadata that is not
+  Faust's, and take every partition once leader. Refused: the view is in no group (it assigns
+  its partitions itself, ``control_plane/streaming.py`` ``TailProcessor``), so it loses nothing
+  and ``/health`` stays EXACT.
 * **replayed registration**: with the worker credential, a signed ``WorkerRegistered`` of a
   worker the log says is gone is copied, byte for byte, to another partition of ``workers``.
   Refused: the router's ``/health`` never counts that worker again (common/fleet.py). The
@@ -43,7 +43,7 @@ from common.errors import LogReadError
 from common.log.catalog import Catalog
 from common.log.kafka import H_DLQ_REASON, H_DLQ_SOURCE, EventProducer
 from common.log.principals import group_id
-from common.log.reader import KafkaLogReader
+from common.log.reader import KafkaLogReader, tail_group_id
 from common.log.snapshots import SnapshotStore
 from common.settings import BusSettings
 from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
@@ -52,7 +52,9 @@ from schemas.envelope import EnvelopeFactory
 from schemas.events import RequestAdmitted, RequestCompleted, RouterKeyIssued, WorkerDeregistered, WorkerRegistered
 
 #: Group prefixes (after ``<prefix>.``) of the running views, and the role owning each.
-VIEW_GROUPS = {"router-view.": "router", "load-view.": "planner", "metrics.": "processor"}
+#: The router's view is in no group (it assigns its partitions); ``router.`` holds the ids its
+#: assign-only consumers name.
+VIEW_GROUPS = {"router.": "router", "load-view.": "planner", "metrics.": "processor"}
 
 
 def _bus(role: str | None, t: Targets):
@@ -251,42 +253,32 @@ async def steal_group(bus, group: str, topics: list[str], got: list, stop) -> No
         await c.stop()
 
 
-def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
-    """With the router's own credential (the one principal the broker lets into a router view's
-    group), the attack of issue 36 on the live router view's group. Refused: the router says so
-    (``/health`` DEGRADED) and moves to a fresh group of its own, then answers EXACT again."""
+def probe_foreign_member(t: Targets, hold_s: float = 12.0, timeout_s: float = 60.0) -> list[Probe]:
+    """With the router's own credential (the one principal the broker lets into the router's
+    groups), the attack of issue 36 on the live router's view: join the very group id its view's
+    consumer names, under Faust's assignor name, and take every partition once leader. Refused:
+    the view follows its partitions by assignment, in no group, so it loses nothing: its
+    ``/health`` stays EXACT for ``hold_s`` (two of its watch rounds) with the member in place."""
     import asyncio
 
-    from confluent_kafka.admin import AdminClient
-
-
-    attack = "the router's credential joins the live router view's group under Faust's assignor name"
+    attack = "the router's credential joins the group the live router view's consumer names and takes every partition"
     if not t.router_url:
         return [Probe("kafka", attack, SKIPPED, "no router running")]
-    admin = AdminClient({**_bus(None, t).client_conf(), "logger": quiet()})
-
-    def view_groups() -> list[str]:
-        listed = admin.list_consumer_groups(request_timeout=10).result()
-        prefix = f"{t.topic_prefix}.router-view."
-        return sorted((g.group_id for g in listed.valid if g.group_id.startswith(prefix)
-                       and g.group_id.rsplit(".", 1)[-1].isdigit()), key=lambda g: int(g.rsplit(".", 1)[-1]))
-
-    live = view_groups()
-    if not live:
-        return [Probe("kafka", attack, SKIPPED, "no router view group found")]
-    victim = live[-1]
-    owner = victim.rsplit(".", 1)[0]
+    before = _get(t.router_url, "/health")
+    if before.get("state") != "EXACT" or not before.get("router_id"):
+        return [Probe("kafka", attack, SKIPPED, f"the router is not EXACT before the probe: {before.get('state')}")]
+    router = _bus("router", t)
+    group = tail_group_id(t.topic_prefix, router.username, f"router-view.{before['router_id']}")
     cat = Catalog(t.topic_prefix)
     got: list = []
     states: list[str] = []
 
     async def attack_and_watch() -> tuple[str, str]:
         stop = asyncio.Event()
-        thief = asyncio.create_task(steal_group(_bus("router", t), victim, [cat.topic(s) for s in ("kv", "workers")],
-                                                got, stop))
+        thief = asyncio.create_task(steal_group(router, group, [cat.topic(s) for s in ("kv", "workers")], got, stop))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        moved = None
+        held_from = None
         try:
             while loop.time() < deadline:
                 await asyncio.sleep(0.25)
@@ -294,16 +286,14 @@ def probe_foreign_member(t: Targets, timeout_s: float = 60.0) -> list[Probe]:
                     thief.result()  # raises what stopped it
                 h = await asyncio.to_thread(_get, t.router_url, "/health")
                 states.append(h.get("state", "?"))
-                if moved is None:
-                    newer = [g for g in await asyncio.to_thread(view_groups) if g.startswith(owner) and g > victim]
-                    moved = newer[-1] if newer else None
-                elif h.get("state") == "EXACT":
-                    return REFUSED, (f"the router said {'DEGRADED' if 'DEGRADED' in states else 'nothing'}, moved "
-                                     f"to {moved} and is EXACT again (the foreign member was handed "
-                                     f"{len(got)} partitions of the old group)")
-            if moved is None:
-                return ACCEPTED, f"the router stayed in {victim} for {timeout_s:g} s; states {sorted(set(states))}"
-            return SERVER_ERROR, f"the router moved to {moved} but is not EXACT again: {states[-3:]}"
+                if states[-1] != "EXACT":
+                    return ACCEPTED, f"the router's view said {states[-1]} {h.get('reasons')} with the member in {group}"
+                if got and held_from is None:
+                    held_from = loop.time()
+                if held_from is not None and loop.time() - held_from >= hold_s:
+                    return REFUSED, (f"the member was handed {len(got)} partitions of {group}; the router's view, "
+                                     f"in no group, stayed EXACT for {hold_s:g} s")
+            return SERVER_ERROR, f"the member was never handed a partition of {group} within {timeout_s:g} s"
         finally:
             stop.set()
             await asyncio.wait_for(thief, 30)

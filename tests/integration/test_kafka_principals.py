@@ -68,9 +68,14 @@ def test_every_role_reads_the_streams_it_folds_and_no_other(bus: BusSettings) ->
 
 def test_a_role_joins_only_its_own_consumer_groups(bus: BusSettings) -> None:
     """Issue 36, item 1: the processor's credential joined the router view's group and was handed
-    its partitions. Now the broker refuses a group outside the role's own prefixes."""
+    its partitions. Now the broker refuses a group outside the role's own prefixes (the router's
+    view is in no group at all; its role's groups are its assign-only consumers' ids), and the
+    router's credential no longer joins the groups its view left (``router-view.``)."""
     p = bus.topic_prefix
-    victims = {"router": f"{p}.router-view.demo-router.1", "planner": f"{p}.load-view.planner.1",
+    verdict, detail = join_group(_as(bus, "router"), f"{p}.router-view.demo-router.1", Catalog(p).topic("workers"),
+                                 timeout_s=20)
+    assert verdict == REFUSED, detail
+    victims = {"router": f"{p}.router.demo-router.1", "planner": f"{p}.load-view.planner.1",
                "processor": f"{p}.metrics.demo.1"}
     workers = Catalog(p).topic("workers")
     for attacker in ("processor", "worker", "admin"):

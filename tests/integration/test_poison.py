@@ -271,8 +271,9 @@ def _is_bug(env) -> bool:
 
 async def test_router_view_dead_letters_poison_and_goes_on(bus: BusSettings) -> None:
     """Garbage, a load report the injected fold raises on, then a good one: the view has the
-    good one, both poison records are dead-lettered by the view's group, the view's positions
-    and the group's committed offsets are past them, and the view is EXACT."""
+    good one, both poison records are dead-lettered by the view (its incarnation named), the
+    view's positions and its checkpoint's are past them, and the view is EXACT. (The view is in
+    no consumer group: its positions are its snapshot's, nothing is committed.)"""
     from control_plane.router.stream import RouterViewProcessor
     from control_plane.router.view import RouterView
 
@@ -293,10 +294,12 @@ async def test_router_view_dead_letters_poison_and_goes_on(bus: BusSettings) -> 
         tp, last = _tp(where["last"])
         assert view.positions[tp] == last + 1
         assert proc.dead_lettered == 2 and proc.health().state == "EXACT", proc.health()
-        await _committed_past(bus, proc.group, where["last"])
+        assert await proc.checkpoint(force=True)
+        restored = RouterViewProcessor.load_view(bus, "sha256_cbor", 16)
+        assert restored.positions[tp] == last + 1
     finally:
         await proc.stop()
-    _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"}, proc.group)
+    _assert_dead_lettered(bus, where, {"garbage": "malformed", "bug": "apply_failed:ValueError"}, proc.incarnation)
 
 
 async def test_load_view_dead_letters_poison_and_goes_on(bus: BusSettings) -> None:

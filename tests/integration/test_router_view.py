@@ -1,5 +1,5 @@
-"""The router's view, folded by the Faust agent from the real broker, equals the oracle fold of
-the log; a restart from snapshot + tail gets back to the same view."""
+"""The router's view, following the real broker's log, equals the oracle fold of the log; a
+restart from snapshot + tail gets back to the same view."""
 
 from __future__ import annotations
 
@@ -98,15 +98,16 @@ async def test_view_converges_to_oracle_and_restarts_from_snapshot_plus_tail(bus
         await proc2.stop()
 
 
-async def test_restore_folds_the_tail_before_faust_and_faust_folds_what_its_budget_left(bus: BusSettings) -> None:
-    """A restart folds the log tail itself, in batches, before the app starts: caught up and equal
-    to the oracle with no Faust app at all. With no budget for that fold it stops after one batch;
-    Faust then folds the rest from where it stopped, to the same view."""
+async def test_restore_folds_the_tail_before_following_and_the_tail_folds_what_its_budget_left(
+        bus: BusSettings) -> None:
+    """A restart folds the log tail itself, in batches, before the view follows the log: caught
+    up and equal to the oracle with nothing following yet. With no budget for that fold it stops
+    after one batch; the followed tail then folds the rest from where it stopped, to the same view."""
     _workers_then_poison(bus, rounds=20)  # the poison is dead-lettered by the batch fold too
 
     whole = RouterViewProcessor(bus, "r-whole", RouterView(ALGO, BS), snapshot_every_s=3600)
     whole.restore()
-    assert whole.app is None and whole.caught_up
+    assert not whole.running and whole.caught_up
     assert whole.view.as_dict() == oracle(bus).as_dict()
     assert whole.dead_lettered == 1
     await whole.stop()

@@ -63,7 +63,7 @@ def test_consumer_groups_are_owned_like_topics() -> None:
         assert g.pattern == "prefixed" and g.name.startswith("p1."), g
         if g.operation == "read":
             joins.setdefault(g.user, set()).add(g.name)
-    assert joins["sy-router"] == {"p1.router-view.", "p1.router."}
+    assert joins["sy-router"] == {"p1.router."}  # its view is in no group (it assigns its partitions)
     assert joins["sy-processor"] == {"p1.metrics.", "p1.processor."}
     assert joins["sy-planner"] == {"p1.load-view.", "p1.planner."}
     owned = [(u, n) for u, names in joins.items() for n in names]
@@ -99,3 +99,5 @@ def test_a_role_reads_the_streams_it_folds_and_the_operator_surfaces_read_all() 
     assert reads["sy-admin"] == reads["sy-processor"] == {"p1.*"}
     stale = {(g.user, g.name) for g in stale_grants("p1") if g.resource == "topic"}
     assert stale == {("sy-router", "p1."), ("sy-worker", "p1."), ("sy-planner", "p1.")}
+    retired = {(g.user, g.name, g.operation) for g in stale_grants("p1") if g.resource == "group" and g.name != "*"}
+    assert retired == {("sy-router", "p1.router-view.", "read"), ("sy-router", "p1.router-view.", "delete")}
