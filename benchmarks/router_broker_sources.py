@@ -8,8 +8,8 @@ router's sources on top of that baseline (what the ``direct`` side costs the bro
 
 * ``workers``: the workers' KV events alone;
 * ``request_events``: + the router's four events per request (router_events_cost.py's shapes);
-* ``view``: + the router's view (:class:`RouterViewProcessor`, the Faust consumer following
-  ``kv`` and ``workers``) with the fetch settings it had before issue 38 (1 byte, 1,500 ms),
+* ``view``: + the router's view (:class:`RouterViewProcessor`, its librdkafka tail following
+  ``kv`` and ``workers``; a Faust consumer before) with the fetch settings it had before issue 38 (1 byte, 1,500 ms),
   snapshots off;
 * ``view_tuned``: the same with ``--fetch-min-bytes``/``--fetch-wait-ms`` (the ones to try);
 * ``snapshots``: ``view_tuned`` + checkpoints every ``--snapshot-every`` s of a view holding

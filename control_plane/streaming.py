@@ -551,6 +551,9 @@ class TailProcessor(ProjectionProcessor):
         tail = self._tail
         return tail.highwater if tail is not None else {}
 
+    def stopped_reason(self) -> str | None:
+        return f"its tail stopped ({self.crashed})" if self.crashed else self.stalled
+
     def assigned(self) -> frozenset[tuple[str, int]]:
         """The partitions the tail follows (empty: not following)."""
         tail = self._tail

@@ -264,9 +264,11 @@ def probe_foreign_member(t: Targets, hold_s: float = 12.0, timeout_s: float = 60
     attack = "the router's credential joins the group the live router view's consumer names and takes every partition"
     if not t.router_url:
         return [Probe("kafka", attack, SKIPPED, "no router running")]
-    before = _get(t.router_url, "/health")
-    if before.get("state") != "EXACT" or not before.get("router_id"):
-        return [Probe("kafka", attack, SKIPPED, f"the router is not EXACT before the probe: {before.get('state')}")]
+    deadline = time.monotonic() + timeout_s
+    while (before := _get(t.router_url, "/health")).get("state") != "EXACT":
+        if time.monotonic() > deadline:
+            return [Probe("kafka", attack, SERVER_ERROR, f"the router was not EXACT before the probe: {before}"[:100])]
+        time.sleep(0.5)
     router = _bus("router", t)
     group = tail_group_id(t.topic_prefix, router.username, f"router-view.{before['router_id']}")
     cat = Catalog(t.topic_prefix)

@@ -13,6 +13,7 @@ from common.log.catalog import Catalog
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoadReported, WorkerRegistered
+from tests.support.waits import until
 
 pytestmark = pytest.mark.kafka
 
@@ -151,3 +152,39 @@ def test_view_fetch_settings() -> None:
     assert view_fetch(0) == {"fetch_min_bytes": 1, "fetch_wait_ms": 1500}  # as Faust's consumer had them
     with pytest.raises(ValueError, match="0 \\(answer at once\\) or more"):
         view_fetch(-1)
+
+
+async def test_a_tail_that_stopped_says_so_and_follows_again_from_the_views_positions(bus: BusSettings) -> None:
+    """A fold that raises out of the batch fold (a bug, not poison: poison is dead-lettered
+    inside it) stops the tail: ``/health`` says why at once, and the next watch round follows
+    the log again from the view's own positions, so no record is skipped: equal to the oracle."""
+
+    class OnceBroken(RouterViewProcessor):
+        broken = False
+
+        def fold_batch(self, batch) -> None:
+            if not self.broken and self.caught_up:
+                self.broken = True
+                raise RuntimeError("injected bug in the fold")
+            super().fold_batch(batch)
+
+    producers = {w: EventProducer(bus, w) for w in ("w-a", "w-b")}
+    for w, p in producers.items():
+        _register(p, w)
+    _traffic(producers, rounds=3, base=0)
+    proc = OnceBroken(bus, "r-broken", RouterView(ALGO, BS), snapshot_every_s=3600)
+    proc.watch_every_s = 0  # its rounds are run below
+    await proc.start()
+    try:
+        await proc.wait_caught_up(60)
+        _traffic(producers, rounds=3, base=1000)
+        await until(lambda: proc.stopped_reason() is not None, timeout=30, what="the tail never stopped")
+        assert "injected bug" in proc.stopped_reason()
+        assert proc.health().state == "DEGRADED", proc.health()
+        await proc.watch()
+        assert proc.recoveries == 1 and proc.stopped_reason() is None
+        await proc.sync(30)
+        assert proc.view.as_dict() == oracle(bus).as_dict()
+        assert proc.health().state == "EXACT", proc.health()
+    finally:
+        await proc.stop()
