@@ -294,7 +294,8 @@ class ProjectionProcessor:
 
         await self._start_driver()
         if self._watch_task is None and self.watch_every_s > 0:
-            self._watch_task = asyncio.create_task(self._watch_loop(), name=f"{self.KIND}-watch")
+            self._watch_task = asyncio.create_task(self._every(self.watch_every_s, self.watch, "watch"),
+                                                   name=f"{self.KIND}-watch")
 
     async def stop(self) -> None:
         import contextlib
@@ -310,17 +311,18 @@ class ProjectionProcessor:
 
     # -- the watch -----------------------------------------------------------------------------
 
-    async def _watch_loop(self) -> None:
+    async def _every(self, interval_s: float, step, what: str) -> None:
+        """``await step()`` every ``interval_s`` until cancelled (the watch, a tail's checkpoints)."""
         import asyncio
 
         while True:
-            await asyncio.sleep(self.watch_every_s)
+            await asyncio.sleep(interval_s)
             try:
-                await self.watch()
+                await step()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the broker is away: the next round tries again
-                log.warning("%s %s: watch failed: %s", self.KIND, self.owner_id, e)
+                log.warning("%s %s: %s failed: %s", self.KIND, self.owner_id, what, e)
 
     async def watch(self) -> None:
         """One round: read the log end, judge the fold's progress and the driver, and start the
@@ -504,19 +506,8 @@ class TailProcessor(ProjectionProcessor):
                                         name=f"{self.KIND}-tail", daemon=True)
         self._thread.start()
         if self._checkpoints is None:
-            self._checkpoints = asyncio.create_task(self._checkpoint_loop(), name=f"{self.KIND}-checkpoints")
-
-    async def _checkpoint_loop(self) -> None:
-        import asyncio
-
-        while True:
-            await asyncio.sleep(self.snapshot_every_s)
-            try:
-                await self.checkpoint()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the broker is away: the next round tries again
-                log.warning("%s %s: checkpoint failed: %s", self.KIND, self.owner_id, e)
+            self._checkpoints = asyncio.create_task(self._every(self.snapshot_every_s, self.checkpoint, "checkpoint"),
+                                                    name=f"{self.KIND}-checkpoints")
 
     async def _stop_driver(self, *, checkpoints: bool = True) -> None:
         import asyncio
