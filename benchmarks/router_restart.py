@@ -5,7 +5,7 @@ blocks, as engines report them); a router replica (``switchyard router --snapsho
 folds them and checkpoints; it is killed with -9; 1,000 more store events land in the log; a new
 replica starts. ``restart_exact_s`` is the wall time from spawning the new process until its
 ``/health`` says EXACT with all 1M+ blocks indexed: Python start-up, loading the newest snapshot
-from the compacted topic, restoring the index, seeding the consumer group and folding the tail.
+from the compacted topic, restoring the index and folding the tail.
 
 Run: ``uv run python -m benchmarks.router_restart`` (needs ``switchyard stack up``).
 """

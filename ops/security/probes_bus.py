@@ -108,7 +108,8 @@ def probe_groups(t: Targets) -> list[Probe]:
             if role == owner:
                 continue
             verdict, detail = join_group(_bus(role, t), group, topic)
-            out.append(Probe("kafka", f"the {role}'s credential joins the {owner}'s view group "
+            what = "groups" if owner == "router" else "view group"  # the router's view is in none
+            out.append(Probe("kafka", f"the {role}'s credential joins the {owner}'s {what} "
                                       f"({'live' if live else 'by prefix'})", verdict, detail))
     return out
 
