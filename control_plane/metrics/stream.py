@@ -1,6 +1,6 @@
 """Faust app folding every event stream into :class:`MetricsProjection`, served on ``/metrics``.
 
-Like the router's view processor (:mod:`control_plane.router.stream`): one consumer group
+Like the planner's load view (:mod:`control_plane.planner.stream`): one consumer group
 per processor *incarnation* (``<prefix>.metrics.<processor id>.<start ms>``), whose offsets are
 seeded before the app joins from the positions stored in the newest snapshot of the projection
 (or the start of the log when there is none). So a restarted processor resumes where its last

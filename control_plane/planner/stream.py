@@ -1,8 +1,9 @@
 """Faust app keeping the planner's :class:`LoadView` current from the ``requests`` and
 ``workers`` topics.
 
-The fold is :meth:`LoadView.apply` (pure); this module only moves records into it, the way
-``router_view.py`` does for the router:
+The fold is :meth:`LoadView.apply` (pure); this module only moves records into it
+(:class:`~control_plane.streaming.FoldProcessor`; the router's view follows its log without
+Faust, ``control_plane/router/stream.py``):
 
 * Each planner incarnation is its own consumer group reading every partition
   (``<prefix>.load-view.<planner id>.<start ms>``): every replica, passive or leader, keeps a
