@@ -812,6 +812,8 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
                   limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
                   tune: TuneOpt = "all:1", score: ScoreOpt = "all:2",
                   cost: Annotated[str, typer.Option(help="Our kv cost: blocks or ttft (RouterConfig.cost).")] = "blocks",
+                  rate_scale: Annotated[float, typer.Option(
+                      help="Arrival rate of the tune and score cases, x each family's default (the load).")] = 2.0,
                   ) -> None:
     """The whole trace in virtual time through our routing decision and simulated engines, kv vs
     round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin); both
@@ -827,7 +829,7 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
         config = RouterConfig(cost=cost)  # type: ignore[arg-type]
     except RouterConfigError as e:
         fail(str(e), 2)
-    run(trace, limit, tune=t, score=s, config=config)
+    run(trace, limit, tune=t, score=s, config=config, case_rate_scale=rate_scale)
 
 
 @bench_app.command("tiers")
