@@ -65,14 +65,17 @@ own engine: the figure that stays fair if the engines ever differ; the worst cas
 it), Dynamo's own reported p99 and the spread of its runs, and ``bound_p99_gain``: Dynamo's kv
 p99 over the p99 with every request alone on an idle worker and one infinite cache shared by
 all (``benchmarks/ttft_bound.py``), the most any router could gain over it on that case.
-``--rate-scale`` sets the cases' load (x each family's default rate; 2 by default).
+``--rate-scale`` sets the cases' load (x each family's default rate; 2 by default); several
+(``2,1.5,1``) are each tuned and scored, and the RESULT line adds ``rate_scales=...
+ttft_p50_gain_vs_best_peer=... ttft_p99_gain_vs_best_peer=...`` (the worst case's gain edges over
+the loads >= 1.5x) ``ttft_gain_at_1x_min=...`` (the lowest of both at 1x).
 
 Reading TTFT p50 here: arrivals come in bursts (~10 requests at one millisecond every 3 s) and a
 full 8,192-token chunked-prefill step lasts exactly 169.137 ms, so the median of every KV router
 (ours, Dynamo's) sits on that step; mean and p90 show the differences p50 cannot.
 
 Run: ``uv run --group bench python benchmarks/routing_bench.py [--limit N] [--jobs N]
-[--load-report-ms MS] [--no-dynamo] [--tune family:seed,...] [--score family:seed,...] [--rate-scale X]``. Our six simulations run in two
+[--load-report-ms MS] [--no-dynamo] [--tune family:seed,...] [--score family:seed,...] [--rate-scale X[,Y...]]``. Our six simulations run in two
 forked processes on a 2-core box (results are identical to ``--jobs 1``: the simulation is
 deterministic); a full run takes about 3 minutes.
 """
@@ -339,7 +342,7 @@ def main(
     tune: Sequence[Case] | None = TUNE_SET,
     score: Sequence[Case] | None = SCORE_SET,
     case_duration_s: float = tune_score.CASE_DURATION_S,
-    case_rate_scale: float = tune_score.CASE_RATE_SCALE,
+    case_rate_scale: float | Sequence[float] = tune_score.CASE_RATE_SCALE,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run every topology x config on both sides; print the tables and the RESULT line.
@@ -349,6 +352,11 @@ def main(
     (:func:`tune_and_score`, on the first topology); the trace's "best" columns are then those
     picks, and the RESULT line adds ``score_cases=N worst_case=family:seed worst_<figure>=...``.
     Without them (None) the best is picked on the trace itself, as before.
+
+    ``case_rate_scale``: the cases' load (x each family's default rate), or several: each is tuned
+    and scored on its own, the first one's picks and worst case make the trace's columns and the
+    ``worst_*`` fields, and the RESULT line adds the issue's figures over all of them
+    (:func:`_across_loads`).
 
     Returns ``{"configs": {topology name: {"ours": {variant: metrics}, "dynamo": {variant:
     metrics}}}, "best": {topology name: {"ours": variant, "dynamo": variant}}, "gains": {...},
@@ -368,11 +376,15 @@ def main(
     if jobs is None:
         jobs = min(2, os.cpu_count() or 1)
 
+    scales = (case_rate_scale,) if isinstance(case_rate_scale, (int, float)) else tuple(case_rate_scale)
     apart = None
+    by_load: dict[float, dict[str, Any]] = {}
     if tune is not None and score is not None:
-        apart = tune_and_score(tune, score, topologies[0], default, dynamo=dynamo, dynamo_runs=dynamo_runs, jobs=jobs,
-                               cluster=kwargs, duration_s=case_duration_s, rate_scale=case_rate_scale, echo=echo)
-        echo("")
+        for x in scales:
+            by_load[x] = tune_and_score(tune, score, topologies[0], default, dynamo=dynamo, dynamo_runs=dynamo_runs,
+                                        jobs=jobs, cluster=kwargs, duration_s=case_duration_s, rate_scale=x, echo=echo)
+            echo("")
+        apart = by_load[scales[0]]
 
     configs: dict[str, dict[str, dict[str, Any]]] = {t.name: {"ours": {}, "dynamo": {}} for t in topologies}
     if dynamo:
@@ -467,7 +479,9 @@ def main(
         f"dynamo_runs={dynamo_runs if dynamo else 0}"
     )
     if apart:
-        result += f" rate_scale={case_rate_scale:g} {apart['summary'].result_fields}"
+        result += (f" rate_scale={scales[0]:g} {apart['summary'].result_fields} "
+                   f"rate_scales={','.join(f'{x:g}' for x in scales)} "
+                   + " ".join(f"{k}={v:.4f}" for k, v in _across_loads(by_load).items()))
     which = "picked on the tune set" if apart else "best on this trace"
     echo("")
     echo(f"RESULT is for {head} on {trace.name}: _ours = our grid point {which} ({b['ours']}), _ours_default = our "
@@ -476,6 +490,23 @@ def main(
          + ("; worst_* = the worst score case's figures" if apart else ""))
     echo(result)
     return {"configs": configs, "best": best, "gains": gains, "result": result, "load_s": load_s, "apart": apart}
+
+
+def _across_loads(by_load: dict[float, dict[str, Any]]) -> dict[str, float]:
+    """Issue 39's figures over the loads run (each side against its own round robin, Dynamo the
+    only peer in virtual time): ``ttft_p50/p99_gain_vs_best_peer``, the worst score case's
+    ``ttft_p50/p99_gain_edge`` over the loads >= 1.5x; ``ttft_gain_at_1x_min``, the lowest of
+    both at 1x. NaN when a load was not run, or without Dynamo."""
+    def worst(key: str, loads: Sequence[float]) -> float:
+        vals = [f.get(key, math.nan) for x in loads for f in by_load[x]["scores"].values()]
+        return min(vals) if vals and not any(math.isnan(v) for v in vals) else math.nan
+
+    high = [x for x in by_load if x >= 1.5]
+    one = [x for x in by_load if x == 1.0]
+    return {"ttft_p50_gain_vs_best_peer": worst("ttft_p50_gain_edge", high),
+            "ttft_p99_gain_vs_best_peer": worst("ttft_p99_gain_edge", high),
+            "ttft_gain_at_1x_min": min(worst("ttft_p50_gain_edge", one), worst("ttft_p99_gain_edge", one),
+                                       key=lambda v: -math.inf if math.isnan(v) else v)}
 
 
 def _gains(rr: dict[str, Any], kv: dict[str, Any]) -> dict[str, float]:
@@ -498,8 +529,8 @@ if __name__ == "__main__":
     p.add_argument("--kv-event-lag-ms", type=float, default=0.0)
     p.add_argument("--tune", default=",".join(map(str, TUNE_SET)), help="tune cases, family:seed,... ('' : none)")
     p.add_argument("--score", default=",".join(map(str, SCORE_SET)), help="score cases, family:seed,... ('' : none)")
-    p.add_argument("--rate-scale", type=float, default=tune_score.CASE_RATE_SCALE,
-                   help="arrival rate of the tune and score cases, x each family's default rate")
+    p.add_argument("--rate-scale", default=f"{tune_score.CASE_RATE_SCALE:g}",
+                   help="arrival rate of the tune and score cases, x each family's default rate; several: 2,1.5,1")
     a = p.parse_args()
     tops = TOPOLOGIES if a.only is None else (
         (AGGREGATED_8,) if a.only == "aggregated" else (DISAGGREGATED_4P4D,)
@@ -507,4 +538,4 @@ if __name__ == "__main__":
     main(a.trace, a.limit, topologies=tops, dynamo=not a.no_dynamo, jobs=a.jobs,
          load_report_ms=a.load_report_ms if a.load_report_ms > 0 else None,
          kv_event_lag_ms=a.kv_event_lag_ms, tune=parse_cases(a.tune) if a.tune else None,
-         score=parse_cases(a.score) if a.score else None, case_rate_scale=a.rate_scale)
+         score=parse_cases(a.score) if a.score else None, case_rate_scale=tuple(float(x) for x in a.rate_scale.split(",")))

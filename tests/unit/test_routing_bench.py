@@ -148,3 +148,16 @@ def test_round_robin_is_the_same_on_both_engines(tmp_path, family):
     for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms"):
         assert ours[k] == pytest.approx(dyn[k], abs=0.05), k
     assert ours["reuse"] == pytest.approx(dyn["reuse"], abs=1e-9)
+
+
+def test_several_loads_add_the_issue_figures():
+    """Each load is tuned and scored on its own; the first one's worst case makes the worst_*
+    fields, and the RESULT line adds the figures over all loads (NaN without a peer)."""
+    from workloads.sets import parse_cases
+
+    out = main(DEFAULT_TRACE, 30, topologies=(AGGREGATED_8,), dynamo=False, tune=parse_cases("chat:1"),
+               score=parse_cases("rag:2"), case_duration_s=15, case_rate_scale=(2.0, 1.0))
+    r = out["result"]
+    assert " rate_scale=2 score_cases=1 worst_case=rag:2 " in r
+    assert r.endswith(" rate_scales=2,1 ttft_p50_gain_vs_best_peer=nan ttft_p99_gain_vs_best_peer=nan "
+                      "ttft_gain_at_1x_min=nan")
