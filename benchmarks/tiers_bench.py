@@ -48,12 +48,12 @@ import numpy as np
 
 from benchmarks import tune_score
 from benchmarks.routing_bench import DYNAMO_RUNS, GRID, load_requests, pool_map, run_dynamo_median
+from benchmarks.ttft_bound import alone_ms, ideal_uncached
 from ops.demo.up import WHOLE_TRACE
 from control_plane.router import RouterConfig, TierWeights
-from control_plane.simulation import AGGREGATED_8, block_hashes, run_cluster
-from data_plane.engines import EngineRequest, default_hash_config, load_profile
-from data_plane.engines.blockhash import block_digests
-from data_plane.engines.tiers import OnboardCosts, costs_for, peer_weight, prefill_ms, tier_weights
+from control_plane.simulation import AGGREGATED_8, run_cluster
+from data_plane.engines import load_profile
+from data_plane.engines.tiers import OnboardCosts, costs_for, peer_weight, tier_weights
 from schemas.types import RoutingMode, Tier
 from workloads.sets import SCORE_SET, TUNE_SET, Case
 
@@ -134,34 +134,6 @@ def served_dynamo(per_request: Sequence[dict[str, Any]]) -> list[Served]:
     return [Served(p["arrival_time_ms"], p["first_admit_ms"], p["first_token_ms"], p["decode_worker_idx"],
                    p["input_length"], p["reused_input_tokens"])
             for p in per_request if p.get("first_token_ms") is not None and p.get("first_admit_ms") is not None]
-
-
-def ideal_uncached(requests: Sequence[EngineRequest], block_size: int) -> list[int]:
-    """Per request (in arrival order), the prompt tokens one infinite cache shared by every
-    worker could not serve: its blocks after the longest prefix that any earlier arrival
-    already had (chained hashes: a prefix match), never its last token. No cache can hit
-    more: a block is cached only once some request has computed it."""
-    seen: set = set()
-    out = []
-    hash_config = default_hash_config(block_size)
-    for r in sorted(requests, key=lambda r: r.arrival_ms or 0.0):
-        # The trace loader's hashes, else the engine's own chain over the prompt.
-        hashes = block_hashes(r) or block_digests(list(r.prompt), hash_config)[1]
-        n = len(r.prompt)
-        hit = 0
-        for h in hashes[: (n - 1) // block_size]:
-            if h not in seen:
-                break
-            hit += 1
-        seen.update(hashes)
-        out.append(n - hit * block_size)
-    return out
-
-
-def alone_ms(timing: Any, uncached: Sequence[int], chunk: int) -> np.ndarray:
-    """Each request's TTFT alone on an idle worker: its uncached tokens in the engine's
-    chunks, nothing queued before it, no other request's tokens in its steps."""
-    return np.array([prefill_ms(timing, 0, u, chunk) for u in uncached])
 
 
 def shares_its_first_step(served: Sequence[Served]) -> np.ndarray:

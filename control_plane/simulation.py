@@ -37,6 +37,7 @@ from control_plane.router.ledger import RouterLedger
 from data_plane.engines import EngineRequest, default_hash_config, load_profile
 from data_plane.engines.core import EngineStats
 from data_plane.engines.profiles import HardwareProfile
+from data_plane.engines.records import percentile
 from data_plane.engines.cluster import Cluster
 from data_plane.engines.hooks import Hooks, Placement
 from data_plane.engines.tiers import OnboardCosts
@@ -365,9 +366,7 @@ class ClusterResult:
         prompt = sum(len(r.request.prompt) for r in self.records)
         cached = sum(r.cached_tokens for r in self.records)
 
-        def pct(a: np.ndarray, q: float) -> float:
-            return float(np.percentile(a, q)) if a.size else math.nan
-
+        pct = percentile
         rs = self.router
         return {
             "ttft_p50_ms": pct(ttft, 50),

@@ -812,6 +812,9 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
                   limit: Annotated[Optional[int], typer.Option(help="Only the first N trace lines.")] = None,
                   tune: TuneOpt = "all:1", score: ScoreOpt = "all:2",
                   cost: Annotated[str, typer.Option(help="Our kv cost: blocks or ttft (RouterConfig.cost).")] = "blocks",
+                  rate_scale: Annotated[str, typer.Option(
+                      help="Load of the tune and score cases, x each family's default rate; several, "
+                           "e.g. 2,1.5,1: each tuned and scored, and the RESULT adds the worst over them.")] = "2",
                   ) -> None:
     """The whole trace in virtual time through our routing decision and simulated engines, kv vs
     round_robin, 8 aggregated and 4P+4D, beside Dynamo's mocker (kv_router vs round_robin); both
@@ -827,7 +830,11 @@ def bench_routing(trace: TraceOpt = Path(TRACE_DEFAULT),
         config = RouterConfig(cost=cost)  # type: ignore[arg-type]
     except RouterConfigError as e:
         fail(str(e), 2)
-    run(trace, limit, tune=t, score=s, config=config)
+    try:
+        scales = tuple(float(x) for x in rate_scale.split(","))
+    except ValueError:
+        fail(f"--rate-scale {rate_scale!r}: expected numbers separated by commas", 2)
+    run(trace, limit, tune=t, score=s, config=config, case_rate_scale=scales)
 
 
 @bench_app.command("tiers")

@@ -112,3 +112,52 @@ def test_tune_and_score_sets_must_not_overlap():
     with pytest.raises(ValueError, match="share chat:1"):
         main(DEFAULT_TRACE, 20, topologies=(AGGREGATED_8,), dynamo=False, tune=(Case("chat", 1),),
              score=(Case("chat", 1), Case("rag", 2)))
+
+
+def test_case_files_for_dynamo_are_open_loop(tmp_path):
+    """Dynamo's replay sends a session's later lines a delay after the previous turn completes;
+    ours sends every request at its timestamp. The case files it reads carry no session, so both
+    replay the same arrivals."""
+    from benchmarks.tune_score import write_cases
+    from data_plane.engines.trace import read_mooncake
+    from workloads.sets import Case
+
+    traces = write_cases((Case("agentic", 2),), tmp_path, duration_s=20)
+    t = traces[Case("agentic", 2)]
+    assert any(r.turn for r in t.records)  # multi-turn sessions in the generated records
+    on_file = read_mooncake(t.path)
+    assert all(r.session_id is None and r.turn is None for r in on_file)
+    assert [(r.timestamp_ms, r.hash_ids) for r in on_file] == [(r.timestamp_ms, r.hash_ids) for r in t.records]
+
+
+@pytest.mark.parametrize("family", ["agentic", "long-context"])
+def test_round_robin_is_the_same_on_both_engines(tmp_path, family):
+    """With the same arrivals and the same percentile rule, round robin gives the same TTFT
+    distribution on our engine and on Dynamo's mocker: what the bench compares is the routers."""
+    pytest.importorskip("dynamo._core")
+    from benchmarks import tune_score
+    from benchmarks.routing_bench import run_dynamo, run_ours
+    from workloads.sets import Case
+
+    prof = load_profile("mocker")
+    case = Case(family, 2)
+    traces, reqs = tune_score.load_cases((case,), tmp_path, prof.block_size, duration_s=30)
+    ours = run_ours(reqs[case], AGGREGATED_8, _config(RoutingMode.ROUND_ROBIN), profile=prof)
+    dyn = run_dynamo(traces[case].path, None, AGGREGATED_8, "round_robin")
+    assert ours["requests"] == dyn["requests"] == len(reqs[case])
+    for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "ttft_mean_ms"):
+        assert ours[k] == pytest.approx(dyn[k], abs=0.05), k
+    assert ours["reuse"] == pytest.approx(dyn["reuse"], abs=1e-9)
+
+
+def test_several_loads_add_the_issue_figures():
+    """Each load is tuned and scored on its own; the first one's worst case makes the worst_*
+    fields, and the RESULT line adds the figures over all loads (NaN without a peer)."""
+    from workloads.sets import parse_cases
+
+    out = main(DEFAULT_TRACE, 30, topologies=(AGGREGATED_8,), dynamo=False, tune=parse_cases("chat:1"),
+               score=parse_cases("rag:2"), case_duration_s=15, case_rate_scale=(2.0, 1.0))
+    r = out["result"]
+    assert " rate_scale=2 score_cases=1 worst_case=rag:2 " in r
+    assert r.endswith(" rate_scales=2,1 ttft_p50_gain_vs_best_peer=nan ttft_p99_gain_vs_best_peer=nan "
+                      "ttft_gain_at_1x_min=nan")
