@@ -225,9 +225,11 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     standing_headroom_from: float = 0.5
     #: **Safety stock** (sizing._safety): each pool is sized ``safety_z`` standard deviations of
     #: the work one start-up (``lead_time_s``) brings above the forecast, that sd being the
-    #: compound Poisson sum's, ``sqrt(1 + cv^2) / sqrt(rate * lead_time_s)`` of the lengths'
-    #: pooled cv (prefill ISL, decode OSL) over ``confirm_windows`` windows; at most
-    #: ``max_headroom``. 0: off. Few heavy-tailed requests (long prompts) get a large one, many
+    #: compound Poisson sum's, ``sqrt(1 + cv^2) / sqrt(rate * lead_time_s)``, the rate of the last
+    #: ``confirm_windows`` windows, the lengths' cv (prefill ISL, decode OSL) pooled over every
+    #: window kept; at most ``max_headroom``. 0: off (the default, and not in bench planner's
+    #: grid: at every value tried the constant load reversed 2-5 times in 10 minutes on some seed,
+    #: docs/planner-bench.md). Few heavy-tailed requests (long prompts) get a large one, many
     #: short ones next to none.
     safety_z: float = 0.0
     #: **Start-up reserve.** A scale-down keeps ``ceil(needed * (1 + startup_reserve))``: the
