@@ -223,6 +223,15 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: load can grow unseen for a window plus a start-up, whatever share of the budget it needs.
     standing_headroom: float = 0.0
     standing_headroom_from: float = 0.5
+    #: **Safety stock** (sizing._safety): each pool is sized ``safety_z`` standard deviations of
+    #: the work one start-up (``lead_time_s``) brings above the forecast, that sd being the
+    #: compound Poisson sum's, ``sqrt(1 + cv^2) / sqrt(rate * lead_time_s)``, the rate of the last
+    #: ``confirm_windows`` windows, the lengths' cv (prefill ISL, decode OSL) pooled over every
+    #: window kept; at most ``max_headroom``. 0: off (the default, and not in bench planner's
+    #: grid: at every value tried the constant load reversed 2-5 times in 10 minutes on some seed,
+    #: docs/planner-bench.md). Few heavy-tailed requests (long prompts) get a large one, many
+    #: short ones next to none.
+    safety_z: float = 0.0
     #: **Start-up reserve.** A scale-down keeps ``ceil(needed * (1 + startup_reserve))``: the
     #: relative growth of the load within one start-up (``lead_time_s``) a pool absorbs with the
     #: replicas it has, while the order that growth triggers is still starting. It only bounds
@@ -320,6 +329,8 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not 0 <= self.standing_headroom <= 1 or not 0 <= self.standing_headroom_from <= 1:
             raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 <= standing_headroom_from <= 1 "
                                      "(0: the standing headroom always stands)")
+        if self.safety_z < 0:
+            raise PlannerConfigError(f"safety_z={self.safety_z} must be >= 0 (0: no safety stock)")
         if not 0 <= self.startup_reserve <= 2:
             raise PlannerConfigError(f"startup_reserve={self.startup_reserve} must be in [0, 2]: it is the load's "
                                      "relative growth within one start-up (2 already keeps triple the need)")

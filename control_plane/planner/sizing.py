@@ -5,13 +5,14 @@ Pure."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from control_plane.planner.config import PlannerConfig, PoolConfig
 from control_plane.planner.errors import PlannerConfigError
 from control_plane.planner.load_view import NS, PoolLoad
 from control_plane.planner.overload import _overload_need
-from control_plane.planner.policy_types import _EPS, MAX_HIT_RATE, InputValue, PoolState
+from control_plane.planner.policy_types import _EPS, MAX_HIT_RATE, InputValue, Observation, PoolState
 from control_plane.planner.predictors import forecast
 from control_plane.planner.profile import PerformanceProfile
 from control_plane.planner.trends import _rise, headroom, rise_fit
@@ -122,6 +123,46 @@ def _backlog(load: PoolLoad, cfg: PlannerConfig, osl: float) -> tuple[float, flo
             sum(w.waiting for w in ready) * osl / cfg.backlog_drain_s)
 
 
+def _pooled(tail: Sequence[Observation], get: Callable[[Observation], tuple[float | None, float | None]]
+            ) -> tuple[float, float]:
+    """(mean, coefficient of variation) of a length over ``tail``'s windows pooled
+    (arrival-weighted mean and second moment): one window of a few heavy-tailed requests says
+    little. (0, 0) without data."""
+    pts = [(o.arrivals, get(o)) for o in tail if o.arrivals > 0 and get(o)[0] is not None]
+    w = sum(a for a, _ in pts)
+    if not w:
+        return 0.0, 0.0
+    m = sum(a * v[0] for a, v in pts) / w
+    ex2 = sum(a * ((v[1] or 0.0) ** 2 + v[0] ** 2) for a, v in pts) / w
+    return m, _cv(m, math.sqrt(max(ex2 - m * m, 0.0)))
+
+
+def _safety(hist: Sequence[Observation], cfg: PlannerConfig, role: WorkerRole) -> float:
+    """The **safety stock** (``safety_z``): the work that arrives within one start-up
+    (``lead_time_s``) is a compound Poisson sum, ``n = rate * lead_time_s`` requests whose
+    lengths vary with ``cv`` (prefill: ISL; decode: OSL; aggregated: the larger), so its relative
+    sd is ``sqrt(1 + cv^2) / sqrt(n)``; the pool is sized ``safety_z`` of those above the
+    forecast (at most ``max_headroom``). It is what inventory control keeps against demand
+    over a replenishment lead time: a load of few, heavy-tailed requests (long prompts) brings
+    bursts of work no order can meet in time; a load of many short ones needs next to none.
+
+    Both inputs are the quiet ones, so that under a constant load it is nearly a constant (the
+    bench's constant shape: 0.09-0.10 prefill, 0.07-0.08 decode): the rate is the last
+    ``confirm_windows`` windows' (not the forecast's), the cv pooled over every window kept (a
+    few heavy-tailed prompts move a short window's cv a lot). It still raises the level the
+    noise band sits at, which can move a constant load's need across the band's edges: measured
+    in docs/planner-bench.md, and why it is off by default."""
+    tail = hist[-cfg.confirm_windows:]
+    dur = sum(o.duration_s for o in tail)
+    n = sum(o.arrivals for o in tail) / dur * max(cfg.lead_time_s, cfg.tumbling_s) if dur > 0 else 0.0
+    if cfg.safety_z <= 0 or n <= 0:
+        return 0.0
+    isl_cv = _pooled(hist, lambda o: (o.isl, o.isl_sd))[1] if role is not WorkerRole.DECODE else 0.0
+    osl_cv = _pooled(hist, lambda o: (o.osl, o.osl_sd))[1] if role is not WorkerRole.PREFILL else 0.0
+    cv = max(isl_cv, osl_cv)
+    return min(cfg.safety_z * math.sqrt(1 + cv * cv) / math.sqrt(n), cfg.max_headroom)
+
+
 def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformanceProfile, role: WorkerRole,
           inputs: dict[str, InputValue], load: PoolLoad, overload: bool = False,
           others_gpus: float = 0.0) -> tuple[_Sizing, PoolState]:
@@ -180,13 +221,17 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
         backlog = (backlog[0], 0.0)
     if any(backlog):
         inputs.update(backlog_prefill_tok_s=round(backlog[0], 1), backlog_decode_tok_s=round(backlog[1], 1))
+    safety = _safety(hist, cfg, role)
+    if safety > 0:
+        rate = rate_f.value * (1 + room + safety)
+        inputs.update(safety_stock=round(safety, 4), predicted_rate=round(rate, 4))
     need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
                                  backlog)
     standing = cfg.standing_headroom
     if standing > room and need_f * pc.gpus_per_replica + others_gpus >= cfg.standing_headroom_from * cfg.gpu_budget:
         # near the budget: a standing headroom (a ramp caught late cannot be caught up with)
         room = standing
-        rate = rate_f.value * (1 + room)
+        rate = rate_f.value * (1 + room + safety)
         inputs.update(headroom=round(room, 4), predicted_rate=round(rate, 4), standing_headroom=1)
         need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
                                      backlog)
@@ -205,17 +250,8 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     dur = sum(o.duration_s for o in tail)
     need_l, m_l = need_f, m_f
     if n_long > 0 and dur > 0:
-        def wmean(get) -> tuple[float, float]:
-            pts = [(o.arrivals, get(o)) for o in tail if get(o)[0] is not None and o.arrivals > 0]
-            w = sum(a for a, _ in pts)
-            if not w:
-                return 0.0, 0.0
-            m = sum(a * v[0] for a, v in pts) / w
-            ex2 = sum(a * ((v[1] or 0.0) ** 2 + v[0] ** 2) for a, v in pts) / w
-            return m, _cv(m, math.sqrt(max(ex2 - m * m, 0.0)))
-
-        isl_l, isl_cv_l = wmean(lambda o: (o.isl, o.isl_sd))
-        osl_l, osl_cv_l = wmean(lambda o: (o.osl, o.osl_sd))
+        isl_l, isl_cv_l = _pooled(tail, lambda o: (o.isl, o.isl_sd))
+        osl_l, osl_cv_l = _pooled(tail, lambda o: (o.osl, o.osl_sd))
         need_l, rel_l, _ = _need(n_long / dur, isl_l or isl, osl_l or osl, hit, n_long, isl_cv_l, osl_cv_l,
                                  pc, cfg, prof, ps, role, None, backlog)
         m_l = min(cfg.noise_z * rel_l, cfg.max_noise_margin)

@@ -9,6 +9,8 @@ profile is ``flat_profile``: prefill saturates at 10,000 tokens/s per replica; d
 
 from __future__ import annotations
 
+import pytest
+
 from control_plane.planner import PlannerState, decide
 from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, PoolWorker, ReplicaCounts
 from control_plane.planner.policy import PoolState
@@ -321,3 +323,28 @@ def test_a_standing_headroom_from_zero_stands_at_any_load():
 
     assert tick() == ()
     assert tick(standing_headroom_from=0.0) == ((3, 4, 1),)
+
+
+def test_the_safety_stock_is_the_work_one_start_up_brings_beyond_the_forecast():
+    """``safety_z`` 1.645, a 30 s start-up. Few long prompts: 20 arrivals in 10 s (2 req/s) of
+    ISL 10,000 with sd 12,000 (cv 1.2): the 60 requests one start-up brings carry a relative sd
+    of sqrt(1 + 1.44) / sqrt(60) = 0.2017, so the pool is sized 1.645 x that = 0.3317 above the
+    forecast. The same work as 200 arrivals of 1,000 tokens, all alike: 1.645 / sqrt(600) =
+    0.0672. Off (0): none, and the forecast is sized as it is."""
+    def inputs(arrivals: int, isl: float, sd: float, z: float) -> dict:
+        cfg = make_config(safety_z=z, lead_time_s=30.0)
+        state = PlannerState(pools=(PoolState(pool="p", target=3),))
+        window = make_window(20, arrivals=arrivals, isl_mean=isl, isl_sd=sd)
+        d, _ = decide(21 * NS, _snap(21, _pool("p", "prefill", [window], ready=3)), cfg, state)
+        (rep,) = d.reports
+        return dict(rep.inputs)
+
+    few = inputs(20, 10_000.0, 12_000.0, 1.645)
+    assert few["safety_stock"] == round(1.645 * (1 + 1.2**2) ** 0.5 / 60**0.5, 4) == 0.3317
+    assert few["forecast_rate"] == 2.0 and few["headroom"] == 0.0
+    assert few["predicted_rate"] == pytest.approx(2.0 * 1.3317, abs=2e-4)
+    many = inputs(200, 1_000.0, 0.0, 1.645)
+    assert many["safety_stock"] == round(1.645 / 600**0.5, 4) == 0.0672
+    off = inputs(20, 10_000.0, 12_000.0, 0.0)
+    assert "safety_stock" not in off
+    assert off["predicted_rate"] == 2.0
