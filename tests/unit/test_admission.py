@@ -162,3 +162,22 @@ def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_co
     for i in range(8):
         m.completed(f"r{i}", 300.0)
     assert m.factor(100.4) == pytest.approx(3.0)
+
+
+def test_two_requests_late_for_their_prefill_set_the_margin_whatever_the_window_holds():
+    """A minute of quiet traffic: 60 ratios of 1.0 in the window (p90 = 1). Then requests decided
+    at 100 s predicted 100 ms, still not prefilled. At 100.3 s one is 3x late: one straggler
+    alone, margin 1. A second one decided at 100.1 s: 2x late at 100.3; the margin is the second
+    largest lower bound, 2 (pooled with the 60 window ratios, the p90 would stay 1). At 100.5 s:
+    5x and 4x, margin 4. Once the late ones are prefilled, the window's margin again."""
+    m = PromiseMargin()
+    for i in range(60):
+        m.routed(f"q{i}", 100.0, 40.0 + i)
+        m.completed(f"q{i}", 100.0)
+    m.routed("a", 100.0, 100.0)
+    assert m.factor(100.3) == 1.0
+    m.routed("b", 100.0, 100.1)
+    assert m.factor(100.3) == pytest.approx(2.0)
+    assert m.factor(100.5) == pytest.approx(4.0)
+    m.prefilled("a")
+    assert m.factor(100.5) == 1.0
