@@ -22,12 +22,14 @@ Policy (stated, configurable through :class:`AdmissionConfig`):
 The room test (:func:`has_room`) is a pure function of the view and the ledger, so a replay can
 tell why a request waited.
 
-After the decision, the promise (issue 39 step 4, :func:`over_ttft_budget`): when even the best
-eligible candidate's predicted TTFT, times the margin recent predictions fell short by
-(:class:`PromiseMargin`), plus what the request already spent in the router and the router's own
-loop lag, exceeds the budget (``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at
-once with 429 (``ttft_budget``), Retry-After and the terms in ``RequestRejected.reason``, instead
-of being accepted and served late. A request waits in the queue no longer than its budget allows.
+After the decision, the promise (issue 39 step 4, :func:`over_budget` on :func:`budget_terms`):
+when even the best eligible candidate's predicted TTFT, times the margin recent predictions fell
+short by (:class:`PromiseMargin`), plus what the request already spent in the router and the
+router's own loop lag, exceeds the budget (``RouterConfig.ttft_slo_ms``, off at 0), the request
+is refused at once with 429 (``ttft_budget``) and Retry-After, instead of being accepted and
+served late. The terms are typed data in the log (``AdmissionTerms``: ``RequestRejected.admission``,
+and ``RequestRouted.admission`` for the requests it admitted), so replay re-executes the test. A
+request waits in the queue no longer than its budget allows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import ceil
 
-from schemas.events import CandidateScore
+from schemas.events import AdmissionTerms, CandidateScore
 
 #: The error codes of a refusal before any worker was asked (the router shedding load, not a
 #: failure): the queue full or timed out, the router's own loop lagging, the TTFT budget. A load
@@ -261,7 +263,9 @@ class PromiseMargin:
 
     A completion comes a TTFT after its decision: in a burst, every request of its first second
     would be admitted on the old margin. So a request still waiting for its prefill counts too,
-    once it is already late: (now - decided) / predicted is a lower bound of its ratio. Those
+    until its first token, once it is already late: (now - decided) / predicted is a lower
+    bound of its ratio (until the first token, not the prefill: under a saturated box the decode
+    hop, the handoff and the decode worker's first step, was where the time went). Those
     lower bounds are not pooled with the window's ratios: pooled, they moved the p90 only once
     a tenth of the window (a minute of quiet traffic's ratios near 1) was late, a second or more
     into a burst. They are evidence about *now*, so the margin is at least the
@@ -274,7 +278,7 @@ class PromiseMargin:
     def __init__(self) -> None:
         #: Request -> (decided at, predicted ms) of its first prefilling decision.
         self._pending: dict[str, tuple[float, float]] = {}
-        #: Pending requests whose prefill is done (no longer a lower bound; still awaited).
+        #: Pending requests past their first token (no longer a lower bound; still awaited).
         self._prefilled: set[str] = set()
         #: (decided at, seq, ratio) heap of the window's observations.
         self._obs: list[tuple[float, int, float]] = []
@@ -284,8 +288,10 @@ class PromiseMargin:
         if predicted_ms is not None and predicted_ms > 0 and request_id not in self._pending:
             self._pending[request_id] = (decided_at_s, predicted_ms)
 
-    def prefilled(self, request_id: str) -> None:
-        """Its prefill is done (first token, or the handoff to decode): no longer late."""
+    def first_token(self, request_id: str) -> None:
+        """Its first token reached the router (``FirstToken``, or the router's own
+        ``PrefillCompleted`` in aggregated serving): its wait is over, its ratio comes with its
+        completion."""
         if request_id in self._pending:
             self._prefilled.add(request_id)
 
@@ -318,38 +324,55 @@ class PromiseMargin:
         return min(max(q, 1.0), MARGIN_MAX)
 
 
-def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
-                     loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False) -> tuple[str, int] | None:
-    """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``budget_ms``;
-    None when it does not, when the budget is off (0) or when no row carries a prediction (a
-    decode phase).
+def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
+                 loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False,
+                 at_s: float = 0.0) -> AdmissionTerms | None:
+    """The terms of the budget test for a decision's ``scores`` (None: the budget is off, 0):
+    the best eligible row's predicted TTFT and worker (None when no row carries one: a decode
+    phase), with what the router measured. Recorded in ``RequestRouted.admission`` /
+    ``RequestRejected.admission``; :func:`over_budget` is the test itself."""
+    if budget_ms <= 0:
+        return None
+    best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
+                if r.eligible and r.predicted_ttft_ms is not None), default=(None, ""))
+    return AdmissionTerms(budget_ms=budget_ms, predicted_ttft_ms=best[0], worker_id=best[1], margin=margin,
+                          spent_ms=spent_ms, loop_lag_ms=loop_lag_ms, idle=idle, at_s=at_s)
 
-    The TTFT the client would see: the best eligible row's predicted TTFT times ``margin``
-    (:class:`PromiseMargin`: how far recent predictions fell short), plus ``spent_ms``
-    (what the request already spent in this router since it arrived: its body, its tokens, the
-    admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the request
-    waited about that long before the router read it, and its first token meets it again on the
-    way back). Retry-After: the excess, in whole seconds, at least 1 (the queue ahead drains at
-    about the rate it was predicted).
 
-    ``idle``: this router has nothing in flight and its model was fitted from observations. Then
+def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
+    """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``t.budget_ms``;
+    None when it does not, when the budget is off (0), when the router is ``idle`` or when no
+    row carried a prediction (a decode phase).
+
+    The TTFT the client would see: the best eligible row's predicted TTFT times the ``margin``
+    (:class:`PromiseMargin`: how far recent predictions fell short), plus ``spent_ms`` (what
+    the request already spent in this router since it arrived: its body, its tokens, the
+    admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the
+    request waited about that long before the router read it, and its first token meets it
+    again on the way back). Retry-After: the excess, in whole seconds, at least 1 (the queue
+    ahead drains at about the rate it was predicted).
+
+    ``idle``: the router has nothing in flight and its model was fitted from observations. Then
     the request is never refused: the fit and the margin learn only from requests served, so a
     router that refused everything after a stall would keep its stale, pessimistic prediction
     for the whole fit window (measured: a chaos run whose first seconds ran slow then shed 62%
     of the traffic outside the overload phase). One request at a time per router is the
     evidence that corrects it. (The prior, with no observation behind it, is not stale: it is
     held to the budget.)"""
-    if budget_ms <= 0 or idle:
+    if t.budget_ms <= 0 or t.idle or t.predicted_ttft_ms is None:
         return None
-    best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
-                if r.eligible and r.predicted_ttft_ms is not None), default=None)
-    if best is None:
-        return None
-    ms, wid = best
-    total = ms * max(margin, 1.0) + max(spent_ms, 0.0) + max(loop_lag_ms, 0.0)
-    if total <= budget_ms:
+    ms, margin = t.predicted_ttft_ms, t.margin
+    total = ms * max(margin, 1.0) + max(t.spent_ms, 0.0) + max(t.loop_lag_ms, 0.0)
+    if total <= t.budget_ms:
         return None
     times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
-    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}){times} + {spent_ms:.0f} ms already spent in the "
-            f"router + {loop_lag_ms:.0f} ms of its event-loop lag = {total:.0f} ms exceeds the budget of "
-            f"{budget_ms:g} ms", max(1, ceil((total - budget_ms) / 1000)))
+    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({t.worker_id}){times} + {t.spent_ms:.0f} ms already "
+            f"spent in the router + {t.loop_lag_ms:.0f} ms of its event-loop lag = {total:.0f} ms exceeds the budget "
+            f"of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))
+
+
+def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
+                     loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False) -> tuple[str, int] | None:
+    """:func:`over_budget` on the :func:`budget_terms` of ``scores``."""
+    t = budget_terms(scores, budget_ms, spent_ms, loop_lag_ms, margin, idle)
+    return None if t is None else over_budget(t)

@@ -146,10 +146,10 @@ def test_a_router_with_nothing_in_flight_admits_whatever_the_prediction():
     assert over_ttft_budget(rows, 1000.0, idle=True) is None
 
 
-def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_complete():
-    """Eight requests decided at t=100 s, each predicted 100 ms, none prefilled yet. At 100.05 s
-    they are not late (0.5 < 1): margin 1. At 100.4 s each is at least 4x late: margin 4. Once
-    prefilled (or handed to decode) they no longer count; completed, their real ratios do."""
+def test_requests_already_late_for_their_first_token_raise_the_margin_before_they_complete():
+    """Eight requests decided at t=100 s, each predicted 100 ms, no first token yet. At 100.05 s
+    they are not late (0.5 < 1): margin 1. At 100.4 s each is at least 4x late: margin 4. Past
+    their first token they no longer count; completed, their real ratios do."""
     m = PromiseMargin()
     for i in range(8):
         m.routed(f"r{i}", 100.0, 100.0)
@@ -157,7 +157,7 @@ def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_co
     assert m.factor(100.4) == pytest.approx(4.0)
     assert m.factor() == 1.0  # completed requests only
     for i in range(8):
-        m.prefilled(f"r{i}")
+        m.first_token(f"r{i}")
     assert m.factor(100.4) == 1.0
     for i in range(8):
         m.completed(f"r{i}", 300.0)
@@ -166,10 +166,10 @@ def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_co
 
 def test_two_requests_late_for_their_prefill_set_the_margin_whatever_the_window_holds():
     """A minute of quiet traffic: 60 ratios of 1.0 in the window (p90 = 1). Then requests decided
-    at 100 s predicted 100 ms, still not prefilled. At 100.3 s one is 3x late: one straggler
+    at 100 s predicted 100 ms, still without their first token. At 100.3 s one is 3x late: one straggler
     alone, margin 1. A second one decided at 100.1 s: 2x late at 100.3; the margin is the second
     largest lower bound, 2 (pooled with the 60 window ratios, the p90 would stay 1). At 100.5 s:
-    5x and 4x, margin 4. Once the late ones are prefilled, the window's margin again."""
+    5x and 4x, margin 4. Once one of them has its first token, the window's margin again."""
     m = PromiseMargin()
     for i in range(60):
         m.routed(f"q{i}", 100.0, 40.0 + i)
@@ -179,5 +179,5 @@ def test_two_requests_late_for_their_prefill_set_the_margin_whatever_the_window_
     m.routed("b", 100.0, 100.1)
     assert m.factor(100.3) == pytest.approx(2.0)
     assert m.factor(100.5) == pytest.approx(4.0)
-    m.prefilled("a")
+    m.first_token("a")
     assert m.factor(100.5) == 1.0
