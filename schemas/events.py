@@ -274,7 +274,8 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     """The terms of the router's TTFT budget test (``control_plane/router/admission.py``,
     ``over_budget``) as it applied them to one request, so that replay re-executes the test from
     the log instead of reading its text: refused when ``predicted_ttft_ms * max(margin, 1) +
-    spent_ms + loop_lag_ms > budget_ms``, unless ``idle``. Milliseconds."""
+    spent_ms + loop_lag_ms > budget_ms`` (or ``queue_ms`` in place of the product when larger),
+    unless ``idle``. Milliseconds."""
 
     #: The request's budget: the router's ``ttft_slo_ms``, tightened by the client's own.
     budget_ms: float
@@ -285,6 +286,9 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     worker_id: str = ""
     #: ``PromiseMargin.factor`` at the decision: how far recent predictions fell short.
     margin: float = 1.0
+    #: ``PromiseMargin.queue_ms`` at the decision: the TTFT the router's own requests waiting
+    #: for their first token imply (the test takes the larger of it and the prediction x margin).
+    queue_ms: float = 0.0
     #: What the request had spent in the router since it arrived (its body, its tokens, the
     #: admission queue).
     spent_ms: float = 0.0

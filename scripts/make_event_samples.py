@@ -157,7 +157,7 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
         index_position={"switchyard.kv:0": 918_273, "switchyard.kv:1": 917_004},
         router_id="router-0",
         admission=ev.AdmissionTerms(budget_ms=1_000.0, predicted_ttft_ms=212.5, worker_id=PREFILL, margin=1.8,
-                                    spent_ms=14.2, loop_lag_ms=6.5, at_s=1_767_225_600.25),
+                                    queue_ms=450.0, spent_ms=14.2, loop_lag_ms=6.5, at_s=1_767_225_600.25),
     ),
     ev.PrefillCompleted: lambda: ev.PrefillCompleted(
         request_id=REQUEST,
@@ -221,7 +221,7 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
         code="ttft_budget",
         http_status=429,
         admission=ev.AdmissionTerms(budget_ms=1_000.0, predicted_ttft_ms=640.0, worker_id=PREFILL, margin=1.8,
-                                    spent_ms=14.2, loop_lag_ms=6.5, at_s=1_767_225_600.25),
+                                    queue_ms=900.0, spent_ms=14.2, loop_lag_ms=6.5, at_s=1_767_225_600.25),
     ),
     ev.WorkerRegistered: lambda: ev.WorkerRegistered(
         worker_id=DECODE,

@@ -160,9 +160,9 @@ class WalkItem:
     check: DecisionCheck | None = None
     table_decision: Decision | None = None
     state_decision: Decision | None = None
-    #: The TTFT budget's margin at the decision, from the router's ledger folded to it (only
-    #: when the decision recorded the budget test's terms).
-    margin: float | None = None
+    #: The TTFT budget's margin and queue TTFT at the decision, from the router's ledger folded
+    #: to it (only when the decision recorded the budget test's terms).
+    margin: tuple[float, float] | None = None
 
 
 @dataclass
@@ -519,12 +519,12 @@ class ReplayEngine:
             refusals = sorted((loc.env.data.admission.at_s, i) for i, loc in enumerate(stream)
                               if check and isinstance(loc.env.data, RequestRejected)
                               and loc.env.data.admission is not None and in_range(loc))
-            margins: dict[int, float] = {}
+            margins: dict[int, tuple[float, float]] = {}
             for loc in stream:
                 while refusals and refusals[0][0] * 1e9 < loc.at_ns:
                     at_s, i = refusals.pop(0)
                     ledger.margin.expire(at_s)
-                    margins[i] = ledger.margin.factor(at_s)
+                    margins[i] = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
                 routed = loc.env.data
                 if isinstance(routed, RequestAdmitted):
                     admitted[routed.request_id] = loc
@@ -538,7 +538,7 @@ class ReplayEngine:
                 ledger.apply(loc.env)
             for at_s, i in refusals:  # stamped after the stream's last event
                 ledger.margin.expire(at_s)
-                margins[i] = ledger.margin.factor(at_s)
+                margins[i] = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
             for i in sorted(margins):
                 walk.rejections.append((stream[i].position, check_rejection(stream[i].env.data, margins[i])))
         bar.close()
@@ -571,7 +571,8 @@ class ReplayEngine:
                 attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
                 excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0)
             if routed.admission is not None:
-                item.margin = ledger.margin.factor(routed.admission.at_s)
+                at_s = routed.admission.at_s
+                item.margin = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
         except (ReplayError, LogReadError, NoEligibleWorker, ValueError) as e:
             item.error = f"error rebuilding state: {e}"
         walk.view_algo = key

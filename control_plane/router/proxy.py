@@ -343,7 +343,8 @@ class Router:
             probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
                      and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
             terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(),
-                                 self.ledger.margin.factor(now), idle=probe, at_s=now)
+                                 self.ledger.margin.factor(now), idle=probe, at_s=now,
+                                 queue_ms=self.ledger.margin.queue_ms(now))
             over = over_budget(terms)
             if over is not None:
                 # The promise cannot be kept: refused now (serving records RequestRejected), not served late.

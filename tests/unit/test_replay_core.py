@@ -263,7 +263,7 @@ def test_a_retried_failure_keeps_the_request_an_end_forgets_it() -> None:
 def test_a_disaggregated_request_stays_a_lower_bound_of_the_margin_until_its_first_token() -> None:
     """Two requests predicted 100 ms, decided at 10.0 and 10.1 s: their decode routes (the
     prefill done) do not end their wait; at 10.5 s they are at least 5x and 4x late: margin 4.
-    One's ``FirstToken`` ends it: one late request alone, margin 1."""
+    One's ``FirstToken`` ends it: one late request alone, margin 1; its time is the envelope's."""
     f = EnvelopeFactory("r", 1, lambda: 0)
     led = RouterLedger(600.0)
     for rid, at in (("a", 10.0), ("b", 10.1)):
@@ -285,9 +285,9 @@ def test_a_budget_refusal_is_re_executed_from_its_terms() -> None:
     reason = over_budget(terms)[0]
     assert "400 ms on the best candidate (a) x 2.50" in reason and "= 1060 ms exceeds the budget of 1000 ms" in reason
     rej = RequestRejected(request_id="r", reason=reason, code="ttft_budget", http_status=429, admission=terms)
-    assert check_rejection(rej, 2.5) == "match"
-    assert check_rejection(rej, 2.0).startswith("mismatch: margin 2.5 -> 2.0")
-    assert check_rejection(msgspec.structs.replace(rej, reason="x"), 2.5).startswith("mismatch: reason")
+    assert check_rejection(rej, (2.5, 0.0)) == "match"
+    assert check_rejection(rej, (2.0, 0.0)).startswith("mismatch: margin, queue_ms (2.5, 0.0) -> (2.0, 0.0)")
+    assert check_rejection(msgspec.structs.replace(rej, reason="x"), (2.5, 0.0)).startswith("mismatch: reason")
     admits = msgspec.structs.replace(terms, margin=2.0)
     assert check_rejection(msgspec.structs.replace(rej, admission=admits), None) == "mismatch: the recorded terms admit it"
     queued = msgspec.structs.replace(rej, admission=budget_terms((), 1000.0, 1200.0))

@@ -166,7 +166,7 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
                                    chunk_tokens=1024, samples=12, pool_samples=40, queue_done_tokens=512),
         "ttft_models": {"w-2": ev.TtftModel(base_ms=12.0, samples=3, pool_samples=40)},
         "admission": ev.AdmissionTerms(budget_ms=1000.0, predicted_ttft_ms=412.5, worker_id="w-2", margin=1.5,
-                                       spent_ms=20.0, loop_lag_ms=5.0, idle=True, at_s=1795980000.25),
+                                       queue_ms=300.0, spent_ms=20.0, loop_lag_ms=5.0, idle=True, at_s=1795980000.25),
     },
     ev.PrefillCompleted: {
         "request_id": R,
@@ -204,7 +204,7 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
     },
     ev.RequestRejected: {"request_id": R, "reason": "busy", "code": "overloaded", "http_status": 503,
                          "admission": ev.AdmissionTerms(budget_ms=500.0, predicted_ttft_ms=900.0, worker_id="w-1",
-                                                        margin=2.0, spent_ms=1.5, loop_lag_ms=0.5, idle=True,
+                                                        margin=2.0, queue_ms=700.0, spent_ms=1.5, loop_lag_ms=0.5, idle=True,
                                                         at_s=1795980000.5)},
     ev.WorkerRegistered: {
         "worker_id": W,
