@@ -248,7 +248,7 @@ MARGIN_MAX = 10.0
 MARGIN_OVERDUE = 2
 #: How far back (s) the busy time per first token of :meth:`PromiseMargin.queue_ms` looks, and
 #: the first tokens it needs in that window before it says anything.
-QUEUE_WINDOW_S = 10.0
+QUEUE_WINDOW_S = 3.0
 QUEUE_MIN_FIRSTS = 3
 
 
