@@ -165,7 +165,9 @@ def test_a_log_written_before_v2_request_events_replays_identically(recorded) ->
         if r.topic != cat.topic("requests") or not r.value:
             continue
         env = codec.decode(r.value)
-        assert env.version == 2 and "request_id" not in msgspec.msgpack.decode(r.value)["data"]
+        assert env.version == codec.latest_version(env.type) and "request_id" not in msgspec.msgpack.decode(r.value)["data"]
+        if env.type == "FirstToken":  # no v1: the type came later (the log is as a router of either age wrote it)
+            continue
         v1 = codec.payload_type(env.type, 1)(**msgspec.structs.asdict(env.data))
         was = msgspec.structs.replace(env, version=1, data=v1, correlation_id=env.key)
         value = codec.encode(was)
