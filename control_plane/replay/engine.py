@@ -43,6 +43,7 @@ from common.log.reader import TP, LocatedEvent, LogReader, LogRecord, RecordBatc
 from common.settings import BusSettings
 from schemas import EventCodec, SchemaError
 from schemas.events import RequestAdmitted, RequestCompleted, RequestRejected, RequestRouted, RouterConfigChanged
+from schemas.types import RequestPhase
 from schemas.signing import ForgedEvent, snapshot_data
 
 log = logging.getLogger(__name__)
@@ -523,8 +524,7 @@ class ReplayEngine:
             for loc in stream:
                 while refusals and refusals[0][0] * 1e9 < loc.at_ns:
                     at_s, i = refusals.pop(0)
-                    ledger.margin.expire(at_s)
-                    margins[i] = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
+                    margins[i] = _margin_at(ledger, stream[i].env.data.request_id, at_s)
                 routed = loc.env.data
                 if isinstance(routed, RequestAdmitted):
                     admitted[routed.request_id] = loc
@@ -537,8 +537,7 @@ class ReplayEngine:
                     bar.update(1)
                 ledger.apply(loc.env)
             for at_s, i in refusals:  # stamped after the stream's last event
-                ledger.margin.expire(at_s)
-                margins[i] = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
+                margins[i] = _margin_at(ledger, stream[i].env.data.request_id, at_s)
             for i in sorted(margins):
                 walk.rejections.append((stream[i].position, check_rejection(stream[i].env.data, margins[i])))
         bar.close()
@@ -636,6 +635,14 @@ class ReplayEngine:
         w = WhatIf(alternative)
         walk = self.walk(frm, to, configs, w.on_item)
         return w.finish(walk, frm, to, configs=configs, profile=profile, simulate=simulate, progress=self.progress)
+
+
+def _margin_at(ledger: RouterLedger, request_id: str, at_s: float) -> tuple[float, float]:
+    """The budget test's margin and queue TTFT as the live router computed them for a refused
+    request: after the decision's own ``prepare`` at ``at_s`` (a refusal is a first prefilling
+    decision: no decode entry to release)."""
+    ledger.prepare(request_id, RequestPhase.PREFILL, at_s)
+    return ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s)
 
 
 def _record_of(ev: LocatedEvent, adm: LocatedEvent | None) -> DecisionRecord:
