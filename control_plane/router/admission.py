@@ -250,11 +250,6 @@ MARGIN_OVERDUE = 2
 #: the first tokens it needs in that window before it says anything.
 QUEUE_WINDOW_S = 3.0
 QUEUE_MIN_FIRSTS = 3
-#: What the budget test multiplies the queue's TTFT by. The queue's figure is a mean, and the
-#: requests a router admits after this one slow it too (the box serves them side by side): held
-#: to the budget itself, the queue settles where the mean TTFT is the budget and about half are
-#: late (measured: 35-46 of 245-288 served over a 1 s SLO in the chaos overload, p99/p50 ~4).
-QUEUE_HEADROOM = 2.0
 
 
 class PromiseMargin:
@@ -403,9 +398,8 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
     row carried a prediction (a decode phase).
 
     The TTFT the client would see: the best eligible row's predicted TTFT times the ``margin``
-    (:class:`PromiseMargin`: how far recent predictions fell short), or ``queue_ms`` x
-    :data:`QUEUE_HEADROOM` when larger (:meth:`PromiseMargin.queue_ms`: what the router's own
-    queue implies), plus ``spent_ms`` (what
+    (:class:`PromiseMargin`: how far recent predictions fell short), or ``queue_ms`` when
+    larger (:meth:`PromiseMargin.queue_ms`: what the router's own queue implies), plus ``spent_ms`` (what
     the request already spent in this router since it arrived: its body, its tokens, the
     admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the
     request waited about that long before the router read it, and its first token meets it
@@ -422,14 +416,14 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
     if t.budget_ms <= 0 or t.idle or t.predicted_ttft_ms is None:
         return None
     ms, margin = t.predicted_ttft_ms, t.margin
-    expected, queued = ms * max(margin, 1.0), t.queue_ms * QUEUE_HEADROOM
-    total = max(expected, queued) + max(t.spent_ms, 0.0) + max(t.loop_lag_ms, 0.0)
+    expected = ms * max(margin, 1.0)
+    total = max(expected, t.queue_ms) + max(t.spent_ms, 0.0) + max(t.loop_lag_ms, 0.0)
     if total <= t.budget_ms:
         return None
     times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
     what = f"predicted TTFT {ms:.0f} ms on the best candidate ({t.worker_id}){times}"
-    if queued > expected:
-        what = f"{t.queue_ms:.0f} ms for this router's own queue x {QUEUE_HEADROOM:g} (above the {what})"
+    if t.queue_ms > expected:
+        what = f"{t.queue_ms:.0f} ms for this router's own queue (above the {what})"
     return (f"{what} + {t.spent_ms:.0f} ms already spent in the router + {t.loop_lag_ms:.0f} ms of its event-loop "
             f"lag = {total:.0f} ms exceeds the budget of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))
 

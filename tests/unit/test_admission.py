@@ -205,8 +205,8 @@ def test_the_routers_own_queue_implies_a_ttft_from_its_busy_time_per_first_token
     assert m.factor(11.2) == pytest.approx(2.0)
     reason, _ = over_budget(budget_terms([_row("w", 100.0)], 1000.0, 10.0, 5.0, m.factor(11.2),
                                          queue_ms=m.queue_ms(11.2)))
-    assert reason.startswith("1650 ms for this router's own queue x 2 (above the predicted TTFT 100 ms on the "
-                             "best candidate (w) x 2.00")
+    assert reason.startswith("1650 ms for this router's own queue (above the predicted TTFT 100 ms on the best "
+                             "candidate (w) x 2.00")
     for i in range(5):
         m.forget(f"b{i}", 11.3)
     assert m.waiting() == 0 and m.queue_ms(11.3) == pytest.approx(1.2 / 4 * 1000)
