@@ -270,11 +270,42 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
                 + self.ms_per_token_ctx * new_tokens * (context_tokens + new_tokens / 2))
 
 
+class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The terms of the router's TTFT budget test (``control_plane/router/admission.py``,
+    ``over_budget``) as it applied them to one request, so that replay re-executes the test from
+    the log instead of reading its text: refused when ``predicted_ttft_ms * max(margin, 1) +
+    spent_ms + loop_lag_ms > budget_ms`` (or ``queue_ms`` in place of the product when larger),
+    unless ``idle``. Milliseconds."""
+
+    #: The request's budget: the router's ``ttft_slo_ms``, tightened by the client's own.
+    budget_ms: float
+    #: The best eligible candidate's predicted TTFT and its worker; None when no row carried a
+    #: prediction, or the test ran before any decision (a request that waited out its budget in
+    #: the admission queue).
+    predicted_ttft_ms: float | None = None
+    worker_id: str = ""
+    #: ``PromiseMargin.factor`` at the decision: how far recent predictions fell short.
+    margin: float = 1.0
+    #: ``PromiseMargin.queue_ms`` at the decision: the TTFT the router's own requests waiting
+    #: for their first token imply (the test takes the larger of it and the prediction x margin).
+    queue_ms: float = 0.0
+    #: What the request had spent in the router since it arrived (its body, its tokens, the
+    #: admission queue).
+    spent_ms: float = 0.0
+    #: The router's own event-loop lag, smoothed.
+    loop_lag_ms: float = 0.0
+    #: The router had nothing in flight and a fitted model: the request is never refused.
+    idle: bool = False
+    #: When the test ran (unix s; the decision's ``now``, which the margin's lower bounds are
+    #: taken at): replay re-derives ``margin`` from the router's ledger folded to it.
+    at_s: float = 0.0
+
+
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     """The router chose ``worker_id`` for one phase of a request, and why."""
 
     TYPE: ClassVar[str] = "RequestRouted"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     worker_id: WorkerId
     phase: RequestPhase = RequestPhase.AGGREGATED
     mode: RoutingMode
@@ -324,6 +355,9 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: re-derives, and each row records its prediction, which the table check takes as recorded
     #: for a worker whose model the event does not carry (``replay/verify.py``).
     ttft_models: dict[WorkerId, TtftModel] = {}
+    #: The TTFT budget test's terms at this decision (a first attempt with a budget set: it
+    #: admitted the request); None without a budget, and in v1/v2 events.
+    admission: AdmissionTerms | None = None
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -335,6 +369,20 @@ class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=Tr
     duration_ms: float
     #: Opaque handoff parameters for the decode side (block ids, agent, expiry).
     kv_transfer_params: dict[str, str | int | float | bool | list[int] | None] = {}
+
+
+class FirstToken(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
+    """In disaggregated serving, the request's first token reached the router from its decode
+    worker (in aggregated serving the router's own ``PrefillCompleted`` marks that moment). It
+    ends the request's wait in the TTFT budget's margin (``PromiseMargin``): until then, a
+    request past its prediction is a lower bound of how far predictions fall short, the decode
+    hop (the KV handoff, the decode worker's first step) included."""
+
+    TYPE: ClassVar[str] = "FirstToken"
+    VERSION: ClassVar[int] = 1
+    worker_id: WorkerId
+    #: From the router holding the request to its first token (ms).
+    ttft_ms: float
 
 
 class KvTransferEvent(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -408,10 +456,13 @@ class RequestFailed(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
 
 class RequestRejected(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
     TYPE: ClassVar[str] = "RequestRejected"
-    VERSION: ClassVar[int] = 2
+    VERSION: ClassVar[int] = 3
     reason: str
     code: str
     http_status: int = 400
+    #: The TTFT budget test's terms when it refused the request (``code`` ``ttft_budget``);
+    #: None for other refusals and in v1/v2 events.
+    admission: AdmissionTerms | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,6 +803,18 @@ class RequestFailedV1(RequestFailed, frozen=True, kw_only=True, omit_defaults=Tr
     request_id: RequestId
 
 
+class RequestRoutedV2(RequestRouted, frozen=True, kw_only=True, omit_defaults=True):
+    """v2 (superseded): no ``admission`` terms. Upcast to v3 on read."""
+
+    VERSION: ClassVar[int] = 2
+
+
+class RequestRejectedV2(RequestRejected, frozen=True, kw_only=True, omit_defaults=True):
+    """v2 (superseded): no ``admission`` terms. Upcast to v3 on read."""
+
+    VERSION: ClassVar[int] = 2
+
+
 class RequestRejectedV1(RequestRejected, frozen=True, kw_only=True, omit_defaults=True):
     """v1 (superseded): ``request_id`` in the payload too. Upcast to v2 on read."""
 
@@ -769,9 +832,11 @@ ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     RequestAdmittedV1,
     RequestAdmitted,
     RequestRoutedV1,
+    RequestRoutedV2,
     RequestRouted,
     PrefillCompletedV1,
     PrefillCompleted,
+    FirstToken,
     KvTransferStartedV1,
     KvTransferStarted,
     KvTransferCompletedV1,
@@ -783,6 +848,7 @@ ALL_EVENT_TYPES: tuple[type[Event], ...] = (
     RequestFailedV1,
     RequestFailed,
     RequestRejectedV1,
+    RequestRejectedV2,
     RequestRejected,
     WorkerRegistered,
     WorkerLoadReportedV1,

@@ -32,7 +32,15 @@ REQUEST_ID_FROM_KEY_V2 = ("RequestAdmitted", "RequestRouted", "PrefillCompleted"
                           "KvTransferCompleted", "KvTransferFailed", "RequestCompleted", "RequestFailed",
                           "RequestRejected")
 
+def admission_terms_v2_to_v3(doc: Doc) -> Doc:
+    """v3 of ``RequestRouted`` and ``RequestRejected`` adds the TTFT budget test's terms
+    (``admission``, optional): a v2 payload is a v3 one without them."""
+    return doc
+
+
 UPCASTERS: dict[tuple[str, int], Callable[[Doc], Doc]] = {
+    ("RequestRouted", 2): admission_terms_v2_to_v3,
+    ("RequestRejected", 2): admission_terms_v2_to_v3,
     ("WorkerLoadReported", 1): worker_load_reported_v1_to_v2,
     **{(name, 1): request_v1_to_v2 for name in REQUEST_ID_FROM_KEY_V2},
 }

@@ -156,6 +156,8 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
         rng_seed=0x5EED_0042,
         index_position={"switchyard.kv:0": 918_273, "switchyard.kv:1": 917_004},
         router_id="router-0",
+        admission=ev.AdmissionTerms(budget_ms=1_000.0, predicted_ttft_ms=212.5, worker_id=PREFILL, margin=1.8,
+                                    queue_ms=450.0, spent_ms=14.2, loop_lag_ms=6.5, at_s=1_767_225_600.25),
     ),
     ev.PrefillCompleted: lambda: ev.PrefillCompleted(
         request_id=REQUEST,
@@ -172,6 +174,11 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
             "remote_port": 5_600,
             "tp_size": 1,
         },
+    ),
+    ev.FirstToken: lambda: ev.FirstToken(
+        request_id=REQUEST,
+        worker_id=DECODE,
+        ttft_ms=58.9,
     ),
     ev.KvTransferStarted: lambda: ev.KvTransferStarted(
         **TRANSFER,
@@ -208,9 +215,13 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
     ),
     ev.RequestRejected: lambda: ev.RequestRejected(
         request_id=RequestId("chatcmpl-0b7e4d1c2a9f48e6b35d7c0e1f2a3b4c"),
-        reason="prompt of 140213 tokens exceeds max_model_len 131072",
-        code="context_length_exceeded",
-        http_status=400,
+        reason="predicted TTFT 640 ms on the best candidate (llama8b-prefill-0) x 1.80 (recent observed/predicted) "
+               "+ 14 ms already spent in the router + 7 ms of its event-loop lag = 1173 ms exceeds the budget of "
+               "1000 ms",
+        code="ttft_budget",
+        http_status=429,
+        admission=ev.AdmissionTerms(budget_ms=1_000.0, predicted_ttft_ms=640.0, worker_id=PREFILL, margin=1.8,
+                                    queue_ms=900.0, spent_ms=14.2, loop_lag_ms=6.5, at_s=1_767_225_600.25),
     ),
     ev.WorkerRegistered: lambda: ev.WorkerRegistered(
         worker_id=DECODE,
@@ -301,11 +312,16 @@ BUILDERS: dict[type[ev.Event], Callable[[], ev.Event]] = {
 #: The superseded v1 request events (``request_id`` in the payload too): the same scenario.
 BUILDERS.update({
     v1: (lambda v1=v1, v2=v2: v1(**msgspec.structs.asdict(BUILDERS[v2]())))
-    for v1, v2 in ((ev.RequestAdmittedV1, ev.RequestAdmitted), (ev.RequestRoutedV1, ev.RequestRouted),
+    for v1, v2 in ((ev.RequestAdmittedV1, ev.RequestAdmitted), (ev.RequestRoutedV1, ev.RequestRoutedV2),
                    (ev.PrefillCompletedV1, ev.PrefillCompleted), (ev.KvTransferStartedV1, ev.KvTransferStarted),
                    (ev.KvTransferCompletedV1, ev.KvTransferCompleted), (ev.KvTransferFailedV1, ev.KvTransferFailed),
                    (ev.RequestCompletedV1, ev.RequestCompleted), (ev.RequestFailedV1, ev.RequestFailed),
-                   (ev.RequestRejectedV1, ev.RequestRejected))
+                   (ev.RequestRejectedV1, ev.RequestRejectedV2))
+})
+#: The superseded v2 events of the types whose v3 added the budget test's terms: without them.
+BUILDERS.update({
+    old: (lambda old=old, new=new: old(**{**msgspec.structs.asdict(BUILDERS[new]()), "admission": None}))
+    for old, new in ((ev.RequestRoutedV2, ev.RequestRouted), (ev.RequestRejectedV2, ev.RequestRejected))
 })
 
 #: Which component produces each stream (envelope ``producer``).

@@ -30,7 +30,8 @@ import xxhash
 from control_plane.replay.errors import BadPoint, ReplayError
 from control_plane.replay.points import Point, check_range, format_positions, parse_point, parse_positions
 from control_plane.replay.state import RequestTraffic, ViewFolder, view_summary
-from control_plane.replay.verify import DecisionCheck, DecisionRecord, VerifyReport, check_state, check_table
+from control_plane.replay.verify import (DecisionCheck, DecisionRecord, VerifyReport, check_rejection, check_state,
+                                         check_table)
 from control_plane.router import Decision, NoEligibleWorker, RouterConfig
 from control_plane.router.inputs import DecisionInputs, decision_inputs, router_seed
 from control_plane.router.ledger import RouterLedger
@@ -41,7 +42,8 @@ from common.log.fold import FoldStats
 from common.log.reader import TP, LocatedEvent, LogReader, LogRecord, RecordBatch, scan, scan_events
 from common.settings import BusSettings
 from schemas import EventCodec, SchemaError
-from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted, RouterConfigChanged
+from schemas.events import RequestAdmitted, RequestCompleted, RequestRejected, RequestRouted, RouterConfigChanged
+from schemas.types import RequestPhase
 from schemas.signing import ForgedEvent, snapshot_data
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,9 @@ class WalkItem:
     check: DecisionCheck | None = None
     table_decision: Decision | None = None
     state_decision: Decision | None = None
+    #: The TTFT budget's margin and queue TTFT at the decision, from the router's ledger folded
+    #: to it (only when the decision recorded the budget test's terms).
+    margin: tuple[float, float] | None = None
 
 
 @dataclass
@@ -173,6 +178,9 @@ class Walk:
     #: The router view the walk rebuilt last (hash algorithm, block size) and its registry.
     view_algo: tuple[str, int] | None = None
     workers: dict[str, Any] = field(default_factory=dict)
+    #: Per TTFT budget refusal in the range with its terms: (position, verdict of
+    #: :func:`~control_plane.replay.verify.check_rejection`).
+    rejections: list[tuple[str, str]] = field(default_factory=list)
 
 
 class ReplayEngine:
@@ -506,7 +514,17 @@ class ReplayEngine:
             # The router's own state, folded from its own events as it folded them live.
             ledger = RouterLedger(configs.ttl_s())
             admitted: dict[str, LocatedEvent] = {}
+            # A refusal's test ran at its terms' ``at_s``; its event is recorded a moment later,
+            # after events of other requests the ledger may fold first: its margin is taken from
+            # the ledger as it stood at ``at_s`` (before the first event stamped after it).
+            refusals = sorted((loc.env.data.admission.at_s, i) for i, loc in enumerate(stream)
+                              if check and isinstance(loc.env.data, RequestRejected)
+                              and loc.env.data.admission is not None and in_range(loc))
+            margins: dict[int, tuple[float, float]] = {}
             for loc in stream:
+                while refusals and refusals[0][0] * 1e9 < loc.at_ns:
+                    at_s, i = refusals.pop(0)
+                    margins[i] = _margin_at(ledger, stream[i].env.data.request_id, at_s)
                 routed = loc.env.data
                 if isinstance(routed, RequestAdmitted):
                     admitted[routed.request_id] = loc
@@ -518,6 +536,10 @@ class ReplayEngine:
                     on_item(item)
                     bar.update(1)
                 ledger.apply(loc.env)
+            for at_s, i in refusals:  # stamped after the stream's last event
+                margins[i] = _margin_at(ledger, stream[i].env.data.request_id, at_s)
+            for i in sorted(margins):
+                walk.rejections.append((stream[i].position, check_rejection(stream[i].env.data, margins[i])))
         bar.close()
         return walk
 
@@ -547,6 +569,9 @@ class ReplayEngine:
                 expected_output_tokens=routed.expected_output_tokens or adm.max_tokens, phase=routed.phase,
                 attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
                 excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0)
+            if routed.admission is not None:
+                at_s = routed.admission.at_s
+                item.margin = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
         except (ReplayError, LogReadError, NoEligibleWorker, ValueError) as e:
             item.error = f"error rebuilding state: {e}"
         walk.view_algo = key
@@ -586,6 +611,9 @@ class ReplayEngine:
                 report.checks.append(chk)
 
         walk = self.walk(frm, to, configs, on_item)
+        report.rejections = len(walk.rejections)
+        report.rejections_matched = sum(1 for _, v in walk.rejections if v == "match")
+        report.rejection_mismatches = [f"{pos}: {v}" for pos, v in walk.rejections if v != "match"]
         report.config_versions = sorted(versions)
         report.configs_assumed = sorted(configs.assumed)
         report.configs_from_log = sorted(configs.from_log & versions)
@@ -607,6 +635,14 @@ class ReplayEngine:
         w = WhatIf(alternative)
         walk = self.walk(frm, to, configs, w.on_item)
         return w.finish(walk, frm, to, configs=configs, profile=profile, simulate=simulate, progress=self.progress)
+
+
+def _margin_at(ledger: RouterLedger, request_id: str, at_s: float) -> tuple[float, float]:
+    """The budget test's margin and queue TTFT as the live router computed them for a refused
+    request: after the decision's own ``prepare`` at ``at_s`` (a refusal is a first prefilling
+    decision: no decode entry to release)."""
+    ledger.prepare(request_id, RequestPhase.PREFILL, at_s)
+    return ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s)
 
 
 def _record_of(ev: LocatedEvent, adm: LocatedEvent | None) -> DecisionRecord:
@@ -633,7 +669,7 @@ def _check(item: WalkItem) -> None:
             chk.state = item.error or "error: no state"
         else:
             chk.state, item.state_decision, chk.state_diffs, chk.input_diffs = check_state(
-                rec, item.inputs, item.config)
+                rec, item.inputs, item.config, item.margin)
             if item.state_decision is not None:
                 chk.state_worker = item.state_decision.worker_id
     if not chk.seed_rule_ok:

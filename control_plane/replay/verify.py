@@ -35,9 +35,10 @@ from control_plane.router import (
     WorkerLoad,
     WorkerOverlap,
 )
+from control_plane.router.admission import budget_terms, over_budget
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
 from control_plane.router.ledger import role_of_phase
-from schemas.events import CandidateScore, RequestAdmitted, RequestRouted, TtftModel
+from schemas.events import CandidateScore, RequestAdmitted, RequestRejected, RequestRouted, TtftModel
 from schemas.types import RequestPhase, WorkerRole
 
 #: Score-row columns that are *inputs* of the decision (as the router combined them).
@@ -201,6 +202,11 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         ev = msgspec.structs.replace(ev, ttft_model=None)
     if r.ttft_models:  # written when the event carried the other rows' models (deprecated)
         ev = msgspec.structs.replace(ev, ttft_models=r.ttft_models)
+    if (t := r.admission) is not None:
+        # The budget test re-executed on the replayed rows with what only the live moment knew
+        # (the time spent, the loop lag, idle; the margin, which the state check re-derives).
+        ev = msgspec.structs.replace(ev, admission=budget_terms(ev.scores, t.budget_ms, t.spent_ms, t.loop_lag_ms,
+                                                                t.margin, t.idle, t.at_s, t.queue_ms))
     if r.scores and all(row.predicted_ttft_ms is None for row in r.scores):
         # written before every row carried its prediction (or a decode phase, which has none)
         ev = msgspec.structs.replace(ev, ttft_models={}, scores=[
@@ -209,10 +215,13 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
 
 
 def decision_diffs(recorded: RequestRouted, replayed: RequestRouted) -> list[str]:
-    """Fields that differ, as ``field: recorded -> replayed`` (scores row by row)."""
+    """Fields that differ, as ``field: recorded -> replayed`` (scores row by row); and a
+    decision the router admitted under a TTFT budget whose re-executed test refuses it."""
     a = msgspec.to_builtins(recorded)
     b = msgspec.to_builtins(replayed)
     out: list[str] = []
+    if replayed.admission is not None and (over := over_budget(replayed.admission)) is not None:
+        out.append(f"admission: admitted -> refused ({over[0]})")
     for k in sorted(set(a) | set(b)):
         if k == "scores":
             out.extend(_row_diffs(recorded.scores, replayed.scores, INPUT_COLUMNS + OUTPUT_COLUMNS))
@@ -260,7 +269,28 @@ def check_table(rec: DecisionRecord, config: RouterConfig) -> tuple[str, Decisio
     return ("match" if not diffs else "mismatch"), d, diffs
 
 
-def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfig) -> tuple[str, Decision | None, list[str], list[str]]:
+def check_rejection(rejected: RequestRejected, margin: tuple[float, float] | None) -> str:
+    """A TTFT budget refusal re-executed from its recorded terms (``RequestRejected.admission``):
+    "match" when the test refuses it again with the recorded reason and ``margin`` (the margin
+    and the queue's TTFT from the router's ledger folded to the test's ``at_s``; None: not
+    re-derived) is the recorded one, else
+    "mismatch: ..."; "unverifiable" without a prediction in the terms (a request that waited out
+    its budget in the queue: that test is a timer, not a rule over the log)."""
+    t = rejected.admission
+    if t is None or t.predicted_ttft_ms is None:
+        return "unverifiable"
+    over = over_budget(t)
+    if over is None:
+        return "mismatch: the recorded terms admit it"
+    if over[0] != rejected.reason:
+        return f"mismatch: reason {_short(rejected.reason)} -> {_short(over[0])}"
+    if margin is not None and margin != (t.margin, t.queue_ms):
+        return f"mismatch: margin, queue_ms {(t.margin, t.queue_ms)!r} -> {margin!r} (the ledger's fold)"
+    return "match"
+
+
+def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfig,
+                margin: tuple[float, float] | None = None) -> tuple[str, Decision | None, list[str], list[str]]:
     m = rec.routed.ttft_model
     if m is not None and m.queue_done_tokens is None and inputs.ttft_models:
         # Decided before the queue's drain existed (TtftModel.queue_done_tokens): its models
@@ -272,6 +302,9 @@ def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfi
     except (RoutingError, NoEligibleWorker, ValueError) as e:
         return f"error: {e}", None, [], []
     ev = replayed_event(rec, d, inputs, config)
+    if margin is not None and ev.admission is not None:  # the margin and queue as the ledger's fold gives them
+        ev = msgspec.structs.replace(ev, admission=msgspec.structs.replace(ev.admission, margin=margin[0],
+                                                                           queue_ms=margin[1]))
     diffs = decision_diffs(rec.routed, ev)
     return ("match" if not diffs else "mismatch"), d, diffs, input_diffs(rec.routed.scores, ev.scores)
 
@@ -295,6 +328,11 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     checks: list[DecisionCheck] = []
     seconds: float = 0.0
     records_read: int = 0
+    #: TTFT budget refusals with their terms (``RequestRejected.admission``) re-executed
+    #: (:func:`check_rejection`): how many, how many matched, the others' verdicts.
+    rejections: int = 0
+    rejections_matched: int = 0
+    rejection_mismatches: list[str] = []
 
     @property
     def identical_ratio(self) -> float:
@@ -307,5 +345,7 @@ class VerifyReport(msgspec.Struct, kw_only=True):
                 "mismatches": len(self.mismatches), "unverifiable": self.unverifiable,
                 "config_versions": self.config_versions, "configs_assumed": self.configs_assumed,
                 "configs_from_log": self.configs_from_log, "notes": self.notes,
-                "routers": self.routers,
+                "routers": self.routers, "rejections": self.rejections,
+                "rejections_matched": self.rejections_matched,
+                "rejection_mismatches": self.rejection_mismatches[:10],
                 "records_read": self.records_read, "seconds": round(self.seconds, 3)}

@@ -22,12 +22,14 @@ Policy (stated, configurable through :class:`AdmissionConfig`):
 The room test (:func:`has_room`) is a pure function of the view and the ledger, so a replay can
 tell why a request waited.
 
-After the decision, the promise (issue 39 step 4, :func:`over_ttft_budget`): when even the best
-eligible candidate's predicted TTFT, times the margin recent predictions fell short by
-(:class:`PromiseMargin`), plus what the request already spent in the router and the router's own
-loop lag, exceeds the budget (``RouterConfig.ttft_slo_ms``, off at 0), the request is refused at
-once with 429 (``ttft_budget``), Retry-After and the terms in ``RequestRejected.reason``, instead
-of being accepted and served late. A request waits in the queue no longer than its budget allows.
+After the decision, the promise (issue 39 step 4, :func:`over_budget` on :func:`budget_terms`):
+when even the best eligible candidate's predicted TTFT, times the margin recent predictions fell
+short by (:class:`PromiseMargin`), plus what the request already spent in the router and the
+router's own loop lag, exceeds the budget (``RouterConfig.ttft_slo_ms``, off at 0), the request
+is refused at once with 429 (``ttft_budget``) and Retry-After, instead of being accepted and
+served late. The terms are typed data in the log (``AdmissionTerms``: ``RequestRejected.admission``,
+and ``RequestRouted.admission`` for the requests it admitted), so replay re-executes the test. A
+request waits in the queue no longer than its budget allows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import ceil
 
-from schemas.events import CandidateScore
+from schemas.events import AdmissionTerms, CandidateScore
 
 #: The error codes of a refusal before any worker was asked (the router shedding load, not a
 #: failure): the queue full or timed out, the router's own loop lagging, the TTFT budget. A load
@@ -240,6 +242,14 @@ MARGIN_MIN_SAMPLES = 8
 #: The quantile of the window's ratios the margin is (nearest rank), and its ceiling.
 MARGIN_QUANTILE = 0.9
 MARGIN_MAX = 10.0
+#: Requests in flight past their prediction needed before their lateness raises the margin on
+#: its own: the margin is at least the ``MARGIN_OVERDUE``-th largest of their lower bounds (one
+#: straggler alone does not shed a router's traffic; two late at once say the model runs low now).
+MARGIN_OVERDUE = 2
+#: How far back (s) the busy time per first token of :meth:`PromiseMargin.queue_ms` looks, and
+#: the first tokens it needs in that window before it says anything.
+QUEUE_WINDOW_S = 3.0
+QUEUE_MIN_FIRSTS = 3
 
 
 class PromiseMargin:
@@ -257,90 +267,169 @@ class PromiseMargin:
 
     A completion comes a TTFT after its decision: in a burst, every request of its first second
     would be admitted on the old margin. So a request still waiting for its prefill counts too,
-    once it is already late: (now - decided) / predicted is a lower bound of its ratio, taken when
-    it exceeds 1 (measured: in a chaos overload phase the requests admitted in its first 2 s
-    were served 1-4.6 s from admission on predictions of 84-361 ms)."""
+    until its first token, once it is already late: (now - decided) / predicted is a lower
+    bound of its ratio (until the first token, not the prefill: under a saturated box the decode
+    hop, the handoff and the decode worker's first step, was where the time went). Those
+    lower bounds are not pooled with the window's ratios: pooled, they moved the p90 only once
+    a tenth of the window (a minute of quiet traffic's ratios near 1) was late, a second or more
+    into a burst. They are evidence about *now*, so the margin is at least the
+    :data:`MARGIN_OVERDUE`-th largest of them, whatever the window holds (measured: in a chaos
+    overload phase the requests admitted in its first 2 s were served 1-4.6 s from admission on
+    predictions of 84-361 ms)."""
 
-    __slots__ = ("_pending", "_prefilled", "_obs", "_seq")
+    __slots__ = ("_pending", "_prefilled", "_obs", "_seq", "_busy_since", "_busy", "_firsts")
 
     def __init__(self) -> None:
         #: Request -> (decided at, predicted ms) of its first prefilling decision.
         self._pending: dict[str, tuple[float, float]] = {}
-        #: Pending requests whose prefill is done (no longer a lower bound; still awaited).
+        #: Pending requests past their first token (no longer a lower bound; still awaited).
         self._prefilled: set[str] = set()
         #: (decided at, seq, ratio) heap of the window's observations.
         self._obs: list[tuple[float, int, float]] = []
         self._seq = 0
+        #: Since when some request has been waiting for its first token (None: none is).
+        self._busy_since: float | None = None
+        #: The closed busy periods (start, end) and the first tokens' times of the queue window.
+        self._busy: deque[tuple[float, float]] = deque()
+        self._firsts: deque[float] = deque()
+
+    def waiting(self) -> int:
+        """Requests routed and still waiting for their first token."""
+        return len(self._pending) - len(self._prefilled)
 
     def routed(self, request_id: str, predicted_ms: float | None, decided_at_s: float) -> None:
         if predicted_ms is not None and predicted_ms > 0 and request_id not in self._pending:
+            if self.waiting() == 0:
+                self._busy_since = decided_at_s
             self._pending[request_id] = (decided_at_s, predicted_ms)
 
-    def prefilled(self, request_id: str) -> None:
-        """Its prefill is done (first token, or the handoff to decode): no longer late."""
-        if request_id in self._pending:
+    def first_token(self, request_id: str, at_s: float) -> None:
+        """Its first token reached the router at ``at_s`` (``FirstToken``, or the router's own
+        ``PrefillCompleted`` in aggregated serving): its wait is over, its ratio comes with its
+        completion."""
+        if request_id in self._pending and request_id not in self._prefilled:
+            self._left(at_s, True)
             self._prefilled.add(request_id)
 
-    def completed(self, request_id: str, observed_ms: float) -> None:
+    def completed(self, request_id: str, observed_ms: float, at_s: float) -> None:
+        if request_id in self._pending and request_id not in self._prefilled:
+            self._left(at_s, True)  # a completion had its first token
         self._prefilled.discard(request_id)
         p = self._pending.pop(request_id, None)
         if p is not None and observed_ms > 0:
             self._seq += 1
             heapq.heappush(self._obs, (p[0], self._seq, observed_ms / p[1]))
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, at_s: float) -> None:
+        if request_id in self._pending and request_id not in self._prefilled:
+            self._left(at_s, False)
         self._pending.pop(request_id, None)
         self._prefilled.discard(request_id)
+
+    def _left(self, at_s: float, first_token: bool) -> None:
+        """One request stops waiting at ``at_s`` (called before the sets change)."""
+        if first_token:
+            self._firsts.append(at_s)
+        if self.waiting() == 1 and self._busy_since is not None:
+            self._busy.append((self._busy_since, max(at_s, self._busy_since)))
+            self._busy_since = None
 
     def expire(self, now: float) -> None:
         while self._obs and self._obs[0][0] < now - MARGIN_WINDOW_S:
             heapq.heappop(self._obs)
+        while self._busy and self._busy[0][1] < now - QUEUE_WINDOW_S:
+            self._busy.popleft()
+        while self._firsts and self._firsts[0] < now - QUEUE_WINDOW_S:
+            self._firsts.popleft()
 
     def factor(self, now: float | None = None) -> float:
         """The margin at ``now`` (decision time, unix s; None: completed requests only)."""
-        ratios = [r for _, _, r in self._obs]
+        q = 1.0
+        if len(self._obs) >= MARGIN_MIN_SAMPLES:
+            ratios = sorted(r for _, _, r in self._obs)
+            q = ratios[max(0, ceil(MARGIN_QUANTILE * len(ratios)) - 1)]
         if now is not None:
-            ratios += [late for rid, (at, ms) in self._pending.items()
-                       if rid not in self._prefilled and (late := (now - at) * 1000 / ms) > 1.0]
-        if len(ratios) < MARGIN_MIN_SAMPLES:
-            return 1.0
-        ratios.sort()
-        q = ratios[max(0, ceil(MARGIN_QUANTILE * len(ratios)) - 1)]
+            late = sorted((r for rid, (at, ms) in self._pending.items()
+                           if rid not in self._prefilled and (r := (now - at) * 1000 / ms) > 1.0), reverse=True)
+            if len(late) >= MARGIN_OVERDUE:
+                q = max(q, late[MARGIN_OVERDUE - 1])
         return min(max(q, 1.0), MARGIN_MAX)
 
+    def queue_ms(self, now: float) -> float:
+        """The TTFT this router's own queue implies for one more request at ``now`` (ms): the
+        requests waiting for their first token, plus it, times the busy time per first token
+        over the last :data:`QUEUE_WINDOW_S` (busy: some request was waiting); 0 with fewer
+        than :data:`QUEUE_MIN_FIRSTS` first tokens in the window.
 
-def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
-                     loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False) -> tuple[str, int] | None:
-    """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``budget_ms``;
-    None when it does not, when the budget is off (0) or when no row carries a prediction (a
-    decode phase).
+        Why: the prediction and its margin learn from outcomes, a TTFT after the fact; a burst
+        is admitted in full before the first of them is late. The busy time per first token is
+        the box's service time as this router sees it, whatever slows it (the other replica's
+        traffic, a saturated CPU); each request admitted adds one to the queue at once, so a
+        burst meets the budget after a few requests instead of a second later. At light load
+        the queue is 0 or 1 and the busy time per first token is about one TTFT."""
+        lo = now - QUEUE_WINDOW_S
+        firsts = sum(1 for t in self._firsts if t >= lo)
+        if firsts < QUEUE_MIN_FIRSTS:
+            return 0.0
+        busy = sum(max(0.0, min(e, now) - max(b, lo)) for b, e in self._busy)
+        if self._busy_since is not None:
+            busy += max(0.0, now - max(self._busy_since, lo))
+        return (self.waiting() + 1) * busy / firsts * 1000
 
-    The TTFT the client would see: the best eligible row's predicted TTFT times ``margin``
-    (:class:`PromiseMargin`: how far recent predictions fell short), plus ``spent_ms``
-    (what the request already spent in this router since it arrived: its body, its tokens, the
-    admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the request
-    waited about that long before the router read it, and its first token meets it again on the
-    way back). Retry-After: the excess, in whole seconds, at least 1 (the queue ahead drains at
-    about the rate it was predicted).
 
-    ``idle``: this router has nothing in flight and its model was fitted from observations. Then
+def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
+                 loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False,
+                 at_s: float = 0.0, queue_ms: float = 0.0) -> AdmissionTerms | None:
+    """The terms of the budget test for a decision's ``scores`` (None: the budget is off, 0):
+    the best eligible row's predicted TTFT and worker (None when no row carries one: a decode
+    phase), with what the router measured. Recorded in ``RequestRouted.admission`` /
+    ``RequestRejected.admission``; :func:`over_budget` is the test itself."""
+    if budget_ms <= 0:
+        return None
+    best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
+                if r.eligible and r.predicted_ttft_ms is not None), default=(None, ""))
+    return AdmissionTerms(budget_ms=budget_ms, predicted_ttft_ms=best[0], worker_id=best[1], margin=margin,
+                          spent_ms=spent_ms, loop_lag_ms=loop_lag_ms, idle=idle, at_s=at_s, queue_ms=queue_ms)
+
+
+def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
+    """(reason, Retry-After seconds) when the TTFT the client would see exceeds ``t.budget_ms``;
+    None when it does not, when the budget is off (0), when the router is ``idle`` or when no
+    row carried a prediction (a decode phase).
+
+    The TTFT the client would see: the best eligible row's predicted TTFT times the ``margin``
+    (:class:`PromiseMargin`: how far recent predictions fell short), or ``queue_ms`` when
+    larger (:meth:`PromiseMargin.queue_ms`: what the router's own queue implies), plus ``spent_ms`` (what
+    the request already spent in this router since it arrived: its body, its tokens, the
+    admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the
+    request waited about that long before the router read it, and its first token meets it
+    again on the way back). Retry-After: the excess, in whole seconds, at least 1 (the queue
+    ahead drains at about the rate it was predicted).
+
+    ``idle``: the router has nothing in flight and its model was fitted from observations. Then
     the request is never refused: the fit and the margin learn only from requests served, so a
     router that refused everything after a stall would keep its stale, pessimistic prediction
     for the whole fit window (measured: a chaos run whose first seconds ran slow then shed 62%
     of the traffic outside the overload phase). One request at a time per router is the
     evidence that corrects it. (The prior, with no observation behind it, is not stale: it is
     held to the budget.)"""
-    if budget_ms <= 0 or idle:
+    if t.budget_ms <= 0 or t.idle or t.predicted_ttft_ms is None:
         return None
-    best = min(((r.predicted_ttft_ms, r.worker_id) for r in scores
-                if r.eligible and r.predicted_ttft_ms is not None), default=None)
-    if best is None:
-        return None
-    ms, wid = best
-    total = ms * max(margin, 1.0) + max(spent_ms, 0.0) + max(loop_lag_ms, 0.0)
-    if total <= budget_ms:
+    ms, margin = t.predicted_ttft_ms, t.margin
+    expected = ms * max(margin, 1.0)
+    total = max(expected, t.queue_ms) + max(t.spent_ms, 0.0) + max(t.loop_lag_ms, 0.0)
+    if total <= t.budget_ms:
         return None
     times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
-    return (f"predicted TTFT {ms:.0f} ms on the best candidate ({wid}){times} + {spent_ms:.0f} ms already spent in the "
-            f"router + {loop_lag_ms:.0f} ms of its event-loop lag = {total:.0f} ms exceeds the budget of "
-            f"{budget_ms:g} ms", max(1, ceil((total - budget_ms) / 1000)))
+    what = f"predicted TTFT {ms:.0f} ms on the best candidate ({t.worker_id}){times}"
+    if t.queue_ms > expected:
+        what = f"{t.queue_ms:.0f} ms for this router's own queue (above the {what})"
+    return (f"{what} + {t.spent_ms:.0f} ms already spent in the router + {t.loop_lag_ms:.0f} ms of its event-loop "
+            f"lag = {total:.0f} ms exceeds the budget of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))
+
+
+def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
+                     loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False) -> tuple[str, int] | None:
+    """:func:`over_budget` on the :func:`budget_terms` of ``scores``."""
+    t = budget_terms(scores, budget_ms, spent_ms, loop_lag_ms, margin, idle)
+    return None if t is None else over_budget(t)

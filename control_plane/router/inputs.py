@@ -32,7 +32,7 @@ from control_plane.router.decision import NO_OVERLAP, Decision, RoutingRequest, 
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, RouterLedger, role_of_phase
 from control_plane.router.ttft import PRIOR, predict_ttft_ms
-from schemas.events import RequestRouted, TtftModel
+from schemas.events import AdmissionTerms, RequestRouted, TtftModel
 from schemas.types import BlockHash, RequestPhase, WorkerId
 
 
@@ -178,10 +178,11 @@ def routed_event(
     excluded: Collection[str] = (),
     decided_at_s: float = 0.0,
     queued_ms: float = 0.0,
+    admission: AdmissionTerms | None = None,
 ) -> RequestRouted:
     """The ``RequestRouted`` that records ``decision``: its score table and reason, what it was
-    decided on (position, config version, seed, cursor, exclusions, ``now``) and what the
-    ledger holds for it."""
+    decided on (position, config version, seed, cursor, exclusions, ``now``), what the
+    ledger holds for it, and the TTFT budget test's terms (``admission``) when one ran."""
     # The other candidates' models are not recorded (RequestRouted.ttft_models is deprecated):
     # they are the fold's, which replay re-derives, and their rows carry their predictions.
     predicted, model = _predicted_ttft(decision, inputs)
@@ -191,7 +192,7 @@ def routed_event(
         expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
         excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
         inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
-        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model)
+        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model, admission=admission)
 
 
 def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> tuple[float | None, TtftModel | None]:

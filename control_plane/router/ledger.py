@@ -52,6 +52,7 @@ from control_plane.router.ttft_fit import TtftFit
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
+    FirstToken,
     PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
@@ -318,6 +319,7 @@ class RouterLedger:
             RequestAdmitted: self._admitted,
             RequestRouted: self._routed,
             PrefillCompleted: self._prefill_completed,
+            FirstToken: self._first_token,
             RequestCompleted: self._completed,
             RequestFailed: self._failed,
             RequestRejected: self._ended,
@@ -337,7 +339,7 @@ class RouterLedger:
         self.margin.expire(now)
         for rid, _worker in self.inflight.expire(now):
             if rid not in self.inflight:  # its last entry lapsed: its end was never recorded
-                self._forget(rid)
+                self._forget(rid, now)
         if phase is RequestPhase.DECODE:
             worker = self._prefill_worker.get(request_id)
             if worker is not None:
@@ -357,8 +359,6 @@ class RouterLedger:
         if ev.mode is RoutingMode.ROUND_ROBIN:
             self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
-        if ev.phase is RequestPhase.DECODE:
-            self.margin.prefilled(rid)
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             done = (ev.ttft_model.queue_done_tokens or 0) if ev.ttft_model is not None else 0
@@ -378,7 +378,12 @@ class RouterLedger:
 
     def _prefill_completed(self, env: Envelope[Event]) -> None:
         self.inflight.prefill_done(env.data.request_id)  # type: ignore[attr-defined]
-        self.margin.prefilled(env.data.request_id)  # type: ignore[attr-defined]
+        # The router records it at the first token (aggregated serving; a prefill worker's,
+        # in disaggregated serving, is not this router's event).
+        self.margin.first_token(env.data.request_id, env.occurred_at_ns / 1e9)  # type: ignore[attr-defined]
+
+    def _first_token(self, env: Envelope[Event]) -> None:
+        self.margin.first_token(env.data.request_id, env.occurred_at_ns / 1e9)  # type: ignore[attr-defined]
 
     def _failed(self, env: Envelope[Event]) -> None:
         ev: RequestFailed = env.data  # type: ignore[assignment]
@@ -387,28 +392,29 @@ class RouterLedger:
             self.inflight.drop_worker(ev.worker_id)
         self.inflight.complete(ev.request_id)
         if not ev.retried:
-            self._forget(ev.request_id)
+            self._forget(ev.request_id, env.occurred_at_ns / 1e9)
 
     def _completed(self, env: Envelope[Event]) -> None:
         ev: RequestCompleted = env.data  # type: ignore[assignment]
         # The TTFT after the router's own queueing, as reconcile reads it.
         self.ttft_fit.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
-        self.margin.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
+        self.margin.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0),
+                              env.occurred_at_ns / 1e9)
         self._ended(env)
 
     def _ended(self, env: Envelope[Event]) -> None:
         rid = env.data.request_id  # type: ignore[attr-defined]
         self.inflight.complete(rid)
-        self._forget(rid)
+        self._forget(rid, env.occurred_at_ns / 1e9)
 
-    def _forget(self, rid: RequestId) -> None:
+    def _forget(self, rid: RequestId, at_s: float) -> None:
         self._hashes.pop(rid, None)
         self._block_size.pop(rid, None)
         self._prefill_worker.pop(rid, None)
         self._queued_ms.pop(rid, None)
         self._prompt_tokens.pop(rid, None)
         self.ttft_fit.forget(rid)
-        self.margin.forget(rid)
+        self.margin.forget(rid, at_s)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from control_plane.router.admission import AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, has_room, over_ttft_budget
+from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, budget_terms, has_room,
+                                            over_budget)
 from control_plane.router.config import RouterConfig
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.inputs import decision_inputs, execute, routed_event
@@ -48,6 +49,8 @@ from common.hashing import HashConfig
 from common.log.sink import EventSink
 from schemas.envelope import Envelope
 from schemas.events import (
+    AdmissionTerms,
+    FirstToken,
     Event,
     PrefillCompleted,
     RequestAdmitted,
@@ -67,10 +70,12 @@ class RouterRejected(Exception):
     is the request's state (:attr:`Admission.end`), not the exception's."""
 
     def __init__(self, message: str, status: int = 503, code: str = "no_workers",
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, admission: AdmissionTerms | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        #: The TTFT budget test's terms when it refused (recorded in ``RequestRejected``).
+        self.admission = admission
         self.retry_after_s = retry_after_s if retry_after_s is not None else (1 if status in (429, 503) else None)
 
 
@@ -271,7 +276,10 @@ class Router:
         try:
             adm.queued_s = await self.admission.acquire(len(adm.tokens), left_s)
         except QueueRefused as e:
-            raise RouterRejected(str(e), e.status, e.code, e.retry_after_s) from None
+            # A request that waited out its budget: the terms it was refused on, no prediction.
+            terms = (budget_terms((), budget, self.spent_ms(adm), self.loop_lag_ms(), at_s=time.time())
+                     if e.code == "ttft_budget" else None)
+            raise RouterRejected(str(e), e.status, e.code, e.retry_after_s, admission=terms) from None
         adm.granted = True
 
     def _routed(self, adm: Admission) -> None:
@@ -294,10 +302,12 @@ class Router:
         """End a request that failed inside the router itself (recorded, ledger cleared)."""
         return self.end(adm, RequestFailed(request_id=adm.request_id, reason=reason, code=code))
 
-    def reject(self, adm: Admission, reason: str, code: str, status: int) -> bool:
-        """End a request refused before its first token (unless it already ended)."""
+    def reject(self, adm: Admission, reason: str, code: str, status: int,
+               admission: AdmissionTerms | None = None) -> bool:
+        """End a request refused before its first token (unless it already ended);
+        ``admission``: the TTFT budget test's terms when it refused."""
         return self.end(adm, RequestRejected(request_id=adm.request_id, reason=reason, code=code,
-                                             http_status=status))
+                                             http_status=status, admission=admission))
 
     # -- decision ---------------------------------------------------------------------------
 
@@ -325,24 +335,27 @@ class Router:
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         budget = self.budget_ms(adm) if attempt == 0 else 0.0
+        terms = None
         if budget > 0:  # only then: the margin sorts its window's ratios
             # The probe that keeps the router's own SLO from locking itself out
             # (``over_ttft_budget``): nothing in flight, a fitted model, and no tighter deadline of
             # the client's own (a client that set one asked to be refused rather than served late).
             probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
                      and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
-            over = over_ttft_budget(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(),
-                                    self.ledger.margin.factor(now), idle=probe)
+            terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(),
+                                 self.ledger.margin.factor(now), idle=probe, at_s=now,
+                                 queue_ms=self.ledger.margin.queue_ms(now))
+            over = over_budget(terms)
             if over is not None:
                 # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
-                raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1])
+                raise RouterRejected(over[0], 429, "ttft_budget", retry_after_s=over[1], admission=terms)
         queued_ms = adm.queued_s * 1000 if adm.granted else 0.0
         self._routed(adm)
         health = self._health() if self._health else None
         ev = routed_event(d, inputs, self.config, router_id=self.router_id, attempt=attempt,
                           index_position={f"{t}:{p}": o for (t, p), o in self.view.positions.items()},
                           view_state=health.state if health else "", excluded=excluded, decided_at_s=now,
-                          queued_ms=queued_ms)
+                          queued_ms=queued_ms, admission=terms)
         self._record(ev, adm.request_id)
         return ev, self.view.workers[d.worker_id]
 
@@ -523,6 +536,9 @@ class Router:
             self._record(PrefillCompleted(
                 request_id=adm.request_id, worker_id=worker_id, prompt_tokens=len(adm.tokens),
                 duration_ms=(time.monotonic() - adm.received_at) * 1000), adm.request_id)
+        else:  # the decode hop's end, which the TTFT margin waits for (``PromiseMargin``)
+            self._record(FirstToken(request_id=adm.request_id, worker_id=worker_id,
+                                    ttft_ms=(time.monotonic() - adm.received_at) * 1000), adm.request_id)
         self.admission.poke()
 
     def _completed(self, adm: Admission, t: "_Tracker") -> None:

@@ -251,7 +251,7 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
     except RouterRejected as e:
         await gen.aclose()
         # Rejected, unless its last attempt failed for good (then that RequestFailed is its end).
-        outcome = "rejected" if router.reject(adm, str(e), e.code, e.status) else "failed"
+        outcome = "rejected" if router.reject(adm, str(e), e.code, e.status, e.admission) else "failed"
         c.metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
         if outcome == "rejected":
             c.metrics.rejections.labels(code=e.code).inc()

@@ -6,7 +6,8 @@ fold, and every admitted request for an end with a reason.
 
 * :mod:`.plan` is pure: (seed, duration, faults) -> the schedule.
 * :mod:`.system` starts and restarts the processes (adapter).
-* :mod:`.load` is the open-loop client; :mod:`.run` executes a plan against a system;
+* :mod:`.client` is the open-loop client, a process of its own; :mod:`.load` the runner's side of
+  it; :mod:`.run` executes a plan against a system;
   :mod:`.report` folds what was recorded and what the log holds into the verdict.
 """
 

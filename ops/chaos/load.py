@@ -1,38 +1,29 @@
 """Open-loop load against the router replicas, recording every request's fate at the client.
 
-Open loop: arrivals follow a seeded Poisson process at ``rate`` x the plan's factor of the
+Open loop: arrivals follow a seeded Poisson process at ``rate`` x the overload factor of the
 moment, whether or not earlier requests have finished, so a stalled system meets the traffic
 it would meet in production instead of a politely waiting client. Requests go round-robin over
 the replicas; a connection refused (the replica is down) is sent on to the next replica, as a
 client behind a load balancer would see it. Everything else the client sees is recorded as it
-is: the HTTP status and the router's error code, or the exception's name.
+is: the HTTP status and the router's error code, or the failure's name.
+
+The generator runs in a process of its own (:mod:`ops.chaos.client`, which says why); this is
+the runner's side of it: it starts that process, tells it when the overload phase runs, and
+folds what it reports into :class:`Sent` records.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import random
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-import httpx
-
-from control_plane.router.loop_lag_probe import LoopLagProbe
-from ops.demo.loadgen import Prepared, Result, send_one
-
-#: Scheduling priority (nice) of the client's thread. On one box the client shares the CPUs with the
-#: system it measures; at its default priority it ran 0.3 s late at p50 in the overload phase,
-#: and each of a request's ~10 awaits paid that again: seconds of TTFT no router could see
-#: (docs/faults.md, "Admission under overload"). Raised, it measures the system as a client on
-#: another machine would. Needs CAP_SYS_NICE; without it the client runs as it is, and says so.
-CLIENT_NICE = -10
-
-#: Client exceptions that mean "this replica took no request": try the next one.
-_NOT_CONNECTED = frozenset({"ConnectError", "ConnectTimeout"})
+from common.settings import repo_root
+from ops.chaos.client import ClientConfig
+from ops.demo.loadgen import Result
 
 
 @dataclass
@@ -47,6 +38,9 @@ class Sent:
     attempts: int = 0
     end_s: float = 0.0
     result: Result | None = None
+    #: When the arrival process wanted it sent (None: not recorded); ``sent_s - due_s`` is the
+    #: generator's own lateness, not the system's (TTFT counts from ``sent_s``).
+    due_s: float | None = None
 
     @property
     def done(self) -> bool:
@@ -57,9 +51,13 @@ class Sent:
         return self.result is not None and self.result.ok
 
     @property
+    def send_late_ms(self) -> float | None:
+        return None if self.due_s is None else max(0.0, self.sent_s - self.due_s) * 1000
+
+    @property
     def outcome(self) -> str:
         """``ok``, ``rejected:<code>`` or ``failed:<code>`` (``<code>``: the router's error
-        code, ``http_<status>``, or the client exception's name)."""
+        code, ``http_<status>``, or the client failure's name)."""
         r = self.result
         if r is None:
             return "pending"
@@ -68,59 +66,74 @@ class Sent:
         return f"{'rejected' if r.rejected else 'failed'}:{r.code}"
 
 
-def _prompt(i: int, block_size: int) -> list[int]:
-    """A shared 6-block document, one of 7 shared follow-up blocks, then a unique block: the
-    router has prefixes to score and every request still has work of its own."""
-    doc = list(range(2000, 2000 + block_size * 6))
-    return doc + [10 + i % 7] * block_size + [100_000 + i] * block_size
-
-
 class OpenLoopLoad:
-    """A thread running an asyncio loop of Poisson arrivals until :meth:`stop`."""
+    """The generator's process, and what it reported so far."""
 
-    def __init__(self, urls: list[str], rate: float, rate_factor: Callable[[float], float], *, seed: int = 0,
-                 id_prefix: str = "chaos", max_tokens: int = 8, block_size: int = 64,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(self, urls: list[str], rate: float, *, seed: int = 0, id_prefix: str = "chaos",
+                 max_tokens: int = 8, block_size: int = 64, timeout_s: float = 60.0) -> None:
         if rate <= 0:
             raise ValueError(f"rate {rate} must be > 0 requests/s")
         self.urls = list(urls)
         self.rate = rate
-        self.rate_factor = rate_factor
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.id_prefix = id_prefix
         self.max_tokens = max_tokens
         self.block_size = block_size
         self.timeout_s = timeout_s
         self.sent: list[Sent] = []
-        #: (seconds from the start, lag s) of each sample of this client's own event-loop lag: a
-        #: client whose loop runs late sends late and reads late, and would blame the system.
+        #: (seconds from the start, lag s) of each sample of the client's own event-loop lag: a
+        #: client whose loop runs late reads late, and would blame the system.
         self.loop_lag: list[tuple[float, float]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-load", daemon=True)
-        #: The client thread's nice value once it runs, or the error that kept it at the default.
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self._closed = threading.Event()
+        #: The client process's nice value, or the error that kept it at the default.
         self.priority: str = ""
+        #: The client's stderr tail when it exited abnormally.
+        self.error: str = ""
         self.t0 = 0.0
-
-    def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CLIENT_NICE)
-            self.priority = f"nice {CLIENT_NICE}"
-        except OSError as e:
-            self.priority = f"default ({type(e).__name__}: {e})"
-        asyncio.run(self._main())
 
     def now_s(self) -> float:
         return time.monotonic() - self.t0
 
     def start(self) -> None:
         self.t0 = time.monotonic()
-        self._thread.start()
+        cfg = ClientConfig(urls=self.urls, rate=self.rate, t0=self.t0, seed=self.seed, id_prefix=self.id_prefix,
+                           max_tokens=self.max_tokens, block_size=self.block_size, timeout_s=self.timeout_s)
+        self._proc = subprocess.Popen([sys.executable, "-m", "ops.chaos.client"], cwd=repo_root(),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, bufsize=1)
+        self._send({**asdict(cfg)})
+        self._reader = threading.Thread(target=self._read, name="chaos-load-reader", daemon=True)
+        self._reader.start()
+
+    def set_overload(self, start_s: float, end_s: float, factor: float) -> None:
+        """Arrivals x ``factor`` from ``start_s`` to ``end_s`` (seconds from the start)."""
+        self._send({"overload": [start_s, end_s, factor]})
 
     def stop(self, drain_s: float = 90.0) -> None:
-        """Stop sending; wait (at most ``drain_s``) for the requests in flight to end."""
-        self._stop.set()
-        self._thread.join(drain_s)
+        """Stop sending; wait (at most ``drain_s``) for the requests in flight to end; the
+        process is gone when this returns."""
+        p = self._proc
+        if p is None:
+            return
+        if p.poll() is None:
+            self._send({"stop": drain_s})
+            self._closed.wait(drain_s + 10)
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        if self._reader is not None:
+            self._reader.join(10)
+        if p.returncode not in (0, None):
+            self.error = (p.stderr.read() if p.stderr else "")[-2000:]
 
     def snapshot(self) -> list[Sent]:
         with self._lock:
@@ -134,45 +147,32 @@ class OpenLoopLoad:
     def ok_count(self) -> int:
         return sum(1 for s in self.snapshot() if s.ok)
 
-    async def _main(self) -> None:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        # A refused connection fails at once (failover); a slow accept on a loaded box is not one.
-        timeout = httpx.Timeout(self.timeout_s, connect=10.0)
-        tasks: set[asyncio.Task] = set()
-        probe = LoopLagProbe(on_sample=lambda lag: self.loop_lag.append((self.now_s(), lag)))
-        probe.start()
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            i = 0
-            next_at = 0.0
-            while not self._stop.is_set():
-                delay = next_at - self.now_s()
-                if delay > 0:
-                    await asyncio.sleep(min(delay, 0.2))
-                    continue
-                factor = self.rate_factor(next_at)
-                s = Sent(i, f"{self.id_prefix}-{i}", self.now_s(), factor > 1.0)
+    # -- the pipe ------------------------------------------------------------------------------
+
+    def _send(self, obj: dict) -> None:
+        try:
+            self._proc.stdin.write(json.dumps(obj) + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the process is gone: stop() reports how it ended
+
+    def _read(self) -> None:
+        by_index: dict[int, Sent] = {}
+        for line in self._proc.stdout:
+            msg = json.loads(line)
+            if (d := msg.get("sent")) is not None:
+                s = Sent(d["index"], d["client_id"], d["sent_s"], d["overload"], due_s=d["due_s"])
                 with self._lock:
                     self.sent.append(s)
-                t = asyncio.create_task(self._send(client, s))
-                tasks.add(t)
-                t.add_done_callback(tasks.discard)
-                i += 1
-                next_at += self.rng.expovariate(self.rate * factor)
-            if tasks:
-                await asyncio.wait(tasks, timeout=self.timeout_s + 5)
-        await probe.stop()
-
-    async def _send(self, client: httpx.AsyncClient, s: Sent) -> None:
-        prompt = _prompt(s.index, self.block_size)
-        body = {"model": "switchyard-sim", "prompt": prompt, "max_tokens": self.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "request_id": s.client_id}
-        p = Prepared(s.index, s.client_id, s.sent_s, len(prompt), json.dumps(body, separators=(",", ":")).encode())
-        res: Result | None = None
-        for k in range(len(self.urls)):
-            s.replica = (s.index + k) % len(self.urls)
-            s.attempts = k + 1
-            res = await send_one(client, f"{self.urls[s.replica]}/v1/completions", p)
-            if not (res.status == 0 and res.code in _NOT_CONNECTED):
-                break
-        s.end_s = self.now_s()
-        s.result = res
+                by_index[s.index] = s
+            elif (d := msg.get("done")) is not None:
+                s = by_index.pop(d["index"])
+                s.replica, s.attempts, s.end_s = d["replica"], d["attempts"], d["end_s"]
+                s.result = Result(**d["result"])  # last: ``done`` reads it
+            elif (lag := msg.get("lag")) is not None:
+                self.loop_lag.append((lag[0], lag[1]))
+            elif "priority" in msg:
+                self.priority = msg["priority"]
+            elif msg.get("closed"):
+                self._closed.set()
+        self._closed.set()

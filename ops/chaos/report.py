@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -126,10 +127,26 @@ def first_routes(events: list[Envelope]) -> dict[str, FirstRoute]:
     return out
 
 
-def request_rows(sent: list[Sent], events: list[Envelope]) -> list[dict]:
+def client_lag_ms(lag: list[tuple[float, float]], s: Sent) -> float | None:
+    """The longest the client's own loop was seen late (ms; one sample every 50 ms) while ``s``
+    waited for its first token: a first token that arrived then was read that much late, which
+    is the client's, not the system's. None when ``s`` was not served or nothing was sampled."""
+    if not (s.ok and lag):
+        return None
+    end = s.sent_s + s.result.ttft_ms / 1000
+    # A sample at t late by L says the loop was blocked over [t - L, t].
+    lags = [x for t, x in lag[bisect_left(lag, (s.sent_s,)):bisect_right(lag, (end + 1.0,))] if t - x <= end]
+    return max(lags) * 1000 if lags else 0.0
+
+
+def request_rows(sent: list[Sent], events: list[Envelope],
+                 client_loop_lag: list[tuple[float, float]] | None = None) -> list[dict]:
     """One row per request sent, the client's record beside the log's (the router's TTFT from
     admission, its first prediction, its queueing, its end): what ``requests.jsonl`` holds, to
-    blame a missed TTFT on the client, the router or the prediction. Pure."""
+    blame a missed TTFT on the client, the router or the prediction. The client's own share:
+    ``send_late_ms`` (the generator sent it that late against its arrival schedule; not in its
+    TTFT) and ``client_lag_ms`` (:func:`client_lag_ms`: in its TTFT). Pure."""
+    lag = sorted(client_loop_lag or ())
     admitted, ended = request_ends(events)
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
     routes = first_routes(events)
@@ -145,7 +162,9 @@ def request_rows(sent: list[Sent], events: list[Envelope]) -> list[dict]:
                      "predicted_ttft_ms": fr.predicted_ttft_ms if fr else None,
                      "queued_ms": fr.queued_ms if fr else None,
                      "end": f"{e.kind}:{e.code}" if e and e.code else (e.kind if e else None),
-                     "reason": e.reason if e else ""})
+                     "reason": e.reason if e else "",
+                     "send_late_ms": None if s.send_late_ms is None else round(s.send_late_ms, 1),
+                     "client_lag_ms": client_lag_ms(lag, s)})
     return rows
 
 
@@ -191,6 +210,8 @@ class ChaosReport:
                 f"rejections_without_reason={c['rejections_without_reason']} slo_ms={self.slo_ms:g} "
                 f"overload_ttft_p99_ms={_fmt(self.overload.get('ttft_ms_p99'))} "
                 f"overload_over_slo={self.overload.get('over_slo', 0)} "
+                f"overload_over_slo_client={self.overload.get('over_slo_client', 0)} "
+                f"overload_send_late_p99_ms={_fmt(self.overload.get('send_late_ms_p99'))} "
                 f"overload_shed={self.overload.get('shed', 0.0):.3f} "
                 f"outside_shed={self.outside.get('shed', 0.0):.3f} quiet_shed={self.quiet.get('shed', 0.0):.3f}")
 
@@ -224,7 +245,9 @@ class ChaosReport:
                     f"{o['failed']} failed; served TTFT p50 {_fmt(o['ttft_ms_p50'])} / p99 "
                     f"{_fmt(o['ttft_ms_p99'])} ms")
             if "over_slo" in o:
-                line += (f" ({o['over_slo']} over the {self.slo_ms:g} ms SLO); by its router from admission: p50 "
+                line += (f" ({o['over_slo']} over the {self.slo_ms:g} ms SLO, {o.get('over_slo_client', 0)} of them "
+                         f"within it but for the client's own loop lag); sent late by the generator p50 "
+                         f"{_fmt(o.get('send_late_ms_p50'))} / p99 {_fmt(o.get('send_late_ms_p99'))} ms; by its router from admission: p50 "
                          f"{_fmt(o['router_ttft_ms_p50'])} / p99 {_fmt(o['router_ttft_ms_p99'])} ms; predicted p50 "
                          f"{_fmt(o['predicted_ttft_ms_p50'])} / p99 {_fmt(o['predicted_ttft_ms_p99'])} ms; unseen "
                          f"by the router p50 {_fmt(o['unseen_ms_p50'])} / p99 {_fmt(o['unseen_ms_p99'])} ms")
@@ -261,11 +284,15 @@ def _pcts(xs: list[float], name: str = "ttft_ms") -> dict[str, float | None]:
     return {f"{name}_p{q}": xs[max(0, math.ceil(q / 100 * len(xs)) - 1)] if xs else None for q in (50, 99)}
 
 
-def _phase(sent: list[Sent], ended: dict[str, End], routes: dict[str, FirstRoute], rid_of, slo_ms: float) -> dict:
+def _phase(sent: list[Sent], ended: dict[str, End], routes: dict[str, FirstRoute], rid_of, slo_ms: float,
+           lag: list[tuple[float, float]] = ()) -> dict:
     """One phase's figures (requests that ended at the client): what was served and how fast
     (at the client from its send, by the router from admission, as predicted at the first
     decision, and the part the router never saw: client TTFT less the router's), what was shed
-    and why. ``over_slo``: served requests whose client TTFT exceeds ``slo_ms`` (when > 0)."""
+    and why. ``over_slo``: served requests whose client TTFT exceeds ``slo_ms`` (when > 0);
+    ``over_slo_client``: those of them within it once the client's own loop lag while they
+    waited (:func:`client_lag_ms`, from the sorted samples ``lag``) is taken off: the client's.
+    ``send_late_ms``: how late the generator sent them against its arrival schedule."""
     ok = [s for s in sent if s.result.ok]
     rejected = [s for s in sent if s.result.rejected]
     failed = [s for s in sent if not s.result.ok and not s.result.rejected]
@@ -282,8 +309,11 @@ def _phase(sent: list[Sent], ended: dict[str, End], routes: dict[str, FirstRoute
             "rejected_by_reason": dict(Counter(s.result.code for s in rejected).most_common()),
             "failed_by_reason": dict(Counter(s.result.code for s in failed).most_common()),
             "over_slo": sum(1 for s in ok if s.result.ttft_ms > slo_ms) if slo_ms > 0 else 0,
+            "over_slo_client": sum(1 for s in ok if s.result.ttft_ms > slo_ms >= s.result.ttft_ms
+                                   - (client_lag_ms(lag, s) or 0.0)) if slo_ms > 0 else 0,
             **_pcts([s.result.ttft_ms for s in ok]), **_pcts(router, "router_ttft_ms"),
-            **_pcts(predicted, "predicted_ttft_ms"), **_pcts(unseen, "unseen_ms")}
+            **_pcts(predicted, "predicted_ttft_ms"), **_pcts(unseen, "unseen_ms"),
+            **_pcts([s.send_late_ms for s in sent if s.send_late_ms is not None], "send_late_ms")}
 
 
 def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events: list[Envelope],
@@ -297,6 +327,7 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
     admitted, ended = request_ends(events)
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
     unended = sorted(set(admitted) - set(ended))
+    lag_sorted = sorted(client_loop_lag or ())
 
     silent: list[str] = []
     unadmitted: Counter[str] = Counter()
@@ -372,7 +403,7 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
         checks=checks,
         ledger=ledger.summary(),
         views=[asdict(v) for v in views],
-        overload={**_phase(ov, ended, routes, rid_of, slo_ms),
+        overload={**_phase(ov, ended, routes, rid_of, slo_ms, lag_sorted),
                   **_pcts([lag * 1000 for t, lag in client_loop_lag or () if plan.overload is not None
                            and plan.overload.covers(t)], "client_loop_lag_ms"),
                   # Per sample, a loop blocked 0.5 s counts once among many on-time samples: the
@@ -383,8 +414,8 @@ def build_report(plan: Plan, faults: list[FaultRecord], sent: list[Sent], events
                   if plan.overload is not None and plan.overload.end_s > plan.overload.start_s else None,
                   **_pcts([x[4] for x in lag or () if len(x) > 4 and plan.overload is not None
                            and plan.overload.covers(x[0])], "router_loop_lag_ms")},
-        outside=_phase(outside, ended, routes, rid_of, slo_ms),
-        quiet=_phase(quiet, ended, routes, rid_of, slo_ms),
+        outside=_phase(outside, ended, routes, rid_of, slo_ms, lag_sorted),
+        quiet=_phase(quiet, ended, routes, rid_of, slo_ms, lag_sorted),
         slo_ms=slo_ms,
         failures_by_reason=dict(failures.most_common()),
         log_ends_by_reason=dict(Counter(f"{e.kind}:{e.code}" if e.code else e.kind

@@ -160,9 +160,6 @@ class Runner:
     def mono_to_s(self, t_mono: float) -> float:
         return t_mono - self.load.t0
 
-    def _rate_factor(self, t_s: float) -> float:
-        return self.plan.rate_factor(t_s) if self.overloading else 1.0
-
     def sleep_until(self, t_s: float) -> None:
         """Wait for a time of the plan (the schedule, not a guess at a recovery)."""
         while (left := t_s - self.now()) > 0:
@@ -171,7 +168,7 @@ class Runner:
     # -- the run -----------------------------------------------------------------------------
 
     def execute(self) -> None:
-        self.load = OpenLoopLoad(self.system.router_urls, self.settings.rate, self._rate_factor,
+        self.load = OpenLoopLoad(self.system.router_urls, self.settings.rate,
                                  seed=self.plan.config.seed, id_prefix=f"chaos-{uuid.uuid4().hex[:6]}",
                                  block_size=self.system.s.block_size)
         self.probe = Probe(self.system)
@@ -198,6 +195,7 @@ class Runner:
             self.sleep_until(self.plan.overload.start_s)
             self.overloading = True
             ov = self.plan.overload
+            self.load.set_overload(ov.start_s, ov.end_s, ov.factor)
             self.echo(f"overload x{ov.factor:g} for {ov.end_s - ov.start_s:g} s")
         self.sleep_until(self.plan.duration_s)
         self.load.stop()
@@ -452,12 +450,12 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
                               lag=sampler.samples if sampler else [], crashes=crashes,
                               client_loop_lag=list(runner.load.loop_lag), slo_ms=settings.ttft_slo_ms)
         with open(report_dir / "requests.jsonl", "w") as out:
-            for row in request_rows(runner.load.snapshot(), events):
+            for row in request_rows(runner.load.snapshot(), events, list(runner.load.loop_lag)):
                 out.write(json.dumps(row) + "\n")
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),
             "bootstrap": system.bus.bootstrap, **dataclasses.asdict(topo), "rate": settings.rate,
-            "client_priority": runner.load.priority})
+            "client_priority": runner.load.priority, "client_error": runner.load.error})
     finally:
         system.close()
         if not settings.keep:

@@ -102,7 +102,9 @@ def prepare(records: list[TraceRecord], *, block_size: int = 64, speedup: float 
     return out
 
 
-def _refusal(res: Result, status: int, raw: bytes) -> None:
+def refusal(res: Result, status: int, raw: bytes) -> None:
+    """``res`` refused with HTTP ``status`` and body ``raw``: its code, message, and whether it
+    was load shed on purpose (429, or one of the router's admission codes)."""
     res.status = status
     try:
         err = json.loads(raw).get("error") or {}
@@ -111,6 +113,42 @@ def _refusal(res: Result, status: int, raw: bytes) -> None:
     res.code = str(err.get("code") or f"http_{status}")
     res.error = f"HTTP {status} {res.code}: {str(err.get('message') or raw[:200].decode(errors='replace'))[:200]}"
     res.rejected = status == 429 or res.code in ADMISSION_CODES
+
+
+def read_sse_line(res: Result, line: str, t0: float, last: float | None, now: float) -> tuple[bool, float | None]:
+    """Fold one line of the router's SSE answer into ``res`` (sent at ``t0``, its previous token
+    read at ``last``, this line read at ``now``; monotonic seconds): the first token's TTFT, the
+    ITLs, the usage, an error event. Returns (the stream is over, the last token's time)."""
+    if not line.startswith("data:"):
+        return False, last
+    data = line[5:].strip()
+    if data == "[DONE]":
+        res.ok = True
+        return True, last
+    obj = json.loads(data)
+    if "error" in obj:
+        res.error = obj["error"].get("message", "error")
+        res.code = str(obj["error"].get("code") or "stream_error")
+        return True, last
+    if obj.get("choices") and obj["choices"][0].get("text"):
+        if last is None:
+            res.ttft_ms = (now - t0) * 1000
+        else:
+            res.itls_ms.append((now - last) * 1000)
+        last = now
+        res.output_tokens += 1
+    if obj.get("usage"):
+        res.cached_tokens = int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return False, last
+
+
+def end_result(res: Result, t0: float, now: float) -> Result:
+    """Close ``res``: a stream that ended without ``[DONE]`` nor an error says so; e2e from ``t0``."""
+    if not res.ok and not res.code:
+        res.code = "stream_ended_early"
+        res.error = res.error or "the stream ended without [DONE]"
+    res.e2e_ms = (now - t0) * 1000
+    return res
 
 
 async def send_one(client: httpx.AsyncClient, url: str, p: Prepared) -> Result:
@@ -127,39 +165,17 @@ async def _one(client: httpx.AsyncClient, url: str, p: Prepared) -> Result:
         async with client.stream("POST", url, content=p.body, headers={"Content-Type": "application/json"}) as r:
             res.router_request_id = r.headers.get("x-request-id", "")
             if r.status_code != 200:
-                _refusal(res, r.status_code, await r.aread())
+                refusal(res, r.status_code, await r.aread())
                 return res
             res.status = 200
             async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    res.ok = True
+                over, last = read_sse_line(res, line, t0, last, time.monotonic())
+                if over:
                     break
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = obj["error"].get("message", "error")
-                    res.code = str(obj["error"].get("code") or "stream_error")
-                    break
-                if obj.get("choices") and obj["choices"][0].get("text"):
-                    now = time.monotonic()
-                    if last is None:
-                        res.ttft_ms = (now - t0) * 1000
-                    else:
-                        res.itls_ms.append((now - last) * 1000)
-                    last = now
-                    res.output_tokens += 1
-                if obj.get("usage"):
-                    res.cached_tokens = int((obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
         res.code = type(e).__name__
-    if not res.ok and not res.code:
-        res.code = "stream_ended_early"
-        res.error = res.error or "the stream ended without [DONE]"
-    res.e2e_ms = (time.monotonic() - t0) * 1000
-    return res
+    return end_result(res, t0, time.monotonic())
 
 
 async def run_trace(

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin, QueueRefused,
+                                            budget_terms, over_budget,
                                             has_room, over_ttft_budget)
 from schemas.events import CandidateScore
 
@@ -111,21 +112,21 @@ def test_the_margin_is_the_p90_of_recent_observed_over_predicted_and_forgets_old
     for i in range(10):
         m.routed(f"r{i}", 100.0, 1000.0 + i)
         assert m.factor() == 1.0 or i >= 8
-        m.completed(f"r{i}", 100.0 * (i + 1))
+        m.completed(f"r{i}", 100.0 * (i + 1), 1000.0 + i + 1)
     assert m.factor() == 9.0
     m.expire(1036.5)
     assert m.factor() == 1.0
     fast, slow = PromiseMargin(), PromiseMargin()
     for i in range(8):
         fast.routed(f"f{i}", 100.0, 2000.0)
-        fast.completed(f"f{i}", 50.0)
+        fast.completed(f"f{i}", 50.0, 2000.1)
         slow.routed(f"s{i}", 10.0, 2000.0)
-        slow.completed(f"s{i}", 10_000.0)
+        slow.completed(f"s{i}", 10_000.0, 2010.0)
     assert (fast.factor(), slow.factor()) == (1.0, 10.0)
     # Rejected or failed before a token: no observation.
     m.routed("x", 100.0, 1040.0)
-    m.forget("x")
-    m.completed("x", 5000.0)
+    m.forget("x", 1040.1)
+    m.completed("x", 5000.0, 1045.0)
     assert m.factor() == 1.0
 
 
@@ -146,10 +147,10 @@ def test_a_router_with_nothing_in_flight_admits_whatever_the_prediction():
     assert over_ttft_budget(rows, 1000.0, idle=True) is None
 
 
-def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_complete():
-    """Eight requests decided at t=100 s, each predicted 100 ms, none prefilled yet. At 100.05 s
-    they are not late (0.5 < 1): margin 1. At 100.4 s each is at least 4x late: margin 4. Once
-    prefilled (or handed to decode) they no longer count; completed, their real ratios do."""
+def test_requests_already_late_for_their_first_token_raise_the_margin_before_they_complete():
+    """Eight requests decided at t=100 s, each predicted 100 ms, no first token yet. At 100.05 s
+    they are not late (0.5 < 1): margin 1. At 100.4 s each is at least 4x late: margin 4. Past
+    their first token they no longer count; completed, their real ratios do."""
     m = PromiseMargin()
     for i in range(8):
         m.routed(f"r{i}", 100.0, 100.0)
@@ -157,8 +158,57 @@ def test_requests_already_late_for_their_prefill_raise_the_margin_before_they_co
     assert m.factor(100.4) == pytest.approx(4.0)
     assert m.factor() == 1.0  # completed requests only
     for i in range(8):
-        m.prefilled(f"r{i}")
+        m.first_token(f"r{i}", 100.4)
     assert m.factor(100.4) == 1.0
     for i in range(8):
-        m.completed(f"r{i}", 300.0)
+        m.completed(f"r{i}", 300.0, 100.5)
     assert m.factor(100.4) == pytest.approx(3.0)
+
+
+def test_two_requests_late_for_their_prefill_set_the_margin_whatever_the_window_holds():
+    """A minute of quiet traffic: 60 ratios of 1.0 in the window (p90 = 1). Then requests decided
+    at 100 s predicted 100 ms, still without their first token. At 100.3 s one is 3x late: one straggler
+    alone, margin 1. A second one decided at 100.1 s: 2x late at 100.3; the margin is the second
+    largest lower bound, 2 (pooled with the 60 window ratios, the p90 would stay 1). At 100.5 s:
+    5x and 4x, margin 4. Once one of them has its first token, the window's margin again."""
+    m = PromiseMargin()
+    for i in range(60):
+        m.routed(f"q{i}", 100.0, 40.0 + i)
+        m.completed(f"q{i}", 100.0, 40.1 + i)
+    m.routed("a", 100.0, 100.0)
+    assert m.factor(100.3) == 1.0
+    m.routed("b", 100.0, 100.1)
+    assert m.factor(100.3) == pytest.approx(2.0)
+    assert m.factor(100.5) == pytest.approx(4.0)
+    m.first_token("a", 100.5)
+    assert m.factor(100.5) == 1.0
+
+
+def test_the_routers_own_queue_implies_a_ttft_from_its_busy_time_per_first_token():
+    """Four requests decided at 10.0, 10.2, 10.4, 10.6 s (predicted 100 ms), their first tokens
+    at 10.3, 10.5, 10.7, 10.9: busy from 10.0 to 10.9 (0.9 s) for 4 first tokens, 225 ms each.
+    With none waiting, one more would take 225 ms. Then five are routed at 11.0 and none has its
+    first token yet at 11.2: busy 0.9 + 0.2 s over 4 first tokens, times (5 + 1) waiting: 1,650
+    ms, though none is late enough for the margin (2 x its prediction). A request forgotten
+    (rejected, failed) stops waiting without a first token. Fewer than 3 first tokens: 0."""
+    m = PromiseMargin()
+    assert m.queue_ms(10.0) == 0.0
+    m.routed("a0", 100.0, 10.0)
+    for i in range(1, 4):  # in time order: each routed before the previous one's first token
+        m.routed(f"a{i}", 100.0, 10.0 + 0.2 * i)
+        m.first_token(f"a{i - 1}", 10.1 + 0.2 * i)
+    m.first_token("a3", 10.9)
+    assert m.waiting() == 0 and m.queue_ms(10.95) == pytest.approx(225.0)
+    for i in range(5):
+        m.routed(f"b{i}", 100.0, 11.0)
+    assert m.waiting() == 5 and m.queue_ms(11.2) == pytest.approx(6 * 1100.0 / 4)
+    assert m.factor(11.2) == pytest.approx(2.0)
+    reason, _ = over_budget(budget_terms([_row("w", 100.0)], 1000.0, 10.0, 5.0, m.factor(11.2),
+                                         queue_ms=m.queue_ms(11.2)))
+    assert reason.startswith("1650 ms for this router's own queue (above the predicted TTFT 100 ms on the best "
+                             "candidate (w) x 2.00")
+    for i in range(5):
+        m.forget(f"b{i}", 11.3)
+    assert m.waiting() == 0 and m.queue_ms(11.3) == pytest.approx(1.2 / 4 * 1000)
+    m.expire(25.0)
+    assert m.queue_ms(25.0) == 0.0

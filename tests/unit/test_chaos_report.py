@@ -76,6 +76,7 @@ def test_failures_the_log_explains_are_not_silent_and_the_others_are() -> None:
     assert rep.checks["unended"] == 1 and rep.examples["unended"] == ["r-3"]
     assert rep.unadmitted_client_errors == {"ReadError": 1}
     assert rep.overload == {"sent": 1, "ok": 0, "rejected": 1, "failed": 0, "shed": 1.0, "over_slo": 0,
+                            "over_slo_client": 0, "send_late_ms_p50": None, "send_late_ms_p99": None,
                             "rejected_by_reason": {"queue_full": 1}, "failed_by_reason": {},
                             "ttft_ms_p50": None, "ttft_ms_p99": None, "router_ttft_ms_p50": None,
                             "router_ttft_ms_p99": None, "predicted_ttft_ms_p50": None,
@@ -139,7 +140,9 @@ def test_each_phase_reports_what_it_shed_and_every_rejection_needs_a_reason_on_b
     the router), c-1 rejected at 22 s (in the fault's window: not quiet) with its reason on the
     log. In it (the SLO 250 ms): c-2 served in 400 ms (over the SLO), c-3 rejected ttft_budget
     with a reason, c-4 a bare 429 (no code, nothing on the log), c-5 429 ttft_budget whose log
-    entry has no reason: 2 rejections without a reason, and the run fails."""
+    entry has no reason: 2 rejections without a reason, and the run fails. c-2 left 100 ms after
+    its arrival was due (the generator's lateness, not in its TTFT), and the client's loop was
+    200 ms late while it waited: 400 - 200 <= 250, so its miss is the client's."""
     routed = lambda rid, ms: _env(RequestRouted(request_id=rid, worker_id="w", mode="kv", config_version=1,  # noqa: E731
                                                  rng_seed=0, predicted_ttft_ms=ms, queued_ms=5.0))
     events = [
@@ -161,9 +164,11 @@ def test_each_phase_reports_what_it_shed_and_every_rejection_needs_a_reason_on_b
             _sent(4, ok=False, status=429, code="http_429", rejected=True, at=56.0, overload=True),
             _sent(5, ok=False, status=429, code="ttft_budget", rid="r-5", rejected=True, at=56.0, overload=True)]
     sent[0].result.ttft_ms, sent[2].result.ttft_ms = 300.0, 400.0
+    sent[2].due_s = 54.9
     p = make_plan(PlanConfig(duration_s=60, faults=("router_kill",), overload_s=10))
     rep = build_report(p, [_recovered()], sent, events, LedgerCheck(acked=10, failed=0, records=10),
-                       [ViewCheck("router-0", True, "d", "d", 5)], slo_ms=250.0)
+                       [ViewCheck("router-0", True, "d", "d", 5)], slo_ms=250.0,
+                       client_loop_lag=[(55.3, 0.2)])
     o, out, quiet = rep.overload, rep.outside, rep.quiet
     assert (o["sent"], o["ok"], o["rejected"], o["shed"], o["over_slo"]) == (4, 1, 3, 0.75, 1)
     assert o["rejected_by_reason"] == {"ttft_budget": 2, "http_429": 1}
@@ -174,4 +179,5 @@ def test_each_phase_reports_what_it_shed_and_every_rejection_needs_a_reason_on_b
     assert rep.checks["rejections_without_reason"] == 2 and not rep.ok
     line = rep.result_line()
     assert ("rejections_without_reason=2 slo_ms=250 overload_ttft_p99_ms=400.00 overload_over_slo=1 "
-            "overload_shed=0.750 outside_shed=0.500 quiet_shed=0.000") in line
+            "overload_over_slo_client=1 overload_send_late_p99_ms=100.00 overload_shed=0.750 outside_shed=0.500 "
+            "quiet_shed=0.000") in line

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from control_plane.replay.engine import router_streams
 from control_plane.replay.errors import BadPoint
 from control_plane.replay.points import parse_point
-from control_plane.replay.verify import DecisionRecord, check_table, decision_diffs, replayed_event
+from control_plane.replay.verify import DecisionRecord, check_rejection, check_table, decision_diffs, replayed_event
 from control_plane.router import (
     InflightLedger,
     NoEligibleWorker,
@@ -27,15 +27,19 @@ from control_plane.router import (
     WorkerLoad,
     WorkerOverlap,
 )
+from control_plane.router.admission import budget_terms, over_budget
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger, _entry_from_row
 from common.log.reader import LocatedEvent
 from schemas import EnvelopeFactory
 from schemas.events import (
+    CandidateScore,
+    FirstToken,
     PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
     RequestFailed,
+    RequestRejected,
     RequestRouted,
 )
 from schemas.types import RequestPhase, RoutingMode, WorkerRole
@@ -254,6 +258,51 @@ def test_a_retried_failure_keeps_the_request_an_end_forgets_it() -> None:
     led.apply(_env(f, RequestCompleted(request_id="a", worker_id="w2", prompt_tokens=35, output_tokens=4,
                                        ttft_ms=1, e2e_ms=2)))
     assert len(led) == 0 and led.open_requests() == 0
+
+
+def test_a_disaggregated_request_stays_a_lower_bound_of_the_margin_until_its_first_token() -> None:
+    """Two requests predicted 100 ms, decided at 10.0 and 10.1 s: their decode routes (the
+    prefill done) do not end their wait; at 10.5 s they are at least 5x and 4x late: margin 4.
+    One's ``FirstToken`` ends it: one late request alone, margin 1; its time is the envelope's."""
+    f = EnvelopeFactory("r", 1, lambda: 0)
+    led = RouterLedger(600.0)
+    for rid, at in (("a", 10.0), ("b", 10.1)):
+        led.apply(_env(f, _admitted(rid)))
+        led.apply(_env(f, msgspec.structs.replace(_routed(rid, "p1", RequestPhase.PREFILL, at=at),
+                                                  predicted_ttft_ms=100.0)))
+        led.apply(_env(f, _routed(rid, "d1", RequestPhase.DECODE, at=at + 0.05, prefill=0)))
+    assert led.margin.factor(10.5) == pytest.approx(4.0)
+    led.apply(_env(f, FirstToken(request_id="a", worker_id="d1", ttft_ms=450.0)))
+    assert led.margin.factor(10.5) == 1.0
+
+
+def test_a_budget_refusal_is_re_executed_from_its_terms() -> None:
+    """The recorded terms refuse again with the recorded reason (match); a reason that is not
+    what the rule gives, a margin the ledger does not give, or terms that admit: mismatch. A
+    refusal for waiting out the budget in the queue has no prediction: unverifiable."""
+    terms = budget_terms([CandidateScore(worker_id="a", predicted_ttft_ms=400.0)], 1000.0, 50.0, 10.0, 2.5,
+                         at_s=100.0)
+    reason = over_budget(terms)[0]
+    assert "400 ms on the best candidate (a) x 2.50" in reason and "= 1060 ms exceeds the budget of 1000 ms" in reason
+    rej = RequestRejected(request_id="r", reason=reason, code="ttft_budget", http_status=429, admission=terms)
+    assert check_rejection(rej, (2.5, 0.0)) == "match"
+    assert check_rejection(rej, (2.0, 0.0)).startswith("mismatch: margin, queue_ms (2.5, 0.0) -> (2.0, 0.0)")
+    assert check_rejection(msgspec.structs.replace(rej, reason="x"), (2.5, 0.0)).startswith("mismatch: reason")
+    admits = msgspec.structs.replace(terms, margin=2.0)
+    assert check_rejection(msgspec.structs.replace(rej, admission=admits), None) == "mismatch: the recorded terms admit it"
+    queued = msgspec.structs.replace(rej, admission=budget_terms((), 1000.0, 1200.0))
+    assert check_rejection(queued, None) == "unverifiable"
+
+
+def test_an_admitted_decision_whose_test_refuses_on_replay_is_a_mismatch() -> None:
+    """A recorded RequestRouted whose budget terms, re-executed over the replayed rows, refuse."""
+    row = CandidateScore(worker_id="a", predicted_ttft_ms=900.0)
+    ok = budget_terms([row], 1000.0, 50.0, 10.0, 1.0)
+    ev = RequestRouted(request_id="r", worker_id="a", mode=RoutingMode.KV, config_version=1, rng_seed=1,
+                       scores=[row], admission=ok)
+    assert decision_diffs(ev, ev) == []
+    late = msgspec.structs.replace(ok, margin=2.0)
+    assert decision_diffs(ev, msgspec.structs.replace(ev, admission=late))[0].startswith("admission: admitted -> refused")
 
 
 @settings(max_examples=60, deadline=None)

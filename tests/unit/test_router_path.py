@@ -20,6 +20,7 @@ import httpx
 import msgspec
 import pytest
 
+from control_plane.replay.verify import check_rejection
 from control_plane.router import RouterConfig
 from control_plane.router.server import create_app
 from control_plane.router.serving import RouterApp, RouterMetrics
@@ -300,7 +301,8 @@ async def test_a_disaggregated_request_hands_the_prefills_kv_to_the_decode_worke
     assert prefill.body["kv_transfer_params"] == {"do_remote_decode": True}
     assert decode.worker == "d-1" and decode.body["stream"] is True
     assert decode.body["kv_transfer_params"] == KV_PARAMS  # forwarded as the prefill answered it
-    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestRouted", "RequestCompleted"]
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestRouted", "FirstToken",
+                            "RequestCompleted"]
     assert [(r.phase, r.worker_id) for r in sink.of_type(RequestRouted)] == [
         (RequestPhase.PREFILL, "p-1"), (RequestPhase.DECODE, "d-1")]
     assert sink.of_type(RequestCompleted)[0].worker_id == "d-1"
@@ -324,7 +326,7 @@ async def test_a_decode_failure_before_the_first_token_routes_both_phases_again(
 
     assert [c.text for c in chunks if c.text] == ["z"]
     assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestRouted", "RequestFailed",
-                            "RequestRouted", "RequestRouted", "RequestCompleted"]
+                            "RequestRouted", "RequestRouted", "FirstToken", "RequestCompleted"]
     [failed] = sink.of_type(RequestFailed)
     first_decode = fake.calls[1].worker
     assert failed.retried and failed.code == "worker_error" and failed.worker_id == first_decode
@@ -456,6 +458,31 @@ async def test_a_request_whose_last_attempt_failed_ends_once_as_failed_not_also_
     assert _ends(sink) == ["RequestFailed"] and sink.of_type(RequestFailed)[-1].code == "no_workers_left"
     assert metrics.registry.get_sample_value(
         "switchyard_router_requests_total", {"endpoint": "completions", "outcome": "failed"}) == 1
+    check.verify()
+    await router.close()
+
+
+async def test_the_budget_tests_terms_are_recorded_and_a_refusal_re_executes_from_them() -> None:
+    """Budget 1,000 ms: the first request (prior prediction, far below it) is admitted and its
+    RequestRouted carries the test's terms (the chosen worker's prediction, margin 1); the
+    second asks for 0.001 ms of its own (header): refused 429 ``ttft_budget``, its
+    RequestRejected carries the terms, which re-execute to the recorded reason."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [tokens("Hi")], ttft_slo_ms=1000.0)
+    app = create_app(RouterApp(router=router, tokenizer=None, metrics=RouterMetrics(), served_model="m",
+                               health=lambda: RouterHealth("EXACT", 0, 0.0)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        body = {"prompt": PROMPT, "max_tokens": 3, "stream": False}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        r = await client.post("/v1/completions", json=body, headers={"x-ttft-budget-ms": "0.001"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "ttft_budget"
+    [routed] = sink.of_type(RequestRouted)
+    t = routed.admission
+    assert (t.budget_ms, t.predicted_ttft_ms, t.worker_id, t.margin, t.idle) == \
+        (1000.0, routed.predicted_ttft_ms, "w-a", 1.0, False)
+    assert t.at_s == routed.decided_at_s and t.spent_ms >= 0
+    [rejected] = sink.of_type(RequestRejected)
+    assert rejected.admission.budget_ms == 0.001 and rejected.admission.predicted_ttft_ms is not None
+    assert check_rejection(rejected, None) == "match"
     check.verify()
     await router.close()
 
