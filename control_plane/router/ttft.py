@@ -86,7 +86,7 @@ def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tok
     q = max(queue_ahead(row) - queue_done_tokens, 0)
     cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
     n = max(prompt_tokens - cached, 0)
-    steps = -(-q // chunk_tokens) + -(-n // chunk_tokens)
+    steps = _steps(q, n, chunk_tokens)
     return 1, steps, q + n, q * q + n * (2 * cached + n), steps * row.active_decode_blocks if decode else 0
 
 
@@ -116,5 +116,10 @@ def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap
     out = model.base_ms + model.prefill_ms(q) + model.prefill_ms(n, cached)
     per_step = model.ms_per_decode_block_step
     if per_step and decode_blocks > 0:
-        out += per_step * ((-(-q // model.chunk_tokens) + -(-max(n, 0) // model.chunk_tokens)) * decode_blocks)
+        out += per_step * (_steps(q, max(n, 0), model.chunk_tokens) * decode_blocks)
     return out
+
+
+def _steps(queued: int, new: int, chunk_tokens: int) -> int:
+    """Engine steps of the prediction: the queue's chunks, then the request's own."""
+    return -(-queued // chunk_tokens) + -(-new // chunk_tokens)
