@@ -74,7 +74,8 @@ def compare(envs: list[Envelope]) -> dict:
             drain.prepare(ev.request_id, ev.phase, now)
             m = drain.ttft_model(ev.worker_id, now)
             args = (queue_ahead(row), row.overlap_blocks, row.speculative_overlap, a.prompt_tokens, a.block_size)
-            preds[ev.request_id] = (predict(*args, whole.ttft_fit.model(ev.worker_id)), predict(*args, m),
+            dec = row.active_decode_blocks  # the decode term (0 cost under a model without it)
+            preds[ev.request_id] = (predict(*args, whole.ttft_fit.model(ev.worker_id), dec), predict(*args, m, dec),
                                     ev.predicted_ttft_ms, ev.queued_ms)
             bound = msgspec.structs.replace(env, data=msgspec.structs.replace(ev, ttft_model=m))
             seen[ev.request_id] = (ev.worker_id, ev.phase, row, a.prompt_tokens, a.block_size, m.queue_done_tokens or 0)
@@ -98,7 +99,8 @@ def compare(envs: list[Envelope]) -> dict:
             fit.completed(rid, y)
         errs[f"{k}_hindsight"] = [
             abs(predict(queue_ahead(row), row.overlap_blocks, row.speculative_overlap, prompt, bs,
-                        msgspec.structs.replace(fit.model(w), queue_done_tokens=done if k == "drain" else None)) - y) / y
+                        msgspec.structs.replace(fit.model(w), queue_done_tokens=done if k == "drain" else None),
+                        row.active_decode_blocks) - y) / y
             for rid, (w, phase, row, prompt, bs, done), y in obs]
     out = {"n": len(errs["drain"]), "drain_as_recorded": as_recorded}
     for k, v in errs.items():

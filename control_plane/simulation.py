@@ -143,6 +143,11 @@ class SimRouter(Hooks):
         self.router_id = router_id
         self.recorded: list[Envelope[Event]] | None = [] if record else None
         self._open: dict[str, tuple[tuple[BlockHash, ...], int, int]] = {}
+        #: Request -> when it was admitted (ms), until its first token; then its TTFT (ms), until
+        #: it completes: ``RequestCompleted.ttft_ms``, so the ledger's TTFT fit learns in virtual
+        #: time as it does live (it used to record 0, and the fit never left the prior).
+        self._admitted_ms: dict[str, float] = {}
+        self._ttft_ms: dict[str, float] = {}
         self.roles: dict[WorkerId, WorkerRole] = dict(workers)
         #: A request's first phase: prefill when the cluster has prefill workers.
         self.entry_phase = (RequestPhase.PREFILL if WorkerRole.PREFILL in self.roles.values()
@@ -204,6 +209,7 @@ class SimRouter(Hooks):
     def admit(self, request_id: str, hashes: Sequence[BlockHash], prompt_tokens: int, max_tokens: int,
               now_ms: float) -> None:
         self._open[request_id] = (tuple(hashes), prompt_tokens, max_tokens)
+        self._admitted_ms[request_id] = now_ms
         self._record(RequestAdmitted(request_id=request_id, model="sim", prompt_tokens=prompt_tokens,
                                      max_tokens=max_tokens, block_hashes=list(hashes), block_size=self.block_size,
                                      hash_algo=self.hash_algo), now_ms)
@@ -241,8 +247,10 @@ class SimRouter(Hooks):
 
     def complete(self, request_id: str, worker_id: WorkerId, now_ms: float) -> None:
         _, prompt_tokens, _ = self._open.pop(request_id)
+        self._admitted_ms.pop(request_id, None)
         self._record(RequestCompleted(request_id=request_id, worker_id=worker_id, prompt_tokens=prompt_tokens,
-                                      output_tokens=0, ttft_ms=0.0, e2e_ms=0.0), now_ms)
+                                      output_tokens=0, ttft_ms=self._ttft_ms.pop(request_id, 0.0), e2e_ms=0.0),
+                     now_ms)
 
     # -- the cluster driver's hooks ---------------------------------------------------------------
 
@@ -296,6 +304,10 @@ class SimRouter(Hooks):
         return Placement(self.route(request.request_id, RequestPhase.DECODE, now), request)
 
     def on_first_token(self, worker: WorkerId, request_id: RequestId, t: float) -> None:
+        if self.roles[worker] is not WorkerRole.PREFILL:  # the client's first token (P/D: the decode worker's)
+            admitted = self._admitted_ms.pop(request_id, None)
+            if admitted is not None:
+                self._ttft_ms[request_id] = t - admitted
         if self.roles[worker] is WorkerRole.AGGREGATED:  # disaggregated: the hand-off did it
             self.first_token(request_id, worker, t)
 

@@ -246,9 +246,16 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: place, omitted when None: every earlier payload decodes to the same model, and replay
     #: re-derives those decisions without the drain).
     queue_done_tokens: int | None = None
+    #: Extra cost of one engine step per KV block the worker's requests in flight hold (the
+    #: decodes sharing the step's batch: an engine's step time grows with the context they
+    #: attend to, ``data_plane/engines/timing.py``), times the prediction's steps. None in models
+    #: written before it existed (added in place, omitted when None): no decode term, and the fit
+    #: behind them did not see it.
+    ms_per_decode_block_step: float | None = None
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx) < 0:
+        if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx,
+                                        self.ms_per_decode_block_step or 0.0) < 0:
             raise ValueError(f"TtftModel: chunk_tokens must be >= 1 and the costs >= 0, got {self}")
         if self.queue_done_tokens is not None and self.queue_done_tokens < 0:
             raise ValueError(f"TtftModel: queue_done_tokens must be >= 0, got {self.queue_done_tokens}")

@@ -297,6 +297,12 @@ def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfi
         # waited behind the whole queue.
         inputs = msgspec.structs.replace(inputs, ttft_models={
             w: msgspec.structs.replace(x, queue_done_tokens=None) for w, x in inputs.ttft_models.items()})
+    if m is not None and m.ms_per_decode_block_step is None and inputs.ttft_models:
+        # Decided before the decode term existed (TtftModel.ms_per_decode_block_step): the fit
+        # saw no decode feature in those decisions (its cost stays the prior's 0), and their
+        # models had no such field.
+        inputs = msgspec.structs.replace(inputs, ttft_models={
+            w: msgspec.structs.replace(x, ms_per_decode_block_step=None) for w, x in inputs.ttft_models.items()})
     try:
         d = execute(inputs, config, rec.routed.rng_seed)
     except (RoutingError, NoEligibleWorker, ValueError) as e:

@@ -361,9 +361,12 @@ class RouterLedger:
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
-            done = (ev.ttft_model.queue_done_tokens or 0) if ev.ttft_model is not None else 0
+            m = ev.ttft_model
+            done = (m.queue_done_tokens or 0) if m is not None else 0
+            # A decision whose model had no decode term (before it existed) observes none.
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
-                                 self._block_size.get(rid, 0), now, done)
+                                 self._block_size.get(rid, 0), now, done,
+                                 m is not None and m.ms_per_decode_block_step is not None)
             self.margin.routed(rid, ev.predicted_ttft_ms, now)
         hashes = self._hashes.get(rid)
         if hashes is None:

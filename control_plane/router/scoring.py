@@ -147,7 +147,7 @@ def predictions(t: Scored, models: Mapping[WorkerId, TtftModel], mine_by_worker:
                 ) -> tuple[list[float], list[int]]:
     """Every candidate's predicted TTFT (ms) and the part of its combined queue left out of it,
     by position: ``ttft.predict`` (the one rule) on the columns its row shows (the router's own
-    in-flight prefill tokens, matched blocks, speculative overlap). The queue is the ledger's,
+    in-flight prefill tokens, matched blocks, speculative overlap, active decode blocks). The queue is the ledger's,
     not the combined load: a worker's report lags
     (``CandidateScore.report_only_prefill_tokens``)."""
     req = t.request
@@ -155,8 +155,9 @@ def predictions(t: Scored, models: Mapping[WorkerId, TtftModel], mine_by_worker:
     get_mine = mine_by_worker.get
     queue = [m.prefill_tokens if (m := get_mine(w.worker_id)) is not None and m.requests else 0 for w in t.ordered]
     return [predict(q, 0 if ov is None else sum(ov.tiers), s, req.prompt_tokens, req.block_size,
-                    get(w.worker_id, PRIOR))
-            for w, q, ov, s in zip(t.ordered, queue, t.matched, t.shared)], [c - q for c, q in zip(t.queued, queue)]
+                    get(w.worker_id, PRIOR), a)
+            for w, q, ov, s, a in zip(t.ordered, queue, t.matched, t.shared, t.active)], \
+        [c - q for c, q in zip(t.queued, queue)]
 
 
 class Pick(msgspec.Struct):

@@ -34,7 +34,8 @@ __all__ = ["PRIOR", "TtftModel", "features", "predict", "predict_ttft_ms", "queu
 
 #: The prior every router starts from (conservative: a mid-range GPU's prefill rate for an 8B
 #: model, ~20k tokens/s), and what a worker's fit starts from (``ttft_fit.py``).
-PRIOR = TtftModel()
+#: Its decode cost is 0 (the fit learns it; a prior that guessed it would be the simulator's).
+PRIOR = TtftModel(ms_per_decode_block_step=0.0)
 
 
 def queue_ahead(row: CandidateScore) -> int:
@@ -72,9 +73,11 @@ def queue_done(pending: Iterable[tuple[float, int]], now_s: float, model: TtftMo
 
 
 def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int,
-             queue_done_tokens: int = 0) -> tuple[int, int, int, int]:
-    """What the prediction multiplies by the model's four costs, as integers (so the fit's sums
-    are exact): (1 request, engine steps, prompt tokens computed, twice their attention term).
+             queue_done_tokens: int = 0, decode: bool = True) -> tuple[int, int, int, int, int]:
+    """What the prediction multiplies by the model's five costs, as integers (so the fit's sums
+    are exact): (1 request, engine steps, prompt tokens computed, twice their attention term,
+    engine steps times the worker's in-flight KV blocks ``active_decode_blocks``: the decodes
+    sharing those steps; 0 without ``decode``, a decision whose model had no decode term).
     The queue ahead (:func:`queue_ahead`, already net of their own cache hits, less the
     ``queue_done_tokens`` the worker has computed of it) is computed first, then the request's uncached tokens (the row's index or in-flight
     overlap, whichever is longer, at most ``prompt_tokens - 1``: an engine computes at least
@@ -83,8 +86,8 @@ def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tok
     q = max(queue_ahead(row) - queue_done_tokens, 0)
     cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
     n = max(prompt_tokens - cached, 0)
-    steps = -(-q // chunk_tokens) + -(-n // chunk_tokens)
-    return 1, steps, q + n, q * q + n * (2 * cached + n)
+    steps = _steps(q, n, chunk_tokens)
+    return 1, steps, q + n, q * q + n * (2 * cached + n), steps * row.active_decode_blocks if decode else 0
 
 
 def predict_ttft_ms(row: CandidateScore, prompt_tokens: int, block_size: int, phase: RequestPhase,
@@ -94,17 +97,29 @@ def predict_ttft_ms(row: CandidateScore, prompt_tokens: int, block_size: int, ph
     a decode phase (its first token follows a transfer, not modelled separately)."""
     if phase is RequestPhase.DECODE:
         return 0.0
-    return predict(queue_ahead(row), row.overlap_blocks, row.speculative_overlap, prompt_tokens, block_size, model)
+    return predict(queue_ahead(row), row.overlap_blocks, row.speculative_overlap, prompt_tokens, block_size, model,
+                   row.active_decode_blocks)
 
 
 def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap: int, prompt_tokens: int,
-            block_size: int, model: TtftModel = PRIOR) -> float:
-    """The rule itself, on a row's three columns (what ``decide`` computes for every candidate
+            block_size: int, model: TtftModel = PRIOR, decode_blocks: int = 0) -> float:
+    """The rule itself, on a row's four columns (what ``decide`` computes for every candidate
     before its rows exist, and :func:`predict_ttft_ms` from a row): the model's base, the queue
     ahead less what the worker has computed of it (``model.queue_done_tokens``), then the
-    request's own uncached tokens over its cached context."""
+    request's own uncached tokens over its cached context, every step of both slowed by the
+    ``decode_blocks`` the worker's requests in flight hold (``model.ms_per_decode_block_step``)."""
     # The same sum as model . features(...), laid out as before the fit existed, so a decision
     # recorded then (under the prior, base 0) re-executes bit for bit.
     cached = min(max(overlap_blocks, speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
-    wait = model.prefill_ms(max(queued_prefill_tokens - (model.queue_done_tokens or 0), 0))
-    return model.base_ms + wait + model.prefill_ms(prompt_tokens - cached, cached)
+    q = max(queued_prefill_tokens - (model.queue_done_tokens or 0), 0)
+    n = prompt_tokens - cached
+    out = model.base_ms + model.prefill_ms(q) + model.prefill_ms(n, cached)
+    per_step = model.ms_per_decode_block_step
+    if per_step and decode_blocks > 0:
+        out += per_step * (_steps(q, max(n, 0), model.chunk_tokens) * decode_blocks)
+    return out
+
+
+def _steps(queued: int, new: int, chunk_tokens: int) -> int:
+    """Engine steps of the prediction: the queue's chunks, then the request's own."""
+    return -(-queued // chunk_tokens) + -(-new // chunk_tokens)

@@ -8,7 +8,7 @@ decision, as ``switchyard replay reconcile`` reads it). So the fit maps what the
 what happened: a queue the router misjudges or a handoff it does not model is absorbed into the
 costs (``base_ms`` takes the handoff's mean).
 
-The fit: ridge regression of the TTFT on the four features, each observation weighted by 1/TTFT
+The fit: ridge regression of the TTFT on the five features, each observation weighted by 1/TTFT
 (the error judged is relative), per worker around its pool's fit
 (every worker of this router), the pool's around :data:`~.ttft.PRIOR`. Each prior cost counts as
 ``PRIOR_WEIGHT`` mean observations of its feature, so a few observations leave the prior nearly
@@ -26,7 +26,7 @@ Why the fit is a fold that replay re-derives bit for bit:
   :data:`FIT_WINDOW_S` older than ``now``; the window is shorter than the look-back replay folds
   before a range (``inflight_ttl_s`` + 60 s, at least 600 s), so a replay that starts mid-log
   holds the same observations as the live router did.
-* Solving is a deterministic function of the sums (a 4x4 Gaussian elimination in floats).
+* Solving is a deterministic function of the sums (a 5x5 Gaussian elimination in floats).
 """
 
 from __future__ import annotations
@@ -43,17 +43,19 @@ FIT_WINDOW_S = 300.0
 #: What each prior weighs, in mean observations.
 PRIOR_WEIGHT = 4
 #: Feature scales (a 2,048-token prompt in one step with no context: 1 request, 1 step, 2,048
-#: tokens, 2,048^2 attention), for the conditioning of the solve.
-_SCALE = (1.0, 1.0, 2048.0, 2048.0 * 2048.0)
-_N = 4
+#: tokens, 2,048^2 attention; one step beside 1,024 blocks of decodes), for the conditioning of
+#: the solve.
+_SCALE = (1.0, 1.0, 2048.0, 2048.0 * 2048.0, 1024.0)
+_N = 5
 #: Numerator of an observation's integer weight 1/y (y in us, at least 1 ms): 2^62 keeps 13
 #: significant digits at 10 s.
 _REL_WEIGHT = 1 << 62
 
 
-def _params(m: TtftModel) -> tuple[float, float, float, float]:
-    # The attention feature is doubled (integers), so its cost is halved.
-    return (m.base_ms, m.step_ms, m.ms_per_token, m.ms_per_token_ctx / 2)
+def _params(m: TtftModel) -> tuple[float, float, float, float, float]:
+    # The attention feature is doubled (integers), so its cost is halved. A model without a
+    # decode term is one whose decode cost is 0.
+    return (m.base_ms, m.step_ms, m.ms_per_token, m.ms_per_token_ctx / 2, m.ms_per_decode_block_step or 0.0)
 
 
 class _Sums:
@@ -173,7 +175,7 @@ class TtftFit:
     model, and every completion changes the pool's fit (every worker's prior) and one worker's
     own sums. So the pool's model is re-solved once per change, a worker's own sums are reduced
     to their affine maps (:func:`_affine`) only when that worker's observations change, and a
-    worker's model is those maps applied to the pool's fit (a 4x4 product per step of the
+    worker's model is those maps applied to the pool's fit (a 5x5 product per step of the
     non-negativity loop), kept until the next change. Each is a function of the current sums only, so when it is recomputed does not
     change a bit of the result."""
 
@@ -183,9 +185,9 @@ class TtftFit:
     def __init__(self, prior: TtftModel = PRIOR) -> None:
         self.prior = prior
         #: Request -> (worker, decided at, features) of its prefilling decision, until it ends.
-        self._pending: dict[RequestId, tuple[WorkerId, float, tuple[int, int, int, int]]] = {}
+        self._pending: dict[RequestId, tuple[WorkerId, float, tuple[int, ...]]] = {}
         #: Observation id -> (worker, features, ttft us); a heap of (decided at, id) to expire.
-        self._obs: dict[int, tuple[WorkerId, tuple[int, int, int, int], int]] = {}
+        self._obs: dict[int, tuple[WorkerId, tuple[int, ...], int]] = {}
         self._expiry: list[tuple[float, int]] = []
         self._by_worker: dict[WorkerId, _Sums] = {}
         self._pool = _Sums()
@@ -197,14 +199,19 @@ class TtftFit:
         self._seq = 0
 
     def routed(self, request_id: RequestId, worker: WorkerId, phase: RequestPhase, row: CandidateScore | None,
-               prompt_tokens: int, block_size: int, decided_at_s: float, queue_done_tokens: int = 0) -> None:
+               prompt_tokens: int, block_size: int, decided_at_s: float, queue_done_tokens: int = 0,
+               decode: bool = True) -> None:
         """A decision: a prefilling phase's row (with the part of its queue the worker had
         computed, as the decision's model recorded it) becomes the request's pending
-        observation."""
+        observation. ``decode`` False: the decision's model had no decode term (a log written
+        before it), so neither has its observation (its decode feature 0: a fit of such
+        observations alone is the four-cost fit, bit for bit, with the decode cost at the
+        prior's 0)."""
         if phase is RequestPhase.DECODE or row is None or prompt_tokens <= 0 or block_size <= 0:
             return
         self._pending[request_id] = (worker, decided_at_s, features(row, prompt_tokens, block_size,
-                                                                    self.prior.chunk_tokens, queue_done_tokens))
+                                                                    self.prior.chunk_tokens, queue_done_tokens,
+                                                                    decode))
 
     def completed(self, request_id: RequestId, ttft_ms: float) -> None:
         """The request's first token came ``ttft_ms`` after its first decision (router queueing
@@ -258,8 +265,9 @@ class TtftFit:
         maps = self._affine.get(worker)
         if maps is None:
             maps = self._affine[worker] = {}
-        b, st, t, cc = _solve(sums, _params(pool), maps)
+        b, st, t, cc, d = _solve(sums, _params(pool), maps)
         m = self._models[worker] = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * cc,
+                                             ms_per_decode_block_step=d,
                                              chunk_tokens=self.prior.chunk_tokens, samples=sums.n,
                                              pool_samples=self._pool.n)
         return m
@@ -270,8 +278,8 @@ class TtftFit:
             if not self._pool.n:
                 m = self.prior
             else:
-                b, st, t, c = _solve(self._pool, _params(self.prior))
-                m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c,
+                b, st, t, c, d = _solve(self._pool, _params(self.prior))
+                m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c, ms_per_decode_block_step=d,
                               chunk_tokens=self.prior.chunk_tokens, samples=0, pool_samples=self._pool.n)
             self._pool_fit = m
         return m

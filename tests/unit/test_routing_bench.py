@@ -21,8 +21,10 @@ from benchmarks.routing_bench import (
     run_cluster,
 )
 from control_plane.router import RouterConfig
+from control_plane.simulation import SimRouter
 from data_plane.engines import load_profile, simulate
-from schemas.types import RoutingMode
+from schemas.events import RequestCompleted
+from schemas.types import RequestPhase, RoutingMode, WorkerRole
 
 LIMIT = 200
 
@@ -161,3 +163,23 @@ def test_several_loads_add_the_issue_figures():
     assert " rate_scale=2 score_cases=1 worst_case=rag:2 " in r
     assert r.endswith(" rate_scales=2,1 ttft_p50_gain_vs_best_peer=nan ttft_p99_gain_vs_best_peer=nan "
                       "ttft_gain_at_1x_min=nan")
+
+
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["agg", "pd"])
+def test_the_simulated_router_records_the_client_ttft(disaggregated):
+    """The virtual router's ``RequestCompleted.ttft_ms`` is the client's TTFT (admission to the
+    first token of an aggregated or decode worker; a prefill worker's first token only hands
+    off), so its ledger's TTFT fit learns in virtual time as it does live."""
+    roles = ([("p", WorkerRole.PREFILL), ("d", WorkerRole.DECODE)] if disaggregated
+             else [("w", WorkerRole.AGGREGATED)])
+    r = SimRouter(RouterConfig(), roles, hash_algo="xxh3_64", block_size=64, kv_capacity_blocks=1024, record=True)
+    r.admit("r1", [], 100, 8, 1000.0)
+    first = r.route("r1", r.entry_phase, 1000.0)
+    if disaggregated:
+        r.on_first_token(first, "r1", 1030.0)
+        first = r.route("r1", RequestPhase.DECODE, 1030.0)
+    r.on_first_token(first, "r1", 1042.5)
+    r.on_complete(first, "r1", 1100.0)
+    done = [e.data for e in r.recorded if isinstance(e.data, RequestCompleted)]
+    assert [d.ttft_ms for d in done] == [42.5]
+    assert r.ledger.ttft_fit.observations() == 1
