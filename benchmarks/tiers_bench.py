@@ -148,12 +148,15 @@ def shares_its_first_step(served: Sequence[Served]) -> np.ndarray:
 
 
 def breakdown(served: Sequence[Served], timing: Any, chunk: int, lo: float, hi: float) -> dict[str, float]:
-    """Means over the requests whose TTFT lies in the [lo, hi] percentile band: TTFT = queue
+    """Means over the requests whose TTFT lies in the [lo, hi] percentile band (if none does,
+    the request nearest its middle): TTFT = queue
     (arrival to the start of its admitting step) + service (that start to its first token);
     alone = its uncached tokens alone on an idle worker."""
     ttft = np.array([s.first_token_ms - s.arrival_ms for s in served])
     a, b = np.percentile(ttft, [lo, hi])
     m = (ttft >= a) & (ttft <= b)
+    if not m.any():  # a narrow band of few requests can fall between two of them: take the nearer
+        m = ttft == ttft[np.argmin(np.abs(ttft - (a + b) / 2))]
     pick = [s for s, k in zip(served, m) if k]
     uncached = [s.prompt_tokens - s.cached_tokens for s in pick]
     shared = shares_its_first_step(served)[m]
