@@ -176,9 +176,9 @@ def _safety(hist: Sequence[Observation], cfg: PlannerConfig, role: WorkerRole) -
     Both inputs are the quiet ones, so that under a constant load it is nearly a constant (the
     bench's constant shape: 0.09-0.10 prefill, 0.07-0.08 decode): the rate is the last
     ``confirm_windows`` windows' (not the forecast's), the cv pooled over every window kept (a
-    few heavy-tailed prompts move a short window's cv a lot). It still raises the level the
-    noise band sits at, which can move a constant load's need across the band's edges: measured
-    in docs/planner-bench.md, and why it is off by default."""
+    few heavy-tailed prompts move a short window's cv a lot). It raises the level the noise band
+    sits at, so a constant load's need must hold still for it (the settled rate and pooled
+    lengths of ``_size``): before them it made the constant load reverse (docs/planner-bench.md)."""
     tail = hist[-cfg.confirm_windows:]
     dur = sum(o.duration_s for o in tail)
     n = sum(o.arrivals for o in tail) / dur * max(cfg.lead_time_s, cfg.tumbling_s) if dur > 0 else 0.0
