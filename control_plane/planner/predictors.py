@@ -21,6 +21,10 @@ recorded inputs. Forecasts are clamped at 0 (a rate or a length is never negativ
   ``trend_z`` > 0 only the part of the slope beyond ``trend_z`` standard deviations (the
   filter's own slope variance) is extrapolated (soft threshold): over a long horizon, noise read
   as a trend would be multiplied by the horizon and make a constant load look like a ramp.
+
+:func:`settle` moves a linear forecast (one that reports its ``weights``) toward the
+arrival-weighted mean of the latest windows by a number of sd of the Poisson noise of their
+difference: what the sizing uses while no trend is confirmed.
 """
 
 from __future__ import annotations
