@@ -928,9 +928,9 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
 #: number of configs Dynamo's side tries per target (``planner_dynamo.TUNE_BUDGET``): the
 #: standing headroom, and the share of the budget it stands from (0: always). 0.35 from 0 won
 #: the tune set but reversed 5 times in the constant shape's 10 minutes (0.2: once), so the grid
-#: stops at 0.2. The safety stock (``safety_z``) is not in it: every value tried (1, 1.645, 2.5)
-#: closed the tune set's gaps but reversed 2-5 times in 10 minutes of constant load on some seed
-#: (docs/planner-bench.md).
+#: stops at 0.2. The safety stock (``safety_z``) is not in it: its default (2.5) was chosen on
+#: the tune set once the settled rate held the constant load still (1 reversed up to once in 10
+#: minutes too, but left agentic:1 0.08 below static; docs/planner-bench.md).
 TUNE_GRID: dict[str, tuple[float, ...]] = {"standing_headroom": (0.1, 0.2), "standing_headroom_from": (0.0, 0.5)}
 
 

@@ -227,11 +227,11 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: the work one start-up (``lead_time_s``) brings above the forecast, that sd being the
     #: compound Poisson sum's, ``sqrt(1 + cv^2) / sqrt(rate * lead_time_s)``, the rate of the last
     #: ``confirm_windows`` windows, the lengths' cv (prefill ISL, decode OSL) pooled over every
-    #: window kept; at most ``max_headroom``. 0: off (the default, and not in bench planner's
-    #: grid: at every value tried the constant load reversed 2-5 times in 10 minutes on some seed,
-    #: docs/planner-bench.md). Few heavy-tailed requests (long prompts) get a large one, many
-    #: short ones next to none.
-    safety_z: float = 0.0
+    #: window kept; at most ``max_headroom``. Few heavy-tailed requests (long prompts) get a large
+    #: one, many short ones next to none. 2.5: chosen on bench planner's tune set, where it closed
+    #: every gap to within 0.01 of static while the constant load reversed at most once in 10
+    #: minutes on each seed (with the settled rate; docs/planner-bench.md). 0: off.
+    safety_z: float = 2.5
     #: **Start-up reserve.** A scale-down keeps ``ceil(needed * (1 + startup_reserve))``: the
     #: relative growth of the load within one start-up (``lead_time_s``) a pool absorbs with the
     #: replicas it has, while the order that growth triggers is still starting. It only bounds
@@ -251,7 +251,23 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: ``cooldown_down_s`` (after a scale-up the cooldown stands: no up-down flapping). False:
     #: every scale-down waits ``cooldown_down_s`` after the last change (on, chosen on the tune set).
     release_on_margin: bool = True
-    #: Predictor of ISL, OSL and prefix hit rate (they move slowly; the rate has its own).
+    #: **A settled rate.** Unless rising windows confirm a trend, the rate forecast keeps only
+    #: what it differs from the arrival-weighted mean of the last ``settle_windows`` windows
+    #: beyond ``settle_z`` sd of the Poisson noise of that difference (predictors.settle): a
+    #: trend filter on short windows follows much of their counting noise, and a constant load's
+    #: need swung with it. A ramp is still confirmed by the CUSUM (``trend_confirm_*``) as fast
+    #: as before, then forecast as before. 0: the forecast as the predictor gives it. 6 windows,
+    #: not 12: a mean of 12 lags a slow ramp so far that long-context:1 lost 0.018 of its SLO
+    #: attainment (docs/planner-bench.md).
+    settle_z: float = 1.5
+    settle_windows: int = 6
+    #: ISL, OSL and prefix hit rate (and the ISL's cv) pooled, arrival-weighted, over the last
+    #: ``length_windows`` windows (a mean over every request in them, so a window of a few
+    #: heavy-tailed prompts weighs what its requests do). None: ``length_predictor`` over the
+    #: per-window means (``predictor_window`` of them for a moving average), the ISL cv of the
+    #: last window.
+    length_windows: int | None = 12
+    #: Predictor of ISL, OSL and prefix hit rate when ``length_windows`` is None.
     length_predictor: PredictorKind = PredictorKind.MOVING_AVERAGE
     #: Observations kept per pool (predictor history).
     history_limit: int = 64
@@ -329,6 +345,10 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if not 0 <= self.standing_headroom <= 1 or not 0 <= self.standing_headroom_from <= 1:
             raise PlannerConfigError("need 0 <= standing_headroom <= 1 and 0 <= standing_headroom_from <= 1 "
                                      "(0: the standing headroom always stands)")
+        if self.settle_z < 0 or self.settle_windows < 1:
+            raise PlannerConfigError("need settle_z >= 0 (0: off) and settle_windows >= 1")
+        if self.length_windows is not None and self.length_windows < 1:
+            raise PlannerConfigError("length_windows must be >= 1 (or None: the length predictor)")
         if self.safety_z < 0:
             raise PlannerConfigError(f"safety_z={self.safety_z} must be >= 0 (0: no safety stock)")
         if not 0 <= self.startup_reserve <= 2:

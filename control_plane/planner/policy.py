@@ -33,7 +33,10 @@ One tick, per pool:
    line beyond ``trend_fit_z`` sd, ``rise_fit``), then add the **headroom**: every horizon forecast is scored against the mean rate that
    came after the lead time, and an asymmetric EWMA tracks the ``headroom_quantile`` expectile of
    the relative under-forecast beyond Poisson noise (``headroom()``); the pool is sized for
-   ``forecast * (1 + headroom)``. ISL, OSL and hit rate come from ``length_predictor``.
+   ``forecast * (1 + headroom)``. Unconfirmed, the forecast keeps only what it differs from the
+   mean of the last ``settle_windows`` windows beyond ``settle_z`` sd of Poisson noise
+   (``predictors.settle``: a constant load's need holds still). ISL, OSL and hit rate are pooled
+   over the last ``length_windows`` windows (None: ``length_predictor``).
 4. **Size** (see :mod:`control_plane.planner.profile`)::
 
        prefill: needed_p = rate * ISL * (1 - hit) / prefill_capacity(ISL*(1-hit), TTFT SLO / ttft_corr, cv, k)

@@ -13,7 +13,7 @@ from control_plane.planner.errors import PlannerConfigError
 from control_plane.planner.load_view import NS, PoolLoad
 from control_plane.planner.overload import _overload_need
 from control_plane.planner.policy_types import _EPS, MAX_HIT_RATE, InputValue, Observation, PoolState
-from control_plane.planner.predictors import forecast
+from control_plane.planner.predictors import forecast, settle
 from control_plane.planner.profile import PerformanceProfile
 from control_plane.planner.trends import _rise, headroom, rise_fit
 from schemas.types import WorkerRole
@@ -137,6 +137,33 @@ def _pooled(tail: Sequence[Observation], get: Callable[[Observation], tuple[floa
     return m, _cv(m, math.sqrt(max(ex2 - m * m, 0.0)))
 
 
+def _lengths(hist: Sequence[Observation], pc: PoolConfig, cfg: PlannerConfig
+             ) -> tuple[float, float, float, float, float]:
+    """(ISL, OSL, prefix hit rate, ISL cv, OSL cv) the short horizon sizes with: pooled over
+    the last ``length_windows`` windows (the hit rate weighted by prompt tokens), or
+    ``length_predictor`` over the per-window means and the last window's cv."""
+    if cfg.length_windows is not None:
+        tail = hist[-cfg.length_windows:]
+        isl, isl_cv = _pooled(tail, lambda o: (o.isl, o.isl_sd))
+        osl, osl_cv = _pooled(tail, lambda o: (o.osl, o.osl_sd))
+        pts = [(o.arrivals * (o.isl or 1.0), o.hit_rate) for o in tail if o.hit_rate is not None and o.arrivals > 0]
+        w = sum(a for a, _ in pts)
+        hit = sum(a * h for a, h in pts) / w if w else 0.0
+        return isl, osl, min(hit, MAX_HIT_RATE), isl_cv, osl_cv
+
+    def length(values: list[float]) -> float | None:
+        if not values:
+            return None
+        return forecast(cfg.length_predictor, values, window=pc.predictor_window,
+                        history_limit=cfg.history_limit).value
+
+    isl = length([o.isl for o in hist if o.isl is not None]) or 0.0
+    osl = length([o.osl for o in hist if o.osl is not None]) or 0.0
+    hit = min(length([o.hit_rate for o in hist if o.hit_rate is not None]) or 0.0, MAX_HIT_RATE)
+    last = hist[-1]
+    return isl, osl, hit, _cv(last.isl, last.isl_sd), _cv(last.osl, last.osl_sd)
+
+
 def _safety(hist: Sequence[Observation], cfg: PlannerConfig, role: WorkerRole) -> float:
     """The **safety stock** (``safety_z``): the work that arrives within one start-up
     (``lead_time_s``) is a compound Poisson sum, ``n = rate * lead_time_s`` requests whose
@@ -149,9 +176,9 @@ def _safety(hist: Sequence[Observation], cfg: PlannerConfig, role: WorkerRole) -
     Both inputs are the quiet ones, so that under a constant load it is nearly a constant (the
     bench's constant shape: 0.09-0.10 prefill, 0.07-0.08 decode): the rate is the last
     ``confirm_windows`` windows' (not the forecast's), the cv pooled over every window kept (a
-    few heavy-tailed prompts move a short window's cv a lot). It still raises the level the
-    noise band sits at, which can move a constant load's need across the band's edges: measured
-    in docs/planner-bench.md, and why it is off by default."""
+    few heavy-tailed prompts move a short window's cv a lot). It raises the level the noise band
+    sits at, so a constant load's need must hold still for it (the settled rate and pooled
+    lengths of ``_size``): before them it made the constant load reverse (docs/planner-bench.md)."""
     tail = hist[-cfg.confirm_windows:]
     dur = sum(o.duration_s for o in tail)
     n = sum(o.arrivals for o in tail) / dur * max(cfg.lead_time_s, cfg.tumbling_s) if dur > 0 else 0.0
@@ -188,24 +215,24 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
             rate_f = replace(rate_f, value=fit[0], detail=(rate_f.detail + "; " if rate_f.detail else "")
                              + f"the rising windows' line: {fit[1]:.2f} +- {fit[2]:.2f} req/s per window")
 
-    def length(values: list[float]) -> float | None:
-        if not values:
-            return None
-        return forecast(cfg.length_predictor, values, window=pc.predictor_window,
-                        history_limit=cfg.history_limit).value
-
-    isl = length([o.isl for o in hist if o.isl is not None]) or 0.0
-    osl = length([o.osl for o in hist if o.osl is not None]) or 0.0
-    hit = min(length([o.hit_rate for o in hist if o.hit_rate is not None]) or 0.0, MAX_HIT_RATE)
     last = hist[-1]
     k = max(1, min(len(hist), math.ceil(rate_f.samples)))
     n_short = rate_f.samples * sum(o.arrivals for o in hist[-k:]) / k
+    settled = (settle(rate_f, [o.arrivals for o in hist], [o.duration_s for o in hist], cfg.settle_windows,
+                      cfg.settle_z) if cfg.settle_z > 0 and not rising else None)
+    if settled is not None:
+        inputs.update(settle_mean_rate=round(settled.mean, 4), settle_forecast_z=round(settled.z, 3),
+                      unsettled_rate=round(rate_f.value, 4))
+        rate_f = replace(rate_f, value=settled.value, detail=(rate_f.detail + "; " if rate_f.detail else "")
+                         + f"settled on the {min(cfg.settle_windows, len(hist))}-window mean {settled.mean:.2f} "
+                         f"({settled.z:+.1f} sd, {cfg.settle_z:g} sd dropped)")
+        n_short = settled.arrivals
+    isl, osl, hit, isl_cv, osl_cv = _lengths(hist, pc, cfg)
     made = tuple(f for f in ps.horizon_forecasts if f[0] != last.window_end_ns)
     ps = replace(ps, horizon_forecasts=made + (
         (last.window_end_ns, last.window_end_ns + horizon * int(round(cfg.tumbling_s * NS)), rate_f.value, n_short),))
     room = headroom(ps, cfg)
     rate = rate_f.value * (1 + room)
-    isl_cv, osl_cv = _cv(last.isl, last.isl_sd), _cv(last.osl, last.osl_sd)
     ps = replace(ps, forecast_rate=rate_f.value, forecast_for_ns=last.window_end_ns + int(round(cfg.tumbling_s * NS)))
     inputs.update(forecast_rate=round(rate_f.value, 4), forecast_horizon_s=round(horizon * cfg.tumbling_s, 3),
                   headroom=round(room, 4), startup_allowance_s=cfg.lead_time_s,

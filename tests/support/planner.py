@@ -22,9 +22,11 @@ def make_pool(**overrides) -> PoolConfig:
 
 
 def make_config(*pools: PoolConfig, **overrides) -> PlannerConfig:
-    """``pools`` (default: one :func:`make_pool`), a 16-GPU budget, no cooldowns, 10 s ticks."""
+    """``pools`` (default: one :func:`make_pool`), a 16-GPU budget, no cooldowns, 10 s ticks, no
+    safety stock (``safety_z`` 0: the worked examples size the forecast itself; the stock has
+    its own tests)."""
     fields = {"pools": pools or (make_pool(),), "gpu_budget": 16, "tick_s": WINDOW_S,
-              "cooldown_up_s": 0.0, "cooldown_down_s": 0.0, "warmup_s": 30.0}
+              "cooldown_up_s": 0.0, "cooldown_down_s": 0.0, "warmup_s": 30.0, "safety_z": 0.0}
     fields.update(overrides)
     return PlannerConfig(**fields)
 
