@@ -11,14 +11,20 @@ from slower tiers and the P/D transfer are not modelled apart (the fitted ``base
 the handoff's mean).
 
 The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill tokens queued ahead
-of the request (:func:`queue_ahead`: this router's own requests not yet
-prefilled there, already net of their own cache hits; not the worker's report, which lags; less
-what the worker has computed of them since they were routed, :func:`queue_done`) and then
-the request's uncached tokens, in chunked-prefill steps of at most ``chunk_tokens`` tokens. A
-step of ``n`` new tokens over a context of ``c`` tokens already in the KV costs
-``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``: a fixed part, a part linear in
-the tokens (the weights) and a part linear in the context they attend to (attention), which
-makes a prompt's own prefill superlinear in its length.
+of the request (:func:`queue_ahead`: this router's own requests not yet prefilled there, already
+net of their own cache hits; not the worker's report, which lags; less what the worker has
+computed of them since, :func:`queue_done`, drained from the last prefill seen end there at the
+rate its prefills were seen to go) and then the request's uncached tokens. The wait behind the
+queue is its tokens left at that rate (``TtftModel.queue_tokens_per_ms``; before any prefill was
+seen, the costs price the queue with the request). The engine packs the tokens first come first
+served into steps of at most ``chunk_tokens`` (:func:`packed_steps`); a step of ``T`` tokens
+costs ``step_ms + T * ms_per_token + T^2 * ms_per_step_token_sq`` (the mocker profile's step is
+exactly that), the request's own tokens ``n`` over ``c`` cached add their attention
+``ms_per_token_ctx * n * (c + n / 2)``, every step ``ms_per_decode_block_step`` per KV block of
+the decodes beside it, and the request ``base_ms``. A model without ``ms_per_step_token_sq``
+(logs written before it) costs the queue as one prompt with no context, then the request in
+steps of its own: a step of ``n`` new tokens over ``c`` of context
+``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``.
 """
 
 from __future__ import annotations

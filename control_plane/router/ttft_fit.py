@@ -2,11 +2,17 @@
 
 What is observed: for every request this router routed to a prefilling worker (aggregated or
 prefill phase) and saw complete, the :func:`~.ttft.features` of the chosen row at the decision
-(queue ahead, steps, tokens computed, attention term) and the TTFT the client got
-(``RequestCompleted.ttft_ms`` less the time the request queued in the router before its first
-decision, as ``switchyard replay reconcile`` reads it). So the fit maps what the router *saw* to
-what happened: a queue the router misjudges or a handoff it does not model is absorbed into the
-costs (``base_ms`` takes the handoff's mean).
+(steps, tokens computed, attention term, decodes beside the steps, the steps' tokens squared)
+and the TTFT the client got (``RequestCompleted.ttft_ms`` less the time the request queued in
+the router before its first decision, as ``switchyard replay reconcile`` reads it), less the
+wait behind the queue ahead when the decision's model priced it at the rate seen
+(``TtftModel.queue_tokens_per_ms``; then the features are the request's own). So the fit maps
+what the router *saw* to what happened: a queue the router misjudges or a handoff it does not
+model is absorbed into the costs (``base_ms`` takes the handoff's mean).
+
+That rate is measured, not fitted (:meth:`TtftFit.prefilled`, :meth:`TtftFit.drain_rate`):
+every prefill the router sees end is its tokens over the worker's busy time, from the later of
+its routing and the end of the prefill before it there.
 
 The fit: ridge regression of the TTFT on the six features, each observation weighted by 1/TTFT
 (the error judged is relative), per worker around its pool's fit
