@@ -171,7 +171,8 @@ def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap
         if wait is not None:
             q = 0
         x = _features(q, cached, max(n, 0), decode_blocks, model.chunk_tokens, True)
-        return sum(c * f for c, f in zip(cost_vector(model), x)) + (wait or 0.0)
+        c = cost_vector(model)
+        return c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3] + c[4] * x[4] + c[5] * x[5] + (wait or 0.0)
     # Models written before it: the same sum as model . features(...), laid out as before the
     # fit existed, so a decision recorded then (under the prior, base 0) re-executes bit for bit.
     out = model.base_ms + model.prefill_ms(q) + model.prefill_ms(n, cached)
