@@ -264,10 +264,10 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: At one decision, the rate (prompt tokens per ms) the worker was seen to compute its
     #: prefills at (``TtftFit.drain_rate``: the router's own prefills there, tokens over busy
     #: time, in the fit window), which the queue ahead drains at (``queue_done_tokens``) and
-    #: the prediction waits behind what is left of it at; the other costs then price the
-    #: request's own tokens only. None: no prefill seen yet, or a model not bound to a decision,
-    #: or written before it existed (added in place, omitted when None): the queue is priced by
-    #: the costs, in the engine's steps with the request's.
+    #: the engine's full steps before the request's last one go at (``ttft.rate_split``); the
+    #: costs then price that last step alone. None: no prefill seen yet, or a model not bound
+    #: to a decision, or written before it existed (added in place, omitted when None): the
+    #: costs price every step.
     queue_tokens_per_ms: float | None = None
 
     def __post_init__(self) -> None:

@@ -14,14 +14,14 @@ The model (docs/router.md, "Predicted TTFT"): the worker computes the prefill to
 of the request (:func:`queue_ahead`: this router's own requests not yet prefilled there, already
 net of their own cache hits; not the worker's report, which lags; less what the worker has
 computed of them since, :func:`queue_done`, drained from the last prefill seen end there at the
-rate its prefills were seen to go) and then the request's uncached tokens. The wait behind the
-queue is its tokens left at that rate (``TtftModel.queue_tokens_per_ms``; before any prefill was
-seen, the costs price the queue with the request). The engine packs the tokens first come first
-served into steps of at most ``chunk_tokens`` (:func:`packed_steps`); a step of ``T`` tokens
-costs ``step_ms + T * ms_per_token + T^2 * ms_per_step_token_sq`` (the mocker profile's step is
-exactly that), the request's own tokens ``n`` over ``c`` cached add their attention
-``ms_per_token_ctx * n * (c + n / 2)``, every step ``ms_per_decode_block_step`` per KV block of
-the decodes beside it, and the request ``base_ms``. A model without ``ms_per_step_token_sq``
+rate its prefills were seen to go) and then the request's uncached tokens. The engine packs
+them first come first served into steps of at most ``chunk_tokens`` (:func:`packed_steps`); a
+step of ``T`` tokens costs ``step_ms + T * ms_per_token + T^2 * ms_per_step_token_sq`` (the
+mocker profile's step is exactly that), every step ``ms_per_decode_block_step`` per KV block of
+the decodes beside it; the request's own tokens ``n`` over ``c`` cached add their attention
+``ms_per_token_ctx * n * (c + n / 2)``, and the request ``base_ms``. With the rate seen
+(``TtftModel.queue_tokens_per_ms``) the full steps before the request's last go at it
+(:func:`rate_split`) and the costs price the last step alone. A model without ``ms_per_step_token_sq``
 (logs written before it) costs the queue as one prompt with no context, then the request in
 steps of its own: a step of ``n`` new tokens over ``c`` of context
 ``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``.
@@ -37,7 +37,7 @@ from schemas.types import RequestPhase
 
 
 __all__ = ["PRIOR", "TtftModel", "cost_vector", "features", "packed_steps", "predict", "predict_ttft_ms", "queue_ahead",
-           "queue_done", "queue_wait_ms"]
+           "queue_done", "rate_split", "split"]
 
 #: The prior every router starts from (conservative: a mid-range GPU's prefill rate for an 8B
 #: model, ~20k tokens/s), and what a worker's fit starts from (``ttft_fit.py``).
@@ -87,7 +87,7 @@ def queue_done(pending: Iterable[tuple[float, int]], now_s: float, model: TtftMo
 
 
 def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int,
-             queue_done_tokens: int = 0, decode: bool = True, packed: bool = False, queue: bool = True
+             queue_done_tokens: int = 0, decode: bool = True, packed: bool = False, at_rate: bool = False
              ) -> tuple[int, int, int, int, int, int]:
     """What the prediction multiplies by the model's six costs, as integers (so the fit's sums
     are exact): (1 request, engine steps, prompt tokens computed, twice the attention term,
@@ -101,17 +101,28 @@ def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tok
     ``packed`` (:func:`packed_steps`): the engine's steps, the queue and the request in one
     first-come-first-served stream; the attention term is the request's own. Without it (a
     model written before): the queue counts as one prompt with no context, in its own steps.
-    ``queue`` False: the request's own alone (a model that waited behind the queue at the
-    rate seen, :func:`queue_wait_ms`)."""
-    q = max(queue_ahead(row) - queue_done_tokens, 0) if queue else 0
+    ``at_rate``: the last step's alone (a model whose full steps before it went at the rate
+    seen, :func:`rate_split`)."""
+    q, cached, n = split(row, prompt_tokens, block_size, queue_done_tokens)
+    return _features(q, cached, n, row.active_decode_blocks if decode else 0, chunk_tokens, packed, at_rate)
+
+
+def split(row: CandidateScore, prompt_tokens: int, block_size: int, queue_done_tokens: int = 0
+          ) -> tuple[int, int, int]:
+    """(queue ahead left, cached tokens, tokens to compute) of a request of ``prompt_tokens``
+    under ``row``: what :func:`features` and the fit's wait read."""
+    q = max(queue_ahead(row) - queue_done_tokens, 0)
     cached = min(max(row.overlap_blocks, row.speculative_overlap) * block_size, max(prompt_tokens - 1, 0))
-    return _features(q, cached, max(prompt_tokens - cached, 0), row.active_decode_blocks if decode else 0,
-                     chunk_tokens, packed)
+    return q, cached, max(prompt_tokens - cached, 0)
 
 
-def _features(q: int, cached: int, n: int, decode_blocks: int, chunk_tokens: int, packed: bool
-              ) -> tuple[int, int, int, int, int, int]:
+def _features(q: int, cached: int, n: int, decode_blocks: int, chunk_tokens: int, packed: bool,
+              at_rate: bool = False) -> tuple[int, int, int, int, int, int]:
     """:func:`features` of a queue ahead ``q``, ``cached`` tokens of context and ``n`` to compute."""
+    if at_rate:
+        last = rate_split(q + n, chunk_tokens)[1]
+        step = 1 if last else 0
+        return 1, step, last, n * (2 * cached + n), step * decode_blocks, last * last
     if packed:
         steps, sq = packed_steps(q + n, chunk_tokens)
         return 1, steps, q + n, n * (2 * cached + n), steps * decode_blocks, sq
@@ -119,11 +130,15 @@ def _features(q: int, cached: int, n: int, decode_blocks: int, chunk_tokens: int
     return 1, steps, q + n, q * q + n * (2 * cached + n), steps * decode_blocks, 0
 
 
-def queue_wait_ms(queued: int, model: TtftModel) -> float | None:
-    """The wait behind ``queued`` prompt tokens at the rate the worker was seen to compute its
-    prefills (``model.queue_tokens_per_ms``); None without one (the costs price the queue)."""
-    rate = model.queue_tokens_per_ms
-    return None if rate is None else queued / rate
+def rate_split(tokens: int, chunk_tokens: int) -> tuple[int, int]:
+    """``tokens`` queued on a worker (the queue ahead left, then the request's own) in the
+    engine's steps (:func:`packed_steps`): (the tokens of the full steps before the last, the
+    last step's). A model with ``queue_tokens_per_ms`` waits for the full ones at that rate,
+    the rate the worker's prefills were seen to go, and costs the last as a step."""
+    if tokens <= 0:
+        return 0, 0
+    full = (-(-tokens // chunk_tokens) - 1) * chunk_tokens
+    return full, tokens - full
 
 
 def packed_steps(tokens: int, chunk_tokens: int) -> tuple[int, int]:
@@ -167,12 +182,12 @@ def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap
     q = max(queued_prefill_tokens - (model.queue_done_tokens or 0), 0)
     n = prompt_tokens - cached
     if model.ms_per_step_token_sq is not None:
-        wait = queue_wait_ms(q, model)
-        if wait is not None:
-            q = 0
-        x = _features(q, cached, max(n, 0), decode_blocks, model.chunk_tokens, True)
+        rate = model.queue_tokens_per_ms
+        n = max(n, 0)
+        x = _features(q, cached, n, decode_blocks, model.chunk_tokens, True, rate is not None)
         c = cost_vector(model)
-        return c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3] + c[4] * x[4] + c[5] * x[5] + (wait or 0.0)
+        wait = 0.0 if rate is None else rate_split(q + n, model.chunk_tokens)[0] / rate
+        return c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3] + c[4] * x[4] + c[5] * x[5] + wait
     # Models written before it: the same sum as model . features(...), laid out as before the
     # fit existed, so a decision recorded then (under the prior, base 0) re-executes bit for bit.
     out = model.base_ms + model.prefill_ms(q) + model.prefill_ms(n, cached)

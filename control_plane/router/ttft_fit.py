@@ -5,8 +5,8 @@ prefill phase) and saw complete, the :func:`~.ttft.features` of the chosen row a
 (steps, tokens computed, attention term, decodes beside the steps, the steps' tokens squared)
 and the TTFT the client got (``RequestCompleted.ttft_ms`` less the time the request queued in
 the router before its first decision, as ``switchyard replay reconcile`` reads it), less the
-wait behind the queue ahead when the decision's model priced it at the rate seen
-(``TtftModel.queue_tokens_per_ms``; then the features are the request's own). So the fit maps
+wait for the full steps before the request's last when the decision's model priced them at the
+rate seen (``TtftModel.queue_tokens_per_ms``; then the features are the last step's). So the fit maps
 what the router *saw* to what happened: a queue the router misjudges or a handoff it does not
 model is absorbed into the costs (``base_ms`` takes the handoff's mean).
 
@@ -42,7 +42,7 @@ import heapq
 from schemas.events import CandidateScore, TtftModel
 from schemas.types import RequestId, RequestPhase, WorkerId
 
-from control_plane.router.ttft import PRIOR, cost_vector, features, queue_ahead
+from control_plane.router.ttft import PRIOR, cost_vector, features, rate_split, split
 
 #: How far back (s, by decision time) an observation counts. At most replay's look-back.
 FIT_WINDOW_S = 300.0
@@ -230,16 +230,20 @@ class TtftFit:
         prior's 0). ``packed`` False: nor had it the step-squared cost
         (``TtftModel.ms_per_step_token_sq``): its observation has the old features (the queue
         as one prompt), its step-squared feature 0. ``chunk_tokens``: the steps' size in the
-        decision's model (None: the prior's). ``queue_rate``: the model waited behind the
-        queue at that rate (``TtftModel.queue_tokens_per_ms``): the observation is the request's
-        own features, and the wait (whole microseconds) comes off its TTFT."""
+        decision's model (None: the prior's). ``queue_rate``: the model waited for the full
+        steps before the request's last at that rate (``TtftModel.queue_tokens_per_ms``): the
+        observation is the last step's features, and the wait (whole microseconds) comes off
+        its TTFT."""
         if phase is RequestPhase.DECODE or row is None or prompt_tokens <= 0 or block_size <= 0:
             return
-        apart = packed and queue_rate is not None
-        wait_us = round(max(queue_ahead(row) - queue_done_tokens, 0) / queue_rate * 1000) if apart else 0
-        self._pending[request_id] = (worker, decided_at_s, features(row, prompt_tokens, block_size,
-                                                                    chunk_tokens or self.prior.chunk_tokens,
-                                                                    queue_done_tokens, decode, packed, not apart),
+        chunk = chunk_tokens or self.prior.chunk_tokens
+        at_rate = packed and queue_rate is not None
+        wait_us = 0
+        if at_rate:
+            q, _, n = split(row, prompt_tokens, block_size, queue_done_tokens)
+            wait_us = round(rate_split(q + n, chunk)[0] / queue_rate * 1000)
+        self._pending[request_id] = (worker, decided_at_s, features(row, prompt_tokens, block_size, chunk,
+                                                                    queue_done_tokens, decode, packed, at_rate),
                                      wait_us)
 
     def completed(self, request_id: RequestId, ttft_ms: float) -> None:

@@ -215,13 +215,16 @@ def test_the_queue_drains_from_the_last_prefill_seen_end_at_the_rate_seen() -> N
 
 
 def test_a_model_with_the_rate_seen_waits_behind_the_queue_at_it() -> None:
-    """Bound with the rate the worker was seen to prefill at (40 tokens/ms), the prediction
-    waits 4,000 / 40 = 100 ms behind the queue, and prices the request's own tokens alone; a
-    row without a queue predicts as without the rate."""
-    from control_plane.router.ttft import predict
+    """Bound with the rate the worker was seen to prefill at (40 tokens/ms): 10,000 queued and
+    1,024 of its own are 11,024 tokens, a full 8,192-token step (8,192 / 40 = 204.8 ms at that
+    rate) then the request's last step of 2,832 under the costs (2 + 2,832 x 0.05 + the
+    request's attention 1e-6 x 1,024^2 = 144.648576). A queue and request within one step
+    predict as without the rate."""
+    from control_plane.router.ttft import predict, rate_split
 
+    assert rate_split(11_024, 8192) == (8192, 2832) and rate_split(0, 8192) == (0, 0)
     seen = msgspec.structs.replace(PRIOR, queue_tokens_per_ms=40.0)
-    assert predict(4000, 0, 0, 1024, 64, seen) == pytest.approx(100.0 + predict(0, 0, 0, 1024, 64, PRIOR))
-    assert predict(0, 0, 0, 1024, 64, seen) == predict(0, 0, 0, 1024, 64, PRIOR)
+    assert predict(10_000, 0, 0, 1024, 64, seen) == pytest.approx(204.8 + 144.648576)
+    assert predict(4000, 0, 0, 1024, 64, seen) == predict(4000, 0, 0, 1024, 64, PRIOR)
     with pytest.raises(ValueError):
         TtftModel(queue_tokens_per_ms=0.0)

@@ -259,9 +259,9 @@ def test_the_drain_rate_is_the_prefills_seen_exact_and_expired() -> None:
 
 
 def test_with_the_rate_seen_the_fit_learns_the_requests_own_costs() -> None:
-    """Decisions whose models waited behind the queue at the rate seen (25 tokens/ms): each
-    observation's wait comes off its TTFT (whole microseconds) and its features are the
-    request's own, so the fit finds the worker's own costs and predicts within 3%."""
+    """Decisions whose models waited for the full steps ahead at the rate seen (25 tokens/ms):
+    each observation's wait comes off its TTFT (whole microseconds) and its features are its
+    last step's, so the fit finds the worker's step costs and predicts within 3%."""
     seen = msgspec.structs.replace(TRUE, queue_tokens_per_ms=25.0)
     fit = TtftFit()
     for k, (rid, row, prompt) in enumerate(_requests(2000)):
