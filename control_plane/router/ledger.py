@@ -455,11 +455,11 @@ class RouterLedger:
         """``worker``'s TTFT model for a decision at ``now``: the fit's, with the tokens of the
         queue ahead the worker has computed by then (:func:`~.ttft.queue_done` over this
         router's in-flight prefills there, from the end of the last prefill it saw end there,
-        at the rate the worker's prefills were seen to go, ``TtftFit.drain_rate``; before any,
-        at the model's, its steps slowed by the blocks they hold). ``engine_steps`` False: the model as a
-        decision recorded before ``TtftModel.ms_per_step_token_sq`` existed had it (without
-        the field, in steps of the prior's then; its drain from each request's routing, at the
-        rate of prompt tokens alone),
+        at the rate the worker's prefills were seen to go, ``TtftFit.drain_rate``, which the
+        model then carries; before any, at the model's, its steps slowed by the blocks they
+        hold). ``engine_steps`` False: the model as a decision recorded before
+        ``TtftModel.ms_per_step_token_sq`` existed had it (without the field, in steps of the
+        prior's then; drained from each request's routing at the rate of prompt tokens alone),
         which replay re-derives such a decision with."""
         model = self.ttft_fit.model(worker)
         pending = self.inflight.pending_prefills(worker)
