@@ -252,18 +252,42 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: written before it existed (added in place, omitted when None): no decode term, and the fit
     #: behind them did not see it.
     ms_per_decode_block_step: float | None = None
+    #: Extra cost of one engine step per squared prompt token the step computes, batch-wide (an
+    #: engine whose step time grows faster than linearly with its tokens: the mocker profile's
+    #: ``prefill_c2``). Set, the prediction forms the engine's steps (``ttft.packed_steps``: the
+    #: queue ahead and the request's own tokens packed first come first served into steps of
+    #: ``chunk_tokens``, the request sharing the queue's last step) and this costs each step's
+    #: tokens squared; ``ms_per_token_ctx`` then prices the request's own context only. None in
+    #: models written before it existed (added in place, omitted when None): the queue counted as
+    #: one prompt (its tokens squared at ``ms_per_token_ctx``), in steps apart from the request's.
+    ms_per_step_token_sq: float | None = None
+    #: At one decision, the rate (prompt tokens per ms) the worker was seen to compute its
+    #: prefills at (``TtftFit.drain_rate``: the router's own prefills there, tokens over busy
+    #: time, in the fit window), which the queue ahead drains at (``queue_done_tokens``) and
+    #: the engine's full steps before the request's last one go at (``ttft.rate_split``); the
+    #: costs then price that last step alone. None: no prefill seen yet, or a model not bound
+    #: to a decision, or written before it existed (added in place, omitted when None): the
+    #: costs price every step.
+    queue_tokens_per_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx,
-                                        self.ms_per_decode_block_step or 0.0) < 0:
+                                        self.ms_per_decode_block_step or 0.0, self.ms_per_step_token_sq or 0.0) < 0:
             raise ValueError(f"TtftModel: chunk_tokens must be >= 1 and the costs >= 0, got {self}")
+        if self.queue_tokens_per_ms is not None and not self.queue_tokens_per_ms > 0:
+            raise ValueError(f"TtftModel: queue_tokens_per_ms must be > 0, got {self.queue_tokens_per_ms}")
         if self.queue_done_tokens is not None and self.queue_done_tokens < 0:
             raise ValueError(f"TtftModel: queue_done_tokens must be >= 0, got {self.queue_done_tokens}")
 
-    def tokens_per_ms(self) -> float:
+    def tokens_per_ms(self, decode_blocks: int = 0) -> float:
         """The rate a busy worker computes prompt tokens at under this model: full steps of
-        ``chunk_tokens``, context aside (infinite when the model gives tokens no cost)."""
-        per_step = self.step_ms + self.chunk_tokens * self.ms_per_token
+        ``chunk_tokens``, context aside (infinite when the model gives tokens no cost). A model
+        with the engine's steps (``ms_per_step_token_sq`` set) slows each step by the
+        ``decode_blocks`` decoding beside it; one without ignores them."""
+        c = self.chunk_tokens
+        per_step = self.step_ms + c * self.ms_per_token
+        if self.ms_per_step_token_sq is not None:
+            per_step += c * c * self.ms_per_step_token_sq + (self.ms_per_decode_block_step or 0.0) * decode_blocks
         return self.chunk_tokens / per_step if per_step > 0 else math.inf
 
     def prefill_ms(self, new_tokens: int, context_tokens: int = 0) -> float:

@@ -568,7 +568,8 @@ class ReplayEngine:
                 block_hashes=adm.block_hashes, block_size=adm.block_size,
                 expected_output_tokens=routed.expected_output_tokens or adm.max_tokens, phase=routed.phase,
                 attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
-                excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0)
+                excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0,
+                engine_steps=routed.ttft_model is None or routed.ttft_model.ms_per_step_token_sq is not None)
             if routed.admission is not None:
                 at_s = routed.admission.at_s
                 item.margin = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))

@@ -303,6 +303,11 @@ def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfi
         # models had no such field.
         inputs = msgspec.structs.replace(inputs, ttft_models={
             w: msgspec.structs.replace(x, ms_per_decode_block_step=None) for w, x in inputs.ttft_models.items()})
+    if m is not None and m.ms_per_step_token_sq is None and inputs.ttft_models:
+        # Decided before the engine's steps were formed (TtftModel.ms_per_step_token_sq): the
+        # fit saw the old features in those decisions, and their models had no such field.
+        inputs = msgspec.structs.replace(inputs, ttft_models={
+            w: msgspec.structs.replace(x, ms_per_step_token_sq=None) for w, x in inputs.ttft_models.items()})
     try:
         d = execute(inputs, config, rec.routed.rng_seed)
     except (RoutingError, NoEligibleWorker, ValueError) as e:

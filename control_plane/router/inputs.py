@@ -84,9 +84,12 @@ def decision_inputs(
     now: float,
     excluded: Collection[str] = (),
     peer_reach: bool = False,
+    engine_steps: bool = True,
 ) -> DecisionInputs:
     """The inputs of one decision (``peer_reach``: credit each worker with the prefix a peer
-    holds, :func:`with_peer_reach`; on when the config's ``tier_weights.peer`` is above 0). Prepares the ledger for it (expiry at ``now``; a decode phase
+    holds, :func:`with_peer_reach`; on when the config's ``tier_weights.peer`` is above 0;
+    ``engine_steps`` False: the TTFT models as before the engine's steps were modelled,
+    ``RouterLedger.ttft_model``, for replay of a decision recorded then). Prepares the ledger for it (expiry at ``now``; a decode phase
     releases its prefill entry), exactly as folding the decision's ``RequestRouted`` will.
 
     Raises :class:`NoEligibleWorker`, with the ledger untouched, when the phase's role has no
@@ -109,7 +112,7 @@ def decision_inputs(
     request = RoutingRequest(request_id=request_id, prompt_tokens=prompt_tokens, block_size=block_size,
                              block_hashes=hashes, expected_output_tokens=expected_output_tokens, phase=phase)
     models = ({} if phase is RequestPhase.DECODE
-              else {w.worker_id: ledger.ttft_model(w.worker_id, now) for w in workers})
+              else {w.worker_id: ledger.ttft_model(w.worker_id, now, engine_steps) for w in workers})
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
                           rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt),
                           ttft_models=models)

@@ -38,6 +38,7 @@ replay can rebuild it by folding the recorded events and re-run any decision.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ class InflightLedger:
     idempotent on repeated input (events arrive at least once).
     """
 
-    __slots__ = ("_accounts", "_by_request", "_by_worker", "_entries", "_expiry", "_seq")
+    __slots__ = ("_accounts", "_by_request", "_by_worker", "_entries", "_expiry", "_seq", "_prefill_done_at")
 
     def __init__(self, *, accounts: InflightAccounts | None = None) -> None:
         """``accounts``: empty per-worker accounts to keep (None: the native ones; the
@@ -98,6 +99,9 @@ class InflightLedger:
         self._accounts: InflightAccounts = _new_accounts() if accounts is None else accounts
         self._expiry: list[tuple[float, int, RequestId, WorkerId]] = []
         self._seq = 0
+        #: Worker -> when the last of its prefills this router saw end ended (``prefill_done``
+        #: with a time): the worker is busy with the next of its queue from then on.
+        self._prefill_done_at: dict[WorkerId, float] = {}
 
     # -- mutations ---------------------------------------------------------------------------
 
@@ -152,17 +156,28 @@ class InflightLedger:
             ]
             heapq.heapify(self._expiry)
 
-    def prefill_done(self, request_id: RequestId, worker: WorkerId | None = None) -> None:
-        """The prompt of ``request_id`` is computed (on ``worker``, or wherever it went).
+    def prefill_done(self, request_id: RequestId, worker: WorkerId | None = None, at: float | None = None
+                     ) -> list[tuple[WorkerId, float, int]]:
+        """The prompt of ``request_id`` is computed (on ``worker``, or wherever it went), at
+        ``at`` (s; None: not known).
 
         Its prefill tokens stop counting; its blocks and speculative overlap stay until
-        ``complete``. Unknown ids are ignored.
+        ``complete``. Unknown ids are ignored. Returns, with ``at``, for each worker where it
+        still had tokens to compute: (worker, busy from, tokens): the worker computed them from
+        the later of its routing and the end of the last prefill seen end there, until ``at``.
         """
+        out: list[tuple[WorkerId, float, int]] = []
         for key in self._keys(request_id, worker):
             entry = self._entries[key]
+            if at is not None and entry.prefill_tokens > 0:
+                done = self._prefill_done_at
+                prev = done.get(key[1], -math.inf)
+                out.append((key[1], min(max(entry.at, prev), at), entry.prefill_tokens))
+                done[key[1]] = max(prev, at)
             if not self._accounts.prefill_done(key[1], entry.prefill_tokens):
                 raise _declined(f"prefill of request {request_id} on {key[1]}", ())
             entry.prefill_tokens = 0
+        return out
 
     def complete(self, request_id: RequestId, worker: WorkerId | None = None) -> None:
         """``request_id`` finished, failed or left ``worker`` (all its workers when None).
@@ -190,6 +205,7 @@ class InflightLedger:
         """Forget everything sent to ``worker`` (it deregistered or restarted: its KV is gone)."""
         for key in [k for k in self._entries if k[1] == worker]:
             self._remove(key)
+        self._prefill_done_at.pop(worker, None)
 
     # -- queries (the InflightView protocol) -------------------------------------------------
 
@@ -225,6 +241,11 @@ class InflightLedger:
         if not entries:
             return []
         return [(e.at, e.prefill_tokens) for e in entries.values() if e.prefill_tokens > 0]
+
+    def prefill_done_at(self, worker: WorkerId) -> float:
+        """When the last prefill on ``worker`` that this router saw end ended (s; -inf: none
+        seen): ``ttft.queue_done`` starts the queue's drain no earlier."""
+        return self._prefill_done_at.get(worker, -math.inf)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -343,6 +364,9 @@ class RouterLedger:
         if phase is RequestPhase.DECODE:
             worker = self._prefill_worker.get(request_id)
             if worker is not None:
+                # Its KV is handed off: computed.
+                for w, since, tokens in self.inflight.prefill_done(request_id, worker, now):
+                    self.ttft_fit.prefilled(w, since, now, tokens)
                 self.inflight.complete(request_id, worker)
 
     def _admitted(self, env: Envelope[Event]) -> None:
@@ -363,10 +387,14 @@ class RouterLedger:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             m = ev.ttft_model
             done = (m.queue_done_tokens or 0) if m is not None else 0
-            # A decision whose model had no decode term (before it existed) observes none.
+            # A decision whose model had no decode term (before it existed) observes none; one
+            # whose model had no step-squared cost observes the old features.
             self.ttft_fit.routed(rid, ev.worker_id, ev.phase, row, self._prompt_tokens[rid],
                                  self._block_size.get(rid, 0), now, done,
-                                 m is not None and m.ms_per_decode_block_step is not None)
+                                 m is not None and m.ms_per_decode_block_step is not None,
+                                 m is not None and m.ms_per_step_token_sq is not None,
+                                 m.chunk_tokens if m is not None else None,
+                                 m.queue_tokens_per_ms if m is not None else None)
             self.margin.routed(rid, ev.predicted_ttft_ms, now)
         hashes = self._hashes.get(rid)
         if hashes is None:
@@ -380,7 +408,9 @@ class RouterLedger:
             self._prefill_worker[rid] = ev.worker_id
 
     def _prefill_completed(self, env: Envelope[Event]) -> None:
-        self.inflight.prefill_done(env.data.request_id)  # type: ignore[attr-defined]
+        at = env.occurred_at_ns / 1e9
+        for w, since, tokens in self.inflight.prefill_done(env.data.request_id, at=at):  # type: ignore[attr-defined]
+            self.ttft_fit.prefilled(w, since, at, tokens)
         # The router records it at the first token (aggregated serving; a prefill worker's,
         # in disaggregated serving, is not this router's event).
         self.margin.first_token(env.data.request_id, env.occurred_at_ns / 1e9)  # type: ignore[attr-defined]
@@ -421,13 +451,27 @@ class RouterLedger:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def ttft_model(self, worker: WorkerId, now: float) -> TtftModel:
+    def ttft_model(self, worker: WorkerId, now: float, engine_steps: bool = True) -> TtftModel:
         """``worker``'s TTFT model for a decision at ``now``: the fit's, with the tokens of the
         queue ahead the worker has computed by then (:func:`~.ttft.queue_done` over this
-        router's in-flight prefills there)."""
+        router's in-flight prefills there, from the end of the last prefill it saw end there,
+        at the rate the worker's prefills were seen to go, ``TtftFit.drain_rate``, which the
+        model then carries; before any, at the model's, its steps slowed by the blocks they
+        hold). ``engine_steps`` False: the model as a decision recorded before
+        ``TtftModel.ms_per_step_token_sq`` existed had it (without the field, in steps of the
+        prior's then; drained from each request's routing at the rate of prompt tokens alone),
+        which replay re-derives such a decision with."""
         model = self.ttft_fit.model(worker)
         pending = self.inflight.pending_prefills(worker)
-        done = queue_done(pending, now, model) if pending else 0
+        if not engine_steps:
+            model = msgspec.structs.replace(model, ms_per_step_token_sq=None, chunk_tokens=_CHUNK_BEFORE_STEPS)
+            done = queue_done(pending, now, model) if pending else 0
+        else:
+            rate = self.ttft_fit.drain_rate(worker)
+            done = queue_done(pending, now, model, self.inflight.load_for(worker).decode_blocks,
+                              self.inflight.prefill_done_at(worker), rate) if pending else 0
+            if rate is not None:
+                return msgspec.structs.replace(model, queue_done_tokens=done, queue_tokens_per_ms=rate)
         if not done:
             # Bound even at 0 (a recorded model without it was decided before the drain
             # existed); kept while the fit's model is the same object.
@@ -450,6 +494,10 @@ class RouterLedger:
     def open_requests(self) -> int:
         """Requests admitted and not ended."""
         return len(self._hashes)
+
+
+#: The step size the models had before they formed the engine's steps (the prior's then).
+_CHUNK_BEFORE_STEPS = TtftModel().chunk_tokens
 
 
 def role_of_phase(phase: RequestPhase | str) -> str:

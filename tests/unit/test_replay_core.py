@@ -362,10 +362,12 @@ def test_the_fold_of_a_routers_log_equals_its_live_state_whatever_the_partition_
 
 def test_the_state_check_re_derives_the_queues_drain_and_not_for_a_decision_recorded_before_it() -> None:
     """Worker a has 6,000 tokens of this router's prefills in flight, routed 0.2 s before the
-    decision: under the prior the worker has computed 3,923 of them (19.6169 tokens/ms), which
+    decision: under the prior the worker has computed 3,980 of them (19.9028 tokens/ms), which
     the decision's model records. The state check over the ledger's inputs reproduces it; a
     record written before the drain (no ``queue_done_tokens``, every prediction behind the
-    whole queue) reproduces too, re-derived without it."""
+    whole queue) reproduces too, re-derived without it; and one written before the engine's
+    steps (no ``ms_per_step_token_sq``: 2,048-token steps, 19.6169 tokens/ms, 3,923 done),
+    over the inputs replay rebuilds for it (``engine_steps=False``)."""
     from control_plane.replay.verify import check_state
 
     led = RouterLedger(600.0)
@@ -375,7 +377,7 @@ def test_the_state_check_re_derives_the_queues_drain_and_not_for_a_decision_reco
     workers = [WorkerLoad(worker_id="a"), WorkerLoad(worker_id="b", queued_prefill_tokens=500)]
     inputs = DecisionInputs(request=req, workers=workers, overlaps={}, inflight=led.view(req.block_hashes),
                             rng_seed=3, ttft_models={w.worker_id: led.ttft_model(w.worker_id, 100.0) for w in workers})
-    assert inputs.ttft_models["a"].queue_done_tokens == 3923 and inputs.ttft_models["b"].queue_done_tokens == 0
+    assert inputs.ttft_models["a"].queue_done_tokens == 3980 and inputs.ttft_models["b"].queue_done_tokens == 0
     config = RouterConfig(version=1)
     adm = RequestAdmitted(request_id="q", model="m", prompt_tokens=req.prompt_tokens, max_tokens=16,
                           block_hashes=list(req.block_hashes), block_size=BS, hash_algo="sha256")
@@ -393,6 +395,12 @@ def test_the_state_check_re_derives_the_queues_drain_and_not_for_a_decision_reco
     row_a = next(r for r in old.routed.scores if r.worker_id == "a")
     assert row_a.predicted_ttft_ms > next(r for r in rec.routed.scores if r.worker_id == "a").predicted_ttft_ms
     status, _, diffs, _ = check_state(old, inputs, config)
+    assert status == "match", diffs
+    steps_before = msgspec.structs.replace(inputs, ttft_models={
+        w.worker_id: led.ttft_model(w.worker_id, 100.0, engine_steps=False) for w in workers})
+    m = steps_before.ttft_models["a"]
+    assert (m.queue_done_tokens, m.ms_per_step_token_sq, m.chunk_tokens) == (3923, None, 2048)
+    status, _, diffs, _ = check_state(record(steps_before), steps_before, config)
     assert status == "match", diffs
 
 

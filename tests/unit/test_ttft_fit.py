@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from control_plane.router.ttft import PRIOR, TtftModel, predict_ttft_ms
@@ -12,8 +13,13 @@ from schemas.events import CandidateScore
 from schemas.types import RequestPhase
 
 AGG = RequestPhase.AGGREGATED
-#: A worker 3x faster than the prior, with a 40 ms handoff per request.
-TRUE = TtftModel(base_ms=40.0, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6)
+#: A worker 3x faster than the prior, with a 40 ms handoff per request, whose steps cost their
+#: tokens squared (the mocker's ``prefill_c2``) and whose prompts their context.
+TRUE = TtftModel(base_ms=40.0, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6, ms_per_step_token_sq=4e-7,
+                 chunk_tokens=PRIOR.chunk_tokens)
+#: The same costs under the features of a model without ``ms_per_step_token_sq`` (logs written
+#: before it: the queue as one prompt).
+TRUE_OLD = TtftModel(base_ms=40.0, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6)
 
 
 def _requests(n: int, seed: int = 7) -> list[tuple[str, CandidateScore, int]]:
@@ -28,8 +34,9 @@ def _requests(n: int, seed: int = 7) -> list[tuple[str, CandidateScore, int]]:
 
 
 def _fold(fit: TtftFit, reqs, truth: TtftModel = TRUE, t0: float = 0.0) -> None:
+    packed = truth.ms_per_step_token_sq is not None
     for k, (rid, row, prompt) in enumerate(reqs):
-        fit.routed(rid, row.worker_id, AGG, row, prompt, 64, t0 + k * 0.01)
+        fit.routed(rid, row.worker_id, AGG, row, prompt, 64, t0 + k * 0.01, packed=packed, chunk_tokens=truth.chunk_tokens)
         fit.completed(rid, predict_ttft_ms(row, prompt, 64, AGG, truth))
 
 
@@ -52,6 +59,20 @@ def test_converges_to_a_synthetic_profile() -> None:
     for _, row, prompt in _requests(50, seed=99):
         want = predict_ttft_ms(row, prompt, 64, AGG, TRUE)
         assert predict_ttft_ms(row, prompt, 64, AGG, m) == pytest.approx(want, rel=0.03)
+
+
+def test_a_log_before_the_engines_steps_fits_the_old_features() -> None:
+    """Decisions whose models had no ``ms_per_step_token_sq`` (a log written before it) observe
+    the old features (the queue as one prompt): their fit learns the old-feature worker within
+    3% (read as such a model, the field None) and keeps the step-squared cost at the prior's 0."""
+    fit = TtftFit()
+    _fold(fit, _requests(2000), TRUE_OLD)
+    m = fit.model("w-1")
+    assert m.ms_per_step_token_sq == 0.0
+    old = msgspec.structs.replace(m, ms_per_step_token_sq=None)
+    for _, row, prompt in _requests(50, seed=99):
+        want = predict_ttft_ms(row, prompt, 64, AGG, TRUE_OLD)
+        assert predict_ttft_ms(row, prompt, 64, AGG, old) == pytest.approx(want, rel=0.03)
 
 
 def test_few_observations_stay_near_the_prior() -> None:
@@ -166,7 +187,7 @@ def test_the_fit_learns_on_the_queue_left_after_what_was_done() -> None:
 #: TRUE with decodes sharing its steps: each step slower by 3 us per block they hold (the
 #: mocker's decode term, 54 ms at a full 16,384 x 64-token device, is ~3.3 us a block).
 TRUE_D = TtftModel(base_ms=40.0, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6,
-                   ms_per_decode_block_step=0.003)
+                   ms_per_decode_block_step=0.003, ms_per_step_token_sq=4e-7, chunk_tokens=PRIOR.chunk_tokens)
 
 
 def _decoding(n: int, seed: int = 11) -> list[tuple[str, CandidateScore, int]]:
@@ -212,7 +233,41 @@ def test_without_the_decode_term_the_fit_is_the_four_cost_fit() -> None:
         zero.completed(rid, y)
     assert old.model("w-1") == zero.model("w-1")
     row = _decoding(1, seed=5)[0][1]
-    without = TtftModel(base_ms=TRUE_D.base_ms, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6)
+    without = TtftModel(base_ms=TRUE_D.base_ms, step_ms=1.0, ms_per_token=0.015, ms_per_token_ctx=1e-6,
+                        ms_per_step_token_sq=4e-7, chunk_tokens=PRIOR.chunk_tokens)
     assert (predict_ttft_ms(row, 4000, 64, AGG, without)
             == predict_ttft_ms(CandidateScore(worker_id="w-1", overlap_blocks=row.overlap_blocks,
                                               queued_prefill_tokens=row.queued_prefill_tokens), 4000, 64, AGG, TRUE_D))
+
+
+def test_the_drain_rate_is_the_prefills_seen_exact_and_expired() -> None:
+    """Tokens over busy time, summed as integers (tokens, microseconds): a worker's own after
+    RATE_MIN_OWN prefills, the pool's before; observations leave with the fit window."""
+    from control_plane.router.ttft_fit import RATE_MIN_OWN
+
+    fit = TtftFit()
+    fit.prefilled("w-1", 0.0, 0.1, 2000)  # 20 tokens/ms
+    fit.prefilled("w-2", 0.0, 0.1, 4000)  # 40
+    assert fit.drain_rate("w-1") == fit.drain_rate("w-3") == pytest.approx(30.0)
+    for k in range(RATE_MIN_OWN - 1):
+        fit.prefilled("w-1", 1.0 + k, 1.05 + k, 1000)
+    assert fit.drain_rate("w-1") == pytest.approx((2000 + 1000 * (RATE_MIN_OWN - 1)) / (100 + 50 * (RATE_MIN_OWN - 1)))
+    fit.expire(FIT_WINDOW_S + 0.5)  # the first two (ended at 0.1 s) leave
+    assert fit.drain_rate("w-2") == pytest.approx(20.0)
+    fit.expire(10 * FIT_WINDOW_S)
+    assert fit.drain_rate("w-1") is None
+
+
+def test_with_the_rate_seen_the_fit_learns_the_requests_own_costs() -> None:
+    """Decisions whose models waited for the full steps ahead at the rate seen (25 tokens/ms):
+    each observation's wait comes off its TTFT (whole microseconds) and its features are its
+    last step's, so the fit finds the worker's step costs and predicts within 3%."""
+    seen = msgspec.structs.replace(TRUE, queue_tokens_per_ms=25.0)
+    fit = TtftFit()
+    for k, (rid, row, prompt) in enumerate(_requests(2000)):
+        fit.routed(rid, row.worker_id, AGG, row, prompt, 64, k * 0.01, queue_rate=25.0)
+        fit.completed(rid, predict_ttft_ms(row, prompt, 64, AGG, seen))
+    m = msgspec.structs.replace(fit.model("w-1"), queue_tokens_per_ms=25.0)
+    for _, row, prompt in _requests(50, seed=99):
+        want = predict_ttft_ms(row, prompt, 64, AGG, seen)
+        assert predict_ttft_ms(row, prompt, 64, AGG, m) == pytest.approx(want, rel=0.03)
