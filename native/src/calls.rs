@@ -23,6 +23,8 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
+use std::future::Future;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -35,7 +37,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
-use tokio::time::timeout;
+use tokio::time::{timeout, timeout_at};
 
 /// Bytes a call buffers before its reader waits for the caller to take them.
 const BUFFER: usize = 256 * 1024;
@@ -141,10 +143,10 @@ impl Inner {
             Err(_) => {
                 return Err(failure(
                     "connect_timeout",
-                    format!("ConnectionTimeout: connecting to {host}:{port} took over {:?}", self.cfg.connect_timeout),
+                    format!("connecting to {host}:{port} took over {:?}", self.cfg.connect_timeout),
                 ))
             }
-            Ok(Err(e)) => return Err(failure("worker_unreachable", format!("ClientConnectorError: {host}:{port}: {e}"))),
+            Ok(Err(e)) => return Err(failure("worker_unreachable", format!("cannot connect to {host}:{port}: {e}"))),
             Ok(Ok(s)) => s,
         };
         let _ = stream.set_nodelay(true);
@@ -178,7 +180,7 @@ impl Inner {
                 Err(_) => {
                     return Err(failure(
                         "timeout",
-                        format!("ServerTimeoutError: no answer from {}:{} within {:?}", req.key.0, req.key.1, self.cfg.read_timeout),
+                        format!("no answer from {}:{} within {:?}", req.key.0, req.key.1, self.cfg.read_timeout),
                     ))
                 }
                 Ok(Ok(resp)) => return Ok((resp, conn)),
@@ -193,7 +195,7 @@ impl Inner {
 }
 
 fn lost(e: &hyper::Error) -> Failure {
-    let mut detail = format!("ServerDisconnectedError: {e}");
+    let mut detail = format!("connection lost: {e}");
     let mut src = std::error::Error::source(e);
     while let Some(s) = src {
         detail.push_str(&format!(": {s}"));
@@ -456,6 +458,9 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
     shared.update(&inner, |st| st.status = Some(status));
     let mut body = resp.into_body();
     let mut drain_until: Option<Instant> = None;
+    // The read timeout counts from the last frame (time spent waiting for room is not the
+    // worker's).
+    let mut last = Instant::now();
     loop {
         // Wait for room (the caller takes what is buffered), unless draining.
         loop {
@@ -470,26 +475,42 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
                 break;
             }
             room.await;
+            last = Instant::now();
         }
+        // Registered before the mode is read: a `finish` from now on wakes the wait below, so
+        // a drain is bounded by `drain` from the moment the caller stopped reading.
+        let room = shared.room.notified();
+        tokio::pin!(room);
+        room.as_mut().enable();
         let mode = shared.mode();
-        let limit = match mode {
-            Mode::Read => cfg.read_timeout,
-            Mode::Drain => {
-                let until = *drain_until.get_or_insert_with(|| Instant::now() + cfg.drain);
-                until.saturating_duration_since(Instant::now())
-            }
+        let deadline = match mode {
+            Mode::Read => last + cfg.read_timeout,
+            Mode::Drain => *drain_until.get_or_insert_with(|| Instant::now() + cfg.drain),
         };
-        match timeout(limit, body.frame()).await {
+        let frame = body.frame();
+        tokio::pin!(frame);
+        let next = std::future::poll_fn(|cx| {
+            if let Poll::Ready(f) = frame.as_mut().poll(cx) {
+                return Poll::Ready(Some(f));
+            }
+            if mode == Mode::Read && room.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(None); // the caller finished: drain from now on
+            }
+            Poll::Pending
+        });
+        let got = timeout_at(deadline.into(), next).await;
+        match got {
+            Ok(None) => continue,
             Err(_) => {
                 let f = match mode {
-                    Mode::Read => failure("timeout", format!("ServerTimeoutError: no data from the worker for {:?}", cfg.read_timeout)),
+                    Mode::Read => failure("timeout", format!("no data from the worker for {:?}", cfg.read_timeout)),
                     Mode::Drain => failure("timeout", format!("the answer did not end within {:?} of the router's last read", cfg.drain)),
                 };
                 drop(conn); // closed: the worker stops
                 shared.update(&inner, |st| st.end = Some(Err(f)));
                 return;
             }
-            Ok(None) => {
+            Ok(Some(None)) => {
                 drop(body);
                 // The connection is ready for another request once hyper has seen the end.
                 let mut conn = conn;
@@ -499,12 +520,13 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
                 shared.update(&inner, |st| st.end = Some(Ok(())));
                 return;
             }
-            Ok(Some(Err(e))) => {
+            Ok(Some(Some(Err(e)))) => {
                 drop(conn);
                 shared.update(&inner, |st| st.end = Some(Err(lost(&e))));
                 return;
             }
-            Ok(Some(Ok(frame))) => {
+            Ok(Some(Some(Ok(frame)))) => {
+                last = Instant::now();
                 if let Ok(data) = frame.into_data() {
                     if !data.is_empty() {
                         shared.update(&inner, |st| {
@@ -696,5 +718,25 @@ mod tests {
         assert_eq!(head(&c, &call), Ok(200));
         call.abort();
         wait(&c, || call.is_over().then_some(()));
+    }
+
+    #[test]
+    fn a_drain_ends_within_its_bound_even_when_the_read_timeout_is_longer() {
+        let (port, _) = serve(|s| {
+            s.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n").unwrap();
+            std::thread::sleep(Duration::from_secs(5));
+            false
+        });
+        let mut c = Client::new(Config { drain: Duration::from_millis(200), ..cfg(10_000) }).unwrap();
+        let call = c.post(&format!("http://127.0.0.1:{port}/x"), Bytes::new(), &[]).unwrap();
+        assert_eq!(head(&c, &call), Ok(200));
+        wait(&c, || matches!(call.take(), Take::Data(_)).then_some(()));
+        let t = Instant::now();
+        assert!(call.finish());
+        assert!(matches!(wait(&c, || match call.take() {
+            Take::Pending => None,
+            t => Some(t),
+        }), Take::Failed(Failure { code: "timeout", .. })));
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     }
 }
