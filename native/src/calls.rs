@@ -211,16 +211,21 @@ struct Prepared {
     path: Uri,
     body: Bytes,
     headers: Vec<(HeaderName, HeaderValue)>,
+    /// An https worker: this client has no TLS, so the worker cannot be reached (the worker's
+    /// failure, retried elsewhere, not the request's).
+    tls: bool,
 }
 
 fn prepare(url: &str, body: Bytes, headers: &[(String, String)]) -> Result<Prepared, String> {
     let uri: Uri = url.parse().map_err(|e| format!("InvalidURL: {url:?}: {e}"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(format!("not an http URL (the worker client speaks plain HTTP/1.1): {url:?}"));
-    }
+    let tls = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => return Err(format!("not an http(s) URL: {url:?}")),
+    };
     let auth = uri.authority().ok_or_else(|| format!("no host in {url:?}"))?;
     let host = auth.host().trim_start_matches('[').trim_end_matches(']').to_string();
-    let port = auth.port_u16().unwrap_or(80);
+    let port = auth.port_u16().unwrap_or(if tls { 443 } else { 80 });
     let path: Uri = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/").parse().map_err(|e| format!("InvalidURL: {url:?}: {e}"))?;
     let mut hs = Vec::with_capacity(headers.len());
     for (k, v) in headers {
@@ -229,7 +234,7 @@ fn prepare(url: &str, body: Bytes, headers: &[(String, String)]) -> Result<Prepa
         hs.push((name, value));
     }
     let host_value = HeaderValue::from_str(auth.as_str()).map_err(|_| format!("illegal host in {url:?}"))?;
-    Ok(Prepared { key: (host, port), host: host_value, path, body, headers: hs })
+    Ok(Prepared { key: (host, port), host: host_value, path, body, headers: hs, tls })
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -439,6 +444,11 @@ impl Drop for Call {
 
 async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
     let cfg = &inner.cfg;
+    if req.tls {
+        let f = failure("worker_unreachable", format!("{}:{} is an https worker; the worker client speaks plain HTTP/1.1", req.key.0, req.key.1));
+        shared.update(&inner, |st| st.end = Some(Err(f)));
+        return;
+    }
     let _permit: OwnedSemaphorePermit = match timeout(cfg.connect_timeout + cfg.read_timeout, inner.permits.clone().acquire_owned()).await {
         Ok(Ok(p)) => p,
         _ => {
@@ -673,7 +683,8 @@ mod tests {
             let call = c.post(&url, Bytes::from_static(b"{}"), &[("x-request-id".into(), format!("r{i}"))]).unwrap();
             assert_eq!(head(&c, &call), Ok(200));
             wait(&c, || matches!(call.take(), Take::Data(_)).then_some(()));
-            assert!(call.finish());
+            // Drained (usually: the last chunk comes 20 ms later) or already ended: pooled.
+            call.finish();
             wait(&c, || call.is_over().then_some(()));
         }
         assert_eq!(conns.load(Ordering::SeqCst), 1);
@@ -698,6 +709,8 @@ mod tests {
         }
         assert!(c.post("http://127.0.0.1:1/x", Bytes::new(), &[("x-request-id".into(), "a\nb".into())]).is_err());
         assert!(c.post("ftp://127.0.0.1:1/x", Bytes::new(), &[]).is_err());
+        let call = c.post("https://127.0.0.1:1/x", Bytes::new(), &[]).unwrap();
+        assert_eq!(head(&c, &call).unwrap_err().code, "worker_unreachable");
     }
 
     #[test]
