@@ -1,7 +1,7 @@
 """The floor of a Python router on this machine: a bare ASGI app on the router's HTTP server
 (:mod:`common.http_server`: uvicorn, httptools, the same connection limits) that only forwards
 each request's body to one worker with the router's worker port
-(:class:`~control_plane.router.worker_calls.HttpWorkerCalls`: aiohttp, keep-alive pool) and
+(:class:`~control_plane.router.worker_calls.HttpWorkerCalls`: the crate's hyper client) and
 sends the answer back. No parsing, no decision, no events, no ledger. ``switchyard bench
 router`` runs it in front of the same instant worker as the router and nginx: what any Python
 router built on these parts can reach here, beside what nginx reaches.

@@ -8,10 +8,12 @@ the router's failure code (``connect_timeout``, ``worker_unreachable``, ``timeou
 :class:`Unsendable`, the request's fault and not the worker's. Each adapter translates its
 driver's errors into these, so the router classifies failures once, whatever the transport.
 
-:class:`HttpWorkerCalls` is the real adapter: aiohttp (its C HTTP parser, keep-alive pool), the
-each worker's own bearer on every call (:func:`common.settings.worker_token`: derived from the
-cluster's worker secret, which never leaves the router), aiohttp rather than httpx: about 5x
-less time per call (docs/benchmarks.md, "Measurements behind defaults").
+:class:`HttpWorkerCalls` is the real adapter: the native client (``native/src/calls.rs``: hyper
+on a tokio thread of its own, keep-alive pool, TCP_NODELAY), each worker's own bearer on every
+call (:func:`common.settings.worker_token`: derived from the cluster's worker secret, which never
+leaves the router). It replaced aiohttp, which had replaced httpx (about 5x less time per call,
+docs/benchmarks.md "Measurements behind defaults"); what the native hop cost and saved is in
+docs/benchmarks-peers.md ("The worker hop in the crate").
 A connection returns to the pool only once its answer was read to the end, so an answer the
 router is done with before its end (the SSE stream after ``[DONE]``) is drained in the
 background, for at most :data:`DRAIN_S`, instead of being closed (a new connection per request
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
-import aiohttp
+import switchyard_native
 
 from common.settings import worker_token
 
@@ -94,72 +96,90 @@ def _check_sendable(url: str, request_id: str) -> None:
 
 
 class HttpWorkerCalls:
-    """Calls over HTTP/1.1 with aiohttp (module docstring). The session is made on first use, on
-    the event loop that serves the router (aiohttp binds it to that loop). aiohttp is imported
-    by the router process anyway (its HTTP client)."""
+    """Calls over HTTP/1.1 with the native client (module docstring): hyper on a tokio thread of
+    its own (``native/src/calls.rs``). It never holds the GIL and Python never blocks on it: a
+    call that is not ready marks itself waited on, and the client wakes this event loop through
+    a descriptor (``loop.add_reader``) once per batch of calls that changed, whose waiters then
+    take what arrived, all of it at once. Made on first use, on the event loop that serves the
+    router."""
 
     def __init__(self, *, connect_timeout_s: float, read_timeout_s: float, credential: str | None = None,
                  max_connections: int = 2048) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_connections = max_connections
-        self._headers = {"Content-Type": "application/json"}
         #: The cluster's worker secret; each call carries the bearer of the worker it calls.
         self._secret = credential
         self._tokens: dict[str, str] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._native: switchyard_native.WorkerClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Call id -> the future its waiter awaits (completed when the client says it changed).
+        self._waiters: dict[int, asyncio.Future] = {}
         self._draining: set[asyncio.Task] = set()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            reuse = aiohttp.TraceConfig()
-            reuse.on_connection_reuseconn.append(_mark_reused)
-            # ``connect`` bounds the wait for a pooled connection as well as the connect itself
-            # (what httpx called the pool timeout): the read timeout's length.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0,
-                                               keepalive_timeout=KEEP_ALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None, connect=self.read_timeout_s + self.connect_timeout_s,
-                                              sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s),
-                headers=self._headers, skip_auto_headers=("Accept-Encoding",), trace_configs=[reuse],
-                cookie_jar=aiohttp.DummyCookieJar())  # workers set none; no state between calls
-        return self._session
+    def _client(self) -> switchyard_native.WorkerClient:
+        if self._native is None:
+            self._loop = asyncio.get_running_loop()
+            self._native = switchyard_native.WorkerClient(self.connect_timeout_s, self.read_timeout_s, KEEP_ALIVE_S,
+                                                          DRAIN_S, self.max_connections)
+            self._loop.add_reader(self._native.fileno(), self._ready)
+        return self._native
+
+    def _ready(self) -> None:
+        """The client's wake-up: every call that changed since its waiter found it pending."""
+        waiters = self._waiters
+        for cid in self._native.take_ready():  # type: ignore[union-attr]
+            fut = waiters.pop(cid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    async def _changed(self, call: switchyard_native.WorkerCall) -> None:
+        fut = self._loop.create_future()  # type: ignore[union-attr]
+        self._waiters[call.id] = fut
+        try:
+            await fut
+        finally:
+            self._waiters.pop(call.id, None)
 
     @asynccontextmanager
     async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
         _check_sendable(url, request_id)
-        session = self._client()
-        headers = {"X-Request-Id": request_id}
+        headers = [("X-Request-Id", request_id)]
         if self._secret:
-            headers["Authorization"] = f"Bearer {self._token(worker_id)}"
-        for last in (False, True):
-            call: dict = {}
-            try:
-                # Never follow a redirect: it would carry the body and the worker credential
-                # elsewhere (a 3xx is answered as it is, an answer without [DONE]).
-                response = await session.post(url, data=body, headers=headers, trace_request_ctx=call,
-                                              allow_redirects=False)
-                break
-            except (aiohttp.InvalidURL, aiohttp.NonHttpUrlClientError) as e:
-                raise Unsendable(f"{type(e).__name__}: {e}") from None
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as e:
-                # A pooled connection the worker closed as it was taken (its keep-alive ran
-                # out): the request never reached it; once more, on a new connection.
-                if last or not call.get("reused"):
-                    raise _translated(e) from None
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                raise _translated(e) from None
+            headers.append(("Authorization", f"Bearer {self._token(worker_id)}"))
         try:
-            yield _AiohttpReply(response)
+            # Never follows a redirect: it would carry the body and the worker credential
+            # elsewhere (a 3xx is answered as it is, an answer without [DONE]).
+            call = self._client().post(url, body, headers)
+        except ValueError as e:
+            raise Unsendable(str(e)) from None
+        try:
+            while (head := call.head()) is None:
+                await self._changed(call)
+        except BaseException:
+            call.abort()
+            raise
+        if isinstance(head, tuple):
+            raise CallFailed(*head)
+        try:
+            yield _NativeReply(self, call, head)
         except BaseException:
             # The router gave up on this answer (a failure, a client gone): closing the
             # connection tells the worker, which stops generating for it.
-            response.close()
+            call.abort()
             raise
-        if response.content.is_eof():
-            response.release()
-        else:
-            self._drain(response)
+        if call.finish():  # not read to its end: drained, then pooled
+            task = self._loop.create_task(self._drain(call))  # type: ignore[union-attr]
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+
+    async def _drain(self, call: switchyard_native.WorkerCall) -> None:
+        try:
+            while call.take() is None:  # nothing but its end comes out of a draining call
+                await self._changed(call)
+        except BaseException:
+            call.abort()
+            raise
 
     def _token(self, worker_id: str) -> str:
         token = self._tokens.get(worker_id)
@@ -168,29 +188,6 @@ class HttpWorkerCalls:
                 self._tokens.clear()
             token = self._tokens[worker_id] = worker_token(self._secret, worker_id)  # type: ignore[arg-type]
         return token
-
-    def _drain(self, response: aiohttp.ClientResponse) -> None:
-        """Read the rest of an answer in the background, then pool its connection (closed if
-        it does not end within :data:`DRAIN_S` or breaks)."""
-
-        async def drain() -> None:
-            try:
-                async with asyncio.timeout(DRAIN_S):
-                    while await response.content.readany():
-                        pass
-                response.release()
-            except BaseException:
-                response.close()
-                raise
-
-        task = asyncio.get_running_loop().create_task(drain())
-        self._draining.add(task)
-        task.add_done_callback(self._drained)
-
-    def _drained(self, task: asyncio.Task) -> None:
-        self._draining.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a broken drain only costs the connection
 
     async def drained(self) -> None:
         """Once every answer being drained has ended and its connection is back in the pool (or
@@ -202,51 +199,36 @@ class HttpWorkerCalls:
         for task in list(self._draining):
             task.cancel()
         await self.drained()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
-async def _mark_reused(session: aiohttp.ClientSession, trace: object, params: object) -> None:
-    trace.trace_request_ctx["reused"] = True  # type: ignore[attr-defined]
-
-
-def _translated(e: BaseException) -> CallFailed:
-    if isinstance(e, aiohttp.ConnectionTimeoutError):
-        code = "connect_timeout"
-    elif isinstance(e, aiohttp.ClientConnectorError):
-        code = "worker_unreachable"
-    elif isinstance(e, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
-        code = "timeout"
-    else:  # disconnected, reset, a malformed answer
-        code = "worker_lost"
-    return CallFailed(code, f"{type(e).__name__}: {e}".rstrip(": "))
+        if self._native is not None:
+            self._loop.remove_reader(self._native.fileno())  # type: ignore[union-attr]
+            self._native.close()
+            self._native = None
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(CallFailed("worker_lost", "the router closed its worker calls"))
 
 
 @dataclass
-class _AiohttpReply:
-    response: aiohttp.ClientResponse
-
-    @property
-    def status(self) -> int:
-        return self.response.status
+class _NativeReply:
+    calls: HttpWorkerCalls
+    call: switchyard_native.WorkerCall
+    status: int
 
     async def read(self) -> bytes:
-        try:
-            return await self.response.read()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            raise _translated(e) from None
+        return b"".join([c async for c in self.chunks()])
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        content = self.response.content
+        call = self.call
         while True:
-            try:
-                data = await content.readany()
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                raise _translated(e) from None
-            if not data:
+            data = call.take()
+            if data is None:
+                await self.calls._changed(call)
+            elif isinstance(data, tuple):
+                raise CallFailed(*data)
+            elif data:
+                yield data
+            else:
                 return
-            yield data
 
 
 # -- the in-memory adapter --------------------------------------------------------------------

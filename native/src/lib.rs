@@ -9,13 +9,15 @@
 //! * [`inflight`]: the router's in-flight accounts per worker, as `tests/oracles/ledger.py`;
 //! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
-//! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`.
+//! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`;
+//! * [`calls`]: the router's HTTP calls to workers (hyper on a tokio thread of its own).
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
 //! the PyO3 bindings maturin builds into the `switchyard_native` extension module.
 
 pub mod bitset;
 pub mod blockhash;
+pub mod calls;
 pub mod decide;
 pub mod envelope;
 pub mod holders;
@@ -27,5 +29,7 @@ pub mod tokenize;
 
 #[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
+mod py_calls;
 #[cfg(feature = "python")]
 mod py_router;

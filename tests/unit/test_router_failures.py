@@ -22,7 +22,7 @@ from schemas.events import RequestFailed, RequestRouted
 
 async def _serve(kind: str) -> tuple[asyncio.AbstractServer | None, int]:
     """A fake worker that behaves as ``kind``; returns (server, port)."""
-    if kind == "refuse":
+    if kind in ("refuse", "https"):  # https: the worker client speaks plain HTTP only
         return None, free_port()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,7 +67,8 @@ async def _router(kinds: list[str], *, max_attempts: int = 3, read_timeout_s: fl
         servers.append(server)
         wid = f"{kind}-{i}"
         view.workers[wid] = WorkerState(worker_id=wid, epoch=1, role="aggregated", pool="p",
-                                        endpoint=f"http://127.0.0.1:{port}", capacity={"device": 1000})
+                                        endpoint=f"{'https' if kind == 'https' else 'http'}://127.0.0.1:{port}",
+                                        capacity={"device": 1000})
     sink = MemorySink()
     router = Router(router_id="r-test", view=view, producer=sink, config=RouterConfig(),
                     hash_config=HashConfig(HashAlgo.SHA256, 16), max_attempts=max_attempts,
@@ -91,7 +92,7 @@ async def _close(router: Router, servers: list) -> None:
 
 @pytest.mark.parametrize(("kind", "code"), [("refuse", "worker_unreachable"), ("stall", "timeout"),
                                              ("reset", "worker_lost"), ("error", "worker_error"),
-                                             ("redirect", "worker_lost")])
+                                             ("redirect", "worker_lost"), ("https", "worker_unreachable")])
 async def test_each_failure_before_the_first_token_is_a_recorded_503(kind: str, code: str) -> None:
     router, sink, servers = await _router([kind])
     try:
