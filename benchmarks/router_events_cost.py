@@ -1,6 +1,6 @@
 """What a routed request's events cost the router and the broker, per producer setting (issue 38).
 
-One :class:`EventProducer` signing as a router publishes the four events a routed request leaves
+The router's producer (:class:`NativeEventProducer`, signing as a router) publishes the four events a routed request leaves
 in the log (RequestAdmitted with 64 block hashes, RequestRouted with two score rows,
 PrefillCompleted, RequestCompleted: the shapes ``bench peers`` reads back from its topics),
 request after request ``GAP_S`` apart (sequential requests), on a topic prefix of its own. Per
@@ -29,7 +29,7 @@ import uuid
 
 from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from common.log.admin import apply_topics
-from common.log.kafka import EventProducer
+from common.log.native_producer import NativeEventProducer
 from common.settings import BusSettings
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
@@ -49,7 +49,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _request(p: EventProducer, i: int, prefix: str) -> None:
+def _request(p: NativeEventProducer, i: int, prefix: str) -> None:
     for ev in _events(i, prefix):
         p.publish(ev, correlation_id=ev.request_id)
 
@@ -87,7 +87,7 @@ def shape_bytes(prefix: str, producer: str = "router-host-12345") -> dict[str, i
 
 def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: list[int]) -> tuple[float, float]:
     """(router CPU ms, broker CPU ms) per request under ``overrides``."""
-    p = EventProducer(bus, "bench-router", **overrides)
+    p = NativeEventProducer(bus, "bench-router", **overrides)
     for i in range(50):  # warm: connections, topic metadata
         _request(p, i, bus.topic_prefix)
     p.flush()

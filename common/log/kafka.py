@@ -65,6 +65,44 @@ def producer_config(settings: BusSettings, **extra) -> dict:
     return conf
 
 
+def ack_ledger_for(settings: BusSettings, producer_id: str, epoch: int,
+                   option: AckLedger | bool | None) -> AckLedger | None:
+    """A producer's ack ledger: ``option`` itself, True for a new in-memory one, None for one in
+    ``settings.ack_ledger_dir`` when that is set, else (False, or no directory) none."""
+    if isinstance(option, AckLedger):
+        return option
+    if option is True:
+        return AckLedger()
+    if option is None and settings.ack_ledger_dir:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in producer_id)
+        return AckLedger(Path(settings.ack_ledger_dir) / f"{name}.{epoch}.acks.jsonl")
+    return None
+
+
+def partition_of(key: str, partitions: int) -> int:
+    """The partition of an event keyed ``key``: xxh64(key) mod partitions, computed by the
+    producer so the envelope's sequence can be numbered per partition (see EnvelopeFactory).
+    Not crc32 (librdkafka's "consistent"): crc32 is linear, so ids differing in one character
+    ("w0".."w3") can all land on one partition."""
+    return xxhash.xxh64_intdigest(key.encode()) % partitions
+
+
+def report_delivery(ledger: AckLedger | None, entry: AckEntry, type_name: str, key: str) -> None:
+    """What a producer does with a delivery report before anyone else hears of it: the ledger
+    records it (a report the ledger lacks was never given), a failure is logged as an error and
+    an acknowledgement without an offset as a warning."""
+    if ledger is not None:
+        ledger.record(entry)
+    if entry.error:
+        log.error("event %s %s seq %d not delivered: %s", type_name, key, entry.seq, entry.error)
+    elif entry.offset < 0:
+        # "Implicitly acked": a later batch of this partition was acked, not this one. That is
+        # proof of delivery only if the broker checked sequence numbers (see
+        # common.log.admin.wait_led for the case where it does not).
+        log.warning("event %s %s seq %d acked without an offset (implicitly, by a later batch)",
+                    type_name, key, entry.seq)
+
+
 @dataclass(frozen=True)
 class Ack:
     envelope: Envelope[Event]
@@ -112,14 +150,7 @@ class EventProducer:
         self.ledger = self._ledger(settings, ack_ledger)
 
     def _ledger(self, settings: BusSettings, option: AckLedger | bool | None) -> AckLedger | None:
-        if isinstance(option, AckLedger):
-            return option
-        if option is True:
-            return AckLedger()
-        if option is None and settings.ack_ledger_dir:
-            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.producer_id)
-            return AckLedger(Path(settings.ack_ledger_dir) / f"{name}.{self.epoch}.acks.jsonl")
-        return None
+        return ack_ledger_for(settings, self.producer_id, self.epoch, option)
 
     @property
     def producer_id(self) -> str:
@@ -148,15 +179,13 @@ class EventProducer:
         return env
 
     def _partition(self, topic: str, key: str) -> int:
-        """xxh64(key) mod partitions, computed here so the envelope's sequence can be numbered
-        per partition (see EnvelopeFactory). Not crc32 (librdkafka's "consistent"): crc32 is
-        linear, so ids differing in one character ("w0".."w3") can all land on one partition."""
+        """:func:`partition_of` the key among the topic's partitions."""
         n = self._partitions.get(topic)
         if n is None:
             # A topic created a moment ago may not be listed yet: 3 s for that, 10 s for a broker
             # that is still starting or dropped the request.
             n = self._partitions[topic] = len(topic_partitions(self._p, topic, unknown_for=3.0))
-        return xxhash.xxh64_intdigest(key.encode()) % n
+        return partition_of(key, n)
 
     def _produce(self, env: Envelope[Event], topic: str, partition: int, on_ack) -> None:
         cb = on_ack or self._on_ack
@@ -164,22 +193,14 @@ class EventProducer:
         def delivered(err: KafkaError | None, msg: Message) -> None:
             ack = Ack(env, msg.topic(), msg.partition() if msg.partition() is not None else -1,
                       msg.offset() if msg.offset() is not None else -1, str(err) if err else None)
-            if self.ledger is not None:
-                # Before anyone else hears of it: a report the ledger lacks was never given.
-                self.ledger.record(AckEntry(env.event_id, ack.topic, partition, ack.offset, env.producer,
-                                            env.epoch, env.seq, ack.error))
+            report_delivery(self.ledger, AckEntry(env.event_id, ack.topic, partition, ack.offset, env.producer,
+                                                  env.epoch, env.seq, ack.error), env.type, env.key)
             if err:
                 self.failed.append(ack)
-                log.error("event %s %s seq %d not delivered: %s", env.type, env.key, env.seq, err)
             else:
                 self.acked += 1
                 if ack.offset < 0:
-                    # "Implicitly acked": a later batch of this partition was acked, not this one.
-                    # That is proof of delivery only if the broker checked sequence numbers (see
-                    # common.log.admin.wait_led for the case where it does not).
                     self.unconfirmed += 1
-                    log.warning("event %s %s seq %d acked without an offset (implicitly, by a later batch)",
-                                env.type, env.key, env.seq)
             if cb:
                 cb(ack)
 
