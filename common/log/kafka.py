@@ -112,12 +112,60 @@ class Ack:
     error: str | None = None
 
 
-class EventProducer:
-    """Publishes payloads as enveloped events, numbered per partition for this incarnation.
+class EnvelopeProducer:
+    """What a producer of one incarnation's envelopes holds, whatever client sends them
+    (:class:`EventProducer`: confluent-kafka; the router's
+    :class:`~common.log.native_producer.NativeEventProducer`: the native crate): the catalog,
+    the codec, the envelope factory (per-partition sequence numbers, strictly increasing time),
+    the signer, the ack ledger, and the partition of a key. ``publish`` is serialised by
+    ``_lock`` so sequence numbers and produce order agree."""
 
-    Not for concurrent use from several threads without care: ``publish`` is serialised by a
-    lock so sequence numbers and produce order agree.
-    """
+    def __init__(
+        self,
+        settings: BusSettings,
+        producer_id: str,
+        epoch: int | None = None,
+        *,
+        catalog: Catalog | None = None,
+        codec: EventCodec | None = None,
+        clock_ns: Callable[[], int] = time.time_ns,
+        ack_ledger: AckLedger | bool | None = None,
+    ) -> None:
+        """``ack_ledger``: an :class:`AckLedger` to record every delivery report into, True for
+        a new in-memory one, None for one in ``settings.ack_ledger_dir`` when that is set."""
+        self.catalog = catalog or Catalog(settings.topic_prefix)
+        self.codec = codec or EventCodec()
+        # Default incarnation: start time in ms, monotonic across restarts of one producer id.
+        self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
+        #: Signs the events of guarded streams as their owner (schemas/signing.py).
+        self.signer = settings.signer(producer_id)
+        self.ledger = ack_ledger_for(settings, producer_id, self.epoch, ack_ledger)
+        self._lock = threading.Lock()
+        self._partitions: dict[str, int] = {}
+
+    @property
+    def producer_id(self) -> str:
+        return self.factory.producer
+
+    @property
+    def epoch(self) -> int:
+        return self.factory.epoch
+
+    def _partition(self, topic: str, key: str) -> int:
+        """:func:`partition_of` the key among the topic's partitions."""
+        n = self._partitions.get(topic)
+        if n is None:
+            n = self._partitions[topic] = len(self._topic_partitions(topic))
+        return partition_of(key, n)
+
+    def _topic_partitions(self, topic: str) -> list[int]:
+        """The topic's partitions, asked of the client (:mod:`common.log.metadata`'s patience)."""
+        raise NotImplementedError
+
+
+class EventProducer(EnvelopeProducer):
+    """Publishes payloads as enveloped events, numbered per partition for this incarnation,
+    through confluent-kafka. Not for concurrent use from several threads without care."""
 
     def __init__(
         self,
@@ -132,33 +180,13 @@ class EventProducer:
         ack_ledger: AckLedger | bool | None = None,
         **conf,
     ) -> None:
-        """``ack_ledger``: an :class:`AckLedger` to record every delivery report into, True for
-        a new in-memory one, None for one in ``settings.ack_ledger_dir`` when that is set."""
-        self.catalog = catalog or Catalog(settings.topic_prefix)
-        self.codec = codec or EventCodec()
-        # Default incarnation: start time in ms, monotonic across restarts of one producer id.
-        self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
         self._p = Producer(producer_config(settings, **conf))
-        #: Signs the events of guarded streams as their owner (schemas/signing.py).
-        self.signer = settings.signer(producer_id)
-        self._lock = threading.Lock()
+        super().__init__(settings, producer_id, epoch, catalog=catalog, codec=codec, clock_ns=clock_ns,
+                         ack_ledger=ack_ledger)
         self._on_ack = on_ack
-        self._partitions: dict[str, int] = {}
         self.acked = 0
         self.unconfirmed = 0
         self.failed: list[Ack] = []
-        self.ledger = self._ledger(settings, ack_ledger)
-
-    def _ledger(self, settings: BusSettings, option: AckLedger | bool | None) -> AckLedger | None:
-        return ack_ledger_for(settings, self.producer_id, self.epoch, option)
-
-    @property
-    def producer_id(self) -> str:
-        return self.factory.producer
-
-    @property
-    def epoch(self) -> int:
-        return self.factory.epoch
 
     def publish(
         self,
@@ -178,14 +206,10 @@ class EventProducer:
             self._produce(env, topic, partition, on_ack)
         return env
 
-    def _partition(self, topic: str, key: str) -> int:
-        """:func:`partition_of` the key among the topic's partitions."""
-        n = self._partitions.get(topic)
-        if n is None:
-            # A topic created a moment ago may not be listed yet: 3 s for that, 10 s for a broker
-            # that is still starting or dropped the request.
-            n = self._partitions[topic] = len(topic_partitions(self._p, topic, unknown_for=3.0))
-        return partition_of(key, n)
+    def _topic_partitions(self, topic: str) -> list[int]:
+        # A topic created a moment ago may not be listed yet: 3 s for that, 10 s for a broker
+        # that is still starting or dropped the request.
+        return topic_partitions(self._p, topic, unknown_for=3.0)
 
     def _produce(self, env: Envelope[Event], topic: str, partition: int, on_ack) -> None:
         cb = on_ack or self._on_ack

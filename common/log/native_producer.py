@@ -25,11 +25,10 @@ import switchyard_native
 
 from common.log.acks import AckEntry, AckLedger
 from common.log.catalog import Catalog
-from common.log.kafka import (H_PRODUCER, H_TYPE, H_VERSION, ack_ledger_for, partition_of, producer_config,
-                              report_delivery)
+from common.log.kafka import H_PRODUCER, H_TYPE, H_VERSION, EnvelopeProducer, producer_config, report_delivery
 from common.log.metadata import partitions_within
 from common.settings import BusSettings
-from schemas import Envelope, EnvelopeFactory, EventCodec
+from schemas import Envelope, EventCodec
 from schemas.events import Event
 from schemas.signing import about_of
 
@@ -42,10 +41,9 @@ def native_config(settings: BusSettings, **extra) -> list[tuple[str, str]]:
             for k, v in producer_config(settings, **extra).items() if k != "logger"]
 
 
-class NativeEventProducer:
+class NativeEventProducer(EnvelopeProducer):
     """Publishes payloads as signed envelopes through the native producer: the
-    :class:`~common.log.sink.EventSink` of a router, numbered per partition for this incarnation
-    (``publish`` is serialised by a lock so sequence numbers and produce order agree)."""
+    :class:`~common.log.sink.EventSink` of a router."""
 
     def __init__(
         self,
@@ -59,28 +57,13 @@ class NativeEventProducer:
         ack_ledger: AckLedger | bool | None = None,
         **conf,
     ) -> None:
-        """``ack_ledger`` as :class:`~common.log.kafka.EventProducer`'s."""
-        self.catalog = catalog or Catalog(settings.topic_prefix)
-        self.codec = codec or EventCodec()
-        self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
-        #: Signs the events of guarded streams as their owner (schemas/signing.py).
-        self.signer = settings.signer(producer_id)
-        self.ledger = ack_ledger_for(settings, producer_id, self.epoch, ack_ledger)
+        super().__init__(settings, producer_id, epoch, catalog=catalog, codec=codec, clock_ns=clock_ns,
+                         ack_ledger=ack_ledger)
         self._native = switchyard_native.EventProducer(native_config(settings, **conf), producer_id, self.epoch,
                                                        (H_TYPE, H_VERSION, H_PRODUCER), self.ledger is not None)
-        self._lock = threading.Lock()
         self._report_lock = threading.Lock()
-        self._partitions: dict[str, int] = {}
         #: The failed delivery reports served so far.
         self.failed: list[AckEntry] = []
-
-    @property
-    def producer_id(self) -> str:
-        return self.factory.producer
-
-    @property
-    def epoch(self) -> int:
-        return self.factory.epoch
 
     @property
     def acked(self) -> int:
@@ -107,13 +90,10 @@ class NativeEventProducer:
             self._serve()
         return env
 
-    def _partition(self, topic: str, key: str) -> int:
-        n = self._partitions.get(topic)
-        if n is None:
-            # As EventProducer: 3 s for a young topic to be listed, 10 s for a busy broker.
-            n = self._partitions[topic] = len(partitions_within(
-                lambda wait: self._native.partitions(topic, wait), topic, unknown_for=3.0, transient=ConnectionError))
-        return partition_of(key, n)
+    def _topic_partitions(self, topic: str) -> list[int]:
+        # As EventProducer's: 3 s for a young topic to be listed, 10 s for a busy broker.
+        return partitions_within(lambda wait: self._native.partitions(topic, wait), topic, unknown_for=3.0,
+                                 transient=ConnectionError)
 
     def _serve(self) -> int:
         """Hand the delivery reports kept since the last call to the ledger and the log."""
