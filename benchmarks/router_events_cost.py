@@ -1,7 +1,7 @@
 """What a routed request's events cost the router and the broker, per producer setting (issue 38).
 
-One :class:`EventProducer` signing as a router publishes the four events a routed request leaves
-in the log (RequestAdmitted with 64 block hashes, RequestRouted with two score rows,
+The router's producer (:class:`NativeEventProducer`, signing as a router) publishes the four
+events a routed request leaves in the log (RequestAdmitted with 64 block hashes, RequestRouted with two score rows,
 PrefillCompleted, RequestCompleted: the shapes ``bench peers`` reads back from its topics),
 request after request ``GAP_S`` apart (sequential requests), on a topic prefix of its own. Per
 request: this process's CPU (``getrusage``: librdkafka's threads included) and the local
@@ -15,7 +15,9 @@ it). The settings alternate round by round, so the box's load drifts over all of
 topic under that prefix, e.g. a ``bench peers`` run's (its workers' prefix, ``peers<8 hex>``;
 the bench leaves its topics). Last line ``RESULT <stream>_<type>_bytes=...``.
 
-Last line: ``RESULT <setting>_router_ms=... <setting>_broker_ms=...`` (medians over rounds).
+Last line: ``RESULT <setting>_router_ms=... <setting>_thread_ms=... <setting>_broker_ms=...``
+(medians over rounds; ``thread``: the publishing thread's own CPU, what a router's event loop
+spends on its events, ``time.thread_time``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import uuid
 
 from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from common.log.admin import apply_topics
-from common.log.kafka import EventProducer
+from common.log.native_producer import NativeEventProducer
 from common.settings import BusSettings
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
@@ -49,7 +51,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _request(p: EventProducer, i: int, prefix: str) -> None:
+def _request(p: NativeEventProducer, i: int, prefix: str) -> None:
     for ev in _events(i, prefix):
         p.publish(ev, correlation_id=ev.request_id)
 
@@ -85,22 +87,28 @@ def shape_bytes(prefix: str, producer: str = "router-host-12345") -> dict[str, i
     return out
 
 
-def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: list[int]) -> tuple[float, float]:
-    """(router CPU ms, broker CPU ms) per request under ``overrides``."""
-    p = EventProducer(bus, "bench-router", **overrides)
+def measure(bus: BusSettings, overrides: dict[str, object], n: int,
+            brokers: list[int]) -> tuple[float, float, float]:
+    """(router CPU ms, broker CPU ms, the publishing thread's CPU ms) per request under
+    ``overrides``: the last is what the router's event loop spends (``publish`` on it), the
+    rest of the router's is the producer's own threads."""
+    p = NativeEventProducer(bus, "bench-router", **overrides)
     for i in range(50):  # warm: connections, topic metadata
         _request(p, i, bus.topic_prefix)
     p.flush()
     c0, b0, t0 = _cpu_s(), broker_cpu_s(brokers), time.monotonic()
+    on_thread = 0.0
     for i in range(n):
+        a = time.thread_time()
         _request(p, i, bus.topic_prefix)
+        on_thread += time.thread_time() - a
         time.sleep(GAP_S)
     p.flush()
     wall, router, broker = time.monotonic() - t0, _cpu_s() - c0, broker_cpu_s(brokers) - b0
     idle = broker_idle_rate(brokers)
     if p.acked < 4 * (n + 50):
         raise RuntimeError(f"only {p.acked} of {4 * (n + 50)} events acknowledged")
-    return router * 1000 / n, max(broker - idle * wall, 0.0) * 1000 / n
+    return router * 1000 / n, max(broker - idle * wall, 0.0) * 1000 / n, on_thread * 1000 / n
 
 
 def bytes_by_type(prefix: str) -> dict[tuple[str, str], tuple[int, int]]:
@@ -143,27 +151,30 @@ def print_bytes(prefix: str) -> None:
     print("RESULT " + " ".join(f"{s}_{t}_bytes={b / n:.0f}" for (s, t), (n, b) in sorted(got.items())))
 
 
-def main(rounds: int = 3, n: int = 1000) -> dict[str, tuple[float, float]]:
+def main(rounds: int = 3, n: int = 1000) -> dict[str, tuple[float, float, float]]:
     prefix = f"revcost{uuid.uuid4().hex[:6]}"
     apply_topics(BusSettings.from_env(topic_prefix=prefix))
     bus = BusSettings.from_env(topic_prefix=prefix, role="router")
     brokers = broker_pids()
-    got: dict[str, list[tuple[float, float]]] = {k: [] for k in SETTINGS}
+    got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in SETTINGS}
     for r in range(rounds):
         names = list(SETTINGS)[r % len(SETTINGS):] + list(SETTINGS)[:r % len(SETTINGS)]
         for name in names:
             got[name].append(measure(bus, SETTINGS[name], n, brokers))
-            print(f"  round {r + 1} {name:<14} router {got[name][-1][0]:.3f} ms/req, broker {got[name][-1][1]:.3f} ms/req")
-    out = {k: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for k, v in got.items()}
+            router, broker, thread = got[name][-1]
+            print(f"  round {r + 1} {name:<14} router {router:.3f} ms/req (publishing thread {thread:.3f}), "
+                  f"broker {broker:.3f} ms/req")
+    out = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in got.items()}
     sizes = shape_bytes(prefix)
     print("bytes per event as stored: " + ", ".join(f"{k} {v}" for k, v in sizes.items())
           + f"; per request {sum(sizes.values())}")
     print(f"{n} requests x 4 events per round, {rounds} rounds, median [min-max] ms per request")
     for k, v in got.items():
-        rs, bs = [x for x, _ in v], [y for _, y in v]
-        print(f"{k:<14} router {out[k][0]:.3f} [{min(rs):.3f}-{max(rs):.3f}]  broker {out[k][1]:.3f} "
-              f"[{min(bs):.3f}-{max(bs):.3f}]")
-    print("RESULT " + " ".join(f"{k}_router_ms={v[0]:.3f} {k}_broker_ms={v[1]:.3f}" for k, v in out.items())
+        rs, bs, ts = ([x[i] for x in v] for i in range(3))
+        print(f"{k:<14} router {out[k][0]:.3f} [{min(rs):.3f}-{max(rs):.3f}]  publishing thread {out[k][2]:.3f} "
+              f"[{min(ts):.3f}-{max(ts):.3f}]  broker {out[k][1]:.3f} [{min(bs):.3f}-{max(bs):.3f}]")
+    print("RESULT " + " ".join(f"{k}_router_ms={v[0]:.3f} {k}_thread_ms={v[2]:.3f} {k}_broker_ms={v[1]:.3f}"
+                               for k, v in out.items())
           + f" request_bytes={sum(sizes.values())}")
     return out
 

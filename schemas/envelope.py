@@ -128,6 +128,18 @@ class EventCodec:
         """The envelope's bytes. A payload with a ``KEY_FIELD`` (a request event from v2) is
         written without it, and without ``corr`` when that is the key too: the key says it once.
         Raises ``ValueError`` when the field is not the key (it could not be read back)."""
+        return self._encoder.encode(self._as_written(env))
+
+    def encode_payload(self, env: Envelope[Event]) -> tuple[bytes, str | None]:
+        """The payload's bytes as :meth:`encode` writes them in the envelope, and the ``corr``
+        it writes (None: left out): for a writer of the envelope itself, the router's native
+        producer (``native/src/emit.rs``, whose bytes a test holds equal to :meth:`encode`'s)."""
+        w = self._as_written(env)
+        return self._encoder.encode(w.data), w.correlation_id
+
+    @staticmethod
+    def _as_written(env: Envelope[Event]) -> Envelope[Event]:
+        """``env`` as it is written: the key field rule of :meth:`encode`."""
         field = env.data.KEY_FIELD
         if field is not None:
             own = getattr(env.data, field)
@@ -142,7 +154,7 @@ class EventCodec:
             _set(env, "data", data)
             if same:
                 _set(env, "correlation_id", None)
-        return self._encoder.encode(env)
+        return env
 
     # -- decode ---------------------------------------------------------------------------
 

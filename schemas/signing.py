@@ -169,9 +169,10 @@ class Signer:
     def identity(cls, owner: str, key: bytes) -> Signer:
         return cls(lambda o: key if o == owner else None, owner)
 
-    def _owner_key(self, type_name: str, key: str, about: str | None = None) -> bytes | None:
+    def key_for(self, type_name: str, key: str, about: str | None = None) -> bytes | None:
         """The key to sign this event with; None when its stream is not guarded. Raises
-        ``PermissionError`` when this signer may not sign it."""
+        ``PermissionError`` when this signer may not sign it. (The router's native producer
+        signs with it: ``native/src/emit.rs``.)"""
         owners = signers_of(type_name, key, about)
         if not owners:
             return None
@@ -184,7 +185,7 @@ class Signer:
 
     def check(self, type_name: str, key: str, about: str | None = None) -> None:
         """Raises ``PermissionError`` when this signer may not sign such an event."""
-        self._owner_key(type_name, key, about)
+        self.key_for(type_name, key, about)
 
     def seal(self, value: bytes) -> bytes:
         """``value`` signed with this signer's one identity's key whatever the event says: what a
@@ -217,7 +218,7 @@ class Signer:
     def sign(self, type_name: str, key: str, value: bytes, about: str | None = None) -> bytes:
         """``value`` (an encoded envelope) with its signature, or as it is when its stream is
         not guarded. Raises ``PermissionError`` when this signer may not sign it."""
-        k = self._owner_key(type_name, key, about)
+        k = self.key_for(type_name, key, about)
         return value if k is None else _signed(value, _mac(k, value))
 
 

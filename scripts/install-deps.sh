@@ -20,6 +20,13 @@ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need_apt+=(nginx)
 # `switchyard console-check` (tests/integration/test_console.py; no browser is downloaded).
 command -v chromium >/dev/null || need_apt+=(chromium)
 command -v chromedriver >/dev/null || need_apt+=(chromium-driver)
+# The native crate's event producer (the router's events, native/src/py_produce.rs) builds the
+# librdkafka its `rdkafka` crate bundles: cmake and a C compiler, and OpenSSL's headers for TLS
+# (Debian's own librdkafka, 2.0.2, cannot authenticate to Kafka 4 with SCRAM: native/Cargo.toml).
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v cc >/dev/null || need_apt+=(gcc g++ make)
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+pkg-config --exists openssl 2>/dev/null || need_apt+=(libssl-dev)
 
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

@@ -65,6 +65,44 @@ def producer_config(settings: BusSettings, **extra) -> dict:
     return conf
 
 
+def ack_ledger_for(settings: BusSettings, producer_id: str, epoch: int,
+                   option: AckLedger | bool | None) -> AckLedger | None:
+    """A producer's ack ledger: ``option`` itself, True for a new in-memory one, None for one in
+    ``settings.ack_ledger_dir`` when that is set, else (False, or no directory) none."""
+    if isinstance(option, AckLedger):
+        return option
+    if option is True:
+        return AckLedger()
+    if option is None and settings.ack_ledger_dir:
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in producer_id)
+        return AckLedger(Path(settings.ack_ledger_dir) / f"{name}.{epoch}.acks.jsonl")
+    return None
+
+
+def partition_of(key: str, partitions: int) -> int:
+    """The partition of an event keyed ``key``: xxh64(key) mod partitions, computed by the
+    producer so the envelope's sequence can be numbered per partition (see EnvelopeFactory).
+    Not crc32 (librdkafka's "consistent"): crc32 is linear, so ids differing in one character
+    ("w0".."w3") can all land on one partition."""
+    return xxhash.xxh64_intdigest(key.encode()) % partitions
+
+
+def report_delivery(ledger: AckLedger | None, entry: AckEntry, type_name: str, key: str) -> None:
+    """What a producer does with a delivery report before anyone else hears of it: the ledger
+    records it (a report the ledger lacks was never given), a failure is logged as an error and
+    an acknowledgement without an offset as a warning."""
+    if ledger is not None:
+        ledger.record(entry)
+    if entry.error:
+        log.error("event %s %s seq %d not delivered: %s", type_name, key, entry.seq, entry.error)
+    elif entry.offset < 0:
+        # "Implicitly acked": a later batch of this partition was acked, not this one. That is
+        # proof of delivery only if the broker checked sequence numbers (see
+        # common.log.admin.wait_led for the case where it does not).
+        log.warning("event %s %s seq %d acked without an offset (implicitly, by a later batch)",
+                    type_name, key, entry.seq)
+
+
 @dataclass(frozen=True)
 class Ack:
     envelope: Envelope[Event]
@@ -74,12 +112,60 @@ class Ack:
     error: str | None = None
 
 
-class EventProducer:
-    """Publishes payloads as enveloped events, numbered per partition for this incarnation.
+class EnvelopeProducer:
+    """What a producer of one incarnation's envelopes holds, whatever client sends them
+    (:class:`EventProducer`: confluent-kafka; the router's
+    :class:`~common.log.native_producer.NativeEventProducer`: the native crate): the catalog,
+    the codec, the envelope factory (per-partition sequence numbers, strictly increasing time),
+    the signer, the ack ledger, and the partition of a key. ``publish`` is serialised by
+    ``_lock`` so sequence numbers and produce order agree."""
 
-    Not for concurrent use from several threads without care: ``publish`` is serialised by a
-    lock so sequence numbers and produce order agree.
-    """
+    def __init__(
+        self,
+        settings: BusSettings,
+        producer_id: str,
+        epoch: int | None = None,
+        *,
+        catalog: Catalog | None = None,
+        codec: EventCodec | None = None,
+        clock_ns: Callable[[], int] = time.time_ns,
+        ack_ledger: AckLedger | bool | None = None,
+    ) -> None:
+        """``ack_ledger``: an :class:`AckLedger` to record every delivery report into, True for
+        a new in-memory one, None for one in ``settings.ack_ledger_dir`` when that is set."""
+        self.catalog = catalog or Catalog(settings.topic_prefix)
+        self.codec = codec or EventCodec()
+        # Default incarnation: start time in ms, monotonic across restarts of one producer id.
+        self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
+        #: Signs the events of guarded streams as their owner (schemas/signing.py).
+        self.signer = settings.signer(producer_id)
+        self.ledger = ack_ledger_for(settings, producer_id, self.epoch, ack_ledger)
+        self._lock = threading.Lock()
+        self._partitions: dict[str, int] = {}
+
+    @property
+    def producer_id(self) -> str:
+        return self.factory.producer
+
+    @property
+    def epoch(self) -> int:
+        return self.factory.epoch
+
+    def _partition(self, topic: str, key: str) -> int:
+        """:func:`partition_of` the key among the topic's partitions."""
+        n = self._partitions.get(topic)
+        if n is None:
+            n = self._partitions[topic] = len(self._topic_partitions(topic))
+        return partition_of(key, n)
+
+    def _topic_partitions(self, topic: str) -> list[int]:
+        """The topic's partitions, asked of the client (:mod:`common.log.metadata`'s patience)."""
+        raise NotImplementedError
+
+
+class EventProducer(EnvelopeProducer):
+    """Publishes payloads as enveloped events, numbered per partition for this incarnation,
+    through confluent-kafka. Not for concurrent use from several threads without care."""
 
     def __init__(
         self,
@@ -94,40 +180,13 @@ class EventProducer:
         ack_ledger: AckLedger | bool | None = None,
         **conf,
     ) -> None:
-        """``ack_ledger``: an :class:`AckLedger` to record every delivery report into, True for
-        a new in-memory one, None for one in ``settings.ack_ledger_dir`` when that is set."""
-        self.catalog = catalog or Catalog(settings.topic_prefix)
-        self.codec = codec or EventCodec()
-        # Default incarnation: start time in ms, monotonic across restarts of one producer id.
-        self.factory = EnvelopeFactory(producer_id, epoch if epoch is not None else time.time_ns() // 1_000_000, clock_ns)
         self._p = Producer(producer_config(settings, **conf))
-        #: Signs the events of guarded streams as their owner (schemas/signing.py).
-        self.signer = settings.signer(producer_id)
-        self._lock = threading.Lock()
+        super().__init__(settings, producer_id, epoch, catalog=catalog, codec=codec, clock_ns=clock_ns,
+                         ack_ledger=ack_ledger)
         self._on_ack = on_ack
-        self._partitions: dict[str, int] = {}
         self.acked = 0
         self.unconfirmed = 0
         self.failed: list[Ack] = []
-        self.ledger = self._ledger(settings, ack_ledger)
-
-    def _ledger(self, settings: BusSettings, option: AckLedger | bool | None) -> AckLedger | None:
-        if isinstance(option, AckLedger):
-            return option
-        if option is True:
-            return AckLedger()
-        if option is None and settings.ack_ledger_dir:
-            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.producer_id)
-            return AckLedger(Path(settings.ack_ledger_dir) / f"{name}.{self.epoch}.acks.jsonl")
-        return None
-
-    @property
-    def producer_id(self) -> str:
-        return self.factory.producer
-
-    @property
-    def epoch(self) -> int:
-        return self.factory.epoch
 
     def publish(
         self,
@@ -147,16 +206,10 @@ class EventProducer:
             self._produce(env, topic, partition, on_ack)
         return env
 
-    def _partition(self, topic: str, key: str) -> int:
-        """xxh64(key) mod partitions, computed here so the envelope's sequence can be numbered
-        per partition (see EnvelopeFactory). Not crc32 (librdkafka's "consistent"): crc32 is
-        linear, so ids differing in one character ("w0".."w3") can all land on one partition."""
-        n = self._partitions.get(topic)
-        if n is None:
-            # A topic created a moment ago may not be listed yet: 3 s for that, 10 s for a broker
-            # that is still starting or dropped the request.
-            n = self._partitions[topic] = len(topic_partitions(self._p, topic, unknown_for=3.0))
-        return xxhash.xxh64_intdigest(key.encode()) % n
+    def _topic_partitions(self, topic: str) -> list[int]:
+        # A topic created a moment ago may not be listed yet: 3 s for that, 10 s for a broker
+        # that is still starting or dropped the request.
+        return topic_partitions(self._p, topic, unknown_for=3.0)
 
     def _produce(self, env: Envelope[Event], topic: str, partition: int, on_ack) -> None:
         cb = on_ack or self._on_ack
@@ -164,22 +217,14 @@ class EventProducer:
         def delivered(err: KafkaError | None, msg: Message) -> None:
             ack = Ack(env, msg.topic(), msg.partition() if msg.partition() is not None else -1,
                       msg.offset() if msg.offset() is not None else -1, str(err) if err else None)
-            if self.ledger is not None:
-                # Before anyone else hears of it: a report the ledger lacks was never given.
-                self.ledger.record(AckEntry(env.event_id, ack.topic, partition, ack.offset, env.producer,
-                                            env.epoch, env.seq, ack.error))
+            report_delivery(self.ledger, AckEntry(env.event_id, ack.topic, partition, ack.offset, env.producer,
+                                                  env.epoch, env.seq, ack.error), env.type, env.key)
             if err:
                 self.failed.append(ack)
-                log.error("event %s %s seq %d not delivered: %s", env.type, env.key, env.seq, err)
             else:
                 self.acked += 1
                 if ack.offset < 0:
-                    # "Implicitly acked": a later batch of this partition was acked, not this one.
-                    # That is proof of delivery only if the broker checked sequence numbers (see
-                    # common.log.admin.wait_led for the case where it does not).
                     self.unconfirmed += 1
-                    log.warning("event %s %s seq %d acked without an offset (implicitly, by a later batch)",
-                                env.type, env.key, env.seq)
             if cb:
                 cb(ack)
 

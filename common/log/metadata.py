@@ -8,6 +8,7 @@ were seen in CI and are asked again here, within a deadline; past it the error i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
@@ -17,21 +18,35 @@ def topic_partitions(client: Consumer | Producer, topic: str, *, timeout: float 
     """The topic's partitions, sorted. Transport errors are retried for ``timeout``; a topic the
     broker does not list for ``unknown_for`` (default: ``timeout``), after which it is a
     :class:`RuntimeError` naming ``switchyard topics apply``."""
+
+    def lookup(wait: float) -> tuple[list[int], str | None]:
+        t = client.list_topics(topic, timeout=wait).topics.get(topic)
+        if t is not None and t.error is None and t.partitions:
+            return sorted(t.partitions), None
+        return [], str(t.error) if t is not None else "not listed"
+
+    return partitions_within(lookup, topic, timeout=timeout, unknown_for=unknown_for, transient=KafkaException)
+
+
+def partitions_within(lookup: Callable[[float], tuple[list[int], str | None]], topic: str, *,
+                      timeout: float = 10.0, unknown_for: float | None = None,
+                      transient: type[Exception] | tuple[type[Exception], ...] = KafkaException) -> list[int]:
+    """:func:`topic_partitions` over any client: ``lookup(wait)`` answers the sorted partitions,
+    or none and why the topic is not listed, or raises ``transient`` (asked again)."""
     unknown_for = timeout if unknown_for is None else unknown_for
     t0 = time.monotonic()
     while True:
         waited = time.monotonic() - t0
         try:
-            t = client.list_topics(topic, timeout=max(0.5, timeout - waited)).topics.get(topic)
-        except KafkaException as e:
+            partitions, why = lookup(max(0.5, timeout - waited))
+        except transient as e:
             if waited >= timeout:
                 raise RuntimeError(f"no metadata for topic {topic} within {timeout:g}s: {e}") from e
         else:
-            if t is not None and t.error is None and t.partitions:
-                return sorted(t.partitions)
+            if partitions:
+                return partitions
             if waited >= unknown_for:
-                raise RuntimeError(f"topic {topic} does not exist ({t.error if t is not None else 'not listed'}); "
-                                   "run `switchyard topics apply`")
+                raise RuntimeError(f"topic {topic} does not exist ({why}); run `switchyard topics apply`")
         time.sleep(0.1)
 
 

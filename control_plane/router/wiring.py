@@ -32,7 +32,7 @@ from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from control_plane.streaming import StreamFollower
 from common.hashing import HashAlgo, HashConfig
 from common.http_server import ConnectionLimits, serve
-from common.log.kafka import EventProducer
+from common.log.native_producer import NativeEventProducer
 from common.log.reader import read_events
 from common.settings import BusSettings, worker_credential
 from common.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
@@ -141,7 +141,7 @@ def request_limits(s: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
     return RequestLimits()
 
 
-def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: EventProducer) -> RouterConfig:
+def resolve_router_config(s: RouterSettings, bus: BusSettings, producer: NativeEventProducer) -> RouterConfig:
     """The log is the source of truth for config versions too.
 
     * No ``--config``/``--mode`` override and a config in the log: use the newest one.
@@ -177,7 +177,7 @@ def _latest_config(bus: BusSettings) -> tuple[int, dict] | None:
 class RouterLog:
     """The log side of a router replica: what it reads from the log before it serves."""
 
-    producer: EventProducer
+    producer: NativeEventProducer
     config: RouterConfig
     hash_config: HashConfig
     #: The router view, restored from the newest snapshot with the tail folded (not following yet).
@@ -197,7 +197,7 @@ def restore_router(s: RouterSettings, bus: BusSettings) -> RouterLog:
 
     t0 = time.monotonic()
     hash_config = HashConfig(HashAlgo(s.hash_algo), s.block_size)
-    producer = EventProducer(bus, s.router_id, **{"linger.ms": s.events_linger_ms})
+    producer = NativeEventProducer(bus, s.router_id, **{"linger.ms": s.events_linger_ms})
     keys: KeyTable | None = None
     follower: StreamFollower | None = None
     with ThreadPoolExecutor(3, thread_name_prefix="router-start") as pool:

@@ -7,6 +7,8 @@
 //! * [`decide`]: the kv cost of a routing candidate, the guards and the kv argmin, term for term as
 //!   `tests/oracles/scoring.py` (the router's only scoring: `control_plane/router/scoring.py`);
 //! * [`inflight`]: the router's in-flight accounts per worker, as `tests/oracles/ledger.py`;
+//! * [`emit`]: the envelope of an event this process produces, written and signed (the router's
+//!   events, produced through `rdkafka` by the `python` feature's `py_produce`);
 //! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
 //! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`;
@@ -19,6 +21,7 @@ pub mod bitset;
 pub mod blockhash;
 pub mod calls;
 pub mod decide;
+pub mod emit;
 pub mod envelope;
 pub mod holders;
 pub mod index;
@@ -31,5 +34,6 @@ pub mod tokenize;
 mod py;
 #[cfg(feature = "python")]
 mod py_calls;
+mod py_produce;
 #[cfg(feature = "python")]
 mod py_router;
