@@ -34,6 +34,7 @@ pub mod tokenize;
 mod py;
 #[cfg(feature = "python")]
 mod py_calls;
+#[cfg(feature = "python")]
 mod py_produce;
 #[cfg(feature = "python")]
 mod py_router;
