@@ -344,7 +344,7 @@ class Router:
                      and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
             terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(),
                                  self.ledger.margin.factor(now), idle=probe, at_s=now,
-                                 queue_ms=self.ledger.margin.queue_ms(now))
+                                 queue_ms=self.ledger.margin.queue_ms(now), chosen=d.worker_id)
             over = over_budget(terms)
             if over is not None:
                 # The promise cannot be kept: refused now (serving records RequestRejected), not served late.
