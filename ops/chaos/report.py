@@ -147,8 +147,9 @@ def client_lag_ms(lag: list[tuple[float, float]], s: Sent) -> float | None:
 def request_rows(sent: list[Sent], events: list[Envelope],
                  client_loop_lag: list[tuple[float, float]] | None = None) -> list[dict]:
     """One row per request sent, the client's record beside the log's (the router's TTFT from
-    admission, its first prediction, its queueing, its end): what ``requests.jsonl`` holds, to
-    blame a missed TTFT on the client, the router or the prediction. The client's own share:
+    admission, its first prediction, the worker it chose, the budget test's terms, its
+    queueing, its end): what ``requests.jsonl`` holds, to blame a missed TTFT on the client,
+    the router, the prediction or the admission test. The client's own share:
     ``send_late_ms`` (the generator sent it that late against its arrival schedule; not in its
     TTFT) and ``client_lag_ms`` (:func:`client_lag_ms`: in its TTFT). Pure."""
     lag = sorted(client_loop_lag or ())
