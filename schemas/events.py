@@ -336,7 +336,9 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     expected_output_tokens: int = 0
     #: The router view's state when deciding: EXACT, DEGRADED or LOADING.
     view_state: str = ""
-    #: Workers excluded because an earlier attempt of this request failed on them.
+    #: Workers excluded because an earlier attempt of this request failed on them, or because
+    #: their predicted TTFT broke the request's budget while another's kept it
+    #: (``admission.budget_detour``).
     excluded_workers: list[str] = []
     #: The ``now`` (unix seconds) the decision and the in-flight ledger used: with it, the
     #: ledger can be rebuilt exactly from RequestRouted / PrefillCompleted / RequestCompleted.

@@ -454,6 +454,25 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
             f"lag = {total:.0f} ms exceeds the budget of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))
 
 
+def budget_detour(scores: Iterable[CandidateScore], t: AdmissionTerms) -> str | None:
+    """The worker to decide again without, or None: when the chosen row's terms ``t`` break the
+    budget (:func:`over_budget`) and the best eligible row of ``scores``, with the same margin,
+    queue, time spent and loop lag, keeps it, the decision's choice is the one to exclude.
+
+    Why: the promise fails on the chosen worker, not on the request. Issue 39 refuses a request
+    when *even the best* candidate breaks its budget; judged on the chosen row alone, a router
+    whose cost is not the TTFT (``cost=blocks``: cache affinity) refused requests that another,
+    idle worker would have served in time (measured: in two of three chaos runs every request
+    went to one of the two prefill workers, the overload phase's too). The exclusion is recorded
+    in ``RequestRouted.excluded_workers``, so replay re-executes the second decision as is."""
+    if not t.chosen or over_budget(t) is None:
+        return None
+    best = budget_terms(scores, t.budget_ms, t.spent_ms, t.loop_lag_ms, t.margin, t.idle, t.at_s, t.queue_ms)
+    if best is None or best.worker_id == t.worker_id or over_budget(best) is not None:
+        return None
+    return t.worker_id
+
+
 def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
                      loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False,
                      chosen: str | None = None) -> tuple[str, int] | None:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin, QueueRefused,
-                                            budget_terms, over_budget,
+                                            budget_detour, budget_terms, over_budget,
                                             has_room, over_ttft_budget, queue_headroom)
 from schemas.events import AdmissionTerms, CandidateScore
 
@@ -102,6 +102,20 @@ def test_the_promise_is_judged_on_the_worker_the_decision_chose():
     assert (old.worker_id, old.predicted_ttft_ms, old.chosen, over_budget(old)) == ("a", 300.0, False, None)
     new = budget_terms(rows, 1000.0, 100.0, margin=2.5, chosen="c")
     assert (new.worker_id, new.predicted_ttft_ms, new.chosen) == ("c", 500.0, True)
+
+
+def test_a_chosen_worker_that_breaks_the_promise_another_keeps_is_decided_around():
+    """Rows a 300 ms and c 500 ms, margin 2.5, 100 ms spent, budget 1000. Chosen c: 1350 ms, over;
+    the best row a: 850 ms, kept: decide again without c. Chosen a: nothing to do. Margin 4: a
+    is 1300 ms too, even the best breaks it: refused, no detour. Idle (the probe), or terms
+    written before ``chosen``: never a detour."""
+    rows = [_row("a", 300.0), _row("c", 500.0)]
+    terms = budget_terms(rows, 1000.0, 100.0, margin=2.5, chosen="c")
+    assert budget_detour(rows, terms) == "c"
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=2.5, chosen="a")) is None
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=4.0, chosen="c")) is None
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=2.5, idle=True, chosen="c")) is None
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=2.5)) is None
 
 
 async def test_a_request_waits_in_the_queue_no_longer_than_its_budget_allows():
