@@ -117,9 +117,11 @@ class FirstRoute:
 
     predicted_ttft_ms: float | None
     queued_ms: float
-    #: The worker chosen, and the TTFT budget test's terms (None: the budget was off).
+    #: The worker chosen, the workers excluded (failed attempts, or a detour around a worker
+    #: that broke the TTFT budget), and the budget test's terms (None: the budget was off).
     worker_id: str = ""
     admission: AdmissionTerms | None = None
+    excluded_workers: tuple[str, ...] = ()
 
 
 def first_routes(events: list[Envelope]) -> dict[str, FirstRoute]:
@@ -128,7 +130,8 @@ def first_routes(events: list[Envelope]) -> dict[str, FirstRoute]:
     for env in events:
         d = env.data
         if isinstance(d, RequestRouted) and d.phase is not RequestPhase.DECODE and d.request_id not in out:
-            out[d.request_id] = FirstRoute(d.predicted_ttft_ms, d.queued_ms, d.worker_id, d.admission)
+            out[d.request_id] = FirstRoute(d.predicted_ttft_ms, d.queued_ms, d.worker_id, d.admission,
+                                          tuple(d.excluded_workers))
     return out
 
 
@@ -168,6 +171,7 @@ def request_rows(sent: list[Sent], events: list[Envelope],
                      "predicted_ttft_ms": fr.predicted_ttft_ms if fr else None,
                      "queued_ms": fr.queued_ms if fr else None,
                      "worker_id": fr.worker_id if fr else None,
+                     "excluded_workers": list(fr.excluded_workers) if fr else [],
                      "admission": msgspec.to_builtins(fr.admission) if fr and fr.admission else None,
                      "end": f"{e.kind}:{e.code}" if e and e.code else (e.kind if e else None),
                      "reason": e.reason if e else "",
