@@ -310,9 +310,9 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     #: The request's budget: the router's ``ttft_slo_ms``, tightened by the client's own.
     budget_ms: float
-    #: The best eligible candidate's predicted TTFT and its worker; None when no row carried a
-    #: prediction, or the test ran before any decision (a request that waited out its budget in
-    #: the admission queue).
+    #: The predicted TTFT and worker of the row the test judged (``chosen``: the decision's
+    #: choice; else the best eligible row); None when that row carried no prediction, or the
+    #: test ran before any decision (a request that waited out its budget in the admission queue).
     predicted_ttft_ms: float | None = None
     worker_id: str = ""
     #: ``PromiseMargin.factor`` at the decision: how far recent predictions fell short.
@@ -330,6 +330,10 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     #: When the test ran (unix s; the decision's ``now``, which the margin's lower bounds are
     #: taken at): replay re-derives ``margin`` from the router's ledger folded to it.
     at_s: float = 0.0
+    #: True: ``predicted_ttft_ms`` is the chosen worker's row (the promise is about the request
+    #: as routed). False, in terms written before the field: the best eligible row's, whichever
+    #: worker the decision chose; replay re-executes each with its own rule.
+    chosen: bool = False
 
 
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -356,7 +360,9 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     expected_output_tokens: int = 0
     #: The router view's state when deciding: EXACT, DEGRADED or LOADING.
     view_state: str = ""
-    #: Workers excluded because an earlier attempt of this request failed on them.
+    #: Workers excluded because an earlier attempt of this request failed on them, or because
+    #: their predicted TTFT broke the request's budget while another's kept it
+    #: (``admission.budget_detour``).
     excluded_workers: list[str] = []
     #: The ``now`` (unix seconds) the decision and the in-flight ledger used: with it, the
     #: ledger can be rebuilt exactly from RequestRouted / PrefillCompleted / RequestCompleted.

@@ -33,6 +33,7 @@ from control_plane.replay.state import RequestTraffic, ViewFolder, view_summary
 from control_plane.replay.verify import (DecisionCheck, DecisionRecord, VerifyReport, check_rejection, check_state,
                                          check_table)
 from control_plane.router import Decision, NoEligibleWorker, RouterConfig
+from control_plane.router.admission import queue_headroom
 from control_plane.router.inputs import DecisionInputs, decision_inputs, router_seed
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.view import RouterView
@@ -524,7 +525,7 @@ class ReplayEngine:
             for loc in stream:
                 while refusals and refusals[0][0] * 1e9 < loc.at_ns:
                     at_s, i = refusals.pop(0)
-                    margins[i] = _margin_at(ledger, stream[i].env.data.request_id, at_s)
+                    margins[i] = _margin_at(ledger, stream[i].env.data, at_s)
                 routed = loc.env.data
                 if isinstance(routed, RequestAdmitted):
                     admitted[routed.request_id] = loc
@@ -537,7 +538,7 @@ class ReplayEngine:
                     bar.update(1)
                 ledger.apply(loc.env)
             for at_s, i in refusals:  # stamped after the stream's last event
-                margins[i] = _margin_at(ledger, stream[i].env.data.request_id, at_s)
+                margins[i] = _margin_at(ledger, stream[i].env.data, at_s)
             for i in sorted(margins):
                 walk.rejections.append((stream[i].position, check_rejection(stream[i].env.data, margins[i])))
         bar.close()
@@ -572,7 +573,8 @@ class ReplayEngine:
                 engine_steps=routed.ttft_model is None or routed.ttft_model.ms_per_step_token_sq is not None)
             if routed.admission is not None:
                 at_s = routed.admission.at_s
-                item.margin = (ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s))
+                item.margin = (ledger.margin.factor(at_s),
+                               ledger.margin.queue_ms(at_s, queue_headroom(routed.admission)))
         except (ReplayError, LogReadError, NoEligibleWorker, ValueError) as e:
             item.error = f"error rebuilding state: {e}"
         walk.view_algo = key
@@ -638,12 +640,12 @@ class ReplayEngine:
         return w.finish(walk, frm, to, configs=configs, profile=profile, simulate=simulate, progress=self.progress)
 
 
-def _margin_at(ledger: RouterLedger, request_id: str, at_s: float) -> tuple[float, float]:
+def _margin_at(ledger: RouterLedger, rejected: RequestRejected, at_s: float) -> tuple[float, float]:
     """The budget test's margin and queue TTFT as the live router computed them for a refused
     request: after the decision's own ``prepare`` at ``at_s`` (a refusal is a first prefilling
     decision: no decode entry to release)."""
-    ledger.prepare(request_id, RequestPhase.PREFILL, at_s)
-    return ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s)
+    ledger.prepare(rejected.request_id, RequestPhase.PREFILL, at_s)
+    return ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s, queue_headroom(rejected.admission))
 
 
 def _record_of(ev: LocatedEvent, adm: LocatedEvent | None) -> DecisionRecord:

@@ -206,7 +206,8 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         # The budget test re-executed on the replayed rows with what only the live moment knew
         # (the time spent, the loop lag, idle; the margin, which the state check re-derives).
         ev = msgspec.structs.replace(ev, admission=budget_terms(ev.scores, t.budget_ms, t.spent_ms, t.loop_lag_ms,
-                                                                t.margin, t.idle, t.at_s, t.queue_ms))
+                                                                t.margin, t.idle, t.at_s, t.queue_ms,
+                                                                ev.worker_id if t.chosen else None))
     if r.scores and all(row.predicted_ttft_ms is None for row in r.scores):
         # written before every row carried its prediction (or a decode phase, which has none)
         ev = msgspec.structs.replace(ev, ttft_models={}, scores=[

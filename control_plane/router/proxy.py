@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, budget_terms, has_room,
-                                            over_budget)
+from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, budget_detour,
+                                            budget_terms, has_room, over_budget)
 from control_plane.router.config import RouterConfig
+from control_plane.router.decision import Decision
 from control_plane.router.errors import NoEligibleWorker
-from control_plane.router.inputs import decision_inputs, execute, routed_event
+from control_plane.router.inputs import DecisionInputs, decision_inputs, execute, routed_event
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.limits import new_request_id
 from control_plane.router.loop_lag import LoopLag, overloaded
@@ -322,16 +323,20 @@ class Router:
     def decide(self, adm: Admission, phase: RequestPhase, excluded: set[str], attempt: int) -> tuple[RequestRouted, WorkerState]:
         # Wall-clock seconds, recorded as ``decided_at_s``: the ledger's expiry runs on it.
         now = time.time()
-        try:
-            inputs = decision_inputs(
-                self.view, self.ledger, request_id=adm.request_id, prompt_tokens=len(adm.tokens),
-                block_hashes=adm.hashes, block_size=self.hash_config.block_size,
-                expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now, excluded=excluded,
-                peer_reach=self.config.tier_weights.peer > 0)
-            t0 = time.perf_counter()
-            d = execute(inputs, self.config)
-        except NoEligibleWorker as e:
-            raise RouterRejected(str(e)) from None
+
+        def decided(excluded: set[str]) -> tuple[DecisionInputs, Decision]:
+            try:
+                inputs = decision_inputs(
+                    self.view, self.ledger, request_id=adm.request_id, prompt_tokens=len(adm.tokens),
+                    block_hashes=adm.hashes, block_size=self.hash_config.block_size,
+                    expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now,
+                    excluded=excluded, peer_reach=self.config.tier_weights.peer > 0)
+                return inputs, execute(inputs, self.config)
+            except NoEligibleWorker as e:
+                raise RouterRejected(str(e)) from None
+
+        t0 = time.perf_counter()
+        inputs, d = decided(excluded)
         if self.metrics:
             self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         budget = self.budget_ms(adm) if attempt == 0 else 0.0
@@ -342,9 +347,16 @@ class Router:
             # the client's own (a client that set one asked to be refused rather than served late).
             probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
                      and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
-            terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(),
-                                 self.ledger.margin.factor(now), idle=probe, at_s=now,
-                                 queue_ms=self.ledger.margin.queue_ms(now))
+            margin, queue_ms = self.ledger.margin.factor(now), self.ledger.margin.queue_ms(now)
+            terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin, idle=probe,
+                                 at_s=now, queue_ms=queue_ms, chosen=d.worker_id)
+            while (detour := budget_detour(d.scores, terms)) is not None:
+                # The chosen worker breaks the promise another keeps: decide again without it
+                # (recorded in ``excluded_workers``; the caller's set, its failures, is not touched).
+                excluded = excluded | {detour}
+                inputs, d = decided(excluded)
+                terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin, idle=probe,
+                                     at_s=now, queue_ms=queue_ms, chosen=d.worker_id)
             over = over_budget(terms)
             if over is not None:
                 # The promise cannot be kept: refused now (serving records RequestRejected), not served late.

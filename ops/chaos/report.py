@@ -34,11 +34,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from ops.chaos.load import Sent
 from ops.chaos.plan import BROKER_FAULTS, Plan
 from common.log.acks import LedgerCheck
 from schemas import Envelope
-from schemas.events import RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected, RequestRouted
+from schemas.events import AdmissionTerms, RequestAdmitted, RequestCompleted, RequestFailed, RequestRejected, RequestRouted
 from schemas.types import RequestPhase
 
 
@@ -115,6 +117,11 @@ class FirstRoute:
 
     predicted_ttft_ms: float | None
     queued_ms: float
+    #: The worker chosen, the workers excluded (failed attempts, or a detour around a worker
+    #: that broke the TTFT budget), and the budget test's terms (None: the budget was off).
+    worker_id: str = ""
+    admission: AdmissionTerms | None = None
+    excluded_workers: tuple[str, ...] = ()
 
 
 def first_routes(events: list[Envelope]) -> dict[str, FirstRoute]:
@@ -123,7 +130,8 @@ def first_routes(events: list[Envelope]) -> dict[str, FirstRoute]:
     for env in events:
         d = env.data
         if isinstance(d, RequestRouted) and d.phase is not RequestPhase.DECODE and d.request_id not in out:
-            out[d.request_id] = FirstRoute(d.predicted_ttft_ms, d.queued_ms)
+            out[d.request_id] = FirstRoute(d.predicted_ttft_ms, d.queued_ms, d.worker_id, d.admission,
+                                          tuple(d.excluded_workers))
     return out
 
 
@@ -142,8 +150,9 @@ def client_lag_ms(lag: list[tuple[float, float]], s: Sent) -> float | None:
 def request_rows(sent: list[Sent], events: list[Envelope],
                  client_loop_lag: list[tuple[float, float]] | None = None) -> list[dict]:
     """One row per request sent, the client's record beside the log's (the router's TTFT from
-    admission, its first prediction, its queueing, its end): what ``requests.jsonl`` holds, to
-    blame a missed TTFT on the client, the router or the prediction. The client's own share:
+    admission, its first prediction, the worker it chose, the budget test's terms, its
+    queueing, its end): what ``requests.jsonl`` holds, to blame a missed TTFT on the client,
+    the router, the prediction or the admission test. The client's own share:
     ``send_late_ms`` (the generator sent it that late against its arrival schedule; not in its
     TTFT) and ``client_lag_ms`` (:func:`client_lag_ms`: in its TTFT). Pure."""
     lag = sorted(client_loop_lag or ())
@@ -161,6 +170,9 @@ def request_rows(sent: list[Sent], events: list[Envelope],
                      "router_ttft_ms": e.ttft_ms if e else None,
                      "predicted_ttft_ms": fr.predicted_ttft_ms if fr else None,
                      "queued_ms": fr.queued_ms if fr else None,
+                     "worker_id": fr.worker_id if fr else None,
+                     "excluded_workers": list(fr.excluded_workers) if fr else [],
+                     "admission": msgspec.to_builtins(fr.admission) if fr and fr.admission else None,
                      "end": f"{e.kind}:{e.code}" if e and e.code else (e.kind if e else None),
                      "reason": e.reason if e else "",
                      "send_late_ms": None if s.send_late_ms is None else round(s.send_late_ms, 1),

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin, QueueRefused,
-                                            budget_terms, over_budget,
-                                            has_room, over_ttft_budget)
-from schemas.events import CandidateScore
+                                            budget_detour, budget_terms, over_budget,
+                                            has_room, over_ttft_budget, queue_headroom)
+from schemas.events import AdmissionTerms, CandidateScore
 
 
 def _cfg(**kw) -> AdmissionConfig:  # noqa: ANN003
@@ -87,6 +87,35 @@ def test_the_budget_counts_what_the_request_spent_in_the_router_and_its_loop_lag
     assert over_ttft_budget(rows, 1000.0, spent_ms=2900.0)[1] == 3
     assert over_ttft_budget(rows, 0.0, spent_ms=10**6) is None  # off
     assert over_ttft_budget([_row("d", None)], 1.0, spent_ms=10**6) is None  # no prediction: a decode phase
+
+
+def test_the_promise_is_judged_on_the_worker_the_decision_chose():
+    """Rows a 300 ms and c 500 ms; margin 2.5, 100 ms spent. The decision chose c (a block-count
+    cost does not pick the fastest): 500 x 2.5 + 100 = 1350 > 1000, refused, though a's 300 x 2.5 +
+    100 = 850 would fit; chose a: kept. Terms written before the field (``chosen`` False) keep
+    the best row's rule, so replay re-executes them as they ran."""
+    rows = [_row("a", 300.0), _row("c", 500.0)]
+    reason, _ = over_ttft_budget(rows, 1000.0, spent_ms=100.0, margin=2.5, chosen="c")
+    assert reason.startswith("predicted TTFT 500 ms on the chosen candidate (c) x 2.50")
+    assert over_ttft_budget(rows, 1000.0, spent_ms=100.0, margin=2.5, chosen="a") is None
+    old = budget_terms(rows, 1000.0, 100.0, margin=2.5)
+    assert (old.worker_id, old.predicted_ttft_ms, old.chosen, over_budget(old)) == ("a", 300.0, False, None)
+    new = budget_terms(rows, 1000.0, 100.0, margin=2.5, chosen="c")
+    assert (new.worker_id, new.predicted_ttft_ms, new.chosen) == ("c", 500.0, True)
+
+
+def test_a_chosen_worker_that_breaks_the_promise_another_keeps_is_decided_around():
+    """Rows a 300 ms and c 500 ms, margin 2.5, 100 ms spent, budget 1000. Chosen c: 1350 ms, over;
+    the best row a: 850 ms, kept: decide again without c. Chosen a: nothing to do. Margin 4: a
+    is 1300 ms too, even the best breaks it: refused, no detour. Idle (the probe), or terms
+    written before ``chosen``: never a detour."""
+    rows = [_row("a", 300.0), _row("c", 500.0)]
+    terms = budget_terms(rows, 1000.0, 100.0, margin=2.5, chosen="c")
+    assert budget_detour(rows, terms) == "c"
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=2.5, chosen="a")) is None
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=4.0, chosen="c")) is None
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=2.5, idle=True, chosen="c")) is None
+    assert budget_detour(rows, budget_terms(rows, 1000.0, 100.0, margin=2.5)) is None
 
 
 async def test_a_request_waits_in_the_queue_no_longer_than_its_budget_allows():
@@ -187,9 +216,10 @@ def test_two_requests_late_for_their_prefill_set_the_margin_whatever_the_window_
 def test_the_routers_own_queue_implies_a_ttft_from_its_busy_time_per_first_token():
     """Four requests decided at 10.0, 10.2, 10.4, 10.6 s (predicted 100 ms), their first tokens
     at 10.3, 10.5, 10.7, 10.9: busy from 10.0 to 10.9 (0.9 s) for 4 first tokens, 225 ms each.
-    With none waiting, one more would take 225 ms. Then five are routed at 11.0 and none has its
-    first token yet at 11.2: busy 0.9 + 0.2 s over 4 first tokens, times (5 + 1) waiting: 1,650
-    ms, though none is late enough for the margin (2 x its prediction). A request forgotten
+    With none waiting, one more would take 225 ms (no headroom on an empty queue). Then five are
+    routed at 11.0 and none has its first token yet at 11.2: busy 0.9 + 0.2 s over 4 first
+    tokens, times (2 x 5 + 1) (the five ahead, and as many admitted behind it sharing the
+    batch): 3,025 ms, though none is late enough for the margin (2 x its prediction). A request forgotten
     (rejected, failed) stops waiting without a first token. Fewer than 3 first tokens: 0."""
     m = PromiseMargin()
     assert m.queue_ms(10.0) == 0.0
@@ -201,11 +231,15 @@ def test_the_routers_own_queue_implies_a_ttft_from_its_busy_time_per_first_token
     assert m.waiting() == 0 and m.queue_ms(10.95) == pytest.approx(225.0)
     for i in range(5):
         m.routed(f"b{i}", 100.0, 11.0)
-    assert m.waiting() == 5 and m.queue_ms(11.2) == pytest.approx(6 * 1100.0 / 4)
+    assert m.waiting() == 5 and m.queue_ms(11.2) == pytest.approx(11 * 1100.0 / 4)
+    # Terms recorded before the headroom (``chosen`` False) re-derive with (5 + 1): 1,650 ms.
+    old, new = AdmissionTerms(budget_ms=1000.0), AdmissionTerms(budget_ms=1000.0, chosen=True)
+    assert m.queue_ms(11.2, queue_headroom(old)) == pytest.approx(6 * 1100.0 / 4)
+    assert m.queue_ms(11.2, queue_headroom(new)) == m.queue_ms(11.2)
     assert m.factor(11.2) == pytest.approx(2.0)
     reason, _ = over_budget(budget_terms([_row("w", 100.0)], 1000.0, 10.0, 5.0, m.factor(11.2),
-                                         queue_ms=m.queue_ms(11.2)))
-    assert reason.startswith("1650 ms for this router's own queue (above the predicted TTFT 100 ms on the best "
+                                         queue_ms=m.queue_ms(11.2), chosen="w"))
+    assert reason.startswith("3025 ms for this router's own queue (above the predicted TTFT 100 ms on the chosen "
                              "candidate (w) x 2.00")
     for i in range(5):
         m.forget(f"b{i}", 11.3)
