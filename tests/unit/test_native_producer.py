@@ -8,15 +8,14 @@ and verifier reads the router's records as before. (Producing them to the broker
 from __future__ import annotations
 
 import pytest
+import switchyard_native
 
-switchyard_native = pytest.importorskip("switchyard_native")
-
-from common.log.native_producer import native_config  # noqa: E402
-from common.settings import BusSettings  # noqa: E402
-from schemas import EventCodec  # noqa: E402
-from schemas import events as ev  # noqa: E402
-from schemas.signing import Signer, about_of  # noqa: E402
-from tests.unit.test_schemas import BUILDERS, _name, _wrap  # noqa: E402
+from common.log.native_producer import native_config
+from common.settings import BusSettings
+from schemas import EventCodec
+from schemas import events as ev
+from schemas.signing import Signer, about_of
+from tests.unit.test_schemas import BUILDERS, _name, _wrap
 
 CODEC = EventCodec()
 MASTER = b"m" * 32
