@@ -327,7 +327,8 @@ def _launch_dynamo(tmp: Path, log: Path, speedup: float) -> Side:
     env = {**os.environ, "DYN_FILE_KV": str(run / "kv"), "DYN_TCP_RPC_HOST": "127.0.0.1",
            "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_LOG": "warn,dynamo_llm::kv_router=info",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1", "TMPDIR": str(run / "tmp")}  # its runtime writes a logging config there
+    (run / "tmp").mkdir(parents=True, exist_ok=True)
     port = free_port()
     py = _peer_bin("python")
     mocker = _spawn([py, "-m", "dynamo.mocker", "--model-path", str(model), "--model-name", MODEL,
