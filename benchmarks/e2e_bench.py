@@ -136,6 +136,11 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: fl
               f"workers': {s['hit_rate']:.3f}); the decision's overlap equals the cached blocks in {rc['exact']} of "
               f"{rc['requests']}; TTFT prediction error p50 {_f(rc['prediction_err_p50'])} p90 "
               f"{_f(rc['prediction_err_p90'])}")
+        if rc.get("to_worker_ms_p50") is not None:
+            print(f"  {m}: TTFT after the decision, p50 / p90 ms: to the prefill worker {_f(rc['to_worker_ms_p50'])} / "
+                  f"{_f(rc['to_worker_ms_p90'])}, on it {_f(rc['worker_ms_p50'])} / {_f(rc['worker_ms_p90'])}, after "
+                  f"it {_f(rc['after_worker_ms_p50'])} / {_f(rc['after_worker_ms_p90'])}; {rc['reordered']} of "
+                  f"{rc['requests']} reached their worker out of the router's order")
         for src, g in rc.get("ttft_error_by", {}).items():
             print(f"  {m}: TTFT error on {src}: {g['n']} predictions, error p50 {_f(g['err_p50'])}, signed p50 "
                   f"{_f(g['bias_p50'])}, {100 * g['share']:.0f}% of the summed error")

@@ -22,6 +22,16 @@ worker's usage) in aggregated serving. The blame:
 
 ``routed_past_cache`` counts decisions where another eligible candidate showed more overlap than
 the chosen one: a choice made on load, not a prediction that failed.
+
+Where a disaggregated request's TTFT went, from the prefill worker's own ``PrefillCompleted``
+(published when it ends, ``duration_ms`` after the worker took the request): the hop to the worker
+(the decision to the worker taking it), the worker's time (its engine's queue and steps, the
+staging fill and the publish) and the rest (the answer's way back, the decode decision, the
+transfer and the decode worker's first step). And whether the request reached its worker in the
+order the router routed it: a request the router sent after another to the same worker that
+the worker took first (or the other way round) waited behind a queue the router did not predict
+(``reordered``; each side's order is read from its own clock, so a skew between hosts does not
+make one).
 """
 
 from __future__ import annotations
@@ -87,6 +97,16 @@ class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
     #: predicted (``RequestRouted.ttft_model``; -1 for the prior recorded before models were).
     queued_tokens: int = 0
     model_samples: int = -1
+    #: A prefill phase's time (ms) from the decision to the prefill worker taking the request,
+    #: the worker's own (``PrefillCompleted.duration_ms``), and the rest of the observed TTFT
+    #: (the way back, the decode decision, the transfer, the decode worker's first step); None
+    #: when not known (an aggregated phase: the router records its ``PrefillCompleted``).
+    to_worker_ms: float | None = None
+    worker_ms: float | None = None
+    after_worker_ms: float | None = None
+    #: The worker took this request and another one routed there in the other order than the
+    #: router routed them (see the module docstring).
+    reordered: bool = False
 
     @property
     def ttft_blame(self) -> str:
@@ -98,6 +118,8 @@ class OverlapCheck(msgspec.Struct, frozen=True, kw_only=True):
             return "prior"
         if self.blame:
             return "overlap"
+        if self.reordered:
+            return "reordered"
         return "queue" if self.queued_tokens > 0 else "own_prefill"
 
     @property
@@ -135,6 +157,10 @@ class Reconciliation(msgspec.Struct, frozen=True, kw_only=True):
         out["prediction_err_p50"] = _quantile(errs, 0.5)
         out["prediction_err_p90"] = _quantile(errs, 0.9)
         out["ttft_error_by"] = _error_by(c)
+        out["reordered"] = sum(x.reordered for x in c)
+        for name in ("to_worker_ms", "worker_ms", "after_worker_ms"):
+            xs = sorted(v for x in c if (v := getattr(x, name)) is not None)
+            out[f"{name}_p50"], out[f"{name}_p90"] = _quantile(xs, 0.5), _quantile(xs, 0.9)
         out["missed_blocks"] = {b: sum(x.cached_blocks - x.predicted_blocks for x in c if x.blame == b)
                                 for b in ("stale_index", "stored_after_routing")}
         return out
@@ -175,6 +201,9 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
     admitted: dict[str, RequestAdmitted] = {}
     routed: dict[str, tuple[Envelope, RequestRouted]] = {}
     outcome: dict[tuple[str, str], int] = {}
+    #: (request, worker) -> (the worker took it at, s of its clock; its time there, ms), from a
+    #: prefill worker's PrefillCompleted.
+    took: dict[tuple[str, str], tuple[float, float]] = {}
     completed: dict[tuple[str, str], int] = {}
     ttft: dict[str, float] = {}
     queued: dict[str, float] = {}
@@ -189,6 +218,7 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
                 routed[ev.request_id] = (env, ev)
         elif isinstance(ev, PrefillCompleted):
             outcome[(ev.request_id, ev.worker_id)] = ev.cached_tokens
+            took[(ev.request_id, ev.worker_id)] = (env.occurred_at_ns / 1e9 - ev.duration_ms / 1e3, ev.duration_ms)
         elif isinstance(ev, RequestCompleted):
             completed[(ev.request_id, ev.worker_id)] = ev.cached_tokens
             ttft[ev.request_id] = ev.ttft_ms
@@ -199,6 +229,9 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
         if isinstance(ev, BlockStored):
             stores.setdefault(ev.worker_id, []).append(
                 (r.topic, r.partition, r.offset, r.env.occurred_at_ns, tuple(ev.block_hashes)))
+    reordered = _reordered({rid: (ev.worker_id, _decided_at(env), took[(rid, ev.worker_id)][0])
+                            for rid, (env, ev) in routed.items()
+                            if ev.phase is RequestPhase.PREFILL and (rid, ev.worker_id) in took})
     checks: list[OverlapCheck] = []
     unmatched = 0
     for rid, (env, ev) in sorted(routed.items()):
@@ -224,17 +257,53 @@ def reconcile(requests: Iterable[Envelope], kv: Sequence[KvRecord]) -> Reconcili
         cached_blocks = cached // adm.block_size
         reachable = max(adm.prompt_tokens - 1, 0) // adm.block_size
         predicted = min(max(seen, spec), reachable)
+        observed = ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None
+        hop = work = rest = None
+        if ev.phase is RequestPhase.PREFILL and key in took:
+            at, work = took[key]
+            hop = (at - _decided_at(env)) * 1e3
+            rest = None if observed is None else observed - hop - work
         checks.append(OverlapCheck(
             request_id=rid, worker_id=ev.worker_id, phase=ev.phase.value, prompt_tokens=adm.prompt_tokens,
             block_size=adm.block_size, seen_blocks=seen, speculative_blocks=spec, cached_tokens=cached,
             cached_blocks=cached_blocks, best_other_blocks=min(max(others, default=0), reachable), unfolded_blocks=unfolded,
             predicted_blocks=predicted, blame=_blame(seen, spec, predicted, cached_blocks, unfolded),
             predicted_ttft_ms=ev.predicted_ttft_ms,
-            observed_ttft_ms=ttft[rid] - queued.get(rid, 0.0) if rid in ttft else None,
+            observed_ttft_ms=observed,
             queued_tokens=max(queue_ahead(mine) - ((ev.ttft_model.queue_done_tokens or 0) if ev.ttft_model else 0), 0)
             if mine else 0,
-            model_samples=-1 if ev.ttft_model is None else ev.ttft_model.samples + ev.ttft_model.pool_samples))
+            model_samples=-1 if ev.ttft_model is None else ev.ttft_model.samples + ev.ttft_model.pool_samples,
+            to_worker_ms=hop, worker_ms=work, after_worker_ms=rest, reordered=rid in reordered))
     return Reconciliation(checks=tuple(checks), unmatched=unmatched)
+
+
+def _decided_at(env: Envelope) -> float:
+    """A decision's time (s): its ``decided_at_s``, or when it was published (events before it)."""
+    return env.data.decided_at_s or env.occurred_at_ns / 1e9
+
+
+def _reordered(taken: Mapping[str, tuple[str, float, float]]) -> set[str]:
+    """The requests of ``taken`` (request -> (worker, decided at by the router's clock, taken at
+    by the worker's)) that their worker took in the other order than the router routed them
+    relative to at least one other request there: one taken before a request routed earlier,
+    or after one routed later."""
+    by_worker: dict[str, list[tuple[float, float, str]]] = {}
+    for rid, (worker, decided, at) in taken.items():
+        by_worker.setdefault(worker, []).append((decided, at, rid))
+    out: set[str] = set()
+    for rows in by_worker.values():
+        rows.sort()
+        latest = -math.inf  # the latest taking among the requests routed before
+        for _, at, rid in rows:
+            if latest > at:
+                out.add(rid)
+            latest = max(latest, at)
+        earliest = math.inf  # the earliest taking among the requests routed after
+        for _, at, rid in reversed(rows):
+            if earliest < at:
+                out.add(rid)
+            earliest = min(earliest, at)
+    return out
 
 
 def _unfolded(stores: Iterable[tuple[str, int, int, int, tuple]], position: Mapping[str, int], at_ns: int,

@@ -132,7 +132,7 @@ def test_ttft_error_is_against_the_time_after_the_router_queue() -> None:
     (None, 1, 1, 0, "prior"),      # recorded before the router fitted its model
     (0, 1, 1, 0, "prior"),         # the prior: no observation yet
     (5, 2, 1, 0, "overlap"),       # the router saw 2 blocks, the engine hit 1
-    (5, 1, 1, 900, "queue"),       # work queued ahead
+    (5, 1, 1, 900, "queue"),       # work queued ahead (and the worker took it in the router's order)
     (5, 1, 1, 0, "own_prefill"),   # nothing else to blame
 ])
 def test_a_ttft_error_is_put_on_one_source(samples, seen, cached_blocks, queued, blame) -> None:
@@ -154,3 +154,56 @@ def test_a_ttft_error_is_put_on_one_source(samples, seen, cached_blocks, queued,
     assert r.checks[0].ttft_blame == blame
     assert r.summary()["ttft_error_by"] == {blame: {"n": 1, "err_p50": pytest.approx(0.2),
                                                     "bias_p50": pytest.approx(0.2), "share": 1.0}}
+
+
+def _pd_log(routed_at: dict[str, int], taken_at: dict[str, int], worker_ms: float = 100.0):
+    """Disaggregated prefills routed to w0 at ``routed_at`` (ms, the router's clock) that the
+    prefill worker took at ``taken_at`` (ms, its clock), each ``worker_ms`` on it, and completed
+    with their first token 150 ms after the decision."""
+    clock = _Clock()
+    f = EnvelopeFactory("router", 1, clock)
+    wf = EnvelopeFactory("w0", 1, clock)
+    reqs = []
+    for rid in routed_at:
+        clock.ns = 1
+        reqs.append(f.wrap(RequestAdmitted(request_id=rid, model="m", prompt_tokens=BS * len(CHAIN), max_tokens=4,
+                                           block_hashes=CHAIN, block_size=BS, hash_algo="a")))
+    for rid, ms in routed_at.items():
+        clock.ns = ms * 1_000_000
+        reqs.append(f.wrap(RequestRouted(
+            request_id=rid, worker_id="w0", phase=RequestPhase.PREFILL, mode=RoutingMode.KV, config_version=1,
+            rng_seed=1, decided_at_s=ms / 1e3, scores=[CandidateScore(worker_id="w0")])))
+    for rid, ms in sorted(taken_at.items(), key=lambda kv: kv[1]):  # each producer stamps in order
+        clock.ns = round((ms + worker_ms) * 1_000_000)
+        reqs.append(wf.wrap(PrefillCompleted(request_id=rid, worker_id="w0", prompt_tokens=BS * len(CHAIN),
+                                             duration_ms=worker_ms)))
+        reqs.append(f.wrap(RequestCompleted(request_id=rid, worker_id="w1", prompt_tokens=BS * len(CHAIN),
+                                            output_tokens=4, ttft_ms=150.0, e2e_ms=200.0)))
+    return reqs
+
+
+def test_where_a_disaggregated_ttft_went() -> None:
+    """Routed at 1,000 ms, taken by the prefill worker at 1,012 ms (its PrefillCompleted at 1,112
+    ms says 100 ms there), first token 150 ms after the decision: 12 ms to the worker, 100 on it,
+    38 after it."""
+    r = reconcile(_pd_log({"r1": 1000}, {"r1": 1012}), [])
+    c = r.checks[0]
+    assert (c.to_worker_ms, c.worker_ms, c.after_worker_ms, c.reordered) == (
+        pytest.approx(12.0), 100.0, pytest.approx(38.0), False)
+    s = r.summary()
+    assert (s["to_worker_ms_p50"], s["worker_ms_p90"], s["reordered"]) == (pytest.approx(12.0), 100.0, 0)
+
+
+def test_requests_the_worker_took_out_of_the_routers_order_are_reordered() -> None:
+    """r1, r2, r3 routed in that order 1 ms apart; the worker took r2 before r1 (the hop to it
+    varies more than the gap): both waited behind a queue the router did not predict; r3, routed
+    after both and taken after both, did not."""
+    r = reconcile(_pd_log({"r1": 1000, "r2": 1001, "r3": 1002}, {"r1": 1030, "r2": 1010, "r3": 1040}), [])
+    assert {c.request_id: c.reordered for c in r.checks} == {"r1": True, "r2": True, "r3": False}
+    assert r.summary()["reordered"] == 2
+
+
+def test_an_aggregated_phase_has_no_worker_timings() -> None:
+    """In aggregated serving the router records the PrefillCompleted: the worker's time is not known."""
+    c = _one(seen=1, cached_blocks=1, stored_blocks=1)
+    assert (c.to_worker_ms, c.worker_ms, c.after_worker_ms, c.reordered) == (None, None, None, False)
