@@ -412,7 +412,7 @@ class Router:
                     stream, worker = await self._disaggregated(adm, excluded, attempt, handoff)
                 else:
                     ev, worker = self.decide(adm, RequestPhase.AGGREGATED, excluded, attempt)
-                    stream = self._stream_from(worker, adm, self._peer_params(ev))
+                    stream = self._stream_from(worker, adm, self._peer_params(ev), ev.decided_at_s)
                 outcome = _Tracker(worker.worker_id, adm.received_at)
                 async for chunk in stream:
                     if chunk.token_ids or chunk.text:
@@ -463,9 +463,10 @@ class Router:
             _, decode = self.decide(adm, RequestPhase.DECODE, excluded, attempt)
             self.admission.poke()
             return self._stream_from(decode, adm, handoff[0][1]), decode
-        _, prefill = self.decide(adm, RequestPhase.PREFILL, excluded, attempt)
+        routed, prefill = self.decide(adm, RequestPhase.PREFILL, excluded, attempt)
         body = {"model": adm.model, "prompt": adm.tokens, "max_tokens": 1, "stream": False,
-                "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True}}
+                "request_id": adm.request_id, "kv_transfer_params": {"do_remote_decode": True},
+                "routed_at_s": routed.decided_at_s}
         wid = prefill.worker_id
         try:
             async with self.workers.post(f"{prefill.endpoint}/v1/completions", _json(body), adm.request_id,
@@ -501,9 +502,13 @@ class Router:
         return {"peer_fetch": {"worker_id": row.peer_from, "host": u.hostname, "port": u.port,
                                "blocks": row.overlap_blocks + row.overlap_by_tier.get("peer", 0)}}
 
-    async def _stream_from(self, worker: WorkerState, adm: Admission, kv_params: dict | None) -> AsyncIterator[Chunk]:
+    async def _stream_from(self, worker: WorkerState, adm: Admission, kv_params: dict | None,
+                           routed_at_s: float | None = None) -> AsyncIterator[Chunk]:
         body = {"model": adm.model, "prompt": adm.tokens, "max_tokens": adm.max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}, "request_id": adm.request_id}
+        if routed_at_s is not None:
+            # The worker's engine takes a step's arrivals in the router's order (``EngineRequest.router_order``).
+            body["routed_at_s"] = routed_at_s
         if kv_params is not None:
             body["kv_transfer_params"] = kv_params
         url = f"{worker.endpoint}/v1/completions"

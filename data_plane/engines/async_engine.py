@@ -217,8 +217,13 @@ class AsyncEngine:
 
     def _admit_due(self, t: float) -> None:
         pending = self._pending
+        due = []
         while pending and pending[0][0] <= t:
-            _, _, req = heapq.heappop(pending)
+            due.append(heapq.heappop(pending)[2])
+        if len(due) > 1 and all(r.router_order is not None for r in due):
+            # The router's order, not the arrival's: see ``EngineRequest.router_order``.
+            due.sort(key=lambda r: r.router_order)
+        for req in due:
             stream = self._streams.get(req.request_id)
             try:
                 self.core.add_request(req)

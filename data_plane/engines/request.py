@@ -102,6 +102,11 @@ class EngineRequest:
     output_prefix: tuple[int, ...] = ()
     phase: RequestPhase | None = None
     prompt_hashes: Sequence[BlockHash] | None = None
+    #: Where the request goes among those a real-time driver takes at one step boundary (lower
+    #: first; the router's decision time): the hop from the router varies more than the gaps
+    #: between a burst's requests, and the router predicts each one's wait behind those it sent
+    #: before. None: arrival order. The core ignores it.
+    router_order: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt) == 0:

@@ -80,6 +80,10 @@ class CompletionRequest(BaseModel):
     request_id: str | None = Field(default=None, min_length=1, max_length=200)
     #: Extension (vLLM): disaggregated handoff parameters.
     kv_transfer_params: dict[str, Any] | None = None
+    #: Extension: when the router decided to send the request here (s since the epoch, its
+    #: clock). The engine takes the requests that reach it during one step in this order, not in
+    #: the order they arrived (``EngineRequest.router_order``).
+    routed_at_s: float | None = None
 
 
 def get_worker(request: Request) -> Worker:
@@ -263,7 +267,7 @@ def create_app(worker: Worker, tokenizer: Tokenizer | None = None, *, credential
                                            "code": e.code}}, 400)
         model = body.model or worker.s.model
         run = worker.open(CompletionInput(request_id=rid, prompt=prompt, max_tokens=max_tokens,
-                                          kv_transfer_params=body.kv_transfer_params))
+                                          kv_transfer_params=body.kv_transfer_params, routed_at_s=body.routed_at_s))
         headers = {"X-Request-Id": rid}
         if body.stream:
             # Starlette ends the stream when a send finds the client gone; closing the

@@ -47,6 +47,8 @@ class CompletionInput:
     prompt: list[int]
     max_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
+    #: When the router routed it (s, its clock): the engine's order among a step's arrivals.
+    routed_at_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

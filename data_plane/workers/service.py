@@ -224,7 +224,8 @@ class Worker:
         try:
             if is_prefill_request(params):
                 stream = self.engine.submit(EngineRequest(
-                    request_id=rid, prompt=inp.prompt, max_tokens=1, phase=RequestPhase.PREFILL))
+                    request_id=rid, prompt=inp.prompt, max_tokens=1, phase=RequestPhase.PREFILL,
+                    router_order=inp.routed_at_s))
                 run._gen = self._prefill(run, stream, inp)
             elif decode is not None and decode.blocks:
                 # Checked now so a request that can never run is a 400, not a failure later.
@@ -244,7 +245,8 @@ class Worker:
                         correlation_id=rid)
                 prefix = tuple(decode.first_token_ids[: inp.max_tokens - 1]) if decode else ()
                 req = EngineRequest(request_id=rid, prompt=inp.prompt, max_tokens=inp.max_tokens,
-                                    output_prefix=prefix, phase=RequestPhase.AGGREGATED)
+                                    output_prefix=prefix, phase=RequestPhase.AGGREGATED,
+                                    router_order=inp.routed_at_s)
                 if peer is not None:
                     self.engine.validate(req)
                     run._gen = self._peer_then_generate(run, req, peer)

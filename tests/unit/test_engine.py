@@ -806,3 +806,20 @@ def test_digest_chain_reads_like_a_list_and_copies_apart():
     assert list(d) == ds and d[-1] == ds[4] and d[3] == ds[3] and list(c) == ds[:3]
     with pytest.raises(IndexError):
         c[3]
+
+
+@pytest.mark.parametrize(("orders", "first"), [((None, None), "C"), ((2.0, 1.0), "B")])
+def test_a_steps_arrivals_go_in_the_routers_order(orders, first):
+    """A fills a step alone from t=0; C arrives at 1 ms and B at 2 ms, during it, and each needs a
+    step of its own. In arrival order C goes first; sent by a router that decided B first
+    (``router_order`` 1.0 against C's 2.0: the hop to the worker varied), B does."""
+    async def run():
+        eng = AsyncEngine(_core(num_device_blocks=64, max_num_batched_tokens=32), speedup=1000.0)
+        streams = {"A": eng.submit(_req("A", range(32), arrival_ms=0.0)),
+                   "C": eng.submit(_req("C", range(100, 132), arrival_ms=1.0, router_order=orders[0])),
+                   "B": eng.submit(_req("B", range(200, 232), arrival_ms=2.0, router_order=orders[1]))}
+        async with eng:
+            return {rid: (await s.collect())[0].time_ms for rid, s in streams.items()}
+
+    t = asyncio.run(run())
+    assert t["A"] < t[first] < t[({"B", "C"} - {first}).pop()]

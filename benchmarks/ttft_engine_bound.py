@@ -1,0 +1,133 @@
+"""How well any TTFT model could predict a ``bench e2e`` run, given what the router knows (issue 39).
+
+For each topic prefix given (a ``bench e2e`` run's: 2 prefill + 2 decode simulated workers on the
+mocker profile), the simulated engine itself (``EngineCore("mocker")``, the workers' own) replays
+each prefill worker's requests twice, with their prompt lengths and each prefill's cached tokens
+(the prompts are fresh tokens, and each request's hit is left to the engine: a few blocks here):
+
+* ``as_taken``: each request reaching the engine when the worker took it (``PrefillCompleted``:
+  its publish time less ``duration_ms``), in that order: what happened, with the box's noise
+  left out;
+* ``as_routed``: each request reaching it the median hop after the router's decision
+  (``RequestRouted.decided_at_s``), so in the router's order: what the router knows.
+
+The error of ``as_routed`` (plus the median hop) against ``as_taken`` (plus each request's own
+hop): |predicted - observed| / observed of the time from the decision to the prefill's end, is what an exact engine model
+would get in the router's order. Against the engine admitting a step's arrivals in the router's
+order (``EngineRequest.router_order``: ``as_taken_in_order``) it is what remains when the
+workers keep that order. Routing is not replayed; the runs' choices stand.
+
+Run: ``uv run python -m benchmarks.ttft_engine_bound <prefix> [<prefix> ...]`` (the stack's
+variables exported). Last line: ``RESULT logs=... fcfs_err_p50_worst=... fcfs_err_p90_worst=...
+in_order_err_p50_worst=... in_order_err_p90_worst=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader, scan_events
+from common.settings import BusSettings
+from control_plane.replay.reconcile import _quantile
+from data_plane.engines.core import EngineCore
+from data_plane.engines.request import EngineRequest
+from schemas import EventCodec
+from schemas.envelope import Envelope
+from schemas.events import PrefillCompleted, RequestAdmitted, RequestRouted
+from schemas.types import RequestPhase, WorkerRole
+
+
+def prefills(envs: list[Envelope]) -> list[dict]:
+    """Per disaggregated request: its prefill worker, when the router decided (s), when the
+    worker took it (s), its prompt tokens, and the hop to the worker (ms)."""
+    out: dict[str, dict] = {}
+    for env in envs:
+        ev = env.data
+        if isinstance(ev, RequestAdmitted):
+            out.setdefault(ev.request_id, {})["prompt"] = ev.prompt_tokens
+        elif isinstance(ev, RequestRouted) and ev.phase is RequestPhase.PREFILL:
+            out.setdefault(ev.request_id, {}).update(worker=ev.worker_id,
+                                                     decided=ev.decided_at_s or env.occurred_at_ns / 1e9)
+        elif isinstance(ev, PrefillCompleted):
+            out.setdefault(ev.request_id, {}).update(taken=env.occurred_at_ns / 1e9 - ev.duration_ms / 1e3,
+                                                     done=env.occurred_at_ns / 1e9)
+    rows = [dict(r, id=rid) for rid, r in out.items() if {"prompt", "worker", "decided", "taken"} <= r.keys()]
+    for r in rows:
+        r["hop_ms"] = (r["taken"] - r["decided"]) * 1e3
+    return rows
+
+
+def engine_ms(reqs: list[tuple[float, float, dict]], in_order: bool) -> dict[str, float]:
+    """Replay ``reqs`` ((reaches the engine, ms; the router's order; row)) through the mocker
+    engine of a prefill worker, a step's arrivals in the router's order or in arrival order
+    (as ``AsyncEngine`` does); each request's time from reaching it to its first token (ms)."""
+    core = EngineCore("mocker", worker_id="bound", role=WorkerRole.PREFILL)
+    rng = random.Random(0)
+    pending = sorted(reqs, key=lambda x: x[0])
+    t, out, at = 0.0, {}, {}
+    while pending or core.has_work():
+        due = [x for x in pending if x[0] <= t]
+        pending = pending[len(due):]
+        if in_order:
+            due.sort(key=lambda x: x[1])
+        for a, _, r in due:
+            at[r["id"]] = a
+            core.add_request(EngineRequest(request_id=r["id"], prompt=[rng.randrange(1, 1 << 20) for _ in
+                                                                       range(r["prompt"])],
+                                           max_tokens=1, phase=RequestPhase.PREFILL))
+        res = core.step() if core.has_work() else None
+        if res is None or not res.num_scheduled:
+            t = pending[0][0] if pending else t
+            continue
+        t += res.duration_ms
+        for tok in res.tokens:
+            if tok.finished:
+                out[tok.request_id] = t - at[tok.request_id]
+                core.release(tok.request_id)
+    return out
+
+
+def bound(rows: list[dict]) -> dict:
+    t0 = min(r["decided"] for r in rows)
+    hop = _quantile(sorted(r["hop_ms"] for r in rows), 0.5)
+    errs: dict[str, list[float]] = {"fcfs": [], "in_order": []}
+    for w in {r["worker"] for r in rows}:
+        mine = [r for r in rows if r["worker"] == w]
+        routed = engine_ms([((r["decided"] - t0) * 1e3 + hop, r["decided"], r) for r in mine], False)
+        taken = [((r["taken"] - t0) * 1e3, r["decided"], r) for r in mine]
+        for name, got in (("fcfs", engine_ms(taken, False)), ("in_order", engine_ms(taken, True))):
+            for r in mine:
+                observed = r["hop_ms"] + got[r["id"]]
+                errs[name].append(abs(hop + routed[r["id"]] - observed) / observed)
+    out = {"n": len(rows), "hop_ms_p50": hop}
+    for k, v in errs.items():
+        v.sort()
+        out[f"{k}_p50"], out[f"{k}_p90"] = _quantile(v, 0.5), _quantile(v, 0.9)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("prefixes", nargs="+", help="topic prefixes of bench e2e runs (e2ekv..., e2ero..., e2epl...)")
+    args = ap.parse_args()
+    rows = []
+    for prefix in args.prefixes:
+        bus = BusSettings.from_env(topic_prefix=prefix)
+        codec = EventCodec(verifier=bus.verifier())
+        with KafkaLogReader(bus.bootstrap) as reader:
+            envs = [env for _, env in scan_events(reader, Catalog(prefix).topic("requests"), codec=codec)]
+        r = bound(prefills(envs))
+        rows.append(r)
+        print(f"{prefix}: {r['n']} prefills, hop to the worker p50 {r['hop_ms_p50']:.1f} ms; the exact engine in the "
+              f"router's order against it as taken: p50 {r['fcfs_p50']:.3f} p90 {r['fcfs_p90']:.3f}; against it taking "
+              f"a step's arrivals in the router's order: p50 {r['in_order_p50']:.3f} p90 {r['in_order_p90']:.3f}")
+    print(f"RESULT logs={len(rows)} fcfs_err_p50_worst={max(r['fcfs_p50'] for r in rows):.3f} "
+          f"fcfs_err_p90_worst={max(r['fcfs_p90'] for r in rows):.3f} "
+          f"in_order_err_p50_worst={max(r['in_order_p50'] for r in rows):.3f} "
+          f"in_order_err_p90_worst={max(r['in_order_p90'] for r in rows):.3f}")
+
+
+if __name__ == "__main__":
+    main()
