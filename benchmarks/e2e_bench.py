@@ -141,6 +141,8 @@ def main(trace: Path = DEFAULT_TRACE, limit: int = DEMO_DEFAULTS.limit, rate: fl
                   f"{_f(rc['to_worker_ms_p90'])}, on it {_f(rc['worker_ms_p50'])} / {_f(rc['worker_ms_p90'])}, after "
                   f"it {_f(rc['after_worker_ms_p50'])} / {_f(rc['after_worker_ms_p90'])}; {rc['reordered']} of "
                   f"{rc['requests']} reached their worker out of the router's order")
+            print(f"  {m}: TTFT p50 ms as the client felt it {s['ttft_p50_ms']:.0f}, as the router saw it after its "
+                  f"decision (what the prediction is judged on) {_f(rc['observed_ttft_p50'])}")
         for src, g in rc.get("ttft_error_by", {}).items():
             print(f"  {m}: TTFT error on {src}: {g['n']} predictions, error p50 {_f(g['err_p50'])}, signed p50 "
                   f"{_f(g['bias_p50'])}, {100 * g['share']:.0f}% of the summed error")

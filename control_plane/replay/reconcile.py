@@ -158,6 +158,8 @@ class Reconciliation(msgspec.Struct, frozen=True, kw_only=True):
         out["prediction_err_p90"] = _quantile(errs, 0.9)
         out["ttft_error_by"] = _error_by(c)
         out["reordered"] = sum(x.reordered for x in c)
+        obs = sorted(x.observed_ttft_ms for x in c if x.observed_ttft_ms is not None)
+        out["observed_ttft_p50"] = _quantile(obs, 0.5)
         for name in ("to_worker_ms", "worker_ms", "after_worker_ms"):
             xs = sorted(v for x in c if (v := getattr(x, name)) is not None)
             out[f"{name}_p50"], out[f"{name}_p90"] = _quantile(xs, 0.5), _quantile(xs, 0.9)
