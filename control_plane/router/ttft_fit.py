@@ -255,6 +255,11 @@ class TtftFit:
             return
         worker, at, x, wait = p
         y = round(ttft_ms * 1000)
+        # The queue went faster than the rate measured (a prefill seen end late, the steps a
+        # burst's last request shares): the costs are fitted to what is left of the TTFT, never
+        # to a negative time, which pins them all at 0 (a bench e2e round robin log: its worker's
+        # costs fell to 0 and it predicted 1-10 ms for 61-79 ms).
+        wait = min(wait, y)
         self._seq += 1
         self._obs[self._seq] = (worker, x, y, wait)
         heapq.heappush(self._expiry, (at, self._seq))

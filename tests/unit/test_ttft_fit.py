@@ -271,3 +271,18 @@ def test_with_the_rate_seen_the_fit_learns_the_requests_own_costs() -> None:
     for _, row, prompt in _requests(50, seed=99):
         want = predict_ttft_ms(row, prompt, 64, AGG, seen)
         assert predict_ttft_ms(row, prompt, 64, AGG, m) == pytest.approx(want, rel=0.03)
+
+
+def test_a_queue_faster_than_the_rate_seen_does_not_pin_the_costs_at_zero() -> None:
+    """The worker's steps as ``TRUE``, but the rate measured (5 tokens/ms) far slower than its
+    queues went: the wait at that rate exceeds the TTFT of every queued request. Those are fitted
+    with nothing left of their TTFT, not a negative time (which pinned every cost at 0: a request
+    alone predicted 0 ms), so the idle requests' costs survive: 4,096 tokens alone, 117.5 ms by
+    ``TRUE``, predicted within 20%."""
+    fit = TtftFit()
+    for k, (rid, row, prompt) in enumerate(_requests(400)):
+        fit.routed(rid, row.worker_id, AGG, row, prompt, 64, k * 0.01, queue_rate=5.0)
+        fit.completed(rid, predict_ttft_ms(row, prompt, 64, AGG, TRUE))
+    alone = CandidateScore(worker_id="w-1")
+    want = predict_ttft_ms(alone, 4096, 64, AGG, TRUE)
+    assert predict_ttft_ms(alone, 4096, 64, AGG, fit.model("w-1")) == pytest.approx(want, rel=0.2)
