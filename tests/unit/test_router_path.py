@@ -299,7 +299,9 @@ async def test_a_disaggregated_request_hands_the_prefills_kv_to_the_decode_worke
     prefill, decode = fake.calls
     assert prefill.worker == "p-1" and prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
     assert prefill.body["kv_transfer_params"] == {"do_remote_decode": True}
-    assert decode.worker == "d-1" and decode.body["stream"] is True
+    # The prefill worker's engine takes a step's arrivals in the router's order: its decision time.
+    assert prefill.body["routed_at_s"] == sink.of_type(RequestRouted)[0].decided_at_s
+    assert decode.worker == "d-1" and decode.body["stream"] is True and "routed_at_s" not in decode.body
     assert decode.body["kv_transfer_params"] == KV_PARAMS  # forwarded as the prefill answered it
     assert _types(sink) == ["RequestAdmitted", "RequestRouted", "RequestRouted", "FirstToken",
                             "RequestCompleted"]
