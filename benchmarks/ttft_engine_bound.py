@@ -27,13 +27,10 @@ from __future__ import annotations
 import argparse
 import random
 
-from common.log.catalog import Catalog
-from common.log.reader import KafkaLogReader, scan_events
-from common.settings import BusSettings
+from benchmarks.ttft_queue_ab import requests_log
 from control_plane.replay.reconcile import _quantile
 from data_plane.engines.core import EngineCore
 from data_plane.engines.request import EngineRequest
-from schemas import EventCodec
 from schemas.envelope import Envelope
 from schemas.events import PrefillCompleted, RequestAdmitted, RequestRouted
 from schemas.types import RequestPhase, WorkerRole
@@ -114,11 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for prefix in args.prefixes:
-        bus = BusSettings.from_env(topic_prefix=prefix)
-        codec = EventCodec(verifier=bus.verifier())
-        with KafkaLogReader(bus.bootstrap) as reader:
-            envs = [env for _, env in scan_events(reader, Catalog(prefix).topic("requests"), codec=codec)]
-        r = bound(prefills(envs))
+        r = bound(prefills(requests_log(prefix)))
         rows.append(r)
         print(f"{prefix}: {r['n']} prefills, hop to the worker p50 {r['hop_ms_p50']:.1f} ms; the exact engine in the "
               f"router's order against it as taken: p50 {r['fcfs_p50']:.3f} p90 {r['fcfs_p90']:.3f}; against it taking "

@@ -109,17 +109,21 @@ def compare(envs: list[Envelope]) -> dict:
     return out
 
 
+def requests_log(prefix: str) -> list[Envelope]:
+    """The ``requests`` stream of the run on topic prefix ``prefix``, read from the broker."""
+    bus = BusSettings.from_env(topic_prefix=prefix)
+    codec = EventCodec(verifier=bus.verifier())
+    with KafkaLogReader(bus.bootstrap) as reader:
+        return [env for _, env in scan_events(reader, Catalog(prefix).topic("requests"), codec=codec)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("prefixes", nargs="+", help="topic prefixes of bench e2e runs (e2ekv..., e2ero..., e2epl...)")
     args = ap.parse_args()
     rows = []
     for prefix in args.prefixes:
-        bus = BusSettings.from_env(topic_prefix=prefix)
-        codec = EventCodec(verifier=bus.verifier())
-        with KafkaLogReader(bus.bootstrap) as reader:
-            envs = [env for _, env in scan_events(reader, Catalog(prefix).topic("requests"), codec=codec)]
-        r = compare(envs)
+        r = compare(requests_log(prefix))
         rows.append(r)
         print(f"{prefix}: {r['n']} predictions; whole queue p50 {r['whole_p50']:.3f} p90 {r['whole_p90']:.3f}; "
               f"drained p50 {r['drain_p50']:.3f} p90 {r['drain_p90']:.3f} (the drained prediction is the recorded "
