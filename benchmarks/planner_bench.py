@@ -853,7 +853,8 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
         setup = planner_dynamo.Setup(chosen)
     print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
           f"{startup_s:g} s; one planner config for every load: {predictor}, {cfg.tick_s:g} s ticks, forecast "
-          f"{cfg.horizon_s:g} s ahead, headroom at the {cfg.headroom_quantile:g} expectile of its measured error "
+          f"{cfg.horizon_s:g} s ahead ({cfg.rise_horizon_s:g} s on a confirmed rise), headroom at the "
+          f"{cfg.headroom_quantile:g} expectile of its measured error "
           f"(at most {cfg.max_headroom:.0%}), standing {cfg.standing_headroom:.0%} from "
           f"{cfg.standing_headroom_from:.0%} of the budget (tuned on {', '.join(map(str, tune_set)) or 'nothing'}: "
           f"{tuned or 'defaults'}); score cases {', '.join(map(str, score)) or 'none'} x "

@@ -200,13 +200,16 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: Trends are extrapolated over the horizon only once rising windows confirm them: a
     #: one-sided CUSUM of each window's excess over the mean of the ``2 * confirm_windows``
     #: windows ``trend_confirm_windows`` before it, in Poisson sd, less ``trend_confirm_k`` per window,
-    #: above ``trend_confirm_z`` (see trends._rising: about 0.12 false confirmations per 10
-    #: minutes of 5 s windows, a ramp of one sd per window confirmed in about 4). Unconfirmed,
-    #: only the next window's slope (beyond ``trend_z`` sd) is extrapolated; confirmed, the whole
-    #: slope over the horizon, with no band widening (the windows are the evidence).
+    #: above ``trend_confirm_z`` (see trends._rising: at 3, about 0.27 false confirmations per
+    #: 10 minutes of 5 s windows, a ramp of one sd per window confirmed in about 3; at 4, 0.08
+    #: and 4). Unconfirmed, only the next window's slope (beyond ``trend_z`` sd) is extrapolated;
+    #: confirmed, the whole slope over ``rise_horizon_s``, with no band widening (the windows
+    #: are the evidence). 3, not 4: a window sooner is a start-up's replicas a window sooner
+    #: (agentic:2:burst's decode overrun; docs/planner-bench.md), the tune set and the constant
+    #: load's reversals unchanged.
     trend_confirm_windows: int = 3
     trend_confirm_k: float = 1.0
-    trend_confirm_z: float = 4.0
+    trend_confirm_z: float = 3.0
     #: **A confirmed rise's slope from its own windows.** Once confirmed, the rate is forecast
     #: as the larger of the predictor's and a least-squares line through the rising windows
     #: (since the CUSUM's change point, the latest ``trend_fit_windows``), extrapolated over the
@@ -376,6 +379,18 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.forecast_horizon_s is not None:
             return self.forecast_horizon_s
         return 2 * self.lead_time_s + self.tick_s
+
+    @property
+    def rise_horizon_s(self) -> float:
+        """The horizon while rising windows confirm a trend and orders stack on replicas still
+        starting (``stack_on_rise``): the next tick may order again, so what is ordered now need
+        only carry the load until then plus a start-up (``lead_time_s + tick_s``), not through a
+        second start-up the pending gate no longer imposes. A ramp's slope over the longer one
+        overshot its top (chat:2, agentic:2 held decode at about 1.5x their peak's need).
+        An explicit ``forecast_horizon_s`` is kept."""
+        if self.forecast_horizon_s is not None or not self.stack_on_rise:
+            return self.horizon_s
+        return min(self.horizon_s, self.lead_time_s + self.tick_s)
 
     def next_tick_ns(self, now_ns: int) -> int:
         """When the tick after one at ``now_ns`` is due: about ``tick_s`` later, on the first

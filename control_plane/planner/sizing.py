@@ -198,10 +198,11 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     (``needed * (1 - margin)``, margin = ``noise_z`` x relative noise, capped) of either proves a
     scale-up; a scale-down needs the high end of both to fit."""
     hist = ps.history
-    horizon = max(1, math.ceil(cfg.horizon_s / cfg.tumbling_s - _EPS))
     # a trend is extrapolated over the horizon only once rising windows confirm it (then in
-    # full); unconfirmed, only the next window's (its slope beyond trend_z sd)
+    # full, over the horizon of stacked orders); unconfirmed, only the next window's (its slope
+    # beyond trend_z sd)
     rising, run_start = _rise(hist, cfg)
+    horizon = max(1, math.ceil((cfg.rise_horizon_s if rising else cfg.horizon_s) / cfg.tumbling_s - _EPS))
     rate_f = forecast(pc.predictor, [o.rate for o in hist], window=pc.predictor_window,
                       history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods,
                       horizon=horizon if rising else 1, trend_z=0.0 if rising else cfg.trend_z)

@@ -62,9 +62,10 @@ def _rise(hist: tuple[Observation, ...], cfg: PlannerConfig) -> tuple[bool, int]
     arrivals)``), less ``trend_confirm_k``, accumulates (floored at 0); the trend is confirmed
     while the sum exceeds ``trend_confirm_z``. The run is the windows since the sum last stood at
     0 (the change point: where the rise began). Recomputed from the history each tick (no state).
-    With k = 1 and h = 4, a constant load confirms by chance about 0.12 times in 10 minutes of
-    5 s windows; a ramp of one sd per window is confirmed in about 4 windows, a ramp of 3 sd per
-    window in 2 (seeded Monte Carlo; docs/planner.md)."""
+    With k = 1 and h = 3, a constant load of 45 arrivals a 5 s window confirms by chance about
+    0.27 times in 10 minutes (325 arrivals: 0.2); a ramp of one sd per window is confirmed in a
+    median 3 windows, a ramp of 3 sd per window in 2 (h = 4: 0.08 times, 4 and 2 windows;
+    seeded Monte Carlo of this function, 200 runs; docs/planner.md)."""
     lag, ref_n = cfg.trend_confirm_windows, 2 * cfg.confirm_windows
     s = 0.0
     start = len(hist)

@@ -91,15 +91,18 @@ def test_a_ramp_faster_than_start_up_is_met():
     start-up the load grows by 6 req/s = 1.4 replicas, 150% of where it started. Needed: 4 /
     4.25 = 0.94 replicas before, 28 / 4.25 = 6.59 (7) on the plateau.
 
-    Ours forecasts 2 x 30 + 10 = 70 s (7 windows) ahead. At window 13 (8 req/s) the rising
-    windows 12-13 confirm the ramp and their own line (``trend_fit_z``: 2 req/s a window, beyond
-    0.5 sd of its noise) forecasts 17.9 req/s: 2 -> 5, ready at 16; the next orders stack on the
-    replicas still starting (``stack_on_rise``): 7 at 15, 9 at 18, 10 at 20. Short of the
+    Ours forecasts 2 x 30 + 10 = 70 s (7 windows) ahead, and once rising windows confirm a
+    trend 30 + 10 = 40 s (4 windows: the next tick's order stacks, ``rise_horizon_s``). At
+    window 13 (8 req/s) the rising windows 12-13 confirm the ramp and their own line
+    (``trend_fit_z``: 2 req/s a window, beyond 0.5 sd of its noise) forecasts it 40 s ahead:
+    2 -> 4, ready at 16; the next orders stack on the replicas still starting
+    (``stack_on_rise``): 5 at 15, 6 at 16, 7 at 18, 8 at 19, 9 at 21, 10 at 23, each sized for
+    the next start-up and tick only (70 s ahead they overshot: 2 -> 5, 7, 9, 10). Short of the
     window's need only in windows 14-15; from window 16 on (40 s after the ramp began: one
-    start-up for the first order, one tick), every window is covered. With the Kalman slope alone
-    (``trend_fit_z`` None: it learns the ramp late, 2 -> 3 at 13, 4 at 14, 6 at 15) windows 14-16;
-    with every order also waiting for the last (``stack_on_rise`` off) 14-18. A planner that
-    only follows the load (constant predictor, no fit, same rules otherwise) is short in 12 windows."""
+    start-up for the first order, one tick), every window is covered. With the Kalman slope
+    alone (``trend_fit_z`` None: it learns the ramp late) windows 14-17; with every order also
+    waiting for the last (``stack_on_rise`` off) 14-18. A planner that only follows the load
+    (constant predictor, no fit, same rules otherwise) is short in 12 windows."""
     rates = [4.0] * 12 + [4.0 + 2 * i for i in range(1, 13)] + [28.0] * 15
 
     def short(ticks) -> list[int]:
@@ -107,13 +110,14 @@ def test_a_ramp_faster_than_start_up_is_met():
 
     ours = _run(_make_config(), rates, poisson=False)
     assert short(ours) == [14, 15]
-    assert short(_run(_make_config(trend_fit_z=None), rates, poisson=False)) == [14, 15, 16]
+    assert short(_run(_make_config(trend_fit_z=None), rates, poisson=False)) == [14, 15, 16, 17]
     assert short(_run(_make_config(trend_fit_z=None, stack_on_rise=False), rates, poisson=False)) == [
         14, 15, 16, 17, 18]
     reactive = _run(_make_config(_make_pool(predictor="constant"), trend_fit_z=None), rates, poisson=False)
     assert len(short(reactive)) >= 2 * len(short(ours))
     up = next(t[0].effects[0].event for t in ours if t[0].effects)
-    assert up.forecast_horizon_s == 70.0 and up.startup_allowance_s == 30.0
+    assert up.forecast_horizon_s == 40.0 and up.startup_allowance_s == 30.0
+    assert [(e.from_replicas, e.to_replicas) for t in ours for e in t[0].effects][:3] == [(2, 4), (4, 5), (5, 6)]
     assert up.forecast_rate > rates[12] and up.binding == "ttft" and up.headroom is not None
 
 

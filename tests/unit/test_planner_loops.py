@@ -262,24 +262,24 @@ def _tick_on(cfg, arrivals: list[int]):
 
 def test_a_confirmed_ramp_is_forecast_from_its_own_windows():
     """30 windows of 100 arrivals, then 130, 160 (+3 req/s a window): the CUSUM confirms at the
-    second rising window (excesses 3 and 6 sd less k = 1: 2 + 5 = 7 > 4) and its run is those two
+    second rising window (excesses 3 and 6 sd less k = 1: 2 + 5 = 7 > 3) and its run is those two
     windows. Their line: slope 3 req/s per window, sd sqrt((0.25 x 1.3 + 0.25 x 1.6) / 0.5^2) =
-    1.703; beyond trend_fit_z = 0.5 sd, 3 - 0.851 = 2.149, over the horizon of 7 windows (2 x 30
-    s + 10 s) from 16 req/s: 16 + 7 x 2.149 = 31.04 req/s (the ramp reaches 37 there). Off, the
-    Kalman slope alone forecasts less."""
+    1.703; beyond trend_fit_z = 0.5 sd, 3 - 0.851 = 2.149, over the horizon of a confirmed rise,
+    4 windows (30 s start-up + 10 s tick: the next order stacks), from 16 req/s: 16 + 4 x 2.149
+    = 24.60 req/s (the ramp reaches 28 there). Off, the Kalman slope alone forecasts less."""
     ramp = [100] * 30 + [130, 160]
     cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0, trend_fit_z=0.5)
     r = _tick_on(cfg, ramp)
     assert r.input("trend_confirmed") == 1
     assert abs(r.input("trend_fit_slope") - 3.0) < 1e-9 and abs(r.input("trend_fit_slope_sd") - 1.7029) < 1e-3
-    assert abs(r.input("trend_fit_rate") - 31.04) < 0.01
-    assert abs(r.input("forecast_rate") - 31.04) < 0.01
+    assert abs(r.input("trend_fit_rate") - 24.596) < 0.01
+    assert abs(r.input("forecast_rate") - 24.596) < 0.01 and r.input("forecast_horizon_s") == 40.0
     off = _tick_on(cfg.replace(trend_fit_z=None), ramp)
-    assert off.input("trend_fit_rate") is None and off.input("forecast_rate") < 25
+    assert off.input("trend_fit_rate") is None and off.input("forecast_rate") < 24.5
 
 
 def test_a_confirmed_step_is_not_extrapolated_by_the_fit():
-    """A step from 100 to 160 arrivals a window, held: confirmed as well (6 - 1 = 5 > 4 at once),
+    """A step from 100 to 160 arrivals a window, held: confirmed as well (6 - 1 = 5 > 3 at once),
     but its run's windows are level (slope 0 < 0.5 sd): the fit extrapolates nothing, the
     forecast is the predictor's."""
     cfg = make_config(make_pool(predictor="kalman"), lead_time_s=30.0, trend_fit_z=0.5)
