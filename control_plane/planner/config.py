@@ -204,12 +204,12 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: 10 minutes of 5 s windows, a ramp of one sd per window confirmed in about 3; at 4, 0.08
     #: and 4). Unconfirmed, only the next window's slope (beyond ``trend_z`` sd) is extrapolated;
     #: confirmed, the whole slope over ``rise_horizon_s``, with no band widening (the windows
-    #: are the evidence). 3, not 4: a window sooner is a start-up's replicas a window sooner
-    #: (agentic:2:burst's decode overrun; docs/planner-bench.md), the tune set and the constant
-    #: load's reversals unchanged.
+    #: are the evidence). 4, not 3: the tune set ties them and its rule (fewer replica-seconds)
+    #: picks 4; 3 was found by tracing a score case (agentic:2:burst), so it does not ship
+    #: (docs/planner-bench.md).
     trend_confirm_windows: int = 3
     trend_confirm_k: float = 1.0
-    trend_confirm_z: float = 3.0
+    trend_confirm_z: float = 4.0
     #: **A confirmed rise's slope from its own windows.** Once confirmed, the rate is forecast
     #: as the larger of the predictor's and a least-squares line through the rising windows
     #: (since the CUSUM's change point, the latest ``trend_fit_windows``), extrapolated over the
