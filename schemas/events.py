@@ -306,7 +306,8 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ``over_budget``) as it applied them to one request, so that replay re-executes the test from
     the log instead of reading its text: refused when ``predicted_ttft_ms * max(margin, 1) +
     spent_ms + loop_lag_ms > budget_ms`` (or ``queue_ms`` in place of the product when larger),
-    unless ``idle``. Milliseconds."""
+    unless ``idle``; from ``rule`` 3 the larger of the two times ``spread`` and the loop lag
+    twice. Milliseconds."""
 
     #: The request's budget: the router's ``ttft_slo_ms``, tightened by the client's own.
     budget_ms: float
