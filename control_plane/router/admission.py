@@ -458,30 +458,37 @@ class PromiseMargin:
         and the busy time per first token is about one TTFT."""
         return (per_waiting * self.waiting() + 1) * self._per_first_s(now) * 1000
 
-    def _per_first_s(self, now: float) -> float:
+    def _per_first_s(self, now: float, min_firsts: int = QUEUE_MIN_FIRSTS) -> float:
         """The busy time per first token over the last :data:`QUEUE_WINDOW_S` (s; 0 with fewer
-        than :data:`QUEUE_MIN_FIRSTS` first tokens): the box's service time as this router sees it."""
+        than ``min_firsts`` first tokens; with none, the busy time itself): the box's service
+        time as this router sees it."""
         lo = now - QUEUE_WINDOW_S
         firsts = sum(1 for t in self._firsts if t >= lo)
-        if firsts < QUEUE_MIN_FIRSTS:
+        if firsts < min_firsts:
             return 0.0
         busy = sum(max(0.0, min(e, now) - max(b, lo)) for b, e in self._busy)
         if self._busy_since is not None:
             busy += max(0.0, now - max(self._busy_since, lo))
-        return busy / firsts
+        return busy / max(firsts, 1)
 
     def offered(self, now: float) -> float:
         """The load offered to this router at ``now``: its arrivals over the last
         :data:`QUEUE_WINDOW_S` times its busy time per first token, over the window (1: it is
-        sent as much as its box serves; 0 before :data:`QUEUE_MIN_FIRSTS` first tokens)."""
+        sent as much as its box serves). Any first token counts, and busy with none yet counts
+        as one: a router that sheds nearly everything has few first tokens, and a measured
+        chaos overload phase served 2 of its misses while ``queue_ms`` (3 first tokens needed)
+        said nothing."""
         lo = now - QUEUE_WINDOW_S
-        return sum(1 for t in self._arrivals if lo <= t <= now) * self._per_first_s(now) / QUEUE_WINDOW_S
+        return sum(1 for t in self._arrivals if lo <= t <= now) * self._per_first_s(now, 0) / QUEUE_WINDOW_S
+
+    def overloaded(self, now: float) -> bool:
+        """The load offered to this router exceeds :data:`OVERLOAD_OFFERED` (:meth:`offered`)."""
+        return self.offered(now) > OVERLOAD_OFFERED
 
     def spread(self, now: float) -> float:
-        """:data:`OVERLOAD_SPREAD` while the load offered to this router exceeds
-        :data:`OVERLOAD_OFFERED` (:meth:`offered`), else 1: what rule 3's budget test multiplies
-        its expected TTFT by (:func:`over_budget`)."""
-        return OVERLOAD_SPREAD if self.offered(now) > OVERLOAD_OFFERED else 1.0
+        """:data:`OVERLOAD_SPREAD` while :meth:`overloaded`, else 1: what rule 3's budget test
+        multiplies its expected TTFT by (:func:`over_budget`)."""
+        return OVERLOAD_SPREAD if self.overloaded(now) else 1.0
 
 
 def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,

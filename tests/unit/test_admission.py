@@ -325,4 +325,25 @@ def test_an_overloaded_router_holds_its_expected_ttft_to_a_tighter_edge():
     assert over_budget(old) is None
     assert folded_terms(m, 11.0, old)[2] == 1.0 and folded_terms(m, 11.0, None) == (1.0, m.queue_ms(11.0), 1.6)
     m.expire(14.0)
-    assert m.offered(14.0) == 0.0  # the window's first tokens have lapsed
+    assert m.offered(14.0) == 0.0  # the window's first tokens and busy time have lapsed
+
+
+def test_a_router_that_sheds_nearly_everything_still_counts_as_overloaded():
+    """One request routed at 20 s, no first token by 22 s; 30 arrivals since. Too few first
+    tokens for the queue (0 ms), but busy 2 s with none: 2 s per first token, offered 30 x 2 / 3
+    = 20: overloaded, spread 1.6. One first token at 22 s: 2 s per first token still. Quiet: 3
+    arrivals and 0.3 s busy for 1 first token, 0.3: not overloaded."""
+    m = PromiseMargin()
+    m.routed("a", 100.0, 20.0)
+    for i in range(30):
+        m.arrived(20.0 + i * 0.05)
+    assert m.queue_ms(22.0) == 0.0 and m.offered(22.0) == pytest.approx(20.0)
+    assert m.overloaded(22.0) and m.spread(22.0) == 1.6
+    m.first_token("a", 22.0)
+    assert m.offered(22.0) == pytest.approx(20.0)
+    q = PromiseMargin()
+    q.routed("b", 100.0, 50.0)
+    q.first_token("b", 50.3)
+    for i in range(3):
+        q.arrived(49.0 + i)
+    assert q.offered(51.0) == pytest.approx(0.3) and not q.overloaded(51.0) and q.spread(51.0) == 1.0
