@@ -287,7 +287,8 @@ def check_rejection(rejected: RequestRejected, margin: tuple[float, float, float
     if over[0] != rejected.reason:
         return f"mismatch: reason {_short(rejected.reason)} -> {_short(over[0])}"
     if margin is not None and margin != (t.margin, t.queue_ms, t.spread):
-        return f"mismatch: margin, queue_ms, spread {(t.margin, t.queue_ms, t.spread)!r} -> {margin!r} (the ledger's fold)"
+        return (f"mismatch: margin, queue_ms, spread {(t.margin, t.queue_ms, t.spread)!r} -> {margin!r} "
+                "(the ledger's fold)")
     return "match"
 
 

@@ -500,8 +500,9 @@ def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: f
     with ``chosen`` None (the rule of the terms recorded before ``AdmissionTerms.chosen``), the
     best eligible row's; None when that row carries no prediction (a decode phase). With what the
     router measured, and the ``rule`` it is judged by (``AdmissionTerms.rule``; None: :data:`RULE`
-    when ``chosen`` is given, else 0, the rule of terms written before the field). Recorded in ``RequestRouted.admission`` / ``RequestRejected.admission``;
-    :func:`over_budget` is the test itself.
+    when ``chosen`` is given, else 0, the rule of terms written before the field) and its
+    ``spread`` (rule 3: :meth:`PromiseMargin.spread`). Recorded in ``RequestRouted.admission`` /
+    ``RequestRejected.admission``; :func:`over_budget` is the test itself.
 
     Why the chosen row: the promise is about the request as routed, and the margin is the
     observed/predicted ratio of the chosen workers' predictions. Judged on the best row, a
@@ -531,8 +532,10 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
     the request already spent in this router since it arrived: its body, its tokens, the
     admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the
     request waited about that long before the router read it, and its first token meets it
-    again on the way back; counted twice from rule 3, :func:`loop_lag_share_ms`). Retry-After: the excess, in whole seconds, at least 1 (the queue
-    ahead drains at about the rate it was predicted).
+    again on the way back; counted twice from rule 3, :func:`loop_lag_share_ms`). From rule 3 the
+    larger of the prediction x margin and the queue is multiplied by ``spread`` first
+    (:data:`OVERLOAD_SPREAD` while the router is overloaded). Retry-After: the excess, in whole
+    seconds, at least 1 (the queue ahead drains at about the rate it was predicted).
 
     ``idle``: the router has nothing in flight and its model was fitted from observations. Then
     the request is never refused: the fit and the margin learn only from requests served, so a
