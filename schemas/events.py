@@ -306,7 +306,8 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ``over_budget``) as it applied them to one request, so that replay re-executes the test from
     the log instead of reading its text: refused when ``predicted_ttft_ms * max(margin, 1) +
     spent_ms + loop_lag_ms > budget_ms`` (or ``queue_ms`` in place of the product when larger),
-    unless ``idle``. Milliseconds."""
+    unless ``idle``; from ``rule`` 3 the larger of the two times ``spread`` and the loop lag
+    twice. Milliseconds."""
 
     #: The request's budget: the router's ``ttft_slo_ms``, tightened by the client's own.
     budget_ms: float
@@ -315,7 +316,8 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     #: test ran before any decision (a request that waited out its budget in the admission queue).
     predicted_ttft_ms: float | None = None
     worker_id: str = ""
-    #: ``PromiseMargin.factor`` at the decision: how far recent predictions fell short.
+    #: ``PromiseMargin.factor`` at the decision: how far recent predictions fell short (from
+    #: rule 3, on ``worker_id``'s requests alone).
     margin: float = 1.0
     #: ``PromiseMargin.queue_ms`` at the decision: the TTFT the router's own requests waiting
     #: for their first token imply (the test takes the larger of it and the prediction x margin).
@@ -334,6 +336,16 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     #: as routed). False, in terms written before the field: the best eligible row's, whichever
     #: worker the decision chose; replay re-executes each with its own rule.
     chosen: bool = False
+    #: The version of the test's rule (``admission.terms_rule``): 0 in terms written before the
+    #: field, whose rule ``chosen`` tells (1: the best row, the queue's waiting counted once; 2:
+    #: the chosen row, counted twice); 3: as 2, the loop lag counted twice (the request meets
+    #: it on its way in and its first token on its way out) and ``margin`` the judged worker's
+    #: own (``PromiseMargin.factor(worker)``).
+    rule: int = 0
+    #: Rule 3: what the expected TTFT (the larger of the prediction x margin and the queue) is
+    #: multiplied by: ``admission.OVERLOAD_SPREAD`` while the router is offered more than its
+    #: box serves (``PromiseMargin.spread``), else 1.
+    spread: float = 1.0
 
 
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

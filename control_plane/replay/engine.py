@@ -33,7 +33,7 @@ from control_plane.replay.state import RequestTraffic, ViewFolder, view_summary
 from control_plane.replay.verify import (DecisionCheck, DecisionRecord, VerifyReport, check_rejection, check_state,
                                          check_table)
 from control_plane.router import Decision, NoEligibleWorker, RouterConfig
-from control_plane.router.admission import queue_headroom
+from control_plane.router.admission import folded_terms
 from control_plane.router.inputs import DecisionInputs, decision_inputs, router_seed
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.view import RouterView
@@ -162,9 +162,9 @@ class WalkItem:
     check: DecisionCheck | None = None
     table_decision: Decision | None = None
     state_decision: Decision | None = None
-    #: The TTFT budget's margin and queue TTFT at the decision, from the router's ledger folded
+    #: The TTFT budget's margin, queue TTFT and spread at the decision, from the router's ledger folded
     #: to it (only when the decision recorded the budget test's terms).
-    margin: tuple[float, float] | None = None
+    margin: tuple[float, float, float] | None = None
 
 
 @dataclass
@@ -521,7 +521,7 @@ class ReplayEngine:
             refusals = sorted((loc.env.data.admission.at_s, i) for i, loc in enumerate(stream)
                               if check and isinstance(loc.env.data, RequestRejected)
                               and loc.env.data.admission is not None and in_range(loc))
-            margins: dict[int, tuple[float, float]] = {}
+            margins: dict[int, tuple[float, float, float]] = {}
             for loc in stream:
                 while refusals and refusals[0][0] * 1e9 < loc.at_ns:
                     at_s, i = refusals.pop(0)
@@ -573,8 +573,7 @@ class ReplayEngine:
                 engine_steps=routed.ttft_model is None or routed.ttft_model.ms_per_step_token_sq is not None)
             if routed.admission is not None:
                 at_s = routed.admission.at_s
-                item.margin = (ledger.margin.factor(at_s),
-                               ledger.margin.queue_ms(at_s, queue_headroom(routed.admission)))
+                item.margin = folded_terms(ledger.margin, at_s, routed.admission)
         except (ReplayError, LogReadError, NoEligibleWorker, ValueError) as e:
             item.error = f"error rebuilding state: {e}"
         walk.view_algo = key
@@ -640,12 +639,12 @@ class ReplayEngine:
         return w.finish(walk, frm, to, configs=configs, profile=profile, simulate=simulate, progress=self.progress)
 
 
-def _margin_at(ledger: RouterLedger, rejected: RequestRejected, at_s: float) -> tuple[float, float]:
-    """The budget test's margin and queue TTFT as the live router computed them for a refused
+def _margin_at(ledger: RouterLedger, rejected: RequestRejected, at_s: float) -> tuple[float, float, float]:
+    """The budget test's margin, queue TTFT and spread as the live router computed them for a refused
     request: after the decision's own ``prepare`` at ``at_s`` (a refusal is a first prefilling
     decision: no decode entry to release)."""
     ledger.prepare(rejected.request_id, RequestPhase.PREFILL, at_s)
-    return ledger.margin.factor(at_s), ledger.margin.queue_ms(at_s, queue_headroom(rejected.admission))
+    return folded_terms(ledger.margin, at_s, rejected.admission)
 
 
 def _record_of(ev: LocatedEvent, adm: LocatedEvent | None) -> DecisionRecord:

@@ -207,7 +207,8 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         # (the time spent, the loop lag, idle; the margin, which the state check re-derives).
         ev = msgspec.structs.replace(ev, admission=budget_terms(ev.scores, t.budget_ms, t.spent_ms, t.loop_lag_ms,
                                                                 t.margin, t.idle, t.at_s, t.queue_ms,
-                                                                ev.worker_id if t.chosen else None))
+                                                                ev.worker_id if t.chosen else None, t.rule,
+                                                                t.spread))
     if r.scores and all(row.predicted_ttft_ms is None for row in r.scores):
         # written before every row carried its prediction (or a decode phase, which has none)
         ev = msgspec.structs.replace(ev, ttft_models={}, scores=[
@@ -270,10 +271,10 @@ def check_table(rec: DecisionRecord, config: RouterConfig) -> tuple[str, Decisio
     return ("match" if not diffs else "mismatch"), d, diffs
 
 
-def check_rejection(rejected: RequestRejected, margin: tuple[float, float] | None) -> str:
+def check_rejection(rejected: RequestRejected, margin: tuple[float, float, float] | None) -> str:
     """A TTFT budget refusal re-executed from its recorded terms (``RequestRejected.admission``):
-    "match" when the test refuses it again with the recorded reason and ``margin`` (the margin
-    and the queue's TTFT from the router's ledger folded to the test's ``at_s``; None: not
+    "match" when the test refuses it again with the recorded reason and ``margin`` (the margin,
+    the queue's TTFT and the spread from the router's ledger folded to the test's ``at_s``; None: not
     re-derived) is the recorded one, else
     "mismatch: ..."; "unverifiable" without a prediction in the terms (a request that waited out
     its budget in the queue: that test is a timer, not a rule over the log)."""
@@ -285,13 +286,14 @@ def check_rejection(rejected: RequestRejected, margin: tuple[float, float] | Non
         return "mismatch: the recorded terms admit it"
     if over[0] != rejected.reason:
         return f"mismatch: reason {_short(rejected.reason)} -> {_short(over[0])}"
-    if margin is not None and margin != (t.margin, t.queue_ms):
-        return f"mismatch: margin, queue_ms {(t.margin, t.queue_ms)!r} -> {margin!r} (the ledger's fold)"
+    if margin is not None and margin != (t.margin, t.queue_ms, t.spread):
+        return (f"mismatch: margin, queue_ms, spread {(t.margin, t.queue_ms, t.spread)!r} -> {margin!r} "
+                "(the ledger's fold)")
     return "match"
 
 
 def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfig,
-                margin: tuple[float, float] | None = None) -> tuple[str, Decision | None, list[str], list[str]]:
+                margin: tuple[float, float, float] | None = None) -> tuple[str, Decision | None, list[str], list[str]]:
     m = rec.routed.ttft_model
     if m is not None and m.queue_done_tokens is None and inputs.ttft_models:
         # Decided before the queue's drain existed (TtftModel.queue_done_tokens): its models
@@ -316,7 +318,7 @@ def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfi
     ev = replayed_event(rec, d, inputs, config)
     if margin is not None and ev.admission is not None:  # the margin and queue as the ledger's fold gives them
         ev = msgspec.structs.replace(ev, admission=msgspec.structs.replace(ev.admission, margin=margin[0],
-                                                                           queue_ms=margin[1]))
+                                                                           queue_ms=margin[1], spread=margin[2]))
     diffs = decision_diffs(rec.routed, ev)
     return ("match" if not diffs else "mismatch"), d, diffs, input_diffs(rec.routed.scores, ev.scores)
 

@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import ceil
 
+import msgspec
+
 from schemas.events import AdmissionTerms, CandidateScore
 
 #: The error codes of a refusal before any worker was asked (the router shedding load, not a
@@ -256,10 +258,64 @@ QUEUE_MIN_FIRSTS = 3
 QUEUE_PER_WAITING = 2
 
 
+#: The version of the budget test's rule that :func:`budget_terms` writes into
+#: ``AdmissionTerms.rule`` (see :func:`terms_rule` for the older ones).
+RULE = 3
+#: How many times rule 3 counts the router's smoothed loop lag: a request meets it on its way
+#: in (the router reads it that late) and its first token meets it again on its way out.
+LOOP_LAG_TIMES = 2
+
+
+#: Rule 3: the offered load (:meth:`PromiseMargin.offered`) above which a router is overloaded,
+#: and what its budget test then multiplies the expected TTFT by. Why: the estimate (the
+#: prediction x the p90 margin, or the queue) aims at about the p90 of what an admitted request
+#: will see; on an overloaded box the p99 of the router's TTFT from admission ran to 1.55-2.27x
+#: the estimate (four chaos runs, docs/admission.md). With more offered than served, the queue
+#: is the admission test's to bound, and a tighter edge costs little throughput (the workers stay
+#: busy with fewer waiting) while the first tokens come sooner. Below it (quiet traffic, about
+#: 0.2-0.4 in chaos runs) nothing changes, so healthy traffic is not shed for it.
+OVERLOAD_OFFERED = 1.0
+OVERLOAD_SPREAD = 1.6
+
+
+def folded_terms(margin: PromiseMargin, at_s: float, terms: AdmissionTerms | None) -> tuple[float, float, float]:
+    """(margin, queue_ms, spread) of ``terms`` as the router's ledger fold (``margin``, folded
+    to ``at_s``) gives them by the terms' own rule: what replay compares the recorded ones with."""
+    rule = terms_rule(terms)
+    return (margin.factor(at_s, margin_worker(terms)), margin.queue_ms(at_s, queue_headroom(terms)),
+            margin.spread(at_s) if rule >= 3 else 1.0)
+
+
+def terms_rule(terms: AdmissionTerms | None) -> int:
+    """The rule recorded ``terms`` were computed and are re-executed with: ``AdmissionTerms.rule``,
+    or, in terms written before that field, 2 when they judged the chosen row and 1 when the best
+    (None: the current rule). 1: best row, the queue's waiting once, the loop lag once; 2: the
+    chosen row, the waiting twice (:data:`QUEUE_PER_WAITING`); 3: as 2, the loop lag
+    :data:`LOOP_LAG_TIMES` times and the margin the judged worker's own (:func:`margin_worker`)."""
+    if terms is None:
+        return RULE
+    return terms.rule or (2 if terms.chosen else 1)
+
+
+def margin_worker(terms: AdmissionTerms | None) -> str | None:
+    """The worker whose own margin (:meth:`PromiseMargin.factor`) recorded ``terms`` were judged
+    with: the judged row's from rule 3, None (every worker's) before it."""
+    return None if terms is None or terms_rule(terms) < 3 else terms.worker_id
+
+
 def queue_headroom(terms: AdmissionTerms | None) -> int:
     """The ``per_waiting`` of :meth:`PromiseMargin.queue_ms` that recorded ``terms`` were computed
     with, so replay re-derives old logs' queue terms by their own rule."""
-    return QUEUE_PER_WAITING if terms is None or terms.chosen else 1
+    return 1 if terms_rule(terms) == 1 else QUEUE_PER_WAITING
+
+
+def loop_lag_share_ms(loop_lag_ms: float, rule: int = RULE) -> float:
+    """What the router's smoothed loop lag adds to the TTFT its budget test expects, by ``rule``
+    (:func:`terms_rule`): once before rule 3, :data:`LOOP_LAG_TIMES` times from it. Why twice:
+    in a chaos overload phase, the time between the client's send and the router's admission
+    plus the first token's way back was 370-600 ms for requests the router saw within the SLO,
+    while its smoothed lag was 133-216 ms (docs/admission.md)."""
+    return max(loop_lag_ms, 0.0) * (LOOP_LAG_TIMES if rule >= 3 else 1)
 
 
 class PromiseMargin:
@@ -287,31 +343,34 @@ class PromiseMargin:
     overload phase the requests admitted in its first 2 s were served 1-4.6 s from admission on
     predictions of 84-361 ms)."""
 
-    __slots__ = ("_pending", "_prefilled", "_obs", "_seq", "_busy_since", "_busy", "_firsts")
+    __slots__ = ("_pending", "_prefilled", "_obs", "_seq", "_busy_since", "_busy", "_firsts", "_arrivals")
 
     def __init__(self) -> None:
-        #: Request -> (decided at, predicted ms) of its first prefilling decision.
-        self._pending: dict[str, tuple[float, float]] = {}
+        #: Request -> (decided at, predicted ms, worker) of its first prefilling decision.
+        self._pending: dict[str, tuple[float, float, str]] = {}
         #: Pending requests past their first token (no longer a lower bound; still awaited).
         self._prefilled: set[str] = set()
-        #: (decided at, seq, ratio) heap of the window's observations.
-        self._obs: list[tuple[float, int, float]] = []
+        #: (decided at, seq, ratio, worker) heap of the window's observations.
+        self._obs: list[tuple[float, int, float, str]] = []
         self._seq = 0
         #: Since when some request has been waiting for its first token (None: none is).
         self._busy_since: float | None = None
         #: The closed busy periods (start, end) and the first tokens' times of the queue window.
         self._busy: deque[tuple[float, float]] = deque()
         self._firsts: deque[float] = deque()
+        #: When this router's requests arrived (``RequestAdmitted``), over the queue window.
+        self._arrivals: deque[float] = deque()
 
     def waiting(self) -> int:
         """Requests routed and still waiting for their first token."""
         return len(self._pending) - len(self._prefilled)
 
-    def routed(self, request_id: str, predicted_ms: float | None, decided_at_s: float) -> None:
+    def routed(self, request_id: str, predicted_ms: float | None, decided_at_s: float, worker_id: str = "") -> None:
+        """Its first prefilling decision: ``predicted_ms`` on the chosen worker ``worker_id``."""
         if predicted_ms is not None and predicted_ms > 0 and request_id not in self._pending:
             if self.waiting() == 0:
                 self._busy_since = decided_at_s
-            self._pending[request_id] = (decided_at_s, predicted_ms)
+            self._pending[request_id] = (decided_at_s, predicted_ms, worker_id)
 
     def first_token(self, request_id: str, at_s: float) -> None:
         """Its first token reached the router at ``at_s`` (``FirstToken``, or the router's own
@@ -328,7 +387,7 @@ class PromiseMargin:
         p = self._pending.pop(request_id, None)
         if p is not None and observed_ms > 0:
             self._seq += 1
-            heapq.heappush(self._obs, (p[0], self._seq, observed_ms / p[1]))
+            heapq.heappush(self._obs, (p[0], self._seq, observed_ms / p[1], p[2]))
 
     def forget(self, request_id: str, at_s: float) -> None:
         if request_id in self._pending and request_id not in self._prefilled:
@@ -351,16 +410,31 @@ class PromiseMargin:
             self._busy.popleft()
         while self._firsts and self._firsts[0] < now - QUEUE_WINDOW_S:
             self._firsts.popleft()
+        while self._arrivals and self._arrivals[0] < now - QUEUE_WINDOW_S:
+            self._arrivals.popleft()
 
-    def factor(self, now: float | None = None) -> float:
-        """The margin at ``now`` (decision time, unix s; None: completed requests only)."""
+    def arrived(self, at_s: float) -> None:
+        """A request reached this router at ``at_s`` (``RequestAdmitted``), refused later or not."""
+        self._arrivals.append(at_s)
+
+    def factor(self, now: float | None = None, worker: str | None = None) -> float:
+        """The margin at ``now`` (decision time, unix s; None: completed requests only): of the
+        router's requests on every worker (``worker`` None: the rule of terms before rule 3), or
+        of those routed to ``worker`` alone (rule 3, :func:`margin_worker`): its own ratios and
+        its own late requests, 1 with fewer than :data:`MARGIN_MIN_SAMPLES` of its ratios.
+
+        Why per worker: in chaos runs one prefill worker took all the traffic (cache affinity),
+        and the margin its late completions taught multiplied the other, idle worker's row too,
+        so the detour (:func:`budget_detour`) never sent it the overflow; and where both served,
+        the ratios of the worker the model ran low on were pooled with the other's."""
         q = 1.0
-        if len(self._obs) >= MARGIN_MIN_SAMPLES:
-            ratios = sorted(r for _, _, r in self._obs)
+        ratios = sorted(r for _, _, r, w in self._obs if worker is None or w == worker)
+        if len(ratios) >= MARGIN_MIN_SAMPLES:
             q = ratios[max(0, ceil(MARGIN_QUANTILE * len(ratios)) - 1)]
         if now is not None:
-            late = sorted((r for rid, (at, ms) in self._pending.items()
-                           if rid not in self._prefilled and (r := (now - at) * 1000 / ms) > 1.0), reverse=True)
+            late = sorted((r for rid, (at, ms, w) in self._pending.items()
+                           if rid not in self._prefilled and (worker is None or w == worker)
+                           and (r := (now - at) * 1000 / ms) > 1.0), reverse=True)
             if len(late) >= MARGIN_OVERDUE:
                 q = max(q, late[MARGIN_OVERDUE - 1])
         return min(max(q, 1.0), MARGIN_MAX)
@@ -382,25 +456,53 @@ class PromiseMargin:
         + 1`` alone, in a chaos overload phase, a wave admitted to the budget's edge was served
         1.2-2.7 s). At light load the queue is 0 (no headroom: the quiet traffic is not shed)
         and the busy time per first token is about one TTFT."""
+        return (per_waiting * self.waiting() + 1) * self._per_first_s(now) * 1000
+
+    def _per_first_s(self, now: float, min_firsts: int = QUEUE_MIN_FIRSTS) -> float:
+        """The busy time per first token over the last :data:`QUEUE_WINDOW_S` (s; 0 with fewer
+        than ``min_firsts`` first tokens; with none, the busy time itself): the box's service
+        time as this router sees it."""
         lo = now - QUEUE_WINDOW_S
         firsts = sum(1 for t in self._firsts if t >= lo)
-        if firsts < QUEUE_MIN_FIRSTS:
+        if firsts < min_firsts:
             return 0.0
         busy = sum(max(0.0, min(e, now) - max(b, lo)) for b, e in self._busy)
         if self._busy_since is not None:
             busy += max(0.0, now - max(self._busy_since, lo))
-        return (per_waiting * self.waiting() + 1) * busy / firsts * 1000
+        return busy / max(firsts, 1)
+
+    def offered(self, now: float) -> float:
+        """The load offered to this router at ``now``: its arrivals over the last
+        :data:`QUEUE_WINDOW_S` times its busy time per first token, over the window (1: it is
+        sent as much as its box serves). Any first token counts, and busy with none yet counts
+        as one: a router that sheds nearly everything has few first tokens, and a measured
+        chaos overload phase served 2 of its misses while ``queue_ms`` (3 first tokens needed)
+        said nothing."""
+        lo = now - QUEUE_WINDOW_S
+        return sum(1 for t in self._arrivals if lo <= t <= now) * self._per_first_s(now, 0) / QUEUE_WINDOW_S
+
+    def overloaded(self, now: float) -> bool:
+        """The load offered to this router exceeds :data:`OVERLOAD_OFFERED` (:meth:`offered`)."""
+        return self.offered(now) > OVERLOAD_OFFERED
+
+    def spread(self, now: float) -> float:
+        """:data:`OVERLOAD_SPREAD` while :meth:`overloaded`, else 1: what rule 3's budget test
+        multiplies its expected TTFT by (:func:`over_budget`)."""
+        return OVERLOAD_SPREAD if self.overloaded(now) else 1.0
 
 
 def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
                  loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False,
-                 at_s: float = 0.0, queue_ms: float = 0.0, chosen: str | None = None) -> AdmissionTerms | None:
+                 at_s: float = 0.0, queue_ms: float = 0.0, chosen: str | None = None,
+                 rule: int | None = None, spread: float = 1.0) -> AdmissionTerms | None:
     """The terms of the budget test for a decision's ``scores`` (None: the budget is off, 0):
     the predicted TTFT and worker of the row the decision chose (``chosen``: its worker id), or,
     with ``chosen`` None (the rule of the terms recorded before ``AdmissionTerms.chosen``), the
     best eligible row's; None when that row carries no prediction (a decode phase). With what the
-    router measured. Recorded in ``RequestRouted.admission`` / ``RequestRejected.admission``;
-    :func:`over_budget` is the test itself.
+    router measured, and the ``rule`` it is judged by (``AdmissionTerms.rule``; None: :data:`RULE`
+    when ``chosen`` is given, else 0, the rule of terms written before the field) and its
+    ``spread`` (rule 3: :meth:`PromiseMargin.spread`). Recorded in ``RequestRouted.admission`` /
+    ``RequestRejected.admission``; :func:`over_budget` is the test itself.
 
     Why the chosen row: the promise is about the request as routed, and the margin is the
     observed/predicted ratio of the chosen workers' predictions. Judged on the best row, a
@@ -414,7 +516,8 @@ def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: f
     best = min(rows, default=(None, ""))
     return AdmissionTerms(budget_ms=budget_ms, predicted_ttft_ms=best[0], worker_id=best[1], margin=margin,
                           spent_ms=spent_ms, loop_lag_ms=loop_lag_ms, idle=idle, at_s=at_s, queue_ms=queue_ms,
-                          chosen=chosen is not None)
+                          chosen=chosen is not None,
+                          rule=(RULE if chosen is not None else 0) if rule is None else rule, spread=spread)
 
 
 def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
@@ -429,8 +532,10 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
     the request already spent in this router since it arrived: its body, its tokens, the
     admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the
     request waited about that long before the router read it, and its first token meets it
-    again on the way back). Retry-After: the excess, in whole seconds, at least 1 (the queue
-    ahead drains at about the rate it was predicted).
+    again on the way back; counted twice from rule 3, :func:`loop_lag_share_ms`). From rule 3 the
+    larger of the prediction x margin and the queue is multiplied by ``spread`` first
+    (:data:`OVERLOAD_SPREAD` while the router is overloaded). Retry-After: the excess, in whole
+    seconds, at least 1 (the queue ahead drains at about the rate it was predicted).
 
     ``idle``: the router has nothing in flight and its model was fitted from observations. Then
     the request is never refused: the fit and the margin learn only from requests served, so a
@@ -443,21 +548,30 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
         return None
     ms, margin = t.predicted_ttft_ms, t.margin
     expected = ms * max(margin, 1.0)
-    total = max(expected, t.queue_ms) + max(t.spent_ms, 0.0) + max(t.loop_lag_ms, 0.0)
+    rule = terms_rule(t)
+    spread = max(t.spread, 1.0) if rule >= 3 else 1.0
+    total = max(expected, t.queue_ms) * spread + max(t.spent_ms, 0.0) + loop_lag_share_ms(t.loop_lag_ms, rule)
     if total <= t.budget_ms:
         return None
     times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
     what = f"predicted TTFT {ms:.0f} ms on the {'chosen' if t.chosen else 'best'} candidate ({t.worker_id}){times}"
     if t.queue_ms > expected:
         what = f"{t.queue_ms:.0f} ms for this router's own queue (above the {what})"
-    return (f"{what} + {t.spent_ms:.0f} ms already spent in the router + {t.loop_lag_ms:.0f} ms of its event-loop "
-            f"lag = {total:.0f} ms exceeds the budget of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))
+    if spread > 1.0:
+        what = f"{what} x {spread:.2f} (overloaded: offered more than its box serves)"
+    lag = (f"{t.loop_lag_ms:.0f} ms of its event-loop lag" if rule < 3
+           else f"{LOOP_LAG_TIMES} x {t.loop_lag_ms:.0f} ms of its event-loop lag (in and out)")
+    return (f"{what} + {t.spent_ms:.0f} ms already spent in the router + {lag} = {total:.0f} ms exceeds the budget "
+            f"of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))
 
 
-def budget_detour(scores: Iterable[CandidateScore], t: AdmissionTerms) -> str | None:
+def budget_detour(scores: Iterable[CandidateScore], t: AdmissionTerms,
+                  margin_of: Callable[[str], float] | None = None) -> str | None:
     """The worker to decide again without, or None: when the chosen row's terms ``t`` break the
-    budget (:func:`over_budget`) and the best eligible row of ``scores``, with the same margin,
-    queue, time spent and loop lag, keeps it, the decision's choice is the one to exclude.
+    budget (:func:`over_budget`) and another eligible row of ``scores``, with the same queue,
+    time spent and loop lag, keeps it, the decision's choice is the one to exclude. That row's
+    margin: ``margin_of(its worker)`` from rule 3 (each worker its own), else ``t.margin``
+    (then the best row keeps it if any does).
 
     Why: the promise fails on the chosen worker, not on the request. Issue 39 refuses a request
     when *even the best* candidate breaks its budget; judged on the chosen row alone, a router
@@ -467,10 +581,14 @@ def budget_detour(scores: Iterable[CandidateScore], t: AdmissionTerms) -> str | 
     in ``RequestRouted.excluded_workers``, so replay re-executes the second decision as is."""
     if not t.chosen or over_budget(t) is None:
         return None
-    best = budget_terms(scores, t.budget_ms, t.spent_ms, t.loop_lag_ms, t.margin, t.idle, t.at_s, t.queue_ms)
-    if best is None or best.worker_id == t.worker_id or over_budget(best) is not None:
-        return None
-    return t.worker_id
+    own = margin_of is not None and terms_rule(t) >= 3
+    for r in scores:
+        if r.eligible and r.predicted_ttft_ms is not None and r.worker_id != t.worker_id:
+            alt = msgspec.structs.replace(t, predicted_ttft_ms=r.predicted_ttft_ms, worker_id=r.worker_id,
+                                          margin=margin_of(r.worker_id) if own else t.margin)
+            if over_budget(alt) is None:
+                return t.worker_id
+    return None
 
 
 def over_ttft_budget(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,

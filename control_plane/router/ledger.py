@@ -374,6 +374,7 @@ class RouterLedger:
         self._hashes[ev.request_id] = tuple(ev.block_hashes)
         self._block_size[ev.request_id] = ev.block_size
         self._prompt_tokens[ev.request_id] = ev.prompt_tokens
+        self.margin.arrived(env.occurred_at_ns / 1e9)
 
     def _routed(self, env: Envelope[Event]) -> None:
         ev: RequestRouted = env.data  # type: ignore[assignment]
@@ -395,7 +396,7 @@ class RouterLedger:
                                  m is not None and m.ms_per_step_token_sq is not None,
                                  m.chunk_tokens if m is not None else None,
                                  m.queue_tokens_per_ms if m is not None else None)
-            self.margin.routed(rid, ev.predicted_ttft_ms, now)
+            self.margin.routed(rid, ev.predicted_ttft_ms, now, ev.worker_id)
         hashes = self._hashes.get(rid)
         if hashes is None:
             return  # admitted before the folded range: its entry cannot be rebuilt

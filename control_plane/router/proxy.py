@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused, budget_detour,
-                                            budget_terms, has_room, over_budget)
+from control_plane.router.admission import (RULE, AdmissionConfig, AdmissionQueue, PoolLoad, QueueRefused,
+                                            budget_detour, budget_terms, has_room, loop_lag_share_ms, over_budget)
 from control_plane.router.config import RouterConfig
 from control_plane.router.decision import Decision
 from control_plane.router.errors import NoEligibleWorker
@@ -273,12 +273,12 @@ class Router:
         if self.loop_lag is not None and (over := overloaded(self.loop_lag(), self.config.max_loop_lag_ms)):
             raise RouterRejected(over[0], 503, "router_overloaded", retry_after_s=over[1])
         budget = self.budget_ms(adm)
-        left_s = (budget - self.spent_ms(adm) - self.loop_lag_ms()) / 1000 if budget > 0 else None
+        left_s = (budget - self.spent_ms(adm) - loop_lag_share_ms(self.loop_lag_ms())) / 1000 if budget > 0 else None
         try:
             adm.queued_s = await self.admission.acquire(len(adm.tokens), left_s)
         except QueueRefused as e:
             # A request that waited out its budget: the terms it was refused on, no prediction.
-            terms = (budget_terms((), budget, self.spent_ms(adm), self.loop_lag_ms(), at_s=time.time())
+            terms = (budget_terms((), budget, self.spent_ms(adm), self.loop_lag_ms(), at_s=time.time(), rule=RULE)
                      if e.code == "ttft_budget" else None)
             raise RouterRejected(str(e), e.status, e.code, e.retry_after_s, admission=terms) from None
         adm.granted = True
@@ -345,18 +345,25 @@ class Router:
             # The probe that keeps the router's own SLO from locking itself out
             # (``over_ttft_budget``): nothing in flight, a fitted model, and no tighter deadline of
             # the client's own (a client that set one asked to be refused rather than served late).
-            probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0
+            # Not while the router is offered more than its box serves (``PromiseMargin.overloaded``):
+            # then an idle moment is the shedding's, not a stale model's (measured: in a chaos
+            # overload phase 95 such probes were served, 2 of them over the SLO, 1.2 and 2.0 s).
+            queue_ms, spread = self.ledger.margin.queue_ms(now), self.ledger.margin.spread(now)
+            probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0 and spread == 1.0
                      and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
-            margin, queue_ms = self.ledger.margin.factor(now), self.ledger.margin.queue_ms(now)
-            terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin, idle=probe,
-                                 at_s=now, queue_ms=queue_ms, chosen=d.worker_id)
-            while (detour := budget_detour(d.scores, terms)) is not None:
+
+            def margin(worker: str) -> float:  # each worker's own (rule 3, ``PromiseMargin.factor``)
+                return self.ledger.margin.factor(now, worker)
+
+            terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin(d.worker_id),
+                                 idle=probe, at_s=now, queue_ms=queue_ms, chosen=d.worker_id, spread=spread)
+            while (detour := budget_detour(d.scores, terms, margin)) is not None:
                 # The chosen worker breaks the promise another keeps: decide again without it
                 # (recorded in ``excluded_workers``; the caller's set, its failures, is not touched).
                 excluded = excluded | {detour}
                 inputs, d = decided(excluded)
-                terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin, idle=probe,
-                                     at_s=now, queue_ms=queue_ms, chosen=d.worker_id)
+                terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin(d.worker_id),
+                                     idle=probe, at_s=now, queue_ms=queue_ms, chosen=d.worker_id, spread=spread)
             over = over_budget(terms)
             if over is not None:
                 # The promise cannot be kept: refused now (serving records RequestRejected), not served late.

@@ -93,12 +93,16 @@ class OpenLoopLoad:
         #: The client's stderr tail when it exited abnormally.
         self.error: str = ""
         self.t0 = 0.0
+        #: The wall clock (unix s) at ``t0``: maps the client's times onto the log's
+        #: ``occurred_at`` (when the router took a request), so the time between the client's
+        #: send and the router's admission is measured apart from the way back.
+        self.wall_t0 = 0.0
 
     def now_s(self) -> float:
         return time.monotonic() - self.t0
 
     def start(self) -> None:
-        self.t0 = time.monotonic()
+        self.t0, self.wall_t0 = time.monotonic(), time.time()
         cfg = ClientConfig(urls=self.urls, rate=self.rate, t0=self.t0, seed=self.seed, id_prefix=self.id_prefix,
                            max_tokens=self.max_tokens, block_size=self.block_size, timeout_s=self.timeout_s)
         self._proc = subprocess.Popen([sys.executable, "-m", "ops.chaos.client"], cwd=repo_root(),

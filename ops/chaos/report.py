@@ -148,15 +148,24 @@ def client_lag_ms(lag: list[tuple[float, float]], s: Sent) -> float | None:
 
 
 def request_rows(sent: list[Sent], events: list[Envelope],
-                 client_loop_lag: list[tuple[float, float]] | None = None) -> list[dict]:
+                 client_loop_lag: list[tuple[float, float]] | None = None,
+                 wall_t0: float | None = None) -> list[dict]:
     """One row per request sent, the client's record beside the log's (the router's TTFT from
     admission, its first prediction, the worker it chose, the budget test's terms, its
     queueing, its end): what ``requests.jsonl`` holds, to blame a missed TTFT on the client,
     the router, the prediction or the admission test. The client's own share:
     ``send_late_ms`` (the generator sent it that late against its arrival schedule; not in its
-    TTFT) and ``client_lag_ms`` (:func:`client_lag_ms`: in its TTFT). Pure."""
+    TTFT) and ``client_lag_ms`` (:func:`client_lag_ms`: in its TTFT). Pure.
+
+    With ``wall_t0`` (the wall clock at the load's start, :attr:`OpenLoopLoad.wall_t0`), the
+    part of the client's TTFT the router never saw is split in two: ``inbound_ms``, from the
+    client's send to the router's ``RequestAdmitted`` (the connection, the router's accept and
+    its loop, the body and its tokens), and ``outbound_ms``, the rest (the first token's way
+    back: the router's write, the client's read). One machine, one wall clock."""
     lag = sorted(client_loop_lag or ())
     admitted, ended = request_ends(events)
+    admitted_at = {env.data.request_id: env.occurred_at_ns / 1e9 for env in events
+                   if isinstance(env.data, RequestAdmitted)}
     by_client = {cid: rid for rid, cid in admitted.items() if cid}
     routes = first_routes(events)
     rows = []
@@ -164,6 +173,10 @@ def request_rows(sent: list[Sent], events: list[Envelope],
         r = s.result
         rid = (r.router_request_id if r else "") or by_client.get(s.client_id, "")
         e, fr = ended.get(rid), routes.get(rid)
+        inbound = (None if wall_t0 is None or rid not in admitted_at
+                   else round((admitted_at[rid] - wall_t0 - s.sent_s) * 1000, 1))
+        outbound = (round(r.ttft_ms - inbound - e.ttft_ms, 1)
+                    if inbound is not None and r and r.ok and e and e.ttft_ms is not None else None)
         rows.append({"client_id": s.client_id, "sent_s": round(s.sent_s, 4), "overload": s.overload,
                      "replica": s.replica, "outcome": s.outcome, "request_id": rid,
                      "ttft_ms": r.ttft_ms if r and r.ok else None,
@@ -176,7 +189,8 @@ def request_rows(sent: list[Sent], events: list[Envelope],
                      "end": f"{e.kind}:{e.code}" if e and e.code else (e.kind if e else None),
                      "reason": e.reason if e else "",
                      "send_late_ms": None if s.send_late_ms is None else round(s.send_late_ms, 1),
-                     "client_lag_ms": client_lag_ms(lag, s)})
+                     "client_lag_ms": client_lag_ms(lag, s),
+                     "inbound_ms": inbound, "outbound_ms": outbound})
     return rows
 
 

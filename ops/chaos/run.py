@@ -450,7 +450,8 @@ def run_chaos(settings: ChaosSettings, echo: Callable[[str], None] = print) -> C
                               lag=sampler.samples if sampler else [], crashes=crashes,
                               client_loop_lag=list(runner.load.loop_lag), slo_ms=settings.ttft_slo_ms)
         with open(report_dir / "requests.jsonl", "w") as out:
-            for row in request_rows(runner.load.snapshot(), events, list(runner.load.loop_lag)):
+            for row in request_rows(runner.load.snapshot(), events, list(runner.load.loop_lag),
+                                    wall_t0=runner.load.wall_t0):
                 out.write(json.dumps(row) + "\n")
         report = dataclasses.replace(report, system={
             "topic_prefix": prefix, "state_dir": str(state_dir), "report_dir": str(report_dir),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
-from control_plane.router.admission import (AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin, QueueRefused,
-                                            budget_detour, budget_terms, over_budget,
-                                            has_room, over_ttft_budget, queue_headroom)
+from control_plane.router.admission import (RULE, AdmissionConfig, AdmissionQueue, PoolLoad, PromiseMargin,
+                                            QueueRefused, budget_detour, budget_terms, folded_terms, margin_worker,
+                                            over_budget,
+                                            has_room, over_ttft_budget, queue_headroom, terms_rule)
 from schemas.events import AdmissionTerms, CandidateScore
 
 
@@ -246,3 +248,102 @@ def test_the_routers_own_queue_implies_a_ttft_from_its_busy_time_per_first_token
     assert m.waiting() == 0 and m.queue_ms(11.3) == pytest.approx(1.2 / 4 * 1000)
     m.expire(25.0)
     assert m.queue_ms(25.0) == 0.0
+
+
+def test_from_rule_3_the_loop_lag_counts_on_the_way_in_and_on_the_way_out():
+    """Chosen row 300 ms, 300 ms spent, loop lag 150 ms, budget 1000: rule 3 (what the router
+    writes now) 300 + 300 + 2 x 150 = 900, kept; lag 250: 300 + 300 + 500 = 1100, refused. Terms
+    recorded before the field re-execute by their own rule, the lag once: 850, kept (``chosen``:
+    rule 2; without it, rule 1)."""
+    rows = [_row("a", 300.0)]
+    assert over_ttft_budget(rows, 1000.0, spent_ms=300.0, loop_lag_ms=150.0, chosen="a") is None
+    reason, _ = over_ttft_budget(rows, 1000.0, spent_ms=300.0, loop_lag_ms=250.0, chosen="a")
+    assert reason == ("predicted TTFT 300 ms on the chosen candidate (a) + 300 ms already spent in the router + "
+                      "2 x 250 ms of its event-loop lag (in and out) = 1100 ms exceeds the budget of 1000 ms")
+    new = budget_terms(rows, 1000.0, 300.0, 250.0, chosen="a")
+    assert (new.rule, terms_rule(new)) == (RULE, 3)
+    before = msgspec.structs.replace(new, rule=0)
+    assert terms_rule(before) == 2 and over_budget(before) is None
+    assert terms_rule(msgspec.structs.replace(before, chosen=False)) == 1
+    assert [queue_headroom(t) for t in (new, before, msgspec.structs.replace(before, chosen=False))] == [2, 2, 1]
+
+
+def test_from_rule_3_each_worker_has_its_own_margin():
+    """Worker a: 8 requests served at 3x their prediction; worker b: 8 at 1x (window p90 of all
+    16: 3). a's own margin 3, b's 1; a worker with fewer than 8 ratios: 1. Two of b's requests
+    late at once (5x, 4x) raise b's margin to 4 and leave a's at 3. The terms say whose margin:
+    the judged worker's from rule 3, every worker's before."""
+    m = PromiseMargin()
+    for i in range(8):
+        m.routed(f"a{i}", 100.0, 10.0 + i, "a")
+        m.completed(f"a{i}", 300.0, 10.5 + i)
+        m.routed(f"b{i}", 100.0, 10.0 + i, "b")
+        m.completed(f"b{i}", 100.0, 10.5 + i)
+    assert (m.factor(20.0), m.factor(20.0, "a"), m.factor(20.0, "b"), m.factor(20.0, "c")) == (3.0, 3.0, 1.0, 1.0)
+    m.routed("late1", 100.0, 20.0, "b")
+    m.routed("late2", 100.0, 20.1, "b")
+    assert m.factor(20.5, "b") == pytest.approx(4.0) and m.factor(20.5, "a") == 3.0
+    t = budget_terms([_row("b", 100.0)], 1000.0, chosen="b")
+    assert margin_worker(t) == "b" and margin_worker(msgspec.structs.replace(t, rule=2)) is None
+
+
+def test_the_detour_judges_each_other_row_with_its_own_margin():
+    """Rows a 300 ms (chosen; its margin 3: 900 + 200 spent = 1100, over) and b 400 ms (its own
+    margin 1: 600, kept): decide again without a. With b's margin 2.5 too (1200): refused, no
+    detour. Terms of rule 2 judge b with a's margin (1,400): no detour."""
+    rows = [_row("a", 300.0), _row("b", 400.0)]
+    margins = {"a": 3.0, "b": 1.0}
+    terms = budget_terms(rows, 1000.0, 200.0, margin=3.0, chosen="a")
+    assert budget_detour(rows, terms, margins.__getitem__) == "a"
+    assert budget_detour(rows, terms, {"a": 3.0, "b": 2.5}.__getitem__) is None
+    assert budget_detour(rows, msgspec.structs.replace(terms, rule=2), margins.__getitem__) is None
+
+
+def test_an_overloaded_router_holds_its_expected_ttft_to_a_tighter_edge():
+    """First tokens at 10.1 .. 10.9 s (busy 10.0-10.9 s: 9 first tokens, 100 ms each). 6 arrivals
+    in the 3 s window: offered 6 x 0.1 / 3 = 0.2, spread 1. 40 more arrivals: 46 x 0.1 / 3 = 1.53
+    > 1, spread 1.6. A 500 ms expected TTFT + 100 spent + 2 x 20 of lag: 640 ms, kept at spread 1;
+    500 x 1.6 + 140 = 940, kept; 600 x 1.6 + 140 = 1,100, refused, and the reason says why. Terms
+    before rule 3 ignore a spread; the ledger's fold gives (margin, queue, spread) by the rule."""
+    m = PromiseMargin()
+    for i in range(9):
+        m.routed(f"a{i}", 100.0, 10.0 + 0.1 * i)
+        m.first_token(f"a{i}", 10.1 + 0.1 * i)
+    for i in range(6):
+        m.arrived(10.0 + 0.1 * i)
+    assert m.offered(11.0) == pytest.approx(0.2) and m.spread(11.0) == 1.0
+    for i in range(40):
+        m.arrived(10.5 + 0.01 * i)
+    assert m.offered(11.0) == pytest.approx(46 * 0.1 / 3) and m.spread(11.0) == 1.6
+    rows = [_row("w", 500.0)]
+    assert over_ttft_budget(rows, 1000.0, 100.0, 20.0, chosen="w") is None
+    assert over_budget(budget_terms(rows, 1000.0, 100.0, 20.0, chosen="w", spread=1.6)) is None
+    reason, _ = over_budget(budget_terms([_row("w", 600.0)], 1000.0, 100.0, 20.0, chosen="w", spread=1.6))
+    assert reason.startswith("predicted TTFT 600 ms on the chosen candidate (w) x 1.60 (overloaded: offered more "
+                             "than its box serves) + 100 ms")
+    old = budget_terms([_row("w", 600.0)], 1000.0, 100.0, 20.0, chosen="w", rule=2, spread=1.6)
+    assert over_budget(old) is None
+    assert folded_terms(m, 11.0, old)[2] == 1.0 and folded_terms(m, 11.0, None) == (1.0, m.queue_ms(11.0), 1.6)
+    m.expire(14.0)
+    assert m.offered(14.0) == 0.0  # the window's first tokens and busy time have lapsed
+
+
+def test_a_router_that_sheds_nearly_everything_still_counts_as_overloaded():
+    """One request routed at 20 s, no first token by 22 s; 30 arrivals since. Too few first
+    tokens for the queue (0 ms), but busy 2 s with none: 2 s per first token, offered 30 x 2 / 3
+    = 20: overloaded, spread 1.6. One first token at 22 s: 2 s per first token still. Quiet: 3
+    arrivals and 0.3 s busy for 1 first token, 0.3: not overloaded."""
+    m = PromiseMargin()
+    m.routed("a", 100.0, 20.0)
+    for i in range(30):
+        m.arrived(20.0 + i * 0.05)
+    assert m.queue_ms(22.0) == 0.0 and m.offered(22.0) == pytest.approx(20.0)
+    assert m.overloaded(22.0) and m.spread(22.0) == 1.6
+    m.first_token("a", 22.0)
+    assert m.offered(22.0) == pytest.approx(20.0)
+    q = PromiseMargin()
+    q.routed("b", 100.0, 50.0)
+    q.first_token("b", 50.3)
+    for i in range(3):
+        q.arrived(49.0 + i)
+    assert q.offered(51.0) == pytest.approx(0.3) and not q.overloaded(51.0) and q.spread(51.0) == 1.0

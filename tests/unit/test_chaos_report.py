@@ -3,9 +3,11 @@ requests log, the ledger check and the view checks. Core only, no mocks."""
 
 from __future__ import annotations
 
+import msgspec
+
 from ops.chaos.load import Sent
 from ops.chaos.plan import PlanConfig, make_plan
-from ops.chaos.report import FaultRecord, ViewCheck, build_report
+from ops.chaos.report import FaultRecord, ViewCheck, build_report, request_rows
 from ops.demo.loadgen import Result
 from common.log.acks import AckEntry, LedgerCheck
 from schemas import Envelope
@@ -181,3 +183,17 @@ def test_each_phase_reports_what_it_shed_and_every_rejection_needs_a_reason_on_b
     assert ("rejections_without_reason=2 slo_ms=250 overload_ttft_p99_ms=400.00 overload_over_slo=1 "
             "overload_over_slo_client=1 overload_send_late_p99_ms=100.00 overload_shed=0.750 outside_shed=0.500 "
             "quiet_shed=0.000") in line
+
+
+def test_the_part_the_router_never_saw_is_split_into_the_way_in_and_the_way_back() -> None:
+    """Load started at wall 1,000 s; sent at 10 s of load; the router admitted it at wall
+    1,010.3 s (300 ms in), saw its first token 400 ms after; the client saw it at 900 ms: the
+    way back took 900 - 300 - 400 = 200 ms. Without the wall clock there is no split."""
+    s = _sent(1, rid="r-1")
+    s.result.ttft_ms = 900.0
+    adm = msgspec.structs.replace(_adm("r-1", "c-1"), occurred_at_ns=1_010_300_000_000)
+    done = _env(RequestCompleted(request_id="r-1", worker_id="w", prompt_tokens=1, output_tokens=1, ttft_ms=400.0,
+                                 e2e_ms=500.0))
+    row = request_rows([s], [adm, done], wall_t0=1000.0)[0]
+    assert (row["inbound_ms"], row["outbound_ms"], row["router_ttft_ms"]) == (300.0, 200.0, 400.0)
+    assert (lambda r: (r["inbound_ms"], r["outbound_ms"]))(request_rows([s], [adm, done])[0]) == (None, None)

@@ -285,9 +285,10 @@ def test_a_budget_refusal_is_re_executed_from_its_terms() -> None:
     reason = over_budget(terms)[0]
     assert "400 ms on the best candidate (a) x 2.50" in reason and "= 1060 ms exceeds the budget of 1000 ms" in reason
     rej = RequestRejected(request_id="r", reason=reason, code="ttft_budget", http_status=429, admission=terms)
-    assert check_rejection(rej, (2.5, 0.0)) == "match"
-    assert check_rejection(rej, (2.0, 0.0)).startswith("mismatch: margin, queue_ms (2.5, 0.0) -> (2.0, 0.0)")
-    assert check_rejection(msgspec.structs.replace(rej, reason="x"), (2.5, 0.0)).startswith("mismatch: reason")
+    assert check_rejection(rej, (2.5, 0.0, 1.0)) == "match"
+    assert check_rejection(rej, (2.0, 0.0, 1.0)).startswith(
+        "mismatch: margin, queue_ms, spread (2.5, 0.0, 1.0) -> (2.0, 0.0, 1.0)")
+    assert check_rejection(msgspec.structs.replace(rej, reason="x"), (2.5, 0.0, 1.0)).startswith("mismatch: reason")
     admits = msgspec.structs.replace(terms, margin=2.0)
     assert check_rejection(msgspec.structs.replace(rej, admission=admits), None) == "mismatch: the recorded terms admit it"
     queued = msgspec.structs.replace(rej, admission=budget_terms((), 1000.0, 1200.0))
