@@ -8,9 +8,9 @@ oldest first past ``max_open`` and ``max_per_ip``, TCP_NODELAY): the same as
 :mod:`common.http_server`'s guarded uvicorn protocol, which the other processes keep. It hands
 complete requests (head and body; a slow body follows as it arrives) to this event loop in
 batches: one byte on a socket pair wakes the loop, which takes every request that is ready and
-runs the app on each, as its own task. The app's answer goes back through the request's handle,
-head then body pieces, each a call into the crate (no thread hop); a piece past the crate's
-buffer waits until the client took some.
+runs the app on each, as its own task. The app's answer goes back through the request's handle
+(no thread hop): the head with the first body piece, and the pieces sent in one turn of the loop
+together, one call into the crate each; past the crate's buffer the app waits for the client.
 
 The ASGI adapter is uvicorn's contract, message for message (spec 2.3): ``receive`` gives the
 body, then waits until the answer is over or the client gone and says ``http.disconnect``;
@@ -151,13 +151,16 @@ class Server:
 class _Exchange:
     """One request: its scope, ``receive`` and ``send``."""
 
-    __slots__ = ("server", "req", "method", "path", "head", "body_done", "started", "complete", "gone")
+    __slots__ = ("server", "req", "method", "path", "head", "pending", "flush_soon", "full", "body_done", "started",
+                 "complete", "gone")
 
     def __init__(self, server: Server, req: switchyard_native.FrontRequest) -> None:
         self.server = server
         self.req = req
         self.method = self.path = ""
         self.head: tuple | None = None
+        self.pending: list[bytes] = []
+        self.flush_soon = self.full = False
         self.body_done = self.started = self.complete = self.gone = False
 
     def scope(self, state: dict) -> dict:
@@ -180,8 +183,9 @@ class _Exchange:
                 data, end = got
                 self.body_done = end
                 return {"type": "http.request", "body": data, "more_body": not end}
-        # The body is read: what comes next is the answer's end or the client's going away.
-        while not req.over():
+        # The body is read: what comes next is the answer's end (``send`` wakes this waiter) or
+        # the client's going away (the crate does).
+        while not self.complete and not req.over():
             await self.server._changed(req.id)
         self.gone = True
         return {"type": "http.disconnect"}
@@ -201,24 +205,45 @@ class _Exchange:
             if self.complete:
                 raise RuntimeError("http.response.body after the answer's end")
             more = message.get("more_body", False)
-            self.complete = not more
+            if not more:
+                self.complete = True
+                waiter = self.server._waiters.pop(req.id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)  # a receive waiting for the answer's end
             if self.gone:
                 return  # uvicorn ignores what is sent to a client that went away
-            body = message.get("body", b"")
-            if self.head is not None:
-                status, headers = self.head
-                self.head = None
-                if not req.start(status, headers, body, not more):
-                    self.gone = True
-                return
-            sent = req.send(body, not more)
-            if sent < 0:
-                self.gone = True
-            while sent == 1 and not req.has_room():
-                await self.server._changed(req.id)
-                sent = 0
+            if self.full:  # the crate's buffer was full at the last flush: room first
+                while not req.has_room():
+                    await self.server._changed(req.id)
+                self.full = False
+            self.pending.append(message.get("body", b""))
+            if not more:
+                self._flush(True)
+            elif not self.flush_soon:
+                # The pieces sent in this turn of the loop go to the crate together: one
+                # wake-up of its thread, one write.
+                self.flush_soon = True
+                self.server._loop.call_soon(self._flush)  # type: ignore[union-attr]
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
+
+    def _flush(self, end: bool = False) -> None:
+        self.flush_soon = False
+        pending, self.pending = self.pending, []
+        if self.gone or not (pending or end):
+            return
+        data = pending[0] if len(pending) == 1 else b"".join(pending)
+        if self.head is not None:
+            status, headers = self.head
+            self.head = None
+            if not self.req.start(status, headers, data, end):
+                self.gone = True
+            return
+        sent = self.req.send(data, end)
+        if sent < 0:
+            self.gone = True
+        elif sent == 1:
+            self.full = True
 
     async def error(self) -> None:
         """uvicorn's answer to an app that failed before its answer: 500, the connection closed."""

@@ -274,6 +274,9 @@ impl Exchange {
             st.out.push_back(first);
         }
         st.out_end = end;
+        if end {
+            st.waiting = false; // the caller knows the answer is over: no wake-up for it
+        }
         drop(st);
         self.head_ready.notify_one();
         true
@@ -292,8 +295,8 @@ impl Exchange {
         }
         st.out_end = end;
         let full = st.out_bytes >= BUFFER && !end;
-        if full {
-            st.waiting = true;
+        if full || end {
+            st.waiting = full; // at the end the caller knows the answer is over: no wake-up for it
         }
         let w = st.out_waker.take();
         drop(st);
@@ -516,52 +519,80 @@ async fn handle(inner: Arc<Inner>, conn: Arc<ConnState>, refused: bool, server: 
         wake: inner.wake.clone(),
     });
     guard.ex = Some(ex.clone());
-    // The body, read by its own task (bounded: it waits for the caller past HANDOFF_BYTES).
-    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
-    let reader = {
-        let ex = ex.clone();
-        tokio::spawn(async move {
-            let mut first = Some(first_tx);
-            loop {
-                match body.frame().await {
-                    Some(Ok(f)) => {
-                        if let Ok(d) = f.into_data() {
-                            if !d.is_empty() {
-                                let mut full = false;
-                                ex.update(|st| {
-                                    st.body_bytes += d.len();
-                                    st.body.push(d);
-                                    full = st.body_bytes >= HANDOFF_BYTES;
-                                });
-                                if full {
-                                    if let Some(t) = first.take() {
-                                        let _ = t.send(());
-                                    }
-                                    loop {
-                                        let notified = ex.room.notified();
-                                        if ex.state.lock().unwrap().body_bytes < HANDOFF_BYTES {
-                                            break;
+    // The body as far as it is here (usually all of it: it came with the head), without a task.
+    let mut whole = false;
+    loop {
+        let polled = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
+        match polled {
+            Poll::Ready(Some(Ok(f))) => {
+                if let Ok(d) = f.into_data() {
+                    let mut st = ex.state.lock().unwrap();
+                    st.body_bytes += d.len();
+                    st.body.push(d);
+                    if st.body_bytes >= HANDOFF_BYTES {
+                        break;
+                    }
+                }
+            }
+            Poll::Ready(Some(Err(_))) | Poll::Ready(None) => {
+                ex.state.lock().unwrap().body_end = true;
+                whole = true;
+                break;
+            }
+            Poll::Pending => break,
+        }
+    }
+    // The rest, read by its own task (bounded: it waits for the caller past HANDOFF_BYTES).
+    let mut reader = None;
+    if !whole {
+        let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+        reader = Some({
+            let ex = ex.clone();
+            tokio::spawn(async move {
+                let mut first = Some(first_tx);
+                loop {
+                    match body.frame().await {
+                        Some(Ok(f)) => {
+                            if let Ok(d) = f.into_data() {
+                                if !d.is_empty() {
+                                    let mut full = false;
+                                    ex.update(|st| {
+                                        st.body_bytes += d.len();
+                                        st.body.push(d);
+                                        full = st.body_bytes >= HANDOFF_BYTES;
+                                    });
+                                    if full {
+                                        if let Some(t) = first.take() {
+                                            let _ = t.send(());
                                         }
-                                        notified.await;
+                                        loop {
+                                            let notified = ex.room.notified();
+                                            if ex.state.lock().unwrap().body_bytes < HANDOFF_BYTES {
+                                                break;
+                                            }
+                                            notified.await;
+                                        }
                                     }
                                 }
                             }
                         }
-                    }
-                    // The end, or a broken body (the client's connection: the answer finds out).
-                    Some(Err(_)) | None => {
-                        ex.update(|st| st.body_end = true);
-                        if let Some(t) = first.take() {
-                            let _ = t.send(());
+                        // The end, or a broken body (the client's connection: the answer finds out).
+                        Some(Err(_)) | None => {
+                            ex.update(|st| st.body_end = true);
+                            if let Some(t) = first.take() {
+                                let _ = t.send(());
+                            }
+                            return;
                         }
-                        return;
                     }
                 }
-            }
-        })
-        .abort_handle()
-    };
-    let _ = tokio::time::timeout(HANDOFF_WAIT, first_rx).await;
+            })
+            .abort_handle()
+        });
+        if ex.state.lock().unwrap().body_bytes < HANDOFF_BYTES {
+            let _ = tokio::time::timeout(HANDOFF_WAIT, first_rx).await;
+        }
+    }
     inner.wake.push(|r| r.0.push(ex.clone()));
     // The answer's head.
     let head = loop {
@@ -578,7 +609,9 @@ async fn handle(inner: Arc<Inner>, conn: Arc<ConnState>, refused: bool, server: 
         notified.await;
     };
     let Some((status, headers)) = head else {
-        reader.abort();
+        if let Some(r) = reader {
+            r.abort();
+        }
         // Given up before its head (the caller's failure): the connection is closed.
         conn.close.notify_one();
         return Ok(unavailable());
