@@ -40,10 +40,12 @@ async def app(scope, receive, send) -> None:
 
 def serve(server: str, port: int) -> None:
     if server == "native":
+        # lazy: the serving child loads only the server it runs
         from common.native_http import serve as native_serve
 
         native_serve(app, "127.0.0.1", port)
     else:
+        # lazy: the serving child loads only the server it runs
         from common.http_server import serve as uvicorn_serve
 
         uvicorn_serve(app, "127.0.0.1", port, lifespan="off")
