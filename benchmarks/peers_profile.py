@@ -57,8 +57,9 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("ledger", ("router/ledger.py",)),
     ("decision", ("router/decision.py", "router/inputs.py")),
     ("proxy hop (to the worker and back)", ("aiohttp/", "router/worker_calls.py")),
-    ("response", ("RequestResponseCycle.send", "starlette/responses.py")),
-    ("HTTP parsing and app", ("uvicorn/", "starlette/", "fastapi/", "common/http_server.py", "router/server.py",
+    ("response", ("RequestResponseCycle.send", "starlette/responses.py", "_Exchange.send")),
+    ("HTTP parsing and app", ("uvicorn/", "starlette/", "fastapi/", "common/http_server.py", "common/native_http.py",
+                              "router/server.py",
                               "router/serving.py", "router/protocol.py", "router/proxy.py", "httptools")),
     ("metrics", ("prometheus_client",)),
 ]

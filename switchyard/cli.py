@@ -318,8 +318,8 @@ def router_cmd(
     from control_plane.router.admission import AdmissionConfig
     # lazy: start-up time: loads confluent_kafka, msgspec, switchyard_native ... only when called
     from control_plane.router.wiring import RouterSettings, run_router
-    # lazy: start-up time: loads uvicorn only when called
-    from common.http_server import ConnectionLimits
+    # lazy: CLI start-up: the command's modules load only when it runs
+    from common.connection_limits import ConnectionLimits
     # lazy: CLI start-up: the command's modules load only when it runs
     from common.settings import BusSettings
 

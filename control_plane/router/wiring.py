@@ -31,7 +31,8 @@ from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from control_plane.streaming import StreamFollower
 from common.hashing import HashAlgo, HashConfig
-from common.http_server import ConnectionLimits, serve
+from common.connection_limits import ConnectionLimits
+from common.native_http import serve
 from common.log.native_producer import NativeEventProducer
 from common.log.reader import read_events
 from common.settings import BusSettings, worker_credential
@@ -97,7 +98,7 @@ class RouterSettings:
     #: secret: ``common.settings.worker_credential``); None: read it from the secrets dir.
     worker_credential: str | None = field(default=None, repr=False)
     #: Connections served at once, and how long one may take to send a request's headers
-    #: (common/http_server.py); a body's own bound is ``limits.body_timeout_s``.
+    #: (the native server: common/native_http.py); a body's own bound is ``limits.body_timeout_s``.
     connections: ConnectionLimits = ConnectionLimits()
     #: ``linger.ms`` of this replica's event producer: how long a request's events wait to share
     #: a produce request with its next events and other requests'. The bus default (2 ms): at
@@ -286,7 +287,7 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
 
 def run_router(s: RouterSettings, bus: BusSettings) -> None:
     """Restore the log side in a thread while this one imports the HTTP side (FastAPI, the
-    proxy, uvicorn: about as long as the snapshot takes to read), then serve. A restart from a
+    proxy: about as long as the snapshot takes to read), then serve. A restart from a
     1M-block snapshot spends most of its time in these two, so they overlap."""
     from concurrent.futures import ThreadPoolExecutor
 

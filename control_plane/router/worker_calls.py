@@ -13,7 +13,7 @@ on a tokio thread of its own, keep-alive pool, TCP_NODELAY), each worker's own b
 call (:func:`common.settings.worker_token`: derived from the cluster's worker secret, which never
 leaves the router). It replaced aiohttp, which had replaced httpx (about 5x less time per call,
 docs/benchmarks.md "Measurements behind defaults"); what the native hop cost and saved is in
-docs/benchmarks-peers.md ("The worker hop in the crate").
+docs/benchmarks-native.md ("The worker hop in the crate").
 A connection returns to the pool only once its answer was read to the end, so an answer the
 router is done with before its end (the SSE stream after ``[DONE]``) is drained in the
 background, for at most :data:`DRAIN_S`, instead of being closed (a new connection per request

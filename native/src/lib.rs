@@ -13,6 +13,8 @@
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
 //! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`;
 //! * [`calls`]: the router's HTTP calls to workers (hyper on a tokio thread of its own).
+//! * [`front`]: the router's HTTP server (hyper on tokio threads of its own), which hands requests
+//!   to the ASGI app in batches.
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
 //! the PyO3 bindings maturin builds into the `switchyard_native` extension module.
@@ -23,6 +25,7 @@ pub mod calls;
 pub mod decide;
 pub mod emit;
 pub mod envelope;
+pub mod front;
 pub mod holders;
 pub mod index;
 pub mod inflight;
@@ -34,6 +37,8 @@ pub mod tokenize;
 mod py;
 #[cfg(feature = "python")]
 mod py_calls;
+#[cfg(feature = "python")]
+mod py_front;
 #[cfg(feature = "python")]
 mod py_produce;
 #[cfg(feature = "python")]

@@ -879,6 +879,7 @@ fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sha256_generated_chain, m)?)?;
     crate::py_router::register(m)?;
     crate::py_calls::register(m)?;
+    crate::py_front::register(m)?;
     crate::py_produce::register(m)?;
     crate::tokenize::py::register(m)?;
     Ok(())

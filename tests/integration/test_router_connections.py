@@ -3,8 +3,8 @@ nothing, sends its headers a byte at a time (slowloris), or stalls in its body, 
 for a bounded time only; past ``max_connections`` a new client closes the oldest idle
 connection instead of being refused; and once the bad connections are gone, clients are served as before.
 
-The router's app is served by the router's own server (``common.http_server``: uvicorn with the
-guarded httptools protocol) with short limits, in front of the fake worker of test_router_input. The
+The router's app is served by the router's own server (``common.native_http``: the crate's hyper
+server, which enforces the limits) with short limits, in front of the fake worker of test_router_input. The
 attacks are raw sockets on loopback; the good client is ``httpx``.
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from control_plane.router.limits import RequestLimits
 from ops.security.check import ACCEPTED, REFUSED, probe_router_connections
-from common.http_server import ConnectionLimits
+from common.connection_limits import ConnectionLimits
 from tests.integration.test_router_input import GOOD, Stack, router_stack
 from tests.support.waits import wait_for
 
@@ -154,6 +154,6 @@ def test_the_security_check_probe_tells_a_guarded_router_from_plain_uvicorn(guar
     app served by plain uvicorn (which bounds neither connection)."""
     got = probe_router_connections(guarded.url, timeout_s=HEADER_S + 4)
     assert [p.verdict for p in got] == [REFUSED] * 3, got
-    with router_stack() as plain:
+    with router_stack(plain=True) as plain:
         got = probe_router_connections(plain.url, timeout_s=HEADER_S + 2)
     assert [p.verdict for p in got] == [ACCEPTED, ACCEPTED, REFUSED], got

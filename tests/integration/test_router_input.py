@@ -4,8 +4,8 @@ the router's health stays EXACT and the worker's state (registry entry, ledger, 
 the log) does not change. The router runs with API keys on, and every request here carries a
 valid key: what is under test is the input, past the key check.
 
-Real HTTP on both sides: the router's FastAPI app and a fake worker, each served by uvicorn on a
-local port; the router's log is a ``MemorySink`` (no broker). The client is the official
+Real HTTP on both sides: the router's FastAPI app, served by the router's own server (the
+crate's, common/native_http.py), and a fake worker served by uvicorn, each on a local port; the router's log is a ``MemorySink`` (no broker). The client is the official
 ``openai`` client where it can express the request, else ``httpx`` with the raw bytes. Every
 request of a test goes over one TCP connection (a one-connection pool), and the test checks the
 client port never changed: a reset would have forced a new connection.
@@ -37,7 +37,8 @@ from control_plane.router.proxy import Router
 from control_plane.router.view import RouterView, WorkerState
 from common import bearer
 from common.hashing import HashAlgo, HashConfig
-from common.http_server import ConnectionLimits, server_config
+from common.connection_limits import ConnectionLimits
+from common.native_http import Server as NativeServer
 from common.log.sink import MemorySink
 from common.net import free_port
 from common.tokenizer import HashTokenizer
@@ -56,18 +57,18 @@ GOOD = {"model": MODEL, "prompt": [300, 301, 302, 303], "max_tokens": 2}
 
 
 class Served:
-    """An ASGI app on a local port, served by uvicorn in a thread; with ``connections``, through
-    the router's own server (common/http_server.py) and those limits."""
+    """An ASGI app on a local port, served in a thread: by uvicorn (the fake worker), or with
+    ``connections`` by the router's own server (common/native_http.py) with those limits."""
 
     def __init__(self, app: FastAPI, connections: ConnectionLimits | None = None) -> None:
         self.port = free_port()
+        self.server: uvicorn.Server | NativeServer
         if connections is None:
-            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio",
-                                    access_log=False)
+            self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                        loop="asyncio", access_log=False))
         else:
-            config = server_config(app, "127.0.0.1", self.port, connections)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+            self.server = NativeServer(app, "127.0.0.1", self.port, connections)
+        self.thread = threading.Thread(target=self.server.run, name=f"served-{self.port}", daemon=True)
 
     @property
     def url(self) -> str:
@@ -75,7 +76,7 @@ class Served:
 
     def __enter__(self) -> Served:
         self.thread.start()
-        wait_for(lambda: self.server.started, timeout=20, what=f"uvicorn on {self.port}")
+        wait_for(lambda: self.server.started, timeout=20, what=f"a server on {self.port}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -152,10 +153,10 @@ def stack() -> Iterator[Stack]:
 
 
 @contextmanager
-def router_stack(limits: RequestLimits = RequestLimits(), connections: ConnectionLimits | None = None
-                 ) -> Iterator[Stack]:
+def router_stack(limits: RequestLimits = RequestLimits(), connections: ConnectionLimits = ConnectionLimits(),
+                 plain: bool = False) -> Iterator[Stack]:
     """The router's app with API keys on, in front of the fake worker, and a keep-alive client
-    holding a valid key."""
+    holding a valid key; ``plain``: the app served by plain uvicorn instead of the router's server."""
     calls: list[dict] = []
     with Served(fake_worker(calls)) as worker:
         view = RouterView("sha256", 16)
@@ -173,7 +174,7 @@ def router_stack(limits: RequestLimits = RequestLimits(), connections: Connectio
             actor="test", key_id=issued.id, name="input-tests", salt=issued.salt, key_hash=issued.hash)))
         ctx = RouterApp(router=router, tokenizer=HashTokenizer(), metrics=RouterMetrics(), served_model=MODEL,
                         health=health, stop=router.close, limits=limits, auth=RouterAuth(keys))
-        with Served(create_app(ctx), connections) as served:
+        with Served(create_app(ctx), None if plain else connections) as served:
             with httpx.Client(base_url=served.url, timeout=60, limits=httpx.Limits(max_connections=1),
                               headers={"Authorization": f"Bearer {issued.plain}"}) as http:
                 yield Stack(router, sink, ctx, calls, served.url, http, issued.plain)

@@ -1,0 +1,124 @@
+"""The router's HTTP server alone: the crate's (``common/native_http.py``) beside the guarded
+uvicorn the other processes keep (``common/http_server.py``), serving the same plain ASGI app
+in a process of its own: it reads a 4K-token-sized JSON body and streams three SSE events, the
+shape of a routed request, with nothing else to do. CPU per request of the serving process
+(every thread, /proc), sequential and with 32 clients in flight; runs alternate.
+
+``python -m benchmarks.front_bench [--n 2000] [--rounds 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from common.net import free_port
+
+BODY = b'{"model":"m","prompt":"' + b"word " * 4096 + b'","max_tokens":1,"stream":true}'
+EVENTS = [b'data: {"choices":[{"text":" t","index":0}]}\n\n', b'data: {"choices":[],"usage":{}}\n\n',
+          b"data: [DONE]\n\n"]
+
+
+async def app(scope, receive, send) -> None:
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for e in EVENTS:
+        await send({"type": "http.response.body", "body": e, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def serve(server: str, port: int) -> None:
+    if server == "native":
+        # lazy: the serving child loads only the server it runs
+        from common.native_http import serve as native_serve
+
+        native_serve(app, "127.0.0.1", port)
+    else:
+        # lazy: the serving child loads only the server it runs
+        from common.http_server import serve as uvicorn_serve
+
+        uvicorn_serve(app, "127.0.0.1", port, lifespan="off")
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _fire(url: str, n: int, clients: int) -> float:
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=clients), timeout=30) as c:
+        sem = asyncio.Semaphore(clients)
+
+        async def one() -> None:
+            async with sem:
+                r = await c.post("/v1/completions", content=BODY, headers={"content-type": "application/json"})
+                assert r.status_code == 200 and r.content.endswith(b"[DONE]\n\n"), r.status_code
+
+        start = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return time.monotonic() - start
+
+
+def run_one(server: str, n: int) -> dict[str, float]:
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks.front_bench", "--serve", server, "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.post(f"{url}/", content=b"{}", timeout=1)
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        asyncio.run(_fire(url, 200, 1))  # warm-up
+        out = {}
+        for clients in (1, 32):
+            cpu0 = _cpu_s(p.pid)
+            wall = asyncio.run(_fire(url, n, clients))
+            out[f"cpu_us_c{clients}"] = (_cpu_s(p.pid) - cpu0) / n * 1e6
+            out[f"rps_c{clients}"] = n / wall
+        return out
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--serve", choices=("native", "uvicorn"))
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if a.serve:
+        serve(a.serve, a.port)
+        return
+    print(f"load {os.getloadavg()[0]:.1f} at start")
+    runs: dict[str, list[dict]] = {"uvicorn": [], "native": []}
+    for r in range(a.rounds):
+        for server in (("uvicorn", "native") if r % 2 == 0 else ("native", "uvicorn")):
+            got = run_one(server, a.n)
+            runs[server].append(got)
+            print(f"round {r + 1} {server:8} " + " ".join(f"{k}={v:.0f}" for k, v in got.items()), flush=True)
+    med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for s, rs in runs.items()}
+    print(f"load {os.getloadavg()[0]:.1f} at end")
+    print("RESULT " + " ".join(f"{s}_{k}={v:.0f}" for s, m in med.items() for k, v in m.items()))
+
+
+if __name__ == "__main__":
+    main()
