@@ -236,6 +236,8 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     producer, config, processor, follower = restored.producer, restored.config, restored.processor, restored.follower
     view = processor.view
     metrics = RouterMetrics()
+    # Read at each scrape: how far the broker's acknowledgements trail this router's events.
+    metrics.events_queued.set_function(producer.outstanding)
     # The router's own saturation, counted as load by admission (RouterConfig.max_loop_lag_ms).
     probe = LoopLagProbe(on_sample=metrics.loop_lag_sample_seconds.observe)
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config,
