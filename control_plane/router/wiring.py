@@ -100,11 +100,12 @@ class RouterSettings:
     #: (common/http_server.py); a body's own bound is ``limits.body_timeout_s``.
     connections: ConnectionLimits = ConnectionLimits()
     #: ``linger.ms`` of this replica's event producer: how long a request's events wait to share
-    #: a produce request with its next events and other requests'. The bus default (2 ms): at
-    #: 20 ms a request's ``RequestAdmitted`` landed on the log after its prefill worker's
-    #: ``PrefillCompleted`` (test_router_workers caught it), and the saving (0.06 ms of router
-    #: CPU per request) was inside the whole bench's noise (docs/router-events-cost.md).
-    events_linger_ms: int = 2
+    #: a produce request with its next events and other requests'. 5 ms: longer than a short
+    #: request takes, so its decision's and its end's events go in one produce request, not two
+    #: (the broker's CPU for them about in proportion, docs/router-events-cost.md); no request
+    #: waits for them. At 20 ms a request's ``RequestAdmitted`` landed on the log after its
+    #: prefill worker's ``PrefillCompleted`` (test_router_workers caught it).
+    events_linger_ms: int = 5
     #: Longest the broker holds the view's fetch (``fetch.max.wait.ms``, with ``fetch.min.bytes``
     #: 64 KB) before answering with what it has: the workers' KV events of several requests come
     #: in one fetch instead of a fetch per record batch (the broker's CPU for the view per routed
