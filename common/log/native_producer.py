@@ -47,9 +47,8 @@ def log_level(syslog: int) -> int:
 
 
 def native_config(settings: BusSettings, **extra) -> list[tuple[str, str]]:
-    """:func:`producer_config` as librdkafka strings, without the Python logger (the crate
-    keeps librdkafka's warnings and worse for :meth:`NativeEventProducer.poll` and the rest to
-    log)."""
+    """:func:`producer_config` as librdkafka strings, without the Python logger: the crate
+    keeps librdkafka's warnings and worse, and the producer logs them with its delivery reports."""
     return [(k, ("true" if v else "false") if isinstance(v, bool) else str(v))
             for k, v in producer_config(settings, **extra).items() if k != "logger"]
 
