@@ -2,28 +2,34 @@
 
 The router's producer (:class:`NativeEventProducer`, signing as a router) publishes the four
 events a routed request leaves in the log (RequestAdmitted with 64 block hashes, RequestRouted with two score rows,
-PrefillCompleted, RequestCompleted: the shapes ``bench peers`` reads back from its topics),
-request after request ``GAP_S`` apart (sequential requests), on a topic prefix of its own. Per
-request: this process's CPU (``getrusage``: librdkafka's threads included) and the local
-broker's (``/proc``, minus its rate over a quiet window right after, since other clients share
-it). The settings alternate round by round, so the box's load drifts over all of them alike.
+PrefillCompleted, RequestCompleted: the shapes ``bench peers`` reads back from its topics), at
+the two instants the router records them: the decision's two, then ``--hop-ms`` later (the
+request at its worker) the end's two, then the next request ``GAP_S`` after (sequential
+requests), on a topic prefix of its own. Per request: this process's CPU (``getrusage``:
+librdkafka's threads included), the local broker's (``/proc``, minus its rate over a quiet
+window right after, since other clients share it: noisy on a shared broker), and what does not
+depend on the box's load, from librdkafka's own statistics: the produce requests the broker
+served (``brokers.*.req.Produce``) and the bytes sent (``txbytes``). The settings alternate
+round by round, so the box's load drifts over all of them alike.
 
-    uv run --group bench python -m benchmarks.router_events_cost [--rounds 3] [--n 1000]
+    uv run --group bench python -m benchmarks.router_events_cost [--rounds 3] [--n 1000] [--hop-ms 2]
     uv run --group bench python -m benchmarks.router_events_cost --read-prefix peers1234abcd
 
 ``--read-prefix``: instead, the bytes per event type (value + key + headers, as stored) of every
 topic under that prefix, e.g. a ``bench peers`` run's (its workers' prefix, ``peers<8 hex>``;
 the bench leaves its topics). Last line ``RESULT <stream>_<type>_bytes=...``.
 
-Last line: ``RESULT <setting>_router_ms=... <setting>_thread_ms=... <setting>_broker_ms=...``
-(medians over rounds; ``thread``: the publishing thread's own CPU, what a router's event loop
-spends on its events, ``time.thread_time``).
+Last line: ``RESULT <setting>_router_ms=... <setting>_thread_ms=... <setting>_broker_ms=...
+<setting>_produce_reqs=... <setting>_tx_bytes=...`` (medians over rounds, per request;
+``thread``: the publishing thread's own CPU, what a router's event loop spends on its events,
+``time.thread_time``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import resource
 import statistics
 import time
@@ -36,14 +42,19 @@ from common.settings import BusSettings
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
 
-#: Seconds between two requests' events (about one sequential request of ``bench peers``).
-GAP_S = 0.004
+#: Seconds from one request's end to the next one's decision (sequential requests; with the
+#: default hop, about one sequential request of ``bench peers``).
+GAP_S = 0.002
+#: Default milliseconds between a request's decision and its end (its time at the worker).
+HOP_MS = 2.0
 #: name -> librdkafka overrides of the producer (the bus defaults: lz4, linger.ms 2).
 SETTINGS: dict[str, dict[str, object]] = {
-    "linger2_lz4": {},
-    "linger2_none": {"compression.type": "none"},
-    "linger20_lz4": {"linger.ms": 20},
+    "linger2": {},
+    "linger5": {"linger.ms": 5},
+    "linger10": {"linger.ms": 10},
 }
+#: How often librdkafka reports its statistics to the measured producer (every setting alike).
+STATS_MS = 100
 
 
 def _cpu_s() -> float:
@@ -51,9 +62,28 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _request(p: NativeEventProducer, i: int, prefix: str) -> None:
-    for ev in _events(i, prefix):
+def _request(p: NativeEventProducer, i: int, prefix: str, hop_s: float = 0.0) -> None:
+    """One request's events as the router records them: the decision's, ``hop_s``, the end's."""
+    evs = _events(i, prefix)
+    for ev in evs[:2]:
         p.publish(ev, correlation_id=ev.request_id)
+    if hop_s:
+        time.sleep(hop_s)
+    for ev in evs[2:]:
+        p.publish(ev, correlation_id=ev.request_id)
+
+
+def _sent(p: NativeEventProducer) -> tuple[int, int]:
+    """(produce requests, bytes) sent to every broker so far, from a statistics report newer
+    than this call (so it counts everything flushed before it)."""
+    n0, _ = p.statistics()
+    deadline = time.monotonic() + 10 * STATS_MS / 1000 + 5
+    while (got := p.statistics())[0] < n0 + 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no librdkafka statistics within {deadline:.0f} s (statistics.interval.ms {STATS_MS})")
+        time.sleep(STATS_MS / 4000)
+    brokers = got[1]["brokers"].values()
+    return sum(b["req"].get("Produce", 0) for b in brokers), sum(b["txbytes"] for b in brokers)
 
 
 def _events(i: int, prefix: str) -> list:
@@ -87,28 +117,33 @@ def shape_bytes(prefix: str, producer: str = "router-host-12345") -> dict[str, i
     return out
 
 
-def measure(bus: BusSettings, overrides: dict[str, object], n: int,
-            brokers: list[int]) -> tuple[float, float, float]:
-    """(router CPU ms, broker CPU ms, the publishing thread's CPU ms) per request under
-    ``overrides``: the last is what the router's event loop spends (``publish`` on it), the
-    rest of the router's is the producer's own threads."""
-    p = NativeEventProducer(bus, "bench-router", **overrides)
+def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: list[int],
+            hop_s: float = HOP_MS / 1000) -> tuple[float, float, float, float, float]:
+    """Per request under ``overrides``: (router CPU ms, broker CPU ms, the publishing thread's
+    CPU ms, produce requests, bytes sent). The thread's is what the router's event loop spends
+    (``publish`` on it), the rest of the router's is the producer's own threads. The broker's
+    is net of its idle rate over a quiet window right after (``broker_idle_rate``)."""
+    p = NativeEventProducer(bus, "bench-router", **{"statistics.interval.ms": STATS_MS, **overrides})
     for i in range(50):  # warm: connections, topic metadata
         _request(p, i, bus.topic_prefix)
     p.flush()
+    r0, x0 = _sent(p)
     c0, b0, t0 = _cpu_s(), broker_cpu_s(brokers), time.monotonic()
     on_thread = 0.0
     for i in range(n):
         a = time.thread_time()
-        _request(p, i, bus.topic_prefix)
+        _request(p, i, bus.topic_prefix, hop_s)
         on_thread += time.thread_time() - a
         time.sleep(GAP_S)
     p.flush()
     wall, router, broker = time.monotonic() - t0, _cpu_s() - c0, broker_cpu_s(brokers) - b0
     idle = broker_idle_rate(brokers)
+    r1, x1 = _sent(p)
     if p.acked < 4 * (n + 50):
         raise RuntimeError(f"only {p.acked} of {4 * (n + 50)} events acknowledged")
-    return router * 1000 / n, max(broker - idle * wall, 0.0) * 1000 / n, on_thread * 1000 / n
+    p.close()
+    return (router * 1000 / n, max(broker - idle * wall, 0.0) * 1000 / n, on_thread * 1000 / n, (r1 - r0) / n,
+            (x1 - x0) / n)
 
 
 def bytes_by_type(prefix: str) -> dict[tuple[str, str], tuple[int, int]]:
@@ -151,30 +186,36 @@ def print_bytes(prefix: str) -> None:
     print("RESULT " + " ".join(f"{s}_{t}_bytes={b / n:.0f}" for (s, t), (n, b) in sorted(got.items())))
 
 
-def main(rounds: int = 3, n: int = 1000) -> dict[str, tuple[float, float, float]]:
+def main(rounds: int = 3, n: int = 1000, hop_ms: float = HOP_MS,
+         only: list[str] | None = None) -> dict[str, tuple[float, ...]]:
     prefix = f"revcost{uuid.uuid4().hex[:6]}"
     apply_topics(BusSettings.from_env(topic_prefix=prefix))
     bus = BusSettings.from_env(topic_prefix=prefix, role="router")
     brokers = broker_pids()
-    got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in SETTINGS}
+    settings = [k for k in SETTINGS if not only or k in only]
+    got: dict[str, list[tuple[float, ...]]] = {k: [] for k in settings}
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for r in range(rounds):
-        names = list(SETTINGS)[r % len(SETTINGS):] + list(SETTINGS)[:r % len(SETTINGS)]
+        names = settings[r % len(settings):] + settings[:r % len(settings)]
         for name in names:
-            got[name].append(measure(bus, SETTINGS[name], n, brokers))
-            router, broker, thread = got[name][-1]
-            print(f"  round {r + 1} {name:<14} router {router:.3f} ms/req (publishing thread {thread:.3f}), "
-                  f"broker {broker:.3f} ms/req")
-    out = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in got.items()}
+            got[name].append(measure(bus, SETTINGS[name], n, brokers, hop_ms / 1000))
+            router, broker, thread, reqs, tx = got[name][-1]
+            print(f"  round {r + 1} {name:<10} router {router:.3f} ms/req (publishing thread {thread:.3f}), "
+                  f"broker {broker:.3f} ms/req, produce requests {reqs:.2f}/req, {tx:.0f} B/req sent "
+                  f"(load {os.getloadavg()[0]:.1f})")
+    out = {k: tuple(statistics.median(x[i] for x in v) for i in range(5)) for k, v in got.items()}
     sizes = shape_bytes(prefix)
     print("bytes per event as stored: " + ", ".join(f"{k} {v}" for k, v in sizes.items())
           + f"; per request {sum(sizes.values())}")
-    print(f"{n} requests x 4 events per round, {rounds} rounds, median [min-max] ms per request")
+    print(f"{n} requests x 4 events per round (2 + 2, {hop_ms:g} ms apart, next request {GAP_S * 1000:g} ms "
+          f"after), {rounds} rounds, median [min-max] per request")
     for k, v in got.items():
-        rs, bs, ts = ([x[i] for x in v] for i in range(3))
-        print(f"{k:<14} router {out[k][0]:.3f} [{min(rs):.3f}-{max(rs):.3f}]  publishing thread {out[k][2]:.3f} "
-              f"[{min(ts):.3f}-{max(ts):.3f}]  broker {out[k][1]:.3f} [{min(bs):.3f}-{max(bs):.3f}]")
-    print("RESULT " + " ".join(f"{k}_router_ms={v[0]:.3f} {k}_thread_ms={v[2]:.3f} {k}_broker_ms={v[1]:.3f}"
-                               for k, v in out.items())
+        rs, bs, ts, qs, xs = ([x[i] for x in v] for i in range(5))
+        print(f"{k:<10} router {out[k][0]:.3f} [{min(rs):.3f}-{max(rs):.3f}]  publishing thread {out[k][2]:.3f} "
+              f"[{min(ts):.3f}-{max(ts):.3f}]  broker {out[k][1]:.3f} [{min(bs):.3f}-{max(bs):.3f}] ms  "
+              f"produce requests {out[k][3]:.2f} [{min(qs):.2f}-{max(qs):.2f}]  sent {out[k][4]:.0f} B")
+    print("RESULT " + " ".join(f"{k}_router_ms={v[0]:.3f} {k}_thread_ms={v[2]:.3f} {k}_broker_ms={v[1]:.3f} "
+                               f"{k}_produce_reqs={v[3]:.2f} {k}_tx_bytes={v[4]:.0f}" for k, v in out.items())
           + f" request_bytes={sum(sizes.values())}")
     return out
 
@@ -183,9 +224,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--hop-ms", type=float, default=HOP_MS,
+                    help="Milliseconds between a request's decision events and its end's.")
+    ap.add_argument("--settings", nargs="*", choices=list(SETTINGS), help="Only these settings.")
     ap.add_argument("--read-prefix", help="Instead: bytes per event type on this topic prefix's topics.")
     a = ap.parse_args()
     if a.read_prefix:
         print_bytes(a.read_prefix)
     else:
-        main(a.rounds, a.n)
+        main(a.rounds, a.n, a.hop_ms, a.settings)

@@ -303,7 +303,7 @@ def router_cmd(
     events_linger_ms: Annotated[int, typer.Option(
         envvar="SWITCHYARD_ROUTER_EVENTS_LINGER_MS",
         help="linger.ms of the router's event producer (longer batches more of its request events; beyond "
-             "the workers' prefill time a request's events land after theirs).")] = 2,
+             "the workers' prefill time a request's events land after theirs).")] = 5,
     view_fetch_wait_ms: Annotated[int, typer.Option(
         envvar="SWITCHYARD_ROUTER_VIEW_FETCH_WAIT_MS",
         help="Longest the broker holds the view's fetch to fill it (fewer fetches per routed request, for "

@@ -16,6 +16,7 @@ No per-event callback: a router's caller learns of failures from :attr:`failed` 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -34,9 +35,20 @@ from schemas.signing import about_of
 
 log = logging.getLogger(__name__)
 
+#: Where librdkafka's own log lines go, as the Python clients' (``common.log.kafka``).
+_rdkafka_log = logging.getLogger("switchyard.rdkafka")
+
+
+def log_level(syslog: int) -> int:
+    """A librdkafka (syslog) level as the logging module's, as confluent-kafka maps it."""
+    if syslog <= 2:
+        return logging.CRITICAL
+    return {3: logging.ERROR, 4: logging.WARNING, 5: logging.INFO, 6: logging.INFO}.get(syslog, logging.DEBUG)
+
+
 def native_config(settings: BusSettings, **extra) -> list[tuple[str, str]]:
-    """:func:`producer_config` as librdkafka strings, without the Python logger (the crate
-    writes librdkafka's warnings to stderr)."""
+    """:func:`producer_config` as librdkafka strings, without the Python logger: the crate
+    keeps librdkafka's warnings and worse, and the producer logs them with its delivery reports."""
     return [(k, ("true" if v else "false") if isinstance(v, bool) else str(v))
             for k, v in producer_config(settings, **extra).items() if k != "logger"]
 
@@ -96,9 +108,12 @@ class NativeEventProducer(EnvelopeProducer):
                                  transient=ConnectionError)
 
     def _serve(self) -> int:
-        """Hand the delivery reports kept since the last call to the ledger and the log."""
+        """Hand the delivery reports kept since the last call to the ledger and the log, and
+        librdkafka's log lines to the ``switchyard.rdkafka`` logger."""
         with self._report_lock:
-            reports = self._native.reports()
+            reports = self._native.reports()  # first: it clears `waiting`, which a new line sets again
+            for level, facility, message in self._native.logs():
+                _rdkafka_log.log(log_level(level), "%s %s: %s", self.producer_id, facility, message)
             for event_id, type_name, key, topic, partition, offset, seq, error in reports:
                 entry = AckEntry(event_id, topic, partition, offset, self.producer_id, self.epoch, seq, error)
                 report_delivery(self.ledger, entry, type_name, key)
@@ -114,6 +129,13 @@ class NativeEventProducer(EnvelopeProducer):
     def outstanding(self) -> int:
         """Events handed to librdkafka whose delivery report has not been served yet."""
         return self._native.in_flight()
+
+    def statistics(self) -> tuple[int, dict | None]:
+        """(how many librdkafka statistics reports arrived, the newest as parsed JSON or None);
+        reports come every ``statistics.interval.ms`` when that is set (0, the default: never).
+        Its ``brokers.<name>.req.Produce`` counts the produce requests sent."""
+        n, raw = self._native.statistics()
+        return n, (json.loads(raw) if raw is not None else None)
 
     def flush(self, timeout: float = 30.0) -> int:
         """Wait for delivery reports; returns how many are still outstanding."""

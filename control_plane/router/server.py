@@ -295,3 +295,8 @@ def _refresh_gauges(c: RouterApp) -> None:
     m.queue_oldest_seconds.set(queue.oldest_wait_s(time.monotonic()))
     if c.router.loop_lag is not None:
         m.loop_lag_seconds.set(c.router.loop_lag().smoothed_s)
+    calls = c.router.workers.load()
+    m.worker_calls.labels(state="in_flight").set(calls.in_flight)
+    m.worker_calls.labels(state="ready").set(calls.ready)
+    m.worker_connections.labels(state="busy").set(calls.busy_connections)
+    m.worker_connections.labels(state="idle").set(calls.idle_connections)

@@ -83,6 +83,19 @@ class RouterMetrics:
             "switchyard_router_event_loop_sample_lag_seconds",
             "How late each 50 ms probe callback ran on this router's event loop",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)
+        self.events_queued = Gauge("switchyard_router_events_queued",
+                                   "This router's events handed to its producer and not yet acknowledged by the "
+                                   "broker (librdkafka's rd_kafka_outq_len: waiting to be sent, in flight, or "
+                                   "their delivery report not served)", registry=r)
+        self.worker_calls = Gauge("switchyard_router_worker_calls",
+                                  "This router's calls to workers: in_flight (begun, not over: waiting for a "
+                                  "connection or an answer, being read or drained), ready (news from the worker "
+                                  "its event loop has not taken yet: a slow loop, not slow workers)",
+                                  ["state"], registry=r)
+        self.worker_connections = Gauge("switchyard_router_worker_connections",
+                                        "This router's connections to workers: busy (carrying a call), idle "
+                                        "(in the pool for the next call; one the worker closed is found out "
+                                        "when taken)", ["state"], registry=r)
         self.queue_requests = Gauge("switchyard_router_admission_queue_requests",
                                     "Requests waiting in this router's admission queue", registry=r)
         self.queue_oldest_seconds = Gauge("switchyard_router_admission_queue_oldest_seconds",

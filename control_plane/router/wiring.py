@@ -101,11 +101,12 @@ class RouterSettings:
     #: (the native server: common/native_http.py); a body's own bound is ``limits.body_timeout_s``.
     connections: ConnectionLimits = ConnectionLimits()
     #: ``linger.ms`` of this replica's event producer: how long a request's events wait to share
-    #: a produce request with its next events and other requests'. The bus default (2 ms): at
-    #: 20 ms a request's ``RequestAdmitted`` landed on the log after its prefill worker's
-    #: ``PrefillCompleted`` (test_router_workers caught it), and the saving (0.06 ms of router
-    #: CPU per request) was inside the whole bench's noise (docs/router-events-cost.md).
-    events_linger_ms: int = 2
+    #: a produce request with its next events and other requests'. 5 ms: longer than a short
+    #: request takes, so its decision's and its end's events go in one produce request, not two
+    #: (the broker's CPU for them about in proportion, docs/router-events-cost.md); no request
+    #: waits for them. At 20 ms a request's ``RequestAdmitted`` landed on the log after its
+    #: prefill worker's ``PrefillCompleted`` (test_router_workers caught it).
+    events_linger_ms: int = 5
     #: Longest the broker holds the view's fetch (``fetch.max.wait.ms``, with ``fetch.min.bytes``
     #: 64 KB) before answering with what it has: the workers' KV events of several requests come
     #: in one fetch instead of a fetch per record batch (the broker's CPU for the view per routed
@@ -237,6 +238,8 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     producer, config, processor, follower = restored.producer, restored.config, restored.processor, restored.follower
     view = processor.view
     metrics = RouterMetrics()
+    # Read at each scrape: how far the broker's acknowledgements trail this router's events.
+    metrics.events_queued.set_function(producer.outstanding)
     # The router's own saturation, counted as load by admission (RouterConfig.max_loop_lag_ms).
     probe = LoopLagProbe(on_sample=metrics.loop_lag_sample_seconds.observe)
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config,

@@ -74,7 +74,25 @@ class Reply(Protocol):
     def chunks(self) -> AsyncIterator[bytes]: ...
 
 
+@dataclass(frozen=True, slots=True)
+class CallLoad:
+    """The worker calls' own queue at one instant (the router's saturation, issue 38 item 4)."""
+
+    #: Calls begun and not over: waiting for a connection or an answer, being read or drained.
+    in_flight: int = 0
+    #: Calls with news (a head, body bytes, an end) the router's event loop has not taken yet:
+    #: above 0 for long, the loop is what is slow, not the workers.
+    ready: int = 0
+    #: Connections carrying a call, and kept open idle for the next one.
+    busy_connections: int = 0
+    idle_connections: int = 0
+
+
 class WorkerCalls(Protocol):
+    def load(self) -> CallLoad:
+        """The calls' queue now (:class:`CallLoad`)."""
+        ...
+
     def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AbstractAsyncContextManager[Reply]:
         """POST ``body`` (JSON) to worker ``worker_id`` at ``url`` with ``X-Request-Id`` (and the
         worker's bearer, :func:`common.settings.worker_token`); the answer, until the block
@@ -124,6 +142,11 @@ class HttpWorkerCalls:
                                                           DRAIN_S, self.max_connections)
             self._loop.add_reader(self._native.fileno(), self._ready)
         return self._native
+
+    def load(self) -> CallLoad:
+        if self._native is None:
+            return CallLoad()
+        return CallLoad(*self._native.load())
 
     def _ready(self) -> None:
         """The client's wake-up: every call that changed since its waiter found it pending."""
@@ -285,14 +308,24 @@ class MemoryWorkerCalls:
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
+        self._in_flight = 0
+
+    def load(self) -> CallLoad:
+        """Calls in flight; nothing is ever ready untaken (no loop between the answer and its
+        caller) and there are no connections."""
+        return CallLoad(in_flight=self._in_flight)
 
     @asynccontextmanager
     async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
         _check_sendable(url, request_id)
-        reply = self.answer(WorkerCall(url, body, request_id, worker_id))
-        if not isinstance(reply, MemoryReply):
-            reply = await reply
-        yield reply
+        self._in_flight += 1
+        try:
+            reply = self.answer(WorkerCall(url, body, request_id, worker_id))
+            if not isinstance(reply, MemoryReply):
+                reply = await reply
+            yield reply
+        finally:
+            self._in_flight -= 1
 
     async def close(self) -> None:
         return None

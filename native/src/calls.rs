@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::future::Future;
 use std::task::Poll;
@@ -110,6 +111,31 @@ struct Inner {
     idle: Mutex<HashMap<Key, Vec<Conn>>>,
     permits: Arc<Semaphore>,
     wake: Wake,
+    /// Calls begun and not over (their task not yet ended or dropped).
+    calls: AtomicUsize,
+}
+
+/// Counts one call while its task lives: dropped when the task ends, is aborted, or is dropped
+/// with the runtime.
+struct Counted(Arc<Inner>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.calls.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The calls' queue at one instant (`Client::load`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Calls begun and not over: waiting for a connection or an answer, read or drained.
+    pub calls: usize,
+    /// Calls on the ready list: news the caller has not taken yet.
+    pub ready: usize,
+    /// Connections carrying a call (a permit held).
+    pub busy: usize,
+    /// Connections in the pool for the next call (one the worker closed is found out when taken).
+    pub idle: usize,
 }
 
 impl Inner {
@@ -320,7 +346,7 @@ impl Client {
         rx.set_nonblocking(true)?;
         let permits = Arc::new(Semaphore::new(cfg.max_connections.max(1)));
         let wake = Wake { ready: Mutex::new(Vec::new()), tx, rx };
-        Ok(Client { rt: Some(rt), inner: Arc::new(Inner { cfg, idle: Mutex::new(HashMap::new()), permits, wake }), next_id: 0 })
+        Ok(Client { rt: Some(rt), inner: Arc::new(Inner { cfg, idle: Mutex::new(HashMap::new()), permits, wake, calls: AtomicUsize::new(0) }), next_id: 0 })
     }
 
     /// The descriptor that becomes readable when calls are ready (see [`Client::take_ready`]).
@@ -339,8 +365,27 @@ impl Client {
         let rt = self.rt.as_ref().ok_or("the client is closed")?;
         self.next_id += 1;
         let shared = Arc::new(Shared { id: self.next_id, state: Mutex::new(State::default()), room: Notify::new() });
-        let task = rt.spawn(run(self.inner.clone(), shared.clone(), req)).abort_handle();
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        let counted = Counted(self.inner.clone());
+        let call = run(self.inner.clone(), shared.clone(), req);
+        let task = rt
+            .spawn(async move {
+                let _counted = counted;
+                call.await
+            })
+            .abort_handle();
         Ok(Call { shared, task })
+    }
+
+    /// The calls' queue now.
+    pub fn load(&self) -> Load {
+        let inner = &self.inner;
+        Load {
+            calls: inner.calls.load(Ordering::Relaxed),
+            ready: inner.wake.ready.lock().unwrap().len(),
+            busy: inner.cfg.max_connections.max(1) - inner.permits.available_permits(),
+            idle: inner.idle.lock().unwrap().values().map(Vec::len).sum(),
+        }
     }
 
     /// Ends every call and closes every connection.

@@ -43,6 +43,12 @@ impl PyClient {
         self.inner.take_ready()
     }
 
+    /// (calls in flight, calls ready and not taken, connections busy, connections idle).
+    fn load(&self) -> (usize, usize, usize, usize) {
+        let l = self.inner.load();
+        (l.calls, l.ready, l.busy, l.idle)
+    }
+
     /// POST ``body`` to ``url`` with ``headers``; ValueError when it cannot be put on the wire.
     fn post(&mut self, url: &str, body: &[u8], headers: Vec<(String, String)>) -> PyResult<PyCall> {
         let call = self.inner.post(url, Bytes::copy_from_slice(body), &headers).map_err(PyValueError::new_err)?;

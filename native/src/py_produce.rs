@@ -6,7 +6,8 @@
 //! A delivery report reaches Python only when someone needs it: every one with an ack ledger
 //! (`report_all`), else only failures and acknowledgements without an offset (logged there).
 //! Python takes them (`reports`) after each produce and in `flush`, where the confluent_kafka
-//! producer served its callbacks (`poll(0)` after each produce, `flush`).
+//! producer served its callbacks (`poll(0)` after each produce, `flush`); librdkafka's warnings
+//! (`logs`) the same way, for its `switchyard.rdkafka` logger.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -35,27 +36,57 @@ struct Pending {
 /// (event id, type, key, topic, partition, offset (-1: acknowledged without one), seq, error).
 type Report = (String, String, String, String, i32, i64, i64, Option<String>);
 
+/// librdkafka's log lines kept for Python between two takes; past it they are counted only.
+const MAX_LOGS: usize = 1000;
+
+/// A librdkafka log line: (syslog level, facility, message).
+type LogLine = (i32, String, String);
+
 struct Ctx {
-    name: String,
     /// Every report kept for Python (an ack ledger records them), else only the ones it logs.
     all: bool,
     reports: Mutex<Vec<Report>>,
+    /// Warnings and worse, for Python's `switchyard.rdkafka` logger (taken with the reports:
+    /// never the GIL from librdkafka's threads, which may hold its locks while they log).
+    logs: Mutex<Vec<LogLine>>,
+    logs_dropped: AtomicU64,
+    /// (statistics reports so far, the newest one's JSON): `statistics.interval.ms`.
+    stats: Mutex<(u64, Option<String>)>,
     waiting: AtomicBool,
     acked: AtomicU64,
     unconfirmed: AtomicU64,
     failed: AtomicU64,
 }
 
+impl Ctx {
+    fn keep_log(&self, level: i32, fac: &str, msg: &str) {
+        let mut logs = self.logs.lock().unwrap();
+        if logs.len() < MAX_LOGS {
+            logs.push((level, fac.to_owned(), msg.to_owned()));
+        } else {
+            self.logs_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        drop(logs);
+        self.waiting.store(true, Ordering::Release);
+    }
+}
+
 impl ClientContext for Ctx {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, msg: &str) {
         // As the Python clients' `switchyard.rdkafka` logger shows them: warnings and worse.
         if (level as i32) <= RDKafkaLogLevel::Warning as i32 {
-            eprintln!("switchyard.rdkafka {} {:?} {}: {}", self.name, level, fac, msg);
+            self.keep_log(level as i32, fac, msg);
         }
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
-        eprintln!("switchyard.rdkafka {} error {}: {}", self.name, error, reason);
+        self.keep_log(RDKafkaLogLevel::Error as i32, "ERROR", &format!("{error}: {reason}"));
+    }
+
+    fn stats_raw(&self, statistics: &[u8]) {
+        let mut s = self.stats.lock().unwrap();
+        s.0 += 1;
+        s.1 = Some(String::from_utf8_lossy(statistics).into_owned());
     }
 }
 
@@ -110,9 +141,11 @@ impl PyEventProducer {
             c.set(k, v);
         }
         let ctx = Ctx {
-            name: producer.clone(),
             all: report_all,
             reports: Mutex::new(Vec::new()),
+            logs: Mutex::new(Vec::new()),
+            logs_dropped: AtomicU64::new(0),
+            stats: Mutex::new((0, None)),
             waiting: AtomicBool::new(false),
             acked: AtomicU64::new(0),
             unconfirmed: AtomicU64::new(0),
@@ -178,6 +211,23 @@ impl PyEventProducer {
         let ctx = self.p.context();
         ctx.waiting.store(false, Ordering::Release);
         std::mem::take(&mut *ctx.reports.lock().unwrap())
+    }
+
+    /// librdkafka's warnings and worse since the last call, as (syslog level, facility,
+    /// message); lines past the buffer's room are counted in one more line.
+    fn logs(&self) -> Vec<LogLine> {
+        let ctx = self.p.context();
+        let mut out = std::mem::take(&mut *ctx.logs.lock().unwrap());
+        let dropped = ctx.logs_dropped.swap(0, Ordering::Relaxed);
+        if dropped > 0 {
+            out.push((RDKafkaLogLevel::Warning as i32, "LOG".to_owned(), format!("{dropped} more log lines dropped")));
+        }
+        out
+    }
+
+    /// (statistics reports so far, the newest one's JSON or None).
+    fn statistics(&self) -> (u64, Option<String>) {
+        self.p.context().stats.lock().unwrap().clone()
     }
 
     /// (acknowledged, of them without an offset, failed) so far.

@@ -7,10 +7,14 @@ and verifier reads the router's records as before. (Producing them to the broker
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import switchyard_native
 
-from common.log.native_producer import native_config
+from common.log.native_producer import NativeEventProducer, log_level, native_config
+from common.net import free_port
 from common.settings import BusSettings
 from schemas import EventCodec
 from schemas import events as ev
@@ -53,3 +57,31 @@ def test_the_producer_settings_are_the_python_producers():
     assert conf["acks"] == "all" and conf["enable.idempotence"] == "true" and conf["linger.ms"] == "2"
     assert conf["compression.type"] == "lz4" and conf["socket.timeout.ms"] == "2000"
     assert conf["retry.backoff.max.ms"] == "250" and "logger" not in conf
+
+
+def test_librdkafkas_warnings_reach_the_python_logger_and_statistics_are_kept(caplog):
+    """No broker listens at the bootstrap address: librdkafka's connection errors come back as
+    ``switchyard.rdkafka`` records, served with the delivery reports (here by ``poll``), not
+    written to stderr; its statistics reports arrive when asked for (the events bench reads the
+    produce requests from them)."""
+    bus = BusSettings(bootstrap=f"127.0.0.1:{free_port()}", security_protocol="PLAINTEXT")
+    p = NativeEventProducer(bus, "router-log-test", ack_ledger=False, **{"statistics.interval.ms": 50})
+    caplog.set_level(logging.WARNING, logger="switchyard.rdkafka")
+    deadline = time.monotonic() + 30
+    while not [r for r in caplog.records if r.name == "switchyard.rdkafka"] and time.monotonic() < deadline:
+        p.poll()
+        time.sleep(0.05)
+    [first, *_] = [r for r in caplog.records if r.name == "switchyard.rdkafka"]
+    assert first.levelno >= logging.WARNING and first.getMessage().startswith("router-log-test ")
+    assert "127.0.0.1" in first.getMessage()
+    while p.statistics()[0] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    n, stats = p.statistics()
+    assert n >= 1 and stats["type"] == "producer" and stats["msg_cnt"] == 0
+    p.close(1)
+
+
+@pytest.mark.parametrize(("syslog", "level"), [(0, logging.CRITICAL), (2, logging.CRITICAL), (3, logging.ERROR),
+                                                (4, logging.WARNING), (6, logging.INFO), (7, logging.DEBUG)])
+def test_librdkafka_levels_are_the_logging_modules(syslog, level):
+    assert log_level(syslog) == level

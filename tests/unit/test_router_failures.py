@@ -13,7 +13,7 @@ from control_plane.router import RouterConfig
 from control_plane.router.admission import AdmissionConfig
 from control_plane.router.proxy import Router, RouterRejected
 from control_plane.router.view import RouterView, WorkerState
-from control_plane.router.worker_calls import DRAIN_S
+from control_plane.router.worker_calls import DRAIN_S, CallLoad
 from common.hashing import HashAlgo, HashConfig
 from common.log.sink import MemorySink
 from common.net import free_port
@@ -208,6 +208,11 @@ async def test_requests_reuse_a_connection_and_one_the_worker_closed_is_not_a_fa
         for i in range(4):
             assert [c.text for c in await _collect(router, f"keep-{i}") if c.text] == ["a"]
             await router.workers.drained()  # the connection is back in the pool
+            # Nothing in flight or waiting for the loop; the connection in the pool (one the worker
+            # closed is pooled or not, as its close was seen before or after the answer's end).
+            load = router.workers.load()
+            assert (load.in_flight, load.ready, load.busy_connections) == (0, 0, 0)
+            assert load.idle_connections in ((0, 1) if close_after_answer else (1,))
         assert sink.of_type(RequestFailed) == []
         assert served == ([4] if not close_after_answer else [1, 1, 1, 1]), served
     finally:
@@ -242,8 +247,14 @@ async def test_a_stream_the_router_gives_up_on_closes_the_worker_connection() ->
         await router.queue(adm)
         stream = router.serve(adm)
         assert (await stream.__anext__()).text == "a"
+        assert router.workers.load() == CallLoad(in_flight=1, busy_connections=1)  # the saturation gauges' source
         await stream.aclose()  # what the HTTP front does when its client is gone
         await asyncio.wait_for(gone.wait(), timeout=DRAIN_S / 2)  # closed, not drained
         assert [f.code for f in sink.of_type(RequestFailed)] == ["client_cancelled"]
+        for _ in range(200):  # the aborted call's task is dropped on the client's own thread
+            if router.workers.load() == CallLoad():
+                break
+            await asyncio.sleep(0.01)
+        assert router.workers.load() == CallLoad()  # over, its connection gone
     finally:
         await _close(router, [server])

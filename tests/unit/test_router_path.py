@@ -510,6 +510,8 @@ async def test_a_router_whose_loop_lags_sheds_at_once_with_its_reason_and_export
         exported = (await client.get("/metrics")).text
         assert "switchyard_router_event_loop_lag_seconds 0.3" in exported
         assert "switchyard_router_admission_queue_requests 0.0" in exported
+        assert 'switchyard_router_worker_calls{state="in_flight"} 0.0' in exported
+        assert 'switchyard_router_worker_calls{state="ready"} 0.0' in exported
         lag["now"] = LoopLag(0.005, 0.004, 2.0, 40)
         assert (await client.post("/v1/completions", json=body)).status_code == 200
     check.verify()
