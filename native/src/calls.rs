@@ -19,9 +19,7 @@
 //!   worker sees it and stops generating).
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::future::Future;
@@ -39,6 +37,8 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 use tokio::time::{timeout, timeout_at};
+
+use crate::wake::Wake;
 
 /// Bytes a call buffers before its reader waits for the caller to take them.
 const BUFFER: usize = 256 * 1024;
@@ -80,37 +80,11 @@ impl Drop for Conn {
 
 type Key = (String, u16);
 
-/// Wakes the caller's event loop: ids of calls that changed, and one byte on a socket pair
-/// when the list goes from empty to not.
-struct Wake {
-    ready: Mutex<Vec<u64>>,
-    tx: UnixStream,
-    rx: UnixStream,
-}
-
-impl Wake {
-    fn notify(&self, id: u64) {
-        let mut ready = self.ready.lock().unwrap();
-        if ready.is_empty() {
-            // WouldBlock: the pipe is full of wake-ups already.
-            let _ = (&self.tx).write(&[1]);
-        }
-        ready.push(id);
-    }
-
-    fn take(&self) -> Vec<u64> {
-        let mut ready = self.ready.lock().unwrap();
-        let mut sink = [0u8; 64];
-        while matches!((&self.rx).read(&mut sink), Ok(n) if n > 0) {}
-        std::mem::take(&mut *ready)
-    }
-}
-
 struct Inner {
     cfg: Config,
     idle: Mutex<HashMap<Key, Vec<Conn>>>,
     permits: Arc<Semaphore>,
-    wake: Wake,
+    wake: Wake<Vec<u64>>,
     /// Calls begun and not over (their task not yet ended or dropped).
     calls: AtomicUsize,
 }
@@ -296,7 +270,7 @@ impl Shared {
             std::mem::take(&mut st.waiting)
         };
         if wake {
-            inner.wake.notify(self.id);
+            inner.wake.push(|r| r.push(self.id));
         }
     }
 
@@ -341,17 +315,14 @@ impl Client {
             .enable_io()
             .enable_time()
             .build()?;
-        let (tx, rx) = UnixStream::pair()?;
-        tx.set_nonblocking(true)?;
-        rx.set_nonblocking(true)?;
         let permits = Arc::new(Semaphore::new(cfg.max_connections.max(1)));
-        let wake = Wake { ready: Mutex::new(Vec::new()), tx, rx };
+        let wake = Wake::new()?;
         Ok(Client { rt: Some(rt), inner: Arc::new(Inner { cfg, idle: Mutex::new(HashMap::new()), permits, wake, calls: AtomicUsize::new(0) }), next_id: 0 })
     }
 
     /// The descriptor that becomes readable when calls are ready (see [`Client::take_ready`]).
     pub fn wake_fd(&self) -> RawFd {
-        self.inner.wake.rx.as_raw_fd()
+        self.inner.wake.fd()
     }
 
     /// The ids of the calls that changed since the caller last waited on them.
@@ -382,7 +353,7 @@ impl Client {
         let inner = &self.inner;
         Load {
             calls: inner.calls.load(Ordering::Relaxed),
-            ready: inner.wake.ready.lock().unwrap().len(),
+            ready: inner.wake.peek(Vec::len),
             busy: inner.cfg.max_connections.max(1) - inner.permits.available_permits(),
             idle: inner.idle.lock().unwrap().values().map(Vec::len).sum(),
         }
@@ -600,7 +571,7 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{BufRead, BufReader};
+    use std::io::{BufRead, BufReader, Read, Write};
     use std::net::{TcpListener, TcpStream as StdStream};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -671,7 +642,7 @@ mod tests {
             }
             assert!(Instant::now() < deadline, "no answer in time");
             // Blocks until a wake-up (or 50 ms: conditions nobody is woken for, `is_over`).
-            let rx = c.inner.wake.rx.try_clone().unwrap();
+            let rx = c.inner.wake.reader();
             rx.set_nonblocking(false).unwrap();
             rx.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
             let _ = (&rx).read(&mut [0u8; 1]);

@@ -21,10 +21,8 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
-use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::net::UnixStream;
+use std::os::fd::RawFd;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +40,8 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+use crate::wake::Wake;
 
 /// Answer bytes queued for a client before the caller is told to wait.
 pub const BUFFER: usize = 256 * 1024;
@@ -206,7 +206,7 @@ pub struct Exchange {
     room: Notify,
     /// The answer's head came.
     head_ready: Notify,
-    wake: Arc<Wake>,
+    wake: Arc<Wake<Ready>>,
 }
 
 /// The request's body, as the caller sees it now.
@@ -227,7 +227,7 @@ impl Exchange {
             std::mem::take(&mut st.waiting)
         };
         if wake {
-            self.wake.changed(self.id);
+            self.wake.push(|r| r.1.push(self.id));
         }
     }
 
@@ -329,39 +329,13 @@ impl Exchange {
     }
 }
 
-/// Wakes the caller's event loop: new requests and ids of requests that changed, and one byte
-/// on a socket pair when the lists go from empty to not.
-struct Wake {
-    ready: Mutex<(Vec<Arc<Exchange>>, Vec<u64>)>,
-    tx: UnixStream,
-    rx: UnixStream,
-}
-
-impl Wake {
-    fn push(&self, f: impl FnOnce(&mut (Vec<Arc<Exchange>>, Vec<u64>))) {
-        let mut ready = self.ready.lock().unwrap();
-        if ready.0.is_empty() && ready.1.is_empty() {
-            let _ = (&self.tx).write(&[1]); // WouldBlock: the pipe is full of wake-ups already
-        }
-        f(&mut ready);
-    }
-
-    fn changed(&self, id: u64) {
-        self.push(|r| r.1.push(id));
-    }
-
-    fn take(&self) -> (Vec<Arc<Exchange>>, Vec<u64>) {
-        let mut ready = self.ready.lock().unwrap();
-        let mut sink = [0u8; 64];
-        while matches!((&self.rx).read(&mut sink), Ok(n) if n > 0) {}
-        std::mem::take(&mut *ready)
-    }
-}
+/// New requests, and ids of requests that changed.
+type Ready = (Vec<Arc<Exchange>>, Vec<u64>);
 
 struct Inner {
     limits: Limits,
     conns: Mutex<Conns>,
-    wake: Arc<Wake>,
+    wake: Arc<Wake<Ready>>,
     next_id: AtomicU64,
     closed_stalled: AtomicU64,
 }
@@ -385,7 +359,7 @@ impl Body for OutBody {
             let wake = was_full && st.out_bytes < BUFFER && std::mem::take(&mut st.waiting);
             drop(st);
             if wake {
-                ex.wake.changed(ex.id);
+                ex.wake.push(|r| r.1.push(ex.id));
             }
             return Poll::Ready(Some(Ok(Frame::data(d))));
         }
@@ -720,10 +694,7 @@ impl Server {
             .enable_io()
             .enable_time()
             .build()?;
-        let (tx, rx) = UnixStream::pair()?;
-        tx.set_nonblocking(true)?;
-        rx.set_nonblocking(true)?;
-        let wake = Arc::new(Wake { ready: Mutex::new((Vec::new(), Vec::new())), tx, rx });
+        let wake = Arc::new(Wake::new()?);
         let inner = Arc::new(Inner { limits, conns: Mutex::new(Conns::default()), wake, next_id: AtomicU64::new(0),
                                      closed_stalled: AtomicU64::new(0) });
         let listener = rt.block_on(async { TcpListener::bind((host, port)).await })?;
@@ -745,7 +716,7 @@ impl Server {
 
     /// The descriptor that becomes readable when requests are ready ([`Server::take_ready`]).
     pub fn wake_fd(&self) -> RawFd {
-        self.inner.wake.rx.as_raw_fd()
+        self.inner.wake.fd()
     }
 
     /// New requests, and ids of requests that changed since the caller last waited on them.
@@ -776,7 +747,7 @@ impl Drop for Server {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{BufRead, BufReader};
+    use std::io::{BufRead, BufReader, Read, Write};
     use std::net::TcpStream;
     use std::time::Instant as StdInstant;
 

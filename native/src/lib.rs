@@ -14,7 +14,8 @@
 //! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`;
 //! * [`calls`]: the router's HTTP calls to workers (hyper on a tokio thread of its own).
 //! * [`front`]: the router's HTTP server (hyper on tokio threads of its own), which hands requests
-//!   to the ASGI app in batches.
+//!   to the ASGI app in batches;
+//! * [`wake`]: how both wake the caller's event loop, once per batch (a socket pair).
 //!
 //! The pure core has no Python in it (`cargo test` tests it as is); the `python` feature adds
 //! the PyO3 bindings maturin builds into the `switchyard_native` extension module.
@@ -32,6 +33,7 @@ pub mod inflight;
 pub mod mp;
 pub mod signing;
 pub mod tokenize;
+pub mod wake;
 
 #[cfg(feature = "python")]
 mod py;
