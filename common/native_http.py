@@ -30,6 +30,7 @@ from urllib.parse import unquote
 import switchyard_native
 
 from common.connection_limits import ConnectionLimits
+from common.native_wake import Waiters
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class Server:
         self.should_exit = False
         self._native: switchyard_native.FrontServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Request id -> the future its waiters await (done when the crate says it changed).
-        self._waiters: dict[int, asyncio.Future] = {}
+        #: Request id -> what its waiters await (done when the crate says it changed).
+        self._waiters: Waiters | None = None
         self._tasks: set[asyncio.Task] = set()
         self._state: dict = {}
 
@@ -66,6 +67,7 @@ class Server:
 
     async def serve(self) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        self._waiters = Waiters(loop)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._exit)
@@ -102,11 +104,7 @@ class Server:
     def _ready(self) -> None:
         """New requests, each run as a task, and the requests that changed: their waiters go on."""
         new, changed = self._native.take_ready()  # type: ignore[union-attr]
-        waiters = self._waiters
-        for rid in changed:
-            fut = waiters.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+        self._waiters.wake(changed)  # type: ignore[union-attr]
         loop = self._loop
         for req in new:
             task = loop.create_task(self._handle(req))  # type: ignore[union-attr]
@@ -115,10 +113,7 @@ class Server:
 
     def _changed(self, rid: int) -> asyncio.Future:
         """Done when request ``rid`` changes (every waiter on it shares one future)."""
-        fut = self._waiters.get(rid)
-        if fut is None or fut.done():
-            fut = self._waiters[rid] = self._loop.create_future()  # type: ignore[union-attr]
-        return fut
+        return self._waiters.changed(rid)  # type: ignore[union-attr]
 
     async def _handle(self, req: switchyard_native.FrontRequest) -> None:
         exchange = _Exchange(self, req)
@@ -145,7 +140,7 @@ class Server:
                 log.error("the app did not end its answer to %s %s", exchange.method, exchange.path)
                 req.abort()
         finally:
-            self._waiters.pop(req.id, None)
+            self._waiters.forget(req.id)  # type: ignore[union-attr]
 
 
 class _Exchange:
@@ -207,9 +202,7 @@ class _Exchange:
             more = message.get("more_body", False)
             if not more:
                 self.complete = True
-                waiter = self.server._waiters.pop(req.id, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)  # a receive waiting for the answer's end
+                self.server._waiters.wake((req.id,))  # type: ignore[union-attr]  # a receive waiting for the answer's end
             if self.gone:
                 return  # uvicorn ignores what is sent to a client that went away
             if self.full:  # the crate's buffer was full at the last flush: room first

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import switchyard_native
 
+from common.native_wake import Waiters
 from common.settings import worker_token
 
 #: Seconds a worker has to end an answer the router stopped reading (after ``[DONE]``) before
@@ -131,13 +132,14 @@ class HttpWorkerCalls:
         self._tokens: dict[str, str] = {}
         self._native: switchyard_native.WorkerClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Call id -> the future its waiter awaits (completed when the client says it changed).
-        self._waiters: dict[int, asyncio.Future] = {}
+        #: Call id -> what its waiter awaits (done when the client says it changed).
+        self._waiters: Waiters | None = None
         self._draining: set[asyncio.Task] = set()
 
     def _client(self) -> switchyard_native.WorkerClient:
         if self._native is None:
             self._loop = asyncio.get_running_loop()
+            self._waiters = Waiters(self._loop)
             self._native = switchyard_native.WorkerClient(self.connect_timeout_s, self.read_timeout_s, KEEP_ALIVE_S,
                                                           DRAIN_S, self.max_connections)
             self._loop.add_reader(self._native.fileno(), self._ready)
@@ -150,19 +152,13 @@ class HttpWorkerCalls:
 
     def _ready(self) -> None:
         """The client's wake-up: every call that changed since its waiter found it pending."""
-        waiters = self._waiters
-        for cid in self._native.take_ready():  # type: ignore[union-attr]
-            fut = waiters.pop(cid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+        self._waiters.wake(self._native.take_ready())  # type: ignore[union-attr]
 
     async def _changed(self, call: switchyard_native.WorkerCall) -> None:
-        fut = self._loop.create_future()  # type: ignore[union-attr]
-        self._waiters[call.id] = fut
         try:
-            await fut
+            await self._waiters.changed(call.id)  # type: ignore[union-attr]
         finally:
-            self._waiters.pop(call.id, None)
+            self._waiters.forget(call.id)  # type: ignore[union-attr]
 
     @asynccontextmanager
     async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
@@ -226,9 +222,8 @@ class HttpWorkerCalls:
             self._loop.remove_reader(self._native.fileno())  # type: ignore[union-attr]
             self._native.close()
             self._native = None
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(CallFailed("worker_lost", "the router closed its worker calls"))
+        if self._waiters is not None:
+            self._waiters.fail(CallFailed("worker_lost", "the router closed its worker calls"))
 
 
 @dataclass
