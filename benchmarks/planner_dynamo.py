@@ -445,6 +445,13 @@ def rows(name: str, reqs: list[Req], cfg: PlannerConfig, setup: Setup, case: dic
     return out
 
 
+def bootstrap_status(cases: Sequence[dict]) -> str:
+    """Dynamo's SLA target's bootstrap status over the cases that ran it: ``installed`` when it
+    is so in every one, else the first other status (``not_run`` when none ran it)."""
+    sla = [c["dynamo"]["sla"][4] for c in cases if c.get("dynamo") and "sla" in c["dynamo"]]
+    return next((s for s in sla if s != "installed"), "installed" if sla else "not_run")
+
+
 def result_keys(cases: Sequence[dict]) -> str:
     """The RESULT keys of Dynamo's side over the scored cases that ran it: its SLA target's
     bootstrap status (``installed`` in every case, else the first other status), the target
@@ -454,8 +461,7 @@ def result_keys(cases: Sequence[dict]) -> str:
     ran = [c["dynamo"] for c in cases if c.get("dynamo")]
     if not ran:
         return "dynamo_bootstrap=not_run dynamo_valid=0"
-    sla = [d["sla"][4] for d in ran if "sla" in d]
-    bootstrap = next((s for s in sla if s != "installed"), "installed" if sla else "not_run")
+    bootstrap = bootstrap_status(cases)
     worst = {t: min((d[t][0] for d in ran if t in d), default=math.nan) for t in TARGETS}
     ok = {t: a for t, a in worst.items() if not math.isnan(a)}
     best = max(ok, key=ok.get) if ok else None

@@ -136,6 +136,10 @@ def test_result_keys_mark_a_missing_bootstrap_not_valid() -> None:
     assert "dynamo_best_slo_attainment=0.5000 dynamo_replica_seconds_vs_oracle=1.2000" in keys
     bad = {**good, "sla": (0.6, 100.0, 0.9, 1.0, "not_configured_load_only")}
     assert "dynamo_bootstrap=not_configured_load_only dynamo_valid=0" in pd.result_keys([{"dynamo": bad}])
+    # what bench planner asserts after its RESULT line (a run without the FPMs installed fails)
+    assert pd.bootstrap_status([{"dynamo": good}, {"dynamo": bad}]) == "not_configured_load_only"
+    assert pd.bootstrap_status([{"dynamo": good}, {"name": "constant"}]) == "installed"
+    assert pd.bootstrap_status([{"name": "constant"}]) == "not_run"
 
 
 def test_a_reused_tuning_names_every_target() -> None:
