@@ -205,8 +205,8 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: and 4). Unconfirmed, only the next window's slope (beyond ``trend_z`` sd) is extrapolated;
     #: confirmed, the whole slope over ``rise_horizon_s``, with no band widening (the windows
     #: are the evidence). 4, not 3: the tune set ties them and its rule (fewer replica-seconds)
-    #: picks 4; 3 was found by tracing a score case (agentic:2:burst), so it does not ship
-    #: (docs/planner-bench.md).
+    #: picks 4; 3 was found by tracing a score case (agentic:2:burst), so it does not ship.
+    #: Seed 3 (chat, agentic) ties them too (docs/planner-bench.md, round 7).
     trend_confirm_windows: int = 3
     trend_confirm_k: float = 1.0
     trend_confirm_z: float = 4.0
