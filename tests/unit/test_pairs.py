@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from control_plane.replay.verify import DecisionRecord, check_table
+from control_plane.replay.verify import DecisionRecord, check_state, check_table
 from control_plane.router import RouterConfig
 from control_plane.router.decision import RoutingRequest, WorkerLoad, decide
+from control_plane.router.inputs import decision_inputs
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.pairs import HOP_PRIOR, ITL_PRIOR, LinearMs, PairFit, PairInputs, pair_key
 from control_plane.simulation import SimRouter
@@ -123,8 +124,22 @@ def test_a_simulated_pd_run_with_pairs_re_executes_from_its_tables_and_its_fold_
                              producer=e.producer, epoch=e.epoch, position="requests:0:0", event_id=e.event_id)
         verdict, _, diffs = check_table(rec, cfg)
         assert verdict == "match", diffs
+    # The state check: each decision re-executed on inputs rebuilt from a ledger folded from the
+    # log up to it (the simulated router's source has no load reports or KV events here, so it
+    # is the same at every moment).
     folded = RouterLedger(cfg.inflight_ttl_s)
     for e in r.recorded:
+        ev = e.data
+        if isinstance(ev, RequestRouted):
+            a = adm[ev.request_id]
+            inputs = decision_inputs(r, folded, request_id=ev.request_id, prompt_tokens=a.prompt_tokens,
+                                     block_hashes=a.block_hashes, block_size=a.block_size,
+                                     expected_output_tokens=ev.expected_output_tokens, phase=ev.phase,
+                                     attempt=ev.attempt, now=ev.decided_at_s, pairs=cfg.pd_pairs)
+            rec = DecisionRecord(routed=ev, admitted=a, at_ns=e.occurred_at_ns, producer=e.producer, epoch=e.epoch,
+                                 position="requests:0:0", event_id=e.event_id)
+            verdict, _, diffs, _ = check_state(rec, inputs, cfg)
+            assert verdict == "match", diffs
         folded.apply(e)
     live = r.ledger.pair_fit.inputs([])
     assert live.hop_pool != HOP_PRIOR and live.itl  # it learned
