@@ -235,6 +235,9 @@ class PairScore(msgspec.Struct, frozen=True, omit_defaults=True):
     itl_penalty_ms: float = 0.0
     #: ``prefill_ttft_ms + transfer_ms + itl_ms + itl_penalty_ms``: lower wins.
     cost: float = 0.0
+    #: KV blocks of requests already paired with the decode worker and not handed off yet
+    #: (``itl_ms`` counts them joined: without them a burst pairs with one decode worker).
+    paired_blocks: int = 0
 
 
 class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

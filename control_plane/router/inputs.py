@@ -124,7 +124,7 @@ def decision_inputs(
     pair, paired = None, ""
     if pairs and phase is RequestPhase.PREFILL:
         decode = [w for w in source.candidates(role_of_phase(RequestPhase.DECODE)) if w.worker_id not in excluded]
-        pair = ledger.pair_fit.inputs(decode)
+        pair = ledger.pair_fit.inputs(decode, ledger.pair_pending())
     elif pairs and phase is RequestPhase.DECODE:
         paired = ledger.paired(request_id)
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),

@@ -317,7 +317,7 @@ class RouterLedger:
     """
 
     __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "margin", "pair_fit", "_block_size", "_bound_zero",
-                 "_handlers", "_hashes", "_paired", "_decode_hop",
+                 "_handlers", "_hashes", "_paired", "_pair_pending", "_decode_hop",
                  "_prefill_worker", "_queued_ms", "_prompt_tokens")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
@@ -340,6 +340,9 @@ class RouterLedger:
         #: prompt tokens, its row's decode blocks) until its first token and its completion.
         self.pair_fit = PairFit()
         self._paired: dict[RequestId, WorkerId] = {}
+        #: Requests paired with a decode worker and not handed off yet: (worker, blocks), and the
+        #: blocks per worker (the load the pairs add there before any decode decision does).
+        self._pair_pending: dict[RequestId, tuple[WorkerId, int]] = {}
         self._decode_hop: dict[RequestId, tuple[WorkerId | None, WorkerId, float, int, int]] = {}
         self._queued_ms: dict[RequestId, float] = {}
         self._prompt_tokens: dict[RequestId, int] = {}
@@ -394,7 +397,11 @@ class RouterLedger:
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
         if ev.phase is RequestPhase.PREFILL and ev.paired_worker_id:
             self._paired[rid] = ev.paired_worker_id
+            self._release_pair(rid)  # a retried prefill pairs again
+            blocks = ev.inflight_blocks if ev.inflight_blocks is not None else 0
+            self._pair_pending[rid] = (ev.paired_worker_id, blocks)
         elif ev.phase is RequestPhase.DECODE:
+            self._release_pair(rid)
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             if row is not None:
                 self._decode_hop[rid] = (self._prefill_worker.get(rid), ev.worker_id, now,
@@ -469,6 +476,7 @@ class RouterLedger:
         self._block_size.pop(rid, None)
         self._prefill_worker.pop(rid, None)
         self._paired.pop(rid, None)
+        self._release_pair(rid)
         self._decode_hop.pop(rid, None)
         self._queued_ms.pop(rid, None)
         self._prompt_tokens.pop(rid, None)
@@ -506,6 +514,19 @@ class RouterLedger:
                 zero = self._bound_zero[worker] = (model, msgspec.structs.replace(model, queue_done_tokens=0))
             return zero[1]
         return msgspec.structs.replace(model, queue_done_tokens=done)
+
+    def _release_pair(self, rid: RequestId) -> None:
+        self._pair_pending.pop(rid, None)
+
+    def pair_pending(self) -> dict[WorkerId, int]:
+        """Per decode worker, the KV blocks of the requests paired with it and not handed off
+        yet (in worker id order): the load its pairs will add, which no decode decision has
+        put in the in-flight ledger yet (without it a burst's prefill decisions all pair with
+        the same least loaded decode worker)."""
+        out: dict[WorkerId, int] = {}
+        for w, b in self._pair_pending.values():
+            out[w] = out.get(w, 0) + b
+        return dict(sorted(out.items()))
 
     def paired(self, request_id: RequestId) -> WorkerId:
         """The decode worker ``request_id``'s prefill decision chose with it ("" when none)."""

@@ -14,7 +14,8 @@ by its own decision, the decode worker only once the prefill is done. With
   decode decision to the request's first token (:class:`PairFit`; the workers' own
   ``KvTransferCompleted`` are not on the router's fold, which holds only its own events);
 * ``ITL(d)``: the decode worker's inter-token latency once the request joins it, a line in the
-  KV blocks it would then hold (the decode row's ``decode_blocks``), fitted per decode worker
+  KV blocks it would then hold (the decode row's ``decode_blocks``, plus the blocks of requests
+  already paired with it and not handed off yet: ``PairScore.paired_blocks``), fitted per decode worker
   from its requests' ``RequestCompleted.itl_mean_ms`` around :data:`ITL_PRIOR`;
 * ``ITL penalty(d)``: ``(ITL(d) - itl_slo_ms) x expected output tokens`` when positive and the
   SLO is set: the time the output would lose to a decode worker slower than the SLO.
@@ -50,6 +51,10 @@ WINDOW_S = 300.0
 #: the model it is fitted around, in observations.
 MIN_OWN = 4
 PRIOR_WEIGHT = 4
+#: The weight, in observations, of the pool's fit that a pair's (or a decode worker's) own is
+#: fitted around: strong, so that one pair's noise does not steer choices while identical
+#: workers (every bench here) share one model; a pair truly slower for long moves it anyway.
+POOL_WEIGHT = 64
 
 
 class LinearMs(msgspec.Struct, frozen=True):
@@ -66,8 +71,9 @@ class LinearMs(msgspec.Struct, frozen=True):
 #: fixed cost (the answer's way back, the decode decision, the decode worker's first step).
 #: Conservative: NIXL over RDMA moves it several times faster.
 HOP_PRIOR = LinearMs(10.0, 0.013)
-#: The ITL's prior: 20 ms a token whatever the load (conservative for an 8B model on one GPU).
-ITL_PRIOR = LinearMs(20.0, 0.0)
+#: The ITL's prior: 20 ms a token (conservative for an 8B model on one GPU), and 4 us more per KV
+#: block the decode worker holds (a 64-token block of an 8B model, 8 MB, read each step at 2 TB/s).
+ITL_PRIOR = LinearMs(20.0, 0.004)
 
 
 def pair_key(prefill: WorkerId, decode: WorkerId) -> str:
@@ -83,6 +89,10 @@ class PairInputs(msgspec.Struct, kw_only=True):
     hop: dict[str, LinearMs] = {}
     hop_pool: LinearMs = HOP_PRIOR
     itl: dict[str, LinearMs] = {}
+    itl_pool: LinearMs = ITL_PRIOR
+    #: Per decode worker, the blocks of requests already paired with it and not handed off yet
+    #: (``RouterLedger.pair_pending``): its ITL is predicted with them joined too.
+    pending: dict[str, int] = {}
 
 
 class _Sums:
@@ -100,14 +110,14 @@ class _Sums:
         self.sy += sign * y
         self.sxy += sign * x * y
 
-    def fit(self, around: LinearMs) -> LinearMs:
-        """Least squares over the observations and ``PRIOR_WEIGHT`` points of ``around`` (half
+    def fit(self, around: LinearMs, weight: int = PRIOR_WEIGHT) -> LinearMs:
+        """Least squares over the observations and ``weight`` points of ``around`` (half
         at 0 units, half at the observations' mean), costs >= 0. A function of the sums alone:
         the same observations, in any order, give the same model."""
         if self.n <= 0:
             return around
         mean = self.sx / self.n
-        k = PRIOR_WEIGHT / 2
+        k = weight / 2
         y0, y1 = around.base_ms * 1000.0, around.at(mean) * 1000.0
         n = self.n + 2 * k
         sx = self.sx + k * mean
@@ -132,6 +142,7 @@ class PairFit:
         self._hop: dict[str, _Sums] = {}
         self._hop_pool = _Sums()
         self._itl: dict[str, _Sums] = {}
+        self._itl_pool = _Sums()
         self._log: deque[tuple[float, str, str, int, int]] = deque()  # (at, kind, key, x, y_us)
 
     def observe_hop(self, prefill: WorkerId, decode: WorkerId, tokens: int, ms: float, at_s: float) -> None:
@@ -148,6 +159,7 @@ class PairFit:
             return
         y = round(itl_ms * 1000.0)
         self._itl.setdefault(decode, _Sums()).add(blocks, y)
+        self._itl_pool.add(blocks, y)
         self._log.append((at_s, "itl", decode, blocks, y))
 
     def expire(self, now_s: float) -> None:
@@ -161,16 +173,18 @@ class PairFit:
                     del self._hop[key]
             else:
                 self._itl[key].add(x, y, -1)
+                self._itl_pool.add(x, y, -1)
                 if not self._itl[key].n:
                     del self._itl[key]
 
-    def inputs(self, workers: list) -> PairInputs:
+    def inputs(self, workers: list, pending: dict[str, int] | None = None) -> PairInputs:
         """The models of a decision's pairs over decode ``workers``: each pair and decode worker
         with :data:`MIN_OWN` observations its own fit (around the pool's, around the prior)."""
         pool = self._hop_pool.fit(HOP_PRIOR) if self._hop_pool.n >= MIN_OWN else HOP_PRIOR
-        hop = {k: s.fit(pool) for k, s in self._hop.items() if s.n >= MIN_OWN}
-        itl = {k: s.fit(ITL_PRIOR) for k, s in self._itl.items() if s.n >= MIN_OWN}
-        return PairInputs(workers=workers, hop=hop, hop_pool=pool, itl=itl)
+        hop = {k: s.fit(pool, POOL_WEIGHT) for k, s in self._hop.items() if s.n >= MIN_OWN}
+        itl_pool = self._itl_pool.fit(ITL_PRIOR) if self._itl_pool.n >= MIN_OWN else ITL_PRIOR
+        itl = {k: s.fit(itl_pool, POOL_WEIGHT) for k, s in self._itl.items() if s.n >= MIN_OWN}
+        return PairInputs(workers=workers, hop=hop, hop_pool=pool, itl=itl, itl_pool=itl_pool, pending=pending or {})
 
     def observations(self) -> int:
         return len(self._log)
@@ -196,14 +210,15 @@ def choose(prefills: Sequence[int], prefill_ids: Sequence[WorkerId], prefill_ttf
     for j in decode_ok:
         drow = decode_rows[j]
         d = drow.worker_id
-        itl = pair.itl.get(d, ITL_PRIOR).at(int(drow.decode_blocks))
+        pending = pair.pending.get(d, 0)
+        itl = pair.itl.get(d, pair.itl_pool).at(int(drow.decode_blocks) + pending)
         over = itl - itl_slo_ms
         penalty = over * expected_output_tokens if itl_slo_ms > 0.0 and over > 0.0 else 0.0
         for i in prefills:
             p = prefill_ids[i]
             hop = pair.hop.get(pair_key(p, d), pair.hop_pool).at(prompt_tokens)
             t = prefill_ttft[i]
-            rows.append(PairScore(p, d, t, hop, itl, penalty, t + hop + itl + penalty))
+            rows.append(PairScore(p, d, t, hop, itl, penalty, t + hop + itl + penalty, pending))
             where.append((i, d))
     best = min(r.cost for r in rows)
     limit = best + 1e-9 * max(1.0, abs(best))
@@ -224,7 +239,8 @@ def recorded_inputs(workers: list, pairs: Sequence[PairScore]) -> PairInputs:
     pinned in the base, ``0 x units`` added: exact), for replay's table check."""
     hop = {pair_key(r.prefill_worker, r.decode_worker): LinearMs(r.transfer_ms, 0.0) for r in pairs}
     itl = {r.decode_worker: LinearMs(r.itl_ms, 0.0) for r in pairs}
-    return PairInputs(workers=workers, hop=hop, itl=itl)
+    pending = {r.decode_worker: r.paired_blocks for r in pairs if r.paired_blocks}
+    return PairInputs(workers=workers, hop=hop, itl=itl, pending=pending)
 
 
 def _ms(x: float) -> str:

@@ -30,7 +30,8 @@ def _loads(**active) -> list[WorkerLoad]:
 def test_the_pair_adds_the_hand_off_and_the_decode_itl_to_the_prefill_ttft() -> None:
     """Blocks cost: the prefill worker is the blocks argmin (p1, the emptier), and its decode
     worker the cheapest hand-off + ITL: d2's hand-off from p1 is fitted slow (500 ms), so d1
-    (10 + 0.013 x 640 = 18.32 ms, ITL 20 ms) wins although d2 holds fewer blocks."""
+    (10 + 0.013 x 640 = 18.32 ms, ITL 20 + 0.004 x (50 + 12 blocks) ms) wins although d2 holds
+    fewer blocks."""
     prefill = [WorkerLoad(worker_id="p1", role=P), WorkerLoad(worker_id="p2", role=P, queued_prefill_tokens=4096)]
     pair = PairInputs(workers=_loads(d1=50, d2=0), hop={pair_key("p1", "d2"): LinearMs(500.0, 0.0)})
     d = decide(_req(), prefill, RouterConfig(pd_pairs=True), rng_seed=1, ttft_models={}, pair=pair)
@@ -38,7 +39,7 @@ def test_the_pair_adds_the_hand_off_and_the_decode_itl_to_the_prefill_ttft() -> 
     by = {(r.prefill_worker, r.decode_worker): r for r in d.pairs}
     assert set(by) == {("p1", "d1"), ("p1", "d2")}
     r = by[("p1", "d1")]
-    assert r.transfer_ms == pytest.approx(HOP_PRIOR.at(640)) and r.itl_ms == ITL_PRIOR.base_ms
+    assert r.transfer_ms == pytest.approx(HOP_PRIOR.at(640)) and r.itl_ms == ITL_PRIOR.at(50 + 12)
     assert r.cost == r.prefill_ttft_ms + r.transfer_ms + r.itl_ms
     assert [s.worker_id for s in d.decode_scores] == ["d1", "d2"]
     assert "pair p1 -> d1" in d.reason
@@ -77,6 +78,31 @@ def test_the_decode_decision_takes_the_paired_worker_unless_the_guards_leave_it_
     assert full.worker_id == "d2" and "passed over (over KV capacity" in full.reason
     assert decide(_req(RequestPhase.DECODE), _loads(d1=100, d2=0), RouterConfig(), rng_seed=1,
                   paired="d1").worker_id == "d2"
+
+
+def test_requests_paired_and_not_handed_off_yet_count_on_their_decode_worker() -> None:
+    """A burst's prefill decisions come before any decode decision: the blocks of the requests
+    already paired with d1 (500) make d2 the emptier, so the burst spreads."""
+    prefill = [WorkerLoad(worker_id="p1", role=P)]
+    pair = PairInputs(workers=_loads(d1=0, d2=100), pending={"d1": 500})
+    d = decide(_req(), prefill, RouterConfig(pd_pairs=True), rng_seed=1, ttft_models={}, pair=pair)
+    assert d.paired_worker_id == "d2"
+    assert {r.decode_worker: r.paired_blocks for r in d.pairs} == {"d1": 500, "d2": 0}
+    led = RouterLedger()
+    led.apply(_wrap(RequestAdmitted(request_id="r1", model="m", prompt_tokens=640, max_tokens=100, block_size=64, hash_algo="xxh3_64")))
+    led.apply(_wrap(RequestRouted(request_id="r1", worker_id="p1", phase=RequestPhase.PREFILL, mode="kv",
+                                  config_version=0, rng_seed=0, decided_at_s=1.0, inflight_blocks=12,
+                                  paired_worker_id="d2")))
+    assert led.pair_pending() == {"d2": 12} and led.paired("r1") == "d2"
+    led.apply(_wrap(RequestRouted(request_id="r1", worker_id="d2", phase=RequestPhase.DECODE, mode="kv",
+                                  config_version=0, rng_seed=0, decided_at_s=1.2, paired_worker_id="d2")))
+    assert led.pair_pending() == {}
+
+
+def _wrap(payload):
+    from schemas.envelope import EnvelopeFactory
+
+    return EnvelopeFactory("router-1", 1, lambda: 10**9).wrap(payload, correlation_id=payload.request_id)
 
 
 def test_the_fit_is_exact_sums_over_its_window() -> None:
