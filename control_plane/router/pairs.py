@@ -202,15 +202,18 @@ def choose(prefills: Sequence[int], prefill_ids: Sequence[WorkerId], prefill_ttf
            expected_output_tokens: int, itl_slo_ms: float, rng_seed: int) -> PairChoice:
     """The cheapest pair of a prefill candidate (positions ``prefills``, their ids and predicted
     TTFTs by position) and a decode candidate (``decode_rows`` in id order; positions
-    ``decode_ok`` pair), ties broken by ``rng_seed``."""
+    ``decode_ok`` pair); among pairs tied, those whose decode worker holds the fewest blocks
+    (with the pending pairs'), then ``rng_seed``."""
     if not prefills or not decode_ok:
         raise InvalidRoutingInput("a pair needs a prefill and a decode candidate")
     rows: list[PairScore] = []
     where: list[tuple[int, WorkerId]] = []
+    blocks: dict[WorkerId, int] = {}
     for j in decode_ok:
         drow = decode_rows[j]
         d = drow.worker_id
         pending = pair.pending.get(d, 0)
+        blocks[d] = int(drow.decode_blocks) + pending
         itl = pair.itl.get(d, pair.itl_pool).at(int(drow.decode_blocks) + pending)
         over = itl - itl_slo_ms
         penalty = over * expected_output_tokens if itl_slo_ms > 0.0 and over > 0.0 else 0.0
@@ -223,6 +226,10 @@ def choose(prefills: Sequence[int], prefill_ids: Sequence[WorkerId], prefill_ttf
     best = min(r.cost for r in rows)
     limit = best + 1e-9 * max(1.0, abs(best))
     tied = [k for k, r in enumerate(rows) if r.cost <= limit]
+    if len(tied) > 1:  # equal times (an ITL fit without a slope yet): the emptier decode worker
+        load = {k: blocks[where[k][1]] for k in tied}
+        least = min(load.values())
+        tied = [k for k in tied if load[k] == least]
     k = tied[0] if len(tied) == 1 else tied[random.Random(rng_seed).randrange(len(tied))]
     r = rows[k]
     reason = (f"pair {r.prefill_worker} -> {r.decode_worker} at {_ms(r.cost)} ms = prefill TTFT "
