@@ -9,18 +9,21 @@ by its own decision, the decode worker only once the prefill is done. With
 
 * ``prefill TTFT(p)``: the prefill row's ``predicted_ttft_ms`` (``ttft.py``);
 * ``hand-off(p, d)``: the KV transfer from ``p`` to ``d`` and the decode worker's first step, a
-  line in the prompt's tokens (:class:`LinearMs`) fitted per pair, around the pool of all pairs,
-  around a conservative prior (:data:`HOP_PRIOR`), from this router's own decode hops: from the
+  line in the prompt's tokens (:class:`LinearMs`) fitted per pair, around the pool of all pairs
+  (weighing :data:`POOL_WEIGHT` observations), around a conservative prior (:data:`HOP_PRIOR`), from this router's own decode hops: from the
   decode decision to the request's first token (:class:`PairFit`; the workers' own
   ``KvTransferCompleted`` are not on the router's fold, which holds only its own events);
 * ``ITL(d)``: the decode worker's inter-token latency once the request joins it, a line in the
   KV blocks it would then hold (the decode row's ``decode_blocks``, plus the blocks of requests
-  already paired with it and not handed off yet: ``PairScore.paired_blocks``), fitted per decode worker
-  from its requests' ``RequestCompleted.itl_mean_ms`` around :data:`ITL_PRIOR`;
+  already paired with it and not handed off yet: ``PairScore.paired_blocks``), fitted per decode
+  worker from its requests' ``RequestCompleted.itl_mean_ms``, around the fit of all decode
+  workers (weighing :data:`POOL_WEIGHT` observations), around :data:`ITL_PRIOR`;
 * ``ITL penalty(d)``: ``(ITL(d) - itl_slo_ms) x expected output tokens`` when positive and the
   SLO is set: the time the output would lose to a decode worker slower than the SLO.
 
-Only decode workers the capacity guard leaves (those that can hold the request now) pair, unless
+Pairs whose times tie go to the decode worker holding the fewest blocks, then the seed.
+Measured in virtual time it does not beat the separate decisions (docs/routing-cost.md), so it
+is off by default. Only decode workers the capacity guard leaves (those that can hold the request now) pair, unless
 none can. With ``cost = "ttft"`` the pairs span the :data:`PAIR_PREFILLS` cheapest competing
 prefill workers and the argmin picks both; with ``cost = "blocks"`` the prefill worker is the
 blocks argmin and the pairs pick its decode worker (a time cannot be added to a block count).
