@@ -525,6 +525,9 @@ if __name__ == "__main__":
     p.add_argument("--no-dynamo", action="store_true", help="skip Dynamo's mocker")
     p.add_argument("--only", choices=["aggregated", "disaggregated"], default=None)
     p.add_argument("--cost", choices=["blocks", "ttft"], default="blocks", help="our kv cost (RouterConfig.cost)")
+    p.add_argument("--pd-pairs", action="store_true",
+                   help="disaggregated: prefill and decode worker chosen together (RouterConfig.pd_pairs)")
+    p.add_argument("--itl-slo-ms", type=float, default=0.0, help="the pairs' ITL SLO (RouterConfig.itl_slo_ms)")
     p.add_argument("--load-report-ms", type=float, default=DEFAULT_LOAD_REPORT_MS,
                    help="load report interval per worker; <= 0: no reports (ledger only)")
     p.add_argument("--kv-event-lag-ms", type=float, default=0.0)
@@ -536,7 +539,7 @@ if __name__ == "__main__":
     tops = TOPOLOGIES if a.only is None else (
         (AGGREGATED_8,) if a.only == "aggregated" else (DISAGGREGATED_4P4D,)
     )
-    main(a.trace, a.limit, config=RouterConfig(cost=a.cost), topologies=tops, dynamo=not a.no_dynamo, jobs=a.jobs,
+    main(a.trace, a.limit, config=RouterConfig(cost=a.cost, pd_pairs=a.pd_pairs, itl_slo_ms=a.itl_slo_ms), topologies=tops, dynamo=not a.no_dynamo, jobs=a.jobs,
          load_report_ms=a.load_report_ms if a.load_report_ms > 0 else None,
          kv_event_lag_ms=a.kv_event_lag_ms, tune=parse_cases(a.tune) if a.tune else None,
          score=parse_cases(a.score) if a.score else None, case_rate_scale=tuple(float(x) for x in a.rate_scale.split(",")))

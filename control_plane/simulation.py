@@ -42,7 +42,7 @@ from data_plane.engines.cluster import Cluster
 from data_plane.engines.hooks import Hooks, Placement
 from data_plane.engines.tiers import OnboardCosts
 from schemas.envelope import Envelope, EnvelopeFactory
-from schemas.events import Event, PrefillCompleted, RequestAdmitted, RequestCompleted
+from schemas.events import Event, FirstToken, PrefillCompleted, RequestAdmitted, RequestCompleted
 from schemas.types import BlockHash, RequestPhase, RequestId, RoutingMode, Tier, WorkerId, WorkerRole
 
 #: A live worker's ``WorkerSettings.load_interval_s`` default, in ms.
@@ -148,6 +148,8 @@ class SimRouter(Hooks):
         #: time as it does live (it used to record 0, and the fit never left the prior).
         self._admitted_ms: dict[str, float] = {}
         self._ttft_ms: dict[str, float] = {}
+        #: Request -> when its first token came (ms), until it completes (its mean ITL).
+        self._first_ms: dict[str, float] = {}
         self.roles: dict[WorkerId, WorkerRole] = dict(workers)
         #: A request's first phase: prefill when the cluster has prefill workers.
         self.entry_phase = (RequestPhase.PREFILL if WorkerRole.PREFILL in self.roles.values()
@@ -220,7 +222,7 @@ class SimRouter(Hooks):
         inputs = decision_inputs(self, self.ledger, request_id=request_id, prompt_tokens=prompt_tokens,
                                  block_hashes=hashes, block_size=self.block_size,
                                  expected_output_tokens=max_tokens, phase=phase, attempt=0, now=now,
-                                 peer_reach=self.config.tier_weights.peer > 0)
+                                 peer_reach=self.config.tier_weights.peer > 0, pairs=self.config.pd_pairs)
         t0 = time.perf_counter()
         d = execute(inputs, self.config)
         st = self.stats
@@ -246,11 +248,14 @@ class SimRouter(Hooks):
                                       prompt_tokens=self._open[request_id][1], duration_ms=0.0), now_ms)
 
     def complete(self, request_id: str, worker_id: WorkerId, now_ms: float) -> None:
-        _, prompt_tokens, _ = self._open.pop(request_id)
+        _, prompt_tokens, max_tokens = self._open.pop(request_id)
         self._admitted_ms.pop(request_id, None)
+        first = self._first_ms.pop(request_id, None)
+        # The mean ITL (the engines generate max_tokens): the decode ITL fit's observation (pairs.py).
+        itl = (now_ms - first) / (max_tokens - 1) if first is not None and max_tokens > 1 else 0.0
         self._record(RequestCompleted(request_id=request_id, worker_id=worker_id, prompt_tokens=prompt_tokens,
-                                      output_tokens=0, ttft_ms=self._ttft_ms.pop(request_id, 0.0), e2e_ms=0.0),
-                     now_ms)
+                                      output_tokens=0, ttft_ms=self._ttft_ms.pop(request_id, 0.0), e2e_ms=0.0,
+                                      itl_mean_ms=itl), now_ms)
 
     # -- the cluster driver's hooks ---------------------------------------------------------------
 
@@ -308,6 +313,9 @@ class SimRouter(Hooks):
             admitted = self._admitted_ms.pop(request_id, None)
             if admitted is not None:
                 self._ttft_ms[request_id] = t - admitted
+                self._first_ms[request_id] = t
+                if self.roles[worker] is WorkerRole.DECODE:  # as the live router records it
+                    self._record(FirstToken(request_id=request_id, worker_id=worker, ttft_ms=t - admitted), t)
         if self.roles[worker] is WorkerRole.AGGREGATED:  # disaggregated: the hand-off did it
             self.first_token(request_id, worker, t)
 

@@ -217,6 +217,29 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     report_only_prefill_tokens: int = 0
 
 
+class PairScore(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One (prefill worker, decode worker) pair of a disaggregated request's joint choice
+    (``RouterConfig.pd_pairs``, ``control_plane/router/pairs.py``): the times the pair's cost
+    sums, as the router predicted them. Added with the joint choice (absent before it)."""
+
+    prefill_worker: WorkerId
+    decode_worker: WorkerId
+    #: The prefill worker's predicted TTFT (its row's ``predicted_ttft_ms``).
+    prefill_ttft_ms: float = 0.0
+    #: The hand-off between the two: the KV transfer and the decode worker's first step, as
+    #: fitted from this router's own decode hops (decode decision to first token).
+    transfer_ms: float = 0.0
+    #: The decode worker's predicted inter-token latency with this request joined.
+    itl_ms: float = 0.0
+    #: ``(itl_ms - RouterConfig.itl_slo_ms) x expected output tokens`` when over the SLO, else 0.
+    itl_penalty_ms: float = 0.0
+    #: ``prefill_ttft_ms + transfer_ms + itl_ms + itl_penalty_ms``: lower wins.
+    cost: float = 0.0
+    #: KV blocks of requests already paired with the decode worker and not handed off yet
+    #: (``itl_ms`` counts them joined: without them a burst pairs with one decode worker).
+    paired_blocks: int = 0
+
+
 class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Parameters of the router's TTFT prediction (``control_plane/router/ttft.py``), in
     milliseconds or tokens, with the evidence behind them: the prior, or a fit from the log
@@ -407,6 +430,14 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: The TTFT budget test's terms at this decision (a first attempt with a budget set: it
     #: admitted the request); None without a budget, and in v1/v2 events.
     admission: AdmissionTerms | None = None
+    #: P/D pairs chosen together (``RouterConfig.pd_pairs``): on a prefill decision the decode
+    #: worker chosen with it, on the decode decision the pairing it honoured (or, when that
+    #: worker could no longer take it, passed over). Empty without a pairing.
+    paired_worker_id: WorkerId = ""
+    #: A prefill decision's pairs, each with its predicted times (``PairScore``), and the decode
+    #: candidates' score rows the pairs were built on (as a decode decision would record them).
+    pairs: list[PairScore] = []
+    decode_scores: list[CandidateScore] = []
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

@@ -570,7 +570,8 @@ class ReplayEngine:
                 expected_output_tokens=routed.expected_output_tokens or adm.max_tokens, phase=routed.phase,
                 attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
                 excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0,
-                engine_steps=routed.ttft_model is None or routed.ttft_model.ms_per_step_token_sq is not None)
+                engine_steps=routed.ttft_model is None or routed.ttft_model.ms_per_step_token_sq is not None,
+                pairs=config.pd_pairs)
             if routed.admission is not None:
                 at_s = routed.admission.at_s
                 item.margin = folded_terms(ledger.margin, at_s, routed.admission)

@@ -38,6 +38,7 @@ from control_plane.router import (
 from control_plane.router.admission import budget_terms, over_budget
 from control_plane.router.inputs import DecisionInputs, execute, routed_event
 from control_plane.router.ledger import role_of_phase
+from control_plane.router.pairs import recorded_inputs
 from schemas.events import CandidateScore, RequestAdmitted, RequestRejected, RequestRouted, TtftModel
 from schemas.types import RequestPhase, WorkerRole
 
@@ -170,8 +171,20 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
             models[row.worker_id] = _pinned(row.predicted_ttft_ms)
     if r.ttft_model is not None:
         models[r.worker_id] = r.ttft_model
+    # P/D pairs: the decode candidates from their recorded rows, the pair models pinned to the
+    # times each pair recorded (the state check re-derives the fits from the log).
+    pair = None
+    if r.phase is RequestPhase.PREFILL and r.decode_scores:
+        decode = []
+        for row in r.decode_scores:
+            load, mine = _row_load(row, RequestPhase.DECODE, config)
+            decode.append(load)
+            if mine is not None:
+                inflight[row.worker_id] = mine
+        pair = recorded_inputs(decode, r.pairs)
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
-                          rr_cursor=r.rr_cursor, rng_seed=r.rng_seed, ttft_models=models)
+                          rr_cursor=r.rr_cursor, rng_seed=r.rng_seed, ttft_models=models, pair=pair,
+                          paired=r.paired_worker_id if r.phase is RequestPhase.DECODE else "")
 
 
 def _pinned(predicted_ttft_ms: float) -> TtftModel:

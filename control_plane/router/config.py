@@ -124,6 +124,20 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: model, ``control_plane/router/ttft.py``: the queue ahead, its own uncached prefill and the
     #: fitted base; issue 39 step 2). Every prefill row carries its prediction either way.
     cost: KvCost = "blocks"
+    #: Disaggregated serving: choose the prefill and the decode worker as one decision (issue 39
+    #: item 5, ``control_plane/router/pairs.py``). Each pair costs the prefill worker's predicted
+    #: TTFT + the hand-off between the two (transfer and the decode worker's first step, fitted
+    #: from this router's decode hops) + the decode worker's predicted ITL with the request, plus
+    #: the ITL penalty; decode workers that cannot take the request now (capacity guard) are left
+    #: out. With ``cost = "ttft"`` the pair argmin also picks the prefill worker; with
+    #: ``blocks`` the prefill worker is the blocks argmin and the pair picks its decode worker.
+    #: The decode decision then takes the paired worker unless it can no longer take the request.
+    #: Off by default: in virtual time it did not beat the decode decision at hand-off
+    #: (docs/routing-cost.md, "P/D pairs").
+    pd_pairs: bool = False
+    #: The ITL (ms) a pair's decode worker should keep (0 = no penalty): a pair whose predicted
+    #: ITL with the request exceeds it costs the excess times the request's expected output tokens.
+    itl_slo_ms: float = 0.0
     #: Admission on the promise (issue 39 step 4): when the best eligible candidate's predicted
     #: TTFT (times the learned margin) plus what the request already spent in the router plus
     #: the router's loop lag exceeds this budget (ms), the request is rejected at once (429,
@@ -180,6 +194,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.cost not in ("blocks", "ttft"):
             raise RouterConfigError(f"cost={self.cost!r} must be 'blocks' or 'ttft'")
         _finite_at_least("ttft_slo_ms", self.ttft_slo_ms, 0.0, "0 turns the TTFT budget off")
+        _finite_at_least("itl_slo_ms", self.itl_slo_ms, 0.0, "0 turns the pairs' ITL penalty off")
         _finite_at_least("max_loop_lag_ms", self.max_loop_lag_ms, 0.0, "0 turns the router's own load test off")
         _finite_at_least("temperature", self.temperature, 0.0,
                          "0 means argmin; a negative temperature would prefer the worst worker")

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 
+import msgspec
+
 from control_plane.router.choice import CHOOSERS, KEEP, word_capacity
 from control_plane.router.choice import score_rows as _rows
 from control_plane.router.config import RouterConfig
@@ -33,6 +35,8 @@ from control_plane.router.decision_types import (
 )
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightView
+from control_plane.router.pairs import PAIR_PREFILLS, PairInputs
+from control_plane.router.pairs import choose as _choose_pair
 
 # The steps ``decide`` runs, looked up in this module by name so that the differential tests
 # can run the same decision with the oracle's steps (``tests/oracles/scoring.py``).
@@ -40,7 +44,7 @@ from control_plane.router.scoring import pick as _pick
 from control_plane.router.scoring import predictions
 from control_plane.router.scoring import score as _score
 from schemas.events import TtftModel
-from schemas.types import RequestPhase, WorkerId
+from schemas.types import RequestPhase, RoutingMode, WorkerId
 
 __all__ = ["NO_OVERLAP", "PEER", "Decision", "RoutingRequest", "WorkerLoad", "WorkerOverlap", "decide"]
 
@@ -59,6 +63,8 @@ def decide(
     inflight: InflightView | None = None,
     rr_cursor: WorkerId | None = None,
     ttft_models: Mapping[WorkerId, TtftModel] | None = None,
+    pair: PairInputs | None = None,
+    paired: WorkerId = "",
 ) -> Decision:
     """Choose a worker for ``request`` among ``workers``.
 
@@ -72,6 +78,11 @@ def decide(
     * ``ttft_models``: each candidate's TTFT model (a missing one is the prior); given, every
       row of a prefill phase carries its predicted TTFT (``scoring.predictions``), and with
       ``config.cost == "ttft"`` that prediction is the kv cost. None = no predictions.
+    * ``pair`` (a prefill phase, ``config.pd_pairs``, kv mode): the decode candidates and the
+      pair models; the decision then chooses the decode worker with the prefill worker
+      (``pairs.py``: ``paired_worker_id``, ``pairs``, ``decode_scores``).
+    * ``paired`` (a decode phase, ``config.pd_pairs``, kv mode): the decode worker its prefill
+      decision chose; taken unless the guards leave it out.
 
     Eligible = registered, not draining, role equal to the request's phase (an aggregated
     worker serves aggregated requests only). Raises :class:`NoEligibleWorker` when no candidate
@@ -108,6 +119,26 @@ def decide(
     word_capacity(t, pick, notes, guards)
     choice = CHOOSERS[config.mode](t, pick, config, rng_seed, rr_cursor, notes, guards)
     reason = choice.reason
+    chosen = choice.chosen
+    paired_id, pairs, decode_rows = "", (), ()
+    if config.pd_pairs and config.mode is RoutingMode.KV:
+        if pair is not None and request.phase is RequestPhase.PREFILL:
+            got = _pair(request, t, pick, chosen, predicted, pair, mine, config, rng_seed, ttft_cost)
+            if got is not None:
+                new, paired_id, pairs, decode_rows, said = got
+                if new != chosen:
+                    chosen, reason = new, f"kv (predicted TTFT) pair argmin: {said}"
+                else:
+                    reason += f"; {said}"
+        elif paired and request.phase is RequestPhase.DECODE:
+            paired_id = paired
+            at = next((i for i in range(t.n) if t.ordered[i].worker_id == paired), None)
+            if at is not None and at in pick.competing:
+                chosen = at
+                reason = f"paired at the prefill decision: {paired} (decode cost {_fmt_cost(choice.row_cost[at])})"
+            else:
+                why = (t.excluded[at] or "left out by the guards") if at is not None else "not a candidate now"
+                reason = f"paired {paired} passed over ({why}); {reason}"
     if notes:
         reason = "; ".join(notes) + ". " + reason
     if len(pick.eligible) < t.n:
@@ -119,7 +150,6 @@ def decide(
         reason += f". Excluded {len(skipped)} of {t.n}: {listed}" + (
             f" and {more} more" if more > 0 else ""
         )
-    chosen = choice.chosen
     rows = _rows(t, choice.row_cost, choice.probability, predicted)
     own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
                    if t.does_prefill else 0)
@@ -138,4 +168,36 @@ def decide(
         speculative_overlap=(t.shared_by_worker if t.shared_by_worker is not None
                              else {w.worker_id: s for w, s in zip(t.ordered, t.shared) if s}),
         guards=tuple(guards),
+        paired_worker_id=paired_id,
+        pairs=pairs,
+        decode_scores=decode_rows,
     )
+
+
+def _pair(request: RoutingRequest, t, pick, chosen: int, predicted, pair: PairInputs, mine, config: RouterConfig,
+          rng_seed: int, ttft_cost: bool):
+    """A prefill decision's pair (``pairs.choose``) over its decode candidates, scored as the
+    decode decision scores them (the same ledger view: the request's prefill entry is on a
+    prefill worker). None when no decode worker is eligible (the decode decision then says so).
+    Returns (prefill position, decode worker, pairs, decode rows, the pair's words)."""
+    if not pair.workers:
+        return None
+    dreq = msgspec.structs.replace(request, phase=RequestPhase.DECODE)
+    td = _score(dreq, sorted(pair.workers, key=_by_worker_id), config, {}, mine, False, rows=False)
+    dpick = td.pick if td.pick is not None else _pick(td, config)
+    if dpick is None:
+        return None
+    word_capacity(td, dpick, [], [])
+    decode_rows = _rows(td, list(td.cost), None)
+    ttft = predicted[0] if predicted is not None else [0.0] * t.n
+    if ttft_cost:
+        prefills = sorted(pick.competing, key=lambda i: (ttft[i], t.ordered[i].worker_id))[:PAIR_PREFILLS]
+    else:
+        prefills = [chosen]
+    pc = _choose_pair(prefills, [w.worker_id for w in t.ordered], ttft, decode_rows, dpick.competing, pair,
+                      request.prompt_tokens, request.expected_output_tokens, config.itl_slo_ms, rng_seed)
+    return pc.prefill, pc.decode, pc.pairs, decode_rows, pc.reason
+
+
+def _fmt_cost(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"

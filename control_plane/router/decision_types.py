@@ -9,7 +9,7 @@ from functools import lru_cache
 import msgspec
 
 from control_plane.router.errors import InvalidRoutingInput
-from schemas.events import CandidateScore, RequestRouted
+from schemas.events import CandidateScore, PairScore, RequestRouted
 from schemas.types import (
     TIER_INDEX,
     TIER_ORDER,
@@ -192,6 +192,12 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     speculative_overlap: dict[WorkerId, int] = {}
     #: Guards that changed the candidate set ("capacity", "imbalance").
     guards: tuple[str, ...] = ()
+    #: P/D pairs (``RouterConfig.pd_pairs``, ``pairs.py``): a prefill decision's decode worker,
+    #: or the pairing a decode decision honoured or passed over ...
+    paired_worker_id: WorkerId = ""
+    #: ... and a prefill decision's pairs and the decode candidates' rows they were built on.
+    pairs: tuple[PairScore, ...] = ()
+    decode_scores: tuple[CandidateScore, ...] = ()
 
     def to_event(
         self,
@@ -212,5 +218,8 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
             index_position=dict(index_position or {}),
             router_id=router_id,
             attempt=attempt,
+            paired_worker_id=self.paired_worker_id,
+            pairs=list(self.pairs),
+            decode_scores=list(self.decode_scores),
         )
 

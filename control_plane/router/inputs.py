@@ -31,6 +31,7 @@ from control_plane.router.config import RouterConfig
 from control_plane.router.decision import NO_OVERLAP, Decision, RoutingRequest, WorkerLoad, WorkerOverlap, decide
 from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightLoad, RouterLedger, role_of_phase
+from control_plane.router.pairs import PairInputs
 from control_plane.router.ttft import PRIOR, predict_ttft_ms
 from schemas.events import AdmissionTerms, RequestRouted, TtftModel
 from schemas.types import BlockHash, RequestPhase, WorkerId
@@ -62,6 +63,10 @@ class DecisionInputs(msgspec.Struct, kw_only=True):
     #: The TTFT model of each candidate (the ledger's fit, ``ttft_fit.py``); a worker missing
     #: here is predicted under the prior.
     ttft_models: dict[str, TtftModel] = {}
+    #: P/D pairs (``RouterConfig.pd_pairs``): a prefill decision's decode candidates and pair
+    #: models; a decode decision's paired worker (its prefill decision's choice).
+    pair: PairInputs | None = None
+    paired: str = ""
 
 
 def router_seed(request_id: str, phase: RequestPhase | str, attempt: int) -> int:
@@ -85,11 +90,14 @@ def decision_inputs(
     excluded: Collection[str] = (),
     peer_reach: bool = False,
     engine_steps: bool = True,
+    pairs: bool = False,
 ) -> DecisionInputs:
     """The inputs of one decision (``peer_reach``: credit each worker with the prefix a peer
     holds, :func:`with_peer_reach`; on when the config's ``tier_weights.peer`` is above 0;
     ``engine_steps`` False: the TTFT models as before the engine's steps were modelled,
-    ``RouterLedger.ttft_model``, for replay of a decision recorded then). Prepares the ledger for it (expiry at ``now``; a decode phase
+    ``RouterLedger.ttft_model``, for replay of a decision recorded then; ``pairs``: the config's
+    ``pd_pairs``, a prefill phase then reads the decode candidates and the ledger's pair fit, a
+    decode phase the worker its prefill decision paired it with). Prepares the ledger for it (expiry at ``now``; a decode phase
     releases its prefill entry), exactly as folding the decision's ``RequestRouted`` will.
 
     Raises :class:`NoEligibleWorker`, with the ledger untouched, when the phase's role has no
@@ -113,9 +121,15 @@ def decision_inputs(
                              block_hashes=hashes, expected_output_tokens=expected_output_tokens, phase=phase)
     models = ({} if phase is RequestPhase.DECODE
               else {w.worker_id: ledger.ttft_model(w.worker_id, now, engine_steps) for w in workers})
+    pair, paired = None, ""
+    if pairs and phase is RequestPhase.PREFILL:
+        decode = [w for w in source.candidates(role_of_phase(RequestPhase.DECODE)) if w.worker_id not in excluded]
+        pair = ledger.pair_fit.inputs(decode, ledger.pair_pending())
+    elif pairs and phase is RequestPhase.DECODE:
+        paired = ledger.paired(request_id)
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
                           rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt),
-                          ttft_models=models)
+                          ttft_models=models, pair=pair, paired=paired)
 
 
 def with_peer_reach(overlaps: Mapping[WorkerId, WorkerOverlap], workers: Sequence[WorkerLoad]
@@ -166,7 +180,8 @@ def execute(inputs: DecisionInputs, config: RouterConfig, rng_seed: int | None =
     """``decide`` over ``inputs`` (with their own seed unless one is given)."""
     return decide(inputs.request, inputs.workers, config,
                   rng_seed=inputs.rng_seed if rng_seed is None else rng_seed, overlaps=inputs.overlaps,
-                  inflight=_Recorded(inputs.inflight), rr_cursor=inputs.rr_cursor, ttft_models=inputs.ttft_models)
+                  inflight=_Recorded(inputs.inflight), rr_cursor=inputs.rr_cursor, ttft_models=inputs.ttft_models,
+                  pair=inputs.pair, paired=inputs.paired)
 
 
 def routed_event(

@@ -47,6 +47,7 @@ import switchyard_native
 
 from control_plane.router.admission import PromiseMargin
 from control_plane.router.errors import InvalidRoutingInput
+from control_plane.router.pairs import PairFit
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
 from control_plane.router.ttft import queue_done
 from control_plane.router.ttft_fit import TtftFit
@@ -315,8 +316,8 @@ class RouterLedger:
     it with its recorded ``decided_at_s``, so folding the log needs no extra input.
     """
 
-    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "margin", "_block_size", "_bound_zero", "_handlers",
-                 "_hashes",
+    __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "margin", "pair_fit", "_block_size", "_bound_zero",
+                 "_handlers", "_hashes", "_paired", "_pair_pending", "_decode_hop",
                  "_prefill_worker", "_queued_ms", "_prompt_tokens")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
@@ -334,6 +335,15 @@ class RouterLedger:
         self._bound_zero: dict[WorkerId, tuple[TtftModel, TtftModel]] = {}
         #: How far this router's recent predictions fell short (the TTFT budget's margin).
         self.margin = PromiseMargin()
+        #: P/D pairs (``pairs.py``): the hand-off and decode ITL fits, each prefill decision's
+        #: decode worker, and each decode decision's (prefill worker, decode worker, decided at,
+        #: prompt tokens, its row's decode blocks) until its first token and its completion.
+        self.pair_fit = PairFit()
+        self._paired: dict[RequestId, WorkerId] = {}
+        #: Requests paired with a decode worker and not handed off yet: (worker, blocks), and the
+        #: blocks per worker (the load the pairs add there before any decode decision does).
+        self._pair_pending: dict[RequestId, tuple[WorkerId, int]] = {}
+        self._decode_hop: dict[RequestId, tuple[WorkerId | None, WorkerId, float, int, int]] = {}
         self._queued_ms: dict[RequestId, float] = {}
         self._prompt_tokens: dict[RequestId, int] = {}
         self._handlers = {
@@ -358,6 +368,7 @@ class RouterLedger:
         """What a decision does before it reads the ledger (idempotent)."""
         self.ttft_fit.expire(now)
         self.margin.expire(now)
+        self.pair_fit.expire(now)
         for rid, _worker in self.inflight.expire(now):
             if rid not in self.inflight:  # its last entry lapsed: its end was never recorded
                 self._forget(rid, now)
@@ -384,6 +395,17 @@ class RouterLedger:
         if ev.mode is RoutingMode.ROUND_ROBIN:
             self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
+        if ev.phase is RequestPhase.PREFILL and ev.paired_worker_id:
+            self._paired[rid] = ev.paired_worker_id
+            self._release_pair(rid)  # a retried prefill pairs again
+            blocks = ev.inflight_blocks if ev.inflight_blocks is not None else 0
+            self._pair_pending[rid] = (ev.paired_worker_id, blocks)
+        elif ev.phase is RequestPhase.DECODE:
+            self._release_pair(rid)
+            row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
+            if row is not None:
+                self._decode_hop[rid] = (self._prefill_worker.get(rid), ev.worker_id, now,
+                                         self._prompt_tokens.get(rid, 0), int(row.decode_blocks))
         if ev.phase is not RequestPhase.DECODE and rid in self._prompt_tokens:
             row = next((s for s in ev.scores if s.worker_id == ev.worker_id), None)
             m = ev.ttft_model
@@ -417,7 +439,12 @@ class RouterLedger:
         self.margin.first_token(env.data.request_id, env.occurred_at_ns / 1e9)  # type: ignore[attr-defined]
 
     def _first_token(self, env: Envelope[Event]) -> None:
-        self.margin.first_token(env.data.request_id, env.occurred_at_ns / 1e9)  # type: ignore[attr-defined]
+        rid, at = env.data.request_id, env.occurred_at_ns / 1e9  # type: ignore[attr-defined]
+        self.margin.first_token(rid, at)
+        hop = self._decode_hop.get(rid)
+        if hop is not None and hop[0] is not None:  # the hand-off: decode decision to first token
+            self.pair_fit.observe_hop(hop[0], hop[1], hop[3], (at - hop[2]) * 1000.0, at)
+            self._decode_hop[rid] = (None, *hop[1:])
 
     def _failed(self, env: Envelope[Event]) -> None:
         ev: RequestFailed = env.data  # type: ignore[assignment]
@@ -430,6 +457,9 @@ class RouterLedger:
 
     def _completed(self, env: Envelope[Event]) -> None:
         ev: RequestCompleted = env.data  # type: ignore[assignment]
+        hop = self._decode_hop.get(ev.request_id)
+        if hop is not None and ev.worker_id == hop[1]:
+            self.pair_fit.observe_itl(hop[1], hop[4], ev.itl_mean_ms, env.occurred_at_ns / 1e9)
         # The TTFT after the router's own queueing, as reconcile reads it.
         self.ttft_fit.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0))
         self.margin.completed(ev.request_id, ev.ttft_ms - self._queued_ms.get(ev.request_id, 0.0),
@@ -445,6 +475,9 @@ class RouterLedger:
         self._hashes.pop(rid, None)
         self._block_size.pop(rid, None)
         self._prefill_worker.pop(rid, None)
+        self._paired.pop(rid, None)
+        self._release_pair(rid)
+        self._decode_hop.pop(rid, None)
         self._queued_ms.pop(rid, None)
         self._prompt_tokens.pop(rid, None)
         self.ttft_fit.forget(rid)
@@ -481,6 +514,23 @@ class RouterLedger:
                 zero = self._bound_zero[worker] = (model, msgspec.structs.replace(model, queue_done_tokens=0))
             return zero[1]
         return msgspec.structs.replace(model, queue_done_tokens=done)
+
+    def _release_pair(self, rid: RequestId) -> None:
+        self._pair_pending.pop(rid, None)
+
+    def pair_pending(self) -> dict[WorkerId, int]:
+        """Per decode worker, the KV blocks of the requests paired with it and not handed off
+        yet (in worker id order): the load its pairs will add, which no decode decision has
+        put in the in-flight ledger yet (without it a burst's prefill decisions all pair with
+        the same least loaded decode worker)."""
+        out: dict[WorkerId, int] = {}
+        for w, b in self._pair_pending.values():
+            out[w] = out.get(w, 0) + b
+        return dict(sorted(out.items()))
+
+    def paired(self, request_id: RequestId) -> WorkerId:
+        """The decode worker ``request_id``'s prefill decision chose with it ("" when none)."""
+        return self._paired.get(request_id, "")
 
     def view(self, hashes: Sequence[BlockHash]) -> Mapping[WorkerId, InflightLoad]:
         return self.inflight.view(hashes)

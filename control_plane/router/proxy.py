@@ -330,7 +330,7 @@ class Router:
                     self.view, self.ledger, request_id=adm.request_id, prompt_tokens=len(adm.tokens),
                     block_hashes=adm.hashes, block_size=self.hash_config.block_size,
                     expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now,
-                    excluded=excluded, peer_reach=self.config.tier_weights.peer > 0)
+                    excluded=excluded, peer_reach=self.config.tier_weights.peer > 0, pairs=self.config.pd_pairs)
                 return inputs, execute(inputs, self.config)
             except NoEligibleWorker as e:
                 raise RouterRejected(str(e)) from None

@@ -167,6 +167,9 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "ttft_models": {"w-2": ev.TtftModel(base_ms=12.0, samples=3, pool_samples=40)},
         "admission": ev.AdmissionTerms(budget_ms=1000.0, predicted_ttft_ms=412.5, worker_id="w-2", margin=1.5,
                                        queue_ms=300.0, spent_ms=20.0, loop_lag_ms=5.0, idle=True, at_s=1795980000.25),
+        "paired_worker_id": "w-3",
+        "pairs": [ev.PairScore(W, WorkerId("w-3"), 412.5, 25.0, 18.0, 40.0, 495.5)],
+        "decode_scores": [ev.CandidateScore(**{**SCORE_FIELDS, "worker_id": WorkerId("w-3")})],
     },
     ev.PrefillCompleted: {
         "request_id": R,
