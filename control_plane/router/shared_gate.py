@@ -113,6 +113,17 @@ return renewed
 """
 
 
+def _client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client of the Redis at ``url`` whose calls wait at most ``timeout_s`` and are never
+    retried: the caller has an answer of its own for a Redis that does not answer in time."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
 class Gate(Protocol):
     """What the router's ``api_key`` dependency awaits: :class:`KeyGate`'s contract, async."""
 
@@ -196,13 +207,7 @@ class SharedKeyGate:
     def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedKeyGate:
         """A gate on the Redis at ``url``; a call waits at most ``timeout_s`` for it, and is never
         retried (the local gate answers instead)."""
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        return cls(client, **kw)
+        return cls(_client(url, timeout_s), **kw)
 
     def _keys(self, key_id: str) -> list[str]:
         # One hash tag per key: both keys land on one slot of a Redis Cluster.
@@ -390,13 +395,8 @@ class SharedWaiting:
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedWaiting:
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        return cls(client, **kw)
+        """A shared count on the Redis at ``url``; a round trip waits at most ``timeout_s``."""
+        return cls(_client(url, timeout_s), **kw)
 
     def others(self) -> int:
         """The other replicas' requests waiting for their first token (0: none, or not known)."""
