@@ -329,8 +329,8 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     ``over_budget``) as it applied them to one request, so that replay re-executes the test from
     the log instead of reading its text: refused when ``predicted_ttft_ms * max(margin, 1) +
     spent_ms + loop_lag_ms > budget_ms`` (or ``queue_ms`` in place of the product when larger),
-    unless ``idle``; from ``rule`` 3 the larger of the two times ``spread`` and the loop lag
-    twice. Milliseconds."""
+    unless ``idle``; from ``rule`` 3 the larger of the two times ``spread`` (and, in rule 3
+    alone, the loop lag twice). Milliseconds."""
 
     #: The request's budget: the router's ``ttft_slo_ms``, tightened by the client's own.
     budget_ms: float
@@ -363,12 +363,17 @@ class AdmissionTerms(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     #: field, whose rule ``chosen`` tells (1: the best row, the queue's waiting counted once; 2:
     #: the chosen row, counted twice); 3: as 2, the loop lag counted twice (the request meets
     #: it on its way in and its first token on its way out) and ``margin`` the judged worker's
-    #: own (``PromiseMargin.factor(worker)``).
+    #: own (``PromiseMargin.factor(worker)``); 4: as 3, the loop lag once again and
+    #: ``others_waiting`` in ``queue_ms``.
     rule: int = 0
     #: Rule 3: what the expected TTFT (the larger of the prediction x margin and the queue) is
     #: multiplied by: ``admission.OVERLOAD_SPREAD`` while the router is offered more than its
     #: box serves (``PromiseMargin.spread``), else 1.
     spread: float = 1.0
+    #: Rule 4: the other router replicas' requests waiting for their first token, as this
+    #: router last read them (shared through Redis, ``shared_gate.SharedWaiting``), counted once
+    #: each in ``queue_ms``; 0 in terms written before the field, or with no shared count.
+    others_waiting: int = 0
 
 
 class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):

@@ -221,7 +221,7 @@ def replayed_event(rec: DecisionRecord, d: Decision, inputs: DecisionInputs, con
         ev = msgspec.structs.replace(ev, admission=budget_terms(ev.scores, t.budget_ms, t.spent_ms, t.loop_lag_ms,
                                                                 t.margin, t.idle, t.at_s, t.queue_ms,
                                                                 ev.worker_id if t.chosen else None, t.rule,
-                                                                t.spread))
+                                                                t.spread, t.others_waiting))
     if r.scores and all(row.predicted_ttft_ms is None for row in r.scores):
         # written before every row carried its prediction (or a decode phase, which has none)
         ev = msgspec.structs.replace(ev, ttft_models={}, scores=[

@@ -260,9 +260,12 @@ QUEUE_PER_WAITING = 2
 
 #: The version of the budget test's rule that :func:`budget_terms` writes into
 #: ``AdmissionTerms.rule`` (see :func:`terms_rule` for the older ones).
-RULE = 3
-#: How many times rule 3 counts the router's smoothed loop lag: a request meets it on its way
-#: in (the router reads it that late) and its first token meets it again on its way out.
+RULE = 4
+#: How many times rule 3 (and it alone) counts the router's smoothed loop lag: a request meets
+#: it on its way in (the router reads it that late) and its first token meets it again on its
+#: way out. Rule 4 counts it once again: in the chaos runs of rule 3 no miss had a large way in
+#: or out (1-62 ms), and offline the second count removed none of rule 2's misses while it
+#: refused quiet traffic (2 of seed 2's 15 quiet refusals; docs/admission.md).
 LOOP_LAG_TIMES = 2
 
 
@@ -282,7 +285,8 @@ def folded_terms(margin: PromiseMargin, at_s: float, terms: AdmissionTerms | Non
     """(margin, queue_ms, spread) of ``terms`` as the router's ledger fold (``margin``, folded
     to ``at_s``) gives them by the terms' own rule: what replay compares the recorded ones with."""
     rule = terms_rule(terms)
-    return (margin.factor(at_s, margin_worker(terms)), margin.queue_ms(at_s, queue_headroom(terms)),
+    others = terms.others_waiting if terms is not None else 0
+    return (margin.factor(at_s, margin_worker(terms)), margin.queue_ms(at_s, queue_headroom(terms), others),
             margin.spread(at_s) if rule >= 3 else 1.0)
 
 
@@ -291,7 +295,9 @@ def terms_rule(terms: AdmissionTerms | None) -> int:
     or, in terms written before that field, 2 when they judged the chosen row and 1 when the best
     (None: the current rule). 1: best row, the queue's waiting once, the loop lag once; 2: the
     chosen row, the waiting twice (:data:`QUEUE_PER_WAITING`); 3: as 2, the loop lag
-    :data:`LOOP_LAG_TIMES` times and the margin the judged worker's own (:func:`margin_worker`)."""
+    :data:`LOOP_LAG_TIMES` times and the margin the judged worker's own (:func:`margin_worker`);
+    4: as 3, the loop lag once, and the queue counts the other replicas' requests waiting for
+    their first token (``AdmissionTerms.others_waiting``, :meth:`PromiseMargin.queue_ms`)."""
     if terms is None:
         return RULE
     return terms.rule or (2 if terms.chosen else 1)
@@ -311,11 +317,12 @@ def queue_headroom(terms: AdmissionTerms | None) -> int:
 
 def loop_lag_share_ms(loop_lag_ms: float, rule: int = RULE) -> float:
     """What the router's smoothed loop lag adds to the TTFT its budget test expects, by ``rule``
-    (:func:`terms_rule`): once before rule 3, :data:`LOOP_LAG_TIMES` times from it. Why twice:
-    in a chaos overload phase, the time between the client's send and the router's admission
-    plus the first token's way back was 370-600 ms for requests the router saw within the SLO,
-    while its smoothed lag was 133-216 ms (docs/admission.md)."""
-    return max(loop_lag_ms, 0.0) * (LOOP_LAG_TIMES if rule >= 3 else 1)
+    (:func:`terms_rule`): :data:`LOOP_LAG_TIMES` times in rule 3, once in every other. Why rule 3
+    counted it twice: in a chaos overload phase of rule 2, the time between the client's send and
+    the router's admission plus the first token's way back was 370-600 ms for requests the router
+    saw within the SLO, while its smoothed lag was 133-216 ms. Why rule 4 dropped it: see
+    :data:`LOOP_LAG_TIMES` (docs/admission.md)."""
+    return max(loop_lag_ms, 0.0) * (LOOP_LAG_TIMES if rule == 3 else 1)
 
 
 class PromiseMargin:
@@ -439,12 +446,21 @@ class PromiseMargin:
                 q = max(q, late[MARGIN_OVERDUE - 1])
         return min(max(q, 1.0), MARGIN_MAX)
 
-    def queue_ms(self, now: float, per_waiting: int = QUEUE_PER_WAITING) -> float:
+    def queue_ms(self, now: float, per_waiting: int = QUEUE_PER_WAITING, others: int = 0) -> float:
         """The TTFT this router's own queue implies for one more request at ``now`` (ms):
         ``per_waiting`` (:data:`QUEUE_PER_WAITING`) x the requests waiting for their first
-        token, plus one, times the busy time per first token over the last
-        :data:`QUEUE_WINDOW_S` (busy: some request was waiting); 0 with fewer than
+        token, plus ``others`` (rule 4: the other router replicas' requests waiting for theirs,
+        ``AdmissionTerms.others_waiting``), plus one, times the busy time per first token over
+        the last :data:`QUEUE_WINDOW_S` (busy: some request was waiting); 0 with fewer than
         :data:`QUEUE_MIN_FIRSTS` first tokens in the window.
+
+        Why the others, once each: the busy time per first token is this router's, measured
+        while the other replicas' requests shared the box, so under a steady overload it already
+        counts them (each first token of this router's costs about the replicas' count x the
+        box's service time). At the onset of a burst it does not: it is still the quiet
+        traffic's, and each replica saw only its own share of the burst (measured: 5 of a chaos
+        run's 6 misses were admitted in the first 0.3 s of its x8 phase, 5 by one router and 4
+        by the other, each on its own queue of 302-791 ms, and served in 1.36-1.68 s).
 
         Why: the prediction and its margin learn from outcomes, a TTFT after the fact; a burst
         is admitted in full before the first of them is late. The busy time per first token is
@@ -456,7 +472,7 @@ class PromiseMargin:
         + 1`` alone, in a chaos overload phase, a wave admitted to the budget's edge was served
         1.2-2.7 s). At light load the queue is 0 (no headroom: the quiet traffic is not shed)
         and the busy time per first token is about one TTFT."""
-        return (per_waiting * self.waiting() + 1) * self._per_first_s(now) * 1000
+        return (per_waiting * self.waiting() + max(others, 0) + 1) * self._per_first_s(now) * 1000
 
     def _per_first_s(self, now: float, min_firsts: int = QUEUE_MIN_FIRSTS) -> float:
         """The busy time per first token over the last :data:`QUEUE_WINDOW_S` (s; 0 with fewer
@@ -494,14 +510,15 @@ class PromiseMargin:
 def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: float = 0.0,
                  loop_lag_ms: float = 0.0, margin: float = 1.0, idle: bool = False,
                  at_s: float = 0.0, queue_ms: float = 0.0, chosen: str | None = None,
-                 rule: int | None = None, spread: float = 1.0) -> AdmissionTerms | None:
+                 rule: int | None = None, spread: float = 1.0, others_waiting: int = 0) -> AdmissionTerms | None:
     """The terms of the budget test for a decision's ``scores`` (None: the budget is off, 0):
     the predicted TTFT and worker of the row the decision chose (``chosen``: its worker id), or,
     with ``chosen`` None (the rule of the terms recorded before ``AdmissionTerms.chosen``), the
     best eligible row's; None when that row carries no prediction (a decode phase). With what the
     router measured, and the ``rule`` it is judged by (``AdmissionTerms.rule``; None: :data:`RULE`
     when ``chosen`` is given, else 0, the rule of terms written before the field) and its
-    ``spread`` (rule 3: :meth:`PromiseMargin.spread`). Recorded in ``RequestRouted.admission`` /
+    ``spread`` (rule 3: :meth:`PromiseMargin.spread`) and ``others_waiting`` (rule 4: the other
+    replicas' requests waiting for a first token, in ``queue_ms``). Recorded in ``RequestRouted.admission`` /
     ``RequestRejected.admission``; :func:`over_budget` is the test itself.
 
     Why the chosen row: the promise is about the request as routed, and the margin is the
@@ -517,7 +534,8 @@ def budget_terms(scores: Iterable[CandidateScore], budget_ms: float, spent_ms: f
     return AdmissionTerms(budget_ms=budget_ms, predicted_ttft_ms=best[0], worker_id=best[1], margin=margin,
                           spent_ms=spent_ms, loop_lag_ms=loop_lag_ms, idle=idle, at_s=at_s, queue_ms=queue_ms,
                           chosen=chosen is not None,
-                          rule=(RULE if chosen is not None else 0) if rule is None else rule, spread=spread)
+                          rule=(RULE if chosen is not None else 0) if rule is None else rule, spread=spread,
+                          others_waiting=others_waiting)
 
 
 def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
@@ -532,7 +550,7 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
     the request already spent in this router since it arrived: its body, its tokens, the
     admission queue), plus ``loop_lag_ms`` (the router's own event-loop lag, smoothed: the
     request waited about that long before the router read it, and its first token meets it
-    again on the way back; counted twice from rule 3, :func:`loop_lag_share_ms`). From rule 3 the
+    again on the way back; counted twice in rule 3, :func:`loop_lag_share_ms`). From rule 3 the
     larger of the prediction x margin and the queue is multiplied by ``spread`` first
     (:data:`OVERLOAD_SPREAD` while the router is overloaded). Retry-After: the excess, in whole
     seconds, at least 1 (the queue ahead drains at about the rate it was predicted).
@@ -556,10 +574,11 @@ def over_budget(t: AdmissionTerms) -> tuple[str, int] | None:
     times = f" x {margin:.2f} (recent observed/predicted)" if margin > 1.0 else ""
     what = f"predicted TTFT {ms:.0f} ms on the {'chosen' if t.chosen else 'best'} candidate ({t.worker_id}){times}"
     if t.queue_ms > expected:
-        what = f"{t.queue_ms:.0f} ms for this router's own queue (above the {what})"
+        others = f", {t.others_waiting} waiting at the other replicas counted" if t.others_waiting else ""
+        what = f"{t.queue_ms:.0f} ms for this router's own queue{others} (above the {what})"
     if spread > 1.0:
         what = f"{what} x {spread:.2f} (overloaded: offered more than its box serves)"
-    lag = (f"{t.loop_lag_ms:.0f} ms of its event-loop lag" if rule < 3
+    lag = (f"{t.loop_lag_ms:.0f} ms of its event-loop lag" if rule != 3
            else f"{LOOP_LAG_TIMES} x {t.loop_lag_ms:.0f} ms of its event-loop lag (in and out)")
     return (f"{what} + {t.spent_ms:.0f} ms already spent in the router + {lag} = {total:.0f} ms exceeds the budget "
             f"of {t.budget_ms:g} ms", max(1, ceil((total - t.budget_ms) / 1000)))

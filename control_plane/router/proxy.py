@@ -186,6 +186,7 @@ class Router:
         workers: WorkerCalls | None = None,
         worker_credential: str | None = None,
         loop_lag: Callable[[], LoopLag] | None = None,
+        others_waiting: Callable[[], int] | None = None,
     ) -> None:
         self.router_id = router_id
         self.view = view
@@ -205,6 +206,9 @@ class Router:
         self.admission = AdmissionQueue(admission or AdmissionConfig(), self._has_room)
         #: This process's event-loop lag (the probe's current state); None: not measured.
         self.loop_lag = loop_lag
+        #: The other replicas' requests waiting for a first token (``shared_gate.SharedWaiting``);
+        #: None: not shared (admission rule 4 then counts this replica's alone).
+        self.others_waiting = others_waiting
 
     async def close(self) -> None:
         await self.workers.close()
@@ -348,22 +352,27 @@ class Router:
             # Not while the router is offered more than its box serves (``PromiseMargin.overloaded``):
             # then an idle moment is the shedding's, not a stale model's (measured: in a chaos
             # overload phase 95 such probes were served, 2 of them over the SLO, 1.2 and 2.0 s).
-            queue_ms, spread = self.ledger.margin.queue_ms(now), self.ledger.margin.spread(now)
+            # Nor while the other replicas have requests waiting on the box (rule 4).
+            others = self.others_waiting() if self.others_waiting is not None else 0
+            queue_ms, spread = self.ledger.margin.queue_ms(now, others=others), self.ledger.margin.spread(now)
             probe = (not len(self.ledger.inflight) and self.ledger.ttft_fit.observations() > 0 and spread == 1.0
+                     and not others
                      and (adm.ttft_budget_ms is None or adm.ttft_budget_ms >= self.config.ttft_slo_ms > 0))
 
             def margin(worker: str) -> float:  # each worker's own (rule 3, ``PromiseMargin.factor``)
                 return self.ledger.margin.factor(now, worker)
 
             terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin(d.worker_id),
-                                 idle=probe, at_s=now, queue_ms=queue_ms, chosen=d.worker_id, spread=spread)
+                                 idle=probe, at_s=now, queue_ms=queue_ms, chosen=d.worker_id, spread=spread,
+                                 others_waiting=others)
             while (detour := budget_detour(d.scores, terms, margin)) is not None:
                 # The chosen worker breaks the promise another keeps: decide again without it
                 # (recorded in ``excluded_workers``; the caller's set, its failures, is not touched).
                 excluded = excluded | {detour}
                 inputs, d = decided(excluded)
                 terms = budget_terms(d.scores, budget, self.spent_ms(adm), self.loop_lag_ms(), margin(d.worker_id),
-                                     idle=probe, at_s=now, queue_ms=queue_ms, chosen=d.worker_id, spread=spread)
+                                     idle=probe, at_s=now, queue_ms=queue_ms, chosen=d.worker_id, spread=spread,
+                                     others_waiting=others)
             over = over_budget(terms)
             if over is not None:
                 # The promise cannot be kept: refused now (serving records RequestRejected), not served late.

@@ -34,6 +34,11 @@ Invariants of the shared gate:
 Each admit is paired with one release by the caller (the ``api_key`` dependency); a key's
 requests on this replica are interchangeable, so :meth:`SharedKeyGate.release` releases the one
 admitted last, wherever it was counted (a Redis slot, no slot, or the local gate).
+
+The same Redis carries one more shared count, for the TTFT budget test (admission rule 4):
+:class:`SharedWaiting`, each replica's requests waiting for their first token, so that a
+replica's queue term counts the others' too. A burst's first requests reach every replica at
+once; each saw only its own share (docs/admission.md).
 """
 
 from __future__ import annotations
@@ -106,6 +111,17 @@ end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * 2)
 return renewed
 """
+
+
+def _client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client of the Redis at ``url`` whose calls wait at most ``timeout_s`` and are never
+    retried: the caller has an answer of its own for a Redis that does not answer in time."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
 
 
 class Gate(Protocol):
@@ -191,13 +207,7 @@ class SharedKeyGate:
     def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedKeyGate:
         """A gate on the Redis at ``url``; a call waits at most ``timeout_s`` for it, and is never
         retried (the local gate answers instead)."""
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        return cls(client, **kw)
+        return cls(_client(url, timeout_s), **kw)
 
     def _keys(self, key_id: str) -> list[str]:
         # One hash tag per key: both keys land on one slot of a Redis Cluster.
@@ -317,4 +327,114 @@ class SharedKeyGate:
             self._next_log = now + self.log_every_s
 
 
-__all__ = ["Gate", "LocalGate", "SharedKeyGate"]
+#: KEYS[1] the replicas' hash (field: replica id -> "count:server ms"). ARGV: this replica's id,
+#: its count, how old (ms) another's entry may be and still count. Writes this replica's entry,
+#: drops entries ten times that old (replicas gone), returns the sum of the others' live counts.
+_WAITING = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now_ms = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000)
+local live = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. string.format('%d', now_ms))
+local all = redis.call('HGETALL', KEYS[1])
+local sum = 0
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] then
+    local n, at = string.match(all[i + 1], '^(%d+):(%d+)$')
+    if n and now_ms - tonumber(at) <= live then
+      sum = sum + tonumber(n)
+    elseif not n or now_ms - tonumber(at) > 10 * live then
+      redis.call('HDEL', KEYS[1], all[i])
+    end
+  end
+end
+redis.call('PEXPIRE', KEYS[1], 10 * live)
+return sum
+"""
+
+
+class SharedWaiting:
+    """The other router replicas' requests waiting for their first token, through Redis.
+
+    Every ``interval_s`` one script (one round trip) writes this replica's count (``waiting()``:
+    ``PromiseMargin.waiting``) with Redis's time and reads the sum of the other replicas'
+    entries written in the last ``live_s`` (a replica killed with -9 stops counting after that).
+    :meth:`others` is the last sum read: what the budget test records in
+    ``AdmissionTerms.others_waiting`` (replay re-executes with the recorded number, so the test
+    stays a pure function of its terms). Redis unreachable, or the last answer older than
+    ``live_s``: 0, the rule-3 count (this replica's own), logged at most once per ``log_every_s``.
+
+    Why: a burst's first requests reach every replica at once, and each one's queue term saw
+    only its own share (a chaos run's x8 onset: admitted 5 and 4 in 0.3 s, served in 1.4-1.7 s).
+    Why polled, not read per request: the decision is synchronous and a round trip per request
+    would add to the router's own loop; at 25 ms the count trails a burst by about one request."""
+
+    def __init__(self, client: aioredis.Redis, *, replica: str, waiting: Callable[[], int],
+                 key: str = "switchyard:router-waiting", interval_s: float = 0.025, live_s: float = 1.0,
+                 log_every_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic) -> None:
+        if interval_s <= 0 or live_s <= interval_s:
+            raise ValueError(f"interval_s={interval_s}, live_s={live_s}: need 0 < interval_s < live_s")
+        from redis.exceptions import RedisError
+
+        self._down = (RedisError, OSError)
+        self.client = client
+        self.replica = replica
+        self.waiting = waiting
+        self.key = key
+        self.interval_s = interval_s
+        self.live_ms = int(live_s * 1000)
+        self.log_every_s = log_every_s
+        self.monotonic = monotonic
+        self._script = client.register_script(_WAITING)
+        self._others = 0
+        self._read_at = float("-inf")
+        self._next_log = float("-inf")
+        self._task: asyncio.Task | None = None
+        #: Round trips that failed (tests and logs).
+        self.failures = 0
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedWaiting:
+        """A shared count on the Redis at ``url``; a round trip waits at most ``timeout_s``."""
+        return cls(_client(url, timeout_s), **kw)
+
+    def others(self) -> int:
+        """The other replicas' requests waiting for their first token (0: none, or not known)."""
+        return self._others if self.monotonic() - self._read_at <= self.live_ms / 1000 else 0
+
+    async def sync(self) -> int:
+        """Write this replica's count and read the others' (one round trip); the others' sum."""
+        try:
+            got = await self._script(keys=[self.key], args=[self.replica, max(0, int(self.waiting())), self.live_ms])
+        except self._down as e:
+            self.failures += 1
+            now = self.monotonic()
+            if now >= self._next_log:
+                log.warning("router waiting count: Redis unreachable (%s); the TTFT budget's queue counts this "
+                            "replica's own requests alone until it answers", e)
+                self._next_log = now + self.log_every_s
+            return self.others()
+        self._others, self._read_at = int(got), self.monotonic()
+        return self._others
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._forever(), name="router-waiting-share")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+        try:
+            await self.client.hdel(self.key, self.replica)
+        except self._down:
+            pass  # its entry stops counting after live_s anyway
+        await self.client.aclose()
+
+    async def _forever(self) -> None:
+        while True:
+            await self.sync()
+            await asyncio.sleep(self.interval_s)
+
+
+__all__ = ["Gate", "LocalGate", "SharedKeyGate", "SharedWaiting"]

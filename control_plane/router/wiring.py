@@ -26,7 +26,7 @@ from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits
 from control_plane.router.loop_lag_probe import LoopLagProbe
 from control_plane.router.orphans import close_orphans
-from control_plane.router.shared_gate import SharedKeyGate
+from control_plane.router.shared_gate import SharedKeyGate, SharedWaiting
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from control_plane.streaming import StreamFollower
@@ -242,11 +242,19 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     metrics.events_queued.set_function(producer.outstanding)
     # The router's own saturation, counted as load by admission (RouterConfig.max_loop_lag_ms).
     probe = LoopLagProbe(on_sample=metrics.loop_lag_sample_seconds.observe)
+    # The replicas' requests waiting for a first token, shared for the TTFT budget's queue
+    # (admission rule 4), in the Redis of the shared key limits, one hash per system.
+    shared_waiting: SharedWaiting | None = None
+    router: Router | None = None
+    if s.redis_url:
+        shared_waiting = SharedWaiting.from_url(s.redis_url, replica=s.router_id,
+                                                key=f"switchyard:{bus.topic_prefix}:router-waiting",
+                                                waiting=lambda: router.ledger.margin.waiting() if router else 0)
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config,
                     hash_config=restored.hash_config, health=processor.health, max_attempts=s.max_attempts,
                     read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s, admission=s.admission,
                     metrics=metrics, worker_credential=s.worker_credential or worker_credential(bus.secrets_dir),
-                    loop_lag=lambda: probe.lag)
+                    loop_lag=lambda: probe.lag, others_waiting=shared_waiting.others if shared_waiting else None)
     auth: RouterAuth | None = None
     if restored.keys is not None:
         auth = RouterAuth(restored.keys)
@@ -264,6 +272,8 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
             await auth.gate.start()
         await processor.start()
         probe.start()
+        if shared_waiting is not None:
+            await shared_waiting.start()
         log.info("router %s serving on %s:%d (mode %s, view at %d records, %s)", s.router_id, s.host, s.port,
                  config.mode, view.applied,
                  f"API keys on: {len(auth.table.keys)} in the log, limits {key_limits_mode(s)}"
@@ -273,6 +283,8 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
         import asyncio
 
         await probe.stop()
+        if shared_waiting is not None:
+            await shared_waiting.close()
         await processor.checkpoint()
         await processor.stop()
         await router.close()

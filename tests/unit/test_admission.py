@@ -250,18 +250,20 @@ def test_the_routers_own_queue_implies_a_ttft_from_its_busy_time_per_first_token
     assert m.queue_ms(25.0) == 0.0
 
 
-def test_from_rule_3_the_loop_lag_counts_on_the_way_in_and_on_the_way_out():
-    """Chosen row 300 ms, 300 ms spent, loop lag 150 ms, budget 1000: rule 3 (what the router
-    writes now) 300 + 300 + 2 x 150 = 900, kept; lag 250: 300 + 300 + 500 = 1100, refused. Terms
-    recorded before the field re-execute by their own rule, the lag once: 850, kept (``chosen``:
-    rule 2; without it, rule 1)."""
+def test_rule_3_alone_counts_the_loop_lag_on_the_way_in_and_on_the_way_out():
+    """Chosen row 300 ms, 300 ms spent, loop lag 250 ms, budget 1000: rule 3 300 + 300 + 2 x 250
+    = 1100, refused; rule 4 (what the router writes now) counts the lag once: 850, kept; lag 450:
+    1050, refused. Terms recorded before the field re-execute by their own rule, the lag once:
+    850, kept (``chosen``: rule 2; without it, rule 1)."""
     rows = [_row("a", 300.0)]
-    assert over_ttft_budget(rows, 1000.0, spent_ms=300.0, loop_lag_ms=150.0, chosen="a") is None
-    reason, _ = over_ttft_budget(rows, 1000.0, spent_ms=300.0, loop_lag_ms=250.0, chosen="a")
+    new = budget_terms(rows, 1000.0, 300.0, 250.0, chosen="a")
+    assert (new.rule, terms_rule(new)) == (RULE, 4) and over_budget(new) is None
+    reason, _ = over_budget(msgspec.structs.replace(new, rule=3))
     assert reason == ("predicted TTFT 300 ms on the chosen candidate (a) + 300 ms already spent in the router + "
                       "2 x 250 ms of its event-loop lag (in and out) = 1100 ms exceeds the budget of 1000 ms")
-    new = budget_terms(rows, 1000.0, 300.0, 250.0, chosen="a")
-    assert (new.rule, terms_rule(new)) == (RULE, 3)
+    reason, _ = over_ttft_budget(rows, 1000.0, spent_ms=300.0, loop_lag_ms=450.0, chosen="a")
+    assert reason == ("predicted TTFT 300 ms on the chosen candidate (a) + 300 ms already spent in the router + "
+                      "450 ms of its event-loop lag = 1050 ms exceeds the budget of 1000 ms")
     before = msgspec.structs.replace(new, rule=0)
     assert terms_rule(before) == 2 and over_budget(before) is None
     assert terms_rule(msgspec.structs.replace(before, chosen=False)) == 1
@@ -347,3 +349,29 @@ def test_a_router_that_sheds_nearly_everything_still_counts_as_overloaded():
     for i in range(3):
         q.arrived(49.0 + i)
     assert q.offered(51.0) == pytest.approx(0.3) and not q.overloaded(51.0) and q.spread(51.0) == 1.0
+
+
+def test_from_rule_4_the_queue_counts_the_other_replicas_waiting_once_each():
+    """First tokens at 10.1 .. 10.9 s (busy 10.0-10.9 s: 9 first tokens, 100 ms each). At 11.0 s
+    this router has 4 requests waiting (routed at 10.95), the other replica 4: rule 4's queue is
+    (2 x 4 + 4 + 1) x 1.05 / 9 s = 1,517 ms (its own alone, rule 3: (2 x 4 + 1) -> 1,050). A
+    500 ms prediction + 20 spent + 20 lag: refused on the queue, and the reason counts the
+    others. Replay folds the queue with the recorded count; terms without it (rule 3) fold 1,050."""
+    m = PromiseMargin()
+    for i in range(9):
+        m.routed(f"a{i}", 100.0, 10.0 + 0.1 * i)
+        m.first_token(f"a{i}", 10.1 + 0.1 * i)
+    for i in range(4):
+        m.routed(f"b{i}", 100.0, 10.95)
+    per_first = (0.9 + 0.05) / 9 * 1000
+    assert m.queue_ms(11.0) == pytest.approx(9 * per_first)
+    assert m.queue_ms(11.0, others=4) == pytest.approx(13 * per_first)
+    t = budget_terms([_row("w", 500.0)], 1000.0, 20.0, 20.0, chosen="w", queue_ms=m.queue_ms(11.0, others=4),
+                     others_waiting=4, at_s=11.0)
+    reason, _ = over_budget(t)
+    assert reason.startswith(f"{13 * per_first:.0f} ms for this router's own queue, 4 waiting at the other "
+                             "replicas counted (above the predicted TTFT 500 ms")
+    assert folded_terms(m, 11.0, t)[1] == pytest.approx(13 * per_first)
+    old = msgspec.structs.replace(t, rule=3, others_waiting=0)
+    assert folded_terms(m, 11.0, old)[1] == pytest.approx(9 * per_first)
+    assert over_budget(msgspec.structs.replace(t, others_waiting=0, queue_ms=9 * per_first)) is None
