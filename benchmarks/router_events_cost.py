@@ -45,8 +45,12 @@ import uuid
 
 from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from common.log.admin import apply_topics
+from common.log.kafka import EventConsumer
 from common.log.native_producer import NativeEventProducer
+from common.log.reader import KafkaLogTail
 from common.settings import BusSettings
+from control_plane.router.stream import STREAMS
+from control_plane.router.wiring import view_fetch
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
 
@@ -190,11 +194,6 @@ def _follow(poll, stop) -> None:
 
 def _consumers(bus: BusSettings, waits: list[int]):
     """name -> a factory of (poll, close, _Requests) for each consumer a router runs."""
-    from common.log.kafka import EventConsumer
-    from common.log.reader import KafkaLogTail
-    from control_plane.router.stream import STREAMS
-    from control_plane.router.wiring import view_fetch
-
     def tail(wait: int):
         def make():
             reqs = _Requests()

@@ -36,14 +36,19 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import httpx
+
+import benchmarks.e2e_bench as eb
+from benchmarks.tune_score import load_cases
+from control_plane.router import RouterConfig
+from control_plane.simulation import AGGREGATED_8, run_cluster
+from data_plane.engines import load_profile
+from ops.demo.loadgen import word_prompt
+from ops.demo.up import DEMO_DEFAULTS, DEMO_TRACE
+from workloads.sets import SCORE_SET
+
 
 def virtual(lags: list[float]) -> dict[str, float]:
-    from control_plane.simulation import AGGREGATED_8
-    from benchmarks.tune_score import load_cases
-    from control_plane.router import RouterConfig
-    from control_plane.simulation import run_cluster
-    from data_plane.engines import load_profile
-    from workloads.sets import SCORE_SET
 
     prof = load_profile("mocker")
     cases = SCORE_SET
@@ -76,10 +81,6 @@ def virtual(lags: list[float]) -> dict[str, float]:
 
 async def _repeats(url: str, pairs: int, words: int = 2048, seed: int = 11) -> tuple[float, float]:
     """(sequential, concurrent): the share of second sends served at least half from cache."""
-    import httpx
-
-    from ops.demo.loadgen import word_prompt
-
     rng = random.Random(seed)
 
     def body() -> dict:
@@ -108,8 +109,6 @@ async def _repeats(url: str, pairs: int, words: int = 2048, seed: int = 11) -> t
 
 
 def e2e(waits: list[int], pairs: int) -> dict[str, float]:
-    import benchmarks.e2e_bench as eb
-    from ops.demo.up import DEMO_DEFAULTS, DEMO_TRACE
 
     out: dict[str, float] = {}
     run = eb.run_trace
