@@ -15,7 +15,8 @@ Two measurements:
   ``SWITCHYARD_ROUTER_VIEW_FETCH_WAIT_MS`` at each ``--waits`` value, then a repeated-prompt
   check on the same stack: ``--pairs`` fresh prompts each sent twice, the second right after
   the first completes and, for other prompts, both at once; how many seconds were served from
-  cache (``usage.prompt_tokens_details.cached_tokens`` at least half the prompt).
+  cache (the prefill worker's cached tokens at least half the prompt: ``switchyard replay
+  reconcile``'s per-request check over the run's log; the client's usage is the decode worker's).
 
     python -m benchmarks.view_staleness --virtual [--lags 0 10 25 50 100]
     flock /work/wt/demo.lock nice -n 10 python -m benchmarks.view_staleness --e2e [--waits 10 50]
@@ -37,6 +38,12 @@ import tempfile
 from pathlib import Path
 
 import httpx
+
+from common.log.catalog import Catalog
+from common.log.reader import KafkaLogReader, scan_events
+from common.settings import BusSettings
+from control_plane.replay.reconcile import KvRecord, reconcile
+from schemas import EventCodec
 
 import benchmarks.e2e_bench as eb
 from benchmarks.tune_score import load_cases
@@ -79,33 +86,45 @@ def virtual(lags: list[float]) -> dict[str, float]:
     return out
 
 
-async def _repeats(url: str, pairs: int, words: int = 2048, seed: int = 11) -> tuple[float, float]:
-    """(sequential, concurrent): the share of second sends served at least half from cache."""
+async def _repeats(url: str, pairs: int, words: int = 2048, seed: int = 11) -> tuple[list[str], list[str]]:
+    """Request ids of the second sends: (sequential, concurrent)."""
     rng = random.Random(seed)
 
     def body() -> dict:
         return {"model": "switchyard-sim", "prompt": word_prompt(rng.randrange(32000) for _ in range(words)),
                 "max_tokens": 1}
 
-    def hit(r: httpx.Response) -> bool:
+    def rid(r: httpx.Response) -> str:
         r.raise_for_status()
-        u = r.json()["usage"]
-        return int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0) * 2 >= u["prompt_tokens"]
+        return r.json()["id"]
 
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        seq = 0
+        seq = []
         for _ in range(pairs):
             b = body()
-            (await c.post("/v1/completions", json=b)).raise_for_status()
-            seq += hit(await c.post("/v1/completions", json=b))
-        conc = 0
+            rid(await c.post("/v1/completions", json=b))
+            seq.append(rid(await c.post("/v1/completions", json=b)))
+        conc = []
         for _ in range(pairs):
             b = body()
             first, second = await asyncio.gather(c.post("/v1/completions", json=b),
                                                  c.post("/v1/completions", json=b))
-            first.raise_for_status()
-            conc += hit(second) or hit(first)
-    return seq / pairs, conc / pairs
+            rid(first)
+            conc.append(rid(second))
+    return seq, conc
+
+
+def _served_from_cache(prefix: str, ids: list[str]) -> float:
+    """The share of ``ids`` whose prefill worker found at least half the prompt in its cache
+    (``switchyard replay reconcile``'s per-request check over the run's log)."""
+    bus = BusSettings.from_env(topic_prefix=prefix)
+    cat, codec = Catalog(bus.topic_prefix), EventCodec(verifier=bus.verifier())
+    with KafkaLogReader(bus.bootstrap) as reader:
+        requests = [env for _, env in scan_events(reader, cat.topic("requests"), codec=codec)]
+        kv = [KvRecord(r.topic, r.partition, r.offset, env) for r, env in scan_events(reader, cat.topic("kv"), codec=codec)]
+    by = {c.request_id: c for c in reconcile(requests, kv).checks}
+    hits = [by[i].cached_tokens * 2 >= by[i].prompt_tokens for i in ids if i in by]
+    return sum(hits) / len(ids) if ids else float("nan")
 
 
 def e2e(waits: list[int], pairs: int) -> dict[str, float]:
@@ -115,11 +134,12 @@ def e2e(waits: list[int], pairs: int) -> dict[str, float]:
 
     for w in waits:
         os.environ["SWITCHYARD_ROUTER_VIEW_FETCH_WAIT_MS"] = str(w)
-        rep: dict[str, float] = {}
+        ids: dict = {}
 
         async def with_repeats(url, *a, **kw):  # the trace, then the repeats on the same stack
             s = await run(url, *a, **kw)
-            rep["seq"], rep["conc"] = await _repeats(url, pairs)
+            ids["prefix"] = os.environ["SWITCHYARD_TOPIC_PREFIX"]
+            ids["seq"], ids["conc"] = await _repeats(url, pairs)
             return s
 
         eb.run_trace = with_repeats
@@ -129,6 +149,7 @@ def e2e(waits: list[int], pairs: int) -> dict[str, float]:
         finally:
             eb.run_trace = run
         rec = s["reconciled"]
+        rep = {k: _served_from_cache(ids["prefix"], ids[k]) for k in ("seq", "conc")}
         print(f"wait {w:>3} ms: completed {s['completed']} failed {s['failed']} rejected {s['rejected']}; "
               f"TTFT p50 {s['ttft_p50_ms']:.0f} p99 {s['ttft_p99_ms']:.0f} ms; hit rate {s['hit_rate']:.3f}, "
               f"prefill hit rate {rec['prefill_hit_rate']:.3f}, predicted overlap exact "
