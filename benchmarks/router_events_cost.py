@@ -15,6 +15,14 @@ round by round, so the box's load drifts over all of them alike.
     uv run --group bench python -m benchmarks.router_events_cost [--rounds 3] [--n 1000] [--hop-ms 2]
     uv run --group bench python -m benchmarks.router_events_cost --read-prefix peers1234abcd
 
+``--fetches``: instead, the requests the router's consumers send the broker while the router
+idles or serves (librdkafka's statistics, ``brokers.*.req``): the view's tail (``kv`` and
+``workers``, as ``RouterViewProcessor`` sets it up, at each ``--view-waits`` value of
+``view_fetch_wait_ms``) and the API keys' follower (``admin``, an ``EventConsumer``), each alone
+beside the request events of ``--n`` requests at the router's linger, then idle; and what one
+fetch costs the broker: ``--tails`` tails at the smallest wait above 0 against a quiet window, alternating.
+Last line ``RESULT view<w>_fetches_per_s=... keys_fetches_per_s=... broker_us_per_fetch=...``.
+
 ``--read-prefix``: instead, the bytes per event type (value + key + headers, as stored) of every
 topic under that prefix, e.g. a ``bench peers`` run's (its workers' prefix, ``peers<8 hex>``;
 the bench leaves its topics). Last line ``RESULT <stream>_<type>_bytes=...``.
@@ -37,8 +45,12 @@ import uuid
 
 from benchmarks.peers_bench import broker_cpu_s, broker_idle_rate, broker_pids
 from common.log.admin import apply_topics
+from common.log.kafka import EventConsumer
 from common.log.native_producer import NativeEventProducer
+from common.log.reader import KafkaLogTail
 from common.settings import BusSettings
+from control_plane.router.stream import STREAMS
+from control_plane.router.wiring import view_fetch
 from schemas.envelope import EnvelopeFactory, EventCodec
 from schemas.events import CandidateScore, PrefillCompleted, RequestAdmitted, RequestCompleted, RequestRouted
 
@@ -146,6 +158,137 @@ def measure(bus: BusSettings, overrides: dict[str, object], n: int, brokers: lis
             (x1 - x0) / n)
 
 
+class _Requests:
+    """Requests sent to the brokers by one librdkafka client, by type, from its statistics
+    (``stats_cb``; every ``STATS_MS``): :meth:`since` the counts over a window."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, int] = {}
+        self.reports = 0
+
+    def conf(self) -> dict[str, object]:
+        return {"statistics.interval.ms": STATS_MS, "stats_cb": self._cb}
+
+    def _cb(self, raw: str) -> None:
+        import json
+
+        out: collections.Counter = collections.Counter()
+        for b in json.loads(raw)["brokers"].values():
+            out.update({k: v for k, v in b.get("req", {}).items() if v})
+        self.latest, self.reports = dict(out), self.reports + 1
+
+    def fresh(self) -> dict[str, int]:
+        """Counts from a report newer than this call."""
+        n0, deadline = self.reports, time.monotonic() + 5
+        while self.reports < n0 + 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no librdkafka statistics within 5 s")
+            time.sleep(STATS_MS / 4000)
+        return dict(self.latest)
+
+
+def _follow(poll, stop) -> None:
+    while not stop.is_set():
+        poll()
+
+
+def _consumers(bus: BusSettings, waits: list[int]):
+    """name -> a factory of (poll, close, _Requests) for each consumer a router runs."""
+    def tail(wait: int):
+        def make():
+            reqs = _Requests()
+            t = KafkaLogTail(bus, [f"{bus.topic_prefix}.{s}" for s in STREAMS], {}, f"fetches.view{wait}",
+                             **{"fetch.min.bytes": view_fetch(wait)["fetch_min_bytes"],
+                                "fetch.wait.max.ms": view_fetch(wait)["fetch_wait_ms"]}, **reqs.conf())
+            return lambda: t.poll(2000, 0.2), t.close, reqs
+        return make
+
+    def keys():
+        reqs = _Requests()
+        c = EventConsumer(bus, ["admin"], assign_all=True, consumer_name="fetches.keys", **reqs.conf())
+        return lambda: c.poll_batch(200, 0.2), c.close, reqs
+
+    return {**{f"view{w}": tail(w) for w in waits}, "keys": keys}
+
+
+def fetches(rounds: int, n: int, waits: list[int], tails: int, quiet_s: float = 5.0) -> dict[str, float]:
+    """The router's consumers' requests to the broker per second (serving, idle) and the
+    broker's CPU per fetch (see the module's docstring)."""
+    import threading
+
+    prefix = f"revfetch{uuid.uuid4().hex[:6]}"
+    apply_topics(BusSettings.from_env(topic_prefix=prefix))
+    bus = BusSettings.from_env(topic_prefix=prefix, role="router")
+    brokers = broker_pids()
+    makers = _consumers(bus, waits)
+    rates: dict[str, list[tuple[float, float, dict]]] = {k: [] for k in makers}
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    p = NativeEventProducer(bus, "bench-router", **{"linger.ms": 5})
+    for r in range(rounds):
+        names = list(makers)[r % len(makers):] + list(makers)[:r % len(makers)]
+        for name in names:
+            poll, close, reqs = makers[name]()
+            stop = threading.Event()
+            th = threading.Thread(target=_follow, args=(poll, stop), daemon=True)
+            th.start()
+            time.sleep(1.0)  # connected, assigned, coordinator known
+            a, t0 = reqs.fresh(), time.monotonic()
+            for i in range(n):
+                _request(p, i, prefix, HOP_MS / 1000)
+                time.sleep(GAP_S)
+            p.flush()
+            b, t1 = reqs.fresh(), time.monotonic()
+            time.sleep(quiet_s)
+            c, t2 = reqs.fresh(), time.monotonic()
+            stop.set()
+            th.join()
+            close()
+            serving = {k: (b.get(k, 0) - a.get(k, 0)) / (t1 - t0) for k in b}
+            idle = {k: (c.get(k, 0) - b.get(k, 0)) / (t2 - t1) for k in c}
+            rates[name].append((serving.get("Fetch", 0.0), idle.get("Fetch", 0.0),
+                                {k: round(v, 1) for k, v in idle.items() if v}))
+            print(f"  round {r + 1} {name:<8} fetches/s serving {rates[name][-1][0]:.1f} "
+                  f"({rates[name][-1][0] * (t1 - t0) / n:.2f} per request at {n / (t1 - t0):.0f} req/s), "
+                  f"idle {rates[name][-1][1]:.1f}; idle requests/s by type {rates[name][-1][2]} "
+                  f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    p.close()
+    # What one fetch costs the broker: ``tails`` tails at the smallest wait, against quiet windows.
+    per_fetch: list[float] = []
+    for r in range(rounds):
+        idle = broker_idle_rate(brokers, quiet_s)
+        made = [makers[f"view{min(w for w in waits if w)}"]() for _ in range(tails)]
+        stops = [threading.Event() for _ in made]
+        ths = [threading.Thread(target=_follow, args=(m[0], s), daemon=True) for m, s in zip(made, stops)]
+        for th in ths:
+            th.start()
+        time.sleep(1.0)
+        a = [m[2].fresh().get("Fetch", 0) for m in made]
+        c0, t0 = broker_cpu_s(brokers), time.monotonic()
+        time.sleep(quiet_s)
+        busy = (broker_cpu_s(brokers) - c0) / (time.monotonic() - t0)
+        b = [m[2].fresh().get("Fetch", 0) for m in made]
+        for s in stops:
+            s.set()
+        for th, m in zip(ths, made):
+            th.join()
+            m[1]()
+        idle = (idle + broker_idle_rate(brokers, quiet_s)) / 2
+        rate = sum(b) / quiet_s - sum(a) / quiet_s
+        per_fetch.append((busy - idle) / rate * 1e6)
+        print(f"  round {r + 1} {tails} tails: {rate:.0f} fetches/s, broker {busy * 1000:.1f} ms/s against "
+              f"{idle * 1000:.1f} idle: {per_fetch[-1]:.0f} us per fetch (load {os.getloadavg()[0]:.1f})", flush=True)
+    out = {k: statistics.median(x[1] for x in v) for k, v in rates.items()}
+    serving = {k: statistics.median(x[0] for x in v) for k, v in rates.items()}
+    us = statistics.median(per_fetch)
+    for k in rates:
+        print(f"{k:<8} fetches/s idle {out[k]:.1f}, serving {serving[k]:.1f}: broker ~{out[k] * us / 1000:.2f} ms/s")
+    print(f"broker CPU per fetch {us:.0f} us [{min(per_fetch):.0f}-{max(per_fetch):.0f}]")
+    print("RESULT " + " ".join(f"{k}_fetches_per_s={v:.1f}" for k, v in out.items())
+          + " " + " ".join(f"{k}_serving_fetches_per_s={v:.1f}" for k, v in serving.items())
+          + f" broker_us_per_fetch={us:.0f}")
+    return {**out, "broker_us_per_fetch": us}
+
+
 def bytes_by_type(prefix: str) -> dict[tuple[str, str], tuple[int, int]]:
     """(stream, event type) -> (records, bytes as stored: value + key + headers) of every
     topic under ``prefix``, read from the beginning to the end offsets of now."""
@@ -228,8 +371,14 @@ if __name__ == "__main__":
                     help="Milliseconds between a request's decision events and its end's.")
     ap.add_argument("--settings", nargs="*", choices=list(SETTINGS), help="Only these settings.")
     ap.add_argument("--read-prefix", help="Instead: bytes per event type on this topic prefix's topics.")
+    ap.add_argument("--fetches", action="store_true", help="Instead: the router's consumers' requests to the broker.")
+    ap.add_argument("--view-waits", type=int, nargs="*", default=[10, 25, 50],
+                    help="view_fetch_wait_ms values for --fetches.")
+    ap.add_argument("--tails", type=int, default=6, help="Tails at once, for --fetches' cost of one fetch.")
     a = ap.parse_args()
-    if a.read_prefix:
+    if a.fetches:
+        fetches(a.rounds, a.n, a.view_waits, a.tails)
+    elif a.read_prefix:
         print_bytes(a.read_prefix)
     else:
         main(a.rounds, a.n, a.hop_ms, a.settings)

@@ -307,7 +307,7 @@ def router_cmd(
     view_fetch_wait_ms: Annotated[int, typer.Option(
         envvar="SWITCHYARD_ROUTER_VIEW_FETCH_WAIT_MS",
         help="Longest the broker holds the view's fetch to fill it (fewer fetches per routed request, for "
-             "up to that much staler index; 0: a fetch per record batch).")] = 10,
+             "up to that much staler index; 0: a fetch per record batch).")] = 50,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,

@@ -108,11 +108,14 @@ class RouterSettings:
     #: prefill worker's ``PrefillCompleted`` (test_router_workers caught it).
     events_linger_ms: int = 5
     #: Longest the broker holds the view's fetch (``fetch.max.wait.ms``, with ``fetch.min.bytes``
-    #: 64 KB) before answering with what it has: the workers' KV events of several requests come
-    #: in one fetch instead of a fetch per record batch (the broker's CPU for the view per routed
-    #: request 0.66 -> 0.45 ms), for up to that much staler index (docs/router-events-cost.md,
-    #: benchmarks/router_broker_sources.py). 0: answer at once (fetch.min.bytes 1).
-    view_fetch_wait_ms: int = 10
+    #: 64 KB) before answering with what it has. The view fetches about once per wait, busy or
+    #: idle, and a fetch costs the broker about a millisecond of CPU: 10 ms made ~42 fetches/s,
+    #: 50 ms makes ~16 (docs/router-events-cost.md, ``benchmarks/router_events_cost.py
+    #: --fetches``), for an index up to 50 ms staler. What this router routed meanwhile is in its
+    #: ledger (speculative overlap, until the request completes): in the routing simulation a
+    #: KV-event lag up to 100 ms changed no TTFT and no hit (``benchmarks/view_staleness.py``).
+    #: 0: answer at once (fetch.min.bytes 1: a fetch per record batch).
+    view_fetch_wait_ms: int = 50
 
 
 def view_fetch(wait_ms: int) -> dict[str, int]:

@@ -8,7 +8,7 @@ import pytest
 from control_plane.replay.oracle import oracle_view
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
-from control_plane.router.wiring import view_fetch
+from control_plane.router.wiring import RouterSettings, view_fetch
 from common.log.catalog import Catalog
 from common.log.kafka import EventProducer
 from common.settings import BusSettings
@@ -127,14 +127,15 @@ async def test_restore_folds_the_tail_before_following_and_the_tail_folds_what_i
 
 
 async def test_view_with_the_routers_fetch_settings_follows_live_traffic(bus: BusSettings) -> None:
-    """The router's view fetches with ``fetch.min.bytes`` 64 KB and a 10 ms wait (fewer fetches
-    per routed request: control_plane/router/wiring.py ``view_fetch``): traffic produced after
+    """The router's view fetches with ``fetch.min.bytes`` 64 KB and its default wait (fewer
+    fetches per routed request: control_plane/router/wiring.py ``view_fetch``): traffic produced after
     it started, a few records at a time, still all reaches the view, equal to the oracle."""
     producers = {w: EventProducer(bus, w) for w in ("w-a", "w-b")}
     for w, p in producers.items():
         _register(p, w)
     assert all(p.flush(10) == 0 for p in producers.values())
-    proc = RouterViewProcessor(bus, "r-fetch", RouterView(ALGO, BS), snapshot_every_s=3600, **view_fetch(10))
+    proc = RouterViewProcessor(bus, "r-fetch", RouterView(ALGO, BS), snapshot_every_s=3600,
+                               **view_fetch(RouterSettings.view_fetch_wait_ms))
     await proc.start()
     try:
         await proc.wait_caught_up(60)
@@ -149,6 +150,7 @@ async def test_view_with_the_routers_fetch_settings_follows_live_traffic(bus: Bu
 
 def test_view_fetch_settings() -> None:
     assert view_fetch(10) == {"fetch_min_bytes": 65536, "fetch_wait_ms": 10}
+    assert view_fetch(RouterSettings.view_fetch_wait_ms) == {"fetch_min_bytes": 65536, "fetch_wait_ms": 50}
     assert view_fetch(0) == {"fetch_min_bytes": 1, "fetch_wait_ms": 1500}  # as Faust's consumer had them
     with pytest.raises(ValueError, match="0 \\(answer at once\\) or more"):
         view_fetch(-1)
