@@ -5,7 +5,8 @@ generation routes served directly by the native server (the product); ``asgi``: 
 with its direct routes taken away, so they go through the ASGI app (Starlette's middleware,
 routing, request and response), as before. CPU per request of the serving process (router and
 fake worker: the worker's share is the same on both sides), one at a time and 32 in flight,
-non-streaming and streaming 256-word completions (a short prompt: the fake worker parses it in Python) of 1 and 16 tokens; sides alternate.
+non-streaming and streaming 256-word completions (short: the fake worker parses the prompt in
+Python) of 1 and 16 tokens; sides alternate.
 
 ``python -m benchmarks.gen_path_bench [--n 400] [--rounds 3]``; last line ``RESULT``.
 """

@@ -191,16 +191,27 @@ class ClientGone(Exception):
 
 
 class Direct:
-    """One request of a direct route: its headers and body, and its answer, written to the crate."""
+    """One request of a direct route: its headers and body, and its answer, written to the crate
+    (a stream through :class:`_Exchange`'s ``send``: the same coalescing and flow control)."""
 
-    __slots__ = ("server", "req", "arrived_at", "started", "complete", "_gone", "_cancelled")
+    __slots__ = ("server", "req", "arrived_at", "_ex", "_task", "_cancelled", "_done")
 
     def __init__(self, server: Server, req: switchyard_native.FrontRequest) -> None:
         self.server = server
         self.req = req
         #: When the server handed the request over (monotonic).
         self.arrived_at = time.monotonic()
-        self.started = self.complete = self._gone = self._cancelled = False
+        self._ex: _Exchange | None = None
+        self._task: asyncio.Task | None = None
+        self._cancelled = self._done = False
+
+    @property
+    def started(self) -> bool:
+        return self._done or (self._ex is not None and self._ex.started)
+
+    @property
+    def complete(self) -> bool:
+        return self._done or (self._ex is not None and self._ex.complete)
 
     def header(self, name: str) -> str | None:
         """Header ``name`` (lowercase; latin-1, as Starlette's ``Headers``), or None."""
@@ -224,55 +235,41 @@ class Direct:
 
     def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """The whole answer at once."""
-        self.started = self.complete = True
+        self._done = True
         self.req.start(status, headers, body, True)
 
     async def stream(self, status: int, headers: list[tuple[bytes, bytes]], pieces: AsyncIterator[bytes]) -> None:
-        """The answer's head, then ``pieces`` as they come (each piece one write; the caller's
-        buffer full: it waits for the client). If the client goes away meanwhile, ``pieces`` is
-        cancelled where it waits and closed."""
-        task = asyncio.current_task()
-        watch = self.server._loop.create_task(self._cancel_when_gone(task))  # type: ignore[union-attr]
+        """The answer's head, then ``pieces`` as they come. If the client goes away meanwhile,
+        ``pieces`` is cancelled where it waits, and closed."""
+        ex = self._ex = _Exchange(self.server, self.req)
+        ex.body_done = True
+        self._task = asyncio.current_task()
+        await ex.send({"type": "http.response.start", "status": status, "headers": headers})
+        self._watch()
         try:
-            await self._pump(status, headers, pieces)
+            async for piece in pieces:
+                if ex.gone:
+                    break
+                await ex.send({"type": "http.response.body", "body": piece, "more_body": True})
+            await ex.send({"type": "http.response.body", "body": b""})
         except asyncio.CancelledError:
             if not self._cancelled:
                 raise
-            task.uncancel()  # type: ignore[union-attr]
+            self._task.uncancel()  # type: ignore[union-attr]
         finally:
-            watch.cancel()
+            self._done = True
             await pieces.aclose()  # type: ignore[attr-defined]
-        self.complete = True
 
-    async def _pump(self, status: int, headers: list[tuple[bytes, bytes]], pieces: AsyncIterator[bytes]) -> None:
-        req = self.req
-        async for piece in pieces:
-            if not self.started:
-                self.started = True
-                if not req.start(status, headers, piece, False):
-                    self._gone = True
-                    return
-                continue
-            sent = req.send(piece, False)
-            if sent < 0:
-                self._gone = True
-                return
-            if sent == 1:
-                while not req.has_room():
-                    await self.server._changed(req.id)
-        if not self.started:
-            self.started = True
-            req.start(status, headers, b"", True)
-        elif req.send(b"", True) < 0:
-            self._gone = True
-
-    async def _cancel_when_gone(self, task: asyncio.Task) -> None:
-        req = self.req
-        while not req.over():
-            await self.server._changed(req.id)
-        if not self.complete:
-            self._gone = self._cancelled = True
-            task.cancel()
+    def _watch(self, _: object = None) -> None:
+        """Cancels the stream once the client is gone (a callback on the request's changes: no task)."""
+        if self._done or self._cancelled:
+            return
+        if self.req.over():
+            if not self._ex.complete:  # type: ignore[union-attr]
+                self._cancelled = True
+                self._task.cancel()  # type: ignore[union-attr]
+            return
+        self.server._changed(self.req.id).add_done_callback(self._watch)
 
 
 class _Exchange:
