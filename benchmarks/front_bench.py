@@ -67,6 +67,7 @@ direct_app = _DirectApp()
 
 def serve(server: str, port: int) -> None:
     if server == "direct":
+        # lazy: the serving child loads only the server it runs
         from common.native_http import serve as native_serve
 
         native_serve(direct_app, "127.0.0.1", port)

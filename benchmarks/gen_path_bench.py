@@ -28,6 +28,7 @@ PROMPT = "word " * 256
 
 
 def serve(via: str) -> None:
+    # lazy: only the serving child builds the router's test stack (uvicorn, FastAPI, the fake worker)
     import tests.integration.test_router_input as t
 
     make = t.create_app
