@@ -1,7 +1,9 @@
 """The router's HTTP server alone: the crate's (``common/native_http.py``) beside the guarded
 uvicorn the other processes keep (``common/http_server.py``), serving the same plain ASGI app
 in a process of its own: it reads a 4K-token-sized JSON body and streams three SSE events, the
-shape of a routed request, with nothing else to do. CPU per request of the serving process
+shape of a routed request, with nothing else to do. ``direct``: the crate's server running the
+same work as a direct route (``app.state.direct_routes``, how it serves the router's generation
+routes) instead of through the ASGI adapter. CPU per request of the serving process
 (every thread, /proc), sequential and with 32 clients in flight; runs alternate.
 
 ``python -m benchmarks.front_bench [--n 2000] [--rounds 3]``
@@ -38,8 +40,38 @@ async def app(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+async def direct(d) -> None:
+    """The same work as :func:`app`, as a direct route of the native server."""
+    async for _ in d.body():
+        pass
+
+    async def events():
+        for e in EVENTS:
+            yield e
+
+    await d.stream(200, [(b"content-type", b"text/event-stream")], events())
+
+
+class _DirectApp:
+    """:func:`app`, with ``/v1/completions`` (POST) a direct route."""
+
+    class state:  # noqa: N801 (the attribute the server reads: ``app.state.direct_routes``)
+        direct_routes = {"/v1/completions": direct}
+
+    async def __call__(self, scope, receive, send) -> None:
+        await app(scope, receive, send)
+
+
+direct_app = _DirectApp()
+
+
 def serve(server: str, port: int) -> None:
-    if server == "native":
+    if server == "direct":
+        # lazy: the serving child loads only the server it runs
+        from common.native_http import serve as native_serve
+
+        native_serve(direct_app, "127.0.0.1", port)
+    elif server == "native":
         # lazy: the serving child loads only the server it runs
         from common.native_http import serve as native_serve
 
@@ -100,7 +132,7 @@ def run_one(server: str, n: int) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--serve", choices=("native", "uvicorn"))
+    ap.add_argument("--serve", choices=("native", "uvicorn", "direct"))
     ap.add_argument("--port", type=int)
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
@@ -109,9 +141,9 @@ def main() -> None:
         serve(a.serve, a.port)
         return
     print(f"load {os.getloadavg()[0]:.1f} at start")
-    runs: dict[str, list[dict]] = {"uvicorn": [], "native": []}
+    runs: dict[str, list[dict]] = {"uvicorn": [], "native": [], "direct": []}
     for r in range(a.rounds):
-        for server in (("uvicorn", "native") if r % 2 == 0 else ("native", "uvicorn")):
+        for server in (("uvicorn", "native", "direct") if r % 2 == 0 else ("direct", "native", "uvicorn")):
             got = run_one(server, a.n)
             runs[server].append(got)
             print(f"round {r + 1} {server:8} " + " ".join(f"{k}={v:.0f}" for k, v in got.items()), flush=True)

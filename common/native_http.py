@@ -16,6 +16,15 @@ The ASGI adapter is uvicorn's contract, message for message (spec 2.3): ``receiv
 body, then waits until the answer is over or the client gone and says ``http.disconnect``;
 ``send`` after the client is gone is ignored; an app that fails before its answer's head is a
 500, after it the connection is cut. Lifespan events run as uvicorn's "auto" mode does.
+
+**Direct routes.** An app may name routes this server runs without the ASGI machinery
+(``app.state.direct_routes``: path -> ``async handler(request: Direct)``, for POST): the handler
+reads the headers and body from the crate's request and writes its answer to it itself, with
+the same flow control and the same watch on the client as above (a stream whose client goes
+away is cancelled where it waits, as Starlette's ``StreamingResponse`` is). The router's
+generation routes are served so (``control_plane/router/server.py``): no scope, no middleware,
+no routing, no Starlette request or response per request. Another method on those paths still
+goes to the app (its 405).
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import asyncio
 import logging
 import signal
 import threading
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -58,6 +69,8 @@ class Server:
         self._waiters: Waiters | None = None
         self._tasks: set[asyncio.Task] = set()
         self._state: dict = {}
+        #: Path -> handler of the app's direct routes (POST).
+        self._direct: dict = dict(getattr(getattr(app, "state", None), "direct_routes", None) or {})
 
     def run(self) -> None:
         asyncio.run(self.serve())
@@ -116,6 +129,10 @@ class Server:
         return self._waiters.changed(rid)  # type: ignore[union-attr]
 
     async def _handle(self, req: switchyard_native.FrontRequest) -> None:
+        direct = self._direct.get(req.path) if self._direct and req.method == "POST" else None
+        if direct is not None and not self.should_exit:
+            await self._handle_direct(req, direct)
+            return
         exchange = _Exchange(self, req)
         if self.should_exit:
             await exchange.send({"type": "http.response.start", "status": 503, "headers": _ERROR_HEADERS})
@@ -141,6 +158,118 @@ class Server:
                 req.abort()
         finally:
             self._waiters.forget(req.id)  # type: ignore[union-attr]
+
+
+    async def _handle_direct(self, req: switchyard_native.FrontRequest, handler) -> None:
+        d = Direct(self, req)
+        try:
+            await handler(d)
+        except ClientGone:
+            pass
+        except BaseException as e:
+            if not isinstance(e, asyncio.CancelledError):
+                log.exception("the app failed on %s %s", req.method, req.path)
+            if not d.started:
+                req.start(500, _ERROR_HEADERS, b"Internal Server Error", True)
+            elif not d.complete:
+                req.abort()
+            if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt, SystemExit)):
+                raise
+        else:
+            if not d.complete:
+                log.error("the app did not end its answer to %s %s", req.method, req.path)
+                if d.started:
+                    req.abort()
+                else:
+                    req.start(500, _ERROR_HEADERS, b"Internal Server Error", True)
+        finally:
+            self._waiters.forget(req.id)  # type: ignore[union-attr]
+
+
+class ClientGone(Exception):
+    """The client went away before its request's body ended."""
+
+
+class Direct:
+    """One request of a direct route: its headers and body, and its answer, written to the crate
+    (a stream through :class:`_Exchange`'s ``send``: the same coalescing and flow control)."""
+
+    __slots__ = ("server", "req", "arrived_at", "_ex", "_task", "_cancelled", "_done")
+
+    def __init__(self, server: Server, req: switchyard_native.FrontRequest) -> None:
+        self.server = server
+        self.req = req
+        #: When the server handed the request over (monotonic).
+        self.arrived_at = time.monotonic()
+        self._ex: _Exchange | None = None
+        self._task: asyncio.Task | None = None
+        self._cancelled = self._done = False
+
+    @property
+    def started(self) -> bool:
+        return self._done or (self._ex is not None and self._ex.started)
+
+    @property
+    def complete(self) -> bool:
+        return self._done or (self._ex is not None and self._ex.complete)
+
+    def header(self, name: str) -> str | None:
+        """Header ``name`` (lowercase; latin-1, as Starlette's ``Headers``), or None."""
+        return self.req.header(name)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive (:class:`ClientGone` if the client leaves first)."""
+        req = self.req
+        while True:
+            got = req.take_body()
+            if got is None:
+                await self.server._changed(req.id)
+            elif got is False:
+                raise ClientGone()
+            else:
+                data, end = got
+                if data:
+                    yield data
+                if end:
+                    return
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole answer at once."""
+        self._done = True
+        self.req.start(status, headers, body, True)
+
+    async def stream(self, status: int, headers: list[tuple[bytes, bytes]], pieces: AsyncIterator[bytes]) -> None:
+        """The answer's head, then ``pieces`` as they come. If the client goes away meanwhile,
+        ``pieces`` is cancelled where it waits, and closed."""
+        ex = self._ex = _Exchange(self.server, self.req)
+        ex.body_done = True
+        self._task = asyncio.current_task()
+        await ex.send({"type": "http.response.start", "status": status, "headers": headers})
+        self._watch()
+        try:
+            async for piece in pieces:
+                if ex.gone:
+                    break
+                await ex.send({"type": "http.response.body", "body": piece, "more_body": True})
+            await ex.send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            if not self._cancelled:
+                raise
+            self._task.uncancel()  # type: ignore[union-attr]
+        finally:
+            self._done = True
+            await pieces.aclose()  # type: ignore[attr-defined]
+
+    def _watch(self, _: object = None) -> None:
+        """Cancels the stream once the client is gone (a callback on the request's changes: no task)."""
+        if self._done or self._cancelled:
+            return
+        if self.req.over():
+            if not self._ex.complete:  # type: ignore[union-attr]
+                self._cancelled = True
+                self._task.cancel()  # type: ignore[union-attr]
+            return
+        self.server._changed(self.req.id).add_done_callback(self._watch)
 
 
 class _Exchange:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 import msgspec.inspect as mi
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response, StreamingResponse
 
 from control_plane.router.errors import InvalidRequest
 from control_plane.router.prompt import read_prompt_ids
@@ -197,14 +199,44 @@ class BodyTimeout(InvalidRequest):
                          code="request_timeout", status=408)
 
 
+@dataclass(slots=True)
+class Answer:
+    """A generation route's answer, whichever server carries it: status, headers and a JSON body,
+    or (``events``) an SSE stream whose pieces come as they are made. The native server writes
+    it to the connection itself (``server._direct``); under another ASGI server the app sends it
+    as the Starlette response it stands for (:meth:`response`): the same bytes either way."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    events: AsyncIterator[bytes] | None = None
+
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """The head as Starlette's ``Response.init_headers`` makes it: the given headers, then the
+        body's length (not for a stream) and its media type."""
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        if self.events is None:
+            raw.append((b"content-length", str(len(self.body)).encode("latin-1")))
+            raw.append((b"content-type", b"application/json"))
+        else:
+            raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
+        return raw
+
+    def response(self) -> Response:
+        if self.events is None:
+            return Response(self.body, self.status, self.headers or None, media_type="application/json")
+        return StreamingResponse(self.events, self.status, self.headers or None, media_type="text/event-stream")
+
+
 def error_response(status: int, message: str, code: str, type_: str = "invalid_request_error",
                    retry_after_s: int | None = None, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: dict[str, str] | None = None) -> Answer:
+    """An OpenAI-style refusal (``{"error": {"message", "type", "param", "code"}}``)."""
     headers = dict(headers or {})
     if retry_after_s:
         headers["Retry-After"] = str(retry_after_s)
-    return JSONResponse(status_code=status, headers=headers or None,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return Answer(status, headers, json_bytes(ErrorBody(ErrorDetail(message, type_, param, code))))
+
 
 class ErrorDetail(msgspec.Struct):
     message: str
@@ -247,7 +279,7 @@ def error_type(status: int) -> str:
     return {429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status, "invalid_request_error")
 
 
-def refused(e: InvalidRequest) -> JSONResponse:
+def refused(e: InvalidRequest) -> Answer:
     close = {"Connection": "close"} if isinstance(e, (BodyTooLarge, BodyTimeout)) and not e.drained else None
     return error_response(e.status, str(e), e.code, param=e.param, headers=close)
 

@@ -13,13 +13,15 @@ invalid, revoked or expired key is a 401, a key over its rate or concurrency a 4
 ``Retry-After``). A request holds its key's concurrency slot until its last byte is sent,
 streamed or not. ``/v1/models``, ``/health``, ``/metrics`` and ``/router/view`` take no key.
 
-The two generation routes are plain ASGI endpoints in the app's router (:class:`_Generation`),
-not FastAPI routes: FastAPI's per-request dependency solving cost about as much CPU as
-everything the router does for a 4K-token request outside the worker call (profiled). They
-keep everything a FastAPI route gave them: the same checks in the same order (key, body,
-model...), the app's exception handlers for every refusal, Starlette's 405 for another method,
-and their operations in the OpenAPI document, generated from the same Structs
-(:func:`_component_schemas`).
+The two generation routes (:class:`_Generation`) are not FastAPI routes: FastAPI's per-request
+dependency solving cost about as much CPU as everything the router does for a 4K-token request
+outside the worker call (profiled). The router's own server (``common/native_http.py``) runs
+them directly, without the ASGI app (``app.state.direct_routes``): no scope, middleware,
+routing, Starlette request or response per request. In the app they stay plain ASGI endpoints
+over the same code (another ASGI server, the in-process tests). Either way: the same checks in
+the same order (key, body, model...), every refusal answered as the app's exception handlers
+answer it, Starlette's 405 for another method, and their operations in the OpenAPI document,
+generated from the same Structs (:func:`_component_schemas`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import asyncio
 import gc
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -46,6 +48,7 @@ from control_plane.router.errors import InvalidRequest
 from control_plane.router.keys import Denied, RouterKey
 from control_plane.router.limits import RequestLimits
 from control_plane.router.protocol import (
+    Answer,
     CHAT_SCHEMA,
     COMPLETION_SCHEMA,
     SCHEMA_COMPONENTS,
@@ -60,7 +63,8 @@ from control_plane.router.protocol import (
     operation_spec,
     refused,
 )
-from control_plane.router.serving import RouterApp, RouterAuth, chat, completions
+from control_plane.router.serving import Head, RouterApp, RouterAuth, chat, completions
+from common.native_http import Direct
 
 
 async def get_ctx(request: Request) -> RouterApp:
@@ -81,11 +85,21 @@ class KeyRefused(Exception):
         self.denied = denied
 
 
-async def api_key(auth: RouterAuth, request: Request) -> RouterKey:
+def bearer(request: Head) -> str | None:
+    """The ``Authorization: Bearer`` credential, as ``api_key_scheme`` (FastAPI's ``HTTPBearer``)
+    reads it; None when there is none."""
+    authorization = request.header("authorization")
+    if not authorization:
+        return None
+    scheme, _, param = authorization.partition(" ")
+    param = param.strip()
+    return param if scheme and param and scheme.lower() == "bearer" else None
+
+
+async def api_key(auth: RouterAuth, request: Head) -> RouterKey:
     """The caller's key, checked, holding one of its concurrency slots (the caller releases it:
     ``auth.gate.release``); :class:`KeyRefused` when it may not call."""
-    creds = await api_key_scheme(request)
-    got = auth.table.verify(creds.credentials if creds is not None else None, auth.clock_ns())
+    got = auth.table.verify(bearer(request), auth.clock_ns())
     if isinstance(got, Denied):
         raise KeyRefused(got)
     over = await auth.gate.admit(got, auth.monotonic())
@@ -119,18 +133,18 @@ def _component_schemas(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _read_body(request: Request, limits: RequestLimits) -> bytes:
+async def _read_body(request: Head, pieces: AsyncIterator[bytes], limits: RequestLimits) -> bytes:
     """The body's bytes, at most ``limits.max_body_bytes`` (joined once, not grown chunk by chunk),
     within ``limits.body_timeout_s``."""
     limit = limits.max_body_bytes
-    declared = request.headers.get("content-length", "")
+    declared = request.header("content-length") or ""
     if declared.isdigit() and int(declared) > _DRAIN_BYTES:
         raise BodyTooLarge(limit, drained=False)  # not worth reading: answer and close
     chunks: list[bytes] = []
     seen = 0
     try:
         async with asyncio.timeout(limits.body_timeout_s):
-            async for chunk in request.stream():
+            async for chunk in pieces:
                 seen += len(chunk)
                 if seen > _DRAIN_BYTES:
                     raise BodyTooLarge(limit, drained=False)
@@ -151,7 +165,7 @@ class _GenerationRoute:
     name: str  # the operation's name (its summary and operationId)
     #: The body's bytes decoded (or :class:`InvalidRequest`).
     decode: Callable[[RouterApp, bytes], GenerationRequest]
-    handle: Callable[[RouterApp, Any, Request], Awaitable[Response]]
+    handle: Callable[[RouterApp, Any, Head], Awaitable[Answer]]
     schema: dict
     success: str
 
@@ -172,29 +186,77 @@ _GENERATION = (
 )
 
 
+class _AsgiHead:
+    """An ASGI request's :class:`~control_plane.router.serving.Head`."""
+
+    __slots__ = ("request", "arrived_at")
+
+    def __init__(self, request: Request, arrived_at: float) -> None:
+        self.request = request
+        self.arrived_at = arrived_at
+
+    def header(self, name: str) -> str | None:
+        return self.request.headers.get(name)
+
+
+def _key_refused(e: KeyRefused) -> Answer:
+    d = e.denied
+    status = d.why.status
+    return error_response(status, d.message, d.why.value, error_type(status), d.retry_after_s,
+                          headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+
+
 class _Generation:
-    """A generation route as a plain ASGI endpoint (module docstring): the key first (before
-    the body is read), then the body, then the handler; the key's concurrency slot is released
-    once the answer's last byte is sent, or when it is refused. A refusal raised anywhere here
-    reaches the app's exception handlers, as from a FastAPI route."""
+    """A generation route (module docstring): the key first (before the body is read), then the
+    body, then the handler; the key's concurrency slot is released once the answer's last byte
+    is sent, or when it is refused. Every refusal is answered here, as the app's exception
+    handlers would. Served two ways, the same code past the first line: by the router's own
+    server directly (:meth:`direct`, the product's path), or as an ASGI endpoint of the app
+    (:meth:`__call__`: another ASGI server, the in-process tests)."""
 
     def __init__(self, ctx: RouterApp, route: _GenerationRoute) -> None:
         self.ctx = ctx
         self.route = route
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def serve(self, request: Head, body: AsyncIterator[bytes],
+                    send: Callable[[Answer], Awaitable[None]]) -> None:
         c = self.ctx
-        request = Request(scope, receive)
-        # When the router first held the request: its TTFT budget counts from here (serving.py).
-        request.state.arrived_at = time.monotonic()
-        key = await api_key(c.auth, request) if c.auth is not None else None
         try:
-            body = self.route.decode(c, await _read_body(request, c.limits))
-            response = await self.route.handle(c, body, request)
-            await response(scope, receive, send)
+            key = await api_key(c.auth, request) if c.auth is not None else None
+        except KeyRefused as e:
+            await send(_key_refused(e))
+            return
+        try:
+            try:
+                answer = await self.route.handle(c, self.route.decode(c, await _read_body(request, body, c.limits)),
+                                                 request)
+            except InvalidRequest as e:
+                answer = refused(e)
+            await send(answer)
         finally:
             if key is not None:
                 await c.auth.gate.release(key)
+
+    async def direct(self, d: Direct) -> None:
+        """Served by ``common.native_http`` without the ASGI app (its direct routes)."""
+
+        async def send(a: Answer) -> None:
+            if a.events is None:
+                d.respond(a.status, a.raw_headers(), a.body)
+            else:
+                await d.stream(a.status, a.raw_headers(), a.events)
+
+        await self.serve(d, d.body(), send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        # When the router first held the request: its TTFT budget counts from here (serving.py).
+        head = _AsgiHead(request, time.monotonic())
+
+        async def answer(a: Answer) -> None:
+            await a.response()(scope, receive, send)
+
+        await self.serve(head, request.stream(), answer)
 
 
 def create_app(ctx: RouterApp) -> FastAPI:
@@ -225,26 +287,22 @@ def create_app(ctx: RouterApp) -> FastAPI:
         for e in exc.errors():
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{loc or 'body'}: {e.get('msg')}")
-        return error_response(400, "; ".join(parts) or "invalid request body", "invalid_body")
+        return error_response(400, "; ".join(parts) or "invalid request body", "invalid_body").response()
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
-        return refused(exc)
-
-    @app.exception_handler(KeyRefused)
-    async def _key_refused(request: Request, exc: KeyRefused):
-        d = exc.denied
-        status = d.why.status
-        return error_response(status, d.message, d.why.value, error_type(status), d.retry_after_s,
-                              headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+        return refused(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):  # unknown path, wrong method
         return error_response(exc.status_code, str(exc.detail), {404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code, "invalid_request"), error_type(exc.status_code), headers=exc.headers)
+            exc.status_code, "invalid_request"), error_type(exc.status_code), headers=exc.headers).response()
 
     # First in the router's list: a request is matched against the routes in order.
-    app.router.routes[:0] = [Route(r.path, _Generation(ctx, r), methods=["POST"]) for r in _GENERATION]
+    generation = [_Generation(ctx, r) for r in _GENERATION]
+    app.router.routes[:0] = [Route(g.route.path, g, methods=["POST"]) for g in generation]
+    # The router's own server runs them without the ASGI app (common/native_http.py).
+    app.state.direct_routes = {g.route.path: g.direct for g in generation}
     _component_schemas(app)
 
     @app.get("/v1/models")

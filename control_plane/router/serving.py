@@ -18,11 +18,9 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from control_plane.router.errors import InvalidRequest
@@ -30,6 +28,7 @@ from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
 from control_plane.router.prompt import tokenize_prompt
 from control_plane.router.protocol import (
+    Answer,
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
@@ -145,6 +144,17 @@ class RouterApp:
 # -- a request's lifecycle -------------------------------------------------------------------
 
 
+class Head(Protocol):
+    """What the routes read of a generation request besides its body, whichever server carries it
+    (``server.py``: the native server's request, or an ASGI scope's)."""
+
+    #: When the router first held the request (monotonic): its TTFT budget counts from here.
+    arrived_at: float
+
+    def header(self, name: str) -> str | None:
+        """Header ``name`` (lowercase), or None."""
+
+
 #: A text prompt longer than this is tokenized off the event loop.
 _TOKENIZE_INLINE_CHARS = 64 * 1024
 
@@ -180,11 +190,11 @@ async def _chat_tokens(c: RouterApp, body: ChatRequest) -> list[int]:
     return await asyncio.to_thread(chat_tokens, c.tokenizer, messages)
 
 
-def _client_id(c: RouterApp, body: GenerationRequest, request: Request) -> str | None:
+def _client_id(c: RouterApp, body: GenerationRequest, request: Head) -> str | None:
     """The client's own id (body ``request_id``, else ``X-Client-Request-Id``, else ``X-Request-Id``)."""
     for param, value in (("request_id", body.request_id),
-                         ("X-Client-Request-Id", request.headers.get("x-client-request-id")),
-                         ("X-Request-Id", request.headers.get("x-request-id"))):
+                         ("X-Client-Request-Id", request.header("x-client-request-id")),
+                         ("X-Request-Id", request.header("x-request-id"))):
         if value:
             return check_client_id(value, c.limits, param)
     return None
@@ -222,14 +232,14 @@ def _ttft_budget(raw: str) -> float | None:
     return v if math.isfinite(v) and v > 0 else None
 
 
-async def completions(c: RouterApp, body: CompletionRequest, request: Request) -> Response:
+async def completions(c: RouterApp, body: CompletionRequest, request: Head) -> Answer:
     model = _accepted_model(c, body)
     tokens = await _prompt_tokens(c, body)
     max_tokens = check_generation(tokens, body.max_tokens, c.limits)
     return await _run(c, body, request, tokens, "completions", model, max_tokens, _client_id(c, body, request))
 
 
-async def chat(c: RouterApp, body: ChatRequest, request: Request) -> Response:
+async def chat(c: RouterApp, body: ChatRequest, request: Head) -> Answer:
     model = _accepted_model(c, body)
     tokens = await _chat_tokens(c, body)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -238,13 +248,13 @@ async def chat(c: RouterApp, body: ChatRequest, request: Request) -> Response:
     return await _run(c, body, request, tokens, "chat", model, max_tokens, _client_id(c, body, request))
 
 
-async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: Sequence[int], endpoint: str,
-               model: str, max_tokens: int, client_id: str | None) -> Response:
+async def _run(c: RouterApp, body: GenerationRequest, request: Head, tokens: Sequence[int], endpoint: str,
+               model: str, max_tokens: int, client_id: str | None) -> Answer:
     """Admit, queue and serve one request, and answer it: JSON, or an SSE stream once its
     first chunk is in (so that refusals, "no worker" and failures before the first token get
     a real status code)."""
     router = c.router
-    raw_budget = request.headers.get(TTFT_BUDGET_HEADER)
+    raw_budget = request.header(TTFT_BUDGET_HEADER)
     budget = _ttft_budget(raw_budget) if raw_budget is not None else None
     if budget is None and raw_budget is not None:
         return error_response(400, f"{TTFT_BUDGET_HEADER} must be a number of milliseconds > 0, got {raw_budget!r}",
@@ -254,7 +264,7 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
     adm = router.admit(request_id=rid, model=model, tokens=tokens, max_tokens=max_tokens, stream=body.stream,
                        endpoint=endpoint, client_request_id=client_id)
     adm.ttft_budget_ms = budget
-    adm.arrived_at = getattr(request.state, "arrived_at", None)
+    adm.arrived_at = request.arrived_at
     gen = router.serve(adm)
     # Queue, then pull the first chunk before answering, so refusals, "no worker" and failures
     # before the first token get a real status code (and never a 500).
@@ -285,8 +295,7 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(c, gen, first, adm, model, created, endpoint, include_usage),
-                                 media_type="text/event-stream", headers=headers)
+        return Answer(200, headers, events=_sse(c, gen, first, adm, model, created, endpoint, include_usage))
     text, usage, finish, error = [], None, None, None
     chunk: Chunk | None = first
     while chunk is not None:
@@ -313,7 +322,7 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Request, tokens: 
         out = {"id": rid, "object": "text_completion", "created": created, "model": model,
                "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish or "length", "logprobs": None}],
                "usage": usage}
-    return Response(json_bytes(out), media_type="application/json", headers=headers)
+    return Answer(200, headers, json_bytes(out))
 
 
 async def _sse(c: RouterApp, gen, first: Chunk, adm: Admission, model: str, created: int, endpoint: str,

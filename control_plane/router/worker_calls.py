@@ -134,7 +134,10 @@ class HttpWorkerCalls:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Call id -> what its waiter awaits (done when the client says it changed).
         self._waiters: Waiters | None = None
-        self._draining: set[asyncio.Task] = set()
+        #: Call id -> the call being drained (finished before its end); the wake-up sees each end.
+        self._draining: dict[int, switchyard_native.WorkerCall] = {}
+        #: Set while nothing is being drained (made on first use, on the loop).
+        self._none_draining: asyncio.Event | None = None
 
     def _client(self) -> switchyard_native.WorkerClient:
         if self._native is None:
@@ -151,8 +154,19 @@ class HttpWorkerCalls:
         return CallLoad(*self._native.load())
 
     def _ready(self) -> None:
-        """The client's wake-up: every call that changed since its waiter found it pending."""
-        self._waiters.wake(self._native.take_ready())  # type: ignore[union-attr]
+        """The client's wake-up: every call that changed since its waiter found it pending, and
+        the drains that ended (no task per drain: they are looked at only when woken)."""
+        ids = self._native.take_ready()  # type: ignore[union-attr]
+        draining = self._draining
+        if draining:
+            for i in ids:
+                call = draining.get(i)
+                # Nothing but its end (or failure) comes out of a draining call; None: not yet.
+                if call is not None and call.take() is not None:
+                    del draining[i]
+            if not draining and self._none_draining is not None:
+                self._none_draining.set()
+        self._waiters.wake(ids)  # type: ignore[union-attr]
 
     async def _changed(self, call: switchyard_native.WorkerCall) -> None:
         try:
@@ -187,18 +201,10 @@ class HttpWorkerCalls:
             # connection tells the worker, which stops generating for it.
             call.abort()
             raise
-        if call.finish():  # not read to its end: drained, then pooled
-            task = self._loop.create_task(self._drain(call))  # type: ignore[union-attr]
-            self._draining.add(task)
-            task.add_done_callback(self._draining.discard)
-
-    async def _drain(self, call: switchyard_native.WorkerCall) -> None:
-        try:
-            while call.take() is None:  # nothing but its end comes out of a draining call
-                await self._changed(call)
-        except BaseException:
-            call.abort()
-            raise
+        if call.finish():  # not read to its end: drained by the crate, then pooled; woken at its end
+            self._draining[call.id] = call
+            if self._none_draining is not None:
+                self._none_draining.clear()
 
     def _token(self, worker_id: str) -> str:
         token = self._tokens.get(worker_id)
@@ -212,12 +218,17 @@ class HttpWorkerCalls:
         """Once every answer being drained has ended and its connection is back in the pool (or
         closed)."""
         while self._draining:
-            await asyncio.gather(*self._draining, return_exceptions=True)
+            if self._none_draining is None:
+                self._none_draining = asyncio.Event()
+            self._none_draining.clear()
+            await self._none_draining.wait()
 
     async def close(self) -> None:
-        for task in list(self._draining):
-            task.cancel()
-        await self.drained()
+        for call in self._draining.values():
+            call.abort()
+        self._draining.clear()
+        if self._none_draining is not None:
+            self._none_draining.set()
         if self._native is not None:
             self._loop.remove_reader(self._native.fileno())  # type: ignore[union-attr]
             self._native.close()

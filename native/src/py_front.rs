@@ -77,6 +77,24 @@ impl PyRequest {
         self.ex.id
     }
 
+    #[getter]
+    fn method(&self) -> &str {
+        self.ex.method.as_str()
+    }
+
+    /// The path as sent (not percent-decoded).
+    #[getter]
+    fn path(&self) -> &str {
+        self.ex.path.as_str()
+    }
+
+    /// The first value of header ``name`` (lowercase), latin-1 decoded as Starlette does; None
+    /// when absent. What a route served without the ASGI scope reads its headers with.
+    fn header(&self, name: &str) -> Option<String> {
+        let name = name.as_bytes();
+        self.ex.headers.iter().find(|(k, _)| k.as_ref() == name).map(|(_, v)| v.iter().map(|&b| b as char).collect())
+    }
+
     /// ``(method, path, query string bytes, http version, [(name, value) bytes], (client host,
     /// port), (server host, port))``: what the ASGI scope is made of, in one call.
     fn head<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {

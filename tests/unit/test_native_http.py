@@ -156,3 +156,78 @@ def test_an_app_without_lifespan_is_served() -> None:
         return status
 
     assert asyncio.run(main()) == 204
+
+
+class DirectApp(App):
+    """:class:`App` with direct routes (``app.state.direct_routes``): ``/d/echo`` answers the
+    body and a header at once, ``/d/stream`` streams three pieces, ``/d/wait`` streams until the
+    client goes (its pieces' generator is then cancelled and closed), ``/d/fail`` raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = threading.Event()
+        self.state = type("State", (), {})()
+        self.state.direct_routes = {"/d/echo": self.echo, "/d/stream": self.stream, "/d/wait": self.wait,
+                                    "/d/fail": self.fail}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/d/"):  # another method: the app's answer
+            await send({"type": "http.response.start", "status": 405, "headers": []})
+            await send({"type": "http.response.body", "body": b"app"})
+            return
+        await super().__call__(scope, receive, send)
+
+    async def echo(self, d) -> None:
+        body = b"".join([piece async for piece in d.body()])
+        out = json.dumps({"body": body.decode(), "x": d.header("x-test"), "none": d.header("x-none")}).encode()
+        d.respond(200, [(b"content-type", b"application/json")], out)
+
+    async def stream(self, d) -> None:
+        async def pieces():
+            for i in range(3):
+                yield f"{i};".encode()
+                await asyncio.sleep(0)
+
+        await d.stream(200, [(b"content-type", b"text/plain")], pieces())
+
+    async def wait(self, d) -> None:
+        async def pieces():
+            try:
+                yield b"first"
+                await asyncio.Event().wait()  # until cancelled
+            finally:
+                self.closed.set()
+
+        await d.stream(200, [(b"content-type", b"text/plain")], pieces())
+
+    async def fail(self, d) -> None:
+        raise RuntimeError("boom")
+
+
+def test_direct_routes_skip_the_app_and_answer_whole_streamed_or_cancelled() -> None:
+    app = DirectApp()
+    server = Server(app, "127.0.0.1", free_port(), ConnectionLimits(request_timeout_s=5.0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout=20, what="the native server")
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.port}", limits=httpx.Limits(max_connections=1)) as c:
+            r = c.post("/d/echo", content=b"hello", headers={"x-test": "yes"})
+            assert (r.status_code, r.json()) == (200, {"body": "hello", "x": "yes", "none": None})
+            assert c.post("/d/stream").text == "0;1;2;"
+            assert c.post("/d/stream").text == "0;1;2;"  # the same connection, kept alive
+            # Another method on a direct route's path goes to the app.
+            r = c.request("GET", "/d/echo")
+            assert (r.status_code, r.text) == (405, "app")
+            r = c.post("/d/fail", content=b"{}")
+            assert (r.status_code, r.text) == (500, "Internal Server Error")
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s.sendall(b"POST /d/wait HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        assert b"first" in s.recv(65536) or b"first" in s.recv(65536)
+        s.close()
+        assert app.closed.wait(10)
+        wait_for(lambda: server.stats().get("open") == 0, timeout=10, what="the connection forgotten")
+    finally:
+        server.should_exit = True
+        thread.join(20)
+    assert not thread.is_alive()
