@@ -270,9 +270,10 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: costs price every step.
     queue_tokens_per_ms: float | None = None
     #: At one decision, the engine steps already under way on the worker that the request waits
-    #: to end before its own first step: 1 when this router had prefills on it not seen end
-    #: (an engine adds a request at a step boundary, so one arriving mid-step waits for the
-    #: rest of that step), else 0; each costs ``step_ms`` (``ttft.features``: the steps
+    #: to end before its own first step: 1 when this router had prefills on it not seen end or
+    #: requests holding KV blocks there (decoding: every step of the worker's is theirs too),
+    #: else 0 (an engine adds a request at a step boundary, so one arriving mid-step waits for
+    #: the rest of that step); each costs ``step_ms`` (``ttft.features``: the steps
     #: feature). None: a model not bound to a decision, or written before it existed (added in
     #: place, omitted when None: the request's own steps only, and replay re-derives such a
     #: decision, and its fit, without it).

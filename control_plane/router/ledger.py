@@ -460,7 +460,8 @@ class RouterLedger:
         at the rate the worker's prefills were seen to go, ``TtftFit.drain_rate``, which the
         model then carries; before any, at the model's, its steps slowed by the blocks they
         hold), and whether the worker is computing (``TtftModel.busy_steps``: 1 while this
-        router has prefills there not seen end: the request waits for the step under way).
+        router has prefills there not seen end, or requests holding KV blocks there (decoding):
+        the request waits for the step under way).
         ``engine_steps`` False: the model as a decision recorded before
         ``TtftModel.ms_per_step_token_sq`` existed had it (without the field, in steps of the
         prior's then; drained from each request's routing at the rate of prompt tokens alone),
@@ -477,8 +478,9 @@ class RouterLedger:
                               self.inflight.prefill_done_at(worker), rate)
             return msgspec.structs.replace(model, queue_done_tokens=done, queue_tokens_per_ms=rate, busy_steps=1)
         rate = self.ttft_fit.drain_rate(worker)
-        if rate is not None:
-            return msgspec.structs.replace(model, queue_done_tokens=0, queue_tokens_per_ms=rate, busy_steps=0)
+        busy = 1 if self.inflight.load_for(worker).decode_blocks > 0 else 0
+        if rate is not None or busy:
+            return msgspec.structs.replace(model, queue_done_tokens=0, queue_tokens_per_ms=rate, busy_steps=busy)
         # Bound even at 0 (a recorded model without it was decided before the drain existed);
         # kept while the fit's model is the same object.
         zero = self._bound_zero.get(worker)

@@ -144,6 +144,8 @@ def test_the_router_ledger_binds_the_drained_queue_to_the_decisions_model() -> N
     assert led.inflight.pending_prefills("a") == [(0.0, 4096), (0.1, 2048)]
     assert led.ttft_model("a", 0.15).queue_done_tokens == 2985
     assert led.ttft_model("a", 0.15).busy_steps == 1
+    led.inflight.add("d", "e", (4,), 0, 8, now=0.1, ttl=600.0)  # prefilled elsewhere, decoding on e
+    assert led.ttft_model("e", 0.15).busy_steps == 1 and led.ttft_model("e", 0.15).queue_done_tokens == 0
     assert led.ttft_model("c", 0.15) == msgspec.structs.replace(led.ttft_fit.model("c"), queue_done_tokens=0,
                                                                 busy_steps=0)
     led.inflight.prefill_done("x")
