@@ -304,5 +304,6 @@ def test_the_step_under_way_is_learned_apart_from_the_base() -> None:
     alone = CandidateScore(worker_id="w-1")
     for busy in (0, 1):
         want = predict_ttft_ms(alone, 512, 64, AGG, msgspec.structs.replace(truth, busy_steps=busy))
-        got = predict_ttft_ms(alone, 512, 64, AGG, msgspec.structs.replace(m, queue_tokens_per_ms=25.0, busy_steps=busy))
+        bound = msgspec.structs.replace(m, queue_tokens_per_ms=25.0, busy_steps=busy)
+        got = predict_ttft_ms(alone, 512, 64, AGG, bound)
         assert got == pytest.approx(want, rel=0.05)
