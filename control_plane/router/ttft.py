@@ -21,7 +21,9 @@ mocker profile's step is exactly that), every step ``ms_per_decode_block_step`` 
 the decodes beside it; the request's own tokens ``n`` over ``c`` cached add their attention
 ``ms_per_token_ctx * n * (c + n / 2)``, and the request ``base_ms``. With the rate seen
 (``TtftModel.queue_tokens_per_ms``) the full steps before the request's last go at it
-(:func:`rate_split`) and the costs price the last step alone. A model without ``ms_per_step_token_sq``
+(:func:`rate_split`) and the costs price the last step alone. A busy worker (``TtftModel.busy_steps``:
+the router's prefills or decodes in flight there) adds the step under way, one more ``step_ms``:
+an engine adds a request at a step boundary. A model without ``ms_per_step_token_sq``
 (logs written before it) costs the queue as one prompt with no context, then the request in
 steps of its own: a step of ``n`` new tokens over ``c`` of context
 ``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``.
