@@ -292,6 +292,15 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     #: to a decision, or written before it existed (added in place, omitted when None): the
     #: costs price every step.
     queue_tokens_per_ms: float | None = None
+    #: At one decision, the engine steps already under way on the worker that the request waits
+    #: to end before its own first step: 1 when this router had prefills on it not seen end or
+    #: requests holding KV blocks there (decoding: every step of the worker's is theirs too),
+    #: else 0 (an engine adds a request at a step boundary, so one arriving mid-step waits for
+    #: the rest of that step); each costs ``step_ms`` (``ttft.features``: the steps
+    #: feature). None: a model not bound to a decision, or written before it existed (added in
+    #: place, omitted when None: the request's own steps only, and replay re-derives such a
+    #: decision, and its fit, without it).
+    busy_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or min(self.base_ms, self.step_ms, self.ms_per_token, self.ms_per_token_ctx,
@@ -301,6 +310,8 @@ class TtftModel(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
             raise ValueError(f"TtftModel: queue_tokens_per_ms must be > 0, got {self.queue_tokens_per_ms}")
         if self.queue_done_tokens is not None and self.queue_done_tokens < 0:
             raise ValueError(f"TtftModel: queue_done_tokens must be >= 0, got {self.queue_done_tokens}")
+        if self.busy_steps is not None and self.busy_steps < 0:
+            raise ValueError(f"TtftModel: busy_steps must be >= 0, got {self.busy_steps}")
 
     def tokens_per_ms(self, decode_blocks: int = 0) -> float:
         """The rate a busy worker computes prompt tokens at under this model: full steps of

@@ -324,6 +324,11 @@ def check_state(rec: DecisionRecord, inputs: DecisionInputs, config: RouterConfi
         # fit saw the old features in those decisions, and their models had no such field.
         inputs = msgspec.structs.replace(inputs, ttft_models={
             w: msgspec.structs.replace(x, ms_per_step_token_sq=None) for w, x in inputs.ttft_models.items()})
+    if m is not None and m.busy_steps is None and inputs.ttft_models:
+        # Decided before the step under way was charged (TtftModel.busy_steps): the request's
+        # own steps only, and the fit saw no such step in those decisions.
+        inputs = msgspec.structs.replace(inputs, ttft_models={
+            w: msgspec.structs.replace(x, busy_steps=None) for w, x in inputs.ttft_models.items()})
     try:
         d = execute(inputs, config, rec.routed.rng_seed)
     except (RoutingError, NoEligibleWorker, ValueError) as e:

@@ -417,7 +417,8 @@ class RouterLedger:
                                  m is not None and m.ms_per_decode_block_step is not None,
                                  m is not None and m.ms_per_step_token_sq is not None,
                                  m.chunk_tokens if m is not None else None,
-                                 m.queue_tokens_per_ms if m is not None else None)
+                                 m.queue_tokens_per_ms if m is not None else None,
+                                 (m.busy_steps or 0) if m is not None else 0)
             self.margin.routed(rid, ev.predicted_ttft_ms, now, ev.worker_id)
         hashes = self._hashes.get(rid)
         if hashes is None:
@@ -491,7 +492,10 @@ class RouterLedger:
         router's in-flight prefills there, from the end of the last prefill it saw end there,
         at the rate the worker's prefills were seen to go, ``TtftFit.drain_rate``, which the
         model then carries; before any, at the model's, its steps slowed by the blocks they
-        hold). ``engine_steps`` False: the model as a decision recorded before
+        hold), and whether the worker is computing (``TtftModel.busy_steps``: 1 while this
+        router has prefills there not seen end, or requests holding KV blocks there (decoding):
+        the request waits for the step under way).
+        ``engine_steps`` False: the model as a decision recorded before
         ``TtftModel.ms_per_step_token_sq`` existed had it (without the field, in steps of the
         prior's then; drained from each request's routing at the rate of prompt tokens alone),
         which replay re-derives such a decision with."""
@@ -500,20 +504,22 @@ class RouterLedger:
         if not engine_steps:
             model = msgspec.structs.replace(model, ms_per_step_token_sq=None, chunk_tokens=_CHUNK_BEFORE_STEPS)
             done = queue_done(pending, now, model) if pending else 0
-        else:
+            return msgspec.structs.replace(model, queue_done_tokens=done)
+        if pending:
             rate = self.ttft_fit.drain_rate(worker)
             done = queue_done(pending, now, model, self.inflight.load_for(worker).decode_blocks,
-                              self.inflight.prefill_done_at(worker), rate) if pending else 0
-            if rate is not None:
-                return msgspec.structs.replace(model, queue_done_tokens=done, queue_tokens_per_ms=rate)
-        if not done:
-            # Bound even at 0 (a recorded model without it was decided before the drain
-            # existed); kept while the fit's model is the same object.
-            zero = self._bound_zero.get(worker)
-            if zero is None or zero[0] is not model:
-                zero = self._bound_zero[worker] = (model, msgspec.structs.replace(model, queue_done_tokens=0))
-            return zero[1]
-        return msgspec.structs.replace(model, queue_done_tokens=done)
+                              self.inflight.prefill_done_at(worker), rate)
+            return msgspec.structs.replace(model, queue_done_tokens=done, queue_tokens_per_ms=rate, busy_steps=1)
+        rate = self.ttft_fit.drain_rate(worker)
+        busy = 1 if self.inflight.load_for(worker).decode_blocks > 0 else 0
+        if rate is not None or busy:
+            return msgspec.structs.replace(model, queue_done_tokens=0, queue_tokens_per_ms=rate, busy_steps=busy)
+        # Bound even at 0 (a recorded model without it was decided before the drain existed);
+        # kept while the fit's model is the same object.
+        zero = self._bound_zero.get(worker)
+        if zero is None or zero[0] is not model:
+            zero = self._bound_zero[worker] = (model, msgspec.structs.replace(model, queue_done_tokens=0, busy_steps=0))
+        return zero[1]
 
     def _release_pair(self, rid: RequestId) -> None:
         self._pair_pending.pop(rid, None)

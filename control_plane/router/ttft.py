@@ -21,7 +21,9 @@ mocker profile's step is exactly that), every step ``ms_per_decode_block_step`` 
 the decodes beside it; the request's own tokens ``n`` over ``c`` cached add their attention
 ``ms_per_token_ctx * n * (c + n / 2)``, and the request ``base_ms``. With the rate seen
 (``TtftModel.queue_tokens_per_ms``) the full steps before the request's last go at it
-(:func:`rate_split`) and the costs price the last step alone. A model without ``ms_per_step_token_sq``
+(:func:`rate_split`) and the costs price the last step alone. A busy worker (``TtftModel.busy_steps``:
+the router's prefills or decodes in flight there) adds the step under way, one more ``step_ms``:
+an engine adds a request at a step boundary. A model without ``ms_per_step_token_sq``
 (logs written before it) costs the queue as one prompt with no context, then the request in
 steps of its own: a step of ``n`` new tokens over ``c`` of context
 ``step_ms + n * (ms_per_token + ms_per_token_ctx * (c + n / 2))``.
@@ -87,8 +89,8 @@ def queue_done(pending: Iterable[tuple[float, int]], now_s: float, model: TtftMo
 
 
 def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tokens: int,
-             queue_done_tokens: int = 0, decode: bool = True, packed: bool = False, at_rate: bool = False
-             ) -> tuple[int, int, int, int, int, int]:
+             queue_done_tokens: int = 0, decode: bool = True, packed: bool = False, at_rate: bool = False,
+             busy_steps: int = 0) -> tuple[int, int, int, int, int, int]:
     """What the prediction multiplies by the model's six costs, as integers (so the fit's sums
     are exact): (1 request, engine steps, prompt tokens computed, twice the attention term,
     engine steps times the worker's in-flight KV blocks ``active_decode_blocks``: the decodes
@@ -102,9 +104,12 @@ def features(row: CandidateScore, prompt_tokens: int, block_size: int, chunk_tok
     first-come-first-served stream; the attention term is the request's own. Without it (a
     model written before): the queue counts as one prompt with no context, in its own steps.
     ``at_rate``: the last step's alone (a model whose full steps before it went at the rate
-    seen, :func:`rate_split`)."""
+    seen, :func:`rate_split`). ``busy_steps`` (a model with the engine's steps): the steps
+    under way on the worker that the request waits to end (``TtftModel.busy_steps``), added to
+    the steps feature: each costs ``step_ms``."""
     q, cached, n = split(row, prompt_tokens, block_size, queue_done_tokens)
-    return _features(q, cached, n, row.active_decode_blocks if decode else 0, chunk_tokens, packed, at_rate)
+    return _features(q, cached, n, row.active_decode_blocks if decode else 0, chunk_tokens, packed, at_rate,
+                     busy_steps)
 
 
 def split(row: CandidateScore, prompt_tokens: int, block_size: int, queue_done_tokens: int = 0
@@ -117,15 +122,15 @@ def split(row: CandidateScore, prompt_tokens: int, block_size: int, queue_done_t
 
 
 def _features(q: int, cached: int, n: int, decode_blocks: int, chunk_tokens: int, packed: bool,
-              at_rate: bool = False) -> tuple[int, int, int, int, int, int]:
+              at_rate: bool = False, busy_steps: int = 0) -> tuple[int, int, int, int, int, int]:
     """:func:`features` of a queue ahead ``q``, ``cached`` tokens of context and ``n`` to compute."""
     if at_rate:
         last = rate_split(q + n, chunk_tokens)[1]
         step = 1 if last else 0
-        return 1, step, last, n * (2 * cached + n), step * decode_blocks, last * last
+        return 1, step + busy_steps, last, n * (2 * cached + n), step * decode_blocks, last * last
     if packed:
         steps, sq = packed_steps(q + n, chunk_tokens)
-        return 1, steps, q + n, n * (2 * cached + n), steps * decode_blocks, sq
+        return 1, steps + busy_steps, q + n, n * (2 * cached + n), steps * decode_blocks, sq
     steps = _steps(q, n, chunk_tokens)
     return 1, steps, q + n, q * q + n * (2 * cached + n), steps * decode_blocks, 0
 
@@ -184,7 +189,7 @@ def predict(queued_prefill_tokens: int, overlap_blocks: int, speculative_overlap
     if model.ms_per_step_token_sq is not None:
         rate = model.queue_tokens_per_ms
         n = max(n, 0)
-        x = _features(q, cached, n, decode_blocks, model.chunk_tokens, True, rate is not None)
+        x = _features(q, cached, n, decode_blocks, model.chunk_tokens, True, rate is not None, model.busy_steps or 0)
         c = cost_vector(model)
         wait = 0.0 if rate is None else rate_split(q + n, model.chunk_tokens)[0] / rate
         return c[0] * x[0] + c[1] * x[1] + c[2] * x[2] + c[3] * x[3] + c[4] * x[4] + c[5] * x[5] + wait

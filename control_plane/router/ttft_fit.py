@@ -221,7 +221,7 @@ class TtftFit:
     def routed(self, request_id: RequestId, worker: WorkerId, phase: RequestPhase, row: CandidateScore | None,
                prompt_tokens: int, block_size: int, decided_at_s: float, queue_done_tokens: int = 0,
                decode: bool = True, packed: bool = True, chunk_tokens: int | None = None,
-               queue_rate: float | None = None) -> None:
+               queue_rate: float | None = None, busy_steps: int = 0) -> None:
         """A decision: a prefilling phase's row (with the part of its queue the worker had
         computed, as the decision's model recorded it) becomes the request's pending
         observation. ``decode`` False: the decision's model had no decode term (a log written
@@ -233,7 +233,8 @@ class TtftFit:
         decision's model (None: the prior's). ``queue_rate``: the model waited for the full
         steps before the request's last at that rate (``TtftModel.queue_tokens_per_ms``): the
         observation is the last step's features, and the wait (whole microseconds) comes off
-        its TTFT."""
+        its TTFT. ``busy_steps``: the steps under way on the worker that the decision's model
+        charged (``TtftModel.busy_steps``; 0 for a model without it), in the steps feature."""
         if phase is RequestPhase.DECODE or row is None or prompt_tokens <= 0 or block_size <= 0:
             return
         chunk = chunk_tokens or self.prior.chunk_tokens
@@ -243,7 +244,8 @@ class TtftFit:
             q, _, n = split(row, prompt_tokens, block_size, queue_done_tokens)
             wait_us = round(rate_split(q + n, chunk)[0] / queue_rate * 1000)
         self._pending[request_id] = (worker, decided_at_s, features(row, prompt_tokens, block_size, chunk,
-                                                                    queue_done_tokens, decode, packed, at_rate),
+                                                                    queue_done_tokens, decode, packed, at_rate,
+                                                                    busy_steps if packed else 0),
                                      wait_us)
 
     def completed(self, request_id: RequestId, ttft_ms: float) -> None:

@@ -368,7 +368,8 @@ def test_the_state_check_re_derives_the_queues_drain_and_not_for_a_decision_reco
     record written before the drain (no ``queue_done_tokens``, every prediction behind the
     whole queue) reproduces too, re-derived without it; and one written before the engine's
     steps (no ``ms_per_step_token_sq``: 2,048-token steps, 19.6169 tokens/ms, 3,923 done),
-    over the inputs replay rebuilds for it (``engine_steps=False``)."""
+    over the inputs replay rebuilds for it (``engine_steps=False``); and one written before the
+    step under way (no ``busy_steps``)."""
     from control_plane.replay.verify import check_state
 
     led = RouterLedger(600.0)
@@ -402,6 +403,16 @@ def test_the_state_check_re_derives_the_queues_drain_and_not_for_a_decision_reco
     m = steps_before.ttft_models["a"]
     assert (m.queue_done_tokens, m.ms_per_step_token_sq, m.chunk_tokens) == (3923, None, 2048)
     status, _, diffs, _ = check_state(record(steps_before), steps_before, config)
+    assert status == "match", diffs
+    # One written before the step under way (no ``busy_steps``: a's model charged no step for
+    # the prefills in flight there) re-executes without it.
+    assert inputs.ttft_models["a"].busy_steps == 1 and inputs.ttft_models["b"].busy_steps == 0
+    not_busy = msgspec.structs.replace(inputs, ttft_models={
+        w: msgspec.structs.replace(m, busy_steps=None) for w, m in inputs.ttft_models.items()})
+    unbusy = record(not_busy)
+    row_a = next(r for r in unbusy.routed.scores if r.worker_id == "a")
+    assert row_a.predicted_ttft_ms < next(r for r in rec.routed.scores if r.worker_id == "a").predicted_ttft_ms
+    status, _, diffs, _ = check_state(unbusy, inputs, config)
     assert status == "match", diffs
 
 

@@ -272,7 +272,8 @@ async def test_a_completed_request_teaches_the_next_decisions_ttft_model() -> No
     await _collect(router, await _admit(router, "fit-2"), check)
     first, second = sink.of_type(RequestRouted)
     # the prior, bound to the decision with nothing of a queue done
-    assert first.ttft_model == msgspec.structs.replace(PRIOR, queue_done_tokens=0) and first.ttft_model.samples == 0
+    assert first.ttft_model == msgspec.structs.replace(PRIOR, queue_done_tokens=0, busy_steps=0)
+    assert first.ttft_model.samples == 0
     assert second.ttft_model.samples == 1 and second.ttft_model.pool_samples == 1
     assert second.ttft_model != PRIOR
     [row] = [r for r in second.scores if r.worker_id == "w-a"]

@@ -143,7 +143,11 @@ def test_the_router_ledger_binds_the_drained_queue_to_the_decisions_model() -> N
     led.inflight.add("z", "b", (3,), 1000, 2, now=0.1, ttl=600.0)
     assert led.inflight.pending_prefills("a") == [(0.0, 4096), (0.1, 2048)]
     assert led.ttft_model("a", 0.15).queue_done_tokens == 2985
-    assert led.ttft_model("c", 0.15) == msgspec.structs.replace(led.ttft_fit.model("c"), queue_done_tokens=0)
+    assert led.ttft_model("a", 0.15).busy_steps == 1
+    led.inflight.add("d", "e", (4,), 0, 8, now=0.1, ttl=600.0)  # prefilled elsewhere, decoding on e
+    assert led.ttft_model("e", 0.15).busy_steps == 1 and led.ttft_model("e", 0.15).queue_done_tokens == 0
+    assert led.ttft_model("c", 0.15) == msgspec.structs.replace(led.ttft_fit.model("c"), queue_done_tokens=0,
+                                                                busy_steps=0)
     led.inflight.prefill_done("x")
     assert led.inflight.pending_prefills("a") == [(0.1, 2048)]
     led.inflight.complete("y")
@@ -228,3 +232,21 @@ def test_a_model_with_the_rate_seen_waits_behind_the_queue_at_it() -> None:
     assert predict(4000, 0, 0, 1024, 64, seen) == predict(4000, 0, 0, 1024, 64, PRIOR)
     with pytest.raises(ValueError):
         TtftModel(queue_tokens_per_ms=0.0)
+
+
+def test_a_busy_worker_adds_the_step_under_way() -> None:
+    """A model bound while the router had prefills on the worker not seen end
+    (``busy_steps`` 1: the engine adds a request at a step boundary, so it waits for the step
+    under way) costs one more ``step_ms`` (the prior's 2 ms), with or without the rate seen; a
+    model without the field (decided before it) predicts as busy 0."""
+    from control_plane.router.ttft import features, predict
+
+    for m in (PRIOR, msgspec.structs.replace(PRIOR, queue_tokens_per_ms=40.0)):
+        idle = predict(4000, 0, 0, 1024, 64, msgspec.structs.replace(m, busy_steps=0))
+        assert predict(4000, 0, 0, 1024, 64, msgspec.structs.replace(m, busy_steps=1)) == pytest.approx(idle + 2.0)
+        assert predict(4000, 0, 0, 1024, 64, m) == idle
+    row = CandidateScore(worker_id="a", queued_prefill_tokens=4000)
+    assert features(row, 1024, 64, 8192, packed=True, busy_steps=1)[1] == 2
+    assert features(row, 1024, 64, 8192, packed=True, at_rate=True, busy_steps=1)[1] == 2
+    with pytest.raises(ValueError):
+        TtftModel(busy_steps=-1)

@@ -286,3 +286,24 @@ def test_a_queue_faster_than_the_rate_seen_does_not_pin_the_costs_at_zero() -> N
     alone = CandidateScore(worker_id="w-1")
     want = predict_ttft_ms(alone, 4096, 64, AGG, TRUE)
     assert predict_ttft_ms(alone, 4096, 64, AGG, fit.model("w-1")) == pytest.approx(want, rel=0.2)
+
+
+def test_the_step_under_way_is_learned_apart_from_the_base() -> None:
+    """Under the rate seen every observation's steps feature is its last step (1, the base's
+    column) plus the steps under way it waited for (``busy_steps``): a worker whose step under
+    way costs 60 ms (``TRUE`` with ``step_ms`` 60 and ``base_ms`` 10), half the requests
+    finding it busy. The fit tells the two apart: a request on the idle worker is predicted
+    within 5% (a fit without the flag puts the busy ones' mean wait in everyone's base)."""
+    truth = msgspec.structs.replace(TRUE, base_ms=10.0, step_ms=60.0, queue_tokens_per_ms=25.0)
+    fit = TtftFit()
+    for k, (rid, row, prompt) in enumerate(_requests(2000)):
+        busy = k % 2
+        fit.routed(rid, row.worker_id, AGG, row, prompt, 64, k * 0.01, queue_rate=25.0, busy_steps=busy)
+        fit.completed(rid, predict_ttft_ms(row, prompt, 64, AGG, msgspec.structs.replace(truth, busy_steps=busy)))
+    m = fit.model("w-1")
+    alone = CandidateScore(worker_id="w-1")
+    for busy in (0, 1):
+        want = predict_ttft_ms(alone, 512, 64, AGG, msgspec.structs.replace(truth, busy_steps=busy))
+        bound = msgspec.structs.replace(m, queue_tokens_per_ms=25.0, busy_steps=busy)
+        got = predict_ttft_ms(alone, 512, 64, AGG, bound)
+        assert got == pytest.approx(want, rel=0.05)
