@@ -28,10 +28,9 @@ in_order_err_p50_worst=... in_order_err_p90_worst=... whole_err_p50_worst=... wh
 
 from __future__ import annotations
 
-import argparse
 import random
 
-from benchmarks.ttft_queue_ab import requests_log
+from benchmarks.e2e_logs import over_runs
 from control_plane.replay.reconcile import _quantile
 from data_plane.engines.core import EngineCore
 from data_plane.engines.request import EngineRequest
@@ -118,24 +117,16 @@ def bound(rows: list[dict]) -> dict:
     return out
 
 
+def _describe(r: dict) -> str:
+    return (f"{r['n']} prefills, hop to the worker p50 {r['hop_ms_p50']:.1f} ms; the exact engine in the router's "
+            f"order against it as taken: p50 {r['fcfs_p50']:.3f} p90 {r['fcfs_p90']:.3f}; against it taking a step's "
+            f"arrivals in the router's order: p50 {r['in_order_p50']:.3f} p90 {r['in_order_p90']:.3f}; the whole "
+            f"TTFT with the median hops: p50 {r['whole_p50']:.3f} p90 {r['whole_p90']:.3f}")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("prefixes", nargs="+", help="topic prefixes of bench e2e runs (e2ekv..., e2ero..., e2epl...)")
-    args = ap.parse_args()
-    rows = []
-    for prefix in args.prefixes:
-        r = bound(prefills(requests_log(prefix)))
-        rows.append(r)
-        print(f"{prefix}: {r['n']} prefills, hop to the worker p50 {r['hop_ms_p50']:.1f} ms; the exact engine in the "
-              f"router's order against it as taken: p50 {r['fcfs_p50']:.3f} p90 {r['fcfs_p90']:.3f}; against it taking "
-              f"a step's arrivals in the router's order: p50 {r['in_order_p50']:.3f} p90 {r['in_order_p90']:.3f}; "
-              f"the whole TTFT with the median hops: p50 {r['whole_p50']:.3f} p90 {r['whole_p90']:.3f}")
-    print(f"RESULT logs={len(rows)} fcfs_err_p50_worst={max(r['fcfs_p50'] for r in rows):.3f} "
-          f"fcfs_err_p90_worst={max(r['fcfs_p90'] for r in rows):.3f} "
-          f"in_order_err_p50_worst={max(r['in_order_p50'] for r in rows):.3f} "
-          f"in_order_err_p90_worst={max(r['in_order_p90'] for r in rows):.3f} "
-          f"whole_err_p50_worst={max(r['whole_p50'] for r in rows):.3f} "
-          f"whole_err_p90_worst={max(r['whole_p90'] for r in rows):.3f}")
+    over_runs(__doc__, lambda envs: bound(prefills(envs)), _describe,
+              {f"{k}_err_{p}_worst": f"{k}_{p}" for k in ("fcfs", "in_order", "whole") for p in ("p50", "p90")})
 
 
 if __name__ == "__main__":

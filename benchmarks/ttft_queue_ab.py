@@ -26,18 +26,13 @@ hindsight_drain_p50_worst=... hindsight_drain_p90_worst=...``.
 
 from __future__ import annotations
 
-import argparse
-
 import msgspec
 
-from common.log.catalog import Catalog
-from common.log.reader import KafkaLogReader, scan_events
-from common.settings import BusSettings
+from benchmarks.e2e_logs import over_runs
 from control_plane.replay.reconcile import _quantile
 from control_plane.router.ledger import RouterLedger
 from control_plane.router.ttft import predict, queue_ahead
 from control_plane.router.ttft_fit import TtftFit
-from schemas import EventCodec
 from schemas.envelope import Envelope
 from schemas.events import RequestAdmitted, RequestCompleted, RequestRouted
 from schemas.types import RequestPhase
@@ -106,37 +101,23 @@ def compare(envs: list[Envelope]) -> dict:
     for k, v in errs.items():
         v.sort()
         out[f"{k}_p50"], out[f"{k}_p90"] = _quantile(v, 0.5), _quantile(v, 0.9)
+    out["drain_p90_lower"] = out["drain_p90"] < out["whole_p90"]
     return out
 
 
-def requests_log(prefix: str) -> list[Envelope]:
-    """The ``requests`` stream of the run on topic prefix ``prefix``, read from the broker."""
-    bus = BusSettings.from_env(topic_prefix=prefix)
-    codec = EventCodec(verifier=bus.verifier())
-    with KafkaLogReader(bus.bootstrap) as reader:
-        return [env for _, env in scan_events(reader, Catalog(prefix).topic("requests"), codec=codec)]
+def _describe(r: dict) -> str:
+    return (f"{r['n']} predictions; whole queue p50 {r['whole_p50']:.3f} p90 {r['whole_p90']:.3f}; "
+            f"drained p50 {r['drain_p50']:.3f} p90 {r['drain_p90']:.3f} (the drained prediction is the recorded "
+            f"one in {r['drain_as_recorded']}); hindsight: whole queue p50 {r['whole_hindsight_p50']:.3f} p90 "
+            f"{r['whole_hindsight_p90']:.3f}, drained p50 {r['drain_hindsight_p50']:.3f} p90 "
+            f"{r['drain_hindsight_p90']:.3f}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("prefixes", nargs="+", help="topic prefixes of bench e2e runs (e2ekv..., e2ero..., e2epl...)")
-    args = ap.parse_args()
-    rows = []
-    for prefix in args.prefixes:
-        r = compare(requests_log(prefix))
-        rows.append(r)
-        print(f"{prefix}: {r['n']} predictions; whole queue p50 {r['whole_p50']:.3f} p90 {r['whole_p90']:.3f}; "
-              f"drained p50 {r['drain_p50']:.3f} p90 {r['drain_p90']:.3f} (the drained prediction is the recorded "
-              f"one in {r['drain_as_recorded']}); hindsight: whole queue p50 {r['whole_hindsight_p50']:.3f} p90 "
-              f"{r['whole_hindsight_p90']:.3f}, drained p50 {r['drain_hindsight_p50']:.3f} p90 "
-              f"{r['drain_hindsight_p90']:.3f}")
-    print(f"RESULT logs={len(rows)} whole_err_p50_worst={max(r['whole_p50'] for r in rows):.3f} "
-          f"whole_err_p90_worst={max(r['whole_p90'] for r in rows):.3f} "
-          f"drain_err_p50_worst={max(r['drain_p50'] for r in rows):.3f} "
-          f"drain_err_p90_worst={max(r['drain_p90'] for r in rows):.3f} "
-          f"p90_lower_in={sum(r['drain_p90'] < r['whole_p90'] for r in rows)} "
-          f"hindsight_drain_p50_worst={max(r['drain_hindsight_p50'] for r in rows):.3f} "
-          f"hindsight_drain_p90_worst={max(r['drain_hindsight_p90'] for r in rows):.3f}")
+    over_runs(__doc__, compare, _describe, {
+        "whole_err_p50_worst": "whole_p50", "whole_err_p90_worst": "whole_p90", "drain_err_p50_worst": "drain_p50",
+        "drain_err_p90_worst": "drain_p90", "p90_lower_in": "#drain_p90_lower",
+        "hindsight_drain_p50_worst": "drain_hindsight_p50", "hindsight_drain_p90_worst": "drain_hindsight_p90"})
 
 
 if __name__ == "__main__":

@@ -19,17 +19,11 @@ worker_part_p50_worst=...`` (the two signed medians, largest in magnitude over t
 
 from __future__ import annotations
 
-import argparse
-
-from benchmarks.ttft_queue_ab import requests_log
-from control_plane.replay.reconcile import _quantile, reconcile
+from benchmarks.e2e_logs import over_runs, quantile as _q
+from control_plane.replay.reconcile import reconcile
 from control_plane.router.ttft import queue_ahead, rate_split, split
 from schemas.events import RequestAdmitted, RequestRouted
 from schemas.types import RequestPhase
-
-
-def _q(xs: list[float], p: float) -> float:
-    return _quantile(sorted(xs), p) if xs else float("nan")
 
 
 def terms(envs: list) -> dict:
@@ -69,21 +63,16 @@ def terms(envs: list) -> dict:
     return out
 
 
+def _describe(r: dict) -> str:
+    states = "; ".join(f"{k} {n}: err p50 {e:.3f}, signed {s:+.3f}" for k, (n, e, s) in r["by_state"].items())
+    return (f"{r['n']} prefills, error p50 {r['err_p50']:.3f} p90 {r['err_p90']:.3f}; signed medians: "
+            f"base - (hop + after) {r['base_vs_hops']:+.3f}, (predicted - base) - worker {r['worker_part']:+.3f}; "
+            f"{states}")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("prefixes", nargs="+", help="topic prefixes of bench e2e runs (e2ekv..., e2ero..., e2epl...)")
-    args = ap.parse_args()
-    rows = []
-    for prefix in args.prefixes:
-        r = terms(requests_log(prefix))
-        rows.append(r)
-        states = "; ".join(f"{k} {n}: err p50 {e:.3f}, signed {s:+.3f}" for k, (n, e, s) in r["by_state"].items())
-        print(f"{prefix}: {r['n']} prefills, error p50 {r['err_p50']:.3f} p90 {r['err_p90']:.3f}; signed medians: "
-              f"base - (hop + after) {r['base_vs_hops']:+.3f}, (predicted - base) - worker {r['worker_part']:+.3f}; "
-              f"{states}")
-    print(f"RESULT logs={len(rows)} err_p50_worst={max(r['err_p50'] for r in rows):.3f} "
-          f"base_vs_hops_p50_worst={max((r['base_vs_hops'] for r in rows), key=abs):+.3f} "
-          f"worker_part_p50_worst={max((r['worker_part'] for r in rows), key=abs):+.3f}")
+    over_runs(__doc__, terms, _describe, {"err_p50_worst": "err_p50", "base_vs_hops_p50_worst": "+base_vs_hops",
+                                          "worker_part_p50_worst": "+worker_part"})
 
 
 if __name__ == "__main__":
