@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import statistics
 import subprocess
 import sys
 import time
 
 import httpx
 
+from benchmarks.alternating import alternate
 from common.net import free_port
+from common.processes import cpu_s
 
 BODY = b'{"model":"m","prompt":"' + b"word " * 4096 + b'","max_tokens":1,"stream":true}'
 EVENTS = [b'data: {"choices":[{"text":" t","index":0}]}\n\n', b'data: {"choices":[],"usage":{}}\n\n',
@@ -83,12 +83,6 @@ def serve(server: str, port: int) -> None:
         uvicorn_serve(app, "127.0.0.1", port, lifespan="off")
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _fire(url: str, n: int, clients: int) -> float:
     async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=clients), timeout=30) as c:
         sem = asyncio.Semaphore(clients)
@@ -120,9 +114,9 @@ def run_one(server: str, n: int) -> dict[str, float]:
         asyncio.run(_fire(url, 200, 1))  # warm-up
         out = {}
         for clients in (1, 32):
-            cpu0 = _cpu_s(p.pid)
+            cpu0 = cpu_s(p.pid)
             wall = asyncio.run(_fire(url, n, clients))
-            out[f"cpu_us_c{clients}"] = (_cpu_s(p.pid) - cpu0) / n * 1e6
+            out[f"cpu_us_c{clients}"] = (cpu_s(p.pid) - cpu0) / n * 1e6
             out[f"rps_c{clients}"] = n / wall
         return out
     finally:
@@ -140,16 +134,7 @@ def main() -> None:
     if a.serve:
         serve(a.serve, a.port)
         return
-    print(f"load {os.getloadavg()[0]:.1f} at start")
-    runs: dict[str, list[dict]] = {"uvicorn": [], "native": [], "direct": []}
-    for r in range(a.rounds):
-        for server in (("uvicorn", "native", "direct") if r % 2 == 0 else ("direct", "native", "uvicorn")):
-            got = run_one(server, a.n)
-            runs[server].append(got)
-            print(f"round {r + 1} {server:8} " + " ".join(f"{k}={v:.0f}" for k, v in got.items()), flush=True)
-    med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for s, rs in runs.items()}
-    print(f"load {os.getloadavg()[0]:.1f} at end")
-    print("RESULT " + " ".join(f"{s}_{k}={v:.0f}" for s, m in med.items() for k, v in m.items()))
+    alternate(("uvicorn", "native", "direct"), a.rounds, lambda server: run_one(server, a.n))
 
 
 if __name__ == "__main__":

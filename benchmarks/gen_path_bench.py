@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import statistics
 import subprocess
 import sys
 import time
 
 import httpx
+
+from benchmarks.alternating import alternate
+from common.processes import cpu_s
 
 PROMPT = "word " * 256
 
@@ -43,12 +44,6 @@ def serve(via: str) -> None:
     with t.router_stack() as s:
         print(json.dumps({"url": s.url, "key": s.key}), flush=True)
         sys.stdin.read()  # until the parent closes it
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _fire(url: str, key: str, body: bytes, n: int, clients: int) -> float:
@@ -81,9 +76,9 @@ def run_one(via: str, n: int) -> dict[str, float]:
                                "stream": stream}).encode()
             asyncio.run(_fire(info["url"], info["key"], body, 50, 1))  # warm-up
             for clients in (1, 32):
-                cpu0 = _cpu_s(p.pid)
+                cpu0 = cpu_s(p.pid)
                 wall = asyncio.run(_fire(info["url"], info["key"], body, n, clients))
-                out[f"{case}_cpu_us_c{clients}"] = (_cpu_s(p.pid) - cpu0) / n * 1e6
+                out[f"{case}_cpu_us_c{clients}"] = (cpu_s(p.pid) - cpu0) / n * 1e6
                 out[f"{case}_rps_c{clients}"] = n / wall
         return out
     finally:
@@ -100,16 +95,7 @@ def main() -> None:
     if a.serve:
         serve(a.serve)
         return
-    print(f"load {os.getloadavg()[0]:.1f} at start", flush=True)
-    runs: dict[str, list[dict]] = {"asgi": [], "direct": []}
-    for r in range(a.rounds):
-        for via in (("asgi", "direct") if r % 2 == 0 else ("direct", "asgi")):
-            got = run_one(via, a.n)
-            runs[via].append(got)
-            print(f"round {r + 1} {via:6} " + " ".join(f"{k}={v:.0f}" for k, v in got.items()), flush=True)
-    med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for s, rs in runs.items()}
-    print(f"load {os.getloadavg()[0]:.1f} at end")
-    print("RESULT " + " ".join(f"{s}_{k}={v:.0f}" for s, m in med.items() for k, v in m.items()))
+    alternate(("asgi", "direct"), a.rounds, lambda via: run_one(via, a.n))
 
 
 if __name__ == "__main__":

@@ -71,12 +71,13 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from benchmarks.router_bench import _cpu_s, _nginx, _pct, _wait
+from benchmarks.router_bench import _nginx, _pct, _wait
 from ops.demo.loadgen import run_trace, word_prompt
 from ops.demo.settings import DEMO_DEFAULTS, DEMO_TRACE
 from data_plane.engines.trace import DEFAULT_VOCAB_SIZE
 from common.log.admin import apply_topics
 from common.net import free_port
+from common.processes import cpu_s as process_cpu_s
 from common.settings import BusSettings, repo_root
 
 SIDES = ("direct", "ours", "smg", "sglang", "vllmrouter", "vllmrouter_rr", "dynamo", "nginx", "pyfloor")
@@ -111,7 +112,7 @@ class Side:
     scratch: Path | None = None
 
     def cpu_s(self) -> float:
-        return sum(_cpu_s(p.pid) for p in self.procs[:self.cpu_procs])
+        return sum(process_cpu_s(p.pid, children=True) for p in self.procs[:self.cpu_procs])
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -395,7 +396,7 @@ def broker_pids() -> list[int]:
 
 
 def broker_cpu_s(pids: Sequence[int]) -> float:
-    return sum(_cpu_s(p) for p in pids)
+    return sum(process_cpu_s(p, children=True) for p in pids)
 
 
 def broker_idle_rate(pids: Sequence[int], quiet_s: float = 3.0) -> float:

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 
@@ -42,6 +41,7 @@ from benchmarks import router_decide, router_restart
 from benchmarks.index_bench import dynamo_stored, load_dynamo
 from common.log.admin import apply_topics
 from common.net import free_port
+from common.processes import cpu_s
 from common.settings import BusSettings, repo_root
 
 #: The decision point the Dynamo anchor is measured on (issue 12's goal: decide p99 there at most
@@ -72,18 +72,6 @@ def _latencies(client: httpx.Client, url: str, body: dict, n: int) -> list[float
         r.raise_for_status()
         out.append((time.perf_counter() - t0) * 1000)
     return sorted(out)
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` and its children's processes (nginx's
-    workers), from /proc."""
-    def own(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    kids = [int(c) for c in children.read_text().split()] if children.exists() else []
-    return own(pid) + sum(own(k) for k in kids)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -195,9 +183,9 @@ def http_overhead(n: int = 400) -> dict:
                 _latencies(client, url, body, 50)
             lat = {}
             for side, url in urls.items():
-                cpu0 = _cpu_s(serving[side])
+                cpu0 = cpu_s(serving[side], children=True)
                 lat[side] = _latencies(client, url, body, n)
-                out[f"{side}_cpu_ms"] = (_cpu_s(serving[side]) - cpu0) * 1000 / n
+                out[f"{side}_cpu_ms"] = (cpu_s(serving[side], children=True) - cpu0) * 1000 / n
         for side, xs in lat.items():
             out[f"{side}_p50_ms"], out[f"{side}_p99_ms"] = _pct(xs, 0.5), _pct(xs, 0.99)
         for side, name in (("routed", "overhead"), ("proxied", "proxy_overhead"), ("floor", "floor_overhead")):

@@ -33,16 +33,11 @@ import uuid
 from benchmarks.router_broker_sources import ALGO, BS, _kv, _register
 from common.log.admin import apply_topics
 from common.log.kafka import EventProducer
+from common.processes import cpu_s
 from common.settings import BusSettings
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import RouterView
 from schemas.events import WorkerLoadReported
-
-
-def _proc_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def child(prefix: str) -> None:
@@ -104,22 +99,22 @@ def main(args) -> None:
             if c.stdout.readline().strip() != "ready":
                 raise RuntimeError("the view process did not start")
             time.sleep(1.0)
-            i0, t0 = _proc_cpu_s(c.pid), time.monotonic()
+            i0, t0 = cpu_s(c.pid), time.monotonic()
             time.sleep(1.0)
-            idle = (_proc_cpu_s(c.pid) - i0) / (time.monotonic() - t0)
+            idle = (cpu_s(c.pid) - i0) / (time.monotonic() - t0)
             spy = None
             if args.profile and r == 0:
                 spy = subprocess.Popen([_pyspy(), "record", "--pid", str(c.pid), "--rate", "500", "--format", "raw",
                                         "--threads", "-o", args.profile + ".raw"],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            c0, t0 = _proc_cpu_s(c.pid), time.monotonic()
+            c0, t0 = cpu_s(c.pid), time.monotonic()
             _drive(workers, args.n, start, args.gap_ms / 1000)
             start += args.n
             c.stdin.write("sync\n")
             c.stdin.flush()
             state = json.loads(c.stdout.readline())
-            cpu, wall = _proc_cpu_s(c.pid) - c0, time.monotonic() - t0
+            cpu, wall = cpu_s(c.pid) - c0, time.monotonic() - t0
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)

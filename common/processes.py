@@ -1,4 +1,4 @@
-"""Process liveness, shared by both planes. Linux only (reads /proc)."""
+"""Process liveness and CPU time, shared by both planes and the benches. Linux only (reads /proc)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ def alive(pid: int | None) -> bool:
         return state != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def cpu_s(pid: int, children: bool = False) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc; with ``children``, plus
+    those of its live child processes (nginx's workers)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    if not children or not kids.exists():
+        return own
+    return own + sum(cpu_s(int(k)) for k in kids.read_text().split())
 
 
 def remove_dead_owned(base: Path, prefix: str) -> None:
