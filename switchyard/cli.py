@@ -300,14 +300,14 @@ def router_cmd(
     request_timeout: Annotated[float, typer.Option(
         help="Seconds a connection has to send a request's headers (closed beyond).")] = 10.0,
     body_timeout: Annotated[float, typer.Option(help="Seconds a request has to send its body (408 beyond).")] = 30.0,
-    events_linger_ms: Annotated[int, typer.Option(
+    events_linger_ms: Annotated[Optional[int], typer.Option(
         envvar="SWITCHYARD_ROUTER_EVENTS_LINGER_MS",
         help="linger.ms of the router's event producer (longer batches more of its request events; beyond "
-             "the workers' prefill time a request's events land after theirs).")] = 5,
-    view_fetch_wait_ms: Annotated[int, typer.Option(
+             "the workers' prefill time a request's events land after theirs). Default: RouterSettings.events_linger_ms.")] = None,
+    view_fetch_wait_ms: Annotated[Optional[int], typer.Option(
         envvar="SWITCHYARD_ROUTER_VIEW_FETCH_WAIT_MS",
         help="Longest the broker holds the view's fetch to fill it (fewer fetches per routed request, for "
-             "up to that much staler index; 0: a fetch per record batch).")] = 50,
+             "up to that much staler index; 0: a fetch per record batch). Default: RouterSettings.view_fetch_wait_ms.")] = None,
 ) -> None:
     """Run a router replica: folds the kv and workers topics into its prefix index (from the
     newest snapshot plus the log tail) and the admin stream's API keys into its key table,
@@ -324,6 +324,9 @@ def router_cmd(
     from common.settings import BusSettings
 
     kw: dict = {"router_id": router_id} if router_id else {}
+    # Unset: RouterSettings' own defaults (one place for them).
+    kw |= {k: v for k, v in (("events_linger_ms", events_linger_ms), ("view_fetch_wait_ms", view_fetch_wait_ms))
+           if v is not None}
     if worker_networks:
         kw["worker_networks"] = tuple(n.strip() for n in worker_networks.split(",") if n.strip())
     bounds = {k: v for k, v in (("max_body_bytes", max_body_bytes), ("context_tokens", context_tokens),
@@ -343,7 +346,7 @@ def router_cmd(
                               redis_url=redis_url or _stack_redis_url(key_limits),
                               connections=ConnectionLimits(max_connections=max_connections,
                                                            request_timeout_s=request_timeout),
-                              events_linger_ms=events_linger_ms, view_fetch_wait_ms=view_fetch_wait_ms, **kw),
+                              **kw),
                BusSettings.from_env(role="router"))
 
 
