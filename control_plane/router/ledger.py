@@ -338,6 +338,9 @@ class RouterLedger:
         #: P/D pairs (``pairs.py``): the hand-off and decode ITL fits, each prefill decision's
         #: decode worker, and each decode decision's (prefill worker, decode worker, decided at,
         #: prompt tokens, its row's decode blocks) until its first token and its completion.
+        #: Folded whether or not ``RouterConfig.pd_pairs`` is on: the ledger is a fold of the
+        #: router's own events alone (replay rebuilds it without the config in force), and a
+        #: config that turns pairs on finds the fits warm. Two dict updates per P/D request.
         self.pair_fit = PairFit()
         self._paired: dict[RequestId, WorkerId] = {}
         #: Requests paired with a decode worker and not handed off yet: (worker, blocks), and the
