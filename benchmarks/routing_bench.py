@@ -336,7 +336,7 @@ def tune_and_score(tune: Sequence[Case], score: Sequence[Case], topology: Topolo
 SESSION_FAMILIES = ("agentic", "chat")
 #: (margin ms, age bound s) points of ``RouterConfig.session_margin_ms`` / ``session_ttl_s``; the
 #: tune set may also pick "off" (the affinity off: the baseline itself).
-SESSION_GRID = ((0.0, 60.0), (50.0, 60.0), (200.0, 60.0), (50.0, 300.0), (200.0, 300.0), (1000.0, 300.0))
+SESSION_GRID = ((0.0, 30.0), (0.0, 60.0), (0.0, 300.0), (20.0, 60.0), (50.0, 60.0), (200.0, 300.0))
 
 
 def session_configs(default: RouterConfig) -> list[tuple[str, RouterConfig]]:

@@ -161,3 +161,49 @@ def test_a_key_opts_in_to_user_as_the_session() -> None:
     assert not table.session_from_user(None) and not table.session_from_user("sk-sy_0000000c_x")
     assert "session_from_user" not in msgspec.json.decode(msgspec.json.encode(
         RouterKeyIssued(key_id="k", name="k", salt="0", key_hash="0", actor="t", actor_role="admin")))
+
+
+def test_a_simulated_routers_session_decisions_re_execute_from_the_log() -> None:
+    """Virtual time, 3 aggregated workers, 2 sessions of 6 turns each beside session-less
+    traffic: every decision's table re-executes to the same event, and each decision re-executed
+    on a ledger folded from the log up to it (the state check) reads the same session worker."""
+    from control_plane.replay.verify import check_state
+    from control_plane.router.inputs import decision_inputs
+    from control_plane.simulation import SimRouter
+    from schemas.types import WorkerRole
+
+    cfg = RouterConfig(session_affinity=True, session_margin_ms=3.0, session_ttl_s=60.0)
+    r = SimRouter(cfg, [(f"w{i}", WorkerRole.AGGREGATED) for i in range(3)], hash_algo="xxh3_64", block_size=64,
+                  kv_capacity_blocks=1024, record=True)
+    r.sessions = {f"t{i}": f"s{i % 2}" for i in range(12)}
+    t = 1000.0
+    for i in range(12):
+        for rid, tokens in ((f"t{i}", 400 + 100 * i), (f"x{i}", 700 + 30 * (i % 5))):
+            r.admit(rid, [], tokens, 8, t)
+            w = r.route(rid, RequestPhase.AGGREGATED, t)
+            r.on_first_token(w, rid, t + 5 + i)
+            if i % 3:
+                r.on_complete(w, rid, t + 40)
+            t += 2.0
+    routed = [e for e in r.recorded if isinstance(e.data, RequestRouted)]
+    adm = {e.data.request_id: e.data for e in r.recorded if isinstance(e.data, RequestAdmitted)}
+    verdicts = {row.session_affinity for e in routed for row in e.data.scores} - {""}
+    assert verdicts == {"applied", "yielded"}, verdicts
+    assert sum(1 for e in routed if e.data.session_worker) == 10  # every turn but each session's first
+    folded = RouterLedger(cfg.inflight_ttl_s)
+    for e in r.recorded:
+        ev = e.data
+        if isinstance(ev, RequestRouted):
+            a = adm[ev.request_id]
+            rec = DecisionRecord(routed=ev, admitted=a, at_ns=e.occurred_at_ns, producer=e.producer, epoch=e.epoch,
+                                 position="requests:0:0", event_id=e.event_id)
+            assert check_table(rec, cfg)[0] == "match"
+            inputs = decision_inputs(r, folded, request_id=ev.request_id, prompt_tokens=a.prompt_tokens,
+                                     block_hashes=a.block_hashes, block_size=a.block_size,
+                                     expected_output_tokens=ev.expected_output_tokens, phase=ev.phase,
+                                     attempt=ev.attempt, now=ev.decided_at_s, session=ev.session,
+                                     session_ttl_s=cfg.session_ttl_s)
+            verdict, _, diffs, _ = check_state(rec, inputs, cfg)
+            assert verdict == "match", diffs
+        folded.apply(e)
+    assert len(folded.sessions) == 2
