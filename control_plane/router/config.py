@@ -143,13 +143,16 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: the worker of the session's previous turn (``sessions.py``, a fold of ``RequestRouted``)
     #: unless that worker's predicted TTFT exceeds the best candidate's by more than
     #: ``session_margin_ms`` + ``session_margin_rel`` x the best's. Kv mode, phases that prefill.
-    #: Off by default: <see docs/sessions.md for the measurement>.
+    #: Off by default: in virtual time (agentic and chat, 8 aggregated and 4P+4D) it adds
+    #: nothing to the ttft cost (the tune set picks off; any margin > 0 raised the mean TTFT),
+    #: and with the blocks cost its gain is the prediction's, not the affinity's
+    #: (docs/sessions.md). Margin and age: the tune set's pick with the blocks cost.
     session_affinity: bool = False
-    session_margin_ms: float = 50.0
+    session_margin_ms: float = 0.0
     session_margin_rel: float = 0.0
     #: A session's previous turn counts only if it was routed within this many seconds (at most
     #: ``sessions.SESSION_MAX_AGE_S``, the fold's own bound).
-    session_ttl_s: float = 300.0
+    session_ttl_s: float = 60.0
     #: Admission on the promise (issue 39 step 4): when the best eligible candidate's predicted
     #: TTFT (times the learned margin) plus what the request already spent in the router plus
     #: the router's loop lag exceeds this budget (ms), the request is rejected at once (429,
