@@ -207,3 +207,40 @@ def test_a_simulated_routers_session_decisions_re_execute_from_the_log() -> None
             assert verdict == "match", diffs
         folded.apply(e)
     assert len(folded.sessions) == 2
+
+
+class _Head:
+    """A request's head as the routes read it (``serving.Head``)."""
+
+    arrived_at = 0.0
+
+    def __init__(self, **headers: str) -> None:
+        self.headers = {k.lower().replace("_", "-"): v for k, v in headers.items()}
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name)
+
+
+def test_the_session_comes_from_the_header_or_an_opted_in_keys_user_field() -> None:
+    from types import SimpleNamespace
+
+    from control_plane.router.errors import InvalidRequest
+    from control_plane.router.protocol import CompletionRequest
+    from control_plane.router.serving import RouterAuth, _session
+
+    f = EnvelopeFactory("admin", 1, lambda: 0)
+    table = KeyTable()
+    for kid, opt in (("0000000a", True), ("0000000b", False)):
+        table.apply(f.wrap(RouterKeyIssued(key_id=kid, name=kid, salt="00", key_hash="00", actor="t",
+                                           actor_role="admin", session_from_user=opt), correlation_id=kid))
+    c = SimpleNamespace(auth=RouterAuth(table=table))
+    body = CompletionRequest(prompt="hi", user="alice")
+    opted, other = "Bearer sk-sy_0000000a_s", "Bearer sk-sy_0000000b_s"
+    assert _session(c, body, _Head(authorization=opted)) == "alice"
+    assert _session(c, body, _Head(authorization=other)) == ""
+    assert _session(c, body, _Head(authorization=other, x_session_id="conv-9")) == "conv-9"
+    assert _session(c, body, _Head(authorization=opted, x_session_id="conv-9")) == "conv-9"  # the header wins
+    assert _session(SimpleNamespace(auth=None), body, _Head()) == ""  # keys off: user stays metadata
+    for bad in ("", "x" * 257, "caf\u00e9", "a\tb"):
+        with pytest.raises(InvalidRequest, match="x-session-id"):
+            _session(c, body, _Head(x_session_id=bad))
