@@ -328,6 +328,98 @@ def tune_and_score(tune: Sequence[Case], score: Sequence[Case], topology: Topolo
                              where=topology.name, wall_s=wall, duration_s=duration_s, rate_scale=rate_scale, echo=echo)
 
 
+# ----------------------------------------------------------------------------------------------
+# Sessions (issue 39 item 6): the affinity's margin and age picked on the tune set
+# ----------------------------------------------------------------------------------------------
+
+#: The families with multi-turn sessions the affinity is measured on.
+SESSION_FAMILIES = ("agentic", "chat")
+#: (margin ms, age bound s) points of ``RouterConfig.session_margin_ms`` / ``session_ttl_s``; the
+#: tune set may also pick "off" (the affinity off: the baseline itself).
+SESSION_GRID = ((0.0, 30.0), (0.0, 60.0), (0.0, 300.0), (20.0, 60.0), (50.0, 60.0), (200.0, 300.0))
+
+
+def session_configs(default: RouterConfig) -> list[tuple[str, RouterConfig]]:
+    """"off" (``default`` in kv mode) and the affinity at every :data:`SESSION_GRID` point."""
+    base = msgspec.structs.replace(default, mode=RoutingMode.KV, session_affinity=False)
+    return [("off", base)] + [(f"{m:g}ms/{ttl:g}s", msgspec.structs.replace(
+        base, session_affinity=True, session_margin_ms=m, session_ttl_s=ttl)) for m, ttl in SESSION_GRID]
+
+
+def session_ids(trace: tune_score.CaseTrace, requests: Sequence[EngineRequest]) -> dict[str, str]:
+    """Request id -> the generated session id (the engine requests are the records in order)."""
+    if len(trace.records) != len(requests):
+        raise ValueError(f"{trace.case}: {len(requests)} requests for {len(trace.records)} records")
+    return {q.request_id: r.session_id for q, r in zip(requests, trace.records) if r.session_id}
+
+
+def sessions_bench(topologies: Sequence[Topology], default: RouterConfig, *, cluster: dict[str, Any], jobs: int,
+                   families: Sequence[str] = SESSION_FAMILIES, tune_seed: int = 1, score_seed: int = 2,
+                   duration_s: float = tune_score.CASE_DURATION_S, rate_scale: float = tune_score.CASE_RATE_SCALE,
+                   echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Session affinity against the same router without it, per topology: the point of
+    :func:`session_configs` with the lowest mean TTFT (relative to each tune case's best,
+    ``tune_score.pick``) on the tune cases, then "off" and the pick on the score cases.
+    Ends with ``RESULT session_...``; returns ``{"picked": {topology: name}, "scores": ...,
+    "result": line}``."""
+    tune = tuple(Case(f, tune_seed) for f in families)
+    score = tuple(Case(f, score_seed) for f in families)
+    tune, score = tune_score.checked(tune, score)
+    variants = session_configs(default)
+    with tempfile.TemporaryDirectory(prefix="switchyard-sessions-") as tmp:
+        traces, requests = tune_score.load_cases((*tune, *score), Path(tmp), cluster["profile"].block_size,
+                                                 duration_s=duration_s, rate_scale=rate_scale)
+    sessions = {c: session_ids(traces[c], requests[c]) for c in traces}
+
+    def run(job: tuple[Case, int, int]) -> dict[str, Any]:
+        c, ti, vi = job
+        return run_ours(requests[c], topologies[ti], variants[vi][1], sessions=sessions[c], **cluster)
+
+    t0 = time.perf_counter()
+    jobs_t = [(c, ti, vi) for ti in range(len(topologies)) for c in tune for vi in range(len(variants))]
+    out_t = dict(zip(jobs_t, pool_map(run, jobs_t, jobs)))
+    picked = {ti: tune_score.pick({c: {float(vi): out_t[(c, ti, vi)] for vi in range(len(variants))} for c in tune},
+                                  "ttft_mean_ms") for ti in range(len(topologies))}
+    jobs_s = [(c, ti, vi) for ti in range(len(topologies)) for c in score for vi in dict.fromkeys((0, int(picked[ti].point)))]
+    out_s = dict(zip(jobs_s, pool_map(run, jobs_s, jobs)))
+    wall = time.perf_counter() - t0
+    echo(f"sessions ({', '.join(families)}; {duration_s:g} s of each at {rate_scale:g}x its default rate; "
+         f"router {variants[0][1].cost} cost, prefill_load_scale {default.prefill_load_scale:g}; {wall:.0f} s): "
+         f"affinity (margin ms / age bound s) picked on tune {', '.join(map(str, tune))}, "
+         f"scored on {', '.join(map(str, score))}")
+    scores: dict[tuple[str, Case], dict[str, float]] = {}
+    for ti, t in enumerate(topologies):
+        tuned = picked[ti]
+        echo(f"{t.name}: TTFT mean (ms) on the tune set" + "".join(f"{str(c):>14}" for c in tune) + f"{'objective':>11}")
+        for vi, (name, _) in enumerate(variants):
+            echo(f"  {name:<14}" + "".join(f"{out_t[(c, ti, vi)]['ttft_mean_ms']:>14.1f}" for c in tune)
+                 + f"{tuned.objective[float(vi)]:>11.4f}" + ("  <- picked" if vi == int(tuned.point) else ""))
+        vi = int(tuned.point)
+        echo(f"  score set: {'case':<12}{'p50 off':>9}{'p50 on':>9}{'p99 off':>9}{'p99 on':>9}{'mean off':>10}"
+             f"{'mean on':>9}{'reuse off':>10}{'reuse on':>9}  affinity")
+        for c in score:
+            off, on = out_s[(c, ti, 0)], out_s[(c, ti, vi)]
+            scores[(t.name, c)] = {"p50_gain": off["ttft_p50_ms"] / on["ttft_p50_ms"],
+                                   "p99_gain": off["ttft_p99_ms"] / on["ttft_p99_ms"],
+                                   "mean_gain": off["ttft_mean_ms"] / on["ttft_mean_ms"]}
+            echo(f"  {'':<11}{str(c):<12}{off['ttft_p50_ms']:>9.1f}{on['ttft_p50_ms']:>9.1f}{off['ttft_p99_ms']:>9.1f}"
+                 f"{on['ttft_p99_ms']:>9.1f}{off['ttft_mean_ms']:>10.1f}{on['ttft_mean_ms']:>9.1f}{off['reuse']:>10.3f}"
+                 f"{on['reuse']:>9.3f}  {on['affinity'] or '-'}")
+    worst = min(scores, key=lambda k: min(scores[k]["p50_gain"], scores[k]["p99_gain"]))
+    w = scores[worst]
+    names = {t.name: variants[int(picked[ti].point)][0] for ti, t in enumerate(topologies)}
+    result = ("RESULT " + " ".join(f"session_pick_{'pd' if t.disaggregated else 'agg'}={names[t.name]}"
+                                   for t in topologies)
+              + f" session_p50_gain_min={min(v['p50_gain'] for v in scores.values()):.4f}"
+              f" session_p99_gain_min={min(v['p99_gain'] for v in scores.values()):.4f}"
+              f" session_mean_gain_min={min(v['mean_gain'] for v in scores.values()):.4f}"
+              f" worst_case={worst[1]}@{'pd' if 'prefill' in worst[0] else 'agg'} worst_p50_gain={w['p50_gain']:.4f}"
+              f" worst_p99_gain={w['p99_gain']:.4f} rate_scale={rate_scale:g} score_cases={len(scores)}")
+    echo("gains are off / on (> 1: the affinity lowered the TTFT); worst case = lowest of its p50 and p99 gain")
+    echo(result)
+    return {"picked": names, "scores": scores, "result": result}
+
+
 def main(
     trace: str | Path = DEFAULT_TRACE,
     limit: int | None = None,
@@ -535,10 +627,19 @@ if __name__ == "__main__":
     p.add_argument("--score", default=",".join(map(str, SCORE_SET)), help="score cases, family:seed,... ('' : none)")
     p.add_argument("--rate-scale", default=f"{tune_score.CASE_RATE_SCALE:g}",
                    help="arrival rate of the tune and score cases, x each family's default rate; several: 2,1.5,1")
+    p.add_argument("--sessions", action="store_true",
+                   help="only the session affinity bench (agentic and chat, tune seed 1, score seed 2)")
     a = p.parse_args()
     tops = TOPOLOGIES if a.only is None else (
         (AGGREGATED_8,) if a.only == "aggregated" else (DISAGGREGATED_4P4D,)
     )
+    if a.sessions:
+        for x in (float(x) for x in a.rate_scale.split(",")):
+            sessions_bench(tops, RouterConfig(cost=a.cost, pd_pairs=a.pd_pairs, itl_slo_ms=a.itl_slo_ms),
+                           cluster={"profile": load_profile("mocker"), "load_report_ms": a.load_report_ms
+                                    if a.load_report_ms > 0 else None, "kv_event_lag_ms": a.kv_event_lag_ms},
+                           jobs=a.jobs or min(2, os.cpu_count() or 1), rate_scale=x)
+        raise SystemExit(0)
     main(a.trace, a.limit, config=RouterConfig(cost=a.cost, pd_pairs=a.pd_pairs, itl_slo_ms=a.itl_slo_ms), topologies=tops, dynamo=not a.no_dynamo, jobs=a.jobs,
          load_report_ms=a.load_report_ms if a.load_report_ms > 0 else None,
          kv_event_lag_ms=a.kv_event_lag_ms, tune=parse_cases(a.tune) if a.tune else None,

@@ -96,6 +96,8 @@ class RouterStats:
     #: Peer fetches the chosen workers ran, and the blocks they pulled.
     peer_fetches: int = 0
     peer_blocks: int = 0
+    #: Session affinity's verdicts (``applied`` / ``yielded``), from the decisions' score rows.
+    affinity: dict[str, int] = field(default_factory=dict)
 
 
 class SimRouter(Hooks):
@@ -138,6 +140,8 @@ class SimRouter(Hooks):
             for wid, role in workers
         }
         self.stats = RouterStats()
+        #: Request id -> the client's session id (``run_cluster(sessions=...)``); none: no sessions.
+        self.sessions: Mapping[str, str] = {}
         self._now_ns = 0
         self._factory = EnvelopeFactory(router_id, 1, lambda: self._now_ns)
         self.router_id = router_id
@@ -222,7 +226,8 @@ class SimRouter(Hooks):
         inputs = decision_inputs(self, self.ledger, request_id=request_id, prompt_tokens=prompt_tokens,
                                  block_hashes=hashes, block_size=self.block_size,
                                  expected_output_tokens=max_tokens, phase=phase, attempt=0, now=now,
-                                 peer_reach=self.config.tier_weights.peer > 0, pairs=self.config.pd_pairs)
+                                 peer_reach=self.config.tier_weights.peer > 0, pairs=self.config.pd_pairs,
+                                 session=self.sessions.get(request_id, ""), session_ttl_s=self.config.session_ttl_s)
         t0 = time.perf_counter()
         d = execute(inputs, self.config)
         st = self.stats
@@ -230,6 +235,10 @@ class SimRouter(Hooks):
         st.decisions += 1
         for g in d.guards:
             st.guards[g] = st.guards.get(g, 0) + 1
+        if inputs.session_worker:
+            for row in d.scores:
+                if row.session_affinity:
+                    st.affinity[row.session_affinity] = st.affinity.get(row.session_affinity, 0) + 1
         overlaps = inputs.overlaps
         if overlaps:
             st.had_match += 1
@@ -407,6 +416,7 @@ class ClusterResult:
             "decide_us": 1e6 * rs.decide_s / rs.decisions if rs.decisions else 0.0,
             "kv_events": rs.kv_events,
             "guards": dict(rs.guards),
+            "affinity": dict(rs.affinity),
             "best_match_share": rs.chose_best_match / rs.had_match if rs.had_match else math.nan,
         }
 
@@ -422,6 +432,7 @@ def run_cluster(
     worker_ids: Sequence[str] | None = None,
     tiers: Mapping[Tier, int] | None = None,
     onboard_costs: OnboardCosts | None = None,
+    sessions: Mapping[str, str] | None = None,
 ) -> ClusterResult:
     """Replay ``requests`` (sorted by arrival) on ``topology`` with ``config`` routing them.
 
@@ -430,7 +441,8 @@ def run_cluster(
 
     ``load_report_ms``: interval of each worker's load report (None: the router gets no reports
     and relies on its ledger alone, like Dynamo's router). ``kv_event_lag_ms``: transport delay
-    of KV events on top of the step that produced them.
+    of KV events on top of the step that produced them. ``sessions``: request id -> the client's
+    session id (``RequestRouted.session``; the session affinity reads them).
     """
     prof = load_profile(profile) if isinstance(profile, str) else profile
     hash_config = default_hash_config(prof.block_size)
@@ -456,6 +468,7 @@ def run_cluster(
                       release_after_ms=0.0, load_report_ms=load_report_ms, kv_event_lag_ms=kv_event_lag_ms,
                       tiers=tiers, onboard_costs=onboard_costs)
     router.cluster = cluster
+    router.sessions = sessions or {}
     cores = [cluster.add_worker(wid, role) for wid, role in zip(ids, roles)]
     out = cluster.run(requests)
     disaggregated = topology.disaggregated

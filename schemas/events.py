@@ -215,6 +215,11 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     #: prediction, and in logs written before the field existed (whose predictions waited
     #: behind ``queued_prefill_tokens``). Added in place.
     report_only_prefill_tokens: int = 0
+    #: Session affinity (``RouterConfig.session_affinity``, ``docs/sessions.md``), on the row of
+    #: the worker the request's session last went to: ``applied`` (the decision kept it there)
+    #: or ``yielded`` (another worker's predicted TTFT beat it by the margin, or it no longer
+    #: competed). "" (omitted) on every other row, without a session, and in older logs.
+    session_affinity: str = ""
 
 
 class PairScore(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -454,6 +459,14 @@ class RequestRouted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True)
     #: candidates' score rows the pairs were built on (as a decode decision would record them).
     pairs: list[PairScore] = []
     decode_scores: list[CandidateScore] = []
+    #: The client's session id (``x-session-id``, or the ``user`` field for a key that opts in):
+    #: the session fold (``control_plane/router/sessions.py``) reads it back for the session's
+    #: next turn. "" without one, and in logs written before the field existed.
+    session: str = ""
+    #: The worker the session's previous turn went to, as the fold gave it to this decision
+    #: (within ``RouterConfig.session_ttl_s``): the affinity's input, recorded like
+    #: ``rr_cursor`` so that the decision re-executes from its event. "" without one.
+    session_worker: WorkerId = ""
 
 
 class PrefillCompleted(RequestEvent, frozen=True, kw_only=True, omit_defaults=True):
@@ -820,6 +833,10 @@ class RouterKeyIssued(RouterKeyEvent, frozen=True, kw_only=True, omit_defaults=T
     burst: int | None = None
     #: Requests the key may have in flight at once; None: no limit.
     max_concurrent: int | None = None
+    #: The OpenAI ``user`` field of this key's requests names their session (as an
+    #: ``x-session-id`` header would; ``docs/sessions.md``). False (omitted) by default, and in
+    #: keys issued before the field existed: ``user`` is then only metadata.
+    session_from_user: bool = False
 
 
 class RouterKeyRevoked(RouterKeyEvent, frozen=True, kw_only=True, omit_defaults=True):

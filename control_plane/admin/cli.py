@@ -149,13 +149,15 @@ def issue_router_key_cmd(
     rate: Annotated[Optional[float], typer.Option(help="Requests/s it may start on each router replica.")] = None,
     burst: Annotated[Optional[int], typer.Option(help="Requests above the rate at once (default: one second's).")] = None,
     max_concurrent: Annotated[Optional[int], typer.Option(help="Requests in flight on each router replica.")] = None,
+    session_from_user: Annotated[bool, typer.Option(help="The OpenAI `user` field names the request's session.")] = False,
     token_file: TokenFileOpt = None,
     admin_url: AdminUrlOpt = None,
 ) -> None:
     """Issue a router API key through the admin API (an admin token): RouterKeyIssued on the log,
     which every router folds. Prints the key once (only its hash is kept)."""
     made = api_call(token_file, admin_url, lambda c: c.issue_router_key(
-        name, expires_in_days=expires_in_days, rate_per_s=rate, burst=burst, max_concurrent=max_concurrent))
+        name, expires_in_days=expires_in_days, rate_per_s=rate, burst=burst, max_concurrent=max_concurrent,
+        session_from_user=session_from_user))
     typer.echo(f"router key {made['key_id']} for {made['name']}:\n{made['key']}")
 
 

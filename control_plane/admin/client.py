@@ -106,10 +106,13 @@ class AdminClient:
         return self._call("DELETE", f"/pools/{quote(pool, safe='')}/pin", params={"reason": reason} if reason else None)
 
     def issue_router_key(self, name: str, *, expires_in_days: int | None = None, rate_per_s: float | None = None,
-                         burst: int | None = None, max_concurrent: int | None = None) -> dict[str, Any]:
+                         burst: int | None = None, max_concurrent: int | None = None,
+                         session_from_user: bool = False) -> dict[str, Any]:
         """A router API key (admin token): the answer's ``key`` is the secret, shown this once."""
         body = {k: v for k, v in (("name", name), ("expires_in_days", expires_in_days), ("rate_per_s", rate_per_s),
                                   ("burst", burst), ("max_concurrent", max_concurrent)) if v is not None}
+        if session_from_user:
+            body["session_from_user"] = True
         return self._call("POST", "/router-keys", json=body)
 
     def revoke_router_key(self, key_id: str, reason: str = "") -> dict[str, Any]:

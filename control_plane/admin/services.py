@@ -281,7 +281,8 @@ def issue_router_key(session: Session, ctx: AdminContext, who: Principal,
         expires = int((ctx.clock() + body.expires_in_days * 86_400) * 1e9) if body.expires_in_days else None
         record(ctx, session, RouterKeyIssued(key_id=issued.id, name=body.name, salt=issued.salt, key_hash=issued.hash,
                                              expires_at_ns=expires, rate_per_s=body.rate_per_s, burst=body.burst,
-                                             max_concurrent=body.max_concurrent, **_actor(who)))
+                                             max_concurrent=body.max_concurrent,
+                                             session_from_user=body.session_from_user, **_actor(who)))
         session.commit()
     return session.get(RouterKeyRow, issued.id), issued.plain
 

@@ -458,6 +458,9 @@ class RouterKeyCreate(Strict):
                               description="Requests above the rate that may come at once (default: one second's).")
     max_concurrent: int | None = Field(default=None, ge=1, le=1_000_000,
                                        description="Requests the key may have in flight (per router replica).")
+    session_from_user: bool = Field(default=False, description=(
+        "The OpenAI `user` field of this key's requests names their session, as an x-session-id header "
+        "would (docs/sessions.md); off: `user` is only metadata."))
 
     @model_validator(mode="after")
     def _burst_needs_a_rate(self) -> RouterKeyCreate:

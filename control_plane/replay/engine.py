@@ -571,7 +571,7 @@ class ReplayEngine:
                 attempt=routed.attempt, now=routed.decided_at_s or loc.at_ns / 1e9,
                 excluded=routed.excluded_workers, peer_reach=config.tier_weights.peer > 0,
                 engine_steps=routed.ttft_model is None or routed.ttft_model.ms_per_step_token_sq is not None,
-                pairs=config.pd_pairs)
+                pairs=config.pd_pairs, session=routed.session, session_ttl_s=config.session_ttl_s)
             if routed.admission is not None:
                 at_s = routed.admission.at_s
                 item.margin = folded_terms(ledger.margin, at_s, routed.admission)

@@ -184,7 +184,8 @@ def inputs_from_scores(rec: DecisionRecord, config: RouterConfig,
         pair = recorded_inputs(decode, r.pairs)
     return DecisionInputs(request=routing_request(rec), workers=workers, overlaps=overlaps, inflight=inflight,
                           rr_cursor=r.rr_cursor, rng_seed=r.rng_seed, ttft_models=models, pair=pair,
-                          paired=r.paired_worker_id if r.phase is RequestPhase.DECODE else "")
+                          paired=r.paired_worker_id if r.phase is RequestPhase.DECODE else "",
+                          session=r.session, session_worker=r.session_worker)
 
 
 def _pinned(predicted_ttft_ms: float) -> TtftModel:

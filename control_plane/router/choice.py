@@ -165,7 +165,8 @@ _ROW_FIELDS = ("worker_id", "overlap_blocks", "overlap_by_tier", "queued_prefill
                "inflight_requests", "stale", "prefill_blocks", "decode_blocks", "cost", "probability", "eligible",
                "speculative_overlap", "excluded", "kv_capacity_blocks", "peer_from", "predicted_ttft_ms",
                "report_only_prefill_tokens")
-assert CandidateScore.__struct_fields__ == _ROW_FIELDS, "score_rows passes CandidateScore's fields by position"
+assert CandidateScore.__struct_fields__[:len(_ROW_FIELDS)] == _ROW_FIELDS, \
+    "score_rows passes CandidateScore's leading fields by position (the rest keep their defaults)"
 
 
 def score_rows(t: Scored, row_cost: list[float | None], probability: list[float | None] | None,

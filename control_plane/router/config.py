@@ -16,6 +16,7 @@ from typing import Literal
 import msgspec
 
 from control_plane.router.errors import RouterConfigError
+from control_plane.router.sessions import SESSION_MAX_AGE_S
 from schemas.types import TIER_ORDER, RoutingMode, Tier
 
 LoadCombine = Literal["max", "sum"]
@@ -138,6 +139,20 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: The ITL (ms) a pair's decode worker should keep (0 = no penalty): a pair whose predicted
     #: ITL with the request exceeds it costs the excess times the request's expected output tokens.
     itl_slo_ms: float = 0.0
+    #: Sessions (issue 39 item 6, ``docs/sessions.md``): a request naming a session goes back to
+    #: the worker of the session's previous turn (``sessions.py``, a fold of ``RequestRouted``)
+    #: unless that worker's predicted TTFT exceeds the best candidate's by more than
+    #: ``session_margin_ms`` + ``session_margin_rel`` x the best's. Kv mode, phases that prefill.
+    #: Off by default: in virtual time (agentic and chat, 8 aggregated and 4P+4D) it adds
+    #: nothing to the ttft cost (the tune set picks off; any margin > 0 raised the mean TTFT),
+    #: and with the blocks cost its gain is the prediction's, not the affinity's
+    #: (docs/sessions.md). Margin and age: the tune set's pick with the blocks cost.
+    session_affinity: bool = False
+    session_margin_ms: float = 0.0
+    session_margin_rel: float = 0.0
+    #: A session's previous turn counts only if it was routed within this many seconds (at most
+    #: ``sessions.SESSION_MAX_AGE_S``, the fold's own bound).
+    session_ttl_s: float = 60.0
     #: Admission on the promise (issue 39 step 4): when the best eligible candidate's predicted
     #: TTFT (times the learned margin) plus what the request already spent in the router plus
     #: the router's loop lag exceeds this budget (ms), the request is rejected at once (429,
@@ -195,6 +210,14 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise RouterConfigError(f"cost={self.cost!r} must be 'blocks' or 'ttft'")
         _finite_at_least("ttft_slo_ms", self.ttft_slo_ms, 0.0, "0 turns the TTFT budget off")
         _finite_at_least("itl_slo_ms", self.itl_slo_ms, 0.0, "0 turns the pairs' ITL penalty off")
+        _finite_at_least("session_margin_ms", self.session_margin_ms, 0.0,
+                         "a negative margin would move a session off a worker that is faster")
+        _finite_at_least("session_margin_rel", self.session_margin_rel, 0.0,
+                         "a negative margin would move a session off a worker that is faster")
+        if not (_is_finite(self.session_ttl_s) and 0 < self.session_ttl_s <= SESSION_MAX_AGE_S):
+            raise RouterConfigError(
+                f"session_ttl_s={self.session_ttl_s!r} must lie in (0, {SESSION_MAX_AGE_S:g}]: the session "
+                "fold keeps no older entry to read")
         _finite_at_least("max_loop_lag_ms", self.max_loop_lag_ms, 0.0, "0 turns the router's own load test off")
         _finite_at_least("temperature", self.temperature, 0.0,
                          "0 means argmin; a negative temperature would prefer the worst worker")

@@ -37,6 +37,8 @@ from control_plane.router.errors import NoEligibleWorker
 from control_plane.router.ledger import InflightView
 from control_plane.router.pairs import PAIR_PREFILLS, PairInputs
 from control_plane.router.pairs import choose as _choose_pair
+from control_plane.router.sessions import APPLIED
+from control_plane.router.sessions import affinity as _affinity
 
 # The steps ``decide`` runs, looked up in this module by name so that the differential tests
 # can run the same decision with the oracle's steps (``tests/oracles/scoring.py``).
@@ -65,6 +67,7 @@ def decide(
     ttft_models: Mapping[WorkerId, TtftModel] | None = None,
     pair: PairInputs | None = None,
     paired: WorkerId = "",
+    session_worker: WorkerId = "",
 ) -> Decision:
     """Choose a worker for ``request`` among ``workers``.
 
@@ -81,6 +84,9 @@ def decide(
     * ``pair`` (a prefill phase, ``config.pd_pairs``, kv mode): the decode candidates and the
       pair models; the decision then chooses the decode worker with the prefill worker
       (``pairs.py``: ``paired_worker_id``, ``pairs``, ``decode_scores``).
+    * ``session_worker`` (``config.session_affinity``, kv mode, a phase that prefills, with
+      predictions): the worker of the request's session's previous turn; kept unless another
+      is faster by the margin (``sessions.affinity``), its row saying ``applied`` or ``yielded``.
     * ``paired`` (a decode phase, ``config.pd_pairs``, kv mode): the decode worker its prefill
       decision chose; taken unless the guards leave it out.
 
@@ -120,10 +126,20 @@ def decide(
     choice = CHOOSERS[config.mode](t, pick, config, rng_seed, rr_cursor, notes, guards)
     reason = choice.reason
     chosen = choice.chosen
+    affine, verdict = None, ""
+    if (session_worker and config.session_affinity and config.mode is RoutingMode.KV and predicted is not None):
+        chosen, affine, verdict, said = _affinity([w.worker_id for w in t.ordered], pick.competing, chosen,
+                                                  predicted[0], session_worker, config.session_margin_ms,
+                                                  config.session_margin_rel)
+        if chosen != choice.chosen:
+            reason = f"{said}; else {reason}"
+        else:
+            reason += f"; {said}"
     paired_id, pairs, decode_rows = "", (), ()
     if config.pd_pairs and config.mode is RoutingMode.KV:
         if pair is not None and request.phase is RequestPhase.PREFILL:
-            got = _pair(request, t, pick, chosen, predicted, pair, mine, config, rng_seed, ttft_cost)
+            got = _pair(request, t, pick, chosen, predicted, pair, mine, config, rng_seed,
+                        ttft_cost and verdict != APPLIED)
             if got is not None:
                 new, paired_id, pairs, decode_rows, said = got
                 if new != chosen:
@@ -151,6 +167,8 @@ def decide(
             f" and {more} more" if more > 0 else ""
         )
     rows = _rows(t, choice.row_cost, choice.probability, predicted)
+    if verdict:
+        rows = (*rows[:affine], msgspec.structs.replace(rows[affine], session_affinity=verdict), *rows[affine + 1:])
     own_prefill = (max(round(request.prompt_tokens - t.overlap_w[chosen] * request.block_size), 0)
                    if t.does_prefill else 0)
     return Decision(

@@ -67,6 +67,10 @@ class DecisionInputs(msgspec.Struct, kw_only=True):
     #: models; a decode decision's paired worker (its prefill decision's choice).
     pair: PairInputs | None = None
     paired: str = ""
+    #: The request's session (``RequestRouted.session``) and the worker of its previous turn as
+    #: the session fold gave it (``RouterLedger.sessions``, within ``session_ttl_s``).
+    session: str = ""
+    session_worker: str = ""
 
 
 def router_seed(request_id: str, phase: RequestPhase | str, attempt: int) -> int:
@@ -91,13 +95,17 @@ def decision_inputs(
     peer_reach: bool = False,
     engine_steps: bool = True,
     pairs: bool = False,
+    session: str = "",
+    session_ttl_s: float = 0.0,
 ) -> DecisionInputs:
     """The inputs of one decision (``peer_reach``: credit each worker with the prefix a peer
     holds, :func:`with_peer_reach`; on when the config's ``tier_weights.peer`` is above 0;
     ``engine_steps`` False: the TTFT models as before the engine's steps were modelled,
     ``RouterLedger.ttft_model``, for replay of a decision recorded then; ``pairs``: the config's
     ``pd_pairs``, a prefill phase then reads the decode candidates and the ledger's pair fit, a
-    decode phase the worker its prefill decision paired it with). Prepares the ledger for it (expiry at ``now``; a decode phase
+    decode phase the worker its prefill decision paired it with; ``session``: the client's
+    session id, whose previous turn's worker the fold gives within ``session_ttl_s`` (0: none
+    read; a decode phase reads none). Prepares the ledger for it (expiry at ``now``; a decode phase
     releases its prefill entry), exactly as folding the decision's ``RequestRouted`` will.
 
     Raises :class:`NoEligibleWorker`, with the ledger untouched, when the phase's role has no
@@ -129,7 +137,9 @@ def decision_inputs(
         paired = ledger.paired(request_id)
     return DecisionInputs(request=request, workers=workers, overlaps=overlaps, inflight=ledger.view(hashes),
                           rr_cursor=ledger.rr_cursor.get(role), rng_seed=router_seed(request_id, phase, attempt),
-                          ttft_models=models, pair=pair, paired=paired)
+                          ttft_models=models, pair=pair, paired=paired, session=session,
+                          session_worker=(ledger.sessions.worker(session, now, session_ttl_s)
+                                          if session_ttl_s > 0 and phase is not RequestPhase.DECODE else ""))
 
 
 def with_peer_reach(overlaps: Mapping[WorkerId, WorkerOverlap], workers: Sequence[WorkerLoad]
@@ -181,7 +191,7 @@ def execute(inputs: DecisionInputs, config: RouterConfig, rng_seed: int | None =
     return decide(inputs.request, inputs.workers, config,
                   rng_seed=inputs.rng_seed if rng_seed is None else rng_seed, overlaps=inputs.overlaps,
                   inflight=_Recorded(inputs.inflight), rr_cursor=inputs.rr_cursor, ttft_models=inputs.ttft_models,
-                  pair=inputs.pair, paired=inputs.paired)
+                  pair=inputs.pair, paired=inputs.paired, session_worker=inputs.session_worker)
 
 
 def routed_event(
@@ -210,7 +220,8 @@ def routed_event(
         expected_output_tokens=inputs.request.expected_output_tokens, view_state=view_state,
         excluded_workers=sorted(excluded), decided_at_s=decided_at_s, queued_ms=queued_ms,
         inflight_prefill_tokens=decision.prefill_tokens, inflight_blocks=decision.decode_blocks,
-        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model, admission=admission)
+        inflight_ttl_s=config.inflight_ttl_s, predicted_ttft_ms=predicted, ttft_model=model, admission=admission,
+        session=inputs.session, session_worker=inputs.session_worker)
 
 
 def _predicted_ttft(decision: Decision, inputs: DecisionInputs) -> tuple[float | None, TtftModel | None]:

@@ -88,6 +88,8 @@ class RouterKey:
     expires_at_ns: int | None = None
     issued_at_ns: int = 0
     revoked_at_ns: int | None = None
+    #: The OpenAI ``user`` field names the request's session (``RouterKeyIssued.session_from_user``).
+    session_from_user: bool = False
 
 
 class Refusal(str, Enum):
@@ -143,7 +145,8 @@ class KeyTable:
         self.keys[ev.key_id] = RouterKey(key_id=ev.key_id, name=ev.name, salt=ev.salt, key_hash=ev.key_hash,
                                          limits=limits, expires_at_ns=ev.expires_at_ns,
                                          issued_at_ns=env.occurred_at_ns,
-                                         revoked_at_ns=self.revoked_unknown.pop(ev.key_id, None))
+                                         revoked_at_ns=self.revoked_unknown.pop(ev.key_id, None),
+                                         session_from_user=ev.session_from_user)
         return True
 
     def _revoked(self, env: Envelope[Event]) -> bool:
@@ -175,6 +178,14 @@ class KeyTable:
         if key.expires_at_ns is not None and now_ns >= key.expires_at_ns:
             return Denied(Refusal.EXPIRED, f"API key {key.key_id} ({key.name}) has expired")
         return key
+
+    def session_from_user(self, presented: str | None) -> bool:
+        """Whether the key a bearer names opts in to ``user`` as the session id. Read after
+        :meth:`verify` admitted the same bearer (the route checks the key before the body), so
+        only its id is parsed here, not its secret hashed again."""
+        parsed = bearer.parse(presented, KEY_PREFIX) if presented else None
+        key = self.keys.get(parsed[0]) if parsed is not None else None
+        return key is not None and key.session_from_user
 
     def as_dict(self) -> dict[str, Any]:
         """Comparable form (tests compare a live table with a fold of the log)."""

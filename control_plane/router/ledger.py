@@ -51,6 +51,7 @@ from control_plane.router.pairs import PairFit
 from control_plane.router.ports import NO_INFLIGHT, InflightAccounts, InflightLoad, InflightView
 from control_plane.router.ttft import queue_done
 from control_plane.router.ttft_fit import TtftFit
+from control_plane.router.sessions import SessionTable
 from schemas.envelope import Envelope
 from schemas.events import (
     Event,
@@ -318,7 +319,7 @@ class RouterLedger:
 
     __slots__ = ("default_ttl_s", "inflight", "rr_cursor", "ttft_fit", "margin", "pair_fit", "_block_size", "_bound_zero",
                  "_handlers", "_hashes", "_paired", "_pair_pending", "_decode_hop",
-                 "_prefill_worker", "_queued_ms", "_prompt_tokens")
+                 "_prefill_worker", "_queued_ms", "_prompt_tokens", "sessions")
 
     def __init__(self, default_ttl_s: float = 600.0) -> None:
         #: Lifetime of an entry whose ``RequestRouted`` predates ``inflight_ttl_s``.
@@ -349,6 +350,8 @@ class RouterLedger:
         self._decode_hop: dict[RequestId, tuple[WorkerId | None, WorkerId, float, int, int]] = {}
         self._queued_ms: dict[RequestId, float] = {}
         self._prompt_tokens: dict[RequestId, int] = {}
+        #: Session -> the worker of its last routed phase that prefills (``sessions.py``).
+        self.sessions = SessionTable()
         self._handlers = {
             RequestAdmitted: self._admitted,
             RequestRouted: self._routed,
@@ -398,6 +401,8 @@ class RouterLedger:
         if ev.mode is RoutingMode.ROUND_ROBIN:
             self.rr_cursor[role_of_phase(ev.phase)] = ev.worker_id
         self._queued_ms[rid] = max(self._queued_ms.get(rid, 0.0), ev.queued_ms)
+        if ev.session and ev.phase is not RequestPhase.DECODE:
+            self.sessions.routed(ev.session, ev.worker_id, now)
         if ev.phase is RequestPhase.PREFILL and ev.paired_worker_id:
             self._paired[rid] = ev.paired_worker_id
             self._release_pair(rid)  # a retried prefill pairs again

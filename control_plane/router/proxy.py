@@ -96,6 +96,8 @@ class Admission:
     arrived_at: float | None = None
     #: Seconds spent in the admission queue.
     queued_s: float = 0.0
+    #: The client's session id (``serving._session``; ``docs/sessions.md``), "" without one.
+    session: str = ""
     #: Released by the admission queue and not routed yet (its tokens are counted there).
     granted: bool = False
     #: The event that ended the request (``RequestCompleted``, ``RequestFailed``,
@@ -334,7 +336,8 @@ class Router:
                     self.view, self.ledger, request_id=adm.request_id, prompt_tokens=len(adm.tokens),
                     block_hashes=adm.hashes, block_size=self.hash_config.block_size,
                     expected_output_tokens=adm.max_tokens, phase=phase, attempt=attempt, now=now,
-                    excluded=excluded, peer_reach=self.config.tier_weights.peer > 0, pairs=self.config.pd_pairs)
+                    excluded=excluded, peer_reach=self.config.tier_weights.peer > 0, pairs=self.config.pd_pairs,
+                    session=adm.session, session_ttl_s=self.config.session_ttl_s)
                 return inputs, execute(inputs, self.config)
             except NoEligibleWorker as e:
                 raise RouterRejected(str(e)) from None

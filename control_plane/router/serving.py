@@ -27,6 +27,7 @@ from control_plane.router.errors import InvalidRequest
 from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits, check_client_id, check_generation, new_request_id
 from control_plane.router.prompt import tokenize_prompt
+from control_plane.router.sessions import SESSION_ID_MAX_LEN
 from control_plane.router.protocol import (
     Answer,
     ChatRequest,
@@ -223,6 +224,29 @@ def _accepted_model(c: RouterApp, body: GenerationRequest) -> str:
 TTFT_BUDGET_HEADER = "x-ttft-budget-ms"
 
 
+#: The client's session (``docs/sessions.md``): its turns get a bounded affinity to the worker of
+#: the previous one. The OpenAI ``user`` field names it too, for a key that opts in.
+SESSION_HEADER = "x-session-id"
+
+
+def _session(c: RouterApp, body: GenerationRequest, request: Head) -> str:
+    """The request's session id: the ``x-session-id`` header, else ``user`` when the caller's key
+    opts in (``RouterKeyIssued.session_from_user``), else "". Refuses (400) an id that is empty,
+    longer than ``SESSION_ID_MAX_LEN`` or not printable ASCII: it is recorded on the log."""
+    raw = request.header(SESSION_HEADER)
+    if raw is not None:
+        if not (0 < len(raw) <= SESSION_ID_MAX_LEN and raw.isascii() and raw.isprintable()):
+            raise InvalidRequest(f"{SESSION_HEADER} must be 1 to {SESSION_ID_MAX_LEN} printable ASCII characters",
+                                 param=SESSION_HEADER, code="invalid_session_id")
+        return raw
+    if body.user and c.auth is not None:
+        from control_plane.router.server import bearer  # the route's own reading of the credential
+
+        if c.auth.table.session_from_user(bearer(request)):
+            return body.user
+    return ""
+
+
 def _ttft_budget(raw: str) -> float | None:
     """The header's budget, or None when it is not a finite number > 0."""
     try:
@@ -259,11 +283,13 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Head, tokens: Seq
     if budget is None and raw_budget is not None:
         return error_response(400, f"{TTFT_BUDGET_HEADER} must be a number of milliseconds > 0, got {raw_budget!r}",
                               "invalid_ttft_budget", param=TTFT_BUDGET_HEADER)
+    session = _session(c, body, request)
     rid = new_request_id(endpoint)
     headers = {"X-Request-Id": rid, **({"X-Client-Request-Id": client_id} if client_id else {})}
     adm = router.admit(request_id=rid, model=model, tokens=tokens, max_tokens=max_tokens, stream=body.stream,
                        endpoint=endpoint, client_request_id=client_id)
     adm.ttft_budget_ms = budget
+    adm.session = session
     adm.arrived_at = request.arrived_at
     gen = router.serve(adm)
     # Queue, then pull the first chunk before answering, so refusals, "no worker" and failures

@@ -61,6 +61,17 @@ def recorded(kafka_bootstrap: str, tmp_path_factory):
             _wait_http(f"{base}/router/view", lambda r: r.json()["hashes"] >= 12)
             for i in range(1, 6):
                 send(f"seq-{i}", doc + [7, i])
+            # A session's three turns (docs/sessions.md): recorded with the worker of the previous
+            # turn, which replay re-derives from the fold; a malformed id is refused, not recorded.
+            talk = list(range(30000, 30000 + 64 * 3))
+            for turn in range(3):
+                talk += list(range(40000 + 100 * turn, 40000 + 100 * turn + 70))
+                r = c.post("/v1/completions", json={"model": "switchyard-sim", "prompt": talk, "max_tokens": 4,
+                                                    "request_id": f"sess-{turn}"}, headers={"x-session-id": "conv-1"})
+                assert r.status_code == 200, r.text
+            r = c.post("/v1/completions", json={"model": "switchyard-sim", "prompt": talk, "max_tokens": 4},
+                       headers={"x-session-id": "x" * 300})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id", r.text
             for i in range(6):
                 send(f"uniq-{i}", list(range(90000 + i * 1000, 90000 + i * 1000 + 64 * (2 + i))))
             # Concurrent bursts: the router's in-flight ledger (speculative overlap, load) decides.
@@ -122,6 +133,9 @@ def test_every_recorded_decision_reexecutes_identically(recorded) -> None:
     routed = [e.data for e in (codec.decode(r.value) for r in _whole_log(bus, cat)
                                if r.topic == cat.topic("requests") and r.value) if isinstance(e.data, RequestRouted)]
     assert sum(1 for e in routed if e.admission is not None and e.admission.budget_ms == 60000.0) == 3
+    turns = sorted((e for e in routed if e.session), key=lambda e: e.decided_at_s)
+    assert [e.session for e in turns] == ["conv-1"] * 3
+    assert [e.session_worker for e in turns] == ["", turns[0].worker_id, turns[1].worker_id]
     # The bursts exercised the ledger: some decision saw speculative overlap from in-flight requests.
     client = {rid: cid for cid, rid in router_ids(bus).items()}
     spec = [c for c in report.checks if client.get(c.request_id, "").startswith("burst")]

@@ -170,6 +170,8 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "paired_worker_id": "w-3",
         "pairs": [ev.PairScore(W, WorkerId("w-3"), 412.5, 25.0, 18.0, 40.0, 495.5)],
         "decode_scores": [ev.CandidateScore(**{**SCORE_FIELDS, "worker_id": WorkerId("w-3")})],
+        "session": "conv-1",
+        "session_worker": "w-2",
     },
     ev.PrefillCompleted: {
         "request_id": R,
@@ -294,6 +296,7 @@ SAMPLE_FIELDS: dict[type[msgspec.Struct], dict[str, Any]] = {
         "rate_per_s": 5.0,
         "burst": 10,
         "max_concurrent": 4,
+        "session_from_user": True,
     },
     ev.RouterKeyRevoked: {"actor": "root", "actor_role": "admin", "key_id": "0a1b2c3d", "reason": "leaked"},
 }
