@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -131,6 +132,10 @@ class WorkerProc:
             self._kill_group()
             return self.proc.returncode
         self.proc.send_signal(signal.SIGTERM)
+        return self._wait_stopped()
+
+    def _wait_stopped(self) -> int | None:
+        assert self.proc is not None
         try:
             rc = self.proc.wait(60)
         except subprocess.TimeoutExpired:
@@ -138,6 +143,17 @@ class WorkerProc:
             return None
         self._kill_group()  # leftovers (an engine core orphaned by a worker that died starting)
         return rc
+
+
+def stop_all(workers: Sequence[WorkerProc]) -> None:
+    """SIGTERM every worker, then wait for each (SIGKILL one that does not exit): their drains
+    and engine shutdowns overlap."""
+    for w in workers:
+        if w.proc is not None and w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        if w.proc is not None:
+            w._wait_stopped()
 
 
 def start_all(*workers: WorkerProc, timeout: float = 30.0) -> tuple[WorkerProc, ...]:

@@ -18,7 +18,7 @@ import pytest
 from common.net import free_port
 from common.settings import BusSettings
 from tests.integration.test_router import Procs, _wait_http
-from tests.integration.workerproc import ROOT, WorkerProc, start_all
+from tests.integration.workerproc import ROOT, WorkerProc, start_all, stop_all
 
 #: Seconds a vLLM worker may take to serve (engine start on a loaded 2-core box is ~2 min).
 READY_TIMEOUT = float(os.environ.get("SWITCHYARD_VLLM_READY_TIMEOUT", "900"))
@@ -112,8 +112,7 @@ def serving(bus: BusSettings, workers: Sequence[WorkerProc]) -> Iterator[str]:
         yield base
     finally:
         procs.close()
-        for w in workers:
-            w.stop()
+        stop_all(workers)
 
 
 def wait_router_caught_up(base: str, bus: BusSettings, stream: str = "kv", timeout: float = 30.0) -> None:
