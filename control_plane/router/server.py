@@ -63,7 +63,7 @@ from control_plane.router.protocol import (
     operation_spec,
     refused,
 )
-from control_plane.router.serving import Head, RouterApp, RouterAuth, chat, completions
+from control_plane.router.serving import Head, RouterApp, RouterAuth, bearer, chat, completions
 from common.native_http import Direct
 
 
@@ -83,17 +83,6 @@ class KeyRefused(Exception):
     def __init__(self, denied: Denied) -> None:
         super().__init__(denied.message)
         self.denied = denied
-
-
-def bearer(request: Head) -> str | None:
-    """The ``Authorization: Bearer`` credential, as ``api_key_scheme`` (FastAPI's ``HTTPBearer``)
-    reads it; None when there is none."""
-    authorization = request.header("authorization")
-    if not authorization:
-        return None
-    scheme, _, param = authorization.partition(" ")
-    param = param.strip()
-    return param if scheme and param and scheme.lower() == "bearer" else None
 
 
 async def api_key(auth: RouterAuth, request: Head) -> RouterKey:

@@ -229,6 +229,17 @@ TTFT_BUDGET_HEADER = "x-ttft-budget-ms"
 SESSION_HEADER = "x-session-id"
 
 
+def bearer(request: Head) -> str | None:
+    """The ``Authorization: Bearer`` credential, as ``api_key_scheme`` (FastAPI's ``HTTPBearer``)
+    reads it; None when there is none."""
+    authorization = request.header("authorization")
+    if not authorization:
+        return None
+    scheme, _, param = authorization.partition(" ")
+    param = param.strip()
+    return param if scheme and param and scheme.lower() == "bearer" else None
+
+
 def _session(c: RouterApp, body: GenerationRequest, request: Head) -> str:
     """The request's session id: the ``x-session-id`` header, else ``user`` when the caller's key
     opts in (``RouterKeyIssued.session_from_user``), else "". Refuses (400) an id that is empty,
@@ -240,8 +251,6 @@ def _session(c: RouterApp, body: GenerationRequest, request: Head) -> str:
                                  param=SESSION_HEADER, code="invalid_session_id")
         return raw
     if body.user and c.auth is not None:
-        from control_plane.router.server import bearer  # the route's own reading of the credential
-
         if c.auth.table.session_from_user(bearer(request)):
             return body.user
     return ""
