@@ -14,6 +14,7 @@ dead-lettering an unknown one, never pays for a full decode.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -104,7 +105,7 @@ class EventCodec:
             if (fields := tuple(f for f in cls.__struct_fields__ if f in WORKER_ID_FIELDS))
         }
         #: Payload type -> the function that finds a non-finite float in it (types with floats).
-        self._float_checks = {cls: check for cls in types if (check := _float_check(mi.type_info(cls)))}
+        self._float_checks = {cls: check for cls in types if (check := _float_check_of(cls))}
         self._raw_decoder = msgspec.msgpack.Decoder(_RawEnvelope)
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -260,6 +261,13 @@ def fill_key_field(payload: Event, key: str, version: int | None = None) -> None
 #: skips the walk of the payload's float fields (0.6-1.2 us an event); bytes with it (a real
 #: one, or the same bytes by chance inside a string or an integer) are walked, as is an upcast.
 _NON_FINITE = re.compile(rb"\xcb[\x7f\xff][\xf0-\xff]|\xca[\x7f\xff][\x80-\xff]")
+
+
+@functools.cache
+def _float_check_of(cls: type) -> _FloatCheck | None:
+    """:func:`_float_check` of a payload type, built once per process (a type's fields do not
+    change; building them took most of a codec's 17 ms construction)."""
+    return _float_check(mi.type_info(cls))
 
 
 def _float_check(t: mi.Type) -> _FloatCheck | None:
