@@ -71,7 +71,10 @@ One tick, per pool:
    scale-down, not a scale-up, a pool within ``yield_margin`` of its SLO is released from that
    cooldown: ``release_on_margin``), never below
    ``ceil(needed * (1 + startup_reserve))`` (the growth one start-up can bring stays absorbable;
-   it bounds scale-downs, never orders). Between the two nothing
+   it bounds scale-downs, never orders). A fall confirmed by falling windows (``_fall``, the
+   rise's CUSUM mirrored; ``release_on_fall``) sizes on the falling windows' line and steps down
+   to ``ceil(high)`` after ``fall_down_ticks``, without the cooldown after a scale-down, while
+   the pool's observed latency meets its SLO. Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
    cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
    replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
