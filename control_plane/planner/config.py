@@ -317,6 +317,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise PlannerConfigError("confirm_windows must be >= 1")
         if self.scale_down_ticks < 1:
             raise PlannerConfigError("scale_down_ticks must be >= 1")
+        if self.fall_down_ticks < 1:
+            raise PlannerConfigError("fall_down_ticks must be >= 1 (a confirmed fall still needs a tick below the "
+                                     "band's high end; release_on_fall = false turns the rule off)")
         for name in ("tick_s", "tumbling_s", "hop_step_s", "hopping_s"):
             if not _positive(getattr(self, name)):
                 raise PlannerConfigError(f"{name} must be > 0")

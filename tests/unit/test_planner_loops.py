@@ -417,3 +417,10 @@ def test_a_fall_confirmed_by_falling_windows_releases_without_the_cooldown():
     assert set(off_confirmed) == {0} and off_downs == []
     constant, _ = _fall_run(cfg, [400] * 40)
     assert set(constant) == {0}
+
+
+def test_fall_down_ticks_below_one_is_refused():
+    from control_plane.planner.errors import PlannerConfigError
+
+    with pytest.raises(PlannerConfigError, match="fall_down_ticks must be >= 1"):
+        make_config(fall_down_ticks=0)
