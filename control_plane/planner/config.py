@@ -254,6 +254,15 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: ``cooldown_down_s`` (after a scale-up the cooldown stands: no up-down flapping). False:
     #: every scale-down waits ``cooldown_down_s`` after the last change (on, chosen on the tune set).
     release_on_margin: bool = True
+    #: **Release on a confirmed fall.** The rise's CUSUM mirrored (trends._fall: each window's
+    #: shortfall under the lagged reference, the same ``trend_confirm_*`` thresholds) confirms a
+    #: fall; then the rate is the falling windows' own line at the last window (never
+    #: extrapolated down), the long horizon averages only the fall's windows, and a scale-down
+    #: goes to the band's high end (no ``scale_down_threshold``) after ``fall_down_ticks`` ticks,
+    #: without ``cooldown_down_s`` after a scale-down (after a scale-up it stands), while the
+    #: pool's observed latency meets its SLO (in overload nothing scales down). False: off.
+    release_on_fall: bool = True
+    fall_down_ticks: int = 2
     #: **A settled rate.** Unless rising windows confirm a trend, the rate forecast keeps only
     #: what it differs from the arrival-weighted mean of the last ``settle_windows`` windows
     #: beyond ``settle_z`` sd of the Poisson noise of that difference (predictors.settle): a
@@ -308,6 +317,9 @@ class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise PlannerConfigError("confirm_windows must be >= 1")
         if self.scale_down_ticks < 1:
             raise PlannerConfigError("scale_down_ticks must be >= 1")
+        if self.fall_down_ticks < 1:
+            raise PlannerConfigError("fall_down_ticks must be >= 1 (a confirmed fall still needs a tick below the "
+                                     "band's high end; release_on_fall = false turns the rule off)")
         for name in ("tick_s", "tumbling_s", "hop_step_s", "hopping_s"):
             if not _positive(getattr(self, name)):
                 raise PlannerConfigError(f"{name} must be > 0")

@@ -71,7 +71,10 @@ One tick, per pool:
    scale-down, not a scale-up, a pool within ``yield_margin`` of its SLO is released from that
    cooldown: ``release_on_margin``), never below
    ``ceil(needed * (1 + startup_reserve))`` (the growth one start-up can bring stays absorbable;
-   it bounds scale-downs, never orders). Between the two nothing
+   it bounds scale-downs, never orders). A fall confirmed by falling windows (``_fall``, the
+   rise's CUSUM mirrored; ``release_on_fall``) sizes on the falling windows' line and steps down
+   to ``ceil(high)`` after ``fall_down_ticks``, without the cooldown after a scale-down, while
+   the pool's observed latency meets its SLO. Between the two nothing
    happens. A constant load sits inside that band, whose width grows with the noise, so it
    cannot oscillate (Dynamo #9294): at 15 req/s (150 arrivals a window, sd 8%) around 3.5
    replicas, one noisy window would need to be 4.3 sd high to add a replica, and the 6-window
@@ -271,12 +274,16 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
     sizing = "no closed window observed yet"
     up = down = None
     low = high = None
+    fell_now = False
     if ps.history:
         sz, ps = _size(ps, pc, cfg, prof, role, inputs, load, overload, others_gpus)
         ps = replace(ps, last_needed=sz.needed)
         needed, sizing, low, high = sz.needed, sz.text, sz.low, sz.high
         up = max(math.ceil(needed - _EPS), math.ceil(low - _EPS), 0)
-        down = max(math.ceil(high / cfg.scale_down_threshold - _EPS), 0)
+        # a confirmed fall releases to the band's high end (no threshold: a falling load is no
+        # constant load that could oscillate around it)
+        fell_now = cfg.release_on_fall and inputs.get("fall_confirmed") == 1
+        down = max(math.ceil(high / (1.0 if fell_now else cfg.scale_down_threshold) - _EPS), 0)
         if cfg.startup_reserve > 0:
             # a start-up's growth stays absorbable: never down below the need plus that reserve
             keep = math.ceil(needed * (1 + cfg.startup_reserve) - _EPS)
@@ -343,13 +350,22 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
                     and (ps.last_up_ns is None or ps.last_up_ns < ps.last_change_ns)
                     and not _cooling(now, ps.last_up_ns, cfg.cooldown_down_s)
                     and ps.latency_ratio is not None and ps.latency_ratio <= cfg.yield_margin)
-        go = (f"{sizing}; below {cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
+        # a fall confirmed by falling windows is evidence too (the mirror of a confirmed rise's
+        # stacked orders): fall_down_ticks, and after a scale-down no cooldown (after a scale-up
+        # the cooldown stands: no up-down flapping), while the pool's observed latency meets its
+        # SLO (overload, a breach users feel, never scales down at all)
+        fell = (cfg.release_on_fall and inputs.get("fall_confirmed") == 1
+                and (ps.latency_ratio is None or ps.latency_ratio <= 1.0))
+        ticks = min(cfg.fall_down_ticks, cfg.scale_down_ticks) if fell else cfg.scale_down_ticks
+        go = (f"{sizing}; below {1.0 if fell_now else cfg.scale_down_threshold:.0%} of capacity for {below} ticks"
+              + ("; a fall confirmed by falling windows" if fell else "")
               + (f"; kept at min_replicas {lo}" if down < lo else ""))
         proposed, action, reason = _gated(current, sizing, (
             (pending, "below the scale-down threshold but the last decision is still pending"),
-            (below < cfg.scale_down_ticks, f"below {cfg.scale_down_threshold:.0%} of capacity for {below} of "
-                                           f"{cfg.scale_down_ticks} ticks"),
-            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s) and not released,
+            (below < ticks, f"below {1.0 if fell_now else cfg.scale_down_threshold:.0%} of capacity for {below} of "
+                            f"{ticks} ticks"),
+            (_cooling(now, ps.last_change_ns, cfg.cooldown_down_s) and not released
+             and not (fell and not _cooling(now, ps.last_up_ns, cfg.cooldown_down_s)),
              f"wants {down} but in scale-down cooldown ({cfg.cooldown_down_s:g}s since last change)"),
         ), (max(down, lo), "down", go + ("; a step down after a step down, observed latency "
                                           f"{ps.latency_ratio:.2f} of the SLO (<= {cfg.yield_margin:g}): "
@@ -364,7 +380,7 @@ def _plan_pool(now: int, load: PoolLoad, pc: PoolConfig, cfg: PlannerConfig, ps:
                       f"holding {current}")
         else:
             reason = f"{sizing}; holding {current} (scale-down needs the high end {high:.2f} to fit "\
-                     f"{cfg.scale_down_threshold:.0%} of fewer replicas)"
+                     f"{1.0 if fell_now else cfg.scale_down_threshold:.0%} of fewer replicas)"
     if not lo <= proposed <= hi:
         proposed = min(max(proposed, lo), hi)
         reason += f"; brought into bounds [{lo}, {hi}]"

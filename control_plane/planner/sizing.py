@@ -15,7 +15,7 @@ from control_plane.planner.overload import _overload_need
 from control_plane.planner.policy_types import _EPS, MAX_HIT_RATE, InputValue, Observation, PoolState
 from control_plane.planner.predictors import forecast, settle
 from control_plane.planner.profile import PerformanceProfile
-from control_plane.planner.trends import _rise, headroom, rise_fit
+from control_plane.planner.trends import _fall, _rise, fall_level, headroom, rise_fit
 from schemas.types import WorkerRole
 
 
@@ -202,6 +202,12 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
     # full, over the horizon of stacked orders); unconfirmed, only the next window's (its slope
     # beyond trend_z sd)
     rising, run_start = _rise(hist, cfg)
+    # a fall the windows themselves confirm (the rise's CUSUM mirrored); the later change point
+    # wins: a burst's rise stays confirmed long after its plateau (the reference lags), its fall
+    # is the news
+    falling, fall_start = _fall(hist, cfg) if cfg.release_on_fall else (False, len(hist))
+    falling = falling and not (rising and run_start >= fall_start)
+    rising = rising and not falling
     horizon = max(1, math.ceil((cfg.rise_horizon_s if rising else cfg.horizon_s) / cfg.tumbling_s - _EPS))
     rate_f = forecast(pc.predictor, [o.rate for o in hist], window=pc.predictor_window,
                       history_limit=cfg.history_limit, seasonal_periods=pc.seasonal_periods,
@@ -228,6 +234,16 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
                          + f"settled on the {min(cfg.settle_windows, len(hist))}-window mean {settled.mean:.2f} "
                          f"({settled.z:+.1f} sd, {cfg.settle_z:g} sd dropped)")
         n_short = settled.arrivals
+    # a confirmed fall: the rate is what the falling windows' line measures at the last window
+    # (never extrapolated further down), where the settled mean and the long horizon still
+    # remember the peak
+    inputs["fall_confirmed"] = int(falling)
+    level = fall_level(hist, fall_start, cfg) if falling else None
+    if level is not None and level[0] < rate_f.value:
+        inputs.update(fall_level_rate=round(level[0], 4), unfallen_rate=round(rate_f.value, 4))
+        rate_f = replace(rate_f, value=level[0], detail=(rate_f.detail + "; " if rate_f.detail else "")
+                         + f"the falling windows' line at the last window: {level[0]:.2f} req/s")
+        n_short = level[1]
     isl, osl, hit, isl_cv, osl_cv = _lengths(hist, pc, cfg)
     made = tuple(f for f in ps.horizon_forecasts if f[0] != last.window_end_ns)
     ps = replace(ps, horizon_forecasts=made + (
@@ -274,6 +290,8 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
 
     # long horizon: arrival-weighted averages over the last confirm_windows windows
     tail = hist[-cfg.confirm_windows:]
+    if falling and len(hist) - fall_start >= 2:
+        tail = hist[max(fall_start, len(hist) - cfg.confirm_windows):]  # the fall's windows only
     n_long = sum(o.arrivals for o in tail)
     dur = sum(o.duration_s for o in tail)
     need_l, m_l = need_f, m_f

@@ -66,6 +66,18 @@ def _rise(hist: tuple[Observation, ...], cfg: PlannerConfig) -> tuple[bool, int]
     0.27 times in 10 minutes (325 arrivals: 0.2); a ramp of one sd per window is confirmed in a
     median 3 windows, a ramp of 3 sd per window in 2 (h = 4: 0.08 times, 4 and 2 windows;
     seeded Monte Carlo of this function, 200 runs; docs/planner.md)."""
+    return _cusum(hist, cfg, 1.0)
+
+
+def _fall(hist: tuple[Observation, ...], cfg: PlannerConfig) -> tuple[bool, int]:
+    """(confirmed, first window of the run) of a fall: :func:`_rise`'s CUSUM mirrored (each
+    window's *shortfall* under the lagged reference accumulates), with the same thresholds, so
+    a constant load confirms a fall by chance as rarely as a rise. The ramp-down's evidence."""
+    return _cusum(hist, cfg, -1.0)
+
+
+def _cusum(hist: tuple[Observation, ...], cfg: PlannerConfig, sign: float) -> tuple[bool, int]:
+    """The one-sided CUSUM of :func:`_rise` (``sign`` 1) and :func:`_fall` (``sign`` -1)."""
     lag, ref_n = cfg.trend_confirm_windows, 2 * cfg.confirm_windows
     s = 0.0
     start = len(hist)
@@ -80,7 +92,7 @@ def _rise(hist: tuple[Observation, ...], cfg: PlannerConfig) -> tuple[bool, int]
         o = hist[i]
         expected = n / dur * o.duration_s
         was = s
-        s = max(0.0, s + (o.arrivals - expected) / math.sqrt(max(expected, 1.0)) - cfg.trend_confirm_k)
+        s = max(0.0, s + sign * (o.arrivals - expected) / math.sqrt(max(expected, 1.0)) - cfg.trend_confirm_k)
         if s > 0 and was <= 0:
             start = i
         elif s <= 0:
@@ -100,7 +112,39 @@ def rise_fit(hist: tuple[Observation, ...], start: int, cfg: PlannerConfig,
     the line is flat, within noise), so only a ramp is extrapolated; a Kalman filter's slope,
     by contrast, learns a ramp windows late (chat:1's ramp of 10 req/s per window read 2.3 at its
     second window) and runs on past its end."""
+    line = _line(hist[max(start, len(hist) - cfg.trend_fit_windows):], cfg)
+    if line is None:
+        return None
+    last, b, sd = line
+    trend = b - cfg.trend_fit_z * sd
+    if trend <= 0:
+        return None
+    return max(last, 0.0) + trend * horizon, b, sd
+
+
+def fall_level(hist: tuple[Observation, ...], start: int, cfg: PlannerConfig) -> tuple[float, float] | None:
+    """The rate a confirmed fall's own windows measure now: (req/s, the arrivals a rate as
+    noisy rests on), the
+    least-squares line through the run's windows (the latest ``trend_fit_windows``, at least 2)
+    at its last window, never extrapolated further down (a release is never ahead of the
+    evidence), or None without two windows."""
     run = hist[max(start, len(hist) - cfg.trend_fit_windows):]
+    line = _line(run, cfg)
+    if line is None or line[0] <= 0:
+        return None
+    # the line's end is noisier than the run's mean: its Poisson variance (weights 1/n +
+    # (t_last - tm)(t_i - tm)/sxx) as the arrivals a rate that noisy rests on
+    t = [o.window_end_ns / NS / cfg.tumbling_s for o in run]
+    tm = sum(t) / len(t)
+    sxx = sum((x - tm) ** 2 for x in t)
+    var = sum((1 / len(run) + (t[-1] - tm) * (x - tm) / sxx) ** 2 * max(o.arrivals, 1) / max(o.duration_s, 1e-9) ** 2
+              for x, o in zip(t, run))
+    return line[0], line[0] ** 2 / var if var > 0 else float(sum(o.arrivals for o in run))
+
+
+def _line(run: tuple[Observation, ...], cfg: PlannerConfig) -> tuple[float, float, float] | None:
+    """The least-squares line through ``run``'s window rates: (its value at the last window,
+    slope req/s per window, the slope's sd of Poisson noise), or None under 2 windows."""
     if len(run) < 2:
         return None
     t = [o.window_end_ns / NS / cfg.tumbling_s for o in run]
@@ -111,12 +155,7 @@ def rise_fit(hist: tuple[Observation, ...], start: int, cfg: PlannerConfig,
         return None
     b = sum((x - tm) * (v - ym) for x, v in zip(t, y)) / sxx
     var = sum((x - tm) ** 2 * max(o.arrivals, 1) / max(o.duration_s, 1e-9) ** 2 for x, o in zip(t, run)) / sxx**2
-    sd = math.sqrt(var)
-    trend = b - cfg.trend_fit_z * sd
-    if trend <= 0:
-        return None
-    last = ym + b * (t[-1] - tm)
-    return max(last, 0.0) + trend * horizon, b, sd
+    return ym + b * (t[-1] - tm), b, math.sqrt(var)
 
 
 def headroom(ps: PoolState, cfg: PlannerConfig) -> float:

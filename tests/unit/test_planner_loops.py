@@ -381,3 +381,46 @@ def test_a_constant_load_sizes_on_a_settled_rate_and_pooled_lengths():
     after = needs()
     assert statistics.pstdev(after) < 0.5 * statistics.pstdev(before)
     assert abs(statistics.mean(after) - statistics.mean(before)) < 0.1 * statistics.mean(before)
+
+
+def _fall_run(cfg, arrivals: list[int]):
+    """(fall_confirmed per tick, (tick, from, to) of every scale-down) over windows of
+    ``arrivals`` (one tick per window, every target ready at once), starting at 10 replicas."""
+    state = PlannerState(pools=(PoolState(pool="p", target=10),))
+    windows, confirmed, downs = [], [], []
+    for k, n in enumerate(arrivals):
+        end = WINDOW_S * (k + 1)
+        windows.append(make_window(end, arrivals=n))
+        load = _pool("p", "prefill", windows[-12:], ready=state.pool("p").target)
+        d, state = decide(int((end + 1) * NS), _snap(end + 1, load), cfg, state)
+        confirmed.append(d.report("p").input("fall_confirmed"))
+        downs += [(k, e.from_replicas, e.to_replicas) for e in d.effects if e.to_replicas < e.from_replicas]
+    return confirmed, downs
+
+
+def test_a_fall_confirmed_by_falling_windows_releases_without_the_cooldown():
+    """Kalman pool, 30 windows of 400 arrivals (40 req/s of 2,000 tokens: 9.4 replicas), then
+    -40 arrivals a window (4 req/s, 2 sd of 400). The rise's CUSUM mirrored (each window's
+    shortfall under the lagged reference, less k = 1 sd) passes h = 4 sd by the third falling
+    window; the rate is then the falling windows' own line at the last window, and the pool
+    steps down after ``fall_down_ticks`` (2) ticks to the band's high end (10 -> 8 at the fourth
+    falling window, 8 -> 7 two later), not waiting out its 4 ``scale_down_ticks`` and a 60 s
+    cooldown per step. Off, no step down within the seven falling windows (the 6-window
+    average's high end still needs 80% of 10). A constant load never confirms a fall (its
+    shortfalls are 0, less k)."""
+    fall = [400] * 30 + [400 - 40 * k for k in range(1, 8)]
+    cfg = make_config(make_pool(predictor="kalman"), scale_down_ticks=4, cooldown_down_s=60.0)
+    confirmed, downs = _fall_run(cfg, fall)
+    assert confirmed[:31] == [0] * 31 and confirmed[32] == 1
+    off_confirmed, off_downs = _fall_run(cfg.replace(release_on_fall=False), fall)
+    assert downs == [(33, 10, 8), (35, 8, 7)]
+    assert set(off_confirmed) == {0} and off_downs == []
+    constant, _ = _fall_run(cfg, [400] * 40)
+    assert set(constant) == {0}
+
+
+def test_fall_down_ticks_below_one_is_refused():
+    from control_plane.planner.errors import PlannerConfigError
+
+    with pytest.raises(PlannerConfigError, match="fall_down_ticks must be >= 1"):
+        make_config(fall_down_ticks=0)
