@@ -108,3 +108,22 @@ def test_each_component_redis_user_touches_only_its_own_keys(stack_settings: Sta
         admin.delete(waiting, slots, lease)
         for c in (router, planner, admin):
             c.close()
+
+
+def test_security_checks_redis_probes_are_refused(stack_settings: StackSettings) -> None:
+    """``security-check``'s Redis probes (ops/security/probes_redis.py) against the stack: the
+    planner's credential on the routers' keys and the router's on the lease get NOPERM; a
+    router's waiting count over the bound or in the future is not counted by the routers' reader."""
+    import dataclasses
+
+    from ops.security.probe import REFUSED, Targets
+    from ops.security.probes_redis import run
+
+    s = stack_settings
+    t = Targets(router_url=None, admin_url=None, kafka_bootstrap="", postgres_url="", redis_url=s.redis_url, pids=[],
+                topic_prefix="t-redis-probe", redis_router_url=s.redis_role_url("router"),
+                redis_planner_url=s.redis_role_url("planner"))
+    probes = run(t)
+    assert len(probes) == 5 and all(p.verdict == REFUSED for p in probes), probes
+    # With the super user's credential in the planner's place, the first probe sees the hole.
+    assert run(dataclasses.replace(t, redis_planner_url=s.redis_url))[0].verdict == "accepted"
