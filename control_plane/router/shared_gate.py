@@ -485,7 +485,7 @@ class SharedWaiting:
             log.warning("router waiting count: %d entr%s of %s not counted (%s): only routers write it (their "
                         "Redis user), none has more than %d requests waiting, and none writes in the future",
                         len(entries), "y" if len(entries) == 1 else "ies", self.key,
-                        ", ".join(f"{r!r}: {why}" for why, r in entries[:5]), self.max_count)
+                        ", ".join(f"{r[:64]!r}: {why}" for why, r in entries[:5]), self.max_count)
             self._next_reject_log = now + self.log_every_s
 
     async def start(self) -> None:
