@@ -20,6 +20,7 @@ import asyncio
 import time
 import uuid
 
+from control_plane.router.shared_gate import SharedWaiting, waiting_key
 from ops.security.probe import ACCEPTED, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets
 
 
@@ -54,8 +55,6 @@ def probe_foreign_keys(t: Targets) -> list[Probe]:
     if not (t.redis_router_url and t.redis_planner_url):
         return [Probe("redis", "the components' Redis users", SKIPPED, "no component Redis users given")]
     mine = f"security-check-{uuid.uuid4().hex[:8]}"
-    from control_plane.router.shared_gate import waiting_key
-
     waiting = waiting_key(t.topic_prefix)
     slots = f"switchyard:router-key:{{{mine}}}:slots"
     lease = f"switchyard:planner:{mine}:leader"
@@ -78,8 +77,6 @@ def probe_waiting_bounds(t: Targets, max_count: int = 1024) -> list[Probe]:
     """The router's own credential writes, into a waiting hash of the probe's own, an entry over
     ``max_count`` (a router's ``max_connections``) and one in the future; a reader as the routers
     make it must count neither."""
-    from control_plane.router.shared_gate import SharedWaiting, waiting_key
-
     if not t.redis_router_url:
         return [Probe("redis", "a router's waiting count no router could have", SKIPPED, "no router Redis user given")]
     key = waiting_key(f"{t.topic_prefix}-security-check-{uuid.uuid4().hex[:8]}")
