@@ -23,6 +23,10 @@ SEAWEEDFS_PORTS = len(SEAWEEDFS_PORT_FLAGS)
 #: Its admin server's gRPC port is its HTTP port + this: mini's maintenance workers dial the admin
 #: there whatever ``-admin.port.grpc`` says (SeaweedFS 4.48), so that is where it must listen.
 SEAWEEDFS_GRPC_OFFSET = 10000
+#: The components with a Redis ACL user of their own (``sy-<role>``, its password the stack
+#: secret ``redis-<role>``: :meth:`StackSettings.redis_role_url`); what each may touch is
+#: ``ops/stack/redis.py``'s ``ROLE_KEYS``. The super user ``switchyard`` is the operator's.
+REDIS_ROLES = ("router", "planner")
 #: The access key id of the stack's one S3 identity (its secret key: ``StackSettings.s3_secret_key``).
 S3_ACCESS_KEY = "switchyard"
 
@@ -96,6 +100,13 @@ class StackSettings:
         """With the stack's Redis password (:meth:`secret`): keep it out of logs, use
         :attr:`redis_address` to show where Redis is."""
         return f"redis://switchyard:{self.secret('redis')}@{self.host}:{self.redis_port}/0"
+
+    def redis_role_url(self, role: str) -> str:
+        """The Redis URL of component ``role`` (one of :data:`REDIS_ROLES`): its own ACL user,
+        confined to its own keys, so that no other credential holder writes what it reads."""
+        if role not in REDIS_ROLES:
+            raise ValueError(f"no Redis user for role {role!r}: one of {', '.join(REDIS_ROLES)}")
+        return f"redis://sy-{role}:{self.secret(f'redis-{role}')}@{self.host}:{self.redis_port}/0"
 
     @property
     def redis_address(self) -> str:

@@ -351,13 +351,14 @@ def router_cmd(
 
 
 def _stack_redis_url(key_limits: str | None) -> str | None:
-    """The local stack's Redis URL, unless the key limits are local (no Redis needed)."""
+    """The local stack's Redis URL as the routers' own ACL user (confined to the routers' keys),
+    unless the key limits are local (no Redis needed)."""
     if key_limits == "local":
         return None
     # lazy: CLI start-up: the command's modules load only when it runs
     from common.stack_settings import StackSettings
 
-    return StackSettings.from_env().redis_url
+    return StackSettings.from_env().redis_role_url("router")
 
 
 # -- worker -----------------------------------------------------------------------------------

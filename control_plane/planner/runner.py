@@ -73,7 +73,8 @@ class PlannerSettings:
     scaler: str = "local"
     #: Where the local scaler keeps its workers' records, logs and the fencing file; Faust data.
     state_dir: Path = field(default_factory=lambda: StackSettings.from_env().state_dir / "planner")
-    redis_url: str = field(default_factory=lambda: StackSettings.from_env().redis_url)
+    #: The planners' own Redis ACL user (confined to their lease keys).
+    redis_url: str = field(default_factory=lambda: StackSettings.from_env().redis_role_url("planner"))
     #: Lease name: planners sharing it elect one leader.
     lease_name: str = "default"
     lease_ttl_ms: int = 3000

@@ -39,7 +39,7 @@ from control_plane.router.protocol import (
     unsupported,
 )
 from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
-from control_plane.router.shared_gate import Gate, LocalGate
+from control_plane.router.shared_gate import WAITING_REJECTIONS, Gate, LocalGate
 from common.tokenizer import Tokenizer, chat_tokens
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,12 @@ class RouterMetrics:
         self.key_gate_fallbacks = Counter("switchyard_router_key_gate_fallbacks_total",
                                           "API-key limit calls this replica counted alone: Redis (the shared "
                                           "limits) unreachable", ["op"], registry=r)
+        self.waiting_rejected = Counter("switchyard_router_waiting_entries_rejected_total",
+                                        "Entries of the replicas' shared waiting count (admission rule 4) not "
+                                        "counted: malformed, written in the future, or over the most requests a "
+                                        "replica serves at once", ["reason"], registry=r)
+        for why in WAITING_REJECTIONS:
+            self.waiting_rejected.labels(why)
 
 
 # -- what the routes need ---------------------------------------------------------------------

@@ -328,29 +328,49 @@ class SharedKeyGate:
 
 
 #: KEYS[1] the replicas' hash (field: replica id -> "count:server ms"). ARGV: this replica's id,
-#: its count, how old (ms) another's entry may be and still count. Writes this replica's entry,
-#: drops entries ten times that old (replicas gone), returns the sum of the others' live counts.
+#: its count, how old (ms) another's entry may be and still count, the most a replica's entry
+#: may say (its requests served at once). Writes this replica's entry and returns {sum of the
+#: others' live counts, how many others are live, then a (reason, replica id) pair per entry it
+#: refused}: malformed (deleted), written in the future (deleted: a live replica rewrites its own
+#: within an interval) or over the bound (not counted). Drops entries ten times too old.
 _WAITING = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now_ms = math.floor((tonumber(t[1]) * 1000000 + tonumber(t[2])) / 1000)
 local live = tonumber(ARGV[3])
+local bound = tonumber(ARGV[4])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. string.format('%d', now_ms))
 local all = redis.call('HGETALL', KEYS[1])
-local sum = 0
+local sum, peers, refused = 0, 0, {}
 for i = 1, #all, 2 do
   if all[i] ~= ARGV[1] then
     local n, at = string.match(all[i + 1], '^(%d+):(%d+)$')
-    if n and now_ms - tonumber(at) <= live then
-      sum = sum + tonumber(n)
-    elseif not n or now_ms - tonumber(at) > 10 * live then
+    if not n or string.len(n) > 12 or string.len(at) > 15 then
       redis.call('HDEL', KEYS[1], all[i])
+      table.insert(refused, 'malformed'); table.insert(refused, all[i])
+    elseif tonumber(at) > now_ms + live then
+      redis.call('HDEL', KEYS[1], all[i])
+      table.insert(refused, 'future'); table.insert(refused, all[i])
+    elseif now_ms - tonumber(at) > 10 * live then
+      redis.call('HDEL', KEYS[1], all[i])
+    elseif now_ms - tonumber(at) <= live then
+      if tonumber(n) > bound then
+        table.insert(refused, 'over_bound'); table.insert(refused, all[i])
+      else
+        sum = sum + tonumber(n)
+        peers = peers + 1
+      end
     end
   end
 end
 redis.call('PEXPIRE', KEYS[1], 10 * live)
-return sum
+local out = {sum, peers}
+for i = 1, #refused do out[#out + 1] = refused[i] end
+return out
 """
+
+#: Why an entry of the waiting hash was not counted (``SharedWaiting.on_rejected``'s reasons).
+WAITING_REJECTIONS = ("malformed", "future", "over_bound")
 
 
 class SharedWaiting:
@@ -367,13 +387,35 @@ class SharedWaiting:
     Why: a burst's first requests reach every replica at once, and each one's queue term saw
     only its own share (a chaos run's x8 onset: admitted 5 and 4 in 0.3 s, served in 1.4-1.7 s).
     Why polled, not read per request: the decision is synchronous and a round trip per request
-    would add to the router's own loop; at 25 ms the count trails a burst by about one request."""
+    would add to the router's own loop; at 25 ms the count trails a burst by about one request.
+
+    Who may write it: the hash is a key of the routers' own Redis ACL user (``ops/stack/redis.py``
+    ``ROLE_KEYS``), so no other component's credential writes a count. What a router's own
+    credential could still write is bounded: an entry over ``max_count`` (the most requests a
+    replica serves at once: none can have more waiting), written in the future (it would stay
+    "live" for ever) or malformed is not counted, is counted by ``on_rejected(reason)`` (the
+    router's ``switchyard_router_waiting_entries_rejected_total``) and logged at most once per
+    ``log_every_s``.
+
+    Polled only while it is needed (the caller makes one only when rule 4's budget test is in
+    force: :func:`waiting_shared`): every ``interval_s`` while another replica's entry is live,
+    else every ``idle_interval_s`` (default ``live_s`` / 2), which still keeps this replica's
+    own entry live for the others, so that a second replica that starts is seen within it
+    (:meth:`next_interval`)."""
 
     def __init__(self, client: aioredis.Redis, *, replica: str, waiting: Callable[[], int],
                  key: str = "switchyard:router-waiting", interval_s: float = 0.025, live_s: float = 1.0,
+                 idle_interval_s: float | None = None, max_count: int = 1024,
+                 on_rejected: Callable[[str], None] | None = None,
                  log_every_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic) -> None:
+        idle_interval_s = live_s / 2 if idle_interval_s is None else idle_interval_s
         if interval_s <= 0 or live_s <= interval_s:
             raise ValueError(f"interval_s={interval_s}, live_s={live_s}: need 0 < interval_s < live_s")
+        if not interval_s <= idle_interval_s < live_s:
+            raise ValueError(f"idle_interval_s={idle_interval_s}: need interval_s <= idle_interval_s < live_s "
+                             "(this replica's entry must stay live between two writes)")
+        if max_count < 0:
+            raise ValueError(f"max_count={max_count}: the most requests one replica serves at once, >= 0")
         from redis.exceptions import RedisError
 
         self._down = (RedisError, OSError)
@@ -382,16 +424,24 @@ class SharedWaiting:
         self.waiting = waiting
         self.key = key
         self.interval_s = interval_s
+        self.idle_interval_s = idle_interval_s
         self.live_ms = int(live_s * 1000)
+        self.max_count = max_count
+        self.on_rejected = on_rejected
         self.log_every_s = log_every_s
         self.monotonic = monotonic
         self._script = client.register_script(_WAITING)
         self._others = 0
+        #: Other replicas whose entry was live and counted at the last answer.
+        self.peers = 0
         self._read_at = float("-inf")
         self._next_log = float("-inf")
+        self._next_reject_log = float("-inf")
         self._task: asyncio.Task | None = None
         #: Round trips that failed (tests and logs).
         self.failures = 0
+        #: Entries not counted, by reason (tests and logs; the metric is ``on_rejected``'s).
+        self.rejected: dict[str, int] = {}
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.25, **kw) -> SharedWaiting:
@@ -402,10 +452,16 @@ class SharedWaiting:
         """The other replicas' requests waiting for their first token (0: none, or not known)."""
         return self._others if self.monotonic() - self._read_at <= self.live_ms / 1000 else 0
 
+    def next_interval(self) -> float:
+        """How long until the next round trip: ``interval_s`` while another replica was live at
+        the last answer, else ``idle_interval_s`` (alone: nothing to read, only to stay seen)."""
+        return self.interval_s if self.peers else self.idle_interval_s
+
     async def sync(self) -> int:
         """Write this replica's count and read the others' (one round trip); the others' sum."""
         try:
-            got = await self._script(keys=[self.key], args=[self.replica, max(0, int(self.waiting())), self.live_ms])
+            got = await self._script(keys=[self.key], args=[self.replica, min(max(0, int(self.waiting())), self.max_count),
+                                                            self.live_ms, self.max_count])
         except self._down as e:
             self.failures += 1
             now = self.monotonic()
@@ -414,8 +470,23 @@ class SharedWaiting:
                             "replica's own requests alone until it answers", e)
                 self._next_log = now + self.log_every_s
             return self.others()
-        self._others, self._read_at = int(got), self.monotonic()
+        self._others, self.peers, self._read_at = int(got[0]), int(got[1]), self.monotonic()
+        if len(got) > 2:
+            self._refused([(_text(got[i]), _text(got[i + 1])) for i in range(2, len(got) - 1, 2)])
         return self._others
+
+    def _refused(self, entries: list[tuple[str, str]]) -> None:
+        for reason, _replica in entries:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+            if self.on_rejected is not None:
+                self.on_rejected(reason)
+        now = self.monotonic()
+        if now >= self._next_reject_log:
+            log.warning("router waiting count: %d entr%s of %s not counted (%s): only routers write it (their "
+                        "Redis user), none has more than %d requests waiting, and none writes in the future",
+                        len(entries), "y" if len(entries) == 1 else "ies", self.key,
+                        ", ".join(f"{r[:64]!r}: {why}" for why, r in entries[:5]), self.max_count)
+            self._next_reject_log = now + self.log_every_s
 
     async def start(self) -> None:
         if self._task is None:
@@ -434,7 +505,25 @@ class SharedWaiting:
     async def _forever(self) -> None:
         while True:
             await self.sync()
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.next_interval())
 
 
-__all__ = ["Gate", "LocalGate", "SharedKeyGate", "SharedWaiting"]
+def _text(b: bytes | str) -> str:
+    return b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b)
+
+
+def waiting_key(topic_prefix: str) -> str:
+    """The waiting hash of the system on topic prefix ``topic_prefix``: one per system."""
+    return f"switchyard:{topic_prefix}:router-waiting"
+
+
+def waiting_shared(redis_url: str | None, ttft_slo_ms: float, rule: int) -> bool:
+    """Whether a router shares its waiting count (:class:`SharedWaiting`): with a Redis, and
+    only when admission rule 4 is the rule in force (``rule``, :data:`admission.RULE`) with the
+    router's TTFT budget on (``RouterConfig.ttft_slo_ms`` > 0, the config it folded from the
+    log at start). Otherwise nothing reads the count (a client's own budget on a router whose
+    SLO is off counts this replica's waiting alone)."""
+    return bool(redis_url) and rule >= 4 and ttft_slo_ms > 0
+
+
+__all__ = ["Gate", "LocalGate", "SharedKeyGate", "SharedWaiting", "WAITING_REJECTIONS", "waiting_key", "waiting_shared"]

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from control_plane.router import RouterConfig
-from control_plane.router.admission import AdmissionConfig
+from control_plane.router.admission import RULE as ADMISSION_RULE, AdmissionConfig
 from control_plane.router.config import load_router_config
 from control_plane.router.health import HealthThresholds
 from control_plane.router.keys import KeyTable
 from control_plane.router.limits import RequestLimits
 from control_plane.router.loop_lag_probe import LoopLagProbe
 from control_plane.router.orphans import close_orphans
-from control_plane.router.shared_gate import SharedKeyGate, SharedWaiting
+from control_plane.router.shared_gate import SharedKeyGate, SharedWaiting, waiting_key, waiting_shared
 from control_plane.router.stream import RouterViewProcessor
 from control_plane.router.view import DEFAULT_WORKER_NETWORKS, EndpointAllowlist
 from control_plane.streaming import StreamFollower
@@ -246,13 +246,16 @@ def build_router(s: RouterSettings, bus: BusSettings, restored: RouterLog) -> Ro
     # The router's own saturation, counted as load by admission (RouterConfig.max_loop_lag_ms).
     probe = LoopLagProbe(on_sample=metrics.loop_lag_sample_seconds.observe)
     # The replicas' requests waiting for a first token, shared for the TTFT budget's queue
-    # (admission rule 4), in the Redis of the shared key limits, one hash per system.
+    # (admission rule 4), in the Redis of the shared key limits, one hash per system; only when
+    # the budget test is in force (its config, folded from the log at start).
     shared_waiting: SharedWaiting | None = None
     router: Router | None = None
-    if s.redis_url:
+    if waiting_shared(s.redis_url, config.ttft_slo_ms, ADMISSION_RULE):
         shared_waiting = SharedWaiting.from_url(s.redis_url, replica=s.router_id,
-                                                key=f"switchyard:{bus.topic_prefix}:router-waiting",
-                                                waiting=lambda: router.ledger.margin.waiting() if router else 0)
+                                                key=waiting_key(bus.topic_prefix),
+                                                waiting=lambda: router.ledger.margin.waiting() if router else 0,
+                                                max_count=s.connections.max_connections,
+                                                on_rejected=lambda why: metrics.waiting_rejected.labels(why).inc())
     router = Router(router_id=s.router_id, view=view, producer=producer, config=config,
                     hash_config=restored.hash_config, health=processor.health, max_attempts=s.max_attempts,
                     read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s, admission=s.admission,

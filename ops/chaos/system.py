@@ -275,9 +275,11 @@ class ChaosSystem:
                     "SWITCHYARD_ACK_LEDGER_DIR": str(self.s.ledger_dir), "PYTHONUNBUFFERED": "1"})
         if self.s.secrets_dir:
             env["SWITCHYARD_SECRETS_DIR"] = str(self.s.secrets_dir)
-        if self.redis is not None:
-            env["SWITCHYARD_REDIS_URL"] = self.stack.redis_url
         return env
+
+    def _redis_env(self, env: dict[str, str], role: str) -> dict[str, str]:
+        """``env`` with the private Redis as ``role``'s own ACL user (``redis_role_url``)."""
+        return {**env, "SWITCHYARD_REDIS_URL": self.stack.redis_role_url(role)} if self.redis is not None else env
 
     def _build(self) -> None:
         s, env = self.s, self.env()
@@ -314,7 +316,7 @@ class ChaosSystem:
                 "--queue-timeout", str(s.admission.queue_timeout_s),
                 "--busy-prefill-tokens", str(s.admission.busy_prefill_tokens),
                 *config, "--no-auth"],
-                env, s.log_dir, port))
+                self._redis_env(env, "router"), s.log_dir, port))
         port = free_port()
         self.metrics = Proc("metrics", ["metrics", "run", "--port", str(port), "--processor-id",
                                         f"{s.topic_prefix}-metrics", "--block-size", str(s.block_size)],
@@ -324,7 +326,8 @@ class ChaosSystem:
             self.planners.append(Proc(f"planner-{i}", [
                 "planner", "run", "--scaler", "virtual", "--planner-id", f"{s.topic_prefix}-planner-{i}",
                 "--lease", f"chaos-{s.topic_prefix}", "--lease-ttl-ms", str(s.lease_ttl_ms),
-                "--state-dir", str(s.state_dir / "planner"), "--health-port", str(port)], env, s.log_dir, port))
+                "--state-dir", str(s.state_dir / "planner"), "--health-port", str(port)],
+                self._redis_env(env, "planner"), s.log_dir, port))
 
     # -- start / stop -----------------------------------------------------------------------
 

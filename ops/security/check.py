@@ -35,6 +35,10 @@ Probes:
 * **stores**: an unauthenticated Kafka client listing topics, PostgreSQL without a password, Redis
   without a password, the S3 object store (SeaweedFS) listing buckets unsigned and with a wrong
   secret key.
+* **Redis users** (:mod:`ops.security.probes_redis`): the planner's Redis credential writing the
+  routers' waiting count (admission rule 4) and an API key's slots, the router's taking the
+  planners' lease (refused: NOPERM); a router's writing a waiting count over the bound or in the
+  future (refused: the routers' reader does not count it).
 * **HTTP surfaces** (issue 36: floods, lockout, labels, workers, allowlist, replay CLI):
   :mod:`ops.security.probes_http`.
 * **listeners**: every listening socket of the system's processes (and their children) must be
@@ -58,7 +62,7 @@ from control_plane.admin.client import AdminClient, ClientError
 from common.stack_settings import S3_ACCESS_KEY
 from common.settings import kafka_conf
 from ops.demo.up import Supervisor, demo_secret, system_pids
-from ops.security import probes_bus, probes_http
+from ops.security import probes_bus, probes_http, probes_redis
 from ops.security.probe import ACCEPTED, EXPOSED, LOOPBACK, REFUSED, SERVER_ERROR, SKIPPED, Probe, Targets, quiet
 from ops.stack.process import listening_sockets
 
@@ -435,6 +439,7 @@ def run(t: Targets) -> list[Probe]:
               lambda: probes_bus.probe_kafka_roles(t.kafka_bootstrap, t.topic_prefix),
               *([lambda: probes_bus.probe_forged_events(t.kafka_bootstrap, t.topic_prefix)] if t.router_url else []),
               lambda: probes_bus.run(t), lambda: probe_postgres(t.postgres_url), lambda: probe_redis(t.redis_url),
+              lambda: probes_redis.run(t),
               *([lambda: probe_s3(t.s3_url)] if t.s3_url else []),
               lambda: probe_listeners(t.pids)]
 
@@ -472,4 +477,6 @@ def demo_targets(stack_settings) -> Targets:
                    router_key=demo_secret(stack_settings, "router-key"),
                    admin_token=demo_secret(stack_settings, "admin-token"),
                    worker_urls=tuple(p.url for p in procs if p.name.startswith("worker-") and p.url),
-                   s3_url=stack_settings.s3_endpoint)
+                   s3_url=stack_settings.s3_endpoint,
+                   redis_router_url=stack_settings.redis_role_url("router"),
+                   redis_planner_url=stack_settings.redis_role_url("planner"))

@@ -38,6 +38,10 @@ class Targets:
     worker_urls: tuple[str, ...] = ()
     #: The stack's S3 endpoint (SeaweedFS, the object tier's store).
     s3_url: str | None = None
+    #: The Redis as the routers' and the planners' own ACL users (``StackSettings.redis_role_url``;
+    #: ``redis_url`` is the super user's).
+    redis_router_url: str | None = None
+    redis_planner_url: str | None = None
 
 
 def quiet() -> logging.Logger:

@@ -80,3 +80,50 @@ def test_kafka_refuses_a_client_without_tls_or_one_that_does_not_trust_the_stack
         with pytest.raises(KafkaException):
             AdminClient({**conf, "socket.timeout.ms": 3000, "logger": None}).list_topics(timeout=5)
         assert _forge(conf, Catalog(bus.topic_prefix).topic("workers"))
+
+
+def test_each_component_redis_user_touches_only_its_own_keys(stack_settings: StackSettings) -> None:
+    """The routers' user writes the routers' keys and not the planners' lease; the planners'
+    user the reverse (ops/stack/redis.py ``ROLE_KEYS``): a planner's credential cannot write the
+    waiting count every router's admission reads (rule 4), nor a key's limits."""
+    s = stack_settings
+    router = redis.Redis.from_url(s.redis_role_url("router"), socket_timeout=5)
+    planner = redis.Redis.from_url(s.redis_role_url("planner"), socket_timeout=5)
+    admin = redis.Redis.from_url(s.redis_url, socket_timeout=5)
+    waiting, slots, lease = "switchyard:t-auth:router-waiting", "switchyard:router-key:{t-auth}:slots", \
+        "switchyard:planner:t-auth:leader"
+    try:
+        assert router.hset(waiting, "r1", "0:0") == 1 and router.zadd(slots, {"s": 1}) == 1
+        assert planner.set(lease, "p1", px=5000)
+        for client, key, write in ((planner, waiting, lambda c: c.hset(waiting, "fake", "999999:0")),
+                                   (planner, slots, lambda c: c.zadd(slots, {"fake": 1})),
+                                   (router, lease, lambda c: c.set(lease, "r1")),
+                                   (router, "other", lambda c: c.set("other", "1"))):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                write(client)
+        with pytest.raises(redis.exceptions.NoPermissionError):  # not the server's administration
+            router.execute_command("CONFIG", "GET", "dir")
+        assert admin.hgetall(waiting) == {b"r1": b"0:0"}
+    finally:
+        admin.delete(waiting, slots, lease)
+        for c in (router, planner, admin):
+            c.close()
+
+
+def test_security_checks_redis_probes_are_refused(stack_settings: StackSettings) -> None:
+    """``security-check``'s Redis probes (ops/security/probes_redis.py) against the stack: the
+    planner's credential on the routers' keys and the router's on the lease get NOPERM; a
+    router's waiting count over the bound or in the future is not counted by the routers' reader."""
+    import dataclasses
+
+    from ops.security.probe import REFUSED, Targets
+    from ops.security.probes_redis import run
+
+    s = stack_settings
+    t = Targets(router_url=None, admin_url=None, kafka_bootstrap="", postgres_url="", redis_url=s.redis_url, pids=[],
+                topic_prefix="t-redis-probe", redis_router_url=s.redis_role_url("router"),
+                redis_planner_url=s.redis_role_url("planner"))
+    probes = run(t)
+    assert len(probes) == 5 and all(p.verdict == REFUSED for p in probes), probes
+    # With the super user's credential in the planner's place, the first probe sees the hole.
+    assert run(dataclasses.replace(t, redis_planner_url=s.redis_url))[0].verdict == "accepted"
