@@ -24,4 +24,5 @@ trap stop_stack EXIT
 
 $UV run --frozen switchyard stack up
 $UV run --frozen switchyard schemas check
-$UV run --frozen pytest -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in every run's log, to keep the whole run inside CI's budget.
+$UV run --frozen pytest -q -p no:cacheprovider --durations=25 "$@"
