@@ -22,7 +22,7 @@ import sys
 import time
 
 from common.net import free_port
-from control_plane.router.worker_calls import HttpWorkerCalls, lines
+from control_plane.router.worker_calls import SSE_DONE, HttpWorkerCalls, sse_events
 
 _SSE = (b"".join(b"data: " + json.dumps({"choices": [{"text": t, "token_ids": [i], "finish_reason": None}]}).encode()
                  + b"\n\n" for i, t in enumerate("ab")) + b"data: [DONE]\n\n")
@@ -50,8 +50,8 @@ async def _serve(port: int) -> None:
 async def _call(calls: HttpWorkerCalls, url: str, body: bytes, i: int) -> None:
     async with calls.post(url, body, f"bench-{i}", "w") as r:
         assert r.status == 200
-        async for line in lines(r.chunks()):
-            if line == b"data: [DONE]":
+        async for ev in sse_events(r.chunks()):
+            if ev[0] == SSE_DONE:
                 break
 
 

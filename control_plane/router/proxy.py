@@ -44,7 +44,17 @@ from control_plane.router.ledger import RouterLedger
 from control_plane.router.limits import new_request_id
 from control_plane.router.loop_lag import LoopLag, overloaded
 from control_plane.router.view import RouterView, WorkerState
-from control_plane.router.worker_calls import CallFailed, HttpWorkerCalls, Unsendable, WorkerCalls, lines
+from control_plane.router.worker_calls import (
+    SSE_BAD,
+    SSE_CHUNK,
+    SSE_DONE,
+    SSE_ERROR,
+    CallFailed,
+    HttpWorkerCalls,
+    Unsendable,
+    WorkerCalls,
+    sse_events,
+)
 from control_plane.router.prompt import block_hashes, encode_json
 from common.hashing import HashConfig
 from common.log.sink import EventSink
@@ -540,23 +550,19 @@ class Router:
                     raise RouterRejected(f"worker refused the request: {_text(await r.read(), 300)}",
                                          r.status, "bad_request")
                 done = False
-                async for line in lines(r.chunks()):
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
+                async for ev in sse_events(r.chunks()):  # read by the crate (native/src/sse.rs)
+                    kind = ev[0]
+                    if kind == SSE_CHUNK:
+                        yield Chunk(ev[1], ev[2], ev[3], None if ev[4] is None else _decode(ev[4]))
+                    elif kind == SSE_DONE:
                         done = True
                         break
-                    obj = _decode(data)
-                    if "error" in obj:
-                        raise WorkerFailed("worker_error", str(obj["error"])[:300], worker.worker_id)
-                    choices = obj.get("choices") or []
-                    if choices:
-                        c = choices[0]
-                        yield Chunk(text=c.get("text", ""), token_ids=c.get("token_ids") or obj.get("token_ids") or [],
-                                    finish_reason=c.get("finish_reason"), usage=obj.get("usage"))
-                    elif obj.get("usage"):
-                        yield Chunk(usage=obj["usage"])
+                    elif kind == SSE_ERROR:
+                        raise WorkerFailed("worker_error", str(_decode(ev[1]))[:300], worker.worker_id)
+                    elif kind == SSE_BAD:
+                        raise ValueError(ev[1])
+                    else:  # SSE_USAGE
+                        yield Chunk(usage=_decode(ev[1]))
                 if not done:
                     raise WorkerFailed("worker_lost", "stream ended without [DONE]", worker.worker_id)
         except (CallFailed, Unsendable, OSError, ValueError) as e:

@@ -337,16 +337,19 @@ class MemoryWorkerCalls:
         return None
 
 
-async def lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The lines of a body arriving in pieces (split at LF, a CR before it dropped; a line is
-    whole even when it spans pieces). A last line without LF is yielded at the end."""
-    rest = b""
-    async for piece in chunks:
-        if rest:
-            piece = rest + piece
-        *whole, rest = piece.split(b"\n")
-        for line in whole:
-            yield line[:-1] if line.endswith(b"\r") else line
-    if rest:
-        yield rest
+#: The kinds of :func:`sse_events`' events (their first item).
+SSE_CHUNK, SSE_USAGE, SSE_DONE, SSE_ERROR, SSE_BAD = range(5)
 
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple]:
+    """A worker's streamed answer, arriving in pieces, read by the crate
+    (``switchyard_native.SseReader``, ``native/src/sse.rs``: lines split at LF and spanning
+    pieces, only ``data:`` lines, each chunk's JSON read there): ``(SSE_CHUNK, text, token_ids,
+    finish_reason, usage JSON or None)``, ``(SSE_USAGE, usage JSON)``, ``(SSE_DONE,)``,
+    ``(SSE_ERROR, the worker's error JSON)``, ``(SSE_BAD, why)``; nothing after the last three."""
+    reader = switchyard_native.SseReader()
+    async for piece in chunks:
+        for ev in reader.feed(piece):
+            yield ev
+    for ev in reader.end():
+        yield ev

@@ -13,6 +13,7 @@
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
 //! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`;
 //! * [`calls`]: the router's HTTP calls to workers (hyper on a tokio thread of its own).
+//! * [`sse`]: a worker's streamed answer read into the relay's events;
 //! * [`front`]: the router's HTTP server (hyper on tokio threads of its own), which hands requests
 //!   to the ASGI app in batches;
 //! * [`wake`]: how both wake the caller's event loop, once per batch (a socket pair).
@@ -32,6 +33,7 @@ pub mod index;
 pub mod inflight;
 pub mod mp;
 pub mod signing;
+pub mod sse;
 pub mod tokenize;
 pub mod wake;
 

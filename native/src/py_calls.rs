@@ -5,10 +5,11 @@
 use bytes::Bytes;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::time::Duration;
 
 use crate::calls::{Call, Client, Config, Failure, Head, Take};
+use crate::sse::{Event, Reader};
 
 #[pyclass(module = "switchyard_native", name = "WorkerClient")]
 struct PyClient {
@@ -124,8 +125,57 @@ impl PyCall {
     }
 }
 
+/// A worker's streamed answer read as it arrives ([`crate::sse`]): each call gives the events of
+/// the lines completed so far, as tuples: ``(0, text, token_ids, finish_reason, usage JSON bytes
+/// or None)`` a choice, ``(1, usage JSON bytes)``, ``(2,)`` the end (``[DONE]``), ``(3, error
+/// JSON bytes)`` the worker's error, ``(4, why)`` data that is not what a worker sends.
+#[pyclass(module = "switchyard_native", name = "SseReader")]
+struct PySse {
+    inner: Reader,
+}
+
+#[pymethods]
+impl PySse {
+    #[new]
+    fn new() -> Self {
+        PySse { inner: Reader::default() }
+    }
+
+    /// The events of the lines ``piece`` completes.
+    fn feed<'py>(&mut self, py: Python<'py>, piece: &[u8]) -> PyResult<Bound<'py, PyList>> {
+        let mut out = Vec::new();
+        self.inner.feed(piece, &mut out);
+        events(py, out)
+    }
+
+    /// The events of a last line without LF, once the body ended.
+    fn end<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let mut out = Vec::new();
+        self.inner.end(&mut out);
+        events(py, out)
+    }
+}
+
+fn events<'py>(py: Python<'py>, evs: Vec<Event>) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for ev in evs {
+        let item = match ev {
+            Event::Chunk { text, token_ids, finish_reason, usage } => {
+                (0u8, text, token_ids, finish_reason, usage.map(|u| PyBytes::new(py, &u))).into_pyobject(py)?.into_any()
+            }
+            Event::Usage(u) => (1u8, PyBytes::new(py, &u)).into_pyobject(py)?.into_any(),
+            Event::Done => (2u8,).into_pyobject(py)?.into_any(),
+            Event::Error(e) => (3u8, PyBytes::new(py, &e)).into_pyobject(py)?.into_any(),
+            Event::Bad(why) => (4u8, why).into_pyobject(py)?.into_any(),
+        };
+        list.append(item)?;
+    }
+    Ok(list)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyClient>()?;
     m.add_class::<PyCall>()?;
+    m.add_class::<PySse>()?;
     Ok(())
 }

@@ -389,6 +389,26 @@ async def test_a_5xx_before_the_first_token_is_retried_on_the_other_worker(mode:
     await router.close()
 
 
+def garbled() -> Answer:
+    """An answer that is not a worker's stream: a data line whose JSON is cut."""
+    return lambda body: MemoryReply(200, b'data: {"choices": [{"text": "x"\n\ndata: [DONE]\n\n')
+
+
+async def test_an_answer_that_is_not_a_workers_stream_is_bad_response_and_retried() -> None:
+    """The worker's stream is read by the crate (``sse_events``); data it cannot read is the
+    worker's fault, ``bad_response``, retried elsewhere before the first token."""
+    router, sink, fake, check = _scenario([_worker("w-a"), _worker("w-b")], [garbled(), tokens("ok")])
+    adm = await _admit(router, "garbled-1")
+    chunks = await _collect(router, adm, check)
+
+    assert [c.text for c in chunks if c.text] == ["ok"]
+    [failed] = sink.of_type(RequestFailed)
+    assert (failed.code, failed.retried, failed.worker_id) == ("bad_response", True, fake.calls[0].worker)
+    assert "JSON is malformed" in failed.reason
+    check.verify()
+    await router.close()
+
+
 @pytest.mark.parametrize(("answer", "code"), [(token_then_error, "worker_error"), (token_then_cut, "worker_lost")])
 async def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_and_no_retry(answer, code: str) -> None:
     router, sink, fake, check = _scenario([_worker("w-a"), _worker("w-b")], [answer("Hel"), tokens("never")])
