@@ -7,7 +7,7 @@ writes it) replays on 8 aggregated simulated workers (mocker profile) under each
 (``cost=ttft,prefill_load_scale=10``), the first being the baseline. Prints per case and config
 TTFT p50 / p99 / mean and their ratios to the baseline, and the mean over the cases of each
 ratio (the tune objective's shape). With ``--top N`` the virtual router records its events
-(``SimRouter(record=True)``) and the N slowest requests of each run are listed: the TTFT, the
+(``run_cluster(record=True)``) and the N slowest requests of each run are listed: the TTFT, the
 wait before its engine admitted it (a step in progress, or a queue), its prefill steps, the
 chosen worker's row (f in flight, q queued prefill tokens, a decode blocks, c cached blocks, p
 predicted TTFT) and the candidates that had nothing in flight: whether an idle worker was passed
@@ -56,21 +56,8 @@ def parse_config(text: str) -> RouterConfig:
 
 def run_recorded(requests, config: RouterConfig, record: bool):
     """(the cluster's result, the router's recorded ``RequestRouted`` by request id, if asked)."""
-    if not record:
-        return simulation.run_cluster(requests, simulation.AGGREGATED_8, config), {}
-    routers: list[simulation.SimRouter] = []
-
-    class Recording(simulation.SimRouter):
-        def __init__(self, *a, **k) -> None:
-            super().__init__(*a, **{**k, "record": True})
-            routers.append(self)
-
-    real, simulation.SimRouter = simulation.SimRouter, Recording
-    try:
-        res = simulation.run_cluster(requests, simulation.AGGREGATED_8, config)
-    finally:
-        simulation.SimRouter = real
-    return res, {e.data.request_id: e.data for e in routers[0].recorded or () if isinstance(e.data, RequestRouted)}
+    res = simulation.run_cluster(requests, simulation.AGGREGATED_8, config, record=record)
+    return res, {e.data.request_id: e.data for e in res.recorded if isinstance(e.data, RequestRouted)}
 
 
 def _row(r) -> str:

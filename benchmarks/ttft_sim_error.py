@@ -3,7 +3,7 @@
 Each tune case (``workloads.sets.TUNE_SET``, at each ``--rate-scale``) replays on 8 aggregated
 simulated workers (mocker profile, which the router is never given) exactly as ``bench
 routing`` runs ours, with ``RouterConfig.cost`` ``--cost``; the virtual router records its
-events (``SimRouter(record=True)``). For every routed request: the prediction it recorded
+events (``run_cluster(record=True)``). For every routed request: the prediction it recorded
 (``RequestRouted.predicted_ttft_ms``, under the model its ledger fitted so far) against the TTFT
 it recorded (``RequestCompleted.ttft_ms``), |predicted - observed| / observed, as ``switchyard
 replay reconcile`` reads a live log. Also each case's TTFT mean, the figure ``bench routing``
@@ -30,22 +30,12 @@ from workloads.sets import TUNE_SET
 
 def case_errors(requests, cost: str) -> tuple[float, list[float]]:
     """(TTFT mean ms, sorted relative errors) of one case's requests routed with ``cost``."""
-    routers: list[simulation.SimRouter] = []
-
-    class Recording(simulation.SimRouter):
-        def __init__(self, *a, **k) -> None:
-            super().__init__(*a, **{**k, "record": True})
-            routers.append(self)
-
-    real, simulation.SimRouter = simulation.SimRouter, Recording
-    try:
-        # prefill_load_scale 10: bench routing's pick for blocks on the tune set (ttft ignores it)
-        res = simulation.run_cluster(requests, simulation.AGGREGATED_8, RouterConfig(cost=cost, prefill_load_scale=10.0))
-    finally:
-        simulation.SimRouter = real
+    # prefill_load_scale 10: bench routing's pick for blocks on the tune set (ttft ignores it)
+    res = simulation.run_cluster(requests, simulation.AGGREGATED_8, RouterConfig(cost=cost, prefill_load_scale=10.0),
+                                 record=True)
     pred: dict[str, float] = {}
     obs: dict[str, float] = {}
-    for env in routers[0].recorded or ():
+    for env in res.recorded:
         ev = env.data
         if isinstance(ev, RequestRouted) and ev.predicted_ttft_ms is not None:
             pred[ev.request_id] = ev.predicted_ttft_ms

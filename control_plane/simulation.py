@@ -382,6 +382,8 @@ class ClusterResult:
     router: RouterStats
     #: With tiers: blocks moved between tiers over the run, by (from tier, to tier), all workers.
     tier_moves: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: With ``run_cluster(record=True)``: the router's events in the order it recorded them.
+    recorded: list[Envelope[Event]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.records if r.token_times]
@@ -433,6 +435,7 @@ def run_cluster(
     tiers: Mapping[Tier, int] | None = None,
     onboard_costs: OnboardCosts | None = None,
     sessions: Mapping[str, str] | None = None,
+    record: bool = False,
 ) -> ClusterResult:
     """Replay ``requests`` (sorted by arrival) on ``topology`` with ``config`` routing them.
 
@@ -442,7 +445,8 @@ def run_cluster(
     ``load_report_ms``: interval of each worker's load report (None: the router gets no reports
     and relies on its ledger alone, like Dynamo's router). ``kv_event_lag_ms``: transport delay
     of KV events on top of the step that produced them. ``sessions``: request id -> the client's
-    session id (``RequestRouted.session``; the session affinity reads them).
+    session id (``RequestRouted.session``; the session affinity reads them). ``record``: keep the
+    router's events in :attr:`ClusterResult.recorded`, as a log a replay could read.
     """
     prof = load_profile(profile) if isinstance(profile, str) else profile
     hash_config = default_hash_config(prof.block_size)
@@ -461,7 +465,7 @@ def run_cluster(
     ids = [WorkerId(n) for n in names]
     router = SimRouter(
         config, list(zip(ids, roles)), hash_algo=hash_config.hash_algo,
-        block_size=prof.block_size, kv_capacity_blocks=prof.num_device_blocks,
+        block_size=prof.block_size, kv_capacity_blocks=prof.num_device_blocks, record=record,
     )
     # The prefill worker frees a handed-off prompt's blocks at the hand-off (release after 0 ms).
     cluster = Cluster(prof, router, hash_config=hash_config, disaggregated=topology.disaggregated,
@@ -497,4 +501,5 @@ def run_cluster(
         preemptions=sum(c.scheduler.num_preemptions for c in cores),
         router=router.stats,
         tier_moves=dict(moves),
+        recorded=router.recorded or [],
     )
