@@ -19,6 +19,9 @@ router is done with before its end (the SSE stream after ``[DONE]``) is drained 
 background, for at most :data:`DRAIN_S`, instead of being closed (a new connection per request
 costs a TCP handshake and a socket each way). An answer the router gives up on (a failure, a
 client gone) closes its connection: the worker sees it and stops generating.
+A non-streamed request's answer is relayed (``post(relay=True)``, :meth:`Reply.relay`): the
+crate reads it to its end and folds it (``native/src/sse.rs`` ``Relay``), waking the event loop
+at its first token and at its end only.
 
 :class:`MemoryWorkerCalls` answers from a function, in process (unit tests of the request path:
 no sockets), with the same contract.
