@@ -1,7 +1,9 @@
 """A worker's streamed answer read for the relay: the crate (``worker_calls.sse_events``,
 ``native/src/sse.rs``, what the router runs) against the Python loop it replaced (lines split in
 Python, each ``data:`` line decoded by msgspec; kept here only as the baseline), each making the
-same ``Chunk`` list. CPU per answer of 1, 16 and 256 tokens (vLLM-shaped chunks, then usage
+same ``Chunk`` list; and ``relay``: the answer folded whole by the crate (``PiecesRelay``, the fold
+a non-streamed answer gets: ``native/src/sse.rs`` ``Relay``; fed from Python here, piece by piece,
+where the worker call feeds it on its own thread). CPU per answer of 1, 16 and 256 tokens (vLLM-shaped chunks, then usage
 and ``[DONE]``), the body arriving in n/2 pieces; best of three runs each, alternating.
 
 ``python -m benchmarks.sse_read_bench``; last line ``RESULT``.
@@ -17,7 +19,7 @@ import time
 import msgspec
 
 from control_plane.router.proxy import Chunk
-from control_plane.router.worker_calls import SSE_BAD, SSE_CHUNK, SSE_DONE, SSE_ERROR, sse_events
+from control_plane.router.worker_calls import SSE_BAD, SSE_CHUNK, SSE_DONE, SSE_ERROR, PiecesRelay, sse_events
 
 _decode = msgspec.json.decode
 
@@ -77,12 +79,20 @@ async def new(b, k):
             out.append(Chunk(usage=_decode(ev[1])))
     return out
 
+async def relay(b, k):
+    r = PiecesRelay(pieces(b, k))
+    await r.first_token()
+    whole = await r.end()
+    return whole.text, _decode(whole.usage)
+
 async def main():
     res = {}
     for n in (1, 16, 256):
         b = body(n)
-        assert await old(b, 4) == await new(b, 4)
-        for name, f in (("old", old), ("new", new)) * 3:
+        chunks = await new(b, 4)
+        assert await old(b, 4) == chunks
+        assert await relay(b, 4) == ("".join(c.text for c in chunks), chunks[-1].usage)
+        for name, f in (("old", old), ("new", new), ("relay", relay)) * 3:
             reps = max(200, 20000 // n)
             t = time.process_time()
             for _ in range(reps):

@@ -128,13 +128,35 @@ class Chunk:
     error: str | None = None
 
 
-class WorkerFailed(Exception):
-    """A worker failed this attempt; ``code`` says how (see :func:`_failure`)."""
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """A non-streaming request's answer, read to its end by the crate (``Reply.relay``): its
+    text, finish reason and usage, and how many chunks carried it (``chunks``: every chunk read,
+    a usage record's too)."""
 
-    def __init__(self, code: str, detail: str, worker_id: str | None = None) -> None:
+    text: str
+    finish_reason: str | None
+    usage: dict | None
+    chunks: int
+    error: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _FirstTokenAt:
+    """A relayed answer's first token came, at ``at`` (the crate's clock, ``time.monotonic()``'s)."""
+
+    at: float
+
+
+class WorkerFailed(Exception):
+    """A worker failed this attempt; ``code`` says how (see :func:`_failure`). ``tokens_sent``:
+    the token chunks a relayed answer had carried when it failed."""
+
+    def __init__(self, code: str, detail: str, worker_id: str | None = None, tokens_sent: int | None = None) -> None:
         super().__init__(detail)
         self.code = code
         self.worker_id = worker_id
+        self.tokens_sent = tokens_sent
 
 
 #: The worker call's body: encoded once, straight to bytes (a 32K-token prompt is ~200 KB; a
@@ -444,6 +466,14 @@ class Router:
                     stream = self._stream_from(worker, adm, self._peer_params(ev), ev.decided_at_s)
                 outcome = _Tracker(worker.worker_id, adm.received_at)
                 async for chunk in stream:
+                    if type(chunk) is _FirstTokenAt:  # a relayed answer: what its first token starts
+                        self._first_token(adm, worker.worker_id, record=not disagg, at=chunk.at)
+                        sent = 1
+                        continue
+                    if type(chunk) is tuple:  # a relayed answer, whole: (Relayed, the crate's record)
+                        sent = outcome.absorb(chunk[1], chunk[0].usage)
+                        yield chunk[0]
+                        continue
                     if chunk.token_ids or chunk.text:
                         if outcome.first_token():
                             self._first_token(adm, worker.worker_id, record=not disagg)
@@ -453,6 +483,8 @@ class Router:
                 self._completed(adm, outcome)
                 return
             except WorkerFailed as e:
+                if e.tokens_sent is not None:
+                    sent = e.tokens_sent
                 wid = e.worker_id or (worker.worker_id if worker else None)
                 retry = sent == 0 and attempt + 1 < self.max_attempts
                 failed = RequestFailed(request_id=adm.request_id, worker_id=wid, reason=str(e), code=e.code,
@@ -541,14 +573,25 @@ class Router:
         if kv_params is not None:
             body["kv_transfer_params"] = kv_params
         url = f"{worker.endpoint}/v1/completions"
+        wid = worker.worker_id
+        relay = not adm.stream
         try:
-            async with self.workers.post(url, _json(body), adm.request_id, worker.worker_id) as r:
+            async with self.workers.post(url, _json(body), adm.request_id, wid, relay) as r:
                 if r.status >= 500:
-                    raise WorkerFailed("worker_error", f"HTTP {r.status}: {(await r.read())[:200]!r}",
-                                       worker.worker_id)
+                    raise WorkerFailed("worker_error", f"HTTP {r.status}: {(await r.read())[:200]!r}", wid)
                 if r.status >= 400:
                     raise RouterRejected(f"worker refused the request: {_text(await r.read(), 300)}",
                                          r.status, "bad_request")
+                if relay:
+                    # Read to its end by the crate: this loop is woken at its first token and at its end.
+                    answer = r.relay()
+                    if (at := await answer.first_token()) is not None:
+                        yield _FirstTokenAt(at)
+                    whole = await answer.end()
+                    _relay_failure(whole, wid)
+                    usage = None if whole.usage is None else _decode(whole.usage)
+                    yield Relayed(whole.text, whole.finish_reason, usage, whole.chunks), whole
+                    return
                 done = False
                 async for ev in sse_events(r.chunks()):  # read by the crate (native/src/sse.rs)
                     kind = ev[0]
@@ -570,17 +613,19 @@ class Router:
             # everything this router sent to the worker (its KV is gone with it).
             raise _unsendable(e) or _failure(e, worker.worker_id, worker.worker_id) from None
 
-    def _first_token(self, adm: Admission, worker_id: str, record: bool) -> None:
+    def _first_token(self, adm: Admission, worker_id: str, record: bool, at: float | None = None) -> None:
         """The prompt's KV now exists on the worker: its queued prefill leaves the ledger. Recorded
-        as PrefillCompleted (by the router, in aggregated serving) so replays see it too."""
+        as PrefillCompleted (by the router, in aggregated serving) so replays see it too. ``at``:
+        when the token came (monotonic; now when not given)."""
+        now = time.monotonic() if at is None else at
         if record:  # disaggregated: the decode entry has no prefill tokens; the prefill worker
             # recorded its own PrefillCompleted
             self._record(PrefillCompleted(
                 request_id=adm.request_id, worker_id=worker_id, prompt_tokens=len(adm.tokens),
-                duration_ms=(time.monotonic() - adm.received_at) * 1000), adm.request_id)
+                duration_ms=(now - adm.received_at) * 1000), adm.request_id)
         else:  # the decode hop's end, which the TTFT margin waits for (``PromiseMargin``)
             self._record(FirstToken(request_id=adm.request_id, worker_id=worker_id,
-                                    ttft_ms=(time.monotonic() - adm.received_at) * 1000), adm.request_id)
+                                    ttft_ms=(now - adm.received_at) * 1000), adm.request_id)
         self.admission.poke()
 
     def _completed(self, adm: Admission, t: "_Tracker") -> None:
@@ -592,11 +637,28 @@ class Router:
             itl_mean_ms=statistics.fmean(itls) if itls else 0.0,
             itl_p50_ms=itls_sorted[len(itls_sorted) // 2] if itls else 0.0,
             itl_p99_ms=itls_sorted[min(len(itls_sorted) - 1, int(0.99 * len(itls_sorted)))] if itls else 0.0,
-            e2e_ms=(time.monotonic() - adm.received_at) * 1000, finish_reason=t.finish_reason or "length"))
+            e2e_ms=((t.end_at or time.monotonic()) - adm.received_at) * 1000,
+            finish_reason=t.finish_reason or "length"))
         if self.metrics:
             self.metrics.ttft_seconds.observe(t.ttft_ms / 1000)
             for x in itls:
                 self.metrics.itl_seconds.observe(x / 1000)
+
+
+def _relay_failure(whole, wid: str) -> None:
+    """Raises what a relayed answer that did not end with ``[DONE]`` failed of, worded as the
+    streamed reading words it (``Router._stream_from``), with the token chunks it carried."""
+    end, sent = whole.end, whole.token_chunks
+    if end == 0:
+        return
+    if end == 1:
+        raise WorkerFailed("worker_error", str(_decode(whole.detail))[:300], wid, sent)
+    if end == 3:
+        raise WorkerFailed("worker_lost", "stream ended without [DONE]", wid, sent)
+    e = ValueError(whole.detail) if end == 2 else CallFailed(whole.code, whole.detail)
+    f = _failure(e, wid, wid)
+    f.tokens_sent = sent
+    raise f
 
 
 def _text(body: bytes, limit: int) -> str:
@@ -614,6 +676,23 @@ class _Tracker:
         self.tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        #: When a relayed answer ended (the crate's clock); None: when it is recorded.
+        self.end_at: float | None = None
+
+    def absorb(self, whole, usage: dict | None) -> int:
+        """A relayed answer's record (``switchyard_native.RelayedAnswer``, its usage decoded), as
+        :meth:`observe` would have seen its chunks one by one; its token chunks."""
+        if whole.first_at is not None:
+            self.ttft_ms = (whole.first_at - self.start) * 1000
+            self.last = whole.first_at
+        self.itls_ms = list(whole.itls_ms)
+        self.tokens = whole.tokens
+        self.finish_reason = whole.finish_reason
+        self.end_at = whole.end_at
+        if usage:
+            self.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0)
+            self.tokens = int(usage.get("completion_tokens", whole.tokens_at_usage)) + whole.tokens - whole.tokens_at_usage
+        return whole.token_chunks
 
     def first_token(self) -> bool:
         return self.last is None

@@ -38,7 +38,7 @@ from control_plane.router.protocol import (
     json_bytes,
     unsupported,
 )
-from control_plane.router.proxy import Admission, Chunk, Router, RouterRejected
+from control_plane.router.proxy import Admission, Chunk, Relayed, Router, RouterRejected
 from control_plane.router.shared_gate import WAITING_REJECTIONS, Gate, LocalGate
 from common.tokenizer import Tokenizer, chat_tokens
 
@@ -337,31 +337,24 @@ async def _run(c: RouterApp, body: GenerationRequest, request: Head, tokens: Seq
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Answer(200, headers, events=_sse(c, gen, first, adm, model, created, endpoint, include_usage))
-    text, usage, finish, error = [], None, None, None
-    chunk: Chunk | None = first
-    while chunk is not None:
-        if chunk.error:
-            error = chunk.error
-            break
-        text.append(chunk.text)
-        usage = chunk.usage or usage
-        finish = chunk.finish_reason or finish
-        try:
-            chunk = await gen.__anext__()
-        except StopAsyncIteration:
-            chunk = None
-    if error:
-        c.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
-        return error_response(502, error, "worker_failed", "upstream_error", headers=headers)
+    # Not streamed: the crate read the worker's answer to its end (``Relayed``, proxy.py); the
+    # request ends (is recorded) once the router's attempts are over.
+    whole: Relayed = first
+    async for extra in gen:
+        if extra.error:
+            c.metrics.requests.labels(endpoint=endpoint, outcome="failed").inc()
+            return error_response(502, extra.error, "worker_failed", "upstream_error", headers=headers)
     c.metrics.requests.labels(endpoint=endpoint, outcome="completed").inc()
-    usage = usage or {"prompt_tokens": len(tokens), "completion_tokens": len(text), "total_tokens": len(tokens) + len(text)}
+    n = whole.chunks
+    usage = whole.usage or {"prompt_tokens": len(tokens), "completion_tokens": n, "total_tokens": len(tokens) + n}
+    finish = whole.finish_reason or "length"
     if endpoint == "chat":
         out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                            "finish_reason": finish or "length"}], "usage": usage}
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": whole.text},
+                            "finish_reason": finish}], "usage": usage}
     else:
         out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": "".join(text), "finish_reason": finish or "length", "logprobs": None}],
+               "choices": [{"index": 0, "text": whole.text, "finish_reason": finish, "logprobs": None}],
                "usage": usage}
     return Answer(200, headers, json_bytes(out))
 

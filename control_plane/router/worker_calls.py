@@ -19,6 +19,9 @@ router is done with before its end (the SSE stream after ``[DONE]``) is drained 
 background, for at most :data:`DRAIN_S`, instead of being closed (a new connection per request
 costs a TCP handshake and a socket each way). An answer the router gives up on (a failure, a
 client gone) closes its connection: the worker sees it and stops generating.
+A non-streamed request's answer is relayed (``post(relay=True)``, :meth:`Reply.relay`): the
+crate reads it to its end and folds it (``native/src/sse.rs`` ``Relay``), waking the event loop
+at its first token and at its end only.
 
 :class:`MemoryWorkerCalls` answers from a function, in process (unit tests of the request path:
 no sockets), with the same contract.
@@ -65,14 +68,33 @@ class Unsendable(Exception):
 
 
 class Reply(Protocol):
-    """A worker's answer: its status at once, its body read whole or piece by piece (either
-    once). Reading raises :class:`CallFailed`."""
+    """A worker's answer: its status at once, its body read whole or piece by piece, or (a call
+    posted with ``relay``, a 2xx answer) relayed: read to its end by the crate (one of the
+    three, once). Reading raises :class:`CallFailed`."""
 
     status: int
 
     async def read(self) -> bytes: ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def relay(self) -> "Relay": ...
+
+
+class Relay(Protocol):
+    """A worker's SSE answer read to its end and folded by the crate (``native/src/sse.rs``
+    ``Relay``), as it arrives: the router is woken at its first token and at its end, never per
+    token. A transport failure is part of the answer (its ``end``), not raised."""
+
+    async def first_token(self) -> float | None:
+        """When the first token came (``time.monotonic()``'s clock), once it did; None: the answer
+        ended without one."""
+        ...
+
+    async def end(self) -> switchyard_native.RelayedAnswer:
+        """The whole answer (``switchyard_native.RelayedAnswer``: text, token counts and times,
+        finish reason, usage JSON, how it ended)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +116,12 @@ class WorkerCalls(Protocol):
         """The calls' queue now (:class:`CallLoad`)."""
         ...
 
-    def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AbstractAsyncContextManager[Reply]:
+    def post(self, url: str, body: bytes, request_id: str, worker_id: str,
+             relay: bool = False) -> AbstractAsyncContextManager[Reply]:
         """POST ``body`` (JSON) to worker ``worker_id`` at ``url`` with ``X-Request-Id`` (and the
         worker's bearer, :func:`common.settings.worker_token`); the answer, until the block
-        ends. Raises :class:`CallFailed` or :class:`Unsendable`."""
+        ends; ``relay``: a 2xx answer is to be relayed (:meth:`Reply.relay`). Raises
+        :class:`CallFailed` or :class:`Unsendable`."""
         ...
 
     async def close(self) -> None: ...
@@ -175,7 +199,8 @@ class HttpWorkerCalls:
             self._waiters.forget(call.id)  # type: ignore[union-attr]
 
     @asynccontextmanager
-    async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
+    async def post(self, url: str, body: bytes, request_id: str, worker_id: str,
+                   relay: bool = False) -> AsyncIterator[Reply]:
         _check_sendable(url, request_id)
         headers = [("X-Request-Id", request_id)]
         if self._secret:
@@ -183,7 +208,7 @@ class HttpWorkerCalls:
         try:
             # Never follows a redirect: it would carry the body and the worker credential
             # elsewhere (a 3xx is answered as it is, an answer without [DONE]).
-            call = self._client().post(url, body, headers)
+            call = self._client().post(url, body, headers, relay)
         except ValueError as e:
             raise Unsendable(str(e)) from None
         try:
@@ -259,6 +284,39 @@ class _NativeReply:
             else:
                 return
 
+    def relay(self) -> "_NativeRelay":
+        return _NativeRelay(self.calls, self.call)
+
+
+class _NativeRelay:
+    """A call the crate reads to its end (``native/src/calls.rs``): this loop is woken at the
+    first token and at the end."""
+
+    __slots__ = ("calls", "call", "_whole")
+
+    def __init__(self, calls: HttpWorkerCalls, call: switchyard_native.WorkerCall) -> None:
+        self.calls = calls
+        self.call = call
+        self._whole: switchyard_native.RelayedAnswer | None = None
+
+    async def first_token(self) -> float | None:
+        call = self.call
+        while (r := call.relayed(False)) is None:
+            await self.calls._changed(call)
+        if isinstance(r, float):
+            return r
+        self._whole = r
+        return r.first_at
+
+    async def end(self) -> switchyard_native.RelayedAnswer:
+        call = self.call
+        while self._whole is None:
+            if (r := call.relayed(True)) is None:
+                await self.calls._changed(call)
+            elif not isinstance(r, float):
+                self._whole = r
+        return self._whole
+
 
 # -- the in-memory adapter --------------------------------------------------------------------
 
@@ -303,6 +361,42 @@ class MemoryReply:
         async for piece in self.body:
             yield piece
 
+    def relay(self) -> "PiecesRelay":
+        return PiecesRelay(self.chunks())
+
+
+class PiecesRelay:
+    """A :class:`Relay` of an answer's pieces as some adapter reads them, folded by the same
+    crate code as a native call's (``switchyard_native.SseRelay``)."""
+
+    __slots__ = ("_pieces", "_fold")
+
+    def __init__(self, pieces: AsyncIterator[bytes]) -> None:
+        self._pieces = pieces
+        self._fold = switchyard_native.SseRelay()
+
+    async def _read(self, until_first: bool) -> None:
+        fold = self._fold
+        while not fold.over:
+            try:
+                piece = await anext(self._pieces)
+            except StopAsyncIteration:
+                fold.body_end()
+                return
+            except CallFailed as e:
+                fold.fail(e.code, str(e))
+                return
+            if fold.feed(piece) and until_first:
+                return
+
+    async def first_token(self) -> float | None:
+        await self._read(True)
+        return self._fold.first_at
+
+    async def end(self) -> switchyard_native.RelayedAnswer:
+        await self._read(False)
+        return self._fold.take()
+
 
 #: What a fake worker does with a call: answer it, or raise :class:`CallFailed`.
 Answer = Callable[[WorkerCall], MemoryReply | Awaitable[MemoryReply]]
@@ -322,7 +416,8 @@ class MemoryWorkerCalls:
         return CallLoad(in_flight=self._in_flight)
 
     @asynccontextmanager
-    async def post(self, url: str, body: bytes, request_id: str, worker_id: str) -> AsyncIterator[Reply]:
+    async def post(self, url: str, body: bytes, request_id: str, worker_id: str,
+                   relay: bool = False) -> AsyncIterator[Reply]:
         _check_sendable(url, request_id)
         self._in_flight += 1
         try:

@@ -14,6 +14,10 @@
 //!   arrived, all of it at once. A caller that waits says so (`Head::Pending`, `Take::Pending`),
 //!   and the call's id is put on the ready list when something changes: one byte written to a
 //!   socket pair (only when the list was empty) wakes the event loop for a whole batch of calls.
+//! * A call may be relayed ([`Client::post`]'s `relay`): a 2xx answer is then read to its end
+//!   here, folded by [`crate::sse::Relay`] as it arrives (nothing buffered for the caller), and
+//!   the caller is woken twice: at the first token and at the end (`[DONE]`, the worker's error,
+//!   bad data, a cut or failed body); after `[DONE]` the rest is drained as below.
 //! * An answer the caller is done with before its end is drained (for at most `drain`), so its
 //!   connection returns to the pool; one the caller gives up on is dropped, which closes it (the
 //!   worker sees it and stops generating).
@@ -38,6 +42,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::AbortHandle;
 use tokio::time::{timeout, timeout_at};
 
+use crate::sse::{mono_now, Relay, RelayEnd};
 use crate::wake::Wake;
 
 /// Bytes a call buffers before its reader waits for the caller to take them.
@@ -253,6 +258,9 @@ struct State {
     /// The caller waits for a change.
     waiting: bool,
     draining: bool,
+    /// The answer read to its end here (relayed calls with a 2xx head), until the caller takes it.
+    relay: Option<Relay>,
+    relay_wanted: bool,
 }
 
 struct Shared {
@@ -274,6 +282,29 @@ impl Shared {
         }
     }
 
+    /// A relayed piece: folded (unless draining); the caller is woken only at the first token and
+    /// at the end. The answer's end, when it came now.
+    fn relay(&self, inner: &Inner, data: &[u8]) -> Option<RelayEnd> {
+        let (wake, end) = {
+            let mut st = self.state.lock().unwrap();
+            if st.draining {
+                return None;
+            }
+            let Some(r) = st.relay.as_mut() else { return None };
+            let first = r.feed(data, mono_now());
+            let end = r.end.clone();
+            if matches!(end, Some(RelayEnd::Done)) {
+                st.draining = true; // the rest is not the caller's: read to the end, then pooled
+            }
+            let news = first || end.is_some();
+            (news && std::mem::take(&mut st.waiting), end)
+        };
+        if wake {
+            inner.wake.push(|r| r.push(self.id));
+        }
+        end
+    }
+
     fn mode(&self) -> Mode {
         if self.state.lock().unwrap().draining {
             Mode::Drain
@@ -289,6 +320,16 @@ pub enum Head {
     Pending,
     Status(u16),
     Failed(Failure),
+}
+
+/// A relayed answer, as the caller sees it now.
+#[derive(Debug)]
+pub enum Relayed {
+    Pending,
+    /// Its first token came, at this time ([`mono_now`]); the end has not.
+    First(f64),
+    /// The whole answer (taken: given once).
+    Over(Box<Relay>),
 }
 
 /// The answer's body, as the caller sees it now.
@@ -330,12 +371,14 @@ impl Client {
         self.inner.wake.take()
     }
 
-    /// POST `body` to `url`; the call runs at once. Err: the request cannot be put on the wire.
-    pub fn post(&mut self, url: &str, body: Bytes, headers: &[(String, String)]) -> Result<Call, String> {
+    /// POST `body` to `url`; the call runs at once. `relay`: a 2xx answer is read to its end
+    /// here ([`Call::relayed`]). Err: the request cannot be put on the wire.
+    pub fn post(&mut self, url: &str, body: Bytes, headers: &[(String, String)], relay: bool) -> Result<Call, String> {
         let req = prepare(url, body, headers)?;
         let rt = self.rt.as_ref().ok_or("the client is closed")?;
         self.next_id += 1;
-        let shared = Arc::new(Shared { id: self.next_id, state: Mutex::new(State::default()), room: Notify::new() });
+        let state = State { relay_wanted: relay, ..State::default() };
+        let shared = Arc::new(Shared { id: self.next_id, state: Mutex::new(state), room: Notify::new() });
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
         let counted = Counted(self.inner.clone());
         let call = run(self.inner.clone(), shared.clone(), req);
@@ -423,6 +466,22 @@ impl Call {
         }
     }
 
+    /// A relayed call's answer (its head 2xx): `first_known`: the caller has seen its first
+    /// token already (only the end is news then). Pending: the call is made ready when there is news.
+    pub fn relayed(&self, first_known: bool) -> Relayed {
+        let mut st = self.shared.state.lock().unwrap();
+        if let Some(r) = &st.relay {
+            if r.end.is_some() {
+                return Relayed::Over(Box::new(st.relay.take().unwrap()));
+            }
+            if let (false, Some(t)) = (first_known, r.first_at) {
+                return Relayed::First(t);
+            }
+        }
+        st.waiting = true;
+        Relayed::Pending
+    }
+
     /// The caller is done with the answer. If it has not ended, the rest is drained (the
     /// connection pooled after); true then, and the call's id is made ready when that is over.
     pub fn finish(&self) -> bool {
@@ -481,7 +540,14 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
         }
     };
     let status = resp.status().as_u16();
-    shared.update(&inner, |st| st.status = Some(status));
+    let mut relaying = false;
+    shared.update(&inner, |st| {
+        st.status = Some(status);
+        if st.relay_wanted && (200..300).contains(&status) {
+            st.relay = Some(Relay::default());
+            relaying = true;
+        }
+    });
     let mut body = resp.into_body();
     let mut drain_until: Option<Instant> = None;
     // The read timeout counts from the last frame (time spent waiting for room is not the
@@ -533,13 +599,26 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
                     Mode::Drain => failure("timeout", format!("the answer did not end within {:?} of the router's last read", cfg.drain)),
                 };
                 drop(conn); // closed: the worker stops
-                shared.update(&inner, |st| st.end = Some(Err(f)));
+                shared.update(&inner, |st| {
+                    if let Some(r) = st.relay.as_mut() {
+                        r.fail(f.code, &f.detail, mono_now());
+                    }
+                    st.end = Some(Err(f));
+                });
                 return;
             }
             Ok(Some(None)) => {
                 drop(body);
                 // The connection is ready for another request once hyper has seen the end.
                 let mut conn = conn;
+                if relaying {
+                    // The answer's end, before the connection's: the caller is woken now.
+                    shared.update(&inner, |st| {
+                        if let Some(r) = st.relay.as_mut() {
+                            r.body_end(mono_now());
+                        }
+                    });
+                }
                 if timeout(Duration::from_millis(100), conn.sender.ready()).await.is_ok_and(|r| r.is_ok()) {
                     inner.checkin(req.key.clone(), conn);
                 }
@@ -548,13 +627,30 @@ async fn run(inner: Arc<Inner>, shared: Arc<Shared>, req: Prepared) {
             }
             Ok(Some(Some(Err(e)))) => {
                 drop(conn);
-                shared.update(&inner, |st| st.end = Some(Err(lost(&e))));
+                let f = lost(&e);
+                shared.update(&inner, |st| {
+                    if let Some(r) = st.relay.as_mut() {
+                        r.fail(f.code, &f.detail, mono_now());
+                    }
+                    st.end = Some(Err(f));
+                });
                 return;
             }
             Ok(Some(Some(Ok(frame)))) => {
                 last = Instant::now();
                 if let Ok(data) = frame.into_data() {
-                    if !data.is_empty() {
+                    if !data.is_empty() && relaying {
+                        match shared.relay(&inner, &data) {
+                            Some(RelayEnd::Done) => {} // drained from now on (the caller finishes the call)
+                            Some(_) => {
+                                // The worker's error or bad data: the connection is closed (the worker stops).
+                                drop(conn);
+                                shared.update(&inner, |st| st.end = Some(Ok(())));
+                                return;
+                            }
+                            None => {}
+                        }
+                    } else if !data.is_empty() {
                         shared.update(&inner, |st| {
                             if !st.draining {
                                 st.buffered += data.len();
@@ -691,15 +787,63 @@ mod tests {
         let (port, conns) = serve(sse);
         let mut c = Client::new(cfg(2000)).unwrap();
         let url = format!("http://127.0.0.1:{port}/v1/completions");
-        let call = c.post(&url, Bytes::from_static(b"{}"), &[("x-request-id".into(), "r1".into())]).unwrap();
+        let call = c.post(&url, Bytes::from_static(b"{}"), &[("x-request-id".into(), "r1".into())], false).unwrap();
         assert_eq!(head(&c, &call), Ok(200));
         assert_eq!(body(&c, &call).unwrap(), b"data: {\"a\": 1}\n\ndata: [DONE]\n\n");
         for i in 0..3 {
             // Read the head and the first data only; the rest is drained.
-            let call = c.post(&url, Bytes::from_static(b"{}"), &[("x-request-id".into(), format!("r{i}"))]).unwrap();
+            let call = c.post(&url, Bytes::from_static(b"{}"), &[("x-request-id".into(), format!("r{i}"))], false).unwrap();
             assert_eq!(head(&c, &call), Ok(200));
             wait(&c, || matches!(call.take(), Take::Data(_)).then_some(()));
             // Drained (usually: the last chunk comes 20 ms later) or already ended: pooled.
+            call.finish();
+            wait(&c, || call.is_over().then_some(()));
+        }
+        assert_eq!(conns.load(Ordering::SeqCst), 1);
+    }
+
+    /// Answers `tokens` began, and those whose rest the test let go (once it saw the first token).
+    static BEGUN: AtomicUsize = AtomicUsize::new(0);
+    static RELEASED: AtomicUsize = AtomicUsize::new(0);
+
+    fn tokens(s: &mut StdStream) -> bool {
+        let n = BEGUN.fetch_add(1, Ordering::SeqCst) + 1;
+        let first = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+        let rest = b"data: {\"choices\":[{\"text\":\"b\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+        write!(s, "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n", first.len()).unwrap();
+        s.write_all(first).unwrap();
+        s.write_all(b"\r\n").unwrap();
+        while RELEASED.load(Ordering::SeqCst) < n {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(5)); // a gap the inter-token time shows
+        write!(s, "{:x}\r\n", rest.len()).unwrap();
+        s.write_all(rest).unwrap();
+        s.write_all(b"\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        s.write_all(b"0\r\n\r\n").is_ok()
+    }
+
+    #[test]
+    fn a_relayed_answer_wakes_at_its_first_token_and_its_end_and_is_pooled() {
+        let (port, conns) = serve(tokens);
+        let mut c = Client::new(cfg(2000)).unwrap();
+        let url = format!("http://127.0.0.1:{port}/v1/completions");
+        for _ in 0..2 {
+            let call = c.post(&url, Bytes::from_static(b"{}"), &[], true).unwrap();
+            assert_eq!(head(&c, &call), Ok(200));
+            let first = wait(&c, || match call.relayed(false) {
+                Relayed::First(t) => Some(t),
+                Relayed::Over(_) => panic!("the end came with the first token"),
+                Relayed::Pending => None,
+            });
+            RELEASED.fetch_add(1, Ordering::SeqCst);
+            let r = wait(&c, || match call.relayed(true) {
+                Relayed::Over(r) => Some(r),
+                _ => None,
+            });
+            assert_eq!((r.text.as_str(), r.first_at, r.finish_reason.as_deref()), ("ab", Some(first), Some("stop")));
+            assert!(r.itls_ms[0] >= 5.0 && r.end == Some(RelayEnd::Done), "{r:?}");
             call.finish();
             wait(&c, || call.is_over().then_some(()));
         }
@@ -720,12 +864,12 @@ mod tests {
         });
         let mut c = Client::new(cfg(300)).unwrap();
         for (port, code) in [(refused, "worker_unreachable"), (stall, "timeout"), (reset, "worker_lost"), (garbage, "worker_lost")] {
-            let call = c.post(&format!("http://127.0.0.1:{port}/x"), Bytes::new(), &[]).unwrap();
+            let call = c.post(&format!("http://127.0.0.1:{port}/x"), Bytes::new(), &[], false).unwrap();
             assert_eq!(head(&c, &call).unwrap_err().code, code, "port {port}");
         }
-        assert!(c.post("http://127.0.0.1:1/x", Bytes::new(), &[("x-request-id".into(), "a\nb".into())]).is_err());
-        assert!(c.post("ftp://127.0.0.1:1/x", Bytes::new(), &[]).is_err());
-        let call = c.post("https://127.0.0.1:1/x", Bytes::new(), &[]).unwrap();
+        assert!(c.post("http://127.0.0.1:1/x", Bytes::new(), &[("x-request-id".into(), "a\nb".into())], false).is_err());
+        assert!(c.post("ftp://127.0.0.1:1/x", Bytes::new(), &[], false).is_err());
+        let call = c.post("https://127.0.0.1:1/x", Bytes::new(), &[], false).unwrap();
         assert_eq!(head(&c, &call).unwrap_err().code, "worker_unreachable");
     }
 
@@ -740,10 +884,10 @@ mod tests {
         });
         let mut c = Client::new(cfg(300)).unwrap();
         let url = format!("http://127.0.0.1:{port}/x");
-        let call = c.post(&url, Bytes::new(), &[]).unwrap();
+        let call = c.post(&url, Bytes::new(), &[], false).unwrap();
         assert_eq!(head(&c, &call), Ok(200));
         assert_eq!(body(&c, &call).unwrap_err().code, "timeout");
-        let call = c.post(&url, Bytes::new(), &[]).unwrap();
+        let call = c.post(&url, Bytes::new(), &[], false).unwrap();
         assert_eq!(head(&c, &call), Ok(200));
         call.abort();
         wait(&c, || call.is_over().then_some(()));
@@ -757,7 +901,7 @@ mod tests {
             false
         });
         let mut c = Client::new(Config { drain: Duration::from_millis(200), ..cfg(10_000) }).unwrap();
-        let call = c.post(&format!("http://127.0.0.1:{port}/x"), Bytes::new(), &[]).unwrap();
+        let call = c.post(&format!("http://127.0.0.1:{port}/x"), Bytes::new(), &[], false).unwrap();
         assert_eq!(head(&c, &call), Ok(200));
         wait(&c, || matches!(call.take(), Take::Data(_)).then_some(()));
         let t = Instant::now();

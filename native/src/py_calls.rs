@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 use std::time::Duration;
 
-use crate::calls::{Call, Client, Config, Failure, Head, Take};
-use crate::sse::{Event, Reader};
+use crate::calls::{Call, Client, Config, Failure, Head, Relayed, Take};
+use crate::sse::{mono_now, Event, Reader, Relay, RelayEnd};
 
 #[pyclass(module = "switchyard_native", name = "WorkerClient")]
 struct PyClient {
@@ -50,9 +50,11 @@ impl PyClient {
         (l.calls, l.ready, l.busy, l.idle)
     }
 
-    /// POST ``body`` to ``url`` with ``headers``; ValueError when it cannot be put on the wire.
-    fn post(&mut self, url: &str, body: &[u8], headers: Vec<(String, String)>) -> PyResult<PyCall> {
-        let call = self.inner.post(url, Bytes::copy_from_slice(body), &headers).map_err(PyValueError::new_err)?;
+    /// POST ``body`` to ``url`` with ``headers``; ``relay``: a 2xx answer is read to its end by
+    /// the crate (``WorkerCall.relayed``). ValueError when it cannot be put on the wire.
+    #[pyo3(signature = (url, body, headers, relay=false))]
+    fn post(&mut self, url: &str, body: &[u8], headers: Vec<(String, String)>, relay: bool) -> PyResult<PyCall> {
+        let call = self.inner.post(url, Bytes::copy_from_slice(body), &headers, relay).map_err(PyValueError::new_err)?;
         Ok(PyCall { call })
     }
 
@@ -109,6 +111,17 @@ impl PyCall {
         }
     }
 
+    /// A relayed call's answer (a 2xx head): None while pending (the call is then made ready when
+    /// there is news: its first token, its end), the first token's time (``time.monotonic()``'s
+    /// clock) unless ``first_known``, or the whole answer (:class:`RelayedAnswer`, given once).
+    fn relayed<'py>(&self, py: Python<'py>, first_known: bool) -> PyResult<Bound<'py, PyAny>> {
+        match self.call.relayed(first_known) {
+            Relayed::Pending => Ok(py.None().into_bound(py)),
+            Relayed::First(t) => Ok(t.into_pyobject(py)?.into_any()),
+            Relayed::Over(r) => Ok(Bound::new(py, answer(py, *r))?.into_any()),
+        }
+    }
+
     /// Done with the answer: True when the rest is being drained (the call is made ready once
     /// that is over).
     fn finish(&self) -> bool {
@@ -156,6 +169,92 @@ impl PySse {
     }
 }
 
+/// A worker's answer read to its end by the crate ([`crate::sse::Relay`]). ``end``: 0 ``[DONE]``,
+/// 1 the worker's error (``detail``: its JSON), 2 data a worker does not send (``detail``: why),
+/// 3 the body ended without ``[DONE]``, 4 the transport failed (``code``, ``detail``).
+#[pyclass(module = "switchyard_native", name = "RelayedAnswer", frozen, get_all)]
+struct PyRelayed {
+    text: String,
+    chunks: u64,
+    token_chunks: u64,
+    tokens: u64,
+    tokens_at_usage: u64,
+    first_at: Option<f64>,
+    itls_ms: Vec<f64>,
+    finish_reason: Option<String>,
+    usage: Option<Py<PyBytes>>,
+    end: u8,
+    code: String,
+    detail: Option<Py<PyAny>>,
+    end_at: f64,
+}
+
+fn answer(py: Python<'_>, r: Relay) -> PyRelayed {
+    {
+        let (end, code, detail): (u8, String, Option<Py<PyAny>>) = match r.end {
+            Some(RelayEnd::Done) => (0, String::new(), None),
+            Some(RelayEnd::Error(e)) => (1, String::new(), Some(PyBytes::new(py, &e).into_any().unbind())),
+            Some(RelayEnd::Bad(why)) => (2, String::new(), Some(why.into_pyobject(py).unwrap().into_any().unbind())),
+            Some(RelayEnd::Cut) | None => (3, String::new(), None),
+            Some(RelayEnd::Failed(c, d)) => (4, c, Some(d.into_pyobject(py).unwrap().into_any().unbind())),
+        };
+        PyRelayed { text: r.text, chunks: r.chunks, token_chunks: r.token_chunks, tokens: r.tokens,
+                    tokens_at_usage: r.tokens_at_usage, first_at: r.first_at, itls_ms: r.itls_ms,
+                    finish_reason: r.finish_reason, usage: r.usage.map(|u| PyBytes::new(py, &u).unbind()), end, code,
+                    detail, end_at: r.end_at }
+    }
+}
+
+/// The same fold fed from Python (the in-memory worker calls): ``feed(piece)`` True when the
+/// first token came in it; ``body_end()``; ``fail(code, detail)``; ``over``; ``first_at``;
+/// ``take()`` the whole answer once over.
+#[pyclass(module = "switchyard_native", name = "SseRelay")]
+struct PyRelay {
+    inner: Option<Relay>,
+}
+
+#[pymethods]
+impl PyRelay {
+    #[new]
+    fn new() -> Self {
+        PyRelay { inner: Some(Relay::default()) }
+    }
+
+    fn feed(&mut self, piece: &[u8]) -> bool {
+        self.inner.as_mut().is_some_and(|r| r.feed(piece, mono_now()))
+    }
+
+    fn body_end(&mut self) -> bool {
+        self.inner.as_mut().is_some_and(|r| r.body_end(mono_now()))
+    }
+
+    fn fail(&mut self, code: &str, detail: &str) {
+        if let Some(r) = self.inner.as_mut() {
+            r.fail(code, detail, mono_now());
+        }
+    }
+
+    #[getter]
+    fn over(&self) -> bool {
+        self.inner.as_ref().is_none_or(|r| r.end.is_some())
+    }
+
+    #[getter]
+    fn first_at(&self) -> Option<f64> {
+        self.inner.as_ref().and_then(|r| r.first_at)
+    }
+
+    fn take(&mut self, py: Python<'_>) -> PyResult<PyRelayed> {
+        match self.inner.take() {
+            Some(r) if r.end.is_some() => Ok(answer(py, r)),
+            other => {
+                self.inner = other;
+                Err(PyValueError::new_err("the answer is not over (or was taken)"))
+            }
+        }
+    }
+}
+
 fn events<'py>(py: Python<'py>, evs: Vec<Event>) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
     for ev in evs {
@@ -177,5 +276,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyClient>()?;
     m.add_class::<PyCall>()?;
     m.add_class::<PySse>()?;
+    m.add_class::<PyRelay>()?;
+    m.add_class::<PyRelayed>()?;
     Ok(())
 }

@@ -4,6 +4,11 @@
 //! finish reason and usage taken out of its JSON, or the worker's `error`, or why the data is not
 //! what a worker sends. The one reading of a worker's stream: `control_plane/router/worker_calls.py`
 //! (`sse_events`) feeds it every piece, whichever adapter carried them.
+//!
+//! [`Relay`] folds those events into the whole answer as the router records it (its text, token
+//! counts, the time of its first token and between tokens, finish reason, usage, how it ended):
+//! what `calls.rs` keeps for a call whose answer the crate reads to its end (a non-streaming
+//! request), and what the in-memory adapter feeds in process.
 
 use std::borrow::Cow;
 
@@ -25,7 +30,7 @@ pub enum Event {
 }
 
 /// Reads one answer; nothing more is read after its end (`Done`, `Error`, `Bad`).
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct Reader {
     rest: Vec<u8>,
     over: bool,
@@ -79,6 +84,137 @@ impl Reader {
             }
         }
     }
+}
+
+/// How a relayed answer ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RelayEnd {
+    /// `[DONE]`: complete.
+    Done,
+    /// The worker's `error` (its JSON).
+    Error(Vec<u8>),
+    /// Data that is not what a worker sends, and why.
+    Bad(String),
+    /// The body ended without `[DONE]`.
+    Cut,
+    /// The transport failed (the router's code, what happened).
+    Failed(String, String),
+}
+
+/// A worker's answer folded as it arrives (module docstring); times are the caller's clock
+/// ([`mono_now`]: the one Python's `time.monotonic()` reads), in seconds.
+#[derive(Default, Debug)]
+pub struct Relay {
+    reader: Reader,
+    events: Vec<Event>,
+    /// Every chunk's text, in order.
+    pub text: String,
+    /// Chunks read (with a choice, or a usage record alone).
+    pub chunks: u64,
+    /// Chunks that carried a token (text or token ids).
+    pub token_chunks: u64,
+    /// Tokens: each token chunk's ids, at least one.
+    pub tokens: u64,
+    /// `tokens` when the last usage record came (0: none came).
+    pub tokens_at_usage: u64,
+    pub first_at: Option<f64>,
+    last_at: f64,
+    /// Between one token chunk and the next, in ms.
+    pub itls_ms: Vec<f64>,
+    /// The last non-empty finish reason.
+    pub finish_reason: Option<String>,
+    /// The last usage record (JSON), when one was not empty.
+    pub usage: Option<Vec<u8>>,
+    pub end: Option<RelayEnd>,
+    pub end_at: f64,
+}
+
+impl Relay {
+    /// Folds the events of the lines `piece` completes, read at `now`; true when the answer's
+    /// first token came in it.
+    pub fn feed(&mut self, piece: &[u8], now: f64) -> bool {
+        if self.end.is_some() {
+            return false;
+        }
+        let had = self.first_at.is_some();
+        let mut evs = std::mem::take(&mut self.events);
+        self.reader.feed(piece, &mut evs);
+        self.fold(&mut evs, now);
+        self.events = evs;
+        !had && self.first_at.is_some()
+    }
+
+    /// The body ended at `now`: a last line without LF is read; no `[DONE]` is a cut answer.
+    /// True when the first token came in that last line.
+    pub fn body_end(&mut self, now: f64) -> bool {
+        if self.end.is_some() {
+            return false;
+        }
+        let had = self.first_at.is_some();
+        let mut evs = std::mem::take(&mut self.events);
+        self.reader.end(&mut evs);
+        self.fold(&mut evs, now);
+        self.events = evs;
+        if self.end.is_none() {
+            self.end = Some(RelayEnd::Cut);
+            self.end_at = now;
+        }
+        !had && self.first_at.is_some()
+    }
+
+    /// The transport failed at `now` (nothing more comes).
+    pub fn fail(&mut self, code: &str, detail: &str, now: f64) {
+        if self.end.is_none() {
+            self.end = Some(RelayEnd::Failed(code.to_string(), detail.to_string()));
+            self.end_at = now;
+        }
+    }
+
+    fn fold(&mut self, evs: &mut Vec<Event>, now: f64) {
+        for ev in evs.drain(..) {
+            match ev {
+                Event::Chunk { text, token_ids, finish_reason, usage } => {
+                    self.chunks += 1;
+                    if !text.is_empty() || !token_ids.is_empty() {
+                        self.token_chunks += 1;
+                        match self.first_at {
+                            None => self.first_at = Some(now),
+                            Some(_) => self.itls_ms.push((now - self.last_at) * 1000.0),
+                        }
+                        self.last_at = now;
+                        self.tokens += token_ids.len().max(1) as u64;
+                    }
+                    self.text.push_str(&text);
+                    if let Some(f) = finish_reason.filter(|f| !f.is_empty()) {
+                        self.finish_reason = Some(f);
+                    }
+                    if let Some(u) = usage {
+                        self.usage = Some(u);
+                        self.tokens_at_usage = self.tokens;
+                    }
+                }
+                Event::Usage(u) => {
+                    self.chunks += 1;
+                    self.usage = Some(u);
+                    self.tokens_at_usage = self.tokens;
+                }
+                Event::Done => self.end = Some(RelayEnd::Done),
+                Event::Error(e) => self.end = Some(RelayEnd::Error(e)),
+                Event::Bad(why) => self.end = Some(RelayEnd::Bad(why)),
+            }
+            if self.end.is_some() {
+                self.end_at = now;
+            }
+        }
+    }
+}
+
+/// Seconds on `CLOCK_MONOTONIC`: the clock of Python's `time.monotonic()` (Linux).
+pub fn mono_now() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid pointer to a timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 fn memchr(s: &[u8], from: usize) -> Option<usize> {
@@ -183,6 +319,42 @@ mod tests {
     fn the_workers_error_ends_the_answer() {
         let got = all(&[b"data: {\"error\":{\"message\":\"boom\"}}\ndata: [DONE]\n"]);
         assert_eq!(got, vec![Event::Error(b"{\"message\":\"boom\"}".to_vec())]);
+    }
+
+    #[test]
+    fn a_relay_folds_the_whole_answer_and_times_its_tokens() {
+        let mut r = Relay::default();
+        assert!(!r.feed(b"data: {\"choices\":[{\"text\":\"\"}]}\n", 1.0));
+        assert!(r.feed(b"data: {\"choices\":[{\"text\":\"a\",\"token_ids\":[1,2]}]}\ndata: {\"choices\":[{\"te", 1.5));
+        assert!(!r.feed(b"xt\":\"b\",\"finish_reason\":\"stop\"}]}\n", 1.75));
+        assert!(!r.feed(b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":3}}\ndata: [DONE]\n", 2.0));
+        assert_eq!((r.text.as_str(), r.chunks, r.token_chunks, r.tokens, r.tokens_at_usage), ("ab", 4, 2, 3, 3));
+        assert_eq!((r.first_at, r.itls_ms.clone(), r.finish_reason.as_deref()), (Some(1.5), vec![250.0], Some("stop")));
+        assert_eq!((r.end.clone(), r.end_at, r.usage.as_deref()), (Some(RelayEnd::Done), 2.0, Some(&b"{\"completion_tokens\":3}"[..])));
+        assert!(!r.feed(b"data: {\"choices\":[{\"text\":\"c\"}]}\n", 3.0), "nothing after the end");
+        assert_eq!(r.text, "ab");
+    }
+
+    #[test]
+    fn a_relay_without_done_is_cut_and_a_failure_is_kept() {
+        let mut r = Relay::default();
+        assert!(!r.body_end(1.0) && r.end == Some(RelayEnd::Cut));
+        let mut r = Relay::default();
+        assert!(r.body_end_after(b"data: {\"choices\":[{\"text\":\"x\"}]}", 2.0));
+        assert_eq!((r.text.as_str(), r.end.clone()), ("x", Some(RelayEnd::Cut)));
+        let mut r = Relay::default();
+        r.feed(b"data: {\"error\":{\"m\":1}}\n", 1.0);
+        r.fail("timeout", "late", 2.0);
+        assert_eq!(r.end, Some(RelayEnd::Error(b"{\"m\":1}".to_vec())));
+        let mut r = Relay::default();
+        r.fail("worker_lost", "reset", 2.0);
+        assert_eq!(r.end, Some(RelayEnd::Failed("worker_lost".into(), "reset".into())));
+    }
+
+    impl Relay {
+        fn body_end_after(&mut self, piece: &[u8], now: f64) -> bool {
+            self.feed(piece, now) | self.body_end(now)
+        }
     }
 
     #[test]

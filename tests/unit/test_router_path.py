@@ -34,6 +34,7 @@ from control_plane.router.worker_calls import CallFailed, MemoryReply, MemoryWor
 from common.hashing import HashAlgo, HashConfig, hash_blocks
 from common.log.sink import MemorySink
 from schemas.events import (
+    PrefillCompleted,
     RequestAdmitted,
     RequestCompleted,
     RequestFailed,
@@ -470,6 +471,53 @@ async def _post(router: Router, stream: bool) -> tuple[httpx.Response, RouterMet
     app = create_app(RouterApp(router=router, tokenizer=None, metrics=metrics, served_model="m", health=lambda: None))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         return await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": stream}), metrics
+
+
+async def test_a_non_streaming_answer_is_read_whole_by_the_crate_and_recorded_as_a_stream_is() -> None:
+    """Not streamed, the worker's answer is read to its end by the crate (``Reply.relay``): the
+    router is woken at its first token (``PrefillCompleted``) and at its end, with the same
+    record a streamed answer gets (tokens from usage, cached tokens, finish reason, times)."""
+    router, sink, fake, check = _scenario([_worker("w-a")], [tokens("Hel", "lo", ".")])
+    r, metrics = await _post(router, stream=False)
+
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"] == [{"index": 0, "text": "Hello.", "finish_reason": "length", "logprobs": None}]
+    assert body["usage"] == USAGE["usage"] and body["id"] == r.headers["x-request-id"]
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestCompleted"]
+    [prefilled], [done] = sink.of_type(PrefillCompleted), sink.of_type(RequestCompleted)
+    assert (done.worker_id, done.output_tokens, done.cached_tokens, done.finish_reason) == ("w-a", 3, 16, "length")
+    assert 0 < done.ttft_ms == prefilled.duration_ms <= done.e2e_ms and done.itl_p50_ms >= 0
+    assert fake.calls[0].body["stream"] is True  # the worker always streams; the crate reads it
+    check.verify()
+    assert len(router.ledger) == 0 and router.ledger.open_requests() == 0
+    await router.close()
+
+
+@pytest.mark.parametrize(("answer", "code"), [(token_then_error, "worker_error"), (token_then_cut, "worker_lost")])
+async def test_a_non_streaming_answer_failing_after_its_first_token_is_a_502_and_no_retry(answer, code: str) -> None:
+    router, sink, fake, check = _scenario([_worker("w-a"), _worker("w-b")], [answer("Hel"), tokens("never")])
+    r, metrics = await _post(router, stream=False)
+
+    assert r.status_code == 502 and r.json()["error"]["code"] == "worker_failed"
+    assert "after 1 tokens" in r.json()["error"]["message"] and len(fake.calls) == 1
+    assert _types(sink) == ["RequestAdmitted", "RequestRouted", "PrefillCompleted", "RequestFailed"]
+    [failed] = sink.of_type(RequestFailed)
+    assert (failed.code, failed.retried, failed.tokens_sent, failed.worker_id) == (code, False, 1, fake.calls[0].worker)
+    check.verify()
+    await router.close()
+
+
+async def test_a_non_streaming_answer_that_is_not_a_workers_stream_is_retried_before_its_first_token() -> None:
+    router, sink, fake, check = _scenario([_worker("w-a"), _worker("w-b")], [garbled(), tokens("ok")])
+    r, _ = await _post(router, stream=False)
+
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+    [failed] = sink.of_type(RequestFailed)
+    assert (failed.code, failed.retried, failed.tokens_sent) == ("bad_response", True, 0)
+    assert "JSON is malformed" in failed.reason
+    check.verify()
+    await router.close()
 
 
 async def test_a_request_whose_last_attempt_failed_ends_once_as_failed_not_also_rejected() -> None:
