@@ -32,12 +32,16 @@ Why the fit is a fold that replay re-derives bit for bit:
   :data:`FIT_WINDOW_S` older than ``now``; the window is shorter than the look-back replay folds
   before a range (``inflight_ttl_s`` + 60 s, at least 600 s), so a replay that starts mid-log
   holds the same observations as the live router did.
-* Solving is a deterministic function of the sums (a 6x6 Gaussian elimination in floats).
+* Solving is a deterministic function of the sums (a 6x6 Gaussian elimination in floats, in the
+  crate: ``native/src/ttft_fit.rs``, the same operations in the same order as the Python it
+  replaced, ``tests/oracles/ttft_solve.py``, so old logs' fits re-derive bit for bit).
 """
 
 from __future__ import annotations
 
 import heapq
+
+import switchyard_native
 
 from schemas.events import CandidateScore, TtftModel
 from schemas.types import RequestId, RequestPhase, WorkerId
@@ -67,117 +71,86 @@ def _params(m: TtftModel) -> tuple[float, ...]:
     return cost_vector(m)
 
 
-class _Sums:
-    """Exact sums of one set of observations: n, X^T W X (upper triangle), X^T W y (y in us,
-    W the integer weights 2^62 // y)."""
+#: Where ``X^T W X`` is kept: its upper triangle's (i, j), row by row; the position there of
+#: each (i, j) of the whole matrix, row-major (what the crate reads), and of the diagonal's.
+_UPPER = tuple((i, j) for i in range(_N) for j in range(i, _N))
+_FULL = tuple(_UPPER.index((min(i, j), max(i, j))) for i in range(_N) for j in range(_N))
+_DIAG = tuple(_UPPER.index((i, i)) for i in range(_N))
 
-    __slots__ = ("n", "xx", "xy")
+
+class _Sums:
+    """Exact sums of one set of observations: n, X^T W X (its upper triangle, ``_UPPER``),
+    X^T W y (y in us, W the integer weights 2^62 // y)."""
+
+    __slots__ = ("n", "xx", "xy", "_solver")
 
     def __init__(self) -> None:
         self.n = 0
-        self.xx = [0] * (_N * _N)
+        self.xx = [0] * len(_UPPER)
         self.xy = [0] * _N
+        self._solver: switchyard_native.TtftSolver | None = None
 
     def add(self, x: tuple[int, ...], y_us: int, sign: int, wait_us: int = 0) -> None:
-        """One observation in (``sign`` 1) or out (-1): ``y_us`` the TTFT, of which ``wait_us``
-        the wait behind the queue the prediction priced apart (``TtftModel.queue_tokens_per_ms``):
-        the costs are fitted to the rest, the weight stays the whole TTFT's."""
+        """One observation in (``sign`` 1) or out (-1) (:func:`_terms`)."""
+        self.apply(sign, _terms(x, y_us, sign, wait_us))
+
+    def apply(self, sign: int, terms: tuple[list[int], list[int]]) -> None:
+        """One observation's :func:`_terms` in (``sign`` 1, the terms made with it) or out (-1)."""
         self.n += sign
-        # Relative error is what is judged (a 70 ms TTFT predicted at 250 is as wrong as a 7 s one
-        # at 25 s), but 1/y^2 lets noisy short requests set the costs of long ones: each
-        # observation weighs 1/y (on the bench e2e logs, p90 error 0.94-0.98 against 1.16-1.24
-        # unweighted and 0.68-0.87 at 1/y^2, p50 0.20-0.24 against 0.17-0.25 and 0.31-0.33),
-        # as an integer so the sums stay exact.
-        w = _REL_WEIGHT // max(y_us, 1000) * sign
-        y_us -= wait_us
-        for i in range(_N):
-            xi = x[i] * w
-            self.xy[i] += xi * y_us
-            for j in range(i, _N):
-                self.xx[i * _N + j] += xi * x[j]
+        self._solver = None
+        self.xx = list(map(int.__add__, self.xx, terms[0]))
+        self.xy = list(map(int.__add__, self.xy, terms[1]))
+
+    def floats(self) -> tuple[list[float], list[float], list[float]]:
+        """What the crate's solve reads (:func:`_solver`): X^T W X whole, as floats; X^T W y
+        over 1000 (y in ms; ``int / int`` rounds the exact quotient once); the prior weights."""
+        xx = [float(v) for v in self.xx]
+        return [xx[k] for k in _FULL], [v / 1000 for v in self.xy], _prior_weights(self)
+
+    def solver(self) -> switchyard_native.TtftSolver:
+        """The crate's solver of these sums (:func:`_solver`), kept until they change."""
+        if self._solver is None:
+            self._solver = _solver(self)
+        return self._solver
 
 
-#: An affine map of the prior (``c``, ``K``) for one set of free costs: see :func:`_affine`.
-Affine = tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]
+def _terms(x: tuple[int, ...], y_us: int, sign: int, wait_us: int = 0) -> tuple[list[int], list[int]]:
+    """What one observation adds to the sums (``sign`` 1) or takes off them (-1), computed once
+    for its worker's and the pool's: ``y_us`` the TTFT, of which ``wait_us`` the wait behind the
+    queue the prediction priced apart (``TtftModel.queue_tokens_per_ms``): the costs are fitted
+    to the rest, the weight stays the whole TTFT's."""
+    # Relative error is what is judged (a 70 ms TTFT predicted at 250 is as wrong as a 7 s one
+    # at 25 s), but 1/y^2 lets noisy short requests set the costs of long ones: each
+    # observation weighs 1/y (on the bench e2e logs, p90 error 0.94-0.98 against 1.16-1.24
+    # unweighted and 0.68-0.87 at 1/y^2, p50 0.20-0.24 against 0.17-0.25 and 0.31-0.33),
+    # as an integer so the sums stay exact.
+    w = _REL_WEIGHT // max(y_us, 1000) * sign
+    y = y_us - wait_us
+    xw = [v * w for v in x]
+    return [xw[i] * x[j] for i, j in _UPPER], [v * y for v in xw]
 
 
-def _solve(s: _Sums, prior: tuple[float, ...], maps: dict[tuple[int, ...], Affine] | None = None
-           ) -> tuple[float, ...]:
-    """Ridge around ``prior``: minimise sum (y - x.theta)^2 + sum w_i ((theta_i - prior_i) s_i)^2,
-    in the scaled space (theta_i s_i), with costs >= 0 (negative ones pinned at 0, re-solved
-    over the others). ``maps``: the affine maps of ``s`` already computed, by free set (read and
-    filled; the caller drops them when ``s`` changes)."""
-    free = tuple(range(_N))
-    while True:
-        aff = None if maps is None else maps.get(free)
-        if aff is None:
-            aff = _affine(s, free)
-            if maps is not None:
-                maps[free] = aff
-        c, k = aff
-        p = [prior[i] * _SCALE[i] for i in free]
-        theta = [0.0] * _N
-        for r, i in enumerate(free):
-            z, kr = c[r], k[r]
-            for j in range(len(free)):
-                z += kr[j] * p[j]
-            theta[i] = z / _SCALE[i]
-        neg = [i for i in free if theta[i] < 0]
-        if not neg:
-            return tuple(theta)
-        free = tuple(i for i in free if i not in neg)
-        if not free:
-            return tuple(0.0 for _ in range(_N))
-
-
-def _affine(s: _Sums, free: tuple[int, ...]) -> Affine:
-    """The fit of the ``free`` costs (the others pinned at 0) as an affine function of the prior
-    it is pulled toward, from the sums alone: in the scaled space, ``z = c + K p`` solves
-    ``(A + D) z = b + D p`` (``A``, ``b`` the scaled sums over ``free``, ``D`` the prior weights,
-    ``p`` the scaled prior), so ``c = (A + D)^-1 b`` and ``K = (A + D)^-1 D``. A worker's maps
-    depend on its own observations only: a change of the pool's fit (its prior, at every
-    completion of any worker) then costs each worker a small matrix product, not a solve
+def _solver(s: _Sums) -> switchyard_native.TtftSolver:
+    """``s`` reduced to floats (:meth:`_Sums.floats`, once per change) for the crate's solve
+    (``native/src/ttft_fit.rs``): ridge around the prior it is given, minimising
+    sum (y - x.theta)^2 + sum w_i ((theta_i - prior_i) s_i)^2 in the scaled space
+    (theta_i s_i), with costs >= 0 (negative ones pinned at 0, re-solved over the others). For
+    each set of free costs the fit is an affine function of the prior, from the sums alone (in
+    the scaled space ``z = c + K p`` solves ``(A + D) z = b + D p``: ``A``, ``b`` the scaled
+    sums, ``D`` the prior weights, ``p`` the scaled prior; a 6x6 Gaussian elimination with
+    partial pivoting, one right-hand side for ``b`` and one per column of ``D``), which the
+    solver keeps: a change of the pool's fit (a worker's prior, at every completion of any
+    worker) then costs each worker a 6x6 product, not a solve
     (``benchmarks/router_ttft_path.py``)."""
-    ws = _prior_weights(s)
-    k = len(free)
-    a = [[s.xx[min(i, j) * _N + max(i, j)] / (_SCALE[i] * _SCALE[j]) + (ws[i] if i == j else 0.0) for j in free]
-         + [s.xy[i] / 1000 / _SCALE[i]]  # y in ms
-         + [ws[i] if r == c else 0.0 for c in range(k)]
-         for r, i in enumerate(free)]
-    z = _gauss_columns(a, 1 + k)
-    return tuple(row[0] for row in z), tuple(tuple(row[1:]) for row in z)
-
-
-def _gauss_columns(a: list[list[float]], m: int) -> list[list[float]]:
-    """Solve the symmetric positive definite system ``a`` (k rows of k coefficients then ``m``
-    right-hand sides) for every right-hand side at once (partial pivoting); the solutions as
-    rows, one value per side."""
-    k = len(a)
-    for col in range(k):
-        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
-        a[col], a[piv] = a[piv], a[col]
-        for r in range(col + 1, k):
-            f = a[r][col] / a[col][col]
-            if f:
-                for c in range(col, k + m):
-                    a[r][c] -= f * a[col][c]
-    z = [[0.0] * m for _ in range(k)]
-    for r in range(k - 1, -1, -1):
-        row, d = a[r], a[r][r]
-        for j in range(m):
-            acc = row[k + j]
-            for c in range(r + 1, k):
-                acc -= row[c] * z[c][j]
-            z[r][j] = acc / d
-    return z
+    return switchyard_native.TtftSolver(*s.floats())
 
 
 def _prior_weights(s: _Sums) -> list[float]:
     # Each cost's prior weighs PRIOR_WEIGHT mean observations of that feature (a diagonal
     # g-prior): n observations pull a cost n / (n + PRIOR_WEIGHT) of the way from the prior,
     # however large the requests were. A feature never seen keeps the reference scale.
-    return [PRIOR_WEIGHT * (s.xx[i * _N + i] / s.n / (_SCALE[i] * _SCALE[i]) if s.xx[i * _N + i] > 0 and s.n > 0
-                            else 1.0) for i in range(_N)]
+    return [PRIOR_WEIGHT * (s.xx[d] / s.n / (_SCALE[i] * _SCALE[i]) if s.xx[d] > 0 and s.n > 0 else 1.0)
+            for i, d in enumerate(_DIAG)]
 
 
 class TtftFit:
@@ -187,12 +160,13 @@ class TtftFit:
     What is cached, and what a change invalidates: every decision reads every candidate's
     model, and every completion changes the pool's fit (every worker's prior) and one worker's
     own sums. So the pool's model is re-solved once per change, a worker's own sums are reduced
-    to their affine maps (:func:`_affine`) only when that worker's observations change, and a
-    worker's model is those maps applied to the pool's fit (a 6x6 product per step of the
-    non-negativity loop), kept until the next change. Each is a function of the current sums only, so when it is recomputed does not
-    change a bit of the result."""
+    to their affine maps (the crate's solver, :func:`_solver`, kept on the sums) only when that
+    worker's observations change, and a worker's model is those maps applied to the pool's fit
+    (a 6x6 product per step of the non-negativity loop), kept until the next change. Each is a
+    function of the current sums only, so when it is recomputed does not change a bit of the
+    result."""
 
-    __slots__ = ("prior", "_pending", "_obs", "_expiry", "_by_worker", "_pool", "_affine", "_models", "_pool_fit",
+    __slots__ = ("prior", "_pending", "_obs", "_expiry", "_by_worker", "_pool", "_models", "_pool_fit",
                  "_seq", "_rates", "_rate_pool", "_rate_expiry")
 
     def __init__(self, prior: TtftModel = PRIOR) -> None:
@@ -206,8 +180,6 @@ class TtftFit:
         self._expiry: list[tuple[float, int]] = []
         self._by_worker: dict[WorkerId, _Sums] = {}
         self._pool = _Sums()
-        #: Worker -> its sums' affine maps by free set (dropped when its observations change).
-        self._affine: dict[WorkerId, dict[tuple[int, ...], Affine]] = {}
         #: Worker -> its model, and the pool's model (both dropped at every change).
         self._models: dict[WorkerId, TtftModel] = {}
         self._pool_fit: TtftModel | None = None
@@ -265,8 +237,9 @@ class TtftFit:
         self._seq += 1
         self._obs[self._seq] = (worker, x, y, wait)
         heapq.heappush(self._expiry, (at, self._seq))
-        self._by_worker.setdefault(worker, _Sums()).add(x, y, 1, wait)
-        self._pool.add(x, y, 1, wait)
+        terms = _terms(x, y, 1, wait)
+        self._by_worker.setdefault(worker, _Sums()).apply(1, terms)
+        self._pool.apply(1, terms)
         self._changed(worker)
 
     def prefilled(self, worker: WorkerId, since_s: float, at_s: float, tokens: int) -> None:
@@ -312,16 +285,16 @@ class TtftFit:
         while self._expiry and self._expiry[0][0] < horizon:
             _, oid = heapq.heappop(self._expiry)
             worker, x, y, wait = self._obs.pop(oid)
+            terms = _terms(x, y, -1, wait)
             sums = self._by_worker[worker]
-            sums.add(x, y, -1, wait)
+            sums.apply(-1, terms)
             if not sums.n:
                 del self._by_worker[worker]
-            self._pool.add(x, y, -1, wait)
+            self._pool.apply(-1, terms)
             self._changed(worker)
 
     def _changed(self, worker: WorkerId) -> None:
         """``worker``'s observations (and so the pool's) changed."""
-        self._affine.pop(worker, None)
         self._models.clear()
         self._pool_fit = None
 
@@ -335,10 +308,7 @@ class TtftFit:
         sums = self._by_worker.get(worker)
         if sums is None:
             return pool
-        maps = self._affine.get(worker)
-        if maps is None:
-            maps = self._affine[worker] = {}
-        b, st, t, cc, d, sq = _solve(sums, _params(pool), maps)
+        b, st, t, cc, d, sq = sums.solver().solve(_params(pool))
         m = self._models[worker] = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * cc,
                                              ms_per_decode_block_step=d, ms_per_step_token_sq=sq,
                                              chunk_tokens=self.prior.chunk_tokens, samples=sums.n,
@@ -351,7 +321,7 @@ class TtftFit:
             if not self._pool.n:
                 m = self.prior
             else:
-                b, st, t, c, d, sq = _solve(self._pool, _params(self.prior))
+                b, st, t, c, d, sq = self._pool.solver().solve(_params(self.prior))
                 m = TtftModel(base_ms=b, step_ms=st, ms_per_token=t, ms_per_token_ctx=2 * c, ms_per_decode_block_step=d,
                               ms_per_step_token_sq=sq,
                               chunk_tokens=self.prior.chunk_tokens, samples=0, pool_samples=self._pool.n)

@@ -12,6 +12,8 @@
 //! * [`signing`]: a worker's signature on a kv record, checked as `schemas/signing.py` does;
 //! * [`blockhash`]: vLLM's sha256 block hash, for the simulated engine's trace replay;
 //! * [`tokenize`]: the hash tokenizer of string prompts, as `common/tokenizer.py`;
+//! * [`ttft_fit`]: the TTFT fit's solve (ridge around a prior, costs >= 0), as
+//!   `tests/oracles/ttft_solve.py` (the router's only one: `control_plane/router/ttft_fit.py`);
 //! * [`calls`]: the router's HTTP calls to workers (hyper on a tokio thread of its own).
 //! * [`sse`]: a worker's streamed answer read into the relay's events;
 //! * [`front`]: the router's HTTP server (hyper on tokio threads of its own), which hands requests
@@ -35,6 +37,7 @@ pub mod mp;
 pub mod signing;
 pub mod sse;
 pub mod tokenize;
+pub mod ttft_fit;
 pub mod wake;
 
 #[cfg(feature = "python")]

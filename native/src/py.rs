@@ -882,5 +882,6 @@ fn switchyard_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::py_front::register(m)?;
     crate::py_produce::register(m)?;
     crate::tokenize::py::register(m)?;
+    crate::ttft_fit::py::register(m)?;
     Ok(())
 }

@@ -132,7 +132,7 @@ def test_reading_between_changes_gives_the_same_models_bit_for_bit() -> None:
     """The caches (a worker's affine maps, kept until its own observations change; the models,
     until any change) hold functions of the current sums only: a fit read after every event
     and one read only at the end give the same models, the uncached solve's, bit for bit."""
-    from control_plane.router.ttft_fit import _params, _solve
+    from control_plane.router.ttft_fit import _params, _solver
 
     reqs = [(rid, msgspec_replace(row, worker_id=f"w-{k % 3}"), p) for k, (rid, row, p) in enumerate(_requests(300))]
     read_often, read_once = TtftFit(), TtftFit()
@@ -145,7 +145,7 @@ def test_reading_between_changes_gives_the_same_models_bit_for_bit() -> None:
     for w in ("w-0", "w-1", "w-2", "w-3"):
         assert read_often.model(w) == read_once.model(w)
     m = read_once.model("w-1")
-    solved = _solve(read_once._by_worker["w-1"], _params(read_once.model("w-3")))
+    solved = _solver(read_once._by_worker["w-1"]).solve(_params(read_once.model("w-3")))
     assert _params(m) == solved
 
 
