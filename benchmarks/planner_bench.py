@@ -442,7 +442,8 @@ def planner_config(budget: int, ttft_slo_ms: float, itl_slo_ms: float, predictor
     decode_standing = overrides.pop("decode_standing_headroom", None)
     fields = dict(version=1, gpu_budget=budget, tick_s=5.0, tumbling_s=5.0, hop_step_s=5.0, hopping_s=30.0,
                   grace_s=0.5, cooldown_up_s=5.0, cooldown_down_s=60.0, scale_down_ticks=4, startup_timeout_s=120.0,
-                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.95, max_utilization=0.75, lead_time_s=lead_time_s)
+                  warmup_s=30.0, noise_z=0.5, slo_quantile=0.95, max_utilization=0.75, lead_time_s=lead_time_s,
+                  standing_headroom_from=0.0)
     fields.update(overrides)
     return resolve_profiles(PlannerConfig(
         pools=(PoolConfig(name="prefill", role=WorkerRole.PREFILL, min_replicas=1, max_replicas=budget - 1,
@@ -874,11 +875,13 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
                                          ttft_slo_ms=ttft_slo_ms, itl_slo_ms=itl_slo_ms, startup_s=startup_s,
                                          configs=dynamo_tune_configs or TUNE_BUDGET, jobs=jobs)
         setup = planner_dynamo.Setup(chosen)
+    own = cfg.pool("decode").standing_headroom
+    decode_standing = cfg.standing_headroom if own is None else own
     print(f"budget {budget} GPUs, SLO TTFT {ttft_slo_ms:g} ms and ITL {itl_slo_ms:g} ms, new workers ready after "
           f"{startup_s:g} s; one planner config for every load: {predictor}, {cfg.tick_s:g} s ticks, forecast "
           f"{cfg.horizon_s:g} s ahead ({cfg.rise_horizon_s:g} s on a confirmed rise), headroom at the "
           f"{cfg.headroom_quantile:g} expectile of its measured error "
-          f"(at most {cfg.max_headroom:.0%}), standing {cfg.standing_headroom:.0%} from "
+          f"(at most {cfg.max_headroom:.0%}), standing {cfg.standing_headroom:.0%} (decode {decode_standing:.0%}) from "
           f"{cfg.standing_headroom_from:.0%} of the budget (tuned on {', '.join(map(str, tune_set)) or 'nothing'}: "
           f"{tuned or 'defaults'}); score cases {', '.join(map(str, score)) or 'none'} x "
           f"{', '.join(score_shapes)}; {jobs} jobs", flush=True)
@@ -956,12 +959,14 @@ def main(trace: str | Path | None = TRACE, *, limit: int = 7500, budget: int = 1
 
 #: What tuning sweeps by default: our knobs (planner config field -> values). Four points, the
 #: number of configs Dynamo's side tries per target (``planner_dynamo.TUNE_BUDGET``): the
-#: standing headroom, and the share of the budget it stands from (0: always). 0.35 from 0 won
-#: the tune set but reversed 5 times in the constant shape's 10 minutes (0.2: once), so the grid
-#: stops at 0.2. The safety stock (``safety_z``) is not in it: its default (2.5) was chosen on
-#: the tune set once the settled rate held the constant load still (1 reversed up to once in 10
-#: minutes too, but left agentic:1 0.08 below static; docs/planner-bench.md).
-TUNE_GRID: dict[str, tuple[float, ...]] = {"standing_headroom": (0.1, 0.2), "standing_headroom_from": (0.0, 0.5)}
+#: standing headroom, and decode's own (``decode_standing_headroom``: decode's capacity ends at
+#: a wall; 0.2, the planner's, or 0.65, chosen on agentic:1:burst_ramp40, docs/planner-bench.md).
+#: It stands from 0 of the budget (always: ``planner_config``), what every tuning since round 3
+#: chose. 0.35 won the tune set but reversed 5 times in the constant shape's 10 minutes (0.2:
+#: once), so the grid stops at 0.2. The safety stock (``safety_z``) is not in it: its default
+#: (2.5) was chosen on the tune set once the settled rate held the constant load still (1
+#: reversed up to once in 10 minutes too, but left agentic:1 0.08 below static).
+TUNE_GRID: dict[str, tuple[float, ...]] = {"standing_headroom": (0.1, 0.2), "decode_standing_headroom": (0.2, 0.65)}
 
 
 def fast_kwargs() -> dict:
