@@ -180,6 +180,18 @@ class Worker:
     outstanding: int = 0
 
 
+def miss(r: Req, ttft_slo_ms: float, itl_slo_ms: float) -> str | None:
+    """Why ``r`` missed its SLO: ``unfinished``, ``ttft`` or ``itl`` (its mean inter-token
+    latency, first to last token); None: it attained it."""
+    if r.first_ms is None or r.last_ms is None or r.outputs < r.osl:
+        return "unfinished"
+    if r.first_ms - r.arrival_ms > ttft_slo_ms:
+        return "ttft"
+    if r.outputs > 1 and (r.last_ms - r.first_ms) / (r.outputs - 1) > itl_slo_ms:
+        return "itl"
+    return None
+
+
 @dataclass
 class SimResult:
     label: str
@@ -190,15 +202,7 @@ class SimResult:
     wall_s: float = 0.0
 
     def attainment(self, ttft_slo_ms: float, itl_slo_ms: float) -> float:
-        good = 0
-        for r in self.requests:
-            if r.first_ms is None or r.last_ms is None or r.outputs < r.osl:
-                continue
-            if r.first_ms - r.arrival_ms > ttft_slo_ms:
-                continue
-            if r.outputs > 1 and (r.last_ms - r.first_ms) / (r.outputs - 1) > itl_slo_ms:
-                continue
-            good += 1
+        good = sum(1 for r in self.requests if miss(r, ttft_slo_ms, itl_slo_ms) is None)
         return good / len(self.requests) if self.requests else 0.0
 
     def replica_seconds(self) -> float:
@@ -388,9 +392,14 @@ class Sim(Hooks):
                                               active_decode_blocks=st.active_blocks), t, w.wid)
         now = int(t * 1e6)
         decision, self.state = decide(now, self.view.snapshot(now), self.planner, self.state)
+        self.on_tick(t, decision)
         for eff in decision.effects:
             self.decisions.append((t / 1000.0, eff.pool, eff.from_replicas, eff.to_replicas))
             self.scale(eff.pool, eff.to_replicas, t, eff.drain)
+
+    def on_tick(self, t: float, decision) -> None:
+        """Each planner tick's decision (with every pool's report), before it is applied: a
+        tracer's hook (``planner_trace``)."""
 
     def _scripted(self, pool: str, to: int, t: float) -> None:
         n = sum(1 for w in self.workers.values() if w.pool == pool and w.state in ("starting", "ready"))

@@ -14,9 +14,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 
-from benchmarks.planner_bench import Sim, _fresh, initial_split, planner_config, workload_load
-from control_plane.planner.policy import decide
-from schemas.events import WorkerLoadReported
+from benchmarks.planner_bench import Sim, _fresh, initial_split, miss, planner_config, workload_load
 
 
 class TracedSim(Sim):
@@ -26,36 +24,20 @@ class TracedSim(Sim):
         super().__init__(*a, **kw)
         self.reports: list[tuple[float, object]] = []
 
-    def _tick(self, t: float) -> None:
-        for w in self.workers.values():
-            if w.state in ("ready", "draining"):
-                st = w.core.stats()
-                self._emit(WorkerLoadReported(worker_id=w.wid, running=st.running, waiting=st.waiting,
-                                              tier_usage={"device": st.kv_usage},
-                                              queued_prefill_tokens=st.queued_prefill_tokens,
-                                              active_decode_blocks=st.active_blocks), t, w.wid)
-        now = int(t * 1e6)
-        decision, self.state = decide(now, self.view.snapshot(now), self.planner, self.state)
-        for rep in decision.reports:
-            self.reports.append((t / 1000.0, rep))
-        for eff in decision.effects:
-            self.decisions.append((t / 1000.0, eff.pool, eff.from_replicas, eff.to_replicas))
-            self.scale(eff.pool, eff.to_replicas, t, eff.drain)
+    def on_tick(self, t: float, decision) -> None:
+        self.reports.extend((t / 1000.0, rep) for rep in decision.reports)
 
 
 def misses(res, ttft_slo_ms: float, itl_slo_ms: float, window_s: float):
     """Per arrival window: (requests, TTFT misses, ITL misses, unfinished)."""
     out: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    col = {"ttft": 1, "itl": 2, "unfinished": 3}
     for r in res.requests:
         row = out[int(r.arrival_ms / 1000 // window_s)]
         row[0] += 1
-        if r.first_ms is None or r.last_ms is None or r.outputs < r.osl:
-            row[3] += 1
-            continue
-        if r.first_ms - r.arrival_ms > ttft_slo_ms:
-            row[1] += 1
-        elif r.outputs > 1 and (r.last_ms - r.first_ms) / (r.outputs - 1) > itl_slo_ms:
-            row[2] += 1
+        why = miss(r, ttft_slo_ms, itl_slo_ms)
+        if why is not None:
+            row[col[why]] += 1
     return out
 
 
