@@ -61,6 +61,12 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     #: here. Its arrivals and ISL are this pool's demand (measured upstream: a decode pool behind
     #: an overloaded prefill pool sees only what prefill lets through).
     fed_by: str | None = None
+    #: This pool's standing headroom (None: the planner's ``standing_headroom``). A pool whose
+    #: capacity ends at a wall (decode: the KV cache and ``max_num_seqs``; a request queued
+    #: there waits between its tokens, so its mean ITL fails) loses every request above it
+    #: while an order starts, where a prefill queue only ages; so decode may stand further
+    #: ahead of the forecast than prefill (docs/planner.md).
+    standing_headroom: float | None = None
     #: Resolved performance table (filled by :func:`resolve_profiles` from ``profile``).
     performance: PerformanceProfile | None = None
 
@@ -92,6 +98,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise PlannerConfigError(f"pool {self.name}: seasonal_periods must be >= 2 (or unset)")
         if self.profile_speedup <= 0:
             raise PlannerConfigError(f"pool {self.name}: profile_speedup must be > 0")
+        if self.standing_headroom is not None and not 0 <= self.standing_headroom <= 1:
+            raise PlannerConfigError(f"pool {self.name}: standing_headroom must be in [0, 1] (None: the "
+                                     "planner's)")
         if self.fed_by is not None and (role is not WorkerRole.DECODE or self.fed_by == self.name):
             raise PlannerConfigError(f"pool {self.name}: fed_by is for decode pools, naming the prefill pool "
                                      "whose requests continue in them")

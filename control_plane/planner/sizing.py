@@ -271,7 +271,7 @@ def _size(ps: PoolState, pc: PoolConfig, cfg: PlannerConfig, prof: PerformancePr
         inputs.update(safety_stock=round(safety, 4), predicted_rate=round(rate, 4))
     need_f, rel_f, parts = _need(rate, isl, osl, hit, n_short, isl_cv, osl_cv, pc, cfg, prof, ps, role, inputs,
                                  backlog)
-    standing = cfg.standing_headroom
+    standing = cfg.standing_headroom if pc.standing_headroom is None else pc.standing_headroom
     if standing > room and need_f * pc.gpus_per_replica + others_gpus >= cfg.standing_headroom_from * cfg.gpu_budget:
         # near the budget: a standing headroom (a ramp caught late cannot be caught up with)
         room = standing

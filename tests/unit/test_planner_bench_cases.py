@@ -9,7 +9,10 @@ import pytest
 
 from benchmarks.planner_bench import (
     PEAK_FILL,
+    SCORE_SHAPES,
     TUNE_GRID,
+    TUNE_SHAPES,
+    base_shape,
     burst_shape,
     family_peak_rate,
     fast_kwargs,
@@ -29,6 +32,16 @@ def test_burst_shape_is_issue_35s_trace_shape():
     assert [s.rate(t) for t in (0, 119, 150, 180, 239, 270, 300, 359)] == [1.0, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 1.0]
     # the causal bound's surprise: nothing before the ramp's start tells the load from a steady one
     assert s.surprise_s == 120.0 and s.rate(119.9) == s.rate(0.0)
+
+
+def test_the_tune_only_burst_ramps_in_40_s_and_keeps_the_peak_s_end():
+    """burst_ramp40: the same calm, peak and ramp down; the ramp up 40 s (a window or two longer
+    than a 30 s start-up), the peak held 80 s. Tuned on, not scored by default."""
+    s = base_shape("burst_ramp40")
+    assert s.name == "burst_ramp40" and s.duration_s == 360.0 and s.surprise_s == 120.0
+    assert [s.rate(t) for t in (0, 119, 140, 160, 239, 270, 300)] == pytest.approx([1 / 3, 1 / 3, 2 / 3, 1, 1, 2 / 3, 1 / 3])
+    assert base_shape("burst").rate(150) == burst_shape(1.0).rate(150)
+    assert "burst_ramp40" in TUNE_SHAPES and "burst_ramp40" not in SCORE_SHAPES
 
 
 def test_family_peak_rate_needs_the_stated_share_of_the_budget():

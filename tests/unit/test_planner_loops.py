@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from control_plane.planner import PlannerState, decide
+from control_plane.planner.errors import PlannerConfigError
 from control_plane.planner.load_view import NS, LoadSnapshot, PoolLoad, PoolWorker, ReplicaCounts
 from control_plane.planner.policy import PoolState
 from tests.support.planner import WINDOW_S, make_config, make_pool, make_window
@@ -323,6 +324,25 @@ def test_a_standing_headroom_from_zero_stands_at_any_load():
 
     assert tick() == ()
     assert tick(standing_headroom_from=0.0) == ((3, 4, 1),)
+
+
+def test_a_pool_s_own_standing_headroom_overrides_the_planner_s():
+    """The same 100 req/s x 200 tokens as above (2.35 replicas; 3.53 at the planner's standing
+    0.5 from 0, so 3 -> 4): a pool whose own standing headroom is 0.1 needs 2.35 x 1.1 = 2.59, so
+    3 hold; one whose own is 0.8 needs 4.24, so 3 -> 5. None: the planner's. Out of [0, 1]:
+    refused."""
+    def tick(own):
+        cfg = make_config(make_pool(standing_headroom=own), standing_headroom=0.5, standing_headroom_from=0.0)
+        state = PlannerState(pools=(PoolState(pool="p", target=3),))
+        window = make_window(20, arrivals=1000, isl_mean=200.0)
+        d, _ = decide(21 * NS, _snap(21, _pool("p", "prefill", [window], ready=3)), cfg, state)
+        return tuple((e.from_replicas, e.to_replicas) for e in d.effects)
+
+    assert tick(None) == ((3, 4),)
+    assert tick(0.1) == ()
+    assert tick(0.8) == ((3, 5),)
+    with pytest.raises(PlannerConfigError, match="standing_headroom must be in"):
+        make_pool(standing_headroom=1.5)
 
 
 def test_the_safety_stock_is_the_work_one_start_up_brings_beyond_the_forecast():
